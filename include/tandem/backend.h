@@ -1,0 +1,136 @@
+/*
+ * tandem backend: the compute interface the engine drives, one op at a time.
+ *
+ * The engine owns the architecture (the order of ops for llama / qwen2 / qwen3); a backend owns
+ * how each op runs. Ops are fused where that saves a pass over memory (residual add + RMSNorm,
+ * RoPE + KV append). Every op reads and writes backend memory: host memory for the CPU
+ * backend, device memory for CUDA. Activations are fp32, row-major [n_tokens][dim].
+ *
+ * Determinism (contract): for every op, the value computed for one token row depends only on
+ * that row's inputs (and, for attention, its own sequence's KV), never on how many other rows
+ * or sequences share the call. Reductions run in a fixed order per row. This is what makes a
+ * greedy request produce the same tokens alone or in a batch of 64. One exception: an F32
+ * weight multiplied by more than one row goes to OpenBLAS sgemm, whose blocking depends on the
+ * row count; `batch_invariant` in tdm_backend_cpu_opts sends those to our own kernel instead.
+ *
+ * Threading: a backend instance is driven by one thread (the engine's compute thread). The CPU
+ * backend fans each op out over its own thread pool.
+ */
+#ifndef TANDEM_BACKEND_H
+#define TANDEM_BACKEND_H
+
+#include <stdatomic.h>
+
+#include "tandem/core.h"
+#include "tandem/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdm_backend tdm_backend_t;
+
+/* One step's batch, flattened to tokens. Built by the engine; all arrays in host memory. */
+struct tdm_step {
+    int n_tokens;
+    int n_seqs;
+    const int32_t *tokens;          /* [n_tokens] */
+    const int32_t *positions;       /* [n_tokens] absolute position of each token */
+    const int32_t *slots;           /* [n_tokens] KV slot: page_id * page_size + offset */
+    const int32_t *token_seq;       /* [n_tokens] index of the token's sequence */
+    const int32_t *seq_token_start; /* [n_seqs + 1] the tokens of seq s: [start[s], start[s+1]) */
+    const int32_t *seq_kv_len;      /* [n_seqs] KV positions valid after this step's append */
+    const int32_t *seq_page_start;  /* [n_seqs + 1] offsets into page_ids */
+    const int32_t *page_ids;        /* concatenated page tables: seq s, logical page j */
+    int page_size;
+};
+
+/* A token at position p attends to KV positions [0, p] of its own sequence (causal). */
+
+/* One layer of the paged KV pool (kv.h), HND: [n_pages][2][n_kv_heads][page_size][head_dim]
+ * fp32, K then V. */
+struct tdm_kv_layer {
+    float *base;
+    int n_kv_heads;
+    int head_dim;
+    int page_size;
+    int64_t n_pages;
+};
+
+struct tdm_rope {
+    int head_dim;
+    bool neox;             /* see tdm_model_config.rope_neox */
+    const float *inv_freq; /* [head_dim / 2], scaling already applied; host memory */
+};
+
+struct tdm_backend_i {
+    const char *name;
+    void (*destroy)(tdm_backend_t *b);
+    /* memory that ops read and write */
+    void *(*buf_alloc)(tdm_backend_t *b, size_t bytes); /* NULL on failure */
+    void (*buf_free)(tdm_backend_t *b, void *p);
+    void (*upload)(tdm_backend_t *b, void *dst, const void *src, size_t bytes);
+    void (*download)(tdm_backend_t *b, void *dst, const void *src, size_t bytes);
+    /* Makes a host weight usable by this backend (CPU: the same pointer; CUDA: converted and
+     * uploaded). The backend owns what it creates and frees it in destroy. */
+    tdm_status (*weight_prepare)(tdm_backend_t *b, const struct tdm_weight *host,
+                                 struct tdm_weight *out);
+
+    /* out[i] = emb[tokens[i]] as fp32. out: [n][emb.cols] */
+    void (*embed)(tdm_backend_t *b, const struct tdm_weight *emb, const int32_t *tokens, int n,
+                  float *out);
+    /* out = x / rms(x) * w, per row. x, out: [n][dim]; w: [dim] */
+    void (*rmsnorm)(tdm_backend_t *b, const float *x, const float *w, float eps, int n, int dim,
+                    float *out);
+    /* residual += x; out = rmsnorm(residual) * w. */
+    void (*add_rmsnorm)(tdm_backend_t *b, float *residual, const float *x, const float *w,
+                        float eps, int n, int dim, float *out);
+    /* out[i][r] = sum_c x[i][c] * W[r][c] (+ bias[r]). x: [n][w.cols]; out: [n][w.rows];
+     * bias: [w.rows] or NULL. */
+    void (*matmul)(tdm_backend_t *b, const struct tdm_weight *w, const float *x, int n,
+                   const float *bias, float *out);
+    /* In place RMSNorm of each head_dim-long row. x: [n_rows][head_dim]; w: [head_dim] */
+    void (*head_rmsnorm)(tdm_backend_t *b, float *x, const float *w, float eps, int n_rows,
+                         int head_dim);
+    /* Rotates q [n_tokens][n_heads][hd] in place, rotates k [n_tokens][n_kv_heads][hd] and
+     * writes k and v [n_tokens][n_kv_heads][hd] into kv at each token's slot. */
+    void (*rope_kv_append)(tdm_backend_t *b, float *q, const float *k, const float *v, int n_heads,
+                           const struct tdm_step *st, const struct tdm_rope *rope,
+                           const struct tdm_kv_layer *kv);
+    /* Causal GQA attention over the paged KV. q: [n_tokens][n_heads][hd];
+     * out: [n_tokens][n_heads][hd]. */
+    void (*attention)(tdm_backend_t *b, const float *q, int n_heads, const struct tdm_step *st,
+                      const struct tdm_kv_layer *kv, float scale, float *out);
+    /* out = silu(gate) * up. gate, up, out: [n][dim]; out may be gate. */
+    void (*silu_mul)(tdm_backend_t *b, const float *gate, const float *up, int n, int dim,
+                     float *out);
+    /* x += y, n elements */
+    void (*add)(tdm_backend_t *b, float *x, const float *y, size_t n);
+    /* out[i] = x[rows[i]], copying rows of dim floats */
+    void (*gather_rows)(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
+                        float *out);
+    /* Publishes "layer `layer` has finished its attention output projection" (DESIGN.md
+     * §1.1): stores layer + 1 into *counter once the work before it has completed. */
+    void (*layer_done)(tdm_backend_t *b, int layer, _Atomic int32_t *counter);
+    /* Waits for all submitted work. */
+    void (*sync)(tdm_backend_t *b);
+};
+
+struct tdm_backend {
+    const struct tdm_backend_i *iface;
+    void *impl;
+};
+
+struct tdm_backend_cpu_opts {
+    int n_threads;        /* <= 0: one per online core */
+    bool batch_invariant; /* never use OpenBLAS (see the determinism contract above) */
+};
+tdm_status tdm_backend_cpu_create(const struct tdm_backend_cpu_opts *opts, tdm_backend_t **out);
+void tdm_backend_destroy(tdm_backend_t *b); /* NULL is a no-op */
+/* Which CPU kernels were chosen at run time: "avx512bf16", "avx512", "avx2" or "portable". */
+const char *tdm_backend_cpu_isa(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TANDEM_BACKEND_H */

@@ -1,0 +1,93 @@
+/*
+ * tandem engine: the forward pass of a decoder-only transformer over a backend, for batches of
+ * (sequence, token span) pairs reading and writing the paged KV cache.
+ *
+ * The batch interface (contract; the scheduler, chunked prefill, speculation and the
+ * disaggregated prefill node all call it):
+ *   - a batch is a list of sequences; each contributes a span of consecutive tokens starting at
+ *     absolute position pos0, and a page table covering positions [0, pos0 + n_tokens);
+ *   - KV for positions [0, pos0) must already be in those pages; the span's KV is appended;
+ *   - a sequence asks for logits (and hidden states) of its last n_logits tokens: 1 for a
+ *     prefill chunk that ends the prompt or a decode step, 0 for a middle prefill chunk, up to
+ *     n_tokens for speculative verification.
+ * Prefill chunks and decode steps of different sequences mix freely in one batch.
+ *
+ * Ownership: the engine borrows the model (which must outlive it) and owns its backend (unless
+ * one is passed in), its KV pool and all scratch, reserved at creation for the worst case
+ * (max_batch_tokens, max_logit_rows): the forward pass does not allocate.
+ *
+ * Threading: one thread drives an engine (forward calls are not concurrent). The KV pool may be
+ * used from other threads (it locks). The layer counter is written by the compute thread and
+ * read by anyone.
+ */
+#ifndef TANDEM_ENGINE_H
+#define TANDEM_ENGINE_H
+
+#include <stdatomic.h>
+
+#include "tandem/backend.h"
+#include "tandem/core.h"
+#include "tandem/kv.h"
+#include "tandem/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdm_engine tdm_engine_t;
+
+struct tdm_engine_opts {
+    int n_threads;        /* CPU threads; <= 0: one per core */
+    bool batch_invariant; /* see backend.h */
+    int page_size;        /* tokens per KV page; 0: 16 */
+    int64_t kv_pages;     /* 0: from kv_bytes */
+    size_t kv_bytes;      /* 0 (with kv_pages 0): room for max_seqs full contexts, capped */
+    int max_ctx;          /* 0: the model's context length */
+    int max_batch_tokens; /* tokens per forward call; 0: 512 */
+    int max_logit_rows;   /* logit rows per forward call; 0: max(max_seqs, 64) */
+    int max_seqs;         /* sequences per forward call; 0: 64 */
+    /* If set, the forward pass stores layer+1 after each layer's attention output projection
+     * (DESIGN.md §1.1), and 0 when a forward call begins. */
+    _Atomic int32_t *layer_counter;
+    tdm_backend_t *backend; /* NULL: the engine creates a CPU backend and owns it */
+};
+
+struct tdm_batch_seq {
+    const int32_t *tokens; /* [n_tokens] */
+    int n_tokens;
+    int pos0;             /* absolute position of tokens[0] */
+    const int32_t *pages; /* page table: page j holds positions [j*page_size, (j+1)*page_size) */
+    int n_pages;
+    int n_logits; /* logits for the last n_logits tokens of the span */
+};
+
+struct tdm_batch {
+    const struct tdm_batch_seq *seqs;
+    int n_seqs;
+};
+
+tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_engine_opts *opts,
+                             tdm_engine_t **out);
+void tdm_engine_destroy(tdm_engine_t *e);
+
+/* Runs one forward pass. logits: [sum n_logits][vocab] host memory, rows in batch order (NULL
+ * if no sequence asks for logits). hidden (may be NULL): [sum n_logits][d_model], the residual
+ * stream after the last layer (before the final norm). Invalid batches (a token outside the
+ * vocabulary, a page table too short, limits exceeded) return TDM_EINVAL / TDM_ERANGE before
+ * any KV is written. */
+tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, float *logits,
+                              float *hidden);
+
+const struct tdm_model *tdm_engine_model(const tdm_engine_t *e);
+tdm_kv_pool_t *tdm_engine_kv(tdm_engine_t *e);
+const struct tdm_engine_opts *tdm_engine_opts(const tdm_engine_t *e); /* with defaults filled */
+tdm_backend_t *tdm_engine_backend(tdm_engine_t *e);
+
+/* The RoPE inverse frequencies [head_dim/2] for a config (base theta, linear or llama3 scaling,
+ * or per-dimension factors from a GGUF rope_freqs tensor when not NULL). */
+void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_freqs, float *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TANDEM_ENGINE_H */

@@ -1,0 +1,92 @@
+/*
+ * tandem kv: the paged KV cache pool (DESIGN.md §3).
+ *
+ * Memory: one backend buffer per pool holding every layer's region,
+ *   [n_layers][n_pages][2][n_kv_heads][page_size][head_dim] fp32, HND, K then V.
+ * A page id names the same page in every layer, so a sequence has one page table for all layers.
+ * For a kv_head range, K and V of one page are each one contiguous run (a head slice is at most
+ * two transfers; a whole page of one layer is one).
+ *
+ * Page states and accounting:
+ *
+ *          alloc            retain_in_flight          release_in_flight (last hold)
+ *   FREE ---------> USED ------------------> IN_FLIGHT ---------------------------> USED
+ *    ^               |                          |
+ *    |  free (refs 0)|          free            | (owner freed while a transfer holds it:
+ *    +---------------+  <-----------------------+  freed when the last hold is released)
+ *
+ * A page carries an owner reference count (requests sharing it) and an in-flight hold count
+ * (transfers reading or writing it). It is FREE when both are zero, IN_FLIGHT when any transfer
+ * holds it, USED otherwise. tdm_kv_stats counts pages per state; tests check that the pool
+ * returns to its baseline after every request, whether it ended, was cancelled or failed.
+ *
+ * Threading: all pool functions take the pool's mutex; the scheduler and messenger threads may
+ * call them concurrently. Layer base pointers are fixed for the pool's lifetime.
+ */
+#ifndef TANDEM_KV_H
+#define TANDEM_KV_H
+
+#include "tandem/backend.h"
+#include "tandem/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdm_kv_pool tdm_kv_pool_t;
+
+struct tdm_kv_config {
+    int n_layers;
+    int n_kv_heads;
+    int head_dim;
+    int page_size; /* tokens per page */
+    int64_t n_pages;
+};
+
+struct tdm_kv_stats {
+    int64_t total;
+    int64_t free;
+    int64_t used;
+    int64_t in_flight;
+};
+
+/* Allocates the pool's memory through `backend` (which must outlive the pool). */
+tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *backend,
+                              tdm_kv_pool_t **out);
+void tdm_kv_pool_destroy(tdm_kv_pool_t *pool);
+
+/* Bytes of one page in one layer. */
+size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg);
+/* Pages that fit in `bytes` of KV memory. */
+int64_t tdm_kv_pages_for_bytes(const struct tdm_kv_config *cfg, size_t bytes);
+const struct tdm_kv_config *tdm_kv_pool_config(const tdm_kv_pool_t *pool);
+/* The layer view the backend ops take. */
+struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer);
+
+/* Allocates n pages, all or nothing: TDM_ENOMEM (and no change) if fewer are free. Each page
+ * starts with one owner reference. ids: [n], written only on success. */
+tdm_status tdm_kv_pool_alloc(tdm_kv_pool_t *pool, int n, int32_t *ids);
+/* Drops one owner reference from each page. */
+void tdm_kv_pool_free(tdm_kv_pool_t *pool, int n, const int32_t *ids);
+/* Adds one owner reference to each page (a shared prefix). */
+void tdm_kv_pool_retain(tdm_kv_pool_t *pool, int n, const int32_t *ids);
+/* Transfer holds: a page with holds is IN_FLIGHT and is not freed until they are released. */
+void tdm_kv_pool_hold(tdm_kv_pool_t *pool, int n, const int32_t *ids);
+void tdm_kv_pool_unhold(tdm_kv_pool_t *pool, int n, const int32_t *ids);
+struct tdm_kv_stats tdm_kv_pool_stats(tdm_kv_pool_t *pool);
+
+/* A sequence's page table: the pages holding positions [0, n_tokens). Grows a page at a time. */
+struct tdm_kv_seq {
+    int32_t *pages; /* [cap_pages] */
+    int n_pages;
+    int cap_pages;
+};
+/* Makes the table cover `n_tokens` positions, allocating pages as needed (all or nothing). */
+tdm_status tdm_kv_seq_reserve(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64_t n_tokens);
+/* Returns every page to the pool and frees the table. Safe on a zeroed seq. */
+void tdm_kv_seq_release(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TANDEM_KV_H */

@@ -1,0 +1,240 @@
+/*
+ * tandem model: file formats (GGUF, safetensors), dequantisation, model configuration and the
+ * weight set that the engine runs.
+ *
+ * Ownership: a tdm_gguf_t or tdm_st_t owns its memory maps; every pointer it hands out
+ * (tensor data, strings, arrays) lives until it is closed. A tdm_model owns its source file
+ * handle and any buffers created at load (dequantised or converted weights); weight data
+ * pointers live until tdm_model_free.
+ *
+ * Validation: every byte read from a file is checked (offsets, sizes, counts, string lengths,
+ * overflow in shape products) before use. Bad bytes give TDM_EFORMAT and a message through
+ * tdm_err_set(), never a crash.
+ *
+ * Threading: loading is single-threaded; a loaded tdm_model and tdm_gguf_t are read-only and
+ * may be shared between threads.
+ */
+#ifndef TANDEM_MODEL_H
+#define TANDEM_MODEL_H
+
+#include "tandem/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- element types: values are GGML's type ids, as stored in GGUF ---- */
+enum tdm_dtype {
+    TDM_DTYPE_F32 = 0,
+    TDM_DTYPE_F16 = 1,
+    TDM_DTYPE_Q4_0 = 2,
+    TDM_DTYPE_Q4_1 = 3,
+    TDM_DTYPE_Q5_0 = 6,
+    TDM_DTYPE_Q5_1 = 7,
+    TDM_DTYPE_Q8_0 = 8,
+    TDM_DTYPE_Q8_1 = 9,
+    TDM_DTYPE_Q2_K = 10,
+    TDM_DTYPE_Q3_K = 11,
+    TDM_DTYPE_Q4_K = 12,
+    TDM_DTYPE_Q5_K = 13,
+    TDM_DTYPE_Q6_K = 14,
+    TDM_DTYPE_Q8_K = 15,
+    TDM_DTYPE_BF16 = 30,
+    TDM_DTYPE_COUNT = 40,
+};
+
+/* Block geometry: elements per block and bytes per block. 0 for an unknown type. */
+int64_t tdm_dtype_block_elems(enum tdm_dtype t);
+size_t tdm_dtype_block_bytes(enum tdm_dtype t);
+const char *tdm_dtype_name(enum tdm_dtype t); /* "q4_1", ... or "unknown" */
+bool tdm_dtype_known(int t);
+/* Bytes of a row of n elements; 0 when n is not a multiple of the block size. */
+size_t tdm_dtype_row_bytes(enum tdm_dtype t, int64_t n);
+/* Dequantises n elements (a multiple of the block size) to f32. TDM_EUNSUPPORTED for types
+ * without a dequantiser. Supported: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K. */
+tdm_status tdm_dequantize(enum tdm_dtype t, const void *src, float *dst, int64_t n);
+
+/* A tensor as stored in a file. ne[0] is the fastest-moving (contiguous) dimension, as in GGUF;
+ * for a matrix of `rows` outputs and `cols` inputs, ne[0] = cols and ne[1] = rows. Tensors
+ * from safetensors are reported the same way (their shape reversed). */
+struct tdm_tensor_info {
+    const char *name;
+    enum tdm_dtype dtype;
+    int n_dims;
+    int64_t ne[4]; /* unused dims are 1 */
+    const void *data;
+    size_t nbytes;
+};
+
+/* ---- GGUF (v2 and v3), memory-mapped ---- */
+typedef struct tdm_gguf tdm_gguf_t;
+
+enum tdm_gguf_type {
+    TDM_GGUF_U8 = 0,
+    TDM_GGUF_I8 = 1,
+    TDM_GGUF_U16 = 2,
+    TDM_GGUF_I16 = 3,
+    TDM_GGUF_U32 = 4,
+    TDM_GGUF_I32 = 5,
+    TDM_GGUF_F32 = 6,
+    TDM_GGUF_BOOL = 7,
+    TDM_GGUF_STRING = 8,
+    TDM_GGUF_ARRAY = 9,
+    TDM_GGUF_U64 = 10,
+    TDM_GGUF_I64 = 11,
+    TDM_GGUF_F64 = 12,
+};
+
+/* A string inside the mapped file: NOT NUL-terminated. */
+struct tdm_str {
+    const char *ptr;
+    size_t len;
+};
+
+tdm_status tdm_gguf_open(const char *path, tdm_gguf_t **out);
+/* Parses an in-memory image (the fuzz target uses this). `data` must outlive the handle. */
+tdm_status tdm_gguf_open_memory(const void *data, size_t size, tdm_gguf_t **out);
+void tdm_gguf_close(tdm_gguf_t *g);
+uint32_t tdm_gguf_version(const tdm_gguf_t *g);
+
+int64_t tdm_gguf_n_kv(const tdm_gguf_t *g);
+struct tdm_str tdm_gguf_kv_key(const tdm_gguf_t *g, int64_t i);
+enum tdm_gguf_type tdm_gguf_kv_type(const tdm_gguf_t *g, int64_t i);
+/* Index of a key, or -1. */
+int64_t tdm_gguf_find(const tdm_gguf_t *g, const char *key);
+/* Typed scalar getters. TDM_ENOTFOUND if absent; TDM_EFORMAT if the stored type does not
+ * convert losslessly (any integer type converts to another if the value fits; f32/f64 to
+ * float). */
+tdm_status tdm_gguf_get_i64(const tdm_gguf_t *g, const char *key, int64_t *out);
+tdm_status tdm_gguf_get_f32(const tdm_gguf_t *g, const char *key, float *out);
+tdm_status tdm_gguf_get_bool(const tdm_gguf_t *g, const char *key, bool *out);
+tdm_status tdm_gguf_get_str(const tdm_gguf_t *g, const char *key, struct tdm_str *out);
+/* Arrays: element type and count. For numeric arrays `data` points at the packed little-endian
+ * elements in the map; for string arrays use tdm_gguf_get_arr_str. */
+tdm_status tdm_gguf_get_arr(const tdm_gguf_t *g, const char *key, enum tdm_gguf_type *elem_type,
+                            int64_t *n, const void **data);
+tdm_status tdm_gguf_get_arr_str(const tdm_gguf_t *g, const char *key, int64_t i,
+                                struct tdm_str *out);
+
+int64_t tdm_gguf_n_tensors(const tdm_gguf_t *g);
+const struct tdm_tensor_info *tdm_gguf_tensor(const tdm_gguf_t *g, int64_t i);
+const struct tdm_tensor_info *tdm_gguf_find_tensor(const tdm_gguf_t *g, const char *name);
+
+/* ---- safetensors: one file, or a folder with model.safetensors(.index.json) ---- */
+typedef struct tdm_st tdm_st_t;
+/* `path` is a .safetensors file or a folder holding model.safetensors or a sharded
+ * model.safetensors.index.json. Supported dtypes: F32, F16, BF16 (others: TDM_EUNSUPPORTED
+ * when that tensor is looked up, so a checkpoint can carry extra tensors we never read). */
+tdm_status tdm_st_open(const char *path, tdm_st_t **out);
+tdm_status tdm_st_open_memory(const void *data, size_t size, tdm_st_t **out); /* one file */
+void tdm_st_close(tdm_st_t *st);
+int64_t tdm_st_n_tensors(const tdm_st_t *st);
+const struct tdm_tensor_info *tdm_st_tensor(const tdm_st_t *st, int64_t i);
+const struct tdm_tensor_info *tdm_st_find_tensor(const tdm_st_t *st, const char *name);
+
+/* ---- model configuration ---- */
+enum tdm_arch { TDM_ARCH_LLAMA = 0, TDM_ARCH_QWEN2, TDM_ARCH_QWEN3 };
+enum tdm_rope_scaling { TDM_ROPE_SCALING_NONE = 0, TDM_ROPE_SCALING_LINEAR, TDM_ROPE_SCALING_LLAMA3 };
+
+#define TDM_MAX_EOS 8
+
+struct tdm_model_config {
+    enum tdm_arch arch;
+    int n_layers;
+    int d_model;
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;   /* explicit (qwen3) or d_model / n_heads */
+    int d_ff;
+    int vocab_size;
+    int max_ctx;    /* context length the model was trained for */
+    float rms_eps;
+    float rope_theta;
+    /* true: rotate pairs (i, i + head_dim/2) (HF rotate_half, "NEOX"); false: rotate adjacent
+     * pairs (2i, 2i+1), as llama.cpp's GGUF llama files expect after their Q/K permutation. */
+    bool rope_neox;
+    enum tdm_rope_scaling rope_scaling;
+    float rope_factor;           /* linear and llama3 */
+    float rope_low_freq_factor;  /* llama3 */
+    float rope_high_freq_factor; /* llama3 */
+    int rope_original_max_ctx;   /* llama3 */
+    bool tied_embeddings; /* lm_head is the token embedding */
+    bool qkv_bias;        /* qwen2 */
+    bool qk_norm;         /* qwen3 per-head RMSNorm on q and k */
+    int bos_id;           /* -1 if none */
+    int eos_ids[TDM_MAX_EOS];
+    int n_eos;
+    /* generation_config.json defaults (NaN / -1 when absent) */
+    float gen_temperature, gen_top_p;
+    int gen_top_k;
+};
+
+/* Reads the config of a GGUF model (general.architecture and <arch>.* keys). */
+tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cfg);
+/* Reads config.json (and generation_config.json if present) of a HF checkpoint folder.
+ * Accepts rope_theta at top level or in rope_parameters; llama3 and linear rope scaling. */
+tdm_status tdm_config_from_hf(const char *dir, struct tdm_model_config *cfg);
+const char *tdm_arch_name(enum tdm_arch a);
+
+/* ---- weights ----
+ * A matrix of `rows` outputs by `cols` inputs, row-major: row r is tdm_dtype_row_bytes(dtype,
+ * cols) bytes at data + r * row_bytes. dtype is one the CPU kernels run directly (F32, BF16,
+ * Q8_0, Q4_0, Q4_1); anything else was dequantised to F32 at load. Vectors (norms, biases)
+ * are always F32 with rows = 1. */
+struct tdm_weight {
+    enum tdm_dtype dtype;
+    int64_t rows;
+    int64_t cols;
+    size_t row_bytes;
+    const void *data;
+};
+
+struct tdm_layer_weights {
+    struct tdm_weight attn_norm; /* [d_model] */
+    struct tdm_weight wq;        /* [n_heads*head_dim][d_model] */
+    struct tdm_weight wk;        /* [n_kv_heads*head_dim][d_model] */
+    struct tdm_weight wv;        /* [n_kv_heads*head_dim][d_model] */
+    struct tdm_weight bq, bk, bv; /* qwen2 biases, data NULL otherwise */
+    struct tdm_weight q_norm, k_norm; /* qwen3 [head_dim], data NULL otherwise */
+    struct tdm_weight wo;        /* [d_model][n_heads*head_dim] */
+    struct tdm_weight ffn_norm;  /* [d_model] */
+    struct tdm_weight w_gate;    /* [d_ff][d_model] */
+    struct tdm_weight w_up;      /* [d_ff][d_model] */
+    struct tdm_weight w_down;    /* [d_model][d_ff] */
+};
+
+struct tdm_model {
+    struct tdm_model_config cfg;
+    struct tdm_weight tok_embd;    /* [vocab][d_model] */
+    struct tdm_weight output_norm; /* [d_model] */
+    struct tdm_weight output;      /* [vocab][d_model]; same data as tok_embd when tied */
+    struct tdm_layer_weights *layers; /* [n_layers] */
+    const float *rope_freqs;       /* GGUF rope_freqs.weight [head_dim/2] factors, or NULL */
+    char *path;                    /* what was loaded */
+    bool is_gguf;
+    tdm_gguf_t *gguf;              /* the GGUF source, or NULL */
+    tdm_st_t *st;                  /* the safetensors source, or NULL */
+    char *chat_template;           /* from GGUF metadata or tokenizer_config.json; may be NULL */
+    void **owned;                  /* buffers made at load (dequantised weights) */
+    int n_owned, cap_owned;
+    uint64_t n_params;
+    uint64_t weight_bytes;         /* bytes of all weights as held in memory */
+};
+
+typedef void (*tdm_progress_fn)(void *ctx, double fraction);
+
+/* Loads a .gguf file or a HF checkpoint folder. `progress` (may be NULL) is called as tensors
+ * are prepared. On success the caller owns *out and frees it with tdm_model_free. */
+tdm_status tdm_model_load(const char *path, tdm_progress_fn progress, void *progress_ctx,
+                          struct tdm_model **out);
+void tdm_model_free(struct tdm_model *m);
+
+/* Default model: $TANDEM_MODEL if set, else
+ * ${XDG_CACHE_HOME:-$HOME/.cache}/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf.
+ * Writes the path into buf; false if it does not fit. */
+bool tdm_default_model_path(char *buf, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TANDEM_MODEL_H */

@@ -1,0 +1,262 @@
+/*
+ * The CPU backend: its vtable, creation, instruction-set dispatch, memory, and the small ops
+ * that need no kernel of their own (layer_done, sync).
+ *
+ * Memory is host memory: buf_alloc is a 64-byte aligned allocation, upload and download are
+ * memcpy, and weight_prepare hands back the same pointer (the kernels read GGUF blocks in
+ * place). Every op runs to completion before it returns, so sync has nothing to wait for and
+ * layer_done can publish its counter at once.
+ *
+ * ISA dispatch: at create time the instance picks the best kernel table the CPU supports
+ * (__builtin_cpu_supports), lowered by $TANDEM_CPU_ISA=portable|avx2|avx512 when set. A
+ * request above what the machine supports falls back to the best supported level with a
+ * warning. No kernel uses AVX512_BF16: its dot product takes bf16 activations, which would
+ * quantise them, so "avx512bf16" is never reported.
+ *
+ * OpenBLAS: F32 weights times several rows go to cblas_sgemm, split over our own pool by
+ * weight rows; OpenBLAS's own threads are therefore turned off (openblas_set_num_threads(1),
+ * a process-wide setting) so the two pools do not fight over the cores.
+ *
+ * Threading: one thread drives an instance; ops fan out over the instance's tdm_pool.
+ */
+#include "backend/cpu/cpu_int.h"
+
+#include <cblas.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+/* Below this many element-operations an op runs on the calling thread alone. */
+#define SMALL_WORK 16384
+
+/* Tile shapes: decode streams 4 weight rows per tile (four independent FMA chains); prefill
+ * uses 2 weight rows x 4 activation rows, 8 accumulators that fit the 16 AVX2 registers next to
+ * the dequantised weights. The AVX-512 level reuses the AVX2 attention step: attention is
+ * bound by reading K and V, not by vector width. */
+static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT] = {
+    [TDM_CPU_ISA_PORTABLE] =
+        {
+            .isa = TDM_CPU_ISA_PORTABLE,
+            .name = "portable",
+            .tile = tdm_cpu_tiles_portable,
+            .decode_r = 2,
+            .prefill_r = 1,
+            .prefill_c = 4,
+            .attn_step = tdm_cpu_attn_step_portable,
+        },
+    [TDM_CPU_ISA_AVX2] =
+        {
+            .isa = TDM_CPU_ISA_AVX2,
+            .name = "avx2",
+            .tile = tdm_cpu_tiles_avx2,
+            .decode_r = 4,
+            .prefill_r = 2,
+            .prefill_c = 4,
+            .attn_step = tdm_cpu_attn_step_avx2,
+        },
+    [TDM_CPU_ISA_AVX512] =
+        {
+            .isa = TDM_CPU_ISA_AVX512,
+            .name = "avx512",
+            .tile = tdm_cpu_tiles_avx512,
+            .decode_r = 4,
+            .prefill_r = 2,
+            .prefill_c = 4,
+            .attn_step = tdm_cpu_attn_step_avx2,
+        },
+};
+
+enum tdm_cpu_isa tdm_cpu_isa_detect(void)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512dq");
+    if (avx512) return TDM_CPU_ISA_AVX512;
+    if (avx2) return TDM_CPU_ISA_AVX2;
+#endif
+    return TDM_CPU_ISA_PORTABLE;
+}
+
+const char *tdm_cpu_isa_name(enum tdm_cpu_isa isa)
+{
+    switch (isa) {
+    case TDM_CPU_ISA_PORTABLE:
+        return "portable";
+    case TDM_CPU_ISA_AVX2:
+        return "avx2";
+    case TDM_CPU_ISA_AVX512:
+        return "avx512";
+    default:
+        return "unknown";
+    }
+}
+
+/* The detected level lowered by $TANDEM_CPU_ISA. */
+static enum tdm_cpu_isa isa_from_env(bool warn)
+{
+    const enum tdm_cpu_isa best = tdm_cpu_isa_detect();
+    const char *env = getenv("TANDEM_CPU_ISA");
+    if (!env || !*env) return best;
+    for (int i = 0; i < TDM_CPU_ISA_COUNT; i++) {
+        if (strcasecmp(env, tdm_cpu_isa_name((enum tdm_cpu_isa)i)) != 0) continue;
+        if (i > (int)best) {
+            if (warn)
+                TDM_WARN("TANDEM_CPU_ISA=%s is not supported by this CPU; using %s", env,
+                         tdm_cpu_isa_name(best));
+            return best;
+        }
+        return (enum tdm_cpu_isa)i;
+    }
+    if (warn)
+        TDM_WARN("TANDEM_CPU_ISA=%s is not one of portable, avx2, avx512; using %s", env,
+                 tdm_cpu_isa_name(best));
+    return best;
+}
+
+const char *tdm_backend_cpu_isa(void)
+{
+    return tdm_cpu_isa_name(isa_from_env(false));
+}
+
+int tdm_cpu_wtype_of(enum tdm_dtype t)
+{
+    switch (t) {
+    case TDM_DTYPE_F32:
+        return TDM_CPU_W_F32;
+    case TDM_DTYPE_BF16:
+        return TDM_CPU_W_BF16;
+    case TDM_DTYPE_Q8_0:
+        return TDM_CPU_W_Q8_0;
+    case TDM_DTYPE_Q4_0:
+        return TDM_CPU_W_Q4_0;
+    case TDM_DTYPE_Q4_1:
+        return TDM_CPU_W_Q4_1;
+    default:
+        return -1;
+    }
+}
+
+void tdm_cpu_run(struct tdm_cpu *cpu, int64_t work, tdm_pool_fn fn, void *ctx)
+{
+    if (work < SMALL_WORK || cpu->n_threads == 1)
+        fn(ctx, 0, 1);
+    else
+        tdm_pool_run(cpu->pool, fn, ctx);
+}
+
+/* ---- memory ---- */
+
+static void *cpu_buf_alloc(tdm_backend_t *b, size_t bytes)
+{
+    return tdm_alloc_aligned(bytes);
+}
+
+static void cpu_buf_free(tdm_backend_t *b, void *p)
+{
+    tdm_free_aligned(p);
+}
+
+static void cpu_copy(tdm_backend_t *b, void *dst, const void *src, size_t bytes)
+{
+    if (bytes) memcpy(dst, src, bytes);
+}
+
+static tdm_status cpu_weight_prepare(tdm_backend_t *b, const struct tdm_weight *host,
+                                     struct tdm_weight *out)
+{
+    if (tdm_cpu_wtype_of(host->dtype) < 0)
+        return tdm_err_set(TDM_EUNSUPPORTED, "cpu backend: no kernels for weight type %s",
+                           tdm_dtype_name(host->dtype));
+    if (host->rows < 1 || host->cols < 1 || !host->data)
+        return tdm_err_set(TDM_EINVAL, "cpu backend: empty weight (%lld x %lld)",
+                           (long long)host->rows, (long long)host->cols);
+    if (host->cols > INT32_MAX || host->rows > INT32_MAX)
+        return tdm_err_set(TDM_ERANGE, "cpu backend: weight %lld x %lld too large",
+                           (long long)host->rows, (long long)host->cols);
+    const size_t rb = tdm_dtype_row_bytes(host->dtype, host->cols);
+    if (rb == 0 || host->row_bytes != rb)
+        return tdm_err_set(TDM_EINVAL, "cpu backend: %s weight with %lld columns has row_bytes %zu",
+                           tdm_dtype_name(host->dtype), (long long)host->cols, host->row_bytes);
+    *out = *host;
+    return TDM_OK;
+}
+
+/* ---- ordering ops ---- */
+
+static void cpu_layer_done(tdm_backend_t *b, int layer, _Atomic int32_t *counter)
+{
+    /* Every op has joined its pool workers before returning (their last act is a seq_cst
+     * decrement that the caller observed), so a release store orders all of their writes
+     * before the counter for any acquiring reader. */
+    atomic_store_explicit(counter, layer + 1, memory_order_release);
+}
+
+static void cpu_sync(tdm_backend_t *b) {}
+
+static void cpu_destroy(tdm_backend_t *b)
+{
+    struct tdm_cpu *cpu = tdm_cpu_of(b);
+    tdm_pool_destroy(cpu->pool);
+    free(cpu);
+}
+
+static const struct tdm_backend_i CPU_IFACE = {
+    .name = "cpu",
+    .destroy = cpu_destroy,
+    .buf_alloc = cpu_buf_alloc,
+    .buf_free = cpu_buf_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .weight_prepare = cpu_weight_prepare,
+    .embed = tdm_cpu_embed,
+    .rmsnorm = tdm_cpu_rmsnorm,
+    .add_rmsnorm = tdm_cpu_add_rmsnorm,
+    .matmul = tdm_cpu_matmul,
+    .head_rmsnorm = tdm_cpu_head_rmsnorm,
+    .rope_kv_append = tdm_cpu_rope_kv_append,
+    .attention = tdm_cpu_attention,
+    .silu_mul = tdm_cpu_silu_mul,
+    .add = tdm_cpu_add,
+    .gather_rows = tdm_cpu_gather_rows,
+    .layer_done = cpu_layer_done,
+    .sync = cpu_sync,
+};
+
+tdm_status tdm_backend_cpu_create_isa(const struct tdm_backend_cpu_opts *opts, enum tdm_cpu_isa isa,
+                                      tdm_backend_t **out)
+{
+    if ((int)isa < 0 || isa >= TDM_CPU_ISA_COUNT)
+        return tdm_err_set(TDM_EINVAL, "cpu backend: bad ISA level %d", (int)isa);
+    if (isa > tdm_cpu_isa_detect())
+        return tdm_err_set(TDM_EUNSUPPORTED, "cpu backend: this CPU lacks %s",
+                           tdm_cpu_isa_name(isa));
+    struct tdm_cpu *cpu = calloc(1, sizeof *cpu);
+    if (!cpu) return tdm_err_set(TDM_ENOMEM, "cpu backend: out of memory");
+    tdm_status st = tdm_pool_create(opts ? opts->n_threads : 0, &cpu->pool);
+    if (st != TDM_OK) goto out_free_cpu;
+    cpu->n_threads = tdm_pool_size(cpu->pool);
+    cpu->batch_invariant = opts ? opts->batch_invariant : false;
+    cpu->k = &KERNELS[isa];
+    cpu->base.iface = &CPU_IFACE;
+    cpu->base.impl = cpu;
+    openblas_set_num_threads(1);
+    *out = &cpu->base;
+    return TDM_OK;
+out_free_cpu:
+    free(cpu);
+    return st;
+}
+
+tdm_status tdm_backend_cpu_create(const struct tdm_backend_cpu_opts *opts, tdm_backend_t **out)
+{
+    const enum tdm_cpu_isa isa = isa_from_env(true);
+    tdm_status st = tdm_backend_cpu_create_isa(opts, isa, out);
+    if (st == TDM_OK)
+        TDM_DEBUG("cpu backend: %s kernels, %d threads", tdm_cpu_isa_name(isa),
+                  tdm_cpu_of(*out)->n_threads);
+    return st;
+}

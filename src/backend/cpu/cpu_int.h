@@ -1,0 +1,178 @@
+/*
+ * Private declarations of the CPU backend: the instance struct, the instruction-set levels and
+ * the per-ISA kernel tables that the op files dispatch through.
+ *
+ * Shape: every op is a plain C function in its op-family file (norm.c, rope.c, attention.c,
+ * matmul.c, ...). Only the matmul inner loops differ per ISA; they live in matmul_portable
+ * (inside matmul.c), matmul_avx2.c and matmul_avx512.c, which the build compiles with the
+ * matching -m flags. Which table an instance uses is fixed at create time, so one process may
+ * hold a portable and an AVX2 backend side by side (the tests do).
+ *
+ * Matmul tiles: a tile computes R consecutive weight rows against C activation rows
+ * (1 <= R, C <= TDM_CPU_TILE_MAX). Within one ISA, every tile shape performs, for each
+ * (weight row, activation row) pair, the very same sequence of floating-point operations; the
+ * shape only changes how many pairs share one pass over the weight bytes. That is what makes
+ * out[i][r] independent of the batch size and of how rows are split over threads.
+ *
+ * Threading: an instance is driven by one thread; ops fan out over `pool`. Kernel tables are
+ * immutable.
+ */
+#ifndef TANDEM_BACKEND_CPU_INT_H
+#define TANDEM_BACKEND_CPU_INT_H
+
+#include "tandem/backend.h"
+
+/* Largest head_dim the attention and RoPE kernels accept (stack scratch is sized by it). */
+#define TDM_CPU_MAX_HEAD_DIM 512
+/* Largest tile side of the matmul kernels. */
+#define TDM_CPU_TILE_MAX 4
+
+enum tdm_cpu_isa {
+    TDM_CPU_ISA_PORTABLE = 0,
+    TDM_CPU_ISA_AVX2,   /* AVX2 + FMA + F16C */
+    TDM_CPU_ISA_AVX512, /* AVX-512 F/BW/VL/DQ + the AVX2 set */
+    TDM_CPU_ISA_COUNT,
+};
+
+/* Weight dtypes the kernels run directly, as a dense index. */
+enum tdm_cpu_wtype {
+    TDM_CPU_W_F32 = 0,
+    TDM_CPU_W_BF16,
+    TDM_CPU_W_Q8_0,
+    TDM_CPU_W_Q4_0,
+    TDM_CPU_W_Q4_1,
+    TDM_CPU_W_COUNT,
+};
+
+/* One tile: out[c * ldo + i] = sum_k x[c * ldx + k] * W[i][k] (+ bias[i]) for i < R, c < C.
+ * w points at the tile's first weight row, out at out[first act][first row], bias at
+ * bias[first row] or NULL. */
+struct tdm_cpu_tile {
+    const uint8_t *w;
+    size_t row_bytes;
+    int64_t cols;
+    const float *x;
+    int64_t ldx;
+    float *out;
+    int64_t ldo;
+    const float *bias;
+};
+typedef void (*tdm_cpu_tile_fn)(const struct tdm_cpu_tile *t);
+
+typedef tdm_cpu_tile_fn tdm_cpu_tile_table[TDM_CPU_W_COUNT][TDM_CPU_TILE_MAX][TDM_CPU_TILE_MAX];
+/* [wtype][R - 1][C - 1], one per ISA file */
+extern const tdm_cpu_tile_table tdm_cpu_tiles_portable;
+extern const tdm_cpu_tile_table tdm_cpu_tiles_avx2;
+extern const tdm_cpu_tile_table tdm_cpu_tiles_avx512;
+
+/* Attention: one online-softmax step of `gs` query heads of one KV group over `cn` consecutive
+ * KV positions (attention.c explains the scheme). The step raises the running max m to the
+ * chunk's max (rescaling sum and acc by exp(m_old - m_new) when it moves), then adds the
+ * chunk's weights exp(score - m) to sum and weight * V to acc, positions in order. */
+#define TDM_CPU_ATTN_CHUNK 32 /* positions per step */
+#define TDM_CPU_ATTN_GROUP 8  /* query heads per step */
+struct tdm_cpu_attn_step {
+    const float *q; /* [gs][hd] */
+    int gs, hd, cn;
+    const float *const *k; /* [cn] K rows of hd floats */
+    const float *const *v; /* [cn] V rows */
+    float scale;
+    float *m;   /* [gs] running max (-inf before the first step) */
+    float *sum; /* [gs] running sum of weights */
+    float *acc; /* [gs][TDM_CPU_MAX_HEAD_DIM] running weighted sum of V */
+};
+typedef void (*tdm_cpu_attn_fn)(const struct tdm_cpu_attn_step *s);
+void tdm_cpu_attn_step_portable(const struct tdm_cpu_attn_step *s);
+void tdm_cpu_attn_step_avx2(const struct tdm_cpu_attn_step *s); /* AVX2 + FMA CPUs only */
+
+struct tdm_cpu_kernels {
+    enum tdm_cpu_isa isa;
+    const char *name;
+    const tdm_cpu_tile_fn (*tile)[TDM_CPU_TILE_MAX][TDM_CPU_TILE_MAX]; /* a tdm_cpu_tiles_* */
+    int decode_r;  /* weight rows per tile when n == 1 */
+    int prefill_r; /* tile shape when n > 1 */
+    int prefill_c;
+    tdm_cpu_attn_fn attn_step;
+};
+
+struct tdm_cpu {
+    struct tdm_backend base; /* base.impl points back here */
+    tdm_pool_t *pool;
+    int n_threads;
+    bool batch_invariant;
+    const struct tdm_cpu_kernels *k;
+};
+
+static inline struct tdm_cpu *tdm_cpu_of(tdm_backend_t *b)
+{
+    return (struct tdm_cpu *)b->impl;
+}
+
+/* Best level this machine supports (ignores $TANDEM_CPU_ISA). */
+enum tdm_cpu_isa tdm_cpu_isa_detect(void);
+const char *tdm_cpu_isa_name(enum tdm_cpu_isa isa);
+/* Creates a backend on an explicit level; TDM_EUNSUPPORTED if this machine lacks it. For tests
+ * that run every level in one process. */
+tdm_status tdm_backend_cpu_create_isa(const struct tdm_backend_cpu_opts *opts, enum tdm_cpu_isa isa,
+                                      tdm_backend_t **out);
+/* The wtype index of a dtype, or -1 if the kernels do not run it. */
+int tdm_cpu_wtype_of(enum tdm_dtype t);
+
+/* Runs fn over the pool unless the job is small (`work` in rough element-operations), in
+ * which case the calling thread does all of it as ith 0 of 1. Results never depend on the
+ * choice: every op splits by output element. */
+void tdm_cpu_run(struct tdm_cpu *cpu, int64_t work, tdm_pool_fn fn, void *ctx);
+
+/* ---- ops (one file per family) ---- */
+void tdm_cpu_embed(tdm_backend_t *b, const struct tdm_weight *emb, const int32_t *tokens, int n,
+                   float *out);
+void tdm_cpu_rmsnorm(tdm_backend_t *b, const float *x, const float *w, float eps, int n, int dim,
+                     float *out);
+void tdm_cpu_add_rmsnorm(tdm_backend_t *b, float *residual, const float *x, const float *w,
+                         float eps, int n, int dim, float *out);
+void tdm_cpu_head_rmsnorm(tdm_backend_t *b, float *x, const float *w, float eps, int n_rows,
+                          int head_dim);
+void tdm_cpu_matmul(tdm_backend_t *b, const struct tdm_weight *w, const float *x, int n,
+                    const float *bias, float *out);
+void tdm_cpu_rope_kv_append(tdm_backend_t *b, float *q, const float *k, const float *v, int n_heads,
+                            const struct tdm_step *st, const struct tdm_rope *rope,
+                            const struct tdm_kv_layer *kv);
+void tdm_cpu_attention(tdm_backend_t *b, const float *q, int n_heads, const struct tdm_step *st,
+                       const struct tdm_kv_layer *kv, float scale, float *out);
+void tdm_cpu_silu_mul(tdm_backend_t *b, const float *gate, const float *up, int n, int dim,
+                      float *out);
+void tdm_cpu_add(tdm_backend_t *b, float *x, const float *y, size_t n);
+void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
+                         float *out);
+
+/* Tile tables: each ISA file defines `static void tile_<W>_<R>_<C>(const struct tdm_cpu_tile *)`
+ * for every wtype W and 1 <= R, C <= 4 with TDM_CPU_DEF_TILES(W, body) (body is a call of an
+ * always-inline kernel taking the compile-time R and C), then fills its table with
+ * TDM_CPU_TILE_TABLE(W). */
+#define TDM_CPU_DEF_TILE_(W, R, C, KERNEL)                                                         \
+    static void tile_##W##_##R##_##C(const struct tdm_cpu_tile *t)                                 \
+    {                                                                                              \
+        KERNEL(t, TDM_CPU_W_##W, R, C);                                                            \
+    }
+#define TDM_CPU_DEF_TILE_ROW_(W, R, KERNEL)                                                        \
+    TDM_CPU_DEF_TILE_(W, R, 1, KERNEL)                                                             \
+    TDM_CPU_DEF_TILE_(W, R, 2, KERNEL)                                                             \
+    TDM_CPU_DEF_TILE_(W, R, 3, KERNEL)                                                             \
+    TDM_CPU_DEF_TILE_(W, R, 4, KERNEL)
+#define TDM_CPU_DEF_TILES(W, KERNEL)                                                               \
+    TDM_CPU_DEF_TILE_ROW_(W, 1, KERNEL)                                                            \
+    TDM_CPU_DEF_TILE_ROW_(W, 2, KERNEL)                                                            \
+    TDM_CPU_DEF_TILE_ROW_(W, 3, KERNEL)                                                            \
+    TDM_CPU_DEF_TILE_ROW_(W, 4, KERNEL)
+#define TDM_CPU_TILE_ROW_(W, R)                                                                    \
+    {                                                                                              \
+        tile_##W##_##R##_1, tile_##W##_##R##_2, tile_##W##_##R##_3, tile_##W##_##R##_4             \
+    }
+#define TDM_CPU_TILE_TABLE(W)                                                                      \
+    [TDM_CPU_W_##W] = {TDM_CPU_TILE_ROW_(W, 1), TDM_CPU_TILE_ROW_(W, 2), TDM_CPU_TILE_ROW_(W, 3),  \
+                       TDM_CPU_TILE_ROW_(W, 4)}
+
+/* Dequantises row `row` of a weight into dst[cols] (the dtypes of tdm_cpu_wtype_of). */
+void tdm_cpu_weight_row(const struct tdm_weight *w, int64_t row, float *dst);
+
+#endif /* TANDEM_BACKEND_CPU_INT_H */

@@ -1,0 +1,71 @@
+/*
+ * Row ops: embed (token rows of the embedding table, dequantised to fp32) and gather_rows
+ * (copies selected activation rows, e.g. the last token of each sequence before the LM head).
+ *
+ * Embedding rows are dequantised with tdm_cpu_weight_row (matmul.c), which yields the same
+ * floats as the reference dequantiser. Token ids and row indices are the engine's to validate
+ * (it checks prompts against the vocabulary); here an out-of-range index is a programmer error
+ * and trips TDM_ASSERT rather than reading outside the table.
+ *
+ * Threading: output rows are split over the pool; each row is independent. gather_rows's out
+ * must not overlap x.
+ */
+#include "backend/cpu/cpu_int.h"
+
+#include <string.h>
+
+struct embed_job {
+    const struct tdm_weight *emb;
+    const int32_t *tokens;
+    int n;
+    float *out;
+};
+
+static void embed_worker(void *ctx, int ith, int nth)
+{
+    const struct embed_job *job = ctx;
+    int64_t i0, i1;
+    tdm_split_range(job->n, ith, nth, 1, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++) {
+        const int32_t tok = job->tokens[i];
+        TDM_ASSERT(tok >= 0 && tok < job->emb->rows);
+        tdm_cpu_weight_row(job->emb, tok, job->out + (size_t)i * (size_t)job->emb->cols);
+    }
+}
+
+void tdm_cpu_embed(tdm_backend_t *b, const struct tdm_weight *emb, const int32_t *tokens, int n,
+                   float *out)
+{
+    TDM_ASSERT(tdm_cpu_wtype_of(emb->dtype) >= 0);
+    if (n <= 0) return;
+    struct embed_job job = {.emb = emb, .tokens = tokens, .n = n, .out = out};
+    tdm_cpu_run(tdm_cpu_of(b), (int64_t)n * emb->cols * 4, embed_worker, &job);
+}
+
+struct gather_job {
+    const float *x;
+    const int32_t *rows;
+    int n, dim;
+    float *out;
+};
+
+static void gather_worker(void *ctx, int ith, int nth)
+{
+    const struct gather_job *job = ctx;
+    int64_t i0, i1;
+    tdm_split_range(job->n, ith, nth, 1, &i0, &i1);
+    const size_t row_bytes = (size_t)job->dim * sizeof(float);
+    for (int64_t i = i0; i < i1; i++) {
+        TDM_ASSERT(job->rows[i] >= 0);
+        memcpy(job->out + (size_t)i * job->dim, job->x + (size_t)job->rows[i] * job->dim,
+               row_bytes);
+    }
+}
+
+void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
+                         float *out)
+{
+    if (n <= 0 || dim <= 0) return;
+    struct gather_job job = {.x = x, .rows = rows, .n = n, .dim = dim, .out = out};
+    tdm_cpu_run(tdm_cpu_of(b), (int64_t)n * dim, gather_worker, &job);
+}

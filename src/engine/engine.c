@@ -1,0 +1,426 @@
+/*
+ * The engine: validates a batch, flattens it into a tdm_step (tokens, positions, KV slots, page
+ * tables), and runs the architecture's op sequence on the backend.
+ *
+ * One layer (llama, qwen2, qwen3; qwen2 adds q/k/v biases, qwen3 a per-head RMSNorm of q and k):
+ *
+ *   h = rmsnorm(x, attn_norm)                      (fused into the previous layer's last add)
+ *   q, k, v = h Wq (+bq), h Wk (+bk), h Wv (+bv)
+ *   q, k = head_rmsnorm(q), head_rmsnorm(k)        (qwen3)
+ *   rope(q, k); append k, v to the paged KV cache at each token's slot
+ *   a = attention(q, KV) ; o = a Wo               -> layer counter = layer + 1
+ *   x += o ; h = rmsnorm(x, ffn_norm)
+ *   x += (silu(h Wgate) * (h Wup)) Wdown ; h = rmsnorm(x, next layer's attn_norm or output_norm)
+ *
+ * Logits are computed only for the rows that asked for them (gathered after the final norm).
+ *
+ * Memory: activation scratch is reserved at creation for max_batch_tokens rows in backend
+ * memory; per-step metadata comes from a host arena reset every call. Nothing is allocated on
+ * the forward path.
+ *
+ * Threading: one thread calls tdm_engine_forward at a time.
+ */
+#include "tandem/engine.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DEFAULT_PAGE_SIZE        16
+#define DEFAULT_MAX_BATCH_TOKENS 512
+#define DEFAULT_MAX_SEQS         64
+#define DEFAULT_KV_CAP_BYTES     ((size_t)4 << 30)
+
+struct tdm_engine {
+    const struct tdm_model *model;
+    struct tdm_engine_opts opts;
+    tdm_backend_t *backend;
+    bool owns_backend;
+    tdm_kv_pool_t *kv;
+    struct tdm_model_config cfg;
+    /* weights as the backend holds them */
+    struct tdm_weight tok_embd, output_norm, output;
+    struct tdm_layer_weights *layers; /* [n_layers] */
+    float *inv_freq;                  /* [head_dim/2], host */
+    /* activation scratch, backend memory */
+    float *x;               /* [max_tokens][d_model] residual stream */
+    float *h;               /* [max_tokens][d_model] normed input of the next matmul */
+    float *q;               /* [max_tokens][n_heads*head_dim] */
+    float *k;               /* [max_tokens][n_kv_heads*head_dim] */
+    float *v;               /* [max_tokens][n_kv_heads*head_dim] */
+    float *att;             /* [max_tokens][n_heads*head_dim] */
+    float *o;               /* [max_tokens][d_model] */
+    float *gate;            /* [max_tokens][d_ff] */
+    float *up;              /* [max_tokens][d_ff] */
+    float *rows;            /* [max_logit_rows][d_model] gathered final-normed rows */
+    float *logits;          /* [max_logit_rows][vocab] */
+    int32_t *dev_out_rows;  /* [max_logit_rows] host-side list handed to gather_rows */
+    struct tdm_arena arena; /* per-step metadata, host */
+};
+
+static void *balloc(tdm_engine_t *e, size_t bytes, tdm_status *st)
+{
+    if (*st != TDM_OK) return NULL;
+    void *p = e->backend->iface->buf_alloc(e->backend, bytes);
+    if (!p) *st = tdm_err_set(TDM_ENOMEM, "engine: cannot allocate %zu bytes of scratch", bytes);
+    return p;
+}
+
+void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_freqs, float *out)
+{
+    int half = cfg->head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        double f = 1.0 / pow((double)cfg->rope_theta, (double)(2 * i) / cfg->head_dim);
+        if (rope_freqs) {
+            f /= rope_freqs[i];
+        } else if (cfg->rope_scaling == TDM_ROPE_SCALING_LINEAR) {
+            f /= cfg->rope_factor;
+        } else if (cfg->rope_scaling == TDM_ROPE_SCALING_LLAMA3) {
+            /* Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+             * between interpolated smoothly. */
+            double old_ctx = cfg->rope_original_max_ctx;
+            double lo = cfg->rope_low_freq_factor, hi = cfg->rope_high_freq_factor;
+            double wavelen = 2.0 * M_PI / f;
+            if (wavelen > old_ctx / lo) {
+                f /= cfg->rope_factor;
+            } else if (wavelen >= old_ctx / hi) {
+                double smooth = (old_ctx / wavelen - lo) / (hi - lo);
+                f = (1.0 - smooth) * f / cfg->rope_factor + smooth * f;
+            }
+        }
+        out[i] = (float)f;
+    }
+}
+
+static tdm_status prep(tdm_engine_t *e, const struct tdm_weight *w, struct tdm_weight *out)
+{
+    if (!w->data) {
+        memset(out, 0, sizeof *out);
+        return TDM_OK;
+    }
+    return e->backend->iface->weight_prepare(e->backend, w, out);
+}
+
+static tdm_status prepare_weights(tdm_engine_t *e)
+{
+    const struct tdm_model *m = e->model;
+    tdm_status st;
+    if ((st = prep(e, &m->tok_embd, &e->tok_embd)) != TDM_OK) return st;
+    if ((st = prep(e, &m->output_norm, &e->output_norm)) != TDM_OK) return st;
+    if ((st = prep(e, &m->output, &e->output)) != TDM_OK) return st;
+    for (int l = 0; l < e->cfg.n_layers; l++) {
+        const struct tdm_layer_weights *src = &m->layers[l];
+        struct tdm_layer_weights *dst = &e->layers[l];
+        const struct tdm_weight *s[] = {&src->attn_norm, &src->wq,    &src->wk,       &src->wv,
+                                        &src->bq,        &src->bk,    &src->bv,       &src->q_norm,
+                                        &src->k_norm,    &src->wo,    &src->ffn_norm, &src->w_gate,
+                                        &src->w_up,      &src->w_down};
+        struct tdm_weight *d[] = {&dst->attn_norm, &dst->wq,    &dst->wk,       &dst->wv,
+                                  &dst->bq,        &dst->bk,    &dst->bv,       &dst->q_norm,
+                                  &dst->k_norm,    &dst->wo,    &dst->ffn_norm, &dst->w_gate,
+                                  &dst->w_up,      &dst->w_down};
+        for (size_t i = 0; i < TDM_ARRAY_LEN(s); i++)
+            if ((st = prep(e, s[i], d[i])) != TDM_OK) return st;
+    }
+    return TDM_OK;
+}
+
+static void fill_defaults(const struct tdm_model_config *cfg, struct tdm_engine_opts *o)
+{
+    if (o->page_size <= 0) o->page_size = DEFAULT_PAGE_SIZE;
+    if (o->max_ctx <= 0) o->max_ctx = cfg->max_ctx > 0 ? cfg->max_ctx : 4096;
+    if (o->max_batch_tokens <= 0) o->max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS;
+    if (o->max_seqs <= 0) o->max_seqs = DEFAULT_MAX_SEQS;
+    if (o->max_logit_rows <= 0) o->max_logit_rows = TDM_MAX(o->max_seqs, 64);
+}
+
+tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_engine_opts *opts,
+                             tdm_engine_t **out)
+{
+    tdm_status st = TDM_OK;
+    struct tdm_engine *e = calloc(1, sizeof *e);
+    if (!e) return tdm_err_set(TDM_ENOMEM, "engine: out of memory");
+    e->model = model;
+    e->cfg = model->cfg;
+    e->opts = opts ? *opts : (struct tdm_engine_opts){0};
+    fill_defaults(&e->cfg, &e->opts);
+    const struct tdm_model_config *c = &e->cfg;
+    struct tdm_engine_opts *o = &e->opts;
+    if (o->page_size > 1024 || o->max_batch_tokens > (1 << 20) || o->max_seqs > (1 << 16) ||
+        o->max_logit_rows > (1 << 20)) {
+        st = tdm_err_set(TDM_ERANGE,
+                         "engine: page size, batch tokens, seqs or logit rows too large");
+        goto out_free;
+    }
+
+    if (o->backend) {
+        e->backend = o->backend;
+    } else {
+        struct tdm_backend_cpu_opts bo = {.n_threads = o->n_threads,
+                                          .batch_invariant = o->batch_invariant};
+        if ((st = tdm_backend_cpu_create(&bo, &e->backend)) != TDM_OK) goto out_free;
+        e->owns_backend = true;
+    }
+
+    e->layers = calloc((size_t)c->n_layers, sizeof *e->layers);
+    e->inv_freq = malloc((size_t)(c->head_dim / 2) * sizeof(float));
+    if (!e->layers || !e->inv_freq) {
+        st = tdm_err_set(TDM_ENOMEM, "engine: out of memory");
+        goto out_backend;
+    }
+    tdm_rope_inv_freq(c, model->rope_freqs, e->inv_freq);
+    if ((st = prepare_weights(e)) != TDM_OK) goto out_backend;
+
+    struct tdm_kv_config kc = {.n_layers = c->n_layers,
+                               .n_kv_heads = c->n_kv_heads,
+                               .head_dim = c->head_dim,
+                               .page_size = o->page_size,
+                               .n_pages = o->kv_pages};
+    if (kc.n_pages <= 0) {
+        size_t bytes = o->kv_bytes;
+        if (!bytes) {
+            size_t full = tdm_kv_page_bytes(&kc) * (size_t)c->n_layers *
+                          (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
+                          (size_t)o->max_seqs;
+            bytes = TDM_MIN(full, DEFAULT_KV_CAP_BYTES);
+        }
+        kc.n_pages = tdm_kv_pages_for_bytes(&kc, bytes);
+        if (kc.n_pages <= 0) {
+            st = tdm_err_set(TDM_EINVAL, "engine: %zu bytes of KV memory hold no page", bytes);
+            goto out_backend;
+        }
+    }
+    o->kv_pages = kc.n_pages;
+    if ((st = tdm_kv_pool_create(&kc, e->backend, &e->kv)) != TDM_OK) goto out_backend;
+
+    size_t T = (size_t)o->max_batch_tokens, R = (size_t)o->max_logit_rows, f = sizeof(float);
+    size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    e->x = balloc(e, T * c->d_model * f, &st);
+    e->h = balloc(e, T * c->d_model * f, &st);
+    e->q = balloc(e, T * qd * f, &st);
+    e->k = balloc(e, T * kvd * f, &st);
+    e->v = balloc(e, T * kvd * f, &st);
+    e->att = balloc(e, T * qd * f, &st);
+    e->o = balloc(e, T * c->d_model * f, &st);
+    e->gate = balloc(e, T * c->d_ff * f, &st);
+    e->up = balloc(e, T * c->d_ff * f, &st);
+    e->rows = balloc(e, R * c->d_model * f, &st);
+    e->logits = balloc(e, R * c->vocab_size * f, &st);
+    if (st != TDM_OK) goto out_scratch;
+    size_t meta = (T * 4 + (size_t)o->max_seqs * 4 + 8 + R) * sizeof(int32_t) +
+                  (size_t)o->max_seqs * (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
+                      sizeof(int32_t) +
+                  64 * 16;
+    if ((st = tdm_arena_init(&e->arena, meta)) != TDM_OK) goto out_scratch;
+    *out = e;
+    return TDM_OK;
+
+out_scratch:
+    tdm_kv_pool_destroy(e->kv);
+    {
+        void *bufs[] = {e->x, e->h,    e->q,  e->k,    e->v,     e->att,
+                        e->o, e->gate, e->up, e->rows, e->logits};
+        for (size_t i = 0; i < TDM_ARRAY_LEN(bufs); i++)
+            if (bufs[i]) e->backend->iface->buf_free(e->backend, bufs[i]);
+    }
+out_backend:
+    if (e->owns_backend) tdm_backend_destroy(e->backend);
+    free(e->layers);
+    free(e->inv_freq);
+out_free:
+    free(e);
+    return st;
+}
+
+void tdm_engine_destroy(tdm_engine_t *e)
+{
+    if (!e) return;
+    tdm_kv_pool_destroy(e->kv);
+    void *bufs[] = {e->x, e->h, e->q, e->k, e->v, e->att, e->o, e->gate, e->up, e->rows, e->logits};
+    for (size_t i = 0; i < TDM_ARRAY_LEN(bufs); i++)
+        e->backend->iface->buf_free(e->backend, bufs[i]);
+    if (e->owns_backend) tdm_backend_destroy(e->backend);
+    tdm_arena_free(&e->arena);
+    free(e->layers);
+    free(e->inv_freq);
+    free(e);
+}
+
+const struct tdm_model *tdm_engine_model(const tdm_engine_t *e)
+{
+    return e->model;
+}
+
+tdm_kv_pool_t *tdm_engine_kv(tdm_engine_t *e)
+{
+    return e->kv;
+}
+
+const struct tdm_engine_opts *tdm_engine_opts(const tdm_engine_t *e)
+{
+    return &e->opts;
+}
+
+tdm_backend_t *tdm_engine_backend(tdm_engine_t *e)
+{
+    return e->backend;
+}
+
+/* Validates the batch and flattens it into a step; fills out_rows with the token indices that
+ * want logits. Writes nothing to the KV cache. */
+static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct tdm_step *st,
+                             int32_t **out_rows, int *n_out)
+{
+    const struct tdm_engine_opts *o = &e->opts;
+    int ps = o->page_size;
+    int64_t n_tokens = 0, n_rows = 0, n_pages = 0;
+    if (b->n_seqs <= 0) return tdm_err_set(TDM_EINVAL, "batch: no sequences");
+    if (b->n_seqs > o->max_seqs)
+        return tdm_err_set(TDM_ERANGE, "batch: %d sequences, at most %d", b->n_seqs, o->max_seqs);
+    for (int s = 0; s < b->n_seqs; s++) {
+        const struct tdm_batch_seq *q = &b->seqs[s];
+        if (q->n_tokens <= 0 || q->pos0 < 0 || q->n_logits < 0 || q->n_logits > q->n_tokens)
+            return tdm_err_set(TDM_EINVAL, "batch: sequence %d has an empty span or bad counts", s);
+        int64_t end = (int64_t)q->pos0 + q->n_tokens;
+        if (end > o->max_ctx)
+            return tdm_err_set(TDM_ERANGE,
+                               "batch: sequence %d reaches position %lld, context is %d", s,
+                               (long long)end, o->max_ctx);
+        int64_t need = (end + ps - 1) / ps;
+        if (q->n_pages < need)
+            return tdm_err_set(TDM_EINVAL, "batch: sequence %d has %d pages, needs %lld", s,
+                               q->n_pages, (long long)need);
+        for (int64_t j = 0; j < need; j++)
+            if (q->pages[j] < 0 || q->pages[j] >= o->kv_pages)
+                return tdm_err_set(TDM_EINVAL,
+                                   "batch: sequence %d page %lld is %d, outside the pool", s,
+                                   (long long)j, q->pages[j]);
+        for (int i = 0; i < q->n_tokens; i++)
+            if (q->tokens[i] < 0 || q->tokens[i] >= e->cfg.vocab_size)
+                return tdm_err_set(TDM_EINVAL, "batch: token id %d outside the vocabulary (0..%d)",
+                                   q->tokens[i], e->cfg.vocab_size - 1);
+        n_tokens += q->n_tokens;
+        n_rows += q->n_logits;
+        n_pages += need;
+    }
+    if (n_tokens > o->max_batch_tokens)
+        return tdm_err_set(TDM_ERANGE, "batch: %lld tokens, at most %d", (long long)n_tokens,
+                           o->max_batch_tokens);
+    if (n_rows > o->max_logit_rows)
+        return tdm_err_set(TDM_ERANGE, "batch: %lld logit rows, at most %d", (long long)n_rows,
+                           o->max_logit_rows);
+
+    struct tdm_arena *a = &e->arena;
+    tdm_arena_reset(a);
+    int32_t *tokens = tdm_arena_alloc(a, n_tokens * sizeof(int32_t));
+    int32_t *positions = tdm_arena_alloc(a, n_tokens * sizeof(int32_t));
+    int32_t *slots = tdm_arena_alloc(a, n_tokens * sizeof(int32_t));
+    int32_t *token_seq = tdm_arena_alloc(a, n_tokens * sizeof(int32_t));
+    int32_t *seq_token_start = tdm_arena_alloc(a, (b->n_seqs + 1) * sizeof(int32_t));
+    int32_t *seq_kv_len = tdm_arena_alloc(a, b->n_seqs * sizeof(int32_t));
+    int32_t *seq_page_start = tdm_arena_alloc(a, (b->n_seqs + 1) * sizeof(int32_t));
+    int32_t *page_ids = tdm_arena_alloc(a, (n_pages ? n_pages : 1) * sizeof(int32_t));
+    int32_t *rows = tdm_arena_alloc(a, (n_rows ? n_rows : 1) * sizeof(int32_t));
+    if (!tokens || !positions || !slots || !token_seq || !seq_token_start || !seq_kv_len ||
+        !seq_page_start || !page_ids || !rows)
+        return tdm_err_set(TDM_ERANGE, "batch: metadata exceeds the reserved scratch (%s)",
+                           tdm_err_msg());
+
+    int t = 0, r = 0, pg = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const struct tdm_batch_seq *q = &b->seqs[s];
+        int end = q->pos0 + q->n_tokens;
+        int need = (end + ps - 1) / ps;
+        seq_token_start[s] = t;
+        seq_page_start[s] = pg;
+        seq_kv_len[s] = end;
+        memcpy(page_ids + pg, q->pages, (size_t)need * sizeof(int32_t));
+        pg += need;
+        for (int i = 0; i < q->n_tokens; i++, t++) {
+            int pos = q->pos0 + i;
+            tokens[t] = q->tokens[i];
+            positions[t] = pos;
+            slots[t] = q->pages[pos / ps] * ps + pos % ps;
+            token_seq[t] = s;
+            if (i >= q->n_tokens - q->n_logits) rows[r++] = t;
+        }
+    }
+    seq_token_start[b->n_seqs] = t;
+    seq_page_start[b->n_seqs] = pg;
+    *st = (struct tdm_step){
+        .n_tokens = (int)n_tokens,
+        .n_seqs = b->n_seqs,
+        .tokens = tokens,
+        .positions = positions,
+        .slots = slots,
+        .token_seq = token_seq,
+        .seq_token_start = seq_token_start,
+        .seq_kv_len = seq_kv_len,
+        .seq_page_start = seq_page_start,
+        .page_ids = page_ids,
+        .page_size = ps,
+    };
+    *out_rows = rows;
+    *n_out = (int)n_rows;
+    return TDM_OK;
+}
+
+tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, float *logits,
+                              float *hidden)
+{
+    struct tdm_step step;
+    int32_t *rows = NULL;
+    int n_rows = 0;
+    tdm_status st = build_step(e, batch, &step, &rows, &n_rows);
+    if (st != TDM_OK) return st;
+    if (n_rows > 0 && !logits && !hidden)
+        return tdm_err_set(TDM_EINVAL, "batch: logits requested but no output buffer");
+
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    const struct tdm_model_config *c = &e->cfg;
+    int T = step.n_tokens, d = c->d_model, hd = c->head_dim;
+    float scale = 1.0f / sqrtf((float)hd);
+    struct tdm_rope rope = {.head_dim = hd, .neox = c->rope_neox, .inv_freq = e->inv_freq};
+    _Atomic int32_t *counter = e->opts.layer_counter;
+    if (counter) atomic_store_explicit(counter, 0, memory_order_release);
+
+    ops->embed(b, &e->tok_embd, step.tokens, T, e->x);
+    ops->rmsnorm(b, e->x, e->layers[0].attn_norm.data, c->rms_eps, T, d, e->h);
+    for (int l = 0; l < c->n_layers; l++) {
+        const struct tdm_layer_weights *w = &e->layers[l];
+        struct tdm_kv_layer kv = tdm_kv_pool_layer(e->kv, l);
+        ops->matmul(b, &w->wq, e->h, T, w->bq.data, e->q);
+        ops->matmul(b, &w->wk, e->h, T, w->bk.data, e->k);
+        ops->matmul(b, &w->wv, e->h, T, w->bv.data, e->v);
+        if (c->qk_norm) {
+            ops->head_rmsnorm(b, e->q, w->q_norm.data, c->rms_eps, T * c->n_heads, hd);
+            ops->head_rmsnorm(b, e->k, w->k_norm.data, c->rms_eps, T * c->n_kv_heads, hd);
+        }
+        ops->rope_kv_append(b, e->q, e->k, e->v, c->n_heads, &step, &rope, &kv);
+        ops->attention(b, e->q, c->n_heads, &step, &kv, scale, e->att);
+        ops->matmul(b, &w->wo, e->att, T, NULL, e->o);
+        if (counter) ops->layer_done(b, l, counter);
+        ops->add_rmsnorm(b, e->x, e->o, w->ffn_norm.data, c->rms_eps, T, d, e->h);
+        ops->matmul(b, &w->w_gate, e->h, T, NULL, e->gate);
+        ops->matmul(b, &w->w_up, e->h, T, NULL, e->up);
+        ops->silu_mul(b, e->gate, e->up, T, c->d_ff, e->gate);
+        ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
+        const float *next_norm =
+            l + 1 < c->n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
+        ops->add_rmsnorm(b, e->x, e->o, next_norm, c->rms_eps, T, d, e->h);
+    }
+    if (n_rows > 0) {
+        if (hidden) {
+            ops->gather_rows(b, e->x, rows, n_rows, d, e->rows);
+            ops->download(b, hidden, e->rows, (size_t)n_rows * d * sizeof(float));
+        }
+        if (logits) {
+            ops->gather_rows(b, e->h, rows, n_rows, d, e->rows);
+            ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
+            ops->download(b, logits, e->logits, (size_t)n_rows * c->vocab_size * sizeof(float));
+        }
+    }
+    ops->sync(b);
+    return TDM_OK;
+}

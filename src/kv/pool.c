@@ -1,0 +1,240 @@
+/*
+ * The KV page pool: page ids, owner references, in-flight holds and per-state accounting.
+ * See include/tandem/kv.h for the state diagram. The free list is a stack of ids (LIFO keeps
+ * recently used pages warm in cache); all bookkeeping is under one mutex.
+ *
+ * Transitions and the functions that make them:
+ *   FREE -> USED              tdm_kv_pool_alloc
+ *   USED -> USED (refs+1)     tdm_kv_pool_retain
+ *   USED -> FREE              tdm_kv_pool_free (last owner reference, no holds)
+ *   USED -> IN_FLIGHT         tdm_kv_pool_hold (first hold)
+ *   IN_FLIGHT -> USED         tdm_kv_pool_unhold (last hold, owner references left)
+ *   IN_FLIGHT -> FREE         tdm_kv_pool_unhold (last hold, no owner references)
+ */
+#include "tandem/kv.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct tdm_kv_pool {
+    struct tdm_kv_config cfg;
+    tdm_backend_t *backend;
+    float *mem; /* [n_layers][n_pages][2][n_kv_heads][page_size][head_dim], backend memory */
+    size_t layer_floats; /* floats per layer region */
+    pthread_mutex_t mu;
+    int32_t *free_ids; /* [n_pages] stack */
+    int64_t n_free;
+    uint16_t *owner_refs; /* [n_pages] */
+    uint16_t *holds;      /* [n_pages] */
+    int64_t n_in_flight;
+};
+
+size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg)
+{
+    return (size_t)2 * cfg->n_kv_heads * cfg->page_size * cfg->head_dim * sizeof(float);
+}
+
+int64_t tdm_kv_pages_for_bytes(const struct tdm_kv_config *cfg, size_t bytes)
+{
+    size_t per_page = tdm_kv_page_bytes(cfg) * (size_t)cfg->n_layers;
+    return per_page ? (int64_t)(bytes / per_page) : 0;
+}
+
+tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *backend,
+                              tdm_kv_pool_t **out)
+{
+    if (cfg->n_layers <= 0 || cfg->n_kv_heads <= 0 || cfg->head_dim <= 0 || cfg->page_size <= 0 ||
+        cfg->n_pages <= 0)
+        return tdm_err_set(TDM_EINVAL, "kv pool: every dimension must be positive");
+    if (cfg->page_size > 1024)
+        return tdm_err_set(TDM_ERANGE, "kv pool: page size %d over 1024", cfg->page_size);
+    if (cfg->n_pages > INT32_MAX / cfg->page_size)
+        return tdm_err_set(TDM_ERANGE, "kv pool: %lld pages is too many", (long long)cfg->n_pages);
+    size_t page_floats = tdm_kv_page_bytes(cfg) / sizeof(float);
+    size_t layer_floats = page_floats * (size_t)cfg->n_pages;
+    size_t total_bytes = layer_floats * (size_t)cfg->n_layers * sizeof(float);
+    if (total_bytes / cfg->n_layers / sizeof(float) != layer_floats)
+        return tdm_err_set(TDM_ERANGE, "kv pool: size overflows");
+
+    struct tdm_kv_pool *p = calloc(1, sizeof *p);
+    if (!p) return tdm_err_set(TDM_ENOMEM, "kv pool: out of memory");
+    p->cfg = *cfg;
+    p->backend = backend;
+    p->layer_floats = layer_floats;
+    p->free_ids = malloc((size_t)cfg->n_pages * sizeof *p->free_ids);
+    p->owner_refs = calloc((size_t)cfg->n_pages, sizeof *p->owner_refs);
+    p->holds = calloc((size_t)cfg->n_pages, sizeof *p->holds);
+    if (!p->free_ids || !p->owner_refs || !p->holds) goto out_free;
+    p->mem = backend->iface->buf_alloc(backend, total_bytes);
+    if (!p->mem) {
+        tdm_err_set(TDM_ENOMEM, "kv pool: cannot allocate %zu bytes for %lld pages", total_bytes,
+                    (long long)cfg->n_pages);
+        goto out_free_nomsg;
+    }
+    for (int64_t i = 0; i < cfg->n_pages; i++)
+        p->free_ids[i] = (int32_t)(cfg->n_pages - 1 - i); /* page 0 is handed out first */
+    p->n_free = cfg->n_pages;
+    pthread_mutex_init(&p->mu, NULL);
+    *out = p;
+    return TDM_OK;
+out_free:
+    tdm_err_set(TDM_ENOMEM, "kv pool: out of memory");
+out_free_nomsg:
+    free(p->free_ids);
+    free(p->owner_refs);
+    free(p->holds);
+    free(p);
+    return TDM_ENOMEM;
+}
+
+void tdm_kv_pool_destroy(tdm_kv_pool_t *pool)
+{
+    if (!pool) return;
+    pool->backend->iface->buf_free(pool->backend, pool->mem);
+    pthread_mutex_destroy(&pool->mu);
+    free(pool->free_ids);
+    free(pool->owner_refs);
+    free(pool->holds);
+    free(pool);
+}
+
+const struct tdm_kv_config *tdm_kv_pool_config(const tdm_kv_pool_t *pool)
+{
+    return &pool->cfg;
+}
+
+struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer)
+{
+    TDM_ASSERT(layer >= 0 && layer < pool->cfg.n_layers);
+    return (struct tdm_kv_layer){
+        .base = pool->mem + (size_t)layer * pool->layer_floats,
+        .n_kv_heads = pool->cfg.n_kv_heads,
+        .head_dim = pool->cfg.head_dim,
+        .page_size = pool->cfg.page_size,
+        .n_pages = pool->cfg.n_pages,
+    };
+}
+
+static void check_id(const tdm_kv_pool_t *pool, int32_t id)
+{
+    TDM_ASSERT(id >= 0 && id < pool->cfg.n_pages);
+}
+
+tdm_status tdm_kv_pool_alloc(tdm_kv_pool_t *pool, int n, int32_t *ids)
+{
+    TDM_ASSERT(n >= 0);
+    pthread_mutex_lock(&pool->mu);
+    if (n > pool->n_free) {
+        int64_t n_free = pool->n_free;
+        pthread_mutex_unlock(&pool->mu);
+        return tdm_err_set(TDM_ENOMEM, "kv pool: %d pages wanted, %lld free", n, (long long)n_free);
+    }
+    for (int i = 0; i < n; i++) {
+        int32_t id = pool->free_ids[--pool->n_free];
+        TDM_ASSERT(pool->owner_refs[id] == 0 && pool->holds[id] == 0);
+        pool->owner_refs[id] = 1;
+        ids[i] = id;
+    }
+    pthread_mutex_unlock(&pool->mu);
+    return TDM_OK;
+}
+
+/* Called with the mutex held. */
+static void maybe_release(tdm_kv_pool_t *pool, int32_t id)
+{
+    if (pool->owner_refs[id] == 0 && pool->holds[id] == 0) pool->free_ids[pool->n_free++] = id;
+}
+
+void tdm_kv_pool_free(tdm_kv_pool_t *pool, int n, const int32_t *ids)
+{
+    pthread_mutex_lock(&pool->mu);
+    for (int i = 0; i < n; i++) {
+        check_id(pool, ids[i]);
+        TDM_ASSERT(pool->owner_refs[ids[i]] > 0);
+        pool->owner_refs[ids[i]]--;
+        maybe_release(pool, ids[i]);
+    }
+    pthread_mutex_unlock(&pool->mu);
+}
+
+void tdm_kv_pool_retain(tdm_kv_pool_t *pool, int n, const int32_t *ids)
+{
+    pthread_mutex_lock(&pool->mu);
+    for (int i = 0; i < n; i++) {
+        check_id(pool, ids[i]);
+        TDM_ASSERT(pool->owner_refs[ids[i]] > 0 && pool->owner_refs[ids[i]] < UINT16_MAX);
+        pool->owner_refs[ids[i]]++;
+    }
+    pthread_mutex_unlock(&pool->mu);
+}
+
+void tdm_kv_pool_hold(tdm_kv_pool_t *pool, int n, const int32_t *ids)
+{
+    pthread_mutex_lock(&pool->mu);
+    for (int i = 0; i < n; i++) {
+        check_id(pool, ids[i]);
+        TDM_ASSERT(pool->owner_refs[ids[i]] > 0 && pool->holds[ids[i]] < UINT16_MAX);
+        if (pool->holds[ids[i]]++ == 0) pool->n_in_flight++;
+    }
+    pthread_mutex_unlock(&pool->mu);
+}
+
+void tdm_kv_pool_unhold(tdm_kv_pool_t *pool, int n, const int32_t *ids)
+{
+    pthread_mutex_lock(&pool->mu);
+    for (int i = 0; i < n; i++) {
+        check_id(pool, ids[i]);
+        TDM_ASSERT(pool->holds[ids[i]] > 0);
+        if (--pool->holds[ids[i]] == 0) {
+            pool->n_in_flight--;
+            maybe_release(pool, ids[i]);
+        }
+    }
+    pthread_mutex_unlock(&pool->mu);
+}
+
+struct tdm_kv_stats tdm_kv_pool_stats(tdm_kv_pool_t *pool)
+{
+    pthread_mutex_lock(&pool->mu);
+    struct tdm_kv_stats s = {
+        .total = pool->cfg.n_pages,
+        .free = pool->n_free,
+        .in_flight = pool->n_in_flight,
+        .used = pool->cfg.n_pages - pool->n_free - pool->n_in_flight,
+    };
+    pthread_mutex_unlock(&pool->mu);
+    return s;
+}
+
+tdm_status tdm_kv_seq_reserve(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64_t n_tokens)
+{
+    int64_t ps = pool->cfg.page_size;
+    int64_t want = (n_tokens + ps - 1) / ps;
+    if (want > pool->cfg.n_pages)
+        return tdm_err_set(TDM_ENOMEM, "kv: %lld tokens need %lld pages, the pool has %lld",
+                           (long long)n_tokens, (long long)want, (long long)pool->cfg.n_pages);
+    if (want <= seq->n_pages) return TDM_OK;
+    if (want > seq->cap_pages) {
+        int cap = seq->cap_pages ? seq->cap_pages : 8;
+        while (cap < want)
+            cap *= 2;
+        int32_t *np = realloc(seq->pages, (size_t)cap * sizeof *np);
+        if (!np) return tdm_err_set(TDM_ENOMEM, "kv: page table out of memory");
+        seq->pages = np;
+        seq->cap_pages = cap;
+    }
+    int add = (int)(want - seq->n_pages);
+    tdm_status st = tdm_kv_pool_alloc(pool, add, seq->pages + seq->n_pages);
+    if (st != TDM_OK) return st;
+    seq->n_pages += add;
+    return TDM_OK;
+}
+
+void tdm_kv_seq_release(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq)
+{
+    if (!seq) return;
+    if (seq->n_pages) tdm_kv_pool_free(pool, seq->n_pages, seq->pages);
+    free(seq->pages);
+    memset(seq, 0, sizeof *seq);
+}

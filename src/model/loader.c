@@ -1,0 +1,435 @@
+/*
+ * Model loader: turns a GGUF file or a HF checkpoint folder (config.json + safetensors) into a
+ * struct tdm_model, the read-only weight set the engine runs.
+ *
+ * Weights stay in the memory-mapped file whenever the CPU kernels can run their dtype directly
+ * (F32, BF16, Q8_0, Q4_0, Q4_1): loading a quantised model then costs page-table setup, not a
+ * copy. Anything else (F16, Q5_*, K-quants) is dequantised to F32 once, at load, into 64-byte
+ * aligned buffers recorded in m->owned; so are vectors (norms, biases) not stored as F32, and
+ * the rare tensor whose file offset is not aligned for its element type. Two sources differ
+ * only in tensor names, which the name table below maps onto one set of fields.
+ *
+ * Every tensor is checked against the config before its pointer is kept: presence, shape
+ * (messages name the tensor and give expected and actual [rows, cols]), dtype, and that a
+ * matrix row is whole blocks. Checkpoint features we would silently mis-run (an attention
+ * output bias, biases the config does not announce) are refused.
+ *
+ * RoPE: GGUF llama3 files carry the scaling as rope_freqs.weight, per-frequency divisors of
+ * the rotation angle; m->rope_freqs points at it (cfg.rope_scaling is then NONE). HF
+ * checkpoints describe the scaling in cfg instead.
+ *
+ * Threading: loading is single-threaded; the resulting model is read-only and shareable.
+ */
+#include "model/model_int.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#ifndef TDM_DEFAULT_MODEL_FILE
+#define TDM_DEFAULT_MODEL_FILE "SmolLM2-135M-Instruct.Q4_1.gguf"
+#endif
+
+struct loader {
+    struct tdm_model *m;
+    char name[256]; /* the tensor being prepared, for messages */
+};
+
+static const struct tdm_tensor_info *find_tensor(struct loader *L, const char *name)
+{
+    if (L->m->gguf) return tdm_gguf_find_tensor(L->m->gguf, name);
+    return tdm_st_find_tensor(L->m->st, name);
+}
+
+/* Formats a tensor name into L->name from the GGUF or the HF pattern (one %d: the layer). */
+static const char *tname(struct loader *L, const char *gguf_fmt, const char *hf_fmt, int layer)
+{
+    snprintf(L->name, sizeof(L->name), L->m->is_gguf ? gguf_fmt : hf_fmt, layer);
+    return L->name;
+}
+
+static tdm_status own_alloc(struct tdm_model *m, size_t bytes, void **out)
+{
+    if (m->n_owned == m->cap_owned) {
+        int cap = m->cap_owned ? m->cap_owned * 2 : 64;
+        void **o = realloc(m->owned, sizeof(*o) * (size_t)cap);
+        if (!o) return tdm_err_set(TDM_ENOMEM, "model: out of memory");
+        m->owned = o;
+        m->cap_owned = cap;
+    }
+    void *p = tdm_alloc_aligned(bytes ? bytes : 1);
+    if (!p) return tdm_err_set(TDM_ENOMEM, "model: out of memory for %zu bytes", bytes);
+    m->owned[m->n_owned++] = p;
+    *out = p;
+    return TDM_OK;
+}
+
+/* Formats ne[] as [rows, cols] (slowest dimension first) for messages. */
+static void shape_str(const struct tdm_tensor_info *t, char *buf, size_t cap)
+{
+    size_t n = (size_t)snprintf(buf, cap, "[");
+    int dims = t->n_dims < 1 ? 1 : TDM_MIN(t->n_dims, 4);
+    for (int i = dims - 1; i >= 0 && n < cap; i--)
+        n += (size_t)snprintf(buf + n, cap - n, "%lld%s", (long long)t->ne[i], i ? ", " : "]");
+}
+
+static tdm_status check_dtype(struct loader *L, const struct tdm_tensor_info *t)
+{
+    if (L->m->st && t->dtype == TDM_DTYPE_ST_UNSUPPORTED)
+        return tdm_err_set(TDM_EUNSUPPORTED, "%s: dtype %s is not supported (F32, F16, BF16)",
+                           t->name, tdm_st_dtype_str(L->m->st, t));
+    if (!tdm_dtype_known((int)t->dtype) || tdm_dtype_block_elems(t->dtype) <= 0)
+        return tdm_err_set(TDM_EUNSUPPORTED, "%s: tensor type %d is not supported", t->name,
+                           (int)t->dtype);
+    return TDM_OK;
+}
+
+/* Looks up a tensor of `rows` x `cols` (a vector when rows == 1 and vector is set). */
+static tdm_status find_shaped(struct loader *L, const char *name, int64_t rows, int64_t cols,
+                              bool vector, const struct tdm_tensor_info **out)
+{
+    const struct tdm_tensor_info *t = find_tensor(L, name);
+    if (!t) return tdm_err_set(TDM_ENOTFOUND, "%s: tensor missing from %s", name, L->m->path);
+    bool ok = t->ne[0] == cols && t->ne[2] == 1 && t->ne[3] == 1 &&
+              (vector ? t->ne[1] == 1 && t->n_dims == 1 : t->ne[1] == rows && t->n_dims == 2);
+    if (!ok) {
+        char got[128];
+        shape_str(t, got, sizeof(got));
+        if (vector)
+            return tdm_err_set(TDM_EFORMAT, "%s: expected [%lld], got %s", name, (long long)cols,
+                               got);
+        return tdm_err_set(TDM_EFORMAT, "%s: expected [%lld, %lld], got %s", name, (long long)rows,
+                           (long long)cols, got);
+    }
+    tdm_status rc = check_dtype(L, t);
+    if (rc) return rc;
+    size_t row_bytes = tdm_dtype_row_bytes(t->dtype, cols);
+    if (row_bytes == 0)
+        return tdm_err_set(
+            TDM_EFORMAT, "%s: %lld columns are not a multiple of the %s block (%lld)", name,
+            (long long)cols, tdm_dtype_name(t->dtype), (long long)tdm_dtype_block_elems(t->dtype));
+    if (t->nbytes != row_bytes * (size_t)rows || !t->data)
+        return tdm_err_set(TDM_EFORMAT, "%s: %zu bytes stored, %zu expected", name, t->nbytes,
+                           row_bytes * (size_t)rows);
+    *out = t;
+    return TDM_OK;
+}
+
+static bool runs_directly(enum tdm_dtype d)
+{
+    return d == TDM_DTYPE_F32 || d == TDM_DTYPE_BF16 || d == TDM_DTYPE_Q8_0 ||
+           d == TDM_DTYPE_Q4_0 || d == TDM_DTYPE_Q4_1;
+}
+
+/* Produces a weight from a checked tensor: zero-copy when `keep` allows its dtype, else F32. */
+static tdm_status prepare(struct loader *L, const struct tdm_tensor_info *t, int64_t rows,
+                          int64_t cols, bool keep, struct tdm_weight *w)
+{
+    struct tdm_model *m = L->m;
+    size_t align = t->dtype == TDM_DTYPE_F32 ? 4 : 2;
+    size_t row_bytes = tdm_dtype_row_bytes(t->dtype, cols);
+    tdm_status rc;
+    if (keep && runs_directly(t->dtype)) {
+        const void *data = t->data;
+        if ((uintptr_t)data % align) { /* the kernels read whole elements: realign */
+            void *copy;
+            if ((rc = own_alloc(m, t->nbytes, &copy))) return rc;
+            memcpy(copy, t->data, t->nbytes);
+            data = copy;
+        }
+        *w = (struct tdm_weight){t->dtype, rows, cols, row_bytes, data};
+    } else {
+        void *buf;
+        if ((rc = own_alloc(m, (size_t)rows * (size_t)cols * sizeof(float), &buf))) return rc;
+        const uint8_t *src = t->data;
+        void *tmp = NULL;
+        if ((uintptr_t)src % align) {
+            if ((rc = own_alloc(m, t->nbytes, &tmp))) return rc;
+            memcpy(tmp, src, t->nbytes);
+            src = tmp;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            rc = tdm_dequantize(t->dtype, src + (size_t)r * row_bytes,
+                                (float *)buf + (size_t)r * (size_t)cols, cols);
+            if (rc)
+                return tdm_err_set(rc, "%s: cannot convert %s to f32: %s", t->name,
+                                   tdm_dtype_name(t->dtype), tdm_err_msg());
+        }
+        if (tmp) { /* the realigned copy is no longer needed */
+            tdm_free_aligned(tmp);
+            m->owned[--m->n_owned] = NULL;
+        }
+        *w = (struct tdm_weight){TDM_DTYPE_F32, rows, cols, cols * sizeof(float), buf};
+    }
+    m->n_params += (uint64_t)(rows * cols);
+    m->weight_bytes += (uint64_t)(w->row_bytes * (size_t)rows);
+    return TDM_OK;
+}
+
+static tdm_status load_matrix(struct loader *L, const char *name, int64_t rows, int64_t cols,
+                              struct tdm_weight *w)
+{
+    const struct tdm_tensor_info *t;
+    tdm_status rc = find_shaped(L, name, rows, cols, false, &t);
+    if (rc) return rc;
+    return prepare(L, t, rows, cols, true, w);
+}
+
+static tdm_status load_vector(struct loader *L, const char *name, int64_t n, struct tdm_weight *w)
+{
+    const struct tdm_tensor_info *t;
+    tdm_status rc = find_shaped(L, name, 1, n, true, &t);
+    if (rc) return rc;
+    return prepare(L, t, 1, n, t->dtype == TDM_DTYPE_F32, w);
+}
+
+static tdm_status load_layer(struct loader *L, int i)
+{
+    const struct tdm_model_config *c = &L->m->cfg;
+    struct tdm_layer_weights *lw = &L->m->layers[i];
+    int64_t d = c->d_model, q = (int64_t)c->n_heads * c->head_dim;
+    int64_t kv = (int64_t)c->n_kv_heads * c->head_dim, ff = c->d_ff;
+    tdm_status rc;
+    /* clang-format off */
+    if ((rc = load_vector(L, tname(L, "blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight", i), d, &lw->attn_norm)) ||
+        (rc = load_matrix(L, tname(L, "blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", i), q, d, &lw->wq)) ||
+        (rc = load_matrix(L, tname(L, "blk.%d.attn_k.weight", "model.layers.%d.self_attn.k_proj.weight", i), kv, d, &lw->wk)) ||
+        (rc = load_matrix(L, tname(L, "blk.%d.attn_v.weight", "model.layers.%d.self_attn.v_proj.weight", i), kv, d, &lw->wv)) ||
+        (rc = load_matrix(L, tname(L, "blk.%d.attn_output.weight", "model.layers.%d.self_attn.o_proj.weight", i), d, q, &lw->wo)) ||
+        (rc = load_vector(L, tname(L, "blk.%d.ffn_norm.weight", "model.layers.%d.post_attention_layernorm.weight", i), d, &lw->ffn_norm)) ||
+        (rc = load_matrix(L, tname(L, "blk.%d.ffn_gate.weight", "model.layers.%d.mlp.gate_proj.weight", i), ff, d, &lw->w_gate)) ||
+        (rc = load_matrix(L, tname(L, "blk.%d.ffn_up.weight", "model.layers.%d.mlp.up_proj.weight", i), ff, d, &lw->w_up)) ||
+        (rc = load_matrix(L, tname(L, "blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", i), d, ff, &lw->w_down)))
+        return rc;
+    /* clang-format on */
+    const char *bq = tname(L, "blk.%d.attn_q.bias", "model.layers.%d.self_attn.q_proj.bias", i);
+    if (c->qkv_bias) {
+        /* clang-format off */
+        if ((rc = load_vector(L, bq, q, &lw->bq)) ||
+            (rc = load_vector(L, tname(L, "blk.%d.attn_k.bias", "model.layers.%d.self_attn.k_proj.bias", i), kv, &lw->bk)) ||
+            (rc = load_vector(L, tname(L, "blk.%d.attn_v.bias", "model.layers.%d.self_attn.v_proj.bias", i), kv, &lw->bv)))
+            return rc;
+        /* clang-format on */
+    } else if (find_tensor(L, bq)) {
+        return tdm_err_set(TDM_EFORMAT, "%s: present, but the %s config has no q/k/v biases", bq,
+                           tdm_arch_name(c->arch));
+    }
+    if (c->qk_norm) {
+        /* clang-format off */
+        if ((rc = load_vector(L, tname(L, "blk.%d.attn_q_norm.weight", "model.layers.%d.self_attn.q_norm.weight", i), c->head_dim, &lw->q_norm)) ||
+            (rc = load_vector(L, tname(L, "blk.%d.attn_k_norm.weight", "model.layers.%d.self_attn.k_norm.weight", i), c->head_dim, &lw->k_norm)))
+            return rc;
+        /* clang-format on */
+    }
+    const char *bo =
+        tname(L, "blk.%d.attn_output.bias", "model.layers.%d.self_attn.o_proj.bias", i);
+    if (find_tensor(L, bo))
+        return tdm_err_set(TDM_EUNSUPPORTED, "%s: attention output biases are not supported", bo);
+    return TDM_OK;
+}
+
+static tdm_status load_globals(struct loader *L)
+{
+    struct tdm_model *m = L->m;
+    const struct tdm_model_config *c = &m->cfg;
+    int64_t d = c->d_model, vocab = c->vocab_size;
+    tdm_status rc;
+    if ((rc = load_matrix(L, tname(L, "token_embd.weight", "model.embed_tokens.weight", 0), vocab,
+                          d, &m->tok_embd)) ||
+        (rc = load_vector(L, tname(L, "output_norm.weight", "model.norm.weight", 0), d,
+                          &m->output_norm)))
+        return rc;
+    const char *out_name = tname(L, "output.weight", "lm_head.weight", 0);
+    bool have_output = find_tensor(L, out_name) != NULL;
+    if (m->is_gguf ? have_output : !c->tied_embeddings) {
+        if ((rc = load_matrix(L, out_name, vocab, d, &m->output))) return rc;
+        m->cfg.tied_embeddings = false;
+    } else {
+        m->output = m->tok_embd;
+        m->cfg.tied_embeddings = true;
+    }
+    if (m->is_gguf && find_tensor(L, "rope_freqs.weight")) {
+        const struct tdm_tensor_info *t;
+        struct tdm_weight w;
+        if ((rc = find_shaped(L, "rope_freqs.weight", 1, c->head_dim / 2, true, &t)) ||
+            (rc = prepare(L, t, 1, c->head_dim / 2, false, &w)))
+            return rc;
+        m->n_params -= (uint64_t)(c->head_dim / 2); /* a constant, not a parameter */
+        m->rope_freqs = w.data;
+    }
+    return TDM_OK;
+}
+
+/* ---- chat template ---- */
+
+static tdm_status copy_str(const char *s, size_t len, char **out)
+{
+    char *p = malloc(len + 1);
+    if (!p) return tdm_err_set(TDM_ENOMEM, "model: out of memory");
+    memcpy(p, s, len);
+    p[len] = 0;
+    *out = p;
+    return TDM_OK;
+}
+
+static bool is_file(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
+/* chat_template.jinja (newer transformers) wins over tokenizer_config.json's "chat_template",
+ * which is a string or a list of {name, template} (we take "default"). */
+static tdm_status hf_chat_template(const char *dir, char **out)
+{
+    char *path = NULL;
+    size_t len;
+    tdm_status rc = TDM_OK;
+    if (asprintf(&path, "%s/chat_template.jinja", dir) < 0)
+        return tdm_err_set(TDM_ENOMEM, "model: out of memory");
+    if (is_file(path)) {
+        rc = tdm_file_read(path, TDM_HF_MAX_TOKCONFIG_BYTES, out, &len);
+        free(path);
+        return rc;
+    }
+    free(path);
+    if (asprintf(&path, "%s/tokenizer_config.json", dir) < 0)
+        return tdm_err_set(TDM_ENOMEM, "model: out of memory");
+    if (!is_file(path)) goto out_path;
+    char *text = NULL;
+    if ((rc = tdm_file_read(path, TDM_HF_MAX_TOKCONFIG_BYTES, &text, &len))) goto out_path;
+    json_error_t jerr;
+    json_t *root = json_loadb(text, len, 0, &jerr);
+    free(text);
+    if (!root) {
+        rc = tdm_err_set(TDM_EFORMAT, "%s: JSON error at line %d: %s", path, jerr.line, jerr.text);
+        goto out_path;
+    }
+    json_t *ct = json_is_object(root) ? json_object_get(root, "chat_template") : NULL;
+    if (json_is_array(ct)) {
+        size_t i;
+        json_t *e, *found = NULL;
+        json_array_foreach(ct, i, e)
+        {
+            json_t *name = json_object_get(e, "name");
+            if (json_is_string(name) && !strcmp(json_string_value(name), "default"))
+                found = json_object_get(e, "template");
+        }
+        ct = found;
+    }
+    if (json_is_string(ct))
+        rc = copy_str(json_string_value(ct), json_string_length(ct), out);
+    else if (ct && !json_is_null(ct))
+        rc = tdm_err_set(TDM_EFORMAT, "%s: chat_template is not a string", path);
+    json_decref(root);
+out_path:
+    free(path);
+    return rc;
+}
+
+/* ---- entry points ---- */
+
+static tdm_status open_source(struct tdm_model *m, const char *path)
+{
+    struct stat sb;
+    if (stat(path, &sb) != 0) return tdm_err_set(TDM_ENOTFOUND, "%s: %s", path, strerror(errno));
+    tdm_status rc;
+    if (S_ISDIR(sb.st_mode)) {
+        m->is_gguf = false;
+        if ((rc = tdm_config_from_hf(path, &m->cfg)) || (rc = tdm_st_open(path, &m->st)) ||
+            (rc = hf_chat_template(path, &m->chat_template)))
+            return rc;
+        return TDM_OK;
+    }
+    if (!S_ISREG(sb.st_mode)) return tdm_err_set(TDM_EINVAL, "%s: not a file or a folder", path);
+    char magic[4] = {0};
+    FILE *f = fopen(path, "rb");
+    if (!f) return tdm_err_set(TDM_EIO, "%s: %s", path, strerror(errno));
+    size_t got = fread(magic, 1, 4, f);
+    fclose(f);
+    size_t plen = strlen(path);
+    bool gguf_name = plen >= 5 && !strcmp(path + plen - 5, ".gguf");
+    if (!(got == 4 && !memcmp(magic, "GGUF", 4)) && !gguf_name)
+        return tdm_err_set(TDM_EFORMAT,
+                           "%s: not a GGUF file; give a .gguf file or a HF checkpoint folder "
+                           "(config.json + safetensors)",
+                           path);
+    m->is_gguf = true;
+    if ((rc = tdm_gguf_open(path, &m->gguf)) || (rc = tdm_config_from_gguf(m->gguf, &m->cfg)))
+        return rc;
+    struct tdm_str ct;
+    rc = tdm_gguf_get_str(m->gguf, "tokenizer.chat_template", &ct);
+    if (rc == TDM_ENOTFOUND) return TDM_OK;
+    if (rc) return rc;
+    return copy_str(ct.ptr, ct.len, &m->chat_template);
+}
+
+tdm_status tdm_model_load(const char *path, tdm_progress_fn progress, void *progress_ctx,
+                          struct tdm_model **out)
+{
+    if (!path || !out) return tdm_err_set(TDM_EINVAL, "tdm_model_load: bad args");
+    struct tdm_model *m = calloc(1, sizeof(*m));
+    if (!m) return tdm_err_set(TDM_ENOMEM, "model: out of memory");
+    tdm_status rc = TDM_OK;
+    m->path = strdup(path);
+    if (!m->path) {
+        rc = tdm_err_set(TDM_ENOMEM, "model: out of memory");
+        goto out_free;
+    }
+    if ((rc = open_source(m, path))) goto out_free;
+    m->layers = calloc((size_t)m->cfg.n_layers, sizeof(*m->layers));
+    if (!m->layers) {
+        rc = tdm_err_set(TDM_ENOMEM, "model: out of memory");
+        goto out_free;
+    }
+    struct loader L = {.m = m};
+    if ((rc = load_globals(&L))) goto out_free;
+    if (progress) progress(progress_ctx, 0.0);
+    for (int i = 0; i < m->cfg.n_layers; i++) {
+        if ((rc = load_layer(&L, i))) goto out_free;
+        if (progress) progress(progress_ctx, (double)(i + 1) / m->cfg.n_layers);
+    }
+    TDM_DEBUG("loaded %s: %s, %d layers, %.1fM params, %.1f MiB of weights", path,
+              tdm_arch_name(m->cfg.arch), m->cfg.n_layers, (double)m->n_params / 1e6,
+              (double)m->weight_bytes / (1 << 20));
+    *out = m;
+    return TDM_OK;
+out_free:
+    tdm_model_free(m);
+    return rc;
+}
+
+void tdm_model_free(struct tdm_model *m)
+{
+    if (!m) return;
+    for (int i = 0; i < m->n_owned; i++)
+        tdm_free_aligned(m->owned[i]);
+    free(m->owned);
+    free(m->layers);
+    free(m->chat_template);
+    free(m->path);
+    tdm_gguf_close(m->gguf);
+    tdm_st_close(m->st);
+    free(m);
+}
+
+bool tdm_default_model_path(char *buf, size_t cap)
+{
+    if (!buf || !cap) return false;
+    const char *env = getenv("TANDEM_MODEL");
+    const char *xdg = getenv("XDG_CACHE_HOME");
+    const char *home = getenv("HOME");
+    int n;
+    if (env && *env)
+        n = snprintf(buf, cap, "%s", env);
+    else if (xdg && *xdg)
+        n = snprintf(buf, cap, "%s/tandem/models/%s", xdg, TDM_DEFAULT_MODEL_FILE);
+    else if (home && *home)
+        n = snprintf(buf, cap, "%s/.cache/tandem/models/%s", home, TDM_DEFAULT_MODEL_FILE);
+    else
+        return false;
+    return n >= 0 && (size_t)n < cap;
+}

@@ -1,0 +1,288 @@
+/*
+ * Logits processing and the draw. See include/tandem/sample.h for the order of operations.
+ *
+ * Cost: a full sort of a 50k-150k vocabulary per token would cost milliseconds. The nucleus is
+ * found exactly without one: the candidates with probability >= t form a prefix of the sorted
+ * order, so if their mass already reaches top_p, the nucleus lies inside them and only they
+ * need sorting. t starts at p_max / 1024 and falls by 1024x until that holds.
+ */
+#include "tandem/sample.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct tdm_sampling_params tdm_sampling_defaults(void)
+{
+    return (struct tdm_sampling_params){
+        .temperature = 0.0f,
+        .top_k = 0,
+        .top_p = 1.0f,
+        .min_p = 0.0f,
+        .repetition_penalty = 1.0f,
+        .presence_penalty = 0.0f,
+        .frequency_penalty = 0.0f,
+        .seed = 0,
+    };
+}
+
+tdm_status tdm_sampling_validate(const struct tdm_sampling_params *p)
+{
+    if (!(p->temperature >= 0.0f && p->temperature <= 100.0f))
+        return tdm_err_set(TDM_EINVAL, "temperature must be in [0, 100]");
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
+        return tdm_err_set(TDM_EINVAL, "top_p must be in (0, 1]");
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f))
+        return tdm_err_set(TDM_EINVAL, "min_p must be in [0, 1]");
+    if (p->top_k < 0) return tdm_err_set(TDM_EINVAL, "top_k must be >= 0");
+    if (!(p->repetition_penalty > 0.0f && p->repetition_penalty <= 100.0f))
+        return tdm_err_set(TDM_EINVAL, "repetition_penalty must be in (0, 100]");
+    if (!(p->presence_penalty >= -2.0f && p->presence_penalty <= 2.0f))
+        return tdm_err_set(TDM_EINVAL, "presence_penalty must be in [-2, 2]");
+    if (!(p->frequency_penalty >= -2.0f && p->frequency_penalty <= 2.0f))
+        return tdm_err_set(TDM_EINVAL, "frequency_penalty must be in [-2, 2]");
+    return TDM_OK;
+}
+
+tdm_status tdm_sample_scratch_init(struct tdm_sample_scratch *s, int vocab)
+{
+    memset(s, 0, sizeof *s);
+    s->probs = malloc((size_t)vocab * sizeof *s->probs);
+    s->ids = malloc((size_t)vocab * sizeof *s->ids);
+    s->raw = malloc((size_t)vocab * sizeof *s->raw);
+    if (!s->probs || !s->ids || !s->raw) {
+        tdm_sample_scratch_free(s);
+        return tdm_err_set(TDM_ENOMEM, "sampler scratch: out of memory");
+    }
+    s->vocab = vocab;
+    return TDM_OK;
+}
+
+void tdm_sample_scratch_free(struct tdm_sample_scratch *s)
+{
+    if (!s) return;
+    free(s->probs);
+    free(s->ids);
+    free(s->raw);
+    memset(s, 0, sizeof *s);
+}
+
+static bool has_penalties(const struct tdm_sampling_params *p)
+{
+    return p->repetition_penalty != 1.0f || p->presence_penalty != 0.0f ||
+           p->frequency_penalty != 0.0f;
+}
+
+tdm_status tdm_sampler_init(struct tdm_sampler *s, const struct tdm_sampling_params *p,
+                            uint64_t request_id, int vocab)
+{
+    memset(s, 0, sizeof *s);
+    tdm_status st = tdm_sampling_validate(p);
+    if (st != TDM_OK) return st;
+    s->params = *p;
+    s->request_id = request_id;
+    s->vocab = vocab;
+    if (has_penalties(p)) {
+        s->prompt_seen = calloc((size_t)vocab, sizeof *s->prompt_seen);
+        s->out_count = calloc((size_t)vocab, sizeof *s->out_count);
+        if (!s->prompt_seen || !s->out_count) {
+            tdm_sampler_free(s);
+            return tdm_err_set(TDM_ENOMEM, "sampler: out of memory");
+        }
+    }
+    return TDM_OK;
+}
+
+void tdm_sampler_free(struct tdm_sampler *s)
+{
+    if (!s) return;
+    free(s->prompt_seen);
+    free(s->out_count);
+    s->prompt_seen = NULL;
+    s->out_count = NULL;
+}
+
+void tdm_sampler_accept(struct tdm_sampler *s, int32_t token, bool is_prompt)
+{
+    if (!s->out_count || token < 0 || token >= s->vocab) return;
+    if (is_prompt)
+        s->prompt_seen[token] = 1;
+    else if (s->out_count[token] < UINT32_MAX)
+        s->out_count[token]++;
+}
+
+int32_t tdm_argmax(const float *logits, int vocab)
+{
+    int32_t best = 0;
+    for (int i = 1; i < vocab; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
+static double log_sum_exp(const float *logits, int vocab)
+{
+    float mx = logits[tdm_argmax(logits, vocab)];
+    double sum = 0.0;
+    for (int i = 0; i < vocab; i++)
+        sum += exp((double)logits[i] - mx);
+    return mx + log(sum);
+}
+
+float tdm_logprob_of(const float *logits, int vocab, int32_t token)
+{
+    return (float)((double)logits[token] - log_sum_exp(logits, vocab));
+}
+
+/* Sort context: only the scheduler thread samples, but keep it thread-local anyway. */
+static _Thread_local const float *sort_probs;
+
+/* Descending probability, then ascending id: a total order, so the result never depends on
+ * qsort's stability. */
+static int cmp_desc(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    float px = sort_probs[x], py = sort_probs[y];
+    if (px > py) return -1;
+    if (px < py) return 1;
+    return (x > y) - (x < y);
+}
+
+static void sort_ids(int32_t *ids, int n, const float *probs)
+{
+    sort_probs = probs;
+    qsort(ids, (size_t)n, sizeof *ids, cmp_desc);
+}
+
+void tdm_logprobs_top(const float *logits, int vocab, int k, int32_t *ids, float *logprobs)
+{
+    double lse = log_sum_exp(logits, vocab);
+    /* Insertion into a small sorted list: k is at most 20 for OpenAI's top_logprobs. */
+    int n = 0;
+    for (int i = 0; i < vocab; i++) {
+        if (n == k && !(logits[i] > logits[ids[k - 1]])) continue;
+        int j = n < k ? n++ : k - 1;
+        while (j > 0 && logits[i] > logits[ids[j - 1]]) {
+            ids[j] = ids[j - 1];
+            j--;
+        }
+        ids[j] = i;
+    }
+    for (int i = 0; i < n; i++)
+        logprobs[i] = (float)((double)logits[ids[i]] - lse);
+}
+
+static void apply_penalties(const struct tdm_sampler *s, float *logits)
+{
+    const struct tdm_sampling_params *p = &s->params;
+    for (int i = 0; i < s->vocab; i++) {
+        uint32_t cnt = s->out_count[i];
+        if (p->repetition_penalty != 1.0f && (cnt || s->prompt_seen[i]))
+            logits[i] = logits[i] > 0 ? logits[i] / p->repetition_penalty
+                                      : logits[i] * p->repetition_penalty;
+        if (cnt) logits[i] -= p->presence_penalty + p->frequency_penalty * (float)cnt;
+    }
+}
+
+/* Gathers into ids a set of candidates that provably contains the top-k and the nucleus (see
+ * the file comment), sorted by (probability desc, id asc); returns its size. */
+static int nucleus_candidates(const struct tdm_sampling_params *p, const float *probs, int vocab,
+                              int32_t *ids)
+{
+    float pmax = probs[tdm_argmax(probs, vocab)];
+    int n = 0;
+    for (float t = pmax / 1024.0f;; t /= 1024.0f) {
+        double mass = 0.0;
+        n = 0;
+        for (int i = 0; i < vocab; i++)
+            if (probs[i] >= t) {
+                ids[n++] = i;
+                mass += probs[i];
+            }
+        bool k_ok = p->top_k == 0 || n >= p->top_k;
+        bool p_ok = p->top_p >= 1.0f || mass >= p->top_p;
+        if ((k_ok && p_ok) || n == vocab || t == 0.0f) break;
+    }
+    sort_ids(ids, n, probs);
+    return n;
+}
+
+int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, uint32_t position,
+                           struct tdm_sample_scratch *scratch, float *logprob)
+{
+    const struct tdm_sampling_params *p = &s->params;
+    int vocab = s->vocab;
+    TDM_ASSERT(scratch->vocab >= vocab);
+    double raw_lse = 0.0;
+    if (logprob) {
+        raw_lse = log_sum_exp(logits, vocab);
+        if (s->out_count) memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
+    }
+    const float *raw = s->out_count ? scratch->raw : logits;
+    int32_t chosen;
+
+    if (s->out_count) apply_penalties(s, logits);
+    if (p->temperature == 0.0f || p->top_k == 1) {
+        chosen = tdm_argmax(logits, vocab);
+        goto out;
+    }
+
+    /* softmax at the temperature */
+    float *probs = scratch->probs;
+    int32_t *ids = scratch->ids;
+    float inv_t = 1.0f / p->temperature;
+    float mx = logits[tdm_argmax(logits, vocab)];
+    double sum = 0.0;
+    for (int i = 0; i < vocab; i++) {
+        probs[i] = expf((logits[i] - mx) * inv_t);
+        sum += probs[i];
+    }
+    float inv_sum = (float)(1.0 / sum);
+    for (int i = 0; i < vocab; i++)
+        probs[i] *= inv_sum;
+
+    int n;
+    if (p->top_k == 0 && p->top_p >= 1.0f) {
+        /* No truncation by rank: any fixed order samples the same distribution; use id order
+         * and skip the sort. */
+        float floor_p = p->min_p * probs[tdm_argmax(probs, vocab)];
+        n = 0;
+        for (int i = 0; i < vocab; i++)
+            if (probs[i] >= floor_p && probs[i] > 0.0f) ids[n++] = i;
+    } else {
+        n = nucleus_candidates(p, probs, vocab, ids);
+        if (p->top_k > 0 && n > p->top_k) n = p->top_k;
+        if (p->top_p < 1.0f) {
+            double cum = 0.0;
+            for (int i = 0; i < n; i++) {
+                cum += probs[ids[i]];
+                if (cum >= p->top_p) {
+                    n = i + 1;
+                    break;
+                }
+            }
+        }
+        if (p->min_p > 0.0f) {
+            float floor_p = p->min_p * probs[ids[0]];
+            int keep = 1;
+            while (keep < n && probs[ids[keep]] >= floor_p)
+                keep++;
+            n = keep;
+        }
+    }
+    double total = 0.0;
+    for (int i = 0; i < n; i++)
+        total += probs[ids[i]];
+    double u = tdm_rng_uniform(p->seed, s->request_id, position, 0) * total;
+    double cum = 0.0;
+    chosen = ids[n - 1];
+    for (int i = 0; i < n; i++) {
+        cum += probs[ids[i]];
+        if (u < cum) {
+            chosen = ids[i];
+            break;
+        }
+    }
+out:
+    if (logprob) *logprob = (float)((double)raw[chosen] - raw_lse);
+    return chosen;
+}

@@ -1,0 +1,278 @@
+/*
+ * `tandem bench model`: prompt and decode throughput of the engine on one model, each printed
+ * next to the roofline measured in the same run.
+ *
+ * Roofline: decode at batch B reads every weight once per step plus the KV of B sequences
+ * (DESIGN.md §6). The memory bandwidth comes from a STREAM-style copy over the same thread
+ * count, so the bound is   rate <= B * bandwidth / (weight_bytes + B * kv_bytes_per_seq).
+ * A checksum of the greedy tokens is printed so a fast wrong answer is visible.
+ */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tools/tools_int.h"
+
+struct copy_job {
+    float *dst;
+    const float *src;
+    int64_t n;
+};
+
+static void copy_worker(void *ctx, int ith, int nth)
+{
+    struct copy_job *j = ctx;
+    int64_t b, e;
+    tdm_split_range(j->n, ith, nth, 4096, &b, &e);
+    if (e > b) memcpy(j->dst + b, j->src + b, (size_t)(e - b) * sizeof(float));
+}
+
+/* STREAM "copy" bandwidth in bytes/s (bytes read + bytes written), best of several runs. */
+static double measure_copy_bandwidth(int n_threads)
+{
+    const int64_t n = (int64_t)64 << 20; /* 256 MiB per array */
+    float *a = tdm_alloc_aligned((size_t)n * sizeof(float));
+    float *b = tdm_alloc_aligned((size_t)n * sizeof(float));
+    tdm_pool_t *pool = NULL;
+    double best = 0.0;
+    if (!a || !b || tdm_pool_create(n_threads, &pool) != TDM_OK) goto out;
+    struct copy_job init = {a, b, n};
+    for (int64_t i = 0; i < n; i++)
+        b[i] = (float)(i & 1023);
+    tdm_pool_run(pool, copy_worker, &init); /* first touch of a */
+    for (int rep = 0; rep < 6; rep++) {
+        struct copy_job j = {rep & 1 ? b : a, rep & 1 ? a : b, n};
+        double t0 = tdm_now_s();
+        tdm_pool_run(pool, copy_worker, &j);
+        double dt = tdm_now_s() - t0;
+        double bw = 2.0 * (double)n * sizeof(float) / dt;
+        if (bw > best) best = bw;
+    }
+out:
+    tdm_pool_destroy(pool);
+    tdm_free_aligned(a);
+    tdm_free_aligned(b);
+    return best;
+}
+
+static size_t weight_bytes(const struct tdm_weight *w)
+{
+    return w->data ? w->row_bytes * (size_t)w->rows : 0;
+}
+
+/* Bytes one decode step reads from the weights: every matrix and vector once, and one row of
+ * the embedding table. */
+static double weight_bytes_per_step(const struct tdm_model *m)
+{
+    double total = (double)weight_bytes(&m->output) + (double)weight_bytes(&m->output_norm) +
+                   (double)m->tok_embd.row_bytes;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const struct tdm_layer_weights *w = &m->layers[l];
+        const struct tdm_weight *all[] = {&w->attn_norm, &w->wq,     &w->wk,     &w->wv,     &w->bq,
+                                          &w->bk,        &w->bv,     &w->q_norm, &w->k_norm, &w->wo,
+                                          &w->ffn_norm,  &w->w_gate, &w->w_up,   &w->w_down};
+        for (size_t i = 0; i < TDM_ARRAY_LEN(all); i++)
+            total += (double)weight_bytes(all[i]);
+    }
+    return total;
+}
+
+static uint64_t mix(uint64_t h, uint64_t v)
+{
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    return h;
+}
+
+struct bench_seq {
+    struct tdm_kv_seq kv;
+    int32_t *tokens;
+    int n;
+};
+
+int tdm_cmd_bench(int argc, char **argv)
+{
+    if (argc < 2 || strcmp(argv[1], "model") != 0) {
+        fprintf(stderr, "usage: tandem bench model [--model PATH] [--threads N] "
+                        "[--prompt-len N] [--gen N] [--context N]\n");
+        return 2;
+    }
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"threads", required_argument, 0, 't'},
+                                         {"prompt-len", required_argument, 0, 'p'},
+                                         {"gen", required_argument, 0, 'g'},
+                                         {"context", required_argument, 0, 'c'},
+                                         {"batch-invariant", no_argument, 0, 'b'},
+                                         {0, 0, 0, 0}};
+    const char *model = NULL;
+    int64_t threads = 0, prompt_len = 512, gen = 64, context = 32;
+    bool batch_inv = false;
+    int c;
+    optind = 2;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm':
+            model = optarg;
+            break;
+        case 't':
+            if (!tdm_tool_int("threads", optarg, 1, 1024, &threads)) return 2;
+            break;
+        case 'p':
+            if (!tdm_tool_int("prompt-len", optarg, 1, 1 << 20, &prompt_len)) return 2;
+            break;
+        case 'g':
+            if (!tdm_tool_int("gen", optarg, 1, 1 << 20, &gen)) return 2;
+            break;
+        case 'c':
+            if (!tdm_tool_int("context", optarg, 1, 1 << 20, &context)) return 2;
+            break;
+        case 'b':
+            batch_inv = true;
+            break;
+        default:
+            fprintf(stderr, "tandem: unknown option '%s'\n", argv[optind - 1]);
+            return 2;
+        }
+    }
+    struct tdm_model *m = tdm_tool_load_model(model);
+    if (!m) return 1;
+    const struct tdm_model_config *cf = &m->cfg;
+    int n_threads = threads > 0 ? (int)threads : tdm_cpu_count();
+    enum { MAX_B = 8 };
+    int rc = 1;
+    int64_t ctx_needed = TDM_MAX(prompt_len, context + gen) + 1;
+    struct tdm_engine_opts eo = {.n_threads = n_threads,
+                                 .batch_invariant = batch_inv,
+                                 .max_ctx = (int)TDM_MIN(ctx_needed, (int64_t)cf->max_ctx),
+                                 .max_seqs = MAX_B,
+                                 .max_logit_rows = MAX_B,
+                                 .max_batch_tokens = 512};
+    if (ctx_needed > cf->max_ctx) {
+        fprintf(stderr, "tandem: the benchmark needs %lld positions, the model has %d\n",
+                (long long)ctx_needed, cf->max_ctx);
+        tdm_model_free(m);
+        return 2;
+    }
+    eo.kv_pages = (int64_t)MAX_B * ((ctx_needed + 15) / 16) + 8;
+    tdm_engine_t *e = NULL;
+    float *logits = malloc((size_t)MAX_B * cf->vocab_size * sizeof(float));
+    struct bench_seq seqs[MAX_B];
+    memset(seqs, 0, sizeof seqs);
+    if (!logits || tdm_engine_create(m, &eo, &e) != TDM_OK) {
+        tdm_tool_fail("engine");
+        goto out;
+    }
+    tdm_kv_pool_t *kv = tdm_engine_kv(e);
+    for (int s = 0; s < MAX_B; s++) {
+        seqs[s].tokens = malloc((size_t)ctx_needed * sizeof(int32_t));
+        if (!seqs[s].tokens) goto out;
+    }
+
+    printf("tandem bench model: %s\n", m->path);
+    printf("  %d threads, CPU kernels: %s\n", n_threads, tdm_backend_cpu_isa());
+    double bw = measure_copy_bandwidth(n_threads);
+    double wbytes = weight_bytes_per_step(m);
+    double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * sizeof(float);
+    printf("  memory bandwidth (STREAM copy, same run): %.2f GB/s\n", bw / 1e9);
+    printf("  weight bytes read per decode step: %.2f MB\n", wbytes / 1e6);
+
+    /* prefill: one prompt of prompt_len random tokens */
+    uint64_t rng = 12345;
+    for (int64_t i = 0; i < prompt_len; i++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        seqs[0].tokens[i] = (int32_t)((rng >> 33) % (uint64_t)cf->vocab_size);
+    }
+    if (tdm_kv_seq_reserve(kv, &seqs[0].kv, prompt_len) != TDM_OK) {
+        tdm_tool_fail("kv");
+        goto out;
+    }
+    double t0 = tdm_now_s();
+    for (int64_t done = 0; done < prompt_len;) {
+        int chunk = (int)TDM_MIN(prompt_len - done, 512);
+        struct tdm_batch_seq bs = {.tokens = seqs[0].tokens + done,
+                                   .n_tokens = chunk,
+                                   .pos0 = (int)done,
+                                   .pages = seqs[0].kv.pages,
+                                   .n_pages = seqs[0].kv.n_pages,
+                                   .n_logits = done + chunk == prompt_len};
+        struct tdm_batch b = {&bs, 1};
+        if (tdm_engine_forward(e, &b, logits, NULL) != TDM_OK) {
+            tdm_tool_fail("prefill");
+            goto out;
+        }
+        done += chunk;
+    }
+    double prefill_s = tdm_now_s() - t0;
+    uint64_t checksum = (uint64_t)tdm_argmax(logits, cf->vocab_size);
+    tdm_kv_seq_release(kv, &seqs[0].kv);
+    printf("  prefill: %lld tokens in %.3f s = %.1f tokens/s\n", (long long)prompt_len, prefill_s,
+           prompt_len / prefill_s);
+
+    printf("  %-8s %12s %14s %10s\n", "decode", "tokens/s", "roofline tok/s", "ratio");
+    int batches[] = {1, MAX_B};
+    for (size_t bi = 0; bi < TDM_ARRAY_LEN(batches); bi++) {
+        int B = batches[bi];
+        struct tdm_batch_seq bs[MAX_B];
+        /* each sequence: `context` prompt tokens, then `gen` greedy steps */
+        for (int s = 0; s < B; s++) {
+            for (int64_t i = 0; i < context; i++)
+                seqs[s].tokens[i] = (int32_t)((s * 977 + i * 31) % cf->vocab_size);
+            seqs[s].n = (int)context;
+            if (tdm_kv_seq_reserve(kv, &seqs[s].kv, context + gen) != TDM_OK) {
+                tdm_tool_fail("kv");
+                goto out;
+            }
+            bs[s] = (struct tdm_batch_seq){.tokens = seqs[s].tokens,
+                                           .n_tokens = (int)context,
+                                           .pos0 = 0,
+                                           .pages = seqs[s].kv.pages,
+                                           .n_pages = seqs[s].kv.n_pages,
+                                           .n_logits = 1};
+        }
+        struct tdm_batch b = {bs, B};
+        if (tdm_engine_forward(e, &b, logits, NULL) != TDM_OK) {
+            tdm_tool_fail("decode prompt");
+            goto out;
+        }
+        double kv_read = 0.0;
+        t0 = tdm_now_s();
+        for (int64_t step = 0; step < gen; step++) {
+            for (int s = 0; s < B; s++) {
+                int32_t id = tdm_argmax(logits + (size_t)s * cf->vocab_size, cf->vocab_size);
+                checksum = mix(checksum, (uint64_t)id);
+                seqs[s].tokens[seqs[s].n] = id;
+                bs[s].tokens = seqs[s].tokens + seqs[s].n;
+                bs[s].n_tokens = 1;
+                bs[s].pos0 = seqs[s].n;
+                seqs[s].n++;
+                kv_read += kv_per_pos * seqs[s].n;
+            }
+            if (tdm_engine_forward(e, &b, logits, NULL) != TDM_OK) {
+                tdm_tool_fail("decode");
+                goto out;
+            }
+        }
+        double dt = tdm_now_s() - t0;
+        double rate = (double)B * gen / dt;
+        double bytes_per_step = wbytes + kv_read / gen;
+        double roof = (double)B * bw / bytes_per_step;
+        printf("  batch %-2d %12.1f %14.1f %9.0f%%\n", B, rate, roof, 100.0 * rate / roof);
+        for (int s = 0; s < B; s++)
+            tdm_kv_seq_release(kv, &seqs[s].kv);
+    }
+    struct tdm_kv_stats ks = tdm_kv_pool_stats(kv);
+    printf("  kv pages after the run: %lld used of %lld\n", (long long)ks.used,
+           (long long)ks.total);
+    printf("  checksum of greedy tokens: %016llx\n", (unsigned long long)checksum);
+    rc = 0;
+out:
+    for (int s = 0; s < MAX_B; s++) {
+        if (e) tdm_kv_seq_release(tdm_engine_kv(e), &seqs[s].kv);
+        free(seqs[s].tokens);
+    }
+    tdm_engine_destroy(e);
+    free(logits);
+    tdm_model_free(m);
+    return rc;
+}

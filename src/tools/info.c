@@ -1,0 +1,130 @@
+/*
+ * `tandem info`: a model's configuration, tensor types, parameter and byte counts, tokenizer and
+ * chat template, as text or (--json) one JSON object.
+ */
+#include <getopt.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "tools/tools_int.h"
+
+static const char *scaling_name(enum tdm_rope_scaling s)
+{
+    switch (s) {
+    case TDM_ROPE_SCALING_NONE:
+        return "none";
+    case TDM_ROPE_SCALING_LINEAR:
+        return "linear";
+    case TDM_ROPE_SCALING_LLAMA3:
+        return "llama3";
+    }
+    return "?";
+}
+
+int tdm_cmd_info(int argc, char **argv)
+{
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *model = NULL;
+    bool json = false;
+    int c;
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        if (c == 'm')
+            model = optarg;
+        else if (c == 'j')
+            json = true;
+        else if (c == 'h') {
+            printf("usage: tandem info [--model PATH] [--json]\n");
+            return 0;
+        } else {
+            fprintf(stderr, "tandem: unknown or incomplete option '%s'\n", argv[optind - 1]);
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "tandem: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    struct tdm_model *m = tdm_tool_load_model(model);
+    if (!m) return 1;
+    const struct tdm_model_config *cf = &m->cfg;
+
+    /* tensor types as stored in the file, and as held in memory */
+    int64_t file_types[TDM_DTYPE_COUNT] = {0};
+    int64_t n_tensors = m->gguf ? tdm_gguf_n_tensors(m->gguf) : tdm_st_n_tensors(m->st);
+    for (int64_t i = 0; i < n_tensors; i++) {
+        const struct tdm_tensor_info *ti =
+            m->gguf ? tdm_gguf_tensor(m->gguf, i) : tdm_st_tensor(m->st, i);
+        if (ti && (int)ti->dtype >= 0 && ti->dtype < TDM_DTYPE_COUNT) file_types[ti->dtype]++;
+    }
+    tdm_tok_t *tok = tdm_tool_load_tokenizer(m, true);
+    struct tdm_chat_template tmpl = {0};
+    const char *chat = "none";
+    if (tdm_chat_template_detect(m->chat_template, &tmpl) == TDM_OK)
+        chat = tmpl.format == TDM_CHAT_CHATML   ? "chatml"
+               : tmpl.format == TDM_CHAT_LLAMA3 ? "llama3"
+                                                : "raw";
+
+    if (json) {
+        printf(
+            "{\"path\":\"%s\",\"format\":\"%s\",\"arch\":\"%s\",\"n_layers\":%d,"
+            "\"d_model\":%d,\"n_heads\":%d,\"n_kv_heads\":%d,\"head_dim\":%d,\"d_ff\":%d,"
+            "\"vocab_size\":%d,\"max_ctx\":%d,\"rms_eps\":%g,\"rope_theta\":%g,"
+            "\"rope_neox\":%s,\"rope_scaling\":\"%s\",\"tied_embeddings\":%s,"
+            "\"qkv_bias\":%s,\"qk_norm\":%s,\"n_params\":%llu,\"weight_bytes\":%llu,"
+            "\"n_tensors\":%lld,\"chat_template\":\"%s\",\"tokenizer\":\"%s\",\"tensor_types\":{",
+            m->path, m->gguf ? "gguf" : "safetensors", tdm_arch_name(cf->arch), cf->n_layers,
+            cf->d_model, cf->n_heads, cf->n_kv_heads, cf->head_dim, cf->d_ff, cf->vocab_size,
+            cf->max_ctx, cf->rms_eps, cf->rope_theta, cf->rope_neox ? "true" : "false",
+            scaling_name(cf->rope_scaling), cf->tied_embeddings ? "true" : "false",
+            cf->qkv_bias ? "true" : "false", cf->qk_norm ? "true" : "false",
+            (unsigned long long)m->n_params, (unsigned long long)m->weight_bytes,
+            (long long)n_tensors, chat,
+            !tok                               ? "none"
+            : tdm_tok_kind(tok) == TDM_TOK_SPM ? "spm"
+                                               : "bpe");
+        bool first = true;
+        for (int t = 0; t < TDM_DTYPE_COUNT; t++)
+            if (file_types[t]) {
+                printf("%s\"%s\":%lld", first ? "" : ",", tdm_dtype_name(t),
+                       (long long)file_types[t]);
+                first = false;
+            }
+        printf("}}\n");
+    } else {
+        printf("model        %s (%s)\n", m->path, m->gguf ? "GGUF" : "safetensors");
+        printf("arch         %s\n", tdm_arch_name(cf->arch));
+        printf("layers       %d\n", cf->n_layers);
+        printf("d_model      %d\n", cf->d_model);
+        printf("heads        %d query, %d kv, head_dim %d\n", cf->n_heads, cf->n_kv_heads,
+               cf->head_dim);
+        printf("d_ff         %d\n", cf->d_ff);
+        printf("vocab        %d\n", cf->vocab_size);
+        printf("context      %d\n", cf->max_ctx);
+        printf("rms_eps      %g\n", cf->rms_eps);
+        printf("rope         theta %g, %s pairs, scaling %s\n", cf->rope_theta,
+               cf->rope_neox ? "half-split" : "adjacent", scaling_name(cf->rope_scaling));
+        printf("embeddings   %s\n", cf->tied_embeddings ? "tied" : "untied");
+        printf("extras       %s%s%s\n", cf->qkv_bias ? "qkv-bias " : "",
+               cf->qk_norm ? "qk-norm " : "", !cf->qkv_bias && !cf->qk_norm ? "none" : "");
+        printf("parameters   %llu (%.1f M)\n", (unsigned long long)m->n_params, m->n_params / 1e6);
+        printf("weights      %llu bytes in memory (%.1f MiB)\n",
+               (unsigned long long)m->weight_bytes, m->weight_bytes / 1048576.0);
+        printf("tensors      %lld:", (long long)n_tensors);
+        for (int t = 0; t < TDM_DTYPE_COUNT; t++)
+            if (file_types[t]) printf(" %s x%lld", tdm_dtype_name(t), (long long)file_types[t]);
+        printf("\n");
+        printf("tokenizer    %s\n", !tok                               ? "none"
+                                    : tdm_tok_kind(tok) == TDM_TOK_SPM ? "sentencepiece BPE"
+                                                                       : "byte-level BPE");
+        printf("chat         %s\n", chat);
+    }
+    tdm_chat_template_clear(&tmpl);
+    tdm_tok_free(tok);
+    tdm_model_free(m);
+    return 0;
+}

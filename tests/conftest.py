@@ -1,0 +1,59 @@
+"""Shared pytest fixtures for tandem's test suite.
+
+The suite is driven by pytest: C unit tests (cmocka programs built by CMake under
+$TANDEM_BUILD/tests) run as one pytest item each (tests/test_c_units.py), and the Python tests
+check tandem against independent references (gguf, safetensors, tokenizers, numpy, jinja2).
+
+Environment:
+  TANDEM_BUILD  build folder holding the `tandem` binary (default: build)
+  TANDEM_MODEL  the default GGUF model (default: ~/.cache/tandem/models/...)
+"""
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def build_dir() -> pathlib.Path:
+    return (ROOT / os.environ.get("TANDEM_BUILD", "build")).resolve()
+
+
+def default_model_path() -> pathlib.Path:
+    if os.environ.get("TANDEM_MODEL"):
+        return pathlib.Path(os.environ["TANDEM_MODEL"])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(cache) / "tandem" / "models" / MODEL_FILE
+
+
+@pytest.fixture(scope="session")
+def tandem_bin() -> pathlib.Path:
+    p = build_dir() / "tandem"
+    if not p.exists():
+        pytest.fail(f"{p} not built; run scripts/test.sh or cmake --build {build_dir()}")
+    return p
+
+
+@pytest.fixture(scope="session")
+def default_model() -> pathlib.Path:
+    p = default_model_path()
+    if not p.exists():
+        pytest.fail(f"default model missing at {p}; run scripts/fetch_model.sh")
+    return p
+
+
+def run_tandem(args, timeout=300, check=True, env=None, input=None):
+    """Runs the tandem binary; returns CompletedProcess (text mode)."""
+    exe = build_dir() / "tandem"
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    cp = subprocess.run([str(exe)] + [str(a) for a in args], capture_output=True, text=True,
+                        timeout=timeout, env=full_env, input=input)
+    if check and cp.returncode != 0:
+        raise AssertionError(f"tandem {' '.join(map(str, args))} exited {cp.returncode}:\n"
+                             f"{cp.stderr[-4000:]}")
+    return cp

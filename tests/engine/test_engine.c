@@ -1,0 +1,307 @@
+/* Engine tests on a tiny random model built in memory: the batch interface's invariances (a
+ * sequence's logits are bit-identical alone or batched with others, prefilled in one call or
+ * in chunks, and wherever its pages sit in the pool), batch validation, hidden-state output,
+ * and the layer-completion counter. Numerical fidelity against an independent reference is
+ * tests/engine/test_fidelity.py's job. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tandem/engine.h"
+
+enum { D = 32, NH = 4, NKV = 2, HD = 8, FF = 64, VOCAB = 50, NL = 2 };
+
+static unsigned rng_state = 1;
+static float frand(void)
+{
+    rng_state = rng_state * 1103515245u + 12345u;
+    return ((rng_state >> 9) & 0xffff) / 65536.0f - 0.5f;
+}
+
+static void *owned[64];
+static int n_owned;
+
+static struct tdm_weight mat(enum tdm_dtype dt, int rows, int cols, float scale, float bias)
+{
+    size_t n = (size_t)rows * cols;
+    struct tdm_weight w = {.dtype = dt, .rows = rows, .cols = cols};
+    if (dt == TDM_DTYPE_BF16) {
+        uint16_t *p = malloc(n * 2);
+        for (size_t i = 0; i < n; i++)
+            p[i] = tdm_f32_to_bf16(bias + scale * frand());
+        w.data = p;
+        w.row_bytes = (size_t)cols * 2;
+    } else {
+        float *p = malloc(n * 4);
+        for (size_t i = 0; i < n; i++)
+            p[i] = bias + scale * frand();
+        w.data = p;
+        w.row_bytes = (size_t)cols * 4;
+    }
+    owned[n_owned++] = (void *)w.data;
+    return w;
+}
+
+static void make_model(struct tdm_model *m, enum tdm_dtype dt, enum tdm_arch arch)
+{
+    memset(m, 0, sizeof *m);
+    m->cfg = (struct tdm_model_config){.arch = arch,
+                                       .n_layers = NL,
+                                       .d_model = D,
+                                       .n_heads = NH,
+                                       .n_kv_heads = NKV,
+                                       .head_dim = HD,
+                                       .d_ff = FF,
+                                       .vocab_size = VOCAB,
+                                       .max_ctx = 256,
+                                       .rms_eps = 1e-5f,
+                                       .rope_theta = 10000.0f,
+                                       .rope_neox = true,
+                                       .tied_embeddings = false,
+                                       .qkv_bias = arch == TDM_ARCH_QWEN2,
+                                       .qk_norm = arch == TDM_ARCH_QWEN3,
+                                       .bos_id = -1};
+    m->tok_embd = mat(dt, VOCAB, D, 1.0f, 0.0f);
+    m->output = mat(dt, VOCAB, D, 0.5f, 0.0f);
+    m->output_norm = mat(TDM_DTYPE_F32, 1, D, 0.2f, 1.0f);
+    static struct tdm_layer_weights layers[NL];
+    memset(layers, 0, sizeof layers);
+    for (int l = 0; l < NL; l++) {
+        struct tdm_layer_weights *w = &layers[l];
+        w->attn_norm = mat(TDM_DTYPE_F32, 1, D, 0.2f, 1.0f);
+        w->ffn_norm = mat(TDM_DTYPE_F32, 1, D, 0.2f, 1.0f);
+        w->wq = mat(dt, NH * HD, D, 0.4f, 0.0f);
+        w->wk = mat(dt, NKV * HD, D, 0.4f, 0.0f);
+        w->wv = mat(dt, NKV * HD, D, 0.4f, 0.0f);
+        w->wo = mat(dt, D, NH * HD, 0.3f, 0.0f);
+        w->w_gate = mat(dt, FF, D, 0.4f, 0.0f);
+        w->w_up = mat(dt, FF, D, 0.4f, 0.0f);
+        w->w_down = mat(dt, D, FF, 0.3f, 0.0f);
+        if (arch == TDM_ARCH_QWEN2) {
+            w->bq = mat(TDM_DTYPE_F32, 1, NH * HD, 0.1f, 0.0f);
+            w->bk = mat(TDM_DTYPE_F32, 1, NKV * HD, 0.1f, 0.0f);
+            w->bv = mat(TDM_DTYPE_F32, 1, NKV * HD, 0.1f, 0.0f);
+        }
+        if (arch == TDM_ARCH_QWEN3) {
+            w->q_norm = mat(TDM_DTYPE_F32, 1, HD, 0.2f, 1.0f);
+            w->k_norm = mat(TDM_DTYPE_F32, 1, HD, 0.2f, 1.0f);
+        }
+    }
+    m->layers = layers;
+}
+
+static void free_model(void)
+{
+    for (int i = 0; i < n_owned; i++)
+        free(owned[i]);
+    n_owned = 0;
+}
+
+static int32_t toks[64];
+
+static tdm_engine_t *make_engine(const struct tdm_model *m, int threads, _Atomic int32_t *ctr)
+{
+    struct tdm_engine_opts o = {.n_threads = threads,
+                                .batch_invariant = true,
+                                .page_size = 4,
+                                .kv_pages = 64,
+                                .max_batch_tokens = 64,
+                                .max_seqs = 8,
+                                .layer_counter = ctr};
+    tdm_engine_t *e = NULL;
+    assert_int_equal(tdm_engine_create(m, &o, &e), TDM_OK);
+    return e;
+}
+
+/* Runs a 20-token prompt alone (one call), returns last logits; also decodes 2 steps. */
+static void run_alone(tdm_engine_t *e, const int32_t *pages, float *out, int chunk)
+{
+    for (int done = 0; done < 20;) {
+        int n = TDM_MIN(chunk, 20 - done);
+        struct tdm_batch_seq s = {.tokens = toks + done,
+                                  .n_tokens = n,
+                                  .pos0 = done,
+                                  .pages = pages,
+                                  .n_pages = 6,
+                                  .n_logits = done + n == 20};
+        struct tdm_batch b = {&s, 1};
+        assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_OK);
+        done += n;
+    }
+    for (int step = 0; step < 2; step++) {
+        struct tdm_batch_seq s = {.tokens = toks + 20 + step,
+                                  .n_tokens = 1,
+                                  .pos0 = 20 + step,
+                                  .pages = pages,
+                                  .n_pages = 6,
+                                  .n_logits = 1};
+        struct tdm_batch b = {&s, 1};
+        assert_int_equal(tdm_engine_forward(e, &b, out + (1 + step) * VOCAB, NULL), TDM_OK);
+    }
+}
+
+static void check_invariance(enum tdm_dtype dt, enum tdm_arch arch)
+{
+    struct tdm_model m;
+    make_model(&m, dt, arch);
+    for (int i = 0; i < 64; i++)
+        toks[i] = (i * 7 + 3) % VOCAB;
+    _Atomic int32_t ctr = -1;
+    tdm_engine_t *e = make_engine(&m, 2, &ctr);
+    int32_t pages_a[6] = {0, 1, 2, 3, 4, 5}, pages_b[6] = {17, 9, 30, 2, 40, 11};
+    float ref[3 * VOCAB], got[3 * VOCAB];
+    run_alone(e, pages_a, ref, 20);
+    assert_int_equal(atomic_load(&ctr), NL);
+
+    /* chunked prefill, other pages: identical */
+    run_alone(e, pages_b, got, 7);
+    assert_memory_equal(ref, got, sizeof ref);
+
+    /* the same sequence inside a batch with two others (a prefill and a decode) */
+    tdm_engine_t *e2 = make_engine(&m, 3, NULL);
+    int32_t pa[6] = {5, 6, 7, 8, 9, 10}, pb[6] = {20, 21, 22, 23, 24, 25},
+            pc[6] = {30, 31, 32, 33, 34, 35};
+    int32_t other[20];
+    for (int i = 0; i < 20; i++)
+        other[i] = (i * 13 + 1) % VOCAB;
+    float out[4 * VOCAB];
+    struct tdm_batch_seq s3[3] = {
+        {.tokens = other, .n_tokens = 9, .pos0 = 0, .pages = pb, .n_pages = 6, .n_logits = 1},
+        {.tokens = toks, .n_tokens = 20, .pos0 = 0, .pages = pa, .n_pages = 6, .n_logits = 1},
+        {.tokens = other + 3, .n_tokens = 5, .pos0 = 0, .pages = pc, .n_pages = 6, .n_logits = 2},
+    };
+    struct tdm_batch b3 = {s3, 3};
+    assert_int_equal(tdm_engine_forward(e2, &b3, out, NULL), TDM_OK);
+    assert_memory_equal(out + VOCAB, ref, VOCAB * sizeof(float)); /* row 1: our sequence */
+    /* decode steps, batched with a decode of another sequence */
+    for (int step = 0; step < 2; step++) {
+        struct tdm_batch_seq s2[2] = {
+            {.tokens = other + 12 + step,
+             .n_tokens = 1,
+             .pos0 = 9 + step,
+             .pages = pb,
+             .n_pages = 6,
+             .n_logits = 1},
+            {.tokens = toks + 20 + step,
+             .n_tokens = 1,
+             .pos0 = 20 + step,
+             .pages = pa,
+             .n_pages = 6,
+             .n_logits = 1},
+        };
+        struct tdm_batch b2 = {s2, 2};
+        float hidden[2 * D];
+        assert_int_equal(tdm_engine_forward(e2, &b2, out, hidden), TDM_OK);
+        assert_memory_equal(out + VOCAB, ref + (1 + step) * VOCAB, VOCAB * sizeof(float));
+        for (int i = 0; i < 2 * D; i++)
+            assert_true(isfinite(hidden[i]));
+    }
+    tdm_engine_destroy(e2);
+    tdm_engine_destroy(e);
+    free_model();
+}
+
+static void test_invariance_f32(void **s)
+{
+    (void)s;
+    check_invariance(TDM_DTYPE_F32, TDM_ARCH_LLAMA);
+}
+static void test_invariance_bf16_qwen2(void **s)
+{
+    (void)s;
+    check_invariance(TDM_DTYPE_BF16, TDM_ARCH_QWEN2);
+}
+static void test_invariance_qwen3(void **s)
+{
+    (void)s;
+    check_invariance(TDM_DTYPE_F32, TDM_ARCH_QWEN3);
+}
+
+static void test_validation(void **s)
+{
+    (void)s;
+    struct tdm_model m;
+    make_model(&m, TDM_DTYPE_F32, TDM_ARCH_LLAMA);
+    tdm_engine_t *e = make_engine(&m, 1, NULL);
+    int32_t pages[6] = {0, 1, 2, 3, 4, 5}, bad_pages[2] = {0, 64};
+    int32_t t[3] = {1, 2, 3}, bad_tok[2] = {1, VOCAB};
+    float out[VOCAB];
+    struct tdm_batch_seq q = {
+        .tokens = bad_tok, .n_tokens = 2, .pages = pages, .n_pages = 6, .n_logits = 1};
+    struct tdm_batch b = {&q, 1};
+    assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_EINVAL);
+    q = (struct tdm_batch_seq){.tokens = t,
+                               .n_tokens = 3,
+                               .pos0 = 14,
+                               .pages = pages,
+                               .n_pages = 4,
+                               .n_logits = 1}; /* needs 5 pages */
+    assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_EINVAL);
+    q = (struct tdm_batch_seq){
+        .tokens = t, .n_tokens = 3, .pages = bad_pages, .n_pages = 2, .n_logits = 1};
+    q.pos0 = 4;
+    assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_EINVAL); /* page 64 not in pool */
+    q = (struct tdm_batch_seq){
+        .tokens = t, .n_tokens = 3, .pages = pages, .n_pages = 6, .n_logits = 4};
+    assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_EINVAL);
+    q.n_logits = 1;
+    q.pos0 = 255; /* past the context */
+    assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_ERANGE);
+    b.n_seqs = 0;
+    assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_EINVAL);
+    b.n_seqs = 9;
+    assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_ERANGE);
+    /* and a valid call still works */
+    b.n_seqs = 1;
+    q.pos0 = 0;
+    assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_OK);
+    tdm_engine_destroy(e);
+    tdm_engine_destroy(NULL);
+    free_model();
+}
+
+static void test_rope_llama3(void **s)
+{
+    (void)s;
+    /* Llama 3.1 scaling, computed by hand for head_dim 8: wavelengths 2*pi*theta^(2i/8) */
+    struct tdm_model_config c = {.head_dim = 8,
+                                 .rope_theta = 500000.0f,
+                                 .rope_scaling = TDM_ROPE_SCALING_LLAMA3,
+                                 .rope_factor = 8.0f,
+                                 .rope_low_freq_factor = 1.0f,
+                                 .rope_high_freq_factor = 4.0f,
+                                 .rope_original_max_ctx = 8192};
+    float f[4];
+    tdm_rope_inv_freq(&c, NULL, f);
+    for (int i = 0; i < 4; i++) {
+        double base = 1.0 / pow(500000.0, 2.0 * i / 8.0), wl = 2 * M_PI / base, want;
+        if (wl < 8192 / 4.0)
+            want = base;
+        else if (wl > 8192 / 1.0)
+            want = base / 8;
+        else {
+            double sm = (8192 / wl - 1.0) / 3.0;
+            want = (1 - sm) * base / 8 + sm * base;
+        }
+        assert_true(fabs(f[i] - want) <= 1e-6 * want);
+    }
+    float factors[4] = {1, 2, 4, 8};
+    c.rope_scaling = TDM_ROPE_SCALING_NONE;
+    tdm_rope_inv_freq(&c, factors, f);
+    assert_true(fabs(f[3] - 1.0 / pow(500000.0, 0.75) / 8) < 1e-9);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_invariance_f32),   cmocka_unit_test(test_invariance_bf16_qwen2),
+        cmocka_unit_test(test_invariance_qwen3), cmocka_unit_test(test_validation),
+        cmocka_unit_test(test_rope_llama3),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,308 @@
+"""Fidelity: tandem's forward pass against the independent numpy reference (tests/lib/reference.py).
+
+Contract (DESIGN.md section 7): logits within 1e-4 relative, greedy output token for token.
+
+"1e-4 relative" means, for the logits vector of one position (all vocab_size values):
+
+    max_i |ours_i - ref_i| / max_i |ref_i|  <=  1e-4
+
+that is, the worst absolute error measured against the largest reference logit, not an
+elementwise relative error (which is meaningless for logits near zero). The reference computes in
+float64 from the same stored weights (dequantised by the gguf package, or read by the safetensors
+package), so the whole error is the engine's.
+
+Greedy: prompts are chosen so that the reference's greedy run has no near tie (top-2 gap below
+TIE = 1e-3 of max|logits| at some step, which a 1e-4 error could legitimately flip); the tests
+assert that, then require identical sequences. Tandem's tokens are also checked step by step
+against the reference run on tandem's own sequence (teacher forcing), so a failure names the
+first step where tandem chose a token the reference does not rank first.
+
+Logits come from `tandem generate --dump-logits FILE` (float32 logits of the last prompt
+position); tokens from `--print-token-ids`. Tiny random checkpoints (tests/lib/checkpoints.py)
+cover every loader path: HF safetensors in f32/bf16/f16, tied and sharded, every rope form;
+GGUF F32/F16/Q8_0/Q4_0/Q4_1/Q6_K with llama.cpp's Q/K permutation; qwen2 biases and qwen3 q/k
+norms. Prompt lengths 1, 2, 7, 40 and 53 (past three 16-token KV pages), then 12 decode steps.
+
+The first tests check the reference and the checkpoint writers themselves (no tandem needed):
+the same seed written as HF and as GGUF must give the same logits, incremental and full
+evaluation must agree, and the comparison must be sensitive to the mistakes it exists to catch.
+"""
+import dataclasses
+import functools
+import pathlib
+
+import numpy as np
+import pytest
+
+from conftest import run_tandem
+from lib import reference as ref
+from lib.checkpoints import (f32_to_bf16_bits, make_gguf_checkpoint, make_hf_checkpoint,
+                             quantize_q6_k)
+
+TOL = 1e-4  # max|ours - ref| / max|ref|
+TIE = 1e-3  # top-2 gap below TIE * max|logits| is a near tie
+N_GREEDY = 12
+PROMPT_LENS = (1, 2, 7, 40, 53)
+
+# name -> (format, arch, options). Seeds differ so each variant is its own model.
+VARIANTS = {
+    "hf-llama-f32": ("hf", "llama", dict(seed=1, num_hidden_layers=3)),
+    "hf-llama-bf16-tied-sharded": ("hf", "llama", dict(seed=2, dtype="bfloat16", tied=True,
+                                                        sharded=True)),
+    "hf-llama-rope-llama3": ("hf", "llama", dict(seed=3, rope="llama3")),
+    "hf-llama-rope-llama3-parameters": ("hf", "llama", dict(seed=4, rope="llama3_parameters")),
+    "hf-llama-rope-parameters": ("hf", "llama", dict(seed=5, rope="parameters",
+                                                      rope_theta=54321.0)),
+    "hf-llama-rope-linear": ("hf", "llama", dict(seed=6, rope="linear")),
+    "hf-qwen2-f32": ("hf", "qwen2", dict(seed=7, num_hidden_layers=3)),
+    "hf-qwen2-f16": ("hf", "qwen2", dict(seed=8, dtype="float16", tied=True)),
+    "hf-qwen3-f32": ("hf", "qwen3", dict(seed=9)),
+    "hf-qwen3-bf16": ("hf", "qwen3", dict(seed=10, dtype="bfloat16", sharded=True)),
+    "gguf-llama-F32": ("gguf", "llama", dict(seed=11, wtype="F32", num_hidden_layers=3)),
+    "gguf-llama-F16-untied": ("gguf", "llama", dict(seed=12, wtype="F16", tied=False)),
+    "gguf-llama-Q8_0": ("gguf", "llama", dict(seed=13, wtype="Q8_0")),
+    "gguf-llama-Q4_0": ("gguf", "llama", dict(seed=14, wtype="Q4_0", tied=False)),
+    "gguf-llama-Q4_1": ("gguf", "llama", dict(seed=15, wtype="Q4_1")),
+    "gguf-llama-Q6_K": ("gguf", "llama", dict(seed=16, wtype="Q6_K", hidden_size=256,
+                                              intermediate_size=512, num_attention_heads=4,
+                                              num_key_value_heads=2)),
+    "gguf-llama-rope-freqs": ("gguf", "llama", dict(seed=17, wtype="F32", rope_freqs=True)),
+    "gguf-qwen2-Q8_0": ("gguf", "qwen2", dict(seed=18, wtype="Q8_0", tied=False)),
+    "gguf-qwen3-F32": ("gguf", "qwen3", dict(seed=19, wtype="F32")),
+}
+
+
+def make_variant(name: str, base: pathlib.Path) -> pathlib.Path:
+    fmt, arch, opts = VARIANTS[name]
+    if fmt == "hf":
+        return make_hf_checkpoint(base / name, arch, **opts)
+    return make_gguf_checkpoint(base / f"{name}.gguf", arch, **opts)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(variant) -> path, written once per session."""
+    base = tmp_path_factory.mktemp("tiny-checkpoints")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = make_variant(name, base)
+        return made[name]
+
+    return get
+
+
+@functools.lru_cache(maxsize=None)
+def ref_model(path: str) -> ref.Model:
+    return ref.load(path)
+
+
+def prompt_for(model: ref.Model, length: int, salt: int = 0) -> list:
+    rng = np.random.default_rng(1000 * length + salt)
+    return [int(t) for t in rng.integers(0, model.vocab_size, size=length)]
+
+
+def tie_free_prompt(model: ref.Model, length: int, n: int) -> list:
+    """The first random prompt of `length` whose reference greedy run of n tokens has no near
+    tie, so that the greedy sequences must be identical."""
+    for salt in range(50):
+        prompt = prompt_for(model, length, salt)
+        if min(ref.greedy(model, prompt, n, return_margins=True)[1]) >= TIE:
+            return prompt
+    raise AssertionError(f"no tie-free prompt of length {length}")
+
+
+def tandem_generate(model_path, prompt, n, tmp_path, threads=None, tag="logits"):
+    """(generated token ids, float32 logits of the last prompt position)."""
+    dump = tmp_path / f"{tag}.f32"
+    args = ["generate", "--model", model_path, "--prompt-tokens", ",".join(map(str, prompt)),
+            "--max-tokens", n, "--temperature", 0, "--print-token-ids", "--dump-logits", dump]
+    if threads is not None:
+        args += ["--threads", threads]
+    cp = run_tandem(args)
+    tokens = [int(t) for t in cp.stdout.split()]
+    assert len(tokens) == n, f"expected {n} token ids on stdout, got: {cp.stdout!r}"
+    logits = np.fromfile(dump, dtype="<f4")
+    return tokens, logits
+
+
+def check_logits(ours: np.ndarray, ref_logits: np.ndarray, what: str):
+    assert ours.shape == ref_logits.shape, f"{what}: {ours.shape} logits, want {ref_logits.shape}"
+    assert np.all(np.isfinite(ours)), f"{what}: non-finite logits"
+    err = ref.rel_err(ours, ref_logits)
+    worst = int(np.argmax(np.abs(ours - ref_logits)))
+    assert err <= TOL, (f"{what}: logits differ by {err:.3g} relative (max|ref| "
+                        f"{np.max(np.abs(ref_logits)):.4g}; worst id {worst}: ours "
+                        f"{ours[worst]:.6g} ref {ref_logits[worst]:.6g})")
+
+
+def check_fidelity(model: ref.Model, prompt: list, ours_logits: np.ndarray, ours: list,
+                   what: str):
+    """Logits of the last prompt position within TOL; tandem's greedy tokens checked step by
+    step on tandem's own sequence (teacher forcing), then identical to the reference's own
+    greedy run, which must have no near tie (else the prompt is a bad choice)."""
+    n = len(ours)
+    logits = ref.forward(model, list(prompt) + list(ours[:-1]))[len(prompt) - 1:]
+    check_logits(ours_logits, logits[0], what)
+    for i, tok in enumerate(ours):
+        row = logits[i]
+        best = int(np.argmax(row))
+        slack = TIE * np.max(np.abs(row))
+        assert 0 <= tok < model.vocab_size, f"{what}: step {i}: token {tok} out of range"
+        assert row[tok] >= row[best] - slack, (
+            f"{what}: step {i}: tandem chose {tok} (ref logit {row[tok]:.6g}) but the reference "
+            f"argmax is {best} ({row[best]:.6g}); tandem's tokens {ours}")
+    want, margins = ref.greedy(model, prompt, n, return_margins=True)
+    assert min(margins) >= TIE, (f"{what}: the reference has a near tie (relative top-2 gaps "
+                                 f"{np.round(margins, 5).tolist()}); choose another prompt")
+    assert ours == want, f"{what}: greedy tokens {ours}, reference {want}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference and the checkpoint writers check themselves (no tandem).
+
+TOKS = [5, 17, 3, 100, 200, 7, 9, 250, 1, 0, 44, 31, 31, 31, 2, 128]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_reference_hf_and_gguf_agree(arch, tmp_path):
+    """One seed written both ways is one model: catches wrong tensor names, a wrong llama Q/K
+    permutation, or rope pairing that does not match it."""
+    hf = ref.load(make_hf_checkpoint(tmp_path / "hf", arch, seed=21))
+    gg = ref.load(make_gguf_checkpoint(tmp_path / "m.gguf", arch, seed=21, tied=False))
+    assert hf.rope_neox and gg.rope_neox == (arch != "llama")
+    assert ref.rel_err(ref.forward(gg, TOKS), ref.forward(hf, TOKS)) < 1e-9
+
+
+def test_reference_llama3_rope_freqs_equals_hf_llama3(tmp_path):
+    hf = ref.load(make_hf_checkpoint(tmp_path / "hf", "llama", seed=22, rope="llama3"))
+    hf2 = ref.load(make_hf_checkpoint(tmp_path / "hf2", "llama", seed=22,
+                                      rope="llama3_parameters"))
+    gg = ref.load(make_gguf_checkpoint(tmp_path / "m.gguf", "llama", seed=22, tied=False,
+                                       rope_freqs=True))
+    want = ref.forward(hf, TOKS)
+    assert ref.rel_err(ref.forward(hf2, TOKS), want) == 0.0
+    assert ref.rel_err(ref.forward(gg, TOKS), want) < 1e-6  # rope_freqs is stored as f32
+    # all three llama3 regimes are exercised: kept, smoothed, divided by the factor
+    base = ref.rope_inv_freq(hf.rope_theta, hf.head_dim)
+    ratio = base / hf.inv_freq
+    assert np.any(ratio == 1.0) and np.any(np.isclose(ratio, 8.0))
+    assert np.any((ratio > 1.001) & (ratio < 7.999))
+
+
+def test_reference_incremental_matches_full(tmp_path):
+    m = ref.load(make_hf_checkpoint(tmp_path / "hf", "qwen3", seed=23))
+    full = ref.forward(m, TOKS)
+    s = ref.Session(m)
+    parts = [s.step(TOKS[:5]), s.step(TOKS[5:6]), s.step(TOKS[6:])]
+    assert ref.rel_err(np.concatenate(parts), full) < 1e-12
+    toks = ref.greedy(m, TOKS, 4)
+    assert toks[0] == int(np.argmax(full[-1]))
+
+
+def test_reference_is_sensitive(tmp_path):
+    """The 1e-4 comparison must fail for the mistakes it exists to catch."""
+    m = ref.load(make_hf_checkpoint(tmp_path / "hf", "llama", seed=24))
+    want = ref.forward(m, TOKS[:7])
+    mutants = {
+        "rope pairing": dataclasses.replace(m, rope_neox=False),
+        "theta 10000": dataclasses.replace(m, inv_freq=ref.rope_inv_freq(10000.0, m.head_dim)),
+        "rms eps 1e-5": dataclasses.replace(m, rms_eps=1e-5),
+        "untied/tied": dataclasses.replace(m, lm_head=m.embed),
+    }
+    for what, mut in mutants.items():
+        assert ref.rel_err(ref.forward(mut, TOKS[:7]), want) > 10 * TOL, what
+
+
+def test_q6_k_packing_decodes_with_gguf():
+    import gguf
+
+    x = np.random.default_rng(25).standard_normal((4, 512)).astype(np.float32)
+    y = gguf.quants.dequantize(quantize_q6_k(x), gguf.GGMLQuantizationType.Q6_K)
+    # each value within half a quantisation step (step <= max|sub-block| / 31, plus scale rounding)
+    assert y.shape == x.shape
+    assert np.max(np.abs(y - x)) < np.max(np.abs(x)) / 31
+    assert np.corrcoef(x.ravel(), y.ravel())[0, 1] > 0.999
+
+
+def test_bf16_rounding():
+    x = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -2.5, 3.0e38], dtype=np.float32)
+    assert f32_to_bf16_bits(x).tolist() == [0x3F80, 0x3F80, 0x3F82, 0xC020, 0x7F62]
+    import gguf
+
+    y = np.random.default_rng(27).standard_normal(1000).astype(np.float32)
+    theirs = gguf.quants.quantize(y, gguf.GGMLQuantizationType.BF16).view(np.uint16)
+    assert np.array_equal(f32_to_bf16_bits(y), theirs)
+
+
+# ---------------------------------------------------------------------------------------------
+# tandem against the reference: tiny checkpoints
+
+
+@pytest.mark.parametrize("length", PROMPT_LENS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tiny_fidelity(variant, length, checkpoint, tandem_bin, tmp_path):
+    path = checkpoint(variant)
+    m = ref_model(str(path))
+    prompt = tie_free_prompt(m, length, N_GREEDY)
+    ours_tokens, ours_logits = tandem_generate(path, prompt, N_GREEDY, tmp_path)
+    check_fidelity(m, prompt, ours_logits, ours_tokens, f"{variant} prompt[{length}]")
+
+
+def test_threads_give_identical_output(tandem_bin, tmp_path):
+    """Work split over 1 or 2 threads gives the same tokens (wide enough to split)."""
+    path = make_hf_checkpoint(tmp_path / "wide", "llama", seed=26, hidden_size=256,
+                              num_attention_heads=8, num_key_value_heads=2,
+                              intermediate_size=768, vocab_size=4096)
+    m = ref.load(path)
+    prompt = tie_free_prompt(m, 53, N_GREEDY)
+    t1, l1 = tandem_generate(path, prompt, N_GREEDY, tmp_path, threads=1, tag="t1")
+    t2, l2 = tandem_generate(path, prompt, N_GREEDY, tmp_path, threads=2, tag="t2")
+    assert t1 == t2, f"--threads 1 gave {t1}, --threads 2 gave {t2}"
+    check_fidelity(m, prompt, l1, t1, "threads=1")
+    check_fidelity(m, prompt, l2, t2, "threads=2")
+
+
+# ---------------------------------------------------------------------------------------------
+# tandem against the reference: the default model (SmolLM2-135M-Instruct, Q4_1)
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+]
+N_DEFAULT = 16
+
+
+@functools.lru_cache(maxsize=None)
+def smollm_tokenizer(path: str):
+    """A byte-level BPE tokenizer built from the GGUF vocab and merges (tokenizers package);
+    it only needs to produce valid, realistic ids."""
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    r = GGUFReader(path)
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    types = r.fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(mg.split(" ", 1)) for mg in r.fields["tokenizer.ggml.merges"].contents()]
+    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(tokens, types) if ty == 3])
+    return tk
+
+
+@pytest.fixture(scope="module")
+def default_ref(default_model):
+    return ref.load(default_model)
+
+
+@pytest.mark.parametrize("text", DEFAULT_PROMPTS, ids=[f"prompt{i}" for i in
+                                                      range(len(DEFAULT_PROMPTS))])
+def test_default_model_fidelity(text, default_model, default_ref, tandem_bin, tmp_path):
+    prompt = smollm_tokenizer(str(default_model)).encode(text).ids
+    assert 4 <= len(prompt) <= 64
+    ours_tokens, ours_logits = tandem_generate(default_model, prompt, N_DEFAULT, tmp_path)
+    check_fidelity(default_ref, prompt, ours_logits, ours_tokens,
+                   f"default model, {text[:24]!r}")

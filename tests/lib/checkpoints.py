@@ -1,0 +1,451 @@
+"""Tiny random checkpoints for tests: HF folders (config.json + safetensors) and GGUF files.
+
+Why: the engine is checked against an independent numpy reference (tests/lib/reference.py) on
+models small enough to run in milliseconds, yet shaped like the real ones (GQA, several
+layers, every weight kind of llama, qwen2 and qwen3), and written the way the real converters
+write them, so that the loaders see the same names, layouts and metadata as in the wild.
+
+Both writers draw the same weights from a seed (`random_weights`, HF names and layout,
+float64): an HF checkpoint and a GGUF file made with the same seed and shape hold the same model,
+up to the storage type. For GGUF llama, Q and K are stored with the row permutation of
+llama.cpp's converter, so that GGUF llama runs adjacent-pair rope where HF runs rotate_half;
+qwen2/qwen3 GGUF keep HF's order and rope.
+
+Scaling: projections draw N(0, 1/in_features) so activations stay O(1); norm weights are
+1 + N(0, 0.1^2); q is drawn a little larger so attention is selective, which makes position
+mistakes (rope, masks, cache) show in the logits.
+
+Writers only: nothing here reads a checkpoint back. bf16 safetensors are written through
+safetensors' own serializer with a uint16 buffer labelled "bfloat16" (numpy has no bf16), the
+float32 values rounded to nearest even. Q6_K has no quantizer in the gguf package, so
+`quantize_q6_k` packs it here; its layout is checked by gguf.quants.dequantize in the tests.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import numpy as np
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+# Default shapes; any of these can be overridden through **shape.
+DEFAULT_SHAPE = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # qwen3 default: 32 (differs from hidden / heads)
+    intermediate_size=128,
+    num_hidden_layers=2,
+    vocab_size=272,  # 256 byte tokens + merges + <bos> + <eos> (see gguf_vocab)
+    max_position_embeddings=512,
+    # Larger than real models' (1e-5/1e-6) so that a misread epsilon moves the logits by more
+    # than the 1e-4 tolerance; distinct per arch (see resolve_shape).
+    rms_norm_eps=1e-3,
+    rope_theta=12345.0,  # not 10000, so a loader that ignores it is caught
+)
+
+# llama3 rope scaling used for rope="llama3": with head_dim 16 and theta 12345 the wavelengths
+# (6.3 .. ~2e4 positions) fall in all three regimes (kept, smoothed, divided by factor).
+LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=256)
+LINEAR_FACTOR = 2.0
+
+
+def resolve_shape(arch: str, shape: dict) -> dict:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}")
+    s = dict(DEFAULT_SHAPE)
+    if arch == "qwen3":
+        s["head_dim"] = 32
+        s["rms_norm_eps"] = 5e-4
+    if arch == "qwen2":
+        s["rms_norm_eps"] = 2e-3
+    unknown = set(shape) - set(DEFAULT_SHAPE)
+    if unknown:
+        raise ValueError(f"unknown shape keys {sorted(unknown)}")
+    s.update(shape)
+    if arch in ("llama", "qwen2") and "head_dim" not in shape:
+        s["head_dim"] = s["hidden_size"] // s["num_attention_heads"]
+    if s["num_attention_heads"] % s["num_key_value_heads"]:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    return s
+
+
+def random_weights(arch: str, seed: int, s: dict, tied: bool) -> dict[str, np.ndarray]:
+    """HF-named float64 weights, [out_features, in_features] for matrices; fixed draw order."""
+    rng = np.random.default_rng(seed)
+    d, hd, ff, v = s["hidden_size"], s["head_dim"], s["intermediate_size"], s["vocab_size"]
+    nq, nkv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
+
+    def mat(rows, cols, gain=1.0):
+        return rng.standard_normal((rows, cols)) * (gain / math.sqrt(cols))
+
+    def norm(n):
+        return 1.0 + 0.1 * rng.standard_normal(n)
+
+    w = {"model.embed_tokens.weight": 0.4 * rng.standard_normal((v, d))}
+    for i in range(s["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(d)
+        w[p + "self_attn.q_proj.weight"] = mat(nq, d, 1.5)
+        w[p + "self_attn.k_proj.weight"] = mat(nkv, d)
+        w[p + "self_attn.v_proj.weight"] = mat(nkv, d)
+        if arch == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = 0.2 * rng.standard_normal(nq)
+            w[p + "self_attn.k_proj.bias"] = 0.2 * rng.standard_normal(nkv)
+            w[p + "self_attn.v_proj.bias"] = 0.2 * rng.standard_normal(nkv)
+        if arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = norm(hd)
+            w[p + "self_attn.k_norm.weight"] = norm(hd)
+        w[p + "self_attn.o_proj.weight"] = mat(d, nq)
+        w[p + "post_attention_layernorm.weight"] = norm(d)
+        w[p + "mlp.gate_proj.weight"] = mat(ff, d)
+        w[p + "mlp.up_proj.weight"] = mat(ff, d)
+        w[p + "mlp.down_proj.weight"] = mat(d, ff)
+    w["model.norm.weight"] = norm(d)
+    if not tied:
+        w["lm_head.weight"] = mat(v, d, 2.0)
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# HF checkpoints
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even (inputs are finite)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def _write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray], dtype: str) -> int:
+    """Writes one safetensors file; returns the bytes of tensor data."""
+    from safetensors import TensorSpec, serialize_file
+
+    keep = []
+    specs = {}
+    total = 0
+    for name, arr in tensors.items():
+        if dtype == "bfloat16":
+            buf = f32_to_bf16_bits(arr.astype(np.float32))
+        else:
+            buf = np.ascontiguousarray(arr, dtype=np.dtype(dtype))
+        keep.append(buf)
+        specs[name] = TensorSpec(dtype=dtype, shape=list(arr.shape), data_ptr=buf.ctypes.data,
+                                 data_len=buf.nbytes)
+        total += buf.nbytes
+    serialize_file(specs, str(path), metadata={"format": "pt"})
+    del keep
+    return total
+
+
+def _hf_rope_config(rope: str, theta: float) -> dict:
+    if rope == "theta":
+        return {"rope_theta": theta}
+    if rope == "parameters":
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    if rope == "llama3":
+        return {"rope_theta": theta, "rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALING}}
+    if rope == "llama3_parameters":
+        return {"rope_parameters": {"rope_type": "llama3", "rope_theta": theta, **LLAMA3_SCALING}}
+    if rope == "linear":
+        return {"rope_theta": theta,
+                "rope_scaling": {"rope_type": "linear", "factor": LINEAR_FACTOR}}
+    raise ValueError(f"unknown rope form {rope!r}")
+
+
+def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = False,
+                       sharded: bool = False, seed: int = 0, rope: str = "theta",
+                       **shape) -> pathlib.Path:
+    """Writes a tiny random HF checkpoint folder and returns its path.
+
+    dtype: float32 | bfloat16 | float16. rope: theta (top-level rope_theta) | parameters
+    (rope_parameters, default type) | llama3 (rope_theta + rope_scaling llama3) |
+    llama3_parameters (rope_parameters with llama3) | linear. sharded: three shards plus
+    model.safetensors.index.json. No tokenizer files are written.
+    """
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    out = pathlib.Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    s = resolve_shape(arch, shape)
+    w = random_weights(arch, seed, s, tied)
+    v = s["vocab_size"]
+    bos, eos = v - 2, v - 1
+
+    cfg = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": arch,
+        "hidden_size": s["hidden_size"],
+        "intermediate_size": s["intermediate_size"],
+        "num_hidden_layers": s["num_hidden_layers"],
+        "num_attention_heads": s["num_attention_heads"],
+        "num_key_value_heads": s["num_key_value_heads"],
+        "max_position_embeddings": s["max_position_embeddings"],
+        "rms_norm_eps": s["rms_norm_eps"],
+        "vocab_size": v,
+        "hidden_act": "silu",
+        "tie_word_embeddings": tied,
+        "torch_dtype": dtype,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False, head_dim=s["head_dim"],
+                   pretraining_tp=1)
+    if arch == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=s["max_position_embeddings"],
+                   max_window_layers=s["num_hidden_layers"], attention_dropout=0.0)
+    if arch == "qwen3":
+        cfg.update(head_dim=s["head_dim"], attention_bias=False, use_sliding_window=False,
+                   sliding_window=None, max_window_layers=s["num_hidden_layers"],
+                   attention_dropout=0.0)
+    cfg.update(_hf_rope_config(rope, s["rope_theta"]))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos, "eos_token_id": eos, "do_sample": True, "temperature": 0.7,
+         "top_p": 0.9}, indent=2) + "\n")
+
+    # Clean any files from a previous call so a folder never mixes layouts.
+    for old in list(out.glob("model*.safetensors")) + list(out.glob("*.index.json")):
+        old.unlink()
+    if not sharded:
+        _write_safetensors(out / "model.safetensors", w, dtype)
+        return out
+    names = list(w)
+    n_shards = 3
+    parts = [names[i::n_shards] for i in range(n_shards)]  # interleaved: layers span shards
+    weight_map, total = {}, 0
+    for i, part in enumerate(parts):
+        fname = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        total += _write_safetensors(out / fname, {n: w[n] for n in part}, dtype)
+        weight_map.update({n: fname for n in part})
+    index = {"metadata": {"total_size": total},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2 byte-level alphabet: printable bytes map to themselves, the rest to U+0100...."""
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
+            + list(range(ord("\xae"), ord("\xff") + 1)))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def gguf_vocab(vocab_size: int):
+    """tokens, token types, merges, bos, eos for a byte-level BPE vocab of vocab_size tokens:
+    ids 0..255 are the bytes, then merges of two bytes, then <|bos|> and <|eos|>."""
+    if vocab_size < 259:
+        raise ValueError("gguf vocab needs at least 259 tokens (256 bytes, 1 merge, bos, eos)")
+    b2u = byte_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    letters = "etaoinshrdlucmfwyp"
+    pairs = [(b2u[ord(" ")], c) for c in letters] + [(a, c) for a in letters for c in letters]
+    n_merges = vocab_size - 258
+    if n_merges > len(pairs):
+        raise ValueError(f"vocab_size {vocab_size} too large for the tiny gguf vocab")
+    merges = [f"{a} {c}" for a, c in pairs[:n_merges]]
+    tokens += [a + c for a, c in pairs[:n_merges]]
+    tokens += ["<|bos|>", "<|eos|>"]
+    types = [1] * (vocab_size - 2) + [3, 3]  # NORMAL, CONTROL
+    return tokens, types, merges, vocab_size - 2, vocab_size - 1
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter order for Q/K rows: within each head, rows (j, j + hd/2) of HF's
+    rotate_half layout become adjacent rows (2j, 2j+1). Works for weights [rows, cols] and
+    biases [rows]."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Packs float rows (a multiple of 256 wide) into Q6_K blocks of 210 bytes:
+    ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8, one per 16 values), d (f16).
+    Element i of a block: h = i // 128, r = i % 128; low nibble of ql[h*64 + r%64] (upper
+    nibble when r >= 64); bits 2*(r//32) of qh[h*32 + r%32]; value d * scale[i//16] * (q - 32)."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % 256:
+        raise ValueError("Q6_K rows must be a multiple of 256 wide")
+    rows = x.reshape(-1, x.shape[-1])
+    blocks = rows.reshape(-1, 256).astype(np.float64)
+    nb = blocks.shape[0]
+    sub = blocks.reshape(nb, 16, 16)
+    # per-sub-block scale so that the largest magnitude maps to q = -32 or 31
+    amax_idx = np.abs(sub).argmax(axis=-1)
+    signed_max = np.take_along_axis(sub, amax_idx[..., None], axis=-1)[..., 0]
+    sub_scale = signed_max / -32.0
+    max_scale = np.abs(sub_scale).max(axis=-1)
+    d = (max_scale / 127.0).astype(np.float16)
+    d64 = d.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d64[:, None] > 0, np.round(sub_scale / d64[:, None]), 0.0)
+    sc = np.clip(sc, -128, 127).astype(np.int8)
+    step = d64[:, None] * sc.astype(np.float64)  # [nb, 16]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step[..., None] != 0, np.round(sub / step[..., None]), 0.0)
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(nb, 256)
+
+    ql = np.zeros((nb, 128), np.uint8)
+    qh = np.zeros((nb, 64), np.uint8)
+    i = np.arange(256)
+    h, r = i // 128, i % 128
+    ql_idx = h * 64 + r % 64
+    ql_shift = np.where(r >= 64, 4, 0).astype(np.uint8)
+    qh_idx = h * 32 + r % 32
+    qh_shift = (2 * (r // 32)).astype(np.uint8)
+    for k in range(256):
+        ql[:, ql_idx[k]] |= (q[:, k] & 0x0F) << ql_shift[k]
+        qh[:, qh_idx[k]] |= (q[:, k] >> 4) << qh_shift[k]
+    out = np.concatenate([ql, qh, sc.view(np.uint8), d.reshape(nb, 1).view(np.uint8)], axis=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 256 * 210)
+
+
+GGUF_WTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q6_K")
+
+
+def _gguf_matrix(arr: np.ndarray, wtype: str):
+    """(data, raw_dtype) for GGUFWriter.add_tensor."""
+    import gguf
+
+    a32 = np.ascontiguousarray(arr, dtype=np.float32)
+    if wtype == "F32":
+        return a32, None
+    if wtype == "F16":
+        return a32.astype(np.float16), None
+    qt = gguf.GGMLQuantizationType[wtype]
+    if wtype == "Q6_K":
+        return quantize_q6_k(a32), qt
+    return gguf.quants.quantize(a32, qt), qt
+
+
+def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, tied: bool = True,
+                         rope_freqs: bool = False, **shape) -> pathlib.Path:
+    """Writes a tiny random GGUF model (llama.cpp conventions) and returns its path.
+
+    2-D matrices (embedding included) are stored as `wtype`; norms and biases F32. llama's Q/K
+    are permuted as llama.cpp's converter does. rope_freqs=True adds a llama3-style
+    rope_freqs.weight tensor (per-frequency divisors, see LLAMA3_SCALING). Q6_K needs
+    hidden_size and intermediate_size multiples of 256.
+    """
+    import gguf
+
+    if wtype not in GGUF_WTYPES:
+        raise ValueError(f"unknown wtype {wtype!r}")
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    s = resolve_shape(arch, shape)
+    w = random_weights(arch, seed, s, tied)
+    nh, nkv, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+
+    wr = gguf.GGUFWriter(str(path), arch)
+    wr.add_name(f"tiny-{arch}-{wtype}")
+    wr.add_block_count(s["num_hidden_layers"])
+    wr.add_context_length(s["max_position_embeddings"])
+    wr.add_embedding_length(s["hidden_size"])
+    wr.add_feed_forward_length(s["intermediate_size"])
+    wr.add_head_count(nh)
+    wr.add_head_count_kv(nkv)
+    if arch == "qwen3" or hd != s["hidden_size"] // nh:
+        wr.add_key_length(hd)
+        wr.add_value_length(hd)
+    wr.add_layer_norm_rms_eps(s["rms_norm_eps"])
+    wr.add_rope_freq_base(s["rope_theta"])
+    wr.add_rope_dimension_count(hd)
+    wr.add_vocab_size(s["vocab_size"])
+    wr.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q6_K": 18}[wtype])
+    wr.add_quantization_version(2)
+    tokens, types, merges, bos, eos = gguf_vocab(s["vocab_size"])
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("default")
+    wr.add_token_list(tokens)
+    wr.add_token_types(types)
+    wr.add_token_merges(merges)
+    wr.add_bos_token_id(bos)
+    wr.add_eos_token_id(eos)
+    wr.add_add_bos_token(False)
+
+    def mat(name, arr):
+        data, raw = _gguf_matrix(arr, wtype)
+        wr.add_tensor(name, data, raw_dtype=raw)
+
+    def vec(name, arr):
+        wr.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+
+    mat("token_embd.weight", w["model.embed_tokens.weight"])
+    if rope_freqs:
+        vec("rope_freqs.weight", llama3_rope_factors(s["rope_theta"], hd))
+    for i in range(s["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        q = w[p + "self_attn.q_proj.weight"]
+        k = w[p + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = llama_permute(q, nh), llama_permute(k, nkv)
+        vec(b + "attn_norm.weight", w[p + "input_layernorm.weight"])
+        mat(b + "attn_q.weight", q)
+        mat(b + "attn_k.weight", k)
+        mat(b + "attn_v.weight", w[p + "self_attn.v_proj.weight"])
+        if arch == "qwen2":
+            vec(b + "attn_q.bias", w[p + "self_attn.q_proj.bias"])
+            vec(b + "attn_k.bias", w[p + "self_attn.k_proj.bias"])
+            vec(b + "attn_v.bias", w[p + "self_attn.v_proj.bias"])
+        if arch == "qwen3":
+            vec(b + "attn_q_norm.weight", w[p + "self_attn.q_norm.weight"])
+            vec(b + "attn_k_norm.weight", w[p + "self_attn.k_norm.weight"])
+        mat(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
+        vec(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        mat(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"])
+        mat(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"])
+        mat(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"])
+    vec("output_norm.weight", w["model.norm.weight"])
+    if not tied:
+        mat("output.weight", w["lm_head.weight"])
+
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
+
+
+def llama3_rope_factors(theta: float, head_dim: int, scaling: dict = LLAMA3_SCALING) -> np.ndarray:
+    """llama.cpp's rope_freqs tensor for llama3 scaling: the divisor of each frequency."""
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    old = scaling["original_max_position_embeddings"]
+    lo, hi, f = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    wavelen = 2 * math.pi / inv
+    out = np.ones_like(inv)
+    for i, wl in enumerate(wavelen):
+        if wl < old / hi:
+            out[i] = 1.0
+        elif wl > old / lo:
+            out[i] = f
+        else:
+            smooth = (old / wl - lo) / (hi - lo)
+            out[i] = 1.0 / ((1 - smooth) / f + smooth)
+    return out.astype(np.float32)
+
+
+__all__ = ["make_hf_checkpoint", "make_gguf_checkpoint", "random_weights", "resolve_shape",
+           "llama_permute", "quantize_q6_k", "gguf_vocab", "byte_to_unicode", "f32_to_bf16_bits",
+           "llama3_rope_factors", "LLAMA3_SCALING", "LINEAR_FACTOR", "GGUF_WTYPES", "ARCHS"]
+

@@ -1,0 +1,418 @@
+"""Independent numpy reference forward pass for llama, qwen2 and qwen3 decoders.
+
+Why: tandem's engine must match the model definitions (HF LlamaForCausalLM / Qwen2ForCausalLM /
+Qwen3ForCausalLM, and llama.cpp's reading of the same models from GGUF) within 1e-4 relative on
+logits. This module restates those definitions in plain numpy, written from the papers and
+model cards, and reads weights only through the `gguf` package (GGUFReader +
+gguf.quants.dequantize) or the `safetensors` package, never through tandem's C code, so that a
+shared mistake cannot hide.
+
+Precision: everything is computed in float64 (weights are dequantised/converted to float64 once
+at load; rope angles, norms, softmax and accumulation are float64). The reference's own rounding
+is then ~1e-15 relative, negligible against the 1e-4 bound the engine is held to, so a failure
+measures the engine's error alone. The stored weights are exact (f32/f16/bf16 values, or the
+dequantised blocks), so quantisation is part of the model, not of the error.
+
+Model, one layer (x: [T, d_model], positions p):
+    h = rmsnorm(x, attn_norm)                     rmsnorm(x, w) = x / sqrt(mean(x^2) + eps) * w
+    q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)        (biases: qwen2)
+    q, k = rmsnorm per head (q_norm, k_norm)                   (qwen3)
+    q, k = rope(q, p), rope(k, p)
+    a = softmax(q k^T / sqrt(head_dim) + causal mask) v        (GQA: head h reads kv head
+                                                                h // (n_heads / n_kv_heads))
+    x = x + a Wo^T
+    h = rmsnorm(x, ffn_norm)
+    x = x + (silu(h Wgate^T) * (h Wup^T)) Wdown^T
+then logits = rmsnorm(x, output_norm) Wout^T, Wout = token embedding when tied.
+
+Rope: inv_freq_i = theta^(-2i/head_dim), angle = p * inv_freq_i, with llama3 or linear scaling
+from config.json, or divided by GGUF's rope_freqs.weight when present. HF checkpoints and
+qwen2/qwen3 GGUF rotate pairs (i, i + head_dim/2) (rotate_half); llama GGUF rotates adjacent
+pairs (2i, 2i+1), because llama.cpp's converter permuted the Q/K rows to match.
+
+API: load(path) -> Model; forward(model, tokens) -> logits [T, vocab] float64;
+greedy(model, prompt, n) -> list[int] (prefill, then one token at a time against a KV cache);
+Session for incremental use. Not thread-safe per Session; a Model is read-only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import pathlib
+
+import numpy as np
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def _limit_blas_threads(n: int) -> bool:
+    """Sets numpy's bundled OpenBLAS to n threads. On the shared 2-core machines that run the
+    suite, threaded OpenBLAS spin-waits against the other processes and runs the default model
+    ~5x slower than one thread. Honours an explicit OPENBLAS_NUM_THREADS. False if not found."""
+    if os.environ.get("OPENBLAS_NUM_THREADS"):
+        return False
+    import ctypes
+
+    libdir = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for so in glob.glob(os.path.join(libdir, "libscipy_openblas*.so")):
+        lib = ctypes.CDLL(so)  # the copy numpy already loaded: dlopen returns the same handle
+        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                    "openblas_set_num_threads"):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                return True
+    return False
+
+
+_limit_blas_threads(int(os.environ.get("TANDEM_REF_THREADS", "1")))
+
+
+@dataclasses.dataclass
+class Layer:
+    attn_norm: np.ndarray  # [d_model]
+    wq: np.ndarray  # [n_heads*head_dim, d_model]
+    wk: np.ndarray  # [n_kv_heads*head_dim, d_model]
+    wv: np.ndarray  # [n_kv_heads*head_dim, d_model]
+    wo: np.ndarray  # [d_model, n_heads*head_dim]
+    ffn_norm: np.ndarray  # [d_model]
+    w_gate: np.ndarray  # [d_ff, d_model]
+    w_up: np.ndarray  # [d_ff, d_model]
+    w_down: np.ndarray  # [d_model, d_ff]
+    bq: np.ndarray | None = None  # qwen2
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # qwen3 [head_dim]
+    k_norm: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class Model:
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float
+    inv_freq: np.ndarray  # [head_dim/2] float64, scaling already applied
+    rope_neox: bool  # True: pairs (i, i+hd/2); False: adjacent pairs (2i, 2i+1)
+    embed: np.ndarray  # [vocab, d_model]
+    layers: list
+    out_norm: np.ndarray  # [d_model]
+    lm_head: np.ndarray  # [vocab, d_model] (the embedding itself when tied)
+    tied: bool
+    bos_id: int | None = None
+    eos_id: int | None = None
+    source: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# rope frequencies
+
+
+def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None = None) -> np.ndarray:
+    """inv_freq_i = theta^(-2i/hd), then HF's scaling rules (llama3, linear) if given."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        lo = float(scaling["low_freq_factor"])
+        hi = float(scaling["high_freq_factor"])
+        old = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        out = np.where(wavelen > old / lo, inv / factor, inv)  # long waves: slowed by factor
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * out / factor + smooth * out
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return np.where(medium, blended, out)
+    raise NotImplementedError(f"rope scaling {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _f64(a) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=np.float64))
+
+
+def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """All tensors of one file as float64, parsed by the safetensors package. numpy has no
+    bfloat16, so BF16 comes back as raw bytes and is widened here (bits << 16)."""
+    from safetensors import deserialize
+
+    out = {}
+    for name, t in deserialize(path.read_bytes()):
+        dt, shape, raw = t["dtype"], t["shape"], bytes(t["data"])
+        if dt == "F32":
+            a = np.frombuffer(raw, dtype="<f4")
+        elif dt == "F16":
+            a = np.frombuffer(raw, dtype="<f2")
+        elif dt == "BF16":
+            a = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            raise NotImplementedError(f"{path}: tensor {name} dtype {dt}")
+        out[name] = _f64(a.reshape(shape))
+    return out
+
+
+def _load_hf(folder: pathlib.Path) -> Model:
+    cfg = json.loads((folder / "config.json").read_text())
+    arch = cfg.get("model_type")
+    if arch not in ARCHS:
+        raise NotImplementedError(f"model_type {arch!r}")
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    w: dict[str, np.ndarray] = {}
+    for f in files:
+        w.update(_read_safetensors(folder / f))
+
+    d = cfg["hidden_size"]
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads", nh)
+    hd = cfg.get("head_dim") or d // nh
+    rp = cfg.get("rope_parameters")
+    if rp is not None:
+        theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = rp
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling")
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    layers = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        layers.append(Layer(
+            attn_norm=w[p + "input_layernorm.weight"],
+            wq=w[p + "self_attn.q_proj.weight"], wk=w[p + "self_attn.k_proj.weight"],
+            wv=w[p + "self_attn.v_proj.weight"], wo=w[p + "self_attn.o_proj.weight"],
+            ffn_norm=w[p + "post_attention_layernorm.weight"],
+            w_gate=w[p + "mlp.gate_proj.weight"], w_up=w[p + "mlp.up_proj.weight"],
+            w_down=w[p + "mlp.down_proj.weight"],
+            bq=w.get(p + "self_attn.q_proj.bias"), bk=w.get(p + "self_attn.k_proj.bias"),
+            bv=w.get(p + "self_attn.v_proj.bias"),
+            q_norm=w.get(p + "self_attn.q_norm.weight"),
+            k_norm=w.get(p + "self_attn.k_norm.weight")))
+        if arch == "qwen2" and layers[-1].bq is None:
+            raise ValueError("qwen2 checkpoint without q/k/v biases")
+        if arch == "qwen3" and layers[-1].q_norm is None:
+            raise ValueError("qwen3 checkpoint without q_norm/k_norm")
+    embed = w["model.embed_tokens.weight"]
+    lm_head = embed if tied else w["lm_head.weight"]
+    eos = cfg.get("eos_token_id")
+    return Model(arch=arch, n_layers=len(layers), d_model=d, n_heads=nh, n_kv_heads=nkv,
+                 head_dim=hd, d_ff=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                 inv_freq=rope_inv_freq(theta, hd, scaling), rope_neox=True, embed=embed,
+                 layers=layers, out_norm=w["model.norm.weight"], lm_head=lm_head, tied=tied,
+                 bos_id=cfg.get("bos_token_id"),
+                 eos_id=eos[0] if isinstance(eos, list) else eos, source=str(folder))
+
+
+def _load_gguf(path: pathlib.Path) -> Model:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    r = GGUFReader(str(path))
+
+    def kv(key, default=None):
+        f = r.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = kv("general.architecture")
+    if arch not in ARCHS:
+        raise NotImplementedError(f"architecture {arch!r}")
+    tensors = {}
+    for t in r.tensors:
+        a = dequantize(t.data, t.tensor_type)
+        # GGUF ne is fastest-first; numpy shape is the reverse (rows, cols).
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        tensors[t.name] = _f64(a.reshape(shape))
+
+    d = int(kv(f"{arch}.embedding_length"))
+    nh = int(kv(f"{arch}.attention.head_count"))
+    nkv = int(kv(f"{arch}.attention.head_count_kv", nh))
+    hd = int(kv(f"{arch}.attention.key_length", d // nh))
+    n_rot = int(kv(f"{arch}.rope.dimension_count", hd))
+    if n_rot != hd:
+        raise NotImplementedError("partial rope")
+    theta = float(kv(f"{arch}.rope.freq_base", 10000.0))
+    scaling = None
+    if kv(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": kv(f"{arch}.rope.scaling.factor")}
+    inv_freq = rope_inv_freq(theta, hd, scaling)
+    if "rope_freqs.weight" in tensors:
+        inv_freq = inv_freq / tensors["rope_freqs.weight"].reshape(-1)
+    n_layers = int(kv(f"{arch}.block_count"))
+    layers = []
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        layers.append(Layer(
+            attn_norm=tensors[b + "attn_norm.weight"],
+            wq=tensors[b + "attn_q.weight"], wk=tensors[b + "attn_k.weight"],
+            wv=tensors[b + "attn_v.weight"], wo=tensors[b + "attn_output.weight"],
+            ffn_norm=tensors[b + "ffn_norm.weight"],
+            w_gate=tensors[b + "ffn_gate.weight"], w_up=tensors[b + "ffn_up.weight"],
+            w_down=tensors[b + "ffn_down.weight"],
+            bq=tensors.get(b + "attn_q.bias"), bk=tensors.get(b + "attn_k.bias"),
+            bv=tensors.get(b + "attn_v.bias"),
+            q_norm=tensors.get(b + "attn_q_norm.weight"),
+            k_norm=tensors.get(b + "attn_k_norm.weight")))
+    embed = tensors["token_embd.weight"]
+    tied = "output.weight" not in tensors
+    vocab = embed.shape[0]
+    bos, eos = kv("tokenizer.ggml.bos_token_id"), kv("tokenizer.ggml.eos_token_id")
+    return Model(arch=arch, n_layers=n_layers, d_model=d, n_heads=nh, n_kv_heads=nkv,
+                 head_dim=hd, d_ff=int(kv(f"{arch}.feed_forward_length")), vocab_size=vocab,
+                 rms_eps=float(kv(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+                 rope_theta=theta, inv_freq=inv_freq, rope_neox=(arch != "llama"),
+                 embed=embed, layers=layers, out_norm=tensors["output_norm.weight"],
+                 lm_head=embed if tied else tensors["output.weight"], tied=tied,
+                 bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
+                 source=str(path))
+
+
+def load(path) -> Model:
+    """A .gguf file, or a HF folder (config.json + model.safetensors or a sharded index)."""
+    p = pathlib.Path(path)
+    if p.is_dir():
+        return _load_hf(p)
+    if p.suffix == ".gguf":
+        return _load_gguf(p)
+    raise ValueError(f"{p}: neither a folder nor a .gguf file")
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def apply_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool) -> np.ndarray:
+    """x [T, heads, hd] rotated by angle pos[t] * inv_freq[i] on pair i."""
+    ang = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    if neox:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * c - b * s
+    out[..., 1::2] = a * s + b * c
+    return out
+
+
+class Session:
+    """Incremental evaluation: step(tokens) appends tokens at the next positions and returns
+    their logits [T, vocab], attending to everything before through a per-layer KV cache."""
+
+    def __init__(self, model: Model):
+        self.m = model
+        self.n_past = 0
+        self.k = [np.zeros((0, model.n_kv_heads, model.head_dim)) for _ in model.layers]
+        self.v = [np.zeros((0, model.n_kv_heads, model.head_dim)) for _ in model.layers]
+
+    def step(self, tokens) -> np.ndarray:
+        m = self.m
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("no tokens")
+        if tokens.min() < 0 or tokens.max() >= m.vocab_size:
+            raise ValueError("token id out of range")
+        T, nh, nkv, hd = tokens.size, m.n_heads, m.n_kv_heads, m.head_dim
+        group = nh // nkv
+        p0 = self.n_past
+        pos = np.arange(p0, p0 + T)
+        # causal mask over [past + new]: query t (position p0+t) sees keys at s <= p0+t
+        mask = np.arange(p0 + T)[None, :] > pos[:, None]  # [T, S]
+        scale = 1.0 / math.sqrt(hd)
+
+        x = m.embed[tokens]  # [T, d]
+        for li, L in enumerate(m.layers):
+            h = rmsnorm(x, L.attn_norm, m.rms_eps)
+            q = h @ L.wq.T
+            k = h @ L.wk.T
+            v = h @ L.wv.T
+            if L.bq is not None:
+                q, k, v = q + L.bq, k + L.bk, v + L.bv
+            q = q.reshape(T, nh, hd)
+            k = k.reshape(T, nkv, hd)
+            v = v.reshape(T, nkv, hd)
+            if L.q_norm is not None:
+                q = rmsnorm(q, L.q_norm, m.rms_eps)
+                k = rmsnorm(k, L.k_norm, m.rms_eps)
+            q = apply_rope(q, pos, m.inv_freq, m.rope_neox)
+            k = apply_rope(k, pos, m.inv_freq, m.rope_neox)
+            K = self.k[li] = np.concatenate([self.k[li], k], axis=0)  # [S, nkv, hd]
+            V = self.v[li] = np.concatenate([self.v[li], v], axis=0)
+            qg = q.reshape(T, nkv, group, hd)
+            scores = np.einsum("tkgd,skd->kgts", qg, K) * scale  # [nkv, group, T, S]
+            scores = np.where(mask, -np.inf, scores)
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            a = np.einsum("kgts,skd->tkgd", p, V).reshape(T, nh * hd)
+            x = x + a @ L.wo.T
+            h = rmsnorm(x, L.ffn_norm, m.rms_eps)
+            x = x + (silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+        self.n_past += T
+        return rmsnorm(x, m.out_norm, m.rms_eps) @ m.lm_head.T
+
+
+def forward(model: Model, tokens) -> np.ndarray:
+    """Logits [T, vocab] (float64) for every position of `tokens`, from an empty cache."""
+    return Session(model).step(tokens)
+
+
+def top2_margin(logits: np.ndarray) -> float:
+    """top-1 minus top-2 logit of one row."""
+    part = np.partition(np.asarray(logits).reshape(-1), -2)
+    return float(part[-1] - part[-2])
+
+
+def greedy(model: Model, prompt, n: int, return_margins: bool = False):
+    """n tokens by argmax (ties to the lowest id), no stop at EOS. With return_margins, also
+    each step's top-1 minus top-2 logit gap divided by max|logits| (small: a near tie)."""
+    s = Session(model)
+    logits = s.step(prompt)[-1]
+    out, margins = [], []
+    for i in range(n):
+        tok = int(np.argmax(logits))
+        out.append(tok)
+        margins.append(top2_margin(logits) / float(np.max(np.abs(logits))))
+        if i + 1 < n:
+            logits = s.step([tok])[-1]
+    return (out, margins) if return_margins else out
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    """max|ours - ref| / max|ref|: the "relative" error of the fidelity contract."""
+    ours, ref = np.asarray(ours, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+__all__ = ["Model", "Layer", "Session", "load", "forward", "greedy", "rel_err", "top2_margin",
+           "rope_inv_freq", "apply_rope", "rmsnorm", "silu"]

@@ -1,0 +1,272 @@
+/* Unit tests for sampling and text streaming: greedy ties, penalties computed by hand, the
+ * distributions that top-k / top-p / min-p leave (checked empirically against the softmax
+ * renormalised over the hand-derived candidate set), RNG keying, logprobs, validation, and
+ * stop strings split across pieces and UTF-8 boundaries. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <string.h>
+
+#include "tandem/sample.h"
+
+enum { V = 8 };
+static struct tdm_sample_scratch scratch;
+
+static int setup(void **s)
+{
+    (void)s;
+    return tdm_sample_scratch_init(&scratch, V) == TDM_OK ? 0 : -1;
+}
+static int teardown(void **s)
+{
+    (void)s;
+    tdm_sample_scratch_free(&scratch);
+    return 0;
+}
+
+static const float base[V] = {1.0f, 3.0f, 2.5f, 3.0f, -1.0f, 0.5f, 2.0f, -4.0f};
+
+static void test_greedy_ties(void **s)
+{
+    (void)s;
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    struct tdm_sampler smp;
+    assert_int_equal(tdm_sampler_init(&smp, &p, 1, V), TDM_OK);
+    float l[V];
+    memcpy(l, base, sizeof l);
+    float lp;
+    assert_int_equal(tdm_sampler_sample(&smp, l, 0, &scratch, &lp), 1); /* 1 and 3 tie: lowest */
+    double lse = 0;
+    for (int i = 0; i < V; i++)
+        lse += exp(base[i]);
+    assert_true(fabs(lp - (3.0 - log(lse))) < 1e-5);
+    tdm_sampler_free(&smp);
+}
+
+static void test_penalties(void **s)
+{
+    (void)s;
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    p.repetition_penalty = 2.0f;
+    p.frequency_penalty = 0.5f;
+    p.presence_penalty = 0.25f;
+    struct tdm_sampler smp;
+    assert_int_equal(tdm_sampler_init(&smp, &p, 1, V), TDM_OK);
+    tdm_sampler_accept(&smp, 1, true);  /* prompt: repetition only */
+    tdm_sampler_accept(&smp, 3, false); /* output twice */
+    tdm_sampler_accept(&smp, 3, false);
+    tdm_sampler_accept(&smp, 4, false);
+    float l[V];
+    memcpy(l, base, sizeof l);
+    /* 1: 3/2 = 1.5; 3: 3/2 - 0.25 - 2*0.5 = 0.25; 4: -1*2 - 0.25 - 0.5 = -2.75; 2 wins (2.5) */
+    float lp;
+    assert_int_equal(tdm_sampler_sample(&smp, l, 0, &scratch, &lp), 2);
+    assert_true(fabsf(l[1] - 1.5f) < 1e-6f);
+    assert_true(fabsf(l[3] - 0.25f) < 1e-6f);
+    assert_true(fabsf(l[4] + 2.75f) < 1e-6f);
+    double lse = 0;
+    for (int i = 0; i < V; i++)
+        lse += exp(base[i]);
+    assert_true(fabs(lp - (2.5 - log(lse))) < 1e-5); /* logprob under the raw logits */
+    tdm_sampler_free(&smp);
+}
+
+/* Samples n times at successive positions and checks frequencies against `expect`. */
+static void check_distribution(const struct tdm_sampling_params *p, const double *expect)
+{
+    struct tdm_sampler smp;
+    assert_int_equal(tdm_sampler_init(&smp, p, 42, V), TDM_OK);
+    enum { N = 40000 };
+    int count[V] = {0};
+    for (uint32_t pos = 0; pos < N; pos++) {
+        float l[V];
+        memcpy(l, base, sizeof l);
+        int32_t t = tdm_sampler_sample(&smp, l, pos, &scratch, NULL);
+        assert_true(t >= 0 && t < V);
+        count[t]++;
+    }
+    for (int i = 0; i < V; i++) {
+        double f = (double)count[i] / N;
+        if (expect[i] == 0.0)
+            assert_int_equal(count[i], 0);
+        else
+            assert_true(fabs(f - expect[i]) < 4.0 * sqrt(expect[i] * (1 - expect[i]) / N) + 1e-3);
+    }
+    tdm_sampler_free(&smp);
+}
+
+static void softmax_over(const int *keep, int n, float temp, double *out)
+{
+    memset(out, 0, V * sizeof *out);
+    double z = 0;
+    for (int i = 0; i < n; i++)
+        z += exp(base[keep[i]] / temp);
+    for (int i = 0; i < n; i++)
+        out[keep[i]] = exp(base[keep[i]] / temp) / z;
+}
+
+static void test_filters(void **s)
+{
+    (void)s;
+    double expect[V];
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    p.temperature = 1.0f;
+    int all[V] = {0, 1, 2, 3, 4, 5, 6, 7};
+    softmax_over(all, V, 1.0f, expect);
+    check_distribution(&p, expect);
+
+    p.top_k = 3; /* ranks: 1, 3 (tie, by id), 2 */
+    int k3[] = {1, 3, 2};
+    softmax_over(k3, 3, 1.0f, expect);
+    check_distribution(&p, expect);
+
+    p.top_k = 0;
+    p.temperature = 0.5f;
+    p.top_p = 0.9f; /* at T=0.5 probs: 1,3: .4319 each; 2: .1589 -> cum .4319,.8638,1.02 */
+    int nuc[] = {1, 3, 2};
+    softmax_over(nuc, 3, 0.5f, expect);
+    check_distribution(&p, expect);
+
+    p.top_p = 1.0f;
+    p.temperature = 1.0f;
+    p.min_p = 0.3f; /* keep p >= 0.3 * p_max: logit >= 3 + ln 0.3 = 1.796 -> 1, 3, 2, 6 */
+    int mp[] = {1, 3, 2, 6};
+    softmax_over(mp, 4, 1.0f, expect);
+    check_distribution(&p, expect);
+}
+
+static void test_rng_keyed(void **s)
+{
+    (void)s;
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    p.temperature = 1.5f;
+    struct tdm_sampler a, b, c;
+    tdm_sampler_init(&a, &p, 5, V);
+    tdm_sampler_init(&b, &p, 5, V);
+    p.seed = 99;
+    tdm_sampler_init(&c, &p, 5, V);
+    int differ = 0;
+    for (uint32_t pos = 0; pos < 200; pos++) {
+        float l1[V], l2[V], l3[V];
+        memcpy(l1, base, sizeof l1);
+        memcpy(l2, base, sizeof l2);
+        memcpy(l3, base, sizeof l3);
+        /* b samples the positions in reverse order: the result depends on position only */
+        uint32_t rpos = 199 - pos;
+        int32_t t1 = tdm_sampler_sample(&a, l1, rpos, &scratch, NULL);
+        int32_t t2 = tdm_sampler_sample(&b, l2, rpos, &scratch, NULL);
+        assert_int_equal(t1, t2);
+        differ += tdm_sampler_sample(&c, l3, rpos, &scratch, NULL) != t1;
+    }
+    assert_true(differ > 20);
+    tdm_sampler_free(&a);
+    tdm_sampler_free(&b);
+    tdm_sampler_free(&c);
+}
+
+static void test_logprobs_top(void **s)
+{
+    (void)s;
+    int32_t ids[3];
+    float lps[3];
+    tdm_logprobs_top(base, V, 3, ids, lps);
+    assert_int_equal(ids[0], 1);
+    assert_int_equal(ids[1], 3);
+    assert_int_equal(ids[2], 2);
+    double lse = 0;
+    for (int i = 0; i < V; i++)
+        lse += exp(base[i]);
+    assert_true(fabs(lps[2] - (2.5 - log(lse))) < 1e-5);
+    assert_true(fabs(tdm_logprob_of(base, V, 7) - (-4.0 - log(lse))) < 1e-5);
+}
+
+static void test_validate(void **s)
+{
+    (void)s;
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    assert_int_equal(tdm_sampling_validate(&p), TDM_OK);
+    p.top_p = 0.0f;
+    assert_int_equal(tdm_sampling_validate(&p), TDM_EINVAL);
+    p = tdm_sampling_defaults();
+    p.temperature = NAN;
+    assert_int_equal(tdm_sampling_validate(&p), TDM_EINVAL);
+    p = tdm_sampling_defaults();
+    p.top_k = -1;
+    struct tdm_sampler smp;
+    assert_int_equal(tdm_sampler_init(&smp, &p, 0, V), TDM_EINVAL);
+}
+
+static void push_all(struct tdm_text_stream *ts, const char *const *pieces, int n, char *out,
+                     size_t *len, bool *stopped)
+{
+    *len = 0;
+    *stopped = false;
+    char buf[TDM_STREAM_CAP + 64];
+    for (int i = 0; i < n && !*stopped; i++) {
+        size_t k;
+        *stopped = tdm_text_stream_push(ts, pieces[i], strlen(pieces[i]), buf, &k);
+        memcpy(out + *len, buf, k);
+        *len += k;
+    }
+    if (!*stopped) {
+        size_t k;
+        tdm_text_stream_flush(ts, buf, &k);
+        memcpy(out + *len, buf, k);
+        *len += k;
+    }
+    out[*len] = '\0';
+}
+
+static void test_stream(void **s)
+{
+    (void)s;
+    struct tdm_text_stream ts;
+    const char *stops[] = {"###", "\nUser:"};
+    char out[512];
+    size_t len;
+    bool stopped;
+    assert_int_equal(tdm_text_stream_init(&ts, stops, 2), TDM_OK);
+    const char *p1[] = {"Hello", " wor", "ld #", "#", "# tail"};
+    push_all(&ts, p1, 5, out, &len, &stopped);
+    assert_true(stopped);
+    assert_string_equal(out, "Hello world ");
+
+    assert_int_equal(tdm_text_stream_init(&ts, stops, 2), TDM_OK);
+    const char *p2[] = {"a #", "# b\nUse", "d"};
+    push_all(&ts, p2, 3, out, &len, &stopped);
+    assert_false(stopped); /* near misses are released in the end */
+    assert_string_equal(out, "a ## b\nUsed");
+
+    /* "é" = c3 a9 split across two pieces is never emitted half */
+    assert_int_equal(tdm_text_stream_init(&ts, NULL, 0), TDM_OK);
+    char buf[TDM_STREAM_CAP];
+    size_t k;
+    tdm_text_stream_push(&ts, "caf\xc3", 4, buf, &k);
+    assert_int_equal(k, 3);
+    tdm_text_stream_push(&ts, "\xa9!", 2, buf, &k);
+    assert_int_equal(k, 3);
+    assert_memory_equal(buf, "\xc3\xa9!", 3);
+    /* an unfinished sequence at the end becomes U+FFFD */
+    tdm_text_stream_push(&ts, "x\xe2\x82", 3, buf, &k);
+    assert_int_equal(k, 1);
+    tdm_text_stream_flush(&ts, buf, &k);
+    assert_int_equal(k, 3);
+    assert_memory_equal(buf, "\xef\xbf\xbd", 3);
+
+    const char *empty[] = {""};
+    assert_int_equal(tdm_text_stream_init(&ts, empty, 1), TDM_EINVAL);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_greedy_ties),  cmocka_unit_test(test_penalties),
+        cmocka_unit_test(test_filters),      cmocka_unit_test(test_rng_keyed),
+        cmocka_unit_test(test_logprobs_top), cmocka_unit_test(test_validate),
+        cmocka_unit_test(test_stream),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
