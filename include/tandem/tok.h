@@ -67,11 +67,12 @@ int tdm_tok_bos(const tdm_tok_t *tok); /* -1 if none */
 int tdm_tok_eos(const tdm_tok_t *tok); /* -1 if none */
 /* Whether the model asks for BOS by default (tokenizer.ggml.add_bos_token / post-processor). */
 bool tdm_tok_adds_bos(const tdm_tok_t *tok);
-/* Id of a token given its exact text (e.g. "<|im_end|>"), or -1. */
+/* Id of a token given its exact text as the vocabulary spells it (e.g. "<|im_end|>", or
+ * "Ġthe" in a byte-level vocabulary), or -1. */
 int tdm_tok_find(const tdm_tok_t *tok, const char *text);
 bool tdm_tok_is_special(const tdm_tok_t *tok, int id); /* control / added-special tokens */
 
-/* Encodes `len` bytes of `text` (any bytes, NUL included; at most 256 MiB). Writes at most
+/* Encodes `len` bytes of `text` (any bytes, NUL included; at most 64 MiB). Writes at most
  * `cap` ids; *n_out is the full count, and TDM_ERANGE is returned if it exceeds cap.
  * TDM_EINVAL on invalid UTF-8 (see above). Thread-safe; allocates scratch per call. */
 tdm_status tdm_tok_encode(const tdm_tok_t *tok, const char *text, size_t len, int flags,
@@ -107,7 +108,12 @@ struct tdm_chat_template {
 };
 
 /* Detects the format from a Jinja chat template string (GGUF tokenizer.chat_template or
- * tokenizer_config.json). NULL or unrecognised templates give TDM_EUNSUPPORTED. */
+ * tokenizer_config.json): ChatML by its <|im_start|>/<|im_end|> markers (the default system
+ * prompt is read from the template's "<|im_start|>system\n...<|im_end|>" literal), Llama 3
+ * by <|start_header_id|>/<|end_header_id|>/<|eot_id|>. Exact for SmolLM2, Qwen2/2.5 and
+ * Llama 3 templates; for Llama 3.1+ templates the dated system header they add is not
+ * reproduced, nor Qwen3's <think> handling of past assistant turns. NULL or unrecognised
+ * templates give TDM_EUNSUPPORTED (out is then zeroed; clearing it is still safe). */
 tdm_status tdm_chat_template_detect(const char *jinja, struct tdm_chat_template *out);
 void tdm_chat_template_clear(struct tdm_chat_template *t);
 /* Renders messages exactly as the model's Jinja template would, with the generation prompt

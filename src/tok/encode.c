@@ -25,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TOK_MAX_INPUT_BYTES ((size_t)256 << 20)
+#define TOK_MAX_INPUT_BYTES ((size_t)64 << 20)
 
 struct enc {
     const struct tdm_tok *tok;
@@ -48,6 +48,8 @@ static void emit(struct enc *e, int32_t id)
 static tdm_status grow(char **buf, size_t *cap, size_t need)
 {
     if (need <= *cap) return TDM_OK;
+    if (need > 4 * TOK_MAX_INPUT_BYTES) /* normalisers may expand text, but not without bound */
+        return tdm_err_set(TDM_ERANGE, "tokenizer: normalised text of %zu bytes is too long", need);
     size_t c = *cap ? *cap : 256;
     while (c < need)
         c *= 2;
@@ -298,9 +300,9 @@ static tdm_status encode_run(struct enc *e, const char *s, size_t len, bool at_s
 
 /* ---- added tokens ---- */
 
-static bool ascii_or_unicode_space_before(const char *s, size_t end, size_t *start)
+/* Steps back over one whitespace character ending at `end`; false if there is none. */
+static bool space_before(const char *s, size_t end, size_t *start)
 {
-    /* steps back over one whitespace character ending at `end`; false if none */
     if (!end) return false;
     size_t i = end - 1;
     while (i > 0 && ((unsigned char)s[i] & 0xC0) == 0x80)
@@ -370,7 +372,7 @@ tdm_status tdm_tok_encode(const tdm_tok_t *tok, const char *text, size_t len, in
         const struct tok_entry *en = &tok->entries[id];
         size_t run_end = p, ws;
         if (en->flags & TOK_F_LSTRIP)
-            while (run_end > run && ascii_or_unicode_space_before(text, run_end, &ws))
+            while (run_end > run && space_before(text, run_end, &ws))
                 run_end = ws;
         st = encode_run(&e, text + run, run_end - run, run == 0);
         if (st) goto out_free;

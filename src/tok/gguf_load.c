@@ -36,17 +36,29 @@ static const char *const PRE_DIGITS_GPT2[] = {RE_DIGIT, TOK_RE_GPT2, NULL};
 static const char *const PRE_LLAMA3[] = {TOK_RE_LLAMA3, NULL};
 static const char *const PRE_QWEN2[] = {TOK_RE_QWEN2, NULL};
 
+/* tokenizer.ggml.pre values and their splits, after llama.cpp's table. A missing value or
+ * "default" takes the GPT-2 split, which is what a "gpt2" tokenizer without one means. */
 static const struct pre_family PRE_FAMILIES[] = {
     {"default", PRE_GPT2, false},
     {"gpt-2", PRE_GPT2, false},
     {"gpt2", PRE_GPT2, false},
+    {"mpt", PRE_GPT2, false},
+    {"olmo", PRE_GPT2, false},
+    {"jais", PRE_GPT2, false},
     {"smollm", PRE_DIGITS_GPT2, false},
     {"starcoder", PRE_DIGITS_GPT2, false},
     {"refact", PRE_DIGITS_GPT2, false},
+    {"command-r", PRE_DIGITS_GPT2, false},
+    {"codeshell", PRE_DIGITS_GPT2, false},
+    {"exaone", PRE_DIGITS_GPT2, false},
+    {"minerva-7b", PRE_DIGITS_GPT2, false},
     {"llama-bpe", PRE_LLAMA3, true},
     {"llama3", PRE_LLAMA3, true},
     {"llama-v3", PRE_LLAMA3, true},
+    {"dbrx", PRE_LLAMA3, false},
+    {"smaug-bpe", PRE_LLAMA3, false},
     {"qwen2", PRE_QWEN2, false},
+    {"stablelm2", PRE_QWEN2, false},
     {"deepseek-r1-qwen", PRE_QWEN2, false},
 };
 

@@ -293,10 +293,13 @@ static tdm_status rewrite_space_classes(const char *pattern, size_t len, char **
                                         size_t *out_len)
 {
     static const char members[] = WS_MEMBERS;
-    size_t ml = sizeof members - 1;
-    if (len > (SIZE_MAX - 1) / (ml + 4))
-        return tdm_err_set(TDM_ERANGE, "tokenizer: regex too long");
-    char *o = malloc(len * (ml + 4) + 1);
+    size_t ml = sizeof members - 1, n_escapes = 0;
+    for (size_t i = 0; i + 1 < len; i++) {
+        if (pattern[i] != '\\') continue;
+        if (pattern[i + 1] == 's' || pattern[i + 1] == 'S') n_escapes++;
+        i++;
+    }
+    char *o = malloc(len + n_escapes * (ml + 3) + 1);
     if (!o) return tdm_err_set(TDM_ENOMEM, "tokenizer: out of memory");
     size_t n = 0;
     bool in_class = false;
@@ -344,6 +347,8 @@ tdm_status tok_add_regex_stage(struct tdm_tok *tok, const char *pattern, size_t 
         return tdm_err_set(TDM_EUNSUPPORTED, "tokenizer: more than %d pre-tokenizer steps",
                            TOK_MAX_STAGES);
     if (!len) return tdm_err_set(TDM_EFORMAT, "tokenizer: empty pre-tokenizer pattern");
+    if (len > 65536)
+        return tdm_err_set(TDM_ERANGE, "tokenizer: pre-tokenizer pattern of %zu bytes", len);
     char *rewritten = NULL;
     if (!literal) {
         tdm_status st = rewrite_space_classes(pattern, len, &rewritten, &len);
@@ -352,7 +357,7 @@ tdm_status tok_add_regex_stage(struct tdm_tok *tok, const char *pattern, size_t 
     }
     int err;
     PCRE2_SIZE err_off;
-    uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+    uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP); /* LITERAL refuses UCP */
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, len, opts, &err, &err_off, NULL);
     free(rewritten);
     if (!re) {

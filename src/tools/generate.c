@@ -344,12 +344,20 @@ static bool is_eos(const struct tdm_model *m, const tdm_tok_t *tok, int32_t id)
     return tok && tdm_tok_eos(tok) == id;
 }
 
-static void write_out(const char *buf, size_t n)
+/* Writes released text to stdout and appends it to the reply being collected (if any). */
+static tdm_status emit(const char *buf, size_t n, char **reply, size_t *reply_len)
 {
-    if (n) {
-        fwrite(buf, 1, n, stdout);
-        fflush(stdout);
-    }
+    if (!n) return TDM_OK;
+    fwrite(buf, 1, n, stdout);
+    fflush(stdout);
+    if (!reply) return TDM_OK;
+    char *nr = realloc(*reply, *reply_len + n + 1);
+    if (!nr) return tdm_err_set(TDM_ENOMEM, "out of memory");
+    memcpy(nr + *reply_len, buf, n);
+    *reply_len += n;
+    nr[*reply_len] = '\0';
+    *reply = nr;
+    return TDM_OK;
 }
 
 /* Generates up to max_tokens after the prompt already fed; appends the reply text to *reply
@@ -382,18 +390,7 @@ static tdm_status gen_run(struct gen *g, const struct gen_opts *o, bool text_mod
                 tdm_tok_is_special(g->tok, id) ? "" : tdm_tok_piece(g->tok, id, &len);
             if (len > 256) len = 256; /* pieces are short; bound the copy into `out` */
             bool stopped = tdm_text_stream_push(&ts, piece, len, out, &n_out);
-            write_out(out, n_out);
-            if (reply) {
-                char *nr = realloc(*reply, *reply_len + n_out + 1);
-                if (!nr) {
-                    st = tdm_err_set(TDM_ENOMEM, "out of memory");
-                    goto out_sampler;
-                }
-                memcpy(nr + *reply_len, out, n_out);
-                *reply_len += n_out;
-                nr[*reply_len] = '\0';
-                *reply = nr;
-            }
+            if ((st = emit(out, n_out, reply, reply_len)) != TDM_OK) goto out_sampler;
             if (stopped) break;
         }
         if (i + 1 == o->max_tokens) break;
@@ -402,16 +399,7 @@ static tdm_status gen_run(struct gen *g, const struct gen_opts *o, bool text_mod
     if (text_mode && !o->print_ids) {
         size_t n_out;
         tdm_text_stream_flush(&ts, out, &n_out);
-        write_out(out, n_out);
-        if (reply && n_out) {
-            char *nr = realloc(*reply, *reply_len + n_out + 1);
-            if (nr) {
-                memcpy(nr + *reply_len, out, n_out);
-                *reply_len += n_out;
-                nr[*reply_len] = '\0';
-                *reply = nr;
-            }
-        }
+        if ((st = emit(out, n_out, reply, reply_len)) != TDM_OK) goto out_sampler;
     }
     g->decode_s += tdm_now_s() - t0;
 out_sampler:

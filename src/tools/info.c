@@ -4,7 +4,10 @@
  */
 #include <getopt.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include <jansson.h>
 
 #include "tools/tools_int.h"
 
@@ -70,20 +73,22 @@ int tdm_cmd_info(int argc, char **argv)
                                                 : "raw";
 
     if (json) {
+        json_t *path_json = json_string(m->path);
+        char *path_str = path_json ? json_dumps(path_json, JSON_ENCODE_ANY) : NULL;
         printf(
-            "{\"path\":\"%s\",\"format\":\"%s\",\"arch\":\"%s\",\"n_layers\":%d,"
+            "{\"path\":%s,\"format\":\"%s\",\"arch\":\"%s\",\"n_layers\":%d,"
             "\"d_model\":%d,\"n_heads\":%d,\"n_kv_heads\":%d,\"head_dim\":%d,\"d_ff\":%d,"
             "\"vocab_size\":%d,\"max_ctx\":%d,\"rms_eps\":%g,\"rope_theta\":%g,"
             "\"rope_neox\":%s,\"rope_scaling\":\"%s\",\"tied_embeddings\":%s,"
             "\"qkv_bias\":%s,\"qk_norm\":%s,\"n_params\":%llu,\"weight_bytes\":%llu,"
             "\"n_tensors\":%lld,\"chat_template\":\"%s\",\"tokenizer\":\"%s\",\"tensor_types\":{",
-            m->path, m->gguf ? "gguf" : "safetensors", tdm_arch_name(cf->arch), cf->n_layers,
-            cf->d_model, cf->n_heads, cf->n_kv_heads, cf->head_dim, cf->d_ff, cf->vocab_size,
-            cf->max_ctx, cf->rms_eps, cf->rope_theta, cf->rope_neox ? "true" : "false",
-            scaling_name(cf->rope_scaling), cf->tied_embeddings ? "true" : "false",
-            cf->qkv_bias ? "true" : "false", cf->qk_norm ? "true" : "false",
-            (unsigned long long)m->n_params, (unsigned long long)m->weight_bytes,
-            (long long)n_tensors, chat,
+            path_str ? path_str : "null", m->gguf ? "gguf" : "safetensors", tdm_arch_name(cf->arch),
+            cf->n_layers, cf->d_model, cf->n_heads, cf->n_kv_heads, cf->head_dim, cf->d_ff,
+            cf->vocab_size, cf->max_ctx, cf->rms_eps, cf->rope_theta,
+            cf->rope_neox ? "true" : "false", scaling_name(cf->rope_scaling),
+            cf->tied_embeddings ? "true" : "false", cf->qkv_bias ? "true" : "false",
+            cf->qk_norm ? "true" : "false", (unsigned long long)m->n_params,
+            (unsigned long long)m->weight_bytes, (long long)n_tensors, chat,
             !tok                               ? "none"
             : tdm_tok_kind(tok) == TDM_TOK_SPM ? "spm"
                                                : "bpe");
@@ -95,6 +100,8 @@ int tdm_cmd_info(int argc, char **argv)
                 first = false;
             }
         printf("}}\n");
+        free(path_str);
+        json_decref(path_json);
     } else {
         printf("model        %s (%s)\n", m->path, m->gguf ? "GGUF" : "safetensors");
         printf("arch         %s\n", tdm_arch_name(cf->arch));

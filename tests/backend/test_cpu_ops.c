@@ -725,11 +725,15 @@ static void fill_kv(const struct tdm_kv_layer *kv, const struct tdm_step *st,
 
 static void run_attention_case(int n_heads, int nkv, int hd, int page_size)
 {
-    /* a prefill chunk, two decodes (one long, past several softmax chunks) and a short
-     * chunk in the middle of a sequence */
-    const struct seq_spec seqs[] = {{10, 10}, {97, 1}, {23, 3}, {2, 1}};
+    /* a prefill chunk, decodes (past several softmax chunks; past several 128-position
+     * segments, which alone in a step are spread over the threads and merged, while inside
+     * this step they are computed whole), and short chunks in the middle of sequences, one of
+     * them straddling a segment boundary */
+    const struct seq_spec seqs[] = {{10, 10}, {97, 1}, {23, 3}, {2, 1}, {600, 1}, {258, 3}};
     const int n_seqs = (int)TDM_ARRAY_LEN(seqs);
-    const int64_t n_pages = 200 / page_size + 40;
+    int64_t n_pages = 16;
+    for (int s = 0; s < n_seqs; s++)
+        n_pages += (seqs[s].len + page_size - 1) / page_size;
     const float scale = 1.0f / sqrtf((float)hd);
     struct paged_step ps;
     build_step(seqs, n_seqs, page_size, n_pages, &ps);
@@ -855,6 +859,12 @@ static void test_misc(void **state)
     bad = tw.w;
     bad.dtype = TDM_DTYPE_Q6_K;
     assert_int_equal(b->iface->weight_prepare(b, &bad, &prepared), TDM_EUNSUPPORTED);
+    bad = tw.w;
+    bad.cols = 48; /* not a whole number of blocks */
+    assert_int_equal(b->iface->weight_prepare(b, &bad, &prepared), TDM_EINVAL);
+    const struct tdm_weight absent = {.dtype = TDM_DTYPE_F32};
+    assert_int_equal(b->iface->weight_prepare(b, &absent, &prepared), TDM_OK);
+    assert_null(prepared.data);
     free_weight(&tw);
 
     tdm_backend_destroy(b);

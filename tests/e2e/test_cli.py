@@ -28,16 +28,16 @@ def test_contract_token_ids(default_model, tmp_path):
 
 
 def test_contract_no_eos_stop_unless_asked(default_model):
-    # "<|im_end|>" (id 2) is the EOS; force it by feeding a chat turn that is about to end.
-    args = ["generate", "--model", default_model, "--prompt-tokens", "1,9690,198,19556,2",
+    # "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\nHello! How can I help you
+    # today?": the model ends its turn with <|im_end|> (id 2), the EOS, right away.
+    prompt = "1,4093,198,36218,33662,2,198,1,520,9531,198,19556,17,1073,416,339,724,346,1834,47"
+    args = ["generate", "--model", default_model, "--prompt-tokens", prompt,
             "--max-tokens", "12", "--temperature", "0", "--print-token-ids"]
     full = run_tandem(args).stdout.split()
     assert len(full) == 12
+    assert "2" in full, full
     stopped = run_tandem(args + ["--stop-at-eos"]).stdout.split()
-    if "2" in full:
-        assert stopped == full[: full.index("2") + 1]
-    else:
-        assert stopped == full
+    assert stopped == full[: full.index("2") + 1]
 
 
 def test_chat_answers_coherently(default_model):

@@ -66,14 +66,14 @@ static void assert_ids(const tdm_tok_t *tok, const char *text, int flags, const 
 {
     int32_t ids[256];
     size_t n = encode(tok, text, flags, ids, 256);
-    if (n != n_want || memcmp(ids, want, n * sizeof *ids)) {
+    if (n != n_want || (n && memcmp(ids, want, n * sizeof *ids))) {
         fprintf(stderr, "text %s: got", text);
         for (size_t i = 0; i < n; i++)
             fprintf(stderr, " %d", ids[i]);
         fprintf(stderr, "\n");
     }
     assert_int_equal(n, n_want);
-    assert_memory_equal(ids, want, n * sizeof *ids);
+    if (n) assert_memory_equal(ids, want, n * sizeof *ids);
 }
 
 #define IDS(...) (const int32_t[]){__VA_ARGS__}, sizeof((const int32_t[]){__VA_ARGS__}) / 4
@@ -206,6 +206,37 @@ static void test_py_space(void **state)
         assert_false(tok_is_py_space(no[i]));
 }
 
+/* \s means Unicode White_Space, as in Oniguruma (HF): U+180E is not a space, U+0085 is */
+static void test_regex_white_space(void **state)
+{
+    (void)state;
+    struct tdm_tok *tok;
+    assert_int_equal(tok_create(TDM_TOK_BPE_BYTES, 1, &tok), TDM_OK);
+    assert_int_equal(tok_add_regex_stage(tok, TOK_RE_GPT2, strlen(TOK_RE_GPT2), false), TDM_OK);
+    pcre2_match_data *md = pcre2_match_data_create(4, NULL);
+    struct {
+        const char *s;
+        size_t start, end;
+    } cases[] = {
+        {"x \xe1\xa0\x8ey", 1, 5}, /* " \u180e": one punctuation-like piece */
+        {"x \xc2\x85y", 1, 2},     /* U+0085 is a space: " " alone (space before \S) */
+        {"x  y", 1, 2},
+        {"x\t\ty", 1, 2}, /* the second tab stays before "y" */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int rc = pcre2_match(tok->stages[0].re, (PCRE2_SPTR)cases[i].s, strlen(cases[i].s), 1, 0,
+                             md, NULL);
+        assert_true(rc > 0);
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+        assert_int_equal(ov[0], cases[i].start);
+        assert_int_equal(ov[1], cases[i].end);
+    }
+    pcre2_match_data_free(md);
+    /* \S inside a class cannot be spelled out */
+    assert_int_equal(tok_add_regex_stage(tok, "[\\S]", 4, false), TDM_EUNSUPPORTED);
+    tdm_tok_free(tok);
+}
+
 /* ---- a tiny byte-level BPE ----
  * ids 0..255: the byte-level character of byte id; then the merges below in order. */
 static const char *const BL_MERGES[][2] = {
@@ -319,6 +350,28 @@ static void test_added_tokens(void **state)
     assert_int_equal(tdm_tok_bos(tok), -1);
     assert_false(tdm_tok_adds_bos(tok));
     assert_ids(tok, "ab", TDM_TOK_ADD_BOS, IDS(BL_AB));
+    tdm_tok_free(tok);
+}
+
+/* Split with a String pattern (a literal) and Digits, then ByteLevel without its regex */
+static void test_split_string_and_digits(void **state)
+{
+    (void)state;
+    json_t *j = byte_level_json(false);
+    json_object_set_new(
+        j, "pre_tokenizer",
+        json_pack("{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, {s:s, s:b}, {s:s, s:b, s:b}]}", "type",
+                  "Sequence", "pretokenizers", "type", "Split", "pattern", "String", "l.",
+                  "behavior", "Isolated", "invert", 0, "type", "Digits", "individual_digits", 0,
+                  "type", "ByteLevel", "add_prefix_space", 0, "use_regex", 0));
+    tdm_tok_t *tok = load_json(j);
+    /* "hel.lo" splits around the literal "l." (the dot is no wildcard): "he" "l." "lo" */
+    assert_ids(tok, "hel.lo", 0, IDS(BL_HE, 'l', '.', 'l', 'o'));
+    /* without the split, hell would merge */
+    assert_ids(tok, "hello", 0, IDS(BL_HELLO));
+    assert_ids(tok, "hexlo", 0, IDS(BL_HE, 'x', 'l', 'o'));
+    /* contiguous digits form one piece, so the space before them stays with "a" */
+    assert_ids(tok, "aa 12", 0, IDS(BL_AA, ' ', '1', '2'));
     tdm_tok_free(tok);
 }
 
@@ -777,6 +830,13 @@ static void test_json_errors(void **state)
     json_object_set_new(json_object_get(j, "pre_tokenizer"), "add_prefix_space", json_true());
     assert_int_equal(load_json_status(j), TDM_EUNSUPPORTED);
 
+    j = byte_level_json(false); /* a step after ByteLevel would see byte-level text */
+    json_object_set_new(j, "pre_tokenizer",
+                        json_pack("{s:s, s:[{s:s, s:b, s:b}, {s:s, s:b}]}", "type", "Sequence",
+                                  "pretokenizers", "type", "ByteLevel", "add_prefix_space", 0,
+                                  "use_regex", 1, "type", "Digits", "individual_digits", 1));
+    assert_int_equal(load_json_status(j), TDM_EUNSUPPORTED);
+
     j = spm_json(true, true);
     json_object_set_new(j, "post_processor",
                         json_pack("{s:s, s:[{s:{s:s}}, {s:{s:s, s:i}}]}", "type",
@@ -870,13 +930,22 @@ static void test_chat(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_utf8_validation),   cmocka_unit_test(test_utf8_coding),
-        cmocka_unit_test(test_byte_map),          cmocka_unit_test(test_py_space),
-        cmocka_unit_test(test_byte_level_merges), cmocka_unit_test(test_added_tokens),
-        cmocka_unit_test(test_byte_level_decode), cmocka_unit_test(test_encode_errors),
-        cmocka_unit_test(test_long_word),         cmocka_unit_test(test_spm_json),
-        cmocka_unit_test(test_gguf_byte_level),   cmocka_unit_test(test_gguf_spm),
-        cmocka_unit_test(test_json_errors),       cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_utf8_validation),
+        cmocka_unit_test(test_utf8_coding),
+        cmocka_unit_test(test_byte_map),
+        cmocka_unit_test(test_py_space),
+        cmocka_unit_test(test_regex_white_space),
+        cmocka_unit_test(test_byte_level_merges),
+        cmocka_unit_test(test_added_tokens),
+        cmocka_unit_test(test_byte_level_decode),
+        cmocka_unit_test(test_split_string_and_digits),
+        cmocka_unit_test(test_encode_errors),
+        cmocka_unit_test(test_long_word),
+        cmocka_unit_test(test_spm_json),
+        cmocka_unit_test(test_gguf_byte_level),
+        cmocka_unit_test(test_gguf_spm),
+        cmocka_unit_test(test_json_errors),
+        cmocka_unit_test(test_chat),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -21,6 +21,10 @@
  */
 #include "backend/cpu/cpu_int.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include <cblas.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,9 +34,15 @@
 #define SMALL_WORK 16384
 
 /* Tile shapes: decode streams 4 weight rows per tile (four independent FMA chains); prefill
- * uses 2 weight rows x 4 activation rows, 8 accumulators that fit the 16 AVX2 registers next to
- * the dequantised weights. The AVX-512 level reuses the AVX2 attention step: attention is
- * bound by reading K and V, not by vector width. */
+ * uses 3 weight rows x 4 activation rows (12 accumulators of the 16 AVX2 registers), or 2 x 4
+ * for 4-bit weights, whose dequantisation needs more registers (measured on Zen 3). The
+ * AVX-512 level reuses the AVX2 attention step: attention is bound by reading K and V, not by
+ * vector width. */
+#define PREFILL_R_VEC                                                                              \
+    {                                                                                              \
+        [TDM_CPU_W_F32] = 3, [TDM_CPU_W_BF16] = 3, [TDM_CPU_W_Q8_0] = 3, [TDM_CPU_W_Q4_0] = 2,     \
+        [TDM_CPU_W_Q4_1] = 2                                                                       \
+    }
 static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT] = {
     [TDM_CPU_ISA_PORTABLE] =
         {
@@ -40,7 +50,7 @@ static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT] = {
             .name = "portable",
             .tile = tdm_cpu_tiles_portable,
             .decode_r = 2,
-            .prefill_r = 1,
+            .prefill_r = {1, 1, 1, 1, 1},
             .prefill_c = 4,
             .attn_step = tdm_cpu_attn_step_portable,
         },
@@ -50,7 +60,7 @@ static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT] = {
             .name = "avx2",
             .tile = tdm_cpu_tiles_avx2,
             .decode_r = 4,
-            .prefill_r = 2,
+            .prefill_r = PREFILL_R_VEC,
             .prefill_c = 4,
             .attn_step = tdm_cpu_attn_step_avx2,
         },
@@ -60,7 +70,7 @@ static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT] = {
             .name = "avx512",
             .tile = tdm_cpu_tiles_avx512,
             .decode_r = 4,
-            .prefill_r = 2,
+            .prefill_r = PREFILL_R_VEC,
             .prefill_c = 4,
             .attn_step = tdm_cpu_attn_step_avx2,
         },
@@ -70,8 +80,10 @@ enum tdm_cpu_isa tdm_cpu_isa_detect(void)
 {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                      __builtin_cpu_supports("f16c");
+    /* clang's __builtin_cpu_supports does not know "f16c": read CPUID leaf 1, ECX bit 29. */
+    unsigned eax, ebx, ecx = 0, edx;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29));
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512dq");
@@ -168,10 +180,14 @@ static void cpu_copy(tdm_backend_t *b, void *dst, const void *src, size_t bytes)
 static tdm_status cpu_weight_prepare(tdm_backend_t *b, const struct tdm_weight *host,
                                      struct tdm_weight *out)
 {
+    if (!host->data) { /* an absent optional weight (a bias the model does not have) */
+        *out = *host;
+        return TDM_OK;
+    }
     if (tdm_cpu_wtype_of(host->dtype) < 0)
         return tdm_err_set(TDM_EUNSUPPORTED, "cpu backend: no kernels for weight type %s",
                            tdm_dtype_name(host->dtype));
-    if (host->rows < 1 || host->cols < 1 || !host->data)
+    if (host->rows < 1 || host->cols < 1)
         return tdm_err_set(TDM_EINVAL, "cpu backend: empty weight (%lld x %lld)",
                            (long long)host->rows, (long long)host->cols);
     if (host->cols > INT32_MAX || host->rows > INT32_MAX)
@@ -201,6 +217,7 @@ static void cpu_destroy(tdm_backend_t *b)
 {
     struct tdm_cpu *cpu = tdm_cpu_of(b);
     tdm_pool_destroy(cpu->pool);
+    tdm_free_aligned(cpu->attn_scratch);
     free(cpu);
 }
 

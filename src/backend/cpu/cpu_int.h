@@ -3,10 +3,11 @@
  * the per-ISA kernel tables that the op files dispatch through.
  *
  * Shape: every op is a plain C function in its op-family file (norm.c, rope.c, attention.c,
- * matmul.c, ...). Only the matmul inner loops differ per ISA; they live in matmul_portable
- * (inside matmul.c), matmul_avx2.c and matmul_avx512.c, which the build compiles with the
- * matching -m flags. Which table an instance uses is fixed at create time, so one process may
- * hold a portable and an AVX2 backend side by side (the tests do).
+ * matmul.c, elementwise.c, rows.c). Only the inner loops of matmul and attention differ per
+ * ISA: the portable ones live in matmul.c and attention.c, the others in *_avx2.c and
+ * *_avx512.c, which the build compiles with the matching -m flags. Which table an instance
+ * uses is fixed at create time, so one process may hold a portable and an AVX2 backend side by
+ * side (the tests do).
  *
  * Matmul tiles: a tile computes R consecutive weight rows against C activation rows
  * (1 <= R, C <= TDM_CPU_TILE_MAX). Within one ISA, every tile shape performs, for each
@@ -89,8 +90,8 @@ struct tdm_cpu_kernels {
     enum tdm_cpu_isa isa;
     const char *name;
     const tdm_cpu_tile_fn (*tile)[TDM_CPU_TILE_MAX][TDM_CPU_TILE_MAX]; /* a tdm_cpu_tiles_* */
-    int decode_r;  /* weight rows per tile when n == 1 */
-    int prefill_r; /* tile shape when n > 1 */
+    int decode_r;                   /* weight rows per tile when n == 1 */
+    int prefill_r[TDM_CPU_W_COUNT]; /* tile shape when n > 1 */
     int prefill_c;
     tdm_cpu_attn_fn attn_step;
 };
@@ -101,6 +102,8 @@ struct tdm_cpu {
     int n_threads;
     bool batch_invariant;
     const struct tdm_cpu_kernels *k;
+    float *attn_scratch; /* attention split-mode states (attention.c); grown on demand */
+    size_t attn_scratch_floats;
 };
 
 static inline struct tdm_cpu *tdm_cpu_of(tdm_backend_t *b)

@@ -175,7 +175,7 @@ TDM_CPU_DEF_TILES(Q4_0, tile_portable)
 TDM_CPU_DEF_TILES(Q4_1, tile_portable)
 
 const tdm_cpu_tile_table tdm_cpu_tiles_portable = {
-    TDM_CPU_TILE_TABLE(F32), TDM_CPU_TILE_TABLE(BF16), TDM_CPU_TILE_TABLE(Q8_0),
+    TDM_CPU_TILE_TABLE(F32),  TDM_CPU_TILE_TABLE(BF16), TDM_CPU_TILE_TABLE(Q8_0),
     TDM_CPU_TILE_TABLE(Q4_0), TDM_CPU_TILE_TABLE(Q4_1),
 };
 
@@ -218,7 +218,7 @@ static void mm_worker(void *ctx, int ith, int nth)
             run_tile(job, r, 0, (int)TDM_MIN(R, r1 - r), 1);
         return;
     }
-    const int R = job->k->prefill_r, C = job->k->prefill_c;
+    const int R = job->k->prefill_r[job->wtype], C = job->k->prefill_c;
     for (int i0 = 0; i0 < job->n; i0 += IB) {
         const int i1 = TDM_MIN(job->n, i0 + IB);
         for (int64_t rb = r0; rb < r1; rb += RB) {

@@ -26,6 +26,11 @@
 
 #define AI static inline __attribute__((always_inline))
 
+/* The 4-bit paths read d (and q4_1's m right after it) from the start of a block. */
+static_assert(offsetof(struct block_q4_0, d) == 0 && offsetof(struct block_q4_1, d) == 0 &&
+                  offsetof(struct block_q4_1, m) == 2,
+              "4-bit block scales at the block start");
+
 /* The fp16 at p, broadcast to 8 lanes. */
 AI __m256 f16x8_at(const uint8_t *p)
 {
@@ -181,6 +186,6 @@ TDM_CPU_DEF_TILES(Q4_0, tile_avx2)
 TDM_CPU_DEF_TILES(Q4_1, tile_avx2)
 
 const tdm_cpu_tile_table tdm_cpu_tiles_avx2 = {
-    TDM_CPU_TILE_TABLE(F32), TDM_CPU_TILE_TABLE(BF16), TDM_CPU_TILE_TABLE(Q8_0),
+    TDM_CPU_TILE_TABLE(F32),  TDM_CPU_TILE_TABLE(BF16), TDM_CPU_TILE_TABLE(Q8_0),
     TDM_CPU_TILE_TABLE(Q4_0), TDM_CPU_TILE_TABLE(Q4_1),
 };
