@@ -63,6 +63,15 @@ struct tdm_rope {
     const float *inv_freq; /* [head_dim / 2], scaling already applied; host memory */
 };
 
+/* One product of matmul_multi: out = x W (+ bias). */
+struct tdm_matmul_part {
+    const struct tdm_weight *w;
+    const float *bias; /* [w->rows] or NULL */
+    float *out;        /* [n][w->rows] */
+};
+#define TDM_MATMUL_MULTI_MAX 4   /* parts per matmul_multi call */
+#define TDM_MAX_HEAD_DIM     512 /* every backend supports head_dim up to this (even) value */
+
 struct tdm_backend_i {
     const char *name;
     void (*destroy)(tdm_backend_t *b);
@@ -89,6 +98,17 @@ struct tdm_backend_i {
      * bias: [w.rows] or NULL. */
     void (*matmul)(tdm_backend_t *b, const struct tdm_weight *w, const float *x, int n,
                    const float *bias, float *out);
+    /* Several matmuls of one input as one op (q, k, v): for each of the n_parts (1 to
+     * TDM_MATMUL_MULTI_MAX) parts, part.out = x part.w (+ part.bias), every value bit-identical
+     * to what matmul computes. All weights have x's width. */
+    void (*matmul_multi)(tdm_backend_t *b, const float *x, int n,
+                         const struct tdm_matmul_part *parts, int n_parts);
+    /* The SwiGLU up-projection as one op: out = silu(x w_gate) * (x w_up), every value
+     * bit-identical to matmul, matmul, silu_mul (for F32 weights: to those ops on a
+     * batch_invariant instance). w_gate and w_up: same shape, no bias; out: [n][w_gate.rows],
+     * not aliasing x. */
+    void (*matmul_swiglu)(tdm_backend_t *b, const struct tdm_weight *w_gate,
+                          const struct tdm_weight *w_up, const float *x, int n, float *out);
     /* In place RMSNorm of each head_dim-long row. x: [n_rows][head_dim]; w: [head_dim] */
     void (*head_rmsnorm)(tdm_backend_t *b, float *x, const float *w, float eps, int n_rows,
                          int head_dim);

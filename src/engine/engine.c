@@ -5,12 +5,13 @@
  * One layer (llama, qwen2, qwen3; qwen2 adds q/k/v biases, qwen3 a per-head RMSNorm of q and k):
  *
  *   h = rmsnorm(x, attn_norm)                      (fused into the previous layer's last add)
- *   q, k, v = h Wq (+bq), h Wk (+bk), h Wv (+bv)
+ *   q, k, v = h Wq (+bq), h Wk (+bk), h Wv (+bv)     (one matmul_multi)
  *   q, k = head_rmsnorm(q), head_rmsnorm(k)        (qwen3)
  *   rope(q, k); append k, v to the paged KV cache at each token's slot
  *   a = attention(q, KV) ; o = a Wo               -> layer counter = layer + 1
  *   x += o ; h = rmsnorm(x, ffn_norm)
  *   x += (silu(h Wgate) * (h Wup)) Wdown ; h = rmsnorm(x, next layer's attn_norm or output_norm)
+ *                                                  (the bracket is one matmul_swiglu)
  *
  * Logits are computed only for the rows that asked for them (gathered after the final norm).
  *
@@ -50,8 +51,7 @@ struct tdm_engine {
     float *v;               /* [max_tokens][n_kv_heads*head_dim] */
     float *att;             /* [max_tokens][n_heads*head_dim] */
     float *o;               /* [max_tokens][d_model] */
-    float *gate;            /* [max_tokens][d_ff] */
-    float *up;              /* [max_tokens][d_ff] */
+    float *gate;            /* [max_tokens][d_ff] silu(gate) * up */
     float *rows;            /* [max_logit_rows][d_model] gathered final-normed rows */
     float *logits;          /* [max_logit_rows][vocab] */
     int32_t *dev_out_rows;  /* [max_logit_rows] host-side list handed to gather_rows */
@@ -146,6 +146,11 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     fill_defaults(&e->cfg, &e->opts);
     const struct tdm_model_config *c = &e->cfg;
     struct tdm_engine_opts *o = &e->opts;
+    if (c->head_dim <= 0 || c->head_dim % 2 || c->head_dim > TDM_MAX_HEAD_DIM) {
+        st = tdm_err_set(TDM_EUNSUPPORTED, "engine: head_dim %d (must be even, at most %d)",
+                         c->head_dim, TDM_MAX_HEAD_DIM);
+        goto out_free;
+    }
     if (o->page_size > 1024 || o->max_batch_tokens > (1 << 20) || o->max_seqs > (1 << 16) ||
         o->max_logit_rows > (1 << 20)) {
         st = tdm_err_set(TDM_ERANGE,
@@ -203,7 +208,6 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     e->att = balloc(e, T * qd * f, &st);
     e->o = balloc(e, T * c->d_model * f, &st);
     e->gate = balloc(e, T * c->d_ff * f, &st);
-    e->up = balloc(e, T * c->d_ff * f, &st);
     e->rows = balloc(e, R * c->d_model * f, &st);
     e->logits = balloc(e, R * c->vocab_size * f, &st);
     if (st != TDM_OK) goto out_scratch;
@@ -218,8 +222,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
 out_scratch:
     tdm_kv_pool_destroy(e->kv);
     {
-        void *bufs[] = {e->x, e->h,    e->q,  e->k,    e->v,     e->att,
-                        e->o, e->gate, e->up, e->rows, e->logits};
+        void *bufs[] = {e->x, e->h, e->q, e->k, e->v, e->att, e->o, e->gate, e->rows, e->logits};
         for (size_t i = 0; i < TDM_ARRAY_LEN(bufs); i++)
             if (bufs[i]) e->backend->iface->buf_free(e->backend, bufs[i]);
     }
@@ -236,7 +239,7 @@ void tdm_engine_destroy(tdm_engine_t *e)
 {
     if (!e) return;
     tdm_kv_pool_destroy(e->kv);
-    void *bufs[] = {e->x, e->h, e->q, e->k, e->v, e->att, e->o, e->gate, e->up, e->rows, e->logits};
+    void *bufs[] = {e->x, e->h, e->q, e->k, e->v, e->att, e->o, e->gate, e->rows, e->logits};
     for (size_t i = 0; i < TDM_ARRAY_LEN(bufs); i++)
         e->backend->iface->buf_free(e->backend, bufs[i]);
     if (e->owns_backend) tdm_backend_destroy(e->backend);
@@ -390,9 +393,9 @@ tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, fl
     for (int l = 0; l < c->n_layers; l++) {
         const struct tdm_layer_weights *w = &e->layers[l];
         struct tdm_kv_layer kv = tdm_kv_pool_layer(e->kv, l);
-        ops->matmul(b, &w->wq, e->h, T, w->bq.data, e->q);
-        ops->matmul(b, &w->wk, e->h, T, w->bk.data, e->k);
-        ops->matmul(b, &w->wv, e->h, T, w->bv.data, e->v);
+        const struct tdm_matmul_part qkv[] = {
+            {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
+        ops->matmul_multi(b, e->h, T, qkv, 3);
         if (c->qk_norm) {
             ops->head_rmsnorm(b, e->q, w->q_norm.data, c->rms_eps, T * c->n_heads, hd);
             ops->head_rmsnorm(b, e->k, w->k_norm.data, c->rms_eps, T * c->n_kv_heads, hd);
@@ -402,9 +405,7 @@ tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, fl
         ops->matmul(b, &w->wo, e->att, T, NULL, e->o);
         if (counter) ops->layer_done(b, l, counter);
         ops->add_rmsnorm(b, e->x, e->o, w->ffn_norm.data, c->rms_eps, T, d, e->h);
-        ops->matmul(b, &w->w_gate, e->h, T, NULL, e->gate);
-        ops->matmul(b, &w->w_up, e->h, T, NULL, e->up);
-        ops->silu_mul(b, e->gate, e->up, T, c->d_ff, e->gate);
+        ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
         ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
         const float *next_norm =
             l + 1 < c->n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;

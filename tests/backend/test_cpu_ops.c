@@ -333,6 +333,109 @@ static void test_matmul_invariance(void **state)
     }
 }
 
+/* matmul_multi and matmul_swiglu give, bit for bit, what the separate ops give (on
+ * batch_invariant instances, where F32 takes our own kernel too), for every ISA, 1 to 3
+ * threads, decode and prefill sizes (n = 70 crosses a prefill block), biased and unbiased
+ * parts of different heights, and a gate/up pair of different dtypes; and on an instance
+ * without batch_invariant the parts still match the float64 reference. */
+static void test_matmul_fused(void **state)
+{
+    const int ns[] = {1, 5, 70};
+    const int64_t cols = 96;                            /* 3 blocks: an odd count */
+    const int64_t part_rows[3] = {45, 17, 33}, ff = 37; /* not multiples of tiles or splits */
+    for (int isa = 0; isa < n_isas(); isa++) {
+        const char *isa_name = tdm_cpu_isa_name((enum tdm_cpu_isa)isa);
+        for (int t = 1; t <= 3; t++) {
+            tdm_backend_t *b = make_backend((enum tdm_cpu_isa)isa, t, true);
+            tdm_backend_t *fast = make_backend((enum tdm_cpu_isa)isa, t, false);
+            for (size_t d = 0; d < TDM_ARRAY_LEN(DTYPES); d++) {
+                struct test_weight tw[3], gate, up;
+                for (int j = 0; j < 3; j++)
+                    make_weight(DTYPES[(d + (size_t)j) % TDM_ARRAY_LEN(DTYPES)], part_rows[j], cols,
+                                &tw[j]);
+                make_weight(DTYPES[d], ff, cols, &gate);
+                make_weight(DTYPES[(d + 2) % TDM_ARRAY_LEN(DTYPES)], ff, cols, &up);
+                for (size_t ni = 0; ni < TDM_ARRAY_LEN(ns); ni++) {
+                    const int n = ns[ni];
+                    float *x = rand_vec((size_t)n * cols, -1, 1);
+                    float *bias0 = rand_vec((size_t)part_rows[0], -1, 1);
+                    float *bias2 = rand_vec((size_t)part_rows[2], -1, 1);
+                    const float *bias[3] = {bias0, NULL, bias2};
+                    float *fused[3], *alone[3];
+                    struct tdm_matmul_part parts[3];
+                    for (int j = 0; j < 3; j++) {
+                        fused[j] = malloc((size_t)n * part_rows[j] * sizeof(float));
+                        alone[j] = malloc((size_t)n * part_rows[j] * sizeof(float));
+                        parts[j] = (struct tdm_matmul_part){&tw[j].w, bias[j], fused[j]};
+                    }
+                    b->iface->matmul_multi(b, x, n, parts, 3);
+                    for (int j = 0; j < 3; j++) {
+                        b->iface->matmul(b, &tw[j].w, x, n, bias[j], alone[j]);
+                        assert_same_bits(fused[j], alone[j], (size_t)n * part_rows[j],
+                                         "%s %d threads %s n=%d: matmul_multi part %d", isa_name, t,
+                                         tdm_dtype_name(tw[j].w.dtype), n, j);
+                    }
+                    fast->iface->matmul_multi(fast, x, n, parts, 3);
+                    for (int j = 0; j < 3; j++)
+                        check_matmul_ref(&tw[j], x, n, bias[j], fused[j], "matmul_multi");
+
+                    const size_t len = (size_t)n * ff;
+                    float *sw = malloc(len * sizeof(float));
+                    float *g = malloc(len * sizeof(float));
+                    float *u = malloc(len * sizeof(float));
+                    b->iface->matmul_swiglu(b, &gate.w, &up.w, x, n, sw);
+                    b->iface->matmul(b, &gate.w, x, n, NULL, g);
+                    b->iface->matmul(b, &up.w, x, n, NULL, u);
+                    b->iface->silu_mul(b, g, u, n, (int)ff, g);
+                    assert_same_bits(sw, g, len, "%s %d threads %s/%s n=%d: matmul_swiglu",
+                                     isa_name, t, tdm_dtype_name(gate.w.dtype),
+                                     tdm_dtype_name(up.w.dtype), n);
+                    /* and against float64: silu(x Wgate) * (x Wup) from the dequantised
+                     * weights (|silu'| < 1.1 bounds how the products' rounding propagates) */
+                    for (int i = 0; i < n; i++) {
+                        for (int64_t r = 0; r < ff; r++) {
+                            double gs = 0, gm = 0, us = 0, um = 0;
+                            for (int64_t c = 0; c < cols; c++) {
+                                const double xv = x[(size_t)i * cols + c];
+                                gs += gate.deq[r * cols + c] * xv;
+                                gm += fabs(gate.deq[r * cols + c] * xv);
+                                us += up.deq[r * cols + c] * xv;
+                                um += fabs(up.deq[r * cols + c] * xv);
+                            }
+                            const double silu = gs / (1.0 + exp(-gs));
+                            const double ref = silu * us;
+                            const double tol =
+                                1e-5 * (1.1 * gm * fabs(us) + fabs(silu) * um) + 1e-6 * fabs(ref);
+                            const double got = sw[(size_t)i * ff + r];
+                            if (!(fabs(got - ref) <= tol)) {
+                                print_error("matmul_swiglu %s n=%d [%d][%lld]: %.9g, ref %.9g\n",
+                                            isa_name, n, i, (long long)r, got, ref);
+                                fail();
+                            }
+                        }
+                    }
+                    free(u);
+                    free(g);
+                    free(sw);
+                    for (int j = 0; j < 3; j++) {
+                        free(fused[j]);
+                        free(alone[j]);
+                    }
+                    free(bias2);
+                    free(bias0);
+                    free(x);
+                }
+                for (int j = 0; j < 3; j++)
+                    free_weight(&tw[j]);
+                free_weight(&gate);
+                free_weight(&up);
+            }
+            tdm_backend_destroy(fast);
+            tdm_backend_destroy(b);
+        }
+    }
+}
+
 /* ---- embed ---- */
 
 static void test_embed(void **state)
@@ -900,6 +1003,7 @@ int main(void)
         cmocka_unit_test(test_matmul_reference),
         cmocka_unit_test(test_matmul_wide),
         cmocka_unit_test(test_matmul_invariance),
+        cmocka_unit_test(test_matmul_fused),
         cmocka_unit_test(test_embed),
         cmocka_unit_test(test_norms),
         cmocka_unit_test(test_elementwise),

@@ -133,3 +133,41 @@ def test_corrupt_model_files(default_model, tmp_path):
         assert cp.returncode == 1, (name, cp.returncode, cp.stderr)
         assert cp.returncode != -signal.SIGSEGV
         assert "cannot load model" in cp.stderr, (name, cp.stderr)
+
+
+def _run_on_pty(args, timeout=120):
+    """Runs tandem with stderr on a pseudo-terminal; returns what the terminal received."""
+    import os
+    import pty
+    import select
+    import subprocess
+    from conftest import build_dir
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([str(build_dir() / "tandem")] + [str(a) for a in args],
+                            stdout=subprocess.DEVNULL, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    try:
+        while True:
+            r, _, _ = select.select([master], [], [], timeout)
+            if not r:
+                break
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        proc.wait(timeout=timeout)
+        os.close(master)
+    assert proc.returncode == 0
+    return out.decode(errors="replace")
+
+
+def test_progress_bar_only_on_a_terminal(default_model):
+    on_tty = _run_on_pty(["info", "--model", default_model])
+    assert "loading [" in on_tty and "100%" in on_tty, on_tty
+    piped = run_tandem(["info", "--model", default_model])
+    assert "loading" not in piped.stderr

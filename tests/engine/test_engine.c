@@ -262,6 +262,10 @@ static void test_validation(void **s)
     assert_int_equal(tdm_engine_forward(e, &b, out, NULL), TDM_OK);
     tdm_engine_destroy(e);
     tdm_engine_destroy(NULL);
+    /* a head_dim no backend supports is refused at creation, not asserted on later */
+    m.cfg.head_dim = TDM_MAX_HEAD_DIM + 2;
+    struct tdm_engine_opts o = {.n_threads = 1, .kv_pages = 4};
+    assert_int_equal(tdm_engine_create(&m, &o, &e), TDM_EUNSUPPORTED);
     free_model();
 }
 

@@ -23,8 +23,10 @@
 
 #include "tandem/backend.h"
 
+#include <math.h>
+
 /* Largest head_dim the attention and RoPE kernels accept (stack scratch is sized by it). */
-#define TDM_CPU_MAX_HEAD_DIM 512
+#define TDM_CPU_MAX_HEAD_DIM TDM_MAX_HEAD_DIM
 /* Largest tile side of the matmul kernels. */
 #define TDM_CPU_TILE_MAX 4
 
@@ -137,6 +139,10 @@ void tdm_cpu_head_rmsnorm(tdm_backend_t *b, float *x, const float *w, float eps,
                           int head_dim);
 void tdm_cpu_matmul(tdm_backend_t *b, const struct tdm_weight *w, const float *x, int n,
                     const float *bias, float *out);
+void tdm_cpu_matmul_multi(tdm_backend_t *b, const float *x, int n,
+                          const struct tdm_matmul_part *parts, int n_parts);
+void tdm_cpu_matmul_swiglu(tdm_backend_t *b, const struct tdm_weight *w_gate,
+                           const struct tdm_weight *w_up, const float *x, int n, float *out);
 void tdm_cpu_rope_kv_append(tdm_backend_t *b, float *q, const float *k, const float *v, int n_heads,
                             const struct tdm_step *st, const struct tdm_rope *rope,
                             const struct tdm_kv_layer *kv);
@@ -174,6 +180,13 @@ void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, 
 #define TDM_CPU_TILE_TABLE(W)                                                                      \
     [TDM_CPU_W_##W] = {TDM_CPU_TILE_ROW_(W, 1), TDM_CPU_TILE_ROW_(W, 2), TDM_CPU_TILE_ROW_(W, 3),  \
                        TDM_CPU_TILE_ROW_(W, 4)}
+
+/* silu(g) * u, the one definition that silu_mul and matmul_swiglu share (libm's expf; see
+ * elementwise.c), so that the fused op matches the separate ones bit for bit. */
+static inline float tdm_cpu_silu_mul1(float g, float u)
+{
+    return (g / (1.0f + expf(-g))) * u;
+}
 
 /* Dequantises row `row` of a weight into dst[cols] (the dtypes of tdm_cpu_wtype_of). */
 void tdm_cpu_weight_row(const struct tdm_weight *w, int64_t row, float *dst);

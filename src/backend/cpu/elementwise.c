@@ -24,8 +24,7 @@ static void silu_mul_worker(void *ctx, int ith, int nth)
     int64_t i0, i1;
     tdm_split_range(job->n, ith, nth, 16, &i0, &i1);
     for (int64_t i = i0; i < i1; i++) {
-        const float g = job->a[i];
-        job->out[i] = (g / (1.0f + expf(-g))) * job->b[i];
+        job->out[i] = tdm_cpu_silu_mul1(job->a[i], job->b[i]);
     }
 }
 

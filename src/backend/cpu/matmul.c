@@ -9,8 +9,12 @@
  * with fp32 activations.
  *
  * Work split: the weight rows are divided over the pool's threads (tdm_split_range, chunks of
- * 16 rows so that no two threads write one cache line of out). Each thread walks its rows in
- * tiles of R weight rows x C activation rows (cpu_int.h): n == 1 (decode) streams R rows at
+ * 16 rows so that no two threads write one cache line of out). matmul_multi (q, k and v of one
+ * input) runs as one pool job in which each thread takes its share of every weight in turn,
+ * and matmul_swiglu computes the gate and up tiles of the same rows back to back and applies
+ * silu(gate) * up to the tile before it moves on: both cut the pool hand-offs (each a barrier
+ * of all threads) per decoded token. Each thread walks its rows in tiles of R weight rows x C
+ * activation rows (cpu_int.h): n == 1 (decode) streams R rows at
  * once against the single activation row, which keeps several independent FMA chains in
  * flight while the weights stream from memory; n > 1 (prefill) keeps a block of RB weight rows
  * hot in cache and runs it against IB activation rows, dequantising each weight vector once
@@ -18,8 +22,10 @@
  *
  * Determinism: every tile shape performs the same operations, in the same order, for each
  * (weight row, activation row) pair, so a value never depends on n, on the thread count or on
- * where a tile boundary fell. The exception is F32 weights with n > 1, which go to OpenBLAS
- * sgemm (blocking depends on n) unless the instance was created with batch_invariant.
+ * where a tile boundary fell, nor on whether the product ran alone, in a matmul_multi or in
+ * a matmul_swiglu. The exception is F32 weights with n > 1, which go to OpenBLAS sgemm
+ * (blocking depends on n) unless the instance was created with batch_invariant; matmul_swiglu
+ * never uses OpenBLAS (its tiles are fused), so there it matches the batch_invariant matmul.
  *
  * Portable kernel order, per pair: 8 lanes; lane l sums the products of elements 8j + l in
  * increasing j (products and sums rounded separately: ISO C11 does not contract to FMA), then
@@ -181,86 +187,187 @@ const tdm_cpu_tile_table tdm_cpu_tiles_portable = {
 
 /* ---- driver ---- */
 
-struct mm_job {
-    const struct tdm_cpu_kernels *k;
+/* One weight of a job and where its product goes. */
+struct mm_part {
     const struct tdm_weight *w;
     int wtype;
-    const float *x;
-    int n;
+    bool blas; /* F32 times several rows on an instance without batch_invariant */
     const float *bias;
     float *out;
 };
 
-static void run_tile(const struct mm_job *job, int64_t r, int i, int R, int C)
+/* A matmul, a matmul_multi (n_parts products of x, each thread taking its share of every
+ * part) or a matmul_swiglu (parts[0] gate, parts[1] up, out = parts[0].out). */
+struct mm_job {
+    const struct tdm_cpu_kernels *k;
+    const float *x;
+    int n;
+    int n_parts;
+    bool swiglu;
+    struct mm_part parts[TDM_MATMUL_MULTI_MAX];
+};
+
+/* Weight rows [r, r + R) against activation rows [i, i + C), written to out with row stride
+ * ldo (out points at the tile's first value). */
+static void run_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int i, int R,
+                     int C, float *out, int64_t ldo)
 {
-    const struct tdm_weight *w = job->w;
+    const struct tdm_weight *w = p->w;
     const struct tdm_cpu_tile t = {
         .w = (const uint8_t *)w->data + (size_t)r * w->row_bytes,
         .row_bytes = w->row_bytes,
         .cols = w->cols,
         .x = job->x + (size_t)i * (size_t)w->cols,
         .ldx = w->cols,
-        .out = job->out + (size_t)i * (size_t)w->rows + (size_t)r,
-        .ldo = w->rows,
-        .bias = job->bias ? job->bias + r : NULL,
+        .out = out,
+        .ldo = ldo,
+        .bias = p->bias ? p->bias + r : NULL,
     };
-    job->k->tile[job->wtype][R - 1][C - 1](&t);
+    job->k->tile[p->wtype][R - 1][C - 1](&t);
 }
 
-static void mm_worker(void *ctx, int ith, int nth)
+/* The tile at (r, i) of one part, into that part's output. */
+static void part_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int i, int R,
+                      int C)
 {
-    const struct mm_job *job = ctx;
-    int64_t r0, r1;
-    tdm_split_range(job->w->rows, ith, nth, 16, &r0, &r1);
+    const int64_t rows = p->w->rows;
+    run_tile(job, p, r, i, R, C, p->out + (size_t)i * (size_t)rows + (size_t)r, rows);
+}
+
+/* The SwiGLU tile at (r, i): the gate tile into out, the up tile into scratch, then
+ * out = silu(gate) * up on the tile. */
+static void swiglu_tile(const struct mm_job *job, int64_t r, int i, int R, int C)
+{
+    const struct mm_part *gate = &job->parts[0], *up = &job->parts[1];
+    const int64_t rows = gate->w->rows;
+    float *out = gate->out + (size_t)i * (size_t)rows + (size_t)r;
+    float u[TDM_CPU_TILE_MAX * TDM_CPU_TILE_MAX]; /* [C][R] */
+    run_tile(job, gate, r, i, R, C, out, rows);
+    run_tile(job, up, r, i, R, C, u, R);
+    for (int c = 0; c < C; c++)
+        for (int j = 0; j < R; j++)
+            out[c * rows + j] = tdm_cpu_silu_mul1(out[c * rows + j], u[c * R + j]);
+}
+
+/* Weight rows [r0, r1) of part p (or of the SwiGLU pair when p is NULL) against all
+ * activation rows, in tiles (the top comment gives the walk). */
+static void mm_rows(const struct mm_job *job, const struct mm_part *p, int64_t r0, int64_t r1)
+{
+    const int *pr = job->k->prefill_r;
+    const int R_prefill =
+        p ? pr[p->wtype] : TDM_MIN(pr[job->parts[0].wtype], pr[job->parts[1].wtype]);
     if (job->n == 1) {
         const int R = job->k->decode_r;
-        for (int64_t r = r0; r < r1; r += R)
-            run_tile(job, r, 0, (int)TDM_MIN(R, r1 - r), 1);
+        for (int64_t r = r0; r < r1; r += R) {
+            const int rr = (int)TDM_MIN(R, r1 - r);
+            if (p)
+                part_tile(job, p, r, 0, rr, 1);
+            else
+                swiglu_tile(job, r, 0, rr, 1);
+        }
         return;
     }
-    const int R = job->k->prefill_r[job->wtype], C = job->k->prefill_c;
+    const int R = R_prefill, C = job->k->prefill_c;
     for (int i0 = 0; i0 < job->n; i0 += IB) {
         const int i1 = TDM_MIN(job->n, i0 + IB);
         for (int64_t rb = r0; rb < r1; rb += RB) {
             const int64_t rb1 = TDM_MIN(r1, rb + RB);
             for (int i = i0; i < i1; i += C) {
                 const int cc = TDM_MIN(C, i1 - i);
-                for (int64_t r = rb; r < rb1; r += R)
-                    run_tile(job, r, i, (int)TDM_MIN(R, rb1 - r), cc);
+                for (int64_t r = rb; r < rb1; r += R) {
+                    const int rr = (int)TDM_MIN(R, rb1 - r);
+                    if (p)
+                        part_tile(job, p, r, i, rr, cc);
+                    else
+                        swiglu_tile(job, r, i, rr, cc);
+                }
             }
         }
     }
 }
 
-/* F32 weights, several rows: OpenBLAS on this thread's slice of weight rows. */
-static void sgemm_worker(void *ctx, int ith, int nth)
+/* F32 weights, several rows: OpenBLAS on weight rows [r0, r1) of part p. */
+static void sgemm_rows(const struct mm_job *job, const struct mm_part *p, int64_t r0, int64_t r1)
 {
-    const struct mm_job *job = ctx;
-    const struct tdm_weight *w = job->w;
-    int64_t r0, r1;
-    tdm_split_range(w->rows, ith, nth, 16, &r0, &r1);
+    const struct tdm_weight *w = p->w;
     if (r1 <= r0) return;
     const float *wdata = (const float *)w->data + (size_t)r0 * (size_t)w->cols;
-    float *out = job->out + r0;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, job->n, (int)(r1 - r0), (int)w->cols, 1.0f,
-                job->x, (int)w->cols, wdata, (int)w->cols, 0.0f, out, (int)w->rows);
-    if (job->bias)
+                job->x, (int)w->cols, wdata, (int)w->cols, 0.0f, p->out + r0, (int)w->rows);
+    if (p->bias)
         for (int i = 0; i < job->n; i++)
             for (int64_t r = r0; r < r1; r++)
-                job->out[(size_t)i * w->rows + r] += job->bias[r];
+                p->out[(size_t)i * w->rows + r] += p->bias[r];
+}
+
+static void mm_worker(void *ctx, int ith, int nth)
+{
+    const struct mm_job *job = ctx;
+    int64_t r0, r1;
+    if (job->swiglu) {
+        tdm_split_range(job->parts[0].w->rows, ith, nth, 16, &r0, &r1);
+        mm_rows(job, NULL, r0, r1);
+        return;
+    }
+    for (int j = 0; j < job->n_parts; j++) {
+        const struct mm_part *p = &job->parts[j];
+        tdm_split_range(p->w->rows, ith, nth, 16, &r0, &r1);
+        if (p->blas)
+            sgemm_rows(job, p, r0, r1);
+        else
+            mm_rows(job, p, r0, r1);
+    }
+}
+
+static struct mm_part make_part(const struct tdm_cpu *cpu, const struct tdm_weight *w, int n,
+                                const float *bias, float *out)
+{
+    const int wtype = tdm_cpu_wtype_of(w->dtype);
+    TDM_ASSERT(wtype >= 0 && w->row_bytes == tdm_dtype_row_bytes(w->dtype, w->cols));
+    const bool blas = wtype == TDM_CPU_W_F32 && n > 1 && !cpu->batch_invariant &&
+                      w->row_bytes == (size_t)w->cols * sizeof(float);
+    return (struct mm_part){.w = w, .wtype = wtype, .blas = blas, .bias = bias, .out = out};
+}
+
+/* Runs a prepared job (parts' outputs at row 0) over the pool. */
+static void mm_run(struct tdm_cpu *cpu, struct mm_job *job)
+{
+    int64_t work = 0;
+    for (int j = 0; j < job->n_parts; j++)
+        work += job->parts[j].w->rows * job->parts[j].w->cols * (int64_t)job->n;
+    tdm_cpu_run(cpu, work, mm_worker, job);
+}
+
+void tdm_cpu_matmul_multi(tdm_backend_t *b, const float *x, int n,
+                          const struct tdm_matmul_part *parts, int n_parts)
+{
+    struct tdm_cpu *cpu = tdm_cpu_of(b);
+    TDM_ASSERT(n_parts >= 1 && n_parts <= TDM_MATMUL_MULTI_MAX);
+    if (n <= 0) return;
+    struct mm_job job = {.k = cpu->k, .x = x, .n = n, .n_parts = n_parts};
+    for (int j = 0; j < n_parts; j++) {
+        TDM_ASSERT(parts[j].w->cols == parts[0].w->cols);
+        job.parts[j] = make_part(cpu, parts[j].w, n, parts[j].bias, parts[j].out);
+    }
+    mm_run(cpu, &job);
 }
 
 void tdm_cpu_matmul(tdm_backend_t *b, const struct tdm_weight *w, const float *x, int n,
                     const float *bias, float *out)
 {
+    const struct tdm_matmul_part part = {.w = w, .bias = bias, .out = out};
+    tdm_cpu_matmul_multi(b, x, n, &part, 1);
+}
+
+void tdm_cpu_matmul_swiglu(tdm_backend_t *b, const struct tdm_weight *w_gate,
+                           const struct tdm_weight *w_up, const float *x, int n, float *out)
+{
     struct tdm_cpu *cpu = tdm_cpu_of(b);
-    const int wtype = tdm_cpu_wtype_of(w->dtype);
-    TDM_ASSERT(wtype >= 0 && w->row_bytes == tdm_dtype_row_bytes(w->dtype, w->cols));
+    TDM_ASSERT(w_gate->rows == w_up->rows && w_gate->cols == w_up->cols);
     if (n <= 0) return;
-    struct mm_job job = {
-        .k = cpu->k, .w = w, .wtype = wtype, .x = x, .n = n, .bias = bias, .out = out};
-    const bool blas = wtype == TDM_CPU_W_F32 && n > 1 && !cpu->batch_invariant &&
-                      w->row_bytes == (size_t)w->cols * sizeof(float);
-    const int64_t work = w->rows * w->cols * (int64_t)n;
-    tdm_cpu_run(cpu, work, blas ? sgemm_worker : mm_worker, &job);
+    struct mm_job job = {.k = cpu->k, .x = x, .n = n, .n_parts = 2, .swiglu = true};
+    job.parts[0] = make_part(cpu, w_gate, n, NULL, out);
+    job.parts[1] = make_part(cpu, w_up, n, NULL, NULL);
+    job.parts[0].blas = job.parts[1].blas = false; /* the fused tiles never use OpenBLAS */
+    mm_run(cpu, &job);
 }
