@@ -190,56 +190,45 @@ static void deq_q5_1(const uint8_t *src, float *dst, int64_t n_blocks)
     }
 }
 
-static void deq_q4_K(const uint8_t *src, float *dst, int64_t n_blocks)
+/* One 256-element Q4_K or Q5_K super-block: chunk c of 32 bytes holds sub-blocks 2c (low
+ * nibbles) and 2c + 1 (high nibbles); Q5_K adds a fifth bit per element from qh (NULL for Q4_K). */
+static void deq_k_super(float d, float dmin, const uint8_t *scales, const uint8_t *qs,
+                        const uint8_t *qh, float *dst)
 {
-    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q4_K), dst += TDM_QK_K) {
-        const float d = rd_f16(FIELD(src, block_q4_K, d));
-        const float dmin = rd_f16(FIELD(src, block_q4_K, dmin));
-        const uint8_t *scales = FIELD(src, block_q4_K, scales);
-        const uint8_t *qs = FIELD(src, block_q4_K, qs);
-        /* chunk c of 32 bytes holds sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles) */
-        for (int c = 0; c < 4; c++) {
-            uint8_t sc0, m0, sc1, m1;
-            tdm_k_scale_min(scales, 2 * c, &sc0, &m0);
-            tdm_k_scale_min(scales, 2 * c + 1, &sc1, &m1);
-            const float d0 = d * (float)sc0, dm0 = dmin * (float)m0;
-            const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
-            float *y = dst + 64 * c;
-            for (int l = 0; l < 32; l++) {
-                const float p0 = d0 * (float)(qs[32 * c + l] & 0x0F);
-                const float p1 = d1 * (float)(qs[32 * c + l] >> 4);
-                y[l] = p0 - dm0;
-                y[l + 32] = p1 - dm1;
+    for (int c = 0; c < 4; c++) {
+        uint8_t sc0, m0, sc1, m1;
+        tdm_k_scale_min(scales, 2 * c, &sc0, &m0);
+        tdm_k_scale_min(scales, 2 * c + 1, &sc1, &m1);
+        const float d0 = d * (float)sc0, dm0 = dmin * (float)m0;
+        const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
+        float *y = dst + 64 * c;
+        for (int l = 0; l < 32; l++) {
+            int q0 = qs[32 * c + l] & 0x0F, q1 = qs[32 * c + l] >> 4;
+            if (qh) {
+                q0 |= ((qh[l] >> (2 * c)) & 1) << 4;
+                q1 |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
             }
+            const float p0 = d0 * (float)q0;
+            const float p1 = d1 * (float)q1;
+            y[l] = p0 - dm0;
+            y[l + 32] = p1 - dm1;
         }
     }
 }
 
+static void deq_q4_K(const uint8_t *src, float *dst, int64_t n_blocks)
+{
+    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q4_K), dst += TDM_QK_K)
+        deq_k_super(rd_f16(FIELD(src, block_q4_K, d)), rd_f16(FIELD(src, block_q4_K, dmin)),
+                    FIELD(src, block_q4_K, scales), FIELD(src, block_q4_K, qs), NULL, dst);
+}
+
 static void deq_q5_K(const uint8_t *src, float *dst, int64_t n_blocks)
 {
-    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q5_K), dst += TDM_QK_K) {
-        const float d = rd_f16(FIELD(src, block_q5_K, d));
-        const float dmin = rd_f16(FIELD(src, block_q5_K, dmin));
-        const uint8_t *scales = FIELD(src, block_q5_K, scales);
-        const uint8_t *qh = FIELD(src, block_q5_K, qh);
-        const uint8_t *qs = FIELD(src, block_q5_K, qs);
-        for (int c = 0; c < 4; c++) {
-            uint8_t sc0, m0, sc1, m1;
-            tdm_k_scale_min(scales, 2 * c, &sc0, &m0);
-            tdm_k_scale_min(scales, 2 * c + 1, &sc1, &m1);
-            const float d0 = d * (float)sc0, dm0 = dmin * (float)m0;
-            const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
-            float *y = dst + 64 * c;
-            for (int l = 0; l < 32; l++) {
-                const int q0 = (qs[32 * c + l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4);
-                const int q1 = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
-                const float p0 = d0 * (float)q0;
-                const float p1 = d1 * (float)q1;
-                y[l] = p0 - dm0;
-                y[l + 32] = p1 - dm1;
-            }
-        }
-    }
+    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q5_K), dst += TDM_QK_K)
+        deq_k_super(rd_f16(FIELD(src, block_q5_K, d)), rd_f16(FIELD(src, block_q5_K, dmin)),
+                    FIELD(src, block_q5_K, scales), FIELD(src, block_q5_K, qs),
+                    FIELD(src, block_q5_K, qh), dst);
 }
 
 static void deq_q6_K(const uint8_t *src, float *dst, int64_t n_blocks)
