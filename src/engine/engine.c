@@ -54,7 +54,6 @@ struct tdm_engine {
     float *gate;            /* [max_tokens][d_ff] silu(gate) * up */
     float *rows;            /* [max_logit_rows][d_model] gathered final-normed rows */
     float *logits;          /* [max_logit_rows][vocab] */
-    int32_t *dev_out_rows;  /* [max_logit_rows] host-side list handed to gather_rows */
     struct tdm_arena arena; /* per-step metadata, host */
 };
 
@@ -64,6 +63,14 @@ static void *balloc(tdm_engine_t *e, size_t bytes, tdm_status *st)
     void *p = e->backend->iface->buf_alloc(e->backend, bytes);
     if (!p) *st = tdm_err_set(TDM_ENOMEM, "engine: cannot allocate %zu bytes of scratch", bytes);
     return p;
+}
+
+/* Releases the activation scratch (any of it may be NULL after a failed creation). */
+static void free_scratch(tdm_engine_t *e)
+{
+    void *bufs[] = {e->x, e->h, e->q, e->k, e->v, e->att, e->o, e->gate, e->rows, e->logits};
+    for (size_t i = 0; i < TDM_ARRAY_LEN(bufs); i++)
+        if (bufs[i]) e->backend->iface->buf_free(e->backend, bufs[i]);
 }
 
 void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_freqs, float *out)
@@ -221,11 +228,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
 
 out_scratch:
     tdm_kv_pool_destroy(e->kv);
-    {
-        void *bufs[] = {e->x, e->h, e->q, e->k, e->v, e->att, e->o, e->gate, e->rows, e->logits};
-        for (size_t i = 0; i < TDM_ARRAY_LEN(bufs); i++)
-            if (bufs[i]) e->backend->iface->buf_free(e->backend, bufs[i]);
-    }
+    free_scratch(e);
 out_backend:
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     free(e->layers);
@@ -239,9 +242,7 @@ void tdm_engine_destroy(tdm_engine_t *e)
 {
     if (!e) return;
     tdm_kv_pool_destroy(e->kv);
-    void *bufs[] = {e->x, e->h, e->q, e->k, e->v, e->att, e->o, e->gate, e->rows, e->logits};
-    for (size_t i = 0; i < TDM_ARRAY_LEN(bufs); i++)
-        e->backend->iface->buf_free(e->backend, bufs[i]);
+    free_scratch(e);
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     tdm_arena_free(&e->arena);
     free(e->layers);

@@ -388,9 +388,13 @@ static tdm_status gen_run(struct gen *g, const struct gen_opts *o, bool text_mod
             size_t len = 0, n_out = 0;
             const char *piece =
                 tdm_tok_is_special(g->tok, id) ? "" : tdm_tok_piece(g->tok, id, &len);
-            if (len > 256) len = 256; /* pieces are short; bound the copy into `out` */
-            bool stopped = tdm_text_stream_push(&ts, piece, len, out, &n_out);
-            if ((st = emit(out, n_out, reply, reply_len)) != TDM_OK) goto out_sampler;
+            bool stopped = false;
+            /* at most 256 bytes per push, so `out` always has room */
+            for (size_t off = 0; off < len && !stopped; off += 256) {
+                stopped =
+                    tdm_text_stream_push(&ts, piece + off, TDM_MIN(len - off, 256), out, &n_out);
+                if ((st = emit(out, n_out, reply, reply_len)) != TDM_OK) goto out_sampler;
+            }
             if (stopped) break;
         }
         if (i + 1 == o->max_tokens) break;
