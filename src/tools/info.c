@@ -72,36 +72,37 @@ int tdm_cmd_info(int argc, char **argv)
                : tmpl.format == TDM_CHAT_LLAMA3 ? "llama3"
                                                 : "raw";
 
+    int rc = 0;
     if (json) {
-        json_t *path_json = json_string(m->path);
-        char *path_str = path_json ? json_dumps(path_json, JSON_ENCODE_ANY) : NULL;
-        printf(
-            "{\"path\":%s,\"format\":\"%s\",\"arch\":\"%s\",\"n_layers\":%d,"
-            "\"d_model\":%d,\"n_heads\":%d,\"n_kv_heads\":%d,\"head_dim\":%d,\"d_ff\":%d,"
-            "\"vocab_size\":%d,\"max_ctx\":%d,\"rms_eps\":%g,\"rope_theta\":%g,"
-            "\"rope_neox\":%s,\"rope_scaling\":\"%s\",\"tied_embeddings\":%s,"
-            "\"qkv_bias\":%s,\"qk_norm\":%s,\"n_params\":%llu,\"weight_bytes\":%llu,"
-            "\"n_tensors\":%lld,\"chat_template\":\"%s\",\"tokenizer\":\"%s\",\"tensor_types\":{",
-            path_str ? path_str : "null", m->gguf ? "gguf" : "safetensors", tdm_arch_name(cf->arch),
-            cf->n_layers, cf->d_model, cf->n_heads, cf->n_kv_heads, cf->head_dim, cf->d_ff,
-            cf->vocab_size, cf->max_ctx, cf->rms_eps, cf->rope_theta,
-            cf->rope_neox ? "true" : "false", scaling_name(cf->rope_scaling),
-            cf->tied_embeddings ? "true" : "false", cf->qkv_bias ? "true" : "false",
-            cf->qk_norm ? "true" : "false", (unsigned long long)m->n_params,
-            (unsigned long long)m->weight_bytes, (long long)n_tensors, chat,
+        json_t *types = json_object();
+        for (int t = 0; t < TDM_DTYPE_COUNT; t++)
+            if (file_types[t])
+                json_object_set_new(types, tdm_dtype_name(t), json_integer(file_types[t]));
+        json_t *obj = json_pack(
+            "{s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:s, s:b, s:b,"
+            " s:b, s:I, s:I, s:I, s:s, s:s, s:o}",
+            "path", m->path, "format", m->gguf ? "gguf" : "safetensors", "arch",
+            tdm_arch_name(cf->arch), "n_layers", cf->n_layers, "d_model", cf->d_model, "n_heads",
+            cf->n_heads, "n_kv_heads", cf->n_kv_heads, "head_dim", cf->head_dim, "d_ff", cf->d_ff,
+            "vocab_size", cf->vocab_size, "max_ctx", cf->max_ctx, "rms_eps", (double)cf->rms_eps,
+            "rope_theta", (double)cf->rope_theta, "rope_neox", cf->rope_neox, "rope_scaling",
+            scaling_name(cf->rope_scaling), "tied_embeddings", cf->tied_embeddings, "qkv_bias",
+            cf->qkv_bias, "qk_norm", cf->qk_norm, "n_params", (json_int_t)m->n_params,
+            "weight_bytes", (json_int_t)m->weight_bytes, "n_tensors", (json_int_t)n_tensors,
+            "chat_template", chat, "tokenizer",
             !tok                               ? "none"
             : tdm_tok_kind(tok) == TDM_TOK_SPM ? "spm"
-                                               : "bpe");
-        bool first = true;
-        for (int t = 0; t < TDM_DTYPE_COUNT; t++)
-            if (file_types[t]) {
-                printf("%s\"%s\":%lld", first ? "" : ",", tdm_dtype_name(t),
-                       (long long)file_types[t]);
-                first = false;
-            }
-        printf("}}\n");
-        free(path_str);
-        json_decref(path_json);
+                                               : "bpe",
+            "tensor_types", types);
+        /* json_pack fails only on invalid UTF-8 (a path with such bytes) or out of memory */
+        char *text = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
+        if (text)
+            printf("%s\n", text);
+        else
+            fprintf(stderr, "tandem: cannot encode the model info as JSON\n");
+        free(text);
+        json_decref(obj);
+        if (!text) rc = 1;
     } else {
         printf("model        %s (%s)\n", m->path, m->gguf ? "GGUF" : "safetensors");
         printf("arch         %s\n", tdm_arch_name(cf->arch));
@@ -133,5 +134,5 @@ int tdm_cmd_info(int argc, char **argv)
     tdm_chat_template_clear(&tmpl);
     tdm_tok_free(tok);
     tdm_model_free(m);
-    return 0;
+    return rc;
 }
