@@ -92,9 +92,13 @@ struct bench_seq {
 
 int tdm_cmd_bench(int argc, char **argv)
 {
+    if (argc >= 2 && !strcmp(argv[1], "xfer")) return tdm_cmd_bench_xfer(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "serve")) return tdm_cmd_bench_serve(argc - 1, argv + 1);
     if (argc < 2 || strcmp(argv[1], "model") != 0) {
         fprintf(stderr, "usage: tandem bench model [--model PATH] [--threads N] "
-                        "[--prompt-len N] [--gen N] [--context N]\n");
+                        "[--prompt-len N] [--gen N] [--context N]\n"
+                        "       tandem bench serve --help\n"
+                        "       tandem bench xfer --help\n");
         return 2;
     }
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},

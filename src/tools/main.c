@@ -17,7 +17,8 @@ static void usage(FILE *f)
             "  generate   generate text or token ids from a prompt (streams to stdout)\n"
             "  chat       chat with the model (one --prompt, or interactive on a terminal)\n"
             "  info       print a model's configuration, tensor types and sizes\n"
-            "  bench      benchmarks (`tandem bench model`)\n"
+            "  serve      serve the OpenAI-compatible HTTP API\n"
+            "  bench      benchmarks (`tandem bench model|serve|xfer`)\n"
             "\n"
             "Every command takes --model PATH (a .gguf file or a Hugging Face checkpoint folder);\n"
             "without it the default model is used: $TANDEM_MODEL, or\n"
@@ -45,6 +46,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "chat")) return tdm_cmd_chat(argc - 1, argv + 1);
     if (!strcmp(cmd, "info")) return tdm_cmd_info(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return tdm_cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(cmd, "serve")) return tdm_cmd_serve(argc - 1, argv + 1);
     fprintf(stderr, "tandem: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 2;

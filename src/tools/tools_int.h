@@ -17,6 +17,9 @@ int tdm_cmd_generate(int argc, char **argv);
 int tdm_cmd_chat(int argc, char **argv);
 int tdm_cmd_info(int argc, char **argv);
 int tdm_cmd_bench(int argc, char **argv);
+int tdm_cmd_bench_xfer(int argc, char **argv);  /* bench_xfer.c: transfer-engine bandwidth */
+int tdm_cmd_bench_serve(int argc, char **argv); /* bench_serve.c: HTTP load generator */
+int tdm_cmd_serve(int argc, char **argv);       /* serve.c: the OpenAI-compatible server */
 
 /* Loads --model (or the default model), drawing a progress bar on stderr when it is a terminal.
  * On failure prints the reason and returns NULL. */

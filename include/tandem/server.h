@@ -1,0 +1,67 @@
+/*
+ * tandem server: the OpenAI-compatible HTTP API over a scheduler (libmicrohttpd).
+ *
+ * Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
+ * GET /v1/models, GET /health (200 when ready, 503 while starting or draining), GET /metrics
+ * (Prometheus text). With an API key, /v1/ routes need `Authorization: Bearer <key>`.
+ *
+ * Every bad request gets an OpenAI-style error body {"error": {"message", "type", "param",
+ * "code"}} with a 4xx status: malformed JSON, wrong types, unknown or unsupported fields, an
+ * empty prompt, a prompt past the context, max_tokens <= 0 or past the context, invalid UTF-8,
+ * a body over max_body bytes (413), unknown routes (404) and methods (405). The server goes on
+ * serving.
+ *
+ * Threading: libmicrohttpd runs one thread per connection. A connection thread parses and
+ * tokenizes its request, submits it to the scheduler and then waits on the request's output,
+ * writing SSE chunks as tokens arrive; it polls its socket while waiting, so a client that
+ * goes away cancels its request within about 100 ms and the request's KV pages go back to the
+ * pool. The scheduler never waits for a connection.
+ *
+ * Ownership: the server borrows the scheduler, tokenizer and chat template; they must outlive
+ * it. tdm_server_stop waits for every connection thread.
+ */
+#ifndef TANDEM_SERVER_H
+#define TANDEM_SERVER_H
+
+#include "tandem/core.h"
+#include "tandem/sched.h"
+#include "tandem/tok.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdm_server tdm_server_t;
+
+#define TDM_SERVER_DEFAULT_MAX_BODY (4u << 20) /* bytes of request body */
+
+struct tdm_server_opts {
+    const char *host;       /* address to bind; NULL: 127.0.0.1 */
+    int port;               /* 0: any free port (see tdm_server_port) */
+    const char *api_key;    /* NULL: no authentication */
+    const char *model_name; /* the id /v1/models lists and responses carry */
+    size_t max_body;        /* 0: TDM_SERVER_DEFAULT_MAX_BODY */
+    int max_connections;    /* 0: 1024 */
+    int idle_timeout_s;     /* an idle connection is closed after this; 0: 600 */
+};
+
+struct tdm_server_model {
+    const tdm_tok_t *tok;                 /* required */
+    const struct tdm_chat_template *chat; /* NULL: /v1/chat/completions answers 400 */
+    bool add_bos;                         /* prepend BOS to completion prompts */
+};
+
+tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
+                            const struct tdm_server_model *m, tdm_server_t **out);
+int tdm_server_port(const tdm_server_t *s);
+/* Marks the server ready (/health answers 200). */
+void tdm_server_set_ready(tdm_server_t *s, bool ready);
+/* Draining: /health answers 503 and new generation requests get 503; running ones go on. */
+void tdm_server_drain(tdm_server_t *s);
+/* Stops listening, closes connections, waits for their threads, frees. NULL is a no-op. */
+void tdm_server_stop(tdm_server_t *s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TANDEM_SERVER_H */

@@ -1,0 +1,508 @@
+/*
+ * The HTTP side of the server (include/tandem/server.h): libmicrohttpd in thread-per-connection
+ * mode, routing, authentication, body limits, and the SSE writer.
+ *
+ * A connection's thread owns its request: it parses, submits, and then blocks on the request's
+ * output (tdm_req_wait with a 100 ms timeout), checking between waits whether the client is still
+ * there (POLLRDHUP, or a zero-byte peek). A gone client ends the response with an error, which
+ * makes libmicrohttpd close the connection and free the stream, which releases (and so cancels)
+ * the request. Nothing here blocks the scheduler.
+ *
+ * Streaming responses are callback responses: the callback writes one SSE event per output token
+ * (tokens whose text is still held back for a possible stop string are folded into the next
+ * event), then the finish event, the usage event when asked, and "data: [DONE]".
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "server/server_int.h"
+
+struct tdm_server {
+    struct MHD_Daemon *d;
+    tdm_sched_t *sched;
+    struct api_ctx api;
+    char *api_key;
+    char *model_name;
+    size_t max_body;
+    atomic_bool ready, draining;
+    _Atomic uint64_t http[6]; /* responses by status class */
+    int port;
+    _Atomic uint64_t next_id;
+};
+
+struct conn {
+    char *body;
+    size_t len, cap;
+    bool too_big;
+};
+
+struct stream {
+    struct tdm_server *srv;
+    struct MHD_Connection *conn;
+    tdm_req_t *req;
+    struct api_req ar;
+    char id[48];
+    long created;
+    int sent_out;
+    size_t sent_text;
+    bool first_sent, finish_sent, usage_sent, done;
+    char *pend;
+    size_t pend_len, pend_off;
+};
+
+/* ---- responses ---- */
+
+static enum MHD_Result reply(struct tdm_server *s, struct MHD_Connection *c, unsigned status,
+                             char *body, const char *ctype)
+{
+    if (!body) {
+        body = strdup("{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\","
+                      "\"param\":null,\"code\":null}}");
+        status = 500;
+        ctype = "application/json";
+        if (!body) return MHD_NO;
+    }
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    if (status == 405)
+        MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, strstr(body, "POST") ? "POST" : "GET");
+    enum MHD_Result ret = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    if (status / 100 >= 1 && status / 100 <= 5) atomic_fetch_add(&s->http[status / 100], 1);
+    return ret;
+}
+
+static enum MHD_Result reply_err(struct tdm_server *s, struct MHD_Connection *c,
+                                 const struct api_err *e)
+{
+    return reply(s, c, (unsigned)e->status, api_error_json(e), "application/json");
+}
+
+static enum MHD_Result reply_errf(struct tdm_server *s, struct MHD_Connection *c, int status,
+                                  const char *msg)
+{
+    struct api_err e;
+    api_err_set(&e, status, NULL, "%s", msg);
+    return reply_err(s, c, &e);
+}
+
+/* ---- client liveness ---- */
+
+static bool client_gone(struct MHD_Connection *c)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci) return true;
+    int fd = ci->connect_fd;
+    struct pollfd p = {.fd = fd, .events = POLLIN | POLLRDHUP};
+    if (poll(&p, 1, 0) <= 0) return false;
+    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return true;
+    if (p.revents & POLLIN) {
+        char b;
+        ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0) return true;
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return true;
+    }
+    return false;
+}
+
+/* ---- streaming ---- */
+
+static void stream_free(void *cls)
+{
+    struct stream *st = cls;
+    tdm_req_release(st->req);
+    api_req_free(&st->ar);
+    free(st->pend);
+    free(st);
+}
+
+/* Renders the next SSE event into st->pend. Returns false when there is nothing to send yet. */
+static bool stream_next(struct stream *st)
+{
+    struct tdm_server *s = st->srv;
+    struct tdm_req_view v;
+    char *ev = NULL;
+    tdm_req_lock(st->req, &v);
+    if (st->finish_sent) {
+        if (st->ar.include_usage && !st->usage_sent && v.finish != TDM_FINISH_ERROR &&
+            v.finish != TDM_FINISH_CANCELLED) {
+            ev = api_render_usage_chunk(&s->api, &st->ar, st->id, st->created, &v);
+            st->usage_sent = true;
+        } else {
+            ev = strdup("data: [DONE]\n\n");
+            st->done = true;
+        }
+    } else if (v.n_out > st->sent_out) {
+        /* one event per token; a token whose text is held back joins the next one */
+        int from = st->sent_out, to = from + 1;
+        while (to < v.n_out && v.text_end[to - 1] == st->sent_text && !v.logprobs)
+            to++;
+        bool last = to == v.n_out && v.finish != TDM_FINISH_NONE && v.finish != TDM_FINISH_ERROR &&
+                    v.finish != TDM_FINISH_CANCELLED;
+        if (v.text_end[to - 1] > st->sent_text || v.logprobs || !st->first_sent || last) {
+            ev = api_render_chunk(&s->api, &st->ar, st->id, st->created, &v, from, to,
+                                  st->sent_text, !st->first_sent, last);
+            st->first_sent = true;
+            st->sent_text = last ? v.text_len : v.text_end[to - 1];
+            if (last) st->finish_sent = true;
+        }
+        st->sent_out = to;
+    } else if (v.finish != TDM_FINISH_NONE) {
+        if (v.finish == TDM_FINISH_ERROR || v.finish == TDM_FINISH_CANCELLED) {
+            struct api_err e;
+            api_err_set(&e, v.finish == TDM_FINISH_CANCELLED ? 503 : 500, NULL, "%s",
+                        v.finish == TDM_FINISH_CANCELLED ? "the request was cancelled (server "
+                                                           "shutting down)"
+                                                         : v.error_msg);
+            char *j = api_error_json(&e);
+            if (j && asprintf(&ev, "data: %s\n\n", j) < 0) ev = NULL;
+            free(j);
+        } else {
+            ev = api_render_chunk(&s->api, &st->ar, st->id, st->created, &v, v.n_out, v.n_out,
+                                  st->sent_text, !st->first_sent, true);
+            st->first_sent = true;
+        }
+        st->finish_sent = true;
+    } else {
+        tdm_req_unlock(st->req);
+        return false;
+    }
+    tdm_req_unlock(st->req);
+    free(st->pend);
+    st->pend = ev;
+    st->pend_len = ev ? strlen(ev) : 0;
+    st->pend_off = 0;
+    if (!ev && !st->done) {
+        /* out of memory while rendering: end the stream */
+        st->done = true;
+    }
+    return true;
+}
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    struct stream *st = cls;
+    for (;;) {
+        if (st->pend && st->pend_off < st->pend_len) {
+            size_t n = TDM_MIN(max, st->pend_len - st->pend_off);
+            memcpy(buf, st->pend + st->pend_off, n);
+            st->pend_off += n;
+            return (ssize_t)n;
+        }
+        if (st->done) return MHD_CONTENT_READER_END_OF_STREAM;
+        if (stream_next(st)) continue;
+        if (client_gone(st->conn)) return MHD_CONTENT_READER_END_WITH_ERROR;
+        tdm_req_wait(st->req, st->sent_out, st->sent_text, 100);
+    }
+}
+
+/* ---- generation endpoints ---- */
+
+static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, bool chat,
+                                struct conn *cc)
+{
+    if (atomic_load(&s->draining)) return reply_errf(s, c, 503, "the server is shutting down");
+    struct api_req ar;
+    struct api_err e;
+    if (!api_parse(&s->api, chat, cc->body ? cc->body : "", cc->len, &ar, &e))
+        return reply_err(s, c, &e);
+    tdm_req_t *req = NULL;
+    tdm_status st = tdm_sched_submit(s->sched, &ar.p, &req);
+    if (st != TDM_OK) {
+        int status = st == TDM_EAGAIN || st == TDM_ECANCELED ? 503 : st == TDM_ENOMEM ? 500 : 400;
+        api_err_set(&e, status, NULL, "%s", tdm_err_msg());
+        api_req_free(&ar);
+        return reply_err(s, c, &e);
+    }
+    char id[48];
+    snprintf(id, sizeof id, "%s-%llx%08llx", chat ? "chatcmpl" : "cmpl",
+             (unsigned long long)tdm_now_ns() & 0xffffffffffull,
+             (unsigned long long)tdm_req_id(req));
+    long created = (long)time(NULL);
+
+    if (ar.stream) {
+        struct stream *sm = calloc(1, sizeof *sm);
+        if (!sm) {
+            tdm_req_release(req);
+            api_req_free(&ar);
+            return reply_errf(s, c, 500, "out of memory");
+        }
+        sm->srv = s;
+        sm->conn = c;
+        sm->req = req;
+        sm->ar = ar;
+        memcpy(sm->id, id, sizeof id);
+        sm->created = created;
+        struct MHD_Response *r =
+            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, stream_read, sm, stream_free);
+        if (!r) {
+            stream_free(sm);
+            return MHD_NO;
+        }
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        MHD_add_response_header(r, "X-Accel-Buffering", "no");
+        enum MHD_Result ret = MHD_queue_response(c, 200, r);
+        MHD_destroy_response(r);
+        atomic_fetch_add(&s->http[2], 1);
+        return ret;
+    }
+
+    /* non-streaming: wait here (this is the connection's own thread) */
+    for (;;) {
+        struct tdm_req_view v;
+        tdm_req_lock(req, &v);
+        bool done = v.finish != TDM_FINISH_NONE;
+        int n_out = v.n_out;
+        size_t text_len = v.text_len;
+        tdm_req_unlock(req);
+        if (done) break;
+        if (client_gone(c)) {
+            tdm_req_release(req);
+            api_req_free(&ar);
+            return MHD_NO;
+        }
+        tdm_req_wait(req, n_out, text_len, 100);
+    }
+    struct tdm_req_view v;
+    tdm_req_lock(req, &v);
+    enum MHD_Result ret;
+    if (v.finish == TDM_FINISH_ERROR) {
+        char msg[300];
+        snprintf(msg, sizeof msg, "generation failed: %s", v.error_msg);
+        tdm_req_unlock(req);
+        ret = reply_errf(s, c, 500, msg);
+    } else if (v.finish == TDM_FINISH_CANCELLED) {
+        tdm_req_unlock(req);
+        ret = reply_errf(s, c, 503, "the request was cancelled (server shutting down)");
+    } else {
+        char *body = api_render_full(&s->api, &ar, id, created, &v);
+        tdm_req_unlock(req);
+        ret = reply(s, c, 200, body, "application/json");
+    }
+    tdm_req_release(req);
+    api_req_free(&ar);
+    return ret;
+}
+
+/* ---- routing ---- */
+
+static bool authorized(struct tdm_server *s, struct MHD_Connection *c)
+{
+    if (!s->api_key) return true;
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!h || strncmp(h, "Bearer ", 7)) return false;
+    h += 7;
+    size_t a = strlen(h), b = strlen(s->api_key);
+    unsigned diff = (unsigned)(a ^ b);
+    for (size_t i = 0; i < a; i++)
+        diff |= (unsigned)(h[i] ^ s->api_key[i % (b ? b : 1)]);
+    return diff == 0;
+}
+
+static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *url,
+                               const char *method, const char *version, const char *upload,
+                               size_t *upload_size, void **con_cls)
+{
+    struct tdm_server *s = cls;
+    struct conn *cc = *con_cls;
+    if (!cc) {
+        if (!(cc = calloc(1, sizeof *cc))) return MHD_NO;
+        *con_cls = cc;
+        const char *cl =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl && strtoull(cl, NULL, 10) > s->max_body) cc->too_big = true;
+        if (cc->too_big) {
+            char msg[128];
+            snprintf(msg, sizeof msg, "the request body is larger than the %zu-byte limit",
+                     s->max_body);
+            return reply_errf(s, c, 413, msg);
+        }
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        if (!cc->too_big) {
+            if (cc->len + *upload_size > s->max_body) {
+                cc->too_big = true;
+                free(cc->body);
+                cc->body = NULL;
+                cc->len = cc->cap = 0;
+            } else {
+                if (cc->len + *upload_size + 1 > cc->cap) {
+                    size_t cap = TDM_MAX(cc->cap * 2, cc->len + *upload_size + 1);
+                    char *b = realloc(cc->body, cap);
+                    if (!b) return MHD_NO;
+                    cc->body = b;
+                    cc->cap = cap;
+                }
+                memcpy(cc->body + cc->len, upload, *upload_size);
+                cc->len += *upload_size;
+                cc->body[cc->len] = '\0';
+            }
+        }
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (cc->too_big) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "the request body is larger than the %zu-byte limit",
+                 s->max_body);
+        return reply_errf(s, c, 413, msg);
+    }
+
+    bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
+    if (!strcmp(url, "/health")) {
+        if (!get) return reply_errf(s, c, 405, "use GET /health");
+        bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining);
+        return reply(s, c, ok ? 200 : 503,
+                     strdup(ok                          ? "{\"status\":\"ok\"}"
+                            : atomic_load(&s->draining) ? "{\"status\":\"draining\"}"
+                                                        : "{\"status\":\"starting\"}"),
+                     "application/json");
+    }
+    if (!strcmp(url, "/metrics")) {
+        if (!get) return reply_errf(s, c, 405, "use GET /metrics");
+        struct tdm_sched_metrics_snapshot m;
+        tdm_sched_metrics(s->sched, &m);
+        uint64_t http[6];
+        for (int i = 0; i < 6; i++)
+            http[i] = atomic_load(&s->http[i]);
+        return reply(s, c, 200, metrics_render(&m, http, s->model_name),
+                     "text/plain; version=0.0.4; charset=utf-8");
+    }
+    bool is_models = !strcmp(url, "/v1/models"), is_cmpl = !strcmp(url, "/v1/completions"),
+         is_chat = !strcmp(url, "/v1/chat/completions");
+    if (!is_models && !is_cmpl && !is_chat) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "no route for %s %.100s", method, url);
+        return reply_errf(s, c, 404, msg);
+    }
+    if (!authorized(s, c)) {
+        struct api_err e;
+        api_err_set(&e, 401, NULL,
+                    "missing or invalid API key (send Authorization: Bearer "
+                    "<key>)");
+        return reply_err(s, c, &e);
+    }
+    if (is_models) {
+        if (!get) return reply_errf(s, c, 405, "use GET /v1/models");
+        return reply(s, c, 200, api_render_models(&s->api, (long)time(NULL)), "application/json");
+    }
+    if (!post)
+        return reply_errf(s, c, 405,
+                          is_chat ? "use POST /v1/chat/completions" : "use POST /v1/completions");
+    return generate(s, c, is_chat, cc);
+}
+
+static void completed(void *cls, struct MHD_Connection *c, void **con_cls,
+                      enum MHD_RequestTerminationCode toe)
+{
+    struct conn *cc = *con_cls;
+    if (!cc) return;
+    free(cc->body);
+    free(cc);
+    *con_cls = NULL;
+}
+
+/* ---- lifecycle ---- */
+
+tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
+                            const struct tdm_server_model *m, tdm_server_t **out)
+{
+    if (!m || !m->tok) return tdm_err_set(TDM_EINVAL, "server: a tokenizer is required");
+    struct tdm_server *s = calloc(1, sizeof *s);
+    if (!s) return tdm_err_set(TDM_ENOMEM, "server: out of memory");
+    s->sched = sched;
+    s->model_name = strdup(o->model_name ? o->model_name : "tandem");
+    s->api_key = o->api_key && *o->api_key ? strdup(o->api_key) : NULL;
+    s->max_body = o->max_body ? o->max_body : TDM_SERVER_DEFAULT_MAX_BODY;
+    s->api = (struct api_ctx){.tok = m->tok,
+                              .chat = m->chat,
+                              .add_bos = m->add_bos,
+                              .model_name = s->model_name,
+                              .max_ctx = tdm_sched_max_ctx(sched),
+                              .vocab = tdm_tok_vocab_size(m->tok)};
+    tdm_status st;
+    if (!s->model_name || (o->api_key && *o->api_key && !s->api_key)) {
+        st = tdm_err_set(TDM_ENOMEM, "server: out of memory");
+        goto out_free;
+    }
+    if (o->port < 0 || o->port > 65535) {
+        st = tdm_err_set(TDM_EINVAL, "server: port %d is not in 0..65535", o->port);
+        goto out_free;
+    }
+    const char *host = o->host ? o->host : "127.0.0.1";
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICHOST | AI_PASSIVE};
+    struct addrinfo *ai = NULL;
+    char port_s[16];
+    snprintf(port_s, sizeof port_s, "%d", o->port);
+    if (getaddrinfo(host, port_s, &hints, &ai) || !ai) {
+        st = tdm_err_set(TDM_EINVAL, "server: '%s' is not a numeric IPv4 or IPv6 address", host);
+        goto out_free;
+    }
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
+                     MHD_USE_ERROR_LOG | MHD_USE_POLL;
+    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    s->d = MHD_start_daemon(flags, 0, NULL, NULL, handler, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                            MHD_OPTION_NOTIFY_COMPLETED, completed, s, MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)(o->max_connections > 0 ? o->max_connections : 1024),
+                            MHD_OPTION_CONNECTION_TIMEOUT,
+                            (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 600),
+                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024),
+                            MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u, MHD_OPTION_END);
+    freeaddrinfo(ai);
+    if (!s->d) {
+        st = tdm_err_set(TDM_EIO, "server: cannot listen on %s:%d (%s)", host, o->port,
+                         strerror(errno));
+        goto out_free;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+    s->port = di ? di->port : o->port;
+    *out = s;
+    return TDM_OK;
+
+out_free:
+    free(s->model_name);
+    free(s->api_key);
+    free(s);
+    return st;
+}
+
+int tdm_server_port(const tdm_server_t *s)
+{
+    return s->port;
+}
+void tdm_server_set_ready(tdm_server_t *s, bool ready)
+{
+    atomic_store(&s->ready, ready);
+}
+void tdm_server_drain(tdm_server_t *s)
+{
+    atomic_store(&s->draining, true);
+}
+
+void tdm_server_stop(tdm_server_t *s)
+{
+    if (!s) return;
+    MHD_stop_daemon(s->d);
+    free(s->model_name);
+    free(s->api_key);
+    free(s);
+}

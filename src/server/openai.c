@@ -1,0 +1,876 @@
+/*
+ * The OpenAI wire format: request validation and response rendering (server_int.h).
+ *
+ * Validation is strict where a silent mismatch would change the output: fields we do not
+ * implement (tools, response_format other than text, logit_bias, n > 1, best_of > 1, echo,
+ * suffix) and unknown fields are refused with 400 and the field named in "param", so a typo
+ * like "max_token" is reported instead of ignored. Fields that do not change the output
+ * ("user", "metadata", "store", ...) are accepted and ignored.
+ *
+ * Defaults follow OpenAI: completions generate 16 tokens unless max_tokens says otherwise;
+ * chat completions run to the end of the context.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/server_int.h"
+
+void api_err_set(struct api_err *e, int status, const char *param, const char *fmt, ...)
+{
+    e->status = status;
+    e->type = status == 401   ? "authentication_error"
+              : status == 404 ? "not_found_error"
+              : status == 429 ? "rate_limit_error"
+              : status >= 500 ? "server_error"
+                              : "invalid_request_error";
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+}
+
+char *utf8_sanitize(const char *s, size_t n, size_t *out_len)
+{
+    char *o = malloc(n * 3 + 1);
+    if (!o) return NULL;
+    size_t j = 0;
+    const unsigned char *u = (const unsigned char *)s;
+    for (size_t i = 0; i < n;) {
+        unsigned c = u[i];
+        size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        bool ok = len && i + len <= n;
+        uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
+        for (size_t k = 1; ok && k < len; k++) {
+            if ((u[i + k] & 0xc0) != 0x80) ok = false;
+            cp = (cp << 6) | (u[i + k] & 0x3f);
+        }
+        if (ok && ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) ||
+                   (len == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
+                   (cp >= 0xd800 && cp <= 0xdfff) || (len == 1 && c == 0)))
+            ok = false;
+        if (ok) {
+            memcpy(o + j, s + i, len);
+            j += len;
+            i += len;
+        } else {
+            memcpy(o + j, "\xef\xbf\xbd", 3);
+            j += 3;
+            i++;
+        }
+    }
+    o[j] = '\0';
+    if (out_len) *out_len = j;
+    return o;
+}
+
+static json_t *jstr(const char *s, size_t n)
+{
+    json_t *j = json_stringn(s, n);
+    if (j) return j;
+    size_t m;
+    char *c = utf8_sanitize(s, n, &m);
+    if (!c) return NULL;
+    j = json_stringn(c, m);
+    free(c);
+    return j;
+}
+
+char *api_error_json(const struct api_err *e)
+{
+    json_t *root =
+        json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type", e->type,
+                  "param", e->param[0] ? json_string(e->param) : json_null(), "code", json_null());
+    if (!root) return NULL;
+    char *s = json_dumps(root, JSON_COMPACT);
+    json_decref(root);
+    return s;
+}
+
+void api_req_free(struct api_req *r)
+{
+    free(r->prompt);
+    for (int i = 0; i < TDM_MAX_STOP_STRINGS; i++)
+        free(r->stops[i]);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- field helpers: each returns false after filling err ---- */
+
+static bool get_int(json_t *v, const char *name, int64_t lo, int64_t hi, int64_t *out,
+                    struct api_err *err)
+{
+    if (!json_is_integer(v)) {
+        api_err_set(err, 400, name, "'%s' must be an integer", name);
+        return false;
+    }
+    int64_t x = json_integer_value(v);
+    if (x < lo || x > hi) {
+        api_err_set(err, 400, name, "'%s' must be between %lld and %lld (got %lld)", name,
+                    (long long)lo, (long long)hi, (long long)x);
+        return false;
+    }
+    *out = x;
+    return true;
+}
+
+static bool get_num(json_t *v, const char *name, double lo, double hi, double *out,
+                    struct api_err *err)
+{
+    if (!json_is_number(v)) {
+        api_err_set(err, 400, name, "'%s' must be a number", name);
+        return false;
+    }
+    double x = json_number_value(v);
+    if (!(x >= lo && x <= hi)) {
+        api_err_set(err, 400, name, "'%s' must be between %g and %g (got %g)", name, lo, hi, x);
+        return false;
+    }
+    *out = x;
+    return true;
+}
+
+static bool get_bool(json_t *v, const char *name, bool *out, struct api_err *err)
+{
+    if (!json_is_boolean(v)) {
+        api_err_set(err, 400, name, "'%s' must be a boolean", name);
+        return false;
+    }
+    *out = json_is_true(v);
+    return true;
+}
+
+/* Tokenizes text into r->prompt (appending). */
+static bool encode_text(const struct api_ctx *c, const char *text, size_t len, int flags,
+                        struct api_req *r, const char *param, struct api_err *err)
+{
+    size_t cap = len + 8, n = 0;
+    int32_t *ids = malloc(cap * sizeof *ids);
+    if (!ids) {
+        api_err_set(err, 500, NULL, "out of memory");
+        return false;
+    }
+    tdm_status st = tdm_tok_encode(c->tok, text, len, flags, ids, cap, &n);
+    if (st != TDM_OK) {
+        free(ids);
+        api_err_set(err, 400, param, "%s", tdm_err_msg());
+        return false;
+    }
+    r->prompt = ids;
+    r->n_prompt = (int)n;
+    return true;
+}
+
+static bool parse_prompt(const struct api_ctx *c, json_t *v, struct api_req *r, struct api_err *err)
+{
+    /* a list of one prompt is the same as that prompt */
+    if (json_is_array(v) && json_array_size(v) == 1 &&
+        (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
+        v = json_array_get(v, 0);
+    if (json_is_string(v)) {
+        size_t len = json_string_length(v);
+        if (!len) {
+            api_err_set(err, 400, "prompt", "the prompt is empty");
+            return false;
+        }
+        int flags = TDM_TOK_PARSE_SPECIAL | (c->add_bos ? TDM_TOK_ADD_BOS : 0);
+        return encode_text(c, json_string_value(v), len, flags, r, "prompt", err);
+    }
+    if (json_is_array(v)) {
+        size_t n = json_array_size(v);
+        if (!n) {
+            api_err_set(err, 400, "prompt", "the prompt is empty");
+            return false;
+        }
+        if (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))) {
+            api_err_set(err, 400, "prompt", "only one prompt per request is supported");
+            return false;
+        }
+        if (n > (size_t)c->max_ctx) {
+            api_err_set(err, 400, "prompt",
+                        "the prompt has %zu tokens; this model's context is %d tokens", n,
+                        c->max_ctx);
+            return false;
+        }
+        r->prompt = malloc(n * sizeof *r->prompt);
+        if (!r->prompt) {
+            api_err_set(err, 500, NULL, "out of memory");
+            return false;
+        }
+        for (size_t i = 0; i < n; i++) {
+            json_t *t = json_array_get(v, i);
+            if (!json_is_integer(t) || json_integer_value(t) < 0 ||
+                json_integer_value(t) >= c->vocab) {
+                api_err_set(err, 400, "prompt",
+                            "prompt token at index %zu is not a token id in [0, %d)", i, c->vocab);
+                return false;
+            }
+            r->prompt[i] = (int32_t)json_integer_value(t);
+        }
+        r->n_prompt = (int)n;
+        return true;
+    }
+    api_err_set(err, 400, "prompt",
+                "'prompt' must be a string, a list of token ids, or a list of one of those");
+    return false;
+}
+
+/* Message content: a string, or a list of {"type": "text", "text": ...} parts (joined). */
+static char *message_content(json_t *v, size_t idx, struct api_err *err)
+{
+    if (json_is_string(v)) return strdup(json_string_value(v));
+    if (json_is_null(v)) return strdup("");
+    if (!json_is_array(v)) {
+        api_err_set(err, 400, "messages",
+                    "messages[%zu].content must be a string or a list of "
+                    "text parts",
+                    idx);
+        return NULL;
+    }
+    size_t total = 1;
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *p = json_array_get(v, i);
+        json_t *ty = json_object_get(p, "type"), *tx = json_object_get(p, "text");
+        if (!json_is_object(p) || !json_is_string(ty) || strcmp(json_string_value(ty), "text") ||
+            !json_is_string(tx)) {
+            api_err_set(err, 400, "messages",
+                        "messages[%zu].content[%zu]: only {\"type\": \"text\", \"text\": ...} "
+                        "parts are supported",
+                        idx, i);
+            return NULL;
+        }
+        total += json_string_length(tx);
+    }
+    char *s = malloc(total);
+    if (!s) return NULL;
+    size_t off = 0;
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *tx = json_object_get(json_array_get(v, i), "text");
+        memcpy(s + off, json_string_value(tx), json_string_length(tx));
+        off += json_string_length(tx);
+    }
+    s[off] = '\0';
+    return s;
+}
+
+static bool parse_messages(const struct api_ctx *c, json_t *v, struct api_req *r,
+                           struct api_err *err)
+{
+    if (!c->chat) {
+        api_err_set(err, 400, NULL, "this model has no chat template; use /v1/completions");
+        return false;
+    }
+    if (!json_is_array(v) || !json_array_size(v)) {
+        api_err_set(err, 400, "messages", "'messages' must be a non-empty list");
+        return false;
+    }
+    size_t n = json_array_size(v);
+    if (n > 4096) {
+        api_err_set(err, 400, "messages", "at most 4096 messages");
+        return false;
+    }
+    struct tdm_chat_msg *msgs = calloc(n, sizeof *msgs);
+    char **contents = calloc(n, sizeof *contents);
+    bool ok = false;
+    char *rendered = NULL;
+    if (!msgs || !contents) {
+        api_err_set(err, 500, NULL, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *m = json_array_get(v, i);
+        if (!json_is_object(m)) {
+            api_err_set(err, 400, "messages", "messages[%zu] must be an object", i);
+            goto out;
+        }
+        const char *key;
+        json_t *val;
+        json_object_foreach(m, key, val)
+        {
+            if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name")) {
+                api_err_set(err, 400, "messages", "messages[%zu]: unsupported field '%s'", i, key);
+                goto out;
+            }
+        }
+        json_t *role = json_object_get(m, "role");
+        if (!json_is_string(role)) {
+            api_err_set(err, 400, "messages", "messages[%zu].role must be a string", i);
+            goto out;
+        }
+        const char *rs = json_string_value(role);
+        if (!strcmp(rs, "developer")) rs = "system";
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant")) {
+            api_err_set(err, 400, "messages",
+                        "messages[%zu].role must be system, developer, user or assistant", i);
+            goto out;
+        }
+        json_t *content = json_object_get(m, "content");
+        if (!content) {
+            api_err_set(err, 400, "messages", "messages[%zu] has no content", i);
+            goto out;
+        }
+        if (!(contents[i] = message_content(content, i, err))) {
+            if (!err->status) api_err_set(err, 500, NULL, "out of memory");
+            goto out;
+        }
+        msgs[i].role = rs;
+        msgs[i].content = contents[i];
+    }
+    if (tdm_chat_render(c->chat, msgs, n, true, &rendered) != TDM_OK) {
+        api_err_set(err, 400, "messages", "%s", tdm_err_msg());
+        goto out;
+    }
+    bool bos = c->add_bos && !c->chat->add_bos_text;
+    ok = encode_text(c, rendered, strlen(rendered),
+                     TDM_TOK_PARSE_SPECIAL | (bos ? TDM_TOK_ADD_BOS : 0), r, "messages", err);
+out:
+    for (size_t i = 0; contents && i < n; i++)
+        free(contents[i]);
+    free(contents);
+    free(msgs);
+    free(rendered);
+    return ok;
+}
+
+static bool parse_stop(json_t *v, struct api_req *r, struct api_err *err)
+{
+    if (json_is_null(v)) return true;
+    json_t *one[1] = {v};
+    size_t n = 1;
+    if (json_is_array(v)) {
+        n = json_array_size(v);
+        if (n > TDM_MAX_STOP_STRINGS) {
+            api_err_set(err, 400, "stop", "at most %d stop strings", TDM_MAX_STOP_STRINGS);
+            return false;
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *s = json_is_array(v) ? json_array_get(v, i) : one[0];
+        if (!json_is_string(s)) {
+            api_err_set(err, 400, "stop", "'stop' must be a string or a list of strings");
+            return false;
+        }
+        size_t len = json_string_length(s);
+        if (!len || len > TDM_MAX_STOP_BYTES) {
+            api_err_set(err, 400, "stop", "each stop string must be 1 to %d bytes",
+                        TDM_MAX_STOP_BYTES);
+            return false;
+        }
+        if (!(r->stops[r->p.n_stops] = strdup(json_string_value(s)))) {
+            api_err_set(err, 500, NULL, "out of memory");
+            return false;
+        }
+        r->p.n_stops++;
+    }
+    r->p.stops = (const char *const *)r->stops;
+    return true;
+}
+
+/* Fields that would change the output and that we do not implement. */
+static bool unsupported(const char *key, json_t *v, struct api_err *err)
+{
+    static const char *const never[] = {
+        "tools", "tool_choice", "functions",    "function_call", "suffix",        "prediction",
+        "audio", "guided_json", "guided_regex", "guided_choice", "guided_grammar"};
+    for (size_t i = 0; i < sizeof never / sizeof *never; i++)
+        if (!strcmp(key, never[i]) && !json_is_null(v)) {
+            api_err_set(err, 400, key, "'%s' is not supported", key);
+            return true;
+        }
+    if (!strcmp(key, "logit_bias") && !json_is_null(v) &&
+        !(json_is_object(v) && json_object_size(v) == 0)) {
+        api_err_set(err, 400, key, "'logit_bias' is not supported");
+        return true;
+    }
+    if (!strcmp(key, "response_format") && !json_is_null(v)) {
+        json_t *t = json_object_get(v, "type");
+        if (!json_is_string(t) || strcmp(json_string_value(t), "text")) {
+            api_err_set(err, 400, key, "only response_format {\"type\": \"text\"} is supported");
+            return true;
+        }
+    }
+    if ((!strcmp(key, "n") || !strcmp(key, "best_of")) && !json_is_null(v) &&
+        !(json_is_integer(v) && json_integer_value(v) == 1)) {
+        api_err_set(err, 400, key, "'%s' must be 1 (one choice per request)", key);
+        return true;
+    }
+    if (!strcmp(key, "echo") && json_is_true(v)) {
+        api_err_set(err, 400, key, "'echo' is not supported");
+        return true;
+    }
+    return false;
+}
+
+bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len, struct api_req *r,
+               struct api_err *err)
+{
+    memset(r, 0, sizeof *r);
+    memset(err, 0, sizeof *err);
+    r->chat = chat;
+    r->p.sampling = tdm_sampling_defaults();
+    r->p.sampling.temperature = 1.0f; /* OpenAI's default */
+    r->p.top_logprobs = -1;
+    json_error_t je;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) {
+        api_err_set(err, 400, NULL, "invalid JSON body: %s (line %d, column %d)", je.text, je.line,
+                    je.column);
+        return false;
+    }
+    bool ok = false;
+    if (!json_is_object(root)) {
+        api_err_set(err, 400, NULL, "the request body must be a JSON object");
+        goto out;
+    }
+    static const char *const known_c[] = {"model",
+                                          "prompt",
+                                          "max_tokens",
+                                          "temperature",
+                                          "top_p",
+                                          "top_k",
+                                          "min_p",
+                                          "seed",
+                                          "stop",
+                                          "logprobs",
+                                          "stream",
+                                          "stream_options",
+                                          "presence_penalty",
+                                          "frequency_penalty",
+                                          "repetition_penalty",
+                                          "ignore_eos",
+                                          "min_tokens",
+                                          "stop_token_ids",
+                                          "user",
+                                          "n",
+                                          "best_of",
+                                          "echo",
+                                          "logit_bias",
+                                          "suffix",
+                                          "skip_special_tokens"};
+    static const char *const known_chat[] = {"model",
+                                             "messages",
+                                             "max_tokens",
+                                             "max_completion_tokens",
+                                             "temperature",
+                                             "top_p",
+                                             "top_k",
+                                             "min_p",
+                                             "seed",
+                                             "stop",
+                                             "logprobs",
+                                             "top_logprobs",
+                                             "stream",
+                                             "stream_options",
+                                             "presence_penalty",
+                                             "frequency_penalty",
+                                             "repetition_penalty",
+                                             "ignore_eos",
+                                             "min_tokens",
+                                             "stop_token_ids",
+                                             "user",
+                                             "n",
+                                             "logit_bias",
+                                             "response_format",
+                                             "tools",
+                                             "tool_choice",
+                                             "functions",
+                                             "function_call",
+                                             "parallel_tool_calls",
+                                             "metadata",
+                                             "store",
+                                             "service_tier",
+                                             "modalities",
+                                             "audio",
+                                             "prediction",
+                                             "reasoning_effort",
+                                             "skip_special_tokens"};
+    const char *const *known = chat ? known_chat : known_c;
+    size_t n_known =
+        chat ? sizeof known_chat / sizeof *known_chat : sizeof known_c / sizeof *known_c;
+    const char *key;
+    json_t *v;
+    json_object_foreach(root, key, v)
+    {
+        bool found = false;
+        for (size_t i = 0; i < n_known && !found; i++)
+            found = !strcmp(key, known[i]);
+        if (!found) {
+            api_err_set(err, 400, key, "unknown field '%s'", key);
+            goto out;
+        }
+        if (unsupported(key, v, err)) goto out;
+    }
+
+    v = json_object_get(root, "model");
+    if (v && !json_is_null(v)) {
+        if (!json_is_string(v)) {
+            api_err_set(err, 400, "model", "'model' must be a string");
+            goto out;
+        }
+        if (strcmp(json_string_value(v), c->model_name)) {
+            api_err_set(err, 404, "model", "the model '%s' does not exist; this server serves '%s'",
+                        json_string_value(v), c->model_name);
+            goto out;
+        }
+    }
+
+    if (chat) {
+        if (!json_object_get(root, "messages")) {
+            api_err_set(err, 400, "messages", "'messages' is required");
+            goto out;
+        }
+        if (!parse_messages(c, json_object_get(root, "messages"), r, err)) goto out;
+    } else {
+        if (!json_object_get(root, "prompt")) {
+            api_err_set(err, 400, "prompt", "'prompt' is required");
+            goto out;
+        }
+        if (!parse_prompt(c, json_object_get(root, "prompt"), r, err)) goto out;
+    }
+    if (r->n_prompt < 1) {
+        api_err_set(err, 400, chat ? "messages" : "prompt", "the prompt is empty");
+        goto out;
+    }
+    if (r->n_prompt >= c->max_ctx) {
+        api_err_set(err, 400, chat ? "messages" : "prompt",
+                    "the prompt has %d tokens; this model's context is %d tokens", r->n_prompt,
+                    c->max_ctx);
+        goto out;
+    }
+    int room = c->max_ctx - r->n_prompt;
+
+    int64_t x;
+    double d;
+    bool b;
+    r->p.max_tokens = chat ? room : TDM_MIN(16, room);
+    const char *mt_name = "max_tokens";
+    v = json_object_get(root, "max_tokens");
+    if (chat && (!v || json_is_null(v))) {
+        v = json_object_get(root, "max_completion_tokens");
+        mt_name = "max_completion_tokens";
+    }
+    if (v && !json_is_null(v)) {
+        if (!get_int(v, mt_name, 1, INT32_MAX, &x, err)) goto out;
+        if (x > room) {
+            api_err_set(err, 400, mt_name,
+                        "'%s' is %lld, but the prompt has %d tokens and this model's context is "
+                        "%d tokens, which leaves room for %d",
+                        mt_name, (long long)x, r->n_prompt, c->max_ctx, room);
+            goto out;
+        }
+        r->p.max_tokens = (int)x;
+    }
+    if ((v = json_object_get(root, "temperature")) && !json_is_null(v)) {
+        if (!get_num(v, "temperature", 0, 2, &d, err)) goto out;
+        r->p.sampling.temperature = (float)d;
+    }
+    if ((v = json_object_get(root, "top_p")) && !json_is_null(v)) {
+        if (!get_num(v, "top_p", 0, 1, &d, err)) goto out;
+        if (d <= 0) {
+            api_err_set(err, 400, "top_p", "'top_p' must be in (0, 1]");
+            goto out;
+        }
+        r->p.sampling.top_p = (float)d;
+    }
+    if ((v = json_object_get(root, "top_k")) && !json_is_null(v)) {
+        if (!get_int(v, "top_k", -1, 1 << 30, &x, err)) goto out;
+        r->p.sampling.top_k = x < 0 ? 0 : (int)x;
+    }
+    if ((v = json_object_get(root, "min_p")) && !json_is_null(v)) {
+        if (!get_num(v, "min_p", 0, 1, &d, err)) goto out;
+        r->p.sampling.min_p = (float)d;
+    }
+    if ((v = json_object_get(root, "presence_penalty")) && !json_is_null(v)) {
+        if (!get_num(v, "presence_penalty", -2, 2, &d, err)) goto out;
+        r->p.sampling.presence_penalty = (float)d;
+    }
+    if ((v = json_object_get(root, "frequency_penalty")) && !json_is_null(v)) {
+        if (!get_num(v, "frequency_penalty", -2, 2, &d, err)) goto out;
+        r->p.sampling.frequency_penalty = (float)d;
+    }
+    if ((v = json_object_get(root, "repetition_penalty")) && !json_is_null(v)) {
+        if (!get_num(v, "repetition_penalty", 0.01, 100, &d, err)) goto out;
+        r->p.sampling.repetition_penalty = (float)d;
+    }
+    if ((v = json_object_get(root, "seed")) && !json_is_null(v)) {
+        if (!json_is_integer(v)) {
+            api_err_set(err, 400, "seed", "'seed' must be an integer");
+            goto out;
+        }
+        r->p.sampling.seed = (uint64_t)json_integer_value(v);
+    } else {
+        /* no seed: a fresh one per request (the RNG key also takes the position) */
+        static _Atomic uint64_t ctr;
+        r->p.sampling.seed = tdm_now_ns() ^ (0x9e3779b97f4a7c15ull * ++ctr);
+    }
+    if ((v = json_object_get(root, "stop")) && !parse_stop(v, r, err)) goto out;
+    if ((v = json_object_get(root, "stop_token_ids")) && !json_is_null(v)) {
+        if (!json_is_array(v) || json_array_size(v) > TDM_MAX_STOP_IDS) {
+            api_err_set(err, 400, "stop_token_ids",
+                        "'stop_token_ids' must be a list of at most "
+                        "%d token ids",
+                        TDM_MAX_STOP_IDS);
+            goto out;
+        }
+        for (size_t i = 0; i < json_array_size(v); i++) {
+            if (!get_int(json_array_get(v, i), "stop_token_ids", 0, c->vocab - 1, &x, err))
+                goto out;
+            r->p.stop_ids[r->p.n_stop_ids++] = (int32_t)x;
+        }
+    }
+    if ((v = json_object_get(root, "ignore_eos")) && !json_is_null(v)) {
+        if (!get_bool(v, "ignore_eos", &b, err)) goto out;
+        r->p.ignore_eos = b;
+    }
+    if ((v = json_object_get(root, "min_tokens")) && !json_is_null(v)) {
+        if (!get_int(v, "min_tokens", 0, r->p.max_tokens, &x, err)) goto out;
+        r->p.min_tokens = (int)x;
+    }
+    if ((v = json_object_get(root, "skip_special_tokens")) && !json_is_null(v)) {
+        if (!get_bool(v, "skip_special_tokens", &b, err)) goto out;
+        if (!b) {
+            api_err_set(err, 400, "skip_special_tokens",
+                        "only skip_special_tokens=true is "
+                        "supported");
+            goto out;
+        }
+    }
+    if (chat) {
+        if ((v = json_object_get(root, "logprobs")) && !json_is_null(v)) {
+            if (!get_bool(v, "logprobs", &b, err)) goto out;
+            r->chat_logprobs = b;
+            if (b) r->p.top_logprobs = 0;
+        }
+        if ((v = json_object_get(root, "top_logprobs")) && !json_is_null(v)) {
+            if (!get_int(v, "top_logprobs", 0, TDM_MAX_TOP_LOGPROBS, &x, err)) goto out;
+            if (!r->chat_logprobs) {
+                api_err_set(err, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+                goto out;
+            }
+            r->p.top_logprobs = (int)x;
+        }
+    } else if ((v = json_object_get(root, "logprobs")) && !json_is_null(v)) {
+        if (!get_int(v, "logprobs", 0, TDM_MAX_TOP_LOGPROBS, &x, err)) goto out;
+        r->p.top_logprobs = (int)x;
+    }
+    if ((v = json_object_get(root, "stream")) && !json_is_null(v)) {
+        if (!get_bool(v, "stream", &b, err)) goto out;
+        r->stream = b;
+    }
+    if ((v = json_object_get(root, "stream_options")) && !json_is_null(v)) {
+        if (!json_is_object(v)) {
+            api_err_set(err, 400, "stream_options", "'stream_options' must be an object");
+            goto out;
+        }
+        json_object_foreach(v, key, v)
+        {
+            if (strcmp(key, "include_usage") && strcmp(key, "continuous_usage_stats")) {
+                api_err_set(err, 400, "stream_options", "unknown field 'stream_options.%s'", key);
+                goto out;
+            }
+            if (!strcmp(key, "include_usage")) {
+                if (!get_bool(v, "stream_options.include_usage", &b, err)) goto out;
+                r->include_usage = b;
+            }
+        }
+        if (!r->stream) {
+            api_err_set(err, 400, "stream_options", "'stream_options' needs 'stream': true");
+            goto out;
+        }
+    }
+    r->p.prompt = r->prompt;
+    r->p.n_prompt = r->n_prompt;
+    ok = true;
+out:
+    json_decref(root);
+    if (!ok) api_req_free(r);
+    return ok;
+}
+
+/* ---- rendering ---- */
+
+/* A token's text for logprobs: its bytes when they are valid UTF-8, else "bytes:\xNN..." as
+ * vLLM writes partial characters. */
+static json_t *token_str(const struct api_ctx *c, int32_t t)
+{
+    size_t len = 0;
+    const char *p = tdm_tok_piece(c->tok, t, &len);
+    if (!p) return json_string("");
+    json_t *j = json_stringn(p, len);
+    if (j) return j;
+    char buf[6 + 4 * 64 + 1];
+    size_t n = (size_t)snprintf(buf, sizeof buf, "bytes:");
+    for (size_t i = 0; i < len && n + 4 < sizeof buf; i++)
+        n += (size_t)snprintf(buf + n, sizeof buf - n, "\\x%02x", (unsigned char)p[i]);
+    return json_string(buf);
+}
+
+static json_t *token_bytes(const struct api_ctx *c, int32_t t)
+{
+    size_t len = 0;
+    const char *p = tdm_tok_piece(c->tok, t, &len);
+    json_t *a = json_array();
+    for (size_t i = 0; p && i < len; i++)
+        json_array_append_new(a, json_integer((unsigned char)p[i]));
+    return a;
+}
+
+static json_t *lp_value(float lp)
+{
+    /* JSON has no -Infinity: clamp to a very negative finite value as vLLM does */
+    return json_real(lp < -9999.0f ? -9999.0 : (double)lp);
+}
+
+/* Completions logprobs object for outputs [from, to). */
+static json_t *logprobs_completion(const struct api_ctx *c, const struct api_req *r,
+                                   const struct tdm_req_view *v, int from, int to, size_t text_base)
+{
+    if (!v->logprobs) return json_null();
+    json_t *toks = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
+    int k = r->p.top_logprobs;
+    for (int i = from; i < to; i++) {
+        json_array_append_new(toks, token_str(c, v->tokens[i]));
+        json_array_append_new(lps, lp_value(v->logprobs[i]));
+        size_t off = i ? v->text_end[i - 1] : 0;
+        json_array_append_new(offs, json_integer((json_int_t)(off - TDM_MIN(off, text_base))));
+        if (k > 0) {
+            json_t *o = json_object();
+            for (int j = 0; j < k; j++) {
+                json_t *s = token_str(c, v->top_ids[(size_t)i * k + j]);
+                json_object_set_new(o, json_string_value(s),
+                                    lp_value(v->top_lps[(size_t)i * k + j]));
+                json_decref(s);
+            }
+            json_array_append_new(tops, o);
+        } else {
+            json_array_append_new(tops, json_null());
+        }
+    }
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs",
+                     tops, "text_offset", offs);
+}
+
+static json_t *logprobs_chat(const struct api_ctx *c, const struct api_req *r,
+                             const struct tdm_req_view *v, int from, int to)
+{
+    if (!v->logprobs || !r->chat_logprobs) return json_null();
+    json_t *content = json_array();
+    int k = r->p.top_logprobs;
+    for (int i = from; i < to; i++) {
+        json_t *tops = json_array();
+        for (int j = 0; j < k; j++) {
+            int32_t t = v->top_ids[(size_t)i * k + j];
+            json_array_append_new(tops,
+                                  json_pack("{s:o, s:o, s:o}", "token", token_str(c, t), "logprob",
+                                            lp_value(v->top_lps[(size_t)i * k + j]), "bytes",
+                                            token_bytes(c, t)));
+        }
+        json_array_append_new(content,
+                              json_pack("{s:o, s:o, s:o, s:o}", "token", token_str(c, v->tokens[i]),
+                                        "logprob", lp_value(v->logprobs[i]), "bytes",
+                                        token_bytes(c, v->tokens[i]), "top_logprobs", tops));
+    }
+    return json_pack("{s:o}", "content", content);
+}
+
+static json_t *usage(const struct tdm_req_view *v)
+{
+    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", v->n_prompt, "completion_tokens", v->n_out,
+                     "total_tokens", v->n_prompt + v->n_out);
+}
+
+static json_t *finish_value(const struct tdm_req_view *v)
+{
+    if (v->finish == TDM_FINISH_STOP) return json_string("stop");
+    if (v->finish == TDM_FINISH_LENGTH) return json_string("length");
+    return json_null();
+}
+
+static char *dump(json_t *root)
+{
+    if (!root) return NULL;
+    char *s = json_dumps(root, JSON_COMPACT);
+    json_decref(root);
+    return s;
+}
+
+char *api_render_full(const struct api_ctx *c, const struct api_req *r, const char *id,
+                      long created, const struct tdm_req_view *v)
+{
+    json_t *choice;
+    if (r->chat) {
+        choice = json_pack("{s:i, s:{s:s, s:o}, s:o, s:o}", "index", 0, "message", "role",
+                           "assistant", "content", jstr(v->text, v->text_len), "logprobs",
+                           logprobs_chat(c, r, v, 0, v->n_out), "finish_reason", finish_value(v));
+    } else {
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "text", jstr(v->text, v->text_len),
+                           "logprobs", logprobs_completion(c, r, v, 0, v->n_out, 0),
+                           "finish_reason", finish_value(v));
+    }
+    return dump(json_pack("{s:s, s:s, s:i, s:s, s:[o], s:o}", "id", id, "object",
+                          r->chat ? "chat.completion" : "text_completion", "created",
+                          (json_int_t)created, "model", c->model_name, "choices", choice, "usage",
+                          usage(v)));
+}
+
+static char *sse(json_t *root)
+{
+    char *j = dump(root);
+    if (!j) return NULL;
+    size_t n = strlen(j);
+    char *s = malloc(n + 9);
+    if (s) {
+        memcpy(s, "data: ", 6);
+        memcpy(s + 6, j, n);
+        memcpy(s + 6 + n, "\n\n", 3);
+    }
+    free(j);
+    return s;
+}
+
+char *api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                       long created, const struct tdm_req_view *v, int from, int to,
+                       size_t text_from, bool first, bool finish)
+{
+    size_t text_to = to > 0 ? v->text_end[to - 1] : 0;
+    if (finish) text_to = v->text_len;
+    if (text_to < text_from) text_to = text_from;
+    json_t *text = jstr(v->text + text_from, text_to - text_from);
+    json_t *choice;
+    if (r->chat) {
+        json_t *delta = json_object();
+        if (first) json_object_set_new(delta, "role", json_string("assistant"));
+        if (text_to > text_from || first)
+            json_object_set_new(delta, "content", text);
+        else
+            json_decref(text);
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "delta", delta, "logprobs",
+                           logprobs_chat(c, r, v, from, to), "finish_reason",
+                           finish ? finish_value(v) : json_null());
+    } else {
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "text", text, "logprobs",
+                           logprobs_completion(c, r, v, from, to, text_from), "finish_reason",
+                           finish ? finish_value(v) : json_null());
+    }
+    return sse(json_pack("{s:s, s:s, s:i, s:s, s:[o]}", "id", id, "object",
+                         r->chat ? "chat.completion.chunk" : "text_completion", "created",
+                         (json_int_t)created, "model", c->model_name, "choices", choice));
+}
+
+char *api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                             long created, const struct tdm_req_view *v)
+{
+    return sse(json_pack("{s:s, s:s, s:i, s:s, s:[], s:o}", "id", id, "object",
+                         r->chat ? "chat.completion.chunk" : "text_completion", "created",
+                         (json_int_t)created, "model", c->model_name, "choices", "usage",
+                         usage(v)));
+}
+
+char *api_render_models(const struct api_ctx *c, long created)
+{
+    return dump(json_pack("{s:s, s:[{s:s, s:s, s:i, s:s, s:i}]}", "object", "list", "data", "id",
+                          c->model_name, "object", "model", "created", (json_int_t)created,
+                          "owned_by", "tandem", "max_model_len", c->max_ctx));
+}

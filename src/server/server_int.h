@@ -1,0 +1,73 @@
+/*
+ * Private parts of the server module: the OpenAI request parser and response renderers
+ * (openai.c), and the Prometheus renderer (metrics.c), which http.c drives.
+ *
+ * Everything here is pure: no sockets, no threads. The parser turns untrusted JSON into a
+ * validated request or an (HTTP status, message, param) triple; the renderers turn a request's
+ * output view into JSON text.
+ */
+#ifndef TANDEM_SERVER_INT_H
+#define TANDEM_SERVER_INT_H
+
+#include <jansson.h>
+
+#include "tandem/sched.h"
+#include "tandem/server.h"
+#include "tandem/tok.h"
+
+struct api_err {
+    int status; /* HTTP status */
+    const char *type;
+    char message[512];
+    char param[64]; /* "" for none */
+};
+
+struct api_ctx {
+    const tdm_tok_t *tok;
+    const struct tdm_chat_template *chat;
+    bool add_bos;
+    const char *model_name;
+    int max_ctx;
+    int vocab;
+};
+
+struct api_req {
+    bool chat, stream, include_usage;
+    bool chat_logprobs; /* chat: logprobs true (top_logprobs may be 0) */
+    int32_t *prompt;    /* malloc'd */
+    int n_prompt;
+    struct tdm_req_params p;
+    char *stops[TDM_MAX_STOP_STRINGS]; /* owned copies; p.stops points here */
+};
+
+/* Parses a request body. On failure fills err (status 4xx) and returns false. On success the
+ * caller frees with api_req_free. */
+bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
+               struct api_req *out, struct api_err *err);
+void api_req_free(struct api_req *r);
+
+/* {"error": {...}} as a malloc'd string. */
+char *api_error_json(const struct api_err *e);
+void api_err_set(struct api_err *e, int status, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Rendering. `id` is "cmpl-..." or "chatcmpl-...". All return malloc'd strings (NULL on OOM). */
+char *api_render_full(const struct api_ctx *c, const struct api_req *r, const char *id,
+                      long created, const struct tdm_req_view *v);
+/* One SSE event ("data: {...}\n\n") for outputs [from, to) of v. `first` adds the chat role
+ * delta; finish adds finish_reason. */
+char *api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                       long created, const struct tdm_req_view *v, int from, int to,
+                       size_t text_from, bool first, bool finish);
+char *api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                             long created, const struct tdm_req_view *v);
+char *api_render_models(const struct api_ctx *c, long created);
+
+/* Valid UTF-8 copy of bytes, invalid sequences replaced by U+FFFD. */
+char *utf8_sanitize(const char *s, size_t n, size_t *out_len);
+
+/* Prometheus text exposition of a metrics snapshot, plus HTTP status counters. */
+char *metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint64_t *http_by_class,
+                     const char *model_name);
+
+#endif
