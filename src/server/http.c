@@ -162,6 +162,11 @@ static bool stream_next(struct stream *st)
             if (last) st->finish_sent = true;
         }
         st->sent_out = to;
+        if (!ev && !st->finish_sent && v.text_end[to - 1] == st->sent_text) {
+            /* nothing to show for these tokens yet */
+            tdm_req_unlock(st->req);
+            return true;
+        }
     } else if (v.finish != TDM_FINISH_NONE) {
         if (v.finish == TDM_FINISH_ERROR || v.finish == TDM_FINISH_CANCELLED) {
             struct api_err e;

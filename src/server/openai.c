@@ -415,8 +415,12 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     json_error_t je;
     json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) {
-        api_err_set(err, 400, NULL, "invalid JSON body: %s (line %d, column %d)", je.text, je.line,
-                    je.column);
+        if (json_error_code(&je) == json_error_invalid_utf8)
+            api_err_set(err, 400, NULL, "the request body is not valid UTF-8 (near byte %d)",
+                        je.position);
+        else
+            api_err_set(err, 400, NULL, "invalid JSON body: %s (line %d, column %d)", je.text,
+                        je.line, je.column);
         return false;
     }
     bool ok = false;

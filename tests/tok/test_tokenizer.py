@@ -31,6 +31,7 @@ gguf = pytest.importorskip("gguf")
 tk = pytest.importorskip("tokenizers")
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,  # noqa: E402
                         pre_tokenizers, trainers)
+from lib.smol_hf import smol_hf_tokenizer, smol_metadata  # noqa: E402
 
 TOOL = build_dir() / "tests" / "tools" / "tok_tool"
 
@@ -143,40 +144,18 @@ def merge_pairs(hf_json):
 
 # ---------------------------------------------------------------- 1. SmolLM2
 
-@functools.lru_cache(maxsize=1)
-def smol_metadata():
-    """The default model's tokenizer metadata, read once (GGUFReader takes seconds)."""
-    r = gguf.GGUFReader(str(default_model_path()))
-
-    def one_str(key):
-        return bytes(r.fields[key].parts[-1]).decode()
-
-    return {"tokens": gguf_strings(r, "tokenizer.ggml.tokens"),
-            "merges": gguf_strings(r, "tokenizer.ggml.merges"),
-            "types": gguf_ints(r, "tokenizer.ggml.token_type"),
-            "pre": one_str("tokenizer.ggml.pre"),
-            "chat_template": one_str("tokenizer.chat_template")}
-
-
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     path = default_model_path()
     if not path.exists():
         pytest.fail(f"default model missing at {path}")
     meta = smol_metadata()
-    tokens, merges, types = meta["tokens"], meta["merges"], meta["types"]
+    tokens, types = meta["tokens"], meta["types"]
     assert meta["pre"] == "smollm"
-    vocab = {t: i for i, t in enumerate(tokens)}
-    assert len(vocab) == len(tokens)
-    hf = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
-    # what SmolLM2's tokenizer.json ships: individual digits, then GPT-2 byte-level splitting
-    hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
-    hf.decoder = decoders.ByteLevel()
+    assert len(set(tokens)) == len(tokens)
+    hf = smol_hf_tokenizer()
     specials = [tokens[i] for i, t in enumerate(types) if t == 3]
     assert "<|im_start|>" in specials and "<|endoftext|>" in specials
-    hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     d = tmp_path_factory.mktemp("smol")
     hf.save(str(d / "tokenizer.json"))
     return {"hf": hf, "gguf": path, "json": d / "tokenizer.json", "tokens": tokens}

@@ -1,0 +1,82 @@
+"""Continuous batching: batch invariance with 64 concurrent clients, and preemption by
+recompute when the KV pool runs dry (the preempted requests resume and finish with the same
+tokens)."""
+import concurrent.futures as cf
+import random
+
+import pytest
+
+from lib.server import Server
+
+
+def requests_mix(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        # lengths from 1 token to a few chunks of the 128-token prefill chunk used below
+        plen = rng.choice([1, 2, 3, 7, 16, 17, 40, 100, 129, 200, 300])
+        out.append({"prompt": [rng.randrange(100, 49000) for _ in range(plen)],
+                    "max_tokens": rng.randrange(4, 17), "temperature": 0, "ignore_eos": True,
+                    "logprobs": 0})
+    return out
+
+
+def run(server, body):
+    st, r = server.post("/v1/completions", body)
+    assert st == 200, r
+    lp = r["choices"][0]["logprobs"]
+    return r["choices"][0]["text"], lp["tokens"], lp["token_logprobs"], r["usage"]
+
+
+def test_64_concurrent_match_alone_bit_for_bit(default_model):
+    s = Server(["--threads", "2", "--max-seqs", "64", "--prefill-chunk", "128",
+                "--max-batch-tokens", "256"])
+    try:
+        reqs = requests_mix(64, seed=7)
+        alone = [run(s, b) for b in reqs]
+        with cf.ThreadPoolExecutor(64) as ex:
+            together = list(ex.map(lambda b: run(s, b), reqs))
+        for i, (a, t) in enumerate(zip(alone, together)):
+            assert a[3]["completion_tokens"] == reqs[i]["max_tokens"]
+            assert a[1] == t[1], f"request {i}: tokens differ alone vs in a batch of 64"
+            assert a[2] == t[2], f"request {i}: logprobs differ (not bit-identical)"
+            assert a[0] == t[0]
+        m = s.wait_idle()
+        # the batch really was shared: some step ran many sequences
+        b = [(le, c) for (name, lab), c in m.items() if name == "tandem_batch_sequences_bucket"
+             for le in [dict(lab)["le"]] if le not in ("+Inf",)]
+        assert any(float(le) < 16 and c < m[("tandem_batch_sequences_count", ())]
+                   for le, c in b), "no step had 16 or more sequences"
+    finally:
+        assert s.stop() == 0
+
+
+def test_preemption_by_recompute_resumes_and_completes(default_model):
+    # 48 pages of 16 tokens = 768 token slots; 6 requests of ~100 + 40 tokens need 840
+    s = Server(["--threads", "2", "--kv-pages", "48", "--max-seqs", "8"])
+    try:
+        rng = random.Random(3)
+        reqs = [{"prompt": [rng.randrange(100, 49000) for _ in range(100 + 5 * i)],
+                 "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+                for i in range(6)]
+        alone = [run(s, b) for b in reqs]
+        assert s.metrics()[("tandem_preemptions_total", ())] == 0
+        with cf.ThreadPoolExecutor(6) as ex:
+            together = list(ex.map(lambda b: run(s, b), reqs))
+        m = s.wait_idle()
+        assert m[("tandem_preemptions_total", ())] > 0, "the test did not cause preemption"
+        for a, t in zip(alone, together):
+            assert a[1] == t[1] and a[2] == t[2]
+    finally:
+        assert s.stop() == 0
+
+
+def test_request_larger_than_the_pool_is_refused(default_model):
+    s = Server(["--threads", "1", "--kv-pages", "8"])
+    try:
+        st, r = s.post("/v1/completions", {"prompt": [5] * 100, "max_tokens": 100})
+        assert st == 400 and "KV pages" in r["error"]["message"]
+        st, r = s.post("/v1/completions", {"prompt": [5] * 10, "max_tokens": 4})
+        assert st == 200
+    finally:
+        assert s.stop() == 0
