@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || { echo "0 passed, 1 failed"; exit 1; }
 
 jobs=$(nproc)
-cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTDM_SANITIZE=ON >/dev/null &&
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTDM_SANITIZE=ON -DTDM_CUDA=OFF >/dev/null &&
     cmake --build build-asan -j"$jobs" >/dev/null || { echo "asan build failed"; echo "0 passed, 1 failed"; exit 1; }
 CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DTDM_FUZZ=ON >/dev/null &&
     cmake --build build-fuzz -j"$jobs" >/dev/null || { echo "fuzz build failed"; echo "0 passed, 1 failed"; exit 1; }

@@ -771,6 +771,7 @@ static bool step(struct tdm_sched *s)
     int row = 0;
     for (int j = 0; j < nb; j++) {
         struct tdm_req *r = s->breqs[j];
+        r->batch_slot = -1;
         r->n_cached += s->bseqs[j].n_tokens;
         if (!s->bseqs[j].n_logits) continue;
         enum tdm_finish f = sample_and_publish(s, r, s->logits + (size_t)row * s->vocab);
@@ -781,8 +782,6 @@ static bool step(struct tdm_sched *s)
                        f == TDM_FINISH_ERROR ? "out of memory" : NULL);
         }
     }
-    for (int j = 0; j < nb; j++)
-        s->breqs[j]->batch_slot = -1;
     return true;
 }
 

@@ -19,6 +19,7 @@ static void usage(FILE *f)
             "  info       print a model's configuration, tensor types and sizes\n"
             "  serve      serve the OpenAI-compatible HTTP API\n"
             "  bench      benchmarks (`tandem bench model|serve|xfer`)\n"
+            "  checkpoint write a random-weight HF checkpoint (`--shape llama-3.1-8b --out DIR`)\n"
             "\n"
             "Every command takes --model PATH (a .gguf file or a Hugging Face checkpoint folder);\n"
             "without it the default model is used: $TANDEM_MODEL, or\n"
@@ -47,6 +48,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "info")) return tdm_cmd_info(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return tdm_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "serve")) return tdm_cmd_serve(argc - 1, argv + 1);
+    if (!strcmp(cmd, "checkpoint")) return tdm_cmd_checkpoint(argc - 1, argv + 1);
     fprintf(stderr, "tandem: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 2;

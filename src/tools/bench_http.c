@@ -1,0 +1,525 @@
+/*
+ * The HTTP/1.1 client behind `tandem bench serve` (see bench_http.h for the contract).
+ *
+ * A response is read by one state machine fed with whatever recv() returns:
+ *
+ *     HEAD --(blank line; 1xx)--> HEAD
+ *     HEAD --(blank line)--> BODY_LENGTH | BODY_CHUNKED | BODY_TO_CLOSE
+ *     BODY_LENGTH --(remaining == 0)--> DONE
+ *     BODY_TO_CLOSE --(peer closes)--> DONE
+ *     BODY_CHUNKED: SIZE --(n > 0)--> DATA --(n bytes)--> DATA_END --(CRLF)--> SIZE
+ *                   SIZE --(0)--> TRAILER --(blank line)--> DONE
+ *
+ * Every wait is a poll() bounded by the request's absolute deadline, so no peer can make a request
+ * outlive it. Bytes from the peer are validated: an over-long head or chunk line, a bad status
+ * line, a bad or conflicting Content-Length, or a bad chunk size ends the request with
+ * TDM_BH_PROTOCOL.
+ */
+#include "tools/bench_http.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#define LINE_CAP 4096
+
+const char *tdm_bh_fail_str(enum tdm_bh_fail f)
+{
+    switch (f) {
+    case TDM_BH_OK:
+        return "ok";
+    case TDM_BH_CONNECT:
+        return "connect";
+    case TDM_BH_TIMEOUT:
+        return "timeout";
+    case TDM_BH_SEND:
+        return "send";
+    case TDM_BH_TRUNCATED:
+        return "truncated";
+    case TDM_BH_PROTOCOL:
+        return "protocol";
+    case TDM_BH_ABORTED:
+        return "aborted";
+    case TDM_BH_NOMEM:
+        return "nomem";
+    }
+    return "unknown";
+}
+
+tdm_status tdm_bh_target_init(const char *url, struct tdm_bh_target *out)
+{
+    struct tdm_bh_target t;
+    memset(&t, 0, sizeof t);
+    if (!strncasecmp(url, "https://", 8))
+        return tdm_err_set(TDM_EUNSUPPORTED, "%s: https is not supported (plain http only)", url);
+    if (strncasecmp(url, "http://", 7))
+        return tdm_err_set(TDM_EINVAL, "%s: expected a URL of the form http://host[:port][/path]",
+                           url);
+    const char *p = url + 7, *host_end, *port = NULL;
+    size_t port_len = 0;
+    if (*p == '[') { /* IPv6 literal */
+        host_end = strchr(p, ']');
+        if (!host_end) return tdm_err_set(TDM_EINVAL, "%s: unterminated IPv6 address", url);
+        if ((size_t)(host_end - p - 1) >= sizeof t.host)
+            return tdm_err_set(TDM_EINVAL, "%s: host name too long", url);
+        memcpy(t.host, p + 1, (size_t)(host_end - p - 1));
+        p = host_end + 1;
+    } else {
+        size_t n = strcspn(p, ":/");
+        if (n >= sizeof t.host) return tdm_err_set(TDM_EINVAL, "%s: host name too long", url);
+        memcpy(t.host, p, n);
+        p += n;
+    }
+    if (!t.host[0]) return tdm_err_set(TDM_EINVAL, "%s: no host", url);
+    if (*p == ':') {
+        port = ++p;
+        port_len = strcspn(p, "/");
+        p += port_len;
+    }
+    if (port) {
+        char buf[8];
+        int64_t v;
+        if (port_len == 0 || port_len >= sizeof buf)
+            return tdm_err_set(TDM_EINVAL, "%s: bad port", url);
+        memcpy(buf, port, port_len);
+        buf[port_len] = '\0';
+        if (!tdm_parse_i64(buf, 1, 65535, &v)) return tdm_err_set(TDM_EINVAL, "%s: bad port", url);
+        snprintf(t.port, sizeof t.port, "%d", (int)v);
+    } else {
+        strcpy(t.port, "80");
+    }
+    if (*p && *p != '/') return tdm_err_set(TDM_EINVAL, "%s: bad URL", url);
+    size_t plen = strlen(p);
+    while (plen > 0 && p[plen - 1] == '/')
+        plen--;
+    if (plen >= sizeof t.base_path) return tdm_err_set(TDM_EINVAL, "%s: path too long", url);
+    memcpy(t.base_path, p, plen);
+    for (size_t i = 0; i < plen; i++)
+        if ((unsigned char)p[i] <= ' ' || p[i] == 0x7f)
+            return tdm_err_set(TDM_EINVAL, "%s: the path holds spaces or control bytes", url);
+
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    int gai = getaddrinfo(t.host, t.port, &hints, &res);
+    if (gai != 0 || !res)
+        return tdm_err_set(TDM_ENOTFOUND, "%s: cannot resolve %s: %s", url, t.host,
+                           gai_strerror(gai));
+    memcpy(&t.addr, res->ai_addr, res->ai_addrlen);
+    t.addr_len = res->ai_addrlen;
+    freeaddrinfo(res);
+    *out = t;
+    return TDM_OK;
+}
+
+/* ---- socket steps, each bounded by a deadline ---- */
+
+static int ms_until(uint64_t deadline_ns)
+{
+    uint64_t now = tdm_now_ns();
+    if (now >= deadline_ns) return 0;
+    uint64_t ms = (deadline_ns - now + 999999) / 1000000;
+    return ms > 1000000 ? 1000000 : (int)ms;
+}
+
+/* 1: ready; 0: deadline passed; -1: poll failed. */
+static int wait_fd(int fd, short events, uint64_t deadline_ns)
+{
+    for (;;) {
+        int ms = ms_until(deadline_ns);
+        if (ms == 0) return 0;
+        struct pollfd pfd = {.fd = fd, .events = events};
+        int r = poll(&pfd, 1, ms);
+        if (r > 0) return 1;
+        if (r < 0 && errno != EINTR) return -1;
+    }
+}
+
+static enum tdm_bh_fail do_connect(const struct tdm_bh_target *t, uint64_t deadline_ns, int *fd_out)
+{
+    int fd = socket(t->addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        tdm_err_set(TDM_EIO, "socket: %s", strerror(errno));
+        return TDM_BH_CONNECT;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (connect(fd, (const struct sockaddr *)&t->addr, t->addr_len) != 0) {
+        if (errno != EINPROGRESS) {
+            tdm_err_set(TDM_EIO, "connect to %s:%s: %s", t->host, t->port, strerror(errno));
+            goto out_close;
+        }
+        int r = wait_fd(fd, POLLOUT, deadline_ns);
+        if (r <= 0) {
+            tdm_err_set(TDM_ETIMEDOUT, "connect to %s:%s: %s", t->host, t->port,
+                        r == 0 ? "timed out" : strerror(errno));
+            goto out_close;
+        }
+        int err = 0;
+        socklen_t len = sizeof err;
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+        if (err) {
+            tdm_err_set(TDM_EIO, "connect to %s:%s: %s", t->host, t->port, strerror(err));
+            goto out_close;
+        }
+    }
+    *fd_out = fd;
+    return TDM_BH_OK;
+out_close:
+    close(fd);
+    return TDM_BH_CONNECT;
+}
+
+static enum tdm_bh_fail send_all(int fd, const char *p, size_t n, uint64_t deadline_ns)
+{
+    while (n > 0) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w > 0) {
+            p += w;
+            n -= (size_t)w;
+            continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int r = wait_fd(fd, POLLOUT, deadline_ns);
+            if (r == 0) {
+                tdm_err_set(TDM_ETIMEDOUT, "timed out sending the request");
+                return TDM_BH_TIMEOUT;
+            }
+            if (r > 0) continue;
+        }
+        tdm_err_set(TDM_EPEER, "sending the request: %s", strerror(errno));
+        return TDM_BH_SEND;
+    }
+    return TDM_BH_OK;
+}
+
+/* ---- response parser ---- */
+
+enum rx_state {
+    RX_HEAD,
+    RX_LENGTH,
+    RX_TO_CLOSE,
+    RX_CH_SIZE,
+    RX_CH_DATA,
+    RX_CH_DATA_END,
+    RX_CH_TRAILER,
+    RX_DONE
+};
+
+struct rx {
+    enum rx_state state;
+    const struct tdm_bh_handler *h;
+    char *head; /* [TDM_BH_MAX_HEAD_BYTES + 1] */
+    size_t head_len;
+    char line[LINE_CAP + 1]; /* a chunk-size or trailer line being assembled */
+    size_t line_len;
+    uint64_t remaining; /* body bytes left (RX_LENGTH) or chunk bytes left (RX_CH_DATA) */
+};
+
+static enum tdm_bh_fail proto(const char *msg)
+{
+    tdm_err_set(TDM_EFORMAT, "bad HTTP response: %s", msg);
+    return TDM_BH_PROTOCOL;
+}
+
+/* Value of header `name` within the head's header lines, trimmed; NULL if absent. Writes into
+ * `out` (cap bytes). Sets *dup when the header appears more than once with different values. */
+static const char *header_value(const char *head, const char *name, char *out, size_t cap,
+                                bool *dup)
+{
+    const char *found = NULL;
+    size_t nlen = strlen(name);
+    const char *p = strstr(head, "\r\n");
+    *dup = false;
+    while (p && p[2] && !(p[2] == '\r' && p[3] == '\n')) {
+        const char *ln = p + 2, *end = strstr(ln, "\r\n");
+        if (!end) break;
+        if ((size_t)(end - ln) > nlen && !strncasecmp(ln, name, nlen) && ln[nlen] == ':') {
+            const char *v = ln + nlen + 1, *ve = end;
+            while (v < ve && (*v == ' ' || *v == '\t'))
+                v++;
+            while (ve > v && (ve[-1] == ' ' || ve[-1] == '\t'))
+                ve--;
+            size_t n = TDM_MIN((size_t)(ve - v), cap - 1);
+            if (found && (strlen(out) != n || strncmp(out, v, n))) *dup = true;
+            memcpy(out, v, n);
+            out[n] = '\0';
+            found = out;
+        }
+        p = end;
+    }
+    return found;
+}
+
+/* Parses a complete head (NUL-terminated, ending in CRLF CRLF). */
+static enum tdm_bh_fail parse_head(struct rx *rx, bool *informational)
+{
+    const char *h = rx->head;
+    if (strncmp(h, "HTTP/1.", 7) || (h[7] != '0' && h[7] != '1') || h[8] != ' ')
+        return proto("no HTTP/1.x status line");
+    if (h[9] < '1' || h[9] > '5' || h[10] < '0' || h[10] > '9' || h[11] < '0' || h[11] > '9' ||
+        (h[12] != ' ' && h[12] != '\r'))
+        return proto("bad status code");
+    int status = (h[9] - '0') * 100 + (h[10] - '0') * 10 + (h[11] - '0');
+    *informational = status < 200;
+    if (*informational) return TDM_BH_OK;
+
+    char val[256], ctype[256] = "";
+    bool dup;
+    const char *te = header_value(h, "Transfer-Encoding", val, sizeof val, &dup);
+    bool chunked = false;
+    if (te) {
+        if (strcasecmp(te, "chunked")) return proto("unsupported Transfer-Encoding");
+        chunked = true;
+    }
+    const char *cl = header_value(h, "Content-Length", val, sizeof val, &dup);
+    if (chunked) {
+        rx->state = RX_CH_SIZE;
+    } else if (cl) {
+        int64_t n;
+        if (dup) return proto("conflicting Content-Length headers");
+        if (!tdm_parse_i64(cl, 0, INT64_MAX / 2, &n)) return proto("bad Content-Length");
+        rx->remaining = (uint64_t)n;
+        rx->state = n == 0 ? RX_DONE : RX_LENGTH;
+    } else {
+        rx->state = RX_TO_CLOSE;
+    }
+    header_value(h, "Content-Type", ctype, sizeof ctype, &dup);
+    if (rx->h->on_head && !rx->h->on_head(rx->h->ctx, status, ctype)) {
+        tdm_err_set(TDM_ECANCELED, "stopped by the caller after the head");
+        return TDM_BH_ABORTED;
+    }
+    return TDM_BH_OK;
+}
+
+static enum tdm_bh_fail emit(struct rx *rx, const char *p, size_t n)
+{
+    if (n && rx->h->on_body && !rx->h->on_body(rx->h->ctx, p, n)) {
+        tdm_err_set(TDM_ECANCELED, "stopped by the caller");
+        return TDM_BH_ABORTED;
+    }
+    return TDM_BH_OK;
+}
+
+/* Takes bytes up to and including '\n' into rx->line. Returns bytes consumed; *complete when the
+ * line (without CRLF) is in rx->line. */
+static size_t take_line(struct rx *rx, const char *p, size_t n, bool *complete, bool *too_long)
+{
+    const char *nl = memchr(p, '\n', n);
+    size_t take = nl ? (size_t)(nl - p) + 1 : n;
+    *complete = nl != NULL;
+    *too_long = false;
+    size_t keep = nl ? take - 1 : take;
+    if (rx->line_len + keep > LINE_CAP) {
+        *too_long = true;
+        return take;
+    }
+    memcpy(rx->line + rx->line_len, p, keep);
+    rx->line_len += keep;
+    if (*complete) {
+        if (rx->line_len && rx->line[rx->line_len - 1] == '\r') rx->line_len--;
+        rx->line[rx->line_len] = '\0';
+    }
+    return take;
+}
+
+static enum tdm_bh_fail feed(struct rx *rx, const char *p, size_t n)
+{
+    enum tdm_bh_fail f;
+    while (n > 0 && rx->state != RX_DONE) {
+        switch (rx->state) {
+        case RX_HEAD: {
+            size_t room = TDM_BH_MAX_HEAD_BYTES - rx->head_len;
+            size_t take = TDM_MIN(n, room);
+            /* Search for the blank line across the old/new boundary. */
+            size_t from = rx->head_len >= 3 ? rx->head_len - 3 : 0;
+            memcpy(rx->head + rx->head_len, p, take);
+            rx->head_len += take;
+            rx->head[rx->head_len] = '\0';
+            char *end = NULL;
+            for (size_t i = from; i + 4 <= rx->head_len; i++)
+                if (!memcmp(rx->head + i, "\r\n\r\n", 4)) {
+                    end = rx->head + i;
+                    break;
+                }
+            if (!end) {
+                if (rx->head_len >= TDM_BH_MAX_HEAD_BYTES) return proto("head over 64 KiB");
+                p += take;
+                n -= take;
+                break;
+            }
+            if (memchr(rx->head, '\0', (size_t)(end - rx->head)))
+                return proto("NUL byte in the head");
+            size_t head_bytes = (size_t)(end - rx->head) + 4;
+            size_t used_now = head_bytes - (rx->head_len - take);
+            end[4] = '\0';
+            bool info;
+            if ((f = parse_head(rx, &info))) return f;
+            p += used_now;
+            n -= used_now;
+            rx->head_len = 0;
+            if (info) rx->state = RX_HEAD;
+            break;
+        }
+        case RX_TO_CLOSE:
+            return emit(rx, p, n);
+        case RX_LENGTH:
+        case RX_CH_DATA: {
+            size_t k = (size_t)TDM_MIN((uint64_t)n, rx->remaining);
+            if ((f = emit(rx, p, k))) return f;
+            p += k;
+            n -= k;
+            rx->remaining -= k;
+            if (rx->remaining == 0) rx->state = rx->state == RX_LENGTH ? RX_DONE : RX_CH_DATA_END;
+            break;
+        }
+        case RX_CH_SIZE:
+        case RX_CH_DATA_END:
+        case RX_CH_TRAILER: {
+            bool complete, too_long;
+            size_t k = take_line(rx, p, n, &complete, &too_long);
+            p += k;
+            n -= k;
+            if (too_long) return proto("chunk line over 4 KiB");
+            if (!complete) break;
+            rx->line_len = 0;
+            if (rx->state == RX_CH_DATA_END) {
+                if (rx->line[0]) return proto("no CRLF after chunk data");
+                rx->state = RX_CH_SIZE;
+            } else if (rx->state == RX_CH_TRAILER) {
+                if (!rx->line[0]) rx->state = RX_DONE;
+            } else {
+                uint64_t size = 0;
+                int digits = 0;
+                const char *s = rx->line;
+                for (; *s; s++, digits++) {
+                    int d;
+                    if (*s >= '0' && *s <= '9')
+                        d = *s - '0';
+                    else if (*s >= 'a' && *s <= 'f')
+                        d = *s - 'a' + 10;
+                    else if (*s >= 'A' && *s <= 'F')
+                        d = *s - 'A' + 10;
+                    else
+                        break;
+                    if (digits >= 15) return proto("chunk size too large");
+                    size = size * 16 + (uint64_t)d;
+                }
+                while (*s == ' ' || *s == '\t')
+                    s++;
+                if (digits == 0 || (*s && *s != ';')) return proto("bad chunk size");
+                if (size == 0) {
+                    rx->state = RX_CH_TRAILER;
+                } else {
+                    rx->remaining = size;
+                    rx->state = RX_CH_DATA;
+                }
+            }
+            break;
+        }
+        case RX_DONE:
+            break;
+        }
+    }
+    return TDM_BH_OK;
+}
+
+enum tdm_bh_fail tdm_bh_request(const struct tdm_bh_target *t, const struct tdm_bh_request *rq,
+                                const struct tdm_bh_handler *h)
+{
+    enum tdm_bh_fail f;
+    uint64_t connect_deadline = tdm_now_ns() + rq->connect_timeout_ms * 1000000ull;
+    if (connect_deadline > rq->deadline_ns) connect_deadline = rq->deadline_ns;
+
+    struct rx *rx = calloc(1, sizeof *rx);
+    char *head = malloc(TDM_BH_MAX_HEAD_BYTES + 1);
+    char *req = NULL;
+    int fd = -1;
+    if (!rx || !head) {
+        tdm_err_set(TDM_ENOMEM, "out of memory");
+        f = TDM_BH_NOMEM;
+        goto out_free;
+    }
+    rx->head = head;
+    rx->h = h;
+    rx->state = RX_HEAD;
+
+    /* Request line and headers, then the body, in one buffer: one send for small requests. */
+    char auth[600] = "";
+    if (rq->bearer) {
+        if (strlen(rq->bearer) > 512 || strpbrk(rq->bearer, "\r\n")) {
+            tdm_err_set(TDM_EINVAL, "the API key is over 512 bytes or holds a line break");
+            f = TDM_BH_PROTOCOL;
+            goto out_free;
+        }
+        snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", rq->bearer);
+    }
+    size_t body_len = rq->body ? rq->body_len : 0;
+    size_t cap = 2048 + strlen(t->base_path) + strlen(rq->path) + strlen(auth) + body_len;
+    req = malloc(cap);
+    if (!req) {
+        tdm_err_set(TDM_ENOMEM, "out of memory");
+        f = TDM_BH_NOMEM;
+        goto out_free;
+    }
+    bool v6 = strchr(t->host, ':') != NULL;
+    int hl = snprintf(req, cap,
+                      "%s %s%s HTTP/1.1\r\nHost: %s%s%s:%s\r\nUser-Agent: tandem-bench\r\n"
+                      "Accept: */*\r\nConnection: close\r\n%s",
+                      rq->method, t->base_path, rq->path, v6 ? "[" : "", t->host, v6 ? "]" : "",
+                      t->port, auth);
+    if (rq->body)
+        hl += snprintf(req + hl, cap - (size_t)hl,
+                       "Content-Type: application/json\r\nContent-Length: %zu\r\n", body_len);
+    hl += snprintf(req + hl, cap - (size_t)hl, "\r\n");
+    TDM_ASSERT((size_t)hl + body_len < cap);
+    if (body_len) memcpy(req + hl, rq->body, body_len);
+
+    if ((f = do_connect(t, connect_deadline, &fd))) goto out_free;
+    if ((f = send_all(fd, req, (size_t)hl + body_len, rq->deadline_ns))) goto out_close;
+
+    char buf[16384];
+    for (;;) {
+        ssize_t r = recv(fd, buf, sizeof buf, 0);
+        if (r > 0) {
+            if ((f = feed(rx, buf, (size_t)r))) goto out_close;
+            if (rx->state == RX_DONE) break;
+            continue;
+        }
+        if (r == 0) {
+            if (rx->state == RX_TO_CLOSE) break;
+            tdm_err_set(TDM_EPEER, "the server closed the connection %s",
+                        rx->state == RX_HEAD ? "before the response head" : "mid-body");
+            f = TDM_BH_TRUNCATED;
+            goto out_close;
+        }
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            int w = wait_fd(fd, POLLIN, rq->deadline_ns);
+            if (w > 0) continue;
+            if (w == 0) {
+                tdm_err_set(TDM_ETIMEDOUT, "the request timed out");
+                f = TDM_BH_TIMEOUT;
+                goto out_close;
+            }
+        }
+        tdm_err_set(TDM_EPEER, "receiving: %s", strerror(errno));
+        f = TDM_BH_TRUNCATED;
+        goto out_close;
+    }
+    f = TDM_BH_OK;
+out_close:
+    close(fd);
+out_free:
+    free(req);
+    free(head);
+    free(rx);
+    return f;
+}
