@@ -73,6 +73,14 @@ struct tdm_req_params {
     int32_t stop_ids[TDM_MAX_STOP_IDS]; /* extra stop token ids */
     int n_stop_ids;
     int top_logprobs; /* 0..TDM_MAX_TOP_LOGPROBS alternatives per output; -1: no logprobs */
+    /* Disaggregation (DESIGN.md §4). prefill_only: a prefill node's request: the prompt is fed
+     * and nothing is sampled (max_tokens is ignored); it finishes (TDM_FINISH_STOP, no outputs)
+     * after its last span. fixed_chunk > 0: prefill spans are exactly this many tokens (the
+     * last may be shorter) and are never cut by the step budget, so the decoder can tell in
+     * advance how many spans, and so how many layer writes, there will be. */
+    bool prefill_only;
+    int fixed_chunk;
+    void *user; /* opaque; handed back to the hooks */
 };
 
 enum tdm_finish {
@@ -104,6 +112,41 @@ struct tdm_req_view {
 };
 
 struct tdm_sched_metrics_snapshot;
+
+/* ---- hooks for the disaggregation layer; all run on the scheduler thread, must not block ---- */
+struct tdm_step_span {
+    tdm_req_t *req;
+    void *user;           /* the request's params.user */
+    int pos0, n_tokens;   /* the span: positions [pos0, pos0 + n_tokens) */
+    const int32_t *pages; /* the request's page table (covers the span) */
+    int n_pages;
+    bool last;           /* the span reaches the end of the request's token list */
+    const float *logits; /* step_end, when last: the last position's logits [vocab] */
+    const float *hidden; /* step_end, when last: its hidden state [d_model] */
+};
+struct tdm_sched_hooks {
+    void *ctx;
+    /* Decode node: called when a request with n_prompt >= 2 is admitted, its pages reserved
+     * for the whole prompt. Return true to prefill prompt[:-1] remotely: the request is then
+     * kept out of batches (and never preempted) until tdm_req_remote_done. */
+    bool (*remote_prefill)(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
+                           const int32_t *pages, int n_pages);
+    /* Around each forward call: the spans it runs, in batch order. */
+    void (*step_begin)(void *ctx, const struct tdm_step_span *spans, int n);
+    void (*step_end)(void *ctx, const struct tdm_step_span *spans, int n, tdm_status st);
+    /* A request finished (any reason), just before its pages go back to the pool. */
+    void (*finished)(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why);
+};
+/* Set before tdm_sched_start. With hooks set, forward calls also produce hidden states. */
+void tdm_sched_set_hooks(tdm_sched_t *s, const struct tdm_sched_hooks *h);
+/* The engine's layer counter is in tdm_engine_opts.layer_counter. */
+
+/* A remote prefill ended (any thread). TDM_OK: the KV of prompt[:-1] is in the request's pages
+ * and it joins the decode batches. Otherwise its pages are released (the caller fences them
+ * first with tdm_kv_pool_hold if late writes may still land) and the request returns to the
+ * front of the waiting queue; on re-admission remote_prefill is asked again (it may return
+ * false to prefill locally). */
+void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
 
 tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
                             const struct tdm_sched_opts *opts, tdm_sched_t **out);

@@ -23,6 +23,8 @@
 #define DEFAULT_MAX_WAITING 1024
 
 enum req_state { REQ_WAITING, REQ_RUNNING, REQ_FINISHED };
+/* A remote prefill (disaggregation): none, sent and not landed, landed, failed. */
+enum { REMOTE_NONE, REMOTE_PENDING, REMOTE_OK, REMOTE_FAILED };
 
 struct tdm_req {
     _Atomic int refs;
@@ -34,6 +36,11 @@ struct tdm_req {
     bool ignore_eos;
     int32_t stop_ids[TDM_MAX_STOP_IDS];
     int n_stop_ids;
+    bool prefill_only;
+    int fixed_chunk;
+    void *user;
+    struct tdm_sched *sched;
+    _Atomic int remote; /* REMOTE_*: written by tdm_req_remote_done, read by the scheduler */
 
     /* scheduler thread only */
     int32_t *tokens; /* [n_prompt + max_tokens]: prompt, then outputs */
@@ -44,6 +51,7 @@ struct tdm_req {
     struct tdm_text_stream ts;
     enum req_state state;
     int batch_slot; /* index in this step's batch, or -1 */
+    bool counted;   /* its prompt is in the prompt-token counter */
     int64_t t_last_ns;
     struct tdm_req *next; /* waiting list */
 
@@ -88,6 +96,11 @@ struct tdm_sched {
     struct tdm_req **breqs;
     float *logits; /* [max_seqs][vocab] */
     struct tdm_sample_scratch scratch;
+    struct tdm_sched_hooks hooks;
+    bool have_hooks;
+    int d_model;
+    float *hidden; /* [max_seqs][d_model], with hooks */
+    struct tdm_step_span *spans;
     int32_t *top_ids_tmp;
     float *top_lps_tmp;
 
@@ -211,6 +224,7 @@ tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
         s->o.prefill_chunk = s->o.max_batch_tokens;
     if (s->o.max_waiting <= 0) s->o.max_waiting = DEFAULT_MAX_WAITING;
     s->vocab = m->cfg.vocab_size;
+    s->d_model = m->cfg.d_model;
     s->max_ctx = eo->max_ctx;
     s->page_size = eo->page_size;
     s->total_pages = tdm_kv_pool_stats(s->kv).total;
@@ -224,11 +238,13 @@ tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
     s->running = calloc((size_t)n, sizeof *s->running);
     s->bseqs = calloc((size_t)n, sizeof *s->bseqs);
     s->breqs = calloc((size_t)n, sizeof *s->breqs);
+    s->spans = calloc((size_t)n, sizeof *s->spans);
     s->logits = malloc((size_t)n * (size_t)s->vocab * sizeof(float));
     s->top_ids_tmp = malloc(TDM_MAX_TOP_LOGPROBS * sizeof(int32_t));
     s->top_lps_tmp = malloc(TDM_MAX_TOP_LOGPROBS * sizeof(float));
     tdm_status st = TDM_ENOMEM;
-    if (!s->running || !s->bseqs || !s->breqs || !s->logits || !s->top_ids_tmp || !s->top_lps_tmp) {
+    if (!s->running || !s->bseqs || !s->breqs || !s->spans || !s->logits || !s->top_ids_tmp ||
+        !s->top_lps_tmp) {
         tdm_err_set(TDM_ENOMEM, "sched: out of memory");
         goto out_free;
     }
@@ -247,6 +263,7 @@ out_free:
     free(s->running);
     free(s->bseqs);
     free(s->breqs);
+    free(s->spans);
     free(s->logits);
     free(s->top_ids_tmp);
     free(s->top_lps_tmp);
@@ -280,6 +297,9 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     if (p->top_logprobs < -1 || p->top_logprobs > TDM_MAX_TOP_LOGPROBS)
         return tdm_err_set(TDM_ERANGE, "top_logprobs must be between 0 and %d",
                            TDM_MAX_TOP_LOGPROBS);
+    if (p->fixed_chunk < 0 || p->fixed_chunk > s->o.max_batch_tokens)
+        return tdm_err_set(TDM_EINVAL, "fixed_chunk must be between 0 and %d (tokens per step)",
+                           s->o.max_batch_tokens);
     if (p->n_stop_ids < 0 || p->n_stop_ids > TDM_MAX_STOP_IDS)
         return tdm_err_set(TDM_ERANGE, "at most %d stop token ids", TDM_MAX_STOP_IDS);
     for (int i = 0; i < p->n_prompt; i++)
@@ -326,6 +346,11 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     r->ignore_eos = p->ignore_eos;
     memcpy(r->stop_ids, p->stop_ids, sizeof r->stop_ids);
     r->n_stop_ids = p->n_stop_ids;
+    r->prefill_only = p->prefill_only;
+    r->fixed_chunk = p->fixed_chunk;
+    r->user = p->user;
+    r->sched = s;
+    atomic_init(&r->remote, REMOTE_NONE);
     r->batch_slot = -1;
     r->state = REQ_WAITING;
     pthread_mutex_init(&r->mu, NULL);
@@ -459,6 +484,7 @@ static bool text_append(struct tdm_req *r, const char *b, size_t n)
 static void finish_req(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, tdm_status err,
                        const char *msg)
 {
+    if (s->have_hooks && s->hooks.finished) s->hooks.finished(s->hooks.ctx, r, r->user, why);
     tdm_kv_seq_release(s->kv, &r->kv);
     r->n_cached = 0;
     r->state = REQ_FINISHED;
@@ -515,7 +541,14 @@ static void running_insert(struct tdm_sched *s, struct tdm_req *r)
 
 /* Preemption by recompute: the pages go back, the request returns to the waiting list in id
  * order (it is older than anything behind it) and will feed its whole token list again. */
+static void requeue(struct tdm_sched *s, int i, bool count);
 static void preempt(struct tdm_sched *s, int i)
+{
+    requeue(s, i, true);
+}
+
+/* Takes running[i] back to the waiting list, pages released. */
+static void requeue(struct tdm_sched *s, int i, bool count)
 {
     struct tdm_req *r = s->running[i];
     tdm_kv_seq_release(s->kv, &r->kv);
@@ -531,6 +564,7 @@ static void preempt(struct tdm_sched *s, int i)
     s->n_waiting++;
     r->state = REQ_WAITING;
     pthread_mutex_unlock(&s->mu);
+    if (!count) return;
     pthread_mutex_lock(&r->mu);
     r->n_preempted++;
     pthread_mutex_unlock(&r->mu);
@@ -557,7 +591,8 @@ static bool reserve_or_preempt(struct tdm_sched *s, struct tdm_req *r, int64_t n
         int victim = -1;
         for (int i = s->n_running - 1; i >= 0; i--) {
             struct tdm_req *v = s->running[i];
-            if (v != r && v->batch_slot < 0 && v->id > r->id) {
+            if (v != r && v->batch_slot < 0 && v->id > r->id &&
+                atomic_load(&v->remote) == REMOTE_NONE) {
                 victim = i;
                 break;
             }
@@ -688,9 +723,63 @@ static void add_to_batch(struct tdm_sched *s, struct tdm_req *r, int span, int *
 }
 
 /* Builds and runs one step. Returns false when there was nothing to run. */
+/* The span a request runs next: all that is left, capped by the budget and the chunk size. A
+ * fixed-chunk request takes exactly its chunk (or what is left) or nothing. Returns 0 when it
+ * must wait. */
+static int next_span(struct tdm_sched *s, struct tdm_req *r, int budget)
+{
+    int left = r->n_tokens - r->n_cached;
+    if (r->fixed_chunk > 0) {
+        int span = TDM_MIN(left, r->fixed_chunk);
+        return span <= budget ? span : 0;
+    }
+    return TDM_MIN(TDM_MIN(left, budget), s->o.prefill_chunk);
+}
+
+/* Lands finished remote prefills: OK joins the decode batches, a failure goes back to the
+ * waiting queue with its pages released (the hook fenced them). */
+static void land_remote(struct tdm_sched *s)
+{
+    for (int i = s->n_running - 1; i >= 0; i--) {
+        struct tdm_req *r = s->running[i];
+        int st = atomic_load(&r->remote);
+        if (st == REMOTE_OK) {
+            atomic_store(&r->remote, REMOTE_NONE);
+            r->n_cached = r->n_tokens - 1;
+        } else if (st == REMOTE_FAILED) {
+            atomic_store(&r->remote, REMOTE_NONE);
+            requeue(s, i, false);
+        }
+    }
+}
+
+static void fill_spans(struct tdm_sched *s, int nb, bool with_rows)
+{
+    int row = 0;
+    for (int j = 0; j < nb; j++) {
+        struct tdm_req *r = s->breqs[j];
+        const struct tdm_batch_seq *b = &s->bseqs[j];
+        struct tdm_step_span *sp = &s->spans[j];
+        *sp = (struct tdm_step_span){.req = r,
+                                     .user = r->user,
+                                     .pos0 = b->pos0,
+                                     .n_tokens = b->n_tokens,
+                                     .pages = b->pages,
+                                     .n_pages = b->n_pages,
+                                     .last = b->n_logits > 0};
+        if (b->n_logits && with_rows) {
+            sp->logits = s->logits + (size_t)row * s->vocab;
+            sp->hidden = s->hidden + (size_t)row * s->d_model;
+        }
+        row += b->n_logits;
+    }
+}
+
+/* Builds and runs one step. Returns false when there was nothing to run. */
 static bool step(struct tdm_sched *s)
 {
     reap_cancelled(s, false);
+    land_remote(s);
     int budget = s->o.max_batch_tokens, nb = 0;
     for (int i = 0; i < s->n_running; i++)
         s->running[i]->batch_slot = -1;
@@ -698,7 +787,7 @@ static bool step(struct tdm_sched *s)
     /* 1. decodes, oldest first */
     for (int i = 0; i < s->n_running && budget > 0; i++) {
         struct tdm_req *r = s->running[i];
-        if (r->n_tokens - r->n_cached != 1) continue;
+        if (r->n_tokens - r->n_cached != 1 || atomic_load(&r->remote) != REMOTE_NONE) continue;
         if (!reserve_or_preempt(s, r, r->n_tokens, true)) {
             i--; /* r left the array */
             continue;
@@ -709,9 +798,9 @@ static bool step(struct tdm_sched *s)
     /* 2. prefill spans of running requests */
     for (int i = 0; i < s->n_running && budget > 0; i++) {
         struct tdm_req *r = s->running[i];
-        if (r->batch_slot >= 0) continue;
-        int span = TDM_MIN(TDM_MIN(r->n_tokens - r->n_cached, budget), s->o.prefill_chunk);
-        if (!reserve_or_preempt(s, r, r->n_cached + span, false)) continue;
+        if (r->batch_slot >= 0 || atomic_load(&r->remote) != REMOTE_NONE) continue;
+        int span = next_span(s, r, budget);
+        if (!span || !reserve_or_preempt(s, r, r->n_cached + span, false)) continue;
         add_to_batch(s, r, span, &nb);
         budget -= span;
     }
@@ -724,34 +813,62 @@ static bool step(struct tdm_sched *s)
         int64_t need = (r->n_tokens + 1 + s->page_size - 1) / s->page_size;
         int64_t free_pages = tdm_kv_pool_stats(s->kv).free;
         if (need + (s->n_running ? s->o.watermark_pages : 0) > free_pages) break;
-        int span = TDM_MIN(TDM_MIN(r->n_tokens, budget), s->o.prefill_chunk);
-        if (tdm_kv_seq_reserve(s->kv, &r->kv, span) != TDM_OK) break;
+        bool remote =
+            s->have_hooks && s->hooks.remote_prefill && !r->prefill_only && r->n_tokens >= 2;
+        int span = remote ? r->n_tokens : next_span(s, r, budget);
+        if (!span || tdm_kv_seq_reserve(s->kv, &r->kv, span) != TDM_OK) break;
         pthread_mutex_lock(&s->mu);
         s->wait_head = r->next;
         r->next = NULL;
         s->n_waiting--;
         pthread_mutex_unlock(&s->mu);
         running_insert(s, r);
-        add_to_batch(s, r, span, &nb);
-        budget -= span;
-        if (r->n_preempted == 0) {
+        if (!r->counted) {
+            r->counted = true;
             pthread_mutex_lock(&s->mmu);
             s->m.prompt_tokens += (uint64_t)r->n_prompt;
             pthread_mutex_unlock(&s->mmu);
         }
+        if (remote) {
+            atomic_store(&r->remote, REMOTE_PENDING);
+            if (s->hooks.remote_prefill(s->hooks.ctx, r, r->user, r->tokens, r->n_tokens - 1,
+                                        r->kv.pages, r->kv.n_pages))
+                continue;
+            /* prefill here after all */
+            atomic_store(&r->remote, REMOTE_NONE);
+            span = next_span(s, r, budget);
+            if (!span) continue;
+        }
+        add_to_batch(s, r, span, &nb);
+        budget -= span;
     }
     if (!nb) {
-        /* Nothing could run: every running request is prefilling and the pool is dry. The
-         * newest gives its pages back so the older ones can go on. */
-        if (s->n_running > 1) {
-            preempt(s, s->n_running - 1);
+        /* Nothing could run. If two or more requests are prefilling here and the pool is dry,
+         * the newest gives its pages back so the older ones can go on. */
+        int stuck = 0, newest = -1;
+        for (int i = 0; i < s->n_running; i++)
+            if (atomic_load(&s->running[i]->remote) == REMOTE_NONE) {
+                stuck++;
+                newest = i;
+            }
+        if (stuck > 1) {
+            preempt(s, newest);
             return true;
         }
         return false;
     }
 
     struct tdm_batch batch = {.seqs = s->bseqs, .n_seqs = nb};
-    tdm_status st = tdm_engine_forward(s->engine, &batch, s->logits, NULL);
+    if (s->have_hooks && s->hooks.step_begin) {
+        fill_spans(s, nb, false);
+        s->hooks.step_begin(s->hooks.ctx, s->spans, nb);
+    }
+    tdm_status st =
+        tdm_engine_forward(s->engine, &batch, s->logits, s->have_hooks ? s->hidden : NULL);
+    if (s->have_hooks && s->hooks.step_end) {
+        fill_spans(s, nb, st == TDM_OK);
+        s->hooks.step_end(s->hooks.ctx, s->spans, nb, st);
+    }
     pthread_mutex_lock(&s->mmu);
     s->m.steps++;
     tdm_hist_observe(&s->m.batch_tokens, s->o.max_batch_tokens - budget);
@@ -774,8 +891,9 @@ static bool step(struct tdm_sched *s)
         r->batch_slot = -1;
         r->n_cached += s->bseqs[j].n_tokens;
         if (!s->bseqs[j].n_logits) continue;
-        enum tdm_finish f = sample_and_publish(s, r, s->logits + (size_t)row * s->vocab);
+        float *lrow = s->logits + (size_t)row * s->vocab;
         row++;
+        enum tdm_finish f = r->prefill_only ? TDM_FINISH_STOP : sample_and_publish(s, r, lrow);
         if (f != TDM_FINISH_NONE) {
             running_remove(s, running_index(s, r));
             finish_req(s, r, f, f == TDM_FINISH_ERROR ? TDM_ENOMEM : TDM_OK,
@@ -862,8 +980,27 @@ void tdm_sched_destroy(tdm_sched_t *s)
     free(s->running);
     free(s->bseqs);
     free(s->breqs);
+    free(s->spans);
+    free(s->hidden);
     free(s->logits);
     free(s->top_ids_tmp);
     free(s->top_lps_tmp);
     free(s);
+}
+
+void tdm_sched_set_hooks(tdm_sched_t *s, const struct tdm_sched_hooks *h)
+{
+    if (!s->hidden) s->hidden = malloc((size_t)s->o.max_seqs * (size_t)s->d_model * sizeof(float));
+    s->hooks = *h;
+    s->have_hooks = s->hidden != NULL;
+    if (!s->have_hooks) TDM_ERROR("sched: out of memory for the hidden-state rows; hooks off");
+}
+
+void tdm_req_remote_done(tdm_req_t *r, tdm_status st)
+{
+    struct tdm_sched *s = r->sched;
+    atomic_store(&r->remote, st == TDM_OK ? REMOTE_OK : REMOTE_FAILED);
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_signal(&s->cv_work);
+    pthread_mutex_unlock(&s->mu);
 }
