@@ -48,6 +48,17 @@ tdm_status tdm_err_set(tdm_status st, const char *fmt, ...) __attribute__((forma
 /* The calling thread's last message ("" if none). */
 const char *tdm_err_msg(void);
 
+/* ---- a growing string, for text renderers (metrics, logs); OOM is sticky ---- */
+struct tdm_sbuf {
+    char *s;
+    size_t len, cap;
+    bool oom;
+};
+void tdm_sbuf_printf(struct tdm_sbuf *b, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* The string (malloc'd, caller frees), or NULL after an allocation failure; resets b. */
+char *tdm_sbuf_take(struct tdm_sbuf *b);
+
 /* ---- logging: level from $TANDEM_LOG (error, warn, info, debug); default info. To stderr. ---- */
 enum tdm_log_level { TDM_LOG_ERROR = 0, TDM_LOG_WARN, TDM_LOG_INFO, TDM_LOG_DEBUG };
 void tdm_log(enum tdm_log_level lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -60,6 +60,9 @@ size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg);
 /* Pages that fit in `bytes` of KV memory. */
 int64_t tdm_kv_pages_for_bytes(const struct tdm_kv_config *cfg, size_t bytes);
 const struct tdm_kv_config *tdm_kv_pool_config(const tdm_kv_pool_t *pool);
+/* The pool's memory as one region, for registration with a transfer engine: layer l's pages
+ * start at l * layer_bytes; page p of a layer at p * tdm_kv_page_bytes(). Backend memory. */
+void tdm_kv_pool_memory(const tdm_kv_pool_t *pool, void **base, size_t *bytes, size_t *layer_bytes);
 /* The layer view the backend ops take. */
 struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer);
 

@@ -43,6 +43,11 @@ struct tdm_server_opts {
     size_t max_body;        /* 0: TDM_SERVER_DEFAULT_MAX_BODY */
     int max_connections;    /* 0: 1024 */
     int idle_timeout_s;     /* an idle connection is closed after this; 0: 600 */
+    /* A prefill node: generation routes answer 404 saying so; /health and /metrics stay. */
+    bool no_generate;
+    /* More Prometheus text appended to /metrics (malloc'd by the callback; NULL: none). */
+    char *(*extra_metrics)(void *ctx);
+    void *extra_metrics_ctx;
 };
 
 struct tdm_server_model {
@@ -60,6 +65,53 @@ void tdm_server_set_ready(tdm_server_t *s, bool ready);
 void tdm_server_drain(tdm_server_t *s);
 /* Stops listening, closes connections, waits for their threads, frees. NULL is a no-op. */
 void tdm_server_stop(tdm_server_t *s);
+
+/*
+ * ---- router (src/server/router.c) ----
+ * `tandem router`: the public entry point over several `tandem serve` nodes. Same routes and
+ * errors as the server; POST /v1/completions and /v1/chat/completions (and GET /v1/models) go to
+ * the healthy backend with the fewest requests in flight from this router (ties round robin),
+ * and the backend's status, Content-Type and body come back unchanged, SSE events as they
+ * arrive. /health is 200 while at least one backend is healthy, /metrics the router's own
+ * counters. A connection error before the backend's response head marks the backend down and
+ * retries the request once on another one; a client that goes away closes the backend
+ * connection (the backend then cancels the request). A background thread GETs each backend's
+ * /health every health_interval_ms. Router errors: 503 (no healthy backend), 502 (no backend
+ * could answer), 504 (the backend was silent past timeout_s), 413, 404, 405, 401.
+ *
+ * Ownership: the router copies what it is given. tdm_router_stop waits for every thread.
+ */
+typedef struct tdm_router tdm_router_t;
+
+#define TDM_ROUTER_MAX_BACKENDS 64
+
+struct tdm_router_opts {
+    const char *host;            /* address to bind; NULL: 127.0.0.1 */
+    int port;                    /* 0: any free port (see tdm_router_port) */
+    const char *const *backends; /* [n_backends] URLs: http://host:port */
+    int n_backends;              /* 1..TDM_ROUTER_MAX_BACKENDS */
+    const char *api_key;         /* required from clients; NULL: none */
+    const char *backend_api_key; /* sent to backends; NULL: the client's own, if the router
+                                    checks none itself */
+    int health_interval_ms;      /* 0: 1000 */
+    int health_timeout_ms;       /* one health check's limit; 0: 1000 */
+    int connect_timeout_ms;      /* 0: 2000 */
+    int timeout_s;               /* longest wait for a backend's response head, and between
+                                    two pieces of its body; 0: 600 */
+    size_t max_body;             /* 0: TDM_SERVER_DEFAULT_MAX_BODY */
+    int max_connections;         /* 0: 1024 */
+    int idle_timeout_s;          /* an idle client connection is closed after this; 0: 600 */
+};
+
+/* Checks every backend once, then listens. Fails on a malformed backend URL or a busy port. */
+tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out);
+int tdm_router_port(const tdm_router_t *r);
+/* Draining: /health answers 503 and new requests get 503; relayed ones go on. */
+void tdm_router_drain(tdm_router_t *r);
+/* Requests currently in flight to backends. */
+int tdm_router_in_flight(tdm_router_t *r);
+/* Stops listening, cuts relayed responses, waits for every thread, frees. NULL is a no-op. */
+void tdm_router_stop(tdm_router_t *r);
 
 #ifdef __cplusplus
 }

@@ -5,6 +5,8 @@
 #include "tandem/core.h"
 
 #include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,4 +140,42 @@ uint16_t tdm_f32_to_f16(float f)
     uint32_t rem = mant & 0x1fff;
     if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
     return (uint16_t)(sign | r);
+}
+
+void tdm_sbuf_printf(struct tdm_sbuf *b, const char *fmt, ...)
+{
+    if (b->oom) return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = b->cap ? vsnprintf(b->s + b->len, b->cap - b->len, fmt, ap) : -2;
+        va_end(ap);
+        if (n == -1) {
+            b->oom = true;
+            return;
+        }
+        if (n >= 0 && (size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t cap = b->cap * 2 + (n > 0 ? (size_t)n : 0) + 256;
+        char *s = realloc(b->s, cap);
+        if (!s) {
+            b->oom = true;
+            return;
+        }
+        b->s = s;
+        b->cap = cap;
+        b->s[b->len] = '\0';
+    }
+}
+
+char *tdm_sbuf_take(struct tdm_sbuf *b)
+{
+    char *s = b->oom ? NULL : b->s;
+    if (b->oom) free(b->s);
+    if (s && !b->len) s[0] = '\0';
+    if (!s && !b->oom) s = calloc(1, 1);
+    *b = (struct tdm_sbuf){0};
+    return s;
 }

@@ -104,6 +104,13 @@ const struct tdm_kv_config *tdm_kv_pool_config(const tdm_kv_pool_t *pool)
     return &pool->cfg;
 }
 
+void tdm_kv_pool_memory(const tdm_kv_pool_t *pool, void **base, size_t *bytes, size_t *layer_bytes)
+{
+    *base = pool->mem;
+    *layer_bytes = pool->layer_floats * sizeof(float);
+    *bytes = *layer_bytes * (size_t)pool->cfg.n_layers;
+}
+
 struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer)
 {
     TDM_ASSERT(layer >= 0 && layer < pool->cfg.n_layers);

@@ -37,6 +37,9 @@ struct tdm_server {
     _Atomic uint64_t http[6]; /* responses by status class */
     int port;
     _Atomic uint64_t next_id;
+    bool no_generate;
+    char *(*extra_metrics)(void *ctx);
+    void *extra_metrics_ctx;
 };
 
 struct conn {
@@ -387,14 +390,30 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         uint64_t http[6];
         for (int i = 0; i < 6; i++)
             http[i] = atomic_load(&s->http[i]);
-        return reply(s, c, 200, metrics_render(&m, http, s->model_name),
-                     "text/plain; version=0.0.4; charset=utf-8");
+        char *text = metrics_render(&m, http, s->model_name);
+        if (text && s->extra_metrics) {
+            char *more = s->extra_metrics(s->extra_metrics_ctx);
+            char *both = NULL;
+            if (more && asprintf(&both, "%s%s", text, more) < 0) both = NULL;
+            free(more);
+            free(text);
+            text = both;
+        }
+        return reply(s, c, 200, text, "text/plain; version=0.0.4; charset=utf-8");
     }
     bool is_models = !strcmp(url, "/v1/models"), is_cmpl = !strcmp(url, "/v1/completions"),
          is_chat = !strcmp(url, "/v1/chat/completions");
     if (!is_models && !is_cmpl && !is_chat) {
         char msg[200];
         snprintf(msg, sizeof msg, "no route for %s %.100s", method, url);
+        return reply_errf(s, c, 404, msg);
+    }
+    if (s->no_generate && !is_models) {
+        char msg[200];
+        snprintf(msg, sizeof msg,
+                 "this is a prefill node: it takes prefill requests from decode "
+                 "nodes over the fabric, not %s",
+                 url);
         return reply_errf(s, c, 404, msg);
     }
     if (!authorized(s, c)) {
@@ -436,6 +455,9 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
     s->model_name = strdup(o->model_name ? o->model_name : "tandem");
     s->api_key = o->api_key && *o->api_key ? strdup(o->api_key) : NULL;
     s->max_body = o->max_body ? o->max_body : TDM_SERVER_DEFAULT_MAX_BODY;
+    s->no_generate = o->no_generate;
+    s->extra_metrics = o->extra_metrics;
+    s->extra_metrics_ctx = o->extra_metrics_ctx;
     s->api = (struct api_ctx){.tok = m->tok,
                               .chat = m->chat,
                               .add_bos = m->add_bos,

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tandem/disagg.h"
 #include "tandem/sched.h"
 #include "tandem/server.h"
 #include "tools/tools_int.h"
@@ -40,7 +41,23 @@ static void usage(FILE *f)
         "  --threads N             CPU threads (default: one per core)\n"
         "  --batch-invariant       never use OpenBLAS (see docs/DESIGN.md)\n"
         "  --max-body BYTES        request body limit (default 4194304)\n"
-        "  --drain-timeout S       seconds to let requests finish on SIGTERM (default 30)\n");
+        "  --drain-timeout S       seconds to let requests finish on SIGTERM (default 30)\n"
+        "\n"
+        "disaggregated prefill and decode (docs/DESIGN.md section 4):\n"
+        "  --role both|prefill|decode  both (default): colocated. prefill: takes prefill\n"
+        "                          requests from decode nodes over the fabric (no public API\n"
+        "                          besides /health and /metrics). decode: the public API,\n"
+        "                          prefilling on --prefill-peers\n"
+        "  --prefill-peers LIST    comma-separated fabric addresses of prefill nodes, each\n"
+        "                          as printed by the prefill node, or @FILE to read it\n"
+        "  --xfer-provider P       libfabric provider: tcp;ofi_rxm (default), shm, verbs;ofi_rxm, "
+        "efa\n"
+        "  --xfer-node ADDR        local address the fabric endpoint binds to\n"
+        "  --xfer-addr-file FILE   prefill: write this node's fabric address to FILE\n"
+        "  --remote-chunk N        decode: prefill chunk asked of peers (default 256 tokens)\n"
+        "  --remote-timeout-ms N   decode: one remote prefill's deadline (default 30000)\n"
+        "  --remote-attempts N     decode: peers tried per request before prefilling here (2)\n"
+        "  --peer-timeout-ms N     a silent fabric peer is declared dead after this (2000)\n");
 }
 
 static bool parse_size(const char *s, size_t *out)
@@ -70,6 +87,70 @@ static bool parse_size(const char *s, size_t *out)
     return true;
 }
 
+/* Writes `text` and a newline to path through a temporary file and a rename, so a reader never
+ * sees a partial file. */
+static bool write_file_atomic(const char *path, const char *text)
+{
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f || fprintf(f, "%s\n", text) < 0 || fclose(f) || rename(tmp, path)) {
+        fprintf(stderr, "tandem serve: cannot write %s\n", path);
+        return false;
+    }
+    return true;
+}
+
+static void free_peers(char **bufs)
+{
+    for (int i = 0; i < TDM_DISAGG_MAX_PEERS; i++)
+        free(bufs[i]);
+}
+
+/* "addr,@file,..." into o->peers (strings kept in bufs). */
+static bool parse_peers(const char *arg, struct tdm_disagg_decode_opts *o, char **bufs)
+{
+    const char *p = arg;
+    while (*p) {
+        const char *end = strchr(p, ',');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (o->n_peers == TDM_DISAGG_MAX_PEERS) {
+            fprintf(stderr, "--prefill-peers: at most %d peers\n", TDM_DISAGG_MAX_PEERS);
+            return false;
+        }
+        char *item = strndup(p, n);
+        if (!item) return false;
+        if (item[0] == '@') {
+            FILE *f = fopen(item + 1, "r");
+            char line[TDM_XFER_ADDR_MAX];
+            if (!f || !fgets(line, sizeof line, f)) {
+                fprintf(stderr, "--prefill-peers: cannot read an address from %s\n", item + 1);
+                if (f) fclose(f);
+                free(item);
+                return false;
+            }
+            fclose(f);
+            line[strcspn(line, " \r\n\t")] = '\0';
+            free(item);
+            if (!(item = strdup(line))) return false;
+        }
+        if (!item[0]) {
+            fprintf(stderr, "--prefill-peers: empty address in '%s'\n", arg);
+            free(item);
+            return false;
+        }
+        bufs[o->n_peers] = item;
+        o->peers[o->n_peers++] = item;
+        p += n;
+        if (*p == ',') p++;
+    }
+    if (!o->n_peers) {
+        fprintf(stderr, "--prefill-peers: no address given\n");
+        return false;
+    }
+    return true;
+}
+
 int tdm_cmd_serve(int argc, char **argv)
 {
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},
@@ -90,6 +171,15 @@ int tdm_cmd_serve(int argc, char **argv)
                                          {"batch-invariant", no_argument, 0, 'I'},
                                          {"max-body", required_argument, 0, 'B'},
                                          {"drain-timeout", required_argument, 0, 'D'},
+                                         {"role", required_argument, 0, 'R'},
+                                         {"prefill-peers", required_argument, 0, 'E'},
+                                         {"xfer-provider", required_argument, 0, 'F'},
+                                         {"xfer-node", required_argument, 0, 'N'},
+                                         {"xfer-addr-file", required_argument, 0, 'A'},
+                                         {"remote-chunk", required_argument, 0, 'C'},
+                                         {"remote-timeout-ms", required_argument, 0, 'T'},
+                                         {"remote-attempts", required_argument, 0, 'a'},
+                                         {"peer-timeout-ms", required_argument, 0, 'o'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     const char *model = NULL, *host = "127.0.0.1", *port_file = NULL, *name = NULL;
@@ -98,6 +188,9 @@ int tdm_cmd_serve(int argc, char **argv)
     int64_t ctx = 0, threads = 0, max_body = TDM_SERVER_DEFAULT_MAX_BODY, drain = 30;
     size_t kv_bytes = 0;
     bool inv = false;
+    const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
+    const char *addr_file = NULL;
+    int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
     int c;
     optind = 1;
     opterr = 0;
@@ -159,6 +252,37 @@ int tdm_cmd_serve(int argc, char **argv)
         case 'D':
             ok = tdm_tool_int("--drain-timeout", optarg, 0, 3600, &drain);
             break;
+        case 'R':
+            role = optarg;
+            if (strcmp(role, "both") && strcmp(role, "prefill") && strcmp(role, "decode")) {
+                fprintf(stderr, "--role: '%s' is not both, prefill or decode\n", optarg);
+                ok = false;
+            }
+            break;
+        case 'E':
+            peers_arg = optarg;
+            break;
+        case 'F':
+            provider = optarg;
+            break;
+        case 'N':
+            xnode = optarg;
+            break;
+        case 'A':
+            addr_file = optarg;
+            break;
+        case 'C':
+            ok = tdm_tool_int("--remote-chunk", optarg, 1, 1 << 20, &rchunk);
+            break;
+        case 'T':
+            ok = tdm_tool_int("--remote-timeout-ms", optarg, 100, 3600000, &rtimeout);
+            break;
+        case 'a':
+            ok = tdm_tool_int("--remote-attempts", optarg, 0, 16, &rattempts);
+            break;
+        case 'o':
+            ok = tdm_tool_int("--peer-timeout-ms", optarg, 100, 600000, &peer_timeout);
+            break;
         case 'h':
             usage(stdout);
             return 0;
@@ -171,6 +295,29 @@ int tdm_cmd_serve(int argc, char **argv)
     }
     if (optind < argc) {
         fprintf(stderr, "tandem serve: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    bool is_prefill = !strcmp(role, "prefill"), is_decode = !strcmp(role, "decode");
+    if (is_decode && !peers_arg) {
+        fprintf(stderr, "tandem serve: --role decode needs --prefill-peers\n");
+        return 2;
+    }
+    if (!is_decode && peers_arg) {
+        fprintf(stderr, "tandem serve: --prefill-peers is for --role decode\n");
+        return 2;
+    }
+    if (!is_prefill && addr_file) {
+        fprintf(stderr, "tandem serve: --xfer-addr-file is for --role prefill\n");
+        return 2;
+    }
+    struct tdm_disagg_decode_opts dopt = {
+        .xfer = {.provider = provider, .node = xnode, .peer_timeout_ms = (int)peer_timeout},
+        .chunk = (int)rchunk,
+        .timeout_ms = (int)rtimeout,
+        .max_attempts = rattempts ? (int)rattempts : -1};
+    char *peer_bufs[TDM_DISAGG_MAX_PEERS] = {0};
+    if (is_decode && !parse_peers(peers_arg, &dopt, peer_bufs)) {
+        free_peers(peer_bufs);
         return 2;
     }
     if (pages && kv_bytes) {
@@ -187,8 +334,14 @@ int tdm_cmd_serve(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
 
     int rc = 1;
+    static _Atomic int32_t layer_counter;
+    tdm_disagg_prefill_t *pre = NULL;
+    tdm_disagg_decode_t *dec = NULL;
     struct tdm_model *m = tdm_tool_load_model(model);
-    if (!m) return 1;
+    if (!m) {
+        free_peers(peer_bufs);
+        return 1;
+    }
     tdm_tok_t *tok = tdm_tool_load_tokenizer(m, false);
     tdm_engine_t *e = NULL;
     tdm_sched_t *sched = NULL;
@@ -215,7 +368,8 @@ int tdm_cmd_serve(int argc, char **argv)
                                  .max_ctx = (int)ctx,
                                  .max_batch_tokens = (int)mbt,
                                  .max_seqs = (int)seqs,
-                                 .max_logit_rows = (int)seqs};
+                                 .max_logit_rows = (int)seqs,
+                                 .layer_counter = is_prefill ? &layer_counter : NULL};
     if (tdm_engine_create(m, &eo, &e) != TDM_OK) {
         tdm_tool_fail("engine");
         goto out_tok;
@@ -224,9 +378,26 @@ int tdm_cmd_serve(int argc, char **argv)
                                 .max_seqs = (int)seqs,
                                 .prefill_chunk = (int)chunk,
                                 .max_waiting = (int)waiting};
-    if (tdm_sched_create(e, tok, &so, &sched) != TDM_OK || tdm_sched_start(sched) != TDM_OK) {
+    if (tdm_sched_create(e, tok, &so, &sched) != TDM_OK) {
         tdm_tool_fail("scheduler");
         goto out_engine;
+    }
+    if (is_prefill) {
+        struct tdm_disagg_prefill_opts po = {
+            .xfer = {.provider = provider, .node = xnode, .peer_timeout_ms = (int)peer_timeout}};
+        if (tdm_disagg_prefill_create(&po, e, sched, &layer_counter, &pre) != TDM_OK) {
+            tdm_tool_fail("prefill messenger");
+            goto out_sched;
+        }
+    } else if (is_decode) {
+        if (tdm_disagg_decode_create(&dopt, e, sched, &dec) != TDM_OK) {
+            tdm_tool_fail("decode messenger");
+            goto out_sched;
+        }
+    }
+    if (tdm_sched_start(sched) != TDM_OK) {
+        tdm_tool_fail("scheduler");
+        goto out_disagg;
     }
     if (!name) {
         name = model ? model : TDM_DEFAULT_MODEL_FILE;
@@ -237,12 +408,26 @@ int tdm_cmd_serve(int argc, char **argv)
                                  .port = (int)port,
                                  .api_key = api_key,
                                  .model_name = name,
-                                 .max_body = (size_t)max_body};
+                                 .max_body = (size_t)max_body,
+                                 .no_generate = is_prefill,
+                                 .extra_metrics = is_prefill  ? tdm_disagg_prefill_metrics
+                                                  : is_decode ? tdm_disagg_decode_metrics
+                                                              : NULL,
+                                 .extra_metrics_ctx = is_prefill ? (void *)pre : (void *)dec};
     struct tdm_server_model smod = {
         .tok = tok, .chat = have_chat ? &tmpl : NULL, .add_bos = tdm_tok_adds_bos(tok)};
     if (tdm_server_start(&sv, sched, &smod, &srv) != TDM_OK) {
         tdm_tool_fail("server");
-        goto out_sched;
+        goto out_disagg;
+    }
+    if (is_prefill) {
+        char addr[TDM_XFER_ADDR_MAX];
+        if (tdm_disagg_prefill_addr(pre, addr, sizeof addr) != TDM_OK) {
+            tdm_tool_fail("fabric address");
+            goto out_server;
+        }
+        fprintf(stderr, "tandem serve: prefill node; fabric address %s\n", addr);
+        if (addr_file && !write_file_atomic(addr_file, addr)) goto out_server;
     }
     const struct tdm_engine_opts *ef = tdm_engine_opts(e);
     struct tdm_kv_stats ks = tdm_kv_pool_stats(tdm_engine_kv(e));
@@ -254,14 +439,9 @@ int tdm_cmd_serve(int argc, char **argv)
     tdm_server_set_ready(srv, true);
     fprintf(stderr, "tandem serve: listening on http://%s:%d\n", host, tdm_server_port(srv));
     if (port_file) {
-        char tmp[4096];
-        snprintf(tmp, sizeof tmp, "%s.tmp", port_file);
-        FILE *f = fopen(tmp, "w");
-        if (!f || fprintf(f, "%d\n", tdm_server_port(srv)) < 0 || fclose(f) ||
-            rename(tmp, port_file)) {
-            fprintf(stderr, "tandem serve: cannot write --port-file %s\n", port_file);
-            goto out_server;
-        }
+        char num[32];
+        snprintf(num, sizeof num, "%d", tdm_server_port(srv));
+        if (!write_file_atomic(port_file, num)) goto out_server;
     }
 
     int sig = 0;
@@ -274,6 +454,10 @@ int tdm_cmd_serve(int argc, char **argv)
     fprintf(stderr, "tandem serve: stopped\n");
 out_server:
     tdm_server_stop(srv);
+out_disagg:
+    tdm_sched_stop(sched, 0);
+    tdm_disagg_prefill_destroy(pre);
+    tdm_disagg_decode_destroy(dec);
 out_sched:
     tdm_sched_destroy(sched);
 out_engine:
@@ -283,5 +467,6 @@ out_tok:
     tdm_tok_free(tok);
 out_model:
     tdm_model_free(m);
+    free_peers(peer_bufs);
     return rc;
 }

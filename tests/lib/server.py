@@ -31,11 +31,11 @@ def default_model_path():
 
 
 class Server:
-    def __init__(self, args=(), env=None, model=None):
+    def __init__(self, args=(), env=None, model=None, prefix=None):
         self.dir = tempfile.mkdtemp(prefix="tandem-serve-")
         self.port_file = os.path.join(self.dir, "port")
         self.log_path = os.path.join(self.dir, "log")
-        cmd = [str(build_dir() / "tandem"), "serve", "--model", str(model or default_model_path()),
+        cmd = list(prefix or []) + [str(build_dir() / "tandem"), "serve", "--model", str(model or default_model_path()),
                "--port", "0", "--port-file", self.port_file, "--served-model-name", "smol",
                "--drain-timeout", "20"] + [str(a) for a in args]
         full_env = dict(os.environ)
@@ -54,7 +54,9 @@ class Server:
         if self.port is None:
             self.stop()
             raise RuntimeError("tandem serve did not start in 120 s:\n" + self.logs())
-        self.url = f"http://127.0.0.1:{self.port}"
+        args = [str(a) for a in args]
+        host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
+        self.url = f"http://{host}:{self.port}"
 
     def logs(self):
         self.log.flush()

@@ -1,0 +1,144 @@
+/*
+ * tandem disagg: disaggregated prefill and decode, the KV messenger on both sides (DESIGN.md
+ * §1.1 and §4).
+ *
+ * Decode node (tdm_disagg_decode_*). It hooks the scheduler: when a request with two or more
+ * prompt tokens is admitted, its pages for the whole prompt are already reserved; the messenger
+ * picks the live prefill peer with the fewest outstanding prefill tokens, takes a request slot
+ * (slot, epoch), arms an immediate counter for the number of writes it expects, and sends the
+ * prefill request. The request stays out of decode batches until the counter fires; there is
+ * no completion message. Then the scheduler runs prompt[-1] as the first decode step: the
+ * prefill node never samples.
+ *
+ *   NEW -> PAGES_RESERVED -> PREFILL_SENT -> KV_LANDED -> DECODING -> DONE
+ *                                 |
+ *                                 +-(timeout | peer dead | NACK | send error)-> FENCED
+ *                                        -> retry on another prefill peer, or prefill locally
+ *
+ * Expected writes: the decoder fixes the prefill chunk C (a multiple of the page size) in the
+ * request, so prompt[:-1] of n tokens runs as ceil(n / C) chunks; the prefiller writes each
+ * layer's pages of each chunk as one paged write (immediate index chunk * n_layers + layer),
+ * then the context (hidden state, and logits when asked) of the last prefilled position
+ * (index n_chunks * n_layers). Expected = n_chunks * n_layers + 1. Chunks are page aligned, so
+ * no page is written twice. Sharding: both sides hold all KV heads (TP = 1); the request
+ * carries the decoder's head range so a sharded peer can be refused clearly.
+ *
+ * Fencing: immediates name (slot, epoch); a slot's epoch changes every use, so a late write of
+ * an abandoned attempt is never counted. The pages of an abandoned attempt are held (IN_FLIGHT
+ * in the pool) until the prefiller acknowledges the cancel, or the connection to it is torn
+ * down (peer dead); only then can they be reused.
+ *
+ *   Prefill node (tdm_disagg_prefill_*):
+ *   RECEIVED -> SCHEDULED -> (per layer and chunk: WRITES_POSTED) -> CONTEXT_SENT -> FREED
+ * Requests arrive as control messages and go through the normal scheduler as prefill-only,
+ * fixed-chunk requests. A messenger thread watches the engine's layer counter (bumped after each
+ * layer's attention output projection) during each step and posts that layer's page writes for
+ * the step's chunks at once, while later layers still compute. Source pages are held until
+ * their writes complete, then freed. A failure on the prefill side is reported with a NACK.
+ *
+ * Threading: hooks run on the scheduler thread; xfer callbacks on the transfer engine's progress
+ * thread; the prefill messenger has its own thread. Shared state is under one mutex per side.
+ */
+#ifndef TANDEM_DISAGG_H
+#define TANDEM_DISAGG_H
+
+#include "tandem/core.h"
+#include "tandem/engine.h"
+#include "tandem/sched.h"
+#include "tandem/xfer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TDM_DISAGG_MAX_PEERS 16
+
+struct tdm_disagg_xfer_opts {
+    const char *provider; /* "tcp;ofi_rxm" (default), "shm", ... */
+    const char *node;     /* local address to bind; NULL: provider default */
+    int peer_timeout_ms;  /* a silent peer is dead after this; 0: 2000 */
+};
+
+/* ---- decode side ---- */
+
+struct tdm_disagg_decode_opts {
+    struct tdm_disagg_xfer_opts xfer;
+    const char *peers[TDM_DISAGG_MAX_PEERS]; /* prefill nodes' printable addresses */
+    int n_peers;
+    int chunk;        /* prefill chunk in tokens (rounded up to pages); 0: 256 */
+    int timeout_ms;   /* one attempt's deadline, send to KV landed; 0: 30000 */
+    int max_attempts; /* remote attempts per request (each on another peer), then the
+                       * request is prefilled on this node; 0: 2; -1: never remote */
+    bool want_logits; /* ask for the last position's logits in the context */
+};
+typedef struct tdm_disagg_decode tdm_disagg_decode_t;
+/* Creates the transfer engine, registers the KV pool and the context buffers, connects the
+ * peers and installs the scheduler hooks (call before tdm_sched_start). */
+tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_engine_t *e,
+                                    tdm_sched_t *s, tdm_disagg_decode_t **out);
+void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d);
+/* Prometheus text for the decode side (appended to /metrics); malloc'd. */
+char *tdm_disagg_decode_metrics(void *d);
+
+/* ---- prefill side ---- */
+struct tdm_disagg_prefill_opts {
+    struct tdm_disagg_xfer_opts xfer;
+    int max_jobs; /* prefill requests accepted at once; 0: 256 */
+};
+typedef struct tdm_disagg_prefill tdm_disagg_prefill_t;
+/* `layer_counter` must be the one in the engine's options. Installs the scheduler hooks. */
+tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, tdm_engine_t *e,
+                                     tdm_sched_t *s, _Atomic int32_t *layer_counter,
+                                     tdm_disagg_prefill_t **out);
+void tdm_disagg_prefill_destroy(tdm_disagg_prefill_t *p);
+/* This node's printable fabric address, for decoders' --prefill-peers. */
+tdm_status tdm_disagg_prefill_addr(const tdm_disagg_prefill_t *p, char *buf, size_t cap);
+char *tdm_disagg_prefill_metrics(void *p);
+
+/* ---- control messages (wire.c; exposed for the fuzz target and tests) ---- */
+enum tdm_disagg_msg_type {
+    TDM_DMSG_PREFILL = 1,    /* decoder -> prefiller */
+    TDM_DMSG_NACK = 2,       /* prefiller -> decoder: refused or failed; nothing more lands */
+    TDM_DMSG_CANCEL = 3,     /* decoder -> prefiller: abandon (slot, epoch) */
+    TDM_DMSG_CANCEL_ACK = 4, /* prefiller -> decoder: nothing more lands for (slot, epoch) */
+};
+#define TDM_DMSG_MAX_ERROR 200
+
+struct tdm_disagg_prefill_msg {
+    uint64_t req_id;
+    uint32_t slot, epoch;
+    uint32_t n_tokens, chunk;
+    uint32_t n_layers, n_kv_heads, head_dim, page_size, elem_bytes;
+    uint32_t kv_head_begin, kv_head_end; /* the decoder's head range */
+    uint64_t dst_layer_stride;           /* bytes between layers in the decoder's pool */
+    struct tdm_xfer_rmem kv, ctx;
+    uint64_t ctx_offset; /* this slot's context buffer in ctx */
+    uint32_t d_model, vocab;
+    uint8_t want_logits;
+    uint32_t n_pages;
+    const int32_t *tokens; /* [n_tokens], pointing into the message (decode) */
+    const uint32_t *pages; /* [n_pages] */
+};
+struct tdm_disagg_msg {
+    enum tdm_disagg_msg_type type;
+    struct tdm_disagg_prefill_msg prefill; /* PREFILL */
+    uint32_t slot, epoch;                  /* NACK, CANCEL, CANCEL_ACK */
+    int32_t status;                        /* NACK */
+    char error[TDM_DMSG_MAX_ERROR + 1];    /* NACK */
+};
+/* Bytes a PREFILL message with these counts takes. */
+size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages);
+/* Encodes into buf (cap bytes); returns the size, 0 if it does not fit. */
+size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_t cap);
+/* Decodes and validates; PREFILL's tokens and pages point into `buf` (aligned copies are the
+ * caller's business: they are read with memcpy). TDM_EFORMAT with a message on bad bytes. */
+tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disagg_msg *out,
+                                 int32_t *tokens_out, uint32_t tokens_cap, uint32_t *pages_out,
+                                 uint32_t pages_cap);
+/* The number of immediates a decoder expects for n prefilled tokens. */
+uint32_t tdm_disagg_expected_writes(uint32_t n_tokens, uint32_t chunk, uint32_t n_layers);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TANDEM_DISAGG_H */

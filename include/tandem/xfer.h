@@ -1,0 +1,292 @@
+/*
+ * tandem xfer: the transfer engine under disaggregated prefill/decode (DESIGN.md §1.1, §4).
+ *
+ * What it moves. A decoder registers its KV pool and context buffers (tdm_xfer_mr_reg) and hands
+ * their remote descriptors (struct tdm_xfer_rmem, packed into a control message) to a prefiller.
+ * The prefiller posts paged writes into them, one per layer and chunk, each naming a request slot
+ * and epoch in its immediate data. The decoder never receives a completion message: it arms an
+ * immediate counter "when N immediates for slot S, epoch E have landed, call back", and the
+ * request is ready when the callback fires.
+ *
+ * Transports.
+ *   - libfabric RDM endpoints (FI_MSG | FI_RMA, FI_REMOTE_CQ_DATA), provider chosen by a
+ *     configuration string: "tcp;ofi_rxm" and "shm" here, "verbs;ofi_rxm" and "efa" on clusters.
+ *     FI_MR_LOCAL / VIRT_ADDR / PROV_KEY / ALLOCATED / ENDPOINT are honoured, so the same code runs
+ *     on every provider.
+ *   - CUDA IPC inside a node (tdm_xfer_cuda_*): device memory exported with an IPC handle, opened
+ *     by the peer, and one gather/scatter kernel per paged write. Its completion events feed the
+ *     same immediate counters (tdm_xfer_counters_deliver).
+ *   GPU pages between nodes go through registered pinned host staging buffers, because Debian's
+ *   libfabric has no FI_HMEM. A region has a kind (host | cuda) and tdm_xfer_caps says whether the
+ *   provider takes cuda regions directly (hmem_cuda), so a GPUDirect provider drops the staging
+ *   without an API change.
+ *
+ * Immediate data and the "one paged write = one immediate" rule. A paged write is merged into as
+ * few fabric writes as possible (contiguous runs); only the LAST of them carries the immediate.
+ * On a provider that orders write data (FI_ORDER_WAW, unbounded: tcp;ofi_rxm) it is posted right
+ * behind the others; elsewhere the others are delivery-complete writes and the immediate is
+ * posted once they have completed. Either way an immediate means "every byte of this paged write
+ * is in place", on every provider. The receiver therefore expects one
+ * immediate per paged write (or single write), whatever the merging did. An immediate names
+ * (slot, epoch, index): index is the write's number inside the request (0..N-1). Counters keep a
+ * bitmap of indices, so a duplicated immediate is counted once (immediates are idempotent), an
+ * immediate whose epoch does not match the armed one is ignored and counted as stale, and an index
+ * >= N is counted as invalid. Layout: 32-bit cq data = slot:12 epoch:8 index:12; 64-bit (when the
+ * provider carries 8 bytes) = slot:24 epoch:16 index:24.
+ *
+ * Threading. Each engine owns one progress thread, and only it calls into the endpoint and CQ
+ * (manual progress for tcp;ofi_rxm is kept moving on both sides by it). Public functions are
+ * thread-safe; posting functions only enqueue into a bounded queue (TDM_EAGAIN when full) and
+ * return. Callbacks (done, counter, message, peer) run on the progress thread, or on the caller's
+ * thread for tdm_xfer_counters_cancel; they must not block, but may post, arm and cancel.
+ *
+ * Failure semantics (nothing hangs). Every operation has a deadline (timeout_ms, or the engine's
+ * op_timeout_ms). A posted operation's done callback fires exactly once: TDM_OK, TDM_ETIMEDOUT,
+ * TDM_EPEER (the peer died or a completion error reported it), TDM_EIO (injected write failure)
+ * or TDM_ECANCELED (engine destroyed). Provider completion errors are logged with
+ * fi_cq_strerror's text and kept as the thread's error message for the callback. A peer is dead
+ * when an operation to it fails with a completion error or when nothing (heartbeats included) has
+ * come from it for peer_timeout_ms; its queued and pending operations and the counters armed for
+ * it then complete with TDM_EPEER. -FI_EAGAIN from the provider is retried after progress; the
+ * engine's queues are bounded (max_jobs, max_ops).
+ *
+ * Fault injection ("drop_imm=0.1,delay_imm_ms=50,dup_imm=0.1,reorder_imm=0.5,fail_write=0.05,
+ * seed=7", or $TANDEM_XFER_FAULTS) acts on the receiver's delivery of immediates and on the
+ * sender's writes; see docs/xfer.md for the counter semantics under each.
+ */
+#ifndef TANDEM_XFER_H
+#define TANDEM_XFER_H
+
+#include <pthread.h>
+
+#include "tandem/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdm_xfer tdm_xfer_t;
+typedef struct tdm_xfer_mr tdm_xfer_mr_t;
+typedef struct tdm_xfer_counters tdm_xfer_counters_t;
+
+#define TDM_XFER_ADDR_MAX  1024       /* printable address, NUL included */
+#define TDM_XFER_ANY_PEER  UINT32_MAX /* a counter not bound to one peer */
+#define TDM_XFER_RMEM_WIRE 96         /* bytes of a packed struct tdm_xfer_rmem */
+
+enum tdm_xfer_mem_kind { TDM_XFER_MEM_HOST = 0, TDM_XFER_MEM_CUDA = 1 };
+
+/* An operation's end: called exactly once per operation that was accepted (TDM_OK returned). */
+typedef void (*tdm_xfer_done_fn)(void *ctx, tdm_status st);
+/* A control message from `peer`; `data` is valid only during the call. */
+typedef void (*tdm_xfer_msg_fn)(void *ctx, uint32_t peer, const void *data, size_t bytes);
+/* A peer became known (up = true, after its hello) or was declared dead (up = false). */
+typedef void (*tdm_xfer_peer_fn)(void *ctx, uint32_t peer, bool up);
+/* An immediate counter ended: TDM_OK when N distinct immediates landed, else the error. */
+typedef void (*tdm_xfer_counter_fn)(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st);
+
+struct tdm_xfer_config {
+    const char *provider;    /* "tcp;ofi_rxm" (default), "shm", "verbs;ofi_rxm", "efa" */
+    const char *node;        /* local address to bind, e.g. "127.0.0.1"; NULL: provider default */
+    int op_timeout_ms;       /* deadline of an operation given timeout_ms = 0; default 10000 */
+    int heartbeat_ms;        /* liveness ping period per peer; default 200; 0 disables */
+    int peer_timeout_ms;     /* a silent peer is dead after this; default 2000 */
+    int max_jobs;            /* operations queued or in flight; default 1024 */
+    int max_ops;             /* fabric operations in flight; default 256 */
+    int ctrl_bytes;          /* largest control message payload; default 8192 */
+    int ctrl_rx_depth;       /* preposted receive buffers; default 64 */
+    int max_peers;           /* default 64 */
+    int max_slots;           /* counter slots, capped by the immediate layout; default 4096 */
+    int max_pages_per_write; /* default 65536 */
+    const char *faults;      /* fault-injection spec; NULL: $TANDEM_XFER_FAULTS; "" none */
+    tdm_xfer_msg_fn on_msg;
+    void *on_msg_ctx;
+    tdm_xfer_peer_fn on_peer;
+    void *on_peer_ctx;
+};
+void tdm_xfer_config_default(struct tdm_xfer_config *cfg);
+
+struct tdm_xfer_caps {
+    char provider[64];                       /* the provider actually opened */
+    int imm_bits;                            /* 32 or 64 */
+    uint32_t max_slot, max_epoch, max_index; /* largest values the immediate layout carries */
+    bool hmem_cuda;         /* cuda regions can be registered directly (no staging) */
+    bool delivery_complete; /* writes complete only once visible at the target */
+    bool ordered_writes;    /* write data lands in posting order: no wait before the immediate */
+    uint64_t mr_mode;       /* FI_MR_* bits in force */
+    size_t max_write_bytes; /* a merged run never exceeds this */
+};
+
+struct tdm_xfer_stats {
+    uint64_t writes_posted, write_bytes, sends_posted, msgs_received, imm_received;
+    uint64_t eagain_retries, ops_timed_out, cq_errors, injected_failures, heartbeats_sent;
+    uint64_t imm_dropped, imm_delayed, imm_duplicated, imm_reordered; /* fault injection */
+};
+
+/* ---- engine ---- */
+/* Opens the endpoint and starts the progress thread. `cfg` strings are copied. */
+tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg, tdm_xfer_t **out);
+/* Stops the thread, completes every pending operation with TDM_ECANCELED, fires every armed
+ * counter with TDM_ECANCELED, closes the endpoint. Registered regions must be deregistered
+ * first. NULL is a no-op. */
+void tdm_xfer_destroy(tdm_xfer_t *x);
+/* This engine's printable address ("x1:" + hex of fi_getname), for out-of-band exchange. */
+tdm_status tdm_xfer_addr(const tdm_xfer_t *x, char *buf, size_t cap);
+void tdm_xfer_get_caps(const tdm_xfer_t *x, struct tdm_xfer_caps *out);
+void tdm_xfer_get_stats(tdm_xfer_t *x, struct tdm_xfer_stats *out);
+/* The engine's immediate counters (owned by the engine). */
+tdm_xfer_counters_t *tdm_xfer_get_counters(tdm_xfer_t *x);
+
+/* ---- peers ---- */
+/* Inserts the peer's address into the address vector and sends it a hello carrying ours, so it
+ * learns us too. *peer is this engine's index for it. Adding the same address twice returns the
+ * same index. */
+tdm_status tdm_xfer_peer_add(tdm_xfer_t *x, const char *addr, uint32_t *peer);
+bool tdm_xfer_peer_alive(tdm_xfer_t *x, uint32_t peer);
+/* Waits up to timeout_ms for the peer's hello or heartbeat (a round trip has happened). */
+tdm_status tdm_xfer_peer_wait(tdm_xfer_t *x, uint32_t peer, int timeout_ms);
+
+/* ---- memory ---- */
+/* Registers [base, base + bytes) for local use and remote writes. The caller keeps owning the
+ * memory and must keep it alive until tdm_xfer_mr_dereg. TDM_EUNSUPPORTED for kind CUDA when the
+ * provider lacks FI_HMEM (caps.hmem_cuda false): stage through a host region instead. */
+tdm_status tdm_xfer_mr_reg(tdm_xfer_t *x, void *base, size_t bytes, enum tdm_xfer_mem_kind kind,
+                           tdm_xfer_mr_t **out);
+void tdm_xfer_mr_dereg(tdm_xfer_mr_t *mr); /* NULL is a no-op */
+
+/* What a peer needs to write into a region: offsets are added to `addr`. */
+struct tdm_xfer_rmem {
+    uint64_t addr;          /* remote base: the virtual address under FI_MR_VIRT_ADDR, else 0 */
+    uint64_t key;           /* the provider's or our requested key */
+    uint64_t bytes;         /* region length */
+    uint32_t kind;          /* enum tdm_xfer_mem_kind */
+    uint8_t ipc_handle[64]; /* cudaIpcMemHandle_t for CUDA IPC regions; zero otherwise */
+};
+void tdm_xfer_mr_remote(const tdm_xfer_mr_t *mr, struct tdm_xfer_rmem *out);
+/* Fixed little-endian wire form for control messages; unpack validates. */
+void tdm_xfer_rmem_pack(const struct tdm_xfer_rmem *r, uint8_t out[TDM_XFER_RMEM_WIRE]);
+tdm_status tdm_xfer_rmem_unpack(const uint8_t *in, size_t bytes, struct tdm_xfer_rmem *out);
+
+/* ---- immediates ---- */
+struct tdm_xfer_imm {
+    uint32_t slot;  /* the receiver's counter slot (request slot) */
+    uint32_t epoch; /* the slot's incarnation: late writes of an abandoned transfer mismatch */
+    uint32_t index; /* this write's number within the request, 0..expected-1 */
+};
+/* Packs for `imm_bits` (32 or 64); TDM_ERANGE when a field does not fit. */
+tdm_status tdm_xfer_imm_encode(int imm_bits, const struct tdm_xfer_imm *imm, uint64_t *out);
+void tdm_xfer_imm_decode(int imm_bits, uint64_t data, struct tdm_xfer_imm *out);
+
+/* ---- writes ----
+ * Page i of the write copies page_bytes from src_offset + src_pages[i] * src_stride of the local
+ * region to dst_offset + dst_pages[i] * dst_stride of the remote region. Pages contiguous on both
+ * sides are merged into one fabric write. The arrays are read before the call returns. */
+struct tdm_xfer_pages {
+    const uint32_t *src_pages;
+    const uint32_t *dst_pages;
+    uint32_t n_pages;
+    uint64_t page_bytes;
+    uint64_t src_stride, dst_stride; /* bytes between consecutive page ids */
+    uint64_t src_offset, dst_offset; /* e.g. a layer's base and a head slice's offset */
+};
+/* Posts a paged write to `peer`. `imm` NULL: no immediate. timeout_ms 0: the engine default.
+ * Returns an error (and never calls done) on bad arguments or out-of-bounds pages, TDM_EAGAIN
+ * when the queue is full, TDM_EPEER when the peer is dead; otherwise done fires exactly once. */
+tdm_status tdm_xfer_write_pages(tdm_xfer_t *x, uint32_t peer, tdm_xfer_mr_t *src,
+                                const struct tdm_xfer_rmem *dst, const struct tdm_xfer_pages *pages,
+                                const struct tdm_xfer_imm *imm, int timeout_ms,
+                                tdm_xfer_done_fn done, void *ctx);
+/* One contiguous write; same rules. */
+tdm_status tdm_xfer_write(tdm_xfer_t *x, uint32_t peer, tdm_xfer_mr_t *src, uint64_t src_offset,
+                          const struct tdm_xfer_rmem *dst, uint64_t dst_offset, uint64_t bytes,
+                          const struct tdm_xfer_imm *imm, int timeout_ms, tdm_xfer_done_fn done,
+                          void *ctx);
+/* Sends a control message (copied; at most ctrl_bytes). Same completion rules. */
+tdm_status tdm_xfer_send(tdm_xfer_t *x, uint32_t peer, const void *msg, size_t bytes,
+                         int timeout_ms, tdm_xfer_done_fn done, void *ctx);
+
+/* Sends one immediate to `peer` as a small message; the peer counts it exactly like the
+ * immediate of a fabric write (fault injection included). This is how a CUDA IPC writer tells
+ * the destination's owner that a paged write has landed. Same completion rules as a send. */
+tdm_status tdm_xfer_send_imm(tdm_xfer_t *x, uint32_t peer, const struct tdm_xfer_imm *imm,
+                             int timeout_ms, tdm_xfer_done_fn done, void *ctx);
+
+/* ---- immediate counters (also fed by the CUDA IPC transport) ---- */
+struct tdm_xfer_counter_stats {
+    uint64_t delivered; /* immediates handed to the table */
+    uint64_t counted;   /* ... that advanced an armed counter */
+    uint64_t stale;     /* ... for an unarmed slot or another epoch */
+    uint64_t duplicate; /* ... whose index had already been counted */
+    uint64_t invalid;   /* ... with index >= expected or slot out of range */
+    uint64_t fired_ok, fired_error;
+};
+/* n_slots counters, each expecting at most max_expected immediates. */
+tdm_status tdm_xfer_counters_create(uint32_t n_slots, uint32_t max_expected,
+                                    tdm_xfer_counters_t **out);
+/* Fires every armed counter with TDM_ECANCELED. NULL is a no-op. */
+void tdm_xfer_counters_destroy(tdm_xfer_counters_t *c);
+/* Arms `slot` for `epoch`: fn fires exactly once, with TDM_OK when `expected` distinct indices
+ * have landed, TDM_ETIMEDOUT after timeout_ms (required, > 0: nothing waits forever), TDM_EPEER
+ * when `peer` dies (unless TDM_XFER_ANY_PEER), TDM_ECANCELED on cancel or destroy. TDM_EINVAL
+ * when the slot is armed or timeout_ms <= 0. */
+tdm_status tdm_xfer_counters_arm(tdm_xfer_counters_t *c, uint32_t slot, uint32_t epoch,
+                                 uint32_t expected, uint32_t peer, int timeout_ms,
+                                 tdm_xfer_counter_fn fn, void *ctx);
+/* Fires the slot's counter with TDM_ECANCELED (on this thread) if it is armed for `epoch`;
+ * TDM_ENOTFOUND otherwise. After it returns, the callback has run and will not run again. */
+tdm_status tdm_xfer_counters_cancel(tdm_xfer_counters_t *c, uint32_t slot, uint32_t epoch);
+/* Counts one immediate; fires the callback (on this thread) when it completes a counter. */
+void tdm_xfer_counters_deliver(tdm_xfer_counters_t *c, const struct tdm_xfer_imm *imm);
+/* Fires counters whose deadline passed (TDM_ETIMEDOUT); returns how many. */
+int tdm_xfer_counters_expire(tdm_xfer_counters_t *c, uint64_t now_ns);
+/* Fires the counters bound to `peer` with `st`; returns how many. */
+int tdm_xfer_counters_fail_peer(tdm_xfer_counters_t *c, uint32_t peer, tdm_status st);
+void tdm_xfer_counters_get_stats(tdm_xfer_counters_t *c, struct tdm_xfer_counter_stats *out);
+
+/* ---- a small waiter for synchronous callers: pass tdm_xfer_sync_done and the sync as ctx ---- */
+struct tdm_xfer_sync {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int pending;            /* operations added and not yet done */
+    tdm_status first_error; /* first non-OK status seen */
+    char first_error_msg[256];
+};
+void tdm_xfer_sync_init(struct tdm_xfer_sync *s);
+void tdm_xfer_sync_destroy(struct tdm_xfer_sync *s);
+void tdm_xfer_sync_add(struct tdm_xfer_sync *s, int n);
+void tdm_xfer_sync_done(void *ctx, tdm_status st);
+/* Waits until pending reaches 0 (returns first_error) or timeout_ms passes (TDM_ETIMEDOUT). */
+tdm_status tdm_xfer_sync_wait(struct tdm_xfer_sync *s, int timeout_ms);
+
+/* ---- CUDA IPC transport (built with CUDA; TDM_EUNSUPPORTED otherwise) ----
+ * Inside one node a region of device memory is exported as an IPC handle (in a tdm_xfer_rmem of
+ * kind CUDA), opened by the peer process (a peer-mapped pointer), and written with ONE
+ * gather/scatter kernel per paged write on the writer's stream. When the kernel's event has
+ * completed, the immediate is handed to a counter table: the local one, or (from the done
+ * callback) the destination owner's, through tdm_xfer_send_imm over the fabric engine. */
+typedef struct tdm_xfer_cuda tdm_xfer_cuda_t;
+/* A writer bound to `device`, with its own stream and at most max_pending paged writes whose
+ * events have not been polled. */
+tdm_status tdm_xfer_cuda_create(int device, int max_pending, tdm_xfer_cuda_t **out);
+void tdm_xfer_cuda_destroy(tdm_xfer_cuda_t *c);
+/* Fills out (kind CUDA, addr = 0, bytes, ipc_handle) for the allocation at dptr. */
+tdm_status tdm_xfer_cuda_export(void *dptr, size_t bytes, struct tdm_xfer_rmem *out);
+/* Opens a peer's region in this process; *dptr is valid until tdm_xfer_cuda_close. */
+tdm_status tdm_xfer_cuda_open(const struct tdm_xfer_rmem *r, void **dptr);
+void tdm_xfer_cuda_close(void *dptr);
+/* Launches one kernel copying every page of `pages` from src (device pointer, offsets as in
+ * tdm_xfer_write_pages) to dst (a local or opened device pointer of dst_bytes). When it has
+ * finished, tdm_xfer_cuda_poll hands `imm` (if any) to `counters` and calls done. */
+tdm_status tdm_xfer_cuda_write_pages(tdm_xfer_cuda_t *c, const void *src, size_t src_bytes,
+                                     void *dst, size_t dst_bytes,
+                                     const struct tdm_xfer_pages *pages,
+                                     const struct tdm_xfer_imm *imm, tdm_xfer_counters_t *counters,
+                                     tdm_xfer_done_fn done, void *ctx);
+/* Completes finished writes in order; returns how many completed. */
+int tdm_xfer_cuda_poll(tdm_xfer_cuda_t *c);
+/* Polls until every write completed or timeout_ms passed (TDM_ETIMEDOUT). */
+tdm_status tdm_xfer_cuda_drain(tdm_xfer_cuda_t *c, int timeout_ms);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TANDEM_XFER_H */

@@ -1,0 +1,545 @@
+/*
+ * The decode side of the KV messenger (include/tandem/disagg.h has the protocol and the state
+ * diagram).
+ *
+ * Slots. Each remote prefill in progress owns a slot: a counter slot in the transfer engine and a
+ * context buffer of (d_model + vocab) floats. A slot is FREE, PENDING (request sent, counter
+ * armed) or FENCED (the attempt was abandoned; its pages are held until the prefiller
+ * acknowledges the cancel or dies). Its epoch advances on every use.
+ *
+ * Locking. d->mu guards the slots and peers. Transfer-engine calls that may call back
+ * synchronously (counter cancel) are made with d->mu released. tdm_req_remote_done is called
+ * with d->mu held, which is what keeps the request alive: the scheduler's `finished` hook
+ * detaches a request from its slot under d->mu before the request can be freed.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "disagg/disagg_int.h"
+
+enum { SLOT_FREE, SLOT_PENDING, SLOT_FENCED };
+enum { ERR_TIMEOUT, ERR_PEER, ERR_NACK, ERR_SEND, ERR_CANCELLED, ERR_OTHER, N_ERR };
+static const char *const err_names[N_ERR] = {"timeout", "peer",      "nack",
+                                             "send",    "cancelled", "other"};
+
+struct dslot {
+    int state;
+    uint32_t epoch;
+    tdm_req_t *req; /* NULL once detached (the request finished while pending) */
+    uint64_t req_id;
+    int peer;       /* index in d->peers */
+    int32_t *pages; /* [cap] copy, for fencing */
+    int n_pages, n_tokens;
+    bool acked; /* the prefiller said nothing more will land */
+    int64_t t_sent;
+};
+
+struct dpeer {
+    char addr[TDM_XFER_ADDR_MAX];
+    uint32_t xid;
+    bool alive;
+    int64_t outstanding_tokens;
+    uint64_t sent, landed, failed;
+};
+
+struct tried {
+    uint64_t req_id;
+    uint32_t mask; /* peers tried */
+    int attempts;
+};
+
+struct tdm_disagg_decode {
+    struct tdm_disagg_decode_opts o;
+    tdm_engine_t *engine;
+    tdm_sched_t *sched;
+    tdm_kv_pool_t *kv;
+    tdm_xfer_t *x;
+    tdm_xfer_mr_t *kv_mr, *ctx_mr;
+    struct tdm_xfer_rmem kv_rmem, ctx_rmem;
+    struct tdm_xfer_caps caps;
+    float *ctx_mem;
+    size_t ctx_bytes, layer_bytes;
+    int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, chunk;
+
+    pthread_mutex_t mu;
+    struct dslot *slots;
+    int n_slots;
+    struct dpeer peers[TDM_DISAGG_MAX_PEERS];
+    int n_peers;
+    struct tried *tried;
+    int n_tried_cap;
+    /* metrics */
+    struct tdm_hist landed_s;
+    uint64_t errors[N_ERR], remote_ok, local_fallbacks, fenced_now;
+};
+
+/* ---- tried-peers table: which peers a request has used (by request id) ---- */
+
+static struct tried *tried_get(struct tdm_disagg_decode *d, uint64_t id, bool create)
+{
+    struct tried *free_e = NULL;
+    for (int i = 0; i < d->n_tried_cap; i++) {
+        if (d->tried[i].req_id == id) return &d->tried[i];
+        if (!d->tried[i].req_id && !free_e) free_e = &d->tried[i];
+    }
+    if (!create || !free_e) return NULL;
+    *free_e = (struct tried){.req_id = id};
+    return free_e;
+}
+
+/* ---- fencing ---- */
+
+static void unfence_locked(struct tdm_disagg_decode *d, struct dslot *sl)
+{
+    tdm_kv_pool_unhold(d->kv, sl->n_pages, sl->pages);
+    d->fenced_now -= (uint64_t)sl->n_pages;
+    sl->state = SLOT_FREE;
+    sl->req = NULL;
+}
+
+static int err_kind(tdm_status st)
+{
+    switch (st) {
+    case TDM_ETIMEDOUT:
+        return ERR_TIMEOUT;
+    case TDM_EPEER:
+        return ERR_PEER;
+    case TDM_ECANCELED:
+        return ERR_CANCELLED;
+    default:
+        return ERR_OTHER;
+    }
+}
+
+static void send_cancel(struct tdm_disagg_decode *d, uint32_t xpeer, uint32_t slot, uint32_t epoch)
+{
+    struct tdm_disagg_msg m = {.type = TDM_DMSG_CANCEL, .slot = slot, .epoch = epoch};
+    uint8_t buf[32];
+    size_t n = tdm_disagg_msg_encode(&m, buf, sizeof buf);
+    if (tdm_xfer_send(d->x, xpeer, buf, n, d->o.timeout_ms, NULL, NULL) != TDM_OK)
+        TDM_WARN("disagg: cannot send a cancel for slot %u: %s (its pages stay fenced until "
+                 "the peer is declared dead)",
+                 slot, tdm_err_msg());
+}
+
+/* The counter of (slot, epoch) ended. Runs on the progress thread, or on the thread that
+ * cancelled it. */
+static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
+{
+    struct tdm_disagg_decode *d = ctx;
+    pthread_mutex_lock(&d->mu);
+    struct dslot *sl = slot < (uint32_t)d->n_slots ? &d->slots[slot] : NULL;
+    if (!sl || sl->epoch != epoch || sl->state != SLOT_PENDING) {
+        pthread_mutex_unlock(&d->mu);
+        return;
+    }
+    struct dpeer *p = &d->peers[sl->peer];
+    p->outstanding_tokens -= sl->n_tokens;
+    int64_t now = (int64_t)tdm_now_ns();
+    if (st == TDM_OK) {
+        p->landed++;
+        d->remote_ok++;
+        tdm_hist_observe(&d->landed_s, (double)(now - sl->t_sent) * 1e-9);
+        TDM_DEBUG("disagg: request %llu: KV landed from %s in %.3f ms (slot %u epoch %u)",
+                  (unsigned long long)sl->req_id, p->addr, (double)(now - sl->t_sent) * 1e-6, slot,
+                  epoch);
+        tdm_req_t *r = sl->req;
+        sl->state = SLOT_FREE;
+        sl->req = NULL;
+        if (r) tdm_req_remote_done(r, TDM_OK);
+        pthread_mutex_unlock(&d->mu);
+        return;
+    }
+    /* failure: fence the pages, tell the prefiller, hand the request back */
+    int kind = sl->acked && st == TDM_ECANCELED ? ERR_NACK : err_kind(st);
+    d->errors[kind]++;
+    p->failed++;
+    TDM_WARN("disagg: request %llu: remote prefill on %s failed (%s: %s); %s",
+             (unsigned long long)sl->req_id, p->addr, err_names[kind], tdm_status_str(st),
+             sl->req ? "retrying" : "request gone");
+    tdm_kv_pool_hold(d->kv, sl->n_pages, sl->pages);
+    d->fenced_now += (uint64_t)sl->n_pages;
+    sl->state = SLOT_FENCED;
+    bool cancel = false;
+    if (sl->acked || !p->alive)
+        unfence_locked(d, sl);
+    else
+        cancel = true;
+    tdm_req_t *r = sl->req;
+    sl->req = NULL;
+    if (r) tdm_req_remote_done(r, st);
+    uint32_t xpeer = p->xid;
+    pthread_mutex_unlock(&d->mu);
+    if (cancel) send_cancel(d, xpeer, slot, epoch);
+}
+
+static void on_send_done(void *ctx, tdm_status st)
+{
+    struct send_ctx *sc = ctx;
+    if (st != TDM_OK) {
+        pthread_mutex_lock(&sc->d->mu);
+        sc->d->errors[ERR_SEND]++;
+        pthread_mutex_unlock(&sc->d->mu);
+        tdm_xfer_counters_cancel(tdm_xfer_get_counters(sc->d->x), sc->slot, sc->epoch);
+    }
+    free(sc);
+}
+
+static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
+{
+    struct tdm_disagg_decode *d = ctx;
+    struct tdm_disagg_msg m;
+    if (tdm_disagg_msg_decode(data, bytes, &m, NULL, 0, NULL, 0) != TDM_OK) {
+        TDM_WARN("disagg: bad control message from peer %u: %s", xpeer, tdm_err_msg());
+        return;
+    }
+    if (m.type != TDM_DMSG_NACK && m.type != TDM_DMSG_CANCEL_ACK) return;
+    pthread_mutex_lock(&d->mu);
+    struct dslot *sl = m.slot < (uint32_t)d->n_slots ? &d->slots[m.slot] : NULL;
+    if (!sl || sl->epoch != m.epoch || d->peers[sl->peer].xid != xpeer) {
+        pthread_mutex_unlock(&d->mu);
+        return;
+    }
+    bool cancel_counter = false;
+    sl->acked = true;
+    if (m.type == TDM_DMSG_NACK)
+        TDM_WARN("disagg: prefill peer %s refused request %llu: %s", d->peers[sl->peer].addr,
+                 (unsigned long long)sl->req_id, m.error);
+    if (sl->state == SLOT_FENCED)
+        unfence_locked(d, sl);
+    else if (sl->state == SLOT_PENDING)
+        cancel_counter = true;
+    pthread_mutex_unlock(&d->mu);
+    if (cancel_counter) tdm_xfer_counters_cancel(tdm_xfer_get_counters(d->x), m.slot, m.epoch);
+}
+
+static void on_peer(void *ctx, uint32_t xpeer, bool up)
+{
+    struct tdm_disagg_decode *d = ctx;
+    pthread_mutex_lock(&d->mu);
+    for (int i = 0; i < d->n_peers; i++) {
+        if (d->peers[i].xid != xpeer) continue;
+        if (d->peers[i].alive != up)
+            TDM_INFO("disagg: prefill peer %s is %s", d->peers[i].addr, up ? "up" : "down");
+        d->peers[i].alive = up;
+        if (up) continue;
+        /* the connection is torn down: fenced pages of this peer can be reused */
+        for (int s = 0; s < d->n_slots; s++)
+            if (d->slots[s].state == SLOT_FENCED && d->slots[s].peer == i)
+                unfence_locked(d, &d->slots[s]);
+    }
+    pthread_mutex_unlock(&d->mu);
+}
+
+/* ---- scheduler hooks (scheduler thread) ---- */
+
+static bool remote_prefill(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
+                           const int32_t *pages, int n_pages)
+{
+    struct tdm_disagg_decode *d = ctx;
+    if (d->o.max_attempts < 0 || !d->n_peers) return false;
+    uint32_t expected =
+        tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)d->chunk, (uint32_t)d->n_layers);
+    if (expected - 1 > d->caps.max_index) return false; /* too many chunks for the immediates */
+    int need_pages = (n_tokens + d->page_size - 1) / d->page_size;
+    pthread_mutex_lock(&d->mu);
+    struct tried *t = tried_get(d, tdm_req_id(r), true);
+    if (!t || t->attempts >= d->o.max_attempts) {
+        if (t && t->attempts) d->local_fallbacks++;
+        pthread_mutex_unlock(&d->mu);
+        return false;
+    }
+    int best = -1;
+    for (int i = 0; i < d->n_peers; i++) {
+        struct dpeer *p = &d->peers[i];
+        if (!p->alive || (t->mask >> i & 1)) continue;
+        if (best < 0 || p->outstanding_tokens < d->peers[best].outstanding_tokens) best = i;
+    }
+    int slot = -1;
+    for (int i = 0; i < d->n_slots && best >= 0; i++)
+        if (d->slots[i].state == SLOT_FREE) {
+            slot = i;
+            break;
+        }
+    if (best < 0 || slot < 0) {
+        if (t->attempts) d->local_fallbacks++;
+        pthread_mutex_unlock(&d->mu);
+        return false;
+    }
+    t->attempts++;
+    t->mask |= 1u << best;
+    struct dslot *sl = &d->slots[slot];
+    sl->epoch = (sl->epoch + 1) % (d->caps.max_epoch + 1);
+    sl->state = SLOT_PENDING;
+    sl->req = r;
+    sl->req_id = tdm_req_id(r);
+    sl->peer = best;
+    sl->n_pages = need_pages;
+    sl->n_tokens = n_tokens;
+    sl->acked = false;
+    sl->t_sent = (int64_t)tdm_now_ns();
+    memcpy(sl->pages, pages, (size_t)need_pages * sizeof *pages);
+    struct dpeer *p = &d->peers[best];
+    p->outstanding_tokens += n_tokens;
+    p->sent++;
+    uint32_t epoch = sl->epoch, xpeer = p->xid;
+    pthread_mutex_unlock(&d->mu);
+    (void)n_pages;
+
+    /* the message */
+    struct tdm_disagg_msg m = {.type = TDM_DMSG_PREFILL};
+    struct tdm_disagg_prefill_msg *f = &m.prefill;
+    *f = (struct tdm_disagg_prefill_msg){.req_id = sl->req_id,
+                                         .slot = (uint32_t)slot,
+                                         .epoch = epoch,
+                                         .n_tokens = (uint32_t)n_tokens,
+                                         .chunk = (uint32_t)d->chunk,
+                                         .n_layers = (uint32_t)d->n_layers,
+                                         .n_kv_heads = (uint32_t)d->n_kv_heads,
+                                         .head_dim = (uint32_t)d->head_dim,
+                                         .page_size = (uint32_t)d->page_size,
+                                         .elem_bytes = 4,
+                                         .kv_head_begin = 0,
+                                         .kv_head_end = (uint32_t)d->n_kv_heads,
+                                         .dst_layer_stride = d->layer_bytes,
+                                         .kv = d->kv_rmem,
+                                         .ctx = d->ctx_rmem,
+                                         .ctx_offset = (uint64_t)slot * d->ctx_bytes,
+                                         .d_model = (uint32_t)d->d_model,
+                                         .vocab = (uint32_t)d->vocab,
+                                         .want_logits = d->o.want_logits,
+                                         .n_pages = (uint32_t)need_pages,
+                                         .tokens = tokens,
+                                         .pages = (const uint32_t *)pages};
+    size_t size = tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages);
+    uint8_t *buf = malloc(size);
+    struct send_ctx *sc = malloc(sizeof *sc);
+    tdm_xfer_counters_t *ctr = tdm_xfer_get_counters(d->x);
+    tdm_status st = TDM_ENOMEM;
+    if (buf && sc && tdm_disagg_msg_encode(&m, buf, size) == size)
+        st = tdm_xfer_counters_arm(ctr, (uint32_t)slot, epoch, expected, xpeer, d->o.timeout_ms,
+                                   on_counter, d);
+    if (st == TDM_OK) {
+        *sc = (struct send_ctx){.d = d, .slot = (uint32_t)slot, .epoch = epoch};
+        st = tdm_xfer_send(d->x, xpeer, buf, size, d->o.timeout_ms, on_send_done, sc);
+        if (st != TDM_OK) {
+            free(sc);
+            pthread_mutex_lock(&d->mu);
+            d->errors[ERR_SEND]++;
+            pthread_mutex_unlock(&d->mu);
+            tdm_xfer_counters_cancel(ctr, (uint32_t)slot, epoch); /* -> on_counter */
+        }
+        free(buf);
+        TDM_DEBUG("disagg: request %llu: %d tokens sent to %s (slot %d epoch %u, %u writes)",
+                  (unsigned long long)sl->req_id, n_tokens, p->addr, slot, epoch, expected);
+        return true; /* on_counter reports the outcome either way */
+    }
+    free(buf);
+    free(sc);
+    /* never armed: undo the slot */
+    pthread_mutex_lock(&d->mu);
+    sl->state = SLOT_FREE;
+    sl->req = NULL;
+    p->outstanding_tokens -= n_tokens;
+    d->errors[ERR_OTHER]++;
+    pthread_mutex_unlock(&d->mu);
+    TDM_WARN("disagg: cannot start a remote prefill: %s", tdm_err_msg());
+    return false;
+}
+
+static void finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
+{
+    struct tdm_disagg_decode *d = ctx;
+    int slot = -1;
+    uint32_t epoch = 0;
+    pthread_mutex_lock(&d->mu);
+    uint64_t id = tdm_req_id(r);
+    for (int i = 0; i < d->n_slots; i++)
+        if (d->slots[i].state == SLOT_PENDING && d->slots[i].req == r) {
+            d->slots[i].req = NULL; /* detached: on_counter will not touch r again */
+            slot = i;
+            epoch = d->slots[i].epoch;
+        }
+    struct tried *t = tried_get(d, id, false);
+    if (t) t->req_id = 0;
+    pthread_mutex_unlock(&d->mu);
+    /* a request that ends while its KV is in flight: fence its pages (on_counter holds them
+     * before the scheduler releases its references, since this runs first) */
+    if (slot >= 0) tdm_xfer_counters_cancel(tdm_xfer_get_counters(d->x), (uint32_t)slot, epoch);
+}
+
+/* ---- lifecycle ---- */
+
+tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_engine_t *e,
+                                    tdm_sched_t *s, tdm_disagg_decode_t **out)
+{
+    const struct tdm_model_config *c = &tdm_engine_model(e)->cfg;
+    const struct tdm_engine_opts *eo = tdm_engine_opts(e);
+    if (o->n_peers < 0 || o->n_peers > TDM_DISAGG_MAX_PEERS)
+        return tdm_err_set(TDM_ERANGE, "disagg: at most %d prefill peers", TDM_DISAGG_MAX_PEERS);
+    struct tdm_disagg_decode *d = calloc(1, sizeof *d);
+    if (!d) return tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
+    d->o = *o;
+    if (d->o.timeout_ms <= 0) d->o.timeout_ms = 30000;
+    if (!d->o.max_attempts) d->o.max_attempts = 2;
+    d->engine = e;
+    d->sched = s;
+    d->kv = tdm_engine_kv(e);
+    d->n_layers = c->n_layers;
+    d->n_kv_heads = c->n_kv_heads;
+    d->head_dim = c->head_dim;
+    d->d_model = c->d_model;
+    d->vocab = c->vocab_size;
+    d->page_size = eo->page_size;
+    int chunk = o->chunk > 0 ? o->chunk : 256;
+    d->chunk = (chunk + d->page_size - 1) / d->page_size * d->page_size;
+    pthread_mutex_init(&d->mu, NULL);
+    static const double lat[] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
+                                 0.1,   0.15,   0.2,   0.3,  0.4,  0.5,  0.75, 1,
+                                 1.5,   2,      3,     5,    7.5,  10,   20,   40};
+    d->landed_s.n_buckets = 24;
+    memcpy(d->landed_s.bounds, lat, sizeof lat);
+
+    tdm_status st;
+    struct tdm_xfer_config xc;
+    tdm_xfer_config_default(&xc);
+    if (o->xfer.provider) xc.provider = o->xfer.provider;
+    xc.node = o->xfer.node;
+    if (o->xfer.peer_timeout_ms > 0) xc.peer_timeout_ms = o->xfer.peer_timeout_ms;
+    int max_pages = (eo->max_ctx + d->page_size - 1) / d->page_size;
+    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)eo->max_ctx, (uint32_t)max_pages);
+    if ((size_t)xc.ctrl_bytes < msg) xc.ctrl_bytes = (int)msg;
+    xc.on_msg = on_msg;
+    xc.on_msg_ctx = d;
+    xc.on_peer = on_peer;
+    xc.on_peer_ctx = d;
+    if ((st = tdm_xfer_create(&xc, &d->x)) != TDM_OK) goto out_free;
+    tdm_xfer_get_caps(d->x, &d->caps);
+
+    d->n_slots = TDM_MIN(tdm_engine_opts(e)->max_seqs, (int)d->caps.max_slot + 1);
+    d->slots = calloc((size_t)d->n_slots, sizeof *d->slots);
+    d->n_tried_cap = 4 * eo->max_seqs + 1024;
+    d->tried = calloc((size_t)d->n_tried_cap, sizeof *d->tried);
+    d->ctx_bytes = ((size_t)(d->d_model + d->vocab) * sizeof(float) + 63) / 64 * 64;
+    d->ctx_mem = aligned_alloc(64, d->ctx_bytes * (size_t)d->n_slots);
+    if (!d->slots || !d->tried || !d->ctx_mem) {
+        st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
+        goto out_xfer;
+    }
+    for (int i = 0; i < d->n_slots; i++)
+        if (!(d->slots[i].pages = malloc((size_t)max_pages * sizeof(int32_t)))) {
+            st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
+            goto out_xfer;
+        }
+    void *kv_base;
+    size_t kv_bytes;
+    tdm_kv_pool_memory(d->kv, &kv_base, &kv_bytes, &d->layer_bytes);
+    if ((st = tdm_xfer_mr_reg(d->x, kv_base, kv_bytes, TDM_XFER_MEM_HOST, &d->kv_mr)) != TDM_OK)
+        goto out_xfer;
+    if ((st = tdm_xfer_mr_reg(d->x, d->ctx_mem, d->ctx_bytes * (size_t)d->n_slots,
+                              TDM_XFER_MEM_HOST, &d->ctx_mr)) != TDM_OK)
+        goto out_mr;
+    tdm_xfer_mr_remote(d->kv_mr, &d->kv_rmem);
+    tdm_xfer_mr_remote(d->ctx_mr, &d->ctx_rmem);
+
+    for (int i = 0; i < o->n_peers; i++) {
+        struct dpeer *p = &d->peers[d->n_peers];
+        snprintf(p->addr, sizeof p->addr, "%s", o->peers[i]);
+        if ((st = tdm_xfer_peer_add(d->x, p->addr, &p->xid)) != TDM_OK) goto out_mr;
+        d->n_peers++;
+        if (tdm_xfer_peer_wait(d->x, p->xid, 5000) == TDM_OK) {
+            pthread_mutex_lock(&d->mu);
+            p->alive = true;
+            pthread_mutex_unlock(&d->mu);
+        } else {
+            TDM_WARN("disagg: prefill peer %d (%s) does not answer yet; requests go elsewhere "
+                     "until it does",
+                     i, p->addr);
+        }
+    }
+    struct tdm_sched_hooks h = {.ctx = d, .remote_prefill = remote_prefill, .finished = finished};
+    tdm_sched_set_hooks(s, &h);
+    *out = d;
+    return TDM_OK;
+
+out_mr:
+    tdm_xfer_mr_dereg(d->ctx_mr);
+    tdm_xfer_mr_dereg(d->kv_mr);
+out_xfer:
+    tdm_xfer_destroy(d->x);
+    for (int i = 0; d->slots && i < d->n_slots; i++)
+        free(d->slots[i].pages);
+out_free:
+    free(d->slots);
+    free(d->tried);
+    free(d->ctx_mem);
+    pthread_mutex_destroy(&d->mu);
+    free(d);
+    return st;
+}
+
+void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d)
+{
+    if (!d) return;
+    /* the scheduler is stopped: nothing pending can land any more */
+    tdm_xfer_destroy(d->x); /* fires armed counters with TDM_ECANCELED */
+    pthread_mutex_lock(&d->mu);
+    for (int i = 0; i < d->n_slots; i++)
+        if (d->slots[i].state == SLOT_FENCED) unfence_locked(d, &d->slots[i]);
+    pthread_mutex_unlock(&d->mu);
+    tdm_xfer_mr_dereg(d->ctx_mr);
+    tdm_xfer_mr_dereg(d->kv_mr);
+    for (int i = 0; i < d->n_slots; i++)
+        free(d->slots[i].pages);
+    free(d->slots);
+    free(d->tried);
+    free(d->ctx_mem);
+    pthread_mutex_destroy(&d->mu);
+    free(d);
+}
+
+char *tdm_disagg_decode_metrics(void *ctx)
+{
+    struct tdm_disagg_decode *d = ctx;
+    struct tdm_sbuf b = {0};
+    pthread_mutex_lock(&d->mu);
+    tdm_hist_prom(&b, "tandem_disagg_kv_landed_seconds",
+                  "Remote prefill: from sending the request to the last immediate landing.",
+                  &d->landed_s, NULL);
+    tdm_sbuf_printf(&b,
+                    "# HELP tandem_disagg_remote_prefills_total Remote prefills whose KV landed.\n"
+                    "# TYPE tandem_disagg_remote_prefills_total counter\n"
+                    "tandem_disagg_remote_prefills_total %llu\n",
+                    (unsigned long long)d->remote_ok);
+    tdm_sbuf_printf(&b,
+                    "# HELP tandem_disagg_local_fallbacks_total Requests prefilled here after "
+                    "remote attempts failed.\n# TYPE tandem_disagg_local_fallbacks_total counter\n"
+                    "tandem_disagg_local_fallbacks_total %llu\n",
+                    (unsigned long long)d->local_fallbacks);
+    tdm_sbuf_printf(&b,
+                    "# HELP tandem_disagg_transfer_errors_total Failed remote prefills, by kind.\n"
+                    "# TYPE tandem_disagg_transfer_errors_total counter\n");
+    for (int i = 0; i < N_ERR; i++)
+        tdm_sbuf_printf(&b, "tandem_disagg_transfer_errors_total{kind=\"%s\"} %llu\n", err_names[i],
+                        (unsigned long long)d->errors[i]);
+    tdm_sbuf_printf(&b,
+                    "# HELP tandem_disagg_fenced_pages KV pages held until a prefiller confirms a "
+                    "cancel.\n# TYPE tandem_disagg_fenced_pages gauge\n"
+                    "tandem_disagg_fenced_pages %llu\n",
+                    (unsigned long long)d->fenced_now);
+    tdm_sbuf_printf(
+        &b, "# HELP tandem_disagg_peer_outstanding_tokens Prefill tokens sent to a peer and "
+            "not landed (its queue depth seen from here).\n"
+            "# TYPE tandem_disagg_peer_outstanding_tokens gauge\n");
+    for (int i = 0; i < d->n_peers; i++)
+        tdm_sbuf_printf(&b, "tandem_disagg_peer_outstanding_tokens{peer=\"%d\"} %lld\n", i,
+                        (long long)d->peers[i].outstanding_tokens);
+    tdm_sbuf_printf(&b, "# HELP tandem_disagg_peer_up Whether a prefill peer is alive.\n"
+                        "# TYPE tandem_disagg_peer_up gauge\n");
+    for (int i = 0; i < d->n_peers; i++)
+        tdm_sbuf_printf(&b, "tandem_disagg_peer_up{peer=\"%d\"} %d\n", i,
+                        d->peers[i].alive ? 1 : 0);
+    pthread_mutex_unlock(&d->mu);
+    return tdm_sbuf_take(&b);
+}

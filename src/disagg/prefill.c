@@ -1,0 +1,746 @@
+/*
+ * The prefill side of the KV messenger (include/tandem/disagg.h has the protocol).
+ *
+ * A job is one decoder request: received on the transfer engine's progress thread (validated,
+ * queued), submitted to the scheduler by the messenger thread as a prefill-only, fixed-chunk
+ * request, streamed layer by layer, and freed once the request has finished and every write
+ * it posted has completed.
+ *
+ * Layer streaming. step_begin (scheduler thread) publishes the step's spans and zeroes the
+ * engine's layer counter; while the forward runs, the messenger thread polls the counter and
+ * posts, for every layer that has finished its output projection, one paged write per span
+ * (immediate index chunk * n_layers + layer). step_end posts whatever layers the messenger has
+ * not reached yet, and the context write (hidden state, logits) of spans that end a prompt.
+ * Source pages are held (IN_FLIGHT) from posting until the write completes, so the scheduler
+ * can finish the request while its writes are still on the wire.
+ *
+ * Locking: p->mu guards jobs, the inbox and the step state. Posting calls into the transfer
+ * engine only enqueue, so they are made under p->mu. Write completions run on the progress
+ * thread and take p->mu.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "disagg/disagg_int.h"
+
+enum { JOB_QUEUED, JOB_RUNNING, JOB_DONE };
+enum { PERR_REFUSED, PERR_WRITE, PERR_PEER, PERR_CANCELLED, PERR_OTHER, N_PERR };
+static const char *const perr_names[N_PERR] = {"refused", "write", "peer", "cancelled", "other"};
+
+struct job {
+    struct job *next; /* p->jobs list */
+    int state;
+    uint32_t xpeer;
+    struct tdm_disagg_prefill_msg m; /* tokens/pages point at the copies below */
+    int32_t *tokens;
+    uint32_t *dst_pages;
+    tdm_req_t *req;
+    int ctx_slot;
+    int outstanding; /* writes posted and not completed */
+    bool finished;   /* the scheduler finished the request */
+    enum tdm_finish why;
+    bool failed, cancel, ctx_posted;
+    char error[TDM_DMSG_MAX_ERROR + 1];
+    uint64_t bytes, pages_written, writes;
+    int64_t t_recv, t_first_done, t_last_done;
+};
+
+struct wctx { /* one posted write */
+    struct tdm_disagg_prefill *p;
+    struct job *job;
+    uint64_t step_seq; /* the step that posted it */
+    int64_t t_layer;   /* when its layer was seen complete */
+    uint64_t bytes;
+    int n;
+    int32_t pages[]; /* source pages held */
+};
+
+struct step_span {
+    struct job *job;
+    int pos0, n_tokens;
+    const int32_t *pages;
+};
+
+struct tdm_disagg_prefill {
+    struct tdm_disagg_prefill_opts o;
+    tdm_engine_t *engine;
+    tdm_sched_t *sched;
+    tdm_kv_pool_t *kv;
+    _Atomic int32_t *layer_counter;
+    tdm_xfer_t *x;
+    tdm_xfer_mr_t *kv_mr, *ctx_mr;
+    struct tdm_xfer_caps caps;
+    size_t layer_bytes, page_bytes, ctx_bytes;
+    float *ctx_mem;
+    int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, max_ctx, max_chunk;
+
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stop;
+    struct job *jobs;
+    int n_jobs;
+    uint8_t *ctx_used; /* [max_jobs] */
+    /* the step in progress */
+    bool step_active;
+    uint64_t step_seq;
+    int step_posted; /* layers posted for this step */
+    struct step_span *spans;
+    int n_spans;
+    uint32_t *src_tmp, *dst_tmp;
+    /* metrics */
+    struct tdm_hist transfer_s, layer_lag_s, bytes_h;
+    uint64_t errors[N_PERR], jobs_ok, writes_total, bytes_total, landed_during_forward;
+};
+
+static void send_msg(struct tdm_disagg_prefill *p, uint32_t xpeer, const struct tdm_disagg_msg *m)
+{
+    uint8_t buf[512];
+    size_t n = tdm_disagg_msg_encode(m, buf, sizeof buf);
+    if (!n || tdm_xfer_send(p->x, xpeer, buf, n, 0, NULL, NULL) != TDM_OK)
+        TDM_WARN("disagg: cannot answer decoder peer %u: %s", xpeer, tdm_err_msg());
+}
+
+static void nack(struct tdm_disagg_prefill *p, uint32_t xpeer, uint32_t slot, uint32_t epoch,
+                 tdm_status st, const char *why)
+{
+    struct tdm_disagg_msg m = {.type = TDM_DMSG_NACK, .slot = slot, .epoch = epoch, .status = st};
+    snprintf(m.error, sizeof m.error, "%s", why);
+    send_msg(p, xpeer, &m);
+}
+
+static void job_fail_locked(struct job *j, const char *fmt, const char *arg)
+{
+    if (j->failed) return;
+    j->failed = true;
+    snprintf(j->error, sizeof j->error, fmt, arg);
+    if (j->req) tdm_req_cancel(j->req);
+}
+
+/* ---- writes ---- */
+
+static void on_write_done(void *ctx, tdm_status st)
+{
+    struct wctx *w = ctx;
+    struct tdm_disagg_prefill *p = w->p;
+    tdm_kv_pool_unhold(p->kv, w->n, w->pages);
+    int64_t now = (int64_t)tdm_now_ns();
+    pthread_mutex_lock(&p->mu);
+    struct job *j = w->job;
+    j->outstanding--;
+    if (st == TDM_OK) {
+        if (!j->t_first_done) j->t_first_done = now;
+        j->t_last_done = now;
+        j->bytes += w->bytes;
+        j->pages_written += (uint64_t)w->n;
+        j->writes++;
+        p->writes_total++;
+        p->bytes_total += w->bytes;
+        if (w->t_layer) tdm_hist_observe(&p->layer_lag_s, (double)(now - w->t_layer) * 1e-9);
+        if (p->step_active && p->step_seq == w->step_seq) p->landed_during_forward++;
+    } else {
+        p->errors[st == TDM_EPEER ? PERR_PEER : PERR_WRITE]++;
+        job_fail_locked(j, "a KV write failed: %s", tdm_status_str(st));
+    }
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    free(w);
+}
+
+/* Posts one write (paged when n_pages > 0, else the context). Called with p->mu held. */
+static void post_locked(struct tdm_disagg_prefill *p, struct job *j, const int32_t *src_pages,
+                        int p0, int n, int layer, uint32_t index, int64_t t_layer)
+{
+    if (j->failed || j->cancel) return;
+    struct wctx *w = malloc(sizeof *w + (size_t)n * sizeof(int32_t));
+    if (!w) {
+        job_fail_locked(j, "%s", "out of memory");
+        return;
+    }
+    *w = (struct wctx){.p = p, .job = j, .step_seq = p->step_seq, .t_layer = t_layer, .n = n};
+    struct tdm_xfer_imm imm = {.slot = j->m.slot, .epoch = j->m.epoch, .index = index};
+    tdm_status st;
+    int64_t deadline = (int64_t)tdm_now_ns() + 10 * 1000000000LL;
+    for (;;) {
+        if (n > 0) {
+            for (int i = 0; i < n; i++) {
+                w->pages[i] = src_pages[p0 + i];
+                p->src_tmp[i] = (uint32_t)src_pages[p0 + i];
+                p->dst_tmp[i] = j->dst_pages[p0 + i];
+            }
+            w->bytes = (uint64_t)n * p->page_bytes;
+            struct tdm_xfer_pages pg = {.src_pages = p->src_tmp,
+                                        .dst_pages = p->dst_tmp,
+                                        .n_pages = (uint32_t)n,
+                                        .page_bytes = p->page_bytes,
+                                        .src_stride = p->page_bytes,
+                                        .dst_stride = p->page_bytes,
+                                        .src_offset = (uint64_t)layer * p->layer_bytes,
+                                        .dst_offset = (uint64_t)layer * j->m.dst_layer_stride};
+            tdm_kv_pool_hold(p->kv, n, w->pages);
+            st = tdm_xfer_write_pages(p->x, j->xpeer, p->kv_mr, &j->m.kv, &pg, &imm, 0,
+                                      on_write_done, w);
+            if (st != TDM_OK) tdm_kv_pool_unhold(p->kv, n, w->pages);
+        } else {
+            size_t bytes = (size_t)j->m.d_model * sizeof(float);
+            if (j->m.want_logits) bytes += (size_t)j->m.vocab * sizeof(float);
+            w->bytes = bytes;
+            st = tdm_xfer_write(p->x, j->xpeer, p->ctx_mr, (uint64_t)j->ctx_slot * p->ctx_bytes,
+                                &j->m.ctx, j->m.ctx_offset, bytes, &imm, 0, on_write_done, w);
+        }
+        if (st != TDM_EAGAIN || (int64_t)tdm_now_ns() > deadline) break;
+        /* backpressure: let the progress thread drain (it takes p->mu in completions) */
+        pthread_mutex_unlock(&p->mu);
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&p->mu);
+        if (j->failed || j->cancel) {
+            free(w);
+            return;
+        }
+    }
+    if (st != TDM_OK) {
+        free(w);
+        p->errors[st == TDM_EPEER ? PERR_PEER : PERR_WRITE]++;
+        job_fail_locked(j, "cannot post a KV write: %s", tdm_err_msg());
+        return;
+    }
+    j->outstanding++;
+}
+
+/* Posts layer `layer` of every span of the current step. p->mu held. */
+static void post_layer_locked(struct tdm_disagg_prefill *p, int layer, int64_t t_layer)
+{
+    for (int s = 0; s < p->n_spans; s++) {
+        struct step_span *sp = &p->spans[s];
+        struct job *j = sp->job;
+        int p0 = sp->pos0 / p->page_size;
+        int p1 = (sp->pos0 + sp->n_tokens + p->page_size - 1) / p->page_size;
+        uint32_t chunk_idx = (uint32_t)sp->pos0 / j->m.chunk;
+        post_locked(p, j, sp->pages, p0, p1 - p0, layer,
+                    chunk_idx * (uint32_t)p->n_layers + (uint32_t)layer, t_layer);
+    }
+}
+
+/* ---- scheduler hooks ---- */
+
+static void step_begin(void *ctx, const struct tdm_step_span *spans, int n)
+{
+    struct tdm_disagg_prefill *p = ctx;
+    pthread_mutex_lock(&p->mu);
+    p->n_spans = 0;
+    for (int i = 0; i < n; i++)
+        if (spans[i].user)
+            p->spans[p->n_spans++] = (struct step_span){.job = spans[i].user,
+                                                        .pos0 = spans[i].pos0,
+                                                        .n_tokens = spans[i].n_tokens,
+                                                        .pages = spans[i].pages};
+    atomic_store(p->layer_counter, 0);
+    p->step_seq++;
+    p->step_posted = 0;
+    p->step_active = p->n_spans > 0;
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void step_end(void *ctx, const struct tdm_step_span *spans, int n, tdm_status st)
+{
+    struct tdm_disagg_prefill *p = ctx;
+    pthread_mutex_lock(&p->mu);
+    if (p->step_active && st == TDM_OK) {
+        int64_t now = (int64_t)tdm_now_ns();
+        for (; p->step_posted < p->n_layers; p->step_posted++)
+            post_layer_locked(p, p->step_posted, now);
+        for (int i = 0; i < n; i++) {
+            struct job *j = spans[i].user;
+            if (!j || !spans[i].last || !spans[i].hidden) continue;
+            float *dst = p->ctx_mem + (size_t)j->ctx_slot * (p->ctx_bytes / sizeof(float));
+            memcpy(dst, spans[i].hidden, (size_t)p->d_model * sizeof(float));
+            if (j->m.want_logits)
+                memcpy(dst + p->d_model, spans[i].logits, (size_t)p->vocab * sizeof(float));
+            uint32_t n_chunks = (j->m.n_tokens + j->m.chunk - 1) / j->m.chunk;
+            post_locked(p, j, NULL, 0, 0, -1, n_chunks * (uint32_t)p->n_layers, 0);
+            j->ctx_posted = true;
+        }
+    }
+    p->step_active = false;
+    p->n_spans = 0;
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
+{
+    struct tdm_disagg_prefill *p = ctx;
+    struct job *j = user;
+    if (!j) return;
+    pthread_mutex_lock(&p->mu);
+    j->finished = true;
+    j->why = why;
+    if (why != TDM_FINISH_STOP && !j->failed && !j->cancel) {
+        j->failed = true;
+        snprintf(j->error, sizeof j->error, "the prefill %s",
+                 why == TDM_FINISH_CANCELLED ? "was cancelled" : "failed");
+    }
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* ---- messages (progress thread) ---- */
+
+static bool validate(struct tdm_disagg_prefill *p, const struct tdm_disagg_prefill_msg *m,
+                     char *why, size_t cap)
+{
+    if (m->n_layers != (uint32_t)p->n_layers || m->n_kv_heads != (uint32_t)p->n_kv_heads ||
+        m->head_dim != (uint32_t)p->head_dim || m->page_size != (uint32_t)p->page_size ||
+        m->d_model != (uint32_t)p->d_model || m->vocab != (uint32_t)p->vocab) {
+        snprintf(why, cap,
+                 "model or KV geometry differs (decoder: %u layers, %u kv heads, head_dim %u, "
+                 "page %u; here: %d, %d, %d, %d)",
+                 m->n_layers, m->n_kv_heads, m->head_dim, m->page_size, p->n_layers, p->n_kv_heads,
+                 p->head_dim, p->page_size);
+        return false;
+    }
+    if (m->kv_head_begin != 0 || m->kv_head_end != m->n_kv_heads) {
+        snprintf(why, cap, "sharded decoders (kv heads %u..%u) are not supported by this node",
+                 m->kv_head_begin, m->kv_head_end);
+        return false;
+    }
+    if (m->chunk > (uint32_t)p->max_chunk) {
+        snprintf(why, cap, "chunk of %u tokens is more than this node's step of %d", m->chunk,
+                 p->max_chunk);
+        return false;
+    }
+    if (m->n_tokens + 1 > (uint32_t)p->max_ctx) {
+        snprintf(why, cap, "%u tokens do not fit this node's context of %d", m->n_tokens,
+                 p->max_ctx);
+        return false;
+    }
+    uint32_t n_chunks = (m->n_tokens + m->chunk - 1) / m->chunk;
+    if ((uint64_t)n_chunks * (uint64_t)p->n_layers > p->caps.max_index) {
+        snprintf(why, cap, "too many writes for the immediate layout");
+        return false;
+    }
+    uint64_t max_page = 0;
+    for (uint32_t i = 0; i < m->n_pages; i++)
+        if (m->pages[i] > max_page) max_page = m->pages[i];
+    uint64_t kv_end = (uint64_t)(p->n_layers - 1) * m->dst_layer_stride +
+                      (max_page + 1) * (uint64_t)p->page_bytes;
+    size_t ctx_need = (size_t)m->d_model * 4 + (m->want_logits ? (size_t)m->vocab * 4 : 0);
+    if (m->dst_layer_stride < p->page_bytes || kv_end > m->kv.bytes ||
+        m->ctx_offset + ctx_need > m->ctx.bytes || m->ctx_offset > m->ctx.bytes) {
+        snprintf(why, cap, "destination pages or context lie outside the decoder's regions");
+        return false;
+    }
+    return true;
+}
+
+static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
+{
+    struct tdm_disagg_prefill *p = ctx;
+    uint32_t max_pages = (uint32_t)((p->max_ctx + p->page_size - 1) / p->page_size);
+    int32_t *tokens = malloc((size_t)p->max_ctx * sizeof *tokens);
+    uint32_t *pages = malloc((size_t)max_pages * sizeof *pages);
+    struct tdm_disagg_msg m;
+    if (!tokens || !pages) goto out;
+    tdm_status st =
+        tdm_disagg_msg_decode(data, bytes, &m, tokens, (uint32_t)p->max_ctx, pages, max_pages);
+    if (st != TDM_OK) {
+        TDM_WARN("disagg: bad control message from peer %u: %s", xpeer, tdm_err_msg());
+        pthread_mutex_lock(&p->mu);
+        p->errors[PERR_REFUSED]++;
+        pthread_mutex_unlock(&p->mu);
+        if (m.type == TDM_DMSG_PREFILL && bytes >= 24) {
+            /* answer so the decoder does not wait for its timeout */
+            const uint8_t *b = data;
+            uint32_t slot = b[16] | b[17] << 8 | b[18] << 16 | (uint32_t)b[19] << 24;
+            uint32_t epoch = b[20] | b[21] << 8 | b[22] << 16 | (uint32_t)b[23] << 24;
+            nack(p, xpeer, slot, epoch, st, tdm_err_msg());
+        }
+        goto out;
+    }
+    if (m.type == TDM_DMSG_CANCEL) {
+        bool found = false;
+        pthread_mutex_lock(&p->mu);
+        for (struct job *j = p->jobs; j; j = j->next)
+            if (j->xpeer == xpeer && j->m.slot == m.slot && j->m.epoch == m.epoch &&
+                j->state != JOB_DONE) {
+                found = true;
+                j->cancel = true;
+                if (j->req) tdm_req_cancel(j->req);
+            }
+        pthread_cond_signal(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+        if (!found) {
+            struct tdm_disagg_msg a = {
+                .type = TDM_DMSG_CANCEL_ACK, .slot = m.slot, .epoch = m.epoch};
+            send_msg(p, xpeer, &a);
+        }
+        goto out;
+    }
+    if (m.type != TDM_DMSG_PREFILL) goto out;
+    char why[TDM_DMSG_MAX_ERROR];
+    if (!validate(p, &m.prefill, why, sizeof why)) {
+        pthread_mutex_lock(&p->mu);
+        p->errors[PERR_REFUSED]++;
+        pthread_mutex_unlock(&p->mu);
+        nack(p, xpeer, m.prefill.slot, m.prefill.epoch, TDM_EINVAL, why);
+        goto out;
+    }
+    struct job *j = calloc(1, sizeof *j);
+    if (!j) {
+        nack(p, xpeer, m.prefill.slot, m.prefill.epoch, TDM_ENOMEM, "out of memory");
+        goto out;
+    }
+    j->xpeer = xpeer;
+    j->m = m.prefill;
+    j->tokens = tokens;
+    j->dst_pages = pages;
+    j->m.tokens = tokens;
+    j->m.pages = pages;
+    j->t_recv = (int64_t)tdm_now_ns();
+    j->state = JOB_QUEUED;
+    tokens = NULL;
+    pages = NULL;
+    pthread_mutex_lock(&p->mu);
+    int slot = -1;
+    for (int i = 0; i < p->o.max_jobs; i++)
+        if (!p->ctx_used[i]) {
+            slot = i;
+            break;
+        }
+    if (slot < 0 || p->stop) {
+        p->errors[PERR_REFUSED]++;
+        pthread_mutex_unlock(&p->mu);
+        nack(p, xpeer, j->m.slot, j->m.epoch, TDM_EAGAIN, "the prefill node is full");
+        free(j->tokens);
+        free(j->dst_pages);
+        free(j);
+        goto out;
+    }
+    p->ctx_used[slot] = 1;
+    j->ctx_slot = slot;
+    j->next = p->jobs;
+    p->jobs = j;
+    p->n_jobs++;
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+out:
+    free(tokens);
+    free(pages);
+}
+
+static void on_peer(void *ctx, uint32_t xpeer, bool up)
+{
+    struct tdm_disagg_prefill *p = ctx;
+    if (up) return;
+    pthread_mutex_lock(&p->mu);
+    for (struct job *j = p->jobs; j; j = j->next)
+        if (j->xpeer == xpeer && j->state != JOB_DONE) {
+            p->errors[PERR_PEER]++;
+            job_fail_locked(j, "%s", "the decoder went away");
+            j->cancel = true; /* nothing to answer */
+        }
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* ---- the messenger thread ---- */
+
+/* Submits queued jobs and retires finished ones. p->mu held; drops it around calls out. */
+static void service_jobs_locked(struct tdm_disagg_prefill *p)
+{
+    for (struct job **jp = &p->jobs; *jp;) {
+        struct job *j = *jp;
+        if (j->state == JOB_QUEUED) {
+            if (j->cancel || j->failed) {
+                j->state = JOB_DONE;
+                j->finished = true;
+            } else {
+                struct tdm_req_params rp = {.prompt = j->tokens,
+                                            .n_prompt = (int)j->m.n_tokens,
+                                            .max_tokens = 1,
+                                            .sampling = tdm_sampling_defaults(),
+                                            .top_logprobs = -1,
+                                            .prefill_only = true,
+                                            .fixed_chunk = (int)j->m.chunk,
+                                            .user = j};
+                tdm_req_t *r = NULL;
+                j->state = JOB_RUNNING;
+                pthread_mutex_unlock(&p->mu);
+                tdm_status st = tdm_sched_submit(p->sched, &rp, &r);
+                pthread_mutex_lock(&p->mu);
+                if (st != TDM_OK) {
+                    p->errors[PERR_REFUSED]++;
+                    j->failed = true;
+                    snprintf(j->error, sizeof j->error, "%s", tdm_err_msg());
+                    j->finished = true;
+                } else {
+                    j->req = r;
+                    if (j->cancel || j->failed) tdm_req_cancel(r);
+                }
+            }
+        }
+        if (j->finished && j->outstanding == 0) {
+            *jp = j->next;
+            p->n_jobs--;
+            p->ctx_used[j->ctx_slot] = 0;
+            bool ok = !j->failed && !j->cancel && j->why == TDM_FINISH_STOP && j->ctx_posted;
+            if (ok) {
+                p->jobs_ok++;
+                tdm_hist_observe(&p->transfer_s, (double)(j->t_last_done - j->t_first_done) * 1e-9);
+                tdm_hist_observe(&p->bytes_h, (double)j->bytes);
+                TDM_DEBUG("disagg: prefill %llu for peer %u: %u tokens, %llu writes, %llu pages, "
+                          "%llu bytes; first write landed %.3f ms after receipt, last %.3f ms",
+                          (unsigned long long)j->m.req_id, j->xpeer, j->m.n_tokens,
+                          (unsigned long long)j->writes, (unsigned long long)j->pages_written,
+                          (unsigned long long)j->bytes,
+                          (double)(j->t_first_done - j->t_recv) * 1e-6,
+                          (double)(j->t_last_done - j->t_recv) * 1e-6);
+            } else if (j->cancel) {
+                p->errors[PERR_CANCELLED]++;
+            }
+            uint32_t xpeer = j->xpeer, slot = j->m.slot, epoch = j->m.epoch;
+            bool cancel = j->cancel, failed = !ok;
+            char err[sizeof j->error];
+            memcpy(err, j->error, sizeof err);
+            tdm_req_t *r = j->req;
+            free(j->tokens);
+            free(j->dst_pages);
+            free(j);
+            pthread_mutex_unlock(&p->mu);
+            tdm_req_release(r);
+            if (cancel) {
+                struct tdm_disagg_msg a = {
+                    .type = TDM_DMSG_CANCEL_ACK, .slot = slot, .epoch = epoch};
+                if (tdm_xfer_peer_alive(p->x, xpeer)) send_msg(p, xpeer, &a);
+            } else if (failed && tdm_xfer_peer_alive(p->x, xpeer)) {
+                nack(p, xpeer, slot, epoch, TDM_EIO, err[0] ? err : "the prefill failed");
+            }
+            pthread_mutex_lock(&p->mu);
+            jp = &p->jobs; /* the list may have changed while unlocked */
+            continue;
+        }
+        jp = &j->next;
+    }
+}
+
+static void *messenger_main(void *arg)
+{
+    struct tdm_disagg_prefill *p = arg;
+    pthread_mutex_lock(&p->mu);
+    while (!p->stop) {
+        service_jobs_locked(p);
+        if (p->step_active) {
+            int c = atomic_load(p->layer_counter);
+            if (c > p->n_layers) c = p->n_layers;
+            int64_t now = (int64_t)tdm_now_ns();
+            for (; p->step_posted < c; p->step_posted++)
+                post_layer_locked(p, p->step_posted, now);
+            pthread_mutex_unlock(&p->mu);
+            struct timespec ts = {0, 50000}; /* 50 us: a layer takes far longer */
+            nanosleep(&ts, NULL);
+            pthread_mutex_lock(&p->mu);
+        } else {
+            struct timespec dl;
+            clock_gettime(CLOCK_REALTIME, &dl);
+            dl.tv_nsec += 20000000L;
+            if (dl.tv_nsec >= 1000000000L) {
+                dl.tv_sec++;
+                dl.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&p->cv, &p->mu, &dl);
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* ---- lifecycle ---- */
+
+tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, tdm_engine_t *e,
+                                     tdm_sched_t *s, _Atomic int32_t *layer_counter,
+                                     tdm_disagg_prefill_t **out)
+{
+    const struct tdm_model_config *c = &tdm_engine_model(e)->cfg;
+    const struct tdm_engine_opts *eo = tdm_engine_opts(e);
+    if (!layer_counter || eo->layer_counter != layer_counter)
+        return tdm_err_set(TDM_EINVAL, "disagg: the engine must publish the layer counter given");
+    struct tdm_disagg_prefill *p = calloc(1, sizeof *p);
+    if (!p) return tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
+    p->o = *o;
+    if (p->o.max_jobs <= 0) p->o.max_jobs = 256;
+    p->engine = e;
+    p->sched = s;
+    p->kv = tdm_engine_kv(e);
+    p->layer_counter = layer_counter;
+    p->n_layers = c->n_layers;
+    p->n_kv_heads = c->n_kv_heads;
+    p->head_dim = c->head_dim;
+    p->d_model = c->d_model;
+    p->vocab = c->vocab_size;
+    p->page_size = eo->page_size;
+    p->max_ctx = eo->max_ctx;
+    p->max_chunk = eo->max_batch_tokens;
+    struct tdm_kv_config kc = {.n_layers = c->n_layers,
+                               .n_kv_heads = c->n_kv_heads,
+                               .head_dim = c->head_dim,
+                               .page_size = eo->page_size};
+    p->page_bytes = tdm_kv_page_bytes(&kc);
+    p->ctx_bytes = ((size_t)(p->d_model + p->vocab) * sizeof(float) + 63) / 64 * 64;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    static const double lat[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06,
+                                 0.08,   0.1,   0.15,   0.2,   0.3,  0.4,  0.5,  0.75,
+                                 1,      1.5,   2,      3,     5,    7.5,  10,   20};
+    static const double sz[] = {4096,     16384,    65536,     262144,     1048576,     4194304,
+                                16777216, 67108864, 268435456, 1073741824, 4294967296.0};
+    p->transfer_s.n_buckets = p->layer_lag_s.n_buckets = 24;
+    memcpy(p->transfer_s.bounds, lat, sizeof lat);
+    memcpy(p->layer_lag_s.bounds, lat, sizeof lat);
+    p->bytes_h.n_buckets = 11;
+    memcpy(p->bytes_h.bounds, sz, sizeof sz);
+
+    int max_pages = (p->max_ctx + p->page_size - 1) / p->page_size;
+    p->spans = calloc((size_t)eo->max_seqs, sizeof *p->spans);
+    p->src_tmp = malloc((size_t)max_pages * sizeof *p->src_tmp);
+    p->dst_tmp = malloc((size_t)max_pages * sizeof *p->dst_tmp);
+    p->ctx_used = calloc((size_t)p->o.max_jobs, 1);
+    p->ctx_mem = aligned_alloc(64, p->ctx_bytes * (size_t)p->o.max_jobs);
+    tdm_status st;
+    if (!p->spans || !p->src_tmp || !p->dst_tmp || !p->ctx_used || !p->ctx_mem) {
+        st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
+        goto out_free;
+    }
+    struct tdm_xfer_config xc;
+    tdm_xfer_config_default(&xc);
+    if (o->xfer.provider) xc.provider = o->xfer.provider;
+    xc.node = o->xfer.node;
+    if (o->xfer.peer_timeout_ms > 0) xc.peer_timeout_ms = o->xfer.peer_timeout_ms;
+    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)p->max_ctx, (uint32_t)max_pages);
+    if ((size_t)xc.ctrl_bytes < msg) xc.ctrl_bytes = (int)msg;
+    /* a step posts n_layers writes per span, plus the context writes */
+    int jobs = (p->n_layers + 1) * eo->max_seqs * 2;
+    if (xc.max_jobs < jobs) xc.max_jobs = jobs;
+    xc.on_msg = on_msg;
+    xc.on_msg_ctx = p;
+    xc.on_peer = on_peer;
+    xc.on_peer_ctx = p;
+    if ((st = tdm_xfer_create(&xc, &p->x)) != TDM_OK) goto out_free;
+    tdm_xfer_get_caps(p->x, &p->caps);
+    void *kv_base;
+    size_t kv_bytes;
+    tdm_kv_pool_memory(p->kv, &kv_base, &kv_bytes, &p->layer_bytes);
+    if ((st = tdm_xfer_mr_reg(p->x, kv_base, kv_bytes, TDM_XFER_MEM_HOST, &p->kv_mr)) != TDM_OK)
+        goto out_xfer;
+    if ((st = tdm_xfer_mr_reg(p->x, p->ctx_mem, p->ctx_bytes * (size_t)p->o.max_jobs,
+                              TDM_XFER_MEM_HOST, &p->ctx_mr)) != TDM_OK)
+        goto out_mr;
+    struct tdm_sched_hooks h = {
+        .ctx = p, .step_begin = step_begin, .step_end = step_end, .finished = finished};
+    tdm_sched_set_hooks(s, &h);
+    if (pthread_create(&p->thread, NULL, messenger_main, p)) {
+        st = tdm_err_set(TDM_EINTERNAL, "disagg: cannot start the messenger thread");
+        goto out_mr;
+    }
+    *out = p;
+    return TDM_OK;
+
+out_mr:
+    tdm_xfer_mr_dereg(p->ctx_mr);
+    tdm_xfer_mr_dereg(p->kv_mr);
+out_xfer:
+    tdm_xfer_destroy(p->x);
+out_free:
+    free(p->spans);
+    free(p->src_tmp);
+    free(p->dst_tmp);
+    free(p->ctx_used);
+    free(p->ctx_mem);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p);
+    return st;
+}
+
+void tdm_disagg_prefill_destroy(tdm_disagg_prefill_t *p)
+{
+    if (!p) return;
+    /* the scheduler is stopped (every job's request has finished) */
+    tdm_xfer_destroy(p->x); /* completes pending writes with TDM_ECANCELED */
+    pthread_mutex_lock(&p->mu);
+    p->stop = true;
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    pthread_join(p->thread, NULL);
+    for (struct job *j = p->jobs, *n; j; j = n) {
+        n = j->next;
+        tdm_req_release(j->req);
+        free(j->tokens);
+        free(j->dst_pages);
+        free(j);
+    }
+    tdm_xfer_mr_dereg(p->ctx_mr);
+    tdm_xfer_mr_dereg(p->kv_mr);
+    free(p->spans);
+    free(p->src_tmp);
+    free(p->dst_tmp);
+    free(p->ctx_used);
+    free(p->ctx_mem);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p);
+}
+
+tdm_status tdm_disagg_prefill_addr(const tdm_disagg_prefill_t *p, char *buf, size_t cap)
+{
+    return tdm_xfer_addr(p->x, buf, cap);
+}
+
+char *tdm_disagg_prefill_metrics(void *ctx)
+{
+    struct tdm_disagg_prefill *p = ctx;
+    struct tdm_sbuf b = {0};
+    pthread_mutex_lock(&p->mu);
+    tdm_hist_prom(&b, "tandem_disagg_transfer_seconds",
+                  "Per request: from the first KV write landing to the last.", &p->transfer_s,
+                  NULL);
+    tdm_hist_prom(&b, "tandem_disagg_layer_lag_seconds",
+                  "Per write: from its layer finishing to the write landing.", &p->layer_lag_s,
+                  NULL);
+    tdm_hist_prom(&b, "tandem_disagg_transfer_bytes", "Per request: KV and context bytes sent.",
+                  &p->bytes_h, NULL);
+    tdm_sbuf_printf(&b,
+                    "# HELP tandem_disagg_prefill_queue_depth Prefill requests accepted and not "
+                    "finished.\n# TYPE tandem_disagg_prefill_queue_depth gauge\n"
+                    "tandem_disagg_prefill_queue_depth %d\n",
+                    p->n_jobs);
+    tdm_sbuf_printf(&b,
+                    "# HELP tandem_disagg_prefills_total Prefill requests whose writes all "
+                    "landed.\n# TYPE tandem_disagg_prefills_total counter\n"
+                    "tandem_disagg_prefills_total %llu\n",
+                    (unsigned long long)p->jobs_ok);
+    tdm_sbuf_printf(&b,
+                    "# HELP tandem_disagg_writes_total KV and context writes completed.\n"
+                    "# TYPE tandem_disagg_writes_total counter\ntandem_disagg_writes_total %llu\n",
+                    (unsigned long long)p->writes_total);
+    tdm_sbuf_printf(&b,
+                    "# HELP tandem_disagg_write_bytes_total Bytes written to decoders.\n"
+                    "# TYPE tandem_disagg_write_bytes_total counter\n"
+                    "tandem_disagg_write_bytes_total %llu\n",
+                    (unsigned long long)p->bytes_total);
+    tdm_sbuf_printf(&b,
+                    "# HELP tandem_disagg_writes_landed_during_forward_total Writes that landed "
+                    "while the forward pass that produced them was still running (layer "
+                    "streaming).\n# TYPE tandem_disagg_writes_landed_during_forward_total "
+                    "counter\ntandem_disagg_writes_landed_during_forward_total %llu\n",
+                    (unsigned long long)p->landed_during_forward);
+    tdm_sbuf_printf(&b, "# HELP tandem_disagg_transfer_errors_total Failed prefill requests, "
+                        "by kind.\n# TYPE tandem_disagg_transfer_errors_total counter\n");
+    for (int i = 0; i < N_PERR; i++)
+        tdm_sbuf_printf(&b, "tandem_disagg_transfer_errors_total{kind=\"%s\"} %llu\n",
+                        perr_names[i], (unsigned long long)p->errors[i]);
+    pthread_mutex_unlock(&p->mu);
+    return tdm_sbuf_take(&b);
+}

@@ -1,0 +1,484 @@
+/*
+ * `tandem bench xfer`: bandwidth of paged writes over page sizes 4 KiB..1 MiB and the latency of
+ * a small write, per libfabric provider, each printed next to a reference measured in the same
+ * run: iperf3 loopback TCP throughput for tcp (iperf3 -s -1 and iperf3 -c ... -J as child
+ * processes, the JSON parsed with jansson), and single-thread memcpy bandwidth for shm.
+ *
+ * Shape: one process, two engines (a writer and a target) joined over the provider, so both
+ * progress threads run as they would in two nodes. A paged write moves --pages-per-write pages
+ * chosen at random (no two contiguous, so no merging helps: the worst case of a real KV pool)
+ * and carries an immediate; the target's counter fires when every write of the round has
+ * landed, and that instant ends the timing (bytes landed, not bytes posted). Up to --window
+ * writes are in flight. Latency: ping-pong of 8-byte writes with immediates, each side's counter
+ * callback posting the reply; the one-way figure is half the median round trip.
+ *
+ * Output check: after the last round the target's pages are compared with the writer's source
+ * pages and a checksum of the destination region is printed, so a fast wrong answer shows.
+ * The CUDA IPC transport is measured by tests/tools/xfer_cuda_check.cu on a two-GPU machine.
+ */
+#include <fcntl.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tandem/xfer.h"
+#include "tools/tools_int.h"
+
+struct bx_opts {
+    const char *providers; /* comma-separated */
+    const char *node;
+    int64_t region_mib;
+    int64_t pages_per_write;
+    int64_t window;
+    int64_t round_mib;
+    int64_t rounds;
+    int64_t pings;
+    int64_t iperf_seconds;
+};
+
+struct bx_fire {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int fired;
+    tdm_status st;
+};
+
+static void bx_on_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
+{
+    struct bx_fire *f = ctx;
+    pthread_mutex_lock(&f->mu);
+    f->fired++;
+    f->st = st;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+}
+
+static tdm_status bx_wait_fire(struct bx_fire *f, int want, int timeout_ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += timeout_ms / 1000;
+    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&f->mu);
+    while (f->fired < want)
+        if (pthread_cond_timedwait(&f->cv, &f->mu, &ts) != 0) break;
+    tdm_status st = f->fired >= want ? f->st : TDM_ETIMEDOUT;
+    pthread_mutex_unlock(&f->mu);
+    return st;
+}
+
+/* ---- references ---- */
+
+static double bx_memcpy_gbs(void)
+{
+    size_t n = (size_t)64 << 20;
+    uint8_t *a = tdm_alloc_aligned(n), *b = tdm_alloc_aligned(n);
+    double best = 0;
+    if (!a || !b) goto out;
+    memset(a, 1, n);
+    memset(b, 2, n);
+    for (int i = 0; i < 5; i++) {
+        uint64_t t0 = tdm_now_ns();
+        memcpy(i & 1 ? a : b, i & 1 ? b : a, n);
+        double gbs = (double)n / ((double)(tdm_now_ns() - t0) * 1e-9) / 1e9;
+        if (gbs > best) best = gbs;
+    }
+out:
+    tdm_free_aligned(a);
+    tdm_free_aligned(b);
+    return best;
+}
+
+/* Runs iperf3 server and client on loopback; returns received GB/s, or 0 when unavailable. */
+static double bx_iperf3_gbs(int seconds)
+{
+    int port = 20000 + (int)(getpid() % 20000);
+    char port_s[16], secs_s[16];
+    snprintf(port_s, sizeof(port_s), "%d", port);
+    snprintf(secs_s, sizeof(secs_s), "%d", seconds);
+    pid_t server = fork();
+    if (server < 0) return 0;
+    if (server == 0) {
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0) dup2(devnull, 1), dup2(devnull, 2);
+        execlp("iperf3", "iperf3", "-s", "-1", "-p", port_s, (char *)NULL);
+        _exit(127);
+    }
+    usleep(300000);
+    int fds[2];
+    double gbs = 0;
+    if (pipe(fds) != 0) goto out_server;
+    pid_t client = fork();
+    if (client == 0) {
+        dup2(fds[1], 1);
+        close(fds[0]);
+        execlp("iperf3", "iperf3", "-c", "127.0.0.1", "-p", port_s, "-t", secs_s, "-J",
+               (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    size_t cap = 1 << 20, len = 0;
+    char *buf = malloc(cap + 1);
+    ssize_t n;
+    while (buf && (n = read(fds[0], buf + len, cap - len)) > 0 && len < cap)
+        len += (size_t)n;
+    close(fds[0]);
+    if (client > 0) waitpid(client, NULL, 0);
+    if (buf) {
+        buf[len] = '\0';
+        json_error_t jerr;
+        json_t *root = json_loads(buf, 0, &jerr);
+        json_t *bps = json_object_get(json_object_get(json_object_get(root, "end"), "sum_received"),
+                                      "bits_per_second");
+        if (json_is_number(bps)) gbs = json_number_value(bps) / 8e9;
+        json_decref(root);
+    }
+    free(buf);
+out_server:
+    kill(server, SIGTERM);
+    waitpid(server, NULL, 0);
+    return gbs;
+}
+
+/* ---- one provider ---- */
+
+struct bx_pair {
+    tdm_xfer_t *w, *t; /* writer, target */
+    uint32_t w_to_t, t_to_w;
+    uint8_t *src, *dst;
+    size_t region_bytes;
+    tdm_xfer_mr_t *src_mr, *dst_mr;
+    struct tdm_xfer_rmem dst_rmem, src_rmem; /* src_rmem: the writer's region, for pongs */
+};
+
+static void bx_pair_free(struct bx_pair *p)
+{
+    tdm_xfer_mr_dereg(p->src_mr);
+    tdm_xfer_mr_dereg(p->dst_mr);
+    tdm_xfer_destroy(p->w);
+    tdm_xfer_destroy(p->t);
+    tdm_free_aligned(p->src);
+    tdm_free_aligned(p->dst);
+}
+
+static tdm_status bx_pair_open(const char *provider, const char *node, size_t region_bytes,
+                               struct bx_pair *p)
+{
+    memset(p, 0, sizeof(*p));
+    struct tdm_xfer_config cfg;
+    tdm_xfer_config_default(&cfg);
+    cfg.provider = provider;
+    cfg.node = !strcmp(provider, "shm") ? NULL : node;
+    cfg.faults = "";
+    cfg.op_timeout_ms = 30000;
+    cfg.peer_timeout_ms = 10000; /* a loaded machine must not fake a death mid-run */
+    tdm_status st;
+    if ((st = tdm_xfer_create(&cfg, &p->w)) != TDM_OK) return st;
+    if ((st = tdm_xfer_create(&cfg, &p->t)) != TDM_OK) return st;
+    p->region_bytes = region_bytes;
+    p->src = tdm_alloc_aligned(region_bytes);
+    p->dst = tdm_alloc_aligned(region_bytes);
+    if (!p->src || !p->dst) return tdm_err_set(TDM_ENOMEM, "bench xfer: out of memory");
+    for (size_t i = 0; i < region_bytes; i += 8) {
+        uint64_t v = (i + 1) * 0x9E3779B97F4A7C15ull;
+        memcpy(p->src + i, &v, 8);
+    }
+    memset(p->dst, 0, region_bytes);
+    if ((st = tdm_xfer_mr_reg(p->w, p->src, region_bytes, TDM_XFER_MEM_HOST, &p->src_mr)) ||
+        (st = tdm_xfer_mr_reg(p->t, p->dst, region_bytes, TDM_XFER_MEM_HOST, &p->dst_mr)))
+        return st;
+    tdm_xfer_mr_remote(p->dst_mr, &p->dst_rmem);
+    tdm_xfer_mr_remote(p->src_mr, &p->src_rmem);
+    char addr[TDM_XFER_ADDR_MAX];
+    if ((st = tdm_xfer_addr(p->t, addr, sizeof(addr))) ||
+        (st = tdm_xfer_peer_add(p->w, addr, &p->w_to_t)) ||
+        (st = tdm_xfer_peer_wait(p->w, p->w_to_t, 5000)))
+        return st;
+    if ((st = tdm_xfer_addr(p->w, addr, sizeof(addr))) ||
+        (st = tdm_xfer_peer_add(p->t, addr, &p->t_to_w)) ||
+        (st = tdm_xfer_peer_wait(p->t, p->t_to_w, 5000)))
+        return st;
+    return TDM_OK;
+}
+
+static uint64_t bx_rand(uint64_t *s)
+{
+    *s ^= *s << 13, *s ^= *s >> 7, *s ^= *s << 17;
+    return *s;
+}
+
+/* Bandwidth in GB/s for one page size; *verified says whether the last round's pages match. */
+static tdm_status bx_bandwidth(struct bx_pair *p, const struct bx_opts *o, size_t page, double *gbs,
+                               bool *verified, uint64_t *checksum)
+{
+    uint32_t region_pages = (uint32_t)(p->region_bytes / page);
+    uint32_t per_write = (uint32_t)TDM_MIN((int64_t)region_pages, o->pages_per_write);
+    size_t round_bytes = (size_t)o->round_mib << 20;
+    uint32_t writes = (uint32_t)TDM_MAX(1, round_bytes / (page * per_write));
+    if (writes > 4000) writes = 4000;
+    uint32_t *sp = malloc(sizeof(uint32_t) * region_pages);
+    uint32_t *dp = malloc(sizeof(uint32_t) * region_pages);
+    if (!sp || !dp) {
+        free(sp);
+        free(dp);
+        return tdm_err_set(TDM_ENOMEM, "bench xfer: out of memory");
+    }
+    uint64_t rs = 0x1234567ull + page;
+    /* a permutation where no two consecutive entries are consecutive pages (no merging) */
+    for (uint32_t i = 0; i < region_pages; i++)
+        sp[i] = dp[i] = i;
+    for (uint32_t i = 0; i + 1 < region_pages; i++) {
+        uint32_t j = i + (uint32_t)(bx_rand(&rs) % (region_pages - i)), t = sp[i];
+        sp[i] = sp[j], sp[j] = t;
+        j = i + (uint32_t)(bx_rand(&rs) % (region_pages - i)), t = dp[i];
+        dp[i] = dp[j], dp[j] = t;
+    }
+    tdm_status st = TDM_OK;
+    double best = 0;
+    struct tdm_xfer_sync sync;
+    tdm_xfer_sync_init(&sync);
+    for (int64_t round = 0; round < o->rounds && st == TDM_OK; round++) {
+        struct bx_fire f = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, TDM_OK};
+        uint32_t epoch = (uint32_t)(round + 1) & 0xff;
+        st = tdm_xfer_counters_arm(tdm_xfer_get_counters(p->t), 1, epoch, writes, p->t_to_w, 60000,
+                                   bx_on_fire, &f);
+        if (st != TDM_OK) break;
+        uint64_t t0 = tdm_now_ns();
+        for (uint32_t w = 0; w < writes && st == TDM_OK; w++) {
+            uint32_t off = (uint32_t)(((uint64_t)w * per_write) % (region_pages - per_write + 1));
+            struct tdm_xfer_pages pages = {sp + off, dp + off, per_write, page, page, page, 0, 0};
+            struct tdm_xfer_imm imm = {1, epoch, w};
+            pthread_mutex_lock(&sync.mu); /* every accepted write's done fires: no hang */
+            while (sync.pending >= o->window)
+                pthread_cond_wait(&sync.cv, &sync.mu);
+            pthread_mutex_unlock(&sync.mu);
+            tdm_xfer_sync_add(&sync, 1);
+            while ((st = tdm_xfer_write_pages(p->w, p->w_to_t, p->src_mr, &p->dst_rmem, &pages,
+                                              &imm, 0, tdm_xfer_sync_done, &sync)) == TDM_EAGAIN)
+                ;
+            if (st != TDM_OK) tdm_xfer_sync_done(&sync, st);
+        }
+        if (st == TDM_OK) st = bx_wait_fire(&f, 1, 60000);
+        double sec = (double)(tdm_now_ns() - t0) * 1e-9;
+        tdm_status st2 = tdm_xfer_sync_wait(&sync, 60000);
+        if (st == TDM_OK) st = st2;
+        double r = (double)writes * per_write * page / sec / 1e9;
+        if (st == TDM_OK && r > best) best = r;
+    }
+    tdm_xfer_sync_destroy(&sync);
+    /* the final state: every destination page written in the last round holds its source */
+    bool ok = st == TDM_OK;
+    for (uint32_t w = 0; w < writes && ok; w++) {
+        uint32_t off = (uint32_t)(((uint64_t)w * per_write) % (region_pages - per_write + 1));
+        for (uint32_t i = 0; i < per_write && ok; i++)
+            ok = !memcmp(p->dst + (size_t)dp[off + i] * page, p->src + (size_t)sp[off + i] * page,
+                         page);
+    }
+    uint64_t h = 1469598103934665603ull; /* FNV-1a over every 8-byte word of the destination */
+    for (size_t i = 0; i + 8 <= p->region_bytes; i += 8) {
+        uint64_t v;
+        memcpy(&v, p->dst + i, 8);
+        h = (h ^ v) * 1099511628211ull;
+    }
+    *gbs = best;
+    *verified = ok;
+    *checksum = h;
+    free(sp);
+    free(dp);
+    return st;
+}
+
+/* Ping-pong: the target's counter callback writes back; returns the median one-way in us. */
+struct bx_pong {
+    struct bx_pair *p;
+};
+static void bx_pong_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
+{
+    struct bx_pair *p = ctx;
+    if (st != TDM_OK) return;
+    struct tdm_xfer_imm imm = {2, epoch, 0};
+    tdm_xfer_counters_arm(tdm_xfer_get_counters(p->t), 2, (epoch + 1) & 0xff, 1, p->t_to_w, 10000,
+                          bx_pong_fire, p);
+    tdm_xfer_write(p->t, p->t_to_w, p->dst_mr, 64, &p->src_rmem, 64, 8, &imm, 0, NULL, NULL);
+}
+
+static int bx_cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static tdm_status bx_latency(struct bx_pair *p, int pings, double *one_way_us)
+{
+    uint64_t *rtt = malloc(sizeof(uint64_t) * (size_t)pings);
+    if (!rtt) return tdm_err_set(TDM_ENOMEM, "bench xfer: out of memory");
+    tdm_status st = tdm_xfer_counters_arm(tdm_xfer_get_counters(p->t), 2, 0, 1, p->t_to_w, 10000,
+                                          bx_pong_fire, p);
+    int warm = pings / 10 + 10;
+    for (int i = 0; i < pings + warm && st == TDM_OK; i++) {
+        uint32_t epoch = (uint32_t)i & 0xff;
+        struct bx_fire f = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, TDM_OK};
+        st = tdm_xfer_counters_arm(tdm_xfer_get_counters(p->w), 2, epoch, 1, p->w_to_t, 10000,
+                                   bx_on_fire, &f);
+        if (st != TDM_OK) break;
+        struct tdm_xfer_imm imm = {2, epoch, 0};
+        uint64_t t0 = tdm_now_ns();
+        if ((st = tdm_xfer_write(p->w, p->w_to_t, p->src_mr, 0, &p->dst_rmem, 0, 8, &imm, 0, NULL,
+                                 NULL)) != TDM_OK)
+            break;
+        st = bx_wait_fire(&f, 1, 10000);
+        if (i >= warm) rtt[i - warm] = tdm_now_ns() - t0;
+    }
+    tdm_xfer_counters_cancel(tdm_xfer_get_counters(p->t), 2, (uint32_t)(pings + warm) & 0xff);
+    if (st == TDM_OK) {
+        qsort(rtt, (size_t)pings, sizeof(uint64_t), bx_cmp_u64);
+        *one_way_us = (double)rtt[pings / 2] / 2e3;
+    }
+    free(rtt);
+    return st;
+}
+
+static void bx_usage(void)
+{
+    fprintf(stderr,
+            "usage: tandem bench xfer [options]\n"
+            "  --provider LIST      comma-separated libfabric providers (default "
+            "\"tcp;ofi_rxm,shm\")\n"
+            "  --node ADDR          local address for tcp (default 127.0.0.1)\n"
+            "  --region-mib N       registered region per side (default 256)\n"
+            "  --pages-per-write N  pages in one paged write (default 64)\n"
+            "  --window N           paged writes in flight (default 16)\n"
+            "  --round-mib N        bytes moved per timed round (default 512)\n"
+            "  --rounds N           timed rounds per page size; best is shown (default 3)\n"
+            "  --pings N            latency round trips (default 2000)\n"
+            "  --iperf-seconds N    iperf3 reference duration (default 3)\n"
+            "The CUDA IPC transport: tests/tools/xfer_cuda_check.cu on a two-GPU machine.\n");
+}
+
+int tdm_cmd_bench_xfer(int argc, char **argv)
+{
+    struct bx_opts o = {"tcp;ofi_rxm,shm", "127.0.0.1", 256, 64, 16, 512, 3, 2000, 3};
+    static const struct option opts[] = {{"provider", required_argument, 0, 'p'},
+                                         {"node", required_argument, 0, 'n'},
+                                         {"region-mib", required_argument, 0, 'r'},
+                                         {"pages-per-write", required_argument, 0, 'k'},
+                                         {"window", required_argument, 0, 'w'},
+                                         {"round-mib", required_argument, 0, 'b'},
+                                         {"rounds", required_argument, 0, 'R'},
+                                         {"pings", required_argument, 0, 'l'},
+                                         {"iperf-seconds", required_argument, 0, 'i'},
+                                         {"transport", required_argument, 0, 't'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    optind = 1;
+    int c;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        bool ok = true;
+        switch (c) {
+        case 'p':
+            o.providers = optarg;
+            break;
+        case 'n':
+            o.node = optarg;
+            break;
+        case 'r':
+            ok = tdm_tool_int("--region-mib", optarg, 4, 4096, &o.region_mib);
+            break;
+        case 'k':
+            ok = tdm_tool_int("--pages-per-write", optarg, 1, 16384, &o.pages_per_write);
+            break;
+        case 'w':
+            ok = tdm_tool_int("--window", optarg, 1, 512, &o.window);
+            break;
+        case 'b':
+            ok = tdm_tool_int("--round-mib", optarg, 1, 1 << 16, &o.round_mib);
+            break;
+        case 'R':
+            ok = tdm_tool_int("--rounds", optarg, 1, 100, &o.rounds);
+            break;
+        case 'l':
+            ok = tdm_tool_int("--pings", optarg, 10, 1000000, &o.pings);
+            break;
+        case 'i':
+            ok = tdm_tool_int("--iperf-seconds", optarg, 1, 60, &o.iperf_seconds);
+            break;
+        case 't':
+            if (strcmp(optarg, "fabric") != 0) {
+                fprintf(stderr, "tandem: the cuda-ipc transport is measured by "
+                                "tests/tools/xfer_cuda_check.cu (needs GPUs)\n");
+                return 2;
+            }
+            break;
+        case 'h':
+            bx_usage();
+            return 0;
+        default:
+            bx_usage();
+            return 2;
+        }
+        if (!ok) return 2;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "tandem: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    static const size_t sizes[] = {4096, 16384, 65536, 262144, 1048576};
+    char provs[256];
+    snprintf(provs, sizeof(provs), "%s", o.providers);
+    int rc = 0;
+    char *save = NULL;
+    for (char *prov = strtok_r(provs, ",", &save); prov; prov = strtok_r(NULL, ",", &save)) {
+        bool tcp = strstr(prov, "tcp") != NULL;
+        double ref = tcp ? bx_iperf3_gbs((int)o.iperf_seconds) : bx_memcpy_gbs();
+        const char *ref_name = tcp ? "iperf3 loopback TCP" : "memcpy, 1 thread";
+        struct bx_pair p;
+        tdm_status st = bx_pair_open(prov, o.node, (size_t)o.region_mib << 20, &p);
+        if (st != TDM_OK) {
+            fprintf(stderr, "tandem: bench xfer: %s: %s\n", prov, tdm_err_msg());
+            bx_pair_free(&p);
+            rc = 1;
+            continue;
+        }
+        struct tdm_xfer_caps caps;
+        tdm_xfer_get_caps(p.w, &caps);
+        printf("provider %s (%d-bit immediates, delivery-complete %s); reference: %s %.2f GB/s%s\n",
+               caps.provider, caps.imm_bits, caps.delivery_complete ? "yes" : "no", ref_name, ref,
+               ref > 0 ? "" : " (unavailable)");
+        printf("  %-9s %8s %10s %10s %7s  %s\n", "page", "pages/wr", "GB/s", "ref GB/s", "ratio",
+               "check");
+        for (size_t i = 0; i < TDM_ARRAY_LEN(sizes) && st == TDM_OK; i++) {
+            double gbs = 0;
+            bool verified = false;
+            uint64_t sum = 0;
+            st = bx_bandwidth(&p, &o, sizes[i], &gbs, &verified, &sum);
+            if (st != TDM_OK) break;
+            char pg[32];
+            snprintf(pg, sizeof(pg), "%zu KiB", sizes[i] >> 10);
+            printf("  %-9s %8lld %10.2f %10.2f %6.0f%%  %s %016llx\n", pg,
+                   (long long)TDM_MIN(o.pages_per_write, (int64_t)(p.region_bytes / sizes[i])), gbs,
+                   ref, ref > 0 ? 100 * gbs / ref : 0.0, verified ? "verified" : "MISMATCH",
+                   (unsigned long long)sum);
+            if (!verified) rc = 1;
+        }
+        double us = 0;
+        if (st == TDM_OK) st = bx_latency(&p, (int)o.pings, &us);
+        if (st == TDM_OK)
+            printf("  8-byte write + immediate, one-way latency (median of %lld): %.1f us\n",
+                   (long long)o.pings, us);
+        else {
+            fprintf(stderr, "tandem: bench xfer: %s: %s\n", prov, tdm_err_msg());
+            rc = 1;
+        }
+        fflush(stdout);
+        bx_pair_free(&p);
+    }
+    return rc;
+}

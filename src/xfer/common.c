@@ -1,0 +1,405 @@
+/*
+ * The transport-independent pieces of the transfer engine: page-list validation and run merging,
+ * immediate encoding, fault-injection parsing and decisions, printable addresses, the internal
+ * wire header, packed remote-memory descriptors and the synchronous waiter.
+ *
+ * Everything here is a pure function of its arguments (fault decisions draw from the
+ * counter-based RNG keyed on (seed, stream, sequence number), so a given spec and arrival order
+ * always give the same fates). Bytes from peers (addresses, headers, hello payloads, packed
+ * descriptors) are validated and never trusted; fuzz_xfer_wire exercises those parsers.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "xfer/xfer_int.h"
+
+/* ---- pages ---- */
+
+tdm_status tdm_xfer_pages_check(const struct tdm_xfer_pages *p, uint64_t src_bytes,
+                                uint64_t dst_bytes, uint32_t max_pages)
+{
+    if (!p || p->n_pages == 0 || !p->src_pages || !p->dst_pages)
+        return tdm_err_set(TDM_EINVAL, "xfer: empty page list");
+    if (p->n_pages > max_pages)
+        return tdm_err_set(TDM_ERANGE, "xfer: %u pages in one write (cap %u)", p->n_pages,
+                           max_pages);
+    if (p->page_bytes == 0) return tdm_err_set(TDM_EINVAL, "xfer: page_bytes is 0");
+    for (uint32_t i = 0; i < p->n_pages; i++) {
+        uint64_t so, doff;
+        if (__builtin_mul_overflow((uint64_t)p->src_pages[i], p->src_stride, &so) ||
+            __builtin_add_overflow(so, p->src_offset, &so) || so > src_bytes ||
+            src_bytes - so < p->page_bytes)
+            return tdm_err_set(TDM_ERANGE, "xfer: source page %u (entry %u) outside the region",
+                               p->src_pages[i], i);
+        if (__builtin_mul_overflow((uint64_t)p->dst_pages[i], p->dst_stride, &doff) ||
+            __builtin_add_overflow(doff, p->dst_offset, &doff) || doff > dst_bytes ||
+            dst_bytes - doff < p->page_bytes)
+            return tdm_err_set(TDM_ERANGE,
+                               "xfer: destination page %u (entry %u) outside the region",
+                               p->dst_pages[i], i);
+    }
+    return TDM_OK;
+}
+
+uint32_t tdm_xfer_pages_merge(const struct tdm_xfer_pages *p, uint64_t max_run_bytes,
+                              struct tdm_xfer_run *runs)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < p->n_pages; i++) {
+        uint64_t so = p->src_offset + (uint64_t)p->src_pages[i] * p->src_stride;
+        uint64_t doff = p->dst_offset + (uint64_t)p->dst_pages[i] * p->dst_stride;
+        if (n > 0) {
+            struct tdm_xfer_run *r = &runs[n - 1];
+            if (r->src_off + r->bytes == so && r->dst_off + r->bytes == doff &&
+                r->bytes + p->page_bytes <= max_run_bytes) {
+                r->bytes += p->page_bytes;
+                r->n_pages++;
+                continue;
+            }
+        }
+        runs[n++] = (struct tdm_xfer_run){so, doff, p->page_bytes, i, 1};
+    }
+    return n;
+}
+
+/* ---- immediates ---- */
+
+struct imm_layout {
+    int slot_bits, epoch_bits, index_bits;
+};
+
+static struct imm_layout imm_layout(int imm_bits)
+{
+    return imm_bits >= 64 ? (struct imm_layout){24, 16, 24} : (struct imm_layout){12, 8, 12};
+}
+
+tdm_status tdm_xfer_imm_encode(int imm_bits, const struct tdm_xfer_imm *imm, uint64_t *out)
+{
+    struct imm_layout l = imm_layout(imm_bits);
+    if (imm->slot >> l.slot_bits || imm->epoch >> l.epoch_bits || imm->index >> l.index_bits)
+        return tdm_err_set(TDM_ERANGE,
+                           "xfer: immediate (slot %u, epoch %u, index %u) does not fit %d bits",
+                           imm->slot, imm->epoch, imm->index, imm_bits);
+    *out = ((uint64_t)imm->slot << (l.epoch_bits + l.index_bits)) |
+           ((uint64_t)imm->epoch << l.index_bits) | imm->index;
+    return TDM_OK;
+}
+
+void tdm_xfer_imm_decode(int imm_bits, uint64_t data, struct tdm_xfer_imm *out)
+{
+    struct imm_layout l = imm_layout(imm_bits);
+    out->index = (uint32_t)(data & ((1ull << l.index_bits) - 1));
+    out->epoch = (uint32_t)((data >> l.index_bits) & ((1ull << l.epoch_bits) - 1));
+    out->slot = (uint32_t)((data >> (l.index_bits + l.epoch_bits)) & ((1ull << l.slot_bits) - 1));
+}
+
+/* ---- fault injection ---- */
+
+static bool parse_prob(const char *v, double *out)
+{
+    double d;
+    if (!tdm_parse_f64(v, &d) || !(d >= 0.0 && d <= 1.0)) return false;
+    *out = d;
+    return true;
+}
+
+tdm_status tdm_xfer_faults_parse(const char *spec, struct tdm_xfer_faults *out)
+{
+    struct tdm_xfer_faults f = {.seed = 1};
+    if (spec && *spec) {
+        if (strlen(spec) > 512) return tdm_err_set(TDM_EINVAL, "xfer faults: spec too long");
+        char buf[520];
+        strcpy(buf, spec);
+        char *save = NULL;
+        for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+            char *eq = strchr(tok, '=');
+            if (!eq) return tdm_err_set(TDM_EINVAL, "xfer faults: '%s' is not key=value", tok);
+            *eq = '\0';
+            const char *k = tok, *v = eq + 1;
+            bool ok;
+            int64_t i64;
+            if (!strcmp(k, "drop_imm"))
+                ok = parse_prob(v, &f.drop_imm);
+            else if (!strcmp(k, "dup_imm"))
+                ok = parse_prob(v, &f.dup_imm);
+            else if (!strcmp(k, "reorder_imm"))
+                ok = parse_prob(v, &f.reorder_imm);
+            else if (!strcmp(k, "fail_write"))
+                ok = parse_prob(v, &f.fail_write);
+            else if (!strcmp(k, "delay_imm_ms")) {
+                ok = tdm_parse_i64(v, 0, 60000, &i64);
+                f.delay_imm_ms = (int)i64;
+            } else if (!strcmp(k, "seed")) {
+                ok = tdm_parse_i64(v, 0, INT64_MAX, &i64);
+                f.seed = (uint64_t)i64;
+            } else
+                return tdm_err_set(TDM_EINVAL, "xfer faults: unknown key '%s'", k);
+            if (!ok) return tdm_err_set(TDM_EINVAL, "xfer faults: bad value for %s: '%s'", k, v);
+        }
+    }
+    if (f.drop_imm + f.dup_imm + f.reorder_imm > 1.0)
+        return tdm_err_set(TDM_EINVAL, "xfer faults: drop_imm + dup_imm + reorder_imm > 1");
+    f.any = f.drop_imm > 0 || f.dup_imm > 0 || f.reorder_imm > 0 || f.delay_imm_ms > 0 ||
+            f.fail_write > 0;
+    *out = f;
+    return TDM_OK;
+}
+
+/* Streams of the counter-based RNG, so imm and write decisions never share draws. */
+enum { FAULT_STREAM_IMM = 0x494d4d, FAULT_STREAM_WRITE = 0x575254 };
+
+enum tdm_xfer_imm_fate tdm_xfer_faults_imm(const struct tdm_xfer_faults *f, uint64_t seq)
+{
+    if (!f->any) return TDM_XFER_IMM_DELIVER;
+    double u = tdm_rng_uniform(f->seed, FAULT_STREAM_IMM, (uint32_t)seq, (uint32_t)(seq >> 32));
+    if (u < f->drop_imm) return TDM_XFER_IMM_DROP;
+    if (u < f->drop_imm + f->dup_imm) return TDM_XFER_IMM_DUP;
+    if (u < f->drop_imm + f->dup_imm + f->reorder_imm) return TDM_XFER_IMM_REORDER;
+    return TDM_XFER_IMM_DELIVER;
+}
+
+bool tdm_xfer_faults_write(const struct tdm_xfer_faults *f, uint64_t seq)
+{
+    if (f->fail_write <= 0) return false;
+    return tdm_rng_uniform(f->seed, FAULT_STREAM_WRITE, (uint32_t)seq, (uint32_t)(seq >> 32)) <
+           f->fail_write;
+}
+
+/* ---- printable addresses ---- */
+
+tdm_status tdm_xfer_addr_encode(const void *raw, size_t n, char *buf, size_t cap)
+{
+    static const char hex[] = "0123456789abcdef";
+    if (cap < 3 + 2 * n + 1) return tdm_err_set(TDM_ERANGE, "xfer: address buffer too small");
+    memcpy(buf, "x1:", 3);
+    const uint8_t *p = raw;
+    for (size_t i = 0; i < n; i++) {
+        buf[3 + 2 * i] = hex[p[i] >> 4];
+        buf[3 + 2 * i + 1] = hex[p[i] & 15];
+    }
+    buf[3 + 2 * n] = '\0';
+    return TDM_OK;
+}
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+tdm_status tdm_xfer_addr_decode(const char *s, void *raw, size_t cap, size_t *n)
+{
+    if (!s || strncmp(s, "x1:", 3) != 0)
+        return tdm_err_set(TDM_EFORMAT, "xfer: address must start with 'x1:'");
+    s += 3;
+    size_t len = strnlen(s, 2 * cap + 2);
+    if (len == 0 || len % 2) return tdm_err_set(TDM_EFORMAT, "xfer: address has odd length");
+    if (len / 2 > cap) return tdm_err_set(TDM_ERANGE, "xfer: address longer than %zu bytes", cap);
+    uint8_t *p = raw;
+    for (size_t i = 0; i < len / 2; i++) {
+        int hi = hexval(s[2 * i]), lo = hexval(s[2 * i + 1]);
+        if (hi < 0 || lo < 0) return tdm_err_set(TDM_EFORMAT, "xfer: address is not hex");
+        p[i] = (uint8_t)(hi << 4 | lo);
+    }
+    *n = len / 2;
+    return TDM_OK;
+}
+
+/* ---- wire ---- */
+
+void tdm_xfer_wire_put_hdr(uint8_t *buf, uint8_t type, uint64_t nonce, uint32_t payload_bytes)
+{
+    tdm_put_u32(buf, TDM_XFER_WIRE_MAGIC);
+    buf[4] = TDM_XFER_WIRE_VERSION;
+    buf[5] = type;
+    tdm_put_u16(buf + 6, 0);
+    tdm_put_u64(buf + 8, nonce);
+    tdm_put_u32(buf + 16, payload_bytes);
+}
+
+tdm_status tdm_xfer_wire_parse(const uint8_t *buf, size_t n, struct tdm_xfer_wire_hdr *hdr,
+                               const uint8_t **payload)
+{
+    if (n < TDM_XFER_WIRE_HDR) return tdm_err_set(TDM_EFORMAT, "xfer: short message (%zu)", n);
+    if (tdm_get_u32(buf) != TDM_XFER_WIRE_MAGIC)
+        return tdm_err_set(TDM_EFORMAT, "xfer: bad message magic");
+    if (buf[4] != TDM_XFER_WIRE_VERSION)
+        return tdm_err_set(TDM_EFORMAT, "xfer: message version %u", buf[4]);
+    uint8_t type = buf[5];
+    if (type < TDM_XFER_MSG_HELLO || type > TDM_XFER_MSG_BYE)
+        return tdm_err_set(TDM_EFORMAT, "xfer: unknown message type %u", type);
+    uint32_t len = tdm_get_u32(buf + 16);
+    if ((uint64_t)len != n - TDM_XFER_WIRE_HDR)
+        return tdm_err_set(TDM_EFORMAT, "xfer: payload length %u but %zu bytes arrived", len,
+                           n - TDM_XFER_WIRE_HDR);
+    if (type == TDM_XFER_MSG_IMM && len != 8)
+        return tdm_err_set(TDM_EFORMAT, "xfer: immediate message of %u bytes", len);
+    if (type == TDM_XFER_MSG_HEARTBEAT && len != 0)
+        return tdm_err_set(TDM_EFORMAT, "xfer: heartbeat with payload");
+    hdr->type = type;
+    hdr->nonce = tdm_get_u64(buf + 8);
+    hdr->payload_bytes = len;
+    *payload = buf + TDM_XFER_WIRE_HDR;
+    return TDM_OK;
+}
+
+size_t tdm_xfer_wire_hello_put(uint8_t *buf, size_t cap, int imm_bits, const void *addr,
+                               size_t addr_bytes)
+{
+    if (cap < 3 + addr_bytes || addr_bytes > UINT16_MAX) return 0;
+    buf[0] = (uint8_t)imm_bits;
+    tdm_put_u16(buf + 1, (uint16_t)addr_bytes);
+    memcpy(buf + 3, addr, addr_bytes);
+    return 3 + addr_bytes;
+}
+
+tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, int *imm_bits,
+                                     const uint8_t **addr, size_t *addr_bytes)
+{
+    if (n < 3) return tdm_err_set(TDM_EFORMAT, "xfer: short hello");
+    if (p[0] != 32 && p[0] != 64) return tdm_err_set(TDM_EFORMAT, "xfer: hello imm_bits %u", p[0]);
+    size_t len = tdm_get_u16(p + 1);
+    if (len == 0 || len != n - 3)
+        return tdm_err_set(TDM_EFORMAT, "xfer: hello address of %zu bytes in %zu", len, n - 3);
+    *imm_bits = p[0];
+    *addr = p + 3;
+    *addr_bytes = len;
+    return TDM_OK;
+}
+
+/* ---- packed remote memory ----
+ *   u64 addr | u64 key | u64 bytes | u32 kind | u32 reserved (0) | 64 bytes ipc handle  = 96 */
+
+void tdm_xfer_rmem_pack(const struct tdm_xfer_rmem *r, uint8_t out[TDM_XFER_RMEM_WIRE])
+{
+    tdm_put_u64(out, r->addr);
+    tdm_put_u64(out + 8, r->key);
+    tdm_put_u64(out + 16, r->bytes);
+    tdm_put_u32(out + 24, r->kind);
+    tdm_put_u32(out + 28, 0);
+    memcpy(out + 32, r->ipc_handle, 64);
+}
+
+tdm_status tdm_xfer_rmem_unpack(const uint8_t *in, size_t bytes, struct tdm_xfer_rmem *out)
+{
+    if (bytes < TDM_XFER_RMEM_WIRE)
+        return tdm_err_set(TDM_EFORMAT, "xfer: remote memory descriptor of %zu bytes", bytes);
+    struct tdm_xfer_rmem r;
+    r.addr = tdm_get_u64(in);
+    r.key = tdm_get_u64(in + 8);
+    r.bytes = tdm_get_u64(in + 16);
+    r.kind = tdm_get_u32(in + 24);
+    if (r.kind != TDM_XFER_MEM_HOST && r.kind != TDM_XFER_MEM_CUDA)
+        return tdm_err_set(TDM_EFORMAT, "xfer: remote memory kind %u", r.kind);
+    if (tdm_get_u32(in + 28) != 0) return tdm_err_set(TDM_EFORMAT, "xfer: reserved field set");
+    if (r.bytes == 0 || r.addr + r.bytes < r.addr)
+        return tdm_err_set(TDM_EFORMAT, "xfer: remote memory range wraps or is empty");
+    memcpy(r.ipc_handle, in + 32, 64);
+    *out = r;
+    return TDM_OK;
+}
+
+/* ---- sync waiter ---- */
+
+void tdm_xfer_sync_init(struct tdm_xfer_sync *s)
+{
+    memset(s, 0, sizeof(*s));
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
+void tdm_xfer_sync_destroy(struct tdm_xfer_sync *s)
+{
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+}
+
+void tdm_xfer_sync_add(struct tdm_xfer_sync *s, int n)
+{
+    pthread_mutex_lock(&s->mu);
+    s->pending += n;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void tdm_xfer_sync_done(void *ctx, tdm_status st)
+{
+    struct tdm_xfer_sync *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    if (st != TDM_OK && s->first_error == TDM_OK) {
+        s->first_error = st;
+        snprintf(s->first_error_msg, sizeof(s->first_error_msg), "%s", tdm_err_msg());
+    }
+    s->pending--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+tdm_status tdm_xfer_sync_wait(struct tdm_xfer_sync *s, int timeout_ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += timeout_ms / 1000;
+    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&s->mu);
+    int rc = 0;
+    while (s->pending > 0 && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    tdm_status st = s->pending > 0 ? TDM_ETIMEDOUT : s->first_error;
+    int pending = s->pending;
+    char msg[256];
+    snprintf(msg, sizeof(msg), "%s", s->first_error_msg);
+    pthread_mutex_unlock(&s->mu);
+    if (st == TDM_ETIMEDOUT)
+        return tdm_err_set(st, "xfer: %d operations still pending after %d ms", pending,
+                           timeout_ms);
+    if (st != TDM_OK) return tdm_err_set(st, "%s", msg);
+    return TDM_OK;
+}
+
+/* ---- the CUDA IPC transport when the library is built without CUDA ---- */
+#ifndef TDM_HAVE_CUDA
+static tdm_status no_cuda(void)
+{
+    return tdm_err_set(TDM_EUNSUPPORTED, "xfer: built without CUDA");
+}
+tdm_status tdm_xfer_cuda_create(int device, int max_pending, tdm_xfer_cuda_t **out)
+{
+    return no_cuda();
+}
+void tdm_xfer_cuda_destroy(tdm_xfer_cuda_t *c) {}
+tdm_status tdm_xfer_cuda_export(void *dptr, size_t bytes, struct tdm_xfer_rmem *out)
+{
+    return no_cuda();
+}
+tdm_status tdm_xfer_cuda_open(const struct tdm_xfer_rmem *r, void **dptr)
+{
+    return no_cuda();
+}
+void tdm_xfer_cuda_close(void *dptr) {}
+tdm_status tdm_xfer_cuda_write_pages(tdm_xfer_cuda_t *c, const void *src, size_t src_bytes,
+                                     void *dst, size_t dst_bytes,
+                                     const struct tdm_xfer_pages *pages,
+                                     const struct tdm_xfer_imm *imm, tdm_xfer_counters_t *counters,
+                                     tdm_xfer_done_fn done, void *ctx)
+{
+    return no_cuda();
+}
+int tdm_xfer_cuda_poll(tdm_xfer_cuda_t *c)
+{
+    return 0;
+}
+tdm_status tdm_xfer_cuda_drain(tdm_xfer_cuda_t *c, int timeout_ms)
+{
+    return no_cuda();
+}
+#endif

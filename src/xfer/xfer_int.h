@@ -1,0 +1,129 @@
+/*
+ * Private declarations of the transfer engine: the pure pieces (run merging, fault-injection
+ * decisions, address and wire encoding) that unit tests and fuzz targets exercise without a
+ * fabric, and the internal message header.
+ *
+ * None of these hold locks or threads; the engine (fabric.c) and the CUDA IPC transport call them.
+ */
+#ifndef TANDEM_XFER_INT_H
+#define TANDEM_XFER_INT_H
+
+#include "tandem/xfer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- paged writes -> runs ---- */
+struct tdm_xfer_run {
+    uint64_t src_off, dst_off, bytes;
+    uint32_t first_page, n_pages; /* which entries of the page list it covers */
+};
+/* Validates a page list against the two region sizes (no overflow, every page inside). */
+tdm_status tdm_xfer_pages_check(const struct tdm_xfer_pages *p, uint64_t src_bytes,
+                                uint64_t dst_bytes, uint32_t max_pages);
+/* Merges consecutive pages contiguous on both sides into runs of at most max_run_bytes (a page
+ * alone is always one run: callers refuse pages above their provider's cap). `runs` has room for
+ * p->n_pages entries. Returns the number of runs. */
+uint32_t tdm_xfer_pages_merge(const struct tdm_xfer_pages *p, uint64_t max_run_bytes,
+                              struct tdm_xfer_run *runs);
+
+/* ---- fault injection ---- */
+struct tdm_xfer_faults {
+    double drop_imm;    /* probability an arriving immediate is never delivered */
+    double dup_imm;     /* probability it is delivered twice */
+    double reorder_imm; /* probability it is held back until the next one has been delivered */
+    int delay_imm_ms;   /* every delivery is late by this much */
+    double fail_write;  /* probability a fabric write fails locally (sender) */
+    uint64_t seed;
+    bool any;
+};
+/* Parses "drop_imm=0.1,delay_imm_ms=50,dup_imm=0.1,reorder_imm=0.5,fail_write=0.05,seed=7".
+ * NULL or "" is no faults. Unknown keys and out-of-range values are TDM_EINVAL. */
+tdm_status tdm_xfer_faults_parse(const char *spec, struct tdm_xfer_faults *out);
+
+enum tdm_xfer_imm_fate {
+    TDM_XFER_IMM_DELIVER = 0,
+    TDM_XFER_IMM_DROP,
+    TDM_XFER_IMM_DUP,
+    TDM_XFER_IMM_REORDER,
+};
+/* The fate of the seq-th arriving immediate: a pure function of (seed, seq). */
+enum tdm_xfer_imm_fate tdm_xfer_faults_imm(const struct tdm_xfer_faults *f, uint64_t seq);
+/* Whether the seq-th write posted by this engine fails. */
+bool tdm_xfer_faults_write(const struct tdm_xfer_faults *f, uint64_t seq);
+
+/* ---- printable addresses ---- */
+/* "x1:" + lowercase hex. Returns TDM_ERANGE when cap is too small. */
+tdm_status tdm_xfer_addr_encode(const void *raw, size_t n, char *buf, size_t cap);
+/* Decodes into raw (cap bytes); validates prefix, even length, hex digits, size. */
+tdm_status tdm_xfer_addr_decode(const char *s, void *raw, size_t cap, size_t *n);
+
+/* ---- the internal message header (every two-sided message) ----
+ *   u32 magic 'TDXF' | u8 version | u8 type | u16 reserved | u64 sender nonce | u32 payload bytes
+ * little-endian, 20 bytes, then the payload. */
+#define TDM_XFER_WIRE_MAGIC   0x46584454u /* "TDXF" */
+#define TDM_XFER_WIRE_VERSION 1
+#define TDM_XFER_WIRE_HDR     20
+enum tdm_xfer_msg_type {
+    TDM_XFER_MSG_HELLO = 1,     /* payload: u8 imm_bits | u16 addr bytes | addr */
+    TDM_XFER_MSG_HEARTBEAT = 2, /* no payload */
+    TDM_XFER_MSG_USER = 3,      /* the user's control message */
+    TDM_XFER_MSG_IMM = 4,       /* payload: u64 encoded immediate (CUDA IPC completions) */
+    TDM_XFER_MSG_BYE = 5,       /* the sender is shutting down cleanly */
+};
+struct tdm_xfer_wire_hdr {
+    uint8_t type;
+    uint64_t nonce;
+    uint32_t payload_bytes;
+};
+void tdm_xfer_wire_put_hdr(uint8_t *buf, uint8_t type, uint64_t nonce, uint32_t payload_bytes);
+/* Parses a received buffer of n bytes: magic, version, known type, payload length == n - header.
+ * *payload points into buf. */
+tdm_status tdm_xfer_wire_parse(const uint8_t *buf, size_t n, struct tdm_xfer_wire_hdr *hdr,
+                               const uint8_t **payload);
+/* HELLO payload. */
+size_t tdm_xfer_wire_hello_put(uint8_t *buf, size_t cap, int imm_bits, const void *addr,
+                               size_t addr_bytes);
+tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, int *imm_bits,
+                                     const uint8_t **addr, size_t *addr_bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+static inline void tdm_put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline void tdm_put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void tdm_put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t tdm_get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+static inline uint32_t tdm_get_u32(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+static inline uint64_t tdm_get_u64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+#endif /* TANDEM_XFER_INT_H */

@@ -1,0 +1,26 @@
+"""Smoke test of `tandem bench xfer`: a tiny run over shm must verify every page size, print the
+reference next to each figure, and report a latency. (No timing is asserted.)"""
+import re
+
+from conftest import run_tandem
+
+
+def test_bench_xfer_small_run(tandem_bin):
+    cp = run_tandem(["bench", "xfer", "--provider", "shm", "--region-mib", "8", "--round-mib", "4",
+                     "--rounds", "1", "--pings", "20", "--pages-per-write", "8"], timeout=300)
+    out = cp.stdout
+    assert "reference: memcpy" in out, out
+    rows = re.findall(r"^\s+(\d+) KiB\s+\d+\s+([\d.]+)\s+([\d.]+)\s+\d+%\s+(\w+) [0-9a-f]{16}$", out,
+                      re.M)
+    assert [r[0] for r in rows] == ["4", "16", "64", "256", "1024"], out
+    assert all(r[3] == "verified" for r in rows), out
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), out
+    assert re.search(r"one-way latency \(median of 20\): [\d.]+ us", out), out
+
+
+def test_bench_xfer_rejects_bad_options(tandem_bin):
+    cp = run_tandem(["bench", "xfer", "--window", "0"], check=False)
+    assert cp.returncode == 2
+    cp = run_tandem(["bench", "xfer", "--provider", "no-such-provider", "--pings", "10",
+                     "--round-mib", "1", "--region-mib", "4"], check=False, timeout=120)
+    assert cp.returncode == 1 and "no-such-provider" in cp.stderr
