@@ -72,6 +72,15 @@ struct tdm_matmul_part {
 #define TDM_MATMUL_MULTI_MAX 4   /* parts per matmul_multi call */
 #define TDM_MAX_HEAD_DIM     512 /* every backend supports head_dim up to this (even) value */
 
+/* What the engine will ask of a backend at most (tdm_backend_i.reserve). */
+struct tdm_backend_limits {
+    int max_tokens; /* tokens per step */
+    int max_seqs;   /* sequences per step */
+    int max_rows;   /* logit rows per step */
+    int max_pages;  /* page-table entries per step, all sequences together */
+    int n_heads, n_kv_heads, head_dim, d_model, d_ff, vocab;
+};
+
 struct tdm_backend_i {
     const char *name;
     void (*destroy)(tdm_backend_t *b);
@@ -134,6 +143,23 @@ struct tdm_backend_i {
     void (*layer_done)(tdm_backend_t *b, int layer, _Atomic int32_t *counter);
     /* Waits for all submitted work. */
     void (*sync)(tdm_backend_t *b);
+
+    /* ---- optional hooks: NULL where a backend has nothing to do (the CPU backend sets none) */
+    /* Called once by the engine after its weights and scratch exist: the backend reserves its
+     * worst-case workspace for these limits (so the forward pass never allocates) and writes
+     * the bytes it can give the KV pool (0: no opinion; the engine's default applies). */
+    tdm_status (*reserve)(tdm_backend_t *b, const struct tdm_backend_limits *lim, size_t *kv_bytes);
+    /* Called at the start of every forward pass, before any op, with the flattened step, the
+     * logit rows and the engine's layer counter (may be NULL). `owner` names the engine (its
+     * scratch buffers) so recorded work is never replayed for another one. The backend may
+     * raise st->n_tokens (padding a decode step to a CUDA-graph bucket: the extra tokens write
+     * no KV and only their own activation rows) and the engine then passes that count to the
+     * ops. *replayed = true: the whole layer loop (embed to the last add_rmsnorm) has been
+     * issued already (a recorded graph), and the engine goes on with the logits. */
+    tdm_status (*step_begin)(tdm_backend_t *b, struct tdm_step *st, const int32_t *rows, int n_rows,
+                             const void *owner, _Atomic int32_t *counter, bool *replayed);
+    /* Called after the layer loop when step_begin did not replay it (ends a recording). */
+    tdm_status (*step_end)(tdm_backend_t *b);
 };
 
 struct tdm_backend {
@@ -147,6 +173,44 @@ struct tdm_backend_cpu_opts {
 };
 tdm_status tdm_backend_cpu_create(const struct tdm_backend_cpu_opts *opts, tdm_backend_t **out);
 void tdm_backend_destroy(tdm_backend_t *b); /* NULL is a no-op */
+
+enum tdm_backend_kind { TDM_BACKEND_CPU = 0, TDM_BACKEND_CUDA = 1 };
+
+/* ---- the CUDA backend (src/backend/cuda; DESIGN.md §8 and that folder's files) ----
+ * Weights are bf16 on the device (quantised GGUF weights are dequantised at load; vectors stay
+ * fp32); GEMMs run through cuBLASLt with bf16 operands and fp32 accumulation and output, the
+ * fp32 activations being rounded to bf16 on the way in. Activations and the KV cache are fp32.
+ * Decode steps run as CUDA graphs, one per batch-size bucket. Not batch-invariant: cuBLASLt
+ * picks its algorithm by shape, so a row's logits may differ in the last bits between batch
+ * sizes. A CUDA error inside an op (which cannot return one) is fatal: logged, then abort().
+ * Without CUDA in the build, or without a GPU, create returns TDM_EUNSUPPORTED with a message. */
+struct tdm_backend_cuda_opts {
+    int device;                 /* CUDA device ordinal */
+    double gpu_memory_fraction; /* share of the device's memory this process may fill (weights,
+                                 * workspace, KV pool); <= 0: 0.9 */
+    bool no_graphs;             /* run decode steps op by op instead of as CUDA graphs */
+};
+tdm_status tdm_backend_cuda_create(const struct tdm_backend_cuda_opts *opts, tdm_backend_t **out);
+bool tdm_backend_is_cuda(const tdm_backend_t *b);
+/* Device name and memory (for banners). */
+tdm_status tdm_backend_cuda_info(tdm_backend_t *b, char *name, size_t cap, size_t *total_bytes);
+/* Rooflines measured on the device now: cudaMemcpy device-to-device bandwidth (bytes read +
+ * written per second) and the cuBLASLt bf16 GEMM rate (FLOP/s, 8192^3, fp32 accumulation). */
+tdm_status tdm_backend_cuda_measure(tdm_backend_t *b, double *copy_bytes_per_s,
+                                    double *gemm_flops_per_s);
+/* A weight made on the device, values uniform in [lo, hi) from `seed` (benchmarks with random
+ * weights need no host copy): dtype TDM_DTYPE_BF16 (matrix) or TDM_DTYPE_F32 (vector). The
+ * backend owns it; weight_prepare passes such device weights through. */
+tdm_status tdm_backend_cuda_random_weight(tdm_backend_t *b, enum tdm_dtype dtype, int64_t rows,
+                                          int64_t cols, uint64_t seed, float lo, float hi,
+                                          struct tdm_weight *out);
+/* Pinned host memory (fast device-to-host copies, e.g. logits); NULL on failure. */
+void *tdm_backend_cuda_host_alloc(tdm_backend_t *b, size_t bytes);
+void tdm_backend_cuda_host_free(tdm_backend_t *b, void *p);
+/* Sets `bytes` of device memory at dev to the byte `value` (and waits). */
+tdm_status tdm_backend_cuda_memset(tdm_backend_t *b, void *dev, int value, size_t bytes);
+/* The backend's own layer counter in mapped pinned host memory (a host thread may poll it). */
+_Atomic int32_t *tdm_backend_cuda_counter(tdm_backend_t *b);
 /* Which CPU kernels were chosen at run time: "avx512bf16", "avx512", "avx2" or "portable". */
 const char *tdm_backend_cpu_isa(void);
 

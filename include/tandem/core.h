@@ -74,7 +74,11 @@ void tdm_log_set_level(enum tdm_log_level lvl);
     do {                                                                                           \
         if (!(cond)) tdm_assert_fail(#cond, __FILE__, __LINE__);                                   \
     } while (0)
+#ifdef __cplusplus
+[[noreturn]] void tdm_assert_fail(const char *expr, const char *file, int line);
+#else
 _Noreturn void tdm_assert_fail(const char *expr, const char *file, int line);
+#endif
 
 #define TDM_MIN(a, b)    ((a) < (b) ? (a) : (b))
 #define TDM_MAX(a, b)    ((a) > (b) ? (a) : (b))

@@ -49,7 +49,11 @@ struct tdm_engine_opts {
     /* If set, the forward pass stores layer+1 after each layer's attention output projection
      * (DESIGN.md §1.1), and 0 when a forward call begins. */
     _Atomic int32_t *layer_counter;
-    tdm_backend_t *backend; /* NULL: the engine creates a CPU backend and owns it */
+    tdm_backend_t *backend;     /* NULL: the engine creates one of backend_kind and owns it */
+    int backend_kind;           /* enum tdm_backend_kind: TDM_BACKEND_CPU (0) or TDM_BACKEND_CUDA */
+    double gpu_memory_fraction; /* CUDA: share of device memory for weights, workspace and the
+                                 * KV pool, which gets what is left (when kv_pages and kv_bytes
+                                 * are 0); <= 0: 0.9 */
 };
 
 struct tdm_batch_seq {

@@ -158,6 +158,8 @@ static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
     TDM_WARN("disagg: request %llu: remote prefill on %s failed (%s: %s); %s",
              (unsigned long long)sl->req_id, p->addr, err_names[kind], tdm_status_str(st),
              sl->req ? "retrying" : "request gone");
+    tdm_req_t *r = sl->req;
+    sl->req = NULL;
     tdm_kv_pool_hold(d->kv, sl->n_pages, sl->pages);
     d->fenced_now += (uint64_t)sl->n_pages;
     sl->state = SLOT_FENCED;
@@ -166,8 +168,6 @@ static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
         unfence_locked(d, sl);
     else
         cancel = true;
-    tdm_req_t *r = sl->req;
-    sl->req = NULL;
     if (r) tdm_req_remote_done(r, st);
     uint32_t xpeer = p->xid;
     pthread_mutex_unlock(&d->mu);

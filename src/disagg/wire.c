@@ -127,6 +127,7 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
     memset(out, 0, sizeof *out);
     if (len < HDR || memcmp(buf, "TDMD", 4))
         return tdm_err_set(TDM_EFORMAT, "disagg: not a tandem control message");
+    if (buf[6] || buf[7]) return tdm_err_set(TDM_EFORMAT, "disagg: reserved header bytes set");
     if (buf[4] != 1)
         return tdm_err_set(TDM_EFORMAT, "disagg: control message version %u (expected 1)", buf[4]);
     const uint8_t *p = buf + HDR;

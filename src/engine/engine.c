@@ -17,7 +17,13 @@
  *
  * Memory: activation scratch is reserved at creation for max_batch_tokens rows in backend
  * memory; per-step metadata comes from a host arena reset every call. Nothing is allocated on
- * the forward path.
+ * the forward path. A backend with a `reserve` hook (CUDA) reserves its own workspace after the
+ * scratch and sizes the KV pool from its memory plan when kv_pages and kv_bytes are 0.
+ *
+ * Backend step hooks (optional, backend.h): step_begin sees every step before its ops (the CUDA
+ * backend uploads the metadata once, and for a decode step pads it to a graph bucket and either
+ * replays the recorded layer loop or starts recording it); step_end closes a recording. The
+ * logits part (gather, LM head, download) always runs op by op.
  *
  * Threading: one thread calls tdm_engine_forward at a time.
  */
@@ -114,7 +120,13 @@ static tdm_status prepare_weights(tdm_engine_t *e)
     tdm_status st;
     if ((st = prep(e, &m->tok_embd, &e->tok_embd)) != TDM_OK) return st;
     if ((st = prep(e, &m->output_norm, &e->output_norm)) != TDM_OK) return st;
-    if ((st = prep(e, &m->output, &e->output)) != TDM_OK) return st;
+    /* tied embeddings: one backend copy serves both (the CUDA backend would otherwise hold
+     * the table twice) */
+    if (m->output.data == m->tok_embd.data && m->output.dtype == m->tok_embd.dtype &&
+        m->output.rows == m->tok_embd.rows && m->output.cols == m->tok_embd.cols)
+        e->output = e->tok_embd;
+    else if ((st = prep(e, &m->output, &e->output)) != TDM_OK)
+        return st;
     for (int l = 0; l < e->cfg.n_layers; l++) {
         const struct tdm_layer_weights *src = &m->layers[l];
         struct tdm_layer_weights *dst = &e->layers[l];
@@ -167,11 +179,18 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
 
     if (o->backend) {
         e->backend = o->backend;
-    } else {
+    } else if (o->backend_kind == TDM_BACKEND_CUDA) {
+        struct tdm_backend_cuda_opts bo = {.gpu_memory_fraction = o->gpu_memory_fraction};
+        if ((st = tdm_backend_cuda_create(&bo, &e->backend)) != TDM_OK) goto out_free;
+        e->owns_backend = true;
+    } else if (o->backend_kind == TDM_BACKEND_CPU) {
         struct tdm_backend_cpu_opts bo = {.n_threads = o->n_threads,
                                           .batch_invariant = o->batch_invariant};
         if ((st = tdm_backend_cpu_create(&bo, &e->backend)) != TDM_OK) goto out_free;
         e->owns_backend = true;
+    } else {
+        st = tdm_err_set(TDM_EINVAL, "engine: unknown backend kind %d", o->backend_kind);
+        goto out_free;
     }
 
     e->layers = calloc((size_t)c->n_layers, sizeof *e->layers);
@@ -182,28 +201,6 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     }
     tdm_rope_inv_freq(c, model->rope_freqs, e->inv_freq);
     if ((st = prepare_weights(e)) != TDM_OK) goto out_backend;
-
-    struct tdm_kv_config kc = {.n_layers = c->n_layers,
-                               .n_kv_heads = c->n_kv_heads,
-                               .head_dim = c->head_dim,
-                               .page_size = o->page_size,
-                               .n_pages = o->kv_pages};
-    if (kc.n_pages <= 0) {
-        size_t bytes = o->kv_bytes;
-        if (!bytes) {
-            size_t full = tdm_kv_page_bytes(&kc) * (size_t)c->n_layers *
-                          (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
-                          (size_t)o->max_seqs;
-            bytes = TDM_MIN(full, DEFAULT_KV_CAP_BYTES);
-        }
-        kc.n_pages = tdm_kv_pages_for_bytes(&kc, bytes);
-        if (kc.n_pages <= 0) {
-            st = tdm_err_set(TDM_EINVAL, "engine: %zu bytes of KV memory hold no page", bytes);
-            goto out_backend;
-        }
-    }
-    o->kv_pages = kc.n_pages;
-    if ((st = tdm_kv_pool_create(&kc, e->backend, &e->kv)) != TDM_OK) goto out_backend;
 
     size_t T = (size_t)o->max_batch_tokens, R = (size_t)o->max_logit_rows, f = sizeof(float);
     size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
@@ -218,6 +215,50 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     e->rows = balloc(e, R * c->d_model * f, &st);
     e->logits = balloc(e, R * c->vocab_size * f, &st);
     if (st != TDM_OK) goto out_scratch;
+    /* the backend's worst-case workspace, and what its memory plan leaves for the KV pool */
+    size_t backend_kv_bytes = 0;
+    if (e->backend->iface->reserve) {
+        const int max_pages_seq = (o->max_ctx + o->page_size - 1) / o->page_size;
+        struct tdm_backend_limits lim = {
+            .max_tokens = o->max_batch_tokens,
+            .max_seqs = o->max_seqs,
+            .max_rows = o->max_logit_rows,
+            .max_pages = (int)TDM_MIN((int64_t)o->max_seqs * max_pages_seq, INT32_MAX / 2),
+            .n_heads = c->n_heads,
+            .n_kv_heads = c->n_kv_heads,
+            .head_dim = c->head_dim,
+            .d_model = c->d_model,
+            .d_ff = c->d_ff,
+            .vocab = c->vocab_size};
+        if ((st = e->backend->iface->reserve(e->backend, &lim, &backend_kv_bytes)) != TDM_OK &&
+            !(o->kv_pages > 0 || o->kv_bytes > 0))
+            goto out_scratch;
+        st = TDM_OK;
+    }
+    struct tdm_kv_config kc = {.n_layers = c->n_layers,
+                               .n_kv_heads = c->n_kv_heads,
+                               .head_dim = c->head_dim,
+                               .page_size = o->page_size,
+                               .n_pages = o->kv_pages};
+    if (kc.n_pages <= 0) {
+        size_t bytes = o->kv_bytes;
+        if (!bytes && backend_kv_bytes) {
+            bytes = backend_kv_bytes; /* the backend's memory plan (CUDA) */
+        } else if (!bytes) {
+            size_t full = tdm_kv_page_bytes(&kc) * (size_t)c->n_layers *
+                          (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
+                          (size_t)o->max_seqs;
+            bytes = TDM_MIN(full, DEFAULT_KV_CAP_BYTES);
+        }
+        kc.n_pages = tdm_kv_pages_for_bytes(&kc, bytes);
+        if (kc.n_pages <= 0) {
+            st = tdm_err_set(TDM_EINVAL, "engine: %zu bytes of KV memory hold no page", bytes);
+            goto out_scratch;
+        }
+    }
+    o->kv_pages = kc.n_pages;
+    if ((st = tdm_kv_pool_create(&kc, e->backend, &e->kv)) != TDM_OK) goto out_scratch;
+
     size_t meta = (T * 4 + (size_t)o->max_seqs * 4 + 8 + R) * sizeof(int32_t) +
                   (size_t)o->max_seqs * (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
                       sizeof(int32_t) +
@@ -383,34 +424,48 @@ tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, fl
     tdm_backend_t *b = e->backend;
     const struct tdm_backend_i *ops = b->iface;
     const struct tdm_model_config *c = &e->cfg;
-    int T = step.n_tokens, d = c->d_model, hd = c->head_dim;
+    int d = c->d_model, hd = c->head_dim;
     float scale = 1.0f / sqrtf((float)hd);
     struct tdm_rope rope = {.head_dim = hd, .neox = c->rope_neox, .inv_freq = e->inv_freq};
     _Atomic int32_t *counter = e->opts.layer_counter;
     if (counter) atomic_store_explicit(counter, 0, memory_order_release);
 
-    ops->embed(b, &e->tok_embd, step.tokens, T, e->x);
-    ops->rmsnorm(b, e->x, e->layers[0].attn_norm.data, c->rms_eps, T, d, e->h);
-    for (int l = 0; l < c->n_layers; l++) {
-        const struct tdm_layer_weights *w = &e->layers[l];
-        struct tdm_kv_layer kv = tdm_kv_pool_layer(e->kv, l);
-        const struct tdm_matmul_part qkv[] = {
-            {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
-        ops->matmul_multi(b, e->h, T, qkv, 3);
-        if (c->qk_norm) {
-            ops->head_rmsnorm(b, e->q, w->q_norm.data, c->rms_eps, T * c->n_heads, hd);
-            ops->head_rmsnorm(b, e->k, w->k_norm.data, c->rms_eps, T * c->n_kv_heads, hd);
+    /* a backend may pad the step (a CUDA-graph bucket) or replay the whole layer loop */
+    bool replayed = false;
+    if (ops->step_begin &&
+        (st = ops->step_begin(b, &step, rows, n_rows, e, counter, &replayed)) != TDM_OK) {
+        ops->sync(b);
+        return st;
+    }
+    int T = step.n_tokens;
+    if (!replayed) {
+        ops->embed(b, &e->tok_embd, step.tokens, T, e->x);
+        ops->rmsnorm(b, e->x, e->layers[0].attn_norm.data, c->rms_eps, T, d, e->h);
+        for (int l = 0; l < c->n_layers; l++) {
+            const struct tdm_layer_weights *w = &e->layers[l];
+            struct tdm_kv_layer kv = tdm_kv_pool_layer(e->kv, l);
+            const struct tdm_matmul_part qkv[] = {
+                {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
+            ops->matmul_multi(b, e->h, T, qkv, 3);
+            if (c->qk_norm) {
+                ops->head_rmsnorm(b, e->q, w->q_norm.data, c->rms_eps, T * c->n_heads, hd);
+                ops->head_rmsnorm(b, e->k, w->k_norm.data, c->rms_eps, T * c->n_kv_heads, hd);
+            }
+            ops->rope_kv_append(b, e->q, e->k, e->v, c->n_heads, &step, &rope, &kv);
+            ops->attention(b, e->q, c->n_heads, &step, &kv, scale, e->att);
+            ops->matmul(b, &w->wo, e->att, T, NULL, e->o);
+            if (counter) ops->layer_done(b, l, counter);
+            ops->add_rmsnorm(b, e->x, e->o, w->ffn_norm.data, c->rms_eps, T, d, e->h);
+            ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
+            ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
+            const float *next_norm =
+                l + 1 < c->n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
+            ops->add_rmsnorm(b, e->x, e->o, next_norm, c->rms_eps, T, d, e->h);
         }
-        ops->rope_kv_append(b, e->q, e->k, e->v, c->n_heads, &step, &rope, &kv);
-        ops->attention(b, e->q, c->n_heads, &step, &kv, scale, e->att);
-        ops->matmul(b, &w->wo, e->att, T, NULL, e->o);
-        if (counter) ops->layer_done(b, l, counter);
-        ops->add_rmsnorm(b, e->x, e->o, w->ffn_norm.data, c->rms_eps, T, d, e->h);
-        ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
-        ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
-        const float *next_norm =
-            l + 1 < c->n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
-        ops->add_rmsnorm(b, e->x, e->o, next_norm, c->rms_eps, T, d, e->h);
+        if (ops->step_end && (st = ops->step_end(b)) != TDM_OK) {
+            ops->sync(b);
+            return st;
+        }
     }
     if (n_rows > 0) {
         if (hidden) {

@@ -95,19 +95,27 @@ int tdm_cmd_bench(int argc, char **argv)
     if (argc >= 2 && !strcmp(argv[1], "xfer")) return tdm_cmd_bench_xfer(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "serve")) return tdm_cmd_bench_serve(argc - 1, argv + 1);
     if (argc < 2 || strcmp(argv[1], "model") != 0) {
-        fprintf(stderr, "usage: tandem bench model [--model PATH] [--threads N] "
-                        "[--prompt-len N] [--gen N] [--context N]\n"
-                        "       tandem bench serve --help\n"
-                        "       tandem bench xfer --help\n");
+        fprintf(stderr,
+                "usage: tandem bench model [--model PATH] [--threads N] "
+                "[--prompt-len N] [--gen N] [--context N]\n"
+                "       tandem bench model --backend cuda [--shape llama-3.1-8b|llama-3.2-1b "
+                "| --model PATH] [--gpu-memory-fraction F] [--batches 1,8,64,256]\n"
+                "       tandem bench serve --help\n"
+                "       tandem bench xfer --help\n");
         return 2;
     }
-    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
-                                         {"threads", required_argument, 0, 't'},
-                                         {"prompt-len", required_argument, 0, 'p'},
-                                         {"gen", required_argument, 0, 'g'},
-                                         {"context", required_argument, 0, 'c'},
-                                         {"batch-invariant", no_argument, 0, 'b'},
-                                         {0, 0, 0, 0}};
+    for (int i = 2; i + 1 < argc; i++) /* the GPU benchmark has its own table and rooflines */
+        if (!strcmp(argv[i], "--backend") && !strcmp(argv[i + 1], "cuda"))
+            return tdm_cmd_bench_model_cuda(argc, argv);
+        else if (!strcmp(argv[i], "--backend") && strcmp(argv[i + 1], "cpu")) {
+            fprintf(stderr, "tandem: --backend is cpu or cuda\n");
+            return 2;
+        }
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},      {"threads", required_argument, 0, 't'},
+        {"prompt-len", required_argument, 0, 'p'}, {"gen", required_argument, 0, 'g'},
+        {"context", required_argument, 0, 'c'},    {"batch-invariant", no_argument, 0, 'b'},
+        {"backend", required_argument, 0, 'B'},    {0, 0, 0, 0}};
     const char *model = NULL;
     int64_t threads = 0, prompt_len = 512, gen = 64, context = 32;
     bool batch_inv = false;
@@ -133,6 +141,8 @@ int tdm_cmd_bench(int argc, char **argv)
             break;
         case 'b':
             batch_inv = true;
+            break;
+        case 'B': /* cpu */
             break;
         default:
             fprintf(stderr, "tandem: unknown option '%s'\n", argv[optind - 1]);

@@ -47,7 +47,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "tools/bench_http.h"
+#include "server/httpc.h"
 #include "tools/tools_int.h"
 
 #define MAX_PROMPTS        1000000

@@ -31,6 +31,8 @@ struct gen_opts {
     int n_stops;
     int64_t max_tokens;
     int64_t threads;
+    int backend_kind;
+    double gpu_frac;
     int64_t page_size;
     int64_t ctx;
     int64_t max_batch_tokens;
@@ -80,6 +82,8 @@ static void usage(FILE *f, bool chat)
         "  --print-token-ids       print only the generated token ids on one line\n"
         "  --dump-logits FILE      write the last prompt position's logits (float32 LE)\n"
         "  --threads N             CPU threads (default: all cores)\n"
+        "  --backend cpu|cuda      where the model runs (default: cpu)\n"
+        "  --gpu-memory-fraction F CUDA: share of GPU memory to use (default: 0.9)\n"
         "  --batch-invariant       never use OpenBLAS (bit-identical across batch shapes)\n"
         "  --page-size N           KV page size in tokens (default 16)\n"
         "  --ctx N                 context length (default: the model's)\n"
@@ -114,6 +118,8 @@ enum {
     OPT_CTX,
     OPT_MBT,
     OPT_STATS,
+    OPT_BACKEND,
+    OPT_GPU_FRAC,
     OPT_HELP
 };
 
@@ -143,6 +149,8 @@ static const struct option long_opts[] = {
     {"ctx", required_argument, 0, OPT_CTX},
     {"max-batch-tokens", required_argument, 0, OPT_MBT},
     {"stats", no_argument, 0, OPT_STATS},
+    {"backend", required_argument, 0, OPT_BACKEND},
+    {"gpu-memory-fraction", required_argument, 0, OPT_GPU_FRAC},
     {"help", no_argument, 0, OPT_HELP},
     {0, 0, 0, 0},
 };
@@ -245,6 +253,16 @@ static int parse_opts(int argc, char **argv, bool chat, struct gen_opts *o)
             if (!tdm_tool_int("max-batch-tokens", optarg, 1, 1 << 16, &o->max_batch_tokens))
                 return 102;
             break;
+        case OPT_BACKEND:
+            if (strcmp(optarg, "cpu") && strcmp(optarg, "cuda")) {
+                fprintf(stderr, "tandem: --backend is cpu or cuda\n");
+                return 102;
+            }
+            o->backend_kind = strcmp(optarg, "cuda") ? TDM_BACKEND_CPU : TDM_BACKEND_CUDA;
+            break;
+        case OPT_GPU_FRAC:
+            if (!tdm_tool_float("gpu-memory-fraction", optarg, 0.05, 1.0, &o->gpu_frac)) return 102;
+            break;
         case OPT_STATS:
             o->stats = true;
             break;
@@ -284,6 +302,8 @@ static tdm_status gen_init(struct gen *g, const struct tdm_model *m, const struc
         .max_batch_tokens = (int)o->max_batch_tokens,
         .max_seqs = 1,
         .max_logit_rows = 1,
+        .backend_kind = o->backend_kind,
+        .gpu_memory_fraction = o->gpu_frac,
     };
     if (!eo.max_ctx && m->cfg.max_ctx > 0) eo.max_ctx = m->cfg.max_ctx;
     int ps = eo.page_size ? eo.page_size : 16;

@@ -18,6 +18,7 @@ static void usage(FILE *f)
             "  chat       chat with the model (one --prompt, or interactive on a terminal)\n"
             "  info       print a model's configuration, tensor types and sizes\n"
             "  serve      serve the OpenAI-compatible HTTP API\n"
+            "  router     one OpenAI endpoint over several `tandem serve` nodes\n"
             "  bench      benchmarks (`tandem bench model|serve|xfer`)\n"
             "  checkpoint write a random-weight HF checkpoint (`--shape llama-3.1-8b --out DIR`)\n"
             "\n"
@@ -48,6 +49,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "info")) return tdm_cmd_info(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return tdm_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "serve")) return tdm_cmd_serve(argc - 1, argv + 1);
+    if (!strcmp(cmd, "router")) return tdm_cmd_router(argc - 1, argv + 1);
     if (!strcmp(cmd, "checkpoint")) return tdm_cmd_checkpoint(argc - 1, argv + 1);
     fprintf(stderr, "tandem: unknown command '%s'\n\n", cmd);
     usage(stderr);

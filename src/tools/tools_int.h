@@ -21,6 +21,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv); /* bench_gpu.c: --backend c
 int tdm_cmd_bench_xfer(int argc, char **argv);       /* bench_xfer.c: transfer-engine bandwidth */
 int tdm_cmd_bench_serve(int argc, char **argv);      /* bench_serve.c: HTTP load generator */
 int tdm_cmd_serve(int argc, char **argv);            /* serve.c: the OpenAI-compatible server */
+int tdm_cmd_router(int argc, char **argv);           /* router.c: one endpoint over serve nodes */
 int tdm_cmd_checkpoint(int argc, char **argv);       /* checkpoint.c: random-weight HF checkpoints */
 
 /* Loads --model (or the default model), drawing a progress bar on stderr when it is a terminal.

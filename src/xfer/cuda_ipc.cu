@@ -24,12 +24,6 @@
  * This file does not depend on libfabric: the GPU check program builds it with plain nvcc.
  */
 #include <cuda_runtime.h>
-
-/* core.h is C11; its _Noreturn has a C++ spelling */
-#ifndef _Noreturn
-#define _Noreturn [[noreturn]]
-#endif
-
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -18,10 +18,6 @@
  */
 #include <cuda_runtime.h>
 
-/* core.h is C11; its _Noreturn has a C++ spelling */
-#ifndef _Noreturn
-#define _Noreturn [[noreturn]]
-#endif
 
 #include <signal.h>
 #include <stdio.h>

@@ -1,5 +1,6 @@
 /*
- * The HTTP/1.1 client behind `tandem bench serve` (see bench_http.h for the contract).
+ * The HTTP/1.1 client (see httpc.h for the contract): `tandem bench serve` pushes requests
+ * through it, the router pulls backend responses through it.
  *
  * A response is read by one state machine fed with whatever recv() returns:
  *
@@ -10,12 +11,21 @@
  *     BODY_CHUNKED: SIZE --(n > 0)--> DATA --(n bytes)--> DATA_END --(CRLF)--> SIZE
  *                   SIZE --(0)--> TRAILER --(blank line)--> DONE
  *
- * Every wait is a poll() bounded by the request's absolute deadline, so no peer can make a request
- * outlive it. Bytes from the peer are validated: an over-long head or chunk line, a bad status
- * line, a bad or conflicting Content-Length, or a bad chunk size ends the request with
- * TDM_BH_PROTOCOL.
+ *   transition                       performed by
+ *   bytes in -> any state            feed(), called from pump() (one recv per call)
+ *   head parsed -> body state        parse_head()
+ *   peer closes in BODY_TO_CLOSE     pump()
+ *
+ * Push and pull mode share pump(): push mode hands decoded body bytes to the caller's handler;
+ * pull mode's own handler copies them into the connection's out buffer, which is drained before
+ * the next recv. A recv of at most RECV_CAP bytes decodes to at most RECV_CAP body bytes, so that
+ * buffer never overflows.
+ *
+ * Every wait is a poll() bounded by a deadline, so no peer can make a call outlive it. Bytes from
+ * the peer are validated: an over-long head or chunk line, a bad status line, a bad or
+ * conflicting Content-Length, or a bad chunk size ends the request with TDM_BH_PROTOCOL.
  */
-#include "tools/bench_http.h"
+#include "server/httpc.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -30,6 +40,7 @@
 #include <unistd.h>
 
 #define LINE_CAP 4096
+#define RECV_CAP 16384
 
 const char *tdm_bh_fail_str(enum tdm_bh_fail f)
 {
@@ -221,6 +232,11 @@ struct rx {
     char line[LINE_CAP + 1]; /* a chunk-size or trailer line being assembled */
     size_t line_len;
     uint64_t remaining; /* body bytes left (RX_LENGTH) or chunk bytes left (RX_CH_DATA) */
+    /* the final head, once parsed */
+    bool head_done;
+    int status;
+    int64_t content_length; /* -1: chunked or to the close */
+    char content_type[256];
 };
 
 static enum tdm_bh_fail proto(const char *msg)
@@ -292,6 +308,11 @@ static enum tdm_bh_fail parse_head(struct rx *rx, bool *informational)
         rx->state = RX_TO_CLOSE;
     }
     header_value(h, "Content-Type", ctype, sizeof ctype, &dup);
+    rx->head_done = true;
+    rx->status = status;
+    rx->content_length =
+        rx->state == RX_LENGTH || rx->state == RX_DONE ? (int64_t)rx->remaining : -1;
+    memcpy(rx->content_type, ctype, sizeof ctype);
     if (rx->h->on_head && !rx->h->on_head(rx->h->ctx, status, ctype)) {
         tdm_err_set(TDM_ECANCELED, "stopped by the caller after the head");
         return TDM_BH_ABORTED;
@@ -431,25 +452,48 @@ static enum tdm_bh_fail feed(struct rx *rx, const char *p, size_t n)
     return TDM_BH_OK;
 }
 
-enum tdm_bh_fail tdm_bh_request(const struct tdm_bh_target *t, const struct tdm_bh_request *rq,
-                                const struct tdm_bh_handler *h)
+/* ---- one connection, driven by pump() ---- */
+
+struct tdm_bh_conn {
+    int fd;
+    enum tdm_bh_fail failed; /* sticky: once a call fails for good, every later call does */
+    struct rx rx;
+    struct tdm_bh_handler pull; /* pull mode: on_body fills out[] */
+    size_t out_len, out_off;
+    char out[RECV_CAP];
+    char raw[RECV_CAP];
+};
+
+static bool pull_body(void *ctx, const char *data, size_t n)
+{
+    struct tdm_bh_conn *c = ctx;
+    TDM_ASSERT(c->out_len + n <= sizeof c->out);
+    memcpy(c->out + c->out_len, data, n);
+    c->out_len += n;
+    return true;
+}
+
+/* Connects and sends; on success the connection is ready for pump(). */
+static enum tdm_bh_fail conn_open(const struct tdm_bh_target *t, const struct tdm_bh_request *rq,
+                                  const struct tdm_bh_handler *h, struct tdm_bh_conn **out)
 {
     enum tdm_bh_fail f;
     uint64_t connect_deadline = tdm_now_ns() + rq->connect_timeout_ms * 1000000ull;
     if (connect_deadline > rq->deadline_ns) connect_deadline = rq->deadline_ns;
 
-    struct rx *rx = calloc(1, sizeof *rx);
+    struct tdm_bh_conn *c = calloc(1, sizeof *c);
     char *head = malloc(TDM_BH_MAX_HEAD_BYTES + 1);
     char *req = NULL;
-    int fd = -1;
-    if (!rx || !head) {
+    if (!c || !head) {
         tdm_err_set(TDM_ENOMEM, "out of memory");
         f = TDM_BH_NOMEM;
         goto out_free;
     }
-    rx->head = head;
-    rx->h = h;
-    rx->state = RX_HEAD;
+    c->fd = -1;
+    c->rx.head = head;
+    c->rx.h = h ? h : &c->pull;
+    c->rx.state = RX_HEAD;
+    c->pull = (struct tdm_bh_handler){NULL, pull_body, c};
 
     /* Request line and headers, then the body, in one buffer: one send for small requests. */
     char auth[600] = "";
@@ -471,7 +515,7 @@ enum tdm_bh_fail tdm_bh_request(const struct tdm_bh_target *t, const struct tdm_
     }
     bool v6 = strchr(t->host, ':') != NULL;
     int hl = snprintf(req, cap,
-                      "%s %s%s HTTP/1.1\r\nHost: %s%s%s:%s\r\nUser-Agent: tandem-bench\r\n"
+                      "%s %s%s HTTP/1.1\r\nHost: %s%s%s:%s\r\nUser-Agent: tandem\r\n"
                       "Accept: */*\r\nConnection: close\r\n%s",
                       rq->method, t->base_path, rq->path, v6 ? "[" : "", t->host, v6 ? "]" : "",
                       t->port, auth);
@@ -482,44 +526,133 @@ enum tdm_bh_fail tdm_bh_request(const struct tdm_bh_target *t, const struct tdm_
     TDM_ASSERT((size_t)hl + body_len < cap);
     if (body_len) memcpy(req + hl, rq->body, body_len);
 
-    if ((f = do_connect(t, connect_deadline, &fd))) goto out_free;
-    if ((f = send_all(fd, req, (size_t)hl + body_len, rq->deadline_ns))) goto out_close;
+    if ((f = do_connect(t, connect_deadline, &c->fd))) goto out_free;
+    if ((f = send_all(c->fd, req, (size_t)hl + body_len, rq->deadline_ns))) goto out_close;
+    free(req);
+    *out = c;
+    return TDM_BH_OK;
 
-    char buf[16384];
+out_close:
+    close(c->fd);
+out_free:
+    free(req);
+    free(head);
+    free(c);
+    return f;
+}
+
+/* One receive step: feeds what one recv() returns (or notes the peer's close). TDM_BH_TIMEOUT
+ * when deadline_ns passes with nothing received; the connection stays usable then. */
+static enum tdm_bh_fail pump(struct tdm_bh_conn *c, uint64_t deadline_ns)
+{
+    if (c->failed) return c->failed;
+    enum tdm_bh_fail f;
     for (;;) {
-        ssize_t r = recv(fd, buf, sizeof buf, 0);
+        ssize_t r = recv(c->fd, c->raw, sizeof c->raw, 0);
         if (r > 0) {
-            if ((f = feed(rx, buf, (size_t)r))) goto out_close;
-            if (rx->state == RX_DONE) break;
-            continue;
+            f = feed(&c->rx, c->raw, (size_t)r);
+            break;
         }
         if (r == 0) {
-            if (rx->state == RX_TO_CLOSE) break;
+            if (c->rx.state == RX_TO_CLOSE) {
+                c->rx.state = RX_DONE;
+                return TDM_BH_OK;
+            }
             tdm_err_set(TDM_EPEER, "the server closed the connection %s",
-                        rx->state == RX_HEAD ? "before the response head" : "mid-body");
+                        c->rx.state == RX_HEAD ? "before the response head" : "mid-body");
             f = TDM_BH_TRUNCATED;
-            goto out_close;
+            break;
         }
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            int w = wait_fd(fd, POLLIN, rq->deadline_ns);
+            int w = wait_fd(c->fd, POLLIN, deadline_ns);
             if (w > 0) continue;
             if (w == 0) {
                 tdm_err_set(TDM_ETIMEDOUT, "the request timed out");
-                f = TDM_BH_TIMEOUT;
-                goto out_close;
+                return TDM_BH_TIMEOUT;
             }
         }
         tdm_err_set(TDM_EPEER, "receiving: %s", strerror(errno));
         f = TDM_BH_TRUNCATED;
-        goto out_close;
+        break;
     }
-    f = TDM_BH_OK;
-out_close:
-    close(fd);
-out_free:
-    free(req);
-    free(head);
-    free(rx);
+    c->failed = f;
     return f;
+}
+
+void tdm_bh_close(tdm_bh_conn_t *c)
+{
+    if (!c) return;
+    if (c->fd >= 0) close(c->fd);
+    free(c->rx.head);
+    free(c);
+}
+
+enum tdm_bh_fail tdm_bh_request(const struct tdm_bh_target *t, const struct tdm_bh_request *rq,
+                                const struct tdm_bh_handler *h)
+{
+    static const struct tdm_bh_handler none = {0};
+    struct tdm_bh_conn *c;
+    enum tdm_bh_fail f = conn_open(t, rq, h ? h : &none, &c);
+    if (f) return f;
+    while (c->rx.state != RX_DONE)
+        if ((f = pump(c, rq->deadline_ns))) break;
+    tdm_bh_close(c);
+    return f;
+}
+
+/* ---- pull mode ---- */
+
+enum tdm_bh_fail tdm_bh_open(const struct tdm_bh_target *t, const struct tdm_bh_request *rq,
+                             tdm_bh_conn_t **out)
+{
+    return conn_open(t, rq, NULL, out);
+}
+
+enum tdm_bh_fail tdm_bh_wait_head(tdm_bh_conn_t *c, uint64_t deadline_ns)
+{
+    while (!c->rx.head_done) {
+        enum tdm_bh_fail f = pump(c, deadline_ns);
+        if (f) return f;
+    }
+    return TDM_BH_OK;
+}
+
+int tdm_bh_status(const tdm_bh_conn_t *c)
+{
+    return c->rx.status;
+}
+const char *tdm_bh_content_type(const tdm_bh_conn_t *c)
+{
+    return c->rx.content_type;
+}
+int64_t tdm_bh_content_length(const tdm_bh_conn_t *c)
+{
+    return c->rx.content_length;
+}
+int tdm_bh_fd(const tdm_bh_conn_t *c)
+{
+    return c->fd;
+}
+
+enum tdm_bh_fail tdm_bh_read(tdm_bh_conn_t *c, char *buf, size_t cap, uint64_t deadline_ns,
+                             size_t *n)
+{
+    TDM_ASSERT(c->rx.head_done && cap > 0);
+    for (;;) {
+        if (c->out_off < c->out_len) {
+            size_t k = TDM_MIN(cap, c->out_len - c->out_off);
+            memcpy(buf, c->out + c->out_off, k);
+            c->out_off += k;
+            *n = k;
+            return TDM_BH_OK;
+        }
+        c->out_off = c->out_len = 0;
+        if (c->rx.state == RX_DONE) {
+            *n = 0;
+            return TDM_BH_OK;
+        }
+        enum tdm_bh_fail f = pump(c, deadline_ns);
+        if (f) return f;
+    }
 }

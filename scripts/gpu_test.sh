@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Builds (or takes prebuilt) and runs every GPU test and the GPU benchmark on a machine with an
+# NVIDIA GPU (Hopper, sm_90a):
+#   1. tests/backend_cuda/test_cuda_ops     every CUDA op against the CPU backend
+#   2. tests/backend_cuda/test_cuda_engine  engine logits CUDA vs CPU, graphs vs op by op
+#   3. compute-sanitizer memcheck on the op test (on a second GPU when there is one, alongside)
+#   4. tandem bench model --backend cuda    for the llama-3.1-8b and llama-3.2-1b shapes
+#   5. with TANDEM_GPU_TEST_MODEL=PATH: greedy `tandem generate` on CPU and GPU, 8 prompts
+# Usage: scripts/gpu_test.sh [PREBUILT_DIR]
+#   PREBUILT_DIR holds bin/ (tandem, test_cuda_ops, test_cuda_engine) and lib/ (shared libraries
+#   the binaries need that the GPU machine lacks), for machines without the build dependencies;
+#   without it the script builds into build-gpu/ with CMake.
+# Logs go to $OUT (or ./gpu-test-logs); the summary is printed last. Exit status: 0 when all
+# tests pass and the benchmark ran.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+LOGS=${OUT:-$PWD/gpu-test-logs}
+mkdir -p "$LOGS"
+if [ $# -ge 1 ]; then
+    BIN=$1/bin
+    export LD_LIBRARY_PATH="$(cd "$1" && pwd)/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    TANDEM=$BIN/tandem
+    OPS=$BIN/test_cuda_ops
+    ENG=$BIN/test_cuda_engine
+else
+    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -G Ninja >"$LOGS/cmake.log" 2>&1 &&
+        cmake --build build-gpu >>"$LOGS/cmake.log" 2>&1 || {
+        tail -30 "$LOGS/cmake.log"
+        exit 1
+    }
+    TANDEM=build-gpu/tandem
+    OPS=build-gpu/tests/test_cuda_ops
+    ENG=build-gpu/tests/test_cuda_engine
+fi
+nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
+    >"$LOGS/gpus.txt" 2>&1
+cat "$LOGS/gpus.txt"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+status=0
+summary=""
+
+# memcheck runs on the last GPU, in the background, when there are two or more
+SAN_PID=""
+if command -v compute-sanitizer >/dev/null; then
+    SAN_DEV=0
+    [ "$NGPU" -ge 2 ] && SAN_DEV=$((NGPU - 1))
+    (CUDA_VISIBLE_DEVICES=$SAN_DEV timeout 300 compute-sanitizer --tool memcheck --leak-check full \
+        --error-exitcode 9 "$OPS" >"$LOGS/memcheck.log" 2>&1; echo $? >"$LOGS/memcheck.rc") &
+    SAN_PID=$!
+    [ "$NGPU" -ge 2 ] || wait $SAN_PID
+else
+    echo "compute-sanitizer not found" >"$LOGS/memcheck.log"
+    echo 127 >"$LOGS/memcheck.rc"
+fi
+
+for t in "$OPS" "$ENG"; do
+    name=$(basename "$t")
+    CUDA_VISIBLE_DEVICES=0 timeout 400 "$t" >"$LOGS/$name.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    summary+="$name: rc=$rc $(grep -E 'PASSED|FAILED' "$LOGS/$name.log" | tr '\n' ' ')"$'\n'
+    grep -E "^cpu vs|^cuda op|SKIP" "$LOGS/$name.log" | head -20
+done
+
+for shape in llama-3.1-8b llama-3.2-1b; do
+    CUDA_VISIBLE_DEVICES=0 timeout 300 "$TANDEM" bench model --backend cuda --shape $shape \
+        >"$LOGS/bench-$shape.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    cat "$LOGS/bench-$shape.log"
+done
+
+# a real checkpoint end to end (tokenizer, quantised weights dequantised at load, sampler):
+# greedy tokens from `tandem generate` on the CPU and on the GPU, prompt by prompt
+if [ -n "${TANDEM_GPU_TEST_MODEL:-}" ]; then
+    same=0
+    total=0
+    while IFS= read -r prompt; do
+        a=$("$TANDEM" generate --model "$TANDEM_GPU_TEST_MODEL" --prompt "$prompt" --max-tokens 32 \
+            --temperature 0 --print-token-ids 2>/dev/null | tail -1)
+        b=$(CUDA_VISIBLE_DEVICES=0 "$TANDEM" generate --backend cuda --model "$TANDEM_GPU_TEST_MODEL" \
+            --prompt "$prompt" --max-tokens 32 --temperature 0 --print-token-ids 2>/dev/null | tail -1)
+        total=$((total + 1))
+        if [ -n "$a" ] && [ "$a" = "$b" ]; then same=$((same + 1)); else
+            printf 'differs: %s\n  cpu:  %s\n  cuda: %s\n' "$prompt" "$a" "$b" >>"$LOGS/generate.log"
+        fi
+    done <<'EOF_PROMPTS'
+The capital of France is
+def fibonacci(n):
+Once upon a time, in a small village,
+The three primary colours are
+Explain why the sky is blue.
+SELECT name FROM users WHERE
+1, 2, 3, 5, 8, 13,
+Translate to French: good morning
+EOF_PROMPTS
+    summary+="generate cpu vs cuda (greedy, 32 tokens): $same/$total prompts identical"$'\n'
+fi
+
+if [ -n "$SAN_PID" ]; then
+    wait $SAN_PID
+    src=$(cat "$LOGS/memcheck.rc" 2>/dev/null || echo "?")
+    summary+="memcheck test_cuda_ops: rc=$src $(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log")"$'\n'
+    [ "$src" = 0 ] || status=1
+fi
+echo "==== summary"
+printf '%s' "$summary"
+exit $status

@@ -1,0 +1,585 @@
+/*
+ * Causal GQA attention over the paged HND KV cache on the GPU, one kernel for prefill, chunked
+ * prefill over an existing prefix and decode.
+ *
+ * Work: a block takes one tile (up to tile_tokens consecutive tokens of one sequence) and one
+ * KV head g, so all the query heads of that KV head (the GQA group) share each K and V row
+ * read: the tile's rows are (token, head) pairs, at most 64 (32 when head_dim > 256), four
+ * warps of RPW rows each. KV positions are taken 32 at a time (FlashAttention-2 style): the
+ * chunk's K and V rows are gathered through the sequence's page table into shared memory,
+ * lane j of a warp scores position j against each of its rows, the running max and sum are
+ * updated (online softmax) and the weighted V rows are accumulated in registers, lane l
+ * holding dimensions l, l + 32, ... A row at position p sees KV positions [0, p]; a tile reads
+ * [0, last position of the tile], bounded by the sequence's KV length.
+ *
+ * Split-KV (decode): when the step has too few (tile, KV head) blocks to fill the GPU, the KV
+ * range of each is cut into n_splits equal parts (a multiple of 32 positions) run by separate
+ * blocks, each writing its unnormalised state (acc, max, sum) to scratch; a second kernel
+ * merges the states. The split count depends only on the launch shape, never on KV lengths,
+ * so it can be fixed when a decode step is captured as a CUDA graph; splits past the KV end
+ * write empty states.
+ *
+ * Padding: a tile whose sequence has KV length 0 (a CUDA-graph padding slot) writes zeros.
+ *
+ * Numerics: fp32 throughout; q is pre-multiplied by the softmax scale; expf is the precise one.
+ */
+#include "backend/cuda/cuda_kernels.h"
+
+#include <cuda_bf16.h>
+#include <math.h>
+#include <stdlib.h>
+
+namespace
+{
+
+constexpr int WARPS = 4;
+constexpr int CHUNK = 32;
+
+struct attn_args {
+    const float *q;
+    float *out;
+    uint16_t *out_bf16;
+    float *part;
+    const float *kv_base;
+    int n_heads, nkv, hd, gs, page_size, n_splits, n_tokens;
+    float scale;
+    const int32_t *positions, *seq_kv_len, *seq_page_start, *page_ids, *tiles;
+};
+
+__device__ __forceinline__ uint16_t to_bf16(float f)
+{
+    __nv_bfloat16 b = __float2bfloat16_rn(f);
+    return *reinterpret_cast<uint16_t *>(&b);
+}
+
+template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_kernel(attn_args a)
+{
+    constexpr int HDP = 32 * NJ;
+    constexpr int ROWS = WARPS * RPW;
+    extern __shared__ float sm[];
+    float *Qs = sm;                     /* [ROWS][HDP] */
+    float *Ks = Qs + ROWS * HDP;        /* [CHUNK][HDP + 1] */
+    float *Vs = Ks + CHUNK * (HDP + 1); /* [CHUNK][HDP] */
+    __shared__ const float *krow[CHUNK];
+
+    const int tile = blockIdx.x, g = blockIdx.y, split = blockIdx.z;
+    const int seq = a.tiles[3 * tile], tok0 = a.tiles[3 * tile + 1], ntok = a.tiles[3 * tile + 2];
+    const int R = ntok * a.gs, hd = a.hd;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+    for (int idx = threadIdx.x; idx < ROWS * HDP; idx += blockDim.x) {
+        const int r = idx / HDP, d = idx % HDP;
+        float v = 0.0f;
+        if (r < R && d < hd) {
+            const int t = tok0 + r / a.gs, h = g * a.gs + r % a.gs;
+            v = a.q[((size_t)t * a.n_heads + h) * hd + d] * a.scale;
+        }
+        Qs[idx] = v;
+    }
+    int pos[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+        const int r = warp * RPW + i;
+        pos[i] = r < R ? a.positions[tok0 + r / a.gs] : -1;
+    }
+    int kv_end = a.positions[tok0 + ntok - 1] + 1;
+    kv_end = min(kv_end, a.seq_kv_len[seq]);
+    const int per = ((kv_end + a.n_splits - 1) / a.n_splits + CHUNK - 1) / CHUNK * CHUNK;
+    const int lo = split * per, hi = min(kv_end, lo + per);
+
+    float m[RPW], l[RPW], acc[RPW][NJ];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+            acc[i][j] = 0.0f;
+    }
+    const int ps = a.page_size;
+    const int32_t *pages = a.page_ids + a.seq_page_start[seq];
+    const size_t page_floats = (size_t)2 * a.nkv * ps * hd, v_off = (size_t)a.nkv * ps * hd;
+
+    for (int c0 = lo; c0 < hi; c0 += CHUNK) {
+        __syncthreads();
+        if (threadIdx.x < CHUNK) {
+            const int p = c0 + threadIdx.x;
+            krow[threadIdx.x] = p < hi ? a.kv_base + (size_t)pages[p / ps] * page_floats +
+                                             ((size_t)g * ps + p % ps) * hd
+                                       : nullptr;
+        }
+        __syncthreads();
+        if (hd % 4 == 0) { /* 16-byte loads */
+            constexpr int HD4 = HDP / 4;
+            for (int idx = threadIdx.x; idx < CHUNK * HD4; idx += blockDim.x) {
+                const int i = idx / HD4, d = (idx % HD4) * 4;
+                const float *kr = krow[i];
+                float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
+                if (kr && d < hd) {
+                    kv = *reinterpret_cast<const float4 *>(kr + d);
+                    vv = *reinterpret_cast<const float4 *>(kr + v_off + d);
+                }
+                float *ks = Ks + i * (HDP + 1) + d;
+                ks[0] = kv.x;
+                ks[1] = kv.y;
+                ks[2] = kv.z;
+                ks[3] = kv.w;
+                *reinterpret_cast<float4 *>(Vs + i * HDP + d) = vv;
+            }
+        } else {
+            for (int idx = threadIdx.x; idx < CHUNK * HDP; idx += blockDim.x) {
+                const int i = idx / HDP, d = idx % HDP;
+                const float *kr = krow[i];
+                float kv = 0.0f, vv = 0.0f;
+                if (kr && d < hd) {
+                    kv = kr[d];
+                    vv = kr[v_off + d];
+                }
+                Ks[i * (HDP + 1) + d] = kv;
+                Vs[i * HDP + d] = vv;
+            }
+        }
+        __syncthreads();
+
+        float s[RPW];
+#pragma unroll
+        for (int i = 0; i < RPW; i++)
+            s[i] = 0.0f;
+        const float *kl = Ks + lane * (HDP + 1);
+        for (int d = 0; d < hd; d++) {
+            const float kd = kl[d];
+#pragma unroll
+            for (int i = 0; i < RPW; i++)
+                s[i] += Qs[(warp * RPW + i) * HDP + d] * kd;
+        }
+        const int p = c0 + lane;
+        float pw[RPW];
+#pragma unroll
+        for (int i = 0; i < RPW; i++) {
+            const bool ok = p < hi && p <= pos[i];
+            float sc = ok ? s[i] : -INFINITY;
+            float mx = sc;
+            for (int o = 16; o > 0; o >>= 1)
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_new = fmaxf(m[i], mx);
+            if (m_new == -INFINITY) {
+                pw[i] = 0.0f;
+                continue;
+            }
+            const float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - m_new);
+            const float e = ok ? expf(sc - m_new) : 0.0f;
+            float sum = e;
+            for (int o = 16; o > 0; o >>= 1)
+                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            l[i] = l[i] * alpha + sum;
+            m[i] = m_new;
+#pragma unroll
+            for (int j = 0; j < NJ; j++)
+                acc[i][j] *= alpha;
+            pw[i] = e;
+        }
+        for (int pp = 0; pp < CHUNK; pp++) {
+            float v[NJ];
+#pragma unroll
+            for (int j = 0; j < NJ; j++)
+                v[j] = Vs[pp * HDP + lane + 32 * j];
+#pragma unroll
+            for (int i = 0; i < RPW; i++) {
+                const float w = __shfl_sync(0xffffffffu, pw[i], pp);
+#pragma unroll
+                for (int j = 0; j < NJ; j++)
+                    acc[i][j] += w * v[j];
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+        const int r = warp * RPW + i;
+        if (r >= R) continue;
+        const int t = tok0 + r / a.gs, h = g * a.gs + r % a.gs;
+        if (a.n_splits == 1) {
+            const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+            float *o = a.out + ((size_t)t * a.n_heads + h) * hd;
+#pragma unroll
+            for (int j = 0; j < NJ; j++) {
+                const int d = lane + 32 * j;
+                if (d < hd) {
+                    const float y = acc[i][j] * inv;
+                    o[d] = y;
+                    if (a.out_bf16) a.out_bf16[((size_t)t * a.n_heads + h) * hd + d] = to_bf16(y);
+                }
+            }
+        } else {
+            float *st = a.part + (((size_t)split * a.n_tokens + t) * a.n_heads + h) * (hd + 2);
+#pragma unroll
+            for (int j = 0; j < NJ; j++) {
+                const int d = lane + 32 * j;
+                if (d < hd) st[d] = acc[i][j];
+            }
+            if (lane == 0) {
+                st[hd] = m[i];
+                st[hd + 1] = l[i];
+            }
+        }
+    }
+}
+
+/* ---- prefill on the tensor cores (head_dim 64 or 128) ----
+ * The same work split as attn_kernel (a tile of up to 64 (token, head) rows of one KV head;
+ * here 8 warps and up to 128 rows; warp w owns rows 16w..16w+15), but S = Q K^T and O += P V run as
+ * bf16 mma.sync m16n8k16 with fp32 accumulation, FlashAttention-2 style: Q stays in registers as A
+ * fragments, each chunk of 64 KV positions is gathered through the page table, rounded to bf16 and
+ * stored in shared memory by position (rows padded by 8 elements so fragment loads hit 32 distinct
+ * banks; V's B fragments come through ldmatrix.trans), the score fragments are masked
+ * (causal, KV length), the online softmax runs in base 2 (log2(e) folded into the Q scale)
+ * with each row's max and sum reduced over the 4 threads of a quad, and the probabilities are
+ * re-packed from the S accumulator layout straight into A fragments for P V. */
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
+{
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+constexpr int MWARPS = 8; /* warps (16 rows each) of the tensor-core kernel */
+
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t &r0, uint32_t &r1, const void *p)
+{
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(a));
+}
+
+template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
+{
+    constexpr int BN = 64, KS = D + 8;
+    __shared__ __align__(16) uint16_t Ks[BN * KS];
+    __shared__ __align__(16) uint16_t Vs[BN * KS];
+    /* tiles run last first: the longest causal spans start early, the short ones fill the tail */
+    const int tile = gridDim.x - 1 - blockIdx.x, g = blockIdx.y;
+    const int seq = a.tiles[3 * tile], tok0 = a.tiles[3 * tile + 1], ntok = a.tiles[3 * tile + 2];
+    const int R = ntok * a.gs;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, qr = lane / 4, qc = lane % 4;
+    const int r0 = warp * 16 + qr, r1 = r0 + 8;
+    const int pos0 = r0 < R ? a.positions[tok0 + r0 / a.gs] : -1;
+    const int pos1 = r1 < R ? a.positions[tok0 + r1 / a.gs] : -1;
+    const float qs = a.scale * 1.4426950408889634f;
+    const float *q0 =
+        r0 < R ? a.q + ((size_t)(tok0 + r0 / a.gs) * a.n_heads + g * a.gs + r0 % a.gs) * D
+               : nullptr;
+    const float *q1 =
+        r1 < R ? a.q + ((size_t)(tok0 + r1 / a.gs) * a.n_heads + g * a.gs + r1 % a.gs) * D
+               : nullptr;
+    uint32_t qf[D / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+        const int k0 = ks * 16 + qc * 2;
+        float2 x00 = q0 ? *reinterpret_cast<const float2 *>(q0 + k0) : make_float2(0.f, 0.f);
+        float2 x10 = q1 ? *reinterpret_cast<const float2 *>(q1 + k0) : make_float2(0.f, 0.f);
+        float2 x01 = q0 ? *reinterpret_cast<const float2 *>(q0 + k0 + 8) : make_float2(0.f, 0.f);
+        float2 x11 = q1 ? *reinterpret_cast<const float2 *>(q1 + k0 + 8) : make_float2(0.f, 0.f);
+        qf[ks][0] = pack_bf16(x00.x * qs, x00.y * qs);
+        qf[ks][1] = pack_bf16(x10.x * qs, x10.y * qs);
+        qf[ks][2] = pack_bf16(x01.x * qs, x01.y * qs);
+        qf[ks][3] = pack_bf16(x11.x * qs, x11.y * qs);
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+        o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    const int kv_end = min(a.positions[tok0 + ntok - 1] + 1, a.seq_kv_len[seq]);
+    const int ps = a.page_size;
+    const int32_t *pages = a.page_ids + a.seq_page_start[seq];
+    const size_t page_floats = (size_t)2 * a.nkv * ps * D, v_off = (size_t)a.nkv * ps * D;
+
+    /* each thread moves LD float4s of K and of V per chunk; the next chunk's loads are issued
+     * before the current chunk's math, so their latency hides behind it */
+    constexpr int LD = BN * D / 4 / (MWARPS * 32);
+    float4 pk[LD], pv[LD];
+    auto fetch = [&](int c0) {
+#pragma unroll
+        for (int u = 0; u < LD; u++) {
+            const int idx = threadIdx.x + u * MWARPS * 32;
+            const int i = idx / (D / 4), d = (idx % (D / 4)) * 4, p = c0 + i;
+            pk[u] = pv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (p < kv_end) {
+                const float *kr = a.kv_base + (size_t)pages[p / ps] * page_floats +
+                                  ((size_t)g * ps + p % ps) * D + d;
+                pk[u] = *reinterpret_cast<const float4 *>(kr);
+                pv[u] = *reinterpret_cast<const float4 *>(kr + v_off);
+            }
+        }
+    };
+    fetch(0);
+    for (int c0 = 0; c0 < kv_end; c0 += BN) {
+        __syncthreads(); /* the previous chunk's math is done with Ks, Vs */
+#pragma unroll
+        for (int u = 0; u < LD; u++) {
+            const int idx = threadIdx.x + u * MWARPS * 32;
+            const int i = idx / (D / 4), d = (idx % (D / 4)) * 4;
+            *reinterpret_cast<uint2 *>(Ks + i * KS + d) =
+                make_uint2(pack_bf16(pk[u].x, pk[u].y), pack_bf16(pk[u].z, pk[u].w));
+            *reinterpret_cast<uint2 *>(Vs + i * KS + d) =
+                make_uint2(pack_bf16(pv[u].x, pv[u].y), pack_bf16(pv[u].z, pv[u].w));
+        }
+        __syncthreads();
+        if (c0 + BN < kv_end) fetch(c0 + BN);
+
+        float sc[BN / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++) {
+            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ks++) {
+                const uint16_t *kb = Ks + (nt * 8 + qr) * KS + ks * 16 + qc * 2;
+                mma16816(sc[nt], qf[ks], *reinterpret_cast<const uint32_t *>(kb),
+                         *reinterpret_cast<const uint32_t *>(kb + 8));
+            }
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = c0 + nt * 8 + qc * 2 + (e & 1);
+                const int pos = e < 2 ? pos0 : pos1;
+                if (!(col < kv_end && col <= pos)) sc[nt][e] = -INFINITY;
+                if (e < 2)
+                    mx0 = fmaxf(mx0, sc[nt][e]);
+                else
+                    mx1 = fmaxf(mx1, sc[nt][e]);
+            }
+        for (int off = 1; off < 4; off <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float al0 = mn0 == -INFINITY || m0 == -INFINITY ? 0.0f : exp2f(m0 - mn0);
+        const float al1 = mn1 == -INFINITY || m1 == -INFINITY ? 0.0f : exp2f(m1 - mn1);
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++) {
+            sc[nt][0] = mn0 == -INFINITY ? 0.0f : exp2f(sc[nt][0] - mn0);
+            sc[nt][1] = mn0 == -INFINITY ? 0.0f : exp2f(sc[nt][1] - mn0);
+            sc[nt][2] = mn1 == -INFINITY ? 0.0f : exp2f(sc[nt][2] - mn1);
+            sc[nt][3] = mn1 == -INFINITY ? 0.0f : exp2f(sc[nt][3] - mn1);
+            sum0 += sc[nt][0] + sc[nt][1];
+            sum1 += sc[nt][2] + sc[nt][3];
+        }
+        for (int off = 1; off < 4; off <<= 1) {
+            sum0 += __shfl_xor_sync(0xffffffffu, sum0, off);
+            sum1 += __shfl_xor_sync(0xffffffffu, sum1, off);
+        }
+        l0 = l0 * al0 + sum0;
+        l1 = l1 * al1 + sum1;
+        m0 = mn0;
+        m1 = mn1;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; nt++) {
+            o[nt][0] *= al0;
+            o[nt][1] *= al0;
+            o[nt][2] *= al1;
+            o[nt][3] *= al1;
+        }
+#pragma unroll
+        for (int j = 0; j < BN / 16; j++) {
+            const uint32_t pa[4] = {pack_bf16(sc[2 * j][0], sc[2 * j][1]),
+                                    pack_bf16(sc[2 * j][2], sc[2 * j][3]),
+                                    pack_bf16(sc[2 * j + 1][0], sc[2 * j + 1][1]),
+                                    pack_bf16(sc[2 * j + 1][2], sc[2 * j + 1][3])};
+#pragma unroll
+            for (int nt = 0; nt < D / 8; nt++) {
+                uint32_t b0, b1; /* V rows are positions: the transposing load makes them "col" */
+                ldsm_x2_trans(b0, b1, Vs + (j * 16 + (lane & 15)) * KS + nt * 8);
+                mma16816(o[nt], pa, b0, b1);
+            }
+        }
+    }
+    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int r = half ? r1 : r0;
+        if (r >= R) continue;
+        const float inv = half ? inv1 : inv0;
+        const size_t row = (size_t)(tok0 + r / a.gs) * a.n_heads + g * a.gs + r % a.gs;
+        float *out = a.out + row * D;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; nt++) {
+            const int col = nt * 8 + qc * 2;
+            const float y0 = o[nt][half * 2] * inv, y1 = o[nt][half * 2 + 1] * inv;
+            *reinterpret_cast<float2 *>(out + col) = make_float2(y0, y1);
+            if (a.out_bf16)
+                *reinterpret_cast<uint32_t *>(a.out_bf16 + row * D + col) = pack_bf16(y0, y1);
+        }
+    }
+}
+
+/* One block per (token, head): merges the split states in split order. The splits' maxima and
+ * sums are read by one thread each (independent loads), the weights exp(m_s - M) go to shared
+ * memory, then each thread folds its dimensions over the splits. */
+__global__ void combine_kernel(const float *part, int n_splits, int n_tokens, int n_heads, int hd,
+                               float *out, uint16_t *out_bf16)
+{
+    __shared__ float ws[64], inv_s;
+    const int th = blockIdx.x; /* token * n_heads + head */
+    const size_t stride = (size_t)n_tokens * n_heads * (hd + 2);
+    const float *base = part + (size_t)th * (hd + 2);
+    if (threadIdx.x < 32) {
+        const int sp0 = threadIdx.x, sp1 = threadIdx.x + 32;
+        const float m0 = sp0 < n_splits ? base[sp0 * stride + hd] : -INFINITY;
+        const float m1 = sp1 < n_splits ? base[sp1 * stride + hd] : -INFINITY;
+        const float l0 = sp0 < n_splits ? base[sp0 * stride + hd + 1] : 0.0f;
+        const float l1 = sp1 < n_splits ? base[sp1 * stride + hd + 1] : 0.0f;
+        float M = fmaxf(m0, m1);
+        for (int o = 16; o > 0; o >>= 1)
+            M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        const float w0 = m0 == -INFINITY ? 0.0f : expf(m0 - M);
+        const float w1 = m1 == -INFINITY ? 0.0f : expf(m1 - M);
+        float L = l0 * w0 + l1 * w1;
+        for (int o = 16; o > 0; o >>= 1)
+            L += __shfl_xor_sync(0xffffffffu, L, o);
+        ws[sp0] = w0;
+        ws[sp1] = w1;
+        if (threadIdx.x == 0) inv_s = L > 0.0f ? 1.0f / L : 0.0f;
+    }
+    __syncthreads();
+    const float inv = inv_s;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float y = 0.0f;
+#pragma unroll 8
+        for (int sp = 0; sp < n_splits; sp++)
+            y += base[sp * stride + d] * ws[sp];
+        y *= inv;
+        out[(size_t)th * hd + d] = y;
+        if (out_bf16) out_bf16[(size_t)th * hd + d] = to_bf16(y);
+    }
+}
+
+/* $TANDEM_CUDA_SIMT_ATTENTION=1 keeps prefill on the fp32 kernel (for comparisons). */
+bool getenv_simt()
+{
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("TANDEM_CUDA_SIMT_ATTENTION");
+        v = e && *e == '1';
+    }
+    return v == 1;
+}
+
+template <int NJ, int RPW> bool launch(cudaStream_t s, const attn_args &a, int n_tiles)
+{
+    constexpr int HDP = 32 * NJ;
+    const size_t smem =
+        ((size_t)WARPS * RPW * HDP + (size_t)CHUNK * (HDP + 1) + (size_t)CHUNK * HDP) *
+        sizeof(float);
+    if (smem > 227 * 1024) return false;
+    static bool attr_set = false; /* per instantiation; the backend is driven by one thread */
+    if (!attr_set) {
+        if (cudaFuncSetAttribute(attn_kernel<NJ, RPW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)smem) != cudaSuccess)
+            return false;
+        attr_set = true;
+    }
+    dim3 grid(n_tiles, a.nkv, a.n_splits);
+    attn_kernel<NJ, RPW><<<grid, WARPS * 32, smem, s>>>(a);
+    return true;
+}
+
+template <int NJ> bool launch_rpw(cudaStream_t s, const attn_args &a, int n_tiles, int rpw)
+{
+    switch (rpw) {
+    case 1:
+        return launch<NJ, 1>(s, a, n_tiles);
+    case 2:
+        return launch<NJ, 2>(s, a, n_tiles);
+    case 4:
+        return launch<NJ, 4>(s, a, n_tiles);
+    case 8:
+        return launch<NJ, 8>(s, a, n_tiles);
+    case 16:
+        if (NJ <= 8) return launch < NJ, NJ <= 8 ? 16 : 8 > (s, a, n_tiles);
+        return false;
+    default:
+        return false;
+    }
+}
+
+} // namespace
+
+extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, int n_kv_heads,
+                                 int hd, const struct tdm_cu_step *st, const float *kv_base,
+                                 float scale, float *out, uint16_t *out_bf16, int n_splits,
+                                 float *part)
+{
+    if (st->n_tokens <= 0 || st->n_tiles <= 0) return true;
+    if (hd <= 0 || hd > 512 || n_kv_heads <= 0 || n_heads % n_kv_heads) return false;
+    const int gs = n_heads / n_kv_heads;
+    const int rows = st->tile_tokens * gs;
+    const bool mma = st->tile_tokens > 1 && (hd == 64 || hd == 128) && !getenv_simt();
+    if (rows > (mma ? 16 * MWARPS : hd > 256 ? 32 : 64)) return false;
+    int rpw = 1;
+    while (rpw * WARPS < rows)
+        rpw *= 2;
+    const int nj = (hd + 31) / 32;
+    if (n_splits < 1 || !part || mma) n_splits = 1; /* the tensor-core kernel does not split */
+    attn_args a = {q,
+                   out,
+                   n_splits > 1 ? nullptr : out_bf16,
+                   part,
+                   kv_base,
+                   n_heads,
+                   n_kv_heads,
+                   hd,
+                   gs,
+                   st->page_size,
+                   n_splits,
+                   st->n_tokens,
+                   scale,
+                   st->positions,
+                   st->seq_kv_len,
+                   st->seq_page_start,
+                   st->page_ids,
+                   st->tiles};
+    bool ok;
+    /* prefill-shaped steps (tiles of several tokens) on the tensor cores */
+    if (mma && n_splits == 1) {
+        dim3 grid(st->n_tiles, n_kv_heads);
+        if (hd == 64)
+            attn_mma_kernel<64><<<grid, MWARPS * 32, 0, s>>>(a);
+        else
+            attn_mma_kernel<128><<<grid, MWARPS * 32, 0, s>>>(a);
+        return true;
+    }
+    if (nj <= 1)
+        ok = launch_rpw<1>(s, a, st->n_tiles, rpw);
+    else if (nj <= 2)
+        ok = launch_rpw<2>(s, a, st->n_tiles, rpw);
+    else if (nj <= 4)
+        ok = launch_rpw<4>(s, a, st->n_tiles, rpw);
+    else if (nj <= 8)
+        ok = launch_rpw<8>(s, a, st->n_tiles, rpw);
+    else
+        ok = launch_rpw<16>(s, a, st->n_tiles, rpw);
+    if (!ok) return false;
+    if (n_splits > 1)
+        combine_kernel<<<st->n_tokens * n_heads, 128, 0, s>>>(part, n_splits, st->n_tokens, n_heads,
+                                                              hd, out, out_bf16);
+    return true;
+}
+
+extern "C" int tdm_cu_attention_rows_cap(int hd)
+{
+    if ((hd == 64 || hd == 128) && !getenv_simt()) return 16 * MWARPS; /* tensor-core kernel */
+    return hd > 256 ? 32 : 64;
+}

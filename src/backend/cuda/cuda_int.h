@@ -1,0 +1,166 @@
+/*
+ * Private declarations of the CUDA backend (C side): the instance, the cuBLASLt GEMM plan
+ * cache and the helpers the op files share.
+ *
+ * Files: cuda_backend.c (vtable, creation, memory, weights, step metadata, CUDA graphs, layer
+ * counter, memory plan, rooflines), cuda_gemm.c (cuBLASLt), kernels.cu and attention.cu (the
+ * kernels, behind cuda_kernels.h).
+ *
+ * Ownership: the instance owns every device buffer it allocates (weights it converted,
+ * workspace, graphs, the pinned staging and counter); buffers handed out by buf_alloc belong
+ * to the caller until buf_free.
+ *
+ * Threading: one thread drives an instance (the engine's compute thread); all work goes to one
+ * stream. The mapped counter may be read by any thread.
+ */
+#ifndef TANDEM_BACKEND_CUDA_INT_H
+#define TANDEM_BACKEND_CUDA_INT_H
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include "backend/cuda/cuda_kernels.h"
+#include "tandem/backend.h"
+
+/* Aborts with a message on a CUDA runtime error (ops cannot return one; see backend.h). */
+#define TDM_CU_CHECK(call)                                                                         \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) tdm_cu_fatal(#call, cudaGetErrorString(e_), __FILE__, __LINE__);    \
+    } while (0)
+_Noreturn void tdm_cu_fatal(const char *what, const char *why, const char *file, int line);
+
+#define TDM_CU_GEMM_PLANS   96
+#define TDM_CU_MAX_GRAPHS   48
+#define TDM_CU_MAX_COUNTERS 8
+
+struct tdm_cu_gemm_plan {
+    int m, n, k;
+    uint64_t used; /* last use, for eviction */
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, d;
+    cublasLtMatmulAlgo_t algo;
+};
+
+struct tdm_cu_graph {
+    const void *owner;
+    int bucket;
+    cudaGraphExec_t exec;
+};
+
+struct tdm_cu_owned {
+    void *dev;
+    struct tdm_weight w;
+};
+
+enum {
+    P_EMBED,
+    P_NORM,
+    P_MATMUL,
+    P_MULTI,
+    P_SWIGLU,
+    P_HEADNORM,
+    P_ROPE,
+    P_ATTN,
+    P_GATHER,
+    P_OTHER,
+    TDM_CU_PROF_N
+};
+#define TDM_CU_PROF_EVENTS 4096
+
+struct tdm_cuda {
+    struct tdm_backend base;
+    int device;
+    char name[256];
+    int n_sms;
+    size_t total_mem;
+    double mem_fraction;
+    bool graphs_enabled;
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    void *lt_ws;
+    size_t lt_ws_bytes;
+    struct tdm_cu_gemm_plan plans[TDM_CU_GEMM_PLANS];
+    int n_plans;
+    uint64_t plan_clock;
+
+    /* weights made by weight_prepare / random_weight */
+    struct tdm_cu_owned *owned;
+    int n_owned, cap_owned;
+    size_t weight_bytes;
+    int64_t max_cols; /* widest matrix seen (sizes the bf16 input buffer) */
+
+    /* workspace (grown on demand before reserve; fixed after it) */
+    uint16_t *xb; /* bf16 copy of a matmul input */
+    size_t xb_cap;
+    /* bf16 shadow of the last producer's fp32 output: two buffers used in turn, so an op
+     * reading one shadow (its input) may write the next (its output) */
+    uint16_t *shb[2];
+    size_t shb_cap[2];
+    int sh_cur;
+    const float *sh_ptr; /* the fp32 buffer the shadow mirrors, or NULL */
+    size_t sh_elems;
+    float *up; /* fp32 up-projection of matmul_swiglu */
+    size_t up_cap;
+    float *part; /* split-KV attention states */
+    size_t part_cap;
+    float *d_inv_freq; /* [256] */
+    float *h_inv_freq; /* pinned copy of what d_inv_freq holds */
+    int inv_n;
+    int32_t *d_rows; /* gather_rows indices of calls that are not the current step's */
+    int32_t *h_rows;
+    size_t rows_cap;
+    bool reserved;
+    size_t workspace_bytes;
+
+    /* step metadata: pinned staging and its device copy, laid out by capacity */
+    int32_t *h_meta, *d_meta;
+    size_t meta_cap; /* int32 elements */
+    int cap_t, cap_s, cap_p, cap_r;
+    const struct tdm_step *cur_st; /* the step of the current forward pass, or NULL */
+    const int32_t *cur_rows;
+    int cur_n_rows;
+    int gs_hint, hd_hint; /* the engine's GQA group size and head_dim (reserve) */
+    struct tdm_cu_step dstep;
+    const int32_t *d_step_rows;
+    int dstep_tiling; /* the tile size dstep was cut with (its tile_tokens is the largest tile) */
+    bool dstep_graph; /* dstep was padded for a graph: KV lengths vary between replays */
+    int dstep_max_kv;
+
+    /* CUDA graphs of decode steps, one per (owner, bucket) */
+    struct tdm_cu_graph graphs[TDM_CU_MAX_GRAPHS];
+    int n_graphs;
+    bool capturing;
+    const void *cap_owner;
+    int cap_bucket;
+
+    /* layer counters: our own, and callers' registered as mapped memory */
+    int32_t *h_counter, *d_counter;
+    struct {
+        void *host_page;
+        _Atomic int32_t *host;
+        int32_t *dev;
+    } counters[TDM_CU_MAX_COUNTERS];
+    int n_counters;
+
+    /* $TANDEM_CUDA_PROFILE=1: per-op event timing (cuda_backend.c) */
+    bool prof;
+    int prof_n;
+    int prof_cat[TDM_CU_PROF_EVENTS];
+    cudaEvent_t prof_ev[2 * TDM_CU_PROF_EVENTS];
+    double prof_ms[TDM_CU_PROF_N];
+    int64_t prof_calls[TDM_CU_PROF_N];
+};
+
+static inline struct tdm_cuda *tdm_cu_of(tdm_backend_t *b)
+{
+    return (struct tdm_cuda *)b->impl;
+}
+
+/* d[n][m] (fp32, row-major) = x[n][k] (bf16) . W[m][k]^T (bf16), fp32 accumulation. */
+void tdm_cu_gemm(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const uint16_t *x, int n,
+                 float *d);
+void tdm_cu_gemm_destroy(struct tdm_cuda *cu);
+int tdm_cu_attention_rows_cap(int hd);
+
+#endif /* TANDEM_BACKEND_CUDA_INT_H */

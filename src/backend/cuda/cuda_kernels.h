@@ -1,0 +1,94 @@
+/*
+ * The CUDA backend's kernel launchers: a plain C interface between the C half of the backend
+ * (cuda_backend.c: the vtable, memory, cuBLASLt, graphs) and the CUDA C++ half (kernels.cu,
+ * attention.cu).
+ *
+ * Why a separate header: the public headers use C11 _Atomic, which C++17 (nvcc's dialect)
+ * does not accept, so the .cu files see only this file: plain pointers, sizes and a stream.
+ *
+ * Conventions: every launcher enqueues on `s` and returns at once; pointers are device memory
+ * unless named h_*. Activations are fp32 row-major; bf16 values travel as uint16_t (the top
+ * half of the fp32 bit pattern, rounded to nearest even). A NULL bf16 output means "fp32
+ * only". Launch errors are caught by the caller (cudaGetLastError after the op).
+ */
+#ifndef TANDEM_BACKEND_CUDA_KERNELS_H
+#define TANDEM_BACKEND_CUDA_KERNELS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Step metadata as device arrays (copied from the engine's host tdm_step by the backend). */
+struct tdm_cu_step {
+    int n_tokens, n_seqs, page_size;
+    const int32_t *tokens, *positions, *slots, *token_seq;
+    const int32_t *seq_token_start, *seq_kv_len, *seq_page_start, *page_ids;
+    /* attention work list: tile i covers tokens [tiles[3i+1], +tiles[3i+2]) of seq tiles[3i] */
+    const int32_t *tiles;
+    int n_tiles;
+    int tile_tokens; /* most tokens in one tile */
+};
+
+/* out[i] = bf16 row tokens[i] of emb as fp32 */
+void tdm_cu_embed(cudaStream_t s, const uint16_t *emb, int64_t cols, const int32_t *tokens, int n,
+                  float *out, uint16_t *out_bf16);
+/* if add: res += add (stored back); out = res / rms(res) * w; out_bf16 (may be NULL) too.
+ * Rows of dim floats. out may equal res when add is NULL. */
+void tdm_cu_rmsnorm(cudaStream_t s, float *res, const float *add, const float *w, float eps, int n,
+                    int dim, float *out, uint16_t *out_bf16);
+void tdm_cu_f32_to_bf16(cudaStream_t s, const float *x, size_t n, uint16_t *out);
+/* out[i][r] += bias[r] */
+void tdm_cu_add_bias(cudaStream_t s, float *out, const float *bias, int n, int rows);
+/* out = silu(gate) * up (out may be gate) */
+void tdm_cu_silu_mul(cudaStream_t s, const float *gate, const float *up, size_t n, float *out,
+                     uint16_t *out_bf16);
+void tdm_cu_add(cudaStream_t s, float *x, const float *y, size_t n);
+void tdm_cu_gather_rows(cudaStream_t s, const float *x, const int32_t *rows, int n, int dim,
+                        float *out);
+/* RoPE of q (in place) and k, k and v written to the KV cache at each token's slot (slot < 0:
+ * a padding token, nothing written). inv_freq: [hd/2] device. */
+void tdm_cu_rope_kv_append(cudaStream_t s, float *q, const float *k, const float *v, int n_heads,
+                           int n_kv_heads, int hd, bool neox, const float *inv_freq,
+                           const struct tdm_cu_step *st, float *kv_base);
+/* Attention. part: scratch of n_splits * n_tokens * n_heads * (hd + 2) floats when n_splits >
+ * 1. Returns false when the shape is not supported (head_dim > 512 or more than 64 query heads
+ * per KV head). */
+bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, int n_kv_heads, int hd,
+                      const struct tdm_cu_step *st, const float *kv_base, float scale, float *out,
+                      uint16_t *out_bf16, int n_splits, float *part);
+/* Small-batch matrix-vector products (decode): out_p[j][r] = x[j] . W_p[r] (+ bias_p[r]) for
+ * up to 4 weights of k columns sharing the input x [n][k] bf16, n <= TDM_CU_GEMV_MAX_N:
+ * for 3..8 tokens, tensor cores over 16 weight rows per block when rows % 16 == 0 and
+ * k % 32 == 0, else one warp per row on the CUDA cores; 16-byte weight loads, fp32 accumulation in
+ * an order that does not depend on n. swiglu: exactly two parts (gate, up) of equal rows; writes
+ * silu(gate) * up into part 0's out (and out_bf16 when not NULL). Returns false when the shape
+ * does not suit (k % 8, alignment, n), and the caller uses cuBLASLt. */
+#define TDM_CU_GEMV_MAX_N 8
+struct tdm_cu_gemv_part {
+    const uint16_t *w;
+    const float *bias;
+    float *out;
+    int m;
+};
+bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts, int n_parts, int k,
+                 const uint16_t *x, int n, bool swiglu, uint16_t *out_bf16);
+
+/* Stores value into *counter (a device alias of mapped pinned host memory) after all work
+ * before it on the stream; works inside a CUDA graph. */
+void tdm_cu_store_counter(cudaStream_t s, int32_t *counter, int32_t value);
+/* Fills n values uniformly in [lo, hi) from a counter-based hash of (seed, index). */
+void tdm_cu_fill_uniform_bf16(cudaStream_t s, uint16_t *out, size_t n, uint64_t seed, float lo,
+                              float hi);
+void tdm_cu_fill_uniform_f32(cudaStream_t s, float *out, size_t n, uint64_t seed, float lo,
+                             float hi);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TANDEM_BACKEND_CUDA_KERNELS_H */

@@ -1,0 +1,384 @@
+/*
+ * `tandem bench model --backend cuda`: decode and prefill throughput of the engine on the CUDA
+ * backend, each printed next to its roofline measured in the same run.
+ *
+ * Model: --model PATH loads a checkpoint; otherwise --shape (llama-3.1-8b, the default, or
+ * llama-3.2-1b) builds that architecture with random bf16 weights made directly on the device
+ * (no host copy, no download; the values do not change the timings).
+ *
+ * Rooflines:
+ *   decode at batch B:  B * copy_bw / (weight bytes read per step + B * KV bytes per sequence),
+ *     copy_bw from cudaMemcpy device-to-device (bytes read + written per second), the weights
+ *     counted once per step (every matrix and vector, one embedding row per token), the KV at
+ *     the step's context (fp32 K and V of every layer);
+ *   prefill of T tokens: T * gemm_peak / FLOPs, gemm_peak from a cuBLASLt bf16 8192^3 GEMM and
+ *     FLOPs = 2 * (matrix parameters per token) * T + 4 * n_layers * n_heads * head_dim *
+ *     T (T + 1) / 2 (causal attention scores and weighted sum), LM head for one row.
+ * Decode steps run at context `--context` (1,024): the KV pages of positions [0, context) are
+ * zero-filled rather than prefilled (timings do not depend on KV values; prefilling 256 x 1,024
+ * tokens would cost minutes of device time). A step's time is its tdm_engine_forward call: the
+ * GPU work and the copy of the logits to pinned host memory; the benchmark's own greedy argmax
+ * on the host (the next tokens) is outside it.
+ */
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tools/tools_int.h"
+
+struct shape {
+    const char *name;
+    int n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab;
+    float rope_theta, rope_factor;
+    int rope_orig_ctx;
+    bool tied;
+};
+
+static const struct shape SHAPES[] = {
+    {"llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, 500000.0f, 8.0f, 8192, false},
+    {"llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, 500000.0f, 32.0f, 8192, true},
+};
+
+/* A model of `sh` with random device weights owned by the backend. */
+static tdm_status random_model(tdm_backend_t *b, const struct shape *sh, struct tdm_model *m)
+{
+    memset(m, 0, sizeof *m);
+    m->cfg = (struct tdm_model_config){.arch = TDM_ARCH_LLAMA,
+                                       .n_layers = sh->n_layers,
+                                       .d_model = sh->d_model,
+                                       .n_heads = sh->n_heads,
+                                       .n_kv_heads = sh->n_kv_heads,
+                                       .head_dim = sh->head_dim,
+                                       .d_ff = sh->d_ff,
+                                       .vocab_size = sh->vocab,
+                                       .max_ctx = 131072,
+                                       .rms_eps = 1e-5f,
+                                       .rope_theta = sh->rope_theta,
+                                       .rope_neox = true,
+                                       .rope_scaling = TDM_ROPE_SCALING_LLAMA3,
+                                       .rope_factor = sh->rope_factor,
+                                       .rope_low_freq_factor = 1.0f,
+                                       .rope_high_freq_factor = 4.0f,
+                                       .rope_original_max_ctx = sh->rope_orig_ctx,
+                                       .tied_embeddings = sh->tied,
+                                       .bos_id = -1};
+    m->layers = calloc((size_t)sh->n_layers, sizeof *m->layers);
+    if (!m->layers) return tdm_err_set(TDM_ENOMEM, "out of memory");
+    uint64_t seed = 1;
+    tdm_status st;
+#define RW(dst, dt, r, c, lo, hi)                                                                  \
+    if ((st = tdm_backend_cuda_random_weight(b, dt, r, c, seed++, lo, hi, &(dst))) != TDM_OK)      \
+        return st;
+    const int D = sh->d_model, qd = sh->n_heads * sh->head_dim, kvd = sh->n_kv_heads * sh->head_dim;
+    const float a = 1.0f / sqrtf((float)D), af = 1.0f / sqrtf((float)sh->d_ff);
+    RW(m->tok_embd, TDM_DTYPE_BF16, sh->vocab, D, -1.0f, 1.0f);
+    RW(m->output_norm, TDM_DTYPE_F32, 1, D, 0.9f, 1.1f);
+    if (sh->tied) {
+        m->output = m->tok_embd;
+    } else {
+        RW(m->output, TDM_DTYPE_BF16, sh->vocab, D, -a, a);
+    }
+    for (int l = 0; l < sh->n_layers; l++) {
+        struct tdm_layer_weights *w = &m->layers[l];
+        RW(w->attn_norm, TDM_DTYPE_F32, 1, D, 0.9f, 1.1f);
+        RW(w->ffn_norm, TDM_DTYPE_F32, 1, D, 0.9f, 1.1f);
+        RW(w->wq, TDM_DTYPE_BF16, qd, D, -a, a);
+        RW(w->wk, TDM_DTYPE_BF16, kvd, D, -a, a);
+        RW(w->wv, TDM_DTYPE_BF16, kvd, D, -a, a);
+        RW(w->wo, TDM_DTYPE_BF16, D, qd, -a, a);
+        RW(w->w_gate, TDM_DTYPE_BF16, sh->d_ff, D, -a, a);
+        RW(w->w_up, TDM_DTYPE_BF16, sh->d_ff, D, -a, a);
+        RW(w->w_down, TDM_DTYPE_BF16, D, sh->d_ff, -af, af);
+    }
+#undef RW
+    m->path = strdup(sh->name);
+    return TDM_OK;
+}
+
+static double wbytes(const struct tdm_weight *w)
+{
+    return w->data ? (double)w->row_bytes * (double)w->rows : 0.0;
+}
+
+/* bytes one decode step of B tokens reads from the weights (as the backend holds them) */
+static double step_weight_bytes(const struct tdm_model *m, int B)
+{
+    const double bf16 = 2.0;
+    double t = (double)m->cfg.d_model * bf16 * B; /* embedding rows */
+    t += (double)m->output.rows * m->output.cols * bf16 + m->cfg.d_model * 4.0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const struct tdm_layer_weights *w = &m->layers[l];
+        const struct tdm_weight *mats[] = {&w->wq,     &w->wk,   &w->wv,    &w->wo,
+                                           &w->w_gate, &w->w_up, &w->w_down};
+        for (size_t i = 0; i < TDM_ARRAY_LEN(mats); i++)
+            t += (double)mats[i]->rows * mats[i]->cols * bf16;
+        t += wbytes(&w->attn_norm) + wbytes(&w->ffn_norm) + wbytes(&w->bq) + wbytes(&w->bk) +
+             wbytes(&w->bv) + wbytes(&w->q_norm) + wbytes(&w->k_norm);
+    }
+    return t;
+}
+
+/* matrix parameters one token multiplies by (all layers; not the embedding or the LM head) */
+static double layer_matrix_params(const struct tdm_model_config *c)
+{
+    const double D = c->d_model, qd = (double)c->n_heads * c->head_dim,
+                 kvd = (double)c->n_kv_heads * c->head_dim;
+    return c->n_layers * (D * qd * 2 + D * kvd * 2 + 3.0 * D * c->d_ff);
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int tdm_cmd_bench_model_cuda(int argc, char **argv)
+{
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"shape", required_argument, 0, 's'},
+                                         {"prompt-len", required_argument, 0, 'p'},
+                                         {"gen", required_argument, 0, 'g'},
+                                         {"context", required_argument, 0, 'c'},
+                                         {"backend", required_argument, 0, 'B'},
+                                         {"gpu-memory-fraction", required_argument, 0, 'f'},
+                                         {"no-graphs", no_argument, 0, 'G'},
+                                         {"batches", required_argument, 0, 'b'},
+                                         {0, 0, 0, 0}};
+    const char *model_path = NULL, *shape_name = "llama-3.1-8b";
+    int64_t prompt_len = 4096, gen = 32, context = 1024;
+    double frac = 0.9;
+    bool no_graphs = false;
+    int batches[8] = {1, 8, 64, 256}, n_batches = 4;
+    int c;
+    optind = 2;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm':
+            model_path = optarg;
+            break;
+        case 's':
+            shape_name = optarg;
+            break;
+        case 'p':
+            if (!tdm_tool_int("prompt-len", optarg, 1, 1 << 16, &prompt_len)) return 2;
+            break;
+        case 'g':
+            if (!tdm_tool_int("gen", optarg, 2, 4096, &gen)) return 2;
+            break;
+        case 'c':
+            if (!tdm_tool_int("context", optarg, 1, 1 << 17, &context)) return 2;
+            break;
+        case 'B':
+            break; /* "cuda": that is why we are here */
+        case 'f':
+            if (!tdm_tool_float("gpu-memory-fraction", optarg, 0.05, 1.0, &frac)) return 2;
+            break;
+        case 'G':
+            no_graphs = true;
+            break;
+        case 'b': {
+            n_batches = 0;
+            for (char *save = NULL, *t = strtok_r(optarg, ",", &save); t && n_batches < 8;
+                 t = strtok_r(NULL, ",", &save)) {
+                int64_t v;
+                if (!tdm_tool_int("batches", t, 1, 4096, &v)) return 2;
+                batches[n_batches++] = (int)v;
+            }
+            if (!n_batches) return 2;
+            break;
+        }
+        default:
+            fprintf(stderr, "tandem: unknown option '%s'\n", argv[optind - 1]);
+            return 2;
+        }
+    }
+    const struct shape *sh = NULL;
+    for (size_t i = 0; i < TDM_ARRAY_LEN(SHAPES); i++)
+        if (!strcmp(shape_name, SHAPES[i].name)) sh = &SHAPES[i];
+    if (!model_path && !sh) {
+        fprintf(stderr, "tandem: unknown --shape '%s' (llama-3.1-8b or llama-3.2-1b)\n",
+                shape_name);
+        return 2;
+    }
+
+    int rc = 1, max_b = 1;
+    for (int i = 0; i < n_batches; i++)
+        max_b = TDM_MAX(max_b, batches[i]);
+    tdm_backend_t *b = NULL;
+    struct tdm_model rm, *m = NULL;
+    bool random = !model_path;
+    tdm_engine_t *e = NULL;
+    float *logits = NULL;
+    struct tdm_kv_seq *seqs = calloc((size_t)max_b, sizeof *seqs);
+    int32_t *toks = malloc((size_t)TDM_MAX(prompt_len, max_b) * sizeof(int32_t));
+    struct tdm_batch_seq *bs = calloc((size_t)max_b, sizeof *bs);
+    if (!seqs || !toks || !bs) goto out;
+
+    struct tdm_backend_cuda_opts co = {.gpu_memory_fraction = frac, .no_graphs = no_graphs};
+    if (tdm_backend_cuda_create(&co, &b) != TDM_OK) {
+        tdm_tool_fail("bench");
+        goto out;
+    }
+    char dev_name[256];
+    size_t dev_mem = 0;
+    tdm_backend_cuda_info(b, dev_name, sizeof dev_name, &dev_mem);
+    if (random) {
+        if (random_model(b, sh, &rm) != TDM_OK) {
+            tdm_tool_fail("random weights");
+            goto out;
+        }
+        m = &rm;
+    } else {
+        m = tdm_tool_load_model(model_path);
+        if (!m) goto out;
+    }
+    const struct tdm_model_config *cf = &m->cfg;
+    const int64_t ctx_needed = TDM_MAX(prompt_len, context + gen + 8) + 1;
+    struct tdm_engine_opts eo = {.max_ctx = (int)ctx_needed,
+                                 .max_seqs = max_b,
+                                 .max_logit_rows = max_b,
+                                 .max_batch_tokens = (int)TDM_MAX(prompt_len, max_b),
+                                 .backend = b};
+    if (ctx_needed > cf->max_ctx && !random) {
+        fprintf(stderr, "tandem: the benchmark needs %lld positions, the model has %d\n",
+                (long long)ctx_needed, cf->max_ctx);
+        goto out;
+    }
+    if (tdm_engine_create(m, &eo, &e) != TDM_OK) {
+        tdm_tool_fail("engine");
+        goto out;
+    }
+    logits = tdm_backend_cuda_host_alloc(b, (size_t)max_b * cf->vocab_size * sizeof(float));
+    if (!logits) {
+        tdm_tool_fail("pinned logits");
+        goto out;
+    }
+    tdm_kv_pool_t *kv = tdm_engine_kv(e);
+
+    double copy_bw = 0, gemm = 0;
+    if (tdm_backend_cuda_measure(b, &copy_bw, &gemm) != TDM_OK) {
+        tdm_tool_fail("roofline");
+        goto out;
+    }
+    const double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * sizeof(float);
+    printf("tandem bench model --backend cuda: %s%s\n", random ? sh->name : m->path,
+           random ? " shape, random bf16 weights made on the device" : "");
+    printf("  device: %s, %.1f GiB; graphs %s\n", dev_name, dev_mem / 1073741824.0,
+           no_graphs ? "off" : "on");
+    printf("  copy bandwidth (cudaMemcpy D2D, read + written): %.0f GB/s\n", copy_bw / 1e9);
+    printf("  bf16 GEMM peak (cuBLASLt, 8192^3, fp32 accumulate): %.0f TFLOP/s\n", gemm / 1e12);
+    printf("  weights read per decode step: %.2f GB; KV (fp32) %.0f KiB per position\n",
+           step_weight_bytes(m, 1) / 1e9, kv_per_pos / 1024);
+
+    /* ---- prefill: one prompt of prompt_len tokens in one forward call ---- */
+    uint64_t rng = 12345;
+    for (int64_t i = 0; i < prompt_len; i++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        toks[i] = (int32_t)((rng >> 33) % (uint64_t)cf->vocab_size);
+    }
+    if (tdm_kv_seq_reserve(kv, &seqs[0], prompt_len) != TDM_OK) {
+        tdm_tool_fail("kv");
+        goto out;
+    }
+    double pt[4];
+    for (int rep = 0; rep < 4; rep++) { /* rep 0 warms up */
+        struct tdm_batch_seq s = {.tokens = toks,
+                                  .n_tokens = (int)prompt_len,
+                                  .pos0 = 0,
+                                  .pages = seqs[0].pages,
+                                  .n_pages = seqs[0].n_pages,
+                                  .n_logits = 1};
+        struct tdm_batch bt = {&s, 1};
+        double t0 = tdm_now_s();
+        if (tdm_engine_forward(e, &bt, logits, NULL) != TDM_OK) {
+            tdm_tool_fail("prefill");
+            goto out;
+        }
+        pt[rep] = tdm_now_s() - t0;
+    }
+    tdm_kv_seq_release(kv, &seqs[0]);
+    qsort(pt + 1, 3, sizeof pt[0], cmp_d);
+    const double T = (double)prompt_len;
+    const double pf_flops = 2.0 * layer_matrix_params(cf) * T + 2.0 * cf->d_model * cf->vocab_size +
+                            4.0 * cf->n_layers * cf->n_heads * cf->head_dim * T * (T + 1) / 2;
+    const double pf_rate = T / pt[2], pf_roof = T * gemm / pf_flops;
+    const bool pf_finite = isfinite(logits[0]) && isfinite(logits[cf->vocab_size - 1]);
+
+    /* ---- decode at each batch size ---- */
+    printf("\n  %-9s %6s %8s %12s %15s %7s\n", "", "batch", "context", "tokens/s", "roofline tok/s",
+           "ratio");
+    printf("  %-9s %6d %8lld %12.0f %15.0f %6.1f%%  (%lld-token prompt; %.1f ms)\n", "prefill", 1,
+           (long long)prompt_len, pf_rate, pf_roof, 100.0 * pf_rate / pf_roof,
+           (long long)prompt_len, pt[2] * 1e3);
+    bool all_finite = pf_finite;
+    for (int bi = 0; bi < n_batches; bi++) {
+        const int B = batches[bi];
+        for (int s = 0; s < B; s++) {
+            if (tdm_kv_seq_reserve(kv, &seqs[s], context + gen + 4) != TDM_OK) {
+                tdm_tool_fail("kv (lower the batch or raise --gpu-memory-fraction)");
+                goto out;
+            }
+            toks[s] = (int32_t)((s * 977 + 13) % cf->vocab_size);
+        }
+        /* zero the context's KV: every page of every sequence, all layers */
+        const struct tdm_kv_config *kc = tdm_kv_pool_config(kv);
+        if (tdm_backend_cuda_memset(b, tdm_kv_pool_layer(kv, 0).base, 0,
+                                    tdm_kv_page_bytes(kc) * (size_t)kc->n_pages *
+                                        (size_t)kc->n_layers) != TDM_OK) {
+            tdm_tool_fail("kv fill");
+            goto out;
+        }
+        double dt = 0, kv_bytes = 0;
+        const int warm = 3;
+        for (int step = 0; step < warm + gen; step++) {
+            for (int s = 0; s < B; s++)
+                bs[s] = (struct tdm_batch_seq){.tokens = &toks[s],
+                                               .n_tokens = 1,
+                                               .pos0 = (int)context + step,
+                                               .pages = seqs[s].pages,
+                                               .n_pages = seqs[s].n_pages,
+                                               .n_logits = 1};
+            struct tdm_batch bt = {bs, B};
+            const double t0 = tdm_now_s();
+            if (tdm_engine_forward(e, &bt, logits, NULL) != TDM_OK) {
+                tdm_tool_fail("decode");
+                goto out;
+            }
+            if (step >= warm) dt += tdm_now_s() - t0;
+            if (step >= warm) kv_bytes += kv_per_pos * (double)B * (double)(context + step + 1);
+            for (int s = 0; s < B; s++)
+                toks[s] = tdm_argmax(logits + (size_t)s * cf->vocab_size, cf->vocab_size);
+        }
+        all_finite &= isfinite(logits[0]);
+        const double rate = (double)B * gen / dt;
+        const double bytes_per_step = step_weight_bytes(m, B) + kv_bytes / gen;
+        const double roof = (double)B * copy_bw / bytes_per_step;
+        printf("  %-9s %6d %8lld %12.0f %15.0f %6.1f%%  (%.2f ms/step)\n", "decode", B,
+               (long long)context, rate, roof, 100.0 * rate / roof, 1e3 * dt / gen);
+        fflush(stdout);
+        for (int s = 0; s < B; s++)
+            tdm_kv_seq_release(kv, &seqs[s]);
+    }
+    printf("\n  logits finite: %s\n", all_finite ? "yes" : "NO");
+    rc = all_finite ? 0 : 1;
+out:
+    if (e && seqs)
+        for (int s = 0; s < max_b; s++)
+            tdm_kv_seq_release(tdm_engine_kv(e), &seqs[s]);
+    tdm_engine_destroy(e);
+    if (logits) tdm_backend_cuda_host_free(b, logits);
+    if (random && m) {
+        free(m->layers);
+        free(m->path);
+    } else if (m) {
+        tdm_model_free(m);
+    }
+    tdm_backend_destroy(b);
+    free(seqs);
+    free(toks);
+    free(bs);
+    return rc;
+}

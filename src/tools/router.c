@@ -1,0 +1,220 @@
+/*
+ * `tandem router`: the public OpenAI endpoint over several `tandem serve` nodes (the router
+ * itself is src/server/router.c). Parses the options, starts the router, then waits for SIGTERM
+ * or SIGINT in the main thread.
+ *
+ * Shutdown: /health turns to 503 and new requests are refused; responses being relayed get up to
+ * --drain-timeout seconds to finish; then the router stops, cutting what is left. The signals are
+ * blocked in every thread and taken with sigwait, so no handler runs inside a library call.
+ */
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "tandem/server.h"
+#include "tools/tools_int.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: tandem router --backends URL[,URL...] [options]\n"
+            "\n"
+            "  --backends URLS         `tandem serve` nodes, comma-separated: http://host:port\n"
+            "  --host ADDR             numeric address to bind (default 127.0.0.1)\n"
+            "  --port N                TCP port (default 8080; 0 picks a free one)\n"
+            "  --port-file FILE        write the bound port to FILE once listening\n"
+            "  --api-key KEY           require Authorization: Bearer KEY (or $TANDEM_API_KEY)\n"
+            "  --backend-api-key KEY   send Authorization: Bearer KEY to the backends\n"
+            "  --health-interval-ms N  how often each backend's /health is checked (1000)\n"
+            "  --health-timeout-ms N   limit of one health check (1000)\n"
+            "  --connect-timeout-ms N  limit of one connect to a backend (2000)\n"
+            "  --timeout S             longest wait for a backend's answer, and between two\n"
+            "                          pieces of it, in seconds (600)\n"
+            "  --max-body BYTES        request body limit (default 4194304)\n"
+            "  --max-connections N     client connections at once (1024)\n"
+            "  --drain-timeout S       seconds to let responses finish on SIGTERM (default 30)\n");
+}
+
+/* Splits "a,b,c" into a malloc'd array of malloc'd strings; false on an empty item. */
+static bool split_backends(const char *s, char ***out, int *n_out)
+{
+    char **v = NULL;
+    int n = 0;
+    for (const char *p = s;;) {
+        size_t len = strcspn(p, ",");
+        if (len == 0 || n >= TDM_ROUTER_MAX_BACKENDS) goto out_free;
+        char **nv = realloc(v, (size_t)(n + 1) * sizeof *v);
+        if (!nv) goto out_free;
+        v = nv;
+        if (!(v[n] = strndup(p, len))) goto out_free;
+        n++;
+        if (!p[len]) break;
+        p += len + 1;
+    }
+    *out = v;
+    *n_out = n;
+    return true;
+out_free:
+    for (int i = 0; i < n; i++)
+        free(v[i]);
+    free(v);
+    return false;
+}
+
+int tdm_cmd_router(int argc, char **argv)
+{
+    static const struct option opts[] = {{"backends", required_argument, 0, 'b'},
+                                         {"host", required_argument, 0, 'H'},
+                                         {"port", required_argument, 0, 'p'},
+                                         {"port-file", required_argument, 0, 'P'},
+                                         {"api-key", required_argument, 0, 'k'},
+                                         {"backend-api-key", required_argument, 0, 'K'},
+                                         {"health-interval-ms", required_argument, 0, 'i'},
+                                         {"health-timeout-ms", required_argument, 0, 'T'},
+                                         {"connect-timeout-ms", required_argument, 0, 'c'},
+                                         {"timeout", required_argument, 0, 't'},
+                                         {"max-body", required_argument, 0, 'B'},
+                                         {"max-connections", required_argument, 0, 'C'},
+                                         {"drain-timeout", required_argument, 0, 'D'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *backends = NULL, *host = "127.0.0.1", *port_file = NULL;
+    const char *api_key = getenv("TANDEM_API_KEY"), *backend_key = NULL;
+    int64_t port = 8080, interval = 1000, health_timeout = 1000, connect_timeout = 2000;
+    int64_t timeout = 600, max_body = TDM_SERVER_DEFAULT_MAX_BODY, max_conn = 1024, drain = 30;
+    int c;
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        bool ok = true;
+        switch (c) {
+        case 'b':
+            backends = optarg;
+            break;
+        case 'H':
+            host = optarg;
+            break;
+        case 'p':
+            ok = tdm_tool_int("--port", optarg, 0, 65535, &port);
+            break;
+        case 'P':
+            port_file = optarg;
+            break;
+        case 'k':
+            api_key = optarg;
+            break;
+        case 'K':
+            backend_key = optarg;
+            break;
+        case 'i':
+            ok = tdm_tool_int("--health-interval-ms", optarg, 10, 3600 * 1000, &interval);
+            break;
+        case 'T':
+            ok = tdm_tool_int("--health-timeout-ms", optarg, 10, 600 * 1000, &health_timeout);
+            break;
+        case 'c':
+            ok = tdm_tool_int("--connect-timeout-ms", optarg, 10, 600 * 1000, &connect_timeout);
+            break;
+        case 't':
+            ok = tdm_tool_int("--timeout", optarg, 1, 24 * 3600, &timeout);
+            break;
+        case 'B':
+            ok = tdm_tool_int("--max-body", optarg, 1024, 1 << 30, &max_body);
+            break;
+        case 'C':
+            ok = tdm_tool_int("--max-connections", optarg, 1, 65536, &max_conn);
+            break;
+        case 'D':
+            ok = tdm_tool_int("--drain-timeout", optarg, 0, 3600, &drain);
+            break;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            fprintf(stderr, "tandem router: unknown or incomplete option '%s'\n", argv[optind - 1]);
+            usage(stderr);
+            return 2;
+        }
+        if (!ok) return 2;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "tandem router: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (!backends) {
+        fprintf(stderr, "tandem router: --backends is required\n");
+        usage(stderr);
+        return 2;
+    }
+    char **urls = NULL;
+    int n_urls = 0;
+    if (!split_backends(backends, &urls, &n_urls)) {
+        fprintf(stderr,
+                "tandem router: --backends: expected 1 to %d comma-separated URLs, with no empty "
+                "item\n",
+                TDM_ROUTER_MAX_BACKENDS);
+        return 2;
+    }
+
+    /* Block the shutdown signals before any thread starts, so all threads inherit the mask. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    int rc = 1;
+    struct tdm_router_opts ro = {.host = host,
+                                 .port = (int)port,
+                                 .backends = (const char *const *)urls,
+                                 .n_backends = n_urls,
+                                 .api_key = api_key,
+                                 .backend_api_key = backend_key,
+                                 .health_interval_ms = (int)interval,
+                                 .health_timeout_ms = (int)health_timeout,
+                                 .connect_timeout_ms = (int)connect_timeout,
+                                 .timeout_s = (int)timeout,
+                                 .max_body = (size_t)max_body,
+                                 .max_connections = (int)max_conn};
+    tdm_router_t *r = NULL;
+    tdm_status st = tdm_router_start(&ro, &r);
+    if (st != TDM_OK) {
+        tdm_tool_fail("router");
+        rc = st == TDM_EINVAL || st == TDM_ENOTFOUND || st == TDM_EUNSUPPORTED ? 2 : 1;
+        goto out_urls;
+    }
+    fprintf(stderr, "tandem router: listening on http://%s:%d over %d backend%s\n", host,
+            tdm_router_port(r), n_urls, n_urls == 1 ? "" : "s");
+    if (port_file) {
+        char tmp[4096];
+        snprintf(tmp, sizeof tmp, "%s.tmp", port_file);
+        FILE *f = fopen(tmp, "w");
+        if (!f || fprintf(f, "%d\n", tdm_router_port(r)) < 0 || fclose(f) ||
+            rename(tmp, port_file)) {
+            fprintf(stderr, "tandem router: cannot write --port-file %s\n", port_file);
+            goto out_router;
+        }
+    }
+
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    fprintf(stderr, "tandem router: %s: draining (up to %lld s)\n",
+            sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)drain);
+    tdm_router_drain(r);
+    uint64_t deadline = tdm_now_ns() + (uint64_t)drain * 1000000000ull;
+    while (tdm_router_in_flight(r) > 0 && tdm_now_ns() < deadline)
+        nanosleep(&(struct timespec){.tv_nsec = 20 * 1000000}, NULL);
+    rc = 0;
+    fprintf(stderr, "tandem router: stopped\n");
+out_router:
+    tdm_router_stop(r);
+out_urls:
+    for (int i = 0; i < n_urls; i++)
+        free(urls[i]);
+    free(urls);
+    return rc;
+}

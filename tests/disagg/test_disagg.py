@@ -1,0 +1,320 @@
+"""Disaggregated prefill and decode, end to end: real `tandem serve --role prefill` and
+`--role decode` processes exchanging KV over libfabric (tcp;ofi_rxm on loopback, or across a veth
+pair between network namespaces).
+
+The reference for every output is a colocated server (`--role both`) running the same greedy
+requests: disaggregation must be invisible in the tokens and their log-probabilities. After
+every scenario both page pools are back to baseline."""
+import concurrent.futures as cf
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from lib.server import Server
+
+SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
+THREADS = ["--threads", "1"]
+
+
+def prefill_node(extra=(), env=None, prefix=None):
+    d = tempfile.mkdtemp(prefix="tandem-pf-")
+    addr = os.path.join(d, "addr")
+    s = Server(THREADS + ["--role", "prefill", "--xfer-addr-file", addr] + list(extra), env=env,
+               prefix=prefix)
+    s.addr_file = addr
+    return s
+
+
+# A small remote chunk (4 pages) makes multi-chunk prefills out of short, cheap prompts.
+CHUNK = 64
+
+
+def decode_node(peers, extra=(), env=None):
+    spec = ",".join("@" + p.addr_file for p in peers)
+    return Server(THREADS + ["--role", "decode", "--prefill-peers", spec,
+                             "--remote-chunk", str(CHUNK)] + list(extra), env=env)
+
+
+def prompts(n, seed, lens):
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(lens[i % len(lens)])] for i in range(n)]
+
+
+def run(server, prompt, max_tokens=6):
+    st, r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                            "temperature": 0, "ignore_eos": True, "logprobs": 0},
+                        timeout=120)
+    assert st == 200, r
+    lp = r["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"]
+
+
+def prefill_idle(p, timeout=30):
+    """The prefill node's pool at baseline and no job left."""
+    deadline = time.time() + timeout
+    while True:
+        m = p.metrics()
+        if (m[("tandem_kv_pages_used", ())] == 0 and m[("tandem_kv_pages_in_flight", ())] == 0
+                and m[("tandem_disagg_prefill_queue_depth", ())] == 0):
+            return m
+        assert time.time() < deadline, "prefill node not idle"
+        time.sleep(0.05)
+
+
+def decode_idle(d, timeout=30):
+    deadline = time.time() + timeout
+    while True:
+        m = d.wait_idle(timeout)
+        if m[("tandem_disagg_fenced_pages", ())] == 0:
+            return m
+        assert time.time() < deadline, "decode node still has fenced pages"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def colocated(default_model):
+    s = Server(THREADS)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(default_model):
+    p = prefill_node()
+    try:
+        d = decode_node([p])
+        try:
+            yield p, d
+        finally:
+            d.stop()
+    finally:
+        p.stop()
+
+
+# lengths: 1 and 2 tokens, page edges (16), chunk edges (64) and several chunks
+LENS = [1, 2, 3, 5, 15, 16, 17, 31, 33, 63, 64, 65, 100, 129, 200]
+
+
+def test_greedy_identical_to_colocated(colocated, pair):
+    p, d = pair
+    n = 20 if SANITIZED else 54
+    ps = prompts(n, 11, LENS)
+    want = [run(colocated, x) for x in ps]
+    m0 = d.metrics()
+    got = [run(d, x) for x in ps]
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert w == g, f"prompt {i} ({len(ps[i])} tokens): disaggregated output differs"
+    m1 = decode_idle(d)
+    remote = sum(1 for x in ps if len(x) >= 2)
+    assert m1[("tandem_disagg_remote_prefills_total", ())] - \
+        m0[("tandem_disagg_remote_prefills_total", ())] == remote
+    assert m1[("tandem_disagg_local_fallbacks_total", ())] == 0
+    prefill_idle(p)
+
+
+def test_concurrent_requests_identical(colocated, pair):
+    p, d = pair
+    ps = prompts(8 if SANITIZED else 24, 12, LENS)
+    want = [run(colocated, x) for x in ps]
+    with cf.ThreadPoolExecutor(len(ps)) as ex:
+        got = list(ex.map(lambda x: run(d, x), ps))
+    assert want == got
+    decode_idle(d)
+    prefill_idle(p)
+
+
+def test_chat_and_stream_through_disaggregation(colocated, pair):
+    p, d = pair
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 20, "temperature": 0}
+    st, a = colocated.post("/v1/chat/completions", body)
+    st2, b = d.post("/v1/chat/completions", body)
+    assert st == st2 == 200
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert "Paris" in b["choices"][0]["message"]["content"]
+    decode_idle(d)
+    prefill_idle(p)
+
+
+def test_layer_streaming(pair):
+    """A long prompt's first KV writes land while its forward pass is still computing later
+    layers: the prefill node counts writes that completed before the forward call that produced
+    them returned."""
+    p, d = pair
+    m0 = p.metrics()
+    run(d, prompts(1, 13, [200 if SANITIZED else 600])[0], max_tokens=2)
+    m1 = prefill_idle(p)
+    during = m1[("tandem_disagg_writes_landed_during_forward_total", ())] - \
+        m0[("tandem_disagg_writes_landed_during_forward_total", ())]
+    total = m1[("tandem_disagg_writes_total", ())] - m0[("tandem_disagg_writes_total", ())]
+    assert total > 0 and during >= 1, f"{during} of {total} writes landed during the forward"
+    decode_idle(d)
+
+
+def test_prefill_node_refuses_public_generation(pair):
+    p, _ = pair
+    st, r = p.post("/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert st == 404 and "prefill node" in r["error"]["message"]
+
+
+def test_one_prefill_node_serves_two_decoders(colocated, default_model):
+    p = prefill_node()
+    d1 = d2 = None
+    try:
+        d1, d2 = decode_node([p]), decode_node([p])
+        ps = prompts(8, 14, [40, 90, 150, 20])
+        want = [run(colocated, x) for x in ps]
+        with cf.ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(lambda ix: run(d1 if ix[0] % 2 else d2, ix[1]), enumerate(ps)))
+        assert want == got
+        for d in (d1, d2):
+            assert decode_idle(d)[("tandem_disagg_remote_prefills_total", ())] == 4
+        assert prefill_idle(p)[("tandem_disagg_prefills_total", ())] == 8
+    finally:
+        for s in (d1, d2, p):
+            if s:
+                s.stop()
+
+
+def test_decoder_spreads_over_two_prefill_nodes(colocated, default_model):
+    p1, p2 = prefill_node(), prefill_node()
+    d = None
+    try:
+        d = decode_node([p1, p2])
+        ps = prompts(8, 15, [100, 80, 120, 90])
+        want = [run(colocated, x) for x in ps]
+        with cf.ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(lambda x: run(d, x), ps))
+        assert want == got
+        decode_idle(d)
+        n1 = prefill_idle(p1)[("tandem_disagg_prefills_total", ())]
+        n2 = prefill_idle(p2)[("tandem_disagg_prefills_total", ())]
+        assert n1 + n2 == 8 and n1 > 0 and n2 > 0, (n1, n2)
+    finally:
+        for s in (d, p1, p2):
+            if s:
+                s.stop()
+
+
+def test_prefill_killed_mid_transfer(colocated, default_model):
+    """SIGKILL the prefill node while it streams a long prompt's KV: the decoder notices (peer
+    timeout), fences the pages, prefills locally, and the client gets the normal answer."""
+    prompt = prompts(1, 16, [300 if SANITIZED else 1200])[0]
+    want = run(colocated, prompt, max_tokens=4)
+    p = prefill_node()
+    d = None
+    try:
+        d = decode_node([p], ["--peer-timeout-ms", "1000", "--remote-timeout-ms", "60000"])
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(run, d, prompt, 4)
+            deadline = time.time() + 120
+            while p.metrics()[("tandem_disagg_writes_total", ())] < 3:  # mid-transfer
+                assert time.time() < deadline and not fut.done()
+                time.sleep(0.01)
+            p.proc.kill()
+            assert fut.result(timeout=300) == want
+        m = decode_idle(d)
+        errs = sum(v for (name, lab), v in m.items()
+                   if name == "tandem_disagg_transfer_errors_total")
+        assert errs >= 1 and m[("tandem_disagg_local_fallbacks_total", ())] >= 1
+        assert m[("tandem_disagg_peer_up", (("peer", "0"),))] == 0
+    finally:
+        if d:
+            d.stop()
+        p.stop()
+
+
+FAULTS = [
+    ("decode", "drop_imm=1.0,seed=1"),
+    ("decode", "drop_imm=0.3,seed=2"),
+    ("decode", "dup_imm=0.5,seed=3"),
+    ("decode", "delay_imm_ms=50,seed=4"),
+    ("decode", "reorder_imm=1.0,seed=5"),
+    ("prefill", "fail_write=0.3,seed=6"),
+    ("prefill", "fail_write=1.0,seed=7"),
+]
+
+
+@pytest.mark.parametrize("side,spec", FAULTS, ids=[f"{a}-{b.split(',')[0]}" for a, b in FAULTS])
+def test_fault_injection_never_hangs(colocated, default_model, side, spec):
+    """Every fault mode ends in a completed request (remote, or local after the remote attempt
+    failed) within the timeout, with the colocated output; pools back to baseline."""
+    env = {"TANDEM_XFER_FAULTS": spec}
+    ps = prompts(4, 17, [40, 70, 150, 2])
+    want = [run(colocated, x) for x in ps]
+    p = prefill_node(env=env if side == "prefill" else None)
+    d = None
+    try:
+        d = decode_node([p], ["--remote-timeout-ms", "3000"],
+                        env=env if side == "decode" else None)
+        t0 = time.time()
+        with cf.ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda x: run(d, x), ps))
+        assert got == want
+        assert time.time() - t0 < 240, "a fault made a request take far longer than its timeout"
+        decode_idle(d)
+        prefill_idle(p)
+    finally:
+        if d:
+            d.stop()
+        p.stop()
+
+
+# ---- across a real network stack: two namespaces joined by a veth pair ----
+
+def _sh(*cmd):
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.fixture
+def netns():
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("network namespaces need root and iproute2 (ip); not available here")
+    tag = uuid.uuid4().hex[:6]
+    ns, host_if, ns_if = f"tdm{tag}", f"tdmh{tag}", f"tdmn{tag}"
+    r = _sh("ip", "netns", "add", ns)
+    if r.returncode:
+        pytest.skip(f"cannot create a network namespace here: {r.stderr.strip()}")
+    try:
+        cmds = [["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+                ["ip", "link", "set", ns_if, "netns", ns],
+                ["ip", "addr", "add", "10.231.0.1/24", "dev", host_if],
+                ["ip", "link", "set", host_if, "up"],
+                ["ip", "netns", "exec", ns, "ip", "addr", "add", "10.231.0.2/24", "dev", ns_if],
+                ["ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up"],
+                ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+        for c in cmds:
+            r = _sh(*c)
+            if r.returncode:
+                pytest.skip(f"cannot set up a veth pair here ({' '.join(c)}): {r.stderr.strip()}")
+        yield ns
+    finally:
+        _sh("ip", "link", "del", host_if)
+        _sh("ip", "netns", "del", ns)
+
+
+def test_prefill_and_decode_in_separate_namespaces(colocated, default_model, netns):
+    p = prefill_node(["--xfer-node", "10.231.0.2", "--host", "10.231.0.2"],
+                     prefix=["ip", "netns", "exec", netns])
+    d = None
+    try:
+        d = decode_node([p], ["--xfer-node", "10.231.0.1"])
+        ps = prompts(6, 18, [2, 17, 70, 150])
+        want = [run(colocated, x) for x in ps]
+        assert [run(d, x) for x in ps] == want
+        m = decode_idle(d)
+        assert m[("tandem_disagg_remote_prefills_total", ())] == 6
+        assert m[("tandem_disagg_local_fallbacks_total", ())] == 0
+        prefill_idle(p)
+    finally:
+        if d:
+            d.stop()
+        p.stop()
