@@ -1,32 +1,55 @@
 #!/usr/bin/env bash
 # Sets up everything (scripts/setup.sh: packages, build, default model) and runs the main job:
-# starts `tandem serve` with the default model on localhost, sends a sample chat request with
-# curl (streamed), prints the answer and the server's metrics summary, and stops the server.
-# Set TANDEM_KEEP_SERVING=1 to leave the server running in the foreground afterwards.
+# disaggregated serving on localhost with the default model:
+#   - a prefill node  (tandem serve --role prefill): computes prompt KV and streams it, layer by
+#     layer, over libfabric (tcp;ofi_rxm) into pages the decode node reserved;
+#   - a decode node   (tandem serve --role decode): the OpenAI API; it sends prompts to the
+#     prefill node, waits for the KV to land, then decodes;
+#   - a router        (tandem router): the public entry point over the decode node(s).
+# A sample chat request goes through the router with curl (streamed), then every process is
+# stopped by PID. TANDEM_KEEP_SERVING=1 leaves them running until Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
 PROMPT=${1:-"What is the capital of France, and why is it famous? Answer in two sentences."}
-PORT=${TANDEM_PORT:-8000}
-LOG=$(mktemp /tmp/tandem-serve.XXXXXX.log)
-PORT_FILE=$(mktemp -u /tmp/tandem-port.XXXXXX)
+RUN=$(mktemp -d /tmp/tandem-run.XXXXXX)
+PIDS=()
+stop_all() {
+    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap stop_all EXIT
 
-build/tandem serve --port "$PORT" --port-file "$PORT_FILE" --served-model-name smollm2 \
-    >"$LOG" 2>&1 &
-SERVER_PID=$!
-stop_server() { kill -TERM "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null || true; }
-trap stop_server EXIT
+# wait_file FILE PID LOG: waits until FILE is written by the process, or fails with its log
+wait_file() {
+    for _ in $(seq 1 600); do
+        [ -s "$1" ] && return 0
+        kill -0 "$2" 2>/dev/null || { cat "$3"; echo "a tandem process failed to start" >&2; exit 1; }
+        sleep 0.1
+    done
+    cat "$3"; echo "a tandem process did not start in 60 s" >&2; exit 1
+}
 
-for _ in $(seq 1 600); do
-    [ -s "$PORT_FILE" ] && break
-    kill -0 "$SERVER_PID" 2>/dev/null || { cat "$LOG"; echo "tandem serve failed" >&2; exit 1; }
-    sleep 0.1
-done
-[ -s "$PORT_FILE" ] || { cat "$LOG"; echo "tandem serve did not start" >&2; exit 1; }
-PORT=$(cat "$PORT_FILE")
-URL="http://127.0.0.1:$PORT"
-echo "--- tandem serve is listening on $URL ($(curl -s "$URL/health"))"
+build/tandem serve --role prefill --port 0 --port-file "$RUN/prefill.port" \
+    --xfer-addr-file "$RUN/prefill.addr" >"$RUN/prefill.log" 2>&1 &
+PIDS+=($!)
+wait_file "$RUN/prefill.port" "${PIDS[-1]}" "$RUN/prefill.log"
+echo "--- prefill node: $(grep -o 'fabric address .*' "$RUN/prefill.log")"
+
+build/tandem serve --role decode --prefill-peers "@$RUN/prefill.addr" --port 0 \
+    --port-file "$RUN/decode.port" --served-model-name smollm2 >"$RUN/decode.log" 2>&1 &
+PIDS+=($!)
+wait_file "$RUN/decode.port" "${PIDS[-1]}" "$RUN/decode.log"
+DECODE="http://127.0.0.1:$(cat "$RUN/decode.port")"
+echo "--- decode node: $DECODE"
+
+build/tandem router --backends "$DECODE" --port "${TANDEM_PORT:-0}" \
+    --port-file "$RUN/router.port" >"$RUN/router.log" 2>&1 &
+PIDS+=($!)
+wait_file "$RUN/router.port" "${PIDS[-1]}" "$RUN/router.log"
+URL="http://127.0.0.1:$(cat "$RUN/router.port")"
+echo "--- router: $URL ($(curl -s "$URL/health"))"
 
 BODY=$(python3 -c 'import json,sys; print(json.dumps({"model": "smollm2", "stream": True,
     "max_tokens": 128, "temperature": 0, "stream_options": {"include_usage": True},
@@ -48,9 +71,9 @@ for line in sys.stdin:
         print("\n--- usage: %d prompt + %d completion tokens"
               % (u["prompt_tokens"], u["completion_tokens"]))
 '
-curl -s "$URL/metrics" | grep -E '^tandem_(time_to_first_token_seconds|inter_token_latency_seconds)_(sum|count)' || true
+echo "--- the prompt's KV came from the prefill node:"
+curl -s "$DECODE/metrics" | grep -E '^tandem_disagg_(remote_prefills_total|kv_landed_seconds_(sum|count))' || true
 if [ "${TANDEM_KEEP_SERVING:-0}" = 1 ]; then
     echo "--- serving on $URL (Ctrl-C to stop)"
-    trap - EXIT
-    wait "$SERVER_PID"
+    wait
 fi

@@ -39,6 +39,8 @@ static void usage(FILE *f)
         "  --kv-memory SIZE        KV pool size in bytes (suffixes K, M, G, KiB, MiB, GiB)\n"
         "  --max-ctx N             context length (default: the model's)\n"
         "  --threads N             CPU threads (default: one per core)\n"
+        "  --backend cpu|cuda      compute backend (default cpu)\n"
+        "  --gpu-memory-fraction F CUDA: share of GPU memory for weights, workspace and KV (0.9)\n"
         "  --batch-invariant       never use OpenBLAS (see docs/DESIGN.md)\n"
         "  --max-body BYTES        request body limit (default 4194304)\n"
         "  --drain-timeout S       seconds to let requests finish on SIGTERM (default 30)\n"
@@ -171,6 +173,8 @@ int tdm_cmd_serve(int argc, char **argv)
                                          {"batch-invariant", no_argument, 0, 'I'},
                                          {"max-body", required_argument, 0, 'B'},
                                          {"drain-timeout", required_argument, 0, 'D'},
+                                         {"backend", required_argument, 0, 'X'},
+                                         {"gpu-memory-fraction", required_argument, 0, 'G'},
                                          {"role", required_argument, 0, 'R'},
                                          {"prefill-peers", required_argument, 0, 'E'},
                                          {"xfer-provider", required_argument, 0, 'F'},
@@ -191,6 +195,8 @@ int tdm_cmd_serve(int argc, char **argv)
     const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
     const char *addr_file = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
+    int backend_kind = TDM_BACKEND_CPU;
+    double gpu_frac = 0.9;
     int c;
     optind = 1;
     opterr = 0;
@@ -252,6 +258,17 @@ int tdm_cmd_serve(int argc, char **argv)
         case 'D':
             ok = tdm_tool_int("--drain-timeout", optarg, 0, 3600, &drain);
             break;
+        case 'X':
+            if (!strcmp(optarg, "cuda")) {
+                backend_kind = TDM_BACKEND_CUDA;
+            } else if (strcmp(optarg, "cpu")) {
+                fprintf(stderr, "--backend: '%s' is not cpu or cuda\n", optarg);
+                ok = false;
+            }
+            break;
+        case 'G':
+            ok = tdm_tool_float("--gpu-memory-fraction", optarg, 0.05, 1.0, &gpu_frac);
+            break;
         case 'R':
             role = optarg;
             if (strcmp(role, "both") && strcmp(role, "prefill") && strcmp(role, "decode")) {
@@ -304,6 +321,14 @@ int tdm_cmd_serve(int argc, char **argv)
     }
     if (!is_decode && peers_arg) {
         fprintf(stderr, "tandem serve: --prefill-peers is for --role decode\n");
+        return 2;
+    }
+    if ((is_prefill || is_decode) && backend_kind == TDM_BACKEND_CUDA) {
+        fprintf(stderr,
+                "tandem serve: --role %s with --backend cuda is not supported yet: the KV "
+                "messenger moves host-memory pages (GPU pages need the CUDA IPC transport "
+                "or host staging)\n",
+                role);
         return 2;
     }
     if (!is_prefill && addr_file) {
@@ -369,7 +394,9 @@ int tdm_cmd_serve(int argc, char **argv)
                                  .max_batch_tokens = (int)mbt,
                                  .max_seqs = (int)seqs,
                                  .max_logit_rows = (int)seqs,
-                                 .layer_counter = is_prefill ? &layer_counter : NULL};
+                                 .layer_counter = is_prefill ? &layer_counter : NULL,
+                                 .backend_kind = backend_kind,
+                                 .gpu_memory_fraction = gpu_frac};
     if (tdm_engine_create(m, &eo, &e) != TDM_OK) {
         tdm_tool_fail("engine");
         goto out_tok;
