@@ -57,3 +57,25 @@ def run_tandem(args, timeout=300, check=True, env=None, input=None):
         raise AssertionError(f"tandem {' '.join(map(str, args))} exited {cp.returncode}:\n"
                              f"{cp.stderr[-4000:]}")
     return cp
+
+
+# ---- the server tests (tests/server/): one shared `tandem serve` per module, and a check after
+# every test that uses it that the server is idle with its KV page pool back at baseline ----
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    from lib.server import Server
+    s = Server(["--threads", "2"])
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(autouse=True)
+def pool_back_to_baseline(request):
+    yield
+    if "server" in request.fixturenames:
+        s = request.getfixturevalue("server")
+        if s.proc.poll() is None:
+            s.wait_idle()
