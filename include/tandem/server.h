@@ -63,6 +63,8 @@ int tdm_server_port(const tdm_server_t *s);
 void tdm_server_set_ready(tdm_server_t *s, bool ready);
 /* Draining: /health answers 503 and new generation requests get 503; running ones go on. */
 void tdm_server_drain(tdm_server_t *s);
+/* Waits until every generation response has been written out (or timeout_ms passes; false). */
+bool tdm_server_wait_idle(tdm_server_t *s, int timeout_ms);
 /* Stops listening, closes connections, waits for their threads, frees. NULL is a no-op. */
 void tdm_server_stop(tdm_server_t *s);
 

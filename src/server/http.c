@@ -38,6 +38,7 @@ struct tdm_server {
     int port;
     _Atomic uint64_t next_id;
     bool no_generate;
+    _Atomic int active; /* generation requests whose response is not finished */
     char *(*extra_metrics)(void *ctx);
     void *extra_metrics_ctx;
 };
@@ -128,6 +129,7 @@ static bool client_gone(struct MHD_Connection *c)
 static void stream_free(void *cls)
 {
     struct stream *st = cls;
+    atomic_fetch_sub(&st->srv->active, 1);
     tdm_req_release(st->req);
     api_req_free(&st->ar);
     free(st->pend);
@@ -251,6 +253,7 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
             return reply_errf(s, c, 500, "out of memory");
         }
         sm->srv = s;
+        atomic_fetch_add(&s->active, 1);
         sm->conn = c;
         sm->req = req;
         sm->ar = ar;
@@ -272,6 +275,7 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     }
 
     /* non-streaming: wait here (this is the connection's own thread) */
+    atomic_fetch_add(&s->active, 1);
     for (;;) {
         struct tdm_req_view v;
         tdm_req_lock(req, &v);
@@ -283,6 +287,7 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
         if (client_gone(c)) {
             tdm_req_release(req);
             api_req_free(&ar);
+            atomic_fetch_sub(&s->active, 1);
             return MHD_NO;
         }
         tdm_req_wait(req, n_out, text_len, 100);
@@ -305,6 +310,7 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     }
     tdm_req_release(req);
     api_req_free(&ar);
+    atomic_fetch_sub(&s->active, 1);
     return ret;
 }
 
@@ -523,6 +529,17 @@ void tdm_server_set_ready(tdm_server_t *s, bool ready)
 void tdm_server_drain(tdm_server_t *s)
 {
     atomic_store(&s->draining, true);
+}
+
+bool tdm_server_wait_idle(tdm_server_t *s, int timeout_ms)
+{
+    int64_t deadline = (int64_t)tdm_now_ns() + (int64_t)timeout_ms * 1000000;
+    while (atomic_load(&s->active) > 0) {
+        if ((int64_t)tdm_now_ns() > deadline) return false;
+        struct timespec ts = {0, 5000000};
+        nanosleep(&ts, NULL);
+    }
+    return true;
 }
 
 void tdm_server_stop(tdm_server_t *s)

@@ -477,6 +477,9 @@ int tdm_cmd_serve(int argc, char **argv)
             sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)drain);
     tdm_server_drain(srv);
     tdm_sched_stop(sched, (int)drain * 1000);
+    /* the requests have ended; let their responses reach the clients before closing */
+    if (!tdm_server_wait_idle(srv, 5000))
+        fprintf(stderr, "tandem serve: some responses were still being written; closing\n");
     rc = 0;
     fprintf(stderr, "tandem serve: stopped\n");
 out_server:
