@@ -20,12 +20,15 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:halt_on_erro
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 rm -rf build/test-results && mkdir -p build/test-results
 
+# pytest-xdist: one worker per core; a test file stays on one worker (module fixtures such as a
+# shared server are then started once).
+workers=$(( jobs < 4 ? jobs : 4 ))
 echo "=== suite on the Release build ==="
-TANDEM_BUILD=build .venv/bin/python -m pytest tests -q -p no:cacheprovider \
-    --junitxml=build/test-results/release.xml "$@"
+TANDEM_BUILD=build .venv/bin/python -m pytest tests -q -p no:cacheprovider -n "$workers" \
+    --dist loadfile --durations=15 --junitxml=build/test-results/release.xml "$@"
 echo "=== suite on the ASan+UBSan build ==="
 TANDEM_BUILD=build-asan TANDEM_SANITIZED=1 .venv/bin/python -m pytest tests -q -p no:cacheprovider \
-    --junitxml=build/test-results/asan.xml "$@"
+    -n "$workers" --dist loadfile --durations=15 --junitxml=build/test-results/asan.xml "$@"
 
 .venv/bin/python - build/test-results/release.xml build/test-results/asan.xml <<'PY'
 import sys
