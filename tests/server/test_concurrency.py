@@ -61,16 +61,18 @@ def test_64_concurrent_match_alone_bit_for_bit(default_model):
 
 
 def test_preemption_by_recompute_resumes_and_completes(default_model):
-    # 48 pages of 16 tokens = 768 token slots; 6 requests of ~100 + 40 tokens need 840
-    s = Server(["--threads", "2", "--kv-pages", "48", "--max-seqs", "8"])
+    # 48 pages of 16 tokens = 768 token slots; 6 requests of ~100 + 40 tokens need 840.
+    # (Sanitizers: 16 pages = 256 slots; 3 requests of ~60 + 40 tokens need 300.)
+    n, plen, pages = (3, 60, 16) if SANITIZED else (6, 100, 48)
+    s = Server(["--threads", "2", "--kv-pages", str(pages), "--max-seqs", "8"])
     try:
         rng = random.Random(3)
-        reqs = [{"prompt": [rng.randrange(100, 49000) for _ in range(100 + 5 * i)],
+        reqs = [{"prompt": [rng.randrange(100, 49000) for _ in range(plen + 5 * i)],
                  "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 0}
-                for i in range(6)]
+                for i in range(n)]
         alone = [run(s, b) for b in reqs]
         assert s.metrics()[("tandem_preemptions_total", ())] == 0
-        with cf.ThreadPoolExecutor(6) as ex:
+        with cf.ThreadPoolExecutor(n) as ex:
             together = list(ex.map(lambda b: run(s, b), reqs))
         m = s.wait_idle()
         assert m[("tandem_preemptions_total", ())] > 0, "the test did not cause preemption"
