@@ -38,7 +38,7 @@ bench() { # url json args...
 }
 stat() { python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('%.1f' % s[sys.argv[2]][sys.argv[3]])" "$@"; }
 
-LENS="64 256 1024 2048"
+LENS="64 256 1024"
 echo "# TTFT by prompt length (ms, p50 of 5 requests, 1 output token)" | tee "$OUT/summary.txt"
 
 COLO=$(start colo --threads "$CORES")
@@ -73,7 +73,7 @@ done
 
 mixed() { # url tag
     bench "$1" "$OUT/$2_idle.json" --num-prompts 4 --concurrency 4 --input-len 32 --output-len 128
-    bench "$1" "$OUT/$2_pressure.json" --num-prompts 10 --rate 0.5 --input-len 1024 --output-len 1 \
+    bench "$1" "$OUT/$2_pressure.json" --num-prompts 6 --rate 0.5 --input-len 1024 --output-len 1 \
         --seed 7 &
     local bg=$!
     bench "$1" "$OUT/$2_mixed.json" --num-prompts 8 --concurrency 4 --input-len 32 --output-len 128 \
