@@ -20,6 +20,9 @@ from lib.server import Server
 
 SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
 THREADS = ["--threads", "1"]
+# Under sanitizers, tests that only add processes (not code paths) run in the Release pass only.
+release_only = pytest.mark.skipif(SANITIZED, reason="more processes, same code paths as the "
+                                  "single-pair tests; runs in the Release pass")
 
 
 def prefill_node(extra=(), env=None, prefix=None):
@@ -248,9 +251,6 @@ FAULTS = [
 if SANITIZED:  # the messenger's failure paths once: a timeout, and failed writes (NACK)
     FAULTS = [FAULTS[0], FAULTS[5]]
 
-# Under sanitizers, tests that only add processes (not code paths) run in the Release pass only.
-release_only = pytest.mark.skipif(SANITIZED, reason="more processes, same code paths as the "
-                                  "single-pair tests; runs in the Release pass")
 
 
 @pytest.mark.parametrize("side,spec", FAULTS, ids=[f"{a}-{b.split(',')[0]}" for a, b in FAULTS])
