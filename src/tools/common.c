@@ -138,3 +138,15 @@ bad:
     free(v);
     return false;
 }
+
+bool tdm_tool_write_file_atomic(const char *path, const char *text)
+{
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f || fprintf(f, "%s\n", text) < 0 || fclose(f) || rename(tmp, path)) {
+        fprintf(stderr, "tandem: cannot write %s\n", path);
+        return false;
+    }
+    return true;
+}

@@ -190,14 +190,9 @@ int tdm_cmd_router(int argc, char **argv)
     fprintf(stderr, "tandem router: listening on http://%s:%d over %d backend%s\n", host,
             tdm_router_port(r), n_urls, n_urls == 1 ? "" : "s");
     if (port_file) {
-        char tmp[4096];
-        snprintf(tmp, sizeof tmp, "%s.tmp", port_file);
-        FILE *f = fopen(tmp, "w");
-        if (!f || fprintf(f, "%d\n", tdm_router_port(r)) < 0 || fclose(f) ||
-            rename(tmp, port_file)) {
-            fprintf(stderr, "tandem router: cannot write --port-file %s\n", port_file);
-            goto out_router;
-        }
+        char num[32];
+        snprintf(num, sizeof num, "%d", tdm_router_port(r));
+        if (!tdm_tool_write_file_atomic(port_file, num)) goto out_router;
     }
 
     int sig = 0;

@@ -89,20 +89,6 @@ static bool parse_size(const char *s, size_t *out)
     return true;
 }
 
-/* Writes `text` and a newline to path through a temporary file and a rename, so a reader never
- * sees a partial file. */
-static bool write_file_atomic(const char *path, const char *text)
-{
-    char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "w");
-    if (!f || fprintf(f, "%s\n", text) < 0 || fclose(f) || rename(tmp, path)) {
-        fprintf(stderr, "tandem serve: cannot write %s\n", path);
-        return false;
-    }
-    return true;
-}
-
 static void free_peers(char **bufs)
 {
     for (int i = 0; i < TDM_DISAGG_MAX_PEERS; i++)
@@ -454,7 +440,7 @@ int tdm_cmd_serve(int argc, char **argv)
             goto out_server;
         }
         fprintf(stderr, "tandem serve: prefill node; fabric address %s\n", addr);
-        if (addr_file && !write_file_atomic(addr_file, addr)) goto out_server;
+        if (addr_file && !tdm_tool_write_file_atomic(addr_file, addr)) goto out_server;
     }
     const struct tdm_engine_opts *ef = tdm_engine_opts(e);
     struct tdm_kv_stats ks = tdm_kv_pool_stats(tdm_engine_kv(e));
@@ -468,7 +454,7 @@ int tdm_cmd_serve(int argc, char **argv)
     if (port_file) {
         char num[32];
         snprintf(num, sizeof num, "%d", tdm_server_port(srv));
-        if (!write_file_atomic(port_file, num)) goto out_server;
+        if (!tdm_tool_write_file_atomic(port_file, num)) goto out_server;
     }
 
     int sig = 0;

@@ -22,7 +22,7 @@ int tdm_cmd_bench_xfer(int argc, char **argv);       /* bench_xfer.c: transfer-e
 int tdm_cmd_bench_serve(int argc, char **argv);      /* bench_serve.c: HTTP load generator */
 int tdm_cmd_serve(int argc, char **argv);            /* serve.c: the OpenAI-compatible server */
 int tdm_cmd_router(int argc, char **argv);           /* router.c: one endpoint over serve nodes */
-int tdm_cmd_checkpoint(int argc, char **argv);       /* checkpoint.c: random-weight HF checkpoints */
+int tdm_cmd_checkpoint(int argc, char **argv); /* checkpoint.c: random-weight HF checkpoints */
 
 /* Loads --model (or the default model), drawing a progress bar on stderr when it is a terminal.
  * On failure prints the reason and returns NULL. */
@@ -35,6 +35,11 @@ bool tdm_tool_parse_ids(const char *s, int32_t **ids, int *n);
 /* Strict numeric option parsing: prints "--name: ..." and returns false on junk. */
 bool tdm_tool_int(const char *name, const char *s, int64_t lo, int64_t hi, int64_t *out);
 bool tdm_tool_float(const char *name, const char *s, double lo, double hi, double *out);
-void tdm_tool_fail(const char *what); /* prints "tandem: what: <tdm_err_msg()>" */
+void tdm_tool_fail(const char *what);
+/* Writes `text` and a newline to path through a temporary file and a rename, so a reader (a
+ * script waiting for a --port-file) never sees a partial file; prints why and returns false on
+ * failure. */
+bool tdm_tool_write_file_atomic(const char *path,
+                                const char *text); /* prints "tandem: what: <tdm_err_msg()>" */
 
 #endif
