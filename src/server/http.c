@@ -24,6 +24,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "server/reply.h"
 #include "server/server_int.h"
 
 struct tdm_server {
@@ -62,47 +63,6 @@ struct stream {
     char *pend;
     size_t pend_len, pend_off;
 };
-
-/* ---- responses ---- */
-
-static enum MHD_Result reply(struct tdm_server *s, struct MHD_Connection *c, unsigned status,
-                             char *body, const char *ctype)
-{
-    if (!body) {
-        body = strdup("{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\","
-                      "\"param\":null,\"code\":null}}");
-        status = 500;
-        ctype = "application/json";
-        if (!body) return MHD_NO;
-    }
-    struct MHD_Response *r =
-        MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
-    if (!r) {
-        free(body);
-        return MHD_NO;
-    }
-    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
-    if (status == 405)
-        MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, strstr(body, "POST") ? "POST" : "GET");
-    enum MHD_Result ret = MHD_queue_response(c, status, r);
-    MHD_destroy_response(r);
-    if (status / 100 >= 1 && status / 100 <= 5) atomic_fetch_add(&s->http[status / 100], 1);
-    return ret;
-}
-
-static enum MHD_Result reply_err(struct tdm_server *s, struct MHD_Connection *c,
-                                 const struct api_err *e)
-{
-    return reply(s, c, (unsigned)e->status, api_error_json(e), "application/json");
-}
-
-static enum MHD_Result reply_errf(struct tdm_server *s, struct MHD_Connection *c, int status,
-                                  const char *msg)
-{
-    struct api_err e;
-    api_err_set(&e, status, NULL, "%s", msg);
-    return reply_err(s, c, &e);
-}
 
 /* ---- client liveness ---- */
 
@@ -226,18 +186,19 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, bool chat,
                                 struct conn *cc)
 {
-    if (atomic_load(&s->draining)) return reply_errf(s, c, 503, "the server is shutting down");
+    if (atomic_load(&s->draining))
+        return reply_errf(c, s->http, 503, "the server is shutting down");
     struct api_req ar;
     struct api_err e;
     if (!api_parse(&s->api, chat, cc->body ? cc->body : "", cc->len, &ar, &e))
-        return reply_err(s, c, &e);
+        return reply_err(c, s->http, &e);
     tdm_req_t *req = NULL;
     tdm_status st = tdm_sched_submit(s->sched, &ar.p, &req);
     if (st != TDM_OK) {
         int status = st == TDM_EAGAIN || st == TDM_ECANCELED ? 503 : st == TDM_ENOMEM ? 500 : 400;
         api_err_set(&e, status, NULL, "%s", tdm_err_msg());
         api_req_free(&ar);
-        return reply_err(s, c, &e);
+        return reply_err(c, s->http, &e);
     }
     char id[48];
     snprintf(id, sizeof id, "%s-%llx%08llx", chat ? "chatcmpl" : "cmpl",
@@ -250,7 +211,7 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
         if (!sm) {
             tdm_req_release(req);
             api_req_free(&ar);
-            return reply_errf(s, c, 500, "out of memory");
+            return reply_errf(c, s->http, 500, "out of memory");
         }
         sm->srv = s;
         atomic_fetch_add(&s->active, 1);
@@ -299,14 +260,14 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
         char msg[300];
         snprintf(msg, sizeof msg, "generation failed: %s", v.error_msg);
         tdm_req_unlock(req);
-        ret = reply_errf(s, c, 500, msg);
+        ret = reply_errf(c, s->http, 500, "%s", msg);
     } else if (v.finish == TDM_FINISH_CANCELLED) {
         tdm_req_unlock(req);
-        ret = reply_errf(s, c, 503, "the request was cancelled (server shutting down)");
+        ret = reply_errf(c, s->http, 503, "the request was cancelled (server shutting down)");
     } else {
         char *body = api_render_full(&s->api, &ar, id, created, &v);
         tdm_req_unlock(req);
-        ret = reply(s, c, 200, body, "application/json");
+        ret = reply_send(c, s->http, 200, body, "application/json");
     }
     tdm_req_release(req);
     api_req_free(&ar);
@@ -341,12 +302,9 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         const char *cl =
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl && strtoull(cl, NULL, 10) > s->max_body) cc->too_big = true;
-        if (cc->too_big) {
-            char msg[128];
-            snprintf(msg, sizeof msg, "the request body is larger than the %zu-byte limit",
-                     s->max_body);
-            return reply_errf(s, c, 413, msg);
-        }
+        if (cc->too_big)
+            return reply_errf(c, s->http, 413, "the request body is larger than the %zu-byte limit",
+                              s->max_body);
         return MHD_YES;
     }
     if (*upload_size) {
@@ -372,25 +330,22 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         *upload_size = 0;
         return MHD_YES;
     }
-    if (cc->too_big) {
-        char msg[128];
-        snprintf(msg, sizeof msg, "the request body is larger than the %zu-byte limit",
-                 s->max_body);
-        return reply_errf(s, c, 413, msg);
-    }
+    if (cc->too_big)
+        return reply_errf(c, s->http, 413, "the request body is larger than the %zu-byte limit",
+                          s->max_body);
 
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
-        if (!get) return reply_errf(s, c, 405, "use GET /health");
+        if (!get) return reply_errf(c, s->http, 405, "use GET /health");
         bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining);
-        return reply(s, c, ok ? 200 : 503,
-                     strdup(ok                          ? "{\"status\":\"ok\"}"
-                            : atomic_load(&s->draining) ? "{\"status\":\"draining\"}"
-                                                        : "{\"status\":\"starting\"}"),
-                     "application/json");
+        return reply_send(c, s->http, ok ? 200 : 503,
+                          strdup(ok                          ? "{\"status\":\"ok\"}"
+                                 : atomic_load(&s->draining) ? "{\"status\":\"draining\"}"
+                                                             : "{\"status\":\"starting\"}"),
+                          "application/json");
     }
     if (!strcmp(url, "/metrics")) {
-        if (!get) return reply_errf(s, c, 405, "use GET /metrics");
+        if (!get) return reply_errf(c, s->http, 405, "use GET /metrics");
         struct tdm_sched_metrics_snapshot m;
         tdm_sched_metrics(s->sched, &m);
         uint64_t http[6];
@@ -405,14 +360,14 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
             free(text);
             text = both;
         }
-        return reply(s, c, 200, text, "text/plain; version=0.0.4; charset=utf-8");
+        return reply_send(c, s->http, 200, text, "text/plain; version=0.0.4; charset=utf-8");
     }
     bool is_models = !strcmp(url, "/v1/models"), is_cmpl = !strcmp(url, "/v1/completions"),
          is_chat = !strcmp(url, "/v1/chat/completions");
     if (!is_models && !is_cmpl && !is_chat) {
         char msg[200];
         snprintf(msg, sizeof msg, "no route for %s %.100s", method, url);
-        return reply_errf(s, c, 404, msg);
+        return reply_errf(c, s->http, 404, "%s", msg);
     }
     if (s->no_generate && !is_models) {
         char msg[200];
@@ -420,21 +375,18 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                  "this is a prefill node: it takes prefill requests from decode "
                  "nodes over the fabric, not %s",
                  url);
-        return reply_errf(s, c, 404, msg);
+        return reply_errf(c, s->http, 404, "%s", msg);
     }
-    if (!authorized(s, c)) {
-        struct api_err e;
-        api_err_set(&e, 401, NULL,
-                    "missing or invalid API key (send Authorization: Bearer "
-                    "<key>)");
-        return reply_err(s, c, &e);
-    }
+    if (!authorized(s, c))
+        return reply_errf(c, s->http, 401,
+                          "missing or invalid API key (send Authorization: Bearer <key>)");
     if (is_models) {
-        if (!get) return reply_errf(s, c, 405, "use GET /v1/models");
-        return reply(s, c, 200, api_render_models(&s->api, (long)time(NULL)), "application/json");
+        if (!get) return reply_errf(c, s->http, 405, "use GET /v1/models");
+        return reply_send(c, s->http, 200, api_render_models(&s->api, (long)time(NULL)),
+                          "application/json");
     }
     if (!post)
-        return reply_errf(s, c, 405,
+        return reply_errf(c, s->http, 405, "%s",
                           is_chat ? "use POST /v1/chat/completions" : "use POST /v1/completions");
     return generate(s, c, is_chat, cc);
 }

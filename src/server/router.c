@@ -55,6 +55,7 @@
 #include <time.h>
 
 #include "server/httpc.h"
+#include "server/reply.h"
 #include "server/server_int.h"
 
 #define POLL_SLICE_MS     250
@@ -237,48 +238,6 @@ static void *health_main(void *arg)
     }
 }
 
-/* ---- responses the router writes itself ---- */
-
-static enum MHD_Result reply(struct tdm_router *r, struct MHD_Connection *c, unsigned status,
-                             char *body, const char *ctype)
-{
-    if (!body) {
-        body = strdup("{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\","
-                      "\"param\":null,\"code\":null}}");
-        status = 500;
-        ctype = "application/json";
-        if (!body) return MHD_NO;
-    }
-    struct MHD_Response *resp =
-        MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
-    if (!resp) {
-        free(body);
-        return MHD_NO;
-    }
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
-    if (status == 405)
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, strstr(body, "POST") ? "POST" : "GET");
-    enum MHD_Result ret = MHD_queue_response(c, status, resp);
-    MHD_destroy_response(resp);
-    if (status / 100 >= 1 && status / 100 <= 5) atomic_fetch_add(&r->own_by_class[status / 100], 1);
-    return ret;
-}
-
-static enum MHD_Result reply_errf(struct tdm_router *r, struct MHD_Connection *c, int status,
-                                  const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static enum MHD_Result reply_errf(struct tdm_router *r, struct MHD_Connection *c, int status,
-                                  const char *fmt, ...)
-{
-    struct api_err e;
-    char msg[sizeof e.message];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    api_err_set(&e, status, NULL, "%s", msg);
-    return reply(r, c, (unsigned)status, api_error_json(&e), "application/json");
-}
-
 /* ---- waiting on a backend while watching the client ---- */
 
 static int client_fd_of(struct MHD_Connection *c)
@@ -374,7 +333,7 @@ static enum MHD_Result relay_start(struct tdm_router *r, struct MHD_Connection *
         tdm_bh_close(bc);
         release(r, be);
         count_error(r, PE_NOMEM);
-        return reply_errf(r, c, 500, "out of memory");
+        return reply_errf(c, r->own_by_class, 500, "out of memory");
     }
     *rl = (struct relay){.r = r,
                          .be = be,
@@ -419,7 +378,8 @@ static const char *backend_bearer(struct tdm_router *r, struct MHD_Connection *c
 static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, const char *method,
                                const char *url, struct conn *cc)
 {
-    if (atomic_load(&r->draining)) return reply_errf(r, c, 503, "the router is shutting down");
+    if (atomic_load(&r->draining))
+        return reply_errf(c, r->own_by_class, 503, "the router is shutting down");
     bool post = !strcmp(method, "POST");
     int client_fd = client_fd_of(c);
     struct tdm_bh_request rq = {.method = method,
@@ -454,7 +414,8 @@ static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, c
             count_error(r, PE_CLIENT_GONE);
             return MHD_NO;
         }
-        if (end == WAIT_STOPPING) return reply_errf(r, c, 503, "the router is shutting down");
+        if (end == WAIT_STOPPING)
+            return reply_errf(c, r->own_by_class, 503, "the router is shutting down");
         count_error(r, err_kind(f));
         last = f;
         if (!is_connection_error(f)) break;
@@ -464,13 +425,15 @@ static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, c
     switch (last) {
     case TDM_BH_OK:
         count_error(r, PE_NO_BACKEND);
-        return reply_errf(r, c, 503, "no healthy backend (0 of %d up)", r->n_backends);
+        return reply_errf(c, r->own_by_class, 503, "no healthy backend (0 of %d up)",
+                          r->n_backends);
     case TDM_BH_TIMEOUT:
-        return reply_errf(r, c, 504, "the backend did not answer in time (%s)", last_msg);
+        return reply_errf(c, r->own_by_class, 504, "the backend did not answer in time (%s)",
+                          last_msg);
     case TDM_BH_NOMEM:
-        return reply_errf(r, c, 500, "out of memory");
+        return reply_errf(c, r->own_by_class, 500, "out of memory");
     default:
-        return reply_errf(r, c, 502, "no backend could answer (%s)", last_msg);
+        return reply_errf(c, r->own_by_class, 502, "no backend could answer (%s)", last_msg);
     }
 }
 
@@ -554,7 +517,8 @@ static bool authorized(struct tdm_router *r, struct MHD_Connection *c)
 
 static enum MHD_Result too_big(struct tdm_router *r, struct MHD_Connection *c)
 {
-    return reply_errf(r, c, 413, "the request body is larger than the %zu-byte limit", r->max_body);
+    return reply_errf(c, r->own_by_class, 413, "the request body is larger than the %zu-byte limit",
+                      r->max_body);
 }
 
 static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *url,
@@ -601,7 +565,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
 
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
-        if (!get) return reply_errf(r, c, 405, "use GET /health");
+        if (!get) return reply_errf(c, r->own_by_class, 405, "use GET /health");
         int up = backends_up(r);
         bool draining = atomic_load(&r->draining), ok = up > 0 && !draining;
         char *body = NULL;
@@ -611,22 +575,23 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                               : "no healthy backend",
                      up, r->n_backends) < 0)
             body = NULL;
-        return reply(r, c, ok ? 200 : 503, body, "application/json");
+        return reply_send(c, r->own_by_class, ok ? 200 : 503, body, "application/json");
     }
     if (!strcmp(url, "/metrics")) {
-        if (!get) return reply_errf(r, c, 405, "use GET /metrics");
-        return reply(r, c, 200, metrics_text(r), "text/plain; version=0.0.4; charset=utf-8");
+        if (!get) return reply_errf(c, r->own_by_class, 405, "use GET /metrics");
+        return reply_send(c, r->own_by_class, 200, metrics_text(r),
+                          "text/plain; version=0.0.4; charset=utf-8");
     }
     bool is_models = !strcmp(url, "/v1/models"), is_cmpl = !strcmp(url, "/v1/completions"),
          is_chat = !strcmp(url, "/v1/chat/completions");
     if (!is_models && !is_cmpl && !is_chat)
-        return reply_errf(r, c, 404, "no route for %s %.100s", method, url);
+        return reply_errf(c, r->own_by_class, 404, "no route for %s %.100s", method, url);
     if (!authorized(r, c))
-        return reply_errf(r, c, 401,
+        return reply_errf(c, r->own_by_class, 401,
                           "missing or invalid API key (send Authorization: Bearer <key>)");
-    if (is_models && !get) return reply_errf(r, c, 405, "use GET /v1/models");
+    if (is_models && !get) return reply_errf(c, r->own_by_class, 405, "use GET /v1/models");
     if (!is_models && !post)
-        return reply_errf(r, c, 405, "%s",
+        return reply_errf(c, r->own_by_class, 405, "%s",
                           is_chat ? "use POST /v1/chat/completions" : "use POST /v1/completions");
     return forward(r, c, method, url, cc);
 }

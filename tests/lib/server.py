@@ -1,6 +1,7 @@
-"""Starting and stopping `tandem serve` for tests, and reading its /metrics.
+"""Starting and stopping `tandem serve` (and, through TandemProcess, `tandem router`) for tests,
+plain HTTP requests to them, and reading their /metrics.
 
-Every server is started on a free port (--port 0 --port-file) and always stopped by PID: the
+Every process is started on a free port (--port 0 --port-file) and always stopped by PID: the
 fixture sends SIGTERM, waits, and SIGKILLs if the process is still there.
 """
 import json
@@ -30,31 +31,41 @@ def default_model_path():
     return pathlib.Path(cache) / "tandem" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class Server:
-    def __init__(self, args=(), env=None, model=None, prefix=None):
-        self.dir = tempfile.mkdtemp(prefix="tandem-serve-")
+class TandemProcess:
+    """A `tandem <command>` child process on a free port (--port 0 --port-file), always stopped
+    by PID: SIGTERM, a wait, then SIGKILL if it is still there. `args` come last, so that they
+    override the defaults."""
+    start_timeout_s = 120
+    start_poll_s = 0.05
+    stop_timeout_s = 60
+    request_timeout_s = 300
+
+    def __init__(self, command, defaults, args=(), env=None, prefix=None):
+        self.command = command
+        self.dir = tempfile.mkdtemp(prefix=f"tandem-{command}-")
         self.port_file = os.path.join(self.dir, "port")
         self.log_path = os.path.join(self.dir, "log")
-        cmd = list(prefix or []) + [str(build_dir() / "tandem"), "serve", "--model", str(model or default_model_path()),
-               "--port", "0", "--port-file", self.port_file, "--served-model-name", "smol",
-               "--drain-timeout", "20"] + [str(a) for a in args]
+        args = [str(a) for a in args]
+        cmd = list(prefix or []) + [str(build_dir() / "tandem"), command, "--port", "0",
+                                    "--port-file", self.port_file] + list(defaults) + args
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
         self.port = None
-        deadline = time.time() + 120
+        deadline = time.time() + self.start_timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited {self.proc.returncode}:\n{self.logs()}")
+                raise RuntimeError(f"tandem {command} exited {self.proc.returncode}:\n"
+                                   f"{self.logs()}")
             if os.path.exists(self.port_file):
                 self.port = int(open(self.port_file).read())
                 break
-            time.sleep(0.05)
+            time.sleep(self.start_poll_s)
         if self.port is None:
             self.stop()
-            raise RuntimeError("tandem serve did not start in 120 s:\n" + self.logs())
-        args = [str(a) for a in args]
+            raise RuntimeError(f"tandem {command} did not start in {self.start_timeout_s} s:\n"
+                               + self.logs())
         host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
         self.url = f"http://{host}:{self.port}"
 
@@ -62,37 +73,59 @@ class Server:
         self.log.flush()
         return open(self.log_path, errors="replace").read()[-6000:]
 
-    def stop(self, timeout=60):
+    def stop(self, timeout=None):
         """SIGTERM, then SIGKILL after timeout. Returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=timeout)
+                self.proc.wait(timeout=self.stop_timeout_s if timeout is None else timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
 
-    # ---- HTTP helpers (urllib: no dependency on the code under test) ----
-    def request(self, method, path, body=None, headers=None, timeout=300):
-        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, r.read(), dict(r.headers)
-        except urllib.error.HTTPError as e:
-            return e.code, e.read(), dict(e.headers)
+    def stop_clean(self):
+        """Stops and asserts a clean exit (no sanitizer report, no leak)."""
+        rc = self.stop()
+        log = open(self.log_path, errors="replace").read()
+        assert rc == 0, f"tandem {self.command} exited {rc}:\n{log[-6000:]}"
+        assert "runtime error" not in log and "AddressSanitizer" not in log, log[-6000:]
 
-    def post(self, path, body, **kw):
-        st, raw, _ = self.request("POST", path, body, **kw)
-        return st, json.loads(raw) if raw else None
+    def request(self, method, path, body=None, headers=None, timeout=None):
+        return http_request(self.url, method, path, body, headers,
+                            self.request_timeout_s if timeout is None else timeout)
 
     def metrics(self):
         st, raw, _ = self.request("GET", "/metrics")
         assert st == 200
         return parse_prometheus(raw.decode())
+
+
+def http_request(base, method, path, body=None, headers=None, timeout=120):
+    """(status, body bytes, headers) with urllib: independent of the code under test. A body
+    that is not bytes (or None) is sent as JSON."""
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), dict(e.headers)
+
+
+class Server(TandemProcess):
+    """`tandem serve` of the default model (or `model`), served as "smol"."""
+
+    def __init__(self, args=(), env=None, model=None, prefix=None):
+        super().__init__("serve", ["--model", str(model or default_model_path()),
+                                   "--served-model-name", "smol", "--drain-timeout", "20"],
+                         args, env, prefix)
+
+    def post(self, path, body, **kw):
+        st, raw, _ = self.request("POST", path, body, **kw)
+        return st, json.loads(raw) if raw else None
 
     def wait_idle(self, timeout=30):
         """Waits until no request runs or waits and every KV page is free; returns metrics."""

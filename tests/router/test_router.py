@@ -11,8 +11,9 @@ import threading
 import openai
 import pytest
 
+from lib.rawhttp import open_stream, raw_http
 from lib.server import Server
-from routerlib import Router, assert_openai_error, open_stream, proxy_errors, raw_http, routed
+from routerlib import Router, assert_openai_error, proxy_errors, routed
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from lib.server import build_dir
-from routerlib import (FakeBackend, Router, assert_openai_error, http_request, json_answer,
-                       open_stream, proxy_errors, raw_http, routed, up)
+from lib.rawhttp import open_stream, raw_http
+from lib.server import build_dir, http_request
+from routerlib import (FakeBackend, Router, assert_openai_error, json_answer, proxy_errors, routed,
+                       up)
 
 
 @pytest.fixture

@@ -2,19 +2,11 @@
 was served; SIGTERM drains in-flight requests."""
 import json
 import re
-import socket
 import threading
 import time
 
+from lib.rawhttp import open_stream
 from lib.server import Server, histogram
-
-
-def open_stream(port, body):
-    s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    data = json.dumps(body).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
-    return s
 
 
 def finished(m, reason):
@@ -23,8 +15,9 @@ def finished(m, reason):
 
 def test_disconnect_mid_stream_cancels(server):
     before = server.wait_idle()
-    s = open_stream(server.port, {"prompt": "Tell me a long story.", "max_tokens": 4000,
-                                  "ignore_eos": True, "stream": True})
+    s = open_stream(server.port, "/v1/completions",
+                    {"prompt": "Tell me a long story.", "max_tokens": 4000, "ignore_eos": True,
+                     "stream": True})
     got = b""
     while got.count(b"data: ") < 3:
         got += s.recv(4096)
@@ -37,8 +30,8 @@ def test_disconnect_mid_stream_cancels(server):
 
 def test_disconnect_while_waiting_non_stream_cancels(server):
     before = server.wait_idle()
-    s = open_stream(server.port, {"prompt": "Tell me a long story.", "max_tokens": 4000,
-                                  "ignore_eos": True})
+    s = open_stream(server.port, "/v1/completions",
+                    {"prompt": "Tell me a long story.", "max_tokens": 4000, "ignore_eos": True})
     deadline = time.time() + 30
     while server.metrics()[("tandem_generation_tokens_total", ())] < \
             before[("tandem_generation_tokens_total", ())] + 3:
@@ -92,8 +85,9 @@ def test_sigterm_drains_in_flight_requests(default_model):
     result = {}
     try:
         def stream():
-            sock = open_stream(s.port, {"prompt": "Count to fifty.", "max_tokens": 48,
-                                        "ignore_eos": True, "stream": True})
+            sock = open_stream(s.port, "/v1/completions",
+                               {"prompt": "Count to fifty.", "max_tokens": 48, "ignore_eos": True,
+                                "stream": True})
             data = b""
             while True:
                 chunk = sock.recv(65536)
