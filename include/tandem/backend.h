@@ -23,6 +23,7 @@
 
 #include "tandem/core.h"
 #include "tandem/model.h"
+#include "tandem/sample.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -160,6 +161,14 @@ struct tdm_backend_i {
                              const void *owner, _Atomic int32_t *counter, bool *replayed);
     /* Called after the layer loop when step_begin did not replay it (ends a recording). */
     tdm_status (*step_end)(tdm_backend_t *b);
+    /* Samples n_rows logit rows where they are (logits: [n_rows][vocab] backend memory, which
+     * may be overwritten) and fills each row's outputs: the same tokens tdm_sample_row_host
+     * chooses for the same logits (the same RNG draw, the same candidate order), and the
+     * same log-probabilities up to the order of a sum. Returns TDM_EUNSUPPORTED (with
+     * nothing done) for a vocabulary it cannot take (n_rows 0: only that check). Waits for
+     * its results. */
+    tdm_status (*sample)(tdm_backend_t *b, float *logits, int n_rows, int vocab,
+                         struct tdm_sample_row *rows);
 };
 
 struct tdm_backend {
@@ -180,7 +189,9 @@ enum tdm_backend_kind { TDM_BACKEND_CPU = 0, TDM_BACKEND_CUDA = 1 };
  * Weights are bf16 on the device (quantised GGUF weights are dequantised at load; vectors stay
  * fp32); GEMMs run through cuBLASLt with bf16 operands and fp32 accumulation and output, the
  * fp32 activations being rounded to bf16 on the way in. Activations and the KV cache are fp32.
- * Decode steps run as CUDA graphs, one per batch-size bucket. Not batch-invariant: cuBLASLt
+ * Decode steps run as CUDA graphs, one per batch-size bucket. Logit rows are sampled on the
+ * device (the `sample` hook: vocabularies up to 2^18 tokens), so only tokens and
+ * log-probabilities come back to the host. Not batch-invariant: cuBLASLt
  * picks its algorithm by shape, so a row's logits may differ in the last bits between batch
  * sizes. A CUDA error inside an op (which cannot return one) is fatal: logged, then abort().
  * Without CUDA in the build, or without a GPU, create returns TDM_EUNSUPPORTED with a message. */

@@ -57,6 +57,10 @@ struct tdm_sampler {
     int vocab;
     uint16_t *prompt_seen; /* [vocab] 1 if the token is in the prompt; NULL without penalties */
     uint32_t *out_count;   /* [vocab] occurrences in the output; NULL without penalties */
+    int32_t *seen;         /* [vocab] the distinct tokens of prompt and output, in order of
+                            * first sight (a device sampler's sparse penalty list); NULL
+                            * without penalties */
+    int n_seen;
 };
 tdm_status tdm_sampler_init(struct tdm_sampler *s, const struct tdm_sampling_params *p,
                             uint64_t request_id, int vocab);
@@ -66,8 +70,27 @@ void tdm_sampler_accept(struct tdm_sampler *s, int32_t token, bool is_prompt);
 /* Samples the token at absolute position `position` from logits [vocab] (modified in place).
  * If logprob is not NULL it receives the token's log-probability under the raw logits (before
  * penalties and temperature), as vLLM reports by default. */
-int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, uint32_t position,
+int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t position,
                            struct tdm_sample_scratch *scratch, float *logprob);
+
+/* ---- one logit row of a forward pass to sample (the host path below, or a backend's device
+ * sampler: backend.h `sample`, which must give the same token for the same logits) ---- */
+#define TDM_TOP_LOGPROBS_MAX 20
+struct tdm_sample_row {
+    /* in */
+    const struct tdm_sampler *smp;
+    uint32_t position; /* absolute position of the token being chosen (the RNG counter) */
+    int n_top;         /* -1: no log-probabilities; 0: the chosen token's; 1..20: and the top */
+    /* out */
+    int32_t token;
+    float logprob; /* the token's, under the raw logits (n_top >= 0) */
+    int32_t top_ids[TDM_TOP_LOGPROBS_MAX];
+    float top_lps[TDM_TOP_LOGPROBS_MAX];
+};
+/* Samples a row on the host: the top log-probabilities, then tdm_sampler_sample. logits is
+ * modified in place. */
+void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
+                         struct tdm_sample_scratch *scratch);
 
 /* The k most likely tokens under the raw logits: ids and log-probabilities, descending. */
 void tdm_logprobs_top(const float *logits, int vocab, int k, int32_t *ids, float *logprobs);

@@ -58,7 +58,7 @@ struct tdm_sched_opts {
     int watermark_pages;  /* pages kept free at admission for running decodes; <0: 0, 0: 1% */
 };
 
-#define TDM_MAX_TOP_LOGPROBS 20
+#define TDM_MAX_TOP_LOGPROBS TDM_TOP_LOGPROBS_MAX
 #define TDM_MAX_STOP_IDS     16
 
 struct tdm_req_params {

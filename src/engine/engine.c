@@ -61,6 +61,8 @@ struct tdm_engine {
     float *rows;            /* [max_logit_rows][d_model] gathered final-normed rows */
     float *logits;          /* [max_logit_rows][vocab] */
     struct tdm_arena arena; /* per-step metadata, host */
+    bool device_sampling;   /* the backend's sample hook takes this vocabulary */
+    struct tdm_sample_scratch sample_scratch; /* host sampling in forward_sample (CPU backend) */
 };
 
 static void *balloc(tdm_engine_t *e, size_t bytes, tdm_status *st)
@@ -235,6 +237,13 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
             goto out_scratch;
         st = TDM_OK;
     }
+    /* device sampling: a probe of zero rows says whether the hook takes this vocabulary */
+    e->device_sampling =
+        e->backend->iface->sample &&
+        e->backend->iface->sample(e->backend, e->logits, 0, c->vocab_size, NULL) == TDM_OK;
+    if (!e->backend->iface->sample &&
+        (st = tdm_sample_scratch_init(&e->sample_scratch, c->vocab_size)) != TDM_OK)
+        goto out_scratch;
     struct tdm_kv_config kc = {.n_layers = c->n_layers,
                                .n_kv_heads = c->n_kv_heads,
                                .head_dim = c->head_dim,
@@ -270,6 +279,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
 out_scratch:
     tdm_kv_pool_destroy(e->kv);
     free_scratch(e);
+    tdm_sample_scratch_free(&e->sample_scratch);
 out_backend:
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     free(e->layers);
@@ -284,6 +294,7 @@ void tdm_engine_destroy(tdm_engine_t *e)
     if (!e) return;
     tdm_kv_pool_destroy(e->kv);
     free_scratch(e);
+    tdm_sample_scratch_free(&e->sample_scratch);
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     tdm_arena_free(&e->arena);
     free(e->layers);
@@ -410,15 +421,16 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
     return TDM_OK;
 }
 
-tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, float *logits,
-                              float *hidden)
+/* The forward pass. Logit rows go to `logits` (host), or are sampled into `samples`. */
+static tdm_status forward(tdm_engine_t *e, const struct tdm_batch *batch, float *logits,
+                          struct tdm_sample_row *samples, float *hidden)
 {
     struct tdm_step step;
     int32_t *rows = NULL;
     int n_rows = 0;
     tdm_status st = build_step(e, batch, &step, &rows, &n_rows);
     if (st != TDM_OK) return st;
-    if (n_rows > 0 && !logits && !hidden)
+    if (n_rows > 0 && !logits && !samples && !hidden)
         return tdm_err_set(TDM_EINVAL, "batch: logits requested but no output buffer");
 
     tdm_backend_t *b = e->backend;
@@ -472,12 +484,45 @@ tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, fl
             ops->gather_rows(b, e->x, rows, n_rows, d, e->rows);
             ops->download(b, hidden, e->rows, (size_t)n_rows * d * sizeof(float));
         }
-        if (logits) {
+        if (logits || samples) {
             ops->gather_rows(b, e->h, rows, n_rows, d, e->rows);
             ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
+        }
+        if (logits)
             ops->download(b, logits, e->logits, (size_t)n_rows * c->vocab_size * sizeof(float));
+    }
+    if (samples && n_rows > 0) {
+        if (e->device_sampling) {
+            st = ops->sample(b, e->logits, n_rows, c->vocab_size, samples);
+        } else {
+            /* a backend without a sample hook computes in host memory (the CPU backend) */
+            ops->sync(b);
+            for (int i = 0; i < n_rows; i++)
+                tdm_sample_row_host(&samples[i], e->logits + (size_t)i * c->vocab_size,
+                                    &e->sample_scratch);
         }
     }
     ops->sync(b);
-    return TDM_OK;
+    return st;
+}
+
+tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, float *logits,
+                              float *hidden)
+{
+    return forward(e, batch, logits, NULL, hidden);
+}
+
+tdm_status tdm_engine_forward_sample(tdm_engine_t *e, const struct tdm_batch *batch,
+                                     struct tdm_sample_row *rows, float *hidden)
+{
+    if (e->backend->iface->sample && !e->device_sampling)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "engine: the %s backend cannot sample a vocabulary of %d on the device",
+                           e->backend->iface->name, e->cfg.vocab_size);
+    return forward(e, batch, NULL, rows, hidden);
+}
+
+bool tdm_engine_samples_on_device(const tdm_engine_t *e)
+{
+    return e->device_sampling;
 }

@@ -85,7 +85,8 @@ tdm_status tdm_sampler_init(struct tdm_sampler *s, const struct tdm_sampling_par
     if (has_penalties(p)) {
         s->prompt_seen = calloc((size_t)vocab, sizeof *s->prompt_seen);
         s->out_count = calloc((size_t)vocab, sizeof *s->out_count);
-        if (!s->prompt_seen || !s->out_count) {
+        s->seen = malloc((size_t)vocab * sizeof *s->seen);
+        if (!s->prompt_seen || !s->out_count || !s->seen) {
             tdm_sampler_free(s);
             return tdm_err_set(TDM_ENOMEM, "sampler: out of memory");
         }
@@ -98,13 +99,17 @@ void tdm_sampler_free(struct tdm_sampler *s)
     if (!s) return;
     free(s->prompt_seen);
     free(s->out_count);
+    free(s->seen);
     s->prompt_seen = NULL;
     s->out_count = NULL;
+    s->seen = NULL;
+    s->n_seen = 0;
 }
 
 void tdm_sampler_accept(struct tdm_sampler *s, int32_t token, bool is_prompt)
 {
     if (!s->out_count || token < 0 || token >= s->vocab) return;
+    if (!s->prompt_seen[token] && !s->out_count[token]) s->seen[s->n_seen++] = token;
     if (is_prompt)
         s->prompt_seen[token] = 1;
     else if (s->out_count[token] < UINT32_MAX)
@@ -206,7 +211,7 @@ static int nucleus_candidates(const struct tdm_sampling_params *p, const float *
     return n;
 }
 
-int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, uint32_t position,
+int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t position,
                            struct tdm_sample_scratch *scratch, float *logprob)
 {
     const struct tdm_sampling_params *p = &s->params;
@@ -285,4 +290,15 @@ int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, uint32_t positi
 out:
     if (logprob) *logprob = (float)((double)raw[chosen] - raw_lse);
     return chosen;
+}
+
+void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
+                         struct tdm_sample_scratch *scratch)
+{
+    const struct tdm_sampler *smp = row->smp;
+    int k = TDM_MIN(row->n_top, TDM_TOP_LOGPROBS_MAX);
+    if (k > 0) tdm_logprobs_top(logits, smp->vocab, k, row->top_ids, row->top_lps);
+    row->logprob = 0.0f;
+    row->token = tdm_sampler_sample(smp, logits, row->position, scratch,
+                                    row->n_top >= 0 ? &row->logprob : NULL);
 }

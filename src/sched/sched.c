@@ -96,13 +96,13 @@ struct tdm_sched {
     struct tdm_req **breqs;
     float *logits; /* [max_seqs][vocab] */
     struct tdm_sample_scratch scratch;
+    struct tdm_sample_row *srows; /* [max_seqs]: what to sample from each logit row */
+    bool device_sampling;         /* the engine samples where the logits are (no hooks) */
     struct tdm_sched_hooks hooks;
     bool have_hooks;
     int d_model;
     float *hidden; /* [max_seqs][d_model], with hooks */
     struct tdm_step_span *spans;
-    int32_t *top_ids_tmp;
-    float *top_lps_tmp;
 
     pthread_mutex_t mmu;
     struct tdm_sched_metrics_snapshot m;
@@ -261,15 +261,14 @@ tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
     s->breqs = calloc((size_t)n, sizeof *s->breqs);
     s->spans = calloc((size_t)n, sizeof *s->spans);
     s->logits = malloc((size_t)n * (size_t)s->vocab * sizeof(float));
-    s->top_ids_tmp = malloc(TDM_MAX_TOP_LOGPROBS * sizeof(int32_t));
-    s->top_lps_tmp = malloc(TDM_MAX_TOP_LOGPROBS * sizeof(float));
+    s->srows = calloc((size_t)n, sizeof *s->srows);
     tdm_status st = TDM_ENOMEM;
-    if (!s->running || !s->bseqs || !s->breqs || !s->spans || !s->logits || !s->top_ids_tmp ||
-        !s->top_lps_tmp) {
+    if (!s->running || !s->bseqs || !s->breqs || !s->spans || !s->logits || !s->srows) {
         tdm_err_set(TDM_ENOMEM, "sched: out of memory");
         goto out_free;
     }
     if ((st = tdm_sample_scratch_init(&s->scratch, s->vocab)) != TDM_OK) goto out_free;
+    s->device_sampling = tdm_engine_samples_on_device(engine);
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->mmu, NULL);
     pthread_cond_init(&s->cv_work, NULL);
@@ -286,8 +285,7 @@ out_free:
     free(s->breqs);
     free(s->spans);
     free(s->logits);
-    free(s->top_ids_tmp);
-    free(s->top_lps_tmp);
+    free(s->srows);
     free(s);
     return st;
 }
@@ -638,15 +636,20 @@ static bool is_stop_token(struct tdm_sched *s, struct tdm_req *r, int32_t t)
     return false;
 }
 
-/* Samples r's next token from its logits row and publishes it. Returns the finish reason
- * (NONE to go on). */
-static enum tdm_finish sample_and_publish(struct tdm_sched *s, struct tdm_req *r, float *row)
+/* What r's next token is sampled with (its logit row's parameters). */
+static struct tdm_sample_row sample_row_of(const struct tdm_req *r)
+{
+    return (struct tdm_sample_row){
+        .smp = &r->smp, .position = (uint32_t)r->n_tokens, .n_top = r->top_k_lp};
+}
+
+/* Publishes r's next token, sampled into sr. Returns the finish reason (NONE to go on). */
+static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
+                               const struct tdm_sample_row *sr)
 {
     int k = r->top_k_lp;
-    if (k > 0) tdm_logprobs_top(row, s->vocab, k, s->top_ids_tmp, s->top_lps_tmp);
-    float lp = 0;
-    int32_t t =
-        tdm_sampler_sample(&r->smp, row, (uint32_t)r->n_tokens, &s->scratch, k >= 0 ? &lp : NULL);
+    float lp = sr->logprob;
+    int32_t t = sr->token;
     tdm_sampler_accept(&r->smp, t, false);
     r->tokens[r->n_tokens++] = t;
     int64_t now = (int64_t)tdm_now_ns();
@@ -658,8 +661,8 @@ static enum tdm_finish sample_and_publish(struct tdm_sched *s, struct tdm_req *r
     int i = r->n_out;
     if (r->logprobs) r->logprobs[i] = lp;
     if (k > 0) {
-        memcpy(r->top_ids + (size_t)i * k, s->top_ids_tmp, (size_t)k * sizeof(int32_t));
-        memcpy(r->top_lps + (size_t)i * k, s->top_lps_tmp, (size_t)k * sizeof(float));
+        memcpy(r->top_ids + (size_t)i * k, sr->top_ids, (size_t)k * sizeof(int32_t));
+        memcpy(r->top_lps + (size_t)i * k, sr->top_lps, (size_t)k * sizeof(float));
     }
     if (!stop && s->tok && !tdm_tok_is_special(s->tok, t)) {
         size_t len = 0;
@@ -884,8 +887,18 @@ static bool step(struct tdm_sched *s)
         fill_spans(s, nb, false);
         s->hooks.step_begin(s->hooks.ctx, s->spans, nb);
     }
-    tdm_status st =
-        tdm_engine_forward(s->engine, &batch, s->logits, s->have_hooks ? s->hidden : NULL);
+    /* without hooks (which want the logit rows themselves) a device samples where the logits
+     * are, and only tokens come back */
+    const bool dev = s->device_sampling && !s->have_hooks;
+    tdm_status st;
+    if (dev) {
+        int row = 0;
+        for (int j = 0; j < nb; j++)
+            if (s->bseqs[j].n_logits) s->srows[row++] = sample_row_of(s->breqs[j]);
+        st = tdm_engine_forward_sample(s->engine, &batch, s->srows, NULL);
+    } else {
+        st = tdm_engine_forward(s->engine, &batch, s->logits, s->have_hooks ? s->hidden : NULL);
+    }
     if (s->have_hooks && s->hooks.step_end) {
         fill_spans(s, nb, st == TDM_OK);
         s->hooks.step_end(s->hooks.ctx, s->spans, nb, st);
@@ -912,9 +925,13 @@ static bool step(struct tdm_sched *s)
         r->batch_slot = -1;
         r->n_cached += s->bseqs[j].n_tokens;
         if (!s->bseqs[j].n_logits) continue;
-        float *lrow = s->logits + (size_t)row * s->vocab;
+        struct tdm_sample_row *sr = &s->srows[row];
+        if (!dev && !r->prefill_only) {
+            *sr = sample_row_of(r);
+            tdm_sample_row_host(sr, s->logits + (size_t)row * s->vocab, &s->scratch);
+        }
         row++;
-        enum tdm_finish f = r->prefill_only ? TDM_FINISH_STOP : sample_and_publish(s, r, lrow);
+        enum tdm_finish f = r->prefill_only ? TDM_FINISH_STOP : publish(s, r, sr);
         if (f != TDM_FINISH_NONE) {
             running_remove(s, running_index(s, r));
             finish_req(s, r, f, f == TDM_FINISH_ERROR ? TDM_ENOMEM : TDM_OK,
@@ -1004,8 +1021,7 @@ void tdm_sched_destroy(tdm_sched_t *s)
     free(s->spans);
     free(s->hidden);
     free(s->logits);
-    free(s->top_ids_tmp);
-    free(s->top_lps_tmp);
+    free(s->srows);
     free(s);
 }
 

@@ -28,6 +28,7 @@
 
 #include "model/quant_int.h"
 #include "tandem/engine.h"
+#include "lib/test_rng.h"
 
 enum { D = 256, NH = 8, NKV = 2, HD = 32, FF = 512, VOCAB = 1000, NL = 3, NSEQ = 24, NDEC = 10 };
 
@@ -37,10 +38,7 @@ static bool have_gpu;
 static uint64_t rng_state = 0x13198A2E03707344ull;
 static uint64_t rng_u64(void)
 {
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+    return tdm_test_splitmix64(&rng_state);
 }
 static float rng_f(float lo, float hi)
 {

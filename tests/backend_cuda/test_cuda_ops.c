@@ -34,16 +34,14 @@
 #include "model/quant_int.h"
 #include "tandem/backend.h"
 #include "tandem/model.h"
+#include "lib/test_rng.h"
 
 static tdm_backend_t *cpu, *gpu;
 
 static uint64_t rng_state = 0x243F6A8885A308D3ull;
 static uint64_t rng_u64(void)
 {
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+    return tdm_test_splitmix64(&rng_state);
 }
 static float rng_f(float lo, float hi)
 {

@@ -269,6 +269,62 @@ static void test_validation(void **s)
     free_model();
 }
 
+/* forward_sample on a backend without a device sampler (the CPU) samples each logit row on the
+ * host: the same tokens and log-probabilities as forward followed by tdm_sample_row_host. */
+static void test_forward_sample_host(void **s)
+{
+    (void)s;
+    struct tdm_model m;
+    make_model(&m, TDM_DTYPE_F32, TDM_ARCH_LLAMA);
+    tdm_engine_t *e = make_engine(&m, 1, NULL);
+    assert_false(tdm_engine_samples_on_device(e));
+    int32_t pa[6] = {0, 1, 2, 3, 4, 5}, pb[6] = {6, 7, 8, 9, 10, 11};
+    int32_t ta[9], tb[5];
+    for (int i = 0; i < 9; i++)
+        ta[i] = (i * 5 + 2) % VOCAB;
+    for (int i = 0; i < 5; i++)
+        tb[i] = (i * 11 + 7) % VOCAB;
+    struct tdm_batch_seq q[2] = {
+        {.tokens = ta, .n_tokens = 9, .pages = pa, .n_pages = 6, .n_logits = 1},
+        {.tokens = tb, .n_tokens = 5, .pages = pb, .n_pages = 6, .n_logits = 1},
+    };
+    struct tdm_batch b = {q, 2};
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    p.temperature = 1.5f;
+    p.top_p = 0.8f;
+    p.seed = 99;
+    struct tdm_sampler smp[2];
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(tdm_sampler_init(&smp[i], &p, 10 + (uint64_t)i, VOCAB), TDM_OK);
+    struct tdm_sample_row rows[2] = {{.smp = &smp[0], .position = 9, .n_top = 3},
+                                     {.smp = &smp[1], .position = 5, .n_top = -1}};
+    assert_int_equal(tdm_engine_forward_sample(e, &b, rows, NULL), TDM_OK);
+    /* again with logits, on fresh pages of a second engine, sampled here */
+    tdm_engine_t *e2 = make_engine(&m, 1, NULL);
+    float logits[2 * VOCAB];
+    assert_int_equal(tdm_engine_forward(e2, &b, logits, NULL), TDM_OK);
+    struct tdm_sample_scratch sc;
+    assert_int_equal(tdm_sample_scratch_init(&sc, VOCAB), TDM_OK);
+    for (int i = 0; i < 2; i++) {
+        struct tdm_sample_row ref = {
+            .smp = &smp[i], .position = rows[i].position, .n_top = rows[i].n_top};
+        tdm_sample_row_host(&ref, logits + i * VOCAB, &sc);
+        assert_int_equal(rows[i].token, ref.token);
+        assert_true(rows[i].logprob == ref.logprob);
+        for (int j = 0; j < ref.n_top; j++) {
+            assert_int_equal(rows[i].top_ids[j], ref.top_ids[j]);
+            assert_true(rows[i].top_lps[j] == ref.top_lps[j]);
+        }
+    }
+    assert_true(rows[0].logprob < 0.0f && rows[0].top_lps[0] >= rows[0].top_lps[2]);
+    tdm_sample_scratch_free(&sc);
+    for (int i = 0; i < 2; i++)
+        tdm_sampler_free(&smp[i]);
+    tdm_engine_destroy(e2);
+    tdm_engine_destroy(e);
+    free_model();
+}
+
 static void test_rope_llama3(void **s)
 {
     (void)s;
@@ -305,7 +361,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_invariance_f32),   cmocka_unit_test(test_invariance_bf16_qwen2),
         cmocka_unit_test(test_invariance_qwen3), cmocka_unit_test(test_validation),
-        cmocka_unit_test(test_rope_llama3),
+        cmocka_unit_test(test_rope_llama3),      cmocka_unit_test(test_forward_sample_host),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -947,11 +947,14 @@ static tdm_status cu_reserve(tdm_backend_t *b, const struct tdm_backend_limits *
     const int graph_seqs = lim->max_tokens; /* padding adds one sequence per padding token */
     meta_reserve(cu, lim->max_tokens, TDM_MAX(lim->max_seqs, graph_seqs), lim->max_pages,
                  lim->max_rows);
+    tdm_status sst = tdm_cu_sample_reserve(cu, lim->max_rows, lim->vocab);
+    if (sst != TDM_OK) return sst;
     cu->reserved = true;
     cu->gs_hint = lim->n_kv_heads > 0 ? lim->n_heads / lim->n_kv_heads : 0;
     cu->hd_hint = lim->head_dim;
     cu->workspace_bytes = cu->xb_cap + cu->shb_cap[0] + cu->shb_cap[1] + cu->up_cap + cu->part_cap +
-                          cu->rows_cap + cu->meta_cap * 4 + cu->lt_ws_bytes;
+                          cu->rows_cap + cu->meta_cap * 4 + cu->lt_ws_bytes + cu->samp_cap +
+                          cu->sout_cap + cu->sscratch_cap;
 
     size_t free_b = 0, total_b = 0;
     TDM_CU_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -1000,6 +1003,7 @@ static void cu_destroy(tdm_backend_t *b)
     if (cu->h_meta) cudaFreeHost(cu->h_meta);
     if (cu->h_inv_freq) cudaFreeHost(cu->h_inv_freq);
     if (cu->h_counter) cudaFreeHost(cu->h_counter);
+    tdm_cu_sample_free(cu);
     tdm_cu_gemm_destroy(cu);
     if (cu->lt) cublasLtDestroy(cu->lt);
     if (cu->stream) cudaStreamDestroy(cu->stream);
@@ -1031,6 +1035,7 @@ static const struct tdm_backend_i CUDA_IFACE = {
     .reserve = cu_reserve,
     .step_begin = cu_step_begin,
     .step_end = cu_step_end,
+    .sample = tdm_cu_sample_rows,
 };
 
 #define CREATE_CHECK(call, what)                                                                   \

@@ -3,8 +3,9 @@
  * cache and the helpers the op files share.
  *
  * Files: cuda_backend.c (vtable, creation, memory, weights, step metadata, CUDA graphs, layer
- * counter, memory plan, rooflines), cuda_gemm.c (cuBLASLt), kernels.cu and attention.cu (the
- * kernels, behind cuda_kernels.h).
+ * counter, memory plan, rooflines), cuda_gemm.c (cuBLASLt), cuda_sample.c (device sampling's
+ * staging), kernels.cu, gemv.cu, attention.cu and sample.cu (the kernels, behind
+ * cuda_kernels.h).
  *
  * Ownership: the instance owns every device buffer it allocates (weights it converted,
  * workspace, graphs, the pinned staging and counter); buffers handed out by buf_alloc belong
@@ -143,6 +144,15 @@ struct tdm_cuda {
     } counters[TDM_CU_MAX_COUNTERS];
     int n_counters;
 
+    /* device sampling (cuda_sample.c): row parameters and penalty lists staged in pinned
+     * memory and copied in one transfer; results copied back in one */
+    void *h_samp, *d_samp;
+    size_t samp_cap;
+    void *h_sout, *d_sout;
+    size_t sout_cap;
+    void *d_sscratch; /* the kernel's exponentials and candidate keys */
+    size_t sscratch_cap;
+
     /* $TANDEM_CUDA_PROFILE=1: per-op event timing (cuda_backend.c) */
     bool prof;
     int prof_n;
@@ -161,6 +171,13 @@ static inline struct tdm_cuda *tdm_cu_of(tdm_backend_t *b)
 void tdm_cu_gemm(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const uint16_t *x, int n,
                  float *d);
 void tdm_cu_gemm_destroy(struct tdm_cuda *cu);
+/* The backend's `sample` hook (cuda_sample.c) and the buffers it owns. */
+tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int vocab,
+                              struct tdm_sample_row *rows);
+/* Stages room for max_rows rows (and 64 penalty entries a row) of a vocabulary up front
+ * (reserve). */
+tdm_status tdm_cu_sample_reserve(struct tdm_cuda *cu, int max_rows, int vocab);
+void tdm_cu_sample_free(struct tdm_cuda *cu);
 int tdm_cu_attention_rows_cap(int hd);
 
 #endif /* TANDEM_BACKEND_CUDA_INT_H */

@@ -79,6 +79,43 @@ struct tdm_cu_gemv_part {
 bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts, int n_parts, int k,
                  const uint16_t *x, int n, bool swiglu, uint16_t *out_bf16);
 
+/* Sampling (sample.cu): one block per logit row, the host sampler's choice for the same
+ * logits (sample.h). logits [n_rows][vocab] is overwritten (penalties); pens: each row's
+ * distinct seen tokens at [pen_off, pen_off + pen_n) (raw is written: the logit before the
+ * penalty); scratch: tdm_cu_sample_scratch_bytes(n_rows, vocab). Returns false for a vocabulary
+ * it cannot take (n_rows 0: only that check). */
+#define TDM_CU_SAMPLE_MAX_TOP   20
+#define TDM_CU_SAMPLE_MAX_VOCAB (1 << 18)
+struct tdm_cu_sample_row {
+    float temperature, top_p, min_p, repetition, presence, frequency;
+    int32_t top_k, n_top, pen_off, pen_n;
+    uint32_t position, pad;
+    uint64_t seed, request_id;
+};
+struct tdm_cu_sample_pen {
+    int32_t id;
+    uint32_t count, in_prompt;
+    float raw;
+};
+struct tdm_cu_sample_out {
+    int32_t token;
+    float logprob;
+    int32_t top_ids[TDM_CU_SAMPLE_MAX_TOP];
+    float top_lps[TDM_CU_SAMPLE_MAX_TOP];
+};
+bool tdm_cu_sample(cudaStream_t s, float *logits, int n_rows, int vocab,
+                   const struct tdm_cu_sample_row *rows, struct tdm_cu_sample_pen *pens,
+                   struct tdm_cu_sample_out *out, void *scratch);
+/* The sampling scratch: exponentials (4 bytes a token) then candidate keys (8 bytes a token). */
+static inline size_t tdm_cu_sample_scratch_keys_at(int n_rows, int vocab)
+{
+    return ((size_t)n_rows * (size_t)vocab * 4 + 255) & ~(size_t)255;
+}
+static inline size_t tdm_cu_sample_scratch_bytes(int n_rows, int vocab)
+{
+    return tdm_cu_sample_scratch_keys_at(n_rows, vocab) + (size_t)n_rows * (size_t)vocab * 8;
+}
+
 /* Stores value into *counter (a device alias of mapped pinned host memory) after all work
  * before it on the stream; works inside a CUDA graph. */
 void tdm_cu_store_counter(cudaStream_t s, int32_t *counter, int32_t value);

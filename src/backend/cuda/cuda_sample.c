@@ -1,0 +1,152 @@
+/*
+ * The CUDA backend's `sample` hook: packs each row's parameters and penalty list (the
+ * sampler's distinct seen tokens, with their output counts) into pinned memory, copies them
+ * in one transfer, runs the sampling kernel (sample.cu) over the logits where the LM head left
+ * them, and copies back only tokens and log-probabilities: 168 bytes a row instead of the
+ * vocabulary's 4 bytes a token.
+ *
+ * Ownership: the staging buffers belong to the instance; they grow (outside any capture:
+ * sampling is never recorded in a graph) when a step brings more rows or penalty entries than
+ * they hold, and are freed with it. Threading: the instance's driving thread.
+ */
+#include <string.h>
+
+#include "backend/cuda/cuda_int.h"
+
+_Static_assert(TDM_CU_SAMPLE_MAX_TOP == TDM_TOP_LOGPROBS_MAX, "top log-probabilities: one limit");
+
+/* Makes the device-only scratch hold `need` bytes. */
+static tdm_status scratch_grow(struct tdm_cuda *cu, size_t need)
+{
+    if (need <= cu->sscratch_cap) return TDM_OK;
+    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+    if (cu->d_sscratch) cudaFree(cu->d_sscratch);
+    cu->d_sscratch = NULL;
+    cu->sscratch_cap = 0;
+    if (cudaMalloc((void **)&cu->d_sscratch, need) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cu->d_sscratch = NULL;
+        return tdm_err_set(TDM_ENOMEM, "cuda backend: no %zu bytes of sampling scratch", need);
+    }
+    cu->sscratch_cap = need;
+    return TDM_OK;
+}
+
+/* Makes the staging pair (pinned host, device) hold `need` bytes. */
+static tdm_status stage_grow(struct tdm_cuda *cu, void **h, void **d, size_t *cap, size_t need)
+{
+    if (need <= *cap) return TDM_OK;
+    need = TDM_MAX(need, *cap * 2);
+    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+    if (*h) cudaFreeHost(*h);
+    if (*d) cudaFree(*d);
+    *h = *d = NULL;
+    *cap = 0;
+    if (cudaMallocHost(h, need) != cudaSuccess || cudaMalloc(d, need) != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (*h) cudaFreeHost(*h);
+        *h = NULL;
+        return tdm_err_set(TDM_ENOMEM, "cuda backend: cannot stage %zu bytes for sampling", need);
+    }
+    *cap = need;
+    return TDM_OK;
+}
+
+tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int vocab,
+                              struct tdm_sample_row *rows)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    if (vocab <= 0 || vocab > TDM_CU_SAMPLE_MAX_VOCAB)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "cuda backend: device sampling takes vocabularies of up to %d tokens, "
+                           "not %d",
+                           TDM_CU_SAMPLE_MAX_VOCAB, vocab);
+    if (n_rows <= 0) return TDM_OK;
+    if (cu->device != 0) cudaSetDevice(cu->device);
+
+    size_t n_pen = 0;
+    for (int i = 0; i < n_rows; i++)
+        if (rows[i].smp->seen) n_pen += (size_t)rows[i].smp->n_seen;
+    const size_t rows_bytes = (size_t)n_rows * sizeof(struct tdm_cu_sample_row);
+    const size_t pen_at = (rows_bytes + 63) & ~(size_t)63;
+    tdm_status st;
+    if ((st = stage_grow(cu, &cu->h_samp, &cu->d_samp, &cu->samp_cap,
+                         pen_at + n_pen * sizeof(struct tdm_cu_sample_pen))) != TDM_OK ||
+        (st = stage_grow(cu, &cu->h_sout, &cu->d_sout, &cu->sout_cap,
+                         (size_t)n_rows * sizeof(struct tdm_cu_sample_out))) != TDM_OK ||
+        (st = scratch_grow(cu, tdm_cu_sample_scratch_bytes(n_rows, vocab))) != TDM_OK)
+        return st;
+
+    struct tdm_cu_sample_row *hr = cu->h_samp;
+    struct tdm_cu_sample_pen *hp = (struct tdm_cu_sample_pen *)((char *)cu->h_samp + pen_at);
+    size_t off = 0;
+    for (int i = 0; i < n_rows; i++) {
+        const struct tdm_sampler *smp = rows[i].smp;
+        const struct tdm_sampling_params *p = &smp->params;
+        TDM_ASSERT(smp->vocab == vocab);
+        hr[i] = (struct tdm_cu_sample_row){
+            .temperature = p->temperature,
+            .top_p = p->top_p,
+            .min_p = p->min_p,
+            .repetition = p->repetition_penalty,
+            .presence = p->presence_penalty,
+            .frequency = p->frequency_penalty,
+            .top_k = p->top_k,
+            .n_top = TDM_MIN(rows[i].n_top, TDM_CU_SAMPLE_MAX_TOP),
+            .pen_off = (int32_t)off,
+            .pen_n = smp->seen ? smp->n_seen : 0,
+            .position = rows[i].position,
+            .seed = p->seed,
+            .request_id = smp->request_id,
+        };
+        for (int j = 0; smp->seen && j < smp->n_seen; j++) {
+            int32_t t = smp->seen[j];
+            hp[off++] = (struct tdm_cu_sample_pen){
+                .id = t, .count = smp->out_count[t], .in_prompt = smp->prompt_seen[t] != 0};
+        }
+    }
+    TDM_CU_CHECK(cudaMemcpyAsync(cu->d_samp, cu->h_samp,
+                                 pen_at + n_pen * sizeof(struct tdm_cu_sample_pen),
+                                 cudaMemcpyHostToDevice, cu->stream));
+    struct tdm_cu_sample_out *dout = cu->d_sout, *hout = cu->h_sout;
+    tdm_cu_sample(cu->stream, logits, n_rows, vocab, cu->d_samp,
+                  (struct tdm_cu_sample_pen *)((char *)cu->d_samp + pen_at), dout, cu->d_sscratch);
+    TDM_CU_CHECK(cudaGetLastError());
+    TDM_CU_CHECK(cudaMemcpyAsync(hout, dout, (size_t)n_rows * sizeof *hout, cudaMemcpyDeviceToHost,
+                                 cu->stream));
+    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+    for (int i = 0; i < n_rows; i++) {
+        rows[i].token = hout[i].token;
+        rows[i].logprob = hout[i].logprob;
+        int k = TDM_MIN(rows[i].n_top, TDM_CU_SAMPLE_MAX_TOP);
+        for (int j = 0; j < k; j++) {
+            rows[i].top_ids[j] = hout[i].top_ids[j];
+            rows[i].top_lps[j] = hout[i].top_lps[j];
+        }
+    }
+    return TDM_OK;
+}
+
+tdm_status tdm_cu_sample_reserve(struct tdm_cuda *cu, int max_rows, int vocab)
+{
+    if (vocab > 0 && vocab <= TDM_CU_SAMPLE_MAX_VOCAB) {
+        tdm_status st = scratch_grow(cu, tdm_cu_sample_scratch_bytes(max_rows, vocab));
+        if (st != TDM_OK) return st;
+    }
+    tdm_status st = stage_grow(cu, &cu->h_samp, &cu->d_samp, &cu->samp_cap,
+                               (size_t)max_rows * (sizeof(struct tdm_cu_sample_row) +
+                                                   64 * sizeof(struct tdm_cu_sample_pen)) +
+                                   64);
+    if (st != TDM_OK) return st;
+    return stage_grow(cu, &cu->h_sout, &cu->d_sout, &cu->sout_cap,
+                      (size_t)max_rows * sizeof(struct tdm_cu_sample_out));
+}
+
+void tdm_cu_sample_free(struct tdm_cuda *cu)
+{
+    if (cu->h_samp) cudaFreeHost(cu->h_samp);
+    if (cu->d_samp) cudaFree(cu->d_samp);
+    if (cu->h_sout) cudaFreeHost(cu->h_sout);
+    if (cu->d_sout) cudaFree(cu->d_sout);
+    if (cu->d_sscratch) cudaFree(cu->d_sscratch);
+}

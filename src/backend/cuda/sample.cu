@@ -1,0 +1,509 @@
+/*
+ * Sampling on the GPU: one 1,024-thread block per logit row, choosing the token that the host
+ * sampler (src/sample/sampler.c) chooses for the same logits.
+ *
+ * What must match the host, and how:
+ *   - the draw: the same Philox4x32-10 counter RNG keyed on (seed, request id, position);
+ *   - the order of candidates: (probability descending, id ascending) when top-k or top-p cut
+ *     by rank, id order otherwise;
+ *   - the arithmetic of each value: penalties, (logit - max) * (1 / T), the exponential and the
+ *     normalisation are the same float operations (no contraction into FMAs; the exponential
+ *     is computed in double and rounded, within an ulp of glibc's expf).
+ * The host sorts candidates; here nothing is sorted. Every cut (the k-th candidate, the first
+ * whose cumulative mass reaches top_p, the one where the cumulative mass passes the uniform
+ * draw) is "the smallest key K whose prefix weight reaches a target", found by an MSD radix
+ * select on a 50-bit key (32 bits of the value, order-preserving, then 18 bits of id): seven
+ * passes of 8-bit digits, each a histogram of the candidates that share the digits found so
+ * far. Masses are fixed point (2^-62 units) so that the histograms' atomic sums do not depend
+ * on the order the atomics land: the block gives the same answer every time. Before the
+ * selects, a threshold (the host's trick: lowered until the candidates above it hold top_k of
+ * them and top_p of the mass) keeps only the candidates that can
+ * matter (p_max / 8, lowered 8x at a time), and their keys are gathered into scratch memory,
+ * so that a select's pass is one histogram of those few keys; lanes of a warp that fall in one
+ * bin add up before one atomic. The top log-probabilities use the same select on the raw
+ * logits' keys (candidates within 0.25, 0.5, 1, ... of the largest logit).
+ *
+ * Differences from the host are in the last bits of sums (parallel order, fixed point): a token
+ * differs only when the draw lands within ~1e-7 of a boundary between two candidates.
+ *
+ * Threading: one block per row, rows independent; enqueued on the caller's stream.
+ */
+#include <cfloat>
+#include <cstdint>
+
+#include "backend/cuda/cuda_kernels.h"
+
+namespace
+{
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kHists = 16; /* histograms per block: each shared by two warps */
+constexpr int kIdBits = 18;
+constexpr int kTopShift = 48; /* the top digit of a 50-bit key */
+constexpr uint64_t kNone = ~0ull;
+constexpr double kFix = 4611686018427387904.0; /* 2^62: probability 1 in fixed point */
+
+struct Smem {
+    unsigned long long hist[kHists][256];
+    unsigned long long col[256];
+    double dred[kWarps];
+    float fred[kWarps];
+    int ired[kWarps];
+    unsigned long long ured[kWarps];
+    int sel_found, sel_digit;
+    unsigned long long sel_below;
+    int n_top, n_c;
+    unsigned long long top_keys[TDM_CU_SAMPLE_MAX_TOP];
+    int chosen;
+    float raw_chosen;
+};
+
+__device__ __forceinline__ uint32_t ord_f32(float f)
+{
+    uint32_t b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+/* ascending key = descending value, then ascending id */
+__device__ __forceinline__ uint64_t key_desc(float v, int id)
+{
+    return ((uint64_t)(~ord_f32(v)) << kIdBits) | (uint64_t)id;
+}
+__device__ __forceinline__ float key_value(uint64_t k)
+{
+    uint32_t o = ~(uint32_t)(k >> kIdBits);
+    uint32_t b = (o & 0x80000000u) ? (o & 0x7fffffffu) : ~o;
+    return __uint_as_float(b);
+}
+__device__ __forceinline__ int key_id(uint64_t k)
+{
+    return (int)(k & ((1u << kIdBits) - 1));
+}
+__device__ __forceinline__ unsigned long long fix(float p)
+{
+    return (unsigned long long)((double)p * kFix);
+}
+
+/* Philox4x32-10 and the uniform double of tdm_rng_uniform (src/core/util.c). */
+__device__ double rng_uniform(uint64_t seed, uint64_t rid, uint32_t pos, uint32_t draw)
+{
+    const uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+    uint32_t c0 = pos, c1 = draw, c2 = (uint32_t)rid, c3 = (uint32_t)(rid >> 32);
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (int r = 0; r < 10; r++) {
+        uint64_t p0 = (uint64_t)M0 * c0, p1 = (uint64_t)M1 * c2;
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n1 = (uint32_t)p1;
+        uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1, n3 = (uint32_t)p0;
+        c0 = n0, c1 = n1, c2 = n2, c3 = n3;
+        k0 += W0, k1 += W1;
+    }
+    uint64_t bits = ((uint64_t)c0 << 32 | c1) >> 11;
+    return (double)bits * (1.0 / 9007199254740992.0);
+}
+
+/* ---- block reductions in a fixed order (the same result every run) ---- */
+/* The block's sum of v; red: kWarps slots of shared memory. */
+template <class T> __device__ T block_sum(T v, T *red)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_down_sync(0xffffffffu, v, o);
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) red[w] = v;
+    __syncthreads();
+    T t = 0;
+    for (int i = 0; i < kWarps; i++)
+        t += red[i];
+    return t;
+}
+__device__ double block_sum_d(double v, Smem &sm)
+{
+    return block_sum(v, sm.dred);
+}
+__device__ unsigned long long block_sum_u(unsigned long long v, Smem &sm)
+{
+    return block_sum(v, sm.ured);
+}
+/* The largest value and its lowest id (ties: lowest id), as tdm_argmax. */
+__device__ void block_argmax(float v, int id, Smem &sm, float *out_v, int *out_id)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        float v2 = __shfl_down_sync(0xffffffffu, v, o);
+        int i2 = __shfl_down_sync(0xffffffffu, id, o);
+        if (v2 > v || (v2 == v && i2 < id)) v = v2, id = i2;
+    }
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) sm.fred[w] = v, sm.ired[w] = id;
+    __syncthreads();
+    float bv = sm.fred[0];
+    int bi = sm.ired[0];
+    for (int i = 1; i < kWarps; i++)
+        if (sm.fred[i] > bv || (sm.fred[i] == bv && sm.ired[i] < bi))
+            bv = sm.fred[i], bi = sm.ired[i];
+    *out_v = bv;
+    *out_id = bi;
+}
+
+/*
+ * The smallest key K among the candidates such that the weights of the candidates with key <= K
+ * sum to at least `target`; kNone when all of them sum to less. cand(i, &key, &w), i < n, says
+ * whether entry i is a candidate and gives its key (< 2^56) and weight (< 2^63).
+ */
+template <class F> __device__ uint64_t radix_select(int n, F cand, uint64_t target, Smem &sm)
+{
+    uint64_t prefix = 0, below = 0;
+    unsigned long long *h = sm.hist[(threadIdx.x >> 5) % kHists];
+    for (int shift = kTopShift; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < kHists * 256; i += kThreads)
+            (&sm.hist[0][0])[i] = 0;
+        __syncthreads();
+        const int hi = shift + 8, lane = threadIdx.x & 31;
+        /* Lanes of a warp that fall in one bin add their weights together and one of them does
+         * the atomic: in the early passes most candidates share a few bins (probabilities of
+         * a few binades), and one atomic each on one address would serialise the block. The
+         * group sum runs in three 21-bit pieces, each of which 32 lanes cannot overflow. */
+        for (int base = threadIdx.x - lane; base < n; base += kThreads) {
+            const int i = base + lane;
+            uint64_t k = 0;
+            unsigned long long w = 0;
+            int bin = -1;
+            if (i < n && cand(i, k, w) && (k >> hi) == (prefix >> hi))
+                bin = (int)((k >> shift) & 255);
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (bin >= 0) {
+                unsigned c0 = __reduce_add_sync(peers, (unsigned)(w & 0x1fffff));
+                unsigned c1 = __reduce_add_sync(peers, (unsigned)((w >> 21) & 0x1fffff));
+                unsigned c2 = __reduce_add_sync(peers, (unsigned)(w >> 42));
+                if (lane == __ffs(peers) - 1)
+                    atomicAdd(&h[bin], (unsigned long long)c0 + ((unsigned long long)c1 << 21) +
+                                           ((unsigned long long)c2 << 42));
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 256) {
+            unsigned long long s = 0;
+            for (int j = 0; j < kHists; j++)
+                s += sm.hist[j][threadIdx.x];
+            sm.col[threadIdx.x] = s;
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            const int l = threadIdx.x;
+            unsigned long long v[8], s = 0;
+            for (int j = 0; j < 8; j++)
+                s += (v[j] = sm.col[8 * l + j]);
+            unsigned long long inc = s;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned long long t = __shfl_up_sync(0xffffffffu, inc, o);
+                if (l >= o) inc += t;
+            }
+            unsigned m = __ballot_sync(0xffffffffu, below + inc >= target);
+            if (m == 0) {
+                if (l == 0) sm.sel_found = 0;
+            } else if (l == __ffs(m) - 1) {
+                unsigned long long c = below + inc - s;
+                int d = 7;
+                for (int j = 0; j < 8; j++) {
+                    if (c + v[j] >= target) {
+                        d = j;
+                        break;
+                    }
+                    c += v[j];
+                }
+                sm.sel_found = 1;
+                sm.sel_digit = 8 * l + d;
+                sm.sel_below = c;
+            }
+        }
+        __syncthreads();
+        if (!sm.sel_found) return kNone;
+        prefix |= (uint64_t)sm.sel_digit << shift;
+        below = sm.sel_below;
+        __syncthreads();
+    }
+    return prefix;
+}
+
+/*
+ * Gathers the keys of the candidates (key_of(i, &k) true) into keys[] and returns their number;
+ * a warp reserves room for its candidates with one atomic. Order does not matter: every later
+ * use is an integer sum or a min.
+ */
+template <class F> __device__ int compact(int vocab, F key_of, unsigned long long *keys, Smem &sm)
+{
+    __syncthreads();
+    if (threadIdx.x == 0) sm.n_c = 0;
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    for (int base = threadIdx.x - lane; base < vocab; base += kThreads) {
+        const int i = base + lane;
+        uint64_t k = 0;
+        const bool ok = i < vocab && key_of(i, k);
+        const unsigned b = __ballot_sync(0xffffffffu, ok);
+        int at = 0;
+        if (lane == 0 && b) at = atomicAdd(&sm.n_c, __popc(b));
+        at = __shfl_sync(0xffffffffu, at, 0);
+        if (ok) keys[at + __popc(b & ((1u << lane) - 1))] = k;
+    }
+    __syncthreads();
+    return sm.n_c;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    sample_kernel(float *logits, int vocab, const tdm_cu_sample_row *rows, tdm_cu_sample_pen *pens,
+                  tdm_cu_sample_out *outs, float *escratch, unsigned long long *kscratch)
+{
+    __shared__ Smem sm;
+    unsigned long long *ckeys = kscratch + (size_t)blockIdx.x * vocab;
+    const tdm_cu_sample_row p = rows[blockIdx.x];
+    float *lg = logits + (size_t)blockIdx.x * vocab;
+    tdm_cu_sample_out *out = outs + blockIdx.x;
+    const int tid = threadIdx.x;
+
+    /* 1. the raw log-sum-exp (log-probabilities are reported under the raw logits) */
+    float mx;
+    int amx;
+    {
+        float v = -INFINITY;
+        int id = 0x7fffffff;
+        for (int i = tid; i < vocab; i += kThreads)
+            if (lg[i] > v || (lg[i] == v && i < id)) v = lg[i], id = i;
+        block_argmax(v, id, sm, &mx, &amx);
+    }
+    double raw_lse = 0.0;
+    if (p.n_top >= 0) {
+        double s = 0.0;
+        for (int i = tid; i < vocab; i += kThreads)
+            s += exp((double)lg[i] - (double)mx);
+        raw_lse = (double)mx + log(block_sum_d(s, sm));
+    }
+
+    /* 2. the top log-probabilities: the n_top smallest keys of (raw logit desc, id asc) */
+    const int n_top = min(p.n_top, min(vocab, TDM_CU_SAMPLE_MAX_TOP));
+    if (n_top > 0) {
+        /* candidates: logits within d of the max, d doubling until there are n_top of them */
+        float lo = -INFINITY;
+        for (float d = 0.25f; d < 1e4f; d *= 2.0f) {
+            float t = mx - d;
+            unsigned long long c = 0;
+            for (int i = tid; i < vocab; i += kThreads)
+                c += lg[i] >= t;
+            if (block_sum_u(c, sm) >= (unsigned long long)n_top) {
+                lo = t;
+                break;
+            }
+        }
+        auto key_of = [&](int i, uint64_t &k) {
+            float v = lg[i];
+            if (!(v >= lo)) return false;
+            k = key_desc(v, i);
+            return true;
+        };
+        const int n_c = compact(vocab, key_of, ckeys, sm);
+        const uint64_t kth = radix_select(
+            n_c,
+            [&](int j, uint64_t &k, unsigned long long &w) {
+                k = ckeys[j];
+                w = 1;
+                return true;
+            },
+            (uint64_t)n_top, sm);
+        if (tid == 0) sm.n_top = 0;
+        __syncthreads();
+        for (int j = tid; j < n_c; j += kThreads) {
+            const uint64_t k = ckeys[j];
+            if (k <= kth) {
+                int slot = atomicAdd(&sm.n_top, 1);
+                if (slot < TDM_CU_SAMPLE_MAX_TOP) sm.top_keys[slot] = k;
+            }
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int n = min(sm.n_top, n_top);
+            for (int a = 1; a < n; a++) /* insertion sort of at most 20 keys */
+                for (int b = a; b > 0 && sm.top_keys[b] < sm.top_keys[b - 1]; b--) {
+                    unsigned long long t = sm.top_keys[b];
+                    sm.top_keys[b] = sm.top_keys[b - 1];
+                    sm.top_keys[b - 1] = t;
+                }
+            for (int a = 0; a < n; a++) {
+                out->top_ids[a] = key_id(sm.top_keys[a]);
+                out->top_lps[a] = (float)((double)key_value(sm.top_keys[a]) - raw_lse);
+            }
+        }
+        __syncthreads();
+    }
+
+    /* 3. penalties, in place; each listed token's raw logit is kept for its logprob */
+    const bool penalised = p.pen_n > 0;
+    if (penalised) {
+        for (int j = tid; j < p.pen_n; j += kThreads) {
+            tdm_cu_sample_pen &e = pens[p.pen_off + j];
+            float l = lg[e.id];
+            e.raw = l;
+            if (p.repetition != 1.0f && (e.count || e.in_prompt))
+                l = l > 0 ? __fdiv_rn(l, p.repetition) : __fmul_rn(l, p.repetition);
+            if (e.count)
+                l = __fsub_rn(l, __fadd_rn(p.presence, __fmul_rn(p.frequency, (float)e.count)));
+            lg[e.id] = l;
+        }
+        __syncthreads();
+        float v = -INFINITY;
+        int id = 0x7fffffff;
+        for (int i = tid; i < vocab; i += kThreads)
+            if (lg[i] > v || (lg[i] == v && i < id)) v = lg[i], id = i;
+        block_argmax(v, id, sm, &mx, &amx);
+    }
+
+    int chosen = amx; /* greedy: the lowest id among the largest */
+    if (!(p.temperature == 0.0f || p.top_k == 1)) {
+        /* 4. softmax at the temperature, as the host: e = exp((l - max) * (1 / T)) */
+        const float inv_t = __fdiv_rn(1.0f, p.temperature);
+        const float m = mx;
+        /* each exponential once (in double: the costly part), kept for every later pass */
+        float *ebuf = escratch + (size_t)blockIdx.x * vocab;
+        double s = 0.0;
+        for (int i = tid; i < vocab; i += kThreads) {
+            float e = (float)exp((double)__fmul_rn(__fsub_rn(lg[i], m), inv_t));
+            ebuf[i] = e;
+            s += e;
+        }
+        const float inv_sum = (float)(1.0 / block_sum_d(s, sm));
+        auto prob = [&](int i) { return __fmul_rn(ebuf[i], inv_sum); };
+        const float pmax = inv_sum; /* exp(0) * inv_sum: the largest probability */
+        const float floor_p = __fmul_rn(p.min_p, pmax);
+        const double u = rng_uniform(p.seed, p.request_id, p.position, 0);
+
+        if (p.top_k == 0 && p.top_p >= 1.0f) {
+            /* 5a. no cut by rank: candidates in id order, p >= min_p * p_max and p > 0. Each
+             * thread owns a run of ids; an exclusive scan of the runs' masses finds the run
+             * where the cumulative mass passes the draw. */
+            const int per = (vocab + kThreads - 1) / kThreads;
+            const int i0 = min(vocab, tid * per), i1 = min(vocab, i0 + per);
+            unsigned long long mine = 0;
+            for (int i = i0; i < i1; i++) {
+                float q = prob(i);
+                if (q >= floor_p && q > 0.0f) mine += fix(q);
+            }
+            /* exclusive scan over the block, warp by warp */
+            unsigned long long inc = mine;
+            const int l = tid & 31, w = tid >> 5;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned long long t = __shfl_up_sync(0xffffffffu, inc, o);
+                if (l >= o) inc += t;
+            }
+            __syncthreads();
+            if (l == 31) sm.ured[w] = inc;
+            if (tid == 0) sm.chosen = -1;
+            __syncthreads();
+            unsigned long long base = 0, total = 0;
+            for (int i = 0; i < kWarps; i++) {
+                if (i < w) base += sm.ured[i];
+                total += sm.ured[i];
+            }
+            const unsigned long long exc = base + inc - mine;
+            unsigned long long target = (unsigned long long)(u * (double)total);
+            if (total > 0 && target >= total) target = total - 1;
+            if (mine > 0 && exc <= target && target < exc + mine) {
+                unsigned long long c = exc;
+                for (int i = i0; i < i1; i++) {
+                    float q = prob(i);
+                    if (!(q >= floor_p && q > 0.0f)) continue;
+                    c += fix(q);
+                    if (c > target) {
+                        sm.chosen = i;
+                        break;
+                    }
+                }
+            }
+            __syncthreads();
+            if (sm.chosen >= 0) chosen = sm.chosen;
+        } else {
+            /* 5b. cut by rank. A threshold whose candidates provably hold the top_k and the
+             * nucleus (the host's loop), then the cuts as radix selects over those. */
+            float t = pmax / 8.0f;
+            const unsigned long long P =
+                p.top_p < 1.0f ? (unsigned long long)ceil((double)p.top_p * kFix) : 0;
+            for (;; t /= 8.0f) {
+                unsigned long long n = 0, mass = 0;
+                for (int i = tid; i < vocab; i += kThreads) {
+                    float q = prob(i);
+                    if (q >= t) n++, mass += fix(q);
+                }
+                n = block_sum_u(n, sm);
+                mass = block_sum_u(mass, sm);
+                bool k_ok = p.top_k == 0 || n >= (unsigned long long)p.top_k;
+                bool p_ok = p.top_p >= 1.0f || mass >= P;
+                if ((k_ok && p_ok) || n == (unsigned long long)vocab || t == 0.0f) break;
+            }
+            const float lo = fmaxf(t, floor_p);
+            uint64_t cut = kNone;
+            /* the candidates' keys, gathered (the threshold keeps them to the head of the
+             * distribution; a key holds its probability, so weights need no lookup) */
+            auto key_of = [&](int i, uint64_t &k) {
+                float q = prob(i);
+                if (!(q >= lo)) return false;
+                k = key_desc(q, i);
+                return true;
+            };
+            const int n = compact(vocab, key_of, ckeys, sm);
+            auto cand_n = [&](int j, uint64_t &k, unsigned long long &w) {
+                k = ckeys[j];
+                w = 1;
+                return k <= cut;
+            };
+            auto cand_w = [&](int j, uint64_t &k, unsigned long long &w) {
+                k = ckeys[j];
+                w = fix(key_value(k));
+                return k <= cut;
+            };
+            if (p.top_k > 0) cut = radix_select(n, cand_n, (uint64_t)p.top_k, sm);
+            if (p.top_p < 1.0f) {
+                uint64_t kp = radix_select(n, cand_w, P, sm);
+                if (kp != kNone) cut = kp;
+            }
+            unsigned long long total = 0;
+            for (int i = tid; i < n; i += kThreads) {
+                uint64_t k;
+                unsigned long long w;
+                if (cand_w(i, k, w)) total += w;
+            }
+            total = block_sum_u(total, sm);
+            if (total > 0) {
+                unsigned long long target = (unsigned long long)(u * (double)total);
+                if (target >= total) target = total - 1;
+                uint64_t kd = radix_select(n, cand_w, target + 1, sm);
+                if (kd != kNone) chosen = key_id(kd);
+            }
+        }
+    }
+
+    /* 6. the chosen token's log-probability under the raw logits */
+    if (tid == 0) {
+        out->token = chosen;
+        sm.raw_chosen = lg[chosen];
+    }
+    __syncthreads();
+    if (penalised)
+        for (int j = tid; j < p.pen_n; j += kThreads)
+            if (pens[p.pen_off + j].id == chosen) sm.raw_chosen = pens[p.pen_off + j].raw;
+    __syncthreads();
+    if (tid == 0) out->logprob = p.n_top >= 0 ? (float)((double)sm.raw_chosen - raw_lse) : 0.0f;
+}
+
+} // namespace
+
+extern "C" bool tdm_cu_sample(cudaStream_t s, float *logits, int n_rows, int vocab,
+                              const struct tdm_cu_sample_row *rows, struct tdm_cu_sample_pen *pens,
+                              struct tdm_cu_sample_out *out, void *scratch)
+{
+    if (vocab <= 0 || vocab > TDM_CU_SAMPLE_MAX_VOCAB) return false;
+    if (n_rows <= 0) return true;
+    /* scratch: the exponentials [n_rows][vocab] floats, then the keys [n_rows][vocab] */
+    float *e = (float *)scratch;
+    unsigned long long *k =
+        (unsigned long long *)((char *)scratch + tdm_cu_sample_scratch_keys_at(n_rows, vocab));
+    sample_kernel<<<n_rows, kThreads, 0, s>>>(logits, vocab, rows, pens, out, e, k);
+    return true;
+}
