@@ -3,11 +3,12 @@
 # NVIDIA GPU (Hopper, sm_90a):
 #   1. tests/backend_cuda/test_cuda_ops     every CUDA op against the CPU backend
 #   2. tests/backend_cuda/test_cuda_engine  engine logits CUDA vs CPU, graphs vs op by op
+#   2b. tests/backend_cuda/test_cuda_sample sampling on the GPU vs the host sampler
 #   3. compute-sanitizer memcheck on the op test (on a second GPU when there is one, alongside)
 #   4. tandem bench model --backend cuda    for the llama-3.1-8b and llama-3.2-1b shapes
 #   5. with TANDEM_GPU_TEST_MODEL=PATH: greedy `tandem generate` on CPU and GPU, 8 prompts
 # Usage: scripts/gpu_test.sh [PREBUILT_DIR]
-#   PREBUILT_DIR holds bin/ (tandem, test_cuda_ops, test_cuda_engine) and lib/ (shared libraries
+#   PREBUILT_DIR holds bin/ (tandem, test_cuda_ops, test_cuda_engine, test_cuda_sample) and lib/ (shared libraries
 #   the binaries need that the GPU machine lacks), for machines without the build dependencies;
 #   without it the script builds into build-gpu/ with CMake.
 # Logs go to $OUT (or ./gpu-test-logs); the summary is printed last. Exit status: 0 when all
@@ -22,6 +23,7 @@ if [ $# -ge 1 ]; then
     TANDEM=$BIN/tandem
     OPS=$BIN/test_cuda_ops
     ENG=$BIN/test_cuda_engine
+    SMP=$BIN/test_cuda_sample
 else
     cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -G Ninja >"$LOGS/cmake.log" 2>&1 &&
         cmake --build build-gpu >>"$LOGS/cmake.log" 2>&1 || {
@@ -31,6 +33,7 @@ else
     TANDEM=build-gpu/tandem
     OPS=build-gpu/tests/test_cuda_ops
     ENG=build-gpu/tests/test_cuda_engine
+    SMP=build-gpu/tests/test_cuda_sample
 fi
 nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
     >"$LOGS/gpus.txt" 2>&1
@@ -53,13 +56,13 @@ else
     echo 127 >"$LOGS/memcheck.rc"
 fi
 
-for t in "$OPS" "$ENG"; do
+for t in "$OPS" "$ENG" "$SMP"; do
     name=$(basename "$t")
     CUDA_VISIBLE_DEVICES=0 timeout 400 "$t" >"$LOGS/$name.log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && status=1
     summary+="$name: rc=$rc $(grep -E 'PASSED|FAILED' "$LOGS/$name.log" | tr '\n' ' ')"$'\n'
-    grep -E "^cpu vs|^cuda op|SKIP" "$LOGS/$name.log" | head -20
+    grep -E "^cpu vs|^cuda op|^gpu vs|^sampling time|SKIP" "$LOGS/$name.log" | head -30
 done
 
 for shape in llama-3.1-8b llama-3.2-1b; do
