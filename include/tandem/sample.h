@@ -8,6 +8,10 @@
  * descending, then token id ascending), so a given seed gives the same token wherever and
  * however the request is batched.
  *
+ * A backend may sample where its logits are (backend.h `sample`; the CUDA backend does): it must
+ * choose the same token as this file for the same logits, and tests/backend_cuda/
+ * test_cuda_sample.c checks the CUDA kernel against it row by row.
+ *
  * Text streaming: tdm_text_stream holds back bytes that could still become a stop string, or
  * that end inside a UTF-8 sequence, and reports a stop string's match.
  *
