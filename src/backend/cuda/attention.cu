@@ -24,6 +24,7 @@
  * Numerics: fp32 throughout; q is pre-multiplied by the softmax scale; expf is the precise one.
  */
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
 #include <math.h>
@@ -54,6 +55,7 @@ __device__ __forceinline__ uint16_t to_bf16(float f)
 
 template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_kernel(attn_args a)
 {
+    tdm_pdl_wait();
     constexpr int HDP = 32 * NJ;
     constexpr int ROWS = WARPS * RPW;
     extern __shared__ float sm[];
@@ -262,6 +264,7 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t &r0, uint32_t &r1, const 
 
 template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
 {
+    tdm_pdl_wait();
     constexpr int BN = 64, KS = D + 8;
     __shared__ __align__(16) uint16_t Ks[BN * KS];
     __shared__ __align__(16) uint16_t Vs[BN * KS];
@@ -431,6 +434,7 @@ template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(
 __global__ void combine_kernel(const float *part, int n_splits, int n_tokens, int n_heads, int hd,
                                float *out, uint16_t *out_bf16)
 {
+    tdm_pdl_wait();
     __shared__ float ws[64], inv_s;
     const int th = blockIdx.x; /* token * n_heads + head */
     const size_t stride = (size_t)n_tokens * n_heads * (hd + 2);
@@ -492,7 +496,7 @@ template <int NJ, int RPW> bool launch(cudaStream_t s, const attn_args &a, int n
         attr_set = true;
     }
     dim3 grid(n_tiles, a.nkv, a.n_splits);
-    attn_kernel<NJ, RPW><<<grid, WARPS * 32, smem, s>>>(a);
+    tdm_pdl_launch(attn_kernel<NJ, RPW>, grid, WARPS * 32, smem, s, a);
     return true;
 }
 
@@ -556,9 +560,9 @@ extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, in
     if (mma && n_splits == 1) {
         dim3 grid(st->n_tiles, n_kv_heads);
         if (hd == 64)
-            attn_mma_kernel<64><<<grid, MWARPS * 32, 0, s>>>(a);
+            tdm_pdl_launch(attn_mma_kernel<64>, grid, MWARPS * 32, 0, s, a);
         else
-            attn_mma_kernel<128><<<grid, MWARPS * 32, 0, s>>>(a);
+            tdm_pdl_launch(attn_mma_kernel<128>, grid, MWARPS * 32, 0, s, a);
         return true;
     }
     if (nj <= 1)
@@ -573,8 +577,8 @@ extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, in
         ok = launch_rpw<16>(s, a, st->n_tiles, rpw);
     if (!ok) return false;
     if (n_splits > 1)
-        combine_kernel<<<st->n_tokens * n_heads, 128, 0, s>>>(part, n_splits, st->n_tokens, n_heads,
-                                                              hd, out, out_bf16);
+        tdm_pdl_launch(combine_kernel, st->n_tokens * n_heads, 128, 0, s, part, n_splits,
+                       st->n_tokens, n_heads, hd, out, out_bf16);
     return true;
 }
 

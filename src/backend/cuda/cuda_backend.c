@@ -363,7 +363,8 @@ static const struct tdm_cu_step *dev_step(struct tdm_cuda *cu, const struct tdm_
     return &cu->dstep;
 }
 
-/* ---- profiling ($TANDEM_CUDA_PROFILE=1: op-by-op, each op timed with events) ---- */
+/* ---- profiling ($TANDEM_CUDA_PROFILE=1: op-by-op, each op timed with events;
+ * $TANDEM_CUDA_PROFILE_MAX_TOKENS=N: only ops of steps of at most N tokens) ---- */
 
 static const char *const PROF_NAMES[TDM_CU_PROF_N] = {
     "embed",         "rmsnorm",      "matmul",  "matmul_multi (qkv)",
@@ -373,6 +374,8 @@ static const char *const PROF_NAMES[TDM_CU_PROF_N] = {
 static void prof_begin(struct tdm_cuda *cu, int cat)
 {
     if (!cu->prof || cu->prof_n >= TDM_CU_PROF_EVENTS) return;
+    cu->prof_on = !cu->cur_st || cu->cur_st->n_tokens <= cu->prof_max_tokens;
+    if (!cu->prof_on) return;
     if (!cu->prof_ev[0]) {
         for (int i = 0; i < 2 * TDM_CU_PROF_EVENTS; i++)
             TDM_CU_CHECK(cudaEventCreate(&cu->prof_ev[i]));
@@ -383,7 +386,7 @@ static void prof_begin(struct tdm_cuda *cu, int cat)
 
 static void prof_end(struct tdm_cuda *cu)
 {
-    if (!cu->prof || cu->prof_n >= TDM_CU_PROF_EVENTS) return;
+    if (!cu->prof || !cu->prof_on || cu->prof_n >= TDM_CU_PROF_EVENTS) return;
     TDM_CU_CHECK(cudaEventRecord(cu->prof_ev[2 * cu->prof_n + 1], cu->stream));
     cu->prof_n++;
 }
@@ -1071,6 +1074,9 @@ tdm_status tdm_backend_cuda_create(const struct tdm_backend_cuda_opts *opts, tdm
     cu->device = o.device;
     cu->mem_fraction = o.gpu_memory_fraction > 0 ? o.gpu_memory_fraction : 0.9;
     cu->prof = getenv("TANDEM_CUDA_PROFILE") && *getenv("TANDEM_CUDA_PROFILE") == '1';
+    /* $TANDEM_CUDA_PROFILE_MAX_TOKENS=N: only steps of at most N tokens (decode alone) */
+    const char *pmt = getenv("TANDEM_CUDA_PROFILE_MAX_TOKENS");
+    cu->prof_max_tokens = pmt && atoi(pmt) > 0 ? atoi(pmt) : INT32_MAX;
     cu->graphs_enabled = !o.no_graphs && !getenv("TANDEM_CUDA_NO_GRAPHS") && !cu->prof;
     CREATE_CHECK(cudaSetDevice(o.device), "set device");
     struct cudaDeviceProp prop;

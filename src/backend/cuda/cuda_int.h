@@ -154,7 +154,8 @@ struct tdm_cuda {
     size_t sscratch_cap;
 
     /* $TANDEM_CUDA_PROFILE=1: per-op event timing (cuda_backend.c) */
-    bool prof;
+    bool prof, prof_on;
+    int prof_max_tokens;
     int prof_n;
     int prof_cat[TDM_CU_PROF_EVENTS];
     cudaEvent_t prof_ev[2 * TDM_CU_PROF_EVENTS];

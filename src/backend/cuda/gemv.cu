@@ -12,6 +12,7 @@
  * order, then the 32 lanes fold by xor-shuffle. Nothing depends on n or on the other rows.
  */
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
 #include <stdlib.h>
@@ -48,6 +49,8 @@ constexpr int UNROLL = 8;
 
 template <int N, bool SWIGLU> __global__ void __launch_bounds__(256) gemv_kernel(gemv_args a)
 {
+    /* programmatic launch (pdl.cuh): the first weight loads go out before the wait for the
+     * kernel that produced x (see the main loop) */
     const int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     const int lane = threadIdx.x % 32;
     if (row >= a.row_start[a.n_parts]) return;
@@ -64,12 +67,17 @@ template <int N, bool SWIGLU> __global__ void __launch_bounds__(256) gemv_kernel
     for (int j = 0; j < N; j++)
         acc[j] = acc2[j] = 0.0f;
     int c = lane;
+    bool waited = false;
     for (; c + 32 * (UNROLL - 1) < k8; c += 32 * UNROLL) {
         uint4 wv[UNROLL], wv2[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             wv[u] = __ldg(w + c + 32 * u);
             if (SWIGLU) wv2[u] = __ldg(w2 + c + 32 * u);
+        }
+        if (!waited) {
+            tdm_pdl_wait();
+            waited = true;
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; u++)
@@ -80,6 +88,7 @@ template <int N, bool SWIGLU> __global__ void __launch_bounds__(256) gemv_kernel
                 if (SWIGLU) dot8(wv2[u], xv, acc2[j]);
             }
     }
+    if (!waited) tdm_pdl_wait();
     for (; c < k8; c += 32) {
         const uint4 wv = __ldg(w + c);
         uint4 wv2;
@@ -134,6 +143,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
 template <int NT, bool SWIGLU>
 __global__ void __launch_bounds__(256) gemv_mma_kernel(gemv_args a, int n)
 {
+    tdm_pdl_wait();
     constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1); /* accumulator values per lane */
     __shared__ float red[8][NV][32];
     const int row0 = blockIdx.x * 16; /* the block's 16 rows; its 8 warps split k */
@@ -223,7 +233,7 @@ template <bool SW> void launch(cudaStream_t s, const gemv_args &a, int n, unsign
     switch (n) {
 #define CASE(N)                                                                                    \
     case N:                                                                                        \
-        gemv_kernel<N, SW><<<blocks, 256, 0, s>>>(a);                                              \
+        tdm_pdl_launch(gemv_kernel<N, SW>, blocks, 256, 0, s, a);                                  \
         break;
         CASE(1)
         CASE(2)
@@ -274,9 +284,9 @@ extern "C" bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts
     if (mma && !getenv_flag("TANDEM_CUDA_GEMV_SIMT")) {
         const unsigned blocks = (unsigned)(a.row_start[a.n_parts] / 16);
         if (swiglu)
-            gemv_mma_kernel<1, true><<<blocks, 256, 0, s>>>(a, n);
+            tdm_pdl_launch(gemv_mma_kernel<1, true>, blocks, 256, 0, s, a, n);
         else
-            gemv_mma_kernel<1, false><<<blocks, 256, 0, s>>>(a, n);
+            tdm_pdl_launch(gemv_mma_kernel<1, false>, blocks, 256, 0, s, a, n);
         return true;
     }
     if (n > 8) return false;

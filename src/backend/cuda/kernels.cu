@@ -16,6 +16,7 @@
  * one block (or one warp), so results do not depend on the batch.
  */
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
 
@@ -42,6 +43,7 @@ unsigned grid_for(size_t n, unsigned block)
 __global__ void embed_kernel(const uint16_t *emb, int64_t cols, const int32_t *tokens, float *out,
                              uint16_t *out_bf16)
 {
+    tdm_pdl_wait();
     const int i = blockIdx.x;
     const uint16_t *row = emb + (size_t)tokens[i] * cols;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -72,6 +74,7 @@ template <int BLOCK>
 __global__ void rmsnorm_kernel(float *res, const float *add, const float *w, float eps, int dim,
                                float *out, uint16_t *out_bf16)
 {
+    tdm_pdl_wait();
     const size_t off = (size_t)blockIdx.x * dim;
     float *r = res + off;
     double ss = 0;
@@ -94,6 +97,7 @@ __global__ void rmsnorm_kernel(float *res, const float *add, const float *w, flo
 
 __global__ void f32_to_bf16_kernel(const float *x, size_t n, uint16_t *out, bool vec)
 {
+    tdm_pdl_wait();
     const size_t n4 = vec ? n / 4 : 0;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n4;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -112,6 +116,7 @@ __global__ void f32_to_bf16_kernel(const float *x, size_t n, uint16_t *out, bool
 
 __global__ void add_bias_kernel(float *out, const float *bias, size_t n, int rows)
 {
+    tdm_pdl_wait();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         out[i] += bias[i % rows];
@@ -120,6 +125,7 @@ __global__ void add_bias_kernel(float *out, const float *bias, size_t n, int row
 __global__ void silu_mul_kernel(const float *g, const float *u, size_t n, float *out,
                                 uint16_t *out_bf16)
 {
+    tdm_pdl_wait();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const float x = g[i];
@@ -131,6 +137,7 @@ __global__ void silu_mul_kernel(const float *g, const float *u, size_t n, float 
 
 __global__ void add_kernel(float *x, const float *y, size_t n)
 {
+    tdm_pdl_wait();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         x[i] += y[i];
@@ -138,6 +145,7 @@ __global__ void add_kernel(float *x, const float *y, size_t n)
 
 __global__ void gather_kernel(const float *x, const int32_t *rows, int dim, float *out)
 {
+    tdm_pdl_wait();
     const float *src = x + (size_t)rows[blockIdx.x] * dim;
     float *dst = out + (size_t)blockIdx.x * dim;
     for (int j = threadIdx.x; j < dim; j += blockDim.x)
@@ -157,6 +165,7 @@ __global__ void rope_kv_kernel(float *q, const float *k, const float *v, int n_h
                                int hd, bool neox, const float *inv_freq, const int32_t *positions,
                                const int32_t *slots, int page_size, float *kv_base)
 {
+    tdm_pdl_wait();
     extern __shared__ float sm[];
     float *cs = sm, *sn = sm + hd / 2;
     const int t = blockIdx.x, half = hd / 2;
@@ -195,8 +204,10 @@ __global__ void rope_kv_kernel(float *q, const float *k, const float *v, int n_h
 
 __global__ void store_counter_kernel(int32_t *counter, int32_t value)
 {
-    /* the kernels before this one on the stream have completed (stream order); the fence makes
-     * their global writes visible system-wide before the counter moves */
+    tdm_pdl_wait();
+    /* the kernels before this one on the stream have completed (stream order, or the wait
+     * above under programmatic launch); the fence makes their global writes visible
+     * system-wide before the counter moves */
     __threadfence_system();
     *(volatile int32_t *)counter = value;
     __threadfence_system();
@@ -233,7 +244,7 @@ void tdm_cu_embed(cudaStream_t s, const uint16_t *emb, int64_t cols, const int32
                   float *out, uint16_t *out_bf16)
 {
     if (n <= 0) return;
-    embed_kernel<<<n, 256, 0, s>>>(emb, cols, tokens, out, out_bf16);
+    tdm_pdl_launch(embed_kernel, n, 256, 0, s, emb, cols, tokens, out, out_bf16);
 }
 
 void tdm_cu_rmsnorm(cudaStream_t s, float *res, const float *add, const float *w, float eps, int n,
@@ -243,47 +254,47 @@ void tdm_cu_rmsnorm(cudaStream_t s, float *res, const float *add, const float *w
     /* a decode step has a few long rows: a wide block per row shortens each thread's serial
      * loop (the kernel is latency-bound there); many rows get narrower blocks */
     if (dim <= 512)
-        rmsnorm_kernel<32><<<n, 32, 0, s>>>(res, add, w, eps, dim, out, out_bf16);
+        tdm_pdl_launch(rmsnorm_kernel<32>, n, 32, 0, s, res, add, w, eps, dim, out, out_bf16);
     else if (n <= 64 && dim >= 2048)
-        rmsnorm_kernel<1024><<<n, 1024, 0, s>>>(res, add, w, eps, dim, out, out_bf16);
+        tdm_pdl_launch(rmsnorm_kernel<1024>, n, 1024, 0, s, res, add, w, eps, dim, out, out_bf16);
     else
-        rmsnorm_kernel<256><<<n, 256, 0, s>>>(res, add, w, eps, dim, out, out_bf16);
+        tdm_pdl_launch(rmsnorm_kernel<256>, n, 256, 0, s, res, add, w, eps, dim, out, out_bf16);
 }
 
 void tdm_cu_f32_to_bf16(cudaStream_t s, const float *x, size_t n, uint16_t *out)
 {
     if (!n) return;
     if ((uintptr_t)x % 16 || (uintptr_t)out % 8) /* the vector path needs aligned rows */
-        f32_to_bf16_kernel<<<grid_for(n, 256), 256, 0, s>>>(x, n, out, false);
+        tdm_pdl_launch(f32_to_bf16_kernel, grid_for(n, 256), 256, 0, s, x, n, out, false);
     else
-        f32_to_bf16_kernel<<<grid_for(n / 4 + 1, 256), 256, 0, s>>>(x, n, out, true);
+        tdm_pdl_launch(f32_to_bf16_kernel, grid_for(n / 4 + 1, 256), 256, 0, s, x, n, out, true);
 }
 
 void tdm_cu_add_bias(cudaStream_t s, float *out, const float *bias, int n, int rows)
 {
     const size_t total = (size_t)n * rows;
     if (!total) return;
-    add_bias_kernel<<<grid_for(total, 256), 256, 0, s>>>(out, bias, total, rows);
+    tdm_pdl_launch(add_bias_kernel, grid_for(total, 256), 256, 0, s, out, bias, total, rows);
 }
 
 void tdm_cu_silu_mul(cudaStream_t s, const float *gate, const float *up, size_t n, float *out,
                      uint16_t *out_bf16)
 {
     if (!n) return;
-    silu_mul_kernel<<<grid_for(n, 256), 256, 0, s>>>(gate, up, n, out, out_bf16);
+    tdm_pdl_launch(silu_mul_kernel, grid_for(n, 256), 256, 0, s, gate, up, n, out, out_bf16);
 }
 
 void tdm_cu_add(cudaStream_t s, float *x, const float *y, size_t n)
 {
     if (!n) return;
-    add_kernel<<<grid_for(n, 256), 256, 0, s>>>(x, y, n);
+    tdm_pdl_launch(add_kernel, grid_for(n, 256), 256, 0, s, x, y, n);
 }
 
 void tdm_cu_gather_rows(cudaStream_t s, const float *x, const int32_t *rows, int n, int dim,
                         float *out)
 {
     if (n <= 0 || dim <= 0) return;
-    gather_kernel<<<n, 256, 0, s>>>(x, rows, dim, out);
+    tdm_pdl_launch(gather_kernel, n, 256, 0, s, x, rows, dim, out);
 }
 
 void tdm_cu_rope_kv_append(cudaStream_t s, float *q, const float *k, const float *v, int n_heads,
@@ -293,14 +304,14 @@ void tdm_cu_rope_kv_append(cudaStream_t s, float *q, const float *k, const float
     if (st->n_tokens <= 0) return;
     /* few tokens (decode): wide blocks, as for the norms */
     const int threads = st->n_tokens <= 64 ? 1024 : 256;
-    rope_kv_kernel<<<st->n_tokens, threads, (size_t)hd * sizeof(float), s>>>(
-        q, k, v, n_heads, n_kv_heads, hd, neox, inv_freq, st->positions, st->slots, st->page_size,
-        kv_base);
+    tdm_pdl_launch(rope_kv_kernel, st->n_tokens, threads, (size_t)hd * sizeof(float), s, q, k, v,
+                   n_heads, n_kv_heads, hd, neox, inv_freq, st->positions, st->slots, st->page_size,
+                   kv_base);
 }
 
 void tdm_cu_store_counter(cudaStream_t s, int32_t *counter, int32_t value)
 {
-    store_counter_kernel<<<1, 1, 0, s>>>(counter, value);
+    tdm_pdl_launch(store_counter_kernel, 1, 1, 0, s, counter, value);
 }
 
 void tdm_cu_fill_uniform_bf16(cudaStream_t s, uint16_t *out, size_t n, uint64_t seed, float lo,
