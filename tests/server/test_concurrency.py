@@ -5,8 +5,6 @@ import concurrent.futures as cf
 import os
 import random
 
-import pytest
-
 from lib.server import Server
 
 
@@ -24,8 +22,8 @@ def requests_mix(n, seed):
         # lengths from 1 token to a few chunks of the 128-token prefill chunk used below
         plen = rng.choice(lens)
         out.append({"prompt": [rng.randrange(100, 49000) for _ in range(plen)],
-                    "max_tokens": rng.randrange(4, 9 if SANITIZED else 17), "temperature": 0, "ignore_eos": True,
-                    "logprobs": 0})
+                    "max_tokens": rng.randrange(4, 9 if SANITIZED else 17), "temperature": 0,
+                    "ignore_eos": True, "logprobs": 0})
     return out
 
 

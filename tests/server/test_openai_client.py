@@ -36,7 +36,8 @@ def test_completion_stream_equals_non_stream(client):
                                             **kw))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
     assert finals == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
     assert all(c.usage is None for c in chunks[:-1])
