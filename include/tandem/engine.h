@@ -84,10 +84,10 @@ tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, fl
 
 /* Whether the backend samples on the device (a `sample` hook that takes this vocabulary). */
 bool tdm_engine_samples_on_device(const tdm_engine_t *e);
-/* tdm_engine_forward, but each logit row is sampled where the logits are, and only tokens and
- * log-probabilities come back: rows[i] describes logit row i (batch order) and receives its
- * results. Without device sampling the logits are sampled on the host (tdm_sample_row_host)
- * from the engine's own logits buffer. */
+/* tdm_engine_forward, but each logit row is sampled and only tokens and log-probabilities come
+ * back: rows[i] describes logit row i (batch order) and receives its results. With device
+ * sampling the rows are sampled where the logits are; otherwise on the host
+ * (tdm_sample_row_host), from the engine's own buffer (CPU) or a host copy of it. */
 tdm_status tdm_engine_forward_sample(tdm_engine_t *e, const struct tdm_batch *batch,
                                      struct tdm_sample_row *rows, float *hidden);
 

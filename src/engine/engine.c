@@ -62,7 +62,10 @@ struct tdm_engine {
     float *logits;          /* [max_logit_rows][vocab] */
     struct tdm_arena arena; /* per-step metadata, host */
     bool device_sampling;   /* the backend's sample hook takes this vocabulary */
-    struct tdm_sample_scratch sample_scratch; /* host sampling in forward_sample (CPU backend) */
+    /* forward_sample without device sampling: the host sampler's scratch, and a host copy of
+     * the logits when they live in device memory (a hook that refused the vocabulary) */
+    struct tdm_sample_scratch sample_scratch;
+    float *host_logits;
 };
 
 static void *balloc(tdm_engine_t *e, size_t bytes, tdm_status *st)
@@ -241,9 +244,15 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     e->device_sampling =
         e->backend->iface->sample &&
         e->backend->iface->sample(e->backend, e->logits, 0, c->vocab_size, NULL) == TDM_OK;
-    if (!e->backend->iface->sample &&
-        (st = tdm_sample_scratch_init(&e->sample_scratch, c->vocab_size)) != TDM_OK)
-        goto out_scratch;
+    if (!e->device_sampling) {
+        if ((st = tdm_sample_scratch_init(&e->sample_scratch, c->vocab_size)) != TDM_OK)
+            goto out_scratch;
+        /* a backend without a sample hook computes in host memory (the CPU backend) */
+        if (e->backend->iface->sample && !(e->host_logits = malloc(R * c->vocab_size * f))) {
+            st = tdm_err_set(TDM_ENOMEM, "engine: out of memory for host logits");
+            goto out_scratch;
+        }
+    }
     struct tdm_kv_config kc = {.n_layers = c->n_layers,
                                .n_kv_heads = c->n_kv_heads,
                                .head_dim = c->head_dim,
@@ -280,6 +289,7 @@ out_scratch:
     tdm_kv_pool_destroy(e->kv);
     free_scratch(e);
     tdm_sample_scratch_free(&e->sample_scratch);
+    free(e->host_logits);
 out_backend:
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     free(e->layers);
@@ -295,6 +305,7 @@ void tdm_engine_destroy(tdm_engine_t *e)
     tdm_kv_pool_destroy(e->kv);
     free_scratch(e);
     tdm_sample_scratch_free(&e->sample_scratch);
+    free(e->host_logits);
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     tdm_arena_free(&e->arena);
     free(e->layers);
@@ -495,10 +506,14 @@ static tdm_status forward(tdm_engine_t *e, const struct tdm_batch *batch, float 
         if (e->device_sampling) {
             st = ops->sample(b, e->logits, n_rows, c->vocab_size, samples);
         } else {
-            /* a backend without a sample hook computes in host memory (the CPU backend) */
+            float *lg = e->logits;
+            if (e->host_logits) {
+                lg = e->host_logits;
+                ops->download(b, lg, e->logits, (size_t)n_rows * c->vocab_size * sizeof(float));
+            }
             ops->sync(b);
             for (int i = 0; i < n_rows; i++)
-                tdm_sample_row_host(&samples[i], e->logits + (size_t)i * c->vocab_size,
+                tdm_sample_row_host(&samples[i], lg + (size_t)i * c->vocab_size,
                                     &e->sample_scratch);
         }
     }
@@ -515,10 +530,6 @@ tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, fl
 tdm_status tdm_engine_forward_sample(tdm_engine_t *e, const struct tdm_batch *batch,
                                      struct tdm_sample_row *rows, float *hidden)
 {
-    if (e->backend->iface->sample && !e->device_sampling)
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "engine: the %s backend cannot sample a vocabulary of %d on the device",
-                           e->backend->iface->name, e->cfg.vocab_size);
     return forward(e, batch, NULL, rows, hidden);
 }
 

@@ -94,10 +94,9 @@ struct tdm_sched {
     struct tdm_req **running; /* [max_seqs], ascending id */
     struct tdm_batch_seq *bseqs;
     struct tdm_req **breqs;
-    float *logits; /* [max_seqs][vocab] */
-    struct tdm_sample_scratch scratch;
-    struct tdm_sample_row *srows; /* [max_seqs]: what to sample from each logit row */
-    bool device_sampling;         /* the engine samples where the logits are (no hooks) */
+    float *logits;                     /* [max_seqs][vocab], with hooks (which want the rows) */
+    struct tdm_sample_scratch scratch; /* sampling those rows here, with hooks */
+    struct tdm_sample_row *srows;      /* [max_seqs]: what to sample from each logit row */
     struct tdm_sched_hooks hooks;
     bool have_hooks;
     int d_model;
@@ -260,15 +259,12 @@ tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
     s->bseqs = calloc((size_t)n, sizeof *s->bseqs);
     s->breqs = calloc((size_t)n, sizeof *s->breqs);
     s->spans = calloc((size_t)n, sizeof *s->spans);
-    s->logits = malloc((size_t)n * (size_t)s->vocab * sizeof(float));
     s->srows = calloc((size_t)n, sizeof *s->srows);
     tdm_status st = TDM_ENOMEM;
-    if (!s->running || !s->bseqs || !s->breqs || !s->spans || !s->logits || !s->srows) {
+    if (!s->running || !s->bseqs || !s->breqs || !s->spans || !s->srows) {
         tdm_err_set(TDM_ENOMEM, "sched: out of memory");
         goto out_free;
     }
-    if ((st = tdm_sample_scratch_init(&s->scratch, s->vocab)) != TDM_OK) goto out_free;
-    s->device_sampling = tdm_engine_samples_on_device(engine);
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->mmu, NULL);
     pthread_cond_init(&s->cv_work, NULL);
@@ -284,7 +280,6 @@ out_free:
     free(s->bseqs);
     free(s->breqs);
     free(s->spans);
-    free(s->logits);
     free(s->srows);
     free(s);
     return st;
@@ -887,17 +882,16 @@ static bool step(struct tdm_sched *s)
         fill_spans(s, nb, false);
         s->hooks.step_begin(s->hooks.ctx, s->spans, nb);
     }
-    /* without hooks (which want the logit rows themselves) a device samples where the logits
-     * are, and only tokens come back */
-    const bool dev = s->device_sampling && !s->have_hooks;
+    /* without hooks (which want the logit rows themselves) the engine samples (on a device,
+     * where the logits are) and only tokens come back; with them the rows are sampled here */
     tdm_status st;
-    if (dev) {
+    if (!s->have_hooks) {
         int row = 0;
         for (int j = 0; j < nb; j++)
             if (s->bseqs[j].n_logits) s->srows[row++] = sample_row_of(s->breqs[j]);
         st = tdm_engine_forward_sample(s->engine, &batch, s->srows, NULL);
     } else {
-        st = tdm_engine_forward(s->engine, &batch, s->logits, s->have_hooks ? s->hidden : NULL);
+        st = tdm_engine_forward(s->engine, &batch, s->logits, s->hidden);
     }
     if (s->have_hooks && s->hooks.step_end) {
         fill_spans(s, nb, st == TDM_OK);
@@ -926,7 +920,7 @@ static bool step(struct tdm_sched *s)
         r->n_cached += s->bseqs[j].n_tokens;
         if (!s->bseqs[j].n_logits) continue;
         struct tdm_sample_row *sr = &s->srows[row];
-        if (!dev && !r->prefill_only) {
+        if (s->have_hooks && !r->prefill_only) {
             *sr = sample_row_of(r);
             tdm_sample_row_host(sr, s->logits + (size_t)row * s->vocab, &s->scratch);
         }
@@ -1027,10 +1021,14 @@ void tdm_sched_destroy(tdm_sched_t *s)
 
 void tdm_sched_set_hooks(tdm_sched_t *s, const struct tdm_sched_hooks *h)
 {
-    if (!s->hidden) s->hidden = malloc((size_t)s->o.max_seqs * (size_t)s->d_model * sizeof(float));
+    const size_t n = (size_t)s->o.max_seqs;
+    if (!s->hidden) s->hidden = malloc(n * (size_t)s->d_model * sizeof(float));
+    if (!s->logits) s->logits = malloc(n * (size_t)s->vocab * sizeof(float));
+    if (!s->scratch.probs) tdm_sample_scratch_init(&s->scratch, s->vocab);
     s->hooks = *h;
-    s->have_hooks = s->hidden != NULL;
-    if (!s->have_hooks) TDM_ERROR("sched: out of memory for the hidden-state rows; hooks off");
+    s->have_hooks = s->hidden && s->logits && s->scratch.probs;
+    if (!s->have_hooks)
+        TDM_ERROR("sched: out of memory for the logit and hidden-state rows; hooks off");
 }
 
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st)

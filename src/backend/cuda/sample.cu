@@ -124,9 +124,13 @@ __device__ unsigned long long block_sum_u(unsigned long long v, Smem &sm)
 {
     return block_sum(v, sm.ured);
 }
-/* The largest value and its lowest id (ties: lowest id), as tdm_argmax. */
-__device__ void block_argmax(float v, int id, Smem &sm, float *out_v, int *out_id)
+/* The row's largest value and its lowest id (ties: lowest id), as tdm_argmax. */
+__device__ void row_argmax(const float *lg, int vocab, Smem &sm, float *out_v, int *out_id)
 {
+    float v = -INFINITY;
+    int id = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += kThreads)
+        if (lg[i] > v || (lg[i] == v && i < id)) v = lg[i], id = i;
     for (int o = 16; o > 0; o >>= 1) {
         float v2 = __shfl_down_sync(0xffffffffu, v, o);
         int i2 = __shfl_down_sync(0xffffffffu, id, o);
@@ -264,13 +268,7 @@ __global__ void __launch_bounds__(kThreads)
     /* 1. the raw log-sum-exp (log-probabilities are reported under the raw logits) */
     float mx;
     int amx;
-    {
-        float v = -INFINITY;
-        int id = 0x7fffffff;
-        for (int i = tid; i < vocab; i += kThreads)
-            if (lg[i] > v || (lg[i] == v && i < id)) v = lg[i], id = i;
-        block_argmax(v, id, sm, &mx, &amx);
-    }
+    row_argmax(lg, vocab, sm, &mx, &amx);
     double raw_lse = 0.0;
     if (p.n_top >= 0) {
         double s = 0.0;
@@ -349,11 +347,7 @@ __global__ void __launch_bounds__(kThreads)
             lg[e.id] = l;
         }
         __syncthreads();
-        float v = -INFINITY;
-        int id = 0x7fffffff;
-        for (int i = tid; i < vocab; i += kThreads)
-            if (lg[i] > v || (lg[i] == v && i < id)) v = lg[i], id = i;
-        block_argmax(v, id, sm, &mx, &amx);
+        row_argmax(lg, vocab, sm, &mx, &amx);
     }
 
     int chosen = amx; /* greedy: the lowest id among the largest */
