@@ -499,8 +499,6 @@ static void finish_req(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish w
                        const char *msg)
 {
     if (s->have_hooks && s->hooks.finished) s->hooks.finished(s->hooks.ctx, r, r->user, why);
-    tdm_kv_seq_release(s->kv, &r->kv);
-    r->n_cached = 0;
     r->state = REQ_FINISHED;
     int64_t now = (int64_t)tdm_now_ns();
     pthread_mutex_lock(&r->mu);
@@ -515,17 +513,23 @@ static void finish_req(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish w
         }
         if (r->n_out) r->text_end[r->n_out - 1] = r->text_len;
     }
+    pthread_mutex_unlock(&r->mu);
+    /* the metrics and the pages before the client can see the end: whoever reads /metrics
+     * or the pool after a response finds this request counted and its pages back */
+    pthread_mutex_lock(&s->mmu);
+    s->m.finished[why]++;
+    if (why == TDM_FINISH_STOP || why == TDM_FINISH_LENGTH)
+        tdm_hist_observe(&s->m.e2e_s, (double)(now - r->t_submit_ns) * 1e-9);
+    pthread_mutex_unlock(&s->mmu);
+    tdm_kv_seq_release(s->kv, &r->kv);
+    r->n_cached = 0;
+    pthread_mutex_lock(&r->mu);
     r->finish = why;
     r->error = err;
     if (msg) snprintf(r->error_msg, sizeof r->error_msg, "%s", msg);
     r->t_end_ns = now;
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
-    pthread_mutex_lock(&s->mmu);
-    s->m.finished[why]++;
-    if (why == TDM_FINISH_STOP || why == TDM_FINISH_LENGTH)
-        tdm_hist_observe(&s->m.e2e_s, (double)(now - r->t_submit_ns) * 1e-9);
-    pthread_mutex_unlock(&s->mmu);
     req_unref(r);
 }
 
