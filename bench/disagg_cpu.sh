@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-$(mktemp -d /tmp/tandem-disagg-bench.XXXXXX)}
 mkdir -p "$OUT"
-T=build/tandem
+T=${TANDEM_BIN:-build/tandem}
 CORES=$(nproc)
 HALF=$(( CORES / 2 > 0 ? CORES / 2 : 1 ))
 PIDS=()

@@ -2,10 +2,10 @@
  * tandem disagg: disaggregated prefill and decode, the KV messenger on both sides (DESIGN.md
  * §1.1 and §4).
  *
- * Decode node (tdm_disagg_decode_*). It hooks the scheduler: when a request with two or more
- * prompt tokens is admitted, its pages for the whole prompt are already reserved; the messenger
- * picks the live prefill peer with the fewest outstanding prefill tokens, takes a request slot
- * (slot, epoch), arms an immediate counter for the number of writes it expects, and sends the
+ * Decode node (tdm_disagg_decode_*). It is the scheduler's KV connector: when a request with two
+ * or more prompt tokens is admitted, its pages for the whole prompt are already reserved; the
+ * messenger picks the live prefill peer with the fewest outstanding prefill tokens, takes a request
+ * slot (slot, epoch), arms an immediate counter for the number of writes it expects, and sends the
  * prefill request. The request stays out of decode batches until the counter fires; there is
  * no completion message. Then the scheduler runs prompt[-1] as the first decode step: the
  * prefill node never samples.
@@ -36,8 +36,9 @@
  * the step's chunks at once, while later layers still compute. Source pages are held until
  * their writes complete, then freed. A failure on the prefill side is reported with a NACK.
  *
- * Threading: hooks run on the scheduler thread; xfer callbacks on the transfer engine's progress
- * thread; the prefill messenger has its own thread. Shared state is under one mutex per side.
+ * Threading: connector calls run on the scheduler thread; xfer callbacks on the transfer engine's
+ * progress thread; the prefill messenger has its own thread. Shared state is under one mutex per
+ * side.
  */
 #ifndef TANDEM_DISAGG_H
 #define TANDEM_DISAGG_H
@@ -73,7 +74,8 @@ struct tdm_disagg_decode_opts {
 };
 typedef struct tdm_disagg_decode tdm_disagg_decode_t;
 /* Creates the transfer engine, registers the KV pool and the context buffers, connects the
- * peers and installs the scheduler hooks (call before tdm_sched_start). */
+ * peers and installs the decode side's KV connector on the scheduler (call before
+ * tdm_sched_start). */
 tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_engine_t *e,
                                     tdm_sched_t *s, tdm_disagg_decode_t **out);
 void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d);
@@ -86,10 +88,10 @@ struct tdm_disagg_prefill_opts {
     int max_jobs; /* prefill requests accepted at once; 0: 256 */
 };
 typedef struct tdm_disagg_prefill tdm_disagg_prefill_t;
-/* `layer_counter` must be the one in the engine's options. Installs the scheduler hooks. */
+/* The engine must count layers (tdm_engine_opts.count_layers): the messenger watches its
+ * counter. Installs the prefill side's KV connector on the scheduler. */
 tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, tdm_engine_t *e,
-                                     tdm_sched_t *s, _Atomic int32_t *layer_counter,
-                                     tdm_disagg_prefill_t **out);
+                                     tdm_sched_t *s, tdm_disagg_prefill_t **out);
 void tdm_disagg_prefill_destroy(tdm_disagg_prefill_t *p);
 /* This node's printable fabric address, for decoders' --prefill-peers. */
 tdm_status tdm_disagg_prefill_addr(const tdm_disagg_prefill_t *p, char *buf, size_t cap);

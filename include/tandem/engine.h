@@ -18,7 +18,7 @@
  *
  * Threading: one thread drives an engine (forward calls are not concurrent). The KV pool may be
  * used from other threads (it locks). The layer counter is written by the compute thread and
- * read by anyone.
+ * read by anyone (tdm_engine_layer_counter).
  */
 #ifndef TANDEM_ENGINE_H
 #define TANDEM_ENGINE_H
@@ -46,9 +46,10 @@ struct tdm_engine_opts {
     int max_batch_tokens; /* tokens per forward call; 0: 512 */
     int max_logit_rows;   /* logit rows per forward call; 0: max(max_seqs, 64) */
     int max_seqs;         /* sequences per forward call; 0: 64 */
-    /* If set, the forward pass stores layer+1 after each layer's attention output projection
-     * (DESIGN.md §1.1), and 0 when a forward call begins. */
-    _Atomic int32_t *layer_counter;
+    /* The forward pass stores layer+1 in the engine's layer counter after each layer's
+     * attention output projection (DESIGN.md §1.1), and 0 when a forward call begins. Off by
+     * default: on a GPU each store is one more kernel per layer. */
+    bool count_layers;
     tdm_backend_t *backend;     /* NULL: the engine creates one of backend_kind and owns it */
     int backend_kind;           /* enum tdm_backend_kind: TDM_BACKEND_CPU (0) or TDM_BACKEND_CUDA */
     double gpu_memory_fraction; /* CUDA: share of device memory for weights, workspace and the
@@ -62,7 +63,11 @@ struct tdm_batch_seq {
     int pos0;             /* absolute position of tokens[0] */
     const int32_t *pages; /* page table: page j holds positions [j*page_size, (j+1)*page_size) */
     int n_pages;
-    int n_logits; /* logits for the last n_logits tokens of the span */
+    /* [n_tokens] the KV slot (page_id * page_size + offset) each token's K and V are written
+     * to; NULL: the slot of its position in the page table. The plan gives them explicitly so
+     * that tree verification can give siblings at one depth slots of their own. */
+    const int32_t *slots;
+    int n_logits; /* output rows for the last n_logits tokens of the span */
 };
 
 struct tdm_batch {
@@ -73,6 +78,29 @@ struct tdm_batch {
 tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_engine_opts *opts,
                              tdm_engine_t **out);
 void tdm_engine_destroy(tdm_engine_t *e);
+
+/* What each output row of a forward call produces (tdm_engine_run). */
+enum tdm_row_want {
+    TDM_ROW_SAMPLE = 1 << 0, /* a token, sampled with the row's tdm_sample_row */
+    TDM_ROW_LOGITS = 1 << 1, /* its logits [vocab] in host memory, as the LM head gave them */
+    TDM_ROW_HIDDEN = 1 << 2, /* its hidden state [d_model]: the residual after the last layer */
+};
+/* Output rows are the batch's n_logits rows in batch order. Each buffer is indexed by row and
+ * only the rows that want it are written; a buffer no row wants may be NULL. */
+struct tdm_engine_out {
+    const uint8_t *want;            /* [n_rows] tdm_row_want bits; NULL: every row gets what
+                                     * the non-NULL buffers below hold room for */
+    struct tdm_sample_row *samples; /* [n_rows]: parameters in, token and logprobs out */
+    float *logits;                  /* [n_rows][vocab], host */
+    float *hidden;                  /* [n_rows][d_model], host */
+};
+/* Runs one forward pass. Logits are downloaded only for LOGITS rows, so a step whose rows only
+ * sample moves tokens, not [rows][vocab] floats; SAMPLE rows are sampled on the device where
+ * the backend can (tdm_engine_samples_on_device), else on the host. Invalid batches (a token
+ * outside the vocabulary, a page table too short, a slot outside the pool, limits exceeded)
+ * return TDM_EINVAL / TDM_ERANGE before any KV is written. */
+tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
+                          const struct tdm_engine_out *out);
 
 /* Runs one forward pass. logits: [sum n_logits][vocab] host memory, rows in batch order (NULL
  * if no sequence asks for logits). hidden (may be NULL): [sum n_logits][d_model], the residual
@@ -95,6 +123,10 @@ const struct tdm_model *tdm_engine_model(const tdm_engine_t *e);
 tdm_kv_pool_t *tdm_engine_kv(tdm_engine_t *e);
 const struct tdm_engine_opts *tdm_engine_opts(const tdm_engine_t *e); /* with defaults filled */
 tdm_backend_t *tdm_engine_backend(tdm_engine_t *e);
+/* The engine's layer counter (count_layers), readable from any thread while a forward call
+ * runs; NULL when the engine was created without count_layers. The engine owns it: on the
+ * CUDA backend it is the backend's mapped pinned counter, so it also moves inside graphs. */
+_Atomic int32_t *tdm_engine_layer_counter(tdm_engine_t *e);
 
 /* The RoPE inverse frequencies [head_dim/2] for a config (base theta, linear or llama3 scaling,
  * or per-dimension factors from a GGUF rope_freqs tensor when not NULL). */

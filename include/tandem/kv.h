@@ -86,6 +86,10 @@ struct tdm_kv_seq {
 };
 /* Makes the table cover `n_tokens` positions, allocating pages as needed (all or nothing). */
 tdm_status tdm_kv_seq_reserve(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64_t n_tokens);
+/* Cuts the table back to cover `n_tokens` positions (rejected speculative tokens, a rewound
+ * request): the pages past the new end lose this sequence's reference, and are free unless
+ * another owner or a transfer still holds them. A no-op when the table is not longer. */
+void tdm_kv_seq_trim(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64_t n_tokens);
 /* Returns every page to the pool and frees the table. Safe on a zeroed seq. */
 void tdm_kv_seq_release(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq);
 

@@ -71,6 +71,10 @@ tdm_status tdm_sampler_init(struct tdm_sampler *s, const struct tdm_sampling_par
 void tdm_sampler_free(struct tdm_sampler *s);
 /* Records a token of the prompt (is_prompt) or of the output, for the penalties. */
 void tdm_sampler_accept(struct tdm_sampler *s, int32_t token, bool is_prompt);
+/* Undoes the latest tdm_sampler_accept of an output token (a rejected speculative token, a
+ * rewound request). Undos run newest first, so the penalty counts and the seen list are then
+ * what they were before that accept. */
+void tdm_sampler_unaccept(struct tdm_sampler *s, int32_t token);
 /* Samples the token at absolute position `position` from logits [vocab] (modified in place).
  * If logprob is not NULL it receives the token's log-probability under the raw logits (before
  * penalties and temperature), as vLLM reports by default. */

@@ -1,28 +1,52 @@
 /*
- * tandem sched: continuous batching over one engine, on a thread of its own.
+ * tandem sched: continuous batching over one executor (the engine), on a thread of its own.
  *
  * Requests come in through tdm_sched_submit from any thread (the HTTP threads), into a bounded
- * waiting queue. The scheduler thread runs steps; each step is one tdm_engine_forward call built
- * like this (DESIGN.md §6):
- *   1. decodes first: every running sequence whose prompt is fully in the KV contributes its one
- *      next token (FCFS order);
- *   2. then prefill chunks of running sequences that are still prefilling, up to the step's
- *      token budget (max_batch_tokens) and the chunk cap;
- *   3. then new requests are admitted FCFS while the budget, max_seqs and free KV pages allow
- *      (a request is admitted only when the pages for its whole prompt are free).
- * A sequence is a token list (prompt, then generated tokens) of which a prefix is in the KV.
- * Each step feeds it the next span; when the span reaches the end of the list, its logits are
- * sampled and a new token is appended. A prefill is a span longer than one token, so a request
- * preempted by recompute (pages taken back when the pool runs dry, newest request first) just
- * goes back to the front of the waiting queue with KV length 0 and resumes where it stood: the
+ * waiting queue. The scheduler thread runs steps, and each step has three parts:
+ *   plan    (plan.c) decides, as plain data (struct tdm_sched_plan): per sequence its span,
+ *           pos0, page table, KV slots, and what each output row wants (a sampled token,
+ *           logits, a hidden state). Its policy (DESIGN.md §6):
+ *             1. decodes first: every running sequence whose prompt is fully in the KV
+ *                contributes its next token, plus up to k drafts when a drafter is set;
+ *             2. then prefill chunks of running sequences, up to the step's token budget
+ *                (max_batch_tokens) and the chunk cap;
+ *             3. then new requests, FCFS, while the budget, max_seqs and free KV pages allow
+ *                (a request is admitted only when the pages for its whole prompt are free);
+ *   run     the executor runs the plan (tdm_engine_run: one forward pass);
+ *   commit  (commit.c) applies what came back: the sampled token, or for a drafted span the
+ *           accepted prefix plus the target's token; rejected positions are rewound (token
+ *           list, penalty state, KV pages past the kept end), and outputs are published.
+ * A KV connector (disaggregation) is called at fixed points: admission, around each run, and
+ * finish. Nothing else changes the scheduler's behaviour.
+ *
+ * A request preempted by recompute (pages taken back when the pool runs dry, newest request
+ * first) goes back to the waiting queue with KV length 0 and resumes where it stood: the
  * sampler is keyed by absolute position, so its output is unchanged.
  *
- * Request lifecycle:
+ * Request lifecycle (enum tdm_req_state):
  *
- *     submit --> WAITING --admit--> RUNNING (prefill spans ... decode steps) --> FINISHED
- *                  ^                    |  |                                        ^
- *                  +----preempted-------+  +--cancel / error / stop / length--------+
- *   (cancel while WAITING also goes straight to FINISHED)
+ *                       admit (connector takes it)
+ *   submit --> WAITING ------------------------------> WAITING_REMOTE_KV
+ *               |  ^  ^                                   |         |
+ *         admit |  |  +---- remote failed ---------------+         | remote ok
+ *               v  | preempt                                        v
+ *              RUNNING <-----------------------------------------------+
+ *               |
+ *               +--> FINISHED <-- (cancel from any state; stop, length, error from RUNNING)
+ *
+ *   from               to                  function (file)              when
+ *   WAITING            RUNNING             admit (plan.c)               pages free, budget left
+ *   WAITING            WAITING_REMOTE_KV   admit (plan.c)               connector admit() true
+ *   WAITING_REMOTE_KV  RUNNING             land_remote (plan.c)         remote done, TDM_OK
+ *   WAITING_REMOTE_KV  WAITING             land_remote -> sched_requeue remote done, failed
+ *   RUNNING            WAITING             preempt -> sched_requeue     the pool ran dry
+ *   any                FINISHED            sched_finish (commit.c)      cancel, stop, length,
+ *                                                                       error
+ *
+ * Finishing is one function, in one order: the connector's finished() (it may hold pages
+ * that its transfers still touch), then the pages go back, then the reason is published. So a
+ * request cancelled while WAITING_REMOTE_KV is fenced before its pages can be reused, and a
+ * reader that sees a request finished sees the pool without it.
  *
  * Output: the scheduler never waits for a reader. Each request has room, reserved at submit,
  * for all of its max_tokens outputs (token, log-probabilities, released text), so a slow client
@@ -32,8 +56,9 @@
  * tdm_req_release, which also cancels the request if it is still running), the scheduler
  * another until the request is finished and its KV pages are back in the pool.
  *
- * Threading: tdm_sched_submit, tdm_req_* and tdm_sched_metrics are thread-safe. The engine is
- * driven only by the scheduler thread once tdm_sched_start has returned.
+ * Threading: tdm_sched_submit, tdm_req_* and tdm_sched_metrics are thread-safe. The executor,
+ * the connector and the drafter are called only by the scheduler thread (or by the caller of
+ * tdm_sched_step, for a scheduler whose thread is not started).
  */
 #ifndef TANDEM_SCHED_H
 #define TANDEM_SCHED_H
@@ -56,6 +81,8 @@ struct tdm_sched_opts {
     int prefill_chunk;    /* tokens per prefill span of one sequence; 0: the step budget */
     int max_waiting;      /* waiting-queue capacity; 0: 1024. A full queue refuses submits */
     int watermark_pages;  /* pages kept free at admission for running decodes; <0: 0, 0: 1% */
+    bool row_outputs;     /* reserve [max_rows] logit and hidden rows for requests that want
+                           * them (a connector turns this on) */
 };
 
 #define TDM_MAX_TOP_LOGPROBS TDM_TOP_LOGPROBS_MAX
@@ -80,7 +107,11 @@ struct tdm_req_params {
      * advance how many spans, and so how many layer writes, there will be. */
     bool prefill_only;
     int fixed_chunk;
-    void *user; /* opaque; handed back to the hooks */
+    /* The output rows of its last span also bring back their logits / hidden state (a
+     * connector's step_end reads them); needs row outputs (tdm_sched_set_connector or
+     * tdm_sched_opts.row_outputs). */
+    bool want_logits, want_hidden;
+    void *user; /* opaque; handed back to the connector */
 };
 
 enum tdm_finish {
@@ -113,43 +144,109 @@ struct tdm_req_view {
 
 struct tdm_sched_metrics_snapshot;
 
-/* ---- hooks for the disaggregation layer; all run on the scheduler thread, must not block ---- */
-struct tdm_step_span {
-    tdm_req_t *req;
-    void *user;           /* the request's params.user */
-    int pos0, n_tokens;   /* the span: positions [pos0, pos0 + n_tokens) */
-    const int32_t *pages; /* the request's page table (covers the span) */
-    int n_pages;
-    bool last;           /* the span reaches the end of the request's token list */
-    const float *logits; /* step_end, when last: the last position's logits [vocab] */
-    const float *hidden; /* step_end, when last: its hidden state [d_model] */
+/* ---- request states (one enum; the diagram and table are in the module comment) ---- */
+enum tdm_req_state {
+    TDM_REQ_WAITING,           /* queued; holds no KV page */
+    TDM_REQ_WAITING_REMOTE_KV, /* admitted, pages reserved; a KV connector is filling them */
+    TDM_REQ_RUNNING,           /* in step plans: prefill spans, then decode steps */
+    TDM_REQ_FINISHED,          /* pages released, finish reason published */
 };
-struct tdm_sched_hooks {
+const char *tdm_req_state_name(enum tdm_req_state st);
+/* The request's state now (read from any thread; it may change right after). */
+enum tdm_req_state tdm_req_state(const tdm_req_t *r);
+
+/* ---- the step plan: plain data, built by the scheduler, run by an executor (the engine),
+ * applied by the commit. Everything in it is valid from the plan until the commit. ---- */
+struct tdm_plan_seq {
+    tdm_req_t *req;
+    void *user;            /* the request's params.user */
+    const int32_t *tokens; /* [n_tokens] the span */
+    int pos0, n_tokens;    /* positions [pos0, pos0 + n_tokens) */
+    const int32_t *pages;  /* the request's page table (covers the span) */
+    int n_pages;
+    const int32_t *slots; /* [n_tokens] the KV slot each token is written to */
+    int row0, n_rows;     /* output rows [row0, row0 + n_rows): the span's last n_rows tokens */
+    uint8_t want;         /* tdm_row_want bits of each of its rows */
+    int n_draft;          /* drafted tokens at the end of the span, verified by this step */
+    bool last;            /* the span reaches the end of the request's token list */
+};
+struct tdm_sched_plan {
+    uint64_t step; /* 1, 2, ... */
+    int n_seqs, n_tokens, n_rows;
+    const struct tdm_plan_seq *seqs; /* [n_seqs] batch order */
+    const uint8_t *want;             /* [n_rows] tdm_row_want bits of each row */
+    struct tdm_sample_row *samples;  /* [n_rows] in: parameters; out: SAMPLE rows' tokens */
+    float *logits;                   /* [n_rows][vocab]: LOGITS rows, after the run */
+    float *hidden;                   /* [n_rows][d_model]: HIDDEN rows, after the run */
+};
+
+/* What runs plans: the engine (tdm_sched_create), or a fake in tests. */
+struct tdm_sched_exec_i {
+    /* Runs the plan: appends each span's KV at its slots and fills each row with what it
+     * wants. An error fails every request of the step. Scheduler thread. */
+    tdm_status (*run)(void *ctx, struct tdm_sched_plan *plan);
+};
+struct tdm_sched_exec {
+    const struct tdm_sched_exec_i *iface;
     void *ctx;
-    /* Decode node: called when a request with n_prompt >= 2 is admitted, its pages reserved
-     * for the whole prompt. Return true to prefill prompt[:-1] remotely: the request is then
-     * kept out of batches (and never preempted) until tdm_req_remote_done. */
-    bool (*remote_prefill)(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
-                           const int32_t *pages, int n_pages);
-    /* Around each forward call: the spans it runs, in batch order. */
-    void (*step_begin)(void *ctx, const struct tdm_step_span *spans, int n);
-    void (*step_end)(void *ctx, const struct tdm_step_span *spans, int n, tdm_status st);
-    /* A request finished (any reason), just before its pages go back to the pool. */
+    tdm_kv_pool_t *kv; /* the pool spans' pages come from */
+    int vocab, d_model, max_ctx;
+    int max_batch_tokens, max_seqs, max_rows; /* per run */
+    const int *eos;                           /* [n_eos] end-of-sequence ids */
+    int n_eos;
+};
+
+/* ---- the KV connector: how disaggregation (src/disagg: the decode side and the prefill
+ * side) plugs into the scheduler. All calls are on the scheduler thread and must not block. */
+struct tdm_kv_connector_i {
+    /* Admission of a request with n_prompt >= 2, its pages reserved for the whole prompt.
+     * Return true to fill the KV of prompt[:-1] (tokens[0, n_tokens)) elsewhere: the request
+     * is then WAITING_REMOTE_KV (out of plans, never preempted) until tdm_req_remote_done. */
+    bool (*admit)(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
+                  const int32_t *pages, int n_pages);
+    /* Around each run of a plan; step_end sees the rows' logits and hidden states. */
+    void (*step_begin)(void *ctx, const struct tdm_sched_plan *plan);
+    void (*step_end)(void *ctx, const struct tdm_sched_plan *plan, tdm_status st);
+    /* A request finished (any reason, any state), while it still owns its pages: a connector
+     * whose transfers may still touch them holds them here (tdm_kv_pool_hold); the scheduler
+     * drops its references right after. */
     void (*finished)(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why);
 };
-/* Set before tdm_sched_start. With hooks set, forward calls also produce hidden states. */
-void tdm_sched_set_hooks(tdm_sched_t *s, const struct tdm_sched_hooks *h);
-/* The engine's layer counter is in tdm_engine_opts.layer_counter. */
+/* Set before tdm_sched_start. Also turns on row outputs (logits and hidden states for the
+ * rows that want them). */
+void tdm_sched_set_connector(tdm_sched_t *s, const struct tdm_kv_connector_i *c, void *ctx);
 
-/* A remote prefill ended (any thread). TDM_OK: the KV of prompt[:-1] is in the request's pages
- * and it joins the decode batches. Otherwise its pages are released (the caller fences them
- * first with tdm_kv_pool_hold if late writes may still land) and the request returns to the
- * front of the waiting queue; on re-admission remote_prefill is asked again (it may return
- * false to prefill locally). */
+/* A remote KV fill ended (any thread). TDM_OK: the KV of prompt[:-1] is in the request's
+ * pages and it becomes RUNNING, its first step being prompt[-1]. Otherwise its pages are
+ * released (the connector fenced them first with tdm_kv_pool_hold if late writes may still
+ * land) and it returns to the front of the waiting queue; on re-admission the connector is
+ * asked again (it may return false to prefill locally). */
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
 
+/* ---- speculation: a drafter proposes tokens, the step verifies them ---- */
+struct tdm_sched_drafter_i {
+    /* A RUNNING request is about to decode: its committed tokens are tokens[0, n). Write up to
+     * k proposed next tokens to out and return how many (0: none). Scheduler thread. */
+    int (*propose)(void *ctx, tdm_req_t *r, const int32_t *tokens, int n, int k, int32_t *out);
+    /* After the commit: n_accepted of the n_draft proposed tokens were kept. */
+    void (*accepted)(void *ctx, tdm_req_t *r, int n_draft, int n_accepted);
+};
+/* Up to k drafts per request and step (set before tdm_sched_start). A drafted span is verified
+ * in one run: its rows sample the target's token at every position, and drafts are kept while
+ * they equal it (the RNG is keyed on the position, so the output is the same as without
+ * drafts), then the target's token at the first mismatch is kept too. Rejected positions are
+ * rewound: the token list, the penalty state and the KV pages past the kept end. */
+void tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_i *d, void *ctx, int k);
+
+/* A scheduler over an engine (which must outlive it). */
 tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
                             const struct tdm_sched_opts *opts, tdm_sched_t **out);
+/* A scheduler over any executor (the struct is copied; what it points to must outlive it). */
+tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t *tok,
+                                 const struct tdm_sched_opts *opts, tdm_sched_t **out);
+/* Plans, runs and commits one step on the caller's thread, for a scheduler whose thread was
+ * never started (tests drive it step by step). Returns false when nothing could run. */
+bool tdm_sched_step(tdm_sched_t *s);
 /* Starts the scheduler thread. */
 tdm_status tdm_sched_start(tdm_sched_t *s);
 /* Stops taking requests. With drain_ms > 0, waits up to that long for running and waiting

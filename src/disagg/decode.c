@@ -232,10 +232,10 @@ static void on_peer(void *ctx, uint32_t xpeer, bool up)
     pthread_mutex_unlock(&d->mu);
 }
 
-/* ---- scheduler hooks (scheduler thread) ---- */
+/* ---- the KV connector (scheduler thread) ---- */
 
-static bool remote_prefill(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
-                           const int32_t *pages, int n_pages)
+static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
+                  const int32_t *pages, int n_pages)
 {
     struct tdm_disagg_decode *d = ctx;
     if (d->o.max_attempts < 0 || !d->n_peers) return false;
@@ -458,8 +458,8 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
                      i, p->addr);
         }
     }
-    struct tdm_sched_hooks h = {.ctx = d, .remote_prefill = remote_prefill, .finished = finished};
-    tdm_sched_set_hooks(s, &h);
+    static const struct tdm_kv_connector_i conn = {.admit = admit, .finished = finished};
+    tdm_sched_set_connector(s, &conn, d);
     *out = d;
     return TDM_OK;
 

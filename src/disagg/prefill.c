@@ -224,19 +224,19 @@ static void post_layer_locked(struct tdm_disagg_prefill *p, int layer, int64_t t
     }
 }
 
-/* ---- scheduler hooks ---- */
+/* ---- the KV connector (scheduler thread) ---- */
 
-static void step_begin(void *ctx, const struct tdm_step_span *spans, int n)
+static void step_begin(void *ctx, const struct tdm_sched_plan *plan)
 {
     struct tdm_disagg_prefill *p = ctx;
     pthread_mutex_lock(&p->mu);
     p->n_spans = 0;
-    for (int i = 0; i < n; i++)
-        if (spans[i].user)
-            p->spans[p->n_spans++] = (struct step_span){.job = spans[i].user,
-                                                        .pos0 = spans[i].pos0,
-                                                        .n_tokens = spans[i].n_tokens,
-                                                        .pages = spans[i].pages};
+    for (int i = 0; i < plan->n_seqs; i++) {
+        const struct tdm_plan_seq *q = &plan->seqs[i];
+        if (q->user)
+            p->spans[p->n_spans++] = (struct step_span){
+                .job = q->user, .pos0 = q->pos0, .n_tokens = q->n_tokens, .pages = q->pages};
+    }
     atomic_store(p->layer_counter, 0);
     p->step_seq++;
     p->step_posted = 0;
@@ -245,7 +245,7 @@ static void step_begin(void *ctx, const struct tdm_step_span *spans, int n)
     pthread_mutex_unlock(&p->mu);
 }
 
-static void step_end(void *ctx, const struct tdm_step_span *spans, int n, tdm_status st)
+static void step_end(void *ctx, const struct tdm_sched_plan *plan, tdm_status st)
 {
     struct tdm_disagg_prefill *p = ctx;
     pthread_mutex_lock(&p->mu);
@@ -253,13 +253,18 @@ static void step_end(void *ctx, const struct tdm_step_span *spans, int n, tdm_st
         int64_t now = (int64_t)tdm_now_ns();
         for (; p->step_posted < p->n_layers; p->step_posted++)
             post_layer_locked(p, p->step_posted, now);
-        for (int i = 0; i < n; i++) {
-            struct job *j = spans[i].user;
-            if (!j || !spans[i].last || !spans[i].hidden) continue;
+        for (int i = 0; i < plan->n_seqs; i++) {
+            const struct tdm_plan_seq *q = &plan->seqs[i];
+            struct job *j = q->user;
+            if (!j || !q->last || !(q->want & TDM_ROW_HIDDEN) || !q->n_rows) continue;
+            /* the job's request asked for the hidden state (and logits) of its last row */
+            int row = q->row0 + q->n_rows - 1;
             float *dst = p->ctx_mem + (size_t)j->ctx_slot * (p->ctx_bytes / sizeof(float));
-            memcpy(dst, spans[i].hidden, (size_t)p->d_model * sizeof(float));
+            memcpy(dst, plan->hidden + (size_t)row * p->d_model,
+                   (size_t)p->d_model * sizeof(float));
             if (j->m.want_logits)
-                memcpy(dst + p->d_model, spans[i].logits, (size_t)p->vocab * sizeof(float));
+                memcpy(dst + p->d_model, plan->logits + (size_t)row * p->vocab,
+                       (size_t)p->vocab * sizeof(float));
             uint32_t n_chunks = (j->m.n_tokens + j->m.chunk - 1) / j->m.chunk;
             post_locked(p, j, NULL, 0, 0, -1, n_chunks * (uint32_t)p->n_layers, 0);
             j->ctx_posted = true;
@@ -465,6 +470,8 @@ static void service_jobs_locked(struct tdm_disagg_prefill *p)
                                             .top_logprobs = -1,
                                             .prefill_only = true,
                                             .fixed_chunk = (int)j->m.chunk,
+                                            .want_hidden = true,
+                                            .want_logits = j->m.want_logits != 0,
                                             .user = j};
                 tdm_req_t *r = NULL;
                 j->state = JOB_RUNNING;
@@ -560,13 +567,15 @@ static void *messenger_main(void *arg)
 /* ---- lifecycle ---- */
 
 tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, tdm_engine_t *e,
-                                     tdm_sched_t *s, _Atomic int32_t *layer_counter,
-                                     tdm_disagg_prefill_t **out)
+                                     tdm_sched_t *s, tdm_disagg_prefill_t **out)
 {
     const struct tdm_model_config *c = &tdm_engine_model(e)->cfg;
     const struct tdm_engine_opts *eo = tdm_engine_opts(e);
-    if (!layer_counter || eo->layer_counter != layer_counter)
-        return tdm_err_set(TDM_EINVAL, "disagg: the engine must publish the layer counter given");
+    _Atomic int32_t *layer_counter = tdm_engine_layer_counter(e);
+    if (!layer_counter)
+        return tdm_err_set(TDM_EINVAL,
+                           "disagg: the prefill side streams layers as they finish: create the "
+                           "engine with count_layers");
     struct tdm_disagg_prefill *p = calloc(1, sizeof *p);
     if (!p) return tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
     p->o = *o;
@@ -637,9 +646,9 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
     if ((st = tdm_xfer_mr_reg(p->x, p->ctx_mem, p->ctx_bytes * (size_t)p->o.max_jobs,
                               TDM_XFER_MEM_HOST, &p->ctx_mr)) != TDM_OK)
         goto out_mr;
-    struct tdm_sched_hooks h = {
-        .ctx = p, .step_begin = step_begin, .step_end = step_end, .finished = finished};
-    tdm_sched_set_hooks(s, &h);
+    static const struct tdm_kv_connector_i conn = {
+        .step_begin = step_begin, .step_end = step_end, .finished = finished};
+    tdm_sched_set_connector(s, &conn, p);
     if (pthread_create(&p->thread, NULL, messenger_main, p)) {
         st = tdm_err_set(TDM_EINTERNAL, "disagg: cannot start the messenger thread");
         goto out_mr;

@@ -66,6 +66,12 @@ struct tdm_engine {
      * the logits when they live in device memory (a hook that refused the vocabulary) */
     struct tdm_sample_scratch sample_scratch;
     float *host_logits;
+    /* device sampling of a step whose rows do not all sample: those rows are drawn greedily
+     * (cheap) from a copy of the row list, and their results dropped */
+    struct tdm_sampler greedy;
+    struct tdm_sample_row *dev_rows; /* [max_logit_rows] */
+    _Atomic int32_t own_counter;     /* the layer counter where the backend has none */
+    _Atomic int32_t *counter;        /* count_layers: own_counter or the backend's */
 };
 
 static void *balloc(tdm_engine_t *e, size_t bytes, tdm_status *st)
@@ -253,6 +259,15 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
             goto out_scratch;
         }
     }
+    struct tdm_sampling_params greedy = tdm_sampling_defaults();
+    if ((st = tdm_sampler_init(&e->greedy, &greedy, 0, c->vocab_size)) != TDM_OK) goto out_scratch;
+    if (e->device_sampling && !(e->dev_rows = calloc(R, sizeof *e->dev_rows))) {
+        st = tdm_err_set(TDM_ENOMEM, "engine: out of memory for sample rows");
+        goto out_scratch;
+    }
+    if (o->count_layers)
+        e->counter = tdm_backend_is_cuda(e->backend) ? tdm_backend_cuda_counter(e->backend)
+                                                     : &e->own_counter;
     struct tdm_kv_config kc = {.n_layers = c->n_layers,
                                .n_kv_heads = c->n_kv_heads,
                                .head_dim = c->head_dim,
@@ -280,7 +295,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     size_t meta = (T * 4 + (size_t)o->max_seqs * 4 + 8 + R) * sizeof(int32_t) +
                   (size_t)o->max_seqs * (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
                       sizeof(int32_t) +
-                  64 * 16;
+                  64 * 16 + R;
     if ((st = tdm_arena_init(&e->arena, meta)) != TDM_OK) goto out_scratch;
     *out = e;
     return TDM_OK;
@@ -290,6 +305,8 @@ out_scratch:
     free_scratch(e);
     tdm_sample_scratch_free(&e->sample_scratch);
     free(e->host_logits);
+    free(e->dev_rows);
+    tdm_sampler_free(&e->greedy);
 out_backend:
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     free(e->layers);
@@ -306,6 +323,8 @@ void tdm_engine_destroy(tdm_engine_t *e)
     free_scratch(e);
     tdm_sample_scratch_free(&e->sample_scratch);
     free(e->host_logits);
+    free(e->dev_rows);
+    tdm_sampler_free(&e->greedy);
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     tdm_arena_free(&e->arena);
     free(e->layers);
@@ -331,6 +350,11 @@ const struct tdm_engine_opts *tdm_engine_opts(const tdm_engine_t *e)
 tdm_backend_t *tdm_engine_backend(tdm_engine_t *e)
 {
     return e->backend;
+}
+
+_Atomic int32_t *tdm_engine_layer_counter(tdm_engine_t *e)
+{
+    return e->counter;
 }
 
 /* Validates the batch and flattens it into a step; fills out_rows with the token indices that
@@ -362,6 +386,11 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
                 return tdm_err_set(TDM_EINVAL,
                                    "batch: sequence %d page %lld is %d, outside the pool", s,
                                    (long long)j, q->pages[j]);
+        for (int i = 0; q->slots && i < q->n_tokens; i++)
+            if (q->slots[i] < 0 || q->slots[i] >= o->kv_pages * ps)
+                return tdm_err_set(TDM_EINVAL,
+                                   "batch: sequence %d token %d has KV slot %d, outside the pool",
+                                   s, i, q->slots[i]);
         for (int i = 0; i < q->n_tokens; i++)
             if (q->tokens[i] < 0 || q->tokens[i] >= e->cfg.vocab_size)
                 return tdm_err_set(TDM_EINVAL, "batch: token id %d outside the vocabulary (0..%d)",
@@ -407,7 +436,7 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
             int pos = q->pos0 + i;
             tokens[t] = q->tokens[i];
             positions[t] = pos;
-            slots[t] = q->pages[pos / ps] * ps + pos % ps;
+            slots[t] = q->slots ? q->slots[i] : q->pages[pos / ps] * ps + pos % ps;
             token_seq[t] = s;
             if (i >= q->n_tokens - q->n_logits) rows[r++] = t;
         }
@@ -432,16 +461,85 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
     return TDM_OK;
 }
 
-/* The forward pass. Logit rows go to `logits` (host), or are sampled into `samples`. */
-static tdm_status forward(tdm_engine_t *e, const struct tdm_batch *batch, float *logits,
-                          struct tdm_sample_row *samples, float *hidden)
+/* Downloads the rows of `src` ([n_rows][width] backend memory) whose want has `bit`, merging
+ * runs of consecutive rows into one copy each. */
+static void download_rows(tdm_engine_t *e, float *dst, const float *src, const uint8_t *want,
+                          int n_rows, int width, uint8_t bit)
+{
+    const struct tdm_backend_i *ops = e->backend->iface;
+    for (int i = 0; i < n_rows;) {
+        if (!(want[i] & bit)) {
+            i++;
+            continue;
+        }
+        int j = i + 1;
+        while (j < n_rows && (want[j] & bit))
+            j++;
+        size_t off = (size_t)i * width;
+        ops->download(e->backend, dst + off, src + off, (size_t)(j - i) * width * sizeof(float));
+        i = j;
+    }
+}
+
+/* Samples the SAMPLE rows of a step whose logits are in e->logits. */
+static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, bool all,
+                              struct tdm_sample_row *samples)
+{
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    int vocab = e->cfg.vocab_size;
+    if (e->device_sampling) {
+        if (all) return ops->sample(b, e->logits, n_rows, vocab, samples);
+        /* the device samples every row: the others greedily, from a copy of the list */
+        for (int i = 0; i < n_rows; i++) {
+            e->dev_rows[i] = samples[i];
+            if (!(want[i] & TDM_ROW_SAMPLE))
+                e->dev_rows[i] = (struct tdm_sample_row){.smp = &e->greedy, .n_top = -1};
+        }
+        tdm_status st = ops->sample(b, e->logits, n_rows, vocab, e->dev_rows);
+        for (int i = 0; i < n_rows; i++)
+            if (want[i] & TDM_ROW_SAMPLE) samples[i] = e->dev_rows[i];
+        return st;
+    }
+    float *lg = e->logits;
+    if (e->host_logits) {
+        lg = e->host_logits;
+        ops->download(b, lg, e->logits, (size_t)n_rows * vocab * sizeof(float));
+    }
+    ops->sync(b);
+    for (int i = 0; i < n_rows; i++)
+        if (want[i] & TDM_ROW_SAMPLE)
+            tdm_sample_row_host(&samples[i], lg + (size_t)i * vocab, &e->sample_scratch);
+    return TDM_OK;
+}
+
+/* The forward pass (tdm_engine_run). */
+static tdm_status forward(tdm_engine_t *e, const struct tdm_batch *batch,
+                          const struct tdm_engine_out *out)
 {
     struct tdm_step step;
     int32_t *rows = NULL;
     int n_rows = 0;
     tdm_status st = build_step(e, batch, &step, &rows, &n_rows);
     if (st != TDM_OK) return st;
-    if (n_rows > 0 && !logits && !samples && !hidden)
+    /* what each row wants: given, or whatever buffers were passed */
+    const uint8_t *want = out->want;
+    uint8_t all_bits = (out->samples ? TDM_ROW_SAMPLE : 0) | (out->logits ? TDM_ROW_LOGITS : 0) |
+                       (out->hidden ? TDM_ROW_HIDDEN : 0);
+    uint8_t any = 0, every = 0xff;
+    if (n_rows > 0 && !want) {
+        uint8_t *w = tdm_arena_alloc(&e->arena, (size_t)n_rows);
+        if (!w) return tdm_err_set(TDM_ERANGE, "batch: no scratch for the row list");
+        memset(w, all_bits, (size_t)n_rows);
+        want = w;
+    }
+    for (int i = 0; i < n_rows; i++) {
+        any |= want[i];
+        every &= want[i];
+    }
+    if ((any & ~all_bits) & (TDM_ROW_SAMPLE | TDM_ROW_LOGITS | TDM_ROW_HIDDEN))
+        return tdm_err_set(TDM_EINVAL, "batch: a row wants an output it has no buffer for");
+    if (n_rows > 0 && !any)
         return tdm_err_set(TDM_EINVAL, "batch: logits requested but no output buffer");
 
     tdm_backend_t *b = e->backend;
@@ -450,9 +548,8 @@ static tdm_status forward(tdm_engine_t *e, const struct tdm_batch *batch, float 
     int d = c->d_model, hd = c->head_dim;
     float scale = 1.0f / sqrtf((float)hd);
     struct tdm_rope rope = {.head_dim = hd, .neox = c->rope_neox, .inv_freq = e->inv_freq};
-    _Atomic int32_t *counter = e->opts.layer_counter;
+    _Atomic int32_t *counter = e->counter;
     if (counter) atomic_store_explicit(counter, 0, memory_order_release);
-
     /* a backend may pad the step (a CUDA-graph bucket) or replay the whole layer loop */
     bool replayed = false;
     if (ops->step_begin &&
@@ -490,47 +587,39 @@ static tdm_status forward(tdm_engine_t *e, const struct tdm_batch *batch, float 
             return st;
         }
     }
-    if (n_rows > 0) {
-        if (hidden) {
-            ops->gather_rows(b, e->x, rows, n_rows, d, e->rows);
-            ops->download(b, hidden, e->rows, (size_t)n_rows * d * sizeof(float));
-        }
-        if (logits || samples) {
-            ops->gather_rows(b, e->h, rows, n_rows, d, e->rows);
-            ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
-        }
-        if (logits)
-            ops->download(b, logits, e->logits, (size_t)n_rows * c->vocab_size * sizeof(float));
+    if (any & TDM_ROW_HIDDEN) {
+        ops->gather_rows(b, e->x, rows, n_rows, d, e->rows);
+        download_rows(e, out->hidden, e->rows, want, n_rows, d, TDM_ROW_HIDDEN);
     }
-    if (samples && n_rows > 0) {
-        if (e->device_sampling) {
-            st = ops->sample(b, e->logits, n_rows, c->vocab_size, samples);
-        } else {
-            float *lg = e->logits;
-            if (e->host_logits) {
-                lg = e->host_logits;
-                ops->download(b, lg, e->logits, (size_t)n_rows * c->vocab_size * sizeof(float));
-            }
-            ops->sync(b);
-            for (int i = 0; i < n_rows; i++)
-                tdm_sample_row_host(&samples[i], lg + (size_t)i * c->vocab_size,
-                                    &e->sample_scratch);
-        }
+    if (any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE)) {
+        ops->gather_rows(b, e->h, rows, n_rows, d, e->rows);
+        ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
     }
+    /* logits before sampling, which may overwrite them */
+    if (any & TDM_ROW_LOGITS)
+        download_rows(e, out->logits, e->logits, want, n_rows, c->vocab_size, TDM_ROW_LOGITS);
+    if (any & TDM_ROW_SAMPLE)
+        st = sample_rows(e, want, n_rows, every & TDM_ROW_SAMPLE, out->samples);
     ops->sync(b);
     return st;
+}
+
+tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
+                          const struct tdm_engine_out *out)
+{
+    return forward(e, batch, out);
 }
 
 tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, float *logits,
                               float *hidden)
 {
-    return forward(e, batch, logits, NULL, hidden);
+    return forward(e, batch, &(struct tdm_engine_out){.logits = logits, .hidden = hidden});
 }
 
 tdm_status tdm_engine_forward_sample(tdm_engine_t *e, const struct tdm_batch *batch,
                                      struct tdm_sample_row *rows, float *hidden)
 {
-    return forward(e, batch, NULL, rows, hidden);
+    return forward(e, batch, &(struct tdm_engine_out){.samples = rows, .hidden = hidden});
 }
 
 bool tdm_engine_samples_on_device(const tdm_engine_t *e)

@@ -245,3 +245,13 @@ void tdm_kv_seq_release(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq)
     free(seq->pages);
     memset(seq, 0, sizeof *seq);
 }
+
+void tdm_kv_seq_trim(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64_t n_tokens)
+{
+    if (n_tokens < 0) n_tokens = 0;
+    int64_t ps = pool->cfg.page_size;
+    int64_t keep = (n_tokens + ps - 1) / ps;
+    if (keep >= seq->n_pages) return;
+    tdm_kv_pool_free(pool, seq->n_pages - (int)keep, seq->pages + keep);
+    seq->n_pages = (int)keep;
+}

@@ -116,6 +116,19 @@ void tdm_sampler_accept(struct tdm_sampler *s, int32_t token, bool is_prompt)
         s->out_count[token]++;
 }
 
+void tdm_sampler_unaccept(struct tdm_sampler *s, int32_t token)
+{
+    if (!s->out_count || token < 0 || token >= s->vocab || !s->out_count[token]) return;
+    if (--s->out_count[token] || s->prompt_seen[token]) return;
+    /* its first sight is being undone: newest-first undos make it the last one seen */
+    for (int i = s->n_seen - 1; i >= 0; i--)
+        if (s->seen[i] == token) {
+            memmove(s->seen + i, s->seen + i + 1, (size_t)(s->n_seen - i - 1) * sizeof *s->seen);
+            s->n_seen--;
+            break;
+        }
+}
+
 int32_t tdm_argmax(const float *logits, int vocab)
 {
     int32_t best = 0;

@@ -1,113 +1,16 @@
 /*
- * The scheduler: one thread that owns the engine and turns queued requests into forward steps
- * (include/tandem/sched.h has the policy and the lifecycle diagram).
- *
- * Locks, in the order they may nest: s->mu (waiting queue, running count, flags) is never held
- * while a request's r->mu is taken by the scheduler... except in publish paths, which take only
- * r->mu. s->mmu guards the metrics. The engine and everything under "scheduler thread only"
- * are touched by the scheduler thread alone, so a step runs without locks.
- *
- * Invariants: a request is in exactly one of {waiting list, running array, neither (finished)};
- * a waiting request holds no KV page; a finished request has released all of its pages before
- * its finish reason is published, so a reader that sees it finished sees the pool without it.
+ * The scheduler's front: creation, submission and the request API (any thread), metrics, and
+ * the thread that runs steps (include/tandem/sched.h has the policy and the lifecycle;
+ * sched_int.h the locks and invariants).
  */
-#include "tandem/sched.h"
-
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "sched/sched_int.h"
+
 #define DEFAULT_MAX_WAITING 1024
-
-enum req_state { REQ_WAITING, REQ_RUNNING, REQ_FINISHED };
-/* A remote prefill (disaggregation): none, sent and not landed, landed, failed. */
-enum { REMOTE_NONE, REMOTE_PENDING, REMOTE_OK, REMOTE_FAILED };
-
-struct tdm_req {
-    _Atomic int refs;
-    uint64_t id;
-    atomic_bool cancel;
-
-    /* immutable after submit */
-    int n_prompt, max_tokens, min_tokens, top_k_lp; /* top_k_lp: -1 = no logprobs */
-    bool ignore_eos;
-    int32_t stop_ids[TDM_MAX_STOP_IDS];
-    int n_stop_ids;
-    bool prefill_only;
-    int fixed_chunk;
-    void *user;
-    struct tdm_sched *sched;
-    _Atomic int remote; /* REMOTE_*: written by tdm_req_remote_done, read by the scheduler */
-
-    /* scheduler thread only */
-    int32_t *tokens; /* [n_prompt + max_tokens]: prompt, then outputs */
-    int n_tokens;    /* prompt + outputs so far */
-    int n_cached;    /* tokens whose KV is in kv */
-    struct tdm_kv_seq kv;
-    struct tdm_sampler smp;
-    struct tdm_text_stream ts;
-    enum req_state state;
-    int batch_slot; /* index in this step's batch, or -1 */
-    bool counted;   /* its prompt is in the prompt-token counter */
-    int64_t t_last_ns;
-    struct tdm_req *next; /* waiting list */
-
-    /* output, under mu */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int n_out;
-    float *logprobs;
-    int32_t *top_ids;
-    float *top_lps;
-    size_t *text_end;
-    char *text;
-    size_t text_len, text_cap;
-    enum tdm_finish finish;
-    tdm_status error;
-    char error_msg[256];
-    int64_t t_submit_ns, t_first_ns, t_end_ns;
-    int n_preempted;
-};
-
-struct tdm_sched {
-    tdm_engine_t *engine;
-    const tdm_tok_t *tok;
-    tdm_kv_pool_t *kv;
-    struct tdm_sched_opts o;
-    int vocab, max_ctx, page_size;
-    int64_t total_pages;
-    int eos[TDM_MAX_EOS + 1];
-    int n_eos;
-
-    pthread_mutex_t mu; /* everything below up to the scheduler-only part */
-    pthread_cond_t cv_work, cv_idle;
-    struct tdm_req *wait_head; /* FCFS by id */
-    int n_waiting, n_running;
-    bool accepting, stop, started;
-    uint64_t next_id;
-    pthread_t thread;
-
-    /* scheduler thread only */
-    struct tdm_req **running; /* [max_seqs], ascending id */
-    struct tdm_batch_seq *bseqs;
-    struct tdm_req **breqs;
-    float *logits;                     /* [max_seqs][vocab], with hooks (which want the rows) */
-    struct tdm_sample_scratch scratch; /* sampling those rows here, with hooks */
-    struct tdm_sample_row *srows;      /* [max_seqs]: what to sample from each logit row */
-    struct tdm_sched_hooks hooks;
-    bool have_hooks;
-    int d_model;
-    float *hidden; /* [max_seqs][d_model], with hooks */
-    struct tdm_step_span *spans;
-
-    pthread_mutex_t mmu;
-    struct tdm_sched_metrics_snapshot m;
-};
-
-/* ---- helpers ---- */
 
 const char *tdm_finish_name(enum tdm_finish f)
 {
@@ -177,9 +80,29 @@ static void req_free(struct tdm_req *r)
     free(r);
 }
 
-static void req_unref(struct tdm_req *r)
+void sched_req_unref(struct tdm_req *r)
 {
     if (atomic_fetch_sub(&r->refs, 1) == 1) req_free(r);
+}
+
+const char *tdm_req_state_name(enum tdm_req_state st)
+{
+    switch (st) {
+    case TDM_REQ_WAITING:
+        return "waiting";
+    case TDM_REQ_WAITING_REMOTE_KV:
+        return "waiting_remote_kv";
+    case TDM_REQ_RUNNING:
+        return "running";
+    case TDM_REQ_FINISHED:
+        return "finished";
+    }
+    return "unknown";
+}
+
+enum tdm_req_state tdm_req_state(const tdm_req_t *r)
+{
+    return (enum tdm_req_state)atomic_load(&((struct tdm_req *)r)->state);
 }
 
 /* ---- metrics ---- */
@@ -225,46 +148,44 @@ int tdm_sched_max_ctx(const tdm_sched_t *s)
 
 /* ---- creation ---- */
 
-tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
-                            const struct tdm_sched_opts *opts, tdm_sched_t **out)
+tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t *tok,
+                                 const struct tdm_sched_opts *opts, tdm_sched_t **out)
 {
-    const struct tdm_engine_opts *eo = tdm_engine_opts(engine);
-    const struct tdm_model *m = tdm_engine_model(engine);
+    if (!x->iface || !x->iface->run || !x->kv || x->vocab <= 0 || x->max_ctx <= 0 ||
+        x->max_batch_tokens <= 0 || x->max_seqs <= 0 || x->max_rows <= 0)
+        return tdm_err_set(TDM_EINVAL, "sched: the executor lacks its run call or its limits");
     struct tdm_sched *s = calloc(1, sizeof *s);
     if (!s) return tdm_err_set(TDM_ENOMEM, "sched: out of memory");
-    s->engine = engine;
+    s->x = *x;
     s->tok = tok;
-    s->kv = tdm_engine_kv(engine);
+    s->kv = x->kv;
     s->o = opts ? *opts : (struct tdm_sched_opts){0};
-    if (s->o.max_batch_tokens <= 0 || s->o.max_batch_tokens > eo->max_batch_tokens)
-        s->o.max_batch_tokens = eo->max_batch_tokens;
-    int seq_cap = TDM_MIN(eo->max_seqs, eo->max_logit_rows);
+    if (s->o.max_batch_tokens <= 0 || s->o.max_batch_tokens > x->max_batch_tokens)
+        s->o.max_batch_tokens = x->max_batch_tokens;
+    int seq_cap = TDM_MIN(x->max_seqs, x->max_rows);
     if (s->o.max_seqs <= 0 || s->o.max_seqs > seq_cap) s->o.max_seqs = seq_cap;
     if (s->o.prefill_chunk <= 0 || s->o.prefill_chunk > s->o.max_batch_tokens)
         s->o.prefill_chunk = s->o.max_batch_tokens;
     if (s->o.max_waiting <= 0) s->o.max_waiting = DEFAULT_MAX_WAITING;
-    s->vocab = m->cfg.vocab_size;
-    s->d_model = m->cfg.d_model;
-    s->max_ctx = eo->max_ctx;
-    s->page_size = eo->page_size;
+    s->vocab = x->vocab;
+    s->max_ctx = x->max_ctx;
+    s->max_rows = x->max_rows;
+    s->page_size = tdm_kv_pool_config(s->kv)->page_size;
     s->total_pages = tdm_kv_pool_stats(s->kv).total;
     if (s->o.watermark_pages == 0) s->o.watermark_pages = (int)(s->total_pages / 100);
     if (s->o.watermark_pages < 0) s->o.watermark_pages = 0;
-    for (int i = 0; i < m->cfg.n_eos; i++)
-        s->eos[s->n_eos++] = m->cfg.eos_ids[i];
+    for (int i = 0; i < x->n_eos && s->n_eos < TDM_MAX_EOS; i++)
+        s->eos[s->n_eos++] = x->eos[i];
     if (tok && tdm_tok_eos(tok) >= 0) s->eos[s->n_eos++] = tdm_tok_eos(tok);
 
-    int n = s->o.max_seqs;
-    s->running = calloc((size_t)n, sizeof *s->running);
-    s->bseqs = calloc((size_t)n, sizeof *s->bseqs);
-    s->breqs = calloc((size_t)n, sizeof *s->breqs);
-    s->spans = calloc((size_t)n, sizeof *s->spans);
-    s->srows = calloc((size_t)n, sizeof *s->srows);
-    tdm_status st = TDM_ENOMEM;
-    if (!s->running || !s->bseqs || !s->breqs || !s->spans || !s->srows) {
-        tdm_err_set(TDM_ENOMEM, "sched: out of memory");
-        goto out_free;
-    }
+    size_t n = (size_t)s->o.max_seqs, rows = (size_t)s->max_rows;
+    s->running = calloc(n, sizeof *s->running);
+    s->pseqs = calloc(n, sizeof *s->pseqs);
+    s->slots = calloc((size_t)s->o.max_batch_tokens, sizeof *s->slots);
+    s->want = calloc(rows, sizeof *s->want);
+    s->srows = calloc(rows, sizeof *s->srows);
+    if (!s->running || !s->pseqs || !s->slots || !s->want || !s->srows) goto out_free;
+    if (s->o.row_outputs && !sched_row_outputs(s)) goto out_free;
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->mmu, NULL);
     pthread_cond_init(&s->cv_work, NULL);
@@ -277,12 +198,44 @@ tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
 
 out_free:
     free(s->running);
-    free(s->bseqs);
-    free(s->breqs);
-    free(s->spans);
+    free(s->pseqs);
+    free(s->slots);
+    free(s->want);
     free(s->srows);
+    free(s->logits);
+    free(s->hidden);
+    tdm_sample_scratch_free(&s->scratch);
     free(s);
-    return st;
+    return tdm_err_set(TDM_ENOMEM, "sched: out of memory");
+}
+
+tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
+                            const struct tdm_sched_opts *opts, tdm_sched_t **out)
+{
+    struct tdm_sched_exec x;
+    struct tdm_engine_exec *ex = NULL;
+    int max_seqs = opts && opts->max_seqs > 0 ? opts->max_seqs : 0;
+    tdm_status st = sched_engine_exec_create(engine, max_seqs, &x, &ex);
+    if (st != TDM_OK) return st;
+    if ((st = tdm_sched_create_exec(&x, tok, opts, out)) != TDM_OK) {
+        sched_engine_exec_destroy(ex);
+        return st;
+    }
+    (*out)->engine_exec = ex;
+    return TDM_OK;
+}
+
+/* Reserves the logit and hidden rows (and the host sampler's scratch for them); false when
+ * out of memory. */
+bool sched_row_outputs(struct tdm_sched *s)
+{
+    if (s->row_outputs) return true;
+    size_t rows = (size_t)s->max_rows;
+    if (!s->logits) s->logits = malloc(rows * (size_t)s->vocab * sizeof(float));
+    if (!s->hidden) s->hidden = malloc(rows * (size_t)TDM_MAX(s->x.d_model, 1) * sizeof(float));
+    if (!s->scratch.probs) tdm_sample_scratch_init(&s->scratch, s->vocab);
+    s->row_outputs = s->logits && s->hidden && s->scratch.probs;
+    return s->row_outputs;
 }
 
 /* ---- submission (any thread) ---- */
@@ -328,6 +281,9 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
                                p->stop_ids[i]);
     tdm_status st = tdm_sampling_validate(&p->sampling);
     if (st != TDM_OK) return st;
+    if ((p->want_logits || p->want_hidden) && !s->row_outputs)
+        return tdm_err_set(TDM_EINVAL, "this scheduler keeps no logit or hidden-state rows "
+                                       "(tdm_sched_opts.row_outputs)");
 
     struct tdm_req *r = calloc(1, sizeof *r);
     if (!r) return tdm_err_set(TDM_ENOMEM, "out of memory");
@@ -362,11 +318,15 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     r->n_stop_ids = p->n_stop_ids;
     r->prefill_only = p->prefill_only;
     r->fixed_chunk = p->fixed_chunk;
+    r->penalties = r->smp.out_count != NULL;
+    r->want =
+        (uint8_t)((p->prefill_only ? 0 : TDM_ROW_SAMPLE) | (p->want_logits ? TDM_ROW_LOGITS : 0) |
+                  (p->want_hidden ? TDM_ROW_HIDDEN : 0));
     r->user = p->user;
     r->sched = s;
     atomic_init(&r->remote, REMOTE_NONE);
+    atomic_init(&r->state, TDM_REQ_WAITING);
     r->batch_slot = -1;
-    r->state = REQ_WAITING;
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
     atomic_init(&r->refs, 2); /* the submitter's and the scheduler's */
@@ -423,7 +383,7 @@ void tdm_req_release(tdm_req_t *r)
 {
     if (!r) return;
     atomic_store(&r->cancel, true);
-    req_unref(r);
+    sched_req_unref(r);
 }
 
 bool tdm_req_wait(tdm_req_t *r, int seen_out, size_t seen_text, int timeout_ms)
@@ -472,473 +432,6 @@ void tdm_req_unlock(tdm_req_t *r)
     pthread_mutex_unlock(&r->mu);
 }
 
-/* ---- the scheduler thread ---- */
-
-/* Appends released text to r's output; called with r->mu held. */
-static bool text_append(struct tdm_req *r, const char *b, size_t n)
-{
-    if (!n) return true;
-    if (r->text_len + n + 1 > r->text_cap) {
-        size_t cap = r->text_cap;
-        while (r->text_len + n + 1 > cap)
-            cap *= 2;
-        char *t = realloc(r->text, cap);
-        if (!t) return false;
-        r->text = t;
-        r->text_cap = cap;
-    }
-    memcpy(r->text + r->text_len, b, n);
-    r->text_len += n;
-    r->text[r->text_len] = '\0';
-    return true;
-}
-
-/* Ends a request: returns its pages, publishes the reason, drops the scheduler's reference.
- * The caller has removed it from the running array or the waiting list. */
-static void finish_req(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, tdm_status err,
-                       const char *msg)
-{
-    if (s->have_hooks && s->hooks.finished) s->hooks.finished(s->hooks.ctx, r, r->user, why);
-    r->state = REQ_FINISHED;
-    int64_t now = (int64_t)tdm_now_ns();
-    pthread_mutex_lock(&r->mu);
-    if (why != TDM_FINISH_STOP || !r->ts.stopped) {
-        char out[TDM_STREAM_CAP + 8];
-        size_t n_out = 0;
-        tdm_text_stream_flush(&r->ts, out, &n_out);
-        if (!text_append(r, out, n_out) && why != TDM_FINISH_ERROR) {
-            why = TDM_FINISH_ERROR;
-            err = TDM_ENOMEM;
-            msg = "out of memory";
-        }
-        if (r->n_out) r->text_end[r->n_out - 1] = r->text_len;
-    }
-    pthread_mutex_unlock(&r->mu);
-    /* the metrics and the pages before the client can see the end: whoever reads /metrics
-     * or the pool after a response finds this request counted and its pages back */
-    pthread_mutex_lock(&s->mmu);
-    s->m.finished[why]++;
-    if (why == TDM_FINISH_STOP || why == TDM_FINISH_LENGTH)
-        tdm_hist_observe(&s->m.e2e_s, (double)(now - r->t_submit_ns) * 1e-9);
-    pthread_mutex_unlock(&s->mmu);
-    tdm_kv_seq_release(s->kv, &r->kv);
-    r->n_cached = 0;
-    pthread_mutex_lock(&r->mu);
-    r->finish = why;
-    r->error = err;
-    if (msg) snprintf(r->error_msg, sizeof r->error_msg, "%s", msg);
-    r->t_end_ns = now;
-    pthread_cond_broadcast(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    req_unref(r);
-}
-
-static void running_remove(struct tdm_sched *s, int i)
-{
-    memmove(&s->running[i], &s->running[i + 1],
-            (size_t)(s->n_running - i - 1) * sizeof *s->running);
-    pthread_mutex_lock(&s->mu);
-    s->n_running--;
-    if (!s->n_running && !s->n_waiting) pthread_cond_broadcast(&s->cv_idle);
-    pthread_mutex_unlock(&s->mu);
-}
-
-static void running_insert(struct tdm_sched *s, struct tdm_req *r)
-{
-    int i = s->n_running;
-    while (i > 0 && s->running[i - 1]->id > r->id) {
-        s->running[i] = s->running[i - 1];
-        i--;
-    }
-    s->running[i] = r;
-    r->state = REQ_RUNNING;
-    pthread_mutex_lock(&s->mu);
-    s->n_running++;
-    pthread_mutex_unlock(&s->mu);
-}
-
-/* Preemption by recompute: the pages go back, the request returns to the waiting list in id
- * order (it is older than anything behind it) and will feed its whole token list again. */
-static void requeue(struct tdm_sched *s, int i, bool count);
-static void preempt(struct tdm_sched *s, int i)
-{
-    requeue(s, i, true);
-}
-
-/* Takes running[i] back to the waiting list, pages released. */
-static void requeue(struct tdm_sched *s, int i, bool count)
-{
-    struct tdm_req *r = s->running[i];
-    tdm_kv_seq_release(s->kv, &r->kv);
-    r->n_cached = 0;
-    r->batch_slot = -1;
-    running_remove(s, i);
-    pthread_mutex_lock(&s->mu);
-    struct tdm_req **pp = &s->wait_head;
-    while (*pp && (*pp)->id < r->id)
-        pp = &(*pp)->next;
-    r->next = *pp;
-    *pp = r;
-    s->n_waiting++;
-    r->state = REQ_WAITING;
-    pthread_mutex_unlock(&s->mu);
-    if (!count) return;
-    pthread_mutex_lock(&r->mu);
-    r->n_preempted++;
-    pthread_mutex_unlock(&r->mu);
-    pthread_mutex_lock(&s->mmu);
-    s->m.preemptions++;
-    pthread_mutex_unlock(&s->mmu);
-}
-
-static int running_index(struct tdm_sched *s, struct tdm_req *r)
-{
-    for (int i = 0; i < s->n_running; i++)
-        if (s->running[i] == r) return i;
-    return -1;
-}
-
-/* Makes r's page table cover n tokens, preempting the newest running requests that are not in
- * this step's batch. Returns false if r itself had to go (or nothing could be freed and
- * may_self is set), true when the pages are there, and -1-style "skip" as false with r kept
- * when !may_preempt. */
-static bool reserve_or_preempt(struct tdm_sched *s, struct tdm_req *r, int64_t n, bool may_self)
-{
-    for (;;) {
-        if (tdm_kv_seq_reserve(s->kv, &r->kv, n) == TDM_OK) return true;
-        int victim = -1;
-        for (int i = s->n_running - 1; i >= 0; i--) {
-            struct tdm_req *v = s->running[i];
-            if (v != r && v->batch_slot < 0 && v->id > r->id &&
-                atomic_load(&v->remote) == REMOTE_NONE) {
-                victim = i;
-                break;
-            }
-        }
-        if (victim < 0) {
-            if (may_self) preempt(s, running_index(s, r));
-            return false;
-        }
-        preempt(s, victim);
-    }
-}
-
-static bool is_stop_token(struct tdm_sched *s, struct tdm_req *r, int32_t t)
-{
-    int n_out = r->n_tokens - r->n_prompt; /* outputs including t */
-    if (n_out <= r->min_tokens) return false;
-    if (!r->ignore_eos)
-        for (int i = 0; i < s->n_eos; i++)
-            if (s->eos[i] == t) return true;
-    for (int i = 0; i < r->n_stop_ids; i++)
-        if (r->stop_ids[i] == t) return true;
-    return false;
-}
-
-/* What r's next token is sampled with (its logit row's parameters). */
-static struct tdm_sample_row sample_row_of(const struct tdm_req *r)
-{
-    return (struct tdm_sample_row){
-        .smp = &r->smp, .position = (uint32_t)r->n_tokens, .n_top = r->top_k_lp};
-}
-
-/* Publishes r's next token, sampled into sr. Returns the finish reason (NONE to go on). */
-static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
-                               const struct tdm_sample_row *sr)
-{
-    int k = r->top_k_lp;
-    float lp = sr->logprob;
-    int32_t t = sr->token;
-    tdm_sampler_accept(&r->smp, t, false);
-    r->tokens[r->n_tokens++] = t;
-    int64_t now = (int64_t)tdm_now_ns();
-
-    bool stop = is_stop_token(s, r, t);
-    char out[TDM_STREAM_CAP + 256 + 8];
-    bool stop_str = false, oom = false;
-    pthread_mutex_lock(&r->mu);
-    int i = r->n_out;
-    if (r->logprobs) r->logprobs[i] = lp;
-    if (k > 0) {
-        memcpy(r->top_ids + (size_t)i * k, sr->top_ids, (size_t)k * sizeof(int32_t));
-        memcpy(r->top_lps + (size_t)i * k, sr->top_lps, (size_t)k * sizeof(float));
-    }
-    if (!stop && s->tok && !tdm_tok_is_special(s->tok, t)) {
-        size_t len = 0;
-        const char *piece = tdm_tok_piece(s->tok, t, &len);
-        for (size_t off = 0; piece && off < len && !stop_str; off += 256) {
-            size_t n_out = 0;
-            stop_str =
-                tdm_text_stream_push(&r->ts, piece + off, TDM_MIN(len - off, 256), out, &n_out);
-            if (!text_append(r, out, n_out)) oom = true;
-        }
-    }
-    r->text_end[i] = r->text_len;
-    r->n_out = i + 1;
-    bool first = i == 0;
-    if (first) r->t_first_ns = now;
-    pthread_cond_broadcast(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-
-    pthread_mutex_lock(&s->mmu);
-    s->m.generated_tokens++;
-    if (first)
-        tdm_hist_observe(&s->m.ttft_s, (double)(now - r->t_submit_ns) * 1e-9);
-    else
-        tdm_hist_observe(&s->m.itl_s, (double)(now - r->t_last_ns) * 1e-9);
-    pthread_mutex_unlock(&s->mmu);
-    r->t_last_ns = now;
-
-    if (oom) return TDM_FINISH_ERROR;
-    if (stop || stop_str) return TDM_FINISH_STOP;
-    if (r->n_tokens - r->n_prompt >= r->max_tokens || r->n_tokens >= s->max_ctx)
-        return TDM_FINISH_LENGTH;
-    return TDM_FINISH_NONE;
-}
-
-/* Drops cancelled requests: waiting ones and running ones. */
-static void reap_cancelled(struct tdm_sched *s, bool cancel_all)
-{
-    struct tdm_req *dead = NULL;
-    pthread_mutex_lock(&s->mu);
-    struct tdm_req **pp = &s->wait_head;
-    while (*pp) {
-        struct tdm_req *r = *pp;
-        if (cancel_all || atomic_load(&r->cancel)) {
-            *pp = r->next;
-            s->n_waiting--;
-            r->next = dead;
-            dead = r;
-        } else {
-            pp = &r->next;
-        }
-    }
-    pthread_mutex_unlock(&s->mu);
-    while (dead) {
-        struct tdm_req *r = dead;
-        dead = r->next;
-        finish_req(s, r, TDM_FINISH_CANCELLED, TDM_ECANCELED, "cancelled");
-    }
-    for (int i = s->n_running - 1; i >= 0; i--) {
-        struct tdm_req *r = s->running[i];
-        if (cancel_all || atomic_load(&r->cancel)) {
-            running_remove(s, i);
-            finish_req(s, r, TDM_FINISH_CANCELLED, TDM_ECANCELED, "cancelled");
-        }
-    }
-    pthread_mutex_lock(&s->mu);
-    if (!s->n_running && !s->n_waiting) pthread_cond_broadcast(&s->cv_idle);
-    pthread_mutex_unlock(&s->mu);
-}
-
-static void add_to_batch(struct tdm_sched *s, struct tdm_req *r, int span, int *nb)
-{
-    struct tdm_batch_seq *b = &s->bseqs[*nb];
-    b->tokens = r->tokens + r->n_cached;
-    b->n_tokens = span;
-    b->pos0 = r->n_cached;
-    b->pages = r->kv.pages;
-    b->n_pages = r->kv.n_pages;
-    b->n_logits = r->n_cached + span == r->n_tokens ? 1 : 0;
-    r->batch_slot = *nb;
-    s->breqs[*nb] = r;
-    (*nb)++;
-}
-
-/* Builds and runs one step. Returns false when there was nothing to run. */
-/* The span a request runs next: all that is left, capped by the budget and the chunk size. A
- * fixed-chunk request takes exactly its chunk (or what is left) or nothing. Returns 0 when it
- * must wait. */
-static int next_span(struct tdm_sched *s, struct tdm_req *r, int budget)
-{
-    int left = r->n_tokens - r->n_cached;
-    if (r->fixed_chunk > 0) {
-        int span = TDM_MIN(left, r->fixed_chunk);
-        return span <= budget ? span : 0;
-    }
-    return TDM_MIN(TDM_MIN(left, budget), s->o.prefill_chunk);
-}
-
-/* Lands finished remote prefills: OK joins the decode batches, a failure goes back to the
- * waiting queue with its pages released (the hook fenced them). */
-static void land_remote(struct tdm_sched *s)
-{
-    for (int i = s->n_running - 1; i >= 0; i--) {
-        struct tdm_req *r = s->running[i];
-        int st = atomic_load(&r->remote);
-        if (st == REMOTE_OK) {
-            atomic_store(&r->remote, REMOTE_NONE);
-            r->n_cached = r->n_tokens - 1;
-        } else if (st == REMOTE_FAILED) {
-            atomic_store(&r->remote, REMOTE_NONE);
-            requeue(s, i, false);
-        }
-    }
-}
-
-static void fill_spans(struct tdm_sched *s, int nb, bool with_rows)
-{
-    int row = 0;
-    for (int j = 0; j < nb; j++) {
-        struct tdm_req *r = s->breqs[j];
-        const struct tdm_batch_seq *b = &s->bseqs[j];
-        struct tdm_step_span *sp = &s->spans[j];
-        *sp = (struct tdm_step_span){.req = r,
-                                     .user = r->user,
-                                     .pos0 = b->pos0,
-                                     .n_tokens = b->n_tokens,
-                                     .pages = b->pages,
-                                     .n_pages = b->n_pages,
-                                     .last = b->n_logits > 0};
-        if (b->n_logits && with_rows) {
-            sp->logits = s->logits + (size_t)row * s->vocab;
-            sp->hidden = s->hidden + (size_t)row * s->d_model;
-        }
-        row += b->n_logits;
-    }
-}
-
-/* Builds and runs one step. Returns false when there was nothing to run. */
-static bool step(struct tdm_sched *s)
-{
-    reap_cancelled(s, false);
-    land_remote(s);
-    int budget = s->o.max_batch_tokens, nb = 0;
-    for (int i = 0; i < s->n_running; i++)
-        s->running[i]->batch_slot = -1;
-
-    /* 1. decodes, oldest first */
-    for (int i = 0; i < s->n_running && budget > 0; i++) {
-        struct tdm_req *r = s->running[i];
-        if (r->n_tokens - r->n_cached != 1 || atomic_load(&r->remote) != REMOTE_NONE) continue;
-        if (!reserve_or_preempt(s, r, r->n_tokens, true)) {
-            i--; /* r left the array */
-            continue;
-        }
-        add_to_batch(s, r, 1, &nb);
-        budget--;
-    }
-    /* 2. prefill spans of running requests */
-    for (int i = 0; i < s->n_running && budget > 0; i++) {
-        struct tdm_req *r = s->running[i];
-        if (r->batch_slot >= 0 || atomic_load(&r->remote) != REMOTE_NONE) continue;
-        int span = next_span(s, r, budget);
-        if (!span || !reserve_or_preempt(s, r, r->n_cached + span, false)) continue;
-        add_to_batch(s, r, span, &nb);
-        budget -= span;
-    }
-    /* 3. admissions, FCFS: stop at the first request that does not fit */
-    while (budget > 0 && s->n_running < s->o.max_seqs) {
-        pthread_mutex_lock(&s->mu);
-        struct tdm_req *r = s->wait_head;
-        pthread_mutex_unlock(&s->mu);
-        if (!r) break;
-        int64_t need = (r->n_tokens + 1 + s->page_size - 1) / s->page_size;
-        int64_t free_pages = tdm_kv_pool_stats(s->kv).free;
-        if (need + (s->n_running ? s->o.watermark_pages : 0) > free_pages) break;
-        bool remote =
-            s->have_hooks && s->hooks.remote_prefill && !r->prefill_only && r->n_tokens >= 2;
-        int span = remote ? r->n_tokens : next_span(s, r, budget);
-        if (!span || tdm_kv_seq_reserve(s->kv, &r->kv, span) != TDM_OK) break;
-        pthread_mutex_lock(&s->mu);
-        s->wait_head = r->next;
-        r->next = NULL;
-        s->n_waiting--;
-        pthread_mutex_unlock(&s->mu);
-        running_insert(s, r);
-        if (!r->counted) {
-            r->counted = true;
-            pthread_mutex_lock(&s->mmu);
-            s->m.prompt_tokens += (uint64_t)r->n_prompt;
-            pthread_mutex_unlock(&s->mmu);
-        }
-        if (remote) {
-            atomic_store(&r->remote, REMOTE_PENDING);
-            if (s->hooks.remote_prefill(s->hooks.ctx, r, r->user, r->tokens, r->n_tokens - 1,
-                                        r->kv.pages, r->kv.n_pages))
-                continue;
-            /* prefill here after all */
-            atomic_store(&r->remote, REMOTE_NONE);
-            span = next_span(s, r, budget);
-            if (!span) continue;
-        }
-        add_to_batch(s, r, span, &nb);
-        budget -= span;
-    }
-    if (!nb) {
-        /* Nothing could run. If two or more requests are prefilling here and the pool is dry,
-         * the newest gives its pages back so the older ones can go on. */
-        int stuck = 0, newest = -1;
-        for (int i = 0; i < s->n_running; i++)
-            if (atomic_load(&s->running[i]->remote) == REMOTE_NONE) {
-                stuck++;
-                newest = i;
-            }
-        if (stuck > 1) {
-            preempt(s, newest);
-            return true;
-        }
-        return false;
-    }
-
-    struct tdm_batch batch = {.seqs = s->bseqs, .n_seqs = nb};
-    if (s->have_hooks && s->hooks.step_begin) {
-        fill_spans(s, nb, false);
-        s->hooks.step_begin(s->hooks.ctx, s->spans, nb);
-    }
-    /* without hooks (which want the logit rows themselves) the engine samples (on a device,
-     * where the logits are) and only tokens come back; with them the rows are sampled here */
-    tdm_status st;
-    if (!s->have_hooks) {
-        int row = 0;
-        for (int j = 0; j < nb; j++)
-            if (s->bseqs[j].n_logits) s->srows[row++] = sample_row_of(s->breqs[j]);
-        st = tdm_engine_forward_sample(s->engine, &batch, s->srows, NULL);
-    } else {
-        st = tdm_engine_forward(s->engine, &batch, s->logits, s->hidden);
-    }
-    if (s->have_hooks && s->hooks.step_end) {
-        fill_spans(s, nb, st == TDM_OK);
-        s->hooks.step_end(s->hooks.ctx, s->spans, nb, st);
-    }
-    pthread_mutex_lock(&s->mmu);
-    s->m.steps++;
-    tdm_hist_observe(&s->m.batch_tokens, s->o.max_batch_tokens - budget);
-    tdm_hist_observe(&s->m.batch_seqs, nb);
-    pthread_mutex_unlock(&s->mmu);
-    if (st != TDM_OK) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "forward pass failed: %s", tdm_err_msg());
-        TDM_ERROR("sched: %s", msg);
-        for (int j = 0; j < nb; j++) {
-            struct tdm_req *r = s->breqs[j];
-            running_remove(s, running_index(s, r));
-            finish_req(s, r, TDM_FINISH_ERROR, st, msg);
-        }
-        return true;
-    }
-    int row = 0;
-    for (int j = 0; j < nb; j++) {
-        struct tdm_req *r = s->breqs[j];
-        r->batch_slot = -1;
-        r->n_cached += s->bseqs[j].n_tokens;
-        if (!s->bseqs[j].n_logits) continue;
-        struct tdm_sample_row *sr = &s->srows[row];
-        if (s->have_hooks && !r->prefill_only) {
-            *sr = sample_row_of(r);
-            tdm_sample_row_host(sr, s->logits + (size_t)row * s->vocab, &s->scratch);
-        }
-        row++;
-        enum tdm_finish f = r->prefill_only ? TDM_FINISH_STOP : publish(s, r, sr);
-        if (f != TDM_FINISH_NONE) {
-            running_remove(s, running_index(s, r));
-            finish_req(s, r, f, f == TDM_FINISH_ERROR ? TDM_ENOMEM : TDM_OK,
-                       f == TDM_FINISH_ERROR ? "out of memory" : NULL);
-        }
-    }
-    return true;
-}
-
 static void *sched_main(void *arg)
 {
     struct tdm_sched *s = arg;
@@ -949,7 +442,7 @@ static void *sched_main(void *arg)
         bool stop = s->stop;
         pthread_mutex_unlock(&s->mu);
         if (stop) break;
-        if (!step(s)) {
+        if (!tdm_sched_step(s)) {
             /* Waiting requests that cannot be admitted yet, nothing running: sleep briefly
              * (pages come back only through cancellation, which also signals). */
             pthread_mutex_lock(&s->mu);
@@ -964,7 +457,7 @@ static void *sched_main(void *arg)
             pthread_mutex_unlock(&s->mu);
         }
     }
-    reap_cancelled(s, true);
+    sched_reap_cancelled(s, true);
     return NULL;
 }
 
@@ -1000,8 +493,26 @@ void tdm_sched_stop(tdm_sched_t *s, int drain_ms)
         pthread_join(s->thread, NULL);
         s->started = false;
     } else {
-        reap_cancelled(s, true);
+        sched_reap_cancelled(s, true);
     }
+}
+
+bool tdm_sched_step(tdm_sched_t *s)
+{
+    sched_reap_cancelled(s, false);
+    bool progress = sched_plan(s);
+    struct tdm_sched_plan *p = &s->plan;
+    if (!p->n_seqs) return progress; /* a preemption made room: go again at once */
+    if (s->conn && s->conn->step_begin) s->conn->step_begin(s->conn_ctx, p);
+    tdm_status st = s->x.iface->run(s->x.ctx, p);
+    if (s->conn && s->conn->step_end) s->conn->step_end(s->conn_ctx, p, st);
+    pthread_mutex_lock(&s->mmu);
+    s->m.steps++;
+    tdm_hist_observe(&s->m.batch_tokens, p->n_tokens);
+    tdm_hist_observe(&s->m.batch_seqs, p->n_seqs);
+    pthread_mutex_unlock(&s->mmu);
+    sched_commit(s, st);
+    return true;
 }
 
 void tdm_sched_destroy(tdm_sched_t *s)
@@ -1013,26 +524,30 @@ void tdm_sched_destroy(tdm_sched_t *s)
     pthread_mutex_destroy(&s->mmu);
     pthread_cond_destroy(&s->cv_work);
     pthread_cond_destroy(&s->cv_idle);
+    sched_engine_exec_destroy(s->engine_exec);
     free(s->running);
-    free(s->bseqs);
-    free(s->breqs);
-    free(s->spans);
+    free(s->pseqs);
+    free(s->slots);
+    free(s->want);
+    free(s->srows);
     free(s->hidden);
     free(s->logits);
-    free(s->srows);
     free(s);
 }
 
-void tdm_sched_set_hooks(tdm_sched_t *s, const struct tdm_sched_hooks *h)
+void tdm_sched_set_connector(tdm_sched_t *s, const struct tdm_kv_connector_i *c, void *ctx)
 {
-    const size_t n = (size_t)s->o.max_seqs;
-    if (!s->hidden) s->hidden = malloc(n * (size_t)s->d_model * sizeof(float));
-    if (!s->logits) s->logits = malloc(n * (size_t)s->vocab * sizeof(float));
-    if (!s->scratch.probs) tdm_sample_scratch_init(&s->scratch, s->vocab);
-    s->hooks = *h;
-    s->have_hooks = s->hidden && s->logits && s->scratch.probs;
-    if (!s->have_hooks)
-        TDM_ERROR("sched: out of memory for the logit and hidden-state rows; hooks off");
+    if (!sched_row_outputs(s))
+        TDM_ERROR("sched: out of memory for the logit and hidden-state rows");
+    s->conn = c;
+    s->conn_ctx = ctx;
+}
+
+void tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_i *d, void *ctx, int k)
+{
+    s->drafter = d && k > 0 ? d : NULL;
+    s->drafter_ctx = ctx;
+    s->draft_k = TDM_MIN(TDM_MAX(k, 0), s->o.max_batch_tokens - 1);
 }
 
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st)

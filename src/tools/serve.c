@@ -345,7 +345,6 @@ int tdm_cmd_serve(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
 
     int rc = 1;
-    static _Atomic int32_t layer_counter;
     tdm_disagg_prefill_t *pre = NULL;
     tdm_disagg_decode_t *dec = NULL;
     struct tdm_model *m = tdm_tool_load_model(model);
@@ -380,7 +379,7 @@ int tdm_cmd_serve(int argc, char **argv)
                                  .max_batch_tokens = (int)mbt,
                                  .max_seqs = (int)seqs,
                                  .max_logit_rows = (int)seqs,
-                                 .layer_counter = is_prefill ? &layer_counter : NULL,
+                                 .count_layers = is_prefill,
                                  .backend_kind = backend_kind,
                                  .gpu_memory_fraction = gpu_frac};
     if (tdm_engine_create(m, &eo, &e) != TDM_OK) {
@@ -398,7 +397,7 @@ int tdm_cmd_serve(int argc, char **argv)
     if (is_prefill) {
         struct tdm_disagg_prefill_opts po = {
             .xfer = {.provider = provider, .node = xnode, .peer_timeout_ms = (int)peer_timeout}};
-        if (tdm_disagg_prefill_create(&po, e, sched, &layer_counter, &pre) != TDM_OK) {
+        if (tdm_disagg_prefill_create(&po, e, sched, &pre) != TDM_OK) {
             tdm_tool_fail("prefill messenger");
             goto out_sched;
         }

@@ -144,7 +144,6 @@ static void free_model(void)
 struct run {
     tdm_engine_t *e;
     struct tdm_kv_seq kv[NSEQ];
-    _Atomic int32_t counter;
 };
 
 static void run_open(struct run *r, const struct tdm_model *m, int kind, tdm_backend_t *backend)
@@ -157,7 +156,7 @@ static void run_open(struct run *r, const struct tdm_model *m, int kind, tdm_bac
                                 .max_batch_tokens = 4096,
                                 .max_seqs = NSEQ,
                                 .max_logit_rows = 64,
-                                .layer_counter = &r->counter,
+                                .count_layers = true,
                                 .backend = backend,
                                 .backend_kind = kind};
     assert_int_equal(tdm_engine_create(m, &o, &r->e), TDM_OK);
@@ -234,7 +233,7 @@ static void lockstep(struct run *runs, int n_runs, double tol, double min_agree,
             }
             struct tdm_batch b = {bs, nb};
             assert_int_equal(tdm_engine_forward(runs[r].e, &b, lg[r], NULL), TDM_OK);
-            assert_int_equal(atomic_load(&runs[r].counter), NL);
+            assert_int_equal(atomic_load(tdm_engine_layer_counter(runs[r].e)), NL);
         }
         for (int i = 0; i < nb; i++)
             n_logit_rows += bs[i].n_logits;
@@ -266,7 +265,7 @@ static void lockstep(struct run *runs, int n_runs, double tol, double min_agree,
             /* batch sizes vary over the steps: 24, then 24 - step sequences (graph buckets) */
             struct tdm_batch b = {bs, NSEQ - (step % 3 == 2 ? 7 : 0)};
             assert_int_equal(tdm_engine_forward(runs[r].e, &b, lg[r], NULL), TDM_OK);
-            assert_int_equal(atomic_load(&runs[r].counter), NL);
+            assert_int_equal(atomic_load(tdm_engine_layer_counter(runs[r].e)), NL);
         }
         const int nb = NSEQ - (step % 3 == 2 ? 7 : 0);
         for (int s = 0; s < nb; s++) {

@@ -104,7 +104,7 @@ static void free_model(void)
 
 static int32_t toks[64];
 
-static tdm_engine_t *make_engine(const struct tdm_model *m, int threads, _Atomic int32_t *ctr)
+static tdm_engine_t *make_engine(const struct tdm_model *m, int threads, bool count_layers)
 {
     struct tdm_engine_opts o = {.n_threads = threads,
                                 .batch_invariant = true,
@@ -112,7 +112,7 @@ static tdm_engine_t *make_engine(const struct tdm_model *m, int threads, _Atomic
                                 .kv_pages = 64,
                                 .max_batch_tokens = 64,
                                 .max_seqs = 8,
-                                .layer_counter = ctr};
+                                .count_layers = count_layers};
     tdm_engine_t *e = NULL;
     assert_int_equal(tdm_engine_create(m, &o, &e), TDM_OK);
     return e;
@@ -151,19 +151,22 @@ static void check_invariance(enum tdm_dtype dt, enum tdm_arch arch)
     make_model(&m, dt, arch);
     for (int i = 0; i < 64; i++)
         toks[i] = (i * 7 + 3) % VOCAB;
-    _Atomic int32_t ctr = -1;
-    tdm_engine_t *e = make_engine(&m, 2, &ctr);
+    tdm_engine_t *e = make_engine(&m, 2, true);
+    _Atomic int32_t *ctr = tdm_engine_layer_counter(e);
+    assert_non_null(ctr);
+    atomic_store(ctr, -1);
     int32_t pages_a[6] = {0, 1, 2, 3, 4, 5}, pages_b[6] = {17, 9, 30, 2, 40, 11};
     float ref[3 * VOCAB], got[3 * VOCAB];
     run_alone(e, pages_a, ref, 20);
-    assert_int_equal(atomic_load(&ctr), NL);
+    assert_int_equal(atomic_load(ctr), NL);
 
     /* chunked prefill, other pages: identical */
     run_alone(e, pages_b, got, 7);
     assert_memory_equal(ref, got, sizeof ref);
 
     /* the same sequence inside a batch with two others (a prefill and a decode) */
-    tdm_engine_t *e2 = make_engine(&m, 3, NULL);
+    tdm_engine_t *e2 = make_engine(&m, 3, false);
+    assert_null(tdm_engine_layer_counter(e2));
     int32_t pa[6] = {5, 6, 7, 8, 9, 10}, pb[6] = {20, 21, 22, 23, 24, 25},
             pc[6] = {30, 31, 32, 33, 34, 35};
     int32_t other[20];
@@ -227,7 +230,7 @@ static void test_validation(void **s)
     (void)s;
     struct tdm_model m;
     make_model(&m, TDM_DTYPE_F32, TDM_ARCH_LLAMA);
-    tdm_engine_t *e = make_engine(&m, 1, NULL);
+    tdm_engine_t *e = make_engine(&m, 1, false);
     int32_t pages[6] = {0, 1, 2, 3, 4, 5}, bad_pages[2] = {0, 64};
     int32_t t[3] = {1, 2, 3}, bad_tok[2] = {1, VOCAB};
     float out[VOCAB];
@@ -276,7 +279,7 @@ static void test_forward_sample_host(void **s)
     (void)s;
     struct tdm_model m;
     make_model(&m, TDM_DTYPE_F32, TDM_ARCH_LLAMA);
-    tdm_engine_t *e = make_engine(&m, 1, NULL);
+    tdm_engine_t *e = make_engine(&m, 1, false);
     assert_false(tdm_engine_samples_on_device(e));
     int32_t pa[6] = {0, 1, 2, 3, 4, 5}, pb[6] = {6, 7, 8, 9, 10, 11};
     int32_t ta[9], tb[5];
@@ -300,7 +303,7 @@ static void test_forward_sample_host(void **s)
                                      {.smp = &smp[1], .position = 5, .n_top = -1}};
     assert_int_equal(tdm_engine_forward_sample(e, &b, rows, NULL), TDM_OK);
     /* again with logits, on fresh pages of a second engine, sampled here */
-    tdm_engine_t *e2 = make_engine(&m, 1, NULL);
+    tdm_engine_t *e2 = make_engine(&m, 1, false);
     float logits[2 * VOCAB];
     assert_int_equal(tdm_engine_forward(e2, &b, logits, NULL), TDM_OK);
     struct tdm_sample_scratch sc;

@@ -1,0 +1,204 @@
+/*
+ * The commit: applies what a run of the plan brought back (scheduler thread). For each span
+ * that reached the end of its token list, the rows' tokens are published in order; a drafted
+ * span keeps its drafts while they equal the target's token at their position, then the
+ * target's token at the first mismatch (or after the last draft). What was rejected is
+ * rewound: the drafts leave the token list and the penalty state (newest first), the KV keeps
+ * only the positions that hold kept tokens, and pages past them go back to the pool.
+ *
+ * Publishing (detokenisation, stop strings) runs here, under the request's r->mu only.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sched/sched_int.h"
+
+/* Appends released text to r's output; called with r->mu held. */
+static bool text_append(struct tdm_req *r, const char *b, size_t n)
+{
+    if (!n) return true;
+    if (r->text_len + n + 1 > r->text_cap) {
+        size_t cap = r->text_cap;
+        while (r->text_len + n + 1 > cap)
+            cap *= 2;
+        char *t = realloc(r->text, cap);
+        if (!t) return false;
+        r->text = t;
+        r->text_cap = cap;
+    }
+    memcpy(r->text + r->text_len, b, n);
+    r->text_len += n;
+    r->text[r->text_len] = '\0';
+    return true;
+}
+
+void sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, tdm_status err,
+                  const char *msg)
+{
+    /* the connector first, while r still owns its pages (it may hold them for its transfers) */
+    if (s->conn && s->conn->finished) s->conn->finished(s->conn_ctx, r, r->user, why);
+    int64_t now = (int64_t)tdm_now_ns();
+    pthread_mutex_lock(&r->mu);
+    if (why != TDM_FINISH_STOP || !r->ts.stopped) {
+        char out[TDM_STREAM_CAP + 8];
+        size_t n_out = 0;
+        tdm_text_stream_flush(&r->ts, out, &n_out);
+        if (!text_append(r, out, n_out) && why != TDM_FINISH_ERROR) {
+            why = TDM_FINISH_ERROR;
+            err = TDM_ENOMEM;
+            msg = "out of memory";
+        }
+        if (r->n_out) r->text_end[r->n_out - 1] = r->text_len;
+    }
+    pthread_mutex_unlock(&r->mu);
+    /* the metrics and the pages before the client can see the end: whoever reads /metrics
+     * or the pool after a response finds this request counted and its pages back */
+    pthread_mutex_lock(&s->mmu);
+    s->m.finished[why]++;
+    if (why == TDM_FINISH_STOP || why == TDM_FINISH_LENGTH)
+        tdm_hist_observe(&s->m.e2e_s, (double)(now - r->t_submit_ns) * 1e-9);
+    pthread_mutex_unlock(&s->mmu);
+    tdm_kv_seq_release(s->kv, &r->kv);
+    r->n_cached = 0;
+    sched_set_state(r, TDM_REQ_FINISHED);
+    pthread_mutex_lock(&r->mu);
+    r->finish = why;
+    r->error = err;
+    if (msg) snprintf(r->error_msg, sizeof r->error_msg, "%s", msg);
+    r->t_end_ns = now;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    sched_req_unref(r);
+}
+
+static bool is_stop_token(struct tdm_sched *s, struct tdm_req *r, int32_t t)
+{
+    int n_out = r->n_tokens - r->n_prompt; /* outputs including t */
+    if (n_out <= r->min_tokens) return false;
+    if (!r->ignore_eos)
+        for (int i = 0; i < s->n_eos; i++)
+            if (s->eos[i] == t) return true;
+    for (int i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] == t) return true;
+    return false;
+}
+
+/* Publishes r's next token, sampled into sr. Returns the finish reason (NONE to go on). */
+static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
+                               const struct tdm_sample_row *sr)
+{
+    int k = r->top_k_lp;
+    float lp = sr->logprob;
+    int32_t t = sr->token;
+    tdm_sampler_accept(&r->smp, t, false);
+    r->tokens[r->n_tokens++] = t;
+    int64_t now = (int64_t)tdm_now_ns();
+
+    bool stop = is_stop_token(s, r, t);
+    char out[TDM_STREAM_CAP + 256 + 8];
+    bool stop_str = false, oom = false;
+    pthread_mutex_lock(&r->mu);
+    int i = r->n_out;
+    if (r->logprobs) r->logprobs[i] = lp;
+    if (k > 0) {
+        memcpy(r->top_ids + (size_t)i * k, sr->top_ids, (size_t)k * sizeof(int32_t));
+        memcpy(r->top_lps + (size_t)i * k, sr->top_lps, (size_t)k * sizeof(float));
+    }
+    if (!stop && s->tok && !tdm_tok_is_special(s->tok, t)) {
+        size_t len = 0;
+        const char *piece = tdm_tok_piece(s->tok, t, &len);
+        for (size_t off = 0; piece && off < len && !stop_str; off += 256) {
+            size_t n_out = 0;
+            stop_str =
+                tdm_text_stream_push(&r->ts, piece + off, TDM_MIN(len - off, 256), out, &n_out);
+            if (!text_append(r, out, n_out)) oom = true;
+        }
+    }
+    r->text_end[i] = r->text_len;
+    r->n_out = i + 1;
+    bool first = i == 0;
+    if (first) r->t_first_ns = now;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+
+    pthread_mutex_lock(&s->mmu);
+    s->m.generated_tokens++;
+    if (first)
+        tdm_hist_observe(&s->m.ttft_s, (double)(now - r->t_submit_ns) * 1e-9);
+    else
+        tdm_hist_observe(&s->m.itl_s, (double)(now - r->t_last_ns) * 1e-9);
+    pthread_mutex_unlock(&s->mmu);
+    r->t_last_ns = now;
+
+    if (oom) return TDM_FINISH_ERROR;
+    if (stop || stop_str) return TDM_FINISH_STOP;
+    if (r->n_tokens - r->n_prompt >= r->max_tokens || r->n_tokens >= s->max_ctx)
+        return TDM_FINISH_LENGTH;
+    return TDM_FINISH_NONE;
+}
+
+/* Drops r's drafts from its token list and its penalty state (newest first). */
+static void drop_drafts(struct tdm_req *r)
+{
+    for (; r->n_draft > 0; r->n_draft--)
+        tdm_sampler_unaccept(&r->smp, r->tokens[--r->n_tokens]);
+}
+
+/* Publishes the rows of r's last span; returns the finish reason (NONE to go on). */
+static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
+                                   const struct tdm_plan_seq *q)
+{
+    struct tdm_sched_plan *p = &s->plan;
+    int n_draft = r->n_draft, committed = r->n_tokens - n_draft, accepted = 0;
+    drop_drafts(r); /* the rows below put back what is kept, in order */
+    enum tdm_finish f = TDM_FINISH_NONE;
+    for (int i = 0; i <= n_draft; i++) {
+        int row = q->row0 + i;
+        struct tdm_sample_row *sr = &p->samples[row];
+        int32_t d = i < n_draft ? r->tokens[committed + i] : -1; /* read before publish */
+        if (!(q->want & TDM_ROW_SAMPLE)) /* a verified row under penalties: its state now */
+            tdm_sample_row_host(sr, p->logits + (size_t)row * s->vocab, &s->scratch);
+        f = publish(s, r, sr);
+        if (f != TDM_FINISH_NONE || i == n_draft || sr->token != d) break;
+        accepted++;
+    }
+    if (n_draft) {
+        /* the KV holds the kept tokens' positions: up to the last accepted draft */
+        r->n_cached = TDM_MIN(r->n_cached, committed + accepted);
+        tdm_kv_seq_trim(s->kv, &r->kv, r->n_cached);
+        if (s->drafter->accepted) s->drafter->accepted(s->drafter_ctx, r, n_draft, accepted);
+    }
+    return f;
+}
+
+void sched_commit(struct tdm_sched *s, tdm_status st)
+{
+    struct tdm_sched_plan *p = &s->plan;
+    if (st != TDM_OK) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "forward pass failed: %s", tdm_err_msg());
+        TDM_ERROR("sched: %s", msg);
+        for (int j = 0; j < p->n_seqs; j++) {
+            struct tdm_req *r = p->seqs[j].req;
+            r->batch_slot = -1;
+            drop_drafts(r);
+            sched_running_remove(s, sched_running_index(s, r));
+            sched_finish(s, r, TDM_FINISH_ERROR, st, msg);
+        }
+        return;
+    }
+    for (int j = 0; j < p->n_seqs; j++) {
+        const struct tdm_plan_seq *q = &p->seqs[j];
+        struct tdm_req *r = q->req;
+        r->batch_slot = -1;
+        r->n_cached = q->pos0 + q->n_tokens;
+        if (!q->last) continue;
+        enum tdm_finish f = r->prefill_only ? TDM_FINISH_STOP : commit_rows(s, r, q);
+        if (f != TDM_FINISH_NONE) {
+            sched_running_remove(s, sched_running_index(s, r));
+            sched_finish(s, r, f, f == TDM_FINISH_ERROR ? TDM_ENOMEM : TDM_OK,
+                         f == TDM_FINISH_ERROR ? "out of memory" : NULL);
+        }
+    }
+}

@@ -1,0 +1,344 @@
+/*
+ * The plan: which spans the next step runs (include/tandem/sched.h has the policy and the
+ * request lifecycle). Everything here runs on the scheduler thread; s->mu is taken only to
+ * touch the waiting list and the counts that other threads read.
+ *
+ * A plan is plain data in buffers the scheduler reserved at creation (s->pseqs, s->slots,
+ * s->want, s->srows): building one allocates nothing but KV pages. KV slots are written out
+ * per token, not left to be derived from positions, so that a drafter that verifies a tree
+ * can later give siblings at one depth slots of their own.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "sched/sched_int.h"
+
+void sched_set_state(struct tdm_req *r, enum tdm_req_state st)
+{
+    atomic_store(&r->state, (int)st);
+}
+
+void sched_running_remove(struct tdm_sched *s, int i)
+{
+    memmove(&s->running[i], &s->running[i + 1],
+            (size_t)(s->n_running - i - 1) * sizeof *s->running);
+    pthread_mutex_lock(&s->mu);
+    s->n_running--;
+    if (!s->n_running && !s->n_waiting) pthread_cond_broadcast(&s->cv_idle);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void running_insert(struct tdm_sched *s, struct tdm_req *r)
+{
+    int i = s->n_running;
+    while (i > 0 && s->running[i - 1]->id > r->id) {
+        s->running[i] = s->running[i - 1];
+        i--;
+    }
+    s->running[i] = r;
+    sched_set_state(r, TDM_REQ_RUNNING);
+    pthread_mutex_lock(&s->mu);
+    s->n_running++;
+    pthread_mutex_unlock(&s->mu);
+}
+
+int sched_running_index(struct tdm_sched *s, const struct tdm_req *r)
+{
+    for (int i = 0; i < s->n_running; i++)
+        if (s->running[i] == r) return i;
+    return -1;
+}
+
+void sched_requeue(struct tdm_sched *s, int i, bool preempted)
+{
+    struct tdm_req *r = s->running[i];
+    tdm_kv_seq_release(s->kv, &r->kv);
+    r->n_cached = 0;
+    r->batch_slot = -1;
+    sched_running_remove(s, i);
+    pthread_mutex_lock(&s->mu);
+    struct tdm_req **pp = &s->wait_head;
+    while (*pp && (*pp)->id < r->id)
+        pp = &(*pp)->next;
+    r->next = *pp;
+    *pp = r;
+    s->n_waiting++;
+    sched_set_state(r, TDM_REQ_WAITING);
+    pthread_mutex_unlock(&s->mu);
+    if (!preempted) return;
+    pthread_mutex_lock(&r->mu);
+    r->n_preempted++;
+    pthread_mutex_unlock(&r->mu);
+    pthread_mutex_lock(&s->mmu);
+    s->m.preemptions++;
+    pthread_mutex_unlock(&s->mmu);
+}
+
+void sched_reap_cancelled(struct tdm_sched *s, bool cancel_all)
+{
+    struct tdm_req *dead = NULL;
+    pthread_mutex_lock(&s->mu);
+    struct tdm_req **pp = &s->wait_head;
+    while (*pp) {
+        struct tdm_req *r = *pp;
+        if (cancel_all || atomic_load(&r->cancel)) {
+            *pp = r->next;
+            s->n_waiting--;
+            r->next = dead;
+            dead = r;
+        } else {
+            pp = &r->next;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    while (dead) {
+        struct tdm_req *r = dead;
+        dead = r->next;
+        sched_finish(s, r, TDM_FINISH_CANCELLED, TDM_ECANCELED, "cancelled");
+    }
+    for (int i = s->n_running - 1; i >= 0; i--) {
+        struct tdm_req *r = s->running[i];
+        if (cancel_all || atomic_load(&r->cancel)) {
+            sched_running_remove(s, i);
+            sched_finish(s, r, TDM_FINISH_CANCELLED, TDM_ECANCELED, "cancelled");
+        }
+    }
+    pthread_mutex_lock(&s->mu);
+    if (!s->n_running && !s->n_waiting) pthread_cond_broadcast(&s->cv_idle);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Makes r's page table cover n tokens, preempting the newest RUNNING requests that are newer
+ * than r and not in this step's plan. When nothing is left to preempt: with may_self, r itself
+ * goes back to the waiting list (it left the running array); false either way. */
+static bool reserve_or_preempt(struct tdm_sched *s, struct tdm_req *r, int64_t n, bool may_self)
+{
+    for (;;) {
+        if (tdm_kv_seq_reserve(s->kv, &r->kv, n) == TDM_OK) return true;
+        int victim = -1;
+        for (int i = s->n_running - 1; i >= 0; i--) {
+            struct tdm_req *v = s->running[i];
+            if (v != r && v->batch_slot < 0 && v->id > r->id &&
+                tdm_req_state(v) == TDM_REQ_RUNNING) {
+                victim = i;
+                break;
+            }
+        }
+        if (victim < 0) {
+            if (may_self) sched_requeue(s, sched_running_index(s, r), true);
+            return false;
+        }
+        sched_requeue(s, victim, true);
+    }
+}
+
+/* The span a request runs next: all that is left, capped by the budget and the chunk size. A
+ * fixed-chunk request takes exactly its chunk (or what is left) or nothing. 0: it waits. */
+static int next_span(struct tdm_sched *s, struct tdm_req *r, int budget)
+{
+    int left = r->n_tokens - r->n_cached;
+    if (r->fixed_chunk > 0) {
+        int span = TDM_MIN(left, r->fixed_chunk);
+        return span <= budget ? span : 0;
+    }
+    return TDM_MIN(TDM_MIN(left, budget), s->o.prefill_chunk);
+}
+
+/* WAITING_REMOTE_KV requests whose fill ended: OK -> RUNNING with prompt[:-1] in the KV, a
+ * failure -> WAITING with its pages released (the connector fenced them). */
+static void land_remote(struct tdm_sched *s)
+{
+    for (int i = s->n_running - 1; i >= 0; i--) {
+        struct tdm_req *r = s->running[i];
+        if (tdm_req_state(r) != TDM_REQ_WAITING_REMOTE_KV) continue;
+        int st = atomic_exchange(&r->remote, REMOTE_NONE);
+        if (st == REMOTE_OK) {
+            r->n_cached = r->n_tokens - 1;
+            sched_set_state(r, TDM_REQ_RUNNING);
+        } else if (st == REMOTE_FAILED) {
+            sched_requeue(s, i, false);
+        }
+    }
+}
+
+/* Appends r's next `span` tokens to the plan. The span's last tokens, when it reaches the end
+ * of the token list, are its output rows: one, plus one per draft. */
+static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
+{
+    struct tdm_sched_plan *p = &s->plan;
+    struct tdm_plan_seq *q = &s->pseqs[p->n_seqs];
+    int ps = s->page_size, pos0 = r->n_cached;
+    bool last = pos0 + span == r->n_tokens;
+    uint8_t want = r->want;
+    /* with penalties, each verified row depends on the drafts before it: the commit samples
+     * those rows on the host, in order, from their logits */
+    if (r->n_draft && r->penalties) want = (uint8_t)((want & ~TDM_ROW_SAMPLE) | TDM_ROW_LOGITS);
+    int n_rows = last && want ? 1 + r->n_draft : 0;
+    int32_t *slots = s->slots + p->n_tokens;
+    for (int i = 0; i < span; i++) {
+        int pos = pos0 + i;
+        slots[i] = r->kv.pages[pos / ps] * ps + pos % ps;
+    }
+    *q = (struct tdm_plan_seq){.req = r,
+                               .user = r->user,
+                               .tokens = r->tokens + pos0,
+                               .pos0 = pos0,
+                               .n_tokens = span,
+                               .pages = r->kv.pages,
+                               .n_pages = r->kv.n_pages,
+                               .slots = slots,
+                               .row0 = p->n_rows,
+                               .n_rows = n_rows,
+                               .want = want,
+                               .n_draft = r->n_draft,
+                               .last = last};
+    for (int i = 0; i < n_rows; i++) {
+        int row = p->n_rows + i;
+        s->want[row] = want;
+        /* the row of the token at position x chooses the token at x + 1 */
+        s->srows[row] =
+            (struct tdm_sample_row){.smp = &r->smp,
+                                    .position = (uint32_t)(pos0 + span - n_rows + i + 1),
+                                    .n_top = r->top_k_lp};
+    }
+    r->batch_slot = p->n_seqs++;
+    p->n_tokens += span;
+    p->n_rows += n_rows;
+}
+
+/* Asks the drafter for r's next tokens and appends them (they enter the penalty state too,
+ * which mirrors the token list; the commit rewinds what is rejected). rows_after: output rows
+ * to keep for the running requests after r. */
+static void draft(struct tdm_sched *s, struct tdm_req *r, int budget, int rows_after)
+{
+    if (!s->drafter || r->prefill_only || (r->penalties && !s->row_outputs)) return;
+    int n_out = r->n_tokens - r->n_prompt;
+    int k = s->draft_k;
+    k = TDM_MIN(k, budget - 1);
+    k = TDM_MIN(k, r->max_tokens - n_out - 1);    /* drafts + the target's token fit */
+    k = TDM_MIN(k, s->max_ctx - r->n_tokens - 1); /* and their positions the context */
+    k = TDM_MIN(k, s->max_rows - s->plan.n_rows - 1 - rows_after);
+    if (k <= 0) return;
+    int32_t *out = r->tokens + r->n_tokens;
+    int n = s->drafter->propose(s->drafter_ctx, r, r->tokens, r->n_tokens, k, out);
+    if (n <= 0) return;
+    n = TDM_MIN(n, k);
+    for (int i = 0; i < n; i++)
+        if (out[i] < 0 || out[i] >= s->vocab) {
+            n = i; /* a drafter's bad token ends its proposal */
+            break;
+        }
+    if (!n || tdm_kv_seq_reserve(s->kv, &r->kv, r->n_tokens + n) != TDM_OK) return;
+    for (int i = 0; i < n; i++)
+        tdm_sampler_accept(&r->smp, out[i], false);
+    r->n_tokens += n;
+    r->n_draft = n;
+}
+
+/* Admits waiting requests FCFS while the budget, the sequence and row caps and the free pages
+ * allow; stops at the first that does not fit. Returns the budget left. */
+static int admit(struct tdm_sched *s, int budget)
+{
+    struct tdm_sched_plan *p = &s->plan;
+    while (budget > 0 && s->n_running < s->o.max_seqs && p->n_rows < s->max_rows) {
+        pthread_mutex_lock(&s->mu);
+        struct tdm_req *r = s->wait_head;
+        pthread_mutex_unlock(&s->mu);
+        if (!r) break;
+        int64_t need = (r->n_tokens + 1 + s->page_size - 1) / s->page_size;
+        int64_t free_pages = tdm_kv_pool_stats(s->kv).free;
+        if (need + (s->n_running ? s->o.watermark_pages : 0) > free_pages) break;
+        bool remote = s->conn && s->conn->admit && !r->prefill_only && r->n_tokens >= 2;
+        int span = remote ? r->n_tokens : next_span(s, r, budget);
+        if (!span || tdm_kv_seq_reserve(s->kv, &r->kv, span) != TDM_OK) break;
+        pthread_mutex_lock(&s->mu);
+        s->wait_head = r->next;
+        r->next = NULL;
+        s->n_waiting--;
+        pthread_mutex_unlock(&s->mu);
+        running_insert(s, r);
+        if (!r->counted) {
+            r->counted = true;
+            pthread_mutex_lock(&s->mmu);
+            s->m.prompt_tokens += (uint64_t)r->n_prompt;
+            pthread_mutex_unlock(&s->mmu);
+        }
+        if (remote) {
+            sched_set_state(r, TDM_REQ_WAITING_REMOTE_KV);
+            if (s->conn->admit(s->conn_ctx, r, r->user, r->tokens, r->n_tokens - 1, r->kv.pages,
+                               r->kv.n_pages))
+                continue;
+            /* prefill here after all */
+            sched_set_state(r, TDM_REQ_RUNNING);
+            atomic_store(&r->remote, REMOTE_NONE);
+            span = next_span(s, r, budget);
+            if (!span) continue;
+        }
+        add_to_plan(s, r, span);
+        budget -= span;
+    }
+    return budget;
+}
+
+bool sched_plan(struct tdm_sched *s)
+{
+    land_remote(s);
+    struct tdm_sched_plan *p = &s->plan;
+    *p = (struct tdm_sched_plan){.step = s->n_steps + 1,
+                                 .seqs = s->pseqs,
+                                 .want = s->want,
+                                 .samples = s->srows,
+                                 .logits = s->logits,
+                                 .hidden = s->hidden};
+    int budget = s->o.max_batch_tokens;
+    for (int i = 0; i < s->n_running; i++)
+        s->running[i]->batch_slot = -1;
+
+    /* 1. decodes, oldest first */
+    int n_decodes = 0;
+    for (int i = 0; i < s->n_running; i++) {
+        struct tdm_req *r = s->running[i];
+        n_decodes += tdm_req_state(r) == TDM_REQ_RUNNING && r->n_tokens - r->n_cached == 1;
+    }
+    for (int i = 0; i < s->n_running && budget > 0; i++) {
+        struct tdm_req *r = s->running[i];
+        if (r->n_tokens - r->n_cached != 1 || tdm_req_state(r) != TDM_REQ_RUNNING) continue;
+        n_decodes--;
+        if (!reserve_or_preempt(s, r, r->n_tokens, true)) {
+            i--; /* r left the array */
+            continue;
+        }
+        draft(s, r, budget, n_decodes);
+        add_to_plan(s, r, 1 + r->n_draft);
+        budget -= 1 + r->n_draft;
+    }
+    /* 2. prefill spans of running requests */
+    for (int i = 0; i < s->n_running && budget > 0; i++) {
+        struct tdm_req *r = s->running[i];
+        if (r->batch_slot >= 0 || tdm_req_state(r) != TDM_REQ_RUNNING) continue;
+        if (s->plan.n_rows >= s->max_rows) break;
+        int span = next_span(s, r, budget);
+        if (!span || !reserve_or_preempt(s, r, r->n_cached + span, false)) continue;
+        add_to_plan(s, r, span);
+        budget -= span;
+    }
+    /* 3. admissions */
+    admit(s, budget);
+    if (p->n_seqs) {
+        s->n_steps++;
+        return true;
+    }
+    /* Nothing could run. If two or more requests are prefilling here and the pool is dry, the
+     * newest gives its pages back so the older ones can go on. */
+    int stuck = 0, newest = -1;
+    for (int i = 0; i < s->n_running; i++)
+        if (tdm_req_state(s->running[i]) == TDM_REQ_RUNNING) {
+            stuck++;
+            newest = i;
+        }
+    if (stuck > 1) {
+        sched_requeue(s, newest, true);
+        return true;
+    }
+    return false;
+}

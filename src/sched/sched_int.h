@@ -1,0 +1,151 @@
+/*
+ * The scheduler's private state, shared by its files:
+ *   sched.c  creation, submission, the request API (any thread), metrics, the thread;
+ *   plan.c   the plan: admission, chunking, preemption, drafts (scheduler thread);
+ *   commit.c the commit: acceptance, rewind, publishing, finishing (scheduler thread);
+ *   exec.c   the engine as an executor of plans.
+ *
+ * Locks, in the order they may nest: s->mu (waiting queue, running count, flags) is never held
+ * while the scheduler takes a request's r->mu; s->mmu guards the metrics. Everything marked
+ * "scheduler thread only" is touched by the thread that runs steps alone (the scheduler
+ * thread, or the caller of tdm_sched_step before the thread starts), so a step runs without
+ * locks.
+ *
+ * Invariants: a request is in exactly one of {waiting list, running array, neither
+ * (finished)}; a waiting request holds no KV page; a finished request has released all of its
+ * pages before its finish reason is published, so a reader that sees it finished sees the
+ * pool without it. Drafted tokens exist only between a step's plan and its commit.
+ */
+#ifndef TANDEM_SCHED_INT_H
+#define TANDEM_SCHED_INT_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "tandem/sched.h"
+
+/* tdm_req_remote_done's mailbox: written by any thread, read by the scheduler's land_remote */
+enum { REMOTE_NONE, REMOTE_OK, REMOTE_FAILED };
+
+struct tdm_req {
+    _Atomic int refs;
+    uint64_t id;
+    atomic_bool cancel;
+
+    /* immutable after submit */
+    int n_prompt, max_tokens, min_tokens, top_k_lp; /* top_k_lp: -1 = no logprobs */
+    bool ignore_eos, prefill_only, penalties;
+    uint8_t want; /* tdm_row_want bits of its output rows */
+    int32_t stop_ids[TDM_MAX_STOP_IDS];
+    int n_stop_ids;
+    int fixed_chunk;
+    void *user;
+    struct tdm_sched *sched;
+    _Atomic int remote; /* REMOTE_* */
+    _Atomic int state;  /* enum tdm_req_state; written by the scheduler thread only */
+
+    /* scheduler thread only */
+    int32_t *tokens; /* [n_prompt + max_tokens]: prompt, outputs, then this step's drafts */
+    int n_tokens;    /* prompt + outputs (+ drafts) */
+    int n_draft;     /* drafted tokens at the end of tokens (0 outside a step) */
+    int n_cached;    /* tokens whose KV is in kv */
+    struct tdm_kv_seq kv;
+    struct tdm_sampler smp;
+    struct tdm_text_stream ts;
+    int batch_slot; /* index in this step's plan, or -1 */
+    bool counted;   /* its prompt is in the prompt-token counter */
+    int64_t t_last_ns;
+    struct tdm_req *next; /* waiting list */
+
+    /* output, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int n_out;
+    float *logprobs;
+    int32_t *top_ids;
+    float *top_lps;
+    size_t *text_end;
+    char *text;
+    size_t text_len, text_cap;
+    enum tdm_finish finish;
+    tdm_status error;
+    char error_msg[256];
+    int64_t t_submit_ns, t_first_ns, t_end_ns;
+    int n_preempted;
+};
+
+struct tdm_sched {
+    struct tdm_sched_exec x; /* what runs plans, and its limits */
+    const tdm_tok_t *tok;
+    tdm_kv_pool_t *kv;
+    struct tdm_sched_opts o;
+    int vocab, max_ctx, page_size, max_rows;
+    int64_t total_pages;
+    int eos[TDM_MAX_EOS + 1];
+    int n_eos;
+    struct tdm_engine_exec *engine_exec; /* tdm_sched_create's executor, owned */
+
+    pthread_mutex_t mu; /* everything below up to the scheduler-only part */
+    pthread_cond_t cv_work, cv_idle;
+    struct tdm_req *wait_head; /* FCFS by id */
+    int n_waiting, n_running;
+    bool accepting, stop, started;
+    uint64_t next_id;
+    pthread_t thread;
+
+    /* scheduler thread only */
+    struct tdm_req **running; /* [max_seqs], ascending id */
+    struct tdm_sched_plan plan;
+    struct tdm_plan_seq *pseqs;        /* [max_seqs] */
+    int32_t *slots;                    /* [max_batch_tokens] the plan's KV slots */
+    uint8_t *want;                     /* [max_rows] */
+    struct tdm_sample_row *srows;      /* [max_rows] */
+    float *logits;                     /* [max_rows][vocab], with row outputs */
+    float *hidden;                     /* [max_rows][d_model], with row outputs */
+    bool row_outputs;                  /* logits and hidden exist */
+    struct tdm_sample_scratch scratch; /* host sampling of LOGITS rows (drafts + penalties) */
+    const struct tdm_kv_connector_i *conn;
+    void *conn_ctx;
+    const struct tdm_sched_drafter_i *drafter;
+    void *drafter_ctx;
+    int draft_k;
+    uint64_t n_steps;
+
+    pthread_mutex_t mmu;
+    struct tdm_sched_metrics_snapshot m;
+};
+
+/* plan.c */
+/* Builds the next step's plan in s->plan. With n_seqs 0 nothing can run now; the result is
+ * then true when a preemption made room (plan again at once), false when only pages coming
+ * back or new requests can help. */
+bool sched_plan(struct tdm_sched *s);
+/* Takes running[i] back to the waiting list with its pages released (preempted: counted). */
+void sched_requeue(struct tdm_sched *s, int i, bool preempted);
+void sched_running_remove(struct tdm_sched *s, int i);
+int sched_running_index(struct tdm_sched *s, const struct tdm_req *r);
+/* Drops cancelled requests (all of them with cancel_all). */
+void sched_reap_cancelled(struct tdm_sched *s, bool cancel_all);
+
+/* commit.c */
+/* Applies a run plan's results (st: the run's status) and publishes what came out. */
+void sched_commit(struct tdm_sched *s, tdm_status st);
+/* Ends a request: the connector sees it while it still owns its pages, then they go back, then
+ * the reason is published; drops the scheduler's reference. The caller has removed it from
+ * the running array or the waiting list. */
+void sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, tdm_status err,
+                  const char *msg);
+void sched_set_state(struct tdm_req *r, enum tdm_req_state st);
+
+/* sched.c */
+void sched_req_unref(struct tdm_req *r);
+/* Reserves the logit and hidden rows; false when out of memory. */
+bool sched_row_outputs(struct tdm_sched *s);
+
+/* exec.c */
+struct tdm_engine_exec;
+tdm_status sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct tdm_sched_exec *out,
+                                    struct tdm_engine_exec **owned);
+void sched_engine_exec_destroy(struct tdm_engine_exec *x);
+
+#endif /* TANDEM_SCHED_INT_H */
