@@ -328,6 +328,79 @@ static void test_forward_sample_host(void **s)
     free_model();
 }
 
+/* tdm_engine_run: each row gets only what it wants (logits, hidden state, a sample), and
+ * explicit KV slots equal to the page table's give the same logits as derived ones. */
+static void test_run_rows_and_slots(void **s)
+{
+    (void)s;
+    struct tdm_model m;
+    make_model(&m, TDM_DTYPE_F32, TDM_ARCH_LLAMA);
+    tdm_engine_t *e = make_engine(&m, 1, false), *e2 = make_engine(&m, 1, false);
+    int32_t pa[6] = {3, 1, 4, 0, 5, 2}, pb[6] = {6, 7, 8, 9, 10, 11};
+    int32_t ta[9], tb[5], slots[9];
+    for (int i = 0; i < 9; i++) {
+        ta[i] = (i * 5 + 2) % VOCAB;
+        slots[i] = pa[i / 4] * 4 + i % 4; /* page size 4 */
+    }
+    for (int i = 0; i < 5; i++)
+        tb[i] = (i * 11 + 7) % VOCAB;
+    /* reference: all three rows' logits and hidden states, slots derived, on engine 2 */
+    struct tdm_batch_seq q[2] = {
+        {.tokens = ta, .n_tokens = 9, .pages = pa, .n_pages = 6, .n_logits = 2},
+        {.tokens = tb, .n_tokens = 5, .pages = pb, .n_pages = 6, .n_logits = 1},
+    };
+    struct tdm_batch b = {q, 2};
+    float ref[3 * VOCAB], ref_h[3 * 64];
+    assert_int_equal(tdm_engine_forward(e2, &b, ref, ref_h), TDM_OK);
+    int d = m.cfg.d_model;
+    assert_true(d <= 64);
+
+    /* row 0: logits only; row 1: hidden only; row 2: a sample and its logits */
+    q[0].slots = slots;
+    float lg[3 * VOCAB], hid[3 * 64];
+    for (int i = 0; i < 3 * VOCAB; i++)
+        lg[i] = -7.0f;
+    for (int i = 0; i < 3 * 64; i++)
+        hid[i] = -7.0f;
+    uint8_t want[3] = {TDM_ROW_LOGITS, TDM_ROW_HIDDEN, TDM_ROW_SAMPLE | TDM_ROW_LOGITS};
+    struct tdm_sampler smp;
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    assert_int_equal(tdm_sampler_init(&smp, &p, 1, VOCAB), TDM_OK);
+    struct tdm_sample_row rows[3] = {
+        {.token = -1}, {.token = -1}, {.smp = &smp, .position = 5, .n_top = -1, .token = -1}};
+    struct tdm_engine_out out = {.want = want, .samples = rows, .logits = lg, .hidden = hid};
+    assert_int_equal(tdm_engine_run(e, &b, &out), TDM_OK);
+    for (int v = 0; v < VOCAB; v++) {
+        assert_true(lg[v] == ref[v]);                         /* row 0 */
+        assert_true(lg[VOCAB + v] == -7.0f);                  /* row 1: untouched */
+        assert_true(lg[2 * VOCAB + v] == ref[2 * VOCAB + v]); /* row 2, before sampling */
+    }
+    for (int i = 0; i < d; i++) {
+        assert_true(hid[i] == -7.0f);
+        assert_true(hid[d + i] == ref_h[d + i]);
+        assert_true(hid[2 * d + i] == -7.0f);
+    }
+    assert_int_equal(rows[0].token, -1);
+    assert_int_equal(rows[1].token, -1);
+    int best = 0;
+    for (int v = 1; v < VOCAB; v++)
+        if (ref[2 * VOCAB + v] > ref[2 * VOCAB + best]) best = v;
+    assert_int_equal(rows[2].token, best);
+
+    /* a row wanting what it has no buffer for, and a slot outside the pool */
+    out.hidden = NULL;
+    assert_int_equal(tdm_engine_run(e, &b, &out), TDM_EINVAL);
+    out.hidden = hid;
+    slots[3] = 64 * 4;
+    assert_int_equal(tdm_engine_run(e, &b, &out), TDM_EINVAL);
+    slots[3] = -1;
+    assert_int_equal(tdm_engine_run(e, &b, &out), TDM_EINVAL);
+    tdm_sampler_free(&smp);
+    tdm_engine_destroy(e2);
+    tdm_engine_destroy(e);
+    free_model();
+}
+
 static void test_rope_llama3(void **s)
 {
     (void)s;
@@ -362,9 +435,10 @@ static void test_rope_llama3(void **s)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_invariance_f32),   cmocka_unit_test(test_invariance_bf16_qwen2),
-        cmocka_unit_test(test_invariance_qwen3), cmocka_unit_test(test_validation),
-        cmocka_unit_test(test_rope_llama3),      cmocka_unit_test(test_forward_sample_host),
+        cmocka_unit_test(test_invariance_f32),     cmocka_unit_test(test_invariance_bf16_qwen2),
+        cmocka_unit_test(test_invariance_qwen3),   cmocka_unit_test(test_validation),
+        cmocka_unit_test(test_rope_llama3),        cmocka_unit_test(test_forward_sample_host),
+        cmocka_unit_test(test_run_rows_and_slots),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -168,12 +168,52 @@ static void test_bad_config(void **state)
     tdm_kv_pool_destroy(p);
 }
 
+static void test_seq_trim(void **state)
+{
+    (void)state;
+    struct tdm_kv_config c = cfg(10);
+    tdm_kv_pool_t *p;
+    assert_int_equal(tdm_kv_pool_create(&c, backend, &p), TDM_OK);
+    struct tdm_kv_seq s = {0};
+    assert_int_equal(tdm_kv_seq_reserve(p, &s, 17), TDM_OK); /* 5 pages of 4 */
+    expect(p, 5, 5, 0);
+    int32_t first[5];
+    memcpy(first, s.pages, sizeof first);
+    tdm_kv_seq_trim(p, &s, 18); /* longer: nothing */
+    expect(p, 5, 5, 0);
+    tdm_kv_seq_trim(p, &s, 9); /* 3 pages cover 9 positions */
+    assert_int_equal(s.n_pages, 3);
+    expect(p, 7, 3, 0);
+    assert_memory_equal(s.pages, first, 3 * sizeof(int32_t)); /* the kept prefix unchanged */
+    /* a trimmed page a transfer still holds stays in flight until released */
+    tdm_kv_pool_hold(p, 1, &s.pages[2]);
+    int32_t held = s.pages[2];
+    tdm_kv_seq_trim(p, &s, 8);
+    expect(p, 7, 2, 1);
+    tdm_kv_pool_unhold(p, 1, &held);
+    expect(p, 8, 2, 0);
+    /* a shared page loses only this sequence's reference */
+    tdm_kv_pool_retain(p, 1, &s.pages[1]);
+    int32_t shared = s.pages[1];
+    tdm_kv_seq_trim(p, &s, 0);
+    assert_int_equal(s.n_pages, 0);
+    expect(p, 9, 1, 0);
+    tdm_kv_pool_free(p, 1, &shared);
+    expect(p, 10, 0, 0);
+    /* the table grows again after a trim */
+    assert_int_equal(tdm_kv_seq_reserve(p, &s, 5), TDM_OK);
+    expect(p, 8, 2, 0);
+    tdm_kv_seq_release(p, &s);
+    expect(p, 10, 0, 0);
+    tdm_kv_pool_destroy(p);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_alloc_all_or_nothing), cmocka_unit_test(test_states),
         cmocka_unit_test(test_random_ops),           cmocka_unit_test(test_layout),
-        cmocka_unit_test(test_bad_config),
+        cmocka_unit_test(test_bad_config),           cmocka_unit_test(test_seq_trim),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

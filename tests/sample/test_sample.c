@@ -74,6 +74,58 @@ static void test_penalties(void **s)
     tdm_sampler_free(&smp);
 }
 
+/* Undoing accepts newest first gives back the exact earlier state: counts, the prompt marks,
+ * the seen list (a device sampler's penalty list) and so the same penalised logits. */
+static void test_unaccept(void **s)
+{
+    (void)s;
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    p.repetition_penalty = 1.5f;
+    p.frequency_penalty = 0.5f;
+    struct tdm_sampler smp;
+    assert_int_equal(tdm_sampler_init(&smp, &p, 1, V), TDM_OK);
+    tdm_sampler_accept(&smp, 1, true);
+    tdm_sampler_accept(&smp, 3, false);
+    uint32_t count0[V];
+    int32_t seen0[V];
+    memcpy(count0, smp.out_count, sizeof count0);
+    int n_seen0 = smp.n_seen;
+    memcpy(seen0, smp.seen, (size_t)n_seen0 * sizeof *seen0);
+    float before[V];
+    memcpy(before, base, sizeof before);
+    int32_t t0 = tdm_sampler_sample(&smp, before, 0, &scratch, NULL);
+    /* drafts: a new token twice, a prompt token, an output token again, another new one */
+    const int32_t drafts[] = {5, 5, 1, 3, 6};
+    for (int i = 0; i < 5; i++)
+        tdm_sampler_accept(&smp, drafts[i], false);
+    assert_int_equal(smp.n_seen, n_seen0 + 2); /* 5 and 6 */
+    assert_int_equal(smp.out_count[5], 2);
+    for (int i = 4; i >= 0; i--)
+        tdm_sampler_unaccept(&smp, drafts[i]);
+    assert_memory_equal(smp.out_count, count0, sizeof count0);
+    assert_int_equal(smp.n_seen, n_seen0);
+    assert_memory_equal(smp.seen, seen0, (size_t)n_seen0 * sizeof *seen0);
+    assert_int_equal(smp.prompt_seen[1], 1); /* the prompt mark survives an output undo */
+    float after[V];
+    memcpy(after, base, sizeof after);
+    assert_int_equal(tdm_sampler_sample(&smp, after, 0, &scratch, NULL), t0);
+    assert_memory_equal(after, before, sizeof after);
+    /* undoing what was never accepted, or an id outside the vocabulary, changes nothing */
+    tdm_sampler_unaccept(&smp, 7);
+    tdm_sampler_unaccept(&smp, -1);
+    tdm_sampler_unaccept(&smp, V);
+    assert_memory_equal(smp.out_count, count0, sizeof count0);
+    tdm_sampler_free(&smp);
+    /* without penalties there is no state: a no-op */
+    struct tdm_sampler g;
+    struct tdm_sampling_params gp = tdm_sampling_defaults();
+    assert_int_equal(tdm_sampler_init(&g, &gp, 1, V), TDM_OK);
+    tdm_sampler_accept(&g, 2, false);
+    tdm_sampler_unaccept(&g, 2);
+    assert_null(g.out_count);
+    tdm_sampler_free(&g);
+}
+
 /* Samples n times at successive positions and checks frequencies against `expect`. */
 static void check_distribution(const struct tdm_sampling_params *p, const double *expect)
 {
@@ -266,7 +318,7 @@ int main(void)
         cmocka_unit_test(test_greedy_ties),  cmocka_unit_test(test_penalties),
         cmocka_unit_test(test_filters),      cmocka_unit_test(test_rng_keyed),
         cmocka_unit_test(test_logprobs_top), cmocka_unit_test(test_validate),
-        cmocka_unit_test(test_stream),
+        cmocka_unit_test(test_stream),       cmocka_unit_test(test_unaccept),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

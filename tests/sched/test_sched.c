@@ -1,0 +1,754 @@
+/*
+ * Unit tests for the scheduler, driven step by step (tdm_sched_step) against a fake executor,
+ * a fake KV connector and a fake drafter: admission, chunking, mixed batches, preemption,
+ * remote KV (landing, failure, local fallback), cancel in every state, drafts with rewind and
+ * trim, executor errors, and the KV pool back at its baseline after each.
+ *
+ * The fake executor is a stand-in model whose next token depends on every earlier token, read
+ * back from its own KV store: a span's tokens are written at the plan's slots, and a row's
+ * token hashes the tokens at positions [0, x] found through the page table. A wrong slot, a
+ * stale page, a position fed twice or skipped, or KV left behind by a rewind changes the
+ * output, which is checked against the same hash computed straight from the token list.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tandem/kv.h"
+#include "tandem/sched.h"
+
+#define VOCAB    97
+#define D_MODEL  4
+#define PS       4
+#define MAX_CTX  256
+#define MAX_PLAN 512
+
+/* ---- the stand-in model ---- */
+
+static uint64_t hash_step(uint64_t h, int32_t tok)
+{
+    return (h ^ (uint64_t)(tok + 1)) * 1099511628211ull;
+}
+#define HASH0 1469598103934665603ull
+
+static int32_t next_of(uint64_t h)
+{
+    return (int32_t)((h >> 20) % VOCAB);
+}
+
+/* The reference: greedy continuation of `prompt` by n tokens, from the token list alone. */
+static void reference(const int32_t *prompt, int n_prompt, int n, int32_t *out)
+{
+    uint64_t h = HASH0;
+    for (int i = 0; i < n_prompt; i++)
+        h = hash_step(h, prompt[i]);
+    for (int i = 0; i < n; i++) {
+        out[i] = next_of(h);
+        h = hash_step(h, out[i]);
+    }
+}
+
+/* ---- the fake executor ---- */
+
+struct plan_rec { /* one sequence of one recorded plan */
+    uint64_t step, req_id;
+    int pos0, n_tokens, n_rows, n_draft;
+    uint8_t want;
+};
+
+struct fake_exec {
+    tdm_kv_pool_t *kv;
+    int n_slots;
+    int32_t *kv_tok;    /* [n_slots] token written at each slot */
+    uint64_t *kv_owner; /* [n_slots] request id that wrote it, 0 = never */
+    int fail_at_step;   /* run returns TDM_EINTERNAL on this step */
+    struct plan_rec rec[MAX_PLAN];
+    int n_rec;
+    int max_seqs_seen;
+};
+
+static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
+{
+    struct fake_exec *x = ctx;
+    if ((int)p->step == x->fail_at_step)
+        return tdm_err_set(TDM_EINTERNAL, "fake executor: step %d fails", x->fail_at_step);
+    if (p->n_seqs > x->max_seqs_seen) x->max_seqs_seen = p->n_seqs;
+    int rows = 0, tokens = 0;
+    for (int s = 0; s < p->n_seqs; s++) {
+        const struct tdm_plan_seq *q = &p->seqs[s];
+        uint64_t id = tdm_req_id(q->req);
+        assert_int_equal(q->row0, rows);
+        assert_true(q->n_rows <= q->n_tokens);
+        assert_true((q->pos0 + q->n_tokens + PS - 1) / PS <= q->n_pages);
+        if (x->n_rec < MAX_PLAN)
+            x->rec[x->n_rec++] = (struct plan_rec){.step = p->step,
+                                                   .req_id = id,
+                                                   .pos0 = q->pos0,
+                                                   .n_tokens = q->n_tokens,
+                                                   .n_rows = q->n_rows,
+                                                   .n_draft = q->n_draft,
+                                                   .want = q->want};
+        for (int i = 0; i < q->n_tokens; i++) {
+            int pos = q->pos0 + i;
+            /* a linear sequence: the slot of its position in the page table */
+            assert_int_equal(q->slots[i], q->pages[pos / PS] * PS + pos % PS);
+            x->kv_tok[q->slots[i]] = q->tokens[i];
+            x->kv_owner[q->slots[i]] = id;
+        }
+        for (int i = 0; i < q->n_rows; i++) {
+            int row = q->row0 + i, x_pos = q->pos0 + q->n_tokens - q->n_rows + i;
+            assert_int_equal(p->want[row], q->want);
+            uint64_t h = HASH0;
+            for (int pos = 0; pos <= x_pos; pos++) {
+                int slot = q->pages[pos / PS] * PS + pos % PS;
+                assert_int_equal(x->kv_owner[slot], id); /* this request's KV, written */
+                h = hash_step(h, x->kv_tok[slot]);
+            }
+            int32_t tok = next_of(h);
+            if (q->want & TDM_ROW_SAMPLE) {
+                assert_int_equal(p->samples[row].position, (uint32_t)x_pos + 1);
+                p->samples[row].token = tok;
+                p->samples[row].logprob = -0.5f;
+            }
+            if (q->want & TDM_ROW_LOGITS)
+                for (int v = 0; v < VOCAB; v++)
+                    p->logits[(size_t)row * VOCAB + v] = v == tok ? 10.0f : 0.0f;
+            if (q->want & TDM_ROW_HIDDEN)
+                for (int d = 0; d < D_MODEL; d++)
+                    p->hidden[(size_t)row * D_MODEL + d] = (float)(x_pos * 10 + d);
+        }
+        rows += q->n_rows;
+        tokens += q->n_tokens;
+    }
+    assert_int_equal(rows, p->n_rows);
+    assert_int_equal(tokens, p->n_tokens);
+    return TDM_OK;
+}
+
+static const struct tdm_sched_exec_i fake_exec_i = {.run = fake_run};
+
+/* ---- fixture ---- */
+
+struct fix {
+    tdm_backend_t *backend;
+    tdm_kv_pool_t *kv;
+    struct fake_exec x;
+    tdm_sched_t *s;
+};
+
+static void fix_open(struct fix *f, int64_t n_pages, const struct tdm_sched_opts *so,
+                     int max_batch_tokens, int max_seqs)
+{
+    memset(f, 0, sizeof *f);
+    struct tdm_backend_cpu_opts bo = {.n_threads = 1};
+    assert_int_equal(tdm_backend_cpu_create(&bo, &f->backend), TDM_OK);
+    struct tdm_kv_config kc = {
+        .n_layers = 1, .n_kv_heads = 1, .head_dim = 1, .page_size = PS, .n_pages = n_pages};
+    assert_int_equal(tdm_kv_pool_create(&kc, f->backend, &f->kv), TDM_OK);
+    f->x.kv = f->kv;
+    f->x.n_slots = (int)n_pages * PS;
+    f->x.kv_tok = calloc((size_t)f->x.n_slots, sizeof *f->x.kv_tok);
+    f->x.kv_owner = calloc((size_t)f->x.n_slots, sizeof *f->x.kv_owner);
+    struct tdm_sched_exec ex = {.iface = &fake_exec_i,
+                                .ctx = &f->x,
+                                .kv = f->kv,
+                                .vocab = VOCAB,
+                                .d_model = D_MODEL,
+                                .max_ctx = MAX_CTX,
+                                .max_batch_tokens = max_batch_tokens,
+                                .max_seqs = max_seqs,
+                                .max_rows = 2 * max_seqs + 8};
+    assert_int_equal(tdm_sched_create_exec(&ex, NULL, so, &f->s), TDM_OK);
+}
+
+static void expect_baseline(struct fix *f)
+{
+    struct tdm_kv_stats st = tdm_kv_pool_stats(f->kv);
+    assert_int_equal(st.used, 0);
+    assert_int_equal(st.in_flight, 0);
+    assert_int_equal(st.free, st.total);
+}
+
+static void fix_close(struct fix *f)
+{
+    tdm_sched_destroy(f->s);
+    expect_baseline(f);
+    tdm_kv_pool_destroy(f->kv);
+    tdm_backend_destroy(f->backend);
+    free(f->x.kv_tok);
+    free(f->x.kv_owner);
+}
+
+static void make_prompt(int32_t *p, int n, int seed)
+{
+    for (int i = 0; i < n; i++)
+        p[i] = (int32_t)((seed * 13 + i * 7 + 1) % VOCAB);
+}
+
+static tdm_req_t *submit(struct fix *f, const int32_t *prompt, int n_prompt, int max_tokens,
+                         void *user)
+{
+    struct tdm_req_params rp = {.prompt = prompt,
+                                .n_prompt = n_prompt,
+                                .max_tokens = max_tokens,
+                                .ignore_eos = true,
+                                .sampling = tdm_sampling_defaults(),
+                                .top_logprobs = -1,
+                                .user = user};
+    tdm_req_t *r = NULL;
+    assert_int_equal(tdm_sched_submit(f->s, &rp, &r), TDM_OK);
+    return r;
+}
+
+/* Steps until every request given has finished (bounded). */
+static void run_until_done(struct fix *f, tdm_req_t **rs, int n)
+{
+    for (int it = 0; it < 2000; it++) {
+        bool all = true;
+        for (int i = 0; i < n; i++)
+            all &= tdm_req_state(rs[i]) == TDM_REQ_FINISHED;
+        if (all) return;
+        tdm_sched_step(f->s);
+    }
+    fail_msg("requests did not finish in 2000 steps");
+}
+
+/* The request finished with `why` and produced the reference continuation. */
+static void expect_output(tdm_req_t *r, const int32_t *prompt, int n_prompt, int n,
+                          enum tdm_finish why)
+{
+    int32_t want[MAX_CTX];
+    reference(prompt, n_prompt, n, want);
+    struct tdm_req_view v;
+    tdm_req_lock(r, &v);
+    assert_int_equal(v.finish, why);
+    assert_int_equal(v.n_out, n);
+    for (int i = 0; i < n; i++)
+        assert_int_equal(v.tokens[i], want[i]);
+    tdm_req_unlock(r);
+}
+
+/* ---- tests ---- */
+
+static void test_admission_and_decode(void **state)
+{
+    (void)state;
+    struct fix f;
+    fix_open(&f, 64, NULL, 64, 8);
+    int32_t p[3][20];
+    tdm_req_t *rs[3];
+    int lens[3] = {5, 17, 1};
+    for (int i = 0; i < 3; i++) {
+        make_prompt(p[i], lens[i], i);
+        rs[i] = submit(&f, p[i], lens[i], 9 + i, NULL);
+        assert_int_equal(tdm_req_state(rs[i]), TDM_REQ_WAITING);
+    }
+    assert_true(tdm_sched_step(f.s));
+    /* one step admitted all three: whole prompts, one row each, sampled only */
+    assert_int_equal(f.x.n_rec, 3);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(tdm_req_state(rs[i]), TDM_REQ_RUNNING);
+        assert_int_equal(f.x.rec[i].n_tokens, lens[i]);
+        assert_int_equal(f.x.rec[i].n_rows, 1);
+        assert_int_equal(f.x.rec[i].want, TDM_ROW_SAMPLE);
+    }
+    run_until_done(&f, rs, 3);
+    for (int i = 0; i < 3; i++) {
+        expect_output(rs[i], p[i], lens[i], 9 + i, TDM_FINISH_LENGTH);
+        tdm_req_release(rs[i]);
+    }
+    /* later steps were decodes: one token, one row */
+    for (int i = 3; i < f.x.n_rec; i++) {
+        assert_int_equal(f.x.rec[i].n_tokens, 1);
+        assert_int_equal(f.x.rec[i].n_rows, 1);
+    }
+    assert_false(tdm_sched_step(f.s)); /* nothing left */
+    fix_close(&f);
+}
+
+static void test_chunking_and_mixed_batches(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.prefill_chunk = 5, .max_batch_tokens = 8};
+    fix_open(&f, 64, &so, 64, 8);
+    int32_t a[4], b[23];
+    make_prompt(a, 4, 1);
+    make_prompt(b, 23, 2);
+    tdm_req_t *ra = submit(&f, a, 4, 6, NULL);
+    assert_true(tdm_sched_step(f.s)); /* a's prompt alone */
+    tdm_req_t *rb = submit(&f, b, 23, 3, NULL);
+    tdm_req_t *rs[2] = {ra, rb};
+    run_until_done(&f, rs, 2);
+    expect_output(ra, a, 4, 6, TDM_FINISH_LENGTH);
+    expect_output(rb, b, 23, 3, TDM_FINISH_LENGTH);
+    /* b's prefill: chunks of at most 5, consecutive, none past the step budget; a decoded
+     * beside them */
+    int next = 0, mixed = 0;
+    for (int i = 0; i < f.x.n_rec; i++) {
+        const struct plan_rec *q = &f.x.rec[i];
+        if (q->req_id != tdm_req_id(rb) || q->pos0 >= 23) continue;
+        assert_int_equal(q->pos0, next);
+        assert_true(q->n_tokens <= 5);
+        next += q->n_tokens;
+        assert_int_equal(q->n_rows, next == 23 ? 1 : 0);
+        for (int j = 0; j < f.x.n_rec; j++)
+            mixed += f.x.rec[j].step == q->step && f.x.rec[j].req_id == tdm_req_id(ra);
+    }
+    assert_int_equal(next, 23);
+    assert_true(mixed >= 1);
+    tdm_req_release(ra);
+    tdm_req_release(rb);
+    fix_close(&f);
+}
+
+static void test_preemption(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.watermark_pages = -1};
+    fix_open(&f, 12, &so, 64, 8); /* 48 slots: three requests growing to 30 tokens cannot fit */
+    int32_t p[3][8];
+    tdm_req_t *rs[3];
+    for (int i = 0; i < 3; i++) {
+        make_prompt(p[i], 8, 10 + i);
+        rs[i] = submit(&f, p[i], 8, 22, NULL);
+    }
+    run_until_done(&f, rs, 3);
+    struct tdm_sched_metrics_snapshot m;
+    tdm_sched_metrics(f.s, &m);
+    assert_true(m.preemptions > 0);
+    for (int i = 0; i < 3; i++) {
+        expect_output(rs[i], p[i], 8, 22, TDM_FINISH_LENGTH);
+        tdm_req_release(rs[i]);
+    }
+    expect_baseline(&f);
+    fix_close(&f);
+}
+
+/* ---- the fake connector ---- */
+
+struct fake_conn {
+    struct fix *f;
+    int admits, finishes, steps_seen;
+    bool take;      /* admit() takes requests remote */
+    int fail_first; /* this many remote fills fail */
+    tdm_req_t *pending[8];
+    const int32_t *pending_tokens[8];
+    const int32_t *pending_pages[8];
+    int pending_n[8];
+    int n_pending;
+    bool hold_on_finish; /* finished() holds the pages (a transfer in flight) */
+    int32_t held[64];
+    int n_held;
+    int64_t used_at_finish;
+    uint8_t last_want;
+};
+
+static bool conn_admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
+                       const int32_t *pages, int n_pages)
+{
+    struct fake_conn *c = ctx;
+    (void)user;
+    c->admits++;
+    assert_int_equal(tdm_req_state(r), TDM_REQ_WAITING_REMOTE_KV);
+    assert_true(n_pages * PS >= n_tokens + 1);
+    if (!c->take) return false;
+    c->pending[c->n_pending] = r;
+    c->pending_tokens[c->n_pending] = tokens;
+    c->pending_pages[c->n_pending] = pages;
+    c->pending_n[c->n_pending] = n_tokens;
+    c->n_pending++;
+    return true;
+}
+
+/* The "remote" fills: the KV of prompt[:-1] lands in the request's pages, then done. */
+static void conn_land(struct fake_conn *c)
+{
+    struct fake_exec *x = &c->f->x;
+    for (int i = 0; i < c->n_pending; i++) {
+        tdm_req_t *r = c->pending[i];
+        if (c->fail_first > 0) {
+            c->fail_first--;
+            tdm_req_remote_done(r, TDM_EPEER);
+            continue;
+        }
+        for (int pos = 0; pos < c->pending_n[i]; pos++) {
+            int slot = c->pending_pages[i][pos / PS] * PS + pos % PS;
+            x->kv_tok[slot] = c->pending_tokens[i][pos];
+            x->kv_owner[slot] = tdm_req_id(r);
+        }
+        tdm_req_remote_done(r, TDM_OK);
+    }
+    c->n_pending = 0;
+}
+
+static void conn_step_begin(void *ctx, const struct tdm_sched_plan *plan)
+{
+    struct fake_conn *c = ctx;
+    c->steps_seen++;
+    for (int i = 0; i < plan->n_seqs; i++) {
+        tdm_req_t *r = plan->seqs[i].req;
+        /* nothing waiting for its KV is ever planned */
+        assert_int_equal(tdm_req_state(r), TDM_REQ_RUNNING);
+        c->last_want = plan->seqs[i].want;
+    }
+}
+
+static void conn_finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
+{
+    struct fake_conn *c = ctx;
+    (void)r;
+    (void)user;
+    (void)why;
+    c->finishes++;
+    /* the request still owns its pages when the connector hears of its end */
+    c->used_at_finish = tdm_kv_pool_stats(c->f->kv).used;
+    if (c->hold_on_finish && c->n_pending) {
+        for (int i = 0; i < c->n_pending; i++) {
+            if (c->pending[i] != r) continue;
+            int n = (c->pending_n[i] + PS) / PS;
+            tdm_kv_pool_hold(c->f->kv, n, c->pending_pages[i]);
+            memcpy(c->held, c->pending_pages[i], (size_t)n * sizeof(int32_t));
+            c->n_held = n;
+            c->pending[i] = c->pending[--c->n_pending];
+            c->pending_tokens[i] = c->pending_tokens[c->n_pending];
+            c->pending_pages[i] = c->pending_pages[c->n_pending];
+            c->pending_n[i] = c->pending_n[c->n_pending];
+            break;
+        }
+    }
+}
+
+static const struct tdm_kv_connector_i fake_conn_i = {
+    .admit = conn_admit, .step_begin = conn_step_begin, .finished = conn_finished};
+
+static void test_remote_kv(void **state)
+{
+    (void)state;
+    struct fix f;
+    fix_open(&f, 64, NULL, 64, 8);
+    struct fake_conn c = {.f = &f, .take = true};
+    tdm_sched_set_connector(f.s, &fake_conn_i, &c);
+    int32_t a[12], one[1] = {5};
+    make_prompt(a, 12, 3);
+    tdm_req_t *ra = submit(&f, a, 12, 5, NULL);
+    tdm_req_t *r1 = submit(&f, one, 1, 4, NULL); /* a 1-token prompt needs no remote fill */
+    tdm_sched_step(f.s);
+    assert_int_equal(c.admits, 1);
+    assert_int_equal(tdm_req_state(ra), TDM_REQ_WAITING_REMOTE_KV);
+    for (int i = 0; i < 3; i++)
+        tdm_sched_step(f.s); /* r1 decodes; ra waits */
+    assert_int_equal(tdm_req_state(ra), TDM_REQ_WAITING_REMOTE_KV);
+    for (int i = 0; i < f.x.n_rec; i++)
+        assert_int_not_equal(f.x.rec[i].req_id, tdm_req_id(ra));
+    /* rows want a sample only, though a connector is set */
+    assert_int_equal(c.last_want, TDM_ROW_SAMPLE);
+    conn_land(&c);
+    int before = f.x.n_rec;
+    tdm_sched_step(f.s);
+    assert_int_equal(tdm_req_state(ra), TDM_REQ_RUNNING);
+    /* its first step is prompt[-1] alone */
+    bool seen = false;
+    for (int i = before; i < f.x.n_rec; i++)
+        if (f.x.rec[i].req_id == tdm_req_id(ra)) {
+            assert_int_equal(f.x.rec[i].pos0, 11);
+            assert_int_equal(f.x.rec[i].n_tokens, 1);
+            seen = true;
+        }
+    assert_true(seen);
+    tdm_req_t *rs[2] = {ra, r1};
+    run_until_done(&f, rs, 2);
+    expect_output(ra, a, 12, 5, TDM_FINISH_LENGTH);
+    expect_output(r1, one, 1, 4, TDM_FINISH_LENGTH);
+    assert_int_equal(c.finishes, 2);
+    tdm_req_release(ra);
+    tdm_req_release(r1);
+    fix_close(&f);
+}
+
+static void test_remote_failure_then_local(void **state)
+{
+    (void)state;
+    struct fix f;
+    fix_open(&f, 64, NULL, 64, 8);
+    struct fake_conn c = {.f = &f, .take = true, .fail_first = 1};
+    tdm_sched_set_connector(f.s, &fake_conn_i, &c);
+    int32_t a[9];
+    make_prompt(a, 9, 4);
+    tdm_req_t *ra = submit(&f, a, 9, 4, NULL);
+    tdm_sched_step(f.s);
+    assert_int_equal(tdm_req_state(ra), TDM_REQ_WAITING_REMOTE_KV);
+    conn_land(&c);  /* fails */
+    c.take = false; /* asked again, it declines: prefilled here */
+    tdm_sched_step(f.s);
+    assert_int_equal(c.admits, 2);
+    assert_int_equal(tdm_req_state(ra), TDM_REQ_RUNNING);
+    run_until_done(&f, &ra, 1);
+    expect_output(ra, a, 9, 4, TDM_FINISH_LENGTH);
+    tdm_req_release(ra);
+    fix_close(&f);
+}
+
+/* Cancel in every state; the pool returns to its baseline each time. */
+static void test_cancel_everywhere(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.prefill_chunk = 4, .max_batch_tokens = 4};
+    fix_open(&f, 64, &so, 64, 8);
+    struct fake_conn c = {.f = &f, .hold_on_finish = true};
+    tdm_sched_set_connector(f.s, &fake_conn_i, &c);
+    int32_t a[16];
+    make_prompt(a, 16, 5);
+
+    /* WAITING */
+    tdm_req_t *r = submit(&f, a, 16, 4, NULL);
+    tdm_req_cancel(r);
+    tdm_sched_step(f.s);
+    assert_int_equal(tdm_req_state(r), TDM_REQ_FINISHED);
+    tdm_req_release(r);
+    expect_baseline(&f);
+
+    /* RUNNING, mid-prefill (chunks of 4 of a 16-token prompt) */
+    r = submit(&f, a, 16, 4, NULL);
+    tdm_sched_step(f.s);
+    assert_int_equal(tdm_req_state(r), TDM_REQ_RUNNING);
+    tdm_req_cancel(r);
+    tdm_sched_step(f.s);
+    assert_int_equal(tdm_req_state(r), TDM_REQ_FINISHED);
+    tdm_req_release(r);
+    expect_baseline(&f);
+
+    /* RUNNING, decoding */
+    r = submit(&f, a, 3, 50, NULL);
+    for (int i = 0; i < 4; i++)
+        tdm_sched_step(f.s);
+    tdm_req_cancel(r);
+    tdm_sched_step(f.s);
+    struct tdm_req_view v;
+    tdm_req_lock(r, &v);
+    assert_int_equal(v.finish, TDM_FINISH_CANCELLED);
+    assert_true(v.n_out >= 2 && v.n_out < 50);
+    tdm_req_unlock(r);
+    tdm_req_release(r);
+    expect_baseline(&f);
+
+    /* WAITING_REMOTE_KV: the connector hears of the end while the request still owns its
+     * pages and fences them (holds); they stay IN_FLIGHT until it lets go */
+    c.take = true;
+    r = submit(&f, a, 16, 4, NULL);
+    tdm_sched_step(f.s);
+    assert_int_equal(tdm_req_state(r), TDM_REQ_WAITING_REMOTE_KV);
+    int64_t used = tdm_kv_pool_stats(f.kv).used;
+    assert_int_equal(used, 16 / PS); /* the whole prompt's pages, reserved at admission */
+    tdm_req_release(r);              /* the client goes away: a cancel */
+    tdm_sched_step(f.s);
+    assert_int_equal(c.used_at_finish, used);
+    assert_int_equal(c.n_held, used);
+    struct tdm_kv_stats st = tdm_kv_pool_stats(f.kv);
+    assert_int_equal(st.in_flight, used);
+    assert_int_equal(st.used, 0);
+    tdm_kv_pool_unhold(f.kv, c.n_held, c.held);
+    expect_baseline(&f);
+    fix_close(&f);
+}
+
+/* ---- the fake drafter: proposes the reference continuation, wrong from a chosen index ---- */
+
+struct fake_drafter {
+    const int32_t *prompt;
+    int n_prompt;
+    int right; /* this many proposals are right, the rest wrong */
+    int proposed, accepted, calls;
+};
+
+static int drafter_propose(void *ctx, tdm_req_t *r, const int32_t *tokens, int n, int k,
+                           int32_t *out)
+{
+    struct fake_drafter *d = ctx;
+    (void)r;
+    int32_t ref[MAX_CTX];
+    reference(tokens, n, k, ref);
+    for (int i = 0; i < k; i++)
+        out[i] = i < d->right ? ref[i] : (ref[i] + 1) % VOCAB;
+    d->calls++;
+    return k;
+}
+
+static void drafter_accepted(void *ctx, tdm_req_t *r, int n_draft, int n_accepted)
+{
+    struct fake_drafter *d = ctx;
+    (void)r;
+    /* the leading right proposals are kept, the first wrong one ends the run */
+    assert_int_equal(n_accepted, TDM_MIN(d->right, n_draft));
+    d->proposed += n_draft;
+    d->accepted += n_accepted;
+}
+
+static const struct tdm_sched_drafter_i fake_drafter_i = {.propose = drafter_propose,
+                                                          .accepted = drafter_accepted};
+
+static void run_drafted(int right, bool penalties)
+{
+    struct fix f;
+    struct tdm_sched_opts so = {.row_outputs = true};
+    fix_open(&f, 64, &so, 64, 8);
+    struct fake_drafter d = {.right = right};
+    tdm_sched_set_drafter(f.s, &fake_drafter_i, &d, 3);
+    int32_t a[4];
+    make_prompt(a, 4, 6);
+    struct tdm_req_params rp = {.prompt = a,
+                                .n_prompt = 4,
+                                .max_tokens = 20,
+                                .ignore_eos = true,
+                                .sampling = tdm_sampling_defaults(),
+                                .top_logprobs = -1};
+    if (penalties) rp.sampling.repetition_penalty = 1.1f;
+    tdm_req_t *r = NULL;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &r), TDM_OK);
+    tdm_sched_step(f.s); /* the prompt; no drafts yet */
+    int steps = 1;
+    while (tdm_req_state(r) != TDM_REQ_FINISHED && steps < 100) {
+        tdm_sched_step(f.s);
+        steps++;
+        if (tdm_req_state(r) == TDM_REQ_FINISHED) break;
+        /* after each commit the KV keeps only the kept tokens' positions: outputs so far
+         * minus the newest, whose KV the next step writes */
+        struct tdm_req_view v;
+        tdm_req_lock(r, &v);
+        int n_cached = 4 + v.n_out - 1;
+        tdm_req_unlock(r);
+        assert_int_equal(tdm_kv_pool_stats(f.kv).used, (n_cached + PS - 1) / PS);
+    }
+    expect_output(r, a, 4, 20, TDM_FINISH_LENGTH);
+    assert_true(d.calls > 0);
+    if (right == 0) assert_int_equal(d.accepted, 0);
+    if (right >= 3) assert_int_equal(d.accepted, d.proposed);
+    /* drafted spans: one row per draft plus one; under penalties the rows bring back logits
+     * (sampled in order on the host), otherwise a sampled token */
+    bool drafted = false;
+    for (int i = 0; i < f.x.n_rec; i++)
+        if (f.x.rec[i].n_draft) {
+            drafted = true;
+            assert_int_equal(f.x.rec[i].n_rows, f.x.rec[i].n_draft + 1);
+            assert_int_equal(f.x.rec[i].n_tokens, f.x.rec[i].n_draft + 1);
+            assert_int_equal(f.x.rec[i].want, penalties ? TDM_ROW_LOGITS : TDM_ROW_SAMPLE);
+        }
+    assert_true(drafted);
+    if (right >= 3) assert_true(steps < 20); /* several tokens a step */
+    tdm_req_release(r);
+    fix_close(&f);
+}
+
+static void test_drafts_all_rejected(void **state)
+{
+    (void)state;
+    run_drafted(0, false);
+}
+
+static void test_drafts_partly_accepted(void **state)
+{
+    (void)state;
+    run_drafted(1, false);
+    run_drafted(2, false);
+}
+
+static void test_drafts_all_accepted(void **state)
+{
+    (void)state;
+    run_drafted(3, false);
+}
+
+static void test_drafts_with_penalties(void **state)
+{
+    (void)state;
+    run_drafted(0, true);
+    run_drafted(2, true);
+    run_drafted(3, true);
+}
+
+static void test_executor_error(void **state)
+{
+    (void)state;
+    struct fix f;
+    fix_open(&f, 64, NULL, 64, 8);
+    f.x.fail_at_step = 3;
+    int32_t a[6], b[6];
+    make_prompt(a, 6, 7);
+    make_prompt(b, 6, 8);
+    tdm_req_t *rs[2] = {submit(&f, a, 6, 10, NULL), submit(&f, b, 6, 10, NULL)};
+    run_until_done(&f, rs, 2);
+    for (int i = 0; i < 2; i++) {
+        struct tdm_req_view v;
+        tdm_req_lock(rs[i], &v);
+        assert_int_equal(v.finish, TDM_FINISH_ERROR);
+        assert_int_equal(v.n_out, 2); /* steps 1 and 2 each published one token */
+        tdm_req_unlock(rs[i]);
+        tdm_req_release(rs[i]);
+    }
+    expect_baseline(&f);
+    fix_close(&f);
+}
+
+/* A prefill-only request (a prefill node's) samples nothing, wants its last row's hidden state
+ * and finishes after its last span. */
+static void test_prefill_only_rows(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.row_outputs = true};
+    fix_open(&f, 64, &so, 64, 8);
+    int32_t a[10];
+    make_prompt(a, 10, 9);
+    struct tdm_req_params rp = {.prompt = a,
+                                .n_prompt = 10,
+                                .max_tokens = 1,
+                                .sampling = tdm_sampling_defaults(),
+                                .top_logprobs = -1,
+                                .prefill_only = true,
+                                .fixed_chunk = 4,
+                                .want_hidden = true};
+    tdm_req_t *r = NULL;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &r), TDM_OK);
+    run_until_done(&f, &r, 1);
+    assert_int_equal(f.x.n_rec, 3); /* 4 + 4 + 2 */
+    assert_int_equal(f.x.rec[2].n_rows, 1);
+    assert_int_equal(f.x.rec[2].want, TDM_ROW_HIDDEN);
+    assert_int_equal(f.x.rec[0].n_rows, 0);
+    struct tdm_req_view v;
+    tdm_req_lock(r, &v);
+    assert_int_equal(v.finish, TDM_FINISH_STOP);
+    assert_int_equal(v.n_out, 0);
+    tdm_req_unlock(r);
+    tdm_req_release(r);
+    /* without row outputs a request cannot ask for them */
+    struct fix g;
+    fix_open(&g, 16, NULL, 64, 8);
+    assert_int_equal(tdm_sched_submit(g.s, &rp, &r), TDM_EINVAL);
+    fix_close(&g);
+    fix_close(&f);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_admission_and_decode),
+        cmocka_unit_test(test_chunking_and_mixed_batches),
+        cmocka_unit_test(test_preemption),
+        cmocka_unit_test(test_remote_kv),
+        cmocka_unit_test(test_remote_failure_then_local),
+        cmocka_unit_test(test_cancel_everywhere),
+        cmocka_unit_test(test_drafts_all_rejected),
+        cmocka_unit_test(test_drafts_partly_accepted),
+        cmocka_unit_test(test_drafts_all_accepted),
+        cmocka_unit_test(test_drafts_with_penalties),
+        cmocka_unit_test(test_executor_error),
+        cmocka_unit_test(test_prefill_only_rows),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
