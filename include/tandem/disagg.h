@@ -10,10 +10,16 @@
  * no completion message. Then the scheduler runs prompt[-1] as the first decode step: the
  * prefill node never samples.
  *
- *   NEW -> PAGES_RESERVED -> PREFILL_SENT -> KV_LANDED -> DECODING -> DONE
- *                                 |
- *                                 +-(timeout | peer dead | NACK | send error)-> FENCED
- *                                        -> retry on another prefill peer, or prefill locally
+ * The request, in the scheduler's states (sched.h), and the decoder slot that carries its
+ * attempt (enum slot_state in decode.c, whose table gives the function of each transition):
+ *
+ *   request:  WAITING --admit: pages reserved, PREFILL sent--> WAITING_REMOTE_KV
+ *             WAITING_REMOTE_KV --all writes landed--> RUNNING (prompt[-1] first) --> FINISHED
+ *             WAITING_REMOTE_KV --timeout | peer dead | NACK | send error--> WAITING: retried
+ *                                  on another prefill peer, or prefilled locally
+ *   slot:     FREE --admit--> PENDING --landed--> FREE
+ *                             PENDING --failed, or the request finished--> FENCED
+ *                             FENCED --CANCEL_ACK | NACK | peer torn down--> FREE
  *
  * Expected writes: the decoder fixes the prefill chunk C (a multiple of the page size) in the
  * request, so prompt[:-1] of n tokens runs as ceil(n / C) chunks; the prefiller writes each
@@ -28,8 +34,10 @@
  * in the pool) until the prefiller acknowledges the cancel, or the connection to it is torn
  * down (peer dead); only then can they be reused.
  *
- *   Prefill node (tdm_disagg_prefill_*):
- *   RECEIVED -> SCHEDULED -> (per layer and chunk: WRITES_POSTED) -> CONTEXT_SENT -> FREED
+ * Prefill node (tdm_disagg_prefill_*). A job (enum job_state in prefill.c, with its table):
+ *   RECEIVED --submitted--> SCHEDULED (writes posted per layer and chunk, then the context)
+ *            --its request finished--> DRAINING --last write completed--> freed
+ *   RECEIVED --cancelled, failed, or refused by the scheduler--> DROPPED --> freed
  * Requests arrive as control messages and go through the normal scheduler as prefill-only,
  * fixed-chunk requests. A messenger thread watches the engine's layer counter (bumped after each
  * layer's attention output projection) during each step and posts that layer's page writes for

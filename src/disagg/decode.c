@@ -9,8 +9,8 @@
  *
  * Locking. d->mu guards the slots and peers. Transfer-engine calls that may call back
  * synchronously (counter cancel) are made with d->mu released. tdm_req_remote_done is called
- * with d->mu held, which is what keeps the request alive: the scheduler's `finished` hook
- * detaches a request from its slot under d->mu before the request can be freed.
+ * with d->mu held, which is what keeps the request alive: the connector's `finished` detaches a
+ * request from its slot under d->mu before the request can be freed.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,13 +18,32 @@
 
 #include "disagg/disagg_int.h"
 
-enum { SLOT_FREE, SLOT_PENDING, SLOT_FENCED };
+/* A slot's life (d->mu held for every transition; the epoch advances at each admit):
+ *
+ *          admit                 on_counter (all writes landed)
+ *   FREE ----------> PENDING -------------------------------------> FREE
+ *     ^                 |  on_counter (timeout, dead peer, NACK, send error, the request
+ *     |                 v  finished: finished() cancels the counter)
+ *     +------------- FENCED  (pages held IN_FLIGHT; a CANCEL goes to the prefiller)
+ *      unfence_locked: CANCEL_ACK or NACK (on_msg), the peer torn down (on_peer), destroy
+ *
+ *   transition         function                         thread
+ *   FREE -> PENDING    admit                            scheduler
+ *   PENDING -> FREE    on_counter, TDM_OK               xfer progress
+ *   PENDING -> FENCED  on_counter, an error             xfer progress, or the scheduler
+ *                                                       (finished -> counter cancel)
+ *   FENCED -> FREE     unfence_locked                   xfer progress (on_msg, on_peer), or
+ *                                                       the destroying thread
+ * A request the connector hears has finished while PENDING is detached from its slot first
+ * (slot.req = NULL), so on_counter never touches it again; its pages are held by the fencing
+ * before the scheduler drops its references (sched_finish calls finished() first). */
+enum slot_state { SLOT_FREE, SLOT_PENDING, SLOT_FENCED };
 enum { ERR_TIMEOUT, ERR_PEER, ERR_NACK, ERR_SEND, ERR_CANCELLED, ERR_OTHER, N_ERR };
 static const char *const err_names[N_ERR] = {"timeout", "peer",      "nack",
                                              "send",    "cancelled", "other"};
 
 struct dslot {
-    int state;
+    enum slot_state state;
     uint32_t epoch;
     tdm_req_t *req; /* NULL once detached (the request finished while pending) */
     uint64_t req_id;

@@ -25,13 +25,30 @@
 
 #include "disagg/disagg_int.h"
 
-enum { JOB_QUEUED, JOB_RUNNING, JOB_DONE };
+/* A job's life (p->mu held for every transition):
+ *
+ *              submitted                     finished (connector)      retired (no write
+ *   RECEIVED ---------------> SCHEDULED ---------------------------> DRAINING  in flight) -> freed
+ *      |                                                                           ^
+ *      +--(cancelled or failed before submit, or refused by the scheduler)--> DROPPED
+ *
+ *   transition             function                      thread
+ *   -> RECEIVED            on_msg                        xfer progress
+ *   RECEIVED -> SCHEDULED  service_jobs_locked           messenger
+ *   RECEIVED -> DROPPED    service_jobs_locked           messenger
+ *   SCHEDULED -> DRAINING  finished                      scheduler
+ *   DRAINING/DROPPED ->    service_jobs_locked, once     messenger (answers CANCEL_ACK after a
+ *     freed                outstanding == 0                cancel, a NACK after a failure)
+ *
+ * A cancel from the decoder marks every job not DROPPED: its writes stop being posted, and the
+ * CANCEL_ACK goes out only when the job is freed, after its last write completed. */
+enum job_state { JOB_RECEIVED, JOB_SCHEDULED, JOB_DRAINING, JOB_DROPPED };
 enum { PERR_REFUSED, PERR_WRITE, PERR_PEER, PERR_CANCELLED, PERR_OTHER, N_PERR };
 static const char *const perr_names[N_PERR] = {"refused", "write", "peer", "cancelled", "other"};
 
 struct job {
     struct job *next; /* p->jobs list */
-    int state;
+    enum job_state state;
     uint32_t xpeer;
     struct tdm_disagg_prefill_msg m; /* tokens/pages point at the copies below */
     int32_t *tokens;
@@ -39,7 +56,6 @@ struct job {
     tdm_req_t *req;
     int ctx_slot;
     int outstanding; /* writes posted and not completed */
-    bool finished;   /* the scheduler finished the request */
     enum tdm_finish why;
     bool failed, cancel, ctx_posted;
     char error[TDM_DMSG_MAX_ERROR + 1];
@@ -281,7 +297,7 @@ static void finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
     struct job *j = user;
     if (!j) return;
     pthread_mutex_lock(&p->mu);
-    j->finished = true;
+    j->state = JOB_DRAINING;
     j->why = why;
     if (why != TDM_FINISH_STOP && !j->failed && !j->cancel) {
         j->failed = true;
@@ -370,7 +386,7 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
         pthread_mutex_lock(&p->mu);
         for (struct job *j = p->jobs; j; j = j->next)
             if (j->xpeer == xpeer && j->m.slot == m.slot && j->m.epoch == m.epoch &&
-                j->state != JOB_DONE) {
+                j->state != JOB_DROPPED) {
                 found = true;
                 j->cancel = true;
                 if (j->req) tdm_req_cancel(j->req);
@@ -405,7 +421,7 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     j->m.tokens = tokens;
     j->m.pages = pages;
     j->t_recv = (int64_t)tdm_now_ns();
-    j->state = JOB_QUEUED;
+    j->state = JOB_RECEIVED;
     tokens = NULL;
     pages = NULL;
     pthread_mutex_lock(&p->mu);
@@ -442,7 +458,7 @@ static void on_peer(void *ctx, uint32_t xpeer, bool up)
     if (up) return;
     pthread_mutex_lock(&p->mu);
     for (struct job *j = p->jobs; j; j = j->next)
-        if (j->xpeer == xpeer && j->state != JOB_DONE) {
+        if (j->xpeer == xpeer && j->state != JOB_DROPPED) {
             p->errors[PERR_PEER]++;
             job_fail_locked(j, "%s", "the decoder went away");
             j->cancel = true; /* nothing to answer */
@@ -458,10 +474,9 @@ static void service_jobs_locked(struct tdm_disagg_prefill *p)
 {
     for (struct job **jp = &p->jobs; *jp;) {
         struct job *j = *jp;
-        if (j->state == JOB_QUEUED) {
+        if (j->state == JOB_RECEIVED) {
             if (j->cancel || j->failed) {
-                j->state = JOB_DONE;
-                j->finished = true;
+                j->state = JOB_DROPPED;
             } else {
                 struct tdm_req_params rp = {.prompt = j->tokens,
                                             .n_prompt = (int)j->m.n_tokens,
@@ -474,7 +489,7 @@ static void service_jobs_locked(struct tdm_disagg_prefill *p)
                                             .want_logits = j->m.want_logits != 0,
                                             .user = j};
                 tdm_req_t *r = NULL;
-                j->state = JOB_RUNNING;
+                j->state = JOB_SCHEDULED;
                 pthread_mutex_unlock(&p->mu);
                 tdm_status st = tdm_sched_submit(p->sched, &rp, &r);
                 pthread_mutex_lock(&p->mu);
@@ -482,14 +497,14 @@ static void service_jobs_locked(struct tdm_disagg_prefill *p)
                     p->errors[PERR_REFUSED]++;
                     j->failed = true;
                     snprintf(j->error, sizeof j->error, "%s", tdm_err_msg());
-                    j->finished = true;
+                    j->state = JOB_DROPPED;
                 } else {
                     j->req = r;
                     if (j->cancel || j->failed) tdm_req_cancel(r);
                 }
             }
         }
-        if (j->finished && j->outstanding == 0) {
+        if ((j->state == JOB_DRAINING || j->state == JOB_DROPPED) && j->outstanding == 0) {
             *jp = j->next;
             p->n_jobs--;
             p->ctx_used[j->ctx_slot] = 0;
