@@ -88,6 +88,8 @@ struct tdm_backend_i {
     /* memory that ops read and write */
     void *(*buf_alloc)(tdm_backend_t *b, size_t bytes); /* NULL on failure */
     void (*buf_free)(tdm_backend_t *b, void *p);
+    /* Where buf_alloc's memory lives; NULL: host memory. */
+    struct tdm_mem_place (*buf_place)(tdm_backend_t *b);
     void (*upload)(tdm_backend_t *b, void *dst, const void *src, size_t bytes);
     void (*download)(tdm_backend_t *b, void *dst, const void *src, size_t bytes);
     /* Makes a host weight usable by this backend (CPU: the same pointer; CUDA: converted and
@@ -182,6 +184,8 @@ struct tdm_backend_cpu_opts {
 };
 tdm_status tdm_backend_cpu_create(const struct tdm_backend_cpu_opts *opts, tdm_backend_t **out);
 void tdm_backend_destroy(tdm_backend_t *b); /* NULL is a no-op */
+/* Where the backend's buffers (activations, the KV pool) live. */
+struct tdm_mem_place tdm_backend_buf_place(tdm_backend_t *b);
 
 enum tdm_backend_kind { TDM_BACKEND_CPU = 0, TDM_BACKEND_CUDA = 1 };
 

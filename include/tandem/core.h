@@ -140,6 +140,20 @@ void tdm_philox4x32(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4
 /* Uniform double in [0, 1) with 53 random bits. */
 double tdm_rng_uniform(uint64_t seed, uint64_t request_id, uint32_t position, uint32_t draw);
 
+/* ---- where memory lives (ggml's buffer types play this part) ----
+ * Every buffer that crosses a module boundary (a backend's buffers, the KV pool, a transfer
+ * engine's registrations) says where it is, so nothing has to assume host memory. */
+enum tdm_mem_kind {
+    TDM_MEM_HOST = 0,        /* pageable host memory */
+    TDM_MEM_HOST_PINNED = 1, /* page-locked host memory a device can reach */
+    TDM_MEM_DEVICE = 2,      /* device memory of accelerator `device` */
+};
+struct tdm_mem_place {
+    enum tdm_mem_kind kind;
+    int device; /* TDM_MEM_DEVICE: the device ordinal; otherwise 0 */
+};
+const char *tdm_mem_kind_name(enum tdm_mem_kind k); /* "host", "pinned", "device" */
+
 /* ---- small helpers ---- */
 /* Parses a decimal integer in [lo, hi]; false on junk, overflow or out of range. */
 bool tdm_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);

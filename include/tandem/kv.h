@@ -2,7 +2,9 @@
  * tandem kv: the paged KV cache pool (DESIGN.md §3).
  *
  * Memory: one backend buffer per pool holding every layer's region,
- *   [n_layers][n_pages][2][n_kv_heads][page_size][head_dim] fp32, HND, K then V.
+ *   [n_layers][n_pages][2][n_kv_heads][page_size][head_dim] of the pool's element type (fp32
+ *   today), HND, K then V, where the backend keeps its buffers (tdm_kv_pool_geometry says
+ *   where, and gives the strides).
  * A page id names the same page in every layer, so a sequence has one page table for all layers.
  * For a kv_head range, K and V of one page are each one contiguous run (a head slice is at most
  * two transfers; a whole page of one layer is one).
@@ -41,6 +43,24 @@ struct tdm_kv_config {
     int head_dim;
     int page_size; /* tokens per page */
     int64_t n_pages;
+    enum tdm_dtype dtype; /* element type; TDM_DTYPE_F32 (0) is the one the backends compute in
+                           * today: a pool of another type is refused at creation */
+};
+
+/* The pool's memory as transfers see it: where it is, its element type, and the HND strides.
+ * Layer l's pages start at base + l * layer_bytes, page p of a layer at p * page_bytes; in a
+ * page, K is [n_kv_heads][page_size][head_dim] and V follows at v_offset, so kv_head h's K is
+ * the run [h * head_bytes, (h + 1) * head_bytes) and its V that run plus v_offset. */
+struct tdm_kv_geometry {
+    enum tdm_dtype dtype;
+    size_t elem_bytes;
+    struct tdm_mem_place place; /* the backend's buffers' place */
+    void *base;
+    size_t bytes;       /* every layer's region */
+    size_t layer_bytes; /* n_pages * page_bytes */
+    size_t page_bytes;  /* one page of one layer, K and V */
+    size_t v_offset;    /* V's offset in a page: n_kv_heads * head_bytes */
+    size_t head_bytes;  /* one kv_head's K (or V) in a page: page_size * head_dim elements */
 };
 
 struct tdm_kv_stats {
@@ -60,9 +80,9 @@ size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg);
 /* Pages that fit in `bytes` of KV memory. */
 int64_t tdm_kv_pages_for_bytes(const struct tdm_kv_config *cfg, size_t bytes);
 const struct tdm_kv_config *tdm_kv_pool_config(const tdm_kv_pool_t *pool);
-/* The pool's memory as one region, for registration with a transfer engine: layer l's pages
- * start at l * layer_bytes; page p of a layer at p * tdm_kv_page_bytes(). Backend memory. */
-void tdm_kv_pool_memory(const tdm_kv_pool_t *pool, void **base, size_t *bytes, size_t *layer_bytes);
+/* The pool's memory, place, element type and strides (for registration with a transfer
+ * engine, and for the page writes of disaggregation). Fixed for the pool's lifetime. */
+struct tdm_kv_geometry tdm_kv_pool_geometry(const tdm_kv_pool_t *pool);
 /* The layer view the backend ops take. */
 struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer);
 

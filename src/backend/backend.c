@@ -11,6 +11,12 @@ void tdm_backend_destroy(tdm_backend_t *b)
     b->iface->destroy(b);
 }
 
+struct tdm_mem_place tdm_backend_buf_place(tdm_backend_t *b)
+{
+    if (b->iface->buf_place) return b->iface->buf_place(b);
+    return (struct tdm_mem_place){.kind = TDM_MEM_HOST};
+}
+
 #ifndef TDM_HAVE_CUDA
 static tdm_status no_cuda(void)
 {

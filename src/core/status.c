@@ -13,6 +13,19 @@
 #include <strings.h>
 #include <time.h>
 
+const char *tdm_mem_kind_name(enum tdm_mem_kind k)
+{
+    switch (k) {
+    case TDM_MEM_HOST:
+        return "host";
+    case TDM_MEM_HOST_PINNED:
+        return "pinned";
+    case TDM_MEM_DEVICE:
+        return "device";
+    }
+    return "unknown";
+}
+
 const char *tdm_status_str(tdm_status st)
 {
     switch (st) {

@@ -73,12 +73,12 @@ struct tdm_disagg_decode {
     tdm_engine_t *engine;
     tdm_sched_t *sched;
     tdm_kv_pool_t *kv;
-    tdm_xfer_t *x;
-    tdm_xfer_mr_t *kv_mr, *ctx_mr;
+    struct disagg_endpoint ep;
+    tdm_xfer_t *x; /* ep.x */
     struct tdm_xfer_rmem kv_rmem, ctx_rmem;
     struct tdm_xfer_caps caps;
     float *ctx_mem;
-    size_t ctx_bytes, layer_bytes;
+    size_t ctx_bytes;
     int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, chunk;
 
     pthread_mutex_t mu;
@@ -318,10 +318,10 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
                                          .n_kv_heads = (uint32_t)d->n_kv_heads,
                                          .head_dim = (uint32_t)d->head_dim,
                                          .page_size = (uint32_t)d->page_size,
-                                         .elem_bytes = 4,
+                                         .elem_bytes = (uint32_t)d->ep.kv.elem_bytes,
                                          .kv_head_begin = 0,
                                          .kv_head_end = (uint32_t)d->n_kv_heads,
-                                         .dst_layer_stride = d->layer_bytes,
+                                         .dst_layer_stride = d->ep.kv.layer_bytes,
                                          .kv = d->kv_rmem,
                                          .ctx = d->ctx_rmem,
                                          .ctx_offset = (uint64_t)slot * d->ctx_bytes,
@@ -421,22 +421,9 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     memcpy(d->landed_s.bounds, lat, sizeof lat);
 
     tdm_status st;
-    struct tdm_xfer_config xc;
-    tdm_xfer_config_default(&xc);
-    if (o->xfer.provider) xc.provider = o->xfer.provider;
-    xc.node = o->xfer.node;
-    if (o->xfer.peer_timeout_ms > 0) xc.peer_timeout_ms = o->xfer.peer_timeout_ms;
+    /* slots: one per sequence the engine runs at once (the transfer engine caps them too) */
     int max_pages = (eo->max_ctx + d->page_size - 1) / d->page_size;
-    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)eo->max_ctx, (uint32_t)max_pages);
-    if ((size_t)xc.ctrl_bytes < msg) xc.ctrl_bytes = (int)msg;
-    xc.on_msg = on_msg;
-    xc.on_msg_ctx = d;
-    xc.on_peer = on_peer;
-    xc.on_peer_ctx = d;
-    if ((st = tdm_xfer_create(&xc, &d->x)) != TDM_OK) goto out_free;
-    tdm_xfer_get_caps(d->x, &d->caps);
-
-    d->n_slots = TDM_MIN(tdm_engine_opts(e)->max_seqs, (int)d->caps.max_slot + 1);
+    d->n_slots = eo->max_seqs;
     d->slots = calloc((size_t)d->n_slots, sizeof *d->slots);
     d->n_tried_cap = 4 * eo->max_seqs + 1024;
     d->tried = calloc((size_t)d->n_tried_cap, sizeof *d->tried);
@@ -444,28 +431,34 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     d->ctx_mem = aligned_alloc(64, d->ctx_bytes * (size_t)d->n_slots);
     if (!d->slots || !d->tried || !d->ctx_mem) {
         st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
-        goto out_xfer;
+        goto out_free;
     }
     for (int i = 0; i < d->n_slots; i++)
         if (!(d->slots[i].pages = malloc((size_t)max_pages * sizeof(int32_t)))) {
             st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
-            goto out_xfer;
+            goto out_free;
         }
-    void *kv_base;
-    size_t kv_bytes;
-    tdm_kv_pool_memory(d->kv, &kv_base, &kv_bytes, &d->layer_bytes);
-    if ((st = tdm_xfer_mr_reg(d->x, kv_base, kv_bytes, TDM_XFER_MEM_HOST, &d->kv_mr)) != TDM_OK)
-        goto out_xfer;
-    if ((st = tdm_xfer_mr_reg(d->x, d->ctx_mem, d->ctx_bytes * (size_t)d->n_slots,
-                              TDM_XFER_MEM_HOST, &d->ctx_mr)) != TDM_OK)
-        goto out_mr;
-    tdm_xfer_mr_remote(d->kv_mr, &d->kv_rmem);
-    tdm_xfer_mr_remote(d->ctx_mr, &d->ctx_rmem);
+    struct disagg_endpoint_opts eopts = {.xfer = &o->xfer,
+                                         .max_ctx = eo->max_ctx,
+                                         .page_size = d->page_size,
+                                         .kv = d->kv,
+                                         .ctx_mem = d->ctx_mem,
+                                         .ctx_bytes = d->ctx_bytes * (size_t)d->n_slots,
+                                         .on_msg = on_msg,
+                                         .on_peer = on_peer,
+                                         .ctx = d};
+    if ((st = disagg_endpoint_open(&d->ep, &eopts)) != TDM_OK) goto out_free;
+    d->x = d->ep.x;
+    d->caps = d->ep.caps;
+    for (; d->n_slots > (int)d->caps.max_slot + 1; d->n_slots--) /* the immediates name fewer */
+        free(d->slots[d->n_slots - 1].pages);
+    tdm_xfer_mr_remote(d->ep.kv_mr, &d->kv_rmem);
+    tdm_xfer_mr_remote(d->ep.ctx_mr, &d->ctx_rmem);
 
     for (int i = 0; i < o->n_peers; i++) {
         struct dpeer *p = &d->peers[d->n_peers];
         snprintf(p->addr, sizeof p->addr, "%s", o->peers[i]);
-        if ((st = tdm_xfer_peer_add(d->x, p->addr, &p->xid)) != TDM_OK) goto out_mr;
+        if ((st = tdm_xfer_peer_add(d->x, p->addr, &p->xid)) != TDM_OK) goto out_ep;
         d->n_peers++;
         if (tdm_xfer_peer_wait(d->x, p->xid, 5000) == TDM_OK) {
             pthread_mutex_lock(&d->mu);
@@ -482,14 +475,12 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     *out = d;
     return TDM_OK;
 
-out_mr:
-    tdm_xfer_mr_dereg(d->ctx_mr);
-    tdm_xfer_mr_dereg(d->kv_mr);
-out_xfer:
+out_ep:
     tdm_xfer_destroy(d->x);
+    disagg_endpoint_release(&d->ep);
+out_free:
     for (int i = 0; d->slots && i < d->n_slots; i++)
         free(d->slots[i].pages);
-out_free:
     free(d->slots);
     free(d->tried);
     free(d->ctx_mem);
@@ -507,8 +498,7 @@ void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d)
     for (int i = 0; i < d->n_slots; i++)
         if (d->slots[i].state == SLOT_FENCED) unfence_locked(d, &d->slots[i]);
     pthread_mutex_unlock(&d->mu);
-    tdm_xfer_mr_dereg(d->ctx_mr);
-    tdm_xfer_mr_dereg(d->kv_mr);
+    disagg_endpoint_release(&d->ep);
     for (int i = 0; i < d->n_slots; i++)
         free(d->slots[i].pages);
     free(d->slots);

@@ -12,6 +12,30 @@
 
 struct tdm_disagg_decode;
 
+/* ---- the messenger endpoint both sides open (endpoint.c) ---- */
+struct disagg_endpoint {
+    tdm_xfer_t *x;
+    tdm_xfer_mr_t *kv_mr, *ctx_mr;
+    struct tdm_xfer_caps caps;
+    struct tdm_kv_geometry kv; /* the pool's place, element type and strides */
+};
+struct disagg_endpoint_opts {
+    const struct tdm_disagg_xfer_opts *xfer;
+    int max_ctx, page_size; /* control messages fit a PREFILL of max_ctx tokens */
+    int min_jobs;           /* transfer operations to allow at once (0: the default) */
+    tdm_kv_pool_t *kv;
+    void *ctx_mem; /* host context buffers, registered too */
+    size_t ctx_bytes;
+    tdm_xfer_msg_fn on_msg;
+    tdm_xfer_peer_fn on_peer;
+    void *ctx; /* for both callbacks */
+};
+/* Creates the transfer engine and registers the KV pool (where the pool says it lives) and the
+ * context buffers. On failure nothing is left open. */
+tdm_status disagg_endpoint_open(struct disagg_endpoint *ep, const struct disagg_endpoint_opts *o);
+/* Deregisters both regions; call after tdm_xfer_destroy(ep->x). */
+void disagg_endpoint_release(struct disagg_endpoint *ep);
+
 /* What a control-message send's completion needs to undo. */
 struct send_ctx {
     struct tdm_disagg_decode *d;

@@ -85,10 +85,12 @@ struct tdm_disagg_prefill {
     tdm_sched_t *sched;
     tdm_kv_pool_t *kv;
     _Atomic int32_t *layer_counter;
-    tdm_xfer_t *x;
-    tdm_xfer_mr_t *kv_mr, *ctx_mr;
+    struct disagg_endpoint ep;
+    tdm_xfer_t *x;         /* ep.x */
+    tdm_xfer_mr_t *kv_mr;  /* ep.kv_mr */
+    tdm_xfer_mr_t *ctx_mr; /* ep.ctx_mr */
     struct tdm_xfer_caps caps;
-    size_t layer_bytes, page_bytes, ctx_bytes;
+    size_t layer_bytes, page_bytes, ctx_bytes; /* from the pool's geometry */
     float *ctx_mem;
     int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, max_ctx, max_chunk;
 
@@ -321,6 +323,11 @@ static bool validate(struct tdm_disagg_prefill *p, const struct tdm_disagg_prefi
                  "page %u; here: %d, %d, %d, %d)",
                  m->n_layers, m->n_kv_heads, m->head_dim, m->page_size, p->n_layers, p->n_kv_heads,
                  p->head_dim, p->page_size);
+        return false;
+    }
+    if (m->elem_bytes != p->ep.kv.elem_bytes) {
+        snprintf(why, cap, "KV elements differ (decoder: %u bytes; here: %zu)", m->elem_bytes,
+                 p->ep.kv.elem_bytes);
         return false;
     }
     if (m->kv_head_begin != 0 || m->kv_head_end != m->n_kv_heads) {
@@ -607,11 +614,9 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
     p->page_size = eo->page_size;
     p->max_ctx = eo->max_ctx;
     p->max_chunk = eo->max_batch_tokens;
-    struct tdm_kv_config kc = {.n_layers = c->n_layers,
-                               .n_kv_heads = c->n_kv_heads,
-                               .head_dim = c->head_dim,
-                               .page_size = eo->page_size};
-    p->page_bytes = tdm_kv_page_bytes(&kc);
+    struct tdm_kv_geometry g = tdm_kv_pool_geometry(p->kv);
+    p->page_bytes = g.page_bytes;
+    p->layer_bytes = g.layer_bytes;
     p->ctx_bytes = ((size_t)(p->d_model + p->vocab) * sizeof(float) + 63) / 64 * 64;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
@@ -637,30 +642,22 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
         st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
         goto out_free;
     }
-    struct tdm_xfer_config xc;
-    tdm_xfer_config_default(&xc);
-    if (o->xfer.provider) xc.provider = o->xfer.provider;
-    xc.node = o->xfer.node;
-    if (o->xfer.peer_timeout_ms > 0) xc.peer_timeout_ms = o->xfer.peer_timeout_ms;
-    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)p->max_ctx, (uint32_t)max_pages);
-    if ((size_t)xc.ctrl_bytes < msg) xc.ctrl_bytes = (int)msg;
-    /* a step posts n_layers writes per span, plus the context writes */
-    int jobs = (p->n_layers + 1) * eo->max_seqs * 2;
-    if (xc.max_jobs < jobs) xc.max_jobs = jobs;
-    xc.on_msg = on_msg;
-    xc.on_msg_ctx = p;
-    xc.on_peer = on_peer;
-    xc.on_peer_ctx = p;
-    if ((st = tdm_xfer_create(&xc, &p->x)) != TDM_OK) goto out_free;
-    tdm_xfer_get_caps(p->x, &p->caps);
-    void *kv_base;
-    size_t kv_bytes;
-    tdm_kv_pool_memory(p->kv, &kv_base, &kv_bytes, &p->layer_bytes);
-    if ((st = tdm_xfer_mr_reg(p->x, kv_base, kv_bytes, TDM_XFER_MEM_HOST, &p->kv_mr)) != TDM_OK)
-        goto out_xfer;
-    if ((st = tdm_xfer_mr_reg(p->x, p->ctx_mem, p->ctx_bytes * (size_t)p->o.max_jobs,
-                              TDM_XFER_MEM_HOST, &p->ctx_mr)) != TDM_OK)
-        goto out_mr;
+    struct disagg_endpoint_opts eopts = {.xfer = &o->xfer,
+                                         .max_ctx = p->max_ctx,
+                                         .page_size = p->page_size,
+                                         .min_jobs = (p->n_layers + 1) * eo->max_seqs *
+                                                     2, /* a step's writes per span, twice */
+                                         .kv = p->kv,
+                                         .ctx_mem = p->ctx_mem,
+                                         .ctx_bytes = p->ctx_bytes * (size_t)p->o.max_jobs,
+                                         .on_msg = on_msg,
+                                         .on_peer = on_peer,
+                                         .ctx = p};
+    if ((st = disagg_endpoint_open(&p->ep, &eopts)) != TDM_OK) goto out_free;
+    p->x = p->ep.x;
+    p->kv_mr = p->ep.kv_mr;
+    p->ctx_mr = p->ep.ctx_mr;
+    p->caps = p->ep.caps;
     static const struct tdm_kv_connector_i conn = {
         .step_begin = step_begin, .step_end = step_end, .finished = finished};
     tdm_sched_set_connector(s, &conn, p);
@@ -672,10 +669,8 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
     return TDM_OK;
 
 out_mr:
-    tdm_xfer_mr_dereg(p->ctx_mr);
-    tdm_xfer_mr_dereg(p->kv_mr);
-out_xfer:
     tdm_xfer_destroy(p->x);
+    disagg_endpoint_release(&p->ep);
 out_free:
     free(p->spans);
     free(p->src_tmp);
@@ -705,8 +700,7 @@ void tdm_disagg_prefill_destroy(tdm_disagg_prefill_t *p)
         free(j->dst_pages);
         free(j);
     }
-    tdm_xfer_mr_dereg(p->ctx_mr);
-    tdm_xfer_mr_dereg(p->kv_mr);
+    disagg_endpoint_release(&p->ep);
     free(p->spans);
     free(p->src_tmp);
     free(p->dst_tmp);

@@ -30,9 +30,14 @@ struct tdm_kv_pool {
     int64_t n_in_flight;
 };
 
+static size_t elem_bytes(enum tdm_dtype t)
+{
+    return t == TDM_DTYPE_F16 || t == TDM_DTYPE_BF16 ? 2 : 4;
+}
+
 size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg)
 {
-    return (size_t)2 * cfg->n_kv_heads * cfg->page_size * cfg->head_dim * sizeof(float);
+    return (size_t)2 * cfg->n_kv_heads * cfg->page_size * cfg->head_dim * elem_bytes(cfg->dtype);
 }
 
 int64_t tdm_kv_pages_for_bytes(const struct tdm_kv_config *cfg, size_t bytes)
@@ -47,6 +52,10 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     if (cfg->n_layers <= 0 || cfg->n_kv_heads <= 0 || cfg->head_dim <= 0 || cfg->page_size <= 0 ||
         cfg->n_pages <= 0)
         return tdm_err_set(TDM_EINVAL, "kv pool: every dimension must be positive");
+    if (cfg->dtype != TDM_DTYPE_F32)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "kv pool: element type %s is not computed by any backend yet (f32)",
+                           tdm_dtype_name(cfg->dtype));
     if (cfg->page_size > 1024)
         return tdm_err_set(TDM_ERANGE, "kv pool: page size %d over 1024", cfg->page_size);
     if (cfg->n_pages > INT32_MAX / cfg->page_size)
@@ -104,11 +113,20 @@ const struct tdm_kv_config *tdm_kv_pool_config(const tdm_kv_pool_t *pool)
     return &pool->cfg;
 }
 
-void tdm_kv_pool_memory(const tdm_kv_pool_t *pool, void **base, size_t *bytes, size_t *layer_bytes)
+struct tdm_kv_geometry tdm_kv_pool_geometry(const tdm_kv_pool_t *pool)
 {
-    *base = pool->mem;
-    *layer_bytes = pool->layer_floats * sizeof(float);
-    *bytes = *layer_bytes * (size_t)pool->cfg.n_layers;
+    const struct tdm_kv_config *c = &pool->cfg;
+    size_t eb = elem_bytes(c->dtype), head = (size_t)c->page_size * c->head_dim * eb;
+    size_t page = tdm_kv_page_bytes(c), layer = page * (size_t)c->n_pages;
+    return (struct tdm_kv_geometry){.dtype = c->dtype,
+                                    .elem_bytes = eb,
+                                    .place = tdm_backend_buf_place(pool->backend),
+                                    .base = pool->mem,
+                                    .bytes = layer * (size_t)c->n_layers,
+                                    .layer_bytes = layer,
+                                    .page_bytes = page,
+                                    .v_offset = head * (size_t)c->n_kv_heads,
+                                    .head_bytes = head};
 }
 
 struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer)

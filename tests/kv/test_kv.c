@@ -145,9 +145,26 @@ static void test_layout(void **state)
     assert_int_equal(l0.n_pages, 5);
     assert_int_equal(l0.page_size, 4);
     assert_int_equal(tdm_kv_pages_for_bytes(&c, 3 * tdm_kv_page_bytes(&c) * 7 + 1), 7);
+    /* the geometry transfers use: place, element type, HND strides, the same region */
+    struct tdm_kv_geometry g = tdm_kv_pool_geometry(p);
+    assert_int_equal(g.place.kind, TDM_MEM_HOST);
+    assert_int_equal(g.dtype, TDM_DTYPE_F32);
+    assert_int_equal(g.elem_bytes, 4);
+    assert_ptr_equal(g.base, l0.base);
+    assert_int_equal(g.layer_bytes, layer_floats * sizeof(float));
+    assert_int_equal(g.bytes, 3 * g.layer_bytes);
+    assert_int_equal(g.page_bytes, tdm_kv_page_bytes(&c));
+    assert_int_equal(g.head_bytes, 4 * 8 * sizeof(float)); /* page_size * head_dim */
+    assert_int_equal(g.v_offset, 2 * g.head_bytes);         /* n_kv_heads K runs, then V */
+    assert_int_equal(2 * g.v_offset, g.page_bytes);
     /* the whole region is writable (ASan checks the bounds) */
     memset(l0.base, 0, layer_floats * 3 * sizeof(float));
     tdm_kv_pool_destroy(p);
+    /* an element type no backend computes in is refused, with a reason */
+    c.dtype = TDM_DTYPE_BF16;
+    assert_int_equal(tdm_kv_page_bytes(&c), 2 * 2 * 4 * 8 * 2);
+    assert_int_equal(tdm_kv_pool_create(&c, backend, &p), TDM_EUNSUPPORTED);
+    assert_non_null(strstr(tdm_err_msg(), "bf16"));
 }
 
 static void test_bad_config(void **state)

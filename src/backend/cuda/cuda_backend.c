@@ -1013,10 +1013,16 @@ static void cu_destroy(tdm_backend_t *b)
     free(cu);
 }
 
+static struct tdm_mem_place cu_buf_place(tdm_backend_t *b)
+{
+    return (struct tdm_mem_place){.kind = TDM_MEM_DEVICE, .device = tdm_cu_of(b)->device};
+}
+
 static const struct tdm_backend_i CUDA_IFACE = {
     .name = "cuda",
     .destroy = cu_destroy,
     .buf_alloc = cu_buf_alloc,
+    .buf_place = cu_buf_place,
     .buf_free = cu_buf_free,
     .upload = cu_upload,
     .download = cu_download,

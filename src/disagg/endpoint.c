@@ -1,0 +1,52 @@
+/*
+ * The messenger endpoint that both sides open: a transfer engine whose control messages fit a
+ * PREFILL of a full context, the KV pool registered where it lives (its place and strides come
+ * from the pool, never from constants), and the host context buffers.
+ *
+ * Called once at a side's creation, on the creating thread; the endpoint then belongs to that
+ * side.
+ */
+#include "disagg/disagg_int.h"
+
+tdm_status disagg_endpoint_open(struct disagg_endpoint *ep, const struct disagg_endpoint_opts *o)
+{
+    *ep = (struct disagg_endpoint){.kv = tdm_kv_pool_geometry(o->kv)};
+    struct tdm_xfer_config xc;
+    tdm_xfer_config_default(&xc);
+    if (o->xfer->provider) xc.provider = o->xfer->provider;
+    xc.node = o->xfer->node;
+    if (o->xfer->peer_timeout_ms > 0) xc.peer_timeout_ms = o->xfer->peer_timeout_ms;
+    int max_pages = (o->max_ctx + o->page_size - 1) / o->page_size;
+    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)o->max_ctx, (uint32_t)max_pages);
+    if ((size_t)xc.ctrl_bytes < msg) xc.ctrl_bytes = (int)msg;
+    if (xc.max_jobs < o->min_jobs) xc.max_jobs = o->min_jobs;
+    xc.on_msg = o->on_msg;
+    xc.on_msg_ctx = o->ctx;
+    xc.on_peer = o->on_peer;
+    xc.on_peer_ctx = o->ctx;
+    tdm_status st = tdm_xfer_create(&xc, &ep->x);
+    if (st != TDM_OK) return st;
+    tdm_xfer_get_caps(ep->x, &ep->caps);
+    enum tdm_xfer_mem_kind kind =
+        ep->kv.place.kind == TDM_MEM_DEVICE ? TDM_XFER_MEM_CUDA : TDM_XFER_MEM_HOST;
+    if ((st = tdm_xfer_mr_reg(ep->x, ep->kv.base, ep->kv.bytes, kind, &ep->kv_mr)) != TDM_OK)
+        goto out_xfer;
+    if ((st = tdm_xfer_mr_reg(ep->x, o->ctx_mem, o->ctx_bytes, TDM_XFER_MEM_HOST, &ep->ctx_mr)) !=
+        TDM_OK)
+        goto out_kv;
+    return TDM_OK;
+
+out_kv:
+    tdm_xfer_mr_dereg(ep->kv_mr);
+out_xfer:
+    tdm_xfer_destroy(ep->x);
+    *ep = (struct disagg_endpoint){0};
+    return st;
+}
+
+void disagg_endpoint_release(struct disagg_endpoint *ep)
+{
+    tdm_xfer_mr_dereg(ep->ctx_mr);
+    tdm_xfer_mr_dereg(ep->kv_mr);
+    ep->ctx_mr = ep->kv_mr = NULL;
+}
