@@ -1,0 +1,333 @@
+/*
+ * The libfabric transport's setup and teardown: provider discovery and the fabric, domain,
+ * endpoint, CQ and AV (open_fabric), the engine's create and destroy, its address, caps and
+ * stats, and memory regions. Called from user threads; create starts the progress thread and
+ * destroy joins it.
+ */
+#include <errno.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "xfer/fabric/fabric_int.h"
+
+void tdm_xfer_config_default(struct tdm_xfer_config *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->provider = "tcp;ofi_rxm";
+    cfg->op_timeout_ms = 10000;
+    cfg->heartbeat_ms = 200;
+    cfg->peer_timeout_ms = 2000;
+    cfg->max_jobs = 1024;
+    cfg->max_ops = 256;
+    cfg->ctrl_bytes = 8192;
+    cfg->ctrl_rx_depth = 64;
+    cfg->max_peers = 64;
+    cfg->max_slots = 4096;
+    cfg->max_pages_per_write = 65536;
+}
+
+static tdm_status open_fabric(tdm_xfer_t *x)
+{
+    struct fi_info *hints = fi_allocinfo();
+    if (!hints) return tdm_err_set(TDM_ENOMEM, "xfer: fi_allocinfo failed");
+    hints->caps = FI_MSG | FI_RMA;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+    hints->domain_attr->mr_mode =
+        FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    hints->domain_attr->threading = FI_THREAD_SAFE;
+    hints->fabric_attr->prov_name = strdup(x->provider_name);
+    const char *node = x->node[0] ? x->node : NULL;
+    uint64_t flags = node ? FI_SOURCE : 0;
+    int rc;
+    /* Writes must be visible before the immediate that follows them. A provider that orders
+     * write data (FI_ORDER_WAW without a size limit, e.g. tcp;ofi_rxm over one stream) gives that
+     * for free; otherwise ask for delivery-complete writes (the immediate write is then posted
+     * after the others complete), falling back to the provider's default. */
+    hints->tx_attr->op_flags = 0;
+    rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
+    x->ordered_writes = rc == 0 && (x->info->tx_attr->msg_order & FI_ORDER_WAW) &&
+                        x->info->ep_attr->max_order_waw_size >= (1ull << 30);
+    if (rc == 0 && !x->ordered_writes) {
+        fi_freeinfo(x->info);
+        x->info = NULL;
+        hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+        rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
+        if (rc) {
+            hints->tx_attr->op_flags = 0;
+            rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
+        }
+    }
+    fi_freeinfo(hints);
+    if (rc)
+        return tdm_err_set(TDM_EUNSUPPORTED, "xfer: no provider '%s'%s%s: %s", x->provider_name,
+                           node ? " on " : "", node ? node : "", fi_msg(rc));
+    struct fi_info *info = x->info;
+    x->caps.delivery_complete = (info->tx_attr->op_flags & FI_DELIVERY_COMPLETE) != 0;
+    x->caps.ordered_writes = x->ordered_writes;
+    x->caps.mr_mode = (uint64_t)info->domain_attr->mr_mode;
+    x->caps.imm_bits = info->domain_attr->cq_data_size >= 8 ? 64 : 32;
+    x->caps.hmem_cuda = (info->caps & FI_HMEM) != 0;
+    x->caps.max_write_bytes = info->ep_attr->max_msg_size;
+    if (x->caps.max_write_bytes == 0 || x->caps.max_write_bytes > (1ull << 30))
+        x->caps.max_write_bytes = 1ull << 30;
+    if (info->domain_attr->cq_data_size < 4) {
+        return tdm_err_set(TDM_EUNSUPPORTED, "xfer: provider %s carries %zu bytes of cq data",
+                           info->fabric_attr->prov_name, info->domain_attr->cq_data_size);
+    }
+    snprintf(x->caps.provider, sizeof(x->caps.provider), "%s", info->fabric_attr->prov_name);
+    x->caps.max_slot = x->caps.imm_bits == 64 ? (1u << 24) - 1 : (1u << 12) - 1;
+    x->caps.max_epoch = x->caps.imm_bits == 64 ? (1u << 16) - 1 : (1u << 8) - 1;
+    x->caps.max_index = x->caps.max_slot;
+
+    if ((rc = fi_fabric(info->fabric_attr, &x->fabric, NULL)))
+        return tdm_err_set(TDM_EIO, "xfer: fi_fabric: %s", fi_msg(rc));
+    if ((rc = fi_domain(x->fabric, info, &x->domain, NULL)))
+        return tdm_err_set(TDM_EIO, "xfer: fi_domain: %s", fi_msg(rc));
+    struct fi_av_attr av_attr = {.type = FI_AV_UNSPEC, .count = (size_t)x->cfg.max_peers};
+    if ((rc = fi_av_open(x->domain, &av_attr, &x->av, NULL)))
+        return tdm_err_set(TDM_EIO, "xfer: fi_av_open: %s", fi_msg(rc));
+    struct fi_cq_attr cq_attr = {
+        .format = FI_CQ_FORMAT_DATA, .size = (size_t)(x->n_ops + 64), .wait_obj = FI_WAIT_NONE};
+    if ((rc = fi_cq_open(x->domain, &cq_attr, &x->cq, NULL)))
+        return tdm_err_set(TDM_EIO, "xfer: fi_cq_open: %s", fi_msg(rc));
+    if ((rc = fi_endpoint(x->domain, info, &x->ep, NULL)))
+        return tdm_err_set(TDM_EIO, "xfer: fi_endpoint: %s", fi_msg(rc));
+    if ((rc = fi_ep_bind(x->ep, &x->av->fid, 0)) ||
+        (rc = fi_ep_bind(x->ep, &x->cq->fid, FI_TRANSMIT | FI_RECV)))
+        return tdm_err_set(TDM_EIO, "xfer: fi_ep_bind: %s", fi_msg(rc));
+    if ((rc = fi_enable(x->ep))) return tdm_err_set(TDM_EIO, "xfer: fi_enable: %s", fi_msg(rc));
+    size_t len = sizeof(x->my_addr);
+    if ((rc = fi_getname(&x->ep->fid, x->my_addr, &len)))
+        return tdm_err_set(TDM_EIO, "xfer: fi_getname: %s", fi_msg(rc));
+    x->my_addr_bytes = len;
+    return TDM_OK;
+}
+
+static tdm_status reg_raw(tdm_xfer_t *x, void *base, size_t bytes, struct fid_mr **mr,
+                          uint64_t *key, void **desc)
+{
+    uint64_t access = FI_SEND | FI_RECV | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
+    pthread_mutex_lock(&x->mu);
+    uint64_t requested = x->next_key++;
+    pthread_mutex_unlock(&x->mu);
+    int rc = fi_mr_reg(x->domain, base, bytes, access, 0, requested, 0, mr, NULL);
+    if (rc) return tdm_err_set(TDM_EIO, "xfer: fi_mr_reg of %zu bytes: %s", bytes, fi_msg(rc));
+    if (x->info->domain_attr->mr_mode & FI_MR_ENDPOINT) {
+        if ((rc = fi_mr_bind(*mr, &x->ep->fid, 0)) || (rc = fi_mr_enable(*mr))) {
+            fi_close(&(*mr)->fid);
+            return tdm_err_set(TDM_EIO, "xfer: binding a region to the endpoint: %s", fi_msg(rc));
+        }
+    }
+    *key = fi_mr_key(*mr);
+    *desc = fi_mr_desc(*mr);
+    return TDM_OK;
+}
+
+tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **out)
+{
+    struct tdm_xfer_config cfg;
+    tdm_xfer_config_default(&cfg);
+    if (cfg_in) cfg = *cfg_in;
+    if (!cfg.provider || strlen(cfg.provider) >= 64 || (cfg.node && strlen(cfg.node) >= 64))
+        return tdm_err_set(TDM_EINVAL, "xfer: bad provider or node");
+    if (cfg.op_timeout_ms <= 0 || cfg.heartbeat_ms < 0 || cfg.peer_timeout_ms < 0 ||
+        cfg.max_jobs <= 0 || cfg.max_jobs > (1 << 20) || cfg.max_ops <= OPS_RESERVED ||
+        cfg.max_ops > (1 << 16) || cfg.ctrl_bytes <= 0 || cfg.ctrl_bytes > (1 << 20) ||
+        cfg.ctrl_rx_depth <= 0 || cfg.ctrl_rx_depth > 4096 || cfg.max_peers <= 0 ||
+        cfg.max_peers > 4096 || cfg.max_slots <= 0 || cfg.max_pages_per_write <= 0)
+        return tdm_err_set(TDM_EINVAL, "xfer: configuration value out of range");
+    if (cfg.heartbeat_ms && cfg.peer_timeout_ms && cfg.peer_timeout_ms <= 2 * cfg.heartbeat_ms)
+        return tdm_err_set(TDM_EINVAL, "xfer: peer_timeout_ms must exceed 2 x heartbeat_ms");
+    const char *fspec = cfg.faults ? cfg.faults : getenv("TANDEM_XFER_FAULTS");
+    struct tdm_xfer_faults faults;
+    tdm_status st = tdm_xfer_faults_parse(fspec, &faults);
+    if (st != TDM_OK) return st;
+
+    tdm_xfer_t *x = calloc(1, sizeof(*x));
+    if (!x) return tdm_err_set(TDM_ENOMEM, "xfer: out of memory");
+    x->cfg = cfg;
+    x->faults = faults;
+    snprintf(x->provider_name, sizeof(x->provider_name), "%s", cfg.provider);
+    snprintf(x->node, sizeof(x->node), "%s", cfg.node ? cfg.node : "");
+    x->cfg.provider = x->provider_name;
+    x->cfg.node = x->node[0] ? x->node : NULL;
+    x->cfg.faults = NULL;
+    pthread_mutex_init(&x->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&x->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    x->submit_head = x->submit_tail = x->active_head = x->active_tail = -1;
+    x->next_key = 1;
+    uint32_t seed[4] = {(uint32_t)getpid(), (uint32_t)tdm_now_ns(), (uint32_t)(uintptr_t)x, 7};
+    uint32_t key[2] = {(uint32_t)(tdm_now_ns() >> 32), 0x9e3779b9u}, r[4];
+    tdm_philox4x32(seed, key, r);
+    x->nonce = ((uint64_t)r[0] << 32 | r[1]) | 1;
+
+    int n_rx = cfg.ctrl_rx_depth;
+    x->n_ops = cfg.max_ops + n_rx;
+    x->ops = calloc((size_t)x->n_ops, sizeof(*x->ops));
+    x->op_free = calloc((size_t)cfg.max_ops, sizeof(int));
+    x->repost = calloc((size_t)n_rx, sizeof(int));
+    x->jobs = calloc((size_t)cfg.max_jobs, sizeof(*x->jobs));
+    x->peers = calloc((size_t)cfg.max_peers, sizeof(*x->peers));
+    x->buf_bytes = ((size_t)TDM_XFER_WIRE_HDR + (size_t)cfg.ctrl_bytes + 63) & ~(size_t)63;
+    x->bufs = tdm_alloc_aligned(x->buf_bytes * (size_t)(N_TX_BUFS + n_rx));
+    if (faults.delay_imm_ms > 0) x->delay_ring = calloc(DELAY_RING, sizeof(*x->delay_ring));
+    if (!x->ops || !x->op_free || !x->repost || !x->jobs || !x->peers || !x->bufs ||
+        (faults.delay_imm_ms > 0 && !x->delay_ring)) {
+        st = tdm_err_set(TDM_ENOMEM, "xfer: out of memory");
+        goto out_destroy;
+    }
+    for (int i = 0; i < cfg.max_ops; i++)
+        x->op_free[x->n_op_free++] = cfg.max_ops - 1 - i;
+    for (int i = 0; i < cfg.max_jobs; i++)
+        x->jobs[i].next = i + 1 < cfg.max_jobs ? i + 1 : -1;
+    x->job_free = 0;
+    for (int i = 0; i < N_TX_BUFS; i++)
+        x->tx_free[x->n_tx_free++] = i;
+
+    if ((st = open_fabric(x)) != TDM_OK) goto out_destroy;
+    uint32_t slots = TDM_MIN((uint32_t)cfg.max_slots, x->caps.max_slot + 1);
+    if ((st = tdm_xfer_counters_create(slots, x->caps.max_index + 1, &x->counters)) != TDM_OK)
+        goto out_destroy;
+    uint64_t key_unused;
+    if ((st = reg_raw(x, x->bufs, x->buf_bytes * (size_t)(N_TX_BUFS + n_rx), &x->bufs_mr,
+                      &key_unused, &x->bufs_desc)) != TDM_OK)
+        goto out_destroy;
+    for (int i = 0; i < n_rx; i++) {
+        int o = cfg.max_ops + i;
+        x->ops[o] =
+            (struct op){.kind = OP_RECV, .job = -1, .peer = UINT32_MAX, .buf = N_TX_BUFS + i};
+        if ((st = tdm_fab_post_recv(x, o)) != TDM_OK) goto out_destroy;
+    }
+    if (pthread_create(&x->thread, NULL, tdm_fab_progress_main, x) != 0) {
+        st = tdm_err_set(TDM_EINTERNAL, "xfer: cannot start the progress thread");
+        goto out_destroy;
+    }
+    x->thread_started = true;
+    TDM_DEBUG("xfer: %s endpoint up (%d-bit immediates, mr_mode 0x%llx, delivery complete %d)",
+              x->caps.provider, x->caps.imm_bits, (unsigned long long)x->caps.mr_mode,
+              x->caps.delivery_complete);
+    *out = x;
+    return TDM_OK;
+
+out_destroy : {
+    char msg[512];
+    snprintf(msg, sizeof(msg), "%s", tdm_err_msg());
+    tdm_xfer_destroy(x);
+    return tdm_err_set(st, "%s", msg);
+}
+}
+
+void tdm_xfer_destroy(tdm_xfer_t *x)
+{
+    if (!x) return;
+    if (x->thread_started) {
+        x->stop = 1;
+        pthread_join(x->thread, NULL);
+    }
+    /* everything not finished ends as cancelled, on this thread */
+    tdm_fab_take_submissions(x);
+    for (int j = x->active_head; j >= 0; j = x->jobs[j].next)
+        if (x->jobs[j].state == JOB_ACTIVE) {
+            tdm_err_set(TDM_ECANCELED, "xfer: engine destroyed");
+            tdm_fab_job_finish(x, j, TDM_ECANCELED);
+        }
+    if (x->ep) fi_close(&x->ep->fid);
+    if (x->bufs_mr) fi_close(&x->bufs_mr->fid);
+    if (x->av) fi_close(&x->av->fid);
+    if (x->cq) fi_close(&x->cq->fid);
+    if (x->domain) fi_close(&x->domain->fid);
+    if (x->fabric) fi_close(&x->fabric->fid);
+    if (x->info) fi_freeinfo(x->info);
+    tdm_xfer_counters_destroy(x->counters);
+    if (x->jobs)
+        for (int j = 0; j < x->cfg.max_jobs; j++) {
+            free(x->jobs[j].runs);
+            free(x->jobs[j].msg);
+        }
+    free(x->delay_ring);
+    tdm_free_aligned(x->bufs);
+    free(x->peers);
+    free(x->jobs);
+    free(x->repost);
+    free(x->op_free);
+    free(x->ops);
+    pthread_mutex_destroy(&x->mu);
+    pthread_cond_destroy(&x->cv);
+    free(x);
+}
+
+tdm_status tdm_xfer_addr(const tdm_xfer_t *x, char *buf, size_t cap)
+{
+    return tdm_xfer_addr_encode(x->my_addr, x->my_addr_bytes, buf, cap);
+}
+
+void tdm_xfer_get_caps(const tdm_xfer_t *x, struct tdm_xfer_caps *out)
+{
+    *out = x->caps;
+}
+
+void tdm_xfer_get_stats(tdm_xfer_t *x, struct tdm_xfer_stats *out)
+{
+    const uint64_t *src = (const uint64_t *)&x->stats;
+    uint64_t *dst = (uint64_t *)out;
+    for (size_t i = 0; i < sizeof(*out) / sizeof(uint64_t); i++)
+        dst[i] = __atomic_load_n(&src[i], __ATOMIC_RELAXED);
+}
+
+tdm_xfer_counters_t *tdm_xfer_get_counters(tdm_xfer_t *x)
+{
+    return x->counters;
+}
+
+tdm_status tdm_xfer_mr_reg(tdm_xfer_t *x, void *base, size_t bytes, enum tdm_xfer_mem_kind kind,
+                           tdm_xfer_mr_t **out)
+{
+    if (!x || !base || !bytes) return tdm_err_set(TDM_EINVAL, "xfer: empty region");
+    if (kind != TDM_XFER_MEM_HOST) {
+        if (kind != TDM_XFER_MEM_CUDA) return tdm_err_set(TDM_EINVAL, "xfer: memory kind %d", kind);
+        if (!x->caps.hmem_cuda)
+            return tdm_err_set(TDM_EUNSUPPORTED,
+                               "xfer: provider %s cannot register cuda memory; stage through a "
+                               "registered host buffer",
+                               x->caps.provider);
+    }
+    tdm_xfer_mr_t *mr = calloc(1, sizeof(*mr));
+    if (!mr) return tdm_err_set(TDM_ENOMEM, "xfer: out of memory");
+    tdm_status st = reg_raw(x, base, bytes, &mr->mr, &mr->key, &mr->desc);
+    if (st != TDM_OK) {
+        free(mr);
+        return st;
+    }
+    mr->x = x;
+    mr->base = base;
+    mr->bytes = bytes;
+    mr->kind = kind;
+    *out = mr;
+    return TDM_OK;
+}
+
+void tdm_xfer_mr_dereg(tdm_xfer_mr_t *mr)
+{
+    if (!mr) return;
+    fi_close(&mr->mr->fid);
+    free(mr);
+}
+
+void tdm_xfer_mr_remote(const tdm_xfer_mr_t *mr, struct tdm_xfer_rmem *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->addr =
+        (mr->x->info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)mr->base : 0;
+    out->key = mr->key;
+    out->bytes = mr->bytes;
+    out->kind = (uint32_t)mr->kind;
+}

@@ -1,0 +1,222 @@
+/*
+ * The libfabric transport: one RDM endpoint, its completion queue and address vector, and the
+ * progress thread that drives them. Private to src/xfer/fabric/, laid out along its objects
+ * (libfabric's own prov/<name>/src/ is the model):
+ *   endpoint.c  the fabric, domain, endpoint, CQ and AV; create and destroy; memory regions;
+ *   peer.c      peers: hello, liveness, death, heartbeats;
+ *   rma.c       jobs and submission (paged writes, single writes, sends) and posting them;
+ *   cq.c        completions, received messages and immediates (through the fault layer);
+ *   progress.c  the progress thread and its timers.
+ *
+ * Shape. User threads never touch the endpoint: tdm_xfer_write_pages / _write / _send validate,
+ * merge pages into runs, take a job from a fixed pool and append it to the submit queue (bounded:
+ * TDM_EAGAIN when the pool is empty). The progress thread alone posts fabric operations, reads
+ * the CQ (this is what keeps tcp;ofi_rxm's manual progress moving on both sides), counts
+ * immediates, runs timers (deadlines, heartbeats, peer liveness, delayed immediates) and fires
+ * callbacks. Only memory registration and address-vector inserts are called from user threads,
+ * which the FI_THREAD_SAFE domain allows.
+ *
+ * A job's life (the progress thread performs every transition after QUEUED):
+ *
+ *            submit            taken by the thread        all runs completed
+ *   FREE ----------> QUEUED -------------------> ACTIVE --------------------> FREE   done(OK)
+ *                      |                          |  deadline / peer death / completion error /
+ *                      | peer dead, stop          |  injected failure
+ *                      +------> FREE done(err)    v
+ *                                               DONE (done(err) fired; fabric ops still in flight)
+ *                                                 |  last in-flight op completes (or destroy)
+ *                                                 +----> FREE
+ *
+ * A write job posts its runs concurrently; the run carrying the immediate goes last. When the
+ * provider orders write data (FI_ORDER_WAW without a size limit: tcp;ofi_rxm) it is posted right
+ * behind the others; otherwise the runs are delivery-complete writes (when offered) and the
+ * immediate run waits until they have completed. Either way an immediate means "all bytes of
+ * this write landed" (DESIGN.md §4: the decoder counts immediates, never completion messages).
+ *
+ * Op contexts: every posted operation's context is an entry of `ops` (fixed pool, max_ops for
+ * transmit plus one per preposted receive); an op outlives a timed-out job until the provider
+ * reports it, so a late completion never touches freed memory.
+ *
+ * Peers: a peer entry is made by tdm_xfer_peer_add (we send hello) or by a hello from an unknown
+ * sender (we insert its address and hello back). Every message carries the sender's random nonce,
+ * which maps it to its entry; any message refreshes last_seen. Dead is final for an entry: a
+ * restarted process has a new nonce and becomes a new peer.
+ */
+#ifndef TANDEM_XFER_FABRIC_INT_H
+#define TANDEM_XFER_FABRIC_INT_H
+
+#include <errno.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include "xfer/xfer_int.h"
+
+#define ADDR_RAW_MAX    256
+#define N_TX_BUFS       64
+#define REORDER_HOLD_NS (20ull * 1000000ull) /* a held immediate is released after 20 ms */
+#define DELAY_RING      65536
+#define HELD_MAX        64
+
+enum job_state { JOB_FREE = 0, JOB_QUEUED, JOB_ACTIVE, JOB_DONE };
+enum job_kind { JOB_WRITE = 0, JOB_SEND };
+enum op_kind { OP_FREE = 0, OP_WRITE, OP_SEND, OP_HEARTBEAT, OP_RECV };
+
+struct job {
+    enum job_state state;
+    enum job_kind kind;
+    uint32_t peer;
+    uint64_t deadline_ns;
+    tdm_xfer_done_fn done;
+    void *ctx;
+    int next; /* submit queue or active list link; -1 ends */
+    /* write */
+    tdm_xfer_mr_t *src;
+    struct tdm_xfer_rmem dst;
+    struct tdm_xfer_run *runs; /* [n_runs], malloc'd at submit */
+    uint32_t n_runs, next_run, ops_in_flight;
+    bool has_imm;
+    uint64_t imm_data;
+    /* send: the whole message, header included */
+    uint8_t *msg;
+    size_t msg_bytes;
+};
+
+struct op {
+    struct fi_context2 fctx; /* first: the provider hands &fctx back */
+    enum op_kind kind;
+    int job;
+    uint32_t peer;
+    int buf; /* tx or rx buffer index */
+};
+
+struct peer {
+    bool used, dead, known; /* known: its hello arrived (nonce bound) */
+    bool hello_sent;
+    fi_addr_t fi;
+    uint8_t addr[ADDR_RAW_MAX];
+    size_t addr_bytes;
+    uint64_t nonce;
+    uint64_t last_seen_ns, last_hb_ns;
+};
+
+struct held_imm {
+    uint64_t data;
+    uint64_t since_ns;
+};
+
+struct tdm_xfer {
+    struct tdm_xfer_config cfg;
+    char provider_name[64];
+    char node[64];
+    struct tdm_xfer_faults faults;
+    struct tdm_xfer_caps caps;
+    uint64_t nonce;
+
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_ep *ep;
+    uint8_t my_addr[ADDR_RAW_MAX];
+    size_t my_addr_bytes;
+
+    /* message buffers: [n_tx + n_rx][buf_bytes], one registered region */
+    uint8_t *bufs;
+    size_t buf_bytes;
+    struct fid_mr *bufs_mr;
+    void *bufs_desc;
+    int tx_free[N_TX_BUFS];
+    int n_tx_free;
+
+    struct op *ops; /* [n_ops]: transmit ops then ctrl_rx_depth receive ops */
+    int n_ops;
+    int *op_free; /* stack of free transmit op indices */
+    int n_op_free;
+    int *repost; /* receive ops whose fi_recv met -FI_EAGAIN */
+    int n_repost;
+
+    pthread_mutex_t mu; /* guards jobs' FREE/QUEUED states, free list, submit queue, peers */
+    pthread_cond_t cv;  /* peer state changes */
+    struct job *jobs;   /* [max_jobs] */
+    int job_free;       /* free list head */
+    int submit_head, submit_tail;
+    struct peer *peers; /* [max_peers] */
+    uint32_t n_peers;
+    uint64_t next_key;
+
+    int active_head, active_tail; /* progress thread only */
+
+    tdm_xfer_counters_t *counters;
+    struct tdm_xfer_stats stats; /* updated with atomics */
+
+    /* fault injection state (progress thread only) */
+    uint64_t imm_seq, write_seq;
+    struct {
+        uint64_t release_ns, data;
+    } * delay_ring;
+    uint32_t delay_head, delay_count;
+    struct held_imm held[HELD_MAX];
+    int n_held;
+
+    bool ordered_writes;   /* the provider places write data in posting order */
+    bool traffic;          /* a completion other than a heartbeat's since the last poll */
+    bool pushed_back;      /* the provider or the op pool refused a post: wait for completions */
+    int pushed_back_polls; /* polls since, bounded so a push-back can never stall posting */
+
+    pthread_t thread;
+    bool thread_started;
+    volatile int stop;
+};
+
+struct tdm_xfer_mr {
+    tdm_xfer_t *x;
+    struct fid_mr *mr;
+    void *base;
+    size_t bytes;
+    enum tdm_xfer_mem_kind kind;
+    uint64_t key;
+    void *desc;
+};
+
+#define STAT_ADD(x, field, n) __atomic_fetch_add(&(x)->stats.field, (n), __ATOMIC_RELAXED)
+
+/* Writes and user sends leave OPS_RESERVED ops free, so heartbeats are never starved by a full
+ * pipeline of writes (a starved heartbeat would make the peer declare us dead). */
+#define OPS_RESERVED 4
+
+static inline const char *fi_msg(int rc)
+{
+    return fi_strerror(rc < 0 ? -rc : rc);
+}
+
+/* ---- shared between the files of the transport (progress thread unless marked) ---- */
+void tdm_fab_job_finish(tdm_xfer_t *x, int j, tdm_status st);
+void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why);
+tdm_status tdm_fab_peer_find_or_insert_locked(tdm_xfer_t *x, const uint8_t *raw, size_t n,
+                                              uint32_t *out, bool *inserted);
+tdm_status tdm_fab_send_typed(tdm_xfer_t *x, uint32_t peer, uint8_t type, const void *payload,
+                              size_t bytes, int timeout_ms, tdm_xfer_done_fn done, void *ctx);
+void tdm_fab_send_hello(tdm_xfer_t *x, uint32_t peer);
+void tdm_fab_fault_timers(tdm_xfer_t *x, uint64_t now);
+int tdm_fab_op_get(tdm_xfer_t *x, int reserve);
+void tdm_fab_op_put(tdm_xfer_t *x, int o);
+tdm_status tdm_fab_post_recv(tdm_xfer_t *x, int o);
+void tdm_fab_reap_and_post(tdm_xfer_t *x);
+void tdm_fab_take_submissions(tdm_xfer_t *x);
+bool tdm_fab_send_heartbeat(tdm_xfer_t *x, uint32_t peer);
+bool tdm_fab_handle_cq_result(tdm_xfer_t *x, const struct fi_cq_data_entry *e, ssize_t n);
+void *tdm_fab_progress_main(void *arg);
+
+#endif /* TANDEM_XFER_FABRIC_INT_H */

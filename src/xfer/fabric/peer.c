@@ -1,0 +1,157 @@
+/*
+ * Peers of the libfabric transport: the address table, hello, liveness (heartbeats,
+ * last_seen), and death, which fails everything queued, pending or armed for the peer. Under
+ * x->mu; the progress thread declares deaths, user threads add and wait for peers.
+ */
+#include <errno.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "xfer/fabric/fabric_int.h"
+
+void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why)
+{
+    pthread_mutex_lock(&x->mu);
+    bool was = x->peers[p].dead;
+    x->peers[p].dead = true;
+    pthread_cond_broadcast(&x->cv);
+    pthread_mutex_unlock(&x->mu);
+    if (was) return;
+    if (strstr(why, "goodbye"))
+        TDM_DEBUG("xfer: peer %u left: %s", p, why);
+    else
+        TDM_WARN("xfer: peer %u is dead: %s", p, why);
+    /* active jobs for it */
+    for (int j = x->active_head; j >= 0; j = x->jobs[j].next) {
+        struct job *jb = &x->jobs[j];
+        if (jb->peer == p && jb->state == JOB_ACTIVE) {
+            tdm_err_set(TDM_EPEER, "xfer: peer %u died: %s", p, why);
+            tdm_fab_job_finish(x, j, TDM_EPEER);
+        }
+    }
+    tdm_xfer_counters_fail_peer(x->counters, p, TDM_EPEER);
+    if (x->cfg.on_peer) x->cfg.on_peer(x->cfg.on_peer_ctx, p, false);
+}
+
+/* Finds or inserts the peer with this raw address (mu held). */
+tdm_status tdm_fab_peer_find_or_insert_locked(tdm_xfer_t *x, const uint8_t *raw, size_t n,
+                                              uint32_t *out, bool *inserted)
+{
+    *inserted = false;
+    for (uint32_t i = 0; i < x->n_peers; i++) {
+        struct peer *p = &x->peers[i];
+        if (!p->dead && p->addr_bytes == n && !memcmp(p->addr, raw, n)) {
+            *out = i;
+            return TDM_OK;
+        }
+    }
+    if (x->n_peers >= (uint32_t)x->cfg.max_peers)
+        return tdm_err_set(TDM_ERANGE, "xfer: more than %d peers", x->cfg.max_peers);
+    fi_addr_t fa = FI_ADDR_NOTAVAIL;
+    int rc = fi_av_insert(x->av, raw, 1, &fa, 0, NULL);
+    if (rc != 1) return tdm_err_set(TDM_EINVAL, "xfer: fi_av_insert failed: %s", fi_msg(rc));
+    uint32_t i = x->n_peers++;
+    struct peer *p = &x->peers[i];
+    memset(p, 0, sizeof(*p));
+    p->used = true;
+    p->fi = fa;
+    memcpy(p->addr, raw, n);
+    p->addr_bytes = n;
+    p->last_seen_ns = tdm_now_ns();
+    *out = i;
+    *inserted = true;
+    return TDM_OK;
+}
+
+void tdm_fab_send_hello(tdm_xfer_t *x, uint32_t peer)
+{
+    uint8_t payload[3 + ADDR_RAW_MAX];
+    size_t n = tdm_xfer_wire_hello_put(payload, sizeof(payload), x->caps.imm_bits, x->my_addr,
+                                       x->my_addr_bytes);
+    if (tdm_fab_send_typed(x, peer, TDM_XFER_MSG_HELLO, payload, n, 0, NULL, NULL) != TDM_OK)
+        TDM_WARN("xfer: hello to peer %u not queued: %s", peer, tdm_err_msg());
+}
+
+/* Returns false when it could not be posted now (retried at the next timer tick). */
+bool tdm_fab_send_heartbeat(tdm_xfer_t *x, uint32_t peer)
+{
+    if (!x->n_tx_free) return false;
+    int o = tdm_fab_op_get(x, 0);
+    if (o < 0) return false;
+    int b = x->tx_free[x->n_tx_free - 1];
+    uint8_t *buf = x->bufs + (size_t)b * x->buf_bytes;
+    tdm_xfer_wire_put_hdr(buf, TDM_XFER_MSG_HEARTBEAT, x->nonce, 0);
+    x->ops[o] = (struct op){.kind = OP_HEARTBEAT, .job = -1, .peer = peer, .buf = b};
+    int rc = (int)fi_send(x->ep, buf, TDM_XFER_WIRE_HDR, x->bufs_desc, x->peers[peer].fi,
+                          &x->ops[o].fctx);
+    if (rc) {
+        tdm_fab_op_put(x, o);
+        return false;
+    }
+    x->n_tx_free--;
+    STAT_ADD(x, heartbeats_sent, 1);
+    return true;
+}
+
+tdm_status tdm_xfer_peer_add(tdm_xfer_t *x, const char *addr, uint32_t *peer)
+{
+    uint8_t raw[ADDR_RAW_MAX];
+    size_t n;
+    tdm_status st = tdm_xfer_addr_decode(addr, raw, sizeof(raw), &n);
+    if (st != TDM_OK) return st;
+    bool inserted, hello;
+    uint32_t p;
+    pthread_mutex_lock(&x->mu);
+    st = tdm_fab_peer_find_or_insert_locked(x, raw, n, &p, &inserted);
+    if (st == TDM_OK) {
+        hello = !x->peers[p].hello_sent;
+        x->peers[p].hello_sent = true;
+        x->peers[p].last_seen_ns = tdm_now_ns();
+    }
+    pthread_mutex_unlock(&x->mu);
+    if (st != TDM_OK) return st;
+    if (hello) tdm_fab_send_hello(x, p);
+    *peer = p;
+    return TDM_OK;
+}
+
+bool tdm_xfer_peer_alive(tdm_xfer_t *x, uint32_t peer)
+{
+    pthread_mutex_lock(&x->mu);
+    bool alive = peer < x->n_peers && !x->peers[peer].dead;
+    pthread_mutex_unlock(&x->mu);
+    return alive;
+}
+
+tdm_status tdm_xfer_peer_wait(tdm_xfer_t *x, uint32_t peer, int timeout_ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += timeout_ms / 1000;
+    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    tdm_status st = TDM_OK;
+    pthread_mutex_lock(&x->mu);
+    for (;;) {
+        if (peer >= x->n_peers) {
+            st = tdm_err_set(TDM_ENOTFOUND, "xfer: no peer %u", peer);
+            break;
+        }
+        if (x->peers[peer].dead) {
+            st = tdm_err_set(TDM_EPEER, "xfer: peer %u is dead", peer);
+            break;
+        }
+        if (x->peers[peer].known) break;
+        if (pthread_cond_timedwait(&x->cv, &x->mu, &ts) == ETIMEDOUT) {
+            st = tdm_err_set(TDM_ETIMEDOUT, "xfer: peer %u did not answer in %d ms", peer,
+                             timeout_ms);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&x->mu);
+    return st;
+}
