@@ -181,4 +181,62 @@ tdm_status tdm_cu_sample_reserve(struct tdm_cuda *cu, int max_rows, int vocab);
 void tdm_cu_sample_free(struct tdm_cuda *cu);
 int tdm_cu_attention_rows_cap(int hd);
 
+/* ---- shared by the backend's files (cuda_backend.c, cuda_mem.c, cuda_step.c, cuda_ops.c,
+ * cuda_profile.c) ---- */
+#define LT_WORKSPACE_BYTES ((size_t)32 << 20)
+#define STAGING_BYTES      ((size_t)32 << 20)
+#define PART_FLOATS        ((size_t)16 << 20) /* 64 MiB of split-KV states */
+#define MAX_SPLITS         32
+#define INV_FREQ_MAX       (TDM_MAX_HEAD_DIM / 2)
+
+void tdm_cuda_bind(struct tdm_cuda *cu);
+void *tdm_cuda_buf_alloc(tdm_backend_t *b, size_t bytes);
+void tdm_cuda_buf_free(tdm_backend_t *b, void *p);
+void tdm_cuda_upload(tdm_backend_t *b, void *dst, const void *src, size_t bytes);
+void tdm_cuda_download(tdm_backend_t *b, void *dst, const void *src, size_t bytes);
+void tdm_cuda_grow(struct tdm_cuda *cu, void **buf, size_t *cap, size_t need);
+tdm_status tdm_cuda_own(struct tdm_cuda *cu, void *dev, const struct tdm_weight *w);
+tdm_status tdm_cuda_weight_prepare(tdm_backend_t *b, const struct tdm_weight *host,
+                                   struct tdm_weight *out);
+const struct tdm_cu_step *tdm_cuda_dev_step(struct tdm_cuda *cu, const struct tdm_step *st, int gs,
+                                            int hd);
+void tdm_cuda_drop_graphs(struct tdm_cuda *cu);
+tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int32_t *rows,
+                               int n_rows, const void *owner, _Atomic int32_t *counter,
+                               bool *replayed);
+tdm_status tdm_cuda_step_end(tdm_backend_t *b);
+tdm_status tdm_cuda_reserve(tdm_backend_t *b, const struct tdm_backend_limits *lim,
+                            size_t *kv_bytes);
+void tdm_cuda_prof_begin(struct tdm_cuda *cu, int cat);
+void tdm_cuda_prof_end(struct tdm_cuda *cu);
+void tdm_cuda_prof_collect(struct tdm_cuda *cu);
+void tdm_cuda_prof_report(struct tdm_cuda *cu);
+void tdm_cuda_silu_mul(tdm_backend_t *b, const float *gate, const float *up, int n, int dim,
+                       float *out);
+void tdm_cuda_add(tdm_backend_t *b, float *x, const float *y, size_t n);
+void tdm_cuda_embed(tdm_backend_t *b, const struct tdm_weight *emb, const int32_t *tokens, int n,
+                    float *out);
+void tdm_cuda_rmsnorm(tdm_backend_t *b, const float *x, const float *w, float eps, int n, int dim,
+                      float *out);
+void tdm_cuda_add_rmsnorm(tdm_backend_t *b, float *residual, const float *x, const float *w,
+                          float eps, int n, int dim, float *out);
+void tdm_cuda_matmul(tdm_backend_t *b, const struct tdm_weight *w, const float *x, int n,
+                     const float *bias, float *out);
+void tdm_cuda_matmul_multi(tdm_backend_t *b, const float *x, int n,
+                           const struct tdm_matmul_part *parts, int n_parts);
+void tdm_cuda_matmul_swiglu(tdm_backend_t *b, const struct tdm_weight *w_gate,
+                            const struct tdm_weight *w_up, const float *x, int n, float *out);
+void tdm_cuda_head_rmsnorm(tdm_backend_t *b, float *x, const float *w, float eps, int n_rows,
+                           int head_dim);
+void tdm_cuda_rope_kv_append(tdm_backend_t *b, float *q, const float *k, const float *v,
+                             int n_heads, const struct tdm_step *st, const struct tdm_rope *rope,
+                             const struct tdm_kv_layer *kv);
+void tdm_cuda_attention(tdm_backend_t *b, const float *q, int n_heads, const struct tdm_step *st,
+                        const struct tdm_kv_layer *kv, float scale, float *out);
+void tdm_cuda_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
+                          float *out);
+int32_t *tdm_cuda_counter_dev(struct tdm_cuda *cu, _Atomic int32_t *counter);
+void tdm_cuda_layer_done(tdm_backend_t *b, int layer, _Atomic int32_t *counter);
+void tdm_cuda_sync(tdm_backend_t *b);
+
 #endif /* TANDEM_BACKEND_CUDA_INT_H */

@@ -1,0 +1,184 @@
+/*
+ * Device memory and weights of the CUDA backend: buffers, uploads and downloads, grown scratch,
+ * and weight conversion (GGUF blocks dequantised on the host, matrices made bf16 on the device).
+ * One thread drives an instance (cuda_backend.c has the contract).
+ */
+#include "backend/cuda/cuda_int.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ---- memory ---- */
+
+/* Makes the instance's device current on the calling thread (the engine may be driven from a
+ * thread other than the one that created it; the runtime's current device is per thread). */
+void tdm_cuda_bind(struct tdm_cuda *cu)
+{
+    if (cu->device != 0) cudaSetDevice(cu->device);
+}
+
+void *tdm_cuda_buf_alloc(tdm_backend_t *b, size_t bytes)
+{
+    tdm_cuda_bind(tdm_cu_of(b));
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+void tdm_cuda_buf_free(tdm_backend_t *b, void *p)
+{
+    if (p) cudaFree(p);
+}
+
+void tdm_cuda_upload(tdm_backend_t *b, void *dst, const void *src, size_t bytes)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    if (!bytes) return;
+    TDM_CU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cu->stream));
+    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+}
+
+void tdm_cuda_download(tdm_backend_t *b, void *dst, const void *src, size_t bytes)
+{
+    tdm_cuda_upload(b, dst, src, bytes);
+}
+
+/* Grows a workspace buffer to `need` bytes. Only outside a capture: graphs recorded with the
+ * old buffer are dropped. */
+void tdm_cuda_grow(struct tdm_cuda *cu, void **buf, size_t *cap, size_t need)
+{
+    if (need <= *cap) return;
+    if (cu->capturing)
+        tdm_cu_fatal("workspace growth", "inside a CUDA-graph capture (reserve too small)",
+                     __FILE__, __LINE__);
+    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+    tdm_cuda_drop_graphs(cu);
+    if (*buf) cudaFree(*buf);
+    *buf = NULL;
+    *cap = 0;
+    TDM_CU_CHECK(cudaMalloc(buf, need));
+    *cap = need;
+}
+
+/* ---- weights ---- */
+
+static bool is_device_ptr(const void *p)
+{
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+tdm_status tdm_cuda_own(struct tdm_cuda *cu, void *dev, const struct tdm_weight *w)
+{
+    if (cu->n_owned == cu->cap_owned) {
+        int cap = cu->cap_owned ? 2 * cu->cap_owned : 64;
+        struct tdm_cu_owned *n = realloc(cu->owned, (size_t)cap * sizeof *n);
+        if (!n) return tdm_err_set(TDM_ENOMEM, "cuda backend: out of memory");
+        cu->owned = n;
+        cu->cap_owned = cap;
+    }
+    cu->owned[cu->n_owned++] = (struct tdm_cu_owned){.dev = dev, .w = *w};
+    return TDM_OK;
+}
+
+tdm_status tdm_cuda_weight_prepare(tdm_backend_t *b, const struct tdm_weight *host,
+                                   struct tdm_weight *out)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    tdm_cuda_bind(cu);
+    if (!host->data) {
+        *out = *host;
+        return TDM_OK;
+    }
+    if (host->rows < 1 || host->cols < 1 || host->rows > INT32_MAX || host->cols > INT32_MAX)
+        return tdm_err_set(TDM_EINVAL, "cuda backend: weight of %lld x %lld", (long long)host->rows,
+                           (long long)host->cols);
+    const bool vec = host->rows == 1;
+    if (is_device_ptr(host->data)) {
+        if (host->dtype != (vec ? TDM_DTYPE_F32 : TDM_DTYPE_BF16))
+            return tdm_err_set(TDM_EUNSUPPORTED, "cuda backend: a device weight must be %s, not %s",
+                               vec ? "f32" : "bf16", tdm_dtype_name(host->dtype));
+        *out = *host;
+        if (!vec) cu->max_cols = TDM_MAX(cu->max_cols, host->cols);
+        return TDM_OK;
+    }
+    const size_t rb = tdm_dtype_row_bytes(host->dtype, host->cols);
+    if (rb == 0 || host->row_bytes != rb)
+        return tdm_err_set(TDM_EINVAL,
+                           "cuda backend: %s weight with %lld columns has row_bytes %zu",
+                           tdm_dtype_name(host->dtype), (long long)host->cols, host->row_bytes);
+    /* a vector is held as fp32 followed by a bf16 copy (used if it is ever a 1-row matrix) */
+    const size_t esz = vec ? sizeof(float) : sizeof(uint16_t);
+    const size_t row_out = (size_t)host->cols * esz;
+    const size_t bytes = row_out * (size_t)host->rows + (vec ? (size_t)host->cols * 2 : 0);
+    void *dev = NULL;
+    if (cudaMalloc(&dev, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return tdm_err_set(TDM_ENOMEM, "cuda backend: cannot allocate %zu bytes for a weight",
+                           bytes);
+    }
+    tdm_status st = TDM_OK;
+    float *row = malloc((size_t)host->cols * sizeof(float));
+    uint8_t *staging = NULL;
+    if (!row || cudaMallocHost((void **)&staging, STAGING_BYTES) != cudaSuccess) {
+        (void)cudaGetLastError();
+        st = tdm_err_set(TDM_ENOMEM, "cuda backend: out of host memory");
+        goto out_free;
+    }
+    const int64_t rows_per_chunk = TDM_MAX(1, (int64_t)(STAGING_BYTES / row_out));
+    for (int64_t r0 = 0; r0 < host->rows; r0 += rows_per_chunk) {
+        const int64_t nr = TDM_MIN(rows_per_chunk, host->rows - r0);
+        for (int64_t r = 0; r < nr; r++) {
+            const uint8_t *src = (const uint8_t *)host->data + (size_t)(r0 + r) * host->row_bytes;
+            uint8_t *dst = staging + (size_t)r * row_out;
+            if (!vec && host->dtype == TDM_DTYPE_BF16) {
+                memcpy(dst, src, row_out);
+                continue;
+            }
+            if ((st = tdm_dequantize(host->dtype, src, row, host->cols)) != TDM_OK) goto out_free;
+            if (vec) {
+                memcpy(dst, row, row_out);
+                uint16_t *d16 = (uint16_t *)(dst + row_out);
+                for (int64_t c = 0; c < host->cols; c++)
+                    d16[c] = tdm_f32_to_bf16(row[c]);
+            } else {
+                uint16_t *d16 = (uint16_t *)dst;
+                for (int64_t c = 0; c < host->cols; c++)
+                    d16[c] = tdm_f32_to_bf16(row[c]);
+            }
+        }
+        if (cudaMemcpy((uint8_t *)dev + (size_t)r0 * row_out, staging,
+                       (size_t)nr * row_out + (vec ? (size_t)host->cols * 2 : 0),
+                       cudaMemcpyHostToDevice) != cudaSuccess) {
+            (void)cudaGetLastError();
+            st = tdm_err_set(TDM_EIO, "cuda backend: weight upload failed");
+            goto out_free;
+        }
+    }
+    *out = (struct tdm_weight){.dtype = vec ? TDM_DTYPE_F32 : TDM_DTYPE_BF16,
+                               .rows = host->rows,
+                               .cols = host->cols,
+                               .row_bytes = row_out,
+                               .data = dev};
+    if ((st = tdm_cuda_own(cu, dev, out)) != TDM_OK) goto out_free;
+    cu->weight_bytes += bytes;
+    if (!vec) cu->max_cols = TDM_MAX(cu->max_cols, host->cols);
+    cudaFreeHost(staging);
+    free(row);
+    return TDM_OK;
+out_free:
+    if (staging) cudaFreeHost(staging);
+    free(row);
+    cudaFree(dev);
+    return st;
+}
