@@ -11,6 +11,7 @@
 #   PREBUILT_DIR holds bin/ (tandem, test_cuda_ops, test_cuda_engine, test_cuda_sample) and lib/ (shared libraries
 #   the binaries need that the GPU machine lacks), for machines without the build dependencies;
 #   without it the script builds into build-gpu/ with CMake.
+# TANDEM_GPU_TEST_NO_MEMCHECK=1 skips step 3 (on one GPU it runs first, for minutes).
 # Logs go to $OUT (or ./gpu-test-logs); the summary is printed last. Exit status: 0 when all
 # tests pass and the benchmark ran.
 set -u -o pipefail
@@ -44,7 +45,9 @@ summary=""
 
 # memcheck runs on the last GPU, in the background, when there are two or more
 SAN_PID=""
-if command -v compute-sanitizer >/dev/null; then
+if [ "${TANDEM_GPU_TEST_NO_MEMCHECK:-0}" = 1 ]; then
+    echo "memcheck skipped (TANDEM_GPU_TEST_NO_MEMCHECK=1)" >"$LOGS/memcheck.log"
+elif command -v compute-sanitizer >/dev/null; then
     SAN_DEV=0
     [ "$NGPU" -ge 2 ] && SAN_DEV=$((NGPU - 1))
     (CUDA_VISIBLE_DEVICES=$SAN_DEV timeout 300 compute-sanitizer --tool memcheck --leak-check full \
