@@ -95,8 +95,6 @@ struct tdm_req_params {
     int min_tokens;        /* EOS and stop ids are ignored before this many outputs */
     bool ignore_eos;
     struct tdm_sampling_params sampling;
-    const char *const *stops; /* stop strings (see tdm_text_stream) */
-    int n_stops;
     int32_t stop_ids[TDM_MAX_STOP_IDS]; /* extra stop token ids */
     int n_stop_ids;
     int top_logprobs; /* 0..TDM_MAX_TOP_LOGPROBS alternatives per output; -1: no logprobs */
@@ -123,14 +121,17 @@ enum tdm_finish {
 };
 const char *tdm_finish_name(enum tdm_finish f); /* "stop", "length", "cancelled", "error" */
 
-/* What a reader sees of a request: outputs [0, n_out) are final. text_end[i] is the length of
- * released text after output i (text released so far: text[0, text_len)). */
+/* What a reader sees of a request: outputs [0, n_out) are final. From tdm_req_lock: the
+ * scheduler's outputs, with no text (text is NULL). From tdm_req_reader_update: the reader's
+ * outputs, up to a stop string's match, with their text: text_end[i] is the length of released
+ * text after output i (text released so far: text[0, text_len)). */
 struct tdm_req_view {
     int n_out;
     const int32_t *tokens;
     const float *logprobs;  /* [n_out] or NULL when logprobs are off */
     const int32_t *top_ids; /* [n_out][top_logprobs] or NULL */
     const float *top_lps;   /* [n_out][top_logprobs] or NULL */
+    int stop_at;            /* the output that is an EOS or stop id (no text of its own); -1 */
     const size_t *text_end; /* [n_out] */
     const char *text;       /* released text */
     size_t text_len;
@@ -260,15 +261,38 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
 uint64_t tdm_req_id(const tdm_req_t *r);
 /* Cancels the request (idempotent; a finished request is unaffected). */
 void tdm_req_cancel(tdm_req_t *r);
+/* Ends the request as stopped (TDM_FINISH_STOP), as a cancel does: its reader matched a stop
+ * string. */
+void tdm_req_stop(tdm_req_t *r);
 /* Drops the submitter's reference; cancels the request if it has not finished. */
 void tdm_req_release(tdm_req_t *r);
-/* Waits until the request has more than `seen_out` outputs, or text past `seen_text`, or is
- * finished, or timeout_ms passes. Returns true if there is news. */
-bool tdm_req_wait(tdm_req_t *r, int seen_out, size_t seen_text, int timeout_ms);
+/* Waits until the request has more than `seen_out` outputs, or is finished, or timeout_ms
+ * passes. Returns true if there is news. */
+bool tdm_req_wait(tdm_req_t *r, int seen_out, int timeout_ms);
 /* Locks the request's output and fills *v; the arrays stay valid (and final up to n_out) until
  * tdm_req_unlock. Do not call back into the scheduler while holding it. */
 void tdm_req_lock(tdm_req_t *r, struct tdm_req_view *v);
 void tdm_req_unlock(tdm_req_t *r);
+
+/* ---- the reader side of the output: text ----
+ * Detokenisation and stop strings run on the reader's thread (an HTTP connection's), never on
+ * the scheduler's. A reader copies new tokens and log-probabilities out under the request's
+ * lock, then renders their text with no lock held. When a stop string matches, the output ends
+ * there: the reader stops the request (tdm_req_stop), waits for the scheduler to finish it (its
+ * pages are back when the reader reports the end), and reports TDM_FINISH_STOP with the
+ * outputs up to the one whose text completed the match. One reader per request, used by one
+ * thread. */
+typedef struct tdm_req_reader tdm_req_reader_t;
+/* tok: for the text (NULL: no text). stops: the stop strings (see tdm_text_stream; copied).
+ * max_tokens and top_logprobs as submitted. TDM_EINVAL for bad stop strings. */
+tdm_status tdm_req_reader_create(const tdm_tok_t *tok, const char *const *stops, int n_stops,
+                                 int max_tokens, int top_logprobs, tdm_req_reader_t **out);
+void tdm_req_reader_destroy(tdm_req_reader_t *rd); /* NULL is a no-op */
+/* Takes in what r published since the last call and fills *v with the reader's outputs (its
+ * arrays stay valid until the next call). Returns true when *v changed. */
+bool tdm_req_reader_update(tdm_req_reader_t *rd, tdm_req_t *r, struct tdm_req_view *v);
+/* Waits until r has outputs the reader has not taken in, or is finished, or timeout_ms passes. */
+bool tdm_req_reader_wait(tdm_req_reader_t *rd, tdm_req_t *r, int timeout_ms);
 
 /* ---- metrics ---- */
 #define TDM_HIST_MAX_BUCKETS 24

@@ -6,7 +6,8 @@
  * rewound: the drafts leave the token list and the penalty state (newest first), the KV keeps
  * only the positions that hold kept tokens, and pages past them go back to the pool.
  *
- * Publishing (detokenisation, stop strings) runs here, under the request's r->mu only.
+ * Publishing puts tokens and log-probabilities into the request's output under its r->mu; no
+ * text is made here (reader.c renders it on the reader's thread), and nothing allocates.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,44 +15,12 @@
 
 #include "sched/sched_int.h"
 
-/* Appends released text to r's output; called with r->mu held. */
-static bool text_append(struct tdm_req *r, const char *b, size_t n)
-{
-    if (!n) return true;
-    if (r->text_len + n + 1 > r->text_cap) {
-        size_t cap = r->text_cap;
-        while (r->text_len + n + 1 > cap)
-            cap *= 2;
-        char *t = realloc(r->text, cap);
-        if (!t) return false;
-        r->text = t;
-        r->text_cap = cap;
-    }
-    memcpy(r->text + r->text_len, b, n);
-    r->text_len += n;
-    r->text[r->text_len] = '\0';
-    return true;
-}
-
 void sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, tdm_status err,
                   const char *msg)
 {
     /* the connector first, while r still owns its pages (it may hold them for its transfers) */
     if (s->conn && s->conn->finished) s->conn->finished(s->conn_ctx, r, r->user, why);
     int64_t now = (int64_t)tdm_now_ns();
-    pthread_mutex_lock(&r->mu);
-    if (why != TDM_FINISH_STOP || !r->ts.stopped) {
-        char out[TDM_STREAM_CAP + 8];
-        size_t n_out = 0;
-        tdm_text_stream_flush(&r->ts, out, &n_out);
-        if (!text_append(r, out, n_out) && why != TDM_FINISH_ERROR) {
-            why = TDM_FINISH_ERROR;
-            err = TDM_ENOMEM;
-            msg = "out of memory";
-        }
-        if (r->n_out) r->text_end[r->n_out - 1] = r->text_len;
-    }
-    pthread_mutex_unlock(&r->mu);
     /* the metrics and the pages before the client can see the end: whoever reads /metrics
      * or the pool after a response finds this request counted and its pages back */
     pthread_mutex_lock(&s->mmu);
@@ -84,7 +53,8 @@ static bool is_stop_token(struct tdm_sched *s, struct tdm_req *r, int32_t t)
     return false;
 }
 
-/* Publishes r's next token, sampled into sr. Returns the finish reason (NONE to go on). */
+/* Publishes r's next token, sampled into sr: the token and its log-probabilities only (the
+ * reader renders text). Returns the finish reason (NONE to go on). */
 static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
                                const struct tdm_sample_row *sr)
 {
@@ -96,8 +66,6 @@ static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
     int64_t now = (int64_t)tdm_now_ns();
 
     bool stop = is_stop_token(s, r, t);
-    char out[TDM_STREAM_CAP + 256 + 8];
-    bool stop_str = false, oom = false;
     pthread_mutex_lock(&r->mu);
     int i = r->n_out;
     if (r->logprobs) r->logprobs[i] = lp;
@@ -105,17 +73,7 @@ static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
         memcpy(r->top_ids + (size_t)i * k, sr->top_ids, (size_t)k * sizeof(int32_t));
         memcpy(r->top_lps + (size_t)i * k, sr->top_lps, (size_t)k * sizeof(float));
     }
-    if (!stop && s->tok && !tdm_tok_is_special(s->tok, t)) {
-        size_t len = 0;
-        const char *piece = tdm_tok_piece(s->tok, t, &len);
-        for (size_t off = 0; piece && off < len && !stop_str; off += 256) {
-            size_t n_out = 0;
-            stop_str =
-                tdm_text_stream_push(&r->ts, piece + off, TDM_MIN(len - off, 256), out, &n_out);
-            if (!text_append(r, out, n_out)) oom = true;
-        }
-    }
-    r->text_end[i] = r->text_len;
+    if (stop) r->stop_at = i;
     r->n_out = i + 1;
     bool first = i == 0;
     if (first) r->t_first_ns = now;
@@ -131,8 +89,7 @@ static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
     pthread_mutex_unlock(&s->mmu);
     r->t_last_ns = now;
 
-    if (oom) return TDM_FINISH_ERROR;
-    if (stop || stop_str) return TDM_FINISH_STOP;
+    if (stop) return TDM_FINISH_STOP;
     if (r->n_tokens - r->n_prompt >= r->max_tokens || r->n_tokens >= s->max_ctx)
         return TDM_FINISH_LENGTH;
     return TDM_FINISH_NONE;
@@ -197,8 +154,7 @@ void sched_commit(struct tdm_sched *s, tdm_status st)
         enum tdm_finish f = r->prefill_only ? TDM_FINISH_STOP : commit_rows(s, r, q);
         if (f != TDM_FINISH_NONE) {
             sched_running_remove(s, sched_running_index(s, r));
-            sched_finish(s, r, f, f == TDM_FINISH_ERROR ? TDM_ENOMEM : TDM_OK,
-                         f == TDM_FINISH_ERROR ? "out of memory" : NULL);
+            sched_finish(s, r, f, TDM_OK, NULL);
         }
     }
 }

@@ -74,6 +74,15 @@ void sched_requeue(struct tdm_sched *s, int i, bool preempted)
     pthread_mutex_unlock(&s->mmu);
 }
 
+/* A cancelled request ends as cancelled, or as stopped when its reader matched a stop string. */
+static void finish_cancelled(struct tdm_sched *s, struct tdm_req *r)
+{
+    if (atomic_load(&r->stop))
+        sched_finish(s, r, TDM_FINISH_STOP, TDM_OK, NULL);
+    else
+        sched_finish(s, r, TDM_FINISH_CANCELLED, TDM_ECANCELED, "cancelled");
+}
+
 void sched_reap_cancelled(struct tdm_sched *s, bool cancel_all)
 {
     struct tdm_req *dead = NULL;
@@ -94,13 +103,13 @@ void sched_reap_cancelled(struct tdm_sched *s, bool cancel_all)
     while (dead) {
         struct tdm_req *r = dead;
         dead = r->next;
-        sched_finish(s, r, TDM_FINISH_CANCELLED, TDM_ECANCELED, "cancelled");
+        finish_cancelled(s, r);
     }
     for (int i = s->n_running - 1; i >= 0; i--) {
         struct tdm_req *r = s->running[i];
         if (cancel_all || atomic_load(&r->cancel)) {
             sched_running_remove(s, i);
-            sched_finish(s, r, TDM_FINISH_CANCELLED, TDM_ECANCELED, "cancelled");
+            finish_cancelled(s, r);
         }
     }
     pthread_mutex_lock(&s->mu);

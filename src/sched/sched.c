@@ -75,8 +75,6 @@ static void req_free(struct tdm_req *r)
     free(r->logprobs);
     free(r->top_ids);
     free(r->top_lps);
-    free(r->text_end);
-    free(r->text);
     free(r);
 }
 
@@ -290,21 +288,17 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     int cap = p->n_prompt + p->max_tokens;
     size_t nout = (size_t)p->max_tokens;
     r->tokens = malloc((size_t)cap * sizeof *r->tokens);
-    r->text_end = malloc(nout * sizeof *r->text_end);
-    r->text_cap = 256;
-    r->text = malloc(r->text_cap);
     bool lp = p->top_logprobs >= 0;
     if (lp) r->logprobs = malloc(nout * sizeof *r->logprobs);
     if (p->top_logprobs > 0) {
         r->top_ids = malloc(nout * (size_t)p->top_logprobs * sizeof *r->top_ids);
         r->top_lps = malloc(nout * (size_t)p->top_logprobs * sizeof *r->top_lps);
     }
-    if (!r->tokens || !r->text_end || !r->text || (lp && !r->logprobs) ||
+    if (!r->tokens || (lp && !r->logprobs) ||
         (p->top_logprobs > 0 && (!r->top_ids || !r->top_lps))) {
         st = tdm_err_set(TDM_ENOMEM, "out of memory");
         goto out_buffers;
     }
-    if ((st = tdm_text_stream_init(&r->ts, p->stops, p->n_stops)) != TDM_OK) goto out_buffers;
     if ((st = tdm_sampler_init(&r->smp, &p->sampling, 0, s->vocab)) != TDM_OK) goto out_buffers;
     memcpy(r->tokens, p->prompt, (size_t)p->n_prompt * sizeof *r->tokens);
     for (int i = 0; i < p->n_prompt; i++)
@@ -327,6 +321,7 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     atomic_init(&r->remote, REMOTE_NONE);
     atomic_init(&r->state, TDM_REQ_WAITING);
     r->batch_slot = -1;
+    r->stop_at = -1;
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
     atomic_init(&r->refs, 2); /* the submitter's and the scheduler's */
@@ -360,8 +355,6 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
 
 out_buffers:
     free(r->tokens);
-    free(r->text_end);
-    free(r->text);
     free(r->logprobs);
     free(r->top_ids);
     free(r->top_lps);
@@ -379,6 +372,12 @@ void tdm_req_cancel(tdm_req_t *r)
     atomic_store(&r->cancel, true);
 }
 
+void tdm_req_stop(tdm_req_t *r)
+{
+    atomic_store(&r->stop, true);
+    atomic_store(&r->cancel, true);
+}
+
 void tdm_req_release(tdm_req_t *r)
 {
     if (!r) return;
@@ -386,7 +385,7 @@ void tdm_req_release(tdm_req_t *r)
     sched_req_unref(r);
 }
 
-bool tdm_req_wait(tdm_req_t *r, int seen_out, size_t seen_text, int timeout_ms)
+bool tdm_req_wait(tdm_req_t *r, int seen_out, int timeout_ms)
 {
     struct timespec dl;
     clock_gettime(CLOCK_REALTIME, &dl);
@@ -398,10 +397,10 @@ bool tdm_req_wait(tdm_req_t *r, int seen_out, size_t seen_text, int timeout_ms)
     }
     pthread_mutex_lock(&r->mu);
     bool news;
-    while (!(news = r->n_out > seen_out || r->text_len > seen_text || r->finish)) {
+    while (!(news = r->n_out > seen_out || r->finish)) {
         if (pthread_cond_timedwait(&r->cv, &r->mu, &dl)) break;
     }
-    news = r->n_out > seen_out || r->text_len > seen_text || r->finish;
+    news = r->n_out > seen_out || r->finish;
     pthread_mutex_unlock(&r->mu);
     return news;
 }
@@ -414,9 +413,10 @@ void tdm_req_lock(tdm_req_t *r, struct tdm_req_view *v)
     v->logprobs = r->logprobs;
     v->top_ids = r->top_ids;
     v->top_lps = r->top_lps;
-    v->text_end = r->text_end;
-    v->text = r->text;
-    v->text_len = r->text_len;
+    v->stop_at = r->stop_at;
+    v->text_end = NULL;
+    v->text = NULL;
+    v->text_len = 0;
     v->finish = r->finish;
     v->error = r->error;
     memcpy(v->error_msg, r->error_msg, sizeof v->error_msg);

@@ -3,7 +3,8 @@
  *   sched.c  creation, submission, the request API (any thread), metrics, the thread;
  *   plan.c   the plan: admission, chunking, preemption, drafts (scheduler thread);
  *   commit.c the commit: acceptance, rewind, publishing, finishing (scheduler thread);
- *   exec.c   the engine as an executor of plans.
+ *   exec.c   the engine as an executor of plans;
+ *   reader.c the reader side of the output: text and stop strings (a reader's thread).
  *
  * Locks, in the order they may nest: s->mu (waiting queue, running count, flags) is never held
  * while the scheduler takes a request's r->mu; s->mmu guards the metrics. Everything marked
@@ -31,6 +32,7 @@ struct tdm_req {
     _Atomic int refs;
     uint64_t id;
     atomic_bool cancel;
+    atomic_bool stop; /* the cancel is a stop (tdm_req_stop): its reader matched a stop string */
 
     /* immutable after submit */
     int n_prompt, max_tokens, min_tokens, top_k_lp; /* top_k_lp: -1 = no logprobs */
@@ -51,7 +53,6 @@ struct tdm_req {
     int n_cached;    /* tokens whose KV is in kv */
     struct tdm_kv_seq kv;
     struct tdm_sampler smp;
-    struct tdm_text_stream ts;
     int batch_slot; /* index in this step's plan, or -1 */
     bool counted;   /* its prompt is in the prompt-token counter */
     int64_t t_last_ns;
@@ -64,9 +65,7 @@ struct tdm_req {
     float *logprobs;
     int32_t *top_ids;
     float *top_lps;
-    size_t *text_end;
-    char *text;
-    size_t text_len, text_cap;
+    int stop_at; /* the output that is an EOS or a stop id, or -1 */
     enum tdm_finish finish;
     tdm_status error;
     char error_msg[256];

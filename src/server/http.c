@@ -3,10 +3,11 @@
  * mode, routing, authentication, body limits, and the SSE writer.
  *
  * A connection's thread owns its request: it parses, submits, and then blocks on the request's
- * output (tdm_req_wait with a 100 ms timeout), checking between waits whether the client is still
- * there (POLLRDHUP, or a zero-byte peek). A gone client ends the response with an error, which
- * makes libmicrohttpd close the connection and free the stream, which releases (and so cancels)
- * the request. Nothing here blocks the scheduler.
+ * output through its reader (tdm_req_reader_wait with a 100 ms timeout; the reader renders the
+ * text and runs the stop strings on this thread), checking between waits whether the client is
+ * still there (POLLRDHUP, or a zero-byte peek). A gone client ends the response with an error,
+ * which makes libmicrohttpd close the connection and free the stream, which releases (and so
+ * cancels) the request. Nothing here blocks the scheduler.
  *
  * Streaming responses are callback responses: the callback writes one SSE event per output token
  * (tokens whose text is still held back for a possible stop string are folded into the next
@@ -57,6 +58,8 @@ struct stream {
     struct api_req ar;
     char id[48];
     long created;
+    tdm_req_reader_t *rd;  /* this request's text and stop strings */
+    struct tdm_req_view v; /* the reader's last view */
     int sent_out;
     size_t sent_text;
     bool first_sent, finish_sent, usage_sent, done;
@@ -91,18 +94,20 @@ static void stream_free(void *cls)
     struct stream *st = cls;
     atomic_fetch_sub(&st->srv->active, 1);
     tdm_req_release(st->req);
+    tdm_req_reader_destroy(st->rd);
     api_req_free(&st->ar);
     free(st->pend);
     free(st);
 }
 
-/* Renders the next SSE event into st->pend. Returns false when there is nothing to send yet. */
+/* Renders the next SSE event into st->pend. Returns false when there is nothing to send yet.
+ * The reader takes in what the scheduler published; nothing here holds the request's lock. */
 static bool stream_next(struct stream *st)
 {
     struct tdm_server *s = st->srv;
-    struct tdm_req_view v;
     char *ev = NULL;
-    tdm_req_lock(st->req, &v);
+    tdm_req_reader_update(st->rd, st->req, &st->v);
+    const struct tdm_req_view v = st->v;
     if (st->finish_sent) {
         if (st->ar.include_usage && !st->usage_sent && v.finish != TDM_FINISH_ERROR &&
             v.finish != TDM_FINISH_CANCELLED) {
@@ -129,7 +134,6 @@ static bool stream_next(struct stream *st)
         st->sent_out = to;
         if (!ev && !st->finish_sent && v.text_end[to - 1] == st->sent_text) {
             /* nothing to show for these tokens yet */
-            tdm_req_unlock(st->req);
             return true;
         }
     } else if (v.finish != TDM_FINISH_NONE) {
@@ -149,10 +153,8 @@ static bool stream_next(struct stream *st)
         }
         st->finish_sent = true;
     } else {
-        tdm_req_unlock(st->req);
         return false;
     }
-    tdm_req_unlock(st->req);
     free(st->pend);
     st->pend = ev;
     st->pend_len = ev ? strlen(ev) : 0;
@@ -177,7 +179,7 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
         if (st->done) return MHD_CONTENT_READER_END_OF_STREAM;
         if (stream_next(st)) continue;
         if (client_gone(st->conn)) return MHD_CONTENT_READER_END_WITH_ERROR;
-        tdm_req_wait(st->req, st->sent_out, st->sent_text, 100);
+        tdm_req_reader_wait(st->rd, st->req, 100);
     }
 }
 
@@ -192,11 +194,15 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     struct api_err e;
     if (!api_parse(&s->api, chat, cc->body ? cc->body : "", cc->len, &ar, &e))
         return reply_err(c, s->http, &e);
+    tdm_req_reader_t *rd = NULL;
+    tdm_status st = tdm_req_reader_create(s->api.tok, (const char *const *)ar.stops, ar.n_stops,
+                                          ar.p.max_tokens, ar.p.top_logprobs, &rd);
     tdm_req_t *req = NULL;
-    tdm_status st = tdm_sched_submit(s->sched, &ar.p, &req);
+    if (st == TDM_OK) st = tdm_sched_submit(s->sched, &ar.p, &req);
     if (st != TDM_OK) {
         int status = st == TDM_EAGAIN || st == TDM_ECANCELED ? 503 : st == TDM_ENOMEM ? 500 : 400;
         api_err_set(&e, status, NULL, "%s", tdm_err_msg());
+        tdm_req_reader_destroy(rd);
         api_req_free(&ar);
         return reply_err(c, s->http, &e);
     }
@@ -210,10 +216,12 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
         struct stream *sm = calloc(1, sizeof *sm);
         if (!sm) {
             tdm_req_release(req);
+            tdm_req_reader_destroy(rd);
             api_req_free(&ar);
             return reply_errf(c, s->http, 500, "out of memory");
         }
         sm->srv = s;
+        sm->rd = rd;
         atomic_fetch_add(&s->active, 1);
         sm->conn = c;
         sm->req = req;
@@ -235,41 +243,35 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
         return ret;
     }
 
-    /* non-streaming: wait here (this is the connection's own thread) */
+    /* non-streaming: wait here (this is the connection's own thread); the reader renders the
+     * text as tokens arrive, with no lock held */
     atomic_fetch_add(&s->active, 1);
+    struct tdm_req_view v;
     for (;;) {
-        struct tdm_req_view v;
-        tdm_req_lock(req, &v);
-        bool done = v.finish != TDM_FINISH_NONE;
-        int n_out = v.n_out;
-        size_t text_len = v.text_len;
-        tdm_req_unlock(req);
-        if (done) break;
+        tdm_req_reader_update(rd, req, &v);
+        if (v.finish != TDM_FINISH_NONE) break;
         if (client_gone(c)) {
             tdm_req_release(req);
+            tdm_req_reader_destroy(rd);
             api_req_free(&ar);
             atomic_fetch_sub(&s->active, 1);
             return MHD_NO;
         }
-        tdm_req_wait(req, n_out, text_len, 100);
+        tdm_req_reader_wait(rd, req, 100);
     }
-    struct tdm_req_view v;
-    tdm_req_lock(req, &v);
     enum MHD_Result ret;
     if (v.finish == TDM_FINISH_ERROR) {
         char msg[300];
         snprintf(msg, sizeof msg, "generation failed: %s", v.error_msg);
-        tdm_req_unlock(req);
         ret = reply_errf(c, s->http, 500, "%s", msg);
     } else if (v.finish == TDM_FINISH_CANCELLED) {
-        tdm_req_unlock(req);
         ret = reply_errf(c, s->http, 503, "the request was cancelled (server shutting down)");
     } else {
         char *body = api_render_full(&s->api, &ar, id, created, &v);
-        tdm_req_unlock(req);
         ret = reply_send(c, s->http, 200, body, "application/json");
     }
     tdm_req_release(req);
+    tdm_req_reader_destroy(rd);
     api_req_free(&ar);
     atomic_fetch_sub(&s->active, 1);
     return ret;

@@ -358,13 +358,12 @@ static bool parse_stop(json_t *v, struct api_req *r, struct api_err *err)
                         TDM_MAX_STOP_BYTES);
             return false;
         }
-        if (!(r->stops[r->p.n_stops] = strdup(json_string_value(s)))) {
+        if (!(r->stops[r->n_stops] = strdup(json_string_value(s)))) {
             api_err_set(err, 500, NULL, "out of memory");
             return false;
         }
-        r->p.n_stops++;
+        r->n_stops++;
     }
-    r->p.stops = (const char *const *)r->stops;
     return true;
 }
 

@@ -37,7 +37,8 @@ struct api_req {
     int32_t *prompt;    /* malloc'd */
     int n_prompt;
     struct tdm_req_params p;
-    char *stops[TDM_MAX_STOP_STRINGS]; /* owned copies; p.stops points here */
+    char *stops[TDM_MAX_STOP_STRINGS]; /* owned copies, for the request's reader */
+    int n_stops;
 };
 
 /* Parses a request body. On failure fills err (status 4xx) and returns false. On success the

@@ -81,6 +81,24 @@ def test_stop_string_cuts_the_text(client):
     assert "".join(c.choices[0].text for c in s) == r.choices[0].text
 
 
+def test_stop_string_ends_the_request_and_returns_its_pages(client, server):
+    # the reader (on the HTTP thread) matches the stop string and stops the request; the
+    # response counts the outputs up to the token that completed the match, and comes only once
+    # the scheduler has finished the request, so its pages are already back
+    kw = dict(model="smol", prompt="1, 2, 3, 4, 5,", max_tokens=30, temperature=0)
+    toks = client.completions.create(logprobs=0, **kw).choices[0].logprobs.tokens
+    n = next(i + 1 for i in range(len(toks)) if " 8" in "".join(toks[:i + 1]))
+    assert n < 30
+    key = lambda m: sum(v for (name, labels), v in m.items()
+                        if name == "tandem_requests_finished_total" and ("reason", "stop") in labels)
+    stops = key(server.metrics())
+    r = client.completions.create(stop=[" 8"], **kw)
+    m = server.metrics()
+    assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "stop"
+    assert m[("tandem_kv_pages_used", ())] == 0 and m[("tandem_requests_running", ())] == 0
+    assert key(m) == stops + 1
+
+
 def test_logprobs_completions(client):
     r = client.completions.create(model="smol", prompt="The sky is", max_tokens=6,
                                   temperature=0, logprobs=3)
