@@ -38,9 +38,9 @@
  *   WAITING            RUNNING             admit (plan.c)               pages free, budget left
  *   WAITING            WAITING_REMOTE_KV   admit (plan.c)               connector admit() true
  *   WAITING_REMOTE_KV  RUNNING             land_remote (plan.c)         remote done, TDM_OK
- *   WAITING_REMOTE_KV  WAITING             land_remote -> sched_requeue remote done, failed
- *   RUNNING            WAITING             preempt -> sched_requeue     the pool ran dry
- *   any                FINISHED            sched_finish (commit.c)      cancel, stop, length,
+ *   WAITING_REMOTE_KV  WAITING             land_remote -> tdm_sched_requeue remote done, failed
+ *   RUNNING            WAITING             preempt -> tdm_sched_requeue     the pool ran dry
+ *   any                FINISHED            tdm_sched_finish (commit.c)      cancel, stop, length,
  *                                                                       error
  *
  * Finishing is one function, in one order: the connector's finished() (it may hold pages

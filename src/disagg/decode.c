@@ -36,7 +36,7 @@
  *                                                       the destroying thread
  * A request the connector hears has finished while PENDING is detached from its slot first
  * (slot.req = NULL), so on_counter never touches it again; its pages are held by the fencing
- * before the scheduler drops its references (sched_finish calls finished() first). */
+ * before the scheduler drops its references (tdm_sched_finish calls finished() first). */
 enum slot_state { SLOT_FREE, SLOT_PENDING, SLOT_FENCED };
 enum { ERR_TIMEOUT, ERR_PEER, ERR_NACK, ERR_SEND, ERR_CANCELLED, ERR_OTHER, N_ERR };
 static const char *const err_names[N_ERR] = {"timeout", "peer",      "nack",
@@ -447,7 +447,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
                                          .on_msg = on_msg,
                                          .on_peer = on_peer,
                                          .ctx = d};
-    if ((st = disagg_endpoint_open(&d->ep, &eopts)) != TDM_OK) goto out_free;
+    if ((st = tdm_disagg_endpoint_open(&d->ep, &eopts)) != TDM_OK) goto out_free;
     d->x = d->ep.x;
     d->caps = d->ep.caps;
     for (; d->n_slots > (int)d->caps.max_slot + 1; d->n_slots--) /* the immediates name fewer */
@@ -477,7 +477,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
 
 out_ep:
     tdm_xfer_destroy(d->x);
-    disagg_endpoint_release(&d->ep);
+    tdm_disagg_endpoint_release(&d->ep);
 out_free:
     for (int i = 0; d->slots && i < d->n_slots; i++)
         free(d->slots[i].pages);
@@ -498,7 +498,7 @@ void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d)
     for (int i = 0; i < d->n_slots; i++)
         if (d->slots[i].state == SLOT_FENCED) unfence_locked(d, &d->slots[i]);
     pthread_mutex_unlock(&d->mu);
-    disagg_endpoint_release(&d->ep);
+    tdm_disagg_endpoint_release(&d->ep);
     for (int i = 0; i < d->n_slots; i++)
         free(d->slots[i].pages);
     free(d->slots);

@@ -32,9 +32,10 @@ struct disagg_endpoint_opts {
 };
 /* Creates the transfer engine and registers the KV pool (where the pool says it lives) and the
  * context buffers. On failure nothing is left open. */
-tdm_status disagg_endpoint_open(struct disagg_endpoint *ep, const struct disagg_endpoint_opts *o);
+tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
+                                    const struct disagg_endpoint_opts *o);
 /* Deregisters both regions; call after tdm_xfer_destroy(ep->x). */
-void disagg_endpoint_release(struct disagg_endpoint *ep);
+void tdm_disagg_endpoint_release(struct disagg_endpoint *ep);
 
 /* What a control-message send's completion needs to undo. */
 struct send_ctx {

@@ -8,7 +8,8 @@
  */
 #include "disagg/disagg_int.h"
 
-tdm_status disagg_endpoint_open(struct disagg_endpoint *ep, const struct disagg_endpoint_opts *o)
+tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
+                                    const struct disagg_endpoint_opts *o)
 {
     *ep = (struct disagg_endpoint){.kv = tdm_kv_pool_geometry(o->kv)};
     struct tdm_xfer_config xc;
@@ -44,7 +45,7 @@ out_xfer:
     return st;
 }
 
-void disagg_endpoint_release(struct disagg_endpoint *ep)
+void tdm_disagg_endpoint_release(struct disagg_endpoint *ep)
 {
     tdm_xfer_mr_dereg(ep->ctx_mr);
     tdm_xfer_mr_dereg(ep->kv_mr);

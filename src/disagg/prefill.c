@@ -653,7 +653,7 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
                                          .on_msg = on_msg,
                                          .on_peer = on_peer,
                                          .ctx = p};
-    if ((st = disagg_endpoint_open(&p->ep, &eopts)) != TDM_OK) goto out_free;
+    if ((st = tdm_disagg_endpoint_open(&p->ep, &eopts)) != TDM_OK) goto out_free;
     p->x = p->ep.x;
     p->kv_mr = p->ep.kv_mr;
     p->ctx_mr = p->ep.ctx_mr;
@@ -670,7 +670,7 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
 
 out_mr:
     tdm_xfer_destroy(p->x);
-    disagg_endpoint_release(&p->ep);
+    tdm_disagg_endpoint_release(&p->ep);
 out_free:
     free(p->spans);
     free(p->src_tmp);
@@ -700,7 +700,7 @@ void tdm_disagg_prefill_destroy(tdm_disagg_prefill_t *p)
         free(j->dst_pages);
         free(j);
     }
-    disagg_endpoint_release(&p->ep);
+    tdm_disagg_endpoint_release(&p->ep);
     free(p->spans);
     free(p->src_tmp);
     free(p->dst_tmp);

@@ -15,8 +15,8 @@
 
 #include "sched/sched_int.h"
 
-void sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, tdm_status err,
-                  const char *msg)
+void tdm_sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, tdm_status err,
+                      const char *msg)
 {
     /* the connector first, while r still owns its pages (it may hold them for its transfers) */
     if (s->conn && s->conn->finished) s->conn->finished(s->conn_ctx, r, r->user, why);
@@ -30,7 +30,7 @@ void sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, t
     pthread_mutex_unlock(&s->mmu);
     tdm_kv_seq_release(s->kv, &r->kv);
     r->n_cached = 0;
-    sched_set_state(r, TDM_REQ_FINISHED);
+    tdm_sched_set_state(r, TDM_REQ_FINISHED);
     pthread_mutex_lock(&r->mu);
     r->finish = why;
     r->error = err;
@@ -38,7 +38,7 @@ void sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, t
     r->t_end_ns = now;
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
-    sched_req_unref(r);
+    tdm_sched_req_unref(r);
 }
 
 static bool is_stop_token(struct tdm_sched *s, struct tdm_req *r, int32_t t)
@@ -129,7 +129,7 @@ static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
     return f;
 }
 
-void sched_commit(struct tdm_sched *s, tdm_status st)
+void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
 {
     struct tdm_sched_plan *p = &s->plan;
     if (st != TDM_OK) {
@@ -140,8 +140,8 @@ void sched_commit(struct tdm_sched *s, tdm_status st)
             struct tdm_req *r = p->seqs[j].req;
             r->batch_slot = -1;
             drop_drafts(r);
-            sched_running_remove(s, sched_running_index(s, r));
-            sched_finish(s, r, TDM_FINISH_ERROR, st, msg);
+            tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
+            tdm_sched_finish(s, r, TDM_FINISH_ERROR, st, msg);
         }
         return;
     }
@@ -153,8 +153,8 @@ void sched_commit(struct tdm_sched *s, tdm_status st)
         if (!q->last) continue;
         enum tdm_finish f = r->prefill_only ? TDM_FINISH_STOP : commit_rows(s, r, q);
         if (f != TDM_FINISH_NONE) {
-            sched_running_remove(s, sched_running_index(s, r));
-            sched_finish(s, r, f, TDM_OK, NULL);
+            tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
+            tdm_sched_finish(s, r, f, TDM_OK, NULL);
         }
     }
 }

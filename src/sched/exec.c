@@ -34,8 +34,8 @@ static tdm_status engine_run(void *ctx, struct tdm_sched_plan *p)
 
 static const struct tdm_sched_exec_i engine_exec_i = {.run = engine_run};
 
-tdm_status sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct tdm_sched_exec *out,
-                                    struct tdm_engine_exec **owned)
+tdm_status tdm_sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct tdm_sched_exec *out,
+                                        struct tdm_engine_exec **owned)
 {
     const struct tdm_engine_opts *eo = tdm_engine_opts(e);
     const struct tdm_model *m = tdm_engine_model(e);
@@ -63,7 +63,7 @@ tdm_status sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct tdm_sc
     return TDM_OK;
 }
 
-void sched_engine_exec_destroy(struct tdm_engine_exec *x)
+void tdm_sched_engine_exec_destroy(struct tdm_engine_exec *x)
 {
     if (!x) return;
     free(x->bseqs);

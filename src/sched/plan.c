@@ -13,12 +13,12 @@
 
 #include "sched/sched_int.h"
 
-void sched_set_state(struct tdm_req *r, enum tdm_req_state st)
+void tdm_sched_set_state(struct tdm_req *r, enum tdm_req_state st)
 {
     atomic_store(&r->state, (int)st);
 }
 
-void sched_running_remove(struct tdm_sched *s, int i)
+void tdm_sched_running_remove(struct tdm_sched *s, int i)
 {
     memmove(&s->running[i], &s->running[i + 1],
             (size_t)(s->n_running - i - 1) * sizeof *s->running);
@@ -36,26 +36,26 @@ static void running_insert(struct tdm_sched *s, struct tdm_req *r)
         i--;
     }
     s->running[i] = r;
-    sched_set_state(r, TDM_REQ_RUNNING);
+    tdm_sched_set_state(r, TDM_REQ_RUNNING);
     pthread_mutex_lock(&s->mu);
     s->n_running++;
     pthread_mutex_unlock(&s->mu);
 }
 
-int sched_running_index(struct tdm_sched *s, const struct tdm_req *r)
+int tdm_sched_running_index(struct tdm_sched *s, const struct tdm_req *r)
 {
     for (int i = 0; i < s->n_running; i++)
         if (s->running[i] == r) return i;
     return -1;
 }
 
-void sched_requeue(struct tdm_sched *s, int i, bool preempted)
+void tdm_sched_requeue(struct tdm_sched *s, int i, bool preempted)
 {
     struct tdm_req *r = s->running[i];
     tdm_kv_seq_release(s->kv, &r->kv);
     r->n_cached = 0;
     r->batch_slot = -1;
-    sched_running_remove(s, i);
+    tdm_sched_running_remove(s, i);
     pthread_mutex_lock(&s->mu);
     struct tdm_req **pp = &s->wait_head;
     while (*pp && (*pp)->id < r->id)
@@ -63,7 +63,7 @@ void sched_requeue(struct tdm_sched *s, int i, bool preempted)
     r->next = *pp;
     *pp = r;
     s->n_waiting++;
-    sched_set_state(r, TDM_REQ_WAITING);
+    tdm_sched_set_state(r, TDM_REQ_WAITING);
     pthread_mutex_unlock(&s->mu);
     if (!preempted) return;
     pthread_mutex_lock(&r->mu);
@@ -78,12 +78,12 @@ void sched_requeue(struct tdm_sched *s, int i, bool preempted)
 static void finish_cancelled(struct tdm_sched *s, struct tdm_req *r)
 {
     if (atomic_load(&r->stop))
-        sched_finish(s, r, TDM_FINISH_STOP, TDM_OK, NULL);
+        tdm_sched_finish(s, r, TDM_FINISH_STOP, TDM_OK, NULL);
     else
-        sched_finish(s, r, TDM_FINISH_CANCELLED, TDM_ECANCELED, "cancelled");
+        tdm_sched_finish(s, r, TDM_FINISH_CANCELLED, TDM_ECANCELED, "cancelled");
 }
 
-void sched_reap_cancelled(struct tdm_sched *s, bool cancel_all)
+void tdm_sched_reap_cancelled(struct tdm_sched *s, bool cancel_all)
 {
     struct tdm_req *dead = NULL;
     pthread_mutex_lock(&s->mu);
@@ -108,7 +108,7 @@ void sched_reap_cancelled(struct tdm_sched *s, bool cancel_all)
     for (int i = s->n_running - 1; i >= 0; i--) {
         struct tdm_req *r = s->running[i];
         if (cancel_all || atomic_load(&r->cancel)) {
-            sched_running_remove(s, i);
+            tdm_sched_running_remove(s, i);
             finish_cancelled(s, r);
         }
     }
@@ -134,10 +134,10 @@ static bool reserve_or_preempt(struct tdm_sched *s, struct tdm_req *r, int64_t n
             }
         }
         if (victim < 0) {
-            if (may_self) sched_requeue(s, sched_running_index(s, r), true);
+            if (may_self) tdm_sched_requeue(s, tdm_sched_running_index(s, r), true);
             return false;
         }
-        sched_requeue(s, victim, true);
+        tdm_sched_requeue(s, victim, true);
     }
 }
 
@@ -163,9 +163,9 @@ static void land_remote(struct tdm_sched *s)
         int st = atomic_exchange(&r->remote, REMOTE_NONE);
         if (st == REMOTE_OK) {
             r->n_cached = r->n_tokens - 1;
-            sched_set_state(r, TDM_REQ_RUNNING);
+            tdm_sched_set_state(r, TDM_REQ_RUNNING);
         } else if (st == REMOTE_FAILED) {
-            sched_requeue(s, i, false);
+            tdm_sched_requeue(s, i, false);
         }
     }
 }
@@ -273,12 +273,12 @@ static int admit(struct tdm_sched *s, int budget)
             pthread_mutex_unlock(&s->mmu);
         }
         if (remote) {
-            sched_set_state(r, TDM_REQ_WAITING_REMOTE_KV);
+            tdm_sched_set_state(r, TDM_REQ_WAITING_REMOTE_KV);
             if (s->conn->admit(s->conn_ctx, r, r->user, r->tokens, r->n_tokens - 1, r->kv.pages,
                                r->kv.n_pages))
                 continue;
             /* prefill here after all */
-            sched_set_state(r, TDM_REQ_RUNNING);
+            tdm_sched_set_state(r, TDM_REQ_RUNNING);
             atomic_store(&r->remote, REMOTE_NONE);
             span = next_span(s, r, budget);
             if (!span) continue;
@@ -289,7 +289,7 @@ static int admit(struct tdm_sched *s, int budget)
     return budget;
 }
 
-bool sched_plan(struct tdm_sched *s)
+bool tdm_sched_plan_build(struct tdm_sched *s)
 {
     land_remote(s);
     struct tdm_sched_plan *p = &s->plan;
@@ -346,7 +346,7 @@ bool sched_plan(struct tdm_sched *s)
             newest = i;
         }
     if (stuck > 1) {
-        sched_requeue(s, newest, true);
+        tdm_sched_requeue(s, newest, true);
         return true;
     }
     return false;

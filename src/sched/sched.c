@@ -78,7 +78,7 @@ static void req_free(struct tdm_req *r)
     free(r);
 }
 
-void sched_req_unref(struct tdm_req *r)
+void tdm_sched_req_unref(struct tdm_req *r)
 {
     if (atomic_fetch_sub(&r->refs, 1) == 1) req_free(r);
 }
@@ -183,7 +183,7 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
     s->want = calloc(rows, sizeof *s->want);
     s->srows = calloc(rows, sizeof *s->srows);
     if (!s->running || !s->pseqs || !s->slots || !s->want || !s->srows) goto out_free;
-    if (s->o.row_outputs && !sched_row_outputs(s)) goto out_free;
+    if (s->o.row_outputs && !tdm_sched_row_outputs(s)) goto out_free;
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->mmu, NULL);
     pthread_cond_init(&s->cv_work, NULL);
@@ -213,10 +213,10 @@ tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
     struct tdm_sched_exec x;
     struct tdm_engine_exec *ex = NULL;
     int max_seqs = opts && opts->max_seqs > 0 ? opts->max_seqs : 0;
-    tdm_status st = sched_engine_exec_create(engine, max_seqs, &x, &ex);
+    tdm_status st = tdm_sched_engine_exec_create(engine, max_seqs, &x, &ex);
     if (st != TDM_OK) return st;
     if ((st = tdm_sched_create_exec(&x, tok, opts, out)) != TDM_OK) {
-        sched_engine_exec_destroy(ex);
+        tdm_sched_engine_exec_destroy(ex);
         return st;
     }
     (*out)->engine_exec = ex;
@@ -225,7 +225,7 @@ tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
 
 /* Reserves the logit and hidden rows (and the host sampler's scratch for them); false when
  * out of memory. */
-bool sched_row_outputs(struct tdm_sched *s)
+bool tdm_sched_row_outputs(struct tdm_sched *s)
 {
     if (s->row_outputs) return true;
     size_t rows = (size_t)s->max_rows;
@@ -382,7 +382,7 @@ void tdm_req_release(tdm_req_t *r)
 {
     if (!r) return;
     atomic_store(&r->cancel, true);
-    sched_req_unref(r);
+    tdm_sched_req_unref(r);
 }
 
 bool tdm_req_wait(tdm_req_t *r, int seen_out, int timeout_ms)
@@ -457,7 +457,7 @@ static void *sched_main(void *arg)
             pthread_mutex_unlock(&s->mu);
         }
     }
-    sched_reap_cancelled(s, true);
+    tdm_sched_reap_cancelled(s, true);
     return NULL;
 }
 
@@ -493,14 +493,14 @@ void tdm_sched_stop(tdm_sched_t *s, int drain_ms)
         pthread_join(s->thread, NULL);
         s->started = false;
     } else {
-        sched_reap_cancelled(s, true);
+        tdm_sched_reap_cancelled(s, true);
     }
 }
 
 bool tdm_sched_step(tdm_sched_t *s)
 {
-    sched_reap_cancelled(s, false);
-    bool progress = sched_plan(s);
+    tdm_sched_reap_cancelled(s, false);
+    bool progress = tdm_sched_plan_build(s);
     struct tdm_sched_plan *p = &s->plan;
     if (!p->n_seqs) return progress; /* a preemption made room: go again at once */
     if (s->conn && s->conn->step_begin) s->conn->step_begin(s->conn_ctx, p);
@@ -511,7 +511,7 @@ bool tdm_sched_step(tdm_sched_t *s)
     tdm_hist_observe(&s->m.batch_tokens, p->n_tokens);
     tdm_hist_observe(&s->m.batch_seqs, p->n_seqs);
     pthread_mutex_unlock(&s->mmu);
-    sched_commit(s, st);
+    tdm_sched_commit(s, st);
     return true;
 }
 
@@ -524,7 +524,7 @@ void tdm_sched_destroy(tdm_sched_t *s)
     pthread_mutex_destroy(&s->mmu);
     pthread_cond_destroy(&s->cv_work);
     pthread_cond_destroy(&s->cv_idle);
-    sched_engine_exec_destroy(s->engine_exec);
+    tdm_sched_engine_exec_destroy(s->engine_exec);
     free(s->running);
     free(s->pseqs);
     free(s->slots);
@@ -537,7 +537,7 @@ void tdm_sched_destroy(tdm_sched_t *s)
 
 void tdm_sched_set_connector(tdm_sched_t *s, const struct tdm_kv_connector_i *c, void *ctx)
 {
-    if (!sched_row_outputs(s))
+    if (!tdm_sched_row_outputs(s))
         TDM_ERROR("sched: out of memory for the logit and hidden-state rows");
     s->conn = c;
     s->conn_ctx = ctx;

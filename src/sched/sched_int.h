@@ -118,33 +118,33 @@ struct tdm_sched {
 /* Builds the next step's plan in s->plan. With n_seqs 0 nothing can run now; the result is
  * then true when a preemption made room (plan again at once), false when only pages coming
  * back or new requests can help. */
-bool sched_plan(struct tdm_sched *s);
+bool tdm_sched_plan_build(struct tdm_sched *s);
 /* Takes running[i] back to the waiting list with its pages released (preempted: counted). */
-void sched_requeue(struct tdm_sched *s, int i, bool preempted);
-void sched_running_remove(struct tdm_sched *s, int i);
-int sched_running_index(struct tdm_sched *s, const struct tdm_req *r);
+void tdm_sched_requeue(struct tdm_sched *s, int i, bool preempted);
+void tdm_sched_running_remove(struct tdm_sched *s, int i);
+int tdm_sched_running_index(struct tdm_sched *s, const struct tdm_req *r);
 /* Drops cancelled requests (all of them with cancel_all). */
-void sched_reap_cancelled(struct tdm_sched *s, bool cancel_all);
+void tdm_sched_reap_cancelled(struct tdm_sched *s, bool cancel_all);
 
 /* commit.c */
 /* Applies a run plan's results (st: the run's status) and publishes what came out. */
-void sched_commit(struct tdm_sched *s, tdm_status st);
+void tdm_sched_commit(struct tdm_sched *s, tdm_status st);
 /* Ends a request: the connector sees it while it still owns its pages, then they go back, then
  * the reason is published; drops the scheduler's reference. The caller has removed it from
  * the running array or the waiting list. */
-void sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, tdm_status err,
-                  const char *msg);
-void sched_set_state(struct tdm_req *r, enum tdm_req_state st);
+void tdm_sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish why, tdm_status err,
+                      const char *msg);
+void tdm_sched_set_state(struct tdm_req *r, enum tdm_req_state st);
 
 /* sched.c */
-void sched_req_unref(struct tdm_req *r);
+void tdm_sched_req_unref(struct tdm_req *r);
 /* Reserves the logit and hidden rows; false when out of memory. */
-bool sched_row_outputs(struct tdm_sched *s);
+bool tdm_sched_row_outputs(struct tdm_sched *s);
 
 /* exec.c */
 struct tdm_engine_exec;
-tdm_status sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct tdm_sched_exec *out,
-                                    struct tdm_engine_exec **owned);
-void sched_engine_exec_destroy(struct tdm_engine_exec *x);
+tdm_status tdm_sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct tdm_sched_exec *out,
+                                        struct tdm_engine_exec **owned);
+void tdm_sched_engine_exec_destroy(struct tdm_engine_exec *x);
 
 #endif /* TANDEM_SCHED_INT_H */

@@ -95,7 +95,7 @@ static void stream_free(void *cls)
     atomic_fetch_sub(&st->srv->active, 1);
     tdm_req_release(st->req);
     tdm_req_reader_destroy(st->rd);
-    api_req_free(&st->ar);
+    tdm_api_req_free(&st->ar);
     free(st->pend);
     free(st);
 }
@@ -111,7 +111,7 @@ static bool stream_next(struct stream *st)
     if (st->finish_sent) {
         if (st->ar.include_usage && !st->usage_sent && v.finish != TDM_FINISH_ERROR &&
             v.finish != TDM_FINISH_CANCELLED) {
-            ev = api_render_usage_chunk(&s->api, &st->ar, st->id, st->created, &v);
+            ev = tdm_api_render_usage_chunk(&s->api, &st->ar, st->id, st->created, &v);
             st->usage_sent = true;
         } else {
             ev = strdup("data: [DONE]\n\n");
@@ -125,8 +125,8 @@ static bool stream_next(struct stream *st)
         bool last = to == v.n_out && v.finish != TDM_FINISH_NONE && v.finish != TDM_FINISH_ERROR &&
                     v.finish != TDM_FINISH_CANCELLED;
         if (v.text_end[to - 1] > st->sent_text || v.logprobs || !st->first_sent || last) {
-            ev = api_render_chunk(&s->api, &st->ar, st->id, st->created, &v, from, to,
-                                  st->sent_text, !st->first_sent, last);
+            ev = tdm_api_render_chunk(&s->api, &st->ar, st->id, st->created, &v, from, to,
+                                      st->sent_text, !st->first_sent, last);
             st->first_sent = true;
             st->sent_text = last ? v.text_len : v.text_end[to - 1];
             if (last) st->finish_sent = true;
@@ -139,16 +139,16 @@ static bool stream_next(struct stream *st)
     } else if (v.finish != TDM_FINISH_NONE) {
         if (v.finish == TDM_FINISH_ERROR || v.finish == TDM_FINISH_CANCELLED) {
             struct api_err e;
-            api_err_set(&e, v.finish == TDM_FINISH_CANCELLED ? 503 : 500, NULL, "%s",
-                        v.finish == TDM_FINISH_CANCELLED ? "the request was cancelled (server "
-                                                           "shutting down)"
-                                                         : v.error_msg);
-            char *j = api_error_json(&e);
+            tdm_api_err_set(&e, v.finish == TDM_FINISH_CANCELLED ? 503 : 500, NULL, "%s",
+                            v.finish == TDM_FINISH_CANCELLED ? "the request was cancelled (server "
+                                                               "shutting down)"
+                                                             : v.error_msg);
+            char *j = tdm_api_error_json(&e);
             if (j && asprintf(&ev, "data: %s\n\n", j) < 0) ev = NULL;
             free(j);
         } else {
-            ev = api_render_chunk(&s->api, &st->ar, st->id, st->created, &v, v.n_out, v.n_out,
-                                  st->sent_text, !st->first_sent, true);
+            ev = tdm_api_render_chunk(&s->api, &st->ar, st->id, st->created, &v, v.n_out, v.n_out,
+                                      st->sent_text, !st->first_sent, true);
             st->first_sent = true;
         }
         st->finish_sent = true;
@@ -189,11 +189,11 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
                                 struct conn *cc)
 {
     if (atomic_load(&s->draining))
-        return reply_errf(c, s->http, 503, "the server is shutting down");
+        return tdm_reply_errf(c, s->http, 503, "the server is shutting down");
     struct api_req ar;
     struct api_err e;
-    if (!api_parse(&s->api, chat, cc->body ? cc->body : "", cc->len, &ar, &e))
-        return reply_err(c, s->http, &e);
+    if (!tdm_api_parse(&s->api, chat, cc->body ? cc->body : "", cc->len, &ar, &e))
+        return tdm_reply_err(c, s->http, &e);
     tdm_req_reader_t *rd = NULL;
     tdm_status st = tdm_req_reader_create(s->api.tok, (const char *const *)ar.stops, ar.n_stops,
                                           ar.p.max_tokens, ar.p.top_logprobs, &rd);
@@ -201,10 +201,10 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     if (st == TDM_OK) st = tdm_sched_submit(s->sched, &ar.p, &req);
     if (st != TDM_OK) {
         int status = st == TDM_EAGAIN || st == TDM_ECANCELED ? 503 : st == TDM_ENOMEM ? 500 : 400;
-        api_err_set(&e, status, NULL, "%s", tdm_err_msg());
+        tdm_api_err_set(&e, status, NULL, "%s", tdm_err_msg());
         tdm_req_reader_destroy(rd);
-        api_req_free(&ar);
-        return reply_err(c, s->http, &e);
+        tdm_api_req_free(&ar);
+        return tdm_reply_err(c, s->http, &e);
     }
     char id[48];
     snprintf(id, sizeof id, "%s-%llx%08llx", chat ? "chatcmpl" : "cmpl",
@@ -217,8 +217,8 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
         if (!sm) {
             tdm_req_release(req);
             tdm_req_reader_destroy(rd);
-            api_req_free(&ar);
-            return reply_errf(c, s->http, 500, "out of memory");
+            tdm_api_req_free(&ar);
+            return tdm_reply_errf(c, s->http, 500, "out of memory");
         }
         sm->srv = s;
         sm->rd = rd;
@@ -253,7 +253,7 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
         if (client_gone(c)) {
             tdm_req_release(req);
             tdm_req_reader_destroy(rd);
-            api_req_free(&ar);
+            tdm_api_req_free(&ar);
             atomic_fetch_sub(&s->active, 1);
             return MHD_NO;
         }
@@ -263,16 +263,16 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     if (v.finish == TDM_FINISH_ERROR) {
         char msg[300];
         snprintf(msg, sizeof msg, "generation failed: %s", v.error_msg);
-        ret = reply_errf(c, s->http, 500, "%s", msg);
+        ret = tdm_reply_errf(c, s->http, 500, "%s", msg);
     } else if (v.finish == TDM_FINISH_CANCELLED) {
-        ret = reply_errf(c, s->http, 503, "the request was cancelled (server shutting down)");
+        ret = tdm_reply_errf(c, s->http, 503, "the request was cancelled (server shutting down)");
     } else {
-        char *body = api_render_full(&s->api, &ar, id, created, &v);
-        ret = reply_send(c, s->http, 200, body, "application/json");
+        char *body = tdm_api_render_full(&s->api, &ar, id, created, &v);
+        ret = tdm_reply_send(c, s->http, 200, body, "application/json");
     }
     tdm_req_release(req);
     tdm_req_reader_destroy(rd);
-    api_req_free(&ar);
+    tdm_api_req_free(&ar);
     atomic_fetch_sub(&s->active, 1);
     return ret;
 }
@@ -305,8 +305,8 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl && strtoull(cl, NULL, 10) > s->max_body) cc->too_big = true;
         if (cc->too_big)
-            return reply_errf(c, s->http, 413, "the request body is larger than the %zu-byte limit",
-                              s->max_body);
+            return tdm_reply_errf(
+                c, s->http, 413, "the request body is larger than the %zu-byte limit", s->max_body);
         return MHD_YES;
     }
     if (*upload_size) {
@@ -333,27 +333,27 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         return MHD_YES;
     }
     if (cc->too_big)
-        return reply_errf(c, s->http, 413, "the request body is larger than the %zu-byte limit",
-                          s->max_body);
+        return tdm_reply_errf(c, s->http, 413, "the request body is larger than the %zu-byte limit",
+                              s->max_body);
 
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
-        if (!get) return reply_errf(c, s->http, 405, "use GET /health");
+        if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /health");
         bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining);
-        return reply_send(c, s->http, ok ? 200 : 503,
-                          strdup(ok                          ? "{\"status\":\"ok\"}"
-                                 : atomic_load(&s->draining) ? "{\"status\":\"draining\"}"
-                                                             : "{\"status\":\"starting\"}"),
-                          "application/json");
+        return tdm_reply_send(c, s->http, ok ? 200 : 503,
+                              strdup(ok                          ? "{\"status\":\"ok\"}"
+                                     : atomic_load(&s->draining) ? "{\"status\":\"draining\"}"
+                                                                 : "{\"status\":\"starting\"}"),
+                              "application/json");
     }
     if (!strcmp(url, "/metrics")) {
-        if (!get) return reply_errf(c, s->http, 405, "use GET /metrics");
+        if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /metrics");
         struct tdm_sched_metrics_snapshot m;
         tdm_sched_metrics(s->sched, &m);
         uint64_t http[6];
         for (int i = 0; i < 6; i++)
             http[i] = atomic_load(&s->http[i]);
-        char *text = metrics_render(&m, http, s->model_name);
+        char *text = tdm_metrics_render(&m, http, s->model_name);
         if (text && s->extra_metrics) {
             char *more = s->extra_metrics(s->extra_metrics_ctx);
             char *both = NULL;
@@ -362,14 +362,14 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
             free(text);
             text = both;
         }
-        return reply_send(c, s->http, 200, text, "text/plain; version=0.0.4; charset=utf-8");
+        return tdm_reply_send(c, s->http, 200, text, "text/plain; version=0.0.4; charset=utf-8");
     }
     bool is_models = !strcmp(url, "/v1/models"), is_cmpl = !strcmp(url, "/v1/completions"),
          is_chat = !strcmp(url, "/v1/chat/completions");
     if (!is_models && !is_cmpl && !is_chat) {
         char msg[200];
         snprintf(msg, sizeof msg, "no route for %s %.100s", method, url);
-        return reply_errf(c, s->http, 404, "%s", msg);
+        return tdm_reply_errf(c, s->http, 404, "%s", msg);
     }
     if (s->no_generate && !is_models) {
         char msg[200];
@@ -377,19 +377,20 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                  "this is a prefill node: it takes prefill requests from decode "
                  "nodes over the fabric, not %s",
                  url);
-        return reply_errf(c, s->http, 404, "%s", msg);
+        return tdm_reply_errf(c, s->http, 404, "%s", msg);
     }
     if (!authorized(s, c))
-        return reply_errf(c, s->http, 401,
-                          "missing or invalid API key (send Authorization: Bearer <key>)");
+        return tdm_reply_errf(c, s->http, 401,
+                              "missing or invalid API key (send Authorization: Bearer <key>)");
     if (is_models) {
-        if (!get) return reply_errf(c, s->http, 405, "use GET /v1/models");
-        return reply_send(c, s->http, 200, api_render_models(&s->api, (long)time(NULL)),
-                          "application/json");
+        if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /v1/models");
+        return tdm_reply_send(c, s->http, 200, tdm_api_render_models(&s->api, (long)time(NULL)),
+                              "application/json");
     }
     if (!post)
-        return reply_errf(c, s->http, 405, "%s",
-                          is_chat ? "use POST /v1/chat/completions" : "use POST /v1/completions");
+        return tdm_reply_errf(c, s->http, 405, "%s",
+                              is_chat ? "use POST /v1/chat/completions"
+                                      : "use POST /v1/completions");
     return generate(s, c, is_chat, cc);
 }
 

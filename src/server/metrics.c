@@ -23,8 +23,8 @@ static void scalar(struct tdm_sbuf *b, const char *name, const char *type, const
                     labels, v);
 }
 
-char *metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint64_t *http_by_class,
-                     const char *model_name)
+char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint64_t *http_by_class,
+                         const char *model_name)
 {
     struct tdm_sbuf b = {0};
     char lab[300];

@@ -17,7 +17,7 @@
 
 #include "server/server_int.h"
 
-void api_err_set(struct api_err *e, int status, const char *param, const char *fmt, ...)
+void tdm_api_err_set(struct api_err *e, int status, const char *param, const char *fmt, ...)
 {
     e->status = status;
     e->type = status == 401   ? "authentication_error"
@@ -32,7 +32,7 @@ void api_err_set(struct api_err *e, int status, const char *param, const char *f
     va_end(ap);
 }
 
-char *utf8_sanitize(const char *s, size_t n, size_t *out_len)
+char *tdm_utf8_sanitize(const char *s, size_t n, size_t *out_len)
 {
     char *o = malloc(n * 3 + 1);
     if (!o) return NULL;
@@ -71,14 +71,14 @@ static json_t *jstr(const char *s, size_t n)
     json_t *j = json_stringn(s, n);
     if (j) return j;
     size_t m;
-    char *c = utf8_sanitize(s, n, &m);
+    char *c = tdm_utf8_sanitize(s, n, &m);
     if (!c) return NULL;
     j = json_stringn(c, m);
     free(c);
     return j;
 }
 
-char *api_error_json(const struct api_err *e)
+char *tdm_api_error_json(const struct api_err *e)
 {
     json_t *root =
         json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type", e->type,
@@ -89,7 +89,7 @@ char *api_error_json(const struct api_err *e)
     return s;
 }
 
-void api_req_free(struct api_req *r)
+void tdm_api_req_free(struct api_req *r)
 {
     free(r->prompt);
     for (int i = 0; i < TDM_MAX_STOP_STRINGS; i++)
@@ -103,13 +103,13 @@ static bool get_int(json_t *v, const char *name, int64_t lo, int64_t hi, int64_t
                     struct api_err *err)
 {
     if (!json_is_integer(v)) {
-        api_err_set(err, 400, name, "'%s' must be an integer", name);
+        tdm_api_err_set(err, 400, name, "'%s' must be an integer", name);
         return false;
     }
     int64_t x = json_integer_value(v);
     if (x < lo || x > hi) {
-        api_err_set(err, 400, name, "'%s' must be between %lld and %lld (got %lld)", name,
-                    (long long)lo, (long long)hi, (long long)x);
+        tdm_api_err_set(err, 400, name, "'%s' must be between %lld and %lld (got %lld)", name,
+                        (long long)lo, (long long)hi, (long long)x);
         return false;
     }
     *out = x;
@@ -120,12 +120,12 @@ static bool get_num(json_t *v, const char *name, double lo, double hi, double *o
                     struct api_err *err)
 {
     if (!json_is_number(v)) {
-        api_err_set(err, 400, name, "'%s' must be a number", name);
+        tdm_api_err_set(err, 400, name, "'%s' must be a number", name);
         return false;
     }
     double x = json_number_value(v);
     if (!(x >= lo && x <= hi)) {
-        api_err_set(err, 400, name, "'%s' must be between %g and %g (got %g)", name, lo, hi, x);
+        tdm_api_err_set(err, 400, name, "'%s' must be between %g and %g (got %g)", name, lo, hi, x);
         return false;
     }
     *out = x;
@@ -135,7 +135,7 @@ static bool get_num(json_t *v, const char *name, double lo, double hi, double *o
 static bool get_bool(json_t *v, const char *name, bool *out, struct api_err *err)
 {
     if (!json_is_boolean(v)) {
-        api_err_set(err, 400, name, "'%s' must be a boolean", name);
+        tdm_api_err_set(err, 400, name, "'%s' must be a boolean", name);
         return false;
     }
     *out = json_is_true(v);
@@ -149,13 +149,13 @@ static bool encode_text(const struct api_ctx *c, const char *text, size_t len, i
     size_t cap = len + 8, n = 0;
     int32_t *ids = malloc(cap * sizeof *ids);
     if (!ids) {
-        api_err_set(err, 500, NULL, "out of memory");
+        tdm_api_err_set(err, 500, NULL, "out of memory");
         return false;
     }
     tdm_status st = tdm_tok_encode(c->tok, text, len, flags, ids, cap, &n);
     if (st != TDM_OK) {
         free(ids);
-        api_err_set(err, 400, param, "%s", tdm_err_msg());
+        tdm_api_err_set(err, 400, param, "%s", tdm_err_msg());
         return false;
     }
     r->prompt = ids;
@@ -172,7 +172,7 @@ static bool parse_prompt(const struct api_ctx *c, json_t *v, struct api_req *r, 
     if (json_is_string(v)) {
         size_t len = json_string_length(v);
         if (!len) {
-            api_err_set(err, 400, "prompt", "the prompt is empty");
+            tdm_api_err_set(err, 400, "prompt", "the prompt is empty");
             return false;
         }
         int flags = TDM_TOK_PARSE_SPECIAL | (c->add_bos ? TDM_TOK_ADD_BOS : 0);
@@ -181,30 +181,31 @@ static bool parse_prompt(const struct api_ctx *c, json_t *v, struct api_req *r, 
     if (json_is_array(v)) {
         size_t n = json_array_size(v);
         if (!n) {
-            api_err_set(err, 400, "prompt", "the prompt is empty");
+            tdm_api_err_set(err, 400, "prompt", "the prompt is empty");
             return false;
         }
         if (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))) {
-            api_err_set(err, 400, "prompt", "only one prompt per request is supported");
+            tdm_api_err_set(err, 400, "prompt", "only one prompt per request is supported");
             return false;
         }
         if (n > (size_t)c->max_ctx) {
-            api_err_set(err, 400, "prompt",
-                        "the prompt has %zu tokens; this model's context is %d tokens", n,
-                        c->max_ctx);
+            tdm_api_err_set(err, 400, "prompt",
+                            "the prompt has %zu tokens; this model's context is %d tokens", n,
+                            c->max_ctx);
             return false;
         }
         r->prompt = malloc(n * sizeof *r->prompt);
         if (!r->prompt) {
-            api_err_set(err, 500, NULL, "out of memory");
+            tdm_api_err_set(err, 500, NULL, "out of memory");
             return false;
         }
         for (size_t i = 0; i < n; i++) {
             json_t *t = json_array_get(v, i);
             if (!json_is_integer(t) || json_integer_value(t) < 0 ||
                 json_integer_value(t) >= c->vocab) {
-                api_err_set(err, 400, "prompt",
-                            "prompt token at index %zu is not a token id in [0, %d)", i, c->vocab);
+                tdm_api_err_set(err, 400, "prompt",
+                                "prompt token at index %zu is not a token id in [0, %d)", i,
+                                c->vocab);
                 return false;
             }
             r->prompt[i] = (int32_t)json_integer_value(t);
@@ -212,8 +213,8 @@ static bool parse_prompt(const struct api_ctx *c, json_t *v, struct api_req *r, 
         r->n_prompt = (int)n;
         return true;
     }
-    api_err_set(err, 400, "prompt",
-                "'prompt' must be a string, a list of token ids, or a list of one of those");
+    tdm_api_err_set(err, 400, "prompt",
+                    "'prompt' must be a string, a list of token ids, or a list of one of those");
     return false;
 }
 
@@ -223,10 +224,10 @@ static char *message_content(json_t *v, size_t idx, struct api_err *err)
     if (json_is_string(v)) return strdup(json_string_value(v));
     if (json_is_null(v)) return strdup("");
     if (!json_is_array(v)) {
-        api_err_set(err, 400, "messages",
-                    "messages[%zu].content must be a string or a list of "
-                    "text parts",
-                    idx);
+        tdm_api_err_set(err, 400, "messages",
+                        "messages[%zu].content must be a string or a list of "
+                        "text parts",
+                        idx);
         return NULL;
     }
     size_t total = 1;
@@ -235,10 +236,10 @@ static char *message_content(json_t *v, size_t idx, struct api_err *err)
         json_t *ty = json_object_get(p, "type"), *tx = json_object_get(p, "text");
         if (!json_is_object(p) || !json_is_string(ty) || strcmp(json_string_value(ty), "text") ||
             !json_is_string(tx)) {
-            api_err_set(err, 400, "messages",
-                        "messages[%zu].content[%zu]: only {\"type\": \"text\", \"text\": ...} "
-                        "parts are supported",
-                        idx, i);
+            tdm_api_err_set(err, 400, "messages",
+                            "messages[%zu].content[%zu]: only {\"type\": \"text\", \"text\": ...} "
+                            "parts are supported",
+                            idx, i);
             return NULL;
         }
         total += json_string_length(tx);
@@ -259,16 +260,16 @@ static bool parse_messages(const struct api_ctx *c, json_t *v, struct api_req *r
                            struct api_err *err)
 {
     if (!c->chat) {
-        api_err_set(err, 400, NULL, "this model has no chat template; use /v1/completions");
+        tdm_api_err_set(err, 400, NULL, "this model has no chat template; use /v1/completions");
         return false;
     }
     if (!json_is_array(v) || !json_array_size(v)) {
-        api_err_set(err, 400, "messages", "'messages' must be a non-empty list");
+        tdm_api_err_set(err, 400, "messages", "'messages' must be a non-empty list");
         return false;
     }
     size_t n = json_array_size(v);
     if (n > 4096) {
-        api_err_set(err, 400, "messages", "at most 4096 messages");
+        tdm_api_err_set(err, 400, "messages", "at most 4096 messages");
         return false;
     }
     struct tdm_chat_msg *msgs = calloc(n, sizeof *msgs);
@@ -276,13 +277,13 @@ static bool parse_messages(const struct api_ctx *c, json_t *v, struct api_req *r
     bool ok = false;
     char *rendered = NULL;
     if (!msgs || !contents) {
-        api_err_set(err, 500, NULL, "out of memory");
+        tdm_api_err_set(err, 500, NULL, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(v, i);
         if (!json_is_object(m)) {
-            api_err_set(err, 400, "messages", "messages[%zu] must be an object", i);
+            tdm_api_err_set(err, 400, "messages", "messages[%zu] must be an object", i);
             goto out;
         }
         const char *key;
@@ -290,36 +291,37 @@ static bool parse_messages(const struct api_ctx *c, json_t *v, struct api_req *r
         json_object_foreach(m, key, val)
         {
             if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name")) {
-                api_err_set(err, 400, "messages", "messages[%zu]: unsupported field '%s'", i, key);
+                tdm_api_err_set(err, 400, "messages", "messages[%zu]: unsupported field '%s'", i,
+                                key);
                 goto out;
             }
         }
         json_t *role = json_object_get(m, "role");
         if (!json_is_string(role)) {
-            api_err_set(err, 400, "messages", "messages[%zu].role must be a string", i);
+            tdm_api_err_set(err, 400, "messages", "messages[%zu].role must be a string", i);
             goto out;
         }
         const char *rs = json_string_value(role);
         if (!strcmp(rs, "developer")) rs = "system";
         if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant")) {
-            api_err_set(err, 400, "messages",
-                        "messages[%zu].role must be system, developer, user or assistant", i);
+            tdm_api_err_set(err, 400, "messages",
+                            "messages[%zu].role must be system, developer, user or assistant", i);
             goto out;
         }
         json_t *content = json_object_get(m, "content");
         if (!content) {
-            api_err_set(err, 400, "messages", "messages[%zu] has no content", i);
+            tdm_api_err_set(err, 400, "messages", "messages[%zu] has no content", i);
             goto out;
         }
         if (!(contents[i] = message_content(content, i, err))) {
-            if (!err->status) api_err_set(err, 500, NULL, "out of memory");
+            if (!err->status) tdm_api_err_set(err, 500, NULL, "out of memory");
             goto out;
         }
         msgs[i].role = rs;
         msgs[i].content = contents[i];
     }
     if (tdm_chat_render(c->chat, msgs, n, true, &rendered) != TDM_OK) {
-        api_err_set(err, 400, "messages", "%s", tdm_err_msg());
+        tdm_api_err_set(err, 400, "messages", "%s", tdm_err_msg());
         goto out;
     }
     bool bos = c->add_bos && !c->chat->add_bos_text;
@@ -342,24 +344,24 @@ static bool parse_stop(json_t *v, struct api_req *r, struct api_err *err)
     if (json_is_array(v)) {
         n = json_array_size(v);
         if (n > TDM_MAX_STOP_STRINGS) {
-            api_err_set(err, 400, "stop", "at most %d stop strings", TDM_MAX_STOP_STRINGS);
+            tdm_api_err_set(err, 400, "stop", "at most %d stop strings", TDM_MAX_STOP_STRINGS);
             return false;
         }
     }
     for (size_t i = 0; i < n; i++) {
         json_t *s = json_is_array(v) ? json_array_get(v, i) : one[0];
         if (!json_is_string(s)) {
-            api_err_set(err, 400, "stop", "'stop' must be a string or a list of strings");
+            tdm_api_err_set(err, 400, "stop", "'stop' must be a string or a list of strings");
             return false;
         }
         size_t len = json_string_length(s);
         if (!len || len > TDM_MAX_STOP_BYTES) {
-            api_err_set(err, 400, "stop", "each stop string must be 1 to %d bytes",
-                        TDM_MAX_STOP_BYTES);
+            tdm_api_err_set(err, 400, "stop", "each stop string must be 1 to %d bytes",
+                            TDM_MAX_STOP_BYTES);
             return false;
         }
         if (!(r->stops[r->n_stops] = strdup(json_string_value(s)))) {
-            api_err_set(err, 500, NULL, "out of memory");
+            tdm_api_err_set(err, 500, NULL, "out of memory");
             return false;
         }
         r->n_stops++;
@@ -375,35 +377,36 @@ static bool unsupported(const char *key, json_t *v, struct api_err *err)
         "audio", "guided_json", "guided_regex", "guided_choice", "guided_grammar"};
     for (size_t i = 0; i < sizeof never / sizeof *never; i++)
         if (!strcmp(key, never[i]) && !json_is_null(v)) {
-            api_err_set(err, 400, key, "'%s' is not supported", key);
+            tdm_api_err_set(err, 400, key, "'%s' is not supported", key);
             return true;
         }
     if (!strcmp(key, "logit_bias") && !json_is_null(v) &&
         !(json_is_object(v) && json_object_size(v) == 0)) {
-        api_err_set(err, 400, key, "'logit_bias' is not supported");
+        tdm_api_err_set(err, 400, key, "'logit_bias' is not supported");
         return true;
     }
     if (!strcmp(key, "response_format") && !json_is_null(v)) {
         json_t *t = json_object_get(v, "type");
         if (!json_is_string(t) || strcmp(json_string_value(t), "text")) {
-            api_err_set(err, 400, key, "only response_format {\"type\": \"text\"} is supported");
+            tdm_api_err_set(err, 400, key,
+                            "only response_format {\"type\": \"text\"} is supported");
             return true;
         }
     }
     if ((!strcmp(key, "n") || !strcmp(key, "best_of")) && !json_is_null(v) &&
         !(json_is_integer(v) && json_integer_value(v) == 1)) {
-        api_err_set(err, 400, key, "'%s' must be 1 (one choice per request)", key);
+        tdm_api_err_set(err, 400, key, "'%s' must be 1 (one choice per request)", key);
         return true;
     }
     if (!strcmp(key, "echo") && json_is_true(v)) {
-        api_err_set(err, 400, key, "'echo' is not supported");
+        tdm_api_err_set(err, 400, key, "'echo' is not supported");
         return true;
     }
     return false;
 }
 
-bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len, struct api_req *r,
-               struct api_err *err)
+bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
+                   struct api_req *r, struct api_err *err)
 {
     memset(r, 0, sizeof *r);
     memset(err, 0, sizeof *err);
@@ -415,16 +418,16 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) {
         if (json_error_code(&je) == json_error_invalid_utf8)
-            api_err_set(err, 400, NULL, "the request body is not valid UTF-8 (near byte %d)",
-                        je.position);
+            tdm_api_err_set(err, 400, NULL, "the request body is not valid UTF-8 (near byte %d)",
+                            je.position);
         else
-            api_err_set(err, 400, NULL, "invalid JSON body: %s (line %d, column %d)", je.text,
-                        je.line, je.column);
+            tdm_api_err_set(err, 400, NULL, "invalid JSON body: %s (line %d, column %d)", je.text,
+                            je.line, je.column);
         return false;
     }
     bool ok = false;
     if (!json_is_object(root)) {
-        api_err_set(err, 400, NULL, "the request body must be a JSON object");
+        tdm_api_err_set(err, 400, NULL, "the request body must be a JSON object");
         goto out;
     }
     static const char *const known_c[] = {"model",
@@ -500,7 +503,7 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
         for (size_t i = 0; i < n_known && !found; i++)
             found = !strcmp(key, known[i]);
         if (!found) {
-            api_err_set(err, 400, key, "unknown field '%s'", key);
+            tdm_api_err_set(err, 400, key, "unknown field '%s'", key);
             goto out;
         }
         if (unsupported(key, v, err)) goto out;
@@ -509,37 +512,38 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     v = json_object_get(root, "model");
     if (v && !json_is_null(v)) {
         if (!json_is_string(v)) {
-            api_err_set(err, 400, "model", "'model' must be a string");
+            tdm_api_err_set(err, 400, "model", "'model' must be a string");
             goto out;
         }
         if (strcmp(json_string_value(v), c->model_name)) {
-            api_err_set(err, 404, "model", "the model '%s' does not exist; this server serves '%s'",
-                        json_string_value(v), c->model_name);
+            tdm_api_err_set(err, 404, "model",
+                            "the model '%s' does not exist; this server serves '%s'",
+                            json_string_value(v), c->model_name);
             goto out;
         }
     }
 
     if (chat) {
         if (!json_object_get(root, "messages")) {
-            api_err_set(err, 400, "messages", "'messages' is required");
+            tdm_api_err_set(err, 400, "messages", "'messages' is required");
             goto out;
         }
         if (!parse_messages(c, json_object_get(root, "messages"), r, err)) goto out;
     } else {
         if (!json_object_get(root, "prompt")) {
-            api_err_set(err, 400, "prompt", "'prompt' is required");
+            tdm_api_err_set(err, 400, "prompt", "'prompt' is required");
             goto out;
         }
         if (!parse_prompt(c, json_object_get(root, "prompt"), r, err)) goto out;
     }
     if (r->n_prompt < 1) {
-        api_err_set(err, 400, chat ? "messages" : "prompt", "the prompt is empty");
+        tdm_api_err_set(err, 400, chat ? "messages" : "prompt", "the prompt is empty");
         goto out;
     }
     if (r->n_prompt >= c->max_ctx) {
-        api_err_set(err, 400, chat ? "messages" : "prompt",
-                    "the prompt has %d tokens; this model's context is %d tokens", r->n_prompt,
-                    c->max_ctx);
+        tdm_api_err_set(err, 400, chat ? "messages" : "prompt",
+                        "the prompt has %d tokens; this model's context is %d tokens", r->n_prompt,
+                        c->max_ctx);
         goto out;
     }
     int room = c->max_ctx - r->n_prompt;
@@ -557,10 +561,11 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     if (v && !json_is_null(v)) {
         if (!get_int(v, mt_name, 1, INT32_MAX, &x, err)) goto out;
         if (x > room) {
-            api_err_set(err, 400, mt_name,
-                        "'%s' is %lld, but the prompt has %d tokens and this model's context is "
-                        "%d tokens, which leaves room for %d",
-                        mt_name, (long long)x, r->n_prompt, c->max_ctx, room);
+            tdm_api_err_set(
+                err, 400, mt_name,
+                "'%s' is %lld, but the prompt has %d tokens and this model's context is "
+                "%d tokens, which leaves room for %d",
+                mt_name, (long long)x, r->n_prompt, c->max_ctx, room);
             goto out;
         }
         r->p.max_tokens = (int)x;
@@ -572,7 +577,7 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     if ((v = json_object_get(root, "top_p")) && !json_is_null(v)) {
         if (!get_num(v, "top_p", 0, 1, &d, err)) goto out;
         if (d <= 0) {
-            api_err_set(err, 400, "top_p", "'top_p' must be in (0, 1]");
+            tdm_api_err_set(err, 400, "top_p", "'top_p' must be in (0, 1]");
             goto out;
         }
         r->p.sampling.top_p = (float)d;
@@ -599,7 +604,7 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     }
     if ((v = json_object_get(root, "seed")) && !json_is_null(v)) {
         if (!json_is_integer(v)) {
-            api_err_set(err, 400, "seed", "'seed' must be an integer");
+            tdm_api_err_set(err, 400, "seed", "'seed' must be an integer");
             goto out;
         }
         r->p.sampling.seed = (uint64_t)json_integer_value(v);
@@ -611,10 +616,10 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     if ((v = json_object_get(root, "stop")) && !parse_stop(v, r, err)) goto out;
     if ((v = json_object_get(root, "stop_token_ids")) && !json_is_null(v)) {
         if (!json_is_array(v) || json_array_size(v) > TDM_MAX_STOP_IDS) {
-            api_err_set(err, 400, "stop_token_ids",
-                        "'stop_token_ids' must be a list of at most "
-                        "%d token ids",
-                        TDM_MAX_STOP_IDS);
+            tdm_api_err_set(err, 400, "stop_token_ids",
+                            "'stop_token_ids' must be a list of at most "
+                            "%d token ids",
+                            TDM_MAX_STOP_IDS);
             goto out;
         }
         for (size_t i = 0; i < json_array_size(v); i++) {
@@ -634,9 +639,9 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     if ((v = json_object_get(root, "skip_special_tokens")) && !json_is_null(v)) {
         if (!get_bool(v, "skip_special_tokens", &b, err)) goto out;
         if (!b) {
-            api_err_set(err, 400, "skip_special_tokens",
-                        "only skip_special_tokens=true is "
-                        "supported");
+            tdm_api_err_set(err, 400, "skip_special_tokens",
+                            "only skip_special_tokens=true is "
+                            "supported");
             goto out;
         }
     }
@@ -649,7 +654,7 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
         if ((v = json_object_get(root, "top_logprobs")) && !json_is_null(v)) {
             if (!get_int(v, "top_logprobs", 0, TDM_MAX_TOP_LOGPROBS, &x, err)) goto out;
             if (!r->chat_logprobs) {
-                api_err_set(err, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+                tdm_api_err_set(err, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
                 goto out;
             }
             r->p.top_logprobs = (int)x;
@@ -664,13 +669,14 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     }
     if ((v = json_object_get(root, "stream_options")) && !json_is_null(v)) {
         if (!json_is_object(v)) {
-            api_err_set(err, 400, "stream_options", "'stream_options' must be an object");
+            tdm_api_err_set(err, 400, "stream_options", "'stream_options' must be an object");
             goto out;
         }
         json_object_foreach(v, key, v)
         {
             if (strcmp(key, "include_usage") && strcmp(key, "continuous_usage_stats")) {
-                api_err_set(err, 400, "stream_options", "unknown field 'stream_options.%s'", key);
+                tdm_api_err_set(err, 400, "stream_options", "unknown field 'stream_options.%s'",
+                                key);
                 goto out;
             }
             if (!strcmp(key, "include_usage")) {
@@ -679,7 +685,7 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
             }
         }
         if (!r->stream) {
-            api_err_set(err, 400, "stream_options", "'stream_options' needs 'stream': true");
+            tdm_api_err_set(err, 400, "stream_options", "'stream_options' needs 'stream': true");
             goto out;
         }
     }
@@ -688,7 +694,7 @@ bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
     ok = true;
 out:
     json_decref(root);
-    if (!ok) api_req_free(r);
+    if (!ok) tdm_api_req_free(r);
     return ok;
 }
 
@@ -799,8 +805,8 @@ static char *dump(json_t *root)
     return s;
 }
 
-char *api_render_full(const struct api_ctx *c, const struct api_req *r, const char *id,
-                      long created, const struct tdm_req_view *v)
+char *tdm_api_render_full(const struct api_ctx *c, const struct api_req *r, const char *id,
+                          long created, const struct tdm_req_view *v)
 {
     json_t *choice;
     if (r->chat) {
@@ -833,9 +839,9 @@ static char *sse(json_t *root)
     return s;
 }
 
-char *api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
-                       long created, const struct tdm_req_view *v, int from, int to,
-                       size_t text_from, bool first, bool finish)
+char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                           long created, const struct tdm_req_view *v, int from, int to,
+                           size_t text_from, bool first, bool finish)
 {
     size_t text_to = to > 0 ? v->text_end[to - 1] : 0;
     if (finish) text_to = v->text_len;
@@ -862,8 +868,8 @@ char *api_render_chunk(const struct api_ctx *c, const struct api_req *r, const c
                          (json_int_t)created, "model", c->model_name, "choices", choice));
 }
 
-char *api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
-                             long created, const struct tdm_req_view *v)
+char *tdm_api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                                 long created, const struct tdm_req_view *v)
 {
     return sse(json_pack("{s:s, s:s, s:i, s:s, s:[], s:o}", "id", id, "object",
                          r->chat ? "chat.completion.chunk" : "text_completion", "created",
@@ -871,7 +877,7 @@ char *api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, c
                          usage(v)));
 }
 
-char *api_render_models(const struct api_ctx *c, long created)
+char *tdm_api_render_models(const struct api_ctx *c, long created)
 {
     return dump(json_pack("{s:s, s:[{s:s, s:s, s:i, s:s, s:i}]}", "object", "list", "data", "id",
                           c->model_name, "object", "model", "created", (json_int_t)created,

@@ -9,8 +9,8 @@
 
 #include "server/reply.h"
 
-enum MHD_Result reply_send(struct MHD_Connection *c, _Atomic uint64_t *by_class, unsigned status,
-                           char *body, const char *ctype)
+enum MHD_Result tdm_reply_send(struct MHD_Connection *c, _Atomic uint64_t *by_class,
+                               unsigned status, char *body, const char *ctype)
 {
     if (!body) {
         body = strdup("{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\","
@@ -34,14 +34,15 @@ enum MHD_Result reply_send(struct MHD_Connection *c, _Atomic uint64_t *by_class,
     return ret;
 }
 
-enum MHD_Result reply_err(struct MHD_Connection *c, _Atomic uint64_t *by_class,
-                          const struct api_err *e)
+enum MHD_Result tdm_reply_err(struct MHD_Connection *c, _Atomic uint64_t *by_class,
+                              const struct api_err *e)
 {
-    return reply_send(c, by_class, (unsigned)e->status, api_error_json(e), "application/json");
+    return tdm_reply_send(c, by_class, (unsigned)e->status, tdm_api_error_json(e),
+                          "application/json");
 }
 
-enum MHD_Result reply_errf(struct MHD_Connection *c, _Atomic uint64_t *by_class, int status,
-                           const char *fmt, ...)
+enum MHD_Result tdm_reply_errf(struct MHD_Connection *c, _Atomic uint64_t *by_class, int status,
+                               const char *fmt, ...)
 {
     struct api_err e;
     char msg[sizeof e.message];
@@ -49,6 +50,6 @@ enum MHD_Result reply_errf(struct MHD_Connection *c, _Atomic uint64_t *by_class,
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    api_err_set(&e, status, NULL, "%s", msg);
-    return reply_err(c, by_class, &e);
+    tdm_api_err_set(&e, status, NULL, "%s", msg);
+    return tdm_reply_err(c, by_class, &e);
 }

@@ -333,7 +333,7 @@ static enum MHD_Result relay_start(struct tdm_router *r, struct MHD_Connection *
         tdm_bh_close(bc);
         release(r, be);
         count_error(r, PE_NOMEM);
-        return reply_errf(c, r->own_by_class, 500, "out of memory");
+        return tdm_reply_errf(c, r->own_by_class, 500, "out of memory");
     }
     *rl = (struct relay){.r = r,
                          .be = be,
@@ -379,7 +379,7 @@ static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, c
                                const char *url, struct conn *cc)
 {
     if (atomic_load(&r->draining))
-        return reply_errf(c, r->own_by_class, 503, "the router is shutting down");
+        return tdm_reply_errf(c, r->own_by_class, 503, "the router is shutting down");
     bool post = !strcmp(method, "POST");
     int client_fd = client_fd_of(c);
     struct tdm_bh_request rq = {.method = method,
@@ -415,7 +415,7 @@ static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, c
             return MHD_NO;
         }
         if (end == WAIT_STOPPING)
-            return reply_errf(c, r->own_by_class, 503, "the router is shutting down");
+            return tdm_reply_errf(c, r->own_by_class, 503, "the router is shutting down");
         count_error(r, err_kind(f));
         last = f;
         if (!is_connection_error(f)) break;
@@ -425,15 +425,15 @@ static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, c
     switch (last) {
     case TDM_BH_OK:
         count_error(r, PE_NO_BACKEND);
-        return reply_errf(c, r->own_by_class, 503, "no healthy backend (0 of %d up)",
-                          r->n_backends);
+        return tdm_reply_errf(c, r->own_by_class, 503, "no healthy backend (0 of %d up)",
+                              r->n_backends);
     case TDM_BH_TIMEOUT:
-        return reply_errf(c, r->own_by_class, 504, "the backend did not answer in time (%s)",
-                          last_msg);
+        return tdm_reply_errf(c, r->own_by_class, 504, "the backend did not answer in time (%s)",
+                              last_msg);
     case TDM_BH_NOMEM:
-        return reply_errf(c, r->own_by_class, 500, "out of memory");
+        return tdm_reply_errf(c, r->own_by_class, 500, "out of memory");
     default:
-        return reply_errf(c, r->own_by_class, 502, "no backend could answer (%s)", last_msg);
+        return tdm_reply_errf(c, r->own_by_class, 502, "no backend could answer (%s)", last_msg);
     }
 }
 
@@ -517,8 +517,8 @@ static bool authorized(struct tdm_router *r, struct MHD_Connection *c)
 
 static enum MHD_Result too_big(struct tdm_router *r, struct MHD_Connection *c)
 {
-    return reply_errf(c, r->own_by_class, 413, "the request body is larger than the %zu-byte limit",
-                      r->max_body);
+    return tdm_reply_errf(c, r->own_by_class, 413,
+                          "the request body is larger than the %zu-byte limit", r->max_body);
 }
 
 static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *url,
@@ -565,7 +565,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
 
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
-        if (!get) return reply_errf(c, r->own_by_class, 405, "use GET /health");
+        if (!get) return tdm_reply_errf(c, r->own_by_class, 405, "use GET /health");
         int up = backends_up(r);
         bool draining = atomic_load(&r->draining), ok = up > 0 && !draining;
         char *body = NULL;
@@ -575,24 +575,25 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                               : "no healthy backend",
                      up, r->n_backends) < 0)
             body = NULL;
-        return reply_send(c, r->own_by_class, ok ? 200 : 503, body, "application/json");
+        return tdm_reply_send(c, r->own_by_class, ok ? 200 : 503, body, "application/json");
     }
     if (!strcmp(url, "/metrics")) {
-        if (!get) return reply_errf(c, r->own_by_class, 405, "use GET /metrics");
-        return reply_send(c, r->own_by_class, 200, metrics_text(r),
-                          "text/plain; version=0.0.4; charset=utf-8");
+        if (!get) return tdm_reply_errf(c, r->own_by_class, 405, "use GET /metrics");
+        return tdm_reply_send(c, r->own_by_class, 200, metrics_text(r),
+                              "text/plain; version=0.0.4; charset=utf-8");
     }
     bool is_models = !strcmp(url, "/v1/models"), is_cmpl = !strcmp(url, "/v1/completions"),
          is_chat = !strcmp(url, "/v1/chat/completions");
     if (!is_models && !is_cmpl && !is_chat)
-        return reply_errf(c, r->own_by_class, 404, "no route for %s %.100s", method, url);
+        return tdm_reply_errf(c, r->own_by_class, 404, "no route for %s %.100s", method, url);
     if (!authorized(r, c))
-        return reply_errf(c, r->own_by_class, 401,
-                          "missing or invalid API key (send Authorization: Bearer <key>)");
-    if (is_models && !get) return reply_errf(c, r->own_by_class, 405, "use GET /v1/models");
+        return tdm_reply_errf(c, r->own_by_class, 401,
+                              "missing or invalid API key (send Authorization: Bearer <key>)");
+    if (is_models && !get) return tdm_reply_errf(c, r->own_by_class, 405, "use GET /v1/models");
     if (!is_models && !post)
-        return reply_errf(c, r->own_by_class, 405, "%s",
-                          is_chat ? "use POST /v1/chat/completions" : "use POST /v1/completions");
+        return tdm_reply_errf(c, r->own_by_class, 405, "%s",
+                              is_chat ? "use POST /v1/chat/completions"
+                                      : "use POST /v1/completions");
     return forward(r, c, method, url, cc);
 }
 

@@ -42,33 +42,33 @@ struct api_req {
 };
 
 /* Parses a request body. On failure fills err (status 4xx) and returns false. On success the
- * caller frees with api_req_free. */
-bool api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
-               struct api_req *out, struct api_err *err);
-void api_req_free(struct api_req *r);
+ * caller frees with tdm_api_req_free. */
+bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
+                   struct api_req *out, struct api_err *err);
+void tdm_api_req_free(struct api_req *r);
 
 /* {"error": {...}} as a malloc'd string. */
-char *api_error_json(const struct api_err *e);
-void api_err_set(struct api_err *e, int status, const char *param, const char *fmt, ...)
+char *tdm_api_error_json(const struct api_err *e);
+void tdm_api_err_set(struct api_err *e, int status, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
 /* Rendering. `id` is "cmpl-..." or "chatcmpl-...". All return malloc'd strings (NULL on OOM). */
-char *api_render_full(const struct api_ctx *c, const struct api_req *r, const char *id,
-                      long created, const struct tdm_req_view *v);
+char *tdm_api_render_full(const struct api_ctx *c, const struct api_req *r, const char *id,
+                          long created, const struct tdm_req_view *v);
 /* One SSE event ("data: {...}\n\n") for outputs [from, to) of v. `first` adds the chat role
  * delta; finish adds finish_reason. */
-char *api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
-                       long created, const struct tdm_req_view *v, int from, int to,
-                       size_t text_from, bool first, bool finish);
-char *api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
-                             long created, const struct tdm_req_view *v);
-char *api_render_models(const struct api_ctx *c, long created);
+char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                           long created, const struct tdm_req_view *v, int from, int to,
+                           size_t text_from, bool first, bool finish);
+char *tdm_api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                                 long created, const struct tdm_req_view *v);
+char *tdm_api_render_models(const struct api_ctx *c, long created);
 
 /* Valid UTF-8 copy of bytes, invalid sequences replaced by U+FFFD. */
-char *utf8_sanitize(const char *s, size_t n, size_t *out_len);
+char *tdm_utf8_sanitize(const char *s, size_t n, size_t *out_len);
 
 /* Prometheus text exposition of a metrics snapshot, plus HTTP status counters. */
-char *metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint64_t *http_by_class,
-                     const char *model_name);
+char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint64_t *http_by_class,
+                         const char *model_name);
 
 #endif

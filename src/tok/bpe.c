@@ -19,7 +19,7 @@
 
 #include <stdlib.h>
 
-tdm_status tok_bpe_reserve(struct tok_bpe_work *w, size_t n)
+tdm_status tdm_tok_bpe_reserve(struct tok_bpe_work *w, size_t n)
 {
     if (n > w->cap_syms) {
         struct tok_sym *s = realloc(w->syms, n * sizeof *s);
@@ -38,7 +38,7 @@ tdm_status tok_bpe_reserve(struct tok_bpe_work *w, size_t n)
     return TDM_OK;
 }
 
-void tok_bpe_work_free(struct tok_bpe_work *w)
+void tdm_tok_bpe_work_free(struct tok_bpe_work *w)
 {
     free(w->syms);
     free(w->heap);
@@ -87,11 +87,11 @@ static void try_push(const struct tdm_tok *tok, struct tok_bpe_work *w, int32_t 
 {
     uint32_t rank;
     int merged;
-    if (tok_find_pair(tok, w->syms[left].id, w->syms[right].id, &rank, &merged))
+    if (tdm_tok_find_pair(tok, w->syms[left].id, w->syms[right].id, &rank, &merged))
         heap_push(w, (struct tok_cand){.rank = rank, .pos = (uint32_t)left, .merged = merged});
 }
 
-void tok_bpe_merge(const struct tdm_tok *tok, struct tok_bpe_work *w, size_t n)
+void tdm_tok_bpe_merge(const struct tdm_tok *tok, struct tok_bpe_work *w, size_t n)
 {
     w->n_heap = 0;
     if (n < 2 || !tok->n_pairs) return;
@@ -104,7 +104,7 @@ void tok_bpe_merge(const struct tdm_tok *tok, struct tok_bpe_work *w, size_t n)
         struct tok_sym *r = &w->syms[l->next];
         uint32_t rank;
         int merged;
-        if (!tok_find_pair(tok, l->id, r->id, &rank, &merged) || merged != c.merged ||
+        if (!tdm_tok_find_pair(tok, l->id, r->id, &rank, &merged) || merged != c.merged ||
             rank != c.rank)
             continue; /* stale: one side changed since this candidate was queued */
         l->id = merged;

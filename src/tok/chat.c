@@ -123,8 +123,8 @@ static void py_trim(const char *s, size_t len, size_t *b, size_t *e)
     size_t i = 0;
     while (i < len) {
         uint32_t cp;
-        int cl = tok_utf8_decode(s + i, &cp);
-        if (!tok_is_py_space(cp)) break;
+        int cl = tdm_tok_utf8_decode(s + i, &cp);
+        if (!tdm_tok_is_py_space(cp)) break;
         i += (size_t)cl;
     }
     size_t j = len;
@@ -133,8 +133,8 @@ static void py_trim(const char *s, size_t len, size_t *b, size_t *e)
         while (k > i && ((unsigned char)s[k] & 0xC0) == 0x80)
             k--;
         uint32_t cp;
-        tok_utf8_decode(s + k, &cp);
-        if (!tok_is_py_space(cp)) break;
+        tdm_tok_utf8_decode(s + k, &cp);
+        if (!tdm_tok_is_py_space(cp)) break;
         j = k;
     }
     *b = i;
@@ -207,9 +207,9 @@ tdm_status tdm_chat_render(const struct tdm_chat_template *t, const struct tdm_c
         if (!msgs[i].role || !msgs[i].content)
             return tdm_err_set(TDM_EINVAL, "chat message %zu has no role or content", i);
         size_t rl = strlen(msgs[i].role), cl = strlen(msgs[i].content), bad;
-        if (!tok_utf8_valid(msgs[i].role, rl, &bad))
+        if (!tdm_tok_utf8_valid(msgs[i].role, rl, &bad))
             return tdm_err_set(TDM_EINVAL, "chat message %zu: role is not UTF-8", i);
-        if (!tok_utf8_valid(msgs[i].content, cl, &bad))
+        if (!tdm_tok_utf8_valid(msgs[i].content, cl, &bad))
             return tdm_err_set(TDM_EINVAL,
                                "chat message %zu: invalid UTF-8 at byte offset %zu of content", i,
                                bad);

@@ -96,10 +96,10 @@ static tdm_status model_piece(struct enc *e, const char *s, size_t len)
             if (st) return st;
             size_t m = 0;
             for (size_t i = 0; i < len; i++)
-                m += (size_t)tok_utf8_encode(tok->byte_cp[(unsigned char)s[i]], e->bytes + m);
-            id = tok_lookup(tok, e->bytes, m);
+                m += (size_t)tdm_tok_utf8_encode(tok->byte_cp[(unsigned char)s[i]], e->bytes + m);
+            id = tdm_tok_lookup(tok, e->bytes, m);
         } else {
-            id = tok_lookup(tok, s, len);
+            id = tdm_tok_lookup(tok, s, len);
         }
         if (id >= 0) {
             emit(e, id);
@@ -108,7 +108,7 @@ static tdm_status model_piece(struct enc *e, const char *s, size_t len)
     }
 
     /* at most one symbol per byte */
-    st = tok_bpe_reserve(&e->bpe, len);
+    st = tdm_tok_bpe_reserve(&e->bpe, len);
     if (st) return st;
     size_t n = 0;
     bool prev_unk = false;
@@ -124,8 +124,8 @@ static tdm_status model_piece(struct enc *e, const char *s, size_t len)
         }
     } else {
         for (size_t i = 0; i < len;) {
-            size_t cl = (size_t)tok_utf8_len((unsigned char)s[i]);
-            int id = tok_lookup(tok, s + i, cl);
+            size_t cl = (size_t)tdm_tok_utf8_len((unsigned char)s[i]);
+            int id = tdm_tok_lookup(tok, s + i, cl);
             if (id >= 0) {
                 push_sym(e, &n, id);
                 prev_unk = false;
@@ -145,7 +145,7 @@ static tdm_status model_piece(struct enc *e, const char *s, size_t len)
         }
     }
     if (!n) return TDM_OK;
-    tok_bpe_merge(tok, &e->bpe, n);
+    tdm_tok_bpe_merge(tok, &e->bpe, n);
     for (int32_t i = 0; i >= 0; i = e->bpe.syms[i].next)
         emit(e, e->bpe.syms[i].id);
     return TDM_OK;
@@ -175,7 +175,7 @@ static tdm_status regex_stage(struct enc *e, int k, const char *s, size_t len)
         const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(e->md);
         size_t ms = ov[0], me = ov[1];
         if (me <= ms) { /* empty match: it cuts nothing; move on one character */
-            pos = ms + (ms < len ? (size_t)tok_utf8_len((unsigned char)s[ms]) : 1);
+            pos = ms + (ms < len ? (size_t)tdm_tok_utf8_len((unsigned char)s[ms]) : 1);
             continue;
         }
         if (ms > gap) {
@@ -308,8 +308,8 @@ static bool space_before(const char *s, size_t end, size_t *start)
     while (i > 0 && ((unsigned char)s[i] & 0xC0) == 0x80)
         i--;
     uint32_t cp;
-    tok_utf8_decode(s + i, &cp);
-    if (!tok_is_py_space(cp)) return false;
+    tdm_tok_utf8_decode(s + i, &cp);
+    if (!tdm_tok_is_py_space(cp)) return false;
     *start = i;
     return true;
 }
@@ -331,7 +331,7 @@ static int match_added(const struct tdm_tok *tok, const char *s, size_t p, size_
 
 static void enc_free(struct enc *e)
 {
-    tok_bpe_work_free(&e->bpe);
+    tdm_tok_bpe_work_free(&e->bpe);
     free(e->norm[0]);
     free(e->norm[1]);
     free(e->bytes);
@@ -347,7 +347,7 @@ tdm_status tdm_tok_encode(const tdm_tok_t *tok, const char *text, size_t len, in
         return tdm_err_set(TDM_ERANGE, "tokenizer: input of %zu bytes over the %zu-byte cap", len,
                            TOK_MAX_INPUT_BYTES);
     size_t bad;
-    if (!tok_utf8_valid(text, len, &bad))
+    if (!tdm_tok_utf8_valid(text, len, &bad))
         return tdm_err_set(TDM_EINVAL, "tokenizer: invalid UTF-8 at byte offset %zu", bad);
 
     struct enc e = {.tok = tok, .ids = ids, .cap = cap};
@@ -381,8 +381,8 @@ tdm_status tdm_tok_encode(const tdm_tok_t *tok, const char *text, size_t len, in
         if (en->flags & TOK_F_RSTRIP) {
             while (p < len) {
                 uint32_t cp;
-                int cl = tok_utf8_decode(text + p, &cp);
-                if (!tok_is_py_space(cp)) break;
+                int cl = tdm_tok_utf8_decode(text + p, &cp);
+                if (!tdm_tok_is_py_space(cp)) break;
                 p += (size_t)cl;
             }
         }

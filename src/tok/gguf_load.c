@@ -31,10 +31,10 @@ struct pre_family {
 };
 
 static const char RE_DIGIT[] = "\\p{N}";
-static const char *const PRE_GPT2[] = {TOK_RE_GPT2, NULL};
-static const char *const PRE_DIGITS_GPT2[] = {RE_DIGIT, TOK_RE_GPT2, NULL};
-static const char *const PRE_LLAMA3[] = {TOK_RE_LLAMA3, NULL};
-static const char *const PRE_QWEN2[] = {TOK_RE_QWEN2, NULL};
+static const char *const PRE_GPT2[] = {TDM_TOK_RE_GPT2, NULL};
+static const char *const PRE_DIGITS_GPT2[] = {RE_DIGIT, TDM_TOK_RE_GPT2, NULL};
+static const char *const PRE_LLAMA3[] = {TDM_TOK_RE_LLAMA3, NULL};
+static const char *const PRE_QWEN2[] = {TDM_TOK_RE_QWEN2, NULL};
 
 /* tokenizer.ggml.pre values and their splits, after llama.cpp's table. A missing value or
  * "default" takes the GPT-2 split, which is what a "gpt2" tokenizer without one means. */
@@ -139,25 +139,25 @@ static tdm_status spm_pairs_from_scores(struct tdm_tok *tok, const float *scores
     size_t n_splits = 0;
     for (int id = 0; id < n; id++) {
         size_t len;
-        const char *t = tok_text(tok, id, &len);
+        const char *t = tdm_tok_text(tok, id, &len);
         size_t bad;
-        if (len < 2 || !tok_utf8_valid(t, len, &bad)) continue;
-        for (size_t i = (size_t)tok_utf8_len((unsigned char)t[0]); i < len;
-             i += (size_t)tok_utf8_len((unsigned char)t[i]))
+        if (len < 2 || !tdm_tok_utf8_valid(t, len, &bad)) continue;
+        for (size_t i = (size_t)tdm_tok_utf8_len((unsigned char)t[0]); i < len;
+             i += (size_t)tdm_tok_utf8_len((unsigned char)t[i]))
             n_splits++;
     }
-    st = tok_reserve_pairs(tok, n_splits);
+    st = tdm_tok_reserve_pairs(tok, n_splits);
     if (st) goto out_free;
     for (int id = 0; id < n; id++) {
         size_t len;
-        const char *t = tok_text(tok, id, &len);
+        const char *t = tdm_tok_text(tok, id, &len);
         size_t bad;
-        if (len < 2 || !tok_utf8_valid(t, len, &bad)) continue;
-        for (size_t i = (size_t)tok_utf8_len((unsigned char)t[0]); i < len;
-             i += (size_t)tok_utf8_len((unsigned char)t[i])) {
-            int l = tok_lookup(tok, t, i), rr = tok_lookup(tok, t + i, len - i);
+        if (len < 2 || !tdm_tok_utf8_valid(t, len, &bad)) continue;
+        for (size_t i = (size_t)tdm_tok_utf8_len((unsigned char)t[0]); i < len;
+             i += (size_t)tdm_tok_utf8_len((unsigned char)t[i])) {
+            int l = tdm_tok_lookup(tok, t, i), rr = tdm_tok_lookup(tok, t + i, len - i);
             if (l < 0 || rr < 0) continue;
-            st = tok_add_pair(tok, l, rr, rank[id], id);
+            st = tdm_tok_add_pair(tok, l, rr, rank[id], id);
             if (st) goto out_free;
         }
     }
@@ -182,7 +182,7 @@ static tdm_status bpe_pairs_from_merges(struct tdm_tok *tok, const tdm_gguf_t *g
     if (n > TOK_MAX_MERGES)
         return tdm_err_set(TDM_ERANGE, "tokenizer: %lld merges (cap %d)", (long long)n,
                            TOK_MAX_MERGES);
-    st = tok_reserve_pairs(tok, (size_t)n);
+    st = tdm_tok_reserve_pairs(tok, (size_t)n);
     if (st) return st;
     char *cat = malloc(2 * TOK_MAX_TOKEN_BYTES);
     if (!cat) return tdm_err_set(TDM_ENOMEM, "tokenizer: out of memory");
@@ -198,12 +198,12 @@ static tdm_status bpe_pairs_from_merges(struct tdm_tok *tok, const tdm_gguf_t *g
         }
         size_t ll = (size_t)(sp - m.ptr), rl = m.len - ll - 1;
         if (ll > TOK_MAX_TOKEN_BYTES || rl > TOK_MAX_TOKEN_BYTES) continue;
-        int l = tok_lookup(tok, m.ptr, ll), r = tok_lookup(tok, sp + 1, rl);
+        int l = tdm_tok_lookup(tok, m.ptr, ll), r = tdm_tok_lookup(tok, sp + 1, rl);
         memcpy(cat, m.ptr, ll);
         memcpy(cat + ll, sp + 1, rl);
-        int merged = tok_lookup(tok, cat, ll + rl);
+        int merged = tdm_tok_lookup(tok, cat, ll + rl);
         if (l < 0 || r < 0 || merged < 0) continue; /* names a token we do not have */
-        st = tok_add_pair(tok, l, r, (uint32_t)i, merged);
+        st = tdm_tok_add_pair(tok, l, r, (uint32_t)i, merged);
         if (st) goto out_free;
     }
     st = TDM_OK;
@@ -221,7 +221,7 @@ static tdm_status setup_pre(struct tdm_tok *tok, const tdm_gguf_t *g)
         const struct pre_family *f = &PRE_FAMILIES[i];
         if (!str_is(pre, f->name)) continue;
         for (const char *const *re = f->regexes; *re; re++) {
-            st = tok_add_regex_stage(tok, *re, strlen(*re), false);
+            st = tdm_tok_add_regex_stage(tok, *re, strlen(*re), false);
             if (st) return st;
         }
         tok->ignore_merges = f->ignore_merges;
@@ -274,7 +274,7 @@ tdm_status tdm_tok_from_gguf(const tdm_gguf_t *g, tdm_tok_t **out)
                            (long long)n);
 
     struct tdm_tok *tok;
-    st = tok_create(kind, (int)n, &tok);
+    st = tdm_tok_create(kind, (int)n, &tok);
     if (st) return st;
     float *scores = NULL;
     for (int64_t i = 0; i < n; i++) {
@@ -288,10 +288,10 @@ tdm_status tdm_tok_from_gguf(const tdm_gguf_t *g, tdm_tok_t **out)
             flags = TOK_F_SPECIAL | TOK_F_ADDED;
         else if (type == TOK_T_USER)
             flags = TOK_F_ADDED;
-        st = tok_set_token(tok, (int)i, s.ptr, s.len, (enum tok_type)type, flags);
+        st = tdm_tok_set_token(tok, (int)i, s.ptr, s.len, (enum tok_type)type, flags);
         if (st) goto out_free_tok;
     }
-    st = tok_build_index(tok);
+    st = tdm_tok_build_index(tok);
     if (st) goto out_free_tok;
 
     if (kind == TDM_TOK_BPE_BYTES) {
@@ -327,10 +327,10 @@ tdm_status tdm_tok_from_gguf(const tdm_gguf_t *g, tdm_tok_t **out)
         st = get_opt_bool(g, "tokenizer.ggml.add_space_prefix", &space_prefix);
         if (st) goto out_free_tok;
         if (space_prefix) {
-            st = tok_add_norm(tok, true, "", 0, " ", 1);
+            st = tdm_tok_add_norm(tok, true, "", 0, " ", 1);
             if (st) goto out_free_tok;
         }
-        st = tok_add_norm(tok, false, " ", 1, "\xE2\x96\x81", 3);
+        st = tdm_tok_add_norm(tok, false, " ", 1, "\xE2\x96\x81", 3);
         if (st) goto out_free_tok;
         tok->byte_fallback = true;
         tok->strip_leading_space = space_prefix;
@@ -345,7 +345,7 @@ tdm_status tdm_tok_from_gguf(const tdm_gguf_t *g, tdm_tok_t **out)
     if (st) goto out_free_tok;
     if (kind == TDM_TOK_BPE_BYTES) tok->unk = -1; /* byte-level: every byte has a symbol */
 
-    st = tok_finalize(tok);
+    st = tdm_tok_finalize(tok);
     if (st) goto out_free_tok;
     free(scores);
     *out = tok;

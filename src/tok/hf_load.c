@@ -84,7 +84,7 @@ static tdm_status parse_normalizer(struct tdm_tok *tok, const json_t *j, struct 
         const char *s = json_string_value(p);
         size_t n = json_string_length(p);
         if (n >= 3 && strstr(s, SPM_SPACE)) f->spm_norm = true;
-        return tok_add_norm(tok, true, "", 0, s, n);
+        return tdm_tok_add_norm(tok, true, "", 0, s, n);
     }
     if (!strcmp(t, "Replace")) {
         const json_t *pat = json_object_get(j, "pattern");
@@ -94,8 +94,8 @@ static tdm_status parse_normalizer(struct tdm_tok *tok, const json_t *j, struct 
             return tdm_err_set(TDM_EUNSUPPORTED,
                                "tokenizer.json: Replace normaliser needs a String pattern");
         if (strstr(json_string_value(to), SPM_SPACE)) f->spm_norm = true;
-        return tok_add_norm(tok, false, json_string_value(from), json_string_length(from),
-                            json_string_value(to), json_string_length(to));
+        return tdm_tok_add_norm(tok, false, json_string_value(from), json_string_length(from),
+                                json_string_value(to), json_string_length(to));
     }
     return tdm_err_set(TDM_EUNSUPPORTED, "tokenizer.json: normalizer '%s' is not supported", t);
 }
@@ -129,7 +129,7 @@ static tdm_status parse_pre(struct tdm_tok *tok, const json_t *j, struct hf_flag
                                "tokenizer.json: ByteLevel with add_prefix_space is not supported");
         f->pre_byte_level = true;
         if (jbool(j, "use_regex", true))
-            return tok_add_regex_stage(tok, TOK_RE_GPT2, strlen(TOK_RE_GPT2), false);
+            return tdm_tok_add_regex_stage(tok, TDM_TOK_RE_GPT2, strlen(TDM_TOK_RE_GPT2), false);
         return TDM_OK;
     }
     if (!strcmp(t, "Split")) {
@@ -141,14 +141,16 @@ static tdm_status parse_pre(struct tdm_tok *tok, const json_t *j, struct hf_flag
         const json_t *re = json_object_get(pat, "Regex");
         const json_t *lit = json_object_get(pat, "String");
         if (json_is_string(re))
-            return tok_add_regex_stage(tok, json_string_value(re), json_string_length(re), false);
+            return tdm_tok_add_regex_stage(tok, json_string_value(re), json_string_length(re),
+                                           false);
         if (json_is_string(lit))
-            return tok_add_regex_stage(tok, json_string_value(lit), json_string_length(lit), true);
+            return tdm_tok_add_regex_stage(tok, json_string_value(lit), json_string_length(lit),
+                                           true);
         return tdm_err_set(TDM_EFORMAT, "tokenizer.json: Split without a pattern");
     }
     if (!strcmp(t, "Digits")) {
         const char *re = jbool(j, "individual_digits", false) ? "\\p{N}" : "\\p{N}+";
-        return tok_add_regex_stage(tok, re, strlen(re), false);
+        return tdm_tok_add_regex_stage(tok, re, strlen(re), false);
     }
     if (!strcmp(t, "Metaspace")) {
         if (tok->n_stages || tok->metaspace)
@@ -158,7 +160,7 @@ static tdm_status parse_pre(struct tdm_tok *tok, const json_t *j, struct hf_flag
         if (!json_is_string(r)) return tdm_err_set(TDM_EFORMAT, "tokenizer.json: bad Metaspace");
         const char *rs = json_string_value(r);
         size_t rl = json_string_length(r);
-        if (!rl || rl > 4 || (size_t)tok_utf8_len((unsigned char)rs[0]) != rl)
+        if (!rl || rl > 4 || (size_t)tdm_tok_utf8_len((unsigned char)rs[0]) != rl)
             return tdm_err_set(TDM_EUNSUPPORTED,
                                "tokenizer.json: Metaspace replacement must be one character");
         memcpy(tok->metaspace_repl, rs, rl);
@@ -177,7 +179,7 @@ static tdm_status parse_pre(struct tdm_tok *tok, const json_t *j, struct hf_flag
         else
             return tdm_err_set(TDM_EUNSUPPORTED, "tokenizer.json: prepend_scheme '%s'", scheme);
         f->spm_norm = true;
-        if (jbool(j, "split", true)) return tok_add_metaspace_stage(tok);
+        if (jbool(j, "split", true)) return tdm_tok_add_metaspace_stage(tok);
         return TDM_OK;
     }
     return tdm_err_set(TDM_EUNSUPPORTED, "tokenizer.json: pre_tokenizer '%s' is not supported", t);
@@ -238,7 +240,7 @@ static tdm_status template_special_id(const struct tdm_tok *tok, const json_t *t
         *id = (int)v;
         return TDM_OK;
     }
-    *id = tok_lookup(tok, name, strlen(name));
+    *id = tdm_tok_lookup(tok, name, strlen(name));
     if (*id < 0)
         return tdm_err_set(TDM_EFORMAT, "tokenizer.json: template token '%s' not in vocab", name);
     return TDM_OK;
@@ -315,7 +317,7 @@ static tdm_status add_merges(struct tdm_tok *tok, const json_t *merges)
     size_t n = json_array_size(merges);
     if (n > TOK_MAX_MERGES)
         return tdm_err_set(TDM_ERANGE, "tokenizer.json: %zu merges (cap %d)", n, TOK_MAX_MERGES);
-    tdm_status st = tok_reserve_pairs(tok, n);
+    tdm_status st = tdm_tok_reserve_pairs(tok, n);
     if (st) return st;
     char *cat = malloc(2 * (size_t)TOK_MAX_TOKEN_BYTES);
     if (!cat) return tdm_err_set(TDM_ENOMEM, "tokenizer: out of memory");
@@ -351,14 +353,14 @@ static tdm_status add_merges(struct tdm_tok *tok, const json_t *merges)
         }
         memcpy(cat, a, al);
         memcpy(cat + al, b, bl);
-        int l = tok_lookup(tok, a, al), r = tok_lookup(tok, b, bl);
-        int merged = tok_lookup(tok, cat, al + bl);
+        int l = tdm_tok_lookup(tok, a, al), r = tdm_tok_lookup(tok, b, bl);
+        int merged = tdm_tok_lookup(tok, cat, al + bl);
         if (l < 0 || r < 0 || merged < 0) {
             st =
                 tdm_err_set(TDM_EFORMAT, "tokenizer.json: merge %zu names a token not in vocab", i);
             goto out_free;
         }
-        st = tok_add_pair(tok, l, r, (uint32_t)i, merged);
+        st = tdm_tok_add_pair(tok, l, r, (uint32_t)i, merged);
         if (st) goto out_free;
     }
     st = TDM_OK;
@@ -436,7 +438,7 @@ static tdm_status load(const json_t *root, const json_t *cfg, tdm_tok_t **out)
 
     bool byte_fallback = jbool(model, "byte_fallback", false);
     struct tdm_tok *tok;
-    st = tok_create(TDM_TOK_BPE_BYTES, n_vocab, &tok);
+    st = tdm_tok_create(TDM_TOK_BPE_BYTES, n_vocab, &tok);
     if (st) return st;
     uint8_t *seen = calloc((size_t)n_vocab, 1);
     if (!seen) {
@@ -454,7 +456,7 @@ static tdm_status load(const json_t *root, const json_t *cfg, tdm_tok_t **out)
         size_t len = strlen(key);
         enum tok_type type = TOK_T_NORMAL;
         if (byte_fallback && is_byte_token(key, len)) type = TOK_T_BYTE;
-        st = tok_set_token(tok, id, key, len, type, 0);
+        st = tdm_tok_set_token(tok, id, key, len, type, 0);
         if (st) goto out_free_seen;
     }
     json_array_foreach(added, i, v)
@@ -473,11 +475,11 @@ static tdm_status load(const json_t *root, const json_t *cfg, tdm_tok_t **out)
         unsigned flags = TOK_F_ADDED | (special ? TOK_F_SPECIAL : 0) |
                          (jbool(v, "lstrip", false) ? TOK_F_LSTRIP : 0) |
                          (jbool(v, "rstrip", false) ? TOK_F_RSTRIP : 0);
-        st = tok_set_token(tok, id, json_string_value(content), json_string_length(content),
-                           special ? TOK_T_CONTROL : TOK_T_USER, flags);
+        st = tdm_tok_set_token(tok, id, json_string_value(content), json_string_length(content),
+                               special ? TOK_T_CONTROL : TOK_T_USER, flags);
         if (st) goto out_free_seen;
     }
-    st = tok_build_index(tok);
+    st = tdm_tok_build_index(tok);
     if (st) goto out_free_seen;
     st = add_merges(tok, json_object_get(model, "merges"));
     if (st) goto out_free_seen;
@@ -508,7 +510,7 @@ static tdm_status load(const json_t *root, const json_t *cfg, tdm_tok_t **out)
     tok->fuse_unk = jbool(model, "fuse_unk", false);
     tok->ignore_merges = jbool(model, "ignore_merges", false);
     const char *unk = jstr(model, "unk_token");
-    if (unk) tok->unk = tok_lookup(tok, unk, strlen(unk));
+    if (unk) tok->unk = tdm_tok_lookup(tok, unk, strlen(unk));
 
     tok->bos = f.bos;
     tok->add_bos = f.bos >= 0;
@@ -516,19 +518,19 @@ static tdm_status load(const json_t *root, const json_t *cfg, tdm_tok_t **out)
         const char *bos = config_token(cfg, "bos_token");
         const char *eos = config_token(cfg, "eos_token");
         const char *pad = config_token(cfg, "pad_token");
-        if (bos && tok->bos < 0) tok->bos = tok_lookup(tok, bos, strlen(bos));
-        if (eos) tok->eos = tok_lookup(tok, eos, strlen(eos));
-        if (pad) tok->pad = tok_lookup(tok, pad, strlen(pad));
+        if (bos && tok->bos < 0) tok->bos = tdm_tok_lookup(tok, bos, strlen(bos));
+        if (eos) tok->eos = tdm_tok_lookup(tok, eos, strlen(eos));
+        if (pad) tok->pad = tdm_tok_lookup(tok, pad, strlen(pad));
         const json_t *ab = json_object_get(cfg, "add_bos_token");
         if (json_is_boolean(ab)) tok->add_bos = json_is_true(ab);
     }
     if (tok->eos < 0) {
         static const char *const EOS_NAMES[] = {"</s>", "<|endoftext|>", "<|end_of_text|>"};
         for (size_t k = 0; k < TDM_ARRAY_LEN(EOS_NAMES) && tok->eos < 0; k++)
-            tok->eos = tok_lookup(tok, EOS_NAMES[k], strlen(EOS_NAMES[k]));
+            tok->eos = tdm_tok_lookup(tok, EOS_NAMES[k], strlen(EOS_NAMES[k]));
     }
 
-    st = tok_finalize(tok);
+    st = tdm_tok_finalize(tok);
     if (st) goto out_free_seen;
     free(seen);
     *out = tok;

@@ -10,7 +10,7 @@
  */
 #include "tok/tok_int.h"
 
-bool tok_utf8_valid(const char *s, size_t len, size_t *bad_off)
+bool tdm_tok_utf8_valid(const char *s, size_t len, size_t *bad_off)
 {
     const unsigned char *p = (const unsigned char *)s;
     size_t i = 0;
@@ -59,7 +59,7 @@ bool tok_utf8_valid(const char *s, size_t len, size_t *bad_off)
     return true;
 }
 
-int tok_utf8_len(unsigned char lead)
+int tdm_tok_utf8_len(unsigned char lead)
 {
     if (lead < 0x80) return 1;
     if (lead < 0xE0) return 2;
@@ -67,10 +67,10 @@ int tok_utf8_len(unsigned char lead)
     return 4;
 }
 
-int tok_utf8_decode(const char *s, uint32_t *cp)
+int tdm_tok_utf8_decode(const char *s, uint32_t *cp)
 {
     const unsigned char *p = (const unsigned char *)s;
-    int n = tok_utf8_len(p[0]);
+    int n = tdm_tok_utf8_len(p[0]);
     uint32_t c;
     switch (n) {
     case 1:
@@ -91,7 +91,7 @@ int tok_utf8_decode(const char *s, uint32_t *cp)
     return n;
 }
 
-int tok_utf8_encode(uint32_t cp, char *buf)
+int tdm_tok_utf8_encode(uint32_t cp, char *buf)
 {
     unsigned char *b = (unsigned char *)buf;
     if (cp < 0x80) {
@@ -119,7 +119,7 @@ int tok_utf8_encode(uint32_t cp, char *buf)
 /* GPT-2's alphabet: the printable Latin-1 bytes ('!'..'~', U+00A1..U+00AC, U+00AE..U+00FF)
  * stand for themselves; the other 68 bytes take U+0100, U+0101, ... in byte order, so every
  * byte has a visible, non-space character. */
-void tok_bytes_to_unicode(uint16_t map[256])
+void tdm_tok_bytes_to_unicode(uint16_t map[256])
 {
     uint16_t next = 256;
     for (int b = 0; b < 256; b++) {
@@ -128,7 +128,7 @@ void tok_bytes_to_unicode(uint16_t map[256])
     }
 }
 
-bool tok_is_py_space(uint32_t cp)
+bool tdm_tok_is_py_space(uint32_t cp)
 {
     if (cp >= 0x09 && cp <= 0x0D) return true;
     if (cp >= 0x1C && cp <= 0x20) return true;

@@ -15,7 +15,7 @@
  *     (prepend / replace), an optional Metaspace step, then pre-tokenizer stages that cut the
  *     text into pieces, then the model on each piece.
  *
- * Invariants once tok_finalize() has succeeded: every entry's text and piece lie in strs;
+ * Invariants once tdm_tok_finalize() has succeeded: every entry's text and piece lie in strs;
  * by_text maps each non-empty token text to its lowest id; every pair value names ids below
  * n_vocab; split_ids lists the added tokens with non-empty valid UTF-8 text, grouped by first
  * byte and longest first within a group. The object is then read-only.
@@ -133,47 +133,48 @@ struct tdm_tok {
 /* ---- UTF-8 and byte-level helpers (text.c) ---- */
 /* True when s[0..len) is valid UTF-8 (RFC 3629: no overlongs, surrogates or > U+10FFFF);
  * otherwise false with the offset of the first bad byte in *bad_off. */
-bool tok_utf8_valid(const char *s, size_t len, size_t *bad_off);
+bool tdm_tok_utf8_valid(const char *s, size_t len, size_t *bad_off);
 /* Length of the UTF-8 sequence at s (which must be valid), 1..4. */
-int tok_utf8_len(unsigned char lead);
+int tdm_tok_utf8_len(unsigned char lead);
 /* Decodes one code point from valid UTF-8 at s; returns its byte length. */
-int tok_utf8_decode(const char *s, uint32_t *cp);
+int tdm_tok_utf8_decode(const char *s, uint32_t *cp);
 /* Writes cp as UTF-8 into buf (>= 4 bytes); returns the byte count. */
-int tok_utf8_encode(uint32_t cp, char *buf);
+int tdm_tok_utf8_encode(uint32_t cp, char *buf);
 /* The GPT-2 byte-level map: printable bytes map to themselves, the rest to U+0100... */
-void tok_bytes_to_unicode(uint16_t map[256]);
+void tdm_tok_bytes_to_unicode(uint16_t map[256]);
 /* Python str.isspace() (what Jinja's trim strips). */
-bool tok_is_py_space(uint32_t cp);
+bool tdm_tok_is_py_space(uint32_t cp);
 
 /* ---- builder and table (vocab.c) ---- */
-tdm_status tok_create(enum tdm_tok_kind kind, int n_vocab, struct tdm_tok **out);
+tdm_status tdm_tok_create(enum tdm_tok_kind kind, int n_vocab, struct tdm_tok **out);
 /* Sets the text and type of token `id` (not yet indexed). */
-tdm_status tok_set_token(struct tdm_tok *tok, int id, const char *text, size_t len,
-                         enum tok_type type, unsigned flags);
+tdm_status tdm_tok_set_token(struct tdm_tok *tok, int id, const char *text, size_t len,
+                             enum tok_type type, unsigned flags);
 /* Builds the text -> id index; call once every token is set. */
-tdm_status tok_build_index(struct tdm_tok *tok);
+tdm_status tdm_tok_build_index(struct tdm_tok *tok);
 /* Id of the token spelled exactly text[0..len), or -1. */
-int tok_lookup(const struct tdm_tok *tok, const char *text, size_t len);
-const char *tok_text(const struct tdm_tok *tok, int id, size_t *len);
+int tdm_tok_lookup(const struct tdm_tok *tok, const char *text, size_t len);
+const char *tdm_tok_text(const struct tdm_tok *tok, int id, size_t *len);
 /* Records that (left, right) merges into `merged` with priority `rank` (lower first). A pair
- * already present keeps its first rank. Sized by tok_reserve_pairs beforehand. */
-tdm_status tok_reserve_pairs(struct tdm_tok *tok, size_t n);
-tdm_status tok_add_pair(struct tdm_tok *tok, int left, int right, uint32_t rank, int merged);
+ * already present keeps its first rank. Sized by tdm_tok_reserve_pairs beforehand. */
+tdm_status tdm_tok_reserve_pairs(struct tdm_tok *tok, size_t n);
+tdm_status tdm_tok_add_pair(struct tdm_tok *tok, int left, int right, uint32_t rank, int merged);
 /* Looks up a pair; false when the two do not merge. */
-bool tok_find_pair(const struct tdm_tok *tok, int left, int right, uint32_t *rank, int *merged);
+bool tdm_tok_find_pair(const struct tdm_tok *tok, int left, int right, uint32_t *rank, int *merged);
 /* Adds a normaliser op (copies the strings). */
-tdm_status tok_add_norm(struct tdm_tok *tok, bool prepend, const char *from, size_t from_len,
-                        const char *to, size_t to_len);
+tdm_status tdm_tok_add_norm(struct tdm_tok *tok, bool prepend, const char *from, size_t from_len,
+                            const char *to, size_t to_len);
 /* Adds a pre-tokenizer stage (PCRE2 pattern, UTF + UCP; `literal` quotes it). */
-tdm_status tok_add_regex_stage(struct tdm_tok *tok, const char *pattern, size_t len, bool literal);
-tdm_status tok_add_metaspace_stage(struct tdm_tok *tok);
+tdm_status tdm_tok_add_regex_stage(struct tdm_tok *tok, const char *pattern, size_t len,
+                                   bool literal);
+tdm_status tdm_tok_add_metaspace_stage(struct tdm_tok *tok);
 /* Computes pieces, byte tables and the added-token index. */
-tdm_status tok_finalize(struct tdm_tok *tok);
+tdm_status tdm_tok_finalize(struct tdm_tok *tok);
 
 /* Built-in pre-tokenizer regexes. */
-extern const char TOK_RE_GPT2[];
-extern const char TOK_RE_LLAMA3[];
-extern const char TOK_RE_QWEN2[];
+extern const char TDM_TOK_RE_GPT2[];
+extern const char TDM_TOK_RE_LLAMA3[];
+extern const char TDM_TOK_RE_QWEN2[];
 
 /* ---- BPE merge engine (bpe.c) ---- */
 struct tok_sym {
@@ -195,10 +196,10 @@ struct tok_bpe_work {
 };
 
 /* Ensures room for n symbols (and their candidates). */
-tdm_status tok_bpe_reserve(struct tok_bpe_work *w, size_t n);
-void tok_bpe_work_free(struct tok_bpe_work *w);
+tdm_status tdm_tok_bpe_reserve(struct tok_bpe_work *w, size_t n);
+void tdm_tok_bpe_work_free(struct tok_bpe_work *w);
 /* Merges syms[0..n) (linked in order) in place: always the candidate pair with the lowest
  * (rank, left position) first, as HF's BPE and llama.cpp's SPM do. */
-void tok_bpe_merge(const struct tdm_tok *tok, struct tok_bpe_work *w, size_t n);
+void tdm_tok_bpe_merge(const struct tdm_tok *tok, struct tok_bpe_work *w, size_t n);
 
 #endif /* TDM_TOK_INT_H */

@@ -9,7 +9,7 @@
  * a power of two at least twice the entry count, so lookups are a few probes and building
  * never rehashes.
  *
- * Threading: building is single-threaded; after tok_finalize the object is read-only and the
+ * Threading: building is single-threaded; after tdm_tok_finalize the object is read-only and the
  * accessors here may be called from any thread.
  */
 #include "tok/tok_int.h"
@@ -19,15 +19,16 @@
 #include <string.h>
 
 /* GPT-2 / ByteLevel(use_regex) pattern, as HF's ByteLevel pre-tokenizer spells it. */
-const char TOK_RE_GPT2[] =
+const char TDM_TOK_RE_GPT2[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 /* Llama 3 (tiktoken cl100k-style): up to three digits per piece. */
-const char TOK_RE_LLAMA3[] =
+const char TDM_TOK_RE_LLAMA3[] =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
     "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 /* Qwen2 / Qwen2.5 / Qwen3: like Llama 3 but one digit per piece. */
-const char TOK_RE_QWEN2[] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
-                            "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const char TDM_TOK_RE_QWEN2[] =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
+    "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 static uint64_t hash_bytes(const char *s, size_t n)
 {
@@ -86,7 +87,7 @@ static tdm_status strbuf_append(struct tok_strbuf *b, const char *s, size_t n, u
     return TDM_OK;
 }
 
-tdm_status tok_create(enum tdm_tok_kind kind, int n_vocab, struct tdm_tok **out)
+tdm_status tdm_tok_create(enum tdm_tok_kind kind, int n_vocab, struct tdm_tok **out)
 {
     if (n_vocab <= 0 || n_vocab > TOK_MAX_VOCAB)
         return tdm_err_set(TDM_ERANGE, "tokenizer: vocabulary size %d outside [1, %d]", n_vocab,
@@ -104,7 +105,7 @@ tdm_status tok_create(enum tdm_tok_kind kind, int n_vocab, struct tdm_tok **out)
     tok->n_vocab = n_vocab;
     tok->bos = tok->eos = tok->unk = tok->pad = -1;
     tok->metaspace_prepend = TOK_PREPEND_NEVER;
-    tok_bytes_to_unicode(tok->byte_cp);
+    tdm_tok_bytes_to_unicode(tok->byte_cp);
     for (int b = 0; b < 256; b++)
         tok->byte_sym[b] = tok->byte_tok[b] = -1;
     *out = tok;
@@ -129,8 +130,8 @@ void tdm_tok_free(tdm_tok_t *tok)
     free(tok);
 }
 
-tdm_status tok_set_token(struct tdm_tok *tok, int id, const char *text, size_t len,
-                         enum tok_type type, unsigned flags)
+tdm_status tdm_tok_set_token(struct tdm_tok *tok, int id, const char *text, size_t len,
+                             enum tok_type type, unsigned flags)
 {
     TDM_ASSERT(id >= 0 && id < tok->n_vocab);
     if (len > TOK_MAX_TOKEN_BYTES)
@@ -145,14 +146,14 @@ tdm_status tok_set_token(struct tdm_tok *tok, int id, const char *text, size_t l
     return TDM_OK;
 }
 
-const char *tok_text(const struct tdm_tok *tok, int id, size_t *len)
+const char *tdm_tok_text(const struct tdm_tok *tok, int id, size_t *len)
 {
     const struct tok_entry *e = &tok->entries[id];
     *len = e->text_len;
     return tok->strs.p ? tok->strs.p + e->text_off : "";
 }
 
-tdm_status tok_build_index(struct tdm_tok *tok)
+tdm_status tdm_tok_build_index(struct tdm_tok *tok)
 {
     size_t cap = pow2_at_least((size_t)tok->n_vocab * 2);
     free(tok->text_slots);
@@ -161,7 +162,7 @@ tdm_status tok_build_index(struct tdm_tok *tok)
     tok->text_mask = cap - 1;
     for (int id = 0; id < tok->n_vocab; id++) {
         size_t len;
-        const char *t = tok_text(tok, id, &len);
+        const char *t = tdm_tok_text(tok, id, &len);
         if (!len) continue;
         size_t h = (size_t)hash_bytes(t, len) & tok->text_mask;
         for (;;) {
@@ -171,7 +172,7 @@ tdm_status tok_build_index(struct tdm_tok *tok)
                 break;
             }
             size_t l2;
-            const char *t2 = tok_text(tok, (int)s - 1, &l2);
+            const char *t2 = tdm_tok_text(tok, (int)s - 1, &l2);
             if (l2 == len && !memcmp(t, t2, len)) break; /* duplicate text: lowest id wins */
             h = (h + 1) & tok->text_mask;
         }
@@ -179,7 +180,7 @@ tdm_status tok_build_index(struct tdm_tok *tok)
     return TDM_OK;
 }
 
-int tok_lookup(const struct tdm_tok *tok, const char *text, size_t len)
+int tdm_tok_lookup(const struct tdm_tok *tok, const char *text, size_t len)
 {
     if (!tok->text_slots || !len) return -1;
     size_t h = (size_t)hash_bytes(text, len) & tok->text_mask;
@@ -187,13 +188,13 @@ int tok_lookup(const struct tdm_tok *tok, const char *text, size_t len)
         uint32_t s = tok->text_slots[h];
         if (!s) return -1;
         size_t l2;
-        const char *t2 = tok_text(tok, (int)s - 1, &l2);
+        const char *t2 = tdm_tok_text(tok, (int)s - 1, &l2);
         if (l2 == len && !memcmp(text, t2, len)) return (int)s - 1;
         h = (h + 1) & tok->text_mask;
     }
 }
 
-tdm_status tok_reserve_pairs(struct tdm_tok *tok, size_t n)
+tdm_status tdm_tok_reserve_pairs(struct tdm_tok *tok, size_t n)
 {
     TDM_ASSERT(!tok->pair_keys);
     if (n > TOK_MAX_MERGES * (size_t)4)
@@ -210,7 +211,7 @@ tdm_status tok_reserve_pairs(struct tdm_tok *tok, size_t n)
     return TDM_OK;
 }
 
-tdm_status tok_add_pair(struct tdm_tok *tok, int left, int right, uint32_t rank, int merged)
+tdm_status tdm_tok_add_pair(struct tdm_tok *tok, int left, int right, uint32_t rank, int merged)
 {
     TDM_ASSERT(tok->pair_keys);
     TDM_ASSERT(left >= 0 && right >= 0 && merged >= 0);
@@ -228,7 +229,7 @@ tdm_status tok_add_pair(struct tdm_tok *tok, int left, int right, uint32_t rank,
     return TDM_OK;
 }
 
-bool tok_find_pair(const struct tdm_tok *tok, int left, int right, uint32_t *rank, int *merged)
+bool tdm_tok_find_pair(const struct tdm_tok *tok, int left, int right, uint32_t *rank, int *merged)
 {
     if (!tok->pair_keys) return false;
     uint64_t key = (uint64_t)(uint32_t)left << 32 | (uint32_t)right;
@@ -254,8 +255,8 @@ static char *dup_bytes(const char *s, size_t n)
     return p;
 }
 
-tdm_status tok_add_norm(struct tdm_tok *tok, bool prepend, const char *from, size_t from_len,
-                        const char *to, size_t to_len)
+tdm_status tdm_tok_add_norm(struct tdm_tok *tok, bool prepend, const char *from, size_t from_len,
+                            const char *to, size_t to_len)
 {
     if (tok->n_norm >= TOK_MAX_NORM_OPS)
         return tdm_err_set(TDM_EUNSUPPORTED, "tokenizer: more than %d normaliser steps",
@@ -263,7 +264,7 @@ tdm_status tok_add_norm(struct tdm_tok *tok, bool prepend, const char *from, siz
     if (!prepend && !from_len)
         return tdm_err_set(TDM_EFORMAT, "tokenizer: Replace normaliser with an empty pattern");
     size_t bad;
-    if (!tok_utf8_valid(from, from_len, &bad) || !tok_utf8_valid(to, to_len, &bad))
+    if (!tdm_tok_utf8_valid(from, from_len, &bad) || !tdm_tok_utf8_valid(to, to_len, &bad))
         return tdm_err_set(TDM_EFORMAT, "tokenizer: normaliser string is not valid UTF-8");
     if (to_len > 1024 || from_len > 1024)
         return tdm_err_set(TDM_ERANGE, "tokenizer: normaliser string over 1024 bytes");
@@ -341,7 +342,8 @@ static tdm_status rewrite_space_classes(const char *pattern, size_t len, char **
     return TDM_OK;
 }
 
-tdm_status tok_add_regex_stage(struct tdm_tok *tok, const char *pattern, size_t len, bool literal)
+tdm_status tdm_tok_add_regex_stage(struct tdm_tok *tok, const char *pattern, size_t len,
+                                   bool literal)
 {
     if (tok->n_stages >= TOK_MAX_STAGES)
         return tdm_err_set(TDM_EUNSUPPORTED, "tokenizer: more than %d pre-tokenizer steps",
@@ -373,7 +375,7 @@ tdm_status tok_add_regex_stage(struct tdm_tok *tok, const char *pattern, size_t 
     return TDM_OK;
 }
 
-tdm_status tok_add_metaspace_stage(struct tdm_tok *tok)
+tdm_status tdm_tok_add_metaspace_stage(struct tdm_tok *tok)
 {
     if (tok->n_stages >= TOK_MAX_STAGES)
         return tdm_err_set(TDM_EUNSUPPORTED, "tokenizer: more than %d pre-tokenizer steps",
@@ -392,11 +394,11 @@ static bool byte_level_decode(const int16_t inv[324], const char *t, size_t len,
                               size_t *out_len)
 {
     size_t bad;
-    if (!tok_utf8_valid(t, len, &bad)) return false;
+    if (!tdm_tok_utf8_valid(t, len, &bad)) return false;
     size_t i = 0, n = 0;
     while (i < len) {
         uint32_t cp;
-        i += (size_t)tok_utf8_decode(t + i, &cp);
+        i += (size_t)tdm_tok_utf8_decode(t + i, &cp);
         if (cp >= 324 || inv[cp] < 0) return false;
         out[n++] = (char)inv[cp];
     }
@@ -424,7 +426,7 @@ static tdm_status make_piece(struct tdm_tok *tok, int id, const int16_t inv[324]
 {
     struct tok_entry *e = &tok->entries[id];
     size_t len;
-    const char *t = tok_text(tok, id, &len);
+    const char *t = tdm_tok_text(tok, id, &len);
     const char *piece = t;
     size_t plen = len;
     if (tok->kind == TDM_TOK_BPE_BYTES && e->type == TOK_T_NORMAL) {
@@ -471,7 +473,7 @@ static int cmp_split(const void *a, const void *b, void *ctx)
     return ia < ib ? -1 : ia > ib;
 }
 
-tdm_status tok_finalize(struct tdm_tok *tok)
+tdm_status tdm_tok_finalize(struct tdm_tok *tok)
 {
     tdm_status st;
     char *scratch = malloc(TOK_MAX_TOKEN_BYTES + 1);
@@ -489,11 +491,11 @@ tdm_status tok_finalize(struct tdm_tok *tok)
     for (int b = 0; b < 256; b++) {
         char buf[8];
         if (tok->kind == TDM_TOK_BPE_BYTES) {
-            int n = tok_utf8_encode(tok->byte_cp[b], buf);
-            tok->byte_sym[b] = tok_lookup(tok, buf, (size_t)n);
+            int n = tdm_tok_utf8_encode(tok->byte_cp[b], buf);
+            tok->byte_sym[b] = tdm_tok_lookup(tok, buf, (size_t)n);
         } else {
             snprintf(buf, sizeof buf, "<0x%02X>", b);
-            tok->byte_tok[b] = tok_lookup(tok, buf, 6);
+            tok->byte_tok[b] = tdm_tok_lookup(tok, buf, 6);
         }
     }
 
@@ -502,7 +504,7 @@ tdm_status tok_finalize(struct tdm_tok *tok)
         const struct tok_entry *e = &tok->entries[id];
         size_t bad;
         if ((e->flags & TOK_F_ADDED) && e->text_len &&
-            tok_utf8_valid(tok->strs.p + e->text_off, e->text_len, &bad))
+            tdm_tok_utf8_valid(tok->strs.p + e->text_off, e->text_len, &bad))
             n_split++;
     }
     tok->split_ids = malloc((size_t)(n_split ? n_split : 1) * sizeof *tok->split_ids);
@@ -515,7 +517,7 @@ tdm_status tok_finalize(struct tdm_tok *tok)
         const struct tok_entry *e = &tok->entries[id];
         size_t bad;
         if ((e->flags & TOK_F_ADDED) && e->text_len &&
-            tok_utf8_valid(tok->strs.p + e->text_off, e->text_len, &bad))
+            tdm_tok_utf8_valid(tok->strs.p + e->text_off, e->text_len, &bad))
             tok->split_ids[n_split++] = id;
     }
     tok->n_split = n_split;
@@ -563,7 +565,7 @@ bool tdm_tok_adds_bos(const tdm_tok_t *tok)
 int tdm_tok_find(const tdm_tok_t *tok, const char *text)
 {
     if (!tok || !text) return -1;
-    return tok_lookup(tok, text, strlen(text));
+    return tdm_tok_lookup(tok, text, strlen(text));
 }
 
 bool tdm_tok_is_special(const tdm_tok_t *tok, int id)

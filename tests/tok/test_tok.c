@@ -144,7 +144,7 @@ static void test_utf8_validation(void **state)
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         size_t off = 12345;
-        bool ok = tok_utf8_valid(cases[i].s, cases[i].len, &off);
+        bool ok = tdm_tok_utf8_valid(cases[i].s, cases[i].len, &off);
         assert_int_equal(ok, cases[i].bad < 0);
         if (!ok) assert_int_equal(off, (size_t)cases[i].bad);
     }
@@ -157,17 +157,17 @@ static void test_utf8_coding(void **state)
                       0x800, 0x2581, 0xFFFD, 0x10000, 0x1F600, 0x10FFFF};
     for (size_t i = 0; i < sizeof cps / sizeof cps[0]; i++) {
         char buf[4];
-        int n = tok_utf8_encode(cps[i], buf);
+        int n = tdm_tok_utf8_encode(cps[i], buf);
         int want = cps[i] < 0x80 ? 1 : cps[i] < 0x800 ? 2 : cps[i] < 0x10000 ? 3 : 4;
         assert_int_equal(n, want);
         size_t bad;
-        assert_true(tok_utf8_valid(buf, (size_t)n, &bad));
+        assert_true(tdm_tok_utf8_valid(buf, (size_t)n, &bad));
         uint32_t back;
-        assert_int_equal(tok_utf8_decode(buf, &back), n);
+        assert_int_equal(tdm_tok_utf8_decode(buf, &back), n);
         assert_int_equal(back, cps[i]);
     }
     char b[4];
-    tok_utf8_encode(0x2581, b);
+    tdm_tok_utf8_encode(0x2581, b);
     assert_memory_equal(b, "\xe2\x96\x81", 3);
 }
 
@@ -175,7 +175,7 @@ static void test_byte_map(void **state)
 {
     (void)state;
     uint16_t map[256];
-    tok_bytes_to_unicode(map);
+    tdm_tok_bytes_to_unicode(map);
     assert_int_equal(map[' '], 0x120);  /* "Ġ" */
     assert_int_equal(map['\n'], 0x10A); /* "Ċ" */
     assert_int_equal(map['\t'], 0x109); /* "ĉ" */
@@ -201,9 +201,9 @@ static void test_py_space(void **state)
                       0xA0, 0x1680, 0x2000, 0x200A, 0x2028, 0x2029, 0x202F, 0x205F, 0x3000};
     uint32_t no[] = {'a', 0, 0x1B, 0x200B, 0x180E, 0xFEFF, 0x2581};
     for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
-        assert_true(tok_is_py_space(yes[i]));
+        assert_true(tdm_tok_is_py_space(yes[i]));
     for (size_t i = 0; i < sizeof no / sizeof no[0]; i++)
-        assert_false(tok_is_py_space(no[i]));
+        assert_false(tdm_tok_is_py_space(no[i]));
 }
 
 /* \s means Unicode White_Space, as in Oniguruma (HF): U+180E is not a space, U+0085 is */
@@ -211,8 +211,9 @@ static void test_regex_white_space(void **state)
 {
     (void)state;
     struct tdm_tok *tok;
-    assert_int_equal(tok_create(TDM_TOK_BPE_BYTES, 1, &tok), TDM_OK);
-    assert_int_equal(tok_add_regex_stage(tok, TOK_RE_GPT2, strlen(TOK_RE_GPT2), false), TDM_OK);
+    assert_int_equal(tdm_tok_create(TDM_TOK_BPE_BYTES, 1, &tok), TDM_OK);
+    assert_int_equal(tdm_tok_add_regex_stage(tok, TDM_TOK_RE_GPT2, strlen(TDM_TOK_RE_GPT2), false),
+                     TDM_OK);
     pcre2_match_data *md = pcre2_match_data_create(4, NULL);
     struct {
         const char *s;
@@ -233,7 +234,7 @@ static void test_regex_white_space(void **state)
     }
     pcre2_match_data_free(md);
     /* \S inside a class cannot be spelled out */
-    assert_int_equal(tok_add_regex_stage(tok, "[\\S]", 4, false), TDM_EUNSUPPORTED);
+    assert_int_equal(tdm_tok_add_regex_stage(tok, "[\\S]", 4, false), TDM_EUNSUPPORTED);
     tdm_tok_free(tok);
 }
 
