@@ -18,6 +18,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -115,6 +116,10 @@ tdm_status tdm_file_read(const char *path, size_t max_bytes, char **out, size_t 
 
 /* ---- time ---- */
 uint64_t tdm_now_ns(void); /* CLOCK_MONOTONIC */
+/* The absolute time `ms` milliseconds from now on `clock`, for pthread_cond_timedwait:
+ * CLOCK_REALTIME for a default condition variable, CLOCK_MONOTONIC for one whose attribute
+ * says so. ms < 0 counts as 0. */
+struct timespec tdm_deadline_ms(clockid_t clock, int64_t ms);
 double tdm_now_s(void);
 
 /* ---- thread pool ----

@@ -19,6 +19,17 @@ uint64_t tdm_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+struct timespec tdm_deadline_ms(clockid_t clock, int64_t ms)
+{
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    if (ms < 0) ms = 0;
+    int64_t ns = (int64_t)ts.tv_nsec + (ms % 1000) * 1000000;
+    ts.tv_sec += (time_t)(ms / 1000 + ns / 1000000000);
+    ts.tv_nsec = (long)(ns % 1000000000);
+    return ts;
+}
+
 double tdm_now_s(void)
 {
     return (double)tdm_now_ns() * 1e-9;

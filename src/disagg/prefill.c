@@ -572,13 +572,7 @@ static void *messenger_main(void *arg)
             nanosleep(&ts, NULL);
             pthread_mutex_lock(&p->mu);
         } else {
-            struct timespec dl;
-            clock_gettime(CLOCK_REALTIME, &dl);
-            dl.tv_nsec += 20000000L;
-            if (dl.tv_nsec >= 1000000000L) {
-                dl.tv_sec++;
-                dl.tv_nsec -= 1000000000L;
-            }
+            struct timespec dl = tdm_deadline_ms(CLOCK_REALTIME, 20);
             pthread_cond_timedwait(&p->cv, &p->mu, &dl);
         }
     }

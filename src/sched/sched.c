@@ -387,14 +387,7 @@ void tdm_req_release(tdm_req_t *r)
 
 bool tdm_req_wait(tdm_req_t *r, int seen_out, int timeout_ms)
 {
-    struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += timeout_ms / 1000;
-    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
+    struct timespec dl = tdm_deadline_ms(CLOCK_REALTIME, timeout_ms);
     pthread_mutex_lock(&r->mu);
     bool news;
     while (!(news = r->n_out > seen_out || r->finish)) {
@@ -446,13 +439,7 @@ static void *sched_main(void *arg)
             /* Waiting requests that cannot be admitted yet, nothing running: sleep briefly
              * (pages come back only through cancellation, which also signals). */
             pthread_mutex_lock(&s->mu);
-            struct timespec dl;
-            clock_gettime(CLOCK_REALTIME, &dl);
-            dl.tv_nsec += 5000000L;
-            if (dl.tv_nsec >= 1000000000L) {
-                dl.tv_sec++;
-                dl.tv_nsec -= 1000000000L;
-            }
+            struct timespec dl = tdm_deadline_ms(CLOCK_REALTIME, 5);
             if (!s->stop) pthread_cond_timedwait(&s->cv_work, &s->mu, &dl);
             pthread_mutex_unlock(&s->mu);
         }
@@ -475,14 +462,7 @@ void tdm_sched_stop(tdm_sched_t *s, int drain_ms)
     pthread_mutex_lock(&s->mu);
     s->accepting = false;
     if (drain_ms > 0 && s->started) {
-        struct timespec dl;
-        clock_gettime(CLOCK_REALTIME, &dl);
-        dl.tv_sec += drain_ms / 1000;
-        dl.tv_nsec += (long)(drain_ms % 1000) * 1000000L;
-        if (dl.tv_nsec >= 1000000000L) {
-            dl.tv_sec++;
-            dl.tv_nsec -= 1000000000L;
-        }
+        struct timespec dl = tdm_deadline_ms(CLOCK_REALTIME, drain_ms);
         while (s->n_running || s->n_waiting)
             if (pthread_cond_timedwait(&s->cv_idle, &s->mu, &dl)) break;
     }

@@ -224,11 +224,7 @@ static void *health_main(void *arg)
 {
     struct tdm_router *r = arg;
     for (;;) {
-        struct timespec next;
-        clock_gettime(CLOCK_MONOTONIC, &next);
-        uint64_t ns = (uint64_t)next.tv_nsec + r->health_interval_ms * 1000000ull;
-        next.tv_sec += (time_t)(ns / 1000000000ull);
-        next.tv_nsec = (long)(ns % 1000000000ull);
+        struct timespec next = tdm_deadline_ms(CLOCK_MONOTONIC, (int64_t)r->health_interval_ms);
         pthread_mutex_lock(&r->health_mu);
         while (!atomic_load(&r->stopping))
             if (pthread_cond_timedwait(&r->health_cv, &r->health_mu, &next) == ETIMEDOUT) break;

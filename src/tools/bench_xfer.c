@@ -61,11 +61,7 @@ static void bx_on_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
 
 static tdm_status bx_wait_fire(struct bx_fire *f, int want, int timeout_ms)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += timeout_ms / 1000;
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    struct timespec ts = tdm_deadline_ms(CLOCK_REALTIME, timeout_ms);
     pthread_mutex_lock(&f->mu);
     while (f->fired < want)
         if (pthread_cond_timedwait(&f->cv, &f->mu, &ts) != 0) break;

@@ -345,11 +345,7 @@ void tdm_xfer_sync_done(void *ctx, tdm_status st)
 
 tdm_status tdm_xfer_sync_wait(struct tdm_xfer_sync *s, int timeout_ms)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += timeout_ms / 1000;
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    struct timespec ts = tdm_deadline_ms(CLOCK_MONOTONIC, timeout_ms);
     pthread_mutex_lock(&s->mu);
     int rc = 0;
     while (s->pending > 0 && rc != ETIMEDOUT)

@@ -202,14 +202,35 @@ static void test_file_read_cap(void **state)
     assert_int_equal(tdm_mmap_open(path, &m), TDM_EIO);
 }
 
+/* tdm_deadline_ms: now on the given clock plus the delay, normalised. */
+static void test_deadline(void **state)
+{
+    (void)state;
+    clockid_t clocks[] = {CLOCK_REALTIME, CLOCK_MONOTONIC};
+    int64_t delays[] = {0, 1, 999, 1000, 1500, 61999, -5};
+    for (int c = 0; c < 2; c++)
+        for (int i = 0; i < 7; i++) {
+            struct timespec before, after;
+            clock_gettime(clocks[c], &before);
+            struct timespec d = tdm_deadline_ms(clocks[c], delays[i]);
+            clock_gettime(clocks[c], &after);
+            assert_true(d.tv_nsec >= 0 && d.tv_nsec < 1000000000L);
+            int64_t want = delays[i] < 0 ? 0 : delays[i] * 1000000;
+            int64_t lo = (int64_t)(before.tv_sec * 1000000000LL + before.tv_nsec) + want;
+            int64_t hi = (int64_t)(after.tv_sec * 1000000000LL + after.tv_nsec) + want;
+            int64_t got = (int64_t)(d.tv_sec * 1000000000LL + d.tv_nsec);
+            assert_true(got >= lo && got <= hi);
+        }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_philox_kat),    cmocka_unit_test(test_rng_keying),
-        cmocka_unit_test(test_pool),          cmocka_unit_test(test_split_range),
-        cmocka_unit_test(test_arena),         cmocka_unit_test(test_parse),
-        cmocka_unit_test(test_float_formats), cmocka_unit_test(test_status),
-        cmocka_unit_test(test_file_read_cap),
+        cmocka_unit_test(test_philox_kat),  cmocka_unit_test(test_rng_keying),
+        cmocka_unit_test(test_deadline),    cmocka_unit_test(test_pool),
+        cmocka_unit_test(test_split_range), cmocka_unit_test(test_arena),
+        cmocka_unit_test(test_parse),       cmocka_unit_test(test_float_formats),
+        cmocka_unit_test(test_status),      cmocka_unit_test(test_file_read_cap),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

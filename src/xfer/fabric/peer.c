@@ -129,11 +129,7 @@ bool tdm_xfer_peer_alive(tdm_xfer_t *x, uint32_t peer)
 
 tdm_status tdm_xfer_peer_wait(tdm_xfer_t *x, uint32_t peer, int timeout_ms)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += timeout_ms / 1000;
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    struct timespec ts = tdm_deadline_ms(CLOCK_MONOTONIC, timeout_ms);
     tdm_status st = TDM_OK;
     pthread_mutex_lock(&x->mu);
     for (;;) {
