@@ -84,6 +84,8 @@ tdm_tok_t *tdm_tool_load_tokenizer(const struct tdm_model *m, bool quiet)
 
 bool tdm_tool_int(const char *name, const char *s, int64_t lo, int64_t hi, int64_t *out)
 {
+    while (*name == '-') /* "--port" or "port": the message adds the dashes */
+        name++;
     if (!tdm_parse_i64(s, lo, hi, out)) {
         fprintf(stderr, "tandem: --%s: expected an integer in [%lld, %lld], got '%s'\n", name,
                 (long long)lo, (long long)hi, s);
@@ -94,6 +96,8 @@ bool tdm_tool_int(const char *name, const char *s, int64_t lo, int64_t hi, int64
 
 bool tdm_tool_float(const char *name, const char *s, double lo, double hi, double *out)
 {
+    while (*name == '-')
+        name++;
     if (!tdm_parse_f64(s, out) || *out < lo || *out > hi) {
         fprintf(stderr, "tandem: --%s: expected a number in [%g, %g], got '%s'\n", name, lo, hi, s);
         return false;

@@ -7,7 +7,6 @@
  * --drain-timeout seconds to finish; then the router stops, cutting what is left. The signals are
  * blocked in every thread and taken with sigwait, so no handler runs inside a library call.
  */
-#include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -66,84 +65,31 @@ out_free:
 
 int tdm_cmd_router(int argc, char **argv)
 {
-    static const struct option opts[] = {{"backends", required_argument, 0, 'b'},
-                                         {"host", required_argument, 0, 'H'},
-                                         {"port", required_argument, 0, 'p'},
-                                         {"port-file", required_argument, 0, 'P'},
-                                         {"api-key", required_argument, 0, 'k'},
-                                         {"backend-api-key", required_argument, 0, 'K'},
-                                         {"health-interval-ms", required_argument, 0, 'i'},
-                                         {"health-timeout-ms", required_argument, 0, 'T'},
-                                         {"connect-timeout-ms", required_argument, 0, 'c'},
-                                         {"timeout", required_argument, 0, 't'},
-                                         {"max-body", required_argument, 0, 'B'},
-                                         {"max-connections", required_argument, 0, 'C'},
-                                         {"drain-timeout", required_argument, 0, 'D'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
-    const char *backends = NULL, *host = "127.0.0.1", *port_file = NULL;
-    const char *api_key = getenv("TANDEM_API_KEY"), *backend_key = NULL;
-    int64_t port = 8080, interval = 1000, health_timeout = 1000, connect_timeout = 2000;
-    int64_t timeout = 600, max_body = TDM_SERVER_DEFAULT_MAX_BODY, max_conn = 1024, drain = 30;
-    int c;
-    optind = 1;
-    opterr = 0;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        bool ok = true;
-        switch (c) {
-        case 'b':
-            backends = optarg;
-            break;
-        case 'H':
-            host = optarg;
-            break;
-        case 'p':
-            ok = tdm_tool_int("--port", optarg, 0, 65535, &port);
-            break;
-        case 'P':
-            port_file = optarg;
-            break;
-        case 'k':
-            api_key = optarg;
-            break;
-        case 'K':
-            backend_key = optarg;
-            break;
-        case 'i':
-            ok = tdm_tool_int("--health-interval-ms", optarg, 10, 3600 * 1000, &interval);
-            break;
-        case 'T':
-            ok = tdm_tool_int("--health-timeout-ms", optarg, 10, 600 * 1000, &health_timeout);
-            break;
-        case 'c':
-            ok = tdm_tool_int("--connect-timeout-ms", optarg, 10, 600 * 1000, &connect_timeout);
-            break;
-        case 't':
-            ok = tdm_tool_int("--timeout", optarg, 1, 24 * 3600, &timeout);
-            break;
-        case 'B':
-            ok = tdm_tool_int("--max-body", optarg, 1024, 1 << 30, &max_body);
-            break;
-        case 'C':
-            ok = tdm_tool_int("--max-connections", optarg, 1, 65536, &max_conn);
-            break;
-        case 'D':
-            ok = tdm_tool_int("--drain-timeout", optarg, 0, 3600, &drain);
-            break;
-        case 'h':
-            usage(stdout);
-            return 0;
-        default:
-            fprintf(stderr, "tandem router: unknown or incomplete option '%s'\n", argv[optind - 1]);
-            usage(stderr);
-            return 2;
-        }
-        if (!ok) return 2;
-    }
-    if (optind < argc) {
-        fprintf(stderr, "tandem router: unexpected argument '%s'\n", argv[optind]);
-        return 2;
-    }
+    const char *backends = NULL, *backend_key = NULL;
+    struct tdm_tool_http h = {.host = "127.0.0.1",
+                              .api_key = getenv("TANDEM_API_KEY"),
+                              .port = 8080,
+                              .max_body = TDM_SERVER_DEFAULT_MAX_BODY,
+                              .drain_s = 30};
+    int64_t interval = 1000, health_timeout = 1000, connect_timeout = 2000, timeout = 600;
+    int64_t max_conn = 1024;
+    struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
+    tdm_tool_http_table(&h, http);
+    const struct tdm_opt own[] = {
+        TDM_OPT_S("backends", &backends),
+        TDM_OPT_S("backend-api-key", &backend_key),
+        TDM_OPT_I("health-interval-ms", &interval, 10, 3600 * 1000),
+        TDM_OPT_I("health-timeout-ms", &health_timeout, 10, 600 * 1000),
+        TDM_OPT_I("connect-timeout-ms", &connect_timeout, 10, 600 * 1000),
+        TDM_OPT_I("timeout", &timeout, 1, 24 * 3600),
+        TDM_OPT_I("max-connections", &max_conn, 1, 65536),
+        TDM_OPT_END,
+    };
+    const struct tdm_opt *const tables[] = {http, own, NULL};
+    int prc = tdm_tool_parse("router", argc, argv, tables, usage);
+    if (prc) return prc == 1 ? 0 : 2;
+    const char *host = h.host, *port_file = h.port_file, *api_key = h.api_key;
+    int64_t port = h.port, max_body = h.max_body, drain = h.drain_s;
     if (!backends) {
         fprintf(stderr, "tandem router: --backends is required\n");
         usage(stderr);

@@ -7,7 +7,6 @@
  * The signals are blocked in every thread and taken with sigwait, so no handler runs inside
  * a library call.
  */
-#include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -139,43 +138,43 @@ static bool parse_peers(const char *arg, struct tdm_disagg_decode_opts *o, char 
     return true;
 }
 
+static bool opt_kv_memory(const char *arg, void *dst)
+{
+    if (parse_size(arg, dst)) return true;
+    fprintf(stderr, "--kv-memory: '%s' is not a size like 2GiB or 512M\n", arg);
+    return false;
+}
+
+static bool opt_backend(const char *arg, void *dst)
+{
+    if (!strcmp(arg, "cuda") || !strcmp(arg, "cpu")) {
+        *(int *)dst = !strcmp(arg, "cuda") ? TDM_BACKEND_CUDA : TDM_BACKEND_CPU;
+        return true;
+    }
+    fprintf(stderr, "--backend: '%s' is not cpu or cuda\n", arg);
+    return false;
+}
+
+static bool opt_role(const char *arg, void *dst)
+{
+    if (!strcmp(arg, "both") || !strcmp(arg, "prefill") || !strcmp(arg, "decode")) {
+        *(const char **)dst = arg;
+        return true;
+    }
+    fprintf(stderr, "--role: '%s' is not both, prefill or decode\n", arg);
+    return false;
+}
+
 int tdm_cmd_serve(int argc, char **argv)
 {
-    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
-                                         {"host", required_argument, 0, 'H'},
-                                         {"port", required_argument, 0, 'p'},
-                                         {"port-file", required_argument, 0, 'P'},
-                                         {"api-key", required_argument, 0, 'k'},
-                                         {"served-model-name", required_argument, 0, 'n'},
-                                         {"max-batch-tokens", required_argument, 0, 'b'},
-                                         {"max-seqs", required_argument, 0, 's'},
-                                         {"prefill-chunk", required_argument, 0, 'c'},
-                                         {"max-waiting", required_argument, 0, 'w'},
-                                         {"page-size", required_argument, 0, 'g'},
-                                         {"kv-pages", required_argument, 0, 'K'},
-                                         {"kv-memory", required_argument, 0, 'M'},
-                                         {"max-ctx", required_argument, 0, 'x'},
-                                         {"threads", required_argument, 0, 't'},
-                                         {"batch-invariant", no_argument, 0, 'I'},
-                                         {"max-body", required_argument, 0, 'B'},
-                                         {"drain-timeout", required_argument, 0, 'D'},
-                                         {"backend", required_argument, 0, 'X'},
-                                         {"gpu-memory-fraction", required_argument, 0, 'G'},
-                                         {"role", required_argument, 0, 'R'},
-                                         {"prefill-peers", required_argument, 0, 'E'},
-                                         {"xfer-provider", required_argument, 0, 'F'},
-                                         {"xfer-node", required_argument, 0, 'N'},
-                                         {"xfer-addr-file", required_argument, 0, 'A'},
-                                         {"remote-chunk", required_argument, 0, 'C'},
-                                         {"remote-timeout-ms", required_argument, 0, 'T'},
-                                         {"remote-attempts", required_argument, 0, 'a'},
-                                         {"peer-timeout-ms", required_argument, 0, 'o'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
-    const char *model = NULL, *host = "127.0.0.1", *port_file = NULL, *name = NULL;
-    const char *api_key = getenv("TANDEM_API_KEY");
-    int64_t port = 8000, mbt = 512, seqs = 64, chunk = 0, waiting = 1024, page = 16, pages = 0;
-    int64_t ctx = 0, threads = 0, max_body = TDM_SERVER_DEFAULT_MAX_BODY, drain = 30;
+    const char *model = NULL, *name = NULL;
+    struct tdm_tool_http h = {.host = "127.0.0.1",
+                              .api_key = getenv("TANDEM_API_KEY"),
+                              .port = 8000,
+                              .max_body = TDM_SERVER_DEFAULT_MAX_BODY,
+                              .drain_s = 30};
+    int64_t mbt = 512, seqs = 64, chunk = 0, waiting = 1024, page = 16, pages = 0;
+    int64_t ctx = 0, threads = 0;
     size_t kv_bytes = 0;
     bool inv = false;
     const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
@@ -183,123 +182,39 @@ int tdm_cmd_serve(int argc, char **argv)
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
     int backend_kind = TDM_BACKEND_CPU;
     double gpu_frac = 0.9;
-    int c;
-    optind = 1;
-    opterr = 0;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        bool ok = true;
-        switch (c) {
-        case 'm':
-            model = optarg;
-            break;
-        case 'H':
-            host = optarg;
-            break;
-        case 'p':
-            ok = tdm_tool_int("--port", optarg, 0, 65535, &port);
-            break;
-        case 'P':
-            port_file = optarg;
-            break;
-        case 'k':
-            api_key = optarg;
-            break;
-        case 'n':
-            name = optarg;
-            break;
-        case 'b':
-            ok = tdm_tool_int("--max-batch-tokens", optarg, 1, 1 << 20, &mbt);
-            break;
-        case 's':
-            ok = tdm_tool_int("--max-seqs", optarg, 1, 4096, &seqs);
-            break;
-        case 'c':
-            ok = tdm_tool_int("--prefill-chunk", optarg, 1, 1 << 20, &chunk);
-            break;
-        case 'w':
-            ok = tdm_tool_int("--max-waiting", optarg, 1, 1 << 20, &waiting);
-            break;
-        case 'g':
-            ok = tdm_tool_int("--page-size", optarg, 1, 1024, &page);
-            break;
-        case 'K':
-            ok = tdm_tool_int("--kv-pages", optarg, 1, INT32_MAX, &pages);
-            break;
-        case 'M':
-            if (!(ok = parse_size(optarg, &kv_bytes)))
-                fprintf(stderr, "--kv-memory: '%s' is not a size like 2GiB or 512M\n", optarg);
-            break;
-        case 'x':
-            ok = tdm_tool_int("--max-ctx", optarg, 2, 1 << 24, &ctx);
-            break;
-        case 't':
-            ok = tdm_tool_int("--threads", optarg, 1, 1024, &threads);
-            break;
-        case 'I':
-            inv = true;
-            break;
-        case 'B':
-            ok = tdm_tool_int("--max-body", optarg, 1024, 1 << 30, &max_body);
-            break;
-        case 'D':
-            ok = tdm_tool_int("--drain-timeout", optarg, 0, 3600, &drain);
-            break;
-        case 'X':
-            if (!strcmp(optarg, "cuda")) {
-                backend_kind = TDM_BACKEND_CUDA;
-            } else if (strcmp(optarg, "cpu")) {
-                fprintf(stderr, "--backend: '%s' is not cpu or cuda\n", optarg);
-                ok = false;
-            }
-            break;
-        case 'G':
-            ok = tdm_tool_float("--gpu-memory-fraction", optarg, 0.05, 1.0, &gpu_frac);
-            break;
-        case 'R':
-            role = optarg;
-            if (strcmp(role, "both") && strcmp(role, "prefill") && strcmp(role, "decode")) {
-                fprintf(stderr, "--role: '%s' is not both, prefill or decode\n", optarg);
-                ok = false;
-            }
-            break;
-        case 'E':
-            peers_arg = optarg;
-            break;
-        case 'F':
-            provider = optarg;
-            break;
-        case 'N':
-            xnode = optarg;
-            break;
-        case 'A':
-            addr_file = optarg;
-            break;
-        case 'C':
-            ok = tdm_tool_int("--remote-chunk", optarg, 1, 1 << 20, &rchunk);
-            break;
-        case 'T':
-            ok = tdm_tool_int("--remote-timeout-ms", optarg, 100, 3600000, &rtimeout);
-            break;
-        case 'a':
-            ok = tdm_tool_int("--remote-attempts", optarg, 0, 16, &rattempts);
-            break;
-        case 'o':
-            ok = tdm_tool_int("--peer-timeout-ms", optarg, 100, 600000, &peer_timeout);
-            break;
-        case 'h':
-            usage(stdout);
-            return 0;
-        default:
-            fprintf(stderr, "tandem serve: unknown or incomplete option '%s'\n", argv[optind - 1]);
-            usage(stderr);
-            return 2;
-        }
-        if (!ok) return 2;
-    }
-    if (optind < argc) {
-        fprintf(stderr, "tandem serve: unexpected argument '%s'\n", argv[optind]);
-        return 2;
-    }
+    struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
+    tdm_tool_http_table(&h, http);
+    const struct tdm_opt own[] = {
+        TDM_OPT_S("model", &model),
+        TDM_OPT_S("served-model-name", &name),
+        TDM_OPT_I("max-batch-tokens", &mbt, 1, 1 << 20),
+        TDM_OPT_I("max-seqs", &seqs, 1, 4096),
+        TDM_OPT_I("prefill-chunk", &chunk, 1, 1 << 20),
+        TDM_OPT_I("max-waiting", &waiting, 1, 1 << 20),
+        TDM_OPT_I("page-size", &page, 1, 1024),
+        TDM_OPT_I("kv-pages", &pages, 1, INT32_MAX),
+        TDM_OPT_P("kv-memory", opt_kv_memory, &kv_bytes),
+        TDM_OPT_I("max-ctx", &ctx, 2, 1 << 24),
+        TDM_OPT_I("threads", &threads, 1, 1024),
+        TDM_OPT_B("batch-invariant", &inv),
+        TDM_OPT_P("backend", opt_backend, &backend_kind),
+        TDM_OPT_F("gpu-memory-fraction", &gpu_frac, 0.05, 1.0),
+        TDM_OPT_P("role", opt_role, &role),
+        TDM_OPT_S("prefill-peers", &peers_arg),
+        TDM_OPT_S("xfer-provider", &provider),
+        TDM_OPT_S("xfer-node", &xnode),
+        TDM_OPT_S("xfer-addr-file", &addr_file),
+        TDM_OPT_I("remote-chunk", &rchunk, 1, 1 << 20),
+        TDM_OPT_I("remote-timeout-ms", &rtimeout, 100, 3600000),
+        TDM_OPT_I("remote-attempts", &rattempts, 0, 16),
+        TDM_OPT_I("peer-timeout-ms", &peer_timeout, 100, 600000),
+        TDM_OPT_END,
+    };
+    const struct tdm_opt *const tables[] = {http, own, NULL};
+    int prc = tdm_tool_parse("serve", argc, argv, tables, usage);
+    if (prc) return prc == 1 ? 0 : 2;
+    const char *host = h.host, *port_file = h.port_file, *api_key = h.api_key;
+    int64_t port = h.port, max_body = h.max_body, drain = h.drain_s;
     bool is_prefill = !strcmp(role, "prefill"), is_decode = !strcmp(role, "decode");
     if (is_decode && !peers_arg) {
         fprintf(stderr, "tandem serve: --role decode needs --prefill-peers\n");

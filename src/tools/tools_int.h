@@ -8,6 +8,8 @@
 #ifndef TANDEM_TOOLS_INT_H
 #define TANDEM_TOOLS_INT_H
 
+#include <stdio.h>
+
 #include "tandem/engine.h"
 #include "tandem/model.h"
 #include "tandem/sample.h"
@@ -36,6 +38,59 @@ bool tdm_tool_parse_ids(const char *s, int32_t **ids, int *n);
 bool tdm_tool_int(const char *name, const char *s, int64_t lo, int64_t hi, int64_t *out);
 bool tdm_tool_float(const char *name, const char *s, double lo, double hi, double *out);
 void tdm_tool_fail(const char *what);
+
+/* ---- options as data (opts.c) ---- */
+enum tdm_opt_kind {
+    TDM_OPT_STR,   /* dst: const char ** */
+    TDM_OPT_INT,   /* dst: int64_t *, checked against [lo, hi] */
+    TDM_OPT_FLOAT, /* dst: double *, checked against [lo, hi] */
+    TDM_OPT_FLAG,  /* dst: bool *, set; takes no value */
+    TDM_OPT_FN,    /* fn(arg, dst) parses; it prints why when it returns false */
+};
+struct tdm_opt {
+    const char *name; /* without the dashes; NULL ends a table */
+    enum tdm_opt_kind kind;
+    void *dst;
+    double lo, hi;
+    bool (*fn)(const char *arg, void *dst);
+};
+#define TDM_OPT_S(n, d)                                                                            \
+    {                                                                                              \
+        .name = (n), .kind = TDM_OPT_STR, .dst = (d)                                               \
+    }
+#define TDM_OPT_I(n, d, lo_, hi_)                                                                  \
+    {                                                                                              \
+        .name = (n), .kind = TDM_OPT_INT, .dst = (d), .lo = (lo_), .hi = (hi_)                     \
+    }
+#define TDM_OPT_F(n, d, lo_, hi_)                                                                  \
+    {                                                                                              \
+        .name = (n), .kind = TDM_OPT_FLOAT, .dst = (d), .lo = (lo_), .hi = (hi_)                   \
+    }
+#define TDM_OPT_B(n, d)                                                                            \
+    {                                                                                              \
+        .name = (n), .kind = TDM_OPT_FLAG, .dst = (d)                                              \
+    }
+#define TDM_OPT_P(n, f, d)                                                                         \
+    {                                                                                              \
+        .name = (n), .kind = TDM_OPT_FN, .dst = (d), .fn = (f)                                     \
+    }
+#define TDM_OPT_END                                                                                \
+    {                                                                                              \
+        .name = NULL                                                                               \
+    }
+/* Parses argv (argv[0] is the subcommand) against NULL-terminated list of tables, each ended
+ * by an entry with a NULL name; --help prints usage to stdout. Returns 0 to go on, 1 after
+ * --help (exit 0), 2 after a usage error was printed (exit 2). */
+int tdm_tool_parse(const char *cmd, int argc, char **argv, const struct tdm_opt *const *tables,
+                   void (*usage)(FILE *));
+/* The options every HTTP-serving command shares (serve, router): --host, --port, --port-file,
+ * --api-key, --max-body, --drain-timeout. The caller sets the defaults in h first. */
+struct tdm_tool_http {
+    const char *host, *port_file, *api_key;
+    int64_t port, max_body, drain_s;
+};
+#define TDM_TOOL_HTTP_OPTS 7 /* entries of the table, its end included */
+void tdm_tool_http_table(struct tdm_tool_http *h, struct tdm_opt out[TDM_TOOL_HTTP_OPTS]);
 /* Writes `text` and a newline to path through a temporary file and a rename, so a reader (a
  * script waiting for a --port-file) never sees a partial file; prints why and returns false on
  * failure. */
