@@ -13,18 +13,15 @@
  * (tokens whose text is still held back for a possible stop string are folded into the next
  * event), then the finish event, the usage event when asked, and "data: [DONE]".
  */
-#include <arpa/inet.h>
 #include <errno.h>
 #include <microhttpd.h>
-#include <netdb.h>
-#include <poll.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <time.h>
 
+#include "server/front.h"
 #include "server/reply.h"
 #include "server/server_int.h"
 
@@ -45,12 +42,6 @@ struct tdm_server {
     void *extra_metrics_ctx;
 };
 
-struct conn {
-    char *body;
-    size_t len, cap;
-    bool too_big;
-};
-
 struct stream {
     struct tdm_server *srv;
     struct MHD_Connection *conn;
@@ -66,26 +57,6 @@ struct stream {
     char *pend;
     size_t pend_len, pend_off;
 };
-
-/* ---- client liveness ---- */
-
-static bool client_gone(struct MHD_Connection *c)
-{
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return true;
-    int fd = ci->connect_fd;
-    struct pollfd p = {.fd = fd, .events = POLLIN | POLLRDHUP};
-    if (poll(&p, 1, 0) <= 0) return false;
-    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return true;
-    if (p.revents & POLLIN) {
-        char b;
-        ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-        if (n == 0) return true;
-        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return true;
-    }
-    return false;
-}
 
 /* ---- streaming ---- */
 
@@ -178,7 +149,7 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
         }
         if (st->done) return MHD_CONTENT_READER_END_OF_STREAM;
         if (stream_next(st)) continue;
-        if (client_gone(st->conn)) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (tdm_front_client_gone(st->conn)) return MHD_CONTENT_READER_END_WITH_ERROR;
         tdm_req_reader_wait(st->rd, st->req, 100);
     }
 }
@@ -186,7 +157,7 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 /* ---- generation endpoints ---- */
 
 static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, bool chat,
-                                struct conn *cc)
+                                const struct tdm_front_body *cc)
 {
     if (atomic_load(&s->draining))
         return tdm_reply_errf(c, s->http, 503, "the server is shutting down");
@@ -250,7 +221,7 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     for (;;) {
         tdm_req_reader_update(rd, req, &v);
         if (v.finish != TDM_FINISH_NONE) break;
-        if (client_gone(c)) {
+        if (tdm_front_client_gone(c)) {
             tdm_req_release(req);
             tdm_req_reader_destroy(rd);
             tdm_api_req_free(&ar);
@@ -279,62 +250,23 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
 
 /* ---- routing ---- */
 
-static bool authorized(struct tdm_server *s, struct MHD_Connection *c)
-{
-    if (!s->api_key) return true;
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!h || strncmp(h, "Bearer ", 7)) return false;
-    h += 7;
-    size_t a = strlen(h), b = strlen(s->api_key);
-    unsigned diff = (unsigned)(a ^ b);
-    for (size_t i = 0; i < a; i++)
-        diff |= (unsigned)(h[i] ^ s->api_key[i % (b ? b : 1)]);
-    return diff == 0;
-}
-
 static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *url,
                                const char *method, const char *version, const char *upload,
                                size_t *upload_size, void **con_cls)
 {
     struct tdm_server *s = cls;
-    struct conn *cc = *con_cls;
-    if (!cc) {
-        if (!(cc = calloc(1, sizeof *cc))) return MHD_NO;
-        *con_cls = cc;
-        const char *cl =
-            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > s->max_body) cc->too_big = true;
-        if (cc->too_big)
-            return tdm_reply_errf(
-                c, s->http, 413, "the request body is larger than the %zu-byte limit", s->max_body);
+    struct tdm_front_body *cc = NULL;
+    switch (tdm_front_feed(c, con_cls, upload, upload_size, s->max_body, &cc)) {
+    case TDM_FRONT_MORE:
         return MHD_YES;
-    }
-    if (*upload_size) {
-        if (!cc->too_big) {
-            if (cc->len + *upload_size > s->max_body) {
-                cc->too_big = true;
-                free(cc->body);
-                cc->body = NULL;
-                cc->len = cc->cap = 0;
-            } else {
-                if (cc->len + *upload_size + 1 > cc->cap) {
-                    size_t cap = TDM_MAX(cc->cap * 2, cc->len + *upload_size + 1);
-                    char *b = realloc(cc->body, cap);
-                    if (!b) return MHD_NO;
-                    cc->body = b;
-                    cc->cap = cap;
-                }
-                memcpy(cc->body + cc->len, upload, *upload_size);
-                cc->len += *upload_size;
-                cc->body[cc->len] = '\0';
-            }
-        }
-        *upload_size = 0;
-        return MHD_YES;
-    }
-    if (cc->too_big)
+    case TDM_FRONT_OOM:
+        return MHD_NO;
+    case TDM_FRONT_TOO_BIG:
         return tdm_reply_errf(c, s->http, 413, "the request body is larger than the %zu-byte limit",
                               s->max_body);
+    case TDM_FRONT_DONE:
+        break;
+    }
 
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
@@ -379,7 +311,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                  url);
         return tdm_reply_errf(c, s->http, 404, "%s", msg);
     }
-    if (!authorized(s, c))
+    if (!tdm_front_bearer_ok(c, s->api_key))
         return tdm_reply_errf(c, s->http, 401,
                               "missing or invalid API key (send Authorization: Bearer <key>)");
     if (is_models) {
@@ -392,16 +324,6 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                               is_chat ? "use POST /v1/chat/completions"
                                       : "use POST /v1/completions");
     return generate(s, c, is_chat, cc);
-}
-
-static void completed(void *cls, struct MHD_Connection *c, void **con_cls,
-                      enum MHD_RequestTerminationCode toe)
-{
-    struct conn *cc = *con_cls;
-    if (!cc) return;
-    free(cc->body);
-    free(cc);
-    *con_cls = NULL;
 }
 
 /* ---- lifecycle ---- */
@@ -435,34 +357,9 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
         goto out_free;
     }
     const char *host = o->host ? o->host : "127.0.0.1";
-    struct addrinfo hints = {.ai_family = AF_UNSPEC,
-                             .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_NUMERICHOST | AI_PASSIVE};
-    struct addrinfo *ai = NULL;
-    char port_s[16];
-    snprintf(port_s, sizeof port_s, "%d", o->port);
-    if (getaddrinfo(host, port_s, &hints, &ai) || !ai) {
-        st = tdm_err_set(TDM_EINVAL, "server: '%s' is not a numeric IPv4 or IPv6 address", host);
+    if ((st = tdm_front_listen("server", host, o->port, o->max_connections, o->idle_timeout_s,
+                               handler, s, &s->d, &s->port)) != TDM_OK)
         goto out_free;
-    }
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
-                     MHD_USE_ERROR_LOG | MHD_USE_POLL;
-    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    s->d = MHD_start_daemon(flags, 0, NULL, NULL, handler, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                            MHD_OPTION_NOTIFY_COMPLETED, completed, s, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)(o->max_connections > 0 ? o->max_connections : 1024),
-                            MHD_OPTION_CONNECTION_TIMEOUT,
-                            (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 600),
-                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024),
-                            MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u, MHD_OPTION_END);
-    freeaddrinfo(ai);
-    if (!s->d) {
-        st = tdm_err_set(TDM_EIO, "server: cannot listen on %s:%d (%s)", host, o->port,
-                         strerror(errno));
-        goto out_free;
-    }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
-    s->port = di ? di->port : o->port;
     *out = s;
     return TDM_OK;
 

@@ -43,7 +43,6 @@
  */
 #include <errno.h>
 #include <microhttpd.h>
-#include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -55,6 +54,7 @@
 #include <time.h>
 
 #include "server/httpc.h"
+#include "server/front.h"
 #include "server/reply.h"
 #include "server/server_int.h"
 
@@ -109,12 +109,6 @@ struct tdm_router {
 };
 
 /* Per client request: the body being received. */
-struct conn {
-    char *body;
-    size_t len, cap;
-    bool too_big;
-};
-
 /* Per relayed response: owns the backend connection and one in-flight count. */
 struct relay {
     struct tdm_router *r;
@@ -235,13 +229,6 @@ static void *health_main(void *arg)
 }
 
 /* ---- waiting on a backend while watching the client ---- */
-
-static int client_fd_of(struct MHD_Connection *c)
-{
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-    return ci ? ci->connect_fd : -1;
-}
 
 /* Sleeps until the backend socket is readable, the client hangs up, or ms pass. Only a hang-up
  * is watched on the client's side: bytes it sends (a pipelined request) stay unread. Returns
@@ -372,12 +359,12 @@ static const char *backend_bearer(struct tdm_router *r, struct MHD_Connection *c
 }
 
 static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, const char *method,
-                               const char *url, struct conn *cc)
+                               const char *url, const struct tdm_front_body *cc)
 {
     if (atomic_load(&r->draining))
         return tdm_reply_errf(c, r->own_by_class, 503, "the router is shutting down");
     bool post = !strcmp(method, "POST");
-    int client_fd = client_fd_of(c);
+    int client_fd = tdm_front_client_fd(c);
     struct tdm_bh_request rq = {.method = method,
                                 .path = url,
                                 .bearer = backend_bearer(r, c),
@@ -498,19 +485,6 @@ static char *metrics_text(struct tdm_router *r)
 
 /* ---- routing ---- */
 
-static bool authorized(struct tdm_router *r, struct MHD_Connection *c)
-{
-    if (!r->api_key) return true;
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!h || strncmp(h, "Bearer ", 7)) return false;
-    h += 7;
-    size_t a = strlen(h), b = strlen(r->api_key);
-    unsigned diff = (unsigned)(a ^ b);
-    for (size_t i = 0; i < a; i++) /* time independent of where the key differs */
-        diff |= (unsigned)(h[i] ^ r->api_key[i % b]);
-    return diff == 0;
-}
-
 static enum MHD_Result too_big(struct tdm_router *r, struct MHD_Connection *c)
 {
     return tdm_reply_errf(c, r->own_by_class, 413,
@@ -522,42 +496,17 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                                size_t *upload_size, void **con_cls)
 {
     struct tdm_router *r = cls;
-    struct conn *cc = *con_cls;
-    if (!cc) {
-        if (!(cc = calloc(1, sizeof *cc))) return MHD_NO;
-        *con_cls = cc;
-        const char *cl =
-            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > r->max_body) {
-            cc->too_big = true;
-            return too_big(r, c);
-        }
+    struct tdm_front_body *cc = NULL;
+    switch (tdm_front_feed(c, con_cls, upload, upload_size, r->max_body, &cc)) {
+    case TDM_FRONT_MORE:
         return MHD_YES;
+    case TDM_FRONT_OOM:
+        return MHD_NO;
+    case TDM_FRONT_TOO_BIG:
+        return too_big(r, c);
+    case TDM_FRONT_DONE:
+        break;
     }
-    if (*upload_size) {
-        if (!cc->too_big) {
-            if (cc->len + *upload_size > r->max_body) {
-                cc->too_big = true;
-                free(cc->body);
-                cc->body = NULL;
-                cc->len = cc->cap = 0;
-            } else {
-                if (cc->len + *upload_size + 1 > cc->cap) {
-                    size_t cap = TDM_MAX(cc->cap * 2, cc->len + *upload_size + 1);
-                    char *b = realloc(cc->body, TDM_MIN(cap, r->max_body + 1));
-                    if (!b) return MHD_NO;
-                    cc->body = b;
-                    cc->cap = TDM_MIN(cap, r->max_body + 1);
-                }
-                memcpy(cc->body + cc->len, upload, *upload_size);
-                cc->len += *upload_size;
-                cc->body[cc->len] = '\0';
-            }
-        }
-        *upload_size = 0;
-        return MHD_YES;
-    }
-    if (cc->too_big) return too_big(r, c);
 
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
@@ -582,7 +531,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
          is_chat = !strcmp(url, "/v1/chat/completions");
     if (!is_models && !is_cmpl && !is_chat)
         return tdm_reply_errf(c, r->own_by_class, 404, "no route for %s %.100s", method, url);
-    if (!authorized(r, c))
+    if (!tdm_front_bearer_ok(c, r->api_key))
         return tdm_reply_errf(c, r->own_by_class, 401,
                               "missing or invalid API key (send Authorization: Bearer <key>)");
     if (is_models && !get) return tdm_reply_errf(c, r->own_by_class, 405, "use GET /v1/models");
@@ -591,16 +540,6 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                               is_chat ? "use POST /v1/chat/completions"
                                       : "use POST /v1/completions");
     return forward(r, c, method, url, cc);
-}
-
-static void completed(void *cls, struct MHD_Connection *c, void **con_cls,
-                      enum MHD_RequestTerminationCode toe)
-{
-    struct conn *cc = *con_cls;
-    if (!cc) return;
-    free(cc->body);
-    free(cc);
-    *con_cls = NULL;
 }
 
 /* ---- lifecycle ---- */
@@ -691,39 +630,12 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
         }
     }
 
-    const char *host = o->host ? o->host : "127.0.0.1";
-    struct addrinfo hints = {.ai_family = AF_UNSPEC,
-                             .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_NUMERICHOST | AI_PASSIVE};
-    struct addrinfo *ai = NULL;
-    char port_s[16];
-    snprintf(port_s, sizeof port_s, "%d", o->port);
-    if (getaddrinfo(host, port_s, &hints, &ai) || !ai) {
-        st = tdm_err_set(TDM_EINVAL, "router: '%s' is not a numeric IPv4 or IPv6 address", host);
-        goto out_free;
-    }
-
     /* One round of checks before listening, so that a router over live backends routes at once. */
     health_check_all(r, true);
-
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
-                     MHD_USE_ERROR_LOG | MHD_USE_POLL;
-    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    r->d = MHD_start_daemon(flags, 0, NULL, NULL, handler, r, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                            MHD_OPTION_NOTIFY_COMPLETED, completed, r, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)(o->max_connections > 0 ? o->max_connections : 1024),
-                            MHD_OPTION_CONNECTION_TIMEOUT,
-                            (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 600),
-                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024),
-                            MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u, MHD_OPTION_END);
-    freeaddrinfo(ai);
-    if (!r->d) {
-        st = tdm_err_set(TDM_EIO, "router: cannot listen on %s:%d (%s)", host, o->port,
-                         strerror(errno));
+    const char *host = o->host ? o->host : "127.0.0.1";
+    if ((st = tdm_front_listen("router", host, o->port, o->max_connections, o->idle_timeout_s,
+                               handler, r, &r->d, &r->port)) != TDM_OK)
         goto out_free;
-    }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(r->d, MHD_DAEMON_INFO_BIND_PORT);
-    r->port = di ? di->port : o->port;
     if (pthread_create(&r->health_thread, NULL, health_main, r) != 0) {
         st = tdm_err_set(TDM_EIO, "router: cannot start the health-check thread");
         goto out_stop_daemon;
