@@ -304,10 +304,6 @@ struct tdm_hist {
     double sum;
 };
 void tdm_hist_observe(struct tdm_hist *h, double v);
-/* Appends a histogram in the Prometheus text format (# HELP, # TYPE, cumulative _bucket{le},
- * _sum, _count); labels ("k=\"v\"", or NULL) go on every sample. */
-void tdm_hist_prom(struct tdm_sbuf *b, const char *name, const char *help, const struct tdm_hist *h,
-                   const char *labels);
 
 struct tdm_sched_metrics_snapshot {
     struct tdm_hist ttft_s, itl_s, e2e_s, batch_tokens, batch_seqs;

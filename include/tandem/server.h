@@ -115,6 +115,20 @@ int tdm_router_in_flight(tdm_router_t *r);
 /* Stops listening, cuts relayed responses, waits for every thread, frees. NULL is a no-op. */
 void tdm_router_stop(tdm_router_t *r);
 
+/* ---- the Prometheus text format (0.0.4): one writer for every /metrics block (server/metrics.c;
+ * the scheduler's, the disaggregation sides', the router's). Labels are "k=\"v\",..." with the
+ * values already escaped, or NULL. ---- */
+/* A family's # HELP and # TYPE lines (type: "counter", "gauge", "histogram"). */
+void tdm_prom_family(struct tdm_sbuf *b, const char *name, const char *type, const char *help);
+/* One sample of the family last opened. */
+void tdm_prom_sample(struct tdm_sbuf *b, const char *name, const char *labels, double value);
+/* A family of one sample. */
+void tdm_prom_scalar(struct tdm_sbuf *b, const char *name, const char *type, const char *help,
+                     const char *labels, double value);
+/* A histogram: the family, cumulative _bucket{le}, _sum, _count; labels go on every sample. */
+void tdm_hist_prom(struct tdm_sbuf *b, const char *name, const char *help, const struct tdm_hist *h,
+                   const char *labels);
+
 #ifdef __cplusplus
 }
 #endif

@@ -512,43 +512,38 @@ char *tdm_disagg_decode_metrics(void *ctx)
 {
     struct tdm_disagg_decode *d = ctx;
     struct tdm_sbuf b = {0};
+    char lab[64];
     pthread_mutex_lock(&d->mu);
     tdm_hist_prom(&b, "tandem_disagg_kv_landed_seconds",
                   "Remote prefill: from sending the request to the last immediate landing.",
                   &d->landed_s, NULL);
-    tdm_sbuf_printf(&b,
-                    "# HELP tandem_disagg_remote_prefills_total Remote prefills whose KV landed.\n"
-                    "# TYPE tandem_disagg_remote_prefills_total counter\n"
-                    "tandem_disagg_remote_prefills_total %llu\n",
-                    (unsigned long long)d->remote_ok);
-    tdm_sbuf_printf(&b,
-                    "# HELP tandem_disagg_local_fallbacks_total Requests prefilled here after "
-                    "remote attempts failed.\n# TYPE tandem_disagg_local_fallbacks_total counter\n"
-                    "tandem_disagg_local_fallbacks_total %llu\n",
-                    (unsigned long long)d->local_fallbacks);
-    tdm_sbuf_printf(&b,
-                    "# HELP tandem_disagg_transfer_errors_total Failed remote prefills, by kind.\n"
-                    "# TYPE tandem_disagg_transfer_errors_total counter\n");
-    for (int i = 0; i < N_ERR; i++)
-        tdm_sbuf_printf(&b, "tandem_disagg_transfer_errors_total{kind=\"%s\"} %llu\n", err_names[i],
-                        (unsigned long long)d->errors[i]);
-    tdm_sbuf_printf(&b,
-                    "# HELP tandem_disagg_fenced_pages KV pages held until a prefiller confirms a "
-                    "cancel.\n# TYPE tandem_disagg_fenced_pages gauge\n"
-                    "tandem_disagg_fenced_pages %llu\n",
-                    (unsigned long long)d->fenced_now);
-    tdm_sbuf_printf(
-        &b, "# HELP tandem_disagg_peer_outstanding_tokens Prefill tokens sent to a peer and "
-            "not landed (its queue depth seen from here).\n"
-            "# TYPE tandem_disagg_peer_outstanding_tokens gauge\n");
-    for (int i = 0; i < d->n_peers; i++)
-        tdm_sbuf_printf(&b, "tandem_disagg_peer_outstanding_tokens{peer=\"%d\"} %lld\n", i,
-                        (long long)d->peers[i].outstanding_tokens);
-    tdm_sbuf_printf(&b, "# HELP tandem_disagg_peer_up Whether a prefill peer is alive.\n"
-                        "# TYPE tandem_disagg_peer_up gauge\n");
-    for (int i = 0; i < d->n_peers; i++)
-        tdm_sbuf_printf(&b, "tandem_disagg_peer_up{peer=\"%d\"} %d\n", i,
-                        d->peers[i].alive ? 1 : 0);
+    tdm_prom_scalar(&b, "tandem_disagg_remote_prefills_total", "counter",
+                    "Remote prefills whose KV landed.", NULL, (double)d->remote_ok);
+    tdm_prom_scalar(&b, "tandem_disagg_local_fallbacks_total", "counter",
+                    "Requests prefilled here after remote attempts failed.", NULL,
+                    (double)d->local_fallbacks);
+    tdm_prom_family(&b, "tandem_disagg_transfer_errors_total", "counter",
+                    "Failed remote prefills, by kind.");
+    for (int i = 0; i < N_ERR; i++) {
+        snprintf(lab, sizeof lab, "kind=\"%s\"", err_names[i]);
+        tdm_prom_sample(&b, "tandem_disagg_transfer_errors_total", lab, (double)d->errors[i]);
+    }
+    tdm_prom_scalar(&b, "tandem_disagg_fenced_pages", "gauge",
+                    "KV pages held until a prefiller confirms a cancel.", NULL,
+                    (double)d->fenced_now);
+    tdm_prom_family(&b, "tandem_disagg_peer_outstanding_tokens", "gauge",
+                    "Prefill tokens sent to a peer and not landed (its queue depth seen from "
+                    "here).");
+    for (int i = 0; i < d->n_peers; i++) {
+        snprintf(lab, sizeof lab, "peer=\"%d\"", i);
+        tdm_prom_sample(&b, "tandem_disagg_peer_outstanding_tokens", lab,
+                        (double)d->peers[i].outstanding_tokens);
+    }
+    tdm_prom_family(&b, "tandem_disagg_peer_up", "gauge", "Whether a prefill peer is alive.");
+    for (int i = 0; i < d->n_peers; i++) {
+        snprintf(lab, sizeof lab, "peer=\"%d\"", i);
+        tdm_prom_sample(&b, "tandem_disagg_peer_up", lab, d->peers[i].alive ? 1 : 0);
+    }
     pthread_mutex_unlock(&d->mu);
     return tdm_sbuf_take(&b);
 }

@@ -9,6 +9,7 @@
 #include "tandem/disagg.h"
 #include "tandem/kv.h"
 #include "tandem/sched.h"
+#include "tandem/server.h"
 
 struct tdm_disagg_decode;
 

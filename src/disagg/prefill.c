@@ -723,36 +723,25 @@ char *tdm_disagg_prefill_metrics(void *ctx)
                   NULL);
     tdm_hist_prom(&b, "tandem_disagg_transfer_bytes", "Per request: KV and context bytes sent.",
                   &p->bytes_h, NULL);
-    tdm_sbuf_printf(&b,
-                    "# HELP tandem_disagg_prefill_queue_depth Prefill requests accepted and not "
-                    "finished.\n# TYPE tandem_disagg_prefill_queue_depth gauge\n"
-                    "tandem_disagg_prefill_queue_depth %d\n",
-                    p->n_jobs);
-    tdm_sbuf_printf(&b,
-                    "# HELP tandem_disagg_prefills_total Prefill requests whose writes all "
-                    "landed.\n# TYPE tandem_disagg_prefills_total counter\n"
-                    "tandem_disagg_prefills_total %llu\n",
-                    (unsigned long long)p->jobs_ok);
-    tdm_sbuf_printf(&b,
-                    "# HELP tandem_disagg_writes_total KV and context writes completed.\n"
-                    "# TYPE tandem_disagg_writes_total counter\ntandem_disagg_writes_total %llu\n",
-                    (unsigned long long)p->writes_total);
-    tdm_sbuf_printf(&b,
-                    "# HELP tandem_disagg_write_bytes_total Bytes written to decoders.\n"
-                    "# TYPE tandem_disagg_write_bytes_total counter\n"
-                    "tandem_disagg_write_bytes_total %llu\n",
-                    (unsigned long long)p->bytes_total);
-    tdm_sbuf_printf(&b,
-                    "# HELP tandem_disagg_writes_landed_during_forward_total Writes that landed "
-                    "while the forward pass that produced them was still running (layer "
-                    "streaming).\n# TYPE tandem_disagg_writes_landed_during_forward_total "
-                    "counter\ntandem_disagg_writes_landed_during_forward_total %llu\n",
-                    (unsigned long long)p->landed_during_forward);
-    tdm_sbuf_printf(&b, "# HELP tandem_disagg_transfer_errors_total Failed prefill requests, "
-                        "by kind.\n# TYPE tandem_disagg_transfer_errors_total counter\n");
-    for (int i = 0; i < N_PERR; i++)
-        tdm_sbuf_printf(&b, "tandem_disagg_transfer_errors_total{kind=\"%s\"} %llu\n",
-                        perr_names[i], (unsigned long long)p->errors[i]);
+    tdm_prom_scalar(&b, "tandem_disagg_prefill_queue_depth", "gauge",
+                    "Prefill requests accepted and not finished.", NULL, p->n_jobs);
+    tdm_prom_scalar(&b, "tandem_disagg_prefills_total", "counter",
+                    "Prefill requests whose writes all landed.", NULL, (double)p->jobs_ok);
+    tdm_prom_scalar(&b, "tandem_disagg_writes_total", "counter", "KV and context writes completed.",
+                    NULL, (double)p->writes_total);
+    tdm_prom_scalar(&b, "tandem_disagg_write_bytes_total", "counter", "Bytes written to decoders.",
+                    NULL, (double)p->bytes_total);
+    tdm_prom_scalar(&b, "tandem_disagg_writes_landed_during_forward_total", "counter",
+                    "Writes that landed while the forward pass that produced them was still "
+                    "running (layer streaming).",
+                    NULL, (double)p->landed_during_forward);
+    tdm_prom_family(&b, "tandem_disagg_transfer_errors_total", "counter",
+                    "Failed prefill requests, by kind.");
+    for (int i = 0; i < N_PERR; i++) {
+        char lab[64];
+        snprintf(lab, sizeof lab, "kind=\"%s\"", perr_names[i]);
+        tdm_prom_sample(&b, "tandem_disagg_transfer_errors_total", lab, (double)p->errors[i]);
+    }
     pthread_mutex_unlock(&p->mu);
     return tdm_sbuf_take(&b);
 }

@@ -38,27 +38,6 @@ void tdm_hist_observe(struct tdm_hist *h, double v)
     h->sum += v;
 }
 
-void tdm_hist_prom(struct tdm_sbuf *b, const char *name, const char *help, const struct tdm_hist *h,
-                   const char *labels)
-{
-    const char *l = labels && *labels ? labels : "", *sep = *l ? "," : "";
-    tdm_sbuf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-    uint64_t cum = 0;
-    for (int i = 0; i < h->n_buckets; i++) {
-        cum += h->counts[i];
-        tdm_sbuf_printf(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, l, sep, h->bounds[i],
-                        (unsigned long long)cum);
-    }
-    cum += h->counts[h->n_buckets];
-    tdm_sbuf_printf(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, l, sep, (unsigned long long)cum);
-    if (*l)
-        tdm_sbuf_printf(b, "%s_sum{%s} %.9g\n%s_count{%s} %llu\n", name, l, h->sum, name, l,
-                        (unsigned long long)h->n);
-    else
-        tdm_sbuf_printf(b, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name,
-                        (unsigned long long)h->n);
-}
-
 static void hist_init(struct tdm_hist *h, const double *bounds, int n)
 {
     memset(h, 0, sizeof *h);

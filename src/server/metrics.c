@@ -9,6 +9,48 @@
 #include <string.h>
 
 #include "server/server_int.h"
+#include "tandem/server.h"
+
+void tdm_prom_family(struct tdm_sbuf *b, const char *name, const char *type, const char *help)
+{
+    tdm_sbuf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+void tdm_prom_sample(struct tdm_sbuf *b, const char *name, const char *labels, double value)
+{
+    if (labels && *labels)
+        tdm_sbuf_printf(b, "%s{%s} %.17g\n", name, labels, value);
+    else
+        tdm_sbuf_printf(b, "%s %.17g\n", name, value);
+}
+
+void tdm_prom_scalar(struct tdm_sbuf *b, const char *name, const char *type, const char *help,
+                     const char *labels, double value)
+{
+    tdm_prom_family(b, name, type, help);
+    tdm_prom_sample(b, name, labels, value);
+}
+
+void tdm_hist_prom(struct tdm_sbuf *b, const char *name, const char *help, const struct tdm_hist *h,
+                   const char *labels)
+{
+    const char *l = labels && *labels ? labels : "", *sep = *l ? "," : "";
+    tdm_sbuf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int i = 0; i < h->n_buckets; i++) {
+        cum += h->counts[i];
+        tdm_sbuf_printf(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, l, sep, h->bounds[i],
+                        (unsigned long long)cum);
+    }
+    cum += h->counts[h->n_buckets];
+    tdm_sbuf_printf(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, l, sep, (unsigned long long)cum);
+    if (*l)
+        tdm_sbuf_printf(b, "%s_sum{%s} %.9g\n%s_count{%s} %llu\n", name, l, h->sum, name, l,
+                        (unsigned long long)h->n);
+    else
+        tdm_sbuf_printf(b, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name,
+                        (unsigned long long)h->n);
+}
 
 static void hist(struct tdm_sbuf *b, const char *name, const char *help, const struct tdm_hist *h,
                  const char *labels)
@@ -19,8 +61,7 @@ static void hist(struct tdm_sbuf *b, const char *name, const char *help, const s
 static void scalar(struct tdm_sbuf *b, const char *name, const char *type, const char *help,
                    const char *labels, double v)
 {
-    tdm_sbuf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s{%s} %.17g\n", name, help, name, type, name,
-                    labels, v);
+    tdm_prom_scalar(b, name, type, help, labels, v);
 }
 
 char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint64_t *http_by_class,

@@ -56,6 +56,7 @@
 #include "server/httpc.h"
 #include "server/front.h"
 #include "server/reply.h"
+#include "tandem/server.h"
 #include "server/server_int.h"
 
 #define POLL_SLICE_MS     250
@@ -432,55 +433,54 @@ static int backends_up(struct tdm_router *r)
 
 static char *metrics_text(struct tdm_router *r)
 {
-    char *text = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&text, &len);
-    if (!f) return NULL;
+    struct tdm_sbuf b = {0};
+    char lab[3200]; /* an escaped backend URL (host and path are bounded: httpc.h) and more */
     static const char *const cls[6] = {"", "1xx", "2xx", "3xx", "4xx", "5xx"};
-    fprintf(f, "# HELP tandem_router_requests_total Responses sent to clients, by the backend "
-               "that answered (none: the router itself) and status class.\n"
-               "# TYPE tandem_router_requests_total counter\n");
+    tdm_prom_family(&b, "tandem_router_requests_total", "counter",
+                    "Responses sent to clients, by the backend that answered (none: the router "
+                    "itself) and status class.");
     for (int i = -1; i < r->n_backends; i++)
-        for (int k = 2; k <= 5; k++)
-            fprintf(f, "tandem_router_requests_total{backend=\"%s\",class=\"%s\"} %llu\n",
-                    i < 0 ? "none" : r->b[i].label, cls[k],
-                    (unsigned long long)atomic_load(i < 0 ? &r->own_by_class[k]
-                                                          : &r->b[i].by_class[k]));
-    fprintf(f, "# HELP tandem_router_backend_up Whether the backend passes its health checks.\n"
-               "# TYPE tandem_router_backend_up gauge\n");
-    for (int i = 0; i < r->n_backends; i++)
-        fprintf(f, "tandem_router_backend_up{backend=\"%s\"} %d\n", r->b[i].label,
-                atomic_load(&r->b[i].up) ? 1 : 0);
-    fprintf(f, "# HELP tandem_router_backend_in_flight Requests the router has in flight to "
-               "the backend.\n"
-               "# TYPE tandem_router_backend_in_flight gauge\n");
-    for (int i = 0; i < r->n_backends; i++)
-        fprintf(f, "tandem_router_backend_in_flight{backend=\"%s\"} %d\n", r->b[i].label,
-                atomic_load(&r->b[i].in_flight));
-    fprintf(f, "# HELP tandem_router_health_checks_total Health checks, by backend and result.\n"
-               "# TYPE tandem_router_health_checks_total counter\n");
-    for (int i = 0; i < r->n_backends; i++)
-        fprintf(f,
-                "tandem_router_health_checks_total{backend=\"%s\",result=\"ok\"} %llu\n"
-                "tandem_router_health_checks_total{backend=\"%s\",result=\"fail\"} %llu\n",
-                r->b[i].label, (unsigned long long)atomic_load(&r->b[i].health_ok), r->b[i].label,
-                (unsigned long long)atomic_load(&r->b[i].health_fail));
-    fprintf(f, "# HELP tandem_router_proxy_errors_total Forwarding failures, by kind.\n"
-               "# TYPE tandem_router_proxy_errors_total counter\n");
-    for (int k = 0; k < PE_COUNT; k++)
-        fprintf(f, "tandem_router_proxy_errors_total{kind=\"%s\"} %llu\n", proxy_err_name[k],
-                (unsigned long long)atomic_load(&r->errors[k]));
-    fprintf(f,
-            "# HELP tandem_router_retries_total Requests retried on another backend after a "
-            "connection error.\n"
-            "# TYPE tandem_router_retries_total counter\n"
-            "tandem_router_retries_total %llu\n",
-            (unsigned long long)atomic_load(&r->retries));
-    if (fclose(f)) {
-        free(text);
-        return NULL;
+        for (int k = 2; k <= 5; k++) {
+            snprintf(lab, sizeof lab, "backend=\"%s\",class=\"%s\"", i < 0 ? "none" : r->b[i].label,
+                     cls[k]);
+            tdm_prom_sample(
+                &b, "tandem_router_requests_total", lab,
+                (double)atomic_load(i < 0 ? &r->own_by_class[k] : &r->b[i].by_class[k]));
+        }
+    tdm_prom_family(&b, "tandem_router_backend_up", "gauge",
+                    "Whether the backend passes its health checks.");
+    for (int i = 0; i < r->n_backends; i++) {
+        snprintf(lab, sizeof lab, "backend=\"%s\"", r->b[i].label);
+        tdm_prom_sample(&b, "tandem_router_backend_up", lab, atomic_load(&r->b[i].up) ? 1 : 0);
     }
-    return text;
+    tdm_prom_family(&b, "tandem_router_backend_in_flight", "gauge",
+                    "Requests the router has in flight to the backend.");
+    for (int i = 0; i < r->n_backends; i++) {
+        snprintf(lab, sizeof lab, "backend=\"%s\"", r->b[i].label);
+        tdm_prom_sample(&b, "tandem_router_backend_in_flight", lab,
+                        atomic_load(&r->b[i].in_flight));
+    }
+    tdm_prom_family(&b, "tandem_router_health_checks_total", "counter",
+                    "Health checks, by backend and result.");
+    for (int i = 0; i < r->n_backends; i++) {
+        snprintf(lab, sizeof lab, "backend=\"%s\",result=\"ok\"", r->b[i].label);
+        tdm_prom_sample(&b, "tandem_router_health_checks_total", lab,
+                        (double)atomic_load(&r->b[i].health_ok));
+        snprintf(lab, sizeof lab, "backend=\"%s\",result=\"fail\"", r->b[i].label);
+        tdm_prom_sample(&b, "tandem_router_health_checks_total", lab,
+                        (double)atomic_load(&r->b[i].health_fail));
+    }
+    tdm_prom_family(&b, "tandem_router_proxy_errors_total", "counter",
+                    "Forwarding failures, by kind.");
+    for (int k = 0; k < PE_COUNT; k++) {
+        snprintf(lab, sizeof lab, "kind=\"%s\"", proxy_err_name[k]);
+        tdm_prom_sample(&b, "tandem_router_proxy_errors_total", lab,
+                        (double)atomic_load(&r->errors[k]));
+    }
+    tdm_prom_scalar(&b, "tandem_router_retries_total", "counter",
+                    "Requests retried on another backend after a connection error.", NULL,
+                    (double)atomic_load(&r->retries));
+    return tdm_sbuf_take(&b);
 }
 
 /* ---- routing ---- */
