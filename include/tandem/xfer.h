@@ -210,6 +210,52 @@ tdm_status tdm_xfer_send(tdm_xfer_t *x, uint32_t peer, const void *msg, size_t b
 tdm_status tdm_xfer_send_imm(tdm_xfer_t *x, uint32_t peer, const struct tdm_xfer_imm *imm,
                              int timeout_ms, tdm_xfer_done_fn done, void *ctx);
 
+/* ---- transports: the data plane behind one ops table ----
+ * What moves KV (register memory, paged write, single write, send, immediate, poll,
+ * capabilities) is a transport. The libfabric engine is one (tdm_xfer_fabric_transport); CUDA
+ * IPC inside a node and host staging (GPU pages bounced through registered pinned buffers) plug
+ * in beside it, and a caller that moves pages through the table (disagg) needs no change for
+ * them. Whatever the transport, its immediates end in the receiver's counter table (an RMA
+ * write's immediate data, or an IMM message on the control channel: tdm_xfer_send_imm), so the
+ * decoder counts them one way. Peers, control-channel liveness and the counters stay with the
+ * engine (tdm_xfer_t). A region belongs to the transport that registered it. */
+struct tdm_xfer_region {
+    void *base;
+    size_t bytes;
+    enum tdm_xfer_mem_kind kind;
+    void *impl; /* the transport's own (libfabric: a tdm_xfer_mr_t) */
+};
+struct tdm_xfer_transport_i {
+    const char *name;
+    tdm_status (*mr_reg)(void *t, void *base, size_t bytes, enum tdm_xfer_mem_kind kind,
+                         struct tdm_xfer_region *out);
+    void (*mr_dereg)(void *t, struct tdm_xfer_region *r); /* a zeroed region is a no-op */
+    void (*mr_remote)(void *t, const struct tdm_xfer_region *r, struct tdm_xfer_rmem *out);
+    /* as tdm_xfer_write_pages, tdm_xfer_write, tdm_xfer_send and tdm_xfer_send_imm */
+    tdm_status (*write_pages)(void *t, uint32_t peer, const struct tdm_xfer_region *src,
+                              const struct tdm_xfer_rmem *dst, const struct tdm_xfer_pages *pages,
+                              const struct tdm_xfer_imm *imm, int timeout_ms, tdm_xfer_done_fn done,
+                              void *ctx);
+    tdm_status (*write)(void *t, uint32_t peer, const struct tdm_xfer_region *src,
+                        uint64_t src_offset, const struct tdm_xfer_rmem *dst, uint64_t dst_offset,
+                        uint64_t bytes, const struct tdm_xfer_imm *imm, int timeout_ms,
+                        tdm_xfer_done_fn done, void *ctx);
+    tdm_status (*send)(void *t, uint32_t peer, const void *msg, size_t bytes, int timeout_ms,
+                       tdm_xfer_done_fn done, void *ctx);
+    tdm_status (*send_imm)(void *t, uint32_t peer, const struct tdm_xfer_imm *imm, int timeout_ms,
+                           tdm_xfer_done_fn done, void *ctx);
+    /* Completes what has finished and returns how many; a transport with a progress thread of
+     * its own (libfabric) returns 0. Called by the thread that posts. */
+    int (*poll)(void *t);
+    void (*get_caps)(void *t, struct tdm_xfer_caps *out);
+};
+struct tdm_xfer_transport {
+    const struct tdm_xfer_transport_i *iface;
+    void *t;
+};
+/* The engine's own libfabric data plane, as a transport (valid while x lives). */
+struct tdm_xfer_transport tdm_xfer_fabric_transport(tdm_xfer_t *x);
+
 /* ---- immediate counters (also fed by the CUDA IPC transport) ---- */
 struct tdm_xfer_counter_stats {
     uint64_t delivered; /* immediates handed to the table */

@@ -136,7 +136,7 @@ static void send_cancel(struct tdm_disagg_decode *d, uint32_t xpeer, uint32_t sl
     struct tdm_disagg_msg m = {.type = TDM_DMSG_CANCEL, .slot = slot, .epoch = epoch};
     uint8_t buf[32];
     size_t n = tdm_disagg_msg_encode(&m, buf, sizeof buf);
-    if (tdm_xfer_send(d->x, xpeer, buf, n, d->o.timeout_ms, NULL, NULL) != TDM_OK)
+    if (d->ep.tp.iface->send(d->ep.tp.t, xpeer, buf, n, d->o.timeout_ms, NULL, NULL) != TDM_OK)
         TDM_WARN("disagg: cannot send a cancel for slot %u: %s (its pages stay fenced until "
                  "the peer is declared dead)",
                  slot, tdm_err_msg());
@@ -341,7 +341,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
                                    on_counter, d);
     if (st == TDM_OK) {
         *sc = (struct send_ctx){.d = d, .slot = (uint32_t)slot, .epoch = epoch};
-        st = tdm_xfer_send(d->x, xpeer, buf, size, d->o.timeout_ms, on_send_done, sc);
+        st = d->ep.tp.iface->send(d->ep.tp.t, xpeer, buf, size, d->o.timeout_ms, on_send_done, sc);
         if (st != TDM_OK) {
             free(sc);
             pthread_mutex_lock(&d->mu);
@@ -452,8 +452,8 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     d->caps = d->ep.caps;
     for (; d->n_slots > (int)d->caps.max_slot + 1; d->n_slots--) /* the immediates name fewer */
         free(d->slots[d->n_slots - 1].pages);
-    tdm_xfer_mr_remote(d->ep.kv_mr, &d->kv_rmem);
-    tdm_xfer_mr_remote(d->ep.ctx_mr, &d->ctx_rmem);
+    d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.kv_reg, &d->kv_rmem);
+    d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.ctx_reg, &d->ctx_rmem);
 
     for (int i = 0; i < o->n_peers; i++) {
         struct dpeer *p = &d->peers[d->n_peers];

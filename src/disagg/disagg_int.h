@@ -15,8 +15,9 @@ struct tdm_disagg_decode;
 
 /* ---- the messenger endpoint both sides open (endpoint.c) ---- */
 struct disagg_endpoint {
-    tdm_xfer_t *x;
-    tdm_xfer_mr_t *kv_mr, *ctx_mr;
+    tdm_xfer_t *x;                /* the control channel: peers, messages, counters */
+    struct tdm_xfer_transport tp; /* the data plane: every write and send goes through it */
+    struct tdm_xfer_region kv_reg, ctx_reg;
     struct tdm_xfer_caps caps;
     struct tdm_kv_geometry kv; /* the pool's place, element type and strides */
 };

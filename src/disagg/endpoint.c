@@ -27,18 +27,22 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     xc.on_peer_ctx = o->ctx;
     tdm_status st = tdm_xfer_create(&xc, &ep->x);
     if (st != TDM_OK) return st;
-    tdm_xfer_get_caps(ep->x, &ep->caps);
+    /* host pages travel by the fabric's RMA; device pages will take CUDA IPC or host staging
+     * through the same table (the issue of GPU disaggregation) */
+    ep->tp = tdm_xfer_fabric_transport(ep->x);
+    const struct tdm_xfer_transport_i *tp = ep->tp.iface;
+    tp->get_caps(ep->tp.t, &ep->caps);
     enum tdm_xfer_mem_kind kind =
         ep->kv.place.kind == TDM_MEM_DEVICE ? TDM_XFER_MEM_CUDA : TDM_XFER_MEM_HOST;
-    if ((st = tdm_xfer_mr_reg(ep->x, ep->kv.base, ep->kv.bytes, kind, &ep->kv_mr)) != TDM_OK)
+    if ((st = tp->mr_reg(ep->tp.t, ep->kv.base, ep->kv.bytes, kind, &ep->kv_reg)) != TDM_OK)
         goto out_xfer;
-    if ((st = tdm_xfer_mr_reg(ep->x, o->ctx_mem, o->ctx_bytes, TDM_XFER_MEM_HOST, &ep->ctx_mr)) !=
+    if ((st = tp->mr_reg(ep->tp.t, o->ctx_mem, o->ctx_bytes, TDM_XFER_MEM_HOST, &ep->ctx_reg)) !=
         TDM_OK)
         goto out_kv;
     return TDM_OK;
 
 out_kv:
-    tdm_xfer_mr_dereg(ep->kv_mr);
+    tp->mr_dereg(ep->tp.t, &ep->kv_reg);
 out_xfer:
     tdm_xfer_destroy(ep->x);
     *ep = (struct disagg_endpoint){0};
@@ -47,7 +51,7 @@ out_xfer:
 
 void tdm_disagg_endpoint_release(struct disagg_endpoint *ep)
 {
-    tdm_xfer_mr_dereg(ep->ctx_mr);
-    tdm_xfer_mr_dereg(ep->kv_mr);
-    ep->ctx_mr = ep->kv_mr = NULL;
+    if (!ep->tp.iface) return;
+    ep->tp.iface->mr_dereg(ep->tp.t, &ep->ctx_reg);
+    ep->tp.iface->mr_dereg(ep->tp.t, &ep->kv_reg);
 }

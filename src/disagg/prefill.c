@@ -86,9 +86,7 @@ struct tdm_disagg_prefill {
     tdm_kv_pool_t *kv;
     _Atomic int32_t *layer_counter;
     struct disagg_endpoint ep;
-    tdm_xfer_t *x;         /* ep.x */
-    tdm_xfer_mr_t *kv_mr;  /* ep.kv_mr */
-    tdm_xfer_mr_t *ctx_mr; /* ep.ctx_mr */
+    tdm_xfer_t *x; /* ep.x */
     struct tdm_xfer_caps caps;
     size_t layer_bytes, page_bytes, ctx_bytes; /* from the pool's geometry */
     float *ctx_mem;
@@ -117,7 +115,7 @@ static void send_msg(struct tdm_disagg_prefill *p, uint32_t xpeer, const struct 
 {
     uint8_t buf[512];
     size_t n = tdm_disagg_msg_encode(m, buf, sizeof buf);
-    if (!n || tdm_xfer_send(p->x, xpeer, buf, n, 0, NULL, NULL) != TDM_OK)
+    if (!n || p->ep.tp.iface->send(p->ep.tp.t, xpeer, buf, n, 0, NULL, NULL) != TDM_OK)
         TDM_WARN("disagg: cannot answer decoder peer %u: %s", xpeer, tdm_err_msg());
 }
 
@@ -198,15 +196,16 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, const int32
                                         .src_offset = (uint64_t)layer * p->layer_bytes,
                                         .dst_offset = (uint64_t)layer * j->m.dst_layer_stride};
             tdm_kv_pool_hold(p->kv, n, w->pages);
-            st = tdm_xfer_write_pages(p->x, j->xpeer, p->kv_mr, &j->m.kv, &pg, &imm, 0,
-                                      on_write_done, w);
+            st = p->ep.tp.iface->write_pages(p->ep.tp.t, j->xpeer, &p->ep.kv_reg, &j->m.kv, &pg,
+                                             &imm, 0, on_write_done, w);
             if (st != TDM_OK) tdm_kv_pool_unhold(p->kv, n, w->pages);
         } else {
             size_t bytes = (size_t)j->m.d_model * sizeof(float);
             if (j->m.want_logits) bytes += (size_t)j->m.vocab * sizeof(float);
             w->bytes = bytes;
-            st = tdm_xfer_write(p->x, j->xpeer, p->ctx_mr, (uint64_t)j->ctx_slot * p->ctx_bytes,
-                                &j->m.ctx, j->m.ctx_offset, bytes, &imm, 0, on_write_done, w);
+            st = p->ep.tp.iface->write(p->ep.tp.t, j->xpeer, &p->ep.ctx_reg,
+                                       (uint64_t)j->ctx_slot * p->ctx_bytes, &j->m.ctx,
+                                       j->m.ctx_offset, bytes, &imm, 0, on_write_done, w);
         }
         if (st != TDM_EAGAIN || (int64_t)tdm_now_ns() > deadline) break;
         /* backpressure: let the progress thread drain (it takes p->mu in completions) */
@@ -649,8 +648,6 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
                                          .ctx = p};
     if ((st = tdm_disagg_endpoint_open(&p->ep, &eopts)) != TDM_OK) goto out_free;
     p->x = p->ep.x;
-    p->kv_mr = p->ep.kv_mr;
-    p->ctx_mr = p->ep.ctx_mr;
     p->caps = p->ep.caps;
     static const struct tdm_kv_connector_i conn = {
         .step_begin = step_begin, .step_end = step_end, .finished = finished};
