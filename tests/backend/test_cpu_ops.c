@@ -30,6 +30,7 @@
 #include "tandem/backend.h"
 #include "tandem/model.h"
 #include "lib/test_rng.h"
+#include "lib/tiny_model.h"
 
 /* ---- helpers ---- */
 
@@ -43,16 +44,12 @@ static uint64_t rng_u64(void)
 /* uniform in [lo, hi) */
 static float rng_f(float lo, float hi)
 {
-    return lo + (hi - lo) * (float)((double)(rng_u64() >> 11) / 9007199254740992.0);
+    return tdm_test_uniform(&rng_state, lo, hi);
 }
 
 static float *rand_vec(size_t n, float lo, float hi)
 {
-    float *v = malloc(n * sizeof *v + 1);
-    assert_non_null(v);
-    for (size_t i = 0; i < n; i++)
-        v[i] = rng_f(lo, hi);
-    return v;
+    return tdm_test_rand_vec(&rng_state, n, lo, hi);
 }
 
 static tdm_backend_t *make_backend(enum tdm_cpu_isa isa, int n_threads, bool batch_invariant)

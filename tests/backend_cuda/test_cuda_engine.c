@@ -26,9 +26,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/quant_int.h"
 #include "tandem/engine.h"
 #include "lib/test_rng.h"
+#include "lib/tiny_model.h"
 
 enum { D = 256, NH = 8, NKV = 2, HD = 32, FF = 512, VOCAB = 1000, NL = 3, NSEQ = 24, NDEC = 10 };
 
@@ -40,105 +40,32 @@ static uint64_t rng_u64(void)
 {
     return tdm_test_splitmix64(&rng_state);
 }
-static float rng_f(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)((double)(rng_u64() >> 11) / 9007199254740992.0);
-}
 
-static void *owned[256];
-static int n_owned;
-
-static struct tdm_weight mat(enum tdm_dtype dt, int rows, int cols, float scale, float bias)
-{
-    struct tdm_weight w = {.dtype = dt, .rows = rows, .cols = cols};
-    w.row_bytes = tdm_dtype_row_bytes(dt, cols);
-    uint8_t *p = malloc(w.row_bytes * (size_t)rows);
-    float *row = malloc((size_t)cols * sizeof(float));
-    for (int r = 0; r < rows; r++) {
-        for (int c = 0; c < cols; c++)
-            row[c] = bias + scale * rng_f(-1, 1);
-        uint8_t *dst = p + (size_t)r * w.row_bytes;
-        if (dt == TDM_DTYPE_F32) {
-            memcpy(dst, row, (size_t)cols * 4);
-        } else if (dt == TDM_DTYPE_BF16) {
-            for (int c = 0; c < cols; c++) {
-                uint16_t h = tdm_f32_to_bf16(row[c]);
-                memcpy(dst + 2 * c, &h, 2);
-            }
-        } else { /* Q8_0: per block of 32, d = max|x| / 127 */
-            for (int b = 0; b < cols / 32; b++) {
-                struct block_q8_0 *blk = (struct block_q8_0 *)dst + b;
-                float amax = 0;
-                for (int j = 0; j < 32; j++)
-                    amax = fmaxf(amax, fabsf(row[b * 32 + j]));
-                const float d = amax / 127.0f;
-                uint16_t h = tdm_f32_to_f16(d);
-                memcpy(&blk->d, &h, 2);
-                for (int j = 0; j < 32; j++)
-                    blk->qs[j] = (int8_t)lrintf(d > 0 ? row[b * 32 + j] / d : 0);
-            }
-        }
-    }
-    free(row);
-    w.data = p;
-    owned[n_owned++] = p;
-    return w;
-}
-
-static struct tdm_layer_weights layers[NL];
+/* The tiny model: lib/tiny_model.c builds it (weights scaled by 1/sqrt(fan-in), seeded). */
+static struct tdm_test_model tiny;
 
 static void make_model(struct tdm_model *m, enum tdm_dtype dt, enum tdm_arch arch)
 {
-    memset(m, 0, sizeof *m);
-    m->cfg = (struct tdm_model_config){.arch = arch,
-                                       .n_layers = NL,
-                                       .d_model = D,
-                                       .n_heads = NH,
-                                       .n_kv_heads = NKV,
-                                       .head_dim = HD,
-                                       .d_ff = FF,
-                                       .vocab_size = VOCAB,
-                                       .max_ctx = 512,
-                                       .rms_eps = 1e-5f,
-                                       .rope_theta = 10000.0f,
-                                       .rope_neox = arch != TDM_ARCH_LLAMA,
-                                       .qkv_bias = arch == TDM_ARCH_QWEN2,
-                                       .qk_norm = arch == TDM_ARCH_QWEN3,
-                                       .bos_id = -1};
-    const float s = 1.0f / sqrtf((float)D), sf = 1.0f / sqrtf((float)FF);
-    m->tok_embd = mat(dt, VOCAB, D, 1.0f, 0.0f);
-    m->output = mat(dt, VOCAB, D, 2.0f * s, 0.0f);
-    m->output_norm = mat(TDM_DTYPE_F32, 1, D, 0.2f, 1.0f);
-    memset(layers, 0, sizeof layers);
-    for (int l = 0; l < NL; l++) {
-        struct tdm_layer_weights *w = &layers[l];
-        w->attn_norm = mat(TDM_DTYPE_F32, 1, D, 0.2f, 1.0f);
-        w->ffn_norm = mat(TDM_DTYPE_F32, 1, D, 0.2f, 1.0f);
-        w->wq = mat(dt, NH * HD, D, 2.0f * s, 0.0f);
-        w->wk = mat(dt, NKV * HD, D, 2.0f * s, 0.0f);
-        w->wv = mat(dt, NKV * HD, D, s, 0.0f);
-        w->wo = mat(dt, D, NH * HD, s, 0.0f);
-        w->w_gate = mat(dt, FF, D, s, 0.0f);
-        w->w_up = mat(dt, FF, D, s, 0.0f);
-        w->w_down = mat(dt, D, FF, sf, 0.0f);
-        if (arch == TDM_ARCH_QWEN2) {
-            w->bq = mat(TDM_DTYPE_F32, 1, NH * HD, 0.1f, 0.0f);
-            w->bk = mat(TDM_DTYPE_F32, 1, NKV * HD, 0.1f, 0.0f);
-            w->bv = mat(TDM_DTYPE_F32, 1, NKV * HD, 0.1f, 0.0f);
-        }
-        if (arch == TDM_ARCH_QWEN3) {
-            w->q_norm = mat(TDM_DTYPE_F32, 1, HD, 0.2f, 1.0f);
-            w->k_norm = mat(TDM_DTYPE_F32, 1, HD, 0.2f, 1.0f);
-        }
-    }
-    m->layers = layers;
+    struct tdm_test_model_opts o = {.arch = arch,
+                                    .dtype = dt,
+                                    .n_layers = NL,
+                                    .d_model = D,
+                                    .n_heads = NH,
+                                    .n_kv_heads = NKV,
+                                    .head_dim = HD,
+                                    .d_ff = FF,
+                                    .vocab = VOCAB,
+                                    .max_ctx = 512,
+                                    .rope_neox = arch != TDM_ARCH_LLAMA,
+                                    .fan_in_scale = true,
+                                    .seed = rng_u64()};
+    tdm_test_model_make(&tiny, &o);
+    *m = tiny.m;
 }
 
 static void free_model(void)
 {
-    for (int i = 0; i < n_owned; i++)
-        free(owned[i]);
-    n_owned = 0;
+    tdm_test_model_free(&tiny);
 }
 
 struct run {

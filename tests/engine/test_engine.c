@@ -12,94 +12,35 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lib/tiny_model.h"
 #include "tandem/engine.h"
 
 enum { D = 32, NH = 4, NKV = 2, HD = 8, FF = 64, VOCAB = 50, NL = 2 };
 
-static unsigned rng_state = 1;
-static float frand(void)
-{
-    rng_state = rng_state * 1103515245u + 12345u;
-    return ((rng_state >> 9) & 0xffff) / 65536.0f - 0.5f;
-}
-
-static void *owned[64];
-static int n_owned;
-
-static struct tdm_weight mat(enum tdm_dtype dt, int rows, int cols, float scale, float bias)
-{
-    size_t n = (size_t)rows * cols;
-    struct tdm_weight w = {.dtype = dt, .rows = rows, .cols = cols};
-    if (dt == TDM_DTYPE_BF16) {
-        uint16_t *p = malloc(n * 2);
-        for (size_t i = 0; i < n; i++)
-            p[i] = tdm_f32_to_bf16(bias + scale * frand());
-        w.data = p;
-        w.row_bytes = (size_t)cols * 2;
-    } else {
-        float *p = malloc(n * 4);
-        for (size_t i = 0; i < n; i++)
-            p[i] = bias + scale * frand();
-        w.data = p;
-        w.row_bytes = (size_t)cols * 4;
-    }
-    owned[n_owned++] = (void *)w.data;
-    return w;
-}
+/* The tiny model: lib/tiny_model.c builds it (fixed weight scales, seeded). */
+static struct tdm_test_model tiny;
 
 static void make_model(struct tdm_model *m, enum tdm_dtype dt, enum tdm_arch arch)
 {
-    memset(m, 0, sizeof *m);
-    m->cfg = (struct tdm_model_config){.arch = arch,
-                                       .n_layers = NL,
-                                       .d_model = D,
-                                       .n_heads = NH,
-                                       .n_kv_heads = NKV,
-                                       .head_dim = HD,
-                                       .d_ff = FF,
-                                       .vocab_size = VOCAB,
-                                       .max_ctx = 256,
-                                       .rms_eps = 1e-5f,
-                                       .rope_theta = 10000.0f,
-                                       .rope_neox = true,
-                                       .tied_embeddings = false,
-                                       .qkv_bias = arch == TDM_ARCH_QWEN2,
-                                       .qk_norm = arch == TDM_ARCH_QWEN3,
-                                       .bos_id = -1};
-    m->tok_embd = mat(dt, VOCAB, D, 1.0f, 0.0f);
-    m->output = mat(dt, VOCAB, D, 0.5f, 0.0f);
-    m->output_norm = mat(TDM_DTYPE_F32, 1, D, 0.2f, 1.0f);
-    static struct tdm_layer_weights layers[NL];
-    memset(layers, 0, sizeof layers);
-    for (int l = 0; l < NL; l++) {
-        struct tdm_layer_weights *w = &layers[l];
-        w->attn_norm = mat(TDM_DTYPE_F32, 1, D, 0.2f, 1.0f);
-        w->ffn_norm = mat(TDM_DTYPE_F32, 1, D, 0.2f, 1.0f);
-        w->wq = mat(dt, NH * HD, D, 0.4f, 0.0f);
-        w->wk = mat(dt, NKV * HD, D, 0.4f, 0.0f);
-        w->wv = mat(dt, NKV * HD, D, 0.4f, 0.0f);
-        w->wo = mat(dt, D, NH * HD, 0.3f, 0.0f);
-        w->w_gate = mat(dt, FF, D, 0.4f, 0.0f);
-        w->w_up = mat(dt, FF, D, 0.4f, 0.0f);
-        w->w_down = mat(dt, D, FF, 0.3f, 0.0f);
-        if (arch == TDM_ARCH_QWEN2) {
-            w->bq = mat(TDM_DTYPE_F32, 1, NH * HD, 0.1f, 0.0f);
-            w->bk = mat(TDM_DTYPE_F32, 1, NKV * HD, 0.1f, 0.0f);
-            w->bv = mat(TDM_DTYPE_F32, 1, NKV * HD, 0.1f, 0.0f);
-        }
-        if (arch == TDM_ARCH_QWEN3) {
-            w->q_norm = mat(TDM_DTYPE_F32, 1, HD, 0.2f, 1.0f);
-            w->k_norm = mat(TDM_DTYPE_F32, 1, HD, 0.2f, 1.0f);
-        }
-    }
-    m->layers = layers;
+    struct tdm_test_model_opts o = {.arch = arch,
+                                    .dtype = dt,
+                                    .n_layers = NL,
+                                    .d_model = D,
+                                    .n_heads = NH,
+                                    .n_kv_heads = NKV,
+                                    .head_dim = HD,
+                                    .d_ff = FF,
+                                    .vocab = VOCAB,
+                                    .max_ctx = 256,
+                                    .rope_neox = true,
+                                    .seed = 1};
+    tdm_test_model_make(&tiny, &o);
+    *m = tiny.m;
 }
 
 static void free_model(void)
 {
-    for (int i = 0; i < n_owned; i++)
-        free(owned[i]);
-    n_owned = 0;
+    tdm_test_model_free(&tiny);
 }
 
 static int32_t toks[64];
