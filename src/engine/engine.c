@@ -513,8 +513,7 @@ static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, 
     return TDM_OK;
 }
 
-/* The forward pass (tdm_engine_run). */
-static tdm_status forward(tdm_engine_t *e, const struct tdm_batch *batch,
+tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
                           const struct tdm_engine_out *out)
 {
     struct tdm_step step;
@@ -604,22 +603,16 @@ static tdm_status forward(tdm_engine_t *e, const struct tdm_batch *batch,
     return st;
 }
 
-tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
-                          const struct tdm_engine_out *out)
-{
-    return forward(e, batch, out);
-}
-
 tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, float *logits,
                               float *hidden)
 {
-    return forward(e, batch, &(struct tdm_engine_out){.logits = logits, .hidden = hidden});
+    return tdm_engine_run(e, batch, &(struct tdm_engine_out){.logits = logits, .hidden = hidden});
 }
 
 tdm_status tdm_engine_forward_sample(tdm_engine_t *e, const struct tdm_batch *batch,
                                      struct tdm_sample_row *rows, float *hidden)
 {
-    return forward(e, batch, &(struct tdm_engine_out){.samples = rows, .hidden = hidden});
+    return tdm_engine_run(e, batch, &(struct tdm_engine_out){.samples = rows, .hidden = hidden});
 }
 
 bool tdm_engine_samples_on_device(const tdm_engine_t *e)
