@@ -18,19 +18,29 @@ mkdir -p "$OUT"
 T=${TANDEM_BIN:-build/tandem}
 CORES=$(nproc)
 HALF=$(( CORES / 2 > 0 ? CORES / 2 : 1 ))
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+# Server PIDs go to a file: start() runs inside $(...), a subshell, so an array would lose them
+# (and the servers would outlive the script, loading the machine for every later run).
+PIDFILE="$OUT/pids"
+: >"$PIDFILE"
+cleanup() {
+    while read -r p; do kill -TERM "$p" 2>/dev/null || true; done <"$PIDFILE"
+    while read -r p; do
+        for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$p" 2>/dev/null || true
+    done <"$PIDFILE"
+    : >"$PIDFILE"
+}
 trap cleanup EXIT
 
 wait_file() { for _ in $(seq 1 600); do [ -s "$1" ] && return 0; sleep 0.1; done; echo "timeout: $1" >&2; exit 1; }
 start() { # name args...
     local name=$1; shift
     "$T" serve --port 0 --port-file "$OUT/$name.port" "$@" >"$OUT/$name.log" 2>&1 &
-    PIDS+=($!)
+    echo $! >>"$PIDFILE"
     wait_file "$OUT/$name.port"
     echo "http://127.0.0.1:$(cat "$OUT/$name.port")"
 }
-stop_all() { cleanup; PIDS=(); rm -f "$OUT"/*.port "$OUT"/*.addr; }
+stop_all() { cleanup; rm -f "$OUT"/*.port "$OUT"/*.addr; }
 metric() { curl -s "$1/metrics" | awk -v m="$2" '$1 == m {print $2}'; }
 bench() { # url json args...
     local url=$1 json=$2; shift 2
