@@ -1,12 +1,15 @@
 /*
- * One table-driven parser for the subcommands' options, and the table of the options that every
- * HTTP-serving command shares (`tandem serve` and `tandem router`). A command lists its options
+ * One table-driven parser for the subcommands' options, the table of the options that every
+ * HTTP-serving command shares (`tandem serve` and `tandem router`), and their shutdown-signal
+ * set-up. A command lists its options
  * as data (name, kind, where the value goes, its range); the parser builds getopt_long's table
  * from them, checks each value, and reports errors in one format:
  *   "tandem CMD: unknown or incomplete option 'X'" (then the usage on stderr), or the value
  *   checker's "--name: ..." line. Main thread only.
  */
 #include <getopt.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,4 +93,15 @@ int tdm_tool_parse(const char *cmd, int argc, char **argv, const struct tdm_opt 
         return 2;
     }
     return 0;
+}
+
+sigset_t tdm_tool_block_shutdown_signals(void)
+{
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    return sigs;
 }

@@ -105,13 +105,7 @@ int tdm_cmd_router(int argc, char **argv)
         return 2;
     }
 
-    /* Block the shutdown signals before any thread starts, so all threads inherit the mask. */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGTERM);
-    sigaddset(&sigs, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    sigset_t sigs = tdm_tool_block_shutdown_signals();
 
     int rc = 1;
     struct tdm_router_opts ro = {.host = host,

@@ -251,13 +251,7 @@ int tdm_cmd_serve(int argc, char **argv)
         return 2;
     }
 
-    /* Block the shutdown signals before any thread starts, so all threads inherit the mask. */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGTERM);
-    sigaddset(&sigs, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    sigset_t sigs = tdm_tool_block_shutdown_signals();
 
     int rc = 1;
     tdm_disagg_prefill_t *pre = NULL;

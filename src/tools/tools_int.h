@@ -8,6 +8,7 @@
 #ifndef TANDEM_TOOLS_INT_H
 #define TANDEM_TOOLS_INT_H
 
+#include <signal.h>
 #include <stdio.h>
 
 #include "tandem/engine.h"
@@ -91,6 +92,10 @@ struct tdm_tool_http {
 };
 #define TDM_TOOL_HTTP_OPTS 7 /* entries of the table, its end included */
 void tdm_tool_http_table(struct tdm_tool_http *h, struct tdm_opt out[TDM_TOOL_HTTP_OPTS]);
+/* Blocks SIGTERM and SIGINT in the calling thread (call before any thread starts, so that all
+ * inherit the mask; the main thread then takes them with sigwait) and ignores SIGPIPE. Returns
+ * the set to wait on. */
+sigset_t tdm_tool_block_shutdown_signals(void);
 /* Writes `text` and a newline to path through a temporary file and a rename, so a reader (a
  * script waiting for a --port-file) never sees a partial file; prints why and returns false on
  * failure. */
