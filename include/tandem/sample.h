@@ -38,6 +38,10 @@ struct tdm_sampling_params {
     uint64_t seed;
 };
 
+/* Below this temperature sampling is greedy (as vLLM does): 1/T would overflow the softmax.
+ * tdm_sampler_init applies it, so the host and the device sampler see temperature 0. */
+#define TDM_SAMPLE_TEMPERATURE_FLOOR 1e-5f
+
 /* Neutral parameters (greedy). */
 struct tdm_sampling_params tdm_sampling_defaults(void);
 /* Checks ranges: temperature in [0, 100], top_p in (0, 1], min_p in [0, 1], top_k >= 0,
@@ -77,7 +81,9 @@ void tdm_sampler_accept(struct tdm_sampler *s, int32_t token, bool is_prompt);
 void tdm_sampler_unaccept(struct tdm_sampler *s, int32_t token);
 /* Samples the token at absolute position `position` from logits [vocab] (modified in place).
  * If logprob is not NULL it receives the token's log-probability under the raw logits (before
- * penalties and temperature), as vLLM reports by default. */
+ * penalties and temperature), as vLLM reports by default. Any float is handled: a NaN logit is
+ * never chosen, +inf logits win outright (the first of them), and a row with no finite logit
+ * gives token 0; the log-probability is then -inf or 0, never NaN. */
 int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t position,
                            struct tdm_sample_scratch *scratch, float *logprob);
 

@@ -80,6 +80,7 @@ tdm_status tdm_sampler_init(struct tdm_sampler *s, const struct tdm_sampling_par
     tdm_status st = tdm_sampling_validate(p);
     if (st != TDM_OK) return st;
     s->params = *p;
+    if (s->params.temperature < TDM_SAMPLE_TEMPERATURE_FLOOR) s->params.temperature = 0.0f;
     s->request_id = request_id;
     s->vocab = vocab;
     if (has_penalties(p)) {
@@ -137,18 +138,33 @@ int32_t tdm_argmax(const float *logits, int vocab)
     return best;
 }
 
+/* log(sum(exp(logits))) over the non-NaN logits: +inf when one is +inf, -inf when none is
+ * finite. */
 static double log_sum_exp(const float *logits, int vocab)
 {
-    float mx = logits[tdm_argmax(logits, vocab)];
+    float mx = -INFINITY;
+    for (int i = 0; i < vocab; i++)
+        if (logits[i] > mx) mx = logits[i]; /* NaN compares false */
+    if (!isfinite(mx)) return mx;
     double sum = 0.0;
     for (int i = 0; i < vocab; i++)
-        sum += exp((double)logits[i] - mx);
+        if (!isnan(logits[i])) sum += exp((double)logits[i] - mx);
     return mx + log(sum);
+}
+
+/* A log-probability from a logit and the row's log-sum-exp, never NaN: a +inf logit against a
+ * +inf sum is 0 (certain), anything else not finite is -inf. */
+static float logprob_from(float logit, double lse)
+{
+    if (isnan(logit)) return -INFINITY;
+    if (isinf(lse) && lse > 0) return isinf(logit) && logit > 0 ? 0.0f : -INFINITY;
+    double lp = (double)logit - lse;
+    return isnan(lp) ? -INFINITY : (float)lp;
 }
 
 float tdm_logprob_of(const float *logits, int vocab, int32_t token)
 {
-    return (float)((double)logits[token] - log_sum_exp(logits, vocab));
+    return logprob_from(logits[token], log_sum_exp(logits, vocab));
 }
 
 /* Sort context: only the scheduler thread samples, but keep it thread-local anyway. */
@@ -186,7 +202,7 @@ void tdm_logprobs_top(const float *logits, int vocab, int k, int32_t *ids, float
         ids[j] = i;
     }
     for (int i = 0; i < n; i++)
-        logprobs[i] = (float)((double)logits[ids[i]] - lse);
+        logprobs[i] = logprob_from(logits[ids[i]], lse);
 }
 
 static void apply_penalties(const struct tdm_sampler *s, float *logits)
@@ -218,7 +234,7 @@ static int nucleus_candidates(const struct tdm_sampling_params *p, const float *
             }
         bool k_ok = p->top_k == 0 || n >= p->top_k;
         bool p_ok = p->top_p >= 1.0f || mass >= p->top_p;
-        if ((k_ok && p_ok) || n == vocab || t == 0.0f) break;
+        if ((k_ok && p_ok) || n == vocab || !(t > 0.0f)) break; /* NaN ends it too */
     }
     sort_ids(ids, n, probs);
     return n;
@@ -239,6 +255,22 @@ int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t 
     int32_t chosen;
 
     if (s->out_count) apply_penalties(s, logits);
+    /* non-finite logits, from any source (the model included): NaN is never chosen, a +inf wins
+     * outright, and a row with nothing finite gives token 0 */
+    int first_pinf = -1;
+    bool any_finite = false;
+    for (int i = 0; i < vocab; i++) {
+        if (isnan(logits[i])) logits[i] = -INFINITY;
+        if (isinf(logits[i])) {
+            if (logits[i] > 0 && first_pinf < 0) first_pinf = i;
+        } else {
+            any_finite = true;
+        }
+    }
+    if (first_pinf >= 0 || !any_finite) {
+        chosen = first_pinf >= 0 ? first_pinf : 0;
+        goto out;
+    }
     if (p->temperature == 0.0f || p->top_k == 1) {
         chosen = tdm_argmax(logits, vocab);
         goto out;
@@ -287,6 +319,10 @@ int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t 
             n = keep;
         }
     }
+    if (n <= 0) { /* cannot happen with a finite maximum (its probability is 1); never index -1 */
+        chosen = tdm_argmax(logits, vocab);
+        goto out;
+    }
     double total = 0.0;
     for (int i = 0; i < n; i++)
         total += probs[ids[i]];
@@ -301,7 +337,7 @@ int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t 
         }
     }
 out:
-    if (logprob) *logprob = (float)((double)raw[chosen] - raw_lse);
+    if (logprob) *logprob = logprob_from(raw[chosen], raw_lse);
     return chosen;
 }
 

@@ -126,6 +126,80 @@ static void test_unaccept(void **s)
     tdm_sampler_free(&g);
 }
 
+/* Any float reaches the sampler: tiny temperatures are greedy, NaN is never chosen, +inf wins,
+ * nothing is read out of bounds and no log-probability is NaN (issue: a temperature of 1e-40
+ * with top_k 5 looped forever). */
+static void test_hostile_floats(void **s)
+{
+    (void)s;
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    const float tiny[] = {1e-40f, 1e-30f, 1e-6f, 9.9e-6f};
+    const int ks[] = {0, 5};
+    const float tops[] = {1.0f, 0.5f};
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 2; b++)
+            for (int c = 0; c < 2; c++) {
+                p.temperature = tiny[a];
+                p.top_k = ks[b];
+                p.top_p = tops[c];
+                assert_int_equal(tdm_sampling_validate(&p), TDM_OK);
+                struct tdm_sampler smp;
+                assert_int_equal(tdm_sampler_init(&smp, &p, 1, V), TDM_OK);
+                assert_true(smp.params.temperature == 0.0f); /* below the floor: greedy */
+                float l[V], lp;
+                memcpy(l, base, sizeof l);
+                assert_int_equal(tdm_sampler_sample(&smp, l, 3, &scratch, &lp),
+                                 tdm_argmax(base, V));
+                assert_false(isnan(lp));
+                tdm_sampler_free(&smp);
+            }
+    /* at the floor itself the temperature is kept */
+    p = tdm_sampling_defaults();
+    p.temperature = TDM_SAMPLE_TEMPERATURE_FLOOR;
+    struct tdm_sampler keep;
+    assert_int_equal(tdm_sampler_init(&keep, &p, 1, V), TDM_OK);
+    assert_true(keep.params.temperature == TDM_SAMPLE_TEMPERATURE_FLOOR);
+    tdm_sampler_free(&keep);
+
+    /* non-finite and huge logits, with every kind of parameters */
+    const float nan = NAN, inf = INFINITY;
+    const float rows[][V] = {
+        {nan, 1, 2, nan, 0, -1, 5, 3},            /* NaN beside finite values */
+        {nan, nan, nan, nan, nan, nan, nan, nan}, /* nothing finite */
+        {1, 2, inf, 0, inf, -inf, nan, 1},        /* +inf wins: the first one */
+        {-inf, -inf, -inf, -inf, -inf, -inf, -inf, -inf},
+        {3e38f, -3e38f, 3e38f, 0, 1, -1, 2, 3.4e38f}, /* huge, finite */
+        {-1e30f, -1e30f, -2e30f, -1e30f, -1e30f, -1e30f, -1e30f, -1e30f},
+    };
+    const int want_greedy[] = {6, 0, 2, 0, 7, 0};
+    struct tdm_sampling_params ps[4];
+    for (int i = 0; i < 4; i++)
+        ps[i] = tdm_sampling_defaults();
+    ps[1].temperature = 1.0f;
+    ps[2].temperature = 0.7f, ps[2].top_k = 3, ps[2].top_p = 0.9f, ps[2].min_p = 0.1f;
+    ps[3].temperature = 100.0f, ps[3].repetition_penalty = 2.0f, ps[3].presence_penalty = 2.0f;
+    for (int r = 0; r < 6; r++)
+        for (int q = 0; q < 4; q++) {
+            struct tdm_sampler smp;
+            assert_int_equal(tdm_sampler_init(&smp, &ps[q], 7, V), TDM_OK);
+            tdm_sampler_accept(&smp, 6, false);
+            for (uint32_t pos = 0; pos < 16; pos++) {
+                struct tdm_sample_row row = {.smp = &smp, .position = pos, .n_top = 5};
+                float l[V];
+                memcpy(l, rows[r], sizeof l);
+                tdm_sample_row_host(&row, l, &scratch);
+                assert_true(row.token >= 0 && row.token < V);
+                assert_false(isnan(row.logprob));
+                for (int k = 0; k < 5; k++)
+                    assert_false(isnan(row.top_lps[k]));
+                if (q == 0) assert_int_equal(row.token, want_greedy[r]);
+                if (r == 2) assert_int_equal(row.token, 2);                /* +inf is certain */
+                if (r == 0) assert_true(row.token != 0 && row.token != 3); /* NaN never */
+            }
+            tdm_sampler_free(&smp);
+        }
+}
+
 /* Samples n times at successive positions and checks frequencies against `expect`. */
 static void check_distribution(const struct tdm_sampling_params *p, const double *expect)
 {
@@ -315,10 +389,11 @@ static void test_stream(void **s)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_greedy_ties),  cmocka_unit_test(test_penalties),
-        cmocka_unit_test(test_filters),      cmocka_unit_test(test_rng_keyed),
-        cmocka_unit_test(test_logprobs_top), cmocka_unit_test(test_validate),
-        cmocka_unit_test(test_stream),       cmocka_unit_test(test_unaccept),
+        cmocka_unit_test(test_greedy_ties),    cmocka_unit_test(test_penalties),
+        cmocka_unit_test(test_filters),        cmocka_unit_test(test_rng_keyed),
+        cmocka_unit_test(test_logprobs_top),   cmocka_unit_test(test_validate),
+        cmocka_unit_test(test_stream),         cmocka_unit_test(test_unaccept),
+        cmocka_unit_test(test_hostile_floats),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -99,6 +99,18 @@ def test_stop_string_ends_the_request_and_returns_its_pages(client, server):
     assert key(m) == stops + 1
 
 
+def test_tiny_temperature_is_greedy_and_the_server_lives(client, server):
+    # a temperature of 1e-40 made 1/T infinite: NaN probabilities, an out-of-bounds read, or an
+    # endless loop on the scheduler thread with top_k/top_p. Below the floor it is greedy.
+    kw = dict(model="smol", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    greedy = client.chat.completions.create(temperature=0, **kw)
+    for extra in ({"top_k": 5}, {}, {"top_p": 0.5}):
+        r = client.chat.completions.create(temperature=1e-40, extra_body=extra, **kw)
+        assert r.choices[0].message.content == greedy.choices[0].message.content
+    st, _, _ = server.request("GET", "/health")
+    assert st == 200
+
+
 def test_logprobs_completions(client):
     r = client.completions.create(model="smol", prompt="The sky is", max_tokens=6,
                                   temperature=0, logprobs=3)
