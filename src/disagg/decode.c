@@ -74,9 +74,7 @@ struct tdm_disagg_decode {
     tdm_sched_t *sched;
     tdm_kv_pool_t *kv;
     struct disagg_endpoint ep;
-    tdm_xfer_t *x; /* ep.x */
     struct tdm_xfer_rmem kv_rmem, ctx_rmem;
-    struct tdm_xfer_caps caps;
     float *ctx_mem;
     size_t ctx_bytes;
     int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, chunk;
@@ -200,7 +198,7 @@ static void on_send_done(void *ctx, tdm_status st)
         pthread_mutex_lock(&sc->d->mu);
         sc->d->errors[ERR_SEND]++;
         pthread_mutex_unlock(&sc->d->mu);
-        tdm_xfer_counters_cancel(tdm_xfer_get_counters(sc->d->x), sc->slot, sc->epoch);
+        tdm_xfer_counters_cancel(tdm_xfer_get_counters(sc->d->ep.x), sc->slot, sc->epoch);
     }
     free(sc);
 }
@@ -230,7 +228,7 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     else if (sl->state == SLOT_PENDING)
         cancel_counter = true;
     pthread_mutex_unlock(&d->mu);
-    if (cancel_counter) tdm_xfer_counters_cancel(tdm_xfer_get_counters(d->x), m.slot, m.epoch);
+    if (cancel_counter) tdm_xfer_counters_cancel(tdm_xfer_get_counters(d->ep.x), m.slot, m.epoch);
 }
 
 static void on_peer(void *ctx, uint32_t xpeer, bool up)
@@ -260,7 +258,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     if (d->o.max_attempts < 0 || !d->n_peers) return false;
     uint32_t expected =
         tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)d->chunk, (uint32_t)d->n_layers);
-    if (expected - 1 > d->caps.max_index) return false; /* too many chunks for the immediates */
+    if (expected - 1 > d->ep.caps.max_index) return false; /* too many chunks for the immediates */
     int need_pages = (n_tokens + d->page_size - 1) / d->page_size;
     pthread_mutex_lock(&d->mu);
     struct tried *t = tried_get(d, tdm_req_id(r), true);
@@ -289,7 +287,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     t->attempts++;
     t->mask |= 1u << best;
     struct dslot *sl = &d->slots[slot];
-    sl->epoch = (sl->epoch + 1) % (d->caps.max_epoch + 1);
+    sl->epoch = (sl->epoch + 1) % (d->ep.caps.max_epoch + 1);
     sl->state = SLOT_PENDING;
     sl->req = r;
     sl->req_id = tdm_req_id(r);
@@ -334,7 +332,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     size_t size = tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages);
     uint8_t *buf = malloc(size);
     struct send_ctx *sc = malloc(sizeof *sc);
-    tdm_xfer_counters_t *ctr = tdm_xfer_get_counters(d->x);
+    tdm_xfer_counters_t *ctr = tdm_xfer_get_counters(d->ep.x);
     tdm_status st = TDM_ENOMEM;
     if (buf && sc && tdm_disagg_msg_encode(&m, buf, size) == size)
         st = tdm_xfer_counters_arm(ctr, (uint32_t)slot, epoch, expected, xpeer, d->o.timeout_ms,
@@ -385,7 +383,7 @@ static void finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
     pthread_mutex_unlock(&d->mu);
     /* a request that ends while its KV is in flight: fence its pages (on_counter holds them
      * before the scheduler releases its references, since this runs first) */
-    if (slot >= 0) tdm_xfer_counters_cancel(tdm_xfer_get_counters(d->x), (uint32_t)slot, epoch);
+    if (slot >= 0) tdm_xfer_counters_cancel(tdm_xfer_get_counters(d->ep.x), (uint32_t)slot, epoch);
 }
 
 /* ---- lifecycle ---- */
@@ -448,9 +446,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
                                          .on_peer = on_peer,
                                          .ctx = d};
     if ((st = tdm_disagg_endpoint_open(&d->ep, &eopts)) != TDM_OK) goto out_free;
-    d->x = d->ep.x;
-    d->caps = d->ep.caps;
-    for (; d->n_slots > (int)d->caps.max_slot + 1; d->n_slots--) /* the immediates name fewer */
+    for (; d->n_slots > (int)d->ep.caps.max_slot + 1; d->n_slots--) /* the immediates name fewer */
         free(d->slots[d->n_slots - 1].pages);
     d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.kv_reg, &d->kv_rmem);
     d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.ctx_reg, &d->ctx_rmem);
@@ -458,9 +454,9 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     for (int i = 0; i < o->n_peers; i++) {
         struct dpeer *p = &d->peers[d->n_peers];
         snprintf(p->addr, sizeof p->addr, "%s", o->peers[i]);
-        if ((st = tdm_xfer_peer_add(d->x, p->addr, &p->xid)) != TDM_OK) goto out_ep;
+        if ((st = tdm_xfer_peer_add(d->ep.x, p->addr, &p->xid)) != TDM_OK) goto out_ep;
         d->n_peers++;
-        if (tdm_xfer_peer_wait(d->x, p->xid, 5000) == TDM_OK) {
+        if (tdm_xfer_peer_wait(d->ep.x, p->xid, 5000) == TDM_OK) {
             pthread_mutex_lock(&d->mu);
             p->alive = true;
             pthread_mutex_unlock(&d->mu);
@@ -476,7 +472,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     return TDM_OK;
 
 out_ep:
-    tdm_xfer_destroy(d->x);
+    tdm_xfer_destroy(d->ep.x);
     tdm_disagg_endpoint_release(&d->ep);
 out_free:
     for (int i = 0; d->slots && i < d->n_slots; i++)
@@ -493,7 +489,7 @@ void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d)
 {
     if (!d) return;
     /* the scheduler is stopped: nothing pending can land any more */
-    tdm_xfer_destroy(d->x); /* fires armed counters with TDM_ECANCELED */
+    tdm_xfer_destroy(d->ep.x); /* fires armed counters with TDM_ECANCELED */
     pthread_mutex_lock(&d->mu);
     for (int i = 0; i < d->n_slots; i++)
         if (d->slots[i].state == SLOT_FENCED) unfence_locked(d, &d->slots[i]);

@@ -38,8 +38,7 @@ struct tdm_req_reader {
     size_t *text_end; /* [max_tokens] */
     char *text;
     size_t text_len, text_cap;
-    /* what the last lock saw */
-    struct tdm_req_view raw;
+    int stop_at; /* the scheduler's EOS / stop-id output, as the last lock saw it */
     char error_msg[256];
 };
 
@@ -113,7 +112,7 @@ static bool render(struct tdm_req_reader *rd, int i)
 {
     int32_t t = rd->tokens[i];
     bool ok = true;
-    if (i != rd->raw.stop_at && rd->tok && !tdm_tok_is_special(rd->tok, t)) {
+    if (i != rd->stop_at && rd->tok && !tdm_tok_is_special(rd->tok, t)) {
         size_t len = 0;
         const char *piece = tdm_tok_piece(rd->tok, t, &len);
         char out[TDM_STREAM_CAP + 256 + 8];
@@ -149,7 +148,7 @@ bool tdm_req_reader_update(tdm_req_reader_t *rd, tdm_req_t *r, struct tdm_req_vi
     }
     memcpy(rd->error_msg, raw.error_msg, sizeof rd->error_msg);
     tdm_req_unlock(r);
-    rd->raw = raw;
+    rd->stop_at = raw.stop_at;
     rd->n_in = to;
 
     /* the text, with no lock held */
