@@ -82,7 +82,7 @@ struct tdm_sched_opts {
     int max_waiting;      /* waiting-queue capacity; 0: 1024. A full queue refuses submits */
     int watermark_pages;  /* pages kept free at admission for running decodes; <0: 0, 0: 1% */
     bool row_outputs;     /* reserve [max_rows] logit and hidden rows for requests that want
-                           * them (a connector turns this on) */
+                           * them (or later: tdm_sched_reserve_rows) */
 };
 
 #define TDM_MAX_TOP_LOGPROBS TDM_TOP_LOGPROBS_MAX
@@ -106,7 +106,7 @@ struct tdm_req_params {
     bool prefill_only;
     int fixed_chunk;
     /* The output rows of its last span also bring back their logits / hidden state (a
-     * connector's step_end reads them); needs row outputs (tdm_sched_set_connector or
+     * connector's step_end reads them); needs row outputs (tdm_sched_reserve_rows or
      * tdm_sched_opts.row_outputs). */
     bool want_logits, want_hidden;
     void *user; /* opaque; handed back to the connector */
@@ -213,9 +213,12 @@ struct tdm_kv_connector_i {
      * drops its references right after. */
     void (*finished)(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why);
 };
-/* Set before tdm_sched_start. Also turns on row outputs (logits and hidden states for the
- * rows that want them). */
+/* Set before tdm_sched_start. */
 void tdm_sched_set_connector(tdm_sched_t *s, const struct tdm_kv_connector_i *c, void *ctx);
+/* Reserves the [max_rows] logit and hidden-state rows that requests with want_logits or
+ * want_hidden need (a connector that reads them calls this; the memory is [max_rows][vocab]
+ * floats, so nothing reserves it unasked). Before tdm_sched_start. TDM_ENOMEM with a message. */
+tdm_status tdm_sched_reserve_rows(tdm_sched_t *s);
 
 /* A remote KV fill ended (any thread). TDM_OK: the KV of prompt[:-1] is in the request's
  * pages and it becomes RUNNING, its first step being prompt[-1]. Otherwise its pages are

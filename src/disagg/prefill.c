@@ -86,8 +86,6 @@ struct tdm_disagg_prefill {
     tdm_kv_pool_t *kv;
     _Atomic int32_t *layer_counter;
     struct disagg_endpoint ep;
-    tdm_xfer_t *x; /* ep.x */
-    struct tdm_xfer_caps caps;
     size_t layer_bytes, page_bytes, ctx_bytes; /* from the pool's geometry */
     float *ctx_mem;
     int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, max_ctx, max_chunk;
@@ -345,7 +343,7 @@ static bool validate(struct tdm_disagg_prefill *p, const struct tdm_disagg_prefi
         return false;
     }
     uint32_t n_chunks = (m->n_tokens + m->chunk - 1) / m->chunk;
-    if ((uint64_t)n_chunks * (uint64_t)p->n_layers > p->caps.max_index) {
+    if ((uint64_t)n_chunks * (uint64_t)p->n_layers > p->ep.caps.max_index) {
         snprintf(why, cap, "too many writes for the immediate layout");
         return false;
     }
@@ -542,8 +540,8 @@ static void service_jobs_locked(struct tdm_disagg_prefill *p)
             if (cancel) {
                 struct tdm_disagg_msg a = {
                     .type = TDM_DMSG_CANCEL_ACK, .slot = slot, .epoch = epoch};
-                if (tdm_xfer_peer_alive(p->x, xpeer)) send_msg(p, xpeer, &a);
-            } else if (failed && tdm_xfer_peer_alive(p->x, xpeer)) {
+                if (tdm_xfer_peer_alive(p->ep.x, xpeer)) send_msg(p, xpeer, &a);
+            } else if (failed && tdm_xfer_peer_alive(p->ep.x, xpeer)) {
                 nack(p, xpeer, slot, epoch, TDM_EIO, err[0] ? err : "the prefill failed");
             }
             pthread_mutex_lock(&p->mu);
@@ -646,9 +644,9 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
                                          .on_msg = on_msg,
                                          .on_peer = on_peer,
                                          .ctx = p};
+    /* jobs' requests want the hidden state (and logits) of their last row */
+    if ((st = tdm_sched_reserve_rows(s)) != TDM_OK) goto out_free;
     if ((st = tdm_disagg_endpoint_open(&p->ep, &eopts)) != TDM_OK) goto out_free;
-    p->x = p->ep.x;
-    p->caps = p->ep.caps;
     static const struct tdm_kv_connector_i conn = {
         .step_begin = step_begin, .step_end = step_end, .finished = finished};
     tdm_sched_set_connector(s, &conn, p);
@@ -660,7 +658,7 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
     return TDM_OK;
 
 out_mr:
-    tdm_xfer_destroy(p->x);
+    tdm_xfer_destroy(p->ep.x);
     tdm_disagg_endpoint_release(&p->ep);
 out_free:
     free(p->spans);
@@ -678,7 +676,7 @@ void tdm_disagg_prefill_destroy(tdm_disagg_prefill_t *p)
 {
     if (!p) return;
     /* the scheduler is stopped (every job's request has finished) */
-    tdm_xfer_destroy(p->x); /* completes pending writes with TDM_ECANCELED */
+    tdm_xfer_destroy(p->ep.x); /* completes pending writes with TDM_ECANCELED */
     pthread_mutex_lock(&p->mu);
     p->stop = true;
     pthread_cond_signal(&p->cv);
@@ -704,7 +702,7 @@ void tdm_disagg_prefill_destroy(tdm_disagg_prefill_t *p)
 
 tdm_status tdm_disagg_prefill_addr(const tdm_disagg_prefill_t *p, char *buf, size_t cap)
 {
-    return tdm_xfer_addr(p->x, buf, cap);
+    return tdm_xfer_addr(p->ep.x, buf, cap);
 }
 
 char *tdm_disagg_prefill_metrics(void *ctx)

@@ -494,10 +494,15 @@ void tdm_sched_destroy(tdm_sched_t *s)
     free(s);
 }
 
+tdm_status tdm_sched_reserve_rows(tdm_sched_t *s)
+{
+    if (tdm_sched_row_outputs(s)) return TDM_OK;
+    return tdm_err_set(TDM_ENOMEM, "sched: out of memory for %d logit and hidden-state rows",
+                       s->max_rows);
+}
+
 void tdm_sched_set_connector(tdm_sched_t *s, const struct tdm_kv_connector_i *c, void *ctx)
 {
-    if (!tdm_sched_row_outputs(s))
-        TDM_ERROR("sched: out of memory for the logit and hidden-state rows");
     s->conn = c;
     s->conn_ctx = ctx;
 }

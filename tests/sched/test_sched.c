@@ -730,6 +730,11 @@ static void test_prefill_only_rows(void **state)
     struct fix g;
     fix_open(&g, 16, NULL, 64, 8);
     assert_int_equal(tdm_sched_submit(g.s, &rp, &r), TDM_EINVAL);
+    /* ... until they are reserved (what the prefill connector does) */
+    assert_int_equal(tdm_sched_reserve_rows(g.s), TDM_OK);
+    assert_int_equal(tdm_sched_submit(g.s, &rp, &r), TDM_OK);
+    run_until_done(&g, &r, 1);
+    tdm_req_release(r);
     fix_close(&g);
     fix_close(&f);
 }
