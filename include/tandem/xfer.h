@@ -13,9 +13,9 @@
  *     configuration string: "tcp;ofi_rxm" and "shm" here, "verbs;ofi_rxm" and "efa" on clusters.
  *     FI_MR_LOCAL / VIRT_ADDR / PROV_KEY / ALLOCATED / ENDPOINT are honoured, so the same code runs
  *     on every provider.
- *   - CUDA IPC inside a node (tdm_xfer_cuda_*): device memory exported with an IPC handle, opened
- *     by the peer, and one gather/scatter kernel per paged write. Its completion events feed the
- *     same immediate counters (tdm_xfer_counters_deliver).
+ *   - CUDA IPC inside a node (tdm_xfer_cuda_*, and as a transport: tdm_xfer_ipc_*): device
+ *     memory exported with an IPC handle, opened by the peer, and one gather/scatter kernel per
+ *     paged write. Its immediates reach the same counters (over the control engine).
  *   GPU pages between nodes go through registered pinned host staging buffers, because Debian's
  *   libfabric has no FI_HMEM. A region has a kind (host | cuda) and tdm_xfer_caps says whether the
  *   provider takes cuda regions directly (hmem_cuda), so a GPUDirect provider drops the staging
@@ -256,6 +256,26 @@ struct tdm_xfer_transport {
 /* The engine's own libfabric data plane, as a transport (valid while x lives). */
 struct tdm_xfer_transport tdm_xfer_fabric_transport(tdm_xfer_t *x);
 
+/* The CUDA IPC writer as a transport (src/xfer/ipc_transport.c): device regions exported with
+ * IPC handles, one gather/scatter kernel per paged write, the immediate sent over `control`
+ * (tdm_xfer_send_imm) once the kernel has completed, so it lands in the destination owner's
+ * counters like an RMA immediate. Destinations registered in this same process are written
+ * through their own pointers. Sends and liveness are the control engine's. A progress thread
+ * of its own runs the completions (poll has nothing to do). TDM_EUNSUPPORTED or TDM_EIO from
+ * create where there is no CUDA or no GPU. */
+struct tdm_xfer_ipc_config {
+    int device;                 /* the GPU this side's writes run on */
+    int max_pending;            /* paged writes whose kernels may be in flight; 0: 64 */
+    tdm_xfer_t *control;        /* carries sends and immediates (borrowed); NULL: none */
+    tdm_xfer_counters_t *local; /* with no control engine: where immediates land (borrowed) */
+};
+typedef struct tdm_xfer_ipc tdm_xfer_ipc_t;
+tdm_status tdm_xfer_ipc_create(const struct tdm_xfer_ipc_config *cfg, tdm_xfer_ipc_t **out);
+/* Waits for the writes in flight and runs their callbacks, then frees. Regions registered
+ * through it must be deregistered first. NULL is a no-op. */
+void tdm_xfer_ipc_destroy(tdm_xfer_ipc_t *t);
+struct tdm_xfer_transport tdm_xfer_ipc_transport(tdm_xfer_ipc_t *t);
+
 /* ---- immediate counters (also fed by the CUDA IPC transport) ---- */
 struct tdm_xfer_counter_stats {
     uint64_t delivered; /* immediates handed to the table */
@@ -314,10 +334,15 @@ typedef struct tdm_xfer_cuda tdm_xfer_cuda_t;
  * events have not been polled. */
 tdm_status tdm_xfer_cuda_create(int device, int max_pending, tdm_xfer_cuda_t **out);
 void tdm_xfer_cuda_destroy(tdm_xfer_cuda_t *c);
-/* Fills out (kind CUDA, addr = 0, bytes, ipc_handle) for the allocation at dptr. */
+/* Fills out (kind CUDA, ipc_handle of the allocation holding dptr, addr = dptr's offset in it,
+ * bytes) for [dptr, dptr + bytes), which must lie inside one cudaMalloc allocation. */
 tdm_status tdm_xfer_cuda_export(void *dptr, size_t bytes, struct tdm_xfer_rmem *out);
-/* Opens a peer's region in this process; *dptr is valid until tdm_xfer_cuda_close. */
+/* Opens a peer's allocation in this process (*dptr is its base: add r->addr for the region);
+ * valid until tdm_xfer_cuda_close. */
 tdm_status tdm_xfer_cuda_open(const struct tdm_xfer_rmem *r, void **dptr);
+/* Bytes of the device allocation holding dptr from dptr to its end (an opened handle's true
+ * size, whatever a peer's descriptor claims). */
+tdm_status tdm_xfer_cuda_alloc_size(const void *dptr, size_t *bytes);
 void tdm_xfer_cuda_close(void *dptr);
 /* Launches one kernel copying every page of `pages` from src (device pointer, offsets as in
  * tdm_xfer_write_pages) to dst (a local or opened device pointer of dst_bytes). When it has

@@ -362,6 +362,17 @@ tdm_status tdm_xfer_sync_wait(struct tdm_xfer_sync *s, int timeout_ms)
     return TDM_OK;
 }
 
+struct tdm_xfer_pages tdm_xfer_pages_one(uint64_t src_offset, uint64_t dst_offset, uint64_t bytes)
+{
+    static const uint32_t zero = 0;
+    return (struct tdm_xfer_pages){.src_pages = &zero,
+                                   .dst_pages = &zero,
+                                   .n_pages = 1,
+                                   .page_bytes = bytes,
+                                   .src_offset = src_offset,
+                                   .dst_offset = dst_offset};
+}
+
 /* ---- the CUDA IPC transport when the library is built without CUDA ---- */
 #ifndef TDM_HAVE_CUDA
 static tdm_status no_cuda(void)
@@ -382,6 +393,10 @@ tdm_status tdm_xfer_cuda_open(const struct tdm_xfer_rmem *r, void **dptr)
     return no_cuda();
 }
 void tdm_xfer_cuda_close(void *dptr) {}
+tdm_status tdm_xfer_cuda_alloc_size(const void *dptr, size_t *bytes)
+{
+    return no_cuda();
+}
 tdm_status tdm_xfer_cuda_write_pages(tdm_xfer_cuda_t *c, const void *src, size_t src_bytes,
                                      void *dst, size_t dst_bytes,
                                      const struct tdm_xfer_pages *pages,

@@ -23,6 +23,7 @@
  * reused only after its event has completed, so the staging memory is never overwritten early.
  * This file does not depend on libfabric: the GPU check program builds it with plain nvcc.
  */
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -83,6 +84,26 @@ __global__ void gather_scatter(const uint8_t *__restrict__ src, uint8_t *__restr
         for (uint64_t i = threadIdx.x; i < n; i += blockDim.x)
             d[i] = s[i];
     }
+}
+
+/* cuMemGetAddressRange through the runtime's entry-point query, so that nothing links libcuda
+ * (a machine with the toolkit and no driver still loads the library) */
+typedef CUresult (*get_range_fn)(CUdeviceptr *, size_t *, CUdeviceptr);
+CUresult get_range(CUdeviceptr *base, size_t *size, CUdeviceptr p)
+{
+    static get_range_fn cached;
+    get_range_fn fn = __atomic_load_n(&cached, __ATOMIC_ACQUIRE);
+    if (!fn) {
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
+                                             &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess || !f)
+            return CUDA_ERROR_NOT_FOUND;
+        fn = (get_range_fn)f;
+        __atomic_store_n(&cached, fn, __ATOMIC_RELEASE);
+    }
+    return fn(base, size, p);
 }
 
 tdm_status cuda_fail(cudaError_t e, const char *what)
@@ -158,13 +179,37 @@ extern "C" tdm_status tdm_xfer_cuda_export(void *dptr, size_t bytes, struct tdm_
 {
     static_assert(sizeof(cudaIpcMemHandle_t) == 64, "IPC handle size");
     if (!dptr || !bytes) return tdm_err_set(TDM_EINVAL, "xfer cuda: empty region");
+    /* the handle names the whole allocation: the region is an offset (addr) and a length in it */
+    CUdeviceptr base = 0;
+    size_t alloc = 0;
+    CUresult r = get_range(&base, &alloc, (CUdeviceptr)(uintptr_t)dptr);
+    if (r != CUDA_SUCCESS)
+        return tdm_err_set(TDM_EINVAL,
+                           "xfer cuda: %p is not device memory (cuMemGetAddressRange %d)", dptr,
+                           (int)r);
+    uint64_t off = (uint64_t)(uintptr_t)dptr - (uint64_t)base;
+    if (bytes > alloc - off)
+        return tdm_err_set(TDM_ERANGE, "xfer cuda: region of %zu bytes runs past its allocation",
+                           bytes);
     cudaIpcMemHandle_t h;
-    cudaError_t e = cudaIpcGetMemHandle(&h, dptr);
+    cudaError_t e = cudaIpcGetMemHandle(&h, (void *)(uintptr_t)base);
     if (e != cudaSuccess) return cuda_fail(e, "cudaIpcGetMemHandle");
     memset(out, 0, sizeof(*out));
     out->kind = TDM_XFER_MEM_CUDA;
+    out->addr = off;
     out->bytes = bytes;
     memcpy(out->ipc_handle, &h, sizeof(h));
+    return TDM_OK;
+}
+
+extern "C" tdm_status tdm_xfer_cuda_alloc_size(const void *dptr, size_t *bytes)
+{
+    CUdeviceptr base = 0;
+    size_t alloc = 0;
+    CUresult r = get_range(&base, &alloc, (CUdeviceptr)(uintptr_t)dptr);
+    if (r != CUDA_SUCCESS)
+        return tdm_err_set(TDM_EINVAL, "xfer cuda: %p is not device memory", dptr);
+    *bytes = alloc - (size_t)((uintptr_t)dptr - (uintptr_t)base);
     return TDM_OK;
 }
 
@@ -242,6 +287,7 @@ extern "C" tdm_status tdm_xfer_cuda_write_pages(tdm_xfer_cuda_t *c, const void *
 extern "C" int tdm_xfer_cuda_poll(tdm_xfer_cuda_t *c)
 {
     int n = 0;
+    if (c->count > 0) cudaSetDevice(c->device);
     while (c->count > 0) {
         slot *s = &c->slots[c->head];
         cudaError_t e = cudaEventQuery(s->done_event);

@@ -28,6 +28,9 @@ tdm_status tdm_xfer_pages_check(const struct tdm_xfer_pages *p, uint64_t src_byt
 uint32_t tdm_xfer_pages_merge(const struct tdm_xfer_pages *p, uint64_t max_run_bytes,
                               struct tdm_xfer_run *runs);
 
+/* A single contiguous write as a paged write of one page. */
+struct tdm_xfer_pages tdm_xfer_pages_one(uint64_t src_offset, uint64_t dst_offset, uint64_t bytes);
+
 /* ---- fault injection ---- */
 struct tdm_xfer_faults {
     double drop_imm;    /* probability an arriving immediate is never delivered */

@@ -2,7 +2,8 @@
  * layouts (hand-computed bit patterns), fault-spec parsing and decisions, printable addresses,
  * the wire header and hello, packed remote descriptors, immediate-counter semantics (exactly
  * once at N, duplicates, stale epochs, invalid indices, timeout, cancel, peer failure, re-arm),
- * the sync waiter, and one in-process round trip over two shm engines. */
+ * the sync waiter, and one in-process round trip over two shm engines. The transport ops table is
+ * tests/xfer/test_transport.c. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -445,73 +446,6 @@ static void test_engine_loopback_shm(void **state)
 
 /* The libfabric engine through the transport table (what disagg calls): a paged write with an
  * immediate and a single write land, the counter fires, regions come back from the table. */
-static void test_fabric_transport_table(void **state)
-{
-    (void)state;
-    struct tdm_xfer_config cfg;
-    tdm_xfer_config_default(&cfg);
-    cfg.provider = "shm";
-    cfg.faults = "";
-    tdm_xfer_t *a, *b;
-    assert_int_equal(tdm_xfer_create(&cfg, &a), TDM_OK);
-    assert_int_equal(tdm_xfer_create(&cfg, &b), TDM_OK);
-    struct tdm_xfer_transport ta = tdm_xfer_fabric_transport(a), tb = tdm_xfer_fabric_transport(b);
-    assert_string_equal(ta.iface->name, "libfabric");
-    struct tdm_xfer_caps caps;
-    ta.iface->get_caps(ta.t, &caps);
-    assert_string_equal(caps.provider, "shm");
-    enum { PAGE = 128, NP = 8 };
-    uint8_t *src = calloc(NP, PAGE), *dst = calloc(NP + 1, PAGE);
-    for (int i = 0; i < NP * PAGE; i++)
-        src[i] = (uint8_t)(i * 13 + 5);
-    struct tdm_xfer_region rs, rd;
-    assert_int_equal(ta.iface->mr_reg(ta.t, src, NP * PAGE, TDM_XFER_MEM_HOST, &rs), TDM_OK);
-    assert_int_equal(tb.iface->mr_reg(tb.t, dst, (NP + 1) * PAGE, TDM_XFER_MEM_HOST, &rd), TDM_OK);
-    assert_ptr_equal(rs.base, src);
-    assert_int_equal(rd.bytes, (NP + 1) * PAGE);
-    struct tdm_xfer_rmem r;
-    tb.iface->mr_remote(tb.t, &rd, &r);
-    assert_int_equal(r.bytes, (NP + 1) * PAGE);
-    char addr[TDM_XFER_ADDR_MAX];
-    assert_int_equal(tdm_xfer_addr(b, addr, sizeof(addr)), TDM_OK);
-    uint32_t peer;
-    assert_int_equal(tdm_xfer_peer_add(a, addr, &peer), TDM_OK);
-    assert_int_equal(tdm_xfer_peer_wait(a, peer, 5000), TDM_OK);
-    static struct fire_log fl;
-    assert_int_equal(tdm_xfer_counters_arm(tdm_xfer_get_counters(b), 3, 1, 2, TDM_XFER_ANY_PEER,
-                                           5000, on_fire, &fl),
-                     TDM_OK);
-    uint32_t sp[] = {7, 0, 3}, dp[] = {0, 5, 2};
-    struct tdm_xfer_pages p = {sp, dp, 3, PAGE, PAGE, PAGE, 0, 0};
-    struct tdm_xfer_imm i0 = {3, 1, 0}, i1 = {3, 1, 1};
-    struct tdm_xfer_sync s;
-    tdm_xfer_sync_init(&s);
-    tdm_xfer_sync_add(&s, 2);
-    assert_int_equal(ta.iface->write_pages(ta.t, peer, &rs, &r, &p, &i0, 0, tdm_xfer_sync_done, &s),
-                     TDM_OK);
-    /* the single write: page 1 of the source into the spare page past the paged area */
-    assert_int_equal(ta.iface->write(ta.t, peer, &rs, PAGE, &r, (uint64_t)NP * PAGE, PAGE, &i1, 0,
-                                     tdm_xfer_sync_done, &s),
-                     TDM_OK);
-    assert_int_equal(tdm_xfer_sync_wait(&s, 5000), TDM_OK);
-    assert_int_equal(ta.iface->poll(ta.t), 0);
-    for (int i = 0; i < 500 && !__atomic_load_n(&fl.n, __ATOMIC_SEQ_CST); i++)
-        usleep(2000);
-    assert_int_equal(fl.n, 1);
-    assert_int_equal(fl.last, TDM_OK);
-    for (int i = 0; i < 3; i++)
-        assert_memory_equal(dst + dp[i] * PAGE, src + sp[i] * PAGE, PAGE);
-    assert_memory_equal(dst + NP * PAGE, src + PAGE, PAGE);
-    tdm_xfer_sync_destroy(&s);
-    ta.iface->mr_dereg(ta.t, &rs);
-    tb.iface->mr_dereg(tb.t, &rd);
-    assert_null(rs.impl);
-    tdm_xfer_destroy(a);
-    tdm_xfer_destroy(b);
-    free(src);
-    free(dst);
-}
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -525,7 +459,6 @@ int main(void)
         cmocka_unit_test(test_counter_callback_rearms),
         cmocka_unit_test(test_sync_timeout),
         cmocka_unit_test(test_engine_loopback_shm),
-        cmocka_unit_test(test_fabric_transport_table),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

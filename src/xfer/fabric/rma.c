@@ -115,13 +115,7 @@ tdm_status tdm_xfer_write(tdm_xfer_t *x, uint32_t peer, tdm_xfer_mr_t *src, uint
                           const struct tdm_xfer_imm *imm, int timeout_ms, tdm_xfer_done_fn done,
                           void *ctx)
 {
-    uint32_t zero = 0;
-    struct tdm_xfer_pages p = {.src_pages = &zero,
-                               .dst_pages = &zero,
-                               .n_pages = 1,
-                               .page_bytes = bytes,
-                               .src_offset = src_offset,
-                               .dst_offset = dst_offset};
+    struct tdm_xfer_pages p = tdm_xfer_pages_one(src_offset, dst_offset, bytes);
     return tdm_xfer_write_pages(x, peer, src, dst, &p, imm, timeout_ms, done, ctx);
 }
 

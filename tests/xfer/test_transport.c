@@ -1,0 +1,388 @@
+/* One check of the transport ops table (include/tandem/xfer.h), run over every transport:
+ *   - libfabric (shm) between two engines of this process, host memory;
+ *   - CUDA IPC between two processes (the real IPC path: the writer opens the owner's handle,
+ *     and the immediate crosses to the owner's engine over the control channel);
+ *   - CUDA IPC inside one process (the destination written through its own pointer).
+ * Each registers a source and a destination, posts a paged write (three scattered pages) and a
+ * single write, each with an immediate, and checks that the owner's counter fired once with
+ * TDM_OK and that every byte landed where the page lists say, and nowhere else. The CUDA cases
+ * skip, saying so, where there is no GPU. The cross-process case forks before this process
+ * touches CUDA, so it runs first. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifdef TDM_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#include "tandem/xfer.h"
+
+enum { PAGE = 4096, NP = 8, DST_BYTES = (NP + 1) * PAGE, SLOT = 3, EPOCH = 1 };
+static const uint32_t SRC_PAGES[] = {7, 0, 3}, DST_PAGES[] = {0, 5, 2};
+
+/* ---- memory of one kind ---- */
+struct mem_ops {
+    enum tdm_xfer_mem_kind kind;
+    void *(*alloc)(size_t bytes); /* zeroed */
+    void (*release)(void *p);
+    void (*put)(void *dst, const void *host, size_t bytes);
+    void (*get)(void *host, const void *src, size_t bytes);
+};
+
+static void *host_alloc(size_t bytes)
+{
+    return calloc(1, bytes);
+}
+static void host_put(void *dst, const void *src, size_t bytes)
+{
+    memcpy(dst, src, bytes);
+}
+static const struct mem_ops HOST_MEM = {TDM_XFER_MEM_HOST, host_alloc, free, host_put, host_put};
+
+#ifdef TDM_HAVE_CUDA
+static void *dev_alloc(size_t bytes)
+{
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) return NULL;
+    cudaMemset(p, 0, bytes);
+    return p;
+}
+static void dev_release(void *p)
+{
+    cudaFree(p);
+}
+static void dev_put(void *dst, const void *src, size_t bytes)
+{
+    cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
+}
+static void dev_get(void *dst, const void *src, size_t bytes)
+{
+    cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost);
+}
+static const struct mem_ops DEV_MEM = {TDM_XFER_MEM_CUDA, dev_alloc, dev_release, dev_put, dev_get};
+#endif
+
+static uint8_t src_byte(size_t i)
+{
+    return (uint8_t)(i * 13 + 5);
+}
+
+/* The destination as it must be after both writes: 0 where nothing was written. */
+static void expected_dst(uint8_t *want)
+{
+    memset(want, 0, DST_BYTES);
+    for (int i = 0; i < 3; i++)
+        for (int b = 0; b < PAGE; b++)
+            want[DST_PAGES[i] * PAGE + b] = src_byte(SRC_PAGES[i] * PAGE + (size_t)b);
+    for (int b = 0; b < PAGE; b++) /* the single write: source page 1 to the spare page */
+        want[NP * PAGE + b] = src_byte(PAGE + (size_t)b);
+}
+
+struct fire_log {
+    int n;
+    tdm_status last;
+};
+static void on_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
+{
+    (void)slot, (void)epoch;
+    struct fire_log *l = ctx;
+    __atomic_store_n(&l->last, st, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&l->n, 1, __ATOMIC_SEQ_CST);
+}
+static int wait_fired(struct fire_log *l, int ms)
+{
+    for (int i = 0; i < ms / 2 && !__atomic_load_n(&l->n, __ATOMIC_SEQ_CST); i++)
+        usleep(2000);
+    usleep(20000); /* a second firing would be a bug: give it time to show */
+    return __atomic_load_n(&l->n, __ATOMIC_SEQ_CST);
+}
+
+static tdm_xfer_t *open_engine(void)
+{
+    struct tdm_xfer_config cfg;
+    tdm_xfer_config_default(&cfg);
+    cfg.provider = "shm";
+    cfg.faults = "";
+    tdm_xfer_t *x = NULL;
+    return tdm_xfer_create(&cfg, &x) == TDM_OK ? x : NULL;
+}
+
+/* a's index for b, once a round trip has happened */
+static uint32_t connect_engines(tdm_xfer_t *a, tdm_xfer_t *b)
+{
+    char addr[TDM_XFER_ADDR_MAX];
+    assert_int_equal(tdm_xfer_addr(b, addr, sizeof(addr)), TDM_OK);
+    uint32_t peer;
+    assert_int_equal(tdm_xfer_peer_add(a, addr, &peer), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(a, peer, 5000), TDM_OK);
+    return peer;
+}
+
+/* The writer's half: source registered on `ta`, both writes posted to `peer`, then waited. */
+static void write_side(struct tdm_xfer_transport ta, const struct mem_ops *m, uint32_t peer,
+                       const struct tdm_xfer_rmem *dst)
+{
+    uint8_t *host = malloc(NP * PAGE);
+    for (size_t i = 0; i < NP * PAGE; i++)
+        host[i] = src_byte(i);
+    void *src = m->alloc(NP * PAGE);
+    assert_non_null(src);
+    m->put(src, host, NP * PAGE);
+    struct tdm_xfer_region rs;
+    assert_int_equal(ta.iface->mr_reg(ta.t, src, NP * PAGE, m->kind, &rs), TDM_OK);
+    assert_ptr_equal(rs.base, src);
+    struct tdm_xfer_pages p = {SRC_PAGES, DST_PAGES, 3, PAGE, PAGE, PAGE, 0, 0};
+    /* a page past the destination is refused, and its done never fires */
+    uint32_t bad_dst[] = {0, 5, NP + 1};
+    struct tdm_xfer_pages bad = p;
+    bad.dst_pages = bad_dst;
+    struct tdm_xfer_imm i0 = {SLOT, EPOCH, 0}, i1 = {SLOT, EPOCH, 1};
+    struct tdm_xfer_sync s;
+    tdm_xfer_sync_init(&s);
+    assert_int_not_equal(
+        ta.iface->write_pages(ta.t, peer, &rs, dst, &bad, &i0, 0, tdm_xfer_sync_done, &s), TDM_OK);
+    tdm_xfer_sync_add(&s, 2);
+    assert_int_equal(
+        ta.iface->write_pages(ta.t, peer, &rs, dst, &p, &i0, 0, tdm_xfer_sync_done, &s), TDM_OK);
+    assert_int_equal(ta.iface->write(ta.t, peer, &rs, PAGE, dst, (uint64_t)NP * PAGE, PAGE, &i1, 0,
+                                     tdm_xfer_sync_done, &s),
+                     TDM_OK);
+    assert_int_equal(tdm_xfer_sync_wait(&s, 10000), TDM_OK);
+    assert_int_equal(ta.iface->poll(ta.t), 0); /* both transports progress on their own */
+    tdm_xfer_sync_destroy(&s);
+    ta.iface->mr_dereg(ta.t, &rs);
+    assert_null(rs.impl);
+    m->release(src);
+    free(host);
+}
+
+/* The owner's half: destination registered on `tb`, its counter armed for two immediates. */
+struct owner {
+    void *dst;
+    struct tdm_xfer_region rd;
+    struct tdm_xfer_rmem rmem;
+    struct fire_log fl;
+};
+static void owner_open(struct owner *o, struct tdm_xfer_transport tb, tdm_xfer_t *b,
+                       const struct mem_ops *m)
+{
+    memset(o, 0, sizeof(*o));
+    o->dst = m->alloc(DST_BYTES);
+    assert_non_null(o->dst);
+    assert_int_equal(tb.iface->mr_reg(tb.t, o->dst, DST_BYTES, m->kind, &o->rd), TDM_OK);
+    assert_int_equal(o->rd.bytes, DST_BYTES);
+    tb.iface->mr_remote(tb.t, &o->rd, &o->rmem);
+    assert_int_equal(o->rmem.bytes, DST_BYTES);
+    assert_int_equal(o->rmem.kind, m->kind);
+    assert_int_equal(tdm_xfer_counters_arm(tdm_xfer_get_counters(b), SLOT, EPOCH, 2,
+                                           TDM_XFER_ANY_PEER, 10000, on_fire, &o->fl),
+                     TDM_OK);
+}
+/* Returns the number of wrong bytes after the counter fired (or -1 when it did not). */
+static int owner_check(struct owner *o, struct tdm_xfer_transport tb, const struct mem_ops *m)
+{
+    int fired = wait_fired(&o->fl, 10000);
+    int bad = -1;
+    if (fired == 1 && o->fl.last == TDM_OK) {
+        uint8_t *got = malloc(DST_BYTES), *want = malloc(DST_BYTES);
+        m->get(got, o->dst, DST_BYTES);
+        expected_dst(want);
+        bad = 0;
+        for (int i = 0; i < DST_BYTES; i++)
+            bad += got[i] != want[i];
+        free(got);
+        free(want);
+    } else {
+        fprintf(stderr, "counter fired %d times, last status %d\n", fired, (int)o->fl.last);
+    }
+    tb.iface->mr_dereg(tb.t, &o->rd);
+    m->release(o->dst);
+    return bad;
+}
+
+static void test_fabric(void **state)
+{
+    (void)state;
+    tdm_xfer_t *a = open_engine(), *b = open_engine();
+    assert_non_null(a);
+    assert_non_null(b);
+    struct tdm_xfer_transport ta = tdm_xfer_fabric_transport(a), tb = tdm_xfer_fabric_transport(b);
+    assert_string_equal(ta.iface->name, "libfabric");
+    struct tdm_xfer_caps caps;
+    ta.iface->get_caps(ta.t, &caps);
+    assert_string_equal(caps.provider, "shm");
+    uint32_t peer = connect_engines(a, b);
+    struct owner o;
+    owner_open(&o, tb, b, &HOST_MEM);
+    write_side(ta, &HOST_MEM, peer, &o.rmem);
+    assert_int_equal(owner_check(&o, tb, &HOST_MEM), 0);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+}
+
+#ifdef TDM_HAVE_CUDA
+/* Decided without touching CUDA, so that a fork can still follow. */
+static bool have_gpu(void)
+{
+    return access("/dev/nvidia0", F_OK) == 0 || access("/dev/nvidiactl", F_OK) == 0;
+}
+
+static tdm_xfer_ipc_t *open_ipc(tdm_xfer_t *control)
+{
+    struct tdm_xfer_ipc_config cfg = {.device = 0, .control = control};
+    tdm_xfer_ipc_t *t = NULL;
+    tdm_status st = tdm_xfer_ipc_create(&cfg, &t);
+    if (st != TDM_OK) fprintf(stderr, "ipc transport: %s\n", tdm_err_msg());
+    return t;
+}
+
+static int owner_process(int wfd)
+{
+    tdm_xfer_t *b = open_engine();
+    tdm_xfer_ipc_t *ib = b ? open_ipc(b) : NULL;
+    if (!ib) return 77;
+    char addr[TDM_XFER_ADDR_MAX];
+    if (tdm_xfer_addr(b, addr, sizeof(addr)) != TDM_OK) return 2;
+    struct tdm_xfer_transport tb = tdm_xfer_ipc_transport(ib);
+    struct owner o;
+    owner_open(&o, tb, b, &DEV_MEM);
+    if (write(wfd, addr, sizeof(addr)) != (ssize_t)sizeof(addr) ||
+        write(wfd, &o.rmem, sizeof(o.rmem)) != (ssize_t)sizeof(o.rmem))
+        return 3;
+    close(wfd);
+    int bad = owner_check(&o, tb, &DEV_MEM);
+    fprintf(stderr, "owner: %d wrong bytes\n", bad);
+    tdm_xfer_ipc_destroy(ib);
+    tdm_xfer_destroy(b);
+    return bad == 0 ? 0 : 1;
+}
+
+static void test_cuda_ipc_two_processes(void **state)
+{
+    (void)state;
+    if (!have_gpu()) {
+        fprintf(stderr,
+                "skipped: no NVIDIA GPU here, the CUDA IPC transport runs on GPU machines\n");
+        skip();
+    }
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(fds[0]);
+        _exit(owner_process(fds[1]));
+    }
+    close(fds[1]);
+    char addr[TDM_XFER_ADDR_MAX];
+    struct tdm_xfer_rmem rmem;
+    bool got = read(fds[0], addr, sizeof(addr)) == (ssize_t)sizeof(addr) &&
+               read(fds[0], &rmem, sizeof(rmem)) == (ssize_t)sizeof(rmem);
+    close(fds[0]);
+    if (!got) {
+        int status = 0;
+        waitpid(pid, &status, 0);
+        if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+            fprintf(stderr, "skipped: the owner process found no usable GPU\n");
+            skip();
+        }
+        fail_msg("the owner process ended before sending its region (status %d)", status);
+    }
+    tdm_xfer_t *a = open_engine();
+    assert_non_null(a);
+    tdm_xfer_ipc_t *ia = open_ipc(a);
+    assert_non_null(ia);
+    struct tdm_xfer_transport ta = tdm_xfer_ipc_transport(ia);
+    assert_string_equal(ta.iface->name, "cuda_ipc");
+    uint32_t peer;
+    assert_int_equal(tdm_xfer_peer_add(a, addr, &peer), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(a, peer, 5000), TDM_OK);
+    write_side(ta, &DEV_MEM, peer, &rmem);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+    tdm_xfer_ipc_destroy(ia);
+    tdm_xfer_destroy(a);
+}
+
+static void test_cuda_ipc_one_process(void **state)
+{
+    (void)state;
+    int n = 0;
+    if (!have_gpu() || cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        fprintf(stderr,
+                "skipped: no NVIDIA GPU here, the CUDA IPC transport runs on GPU machines\n");
+        skip();
+    }
+    tdm_xfer_t *a = open_engine(), *b = open_engine();
+    assert_non_null(a);
+    assert_non_null(b);
+    tdm_xfer_ipc_t *ia = open_ipc(a), *ib = open_ipc(b);
+    assert_non_null(ia);
+    assert_non_null(ib);
+    struct tdm_xfer_transport ta = tdm_xfer_ipc_transport(ia), tb = tdm_xfer_ipc_transport(ib);
+    struct tdm_xfer_caps caps;
+    ta.iface->get_caps(ta.t, &caps);
+    assert_string_equal(caps.provider, "cuda_ipc");
+    assert_true(caps.hmem_cuda);
+    /* host memory is refused: this transport moves device memory only */
+    uint8_t host[64];
+    struct tdm_xfer_region hr;
+    assert_int_equal(ta.iface->mr_reg(ta.t, host, sizeof(host), TDM_XFER_MEM_HOST, &hr),
+                     TDM_EINVAL);
+    uint32_t peer = connect_engines(a, b);
+    struct owner o;
+    owner_open(&o, tb, b, &DEV_MEM);
+    /* a descriptor claiming more than its allocation is refused */
+    struct tdm_xfer_rmem lie = o.rmem;
+    lie.bytes = (uint64_t)DST_BYTES * 1024;
+    const uint32_t first[] = {0};
+    struct tdm_xfer_pages p = {first, first, 1, PAGE, PAGE, PAGE, 0, (uint64_t)DST_BYTES * 512};
+    struct tdm_xfer_region rs;
+    void *src = dev_alloc(NP * PAGE);
+    assert_int_equal(ta.iface->mr_reg(ta.t, src, NP * PAGE, TDM_XFER_MEM_CUDA, &rs), TDM_OK);
+    assert_int_equal(ta.iface->write_pages(ta.t, peer, &rs, &lie, &p, NULL, 0, NULL, NULL),
+                     TDM_ERANGE);
+    ta.iface->mr_dereg(ta.t, &rs);
+    dev_release(src);
+    write_side(ta, &DEV_MEM, peer, &o.rmem);
+    assert_int_equal(owner_check(&o, tb, &DEV_MEM), 0);
+    tdm_xfer_ipc_destroy(ia);
+    tdm_xfer_ipc_destroy(ib);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+}
+#else
+static void test_cuda_ipc_two_processes(void **state)
+{
+    (void)state;
+    fprintf(stderr, "skipped: built without CUDA\n");
+    skip();
+}
+static void test_cuda_ipc_one_process(void **state)
+{
+    (void)state;
+    fprintf(stderr, "skipped: built without CUDA\n");
+    skip();
+}
+#endif
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_cuda_ipc_two_processes), /* first: it forks before CUDA starts */
+        cmocka_unit_test(test_fabric),
+        cmocka_unit_test(test_cuda_ipc_one_process),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
