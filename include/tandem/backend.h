@@ -44,6 +44,7 @@ struct tdm_step {
     const int32_t *seq_page_start;  /* [n_seqs + 1] offsets into page_ids */
     const int32_t *page_ids;        /* concatenated page tables: seq s, logical page j */
     int page_size;
+    int n_layers; /* layers this step runs (fewer than the model's: an early-exit draft pass) */
 };
 
 /* A token at position p attends to KV positions [0, p] of its own sequence (causal). */

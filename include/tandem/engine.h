@@ -93,6 +93,9 @@ struct tdm_engine_out {
     struct tdm_sample_row *samples; /* [n_rows]: parameters in, token and logprobs out */
     float *logits;                  /* [n_rows][vocab], host */
     float *hidden;                  /* [n_rows][d_model], host */
+    /* Early exit: run only the first n_layers layers, then the final norm and the LM head (a
+     * self-drafting pass). 0: every layer. KV is written for those layers only. */
+    int n_layers;
 };
 /* Runs one forward pass. Logits are downloaded only for LOGITS rows, so a step whose rows only
  * sample moves tokens, not [rows][vocab] floats; SAMPLE rows are sampled on the device where

@@ -134,7 +134,11 @@ const struct tdm_tensor_info *tdm_st_find_tensor(const tdm_st_t *st, const char 
 
 /* ---- model configuration ---- */
 enum tdm_arch { TDM_ARCH_LLAMA = 0, TDM_ARCH_QWEN2, TDM_ARCH_QWEN3 };
-enum tdm_rope_scaling { TDM_ROPE_SCALING_NONE = 0, TDM_ROPE_SCALING_LINEAR, TDM_ROPE_SCALING_LLAMA3 };
+enum tdm_rope_scaling {
+    TDM_ROPE_SCALING_NONE = 0,
+    TDM_ROPE_SCALING_LINEAR,
+    TDM_ROPE_SCALING_LLAMA3
+};
 
 #define TDM_MAX_EOS 8
 
@@ -144,10 +148,10 @@ struct tdm_model_config {
     int d_model;
     int n_heads;
     int n_kv_heads;
-    int head_dim;   /* explicit (qwen3) or d_model / n_heads */
+    int head_dim; /* explicit (qwen3) or d_model / n_heads */
     int d_ff;
     int vocab_size;
-    int max_ctx;    /* context length the model was trained for */
+    int max_ctx; /* context length the model was trained for */
     float rms_eps;
     float rope_theta;
     /* true: rotate pairs (i, i + head_dim/2) (HF rotate_half, "NEOX"); false: rotate adjacent
@@ -158,10 +162,10 @@ struct tdm_model_config {
     float rope_low_freq_factor;  /* llama3 */
     float rope_high_freq_factor; /* llama3 */
     int rope_original_max_ctx;   /* llama3 */
-    bool tied_embeddings; /* lm_head is the token embedding */
-    bool qkv_bias;        /* qwen2 */
-    bool qk_norm;         /* qwen3 per-head RMSNorm on q and k */
-    int bos_id;           /* -1 if none */
+    bool tied_embeddings;        /* lm_head is the token embedding */
+    bool qkv_bias;               /* qwen2 */
+    bool qk_norm;                /* qwen3 per-head RMSNorm on q and k */
+    int bos_id;                  /* -1 if none */
     int eos_ids[TDM_MAX_EOS];
     int n_eos;
     /* generation_config.json defaults (NaN / -1 when absent) */
@@ -190,35 +194,35 @@ struct tdm_weight {
 };
 
 struct tdm_layer_weights {
-    struct tdm_weight attn_norm; /* [d_model] */
-    struct tdm_weight wq;        /* [n_heads*head_dim][d_model] */
-    struct tdm_weight wk;        /* [n_kv_heads*head_dim][d_model] */
-    struct tdm_weight wv;        /* [n_kv_heads*head_dim][d_model] */
-    struct tdm_weight bq, bk, bv; /* qwen2 biases, data NULL otherwise */
+    struct tdm_weight attn_norm;      /* [d_model] */
+    struct tdm_weight wq;             /* [n_heads*head_dim][d_model] */
+    struct tdm_weight wk;             /* [n_kv_heads*head_dim][d_model] */
+    struct tdm_weight wv;             /* [n_kv_heads*head_dim][d_model] */
+    struct tdm_weight bq, bk, bv;     /* qwen2 biases, data NULL otherwise */
     struct tdm_weight q_norm, k_norm; /* qwen3 [head_dim], data NULL otherwise */
-    struct tdm_weight wo;        /* [d_model][n_heads*head_dim] */
-    struct tdm_weight ffn_norm;  /* [d_model] */
-    struct tdm_weight w_gate;    /* [d_ff][d_model] */
-    struct tdm_weight w_up;      /* [d_ff][d_model] */
-    struct tdm_weight w_down;    /* [d_model][d_ff] */
+    struct tdm_weight wo;             /* [d_model][n_heads*head_dim] */
+    struct tdm_weight ffn_norm;       /* [d_model] */
+    struct tdm_weight w_gate;         /* [d_ff][d_model] */
+    struct tdm_weight w_up;           /* [d_ff][d_model] */
+    struct tdm_weight w_down;         /* [d_model][d_ff] */
 };
 
 struct tdm_model {
     struct tdm_model_config cfg;
-    struct tdm_weight tok_embd;    /* [vocab][d_model] */
-    struct tdm_weight output_norm; /* [d_model] */
-    struct tdm_weight output;      /* [vocab][d_model]; same data as tok_embd when tied */
+    struct tdm_weight tok_embd;       /* [vocab][d_model] */
+    struct tdm_weight output_norm;    /* [d_model] */
+    struct tdm_weight output;         /* [vocab][d_model]; same data as tok_embd when tied */
     struct tdm_layer_weights *layers; /* [n_layers] */
-    const float *rope_freqs;       /* GGUF rope_freqs.weight [head_dim/2] factors, or NULL */
-    char *path;                    /* what was loaded */
+    const float *rope_freqs;          /* GGUF rope_freqs.weight [head_dim/2] factors, or NULL */
+    char *path;                       /* what was loaded */
     bool is_gguf;
-    tdm_gguf_t *gguf;              /* the GGUF source, or NULL */
-    tdm_st_t *st;                  /* the safetensors source, or NULL */
-    char *chat_template;           /* from GGUF metadata or tokenizer_config.json; may be NULL */
-    void **owned;                  /* buffers made at load (dequantised weights) */
+    tdm_gguf_t *gguf;    /* the GGUF source, or NULL */
+    tdm_st_t *st;        /* the safetensors source, or NULL */
+    char *chat_template; /* from GGUF metadata or tokenizer_config.json; may be NULL */
+    void **owned;        /* buffers made at load (dequantised weights) */
     int n_owned, cap_owned;
     uint64_t n_params;
-    uint64_t weight_bytes;         /* bytes of all weights as held in memory */
+    uint64_t weight_bytes; /* bytes of all weights as held in memory */
 };
 
 typedef void (*tdm_progress_fn)(void *ctx, double fraction);

@@ -109,6 +109,9 @@ struct tdm_req_params {
      * connector's step_end reads them); needs row outputs (tdm_sched_reserve_rows or
      * tdm_sched_opts.row_outputs). */
     bool want_logits, want_hidden;
+    /* Speculation: 0 the scheduler's drafter and cap; > 0 a lower cap on drafts per step;
+     * < 0 none for this request. */
+    int spec_k;
     void *user; /* opaque; handed back to the connector */
 };
 
@@ -227,20 +230,57 @@ tdm_status tdm_sched_reserve_rows(tdm_sched_t *s);
  * asked again (it may return false to prefill locally). */
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
 
-/* ---- speculation: a drafter proposes tokens, the step verifies them ---- */
-struct tdm_sched_drafter_i {
-    /* A RUNNING request is about to decode: its committed tokens are tokens[0, n). Write up to
-     * k proposed next tokens to out and return how many (0: none). Scheduler thread. */
-    int (*propose)(void *ctx, tdm_req_t *r, const int32_t *tokens, int n, int k, int32_t *out);
-    /* After the commit: n_accepted of the n_draft proposed tokens were kept. */
-    void (*accepted)(void *ctx, tdm_req_t *r, int n_draft, int n_accepted);
+/* ---- speculation: a drafter proposes tokens, the step verifies them ----
+ * Each step, every decoding request that may speculate is handed to the drafter at once, as a
+ * batch of struct tdm_sched_draft: the drafter chooses how many tokens to propose for each
+ * (at most k; 0 is fine) and writes them. The scheduler then verifies each drafted span in the
+ * same run as the rest of the step (its rows sample the target's token at every position),
+ * keeps drafts while they equal the target's token, then the target's token at the first
+ * mismatch; the RNG is keyed on the position, so the output is the same as without drafts.
+ * Rejected positions are rewound: the token list, the penalty state and the KV past the kept
+ * end. */
+#define TDM_SPEC_MAX_K 16
+/* A request's record of its drafts, kept by the scheduler, for the drafter's controller: at
+ * each draft position, how often verification reached it (every draft before it accepted)
+ * and how often it was accepted, both decayed by the drafter as it likes. Zero at submit. */
+struct tdm_draft_stats {
+    float reached[TDM_SPEC_MAX_K];
+    float kept[TDM_SPEC_MAX_K];
+    uint32_t steps;      /* decode steps so far */
+    uint32_t idle_steps; /* consecutive steps with nothing drafted */
 };
-/* Up to k drafts per request and step (set before tdm_sched_start). A drafted span is verified
- * in one run: its rows sample the target's token at every position, and drafts are kept while
- * they equal it (the RNG is keyed on the position, so the output is the same as without
- * drafts), then the target's token at the first mismatch is kept too. Rejected positions are
- * rewound: the token list, the penalty state and the KV pages past the kept end. */
-void tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_i *d, void *ctx, int k);
+struct tdm_sched_draft {
+    tdm_req_t *req;
+    const int32_t *tokens; /* committed tokens [0, n_tokens); the KV holds [0, n_tokens - 1) */
+    int n_tokens;
+    const int32_t *pages; /* its page table: pages exist for positions < n_tokens + k */
+    int n_pages;
+    struct tdm_sampler *smp; /* its sampler: draws keyed like the target's (a drafter that
+                              * accepts into it must unaccept before returning) */
+    struct tdm_draft_stats *stats;
+    int k;        /* in: the most it may propose (its cap, the budget, the context); the drafter
+                   * may lower it to what it chose */
+    int cap;      /* k as the scheduler set it (read-only) */
+    int32_t *out; /* [k]: proposals */
+    int n;        /* out: how many were proposed (0..k) */
+};
+struct tdm_sched_drafter_i {
+    /* Proposes for a batch of n requests about to decode. base_tokens: the step's tokens
+     * before any draft (one per decoding request; prefill chunks may follow). Scheduler
+     * thread; it may run the engine (tdm_engine_run) on those requests' pages, and write KV
+     * at positions [n_tokens - 1, n_tokens - 1 + k) of them (the verify overwrites them). */
+    void (*propose)(void *ctx, struct tdm_sched_draft *d, int n, int base_tokens);
+    /* After the commit of each decode step of r: n_accepted of n_draft drafts were kept and
+     * n_published tokens came out (fewer than n_accepted + 1 when the request ended). */
+    void (*accepted)(void *ctx, tdm_req_t *r, struct tdm_draft_stats *st, int n_draft,
+                     int n_accepted, int n_published);
+    /* After each run: the plan that ran and how long the run took (a cost model's input). */
+    void (*step_done)(void *ctx, const struct tdm_sched_plan *plan, uint64_t run_ns);
+};
+/* Sets the drafter (before tdm_sched_start); k_max caps every proposal (at most
+ * TDM_SPEC_MAX_K). Reserves the row outputs that verification under penalties needs. */
+tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_i *d, void *ctx,
+                                 int k_max);
 
 /* A scheduler over an engine (which must outlive it). */
 tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,

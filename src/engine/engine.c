@@ -521,6 +521,11 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
     int n_rows = 0;
     tdm_status st = build_step(e, batch, &step, &rows, &n_rows);
     if (st != TDM_OK) return st;
+    const int n_layers = out->n_layers > 0 ? out->n_layers : e->cfg.n_layers;
+    if (n_layers > e->cfg.n_layers)
+        return tdm_err_set(TDM_EINVAL, "batch: %d layers asked, the model has %d", n_layers,
+                           e->cfg.n_layers);
+    step.n_layers = n_layers;
     /* what each row wants: given, or whatever buffers were passed */
     const uint8_t *want = out->want;
     uint8_t all_bits = (out->samples ? TDM_ROW_SAMPLE : 0) | (out->logits ? TDM_ROW_LOGITS : 0) |
@@ -560,7 +565,7 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
     if (!replayed) {
         ops->embed(b, &e->tok_embd, step.tokens, T, e->x);
         ops->rmsnorm(b, e->x, e->layers[0].attn_norm.data, c->rms_eps, T, d, e->h);
-        for (int l = 0; l < c->n_layers; l++) {
+        for (int l = 0; l < n_layers; l++) {
             const struct tdm_layer_weights *w = &e->layers[l];
             struct tdm_kv_layer kv = tdm_kv_pool_layer(e->kv, l);
             const struct tdm_matmul_part qkv[] = {
@@ -578,7 +583,7 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
             ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
             ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
             const float *next_norm =
-                l + 1 < c->n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
+                l + 1 < n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
             ops->add_rmsnorm(b, e->x, e->o, next_norm, c->rms_eps, T, d, e->h);
         }
         if (ops->step_end && (st = ops->step_end(b)) != TDM_OK) {

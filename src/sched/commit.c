@@ -123,8 +123,19 @@ static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
     if (n_draft) {
         /* the KV holds the kept tokens' positions: up to the last accepted draft */
         r->n_cached = TDM_MIN(r->n_cached, committed + accepted);
-        tdm_kv_seq_trim(s->kv, &r->kv, r->n_cached);
-        if (s->drafter->accepted) s->drafter->accepted(s->drafter_ctx, r, n_draft, accepted);
+        for (int i = 0; i < n_draft && i <= accepted && i < TDM_SPEC_MAX_K; i++) {
+            r->draft_stats.reached[i] += 1;
+            r->draft_stats.kept[i] += i < accepted;
+        }
+    }
+    /* pages reserved for drafts that were not proposed or not kept go back too */
+    if (s->drafter) tdm_kv_seq_trim(s->kv, &r->kv, r->n_cached);
+    if (s->drafter && committed > r->n_prompt) { /* a decode step, not the prompt's end */
+        r->draft_stats.steps++;
+        r->draft_stats.idle_steps = n_draft ? 0 : r->draft_stats.idle_steps + 1;
+        if (s->drafter->accepted)
+            s->drafter->accepted(s->drafter_ctx, r, &r->draft_stats, n_draft, accepted,
+                                 r->n_tokens - committed);
     }
     return f;
 }

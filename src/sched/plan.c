@@ -127,7 +127,7 @@ static bool reserve_or_preempt(struct tdm_sched *s, struct tdm_req *r, int64_t n
         int victim = -1;
         for (int i = s->n_running - 1; i >= 0; i--) {
             struct tdm_req *v = s->running[i];
-            if (v != r && v->batch_slot < 0 && v->id > r->id &&
+            if (v != r && v->batch_slot == -1 && v->id > r->id &&
                 tdm_req_state(v) == TDM_REQ_RUNNING) {
                 victim = i;
                 break;
@@ -215,33 +215,49 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
     p->n_rows += n_rows;
 }
 
-/* Asks the drafter for r's next tokens and appends them (they enter the penalty state too,
- * which mirrors the token list; the commit rewinds what is rejected). rows_after: output rows
- * to keep for the running requests after r. */
-static void draft(struct tdm_sched *s, struct tdm_req *r, int budget, int rows_after)
+/* The most drafts r may get this step (0: none): its own and the drafter's cap, the budget,
+ * max_tokens, the context and the output rows (rows: taken by the decodes before r;
+ * rows_after: to keep for those after it). */
+static int draft_cap(struct tdm_sched *s, struct tdm_req *r, int budget, int rows, int rows_after)
 {
-    if (!s->drafter || r->prefill_only || (r->penalties && !s->row_outputs)) return;
+    if (!s->drafter || r->prefill_only || r->spec_k < 0 || (r->penalties && !s->row_outputs))
+        return 0;
     int n_out = r->n_tokens - r->n_prompt;
-    int k = s->draft_k;
+    int k = r->spec_k > 0 ? TDM_MIN(s->draft_k, r->spec_k) : s->draft_k;
     k = TDM_MIN(k, budget - 1);
     k = TDM_MIN(k, r->max_tokens - n_out - 1);    /* drafts + the target's token fit */
     k = TDM_MIN(k, s->max_ctx - r->n_tokens - 1); /* and their positions the context */
-    k = TDM_MIN(k, s->max_rows - s->plan.n_rows - 1 - rows_after);
-    if (k <= 0) return;
-    int32_t *out = r->tokens + r->n_tokens;
-    int n = s->drafter->propose(s->drafter_ctx, r, r->tokens, r->n_tokens, k, out);
-    if (n <= 0) return;
-    n = TDM_MIN(n, k);
-    for (int i = 0; i < n; i++)
-        if (out[i] < 0 || out[i] >= s->vocab) {
-            n = i; /* a drafter's bad token ends its proposal */
-            break;
-        }
-    if (!n || tdm_kv_seq_reserve(s->kv, &r->kv, r->n_tokens + n) != TDM_OK) return;
-    for (int i = 0; i < n; i++)
-        tdm_sampler_accept(&r->smp, out[i], false);
-    r->n_tokens += n;
-    r->n_draft = n;
+    k = TDM_MIN(k, s->max_rows - rows - 1 - rows_after);
+    return TDM_MAX(k, 0);
+}
+
+/* Hands the drafting batch to the drafter and appends what it proposed to each token list
+ * (the drafts enter the penalty state too, which mirrors the token list; the commit rewinds
+ * what is rejected). Returns the budget the drafts did not use. */
+static int draft_batch(struct tdm_sched *s, int n, int base_tokens)
+{
+    int unused = 0;
+    for (int i = 0; i < n; i++) {
+        s->drafts[i].n = 0;
+        s->drafts[i].cap = s->drafts[i].k; /* the drafter may lower k; the budget counted this */
+    }
+    if (n) s->drafter->propose(s->drafter_ctx, s->drafts, n, base_tokens);
+    for (int i = 0; i < n; i++) {
+        struct tdm_sched_draft *d = &s->drafts[i];
+        struct tdm_req *r = d->req;
+        int m = TDM_MAX(TDM_MIN(d->n, TDM_MIN(d->k, d->cap)), 0);
+        for (int j = 0; j < m; j++)
+            if (d->out[j] < 0 || d->out[j] >= s->vocab) {
+                m = j; /* a drafter's bad token ends its proposal */
+                break;
+            }
+        for (int j = 0; j < m; j++)
+            tdm_sampler_accept(&r->smp, d->out[j], false);
+        r->n_tokens += m;
+        r->n_draft = m;
+        unused += d->cap - m;
+    }
+    return unused;
 }
 
 /* Admits waiting requests FCFS while the budget, the sequence and row caps and the free pages
@@ -309,6 +325,7 @@ bool tdm_sched_plan_build(struct tdm_sched *s)
         struct tdm_req *r = s->running[i];
         n_decodes += tdm_req_state(r) == TDM_REQ_RUNNING && r->n_tokens - r->n_cached == 1;
     }
+    int n_drafting = 0, base = 0, rows = 0;
     for (int i = 0; i < s->n_running && budget > 0; i++) {
         struct tdm_req *r = s->running[i];
         if (r->n_tokens - r->n_cached != 1 || tdm_req_state(r) != TDM_REQ_RUNNING) continue;
@@ -317,9 +334,28 @@ bool tdm_sched_plan_build(struct tdm_sched *s)
             i--; /* r left the array */
             continue;
         }
-        draft(s, r, budget, n_decodes);
+        /* the drafts' positions need pages before the drafter runs (it may write their KV) */
+        int k = draft_cap(s, r, budget, rows, n_decodes);
+        if (k && tdm_kv_seq_reserve(s->kv, &r->kv, r->n_tokens + k) != TDM_OK) k = 0;
+        r->batch_slot = -2; /* decoding this step: never a preemption victim */
+        s->decodes[base++] = r;
+        if (k)
+            s->drafts[n_drafting++] = (struct tdm_sched_draft){.req = r,
+                                                               .tokens = r->tokens,
+                                                               .n_tokens = r->n_tokens,
+                                                               .pages = r->kv.pages,
+                                                               .n_pages = r->kv.n_pages,
+                                                               .smp = &r->smp,
+                                                               .stats = &r->draft_stats,
+                                                               .k = k,
+                                                               .out = r->tokens + r->n_tokens};
+        budget -= 1 + k;
+        rows += 1 + k;
+    }
+    budget += draft_batch(s, n_drafting, base);
+    for (int i = 0; i < base; i++) {
+        struct tdm_req *r = s->decodes[i];
         add_to_plan(s, r, 1 + r->n_draft);
-        budget -= 1 + r->n_draft;
     }
     /* 2. prefill spans of running requests */
     for (int i = 0; i < s->n_running && budget > 0; i++) {

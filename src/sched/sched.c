@@ -158,10 +158,13 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
     size_t n = (size_t)s->o.max_seqs, rows = (size_t)s->max_rows;
     s->running = calloc(n, sizeof *s->running);
     s->pseqs = calloc(n, sizeof *s->pseqs);
+    s->drafts = calloc(n, sizeof *s->drafts);
+    s->decodes = calloc(n, sizeof *s->decodes);
     s->slots = calloc((size_t)s->o.max_batch_tokens, sizeof *s->slots);
     s->want = calloc(rows, sizeof *s->want);
     s->srows = calloc(rows, sizeof *s->srows);
-    if (!s->running || !s->pseqs || !s->slots || !s->want || !s->srows) goto out_free;
+    if (!s->running || !s->pseqs || !s->drafts || !s->decodes || !s->slots || !s->want || !s->srows)
+        goto out_free;
     if (s->o.row_outputs && !tdm_sched_row_outputs(s)) goto out_free;
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->mmu, NULL);
@@ -176,6 +179,8 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
 out_free:
     free(s->running);
     free(s->pseqs);
+    free(s->drafts);
+    free(s->decodes);
     free(s->slots);
     free(s->want);
     free(s->srows);
@@ -291,6 +296,7 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     r->n_stop_ids = p->n_stop_ids;
     r->prefill_only = p->prefill_only;
     r->fixed_chunk = p->fixed_chunk;
+    r->spec_k = p->spec_k;
     r->penalties = r->smp.out_count != NULL;
     r->want =
         (uint8_t)((p->prefill_only ? 0 : TDM_ROW_SAMPLE) | (p->want_logits ? TDM_ROW_LOGITS : 0) |
@@ -463,8 +469,12 @@ bool tdm_sched_step(tdm_sched_t *s)
     struct tdm_sched_plan *p = &s->plan;
     if (!p->n_seqs) return progress; /* a preemption made room: go again at once */
     if (s->conn && s->conn->step_begin) s->conn->step_begin(s->conn_ctx, p);
+    uint64_t t0 = tdm_now_ns();
     tdm_status st = s->x.iface->run(s->x.ctx, p);
+    uint64_t run_ns = tdm_now_ns() - t0;
     if (s->conn && s->conn->step_end) s->conn->step_end(s->conn_ctx, p, st);
+    if (s->drafter && s->drafter->step_done && st == TDM_OK)
+        s->drafter->step_done(s->drafter_ctx, p, run_ns);
     pthread_mutex_lock(&s->mmu);
     s->m.steps++;
     tdm_hist_observe(&s->m.batch_tokens, p->n_tokens);
@@ -486,6 +496,8 @@ void tdm_sched_destroy(tdm_sched_t *s)
     tdm_sched_engine_exec_destroy(s->engine_exec);
     free(s->running);
     free(s->pseqs);
+    free(s->drafts);
+    free(s->decodes);
     free(s->slots);
     free(s->want);
     free(s->srows);
@@ -507,11 +519,14 @@ void tdm_sched_set_connector(tdm_sched_t *s, const struct tdm_kv_connector_i *c,
     s->conn_ctx = ctx;
 }
 
-void tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_i *d, void *ctx, int k)
+tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_i *d, void *ctx,
+                                 int k_max)
 {
-    s->drafter = d && k > 0 ? d : NULL;
+    s->drafter = d && d->propose && k_max > 0 ? d : NULL;
     s->drafter_ctx = ctx;
-    s->draft_k = TDM_MIN(TDM_MAX(k, 0), s->o.max_batch_tokens - 1);
+    s->draft_k = TDM_MIN(TDM_MIN(TDM_MAX(k_max, 0), TDM_SPEC_MAX_K), s->o.max_batch_tokens - 1);
+    /* verification under penalties samples its rows on the host, from their logits */
+    return s->drafter ? tdm_sched_reserve_rows(s) : TDM_OK;
 }
 
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st)

@@ -41,6 +41,7 @@ struct tdm_req {
     int32_t stop_ids[TDM_MAX_STOP_IDS];
     int n_stop_ids;
     int fixed_chunk;
+    int spec_k; /* as submitted: 0 the scheduler's cap, > 0 a lower cap, < 0 none */
     void *user;
     struct tdm_sched *sched;
     _Atomic int remote; /* REMOTE_* */
@@ -50,7 +51,8 @@ struct tdm_req {
     int32_t *tokens; /* [n_prompt + max_tokens]: prompt, outputs, then this step's drafts */
     int n_tokens;    /* prompt + outputs (+ drafts) */
     int n_draft;     /* drafted tokens at the end of tokens (0 outside a step) */
-    int n_cached;    /* tokens whose KV is in kv */
+    struct tdm_draft_stats draft_stats;
+    int n_cached; /* tokens whose KV is in kv */
     struct tdm_kv_seq kv;
     struct tdm_sampler smp;
     int batch_slot; /* index in this step's plan, or -1 */
@@ -108,6 +110,8 @@ struct tdm_sched {
     const struct tdm_sched_drafter_i *drafter;
     void *drafter_ctx;
     int draft_k;
+    struct tdm_sched_draft *drafts; /* [max_seqs] this step's drafting batch */
+    struct tdm_req **decodes;       /* [max_seqs] this step's decoding requests */
     uint64_t n_steps;
 
     pthread_mutex_t mmu;

@@ -454,7 +454,8 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                                           "echo",
                                           "logit_bias",
                                           "suffix",
-                                          "skip_special_tokens"};
+                                          "skip_special_tokens",
+                                          "spec_k"};
     static const char *const known_chat[] = {"model",
                                              "messages",
                                              "max_tokens",
@@ -491,7 +492,8 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                                              "audio",
                                              "prediction",
                                              "reasoning_effort",
-                                             "skip_special_tokens"};
+                                             "skip_special_tokens",
+                                             "spec_k"};
     const char *const *known = chat ? known_chat : known_c;
     size_t n_known =
         chat ? sizeof known_chat / sizeof *known_chat : sizeof known_c / sizeof *known_c;
@@ -631,6 +633,11 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
     if ((v = json_object_get(root, "ignore_eos")) && !json_is_null(v)) {
         if (!get_bool(v, "ignore_eos", &b, err)) goto out;
         r->p.ignore_eos = b;
+    }
+    /* tandem's own: at most this many drafted tokens a step for this request (0: none) */
+    if ((v = json_object_get(root, "spec_k")) && !json_is_null(v)) {
+        if (!get_int(v, "spec_k", 0, TDM_SPEC_MAX_K, &x, err)) goto out;
+        r->p.spec_k = x == 0 ? -1 : (int)x;
     }
     if ((v = json_object_get(root, "min_tokens")) && !json_is_null(v)) {
         if (!get_int(v, "min_tokens", 0, r->p.max_tokens, &x, err)) goto out;

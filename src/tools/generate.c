@@ -10,7 +10,6 @@
  *
  * Threading: single-threaded driver; the engine fans out over its CPU thread pool.
  */
-#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,7 +41,11 @@ struct gen_opts {
     bool ignore_eos;
     bool batch_invariant;
     bool stats;
+    bool spec_stats;
     struct tdm_sampling_params sp;
+    struct tdm_tool_spec spec_cli;
+    struct tdm_spec_opts spec;
+    bool spec_on;
 };
 
 /* A running sequence: its tokens so far and the KV pages that hold them. */
@@ -90,70 +93,32 @@ static void usage(FILE *f, bool chat)
         "  --max-batch-tokens N    prefill chunk size (default 512)\n"
         "  --stats                 print timing to stderr\n",
         chat ? "chat" : "generate", MAX_STOPS);
+    if (chat) return;
+    tdm_tool_spec_usage(f);
+    fprintf(f, "  --spec-stats            at the end, one JSON line on stderr: drafted, accepted,\n"
+               "                          target_steps, tokens, tau, accept_by_position\n");
 }
 
-enum {
-    OPT_MODEL = 256,
-    OPT_PROMPT,
-    OPT_PROMPT_TOKENS,
-    OPT_CHAT,
-    OPT_SYSTEM,
-    OPT_MAX_TOKENS,
-    OPT_TEMPERATURE,
-    OPT_TOP_K,
-    OPT_TOP_P,
-    OPT_MIN_P,
-    OPT_REP,
-    OPT_PRES,
-    OPT_FREQ,
-    OPT_SEED,
-    OPT_STOP,
-    OPT_STOP_EOS,
-    OPT_IGNORE_EOS,
-    OPT_PRINT_IDS,
-    OPT_DUMP_LOGITS,
-    OPT_THREADS,
-    OPT_BATCH_INV,
-    OPT_PAGE_SIZE,
-    OPT_CTX,
-    OPT_MBT,
-    OPT_STATS,
-    OPT_BACKEND,
-    OPT_GPU_FRAC,
-    OPT_HELP
-};
+static bool chat_usage;
+static void usage_cb(FILE *f)
+{
+    usage(f, chat_usage);
+}
 
-static const struct option long_opts[] = {
-    {"model", required_argument, 0, OPT_MODEL},
-    {"prompt", required_argument, 0, OPT_PROMPT},
-    {"prompt-tokens", required_argument, 0, OPT_PROMPT_TOKENS},
-    {"chat", no_argument, 0, OPT_CHAT},
-    {"system", required_argument, 0, OPT_SYSTEM},
-    {"max-tokens", required_argument, 0, OPT_MAX_TOKENS},
-    {"temperature", required_argument, 0, OPT_TEMPERATURE},
-    {"top-k", required_argument, 0, OPT_TOP_K},
-    {"top-p", required_argument, 0, OPT_TOP_P},
-    {"min-p", required_argument, 0, OPT_MIN_P},
-    {"repetition-penalty", required_argument, 0, OPT_REP},
-    {"presence-penalty", required_argument, 0, OPT_PRES},
-    {"frequency-penalty", required_argument, 0, OPT_FREQ},
-    {"seed", required_argument, 0, OPT_SEED},
-    {"stop", required_argument, 0, OPT_STOP},
-    {"stop-at-eos", no_argument, 0, OPT_STOP_EOS},
-    {"ignore-eos", no_argument, 0, OPT_IGNORE_EOS},
-    {"print-token-ids", no_argument, 0, OPT_PRINT_IDS},
-    {"dump-logits", required_argument, 0, OPT_DUMP_LOGITS},
-    {"threads", required_argument, 0, OPT_THREADS},
-    {"batch-invariant", no_argument, 0, OPT_BATCH_INV},
-    {"page-size", required_argument, 0, OPT_PAGE_SIZE},
-    {"ctx", required_argument, 0, OPT_CTX},
-    {"max-batch-tokens", required_argument, 0, OPT_MBT},
-    {"stats", no_argument, 0, OPT_STATS},
-    {"backend", required_argument, 0, OPT_BACKEND},
-    {"gpu-memory-fraction", required_argument, 0, OPT_GPU_FRAC},
-    {"help", no_argument, 0, OPT_HELP},
-    {0, 0, 0, 0},
+struct stop_list {
+    const char **v;
+    int *n;
 };
+static bool opt_stop(const char *arg, void *dst)
+{
+    struct stop_list *l = dst;
+    if (*l->n == MAX_STOPS) {
+        fprintf(stderr, "--stop: at most %d stop strings\n", MAX_STOPS);
+        return false;
+    }
+    l->v[(*l->n)++] = arg;
+    return true;
+}
 
 /* Returns 0 to go on, or an exit code (0 for --help handled, 2 for usage errors) + 100. */
 static int parse_opts(int argc, char **argv, bool chat, struct gen_opts *o)
@@ -161,122 +126,59 @@ static int parse_opts(int argc, char **argv, bool chat, struct gen_opts *o)
     memset(o, 0, sizeof *o);
     o->max_tokens = 256;
     o->sp = tdm_sampling_defaults();
-    int c;
-    int64_t iv;
-    double fv;
-    optind = 1;
-    opterr = 0;
-    while ((c = getopt_long(argc, argv, "", long_opts, NULL)) != -1) {
-        switch (c) {
-        case OPT_MODEL:
-            o->model = optarg;
-            break;
-        case OPT_PROMPT:
-            o->prompt = optarg;
-            break;
-        case OPT_PROMPT_TOKENS:
-            o->prompt_tokens = optarg;
-            break;
-        case OPT_CHAT:
-            o->chat = true;
-            break;
-        case OPT_SYSTEM:
-            o->system = optarg;
-            break;
-        case OPT_MAX_TOKENS:
-            if (!tdm_tool_int("max-tokens", optarg, 1, 1 << 24, &o->max_tokens)) return 102;
-            break;
-        case OPT_TEMPERATURE:
-            if (!tdm_tool_float("temperature", optarg, 0, 100, &fv)) return 102;
-            o->sp.temperature = (float)fv;
-            break;
-        case OPT_TOP_K:
-            if (!tdm_tool_int("top-k", optarg, 0, 1 << 24, &iv)) return 102;
-            o->sp.top_k = (int)iv;
-            break;
-        case OPT_TOP_P:
-            if (!tdm_tool_float("top-p", optarg, 1e-9, 1, &fv)) return 102;
-            o->sp.top_p = (float)fv;
-            break;
-        case OPT_MIN_P:
-            if (!tdm_tool_float("min-p", optarg, 0, 1, &fv)) return 102;
-            o->sp.min_p = (float)fv;
-            break;
-        case OPT_REP:
-            if (!tdm_tool_float("repetition-penalty", optarg, 1e-6, 100, &fv)) return 102;
-            o->sp.repetition_penalty = (float)fv;
-            break;
-        case OPT_PRES:
-            if (!tdm_tool_float("presence-penalty", optarg, -2, 2, &fv)) return 102;
-            o->sp.presence_penalty = (float)fv;
-            break;
-        case OPT_FREQ:
-            if (!tdm_tool_float("frequency-penalty", optarg, -2, 2, &fv)) return 102;
-            o->sp.frequency_penalty = (float)fv;
-            break;
-        case OPT_SEED:
-            if (!tdm_tool_int("seed", optarg, 0, INT64_MAX, &iv)) return 102;
-            o->sp.seed = (uint64_t)iv;
-            break;
-        case OPT_STOP:
-            if (o->n_stops == MAX_STOPS) {
-                fprintf(stderr, "tandem: at most %d --stop strings\n", MAX_STOPS);
-                return 102;
-            }
-            o->stops[o->n_stops++] = optarg;
-            break;
-        case OPT_STOP_EOS:
-            o->stop_at_eos = true;
-            break;
-        case OPT_IGNORE_EOS:
-            o->ignore_eos = true;
-            break;
-        case OPT_PRINT_IDS:
-            o->print_ids = true;
-            break;
-        case OPT_DUMP_LOGITS:
-            o->dump_logits = optarg;
-            break;
-        case OPT_THREADS:
-            if (!tdm_tool_int("threads", optarg, 1, 1024, &o->threads)) return 102;
-            break;
-        case OPT_BATCH_INV:
-            o->batch_invariant = true;
-            break;
-        case OPT_PAGE_SIZE:
-            if (!tdm_tool_int("page-size", optarg, 1, 1024, &o->page_size)) return 102;
-            break;
-        case OPT_CTX:
-            if (!tdm_tool_int("ctx", optarg, 1, 1 << 24, &o->ctx)) return 102;
-            break;
-        case OPT_MBT:
-            if (!tdm_tool_int("max-batch-tokens", optarg, 1, 1 << 16, &o->max_batch_tokens))
-                return 102;
-            break;
-        case OPT_BACKEND:
-            if (strcmp(optarg, "cpu") && strcmp(optarg, "cuda")) {
-                fprintf(stderr, "tandem: --backend is cpu or cuda\n");
-                return 102;
-            }
-            o->backend_kind = strcmp(optarg, "cuda") ? TDM_BACKEND_CPU : TDM_BACKEND_CUDA;
-            break;
-        case OPT_GPU_FRAC:
-            if (!tdm_tool_float("gpu-memory-fraction", optarg, 0.05, 1.0, &o->gpu_frac)) return 102;
-            break;
-        case OPT_STATS:
-            o->stats = true;
-            break;
-        case OPT_HELP:
-            usage(stdout, chat);
-            return 100;
-        default:
-            fprintf(stderr, "tandem: unknown or incomplete option '%s'\n", argv[optind - 1]);
-            usage(stderr, chat);
-            return 102;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, "tandem: unexpected argument '%s'\n", argv[optind]);
+    double temp = o->sp.temperature, top_p = o->sp.top_p, min_p = o->sp.min_p;
+    double rep = o->sp.repetition_penalty, pres = o->sp.presence_penalty,
+           freq = o->sp.frequency_penalty;
+    int64_t top_k = o->sp.top_k, seed = (int64_t)o->sp.seed;
+    struct stop_list stops = {o->stops, &o->n_stops};
+    const struct tdm_opt own[] = {
+        TDM_OPT_S("model", &o->model),
+        TDM_OPT_S("prompt", &o->prompt),
+        TDM_OPT_S("prompt-tokens", &o->prompt_tokens),
+        TDM_OPT_B("chat", &o->chat),
+        TDM_OPT_S("system", &o->system),
+        TDM_OPT_I("max-tokens", &o->max_tokens, 1, 1 << 24),
+        TDM_OPT_F("temperature", &temp, 0, 100),
+        TDM_OPT_I("top-k", &top_k, 0, 1 << 24),
+        TDM_OPT_F("top-p", &top_p, 1e-9, 1),
+        TDM_OPT_F("min-p", &min_p, 0, 1),
+        TDM_OPT_F("repetition-penalty", &rep, 1e-6, 100),
+        TDM_OPT_F("presence-penalty", &pres, -2, 2),
+        TDM_OPT_F("frequency-penalty", &freq, -2, 2),
+        TDM_OPT_I("seed", &seed, 0, 9007199254740992.0), /* 2^53: exact as a double */
+        TDM_OPT_P("stop", opt_stop, &stops),
+        TDM_OPT_B("stop-at-eos", &o->stop_at_eos),
+        TDM_OPT_B("ignore-eos", &o->ignore_eos),
+        TDM_OPT_B("print-token-ids", &o->print_ids),
+        TDM_OPT_S("dump-logits", &o->dump_logits),
+        TDM_OPT_I("threads", &o->threads, 1, 1024),
+        TDM_OPT_B("batch-invariant", &o->batch_invariant),
+        TDM_OPT_I("page-size", &o->page_size, 1, 1024),
+        TDM_OPT_I("ctx", &o->ctx, 1, 1 << 24),
+        TDM_OPT_I("max-batch-tokens", &o->max_batch_tokens, 1, 1 << 16),
+        TDM_OPT_B("stats", &o->stats),
+        TDM_OPT_P("backend", tdm_tool_opt_backend, &o->backend_kind),
+        TDM_OPT_F("gpu-memory-fraction", &o->gpu_frac, 0.05, 1.0),
+        TDM_OPT_B("spec-stats", &o->spec_stats),
+        TDM_OPT_END,
+    };
+    struct tdm_opt spec[TDM_TOOL_SPEC_OPTS];
+    tdm_tool_spec_table(&o->spec_cli, spec);
+    const struct tdm_opt *const tables[] = {own, chat ? NULL : spec, NULL};
+    chat_usage = chat;
+    int prc = tdm_tool_parse(chat ? "chat" : "generate", argc, argv, tables, usage_cb);
+    if (prc) return prc == 1 ? 100 : 102;
+    o->sp.temperature = (float)temp;
+    o->sp.top_p = (float)top_p;
+    o->sp.min_p = (float)min_p;
+    o->sp.repetition_penalty = (float)rep;
+    o->sp.presence_penalty = (float)pres;
+    o->sp.frequency_penalty = (float)freq;
+    o->sp.top_k = (int)top_k;
+    o->sp.seed = (uint64_t)seed;
+    if (!chat && !tdm_tool_spec_opts(&o->spec_cli, &o->spec, &o->spec_on)) return 102;
+    if (chat && o->spec_stats) {
+        fprintf(stderr, "tandem: --spec-stats is for generate\n");
         return 102;
     }
     if (o->prompt && o->prompt_tokens) {
@@ -301,13 +203,14 @@ static tdm_status gen_init(struct gen *g, const struct tdm_model *m, const struc
         .max_ctx = (int)o->ctx,
         .max_batch_tokens = (int)o->max_batch_tokens,
         .max_seqs = 1,
-        .max_logit_rows = 1,
+        .max_logit_rows = 1 + (o->spec_on ? TDM_SPEC_MAX_K : 0), /* a verified span's rows */
         .backend_kind = o->backend_kind,
         .gpu_memory_fraction = o->gpu_frac,
     };
     if (!eo.max_ctx && m->cfg.max_ctx > 0) eo.max_ctx = m->cfg.max_ctx;
     int ps = eo.page_size ? eo.page_size : 16;
-    eo.kv_pages = ((eo.max_ctx ? eo.max_ctx : 4096) + ps - 1) / ps;
+    /* the context, plus room for a step's drafts past its end */
+    eo.kv_pages = ((eo.max_ctx ? eo.max_ctx : 4096) + TDM_SPEC_MAX_K + ps - 1) / ps + 1;
     tdm_status st = tdm_engine_create(m, &eo, &g->engine);
     if (st != TDM_OK) return st;
     g->cap = tdm_engine_opts(g->engine)->max_ctx;
@@ -429,6 +332,99 @@ static tdm_status gen_run(struct gen *g, const struct gen_opts *o, bool text_mod
 out_sampler:
     tdm_sampler_free(&smp);
     return st;
+}
+
+/* generate: the request through the scheduler, driven step by step on this thread (the
+ * scheduler that serves HTTP, so speculation and everything else behave the same); tokens
+ * or text are printed as they come. Returns the exit code. */
+static int gen_sched(struct gen *g, const struct gen_opts *o, bool text_mode, const int32_t *ids,
+                     int n)
+{
+    const struct tdm_engine_opts *eo = tdm_engine_opts(g->engine);
+    int room = eo->max_ctx - n;
+    if (room < 1) {
+        fprintf(stderr, "tandem: the prompt (%d tokens) fills the context of %d\n", n, eo->max_ctx);
+        return 2;
+    }
+    struct tdm_sched_opts so = {.max_batch_tokens = eo->max_batch_tokens, .max_seqs = 1};
+    tdm_sched_t *s = NULL;
+    tdm_spec_t *sp = NULL;
+    tdm_req_t *r = NULL;
+    tdm_req_reader_t *rd = NULL;
+    int rc = 1;
+    if (tdm_sched_create(g->engine, g->tok, &so, &s) != TDM_OK) {
+        tdm_tool_fail("scheduler");
+        return 1;
+    }
+    if (o->spec_on && !(sp = tdm_tool_spec_attach("tandem generate", &o->spec, g->engine, s))) {
+        rc = 2;
+        goto out;
+    }
+    bool text_out = !o->print_ids;
+    struct tdm_req_params rp = {.prompt = ids,
+                                .n_prompt = n,
+                                .max_tokens = (int)TDM_MIN(o->max_tokens, room),
+                                .ignore_eos = text_mode ? o->ignore_eos : !o->stop_at_eos,
+                                .sampling = o->sp,
+                                .top_logprobs = -1};
+    if (tdm_sched_submit(s, &rp, &r) != TDM_OK) {
+        tdm_tool_fail("request");
+        rc = 2;
+        goto out;
+    }
+    bool use_stops = text_mode && text_out;
+    if (tdm_req_reader_create(text_out ? g->tok : NULL, o->stops, use_stops ? o->n_stops : 0,
+                              rp.max_tokens, -1, &rd) != TDM_OK) {
+        tdm_tool_fail("--stop");
+        rc = 2;
+        goto out;
+    }
+    struct tdm_req_view v = {0};
+    int printed = 0;
+    size_t shown = 0;
+    for (;;) {
+        bool ran = tdm_sched_step(s);
+        tdm_req_reader_update(rd, r, &v);
+        if (text_out) {
+            fwrite(v.text + shown, 1, v.text_len - shown, stdout);
+            shown = v.text_len;
+        } else {
+            for (; printed < v.n_out; printed++)
+                printf(printed ? " %d" : "%d", v.tokens[printed]);
+        }
+        fflush(stdout);
+        if (v.finish != TDM_FINISH_NONE) break;
+        if (!ran && tdm_req_state(r) != TDM_REQ_FINISHED) {
+            fprintf(stderr, "tandem: generation: the scheduler cannot run the request\n");
+            goto out;
+        }
+    }
+    printf("\n");
+    if (v.finish == TDM_FINISH_ERROR) {
+        fprintf(stderr, "tandem: generation: %s\n", v.error_msg);
+        goto out;
+    }
+    g->n_prefilled = n;
+    g->prefill_s = (double)(v.t_first_ns - v.t_submit_ns) * 1e-9;
+    g->n_decoded = v.n_out;
+    g->decode_s = (double)(v.t_end_ns - v.t_first_ns) * 1e-9;
+    if (o->spec_stats) {
+        struct tdm_spec_stats st = {0};
+        if (sp) tdm_spec_get_stats(sp, &st);
+        if (!sp) { /* no speculation: every decode step is one token */
+            st.target_steps = st.tokens = (uint64_t)TDM_MAX(v.n_out - 1, 0);
+        }
+        char json[1024];
+        tdm_spec_stats_json(&st, json, sizeof json);
+        fprintf(stderr, "%s\n", json);
+    }
+    rc = 0;
+out:
+    tdm_req_reader_destroy(rd);
+    if (r) tdm_req_release(r);
+    tdm_sched_destroy(s);
+    tdm_spec_destroy(sp);
+    return rc;
 }
 
 static char *read_stdin(void)
@@ -601,20 +597,23 @@ int tdm_cmd_generate(int argc, char **argv)
             rc = 2;
             goto out_gen;
         }
-    if (feed_prompt(&g, ids, n) != TDM_OK) {
-        tdm_tool_fail("prompt");
-        rc = tdm_err_msg()[0] && n > g.cap ? 2 : 1;
+    if (n >= g.cap) {
+        fprintf(stderr, "tandem: prompt: %d tokens do not fit the context of %d\n", n, g.cap);
+        rc = 2;
         goto out_gen;
     }
-    if (o.dump_logits && write_logits(o.dump_logits, g.logits, m->cfg.vocab_size) != 0)
-        goto out_gen;
-    if (gen_run(&g, &o, text_mode, 0, NULL, NULL) != TDM_OK) {
-        tdm_tool_fail("generation");
-        goto out_gen;
+    if (o.dump_logits) { /* the prompt's last logits, from a pass of its own */
+        if (feed_prompt(&g, ids, n) != TDM_OK) {
+            tdm_tool_fail("prompt");
+            goto out_gen;
+        }
+        if (write_logits(o.dump_logits, g.logits, m->cfg.vocab_size) != 0) goto out_gen;
+        tdm_kv_seq_release(tdm_engine_kv(g.engine), &g.kv);
+        g.n_cached = 0;
     }
-    printf("\n");
+    rc = gen_sched(&g, &o, text_mode, ids, n);
+    if (rc) goto out_gen;
     if (o.stats) print_stats(&g);
-    rc = 0;
 out_gen:
     gen_free(&g);
     tdm_chat_template_clear(&tmpl);

@@ -105,3 +105,102 @@ sigset_t tdm_tool_block_shutdown_signals(void)
     signal(SIGPIPE, SIG_IGN);
     return sigs;
 }
+
+bool tdm_tool_opt_backend(const char *arg, void *dst)
+{
+    if (!strcmp(arg, "cuda") || !strcmp(arg, "cpu")) {
+        *(int *)dst = !strcmp(arg, "cuda") ? TDM_BACKEND_CUDA : TDM_BACKEND_CPU;
+        return true;
+    }
+    fprintf(stderr, "--backend: '%s' is not cpu or cuda\n", arg);
+    return false;
+}
+
+/* ---- speculation ---- */
+void tdm_tool_spec_usage(FILE *f)
+{
+    fprintf(f,
+            "speculative decoding:\n"
+            "  --spec none|draft|self|mtp|eagle  the drafter (default none)\n"
+            "  --spec-draft PATH       the draft checkpoint or head (draft, mtp, eagle)\n"
+            "  --spec-self-layers N    self: the target's first N layers draft (default: a "
+            "quarter;\n"
+            "                          all of them is the model drafting for itself)\n"
+            "  --spec-k auto|K         drafts per step: auto (adaptive, at most %d) or exactly "
+            "K; 0 is off\n"
+            "  --spec-accept exact|rejection  exact keeps the output bit-identical (default)\n",
+            TDM_SPEC_AUTO_K);
+}
+void tdm_tool_spec_table(struct tdm_tool_spec *c, struct tdm_opt out[TDM_TOOL_SPEC_OPTS])
+{
+    struct tdm_opt t[TDM_TOOL_SPEC_OPTS] = {
+        TDM_OPT_S("spec", &c->method),
+        TDM_OPT_S("spec-draft", &c->draft),
+        TDM_OPT_I("spec-self-layers", &c->self_layers, 1, 1 << 16),
+        TDM_OPT_S("spec-k", &c->k),
+        TDM_OPT_S("spec-accept", &c->accept),
+        TDM_OPT_END,
+    };
+    memcpy(out, t, sizeof t);
+}
+
+bool tdm_tool_spec_opts(const struct tdm_tool_spec *c, struct tdm_spec_opts *o, bool *on)
+{
+    *o = (struct tdm_spec_opts){.method = TDM_SPEC_NONE};
+    *on = false;
+    bool off = false;
+    if ((c->method && tdm_spec_method_parse(c->method, &o->method) != TDM_OK) ||
+        (c->accept && tdm_spec_accept_parse(c->accept, &o->accept) != TDM_OK) ||
+        (c->k && tdm_spec_k_parse(c->k, &o->k, &off) != TDM_OK)) {
+        fprintf(stderr, "%s\n", tdm_err_msg());
+        return false;
+    }
+    bool given = c->draft || c->self_layers || c->k || c->accept;
+    if (o->method == TDM_SPEC_NONE) {
+        if (given && c->method) {
+            fprintf(stderr, "--spec none takes no other --spec-* option\n");
+            return false;
+        }
+        if (given) {
+            fprintf(stderr, "the --spec-* options need --spec (draft, self, mtp or eagle)\n");
+            return false;
+        }
+        return true;
+    }
+    if (c->self_layers && o->method != TDM_SPEC_SELF) {
+        fprintf(stderr, "--spec-self-layers is for --spec self\n");
+        return false;
+    }
+    bool needs_path = o->method != TDM_SPEC_SELF;
+    if (needs_path && !c->draft) {
+        fprintf(stderr, "--spec %s needs --spec-draft PATH\n", tdm_spec_method_name(o->method));
+        return false;
+    }
+    if (!needs_path && c->draft) {
+        fprintf(stderr, "--spec-draft is for --spec draft, mtp or eagle\n");
+        return false;
+    }
+    o->draft_path = c->draft;
+    o->self_layers = (int)c->self_layers;
+    *on = !off;
+    return true;
+}
+
+tdm_spec_t *tdm_tool_spec_attach(const char *who, const struct tdm_spec_opts *o, tdm_engine_t *e,
+                                 tdm_sched_t *s)
+{
+    tdm_spec_t *sp = NULL;
+    if (tdm_spec_create(e, o, &sp) != TDM_OK) {
+        fprintf(stderr, "%s: speculation: %s\n", who, tdm_err_msg());
+        return NULL;
+    }
+    if (tdm_spec_attach(sp, s) != TDM_OK) {
+        fprintf(stderr, "%s: speculation: %s\n", who, tdm_err_msg());
+        tdm_spec_destroy(sp);
+        return NULL;
+    }
+    char d[160];
+    tdm_spec_describe(sp, d, sizeof d);
+    fprintf(stderr, "%s: speculation: %s\n", who, d);
+    return sp;
+}

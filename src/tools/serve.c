@@ -59,6 +59,7 @@ static void usage(FILE *f)
         "  --remote-timeout-ms N   decode: one remote prefill's deadline (default 30000)\n"
         "  --remote-attempts N     decode: peers tried per request before prefilling here (2)\n"
         "  --peer-timeout-ms N     a silent fabric peer is declared dead after this (2000)\n");
+    tdm_tool_spec_usage(f);
 }
 
 static bool parse_size(const char *s, size_t *out)
@@ -145,16 +146,6 @@ static bool opt_kv_memory(const char *arg, void *dst)
     return false;
 }
 
-static bool opt_backend(const char *arg, void *dst)
-{
-    if (!strcmp(arg, "cuda") || !strcmp(arg, "cpu")) {
-        *(int *)dst = !strcmp(arg, "cuda") ? TDM_BACKEND_CUDA : TDM_BACKEND_CPU;
-        return true;
-    }
-    fprintf(stderr, "--backend: '%s' is not cpu or cuda\n", arg);
-    return false;
-}
-
 static bool opt_role(const char *arg, void *dst)
 {
     if (!strcmp(arg, "both") || !strcmp(arg, "prefill") || !strcmp(arg, "decode")) {
@@ -163,6 +154,28 @@ static bool opt_role(const char *arg, void *dst)
     }
     fprintf(stderr, "--role: '%s' is not both, prefill or decode\n", arg);
     return false;
+}
+
+/* /metrics blocks beyond the scheduler's: the disaggregation side's and speculation's. */
+struct extra_metrics_ctx {
+    tdm_disagg_prefill_t *pre;
+    tdm_disagg_decode_t *dec;
+    tdm_spec_t *spec;
+};
+static char *extra_metrics(void *ctx)
+{
+    struct extra_metrics_ctx *x = ctx;
+    char *parts[2] = {x->pre   ? tdm_disagg_prefill_metrics(x->pre)
+                      : x->dec ? tdm_disagg_decode_metrics(x->dec)
+                               : NULL,
+                      x->spec ? tdm_spec_metrics(x->spec) : NULL};
+    struct tdm_sbuf b = {0};
+    for (int i = 0; i < 2; i++) {
+        if (parts[i]) tdm_sbuf_printf(&b, "%s", parts[i]);
+        free(parts[i]);
+    }
+    char *out = tdm_sbuf_take(&b);
+    return out ? out : calloc(1, 1);
 }
 
 int tdm_cmd_serve(int argc, char **argv)
@@ -184,6 +197,9 @@ int tdm_cmd_serve(int argc, char **argv)
     double gpu_frac = 0.9;
     struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
     tdm_tool_http_table(&h, http);
+    struct tdm_tool_spec spec_cli = {0};
+    struct tdm_opt spec_t[TDM_TOOL_SPEC_OPTS];
+    tdm_tool_spec_table(&spec_cli, spec_t);
     const struct tdm_opt own[] = {
         TDM_OPT_S("model", &model),
         TDM_OPT_S("served-model-name", &name),
@@ -197,7 +213,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("max-ctx", &ctx, 2, 1 << 24),
         TDM_OPT_I("threads", &threads, 1, 1024),
         TDM_OPT_B("batch-invariant", &inv),
-        TDM_OPT_P("backend", opt_backend, &backend_kind),
+        TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind),
         TDM_OPT_F("gpu-memory-fraction", &gpu_frac, 0.05, 1.0),
         TDM_OPT_P("role", opt_role, &role),
         TDM_OPT_S("prefill-peers", &peers_arg),
@@ -210,9 +226,12 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("peer-timeout-ms", &peer_timeout, 100, 600000),
         TDM_OPT_END,
     };
-    const struct tdm_opt *const tables[] = {http, own, NULL};
+    const struct tdm_opt *const tables[] = {http, own, spec_t, NULL};
     int prc = tdm_tool_parse("serve", argc, argv, tables, usage);
     if (prc) return prc == 1 ? 0 : 2;
+    struct tdm_spec_opts spec_o;
+    bool spec_on = false;
+    if (!tdm_tool_spec_opts(&spec_cli, &spec_o, &spec_on)) return 2;
     const char *host = h.host, *port_file = h.port_file, *api_key = h.api_key;
     int64_t port = h.port, max_body = h.max_body, drain = h.drain_s;
     bool is_prefill = !strcmp(role, "prefill"), is_decode = !strcmp(role, "decode");
@@ -230,6 +249,11 @@ int tdm_cmd_serve(int argc, char **argv)
                 "messenger moves host-memory pages (GPU pages need the CUDA IPC transport "
                 "or host staging)\n",
                 role);
+        return 2;
+    }
+    if (is_prefill && spec_on) {
+        fprintf(stderr, "tandem serve: --spec is for the decoding side (--role both or decode); "
+                        "a prefill node samples no tokens\n");
         return 2;
     }
     if (!is_prefill && addr_file) {
@@ -264,6 +288,7 @@ int tdm_cmd_serve(int argc, char **argv)
     tdm_tok_t *tok = tdm_tool_load_tokenizer(m, false);
     tdm_engine_t *e = NULL;
     tdm_sched_t *sched = NULL;
+    tdm_spec_t *spec = NULL;
     tdm_server_t *srv = NULL;
     struct tdm_chat_template tmpl = {0};
     bool have_chat = false;
@@ -279,18 +304,20 @@ int tdm_cmd_serve(int argc, char **argv)
         rc = 2;
         goto out_tok;
     }
-    struct tdm_engine_opts eo = {.n_threads = (int)threads,
-                                 .batch_invariant = inv,
-                                 .page_size = (int)page,
-                                 .kv_pages = pages,
-                                 .kv_bytes = kv_bytes,
-                                 .max_ctx = (int)ctx,
-                                 .max_batch_tokens = (int)mbt,
-                                 .max_seqs = (int)seqs,
-                                 .max_logit_rows = (int)seqs,
-                                 .count_layers = is_prefill,
-                                 .backend_kind = backend_kind,
-                                 .gpu_memory_fraction = gpu_frac};
+    struct tdm_engine_opts eo = {
+        .n_threads = (int)threads,
+        .batch_invariant = inv,
+        .page_size = (int)page,
+        .kv_pages = pages,
+        .kv_bytes = kv_bytes,
+        .max_ctx = (int)ctx,
+        .max_batch_tokens = (int)mbt,
+        .max_seqs = (int)seqs,
+        /* a verified span has a row per draft, plus one */
+        .max_logit_rows = spec_on ? (int)TDM_MIN(mbt, seqs * (1 + TDM_SPEC_AUTO_K)) : (int)seqs,
+        .count_layers = is_prefill,
+        .backend_kind = backend_kind,
+        .gpu_memory_fraction = gpu_frac};
     if (tdm_engine_create(m, &eo, &e) != TDM_OK) {
         tdm_tool_fail("engine");
         goto out_tok;
@@ -302,6 +329,10 @@ int tdm_cmd_serve(int argc, char **argv)
     if (tdm_sched_create(e, tok, &so, &sched) != TDM_OK) {
         tdm_tool_fail("scheduler");
         goto out_engine;
+    }
+    if (spec_on && !(spec = tdm_tool_spec_attach("tandem serve", &spec_o, e, sched))) {
+        rc = 2;
+        goto out_sched;
     }
     if (is_prefill) {
         struct tdm_disagg_prefill_opts po = {
@@ -325,16 +356,15 @@ int tdm_cmd_serve(int argc, char **argv)
         const char *slash = strrchr(name, '/');
         if (slash && slash[1]) name = slash + 1;
     }
+    struct extra_metrics_ctx xm = {.pre = pre, .dec = dec, .spec = spec};
     struct tdm_server_opts sv = {.host = host,
                                  .port = (int)port,
                                  .api_key = api_key,
                                  .model_name = name,
                                  .max_body = (size_t)max_body,
                                  .no_generate = is_prefill,
-                                 .extra_metrics = is_prefill  ? tdm_disagg_prefill_metrics
-                                                  : is_decode ? tdm_disagg_decode_metrics
-                                                              : NULL,
-                                 .extra_metrics_ctx = is_prefill ? (void *)pre : (void *)dec};
+                                 .extra_metrics = extra_metrics,
+                                 .extra_metrics_ctx = &xm};
     struct tdm_server_model smod = {
         .tok = tok, .chat = have_chat ? &tmpl : NULL, .add_bos = tdm_tok_adds_bos(tok)};
     if (tdm_server_start(&sv, sched, &smod, &srv) != TDM_OK) {
@@ -357,6 +387,14 @@ int tdm_cmd_serve(int argc, char **argv)
             "%d seqs\n",
             name, ef->max_ctx, (long long)ks.total, ef->page_size, ef->max_batch_tokens,
             ef->max_seqs);
+    if (spec) { /* what verification holds, reserved before the KV pool was sized */
+        double mib = (double)ef->max_logit_rows * m->cfg.vocab_size * sizeof(float) / 1048576.0;
+        fprintf(stderr,
+                "tandem serve: speculation: %d verify rows: %.1f MiB of logits in the engine, "
+                "%.1f MiB of host rows; no draft weights or KV of its own\n",
+                ef->max_logit_rows, mib,
+                mib + (double)ef->max_logit_rows * m->cfg.d_model * sizeof(float) / 1048576.0);
+    }
     tdm_server_set_ready(srv, true);
     fprintf(stderr, "tandem serve: listening on http://%s:%d\n", host, tdm_server_port(srv));
     if (port_file) {
@@ -384,6 +422,7 @@ out_disagg:
     tdm_disagg_decode_destroy(dec);
 out_sched:
     tdm_sched_destroy(sched);
+    tdm_spec_destroy(spec);
 out_engine:
     tdm_engine_destroy(e);
 out_tok:

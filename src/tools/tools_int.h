@@ -14,6 +14,8 @@
 #include "tandem/engine.h"
 #include "tandem/model.h"
 #include "tandem/sample.h"
+#include "tandem/sched.h"
+#include "tandem/spec.h"
 #include "tandem/tok.h"
 
 int tdm_cmd_generate(int argc, char **argv);
@@ -92,6 +94,24 @@ struct tdm_tool_http {
 };
 #define TDM_TOOL_HTTP_OPTS 7 /* entries of the table, its end included */
 void tdm_tool_http_table(struct tdm_tool_http *h, struct tdm_opt out[TDM_TOOL_HTTP_OPTS]);
+/* --backend cpu|cuda into an int (enum tdm_backend_kind). */
+bool tdm_tool_opt_backend(const char *arg, void *dst);
+/* The speculation options that generate, serve and bench share: --spec, --spec-draft,
+ * --spec-self-layers, --spec-k, --spec-accept. */
+struct tdm_tool_spec {
+    const char *method, *draft, *k, *accept;
+    int64_t self_layers;
+};
+#define TDM_TOOL_SPEC_OPTS 6 /* entries of the table, its end included */
+void tdm_tool_spec_table(struct tdm_tool_spec *c, struct tdm_opt out[TDM_TOOL_SPEC_OPTS]);
+void tdm_tool_spec_usage(FILE *f); /* their usage lines */
+/* Turns the parsed strings into options. *on is false for --spec none or --spec-k 0. Prints
+ * why and returns false on a bad value or a combination that makes no sense. */
+bool tdm_tool_spec_opts(const struct tdm_tool_spec *c, struct tdm_spec_opts *o, bool *on);
+/* Creates the drafter for an engine and installs it on the scheduler; prints what it is under
+ * `who` ("tandem serve"). NULL after printing why. */
+tdm_spec_t *tdm_tool_spec_attach(const char *who, const struct tdm_spec_opts *o, tdm_engine_t *e,
+                                 tdm_sched_t *s);
 /* Blocks SIGTERM and SIGINT in the calling thread (call before any thread starts, so that all
  * inherit the mask; the main thread then takes them with sigwait) and ignores SIGPIPE. Returns
  * the set to wait on. */

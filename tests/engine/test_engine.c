@@ -373,13 +373,51 @@ static void test_rope_llama3(void **s)
     assert_true(fabs(f[3] - 1.0 / pow(500000.0, 0.75) / 8) < 1e-9);
 }
 
+/* An early-exit pass (out.n_layers = N) gives what a model of those N layers gives: the same
+ * logits and hidden states bit for bit, on a second engine over a model that holds only the
+ * first N layers (the same weights); and 0 or more layers than the model are refused or mean
+ * "all". */
+static void test_early_exit(void **s)
+{
+    (void)s;
+    struct tdm_model m;
+    make_model(&m, TDM_DTYPE_F32, TDM_ARCH_LLAMA);
+    assert_true(NL >= 2);
+    struct tdm_model cut = m;
+    cut.cfg.n_layers = 1;
+    tdm_engine_t *e = make_engine(&m, 1, false), *e1 = make_engine(&cut, 1, false);
+    int32_t pages[6] = {0, 1, 2, 3, 4, 5}, t[9];
+    for (int i = 0; i < 9; i++)
+        t[i] = (i * 7 + 3) % VOCAB;
+    struct tdm_batch_seq q = {
+        .tokens = t, .n_tokens = 9, .pages = pages, .n_pages = 6, .n_logits = 3};
+    struct tdm_batch b = {&q, 1};
+    float lg[3 * VOCAB], ref[3 * VOCAB], hid[3 * 64], ref_h[3 * 64], full[3 * VOCAB];
+    assert_int_equal(tdm_engine_forward(e1, &b, ref, ref_h), TDM_OK);
+    struct tdm_engine_out out = {.logits = lg, .hidden = hid, .n_layers = 1};
+    assert_int_equal(tdm_engine_run(e, &b, &out), TDM_OK);
+    assert_memory_equal(lg, ref, sizeof(lg));
+    assert_memory_equal(hid, ref_h, (size_t)3 * m.cfg.d_model * sizeof(float));
+    /* the full pass differs (it has more layers), and n_layers = NL is the full pass */
+    assert_int_equal(tdm_engine_forward(e, &b, full, NULL), TDM_OK);
+    assert_memory_not_equal(full, ref, sizeof(full));
+    out = (struct tdm_engine_out){.logits = lg, .n_layers = NL};
+    assert_int_equal(tdm_engine_run(e, &b, &out), TDM_OK);
+    assert_memory_equal(lg, full, sizeof(lg));
+    out.n_layers = NL + 1;
+    assert_int_equal(tdm_engine_run(e, &b, &out), TDM_EINVAL);
+    tdm_engine_destroy(e);
+    tdm_engine_destroy(e1);
+    free_model();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_invariance_f32),     cmocka_unit_test(test_invariance_bf16_qwen2),
         cmocka_unit_test(test_invariance_qwen3),   cmocka_unit_test(test_validation),
         cmocka_unit_test(test_rope_llama3),        cmocka_unit_test(test_forward_sample_host),
-        cmocka_unit_test(test_run_rows_and_slots),
+        cmocka_unit_test(test_run_rows_and_slots), cmocka_unit_test(test_early_exit),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -564,30 +564,41 @@ struct fake_drafter {
     const int32_t *prompt;
     int n_prompt;
     int right; /* this many proposals are right, the rest wrong */
-    int proposed, accepted, calls;
+    int proposed, accepted, calls, steps, published;
 };
 
-static int drafter_propose(void *ctx, tdm_req_t *r, const int32_t *tokens, int n, int k,
-                           int32_t *out)
+static void drafter_propose(void *ctx, struct tdm_sched_draft *dr, int n, int base_tokens)
 {
     struct fake_drafter *d = ctx;
-    (void)r;
-    int32_t ref[MAX_CTX];
-    reference(tokens, n, k, ref);
-    for (int i = 0; i < k; i++)
-        out[i] = i < d->right ? ref[i] : (ref[i] + 1) % VOCAB;
+    assert_true(n >= 1 && base_tokens >= n);
+    for (int j = 0; j < n; j++) {
+        int32_t ref[MAX_CTX];
+        reference(dr[j].tokens, dr[j].n_tokens, dr[j].k, ref);
+        for (int i = 0; i < dr[j].k; i++)
+            dr[j].out[i] = i < d->right ? ref[i] : (ref[i] + 1) % VOCAB;
+        dr[j].n = dr[j].k;
+        /* pages exist for every position a draft may take */
+        assert_true(dr[j].n_pages * PS >= dr[j].n_tokens + dr[j].k);
+    }
     d->calls++;
-    return k;
 }
 
-static void drafter_accepted(void *ctx, tdm_req_t *r, int n_draft, int n_accepted)
+static void drafter_accepted(void *ctx, tdm_req_t *r, struct tdm_draft_stats *st, int n_draft,
+                             int n_accepted, int n_published)
 {
     struct fake_drafter *d = ctx;
     (void)r;
     /* the leading right proposals are kept, the first wrong one ends the run */
     assert_int_equal(n_accepted, TDM_MIN(d->right, n_draft));
+    assert_true(n_published >= 1 && n_published <= n_accepted + 1);
+    if (n_draft) {
+        assert_true(st->reached[0] >= 1);
+        assert_true(st->kept[0] <= st->reached[0]);
+    }
     d->proposed += n_draft;
     d->accepted += n_accepted;
+    d->steps++;
+    d->published += n_published;
 }
 
 static const struct tdm_sched_drafter_i fake_drafter_i = {.propose = drafter_propose,
@@ -599,7 +610,7 @@ static void run_drafted(int right, bool penalties)
     struct tdm_sched_opts so = {.row_outputs = true};
     fix_open(&f, 64, &so, 64, 8);
     struct fake_drafter d = {.right = right};
-    tdm_sched_set_drafter(f.s, &fake_drafter_i, &d, 3);
+    assert_int_equal(tdm_sched_set_drafter(f.s, &fake_drafter_i, &d, 3), TDM_OK);
     int32_t a[4];
     make_prompt(a, 4, 6);
     struct tdm_req_params rp = {.prompt = a,
@@ -627,6 +638,8 @@ static void run_drafted(int right, bool penalties)
     }
     expect_output(r, a, 4, 20, TDM_FINISH_LENGTH);
     assert_true(d.calls > 0);
+    assert_int_equal(d.published, 20 - 1); /* every output but the prompt's is a decode step's */
+    assert_int_equal(d.steps, steps - 1);
     if (right == 0) assert_int_equal(d.accepted, 0);
     if (right >= 3) assert_int_equal(d.accepted, d.proposed);
     /* drafted spans: one row per draft plus one; under penalties the rows bring back logits

@@ -46,6 +46,7 @@ struct tdm_cu_gemm_plan {
 struct tdm_cu_graph {
     const void *owner;
     int bucket;
+    int n_layers; /* an early-exit (draft) pass records a loop of its own */
     cudaGraphExec_t exec;
 };
 
@@ -133,7 +134,7 @@ struct tdm_cuda {
     int n_graphs;
     bool capturing;
     const void *cap_owner;
-    int cap_bucket;
+    int cap_bucket, cap_layers;
 
     /* layer counters: our own, and callers' registered as mapped memory */
     int32_t *h_counter, *d_counter;

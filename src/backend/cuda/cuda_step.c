@@ -186,7 +186,8 @@ tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int3
     upload_step(cu, st, rows, n_rows, bucket, true, 1);
     st->n_tokens = bucket;
     for (int i = 0; i < cu->n_graphs; i++) {
-        if (cu->graphs[i].owner == owner && cu->graphs[i].bucket == bucket) {
+        if (cu->graphs[i].owner == owner && cu->graphs[i].bucket == bucket &&
+            cu->graphs[i].n_layers == st->n_layers) {
             if (cudaGraphLaunch(cu->graphs[i].exec, cu->stream) != cudaSuccess)
                 return tdm_err_set(TDM_EIO, "cuda backend: graph launch failed: %s",
                                    cudaGetErrorString(cudaGetLastError()));
@@ -200,6 +201,7 @@ tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int3
     cu->capturing = true;
     cu->cap_owner = owner;
     cu->cap_bucket = bucket;
+    cu->cap_layers = st->n_layers;
     return TDM_OK;
 }
 
@@ -223,8 +225,8 @@ tdm_status tdm_cuda_step_end(tdm_backend_t *b)
         memmove(cu->graphs, cu->graphs + 1, (size_t)(cu->n_graphs - 1) * sizeof cu->graphs[0]);
         cu->n_graphs--;
     }
-    cu->graphs[cu->n_graphs++] =
-        (struct tdm_cu_graph){.owner = cu->cap_owner, .bucket = cu->cap_bucket, .exec = exec};
+    cu->graphs[cu->n_graphs++] = (struct tdm_cu_graph){
+        .owner = cu->cap_owner, .bucket = cu->cap_bucket, .n_layers = cu->cap_layers, .exec = exec};
     if (cudaGraphLaunch(exec, cu->stream) != cudaSuccess)
         return tdm_err_set(TDM_EIO, "cuda backend: graph launch failed: %s",
                            cudaGetErrorString(cudaGetLastError()));

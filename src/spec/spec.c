@@ -1,0 +1,303 @@
+/*
+ * The speculation object: options, the scheduler's drafter callbacks, and the statistics.
+ *
+ * Per step (scheduler thread): the scheduler hands over its decoding requests with their caps
+ * (propose); the controller lowers each cap to the k it chose (or, with a fixed k, to that);
+ * the drafter proposes for those with k > 0. After the commit, each request's decode step
+ * reports what was kept (accepted): the statistics and the controller learn. After each run,
+ * its time feeds the verify cost model (step_done).
+ *
+ * Ownership: borrows the target engine; owns the drafter and the scratch. The statistics are
+ * under sp->mu (tdm_spec_get_stats from any thread).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "spec/spec_int.h"
+#include "tandem/server.h"
+
+static const char *const METHOD_NAMES[] = {"none", "draft", "self", "mtp", "eagle"};
+static const char *const ACCEPT_NAMES[] = {"exact", "rejection"};
+
+tdm_status tdm_spec_method_parse(const char *s, enum tdm_spec_method *out)
+{
+    for (size_t i = 0; s && i < TDM_ARRAY_LEN(METHOD_NAMES); i++)
+        if (!strcmp(s, METHOD_NAMES[i])) {
+            *out = (enum tdm_spec_method)i;
+            return TDM_OK;
+        }
+    return tdm_err_set(TDM_EINVAL, "--spec takes none, draft, self, mtp or eagle (not '%s')",
+                       s ? s : "");
+}
+
+const char *tdm_spec_method_name(enum tdm_spec_method m)
+{
+    return (unsigned)m < TDM_ARRAY_LEN(METHOD_NAMES) ? METHOD_NAMES[m] : "?";
+}
+
+tdm_status tdm_spec_accept_parse(const char *s, enum tdm_spec_accept *out)
+{
+    for (size_t i = 0; s && i < TDM_ARRAY_LEN(ACCEPT_NAMES); i++)
+        if (!strcmp(s, ACCEPT_NAMES[i])) {
+            *out = (enum tdm_spec_accept)i;
+            return TDM_OK;
+        }
+    return tdm_err_set(TDM_EINVAL, "--spec-accept takes exact or rejection (not '%s')", s ? s : "");
+}
+
+const char *tdm_spec_accept_name(enum tdm_spec_accept a)
+{
+    return (unsigned)a < TDM_ARRAY_LEN(ACCEPT_NAMES) ? ACCEPT_NAMES[a] : "?";
+}
+
+tdm_status tdm_spec_k_parse(const char *s, int *k, bool *off)
+{
+    *off = false;
+    if (s && !strcmp(s, "auto")) {
+        *k = 0;
+        return TDM_OK;
+    }
+    char *end = NULL;
+    long v = s && *s ? strtol(s, &end, 10) : -1;
+    if (!s || !*s || *end || v < 0 || v > TDM_SPEC_MAX_K)
+        return tdm_err_set(TDM_EINVAL, "--spec-k takes auto or 0 .. %d (not '%s')", TDM_SPEC_MAX_K,
+                           s ? s : "");
+    *k = (int)v;
+    *off = v == 0;
+    return TDM_OK;
+}
+
+/* ---- the scheduler's drafter ---- */
+static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tokens)
+{
+    struct tdm_spec *sp = ctx;
+    if (sp->o.k > 0)
+        for (int i = 0; i < n; i++)
+            d[i].k = TDM_MIN(d[i].k, sp->o.k);
+    else
+        tdm_spec_ctl_choose(&sp->ctl, d, n, base_tokens);
+    int m = 0;
+    pthread_mutex_lock(&sp->mu);
+    for (int i = 0; i < n; i++) {
+        sp->st.k_hist[TDM_MIN(TDM_MAX(d[i].k, 0), TDM_SPEC_MAX_K)]++;
+        if (d[i].k > 0 && m < sp->max_seqs) sp->batch[m++] = d[i];
+    }
+    pthread_mutex_unlock(&sp->mu);
+    if (!m) return;
+    sp->dr.propose(sp->dr.ctx, sp, sp->batch, m);
+    /* back into the scheduler's array, by request */
+    for (int i = 0, q = 0; i < n && q < m; i++)
+        if (d[i].req == sp->batch[q].req) {
+            d[i].n = sp->batch[q].n;
+            q++;
+        }
+}
+
+static void on_accepted(void *ctx, tdm_req_t *r, struct tdm_draft_stats *st, int n_draft,
+                        int n_accepted, int n_published)
+{
+    struct tdm_spec *sp = ctx;
+    (void)r;
+    tdm_spec_ctl_learn(&sp->ctl, st, n_draft, n_accepted);
+    pthread_mutex_lock(&sp->mu);
+    sp->st.drafted += (uint64_t)n_draft;
+    sp->st.accepted += (uint64_t)n_accepted;
+    sp->st.target_steps++;
+    sp->st.tokens += (uint64_t)n_published;
+    for (int j = 0; j < n_draft && j < TDM_SPEC_MAX_K; j++) {
+        sp->st.drafted_at[j]++;
+        sp->st.accepted_at[j] += j < n_accepted;
+    }
+    sp->st.tau_hist[TDM_MIN(TDM_MAX(n_published, 1), TDM_SPEC_TAU_BUCKETS) - 1]++;
+    pthread_mutex_unlock(&sp->mu);
+}
+
+static void on_step_done(void *ctx, const struct tdm_sched_plan *plan, uint64_t run_ns)
+{
+    struct tdm_spec *sp = ctx;
+    tdm_spec_cost_observe(&sp->ctl.verify, plan->n_tokens, (double)run_ns);
+}
+
+static const struct tdm_sched_drafter_i SPEC_DRAFTER = {
+    .propose = on_propose, .accepted = on_accepted, .step_done = on_step_done};
+
+void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns)
+{
+    tdm_spec_cost_observe(&sp->ctl.draft, n_seqs, (double)ns);
+    pthread_mutex_lock(&sp->mu);
+    sp->st.draft_passes++;
+    sp->st.draft_s += (double)ns * 1e-9;
+    pthread_mutex_unlock(&sp->mu);
+}
+
+/* ---- the object ---- */
+tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, tdm_spec_t **out)
+{
+    *out = NULL;
+    if (o->k < 0 || o->k > TDM_SPEC_MAX_K)
+        return tdm_err_set(TDM_EINVAL, "spec: k must be between 0 (auto) and %d", TDM_SPEC_MAX_K);
+    switch (o->method) {
+    case TDM_SPEC_SELF:
+        break;
+    case TDM_SPEC_NONE:
+        return tdm_err_set(TDM_EINVAL, "spec: no method given");
+    case TDM_SPEC_DRAFT:
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "--spec draft is not in this build yet (the KV pool's layer groups "
+                           "come first); --spec self needs no second checkpoint");
+    case TDM_SPEC_MTP:
+    case TDM_SPEC_EAGLE:
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "--spec %s needs a trained head, not in this build "
+                           "yet; --spec self needs none",
+                           tdm_spec_method_name(o->method));
+    default:
+        return tdm_err_set(TDM_EINVAL, "spec: unknown method %d", (int)o->method);
+    }
+    if (o->accept == TDM_SPEC_ACCEPT_REJECTION)
+        return tdm_err_set(TDM_EUNSUPPORTED, "--spec-accept rejection is not in this build yet; "
+                                             "exact is lossless at every temperature");
+    if (o->accept != TDM_SPEC_ACCEPT_EXACT)
+        return tdm_err_set(TDM_EINVAL, "spec: unknown acceptance mode %d", (int)o->accept);
+    struct tdm_spec *sp = calloc(1, sizeof *sp);
+    if (!sp) return tdm_err_set(TDM_ENOMEM, "spec: out of memory");
+    sp->o = *o;
+    sp->o.draft_path = NULL; /* not kept: the caller's string */
+    sp->target = target;
+    sp->n_layers = tdm_engine_model(target)->cfg.n_layers;
+    sp->max_seqs = tdm_engine_opts(target)->max_seqs;
+    pthread_mutex_init(&sp->mu, NULL);
+    tdm_status st = tdm_spec_ctl_init(&sp->ctl, sp->max_seqs);
+    if (st == TDM_OK && !(sp->batch = calloc((size_t)sp->max_seqs, sizeof *sp->batch)))
+        st = tdm_err_set(TDM_ENOMEM, "spec: out of memory");
+    if (st == TDM_OK) st = tdm_spec_self_create(target, o->self_layers, &sp->dr);
+    if (st != TDM_OK) {
+        tdm_spec_destroy(sp);
+        return st;
+    }
+    *out = sp;
+    return TDM_OK;
+}
+
+void tdm_spec_destroy(tdm_spec_t *sp)
+{
+    if (!sp) return;
+    if (sp->dr.destroy) sp->dr.destroy(sp->dr.ctx);
+    tdm_spec_ctl_free(&sp->ctl);
+    free(sp->batch);
+    pthread_mutex_destroy(&sp->mu);
+    free(sp);
+}
+
+tdm_status tdm_spec_attach(tdm_spec_t *sp, tdm_sched_t *s)
+{
+    return tdm_sched_set_drafter(s, &SPEC_DRAFTER, sp, sp->o.k > 0 ? sp->o.k : TDM_SPEC_AUTO_K);
+}
+
+void tdm_spec_describe(const tdm_spec_t *sp, char *buf, size_t cap)
+{
+    char k[48];
+    if (sp->o.k > 0)
+        snprintf(k, sizeof k, "k %d (fixed)", sp->o.k);
+    else
+        snprintf(k, sizeof k, "k auto (at most %d)", TDM_SPEC_AUTO_K);
+    snprintf(buf, cap, "%s (%d layers of %d), %s, %s", sp->dr.name, tdm_spec_self_layers(&sp->dr),
+             sp->n_layers, k, tdm_spec_accept_name(sp->o.accept));
+}
+
+void tdm_spec_get_stats(tdm_spec_t *sp, struct tdm_spec_stats *out)
+{
+    pthread_mutex_lock(&sp->mu);
+    *out = sp->st;
+    pthread_mutex_unlock(&sp->mu);
+    out->tau = out->target_steps ? (double)out->tokens / (double)out->target_steps : 0;
+    double a, b;
+    if (tdm_spec_cost_fit(&sp->ctl.verify, &a, &b)) {
+        out->verify_a_ns = a;
+        out->verify_b_ns = b;
+    }
+    if (tdm_spec_cost_fit(&sp->ctl.draft, &a, &b)) {
+        out->draft_a_ns = a;
+        out->draft_b_ns = b;
+    }
+}
+
+int tdm_spec_stats_json(const struct tdm_spec_stats *st, char *buf, size_t cap)
+{
+    int deepest = 0;
+    for (int j = 0; j < TDM_SPEC_MAX_K; j++)
+        if (st->drafted_at[j]) deepest = j + 1;
+    char pos[TDM_SPEC_MAX_K * 12 + 4];
+    size_t n = 0;
+    pos[n++] = '[';
+    for (int j = 0; j < deepest; j++)
+        n += (size_t)snprintf(pos + n, sizeof pos - n, "%s%.4f", j ? "," : "",
+                              (double)st->accepted_at[j] / (double)st->drafted_at[j]);
+    snprintf(pos + n, sizeof pos - n, "]");
+    double tau = st->target_steps ? (double)st->tokens / (double)st->target_steps : 0;
+    return snprintf(buf, cap,
+                    "{\"drafted\":%llu,\"accepted\":%llu,\"target_steps\":%llu,\"tokens\":%llu,"
+                    "\"tau\":%.4f,\"accept_by_position\":%s}",
+                    (unsigned long long)st->drafted, (unsigned long long)st->accepted,
+                    (unsigned long long)st->target_steps, (unsigned long long)st->tokens, tau, pos);
+}
+
+/* A histogram of small counts (bounds 1, 2, ... or 0, 1, ...) from a table of counts. */
+static void counts_hist(struct tdm_hist *h, const uint64_t *counts, int n, int first)
+{
+    *h = (struct tdm_hist){.n_buckets = TDM_MIN(n, TDM_HIST_MAX_BUCKETS)};
+    for (int i = 0; i < h->n_buckets; i++) {
+        h->bounds[i] = first + i;
+        h->counts[i] = counts[i];
+        h->n += counts[i];
+        h->sum += (double)counts[i] * (first + i);
+    }
+}
+
+char *tdm_spec_metrics(void *ctx)
+{
+    struct tdm_spec_stats st;
+    tdm_spec_get_stats(ctx, &st);
+    struct tdm_sbuf b = {0};
+    char lab[48];
+    tdm_prom_scalar(&b, "tandem_spec_drafted_tokens_total", "counter",
+                    "Tokens proposed by the drafter.", NULL, (double)st.drafted);
+    tdm_prom_scalar(&b, "tandem_spec_accepted_tokens_total", "counter",
+                    "Drafted tokens the target kept.", NULL, (double)st.accepted);
+    tdm_prom_family(&b, "tandem_spec_drafted_by_position_total", "counter",
+                    "Drafted tokens by their position in the draft (0 is the first).");
+    for (int j = 0; j < TDM_SPEC_MAX_K; j++) {
+        snprintf(lab, sizeof lab, "position=\"%d\"", j);
+        tdm_prom_sample(&b, "tandem_spec_drafted_by_position_total", lab, (double)st.drafted_at[j]);
+    }
+    tdm_prom_family(&b, "tandem_spec_accepted_by_position_total", "counter",
+                    "Kept drafted tokens by their position in the draft.");
+    for (int j = 0; j < TDM_SPEC_MAX_K; j++) {
+        snprintf(lab, sizeof lab, "position=\"%d\"", j);
+        tdm_prom_sample(&b, "tandem_spec_accepted_by_position_total", lab,
+                        (double)st.accepted_at[j]);
+    }
+    struct tdm_hist h;
+    counts_hist(&h, st.tau_hist, TDM_SPEC_TAU_BUCKETS, 1);
+    tdm_hist_prom(&b, "tandem_spec_tokens_per_step",
+                  "Tokens a request's decode step published (tau's distribution).", &h, NULL);
+    counts_hist(&h, st.k_hist, TDM_SPEC_MAX_K + 1, 0);
+    tdm_hist_prom(&b, "tandem_spec_k_chosen", "Drafts chosen for a request's decode step.", &h,
+                  NULL);
+    tdm_prom_scalar(&b, "tandem_spec_draft_seconds_total", "counter",
+                    "Time in draft forward passes.", NULL, st.draft_s);
+    tdm_prom_family(
+        &b, "tandem_spec_cost_seconds", "gauge",
+        "The controller's cost models: seconds = a + b * x (part verify: x is the step's "
+        "tokens; part draft: x is the drafting requests).");
+    tdm_prom_sample(&b, "tandem_spec_cost_seconds", "part=\"verify\",term=\"a\"",
+                    st.verify_a_ns * 1e-9);
+    tdm_prom_sample(&b, "tandem_spec_cost_seconds", "part=\"verify\",term=\"b\"",
+                    st.verify_b_ns * 1e-9);
+    tdm_prom_sample(&b, "tandem_spec_cost_seconds", "part=\"draft\",term=\"a\"",
+                    st.draft_a_ns * 1e-9);
+    tdm_prom_sample(&b, "tandem_spec_cost_seconds", "part=\"draft\",term=\"b\"",
+                    st.draft_b_ns * 1e-9);
+    return tdm_sbuf_take(&b);
+}

@@ -1,0 +1,73 @@
+/*
+ * Private parts of the spec module: the drafter implementations' interface, the cost models
+ * and the controller (adapt.c), and the tdm_spec object (spec.c).
+ *
+ * Everything here runs on the scheduler thread, except the statistics, which spec.c keeps
+ * under sp->mu for readers on other threads.
+ */
+#ifndef TANDEM_SPEC_INT_H
+#define TANDEM_SPEC_INT_H
+
+#include <pthread.h>
+
+#include "tandem/spec.h"
+
+struct tdm_spec;
+
+/* A drafter implementation: proposes d[i].k tokens (each k > 0, already chosen) for a batch.
+ * It sets d[i].n (it may stop early: an error truncates) and reports each forward pass it ran
+ * through tdm_spec_note_pass. */
+struct tdm_spec_drafter {
+    const char *name;
+    void *ctx;
+    void (*propose)(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *d, int n);
+    void (*destroy)(void *ctx);
+};
+
+tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, struct tdm_spec_drafter *out);
+int tdm_spec_self_layers(const struct tdm_spec_drafter *d); /* the self drafter's N */
+
+/* ---- cost models (adapt.c): y = a + b x, exponentially weighted least squares ---- */
+struct tdm_spec_cost {
+    double w, sx, sy, sxx, sxy; /* decayed sums */
+    uint64_t n;                 /* observations */
+};
+void tdm_spec_cost_observe(struct tdm_spec_cost *c, double x, double y);
+/* The fitted line; with no spread in x yet, the pessimistic one through the origin (cost
+ * proportional to x). false when nothing was observed. */
+bool tdm_spec_cost_fit(const struct tdm_spec_cost *c, double *a, double *b);
+
+/* ---- the controller (adapt.c) ---- */
+struct tdm_spec_ctl {
+    struct tdm_spec_cost verify; /* ns per target run, against the run's tokens */
+    struct tdm_spec_cost draft;  /* ns per draft pass, against its sequences */
+    float prior[TDM_SPEC_MAX_K]; /* batch-wide acceptance at each position given reached */
+    int warmup;                  /* drafting steps left at a fixed small k, to measure */
+    int cap;                     /* requests per step the scratch below holds */
+    float *p;                    /* [cap][TDM_SPEC_MAX_K] */
+    int *best, *cur;             /* [cap] */
+};
+tdm_status tdm_spec_ctl_init(struct tdm_spec_ctl *c, int max_seqs);
+void tdm_spec_ctl_free(struct tdm_spec_ctl *c);
+/* Lowers each d[i].k to the chosen k (0 included). base_tokens: the step's decode tokens. */
+void tdm_spec_ctl_choose(struct tdm_spec_ctl *c, struct tdm_sched_draft *d, int n, int base_tokens);
+/* A decode step of one request ended: its decayed record and the batch-wide prior learn. */
+void tdm_spec_ctl_learn(struct tdm_spec_ctl *c, struct tdm_draft_stats *st, int n_draft,
+                        int n_accepted);
+
+struct tdm_spec {
+    struct tdm_spec_opts o;
+    tdm_engine_t *target;
+    int n_layers; /* the target's */
+    struct tdm_spec_drafter dr;
+    struct tdm_spec_ctl ctl;
+    struct tdm_sched_draft *batch; /* [max_seqs] the drafts with k > 0 */
+    int max_seqs;
+    pthread_mutex_t mu; /* st */
+    struct tdm_spec_stats st;
+};
+
+/* A drafter ran one forward pass over n_seqs sequences in ns. */
+void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns);
+
+#endif /* TANDEM_SPEC_INT_H */

@@ -1,0 +1,147 @@
+"""Speculative decoding on the default model, through the CLI and the server.
+
+- `tandem generate --spec self --spec-accept exact` prints the same token ids as the same command
+  without --spec, greedy and sampled (the issue's acceptance command: T=0.8, seed 3), with every
+  penalty and truncation setting, for a shallow and a full self drafter; --spec-stats prints the
+  JSON line with the fields external tools read.
+- The server with --spec self gives every request of a concurrent mix exactly the tokens and
+  log-probabilities of a server without speculation; a request's spec_k caps or turns off its
+  drafts, and a bad spec_k is a 400; /metrics has the speculation families; the KV pool is back
+  at its baseline afterwards.
+- Bad speculation flags end with a message and exit status 2.
+"""
+import concurrent.futures as cf
+import json
+import os
+import random
+
+import pytest
+
+from conftest import run_tandem
+from lib.server import Server
+
+SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
+SLOW = 3 if SANITIZED else 1
+
+
+def gen(model, extra, prompt="Tell me about the moon.", n=40):
+    cp = run_tandem(["generate", "--model", model, "--prompt", prompt, "--chat", "--max-tokens",
+                     str(n), "--print-token-ids", *extra], timeout=300 * SLOW)
+    return cp.stdout.split(), cp.stderr
+
+
+SETTINGS = [
+    ["--temperature", "0"],
+    ["--temperature", "0.8", "--seed", "3"],
+    ["--temperature", "1.1", "--seed", "9", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.02",
+     "--repetition-penalty", "1.2", "--presence-penalty", "0.4", "--frequency-penalty", "0.3"],
+]
+
+
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_generate_exact_is_bit_identical(default_model, setting):
+    base, _ = gen(default_model, SETTINGS[setting])
+    assert len(base) == 40
+    for layers in ("20", "30"):
+        ids, err = gen(default_model, SETTINGS[setting] + [
+            "--spec", "self", "--spec-self-layers", layers, "--spec-accept", "exact",
+            "--spec-k", "3", "--spec-stats"])
+        assert ids == base, f"--spec self --spec-self-layers {layers} changed the output"
+        st = json.loads(err.strip().splitlines()[-1])
+        assert set(st) == {"drafted", "accepted", "target_steps", "tokens", "tau",
+                           "accept_by_position"}
+        assert st["drafted"] > 0 and 0 <= st["accepted"] <= st["drafted"]
+        assert st["tokens"] == 39  # every output but the prompt step's
+        assert abs(st["tau"] - st["tokens"] / st["target_steps"]) < 1e-3
+        assert len(st["accept_by_position"]) == 3
+        if layers == "30":  # the model drafting for itself: all kept, sampled or not
+            assert st["accepted"] == st["drafted"] and st["tau"] > 3
+
+
+def test_issue_command_and_adaptive_default(default_model):
+    args = ["--temperature", "0.8", "--seed", "3"]
+    base, _ = gen(default_model, args, n=64)
+    ids, err = gen(default_model, args + ["--spec", "self", "--spec-accept", "exact",
+                                          "--spec-stats"], n=64)
+    assert ids == base
+    st = json.loads(err.strip().splitlines()[-1])
+    assert st["target_steps"] >= 1 and st["tau"] >= 1.0
+    # without --spec, --spec-stats still prints the line: nothing drafted, tau 1
+    _, err = gen(default_model, args + ["--spec-stats"], n=8)
+    st = json.loads(err.strip().splitlines()[-1])
+    assert st["drafted"] == 0 and st["tau"] == 1.0
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--spec", "bogus"], "--spec takes"),
+    (["--spec", "draft"], "needs --spec-draft"),
+    (["--spec", "self", "--spec-k", "99"], "--spec-k takes"),
+    (["--spec", "self", "--spec-self-layers", "99"], "the model has 30 layers"),
+    (["--spec", "self", "--spec-accept", "sometimes"], "--spec-accept takes"),
+    (["--spec-k", "3"], "need --spec"),
+    (["--spec", "self", "--spec-draft", "x.gguf"], "--spec-draft is for"),
+])
+def test_bad_spec_flags(default_model, flags, needle):
+    cp = run_tandem(["generate", "--model", default_model, "--prompt", "hi", "--max-tokens", "2",
+                     *flags], check=False)
+    assert cp.returncode == 2, cp.stderr
+    assert needle in cp.stderr, cp.stderr
+
+
+def mix(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        body = {"prompt": [rng.randrange(100, 49000) for _ in range(rng.choice([3, 9, 30]))],
+                "max_tokens": rng.randrange(6, 14), "ignore_eos": True, "logprobs": 0,
+                "temperature": rng.choice([0, 0.8]), "seed": rng.randrange(1000)}
+        if i % 4 == 1:
+            body["spec_k"] = 0  # this one does not speculate
+        if i % 4 == 2:
+            body["spec_k"] = 1
+        out.append(body)
+    return out
+
+
+def complete(server, body):
+    st, r = server.post("/v1/completions", body)
+    assert st == 200, r
+    lp = r["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"]
+
+
+def test_server_concurrent_exact_and_metrics(default_model):
+    reqs = mix(8 if SANITIZED else 16, seed=5)
+    common = ["--threads", "2", "--max-seqs", "16", "--max-batch-tokens", "256"]
+    plain = Server(common)
+    try:
+        ref = [complete(plain, b) for b in reqs]
+    finally:
+        assert plain.stop() == 0
+    s = Server(common + ["--spec", "self", "--spec-self-layers", "30", "--spec-k", "3"])
+    try:
+        with cf.ThreadPoolExecutor(len(reqs)) as ex:
+            got = list(ex.map(lambda b: complete(s, b), reqs))
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert a[0] == b[0], f"request {i}: tokens differ with speculation"
+            assert a[1] == b[1], f"request {i}: logprobs differ with speculation"
+        st, r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "spec_k": 99})
+        assert st == 400 and "spec_k" in json.dumps(r), r
+        st, r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "spec_k": "three"})
+        assert st == 400, r
+        m = s.wait_idle()
+        drafted = m[("tandem_spec_drafted_tokens_total", ())]
+        accepted = m[("tandem_spec_accepted_tokens_total", ())]
+        assert drafted > 0 and accepted == drafted  # the model drafting for itself
+        assert m[("tandem_spec_tokens_per_step_count", ())] > 0
+        assert ("tandem_spec_k_chosen_count", ()) in m
+        assert m[("tandem_kv_pages_used", ())] == 0
+        assert "speculation: self (30 layers of 30)" in s.logs()
+    finally:
+        assert s.stop() == 0
+
+
+def test_serve_refuses_spec_on_a_prefill_node(default_model):
+    cp = run_tandem(["serve", "--model", default_model, "--role", "prefill", "--spec", "self"],
+                    check=False, timeout=60)
+    assert cp.returncode == 2 and "--spec is for the decoding side" in cp.stderr, cp.stderr
