@@ -87,6 +87,16 @@ void tdm_sampler_unaccept(struct tdm_sampler *s, int32_t token);
 int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t position,
                            struct tdm_sample_scratch *scratch, float *logprob);
 
+/* The distribution tdm_sampler_sample draws from, over the whole vocabulary: penalties,
+ * temperature and truncation applied, normalised, 0 outside the kept set (one-hot where the
+ * choice is forced: greedy, a +inf logit, nothing finite). logits is modified. Returns the
+ * number of tokens with a non-zero probability. Speculative sampling's p and q. */
+int tdm_sampler_dist(const struct tdm_sampler *s, float *logits, struct tdm_sample_scratch *scratch,
+                     float *dist);
+/* Draws from non-negative weights w[vocab] (not necessarily normalised) by inverse CDF in id
+ * order with a uniform u in [0, 1). -1 when every weight is 0. */
+int32_t tdm_dist_draw(const float *w, int vocab, double u);
+
 /* ---- one logit row of a forward pass to sample (the host path below, or a backend's device
  * sampler: backend.h `sample`, which must give the same token for the same logits) ---- */
 #define TDM_TOP_LOGPROBS_MAX 20

@@ -236,7 +236,12 @@ void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
  * (at most k; 0 is fine) and writes them. The scheduler then verifies each drafted span in the
  * same run as the rest of the step (its rows sample the target's token at every position),
  * keeps drafts while they equal the target's token, then the target's token at the first
- * mismatch; the RNG is keyed on the position, so the output is the same as without drafts.
+ * mismatch; the RNG is keyed on the position, so the output is the same as without drafts
+ * (exact acceptance). A drafter that hands over its distributions (q) gets rejection
+ * acceptance instead: draft d at a position is kept with probability min(1, p(d) / q(d)), p
+ * being the target's distribution there (tdm_sampler_dist), with the uniform of RNG stream 1;
+ * the first one refused is replaced by a draw from max(0, p - q) normalised (stream 2). The
+ * target's own draws use stream 0, so a drafter draws its proposals from stream 3.
  * Rejected positions are rewound: the token list, the penalty state and the KV past the kept
  * end. */
 #define TDM_SPEC_MAX_K 16
@@ -262,7 +267,10 @@ struct tdm_sched_draft {
                    * may lower it to what it chose */
     int cap;      /* k as the scheduler set it (read-only) */
     int32_t *out; /* [k]: proposals */
-    int n;        /* out: how many were proposed (0..k) */
+    /* out, for rejection acceptance: [k][vocab] the draft's distribution at each proposal
+     * (drafter's storage, valid until the commit); NULL: exact acceptance */
+    const float *q;
+    int n; /* out: how many were proposed (0..k) */
 };
 struct tdm_sched_drafter_i {
     /* Proposes for a batch of n requests about to decode. base_tokens: the step's tokens

@@ -23,7 +23,12 @@
  *          Drafters draw with the same keyed uniform (a coupled draw: inverse-CDF sampling of
  *          their own distribution at the same u), so at T > 0 a draft that is close to the
  *          target is often kept.
- *   rejection  standard speculative sampling (not in this build yet).
+ *   rejection  standard speculative sampling with the draft's full (truncated) distribution q,
+ *          in fp32: a draft is kept with probability min(1, p/q), else the token is drawn
+ *          from the normalised residual max(0, p - q). The draft draws its proposals, the
+ *          verifier its acceptances and its residual draws from independent RNG streams
+ *          (shared noise would bias the residual). The output has the target's distribution,
+ *          not its exact tokens.
  *
  * The controller (k = auto). Per request and step it chooses k from the request's observed
  * acceptance at each draft position (tdm_draft_stats, decayed, with the batch's acceptance as
@@ -70,6 +75,7 @@ struct tdm_spec_opts {
     int self_layers;        /* self: N, 1 .. n_layers - 1; 0: a quarter of the layers */
     int k;                  /* > 0: exactly this many drafts a step (fixed); 0: auto */
     enum tdm_spec_accept accept;
+    bool q_one_hot; /* rejection with q = the proposal alone (vLLM's default; to measure) */
 };
 
 /* "none", "draft", "self", "mtp", "eagle"; TDM_EINVAL with a message otherwise. */

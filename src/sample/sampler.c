@@ -240,20 +240,15 @@ static int nucleus_candidates(const struct tdm_sampling_params *p, const float *
     return n;
 }
 
-int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t position,
-                           struct tdm_sample_scratch *scratch, float *logprob)
+/* The kept set of a row: penalties, non-finite logits, greedy, temperature, top-k, top-p and
+ * min-p. Returns the token when the row's choice is forced (a +inf logit, nothing finite,
+ * greedy), else -1 with scratch->probs holding the softmax at the temperature and
+ * scratch->ids[0, *n) the kept tokens (in a fixed order). logits is modified. */
+static int32_t kept_set(const struct tdm_sampler *s, float *logits,
+                        struct tdm_sample_scratch *scratch, int *n_out)
 {
     const struct tdm_sampling_params *p = &s->params;
     int vocab = s->vocab;
-    TDM_ASSERT(scratch->vocab >= vocab);
-    double raw_lse = 0.0;
-    if (logprob) {
-        raw_lse = log_sum_exp(logits, vocab);
-        if (s->out_count) memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
-    }
-    const float *raw = s->out_count ? scratch->raw : logits;
-    int32_t chosen;
-
     if (s->out_count) apply_penalties(s, logits);
     /* non-finite logits, from any source (the model included): NaN is never chosen, a +inf wins
      * outright, and a row with nothing finite gives token 0 */
@@ -267,14 +262,8 @@ int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t 
             any_finite = true;
         }
     }
-    if (first_pinf >= 0 || !any_finite) {
-        chosen = first_pinf >= 0 ? first_pinf : 0;
-        goto out;
-    }
-    if (p->temperature == 0.0f || p->top_k == 1) {
-        chosen = tdm_argmax(logits, vocab);
-        goto out;
-    }
+    if (first_pinf >= 0 || !any_finite) return first_pinf >= 0 ? first_pinf : 0;
+    if (p->temperature == 0.0f || p->top_k == 1) return tdm_argmax(logits, vocab);
 
     /* softmax at the temperature */
     float *probs = scratch->probs;
@@ -319,26 +308,83 @@ int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t 
             n = keep;
         }
     }
-    if (n <= 0) { /* cannot happen with a finite maximum (its probability is 1); never index -1 */
-        chosen = tdm_argmax(logits, vocab);
-        goto out;
+    /* cannot happen with a finite maximum (its probability is 1); never index -1 */
+    if (n <= 0) return tdm_argmax(logits, vocab);
+    *n_out = n;
+    return -1;
+}
+
+int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t position,
+                           struct tdm_sample_scratch *scratch, float *logprob)
+{
+    int vocab = s->vocab;
+    TDM_ASSERT(scratch->vocab >= vocab);
+    double raw_lse = 0.0;
+    if (logprob) {
+        raw_lse = log_sum_exp(logits, vocab);
+        if (s->out_count) memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
+    }
+    const float *raw = s->out_count ? scratch->raw : logits;
+    int n = 0;
+    int32_t chosen = kept_set(s, logits, scratch, &n);
+    if (chosen < 0) {
+        const float *probs = scratch->probs;
+        const int32_t *ids = scratch->ids;
+        double total = 0.0;
+        for (int i = 0; i < n; i++)
+            total += probs[ids[i]];
+        double u = tdm_rng_uniform(s->params.seed, s->request_id, position, 0) * total;
+        double cum = 0.0;
+        chosen = ids[n - 1];
+        for (int i = 0; i < n; i++) {
+            cum += probs[ids[i]];
+            if (u < cum) {
+                chosen = ids[i];
+                break;
+            }
+        }
+    }
+    if (logprob) *logprob = logprob_from(raw[chosen], raw_lse);
+    return chosen;
+}
+
+int tdm_sampler_dist(const struct tdm_sampler *s, float *logits, struct tdm_sample_scratch *scratch,
+                     float *dist)
+{
+    int vocab = s->vocab;
+    TDM_ASSERT(scratch->vocab >= vocab);
+    int n = 0;
+    int32_t forced = kept_set(s, logits, scratch, &n);
+    memset(dist, 0, (size_t)vocab * sizeof *dist);
+    if (forced >= 0) {
+        dist[forced] = 1.0f;
+        return 1;
     }
     double total = 0.0;
     for (int i = 0; i < n; i++)
-        total += probs[ids[i]];
-    double u = tdm_rng_uniform(p->seed, s->request_id, position, 0) * total;
-    double cum = 0.0;
-    chosen = ids[n - 1];
-    for (int i = 0; i < n; i++) {
-        cum += probs[ids[i]];
-        if (u < cum) {
-            chosen = ids[i];
-            break;
+        total += scratch->probs[scratch->ids[i]];
+    for (int i = 0; i < n; i++)
+        dist[scratch->ids[i]] = (float)(scratch->probs[scratch->ids[i]] / total);
+    return n;
+}
+
+int32_t tdm_dist_draw(const float *w, int vocab, double u)
+{
+    double total = 0.0;
+    int32_t last = -1;
+    for (int i = 0; i < vocab; i++)
+        if (w[i] > 0.0f) {
+            total += w[i];
+            last = i;
         }
-    }
-out:
-    if (logprob) *logprob = logprob_from(raw[chosen], raw_lse);
-    return chosen;
+    if (last < 0) return -1;
+    double x = u * total, cum = 0.0;
+    for (int i = 0; i <= last; i++)
+        if (w[i] > 0.0f) {
+            cum += w[i];
+            if (x < cum) return i;
+        }
+    return last;
 }
 
 void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,

@@ -179,9 +179,11 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
     int ps = s->page_size, pos0 = r->n_cached;
     bool last = pos0 + span == r->n_tokens;
     uint8_t want = r->want;
-    /* with penalties, each verified row depends on the drafts before it: the commit samples
-     * those rows on the host, in order, from their logits */
-    if (r->n_draft && r->penalties) want = (uint8_t)((want & ~TDM_ROW_SAMPLE) | TDM_ROW_LOGITS);
+    /* with penalties, each verified row depends on the drafts before it, and rejection
+     * acceptance needs the target's distribution: the commit samples those rows on the host,
+     * in order, from their logits */
+    if (r->n_draft && (r->penalties || r->draft_q))
+        want = (uint8_t)((want & ~TDM_ROW_SAMPLE) | TDM_ROW_LOGITS);
     int n_rows = last && want ? 1 + r->n_draft : 0;
     int32_t *slots = s->slots + p->n_tokens;
     for (int i = 0; i < span; i++) {
@@ -255,6 +257,7 @@ static int draft_batch(struct tdm_sched *s, int n, int base_tokens)
             tdm_sampler_accept(&r->smp, d->out[j], false);
         r->n_tokens += m;
         r->n_draft = m;
+        r->draft_q = m ? d->q : NULL;
         unused += d->cap - m;
     }
     return unused;

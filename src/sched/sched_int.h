@@ -52,6 +52,7 @@ struct tdm_req {
     int n_tokens;    /* prompt + outputs (+ drafts) */
     int n_draft;     /* drafted tokens at the end of tokens (0 outside a step) */
     struct tdm_draft_stats draft_stats;
+    const float *draft_q; /* the drafter's q for this step's drafts (rejection), or NULL */
     int n_cached; /* tokens whose KV is in kv */
     struct tdm_kv_seq kv;
     struct tdm_sampler smp;
@@ -112,6 +113,7 @@ struct tdm_sched {
     int draft_k;
     struct tdm_sched_draft *drafts; /* [max_seqs] this step's drafting batch */
     struct tdm_req **decodes;       /* [max_seqs] this step's decoding requests */
+    float *rej_p, *rej_raw;         /* [vocab] rejection acceptance's p, and a raw logit row */
     uint64_t n_steps;
 
     pthread_mutex_t mmu;

@@ -16,6 +16,7 @@
  * Ownership: borrows the target engine; owns its batch scratch. Scheduler thread.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "spec/spec_int.h"
 
@@ -28,7 +29,34 @@ struct self_drafter {
     int32_t *tok;                /* [max_seqs] */
     int *idx;                    /* [max_seqs] which draft each batch entry is */
     int *n_acc;                  /* [max_seqs] tokens accepted into each sampler */
+    /* rejection acceptance: the drafts' distributions, drawn from with RNG stream 3 */
+    bool rejection, one_hot;
+    int vocab;
+    float *logits; /* [max_seqs][vocab] a pass's rows */
+    float *q;      /* [max_seqs][TDM_SPEC_MAX_K][vocab] */
+    struct tdm_sample_scratch scratch;
 };
+
+/* Rejection acceptance: draft i's distribution at depth j from its pass row (batch entry q),
+ * kept for the commit, and a proposal drawn from it with RNG stream 3 (independent of the
+ * verifier's streams 1 and 2). One-hot: q is kept as the proposal alone (vLLM's default, for
+ * measuring what the full q gains). */
+static int32_t draw_q(struct self_drafter *sd, struct tdm_sched_draft *x, int i, int j, int q)
+{
+    int V = sd->vocab;
+    float *qd = sd->q + ((size_t)i * TDM_SPEC_MAX_K + (size_t)j) * V;
+    tdm_sampler_dist(x->smp, sd->logits + (size_t)q * V, &sd->scratch, qd);
+    const struct tdm_sampler *smp = x->smp;
+    uint32_t pos = (uint32_t)(x->n_tokens + j);
+    int32_t t = tdm_dist_draw(qd, V, tdm_rng_uniform(smp->params.seed, smp->request_id, pos, 3));
+    if (t < 0) t = 0;
+    if (sd->one_hot) {
+        memset(qd, 0, (size_t)V * sizeof *qd);
+        qd[t] = 1.0f;
+    }
+    x->q = sd->q + (size_t)i * TDM_SPEC_MAX_K * V;
+    return t;
+}
 
 static void self_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *d, int n)
 {
@@ -63,6 +91,8 @@ static void self_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft 
         if (!m) break;
         struct tdm_batch b = {.seqs = sd->seqs, .n_seqs = m};
         struct tdm_engine_out out = {.samples = sd->rows, .n_layers = sd->n_layers};
+        if (sd->rejection)
+            out = (struct tdm_engine_out){.logits = sd->logits, .n_layers = sd->n_layers};
         uint64_t t0 = tdm_now_ns();
         tdm_status st = tdm_engine_run(sd->e, &b, &out);
         tdm_spec_note_pass(sp, m, tdm_now_ns() - t0);
@@ -73,7 +103,7 @@ static void self_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft 
         }
         for (int q = 0; q < m; q++) {
             struct tdm_sched_draft *x = &d[sd->idx[q]];
-            x->out[j] = sd->rows[q].token;
+            x->out[j] = sd->rejection ? draw_q(sd, x, sd->idx[q], j, q) : sd->rows[q].token;
             x->n = j + 1;
         }
     }
@@ -91,10 +121,14 @@ static void self_destroy(void *ctx)
     free(sd->tok);
     free(sd->idx);
     free(sd->n_acc);
+    free(sd->logits);
+    free(sd->q);
+    tdm_sample_scratch_free(&sd->scratch);
     free(sd);
 }
 
-tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, struct tdm_spec_drafter *out)
+tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, enum tdm_spec_accept accept,
+                                bool one_hot, struct tdm_spec_drafter *out)
 {
     const struct tdm_model *m = tdm_engine_model(target);
     int L = m->cfg.n_layers;
@@ -114,7 +148,14 @@ tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, struct tdm_s
     sd->tok = calloc((size_t)n, sizeof *sd->tok);
     sd->idx = calloc((size_t)n, sizeof *sd->idx);
     sd->n_acc = calloc((size_t)n, sizeof *sd->n_acc);
-    if (!sd->seqs || !sd->rows || !sd->tok || !sd->idx || !sd->n_acc) {
+    sd->vocab = m->cfg.vocab_size;
+    sd->rejection = accept == TDM_SPEC_ACCEPT_REJECTION;
+    sd->one_hot = one_hot;
+    bool rej_ok = !sd->rejection ||
+                  ((sd->logits = malloc((size_t)n * sd->vocab * sizeof(float))) &&
+                   (sd->q = malloc((size_t)n * TDM_SPEC_MAX_K * sd->vocab * sizeof(float))) &&
+                   tdm_sample_scratch_init(&sd->scratch, sd->vocab) == TDM_OK);
+    if (!sd->seqs || !sd->rows || !sd->tok || !sd->idx || !sd->n_acc || !rej_ok) {
         self_destroy(sd);
         return tdm_err_set(TDM_ENOMEM, "spec self: out of memory");
     }

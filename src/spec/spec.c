@@ -90,6 +90,7 @@ static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tok
     for (int i = 0, q = 0; i < n && q < m; i++)
         if (d[i].req == sp->batch[q].req) {
             d[i].n = sp->batch[q].n;
+            d[i].q = sp->batch[q].q;
             q++;
         }
 }
@@ -155,10 +156,7 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
     default:
         return tdm_err_set(TDM_EINVAL, "spec: unknown method %d", (int)o->method);
     }
-    if (o->accept == TDM_SPEC_ACCEPT_REJECTION)
-        return tdm_err_set(TDM_EUNSUPPORTED, "--spec-accept rejection is not in this build yet; "
-                                             "exact is lossless at every temperature");
-    if (o->accept != TDM_SPEC_ACCEPT_EXACT)
+    if (o->accept != TDM_SPEC_ACCEPT_EXACT && o->accept != TDM_SPEC_ACCEPT_REJECTION)
         return tdm_err_set(TDM_EINVAL, "spec: unknown acceptance mode %d", (int)o->accept);
     struct tdm_spec *sp = calloc(1, sizeof *sp);
     if (!sp) return tdm_err_set(TDM_ENOMEM, "spec: out of memory");
@@ -171,7 +169,8 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
     tdm_status st = tdm_spec_ctl_init(&sp->ctl, sp->max_seqs);
     if (st == TDM_OK && !(sp->batch = calloc((size_t)sp->max_seqs, sizeof *sp->batch)))
         st = tdm_err_set(TDM_ENOMEM, "spec: out of memory");
-    if (st == TDM_OK) st = tdm_spec_self_create(target, o->self_layers, &sp->dr);
+    if (st == TDM_OK)
+        st = tdm_spec_self_create(target, o->self_layers, o->accept, o->q_one_hot, &sp->dr);
     if (st != TDM_OK) {
         tdm_spec_destroy(sp);
         return st;

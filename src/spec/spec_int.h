@@ -24,7 +24,8 @@ struct tdm_spec_drafter {
     void (*destroy)(void *ctx);
 };
 
-tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, struct tdm_spec_drafter *out);
+tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, enum tdm_spec_accept accept,
+                                bool one_hot, struct tdm_spec_drafter *out);
 int tdm_spec_self_layers(const struct tdm_spec_drafter *d); /* the self drafter's N */
 
 /* ---- cost models (adapt.c): y = a + b x, exponentially weighted least squares ---- */

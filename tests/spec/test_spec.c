@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,7 +36,7 @@ enum { NL = 4, VOCAB = 64, MAX_OUT = 40, N_REQ = 4 };
 
 static struct tdm_test_model tiny;
 
-static void make_model(uint64_t seed)
+static void make_model_v(uint64_t seed, int vocab)
 {
     struct tdm_test_model_opts o = {.arch = TDM_ARCH_LLAMA,
                                     .dtype = TDM_DTYPE_F32,
@@ -45,11 +46,16 @@ static void make_model(uint64_t seed)
                                     .n_kv_heads = 2,
                                     .head_dim = 8,
                                     .d_ff = 64,
-                                    .vocab = VOCAB,
+                                    .vocab = vocab,
                                     .max_ctx = 256,
                                     .rope_neox = true,
                                     .seed = seed};
     tdm_test_model_make(&tiny, &o);
+}
+
+static void make_model(uint64_t seed)
+{
+    make_model_v(seed, VOCAB);
 }
 
 static tdm_engine_t *make_engine(int64_t kv_pages)
@@ -219,6 +225,14 @@ static void test_exact_is_lossless(void **state)
                     if (layers[li] == NL) assert_int_equal(got.st.accepted, got.st.drafted);
                     checks++;
                 }
+            if (which == 0) { /* greedy: rejection acceptance gives the same tokens too */
+                struct tdm_spec_opts so = {.method = TDM_SPEC_SELF,
+                                           .self_layers = 1,
+                                           .k = 3,
+                                           .accept = TDM_SPEC_ACCEPT_REJECTION};
+                run(e, &so, &c, &got);
+                expect_same(&got, &ref, c.n_req, "greedy, rejection acceptance");
+            }
         }
     assert_int_equal(checks, 5 * 3 * 4);
     tdm_engine_destroy(e);
@@ -389,8 +403,8 @@ static void test_options(void **state)
     assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EINVAL);
     so = (struct tdm_spec_opts){.method = TDM_SPEC_DRAFT};
     assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EUNSUPPORTED);
-    so = (struct tdm_spec_opts){.method = TDM_SPEC_SELF, .accept = TDM_SPEC_ACCEPT_REJECTION};
-    assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EUNSUPPORTED);
+    so = (struct tdm_spec_opts){.method = TDM_SPEC_SELF, .accept = 7};
+    assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EINVAL);
     so = (struct tdm_spec_opts){.method = TDM_SPEC_SELF, .k = TDM_SPEC_MAX_K + 1};
     assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EINVAL);
     assert_null(sp);
@@ -413,6 +427,216 @@ static void test_options(void **state)
     tdm_test_model_free(&tiny);
 }
 
+/* ---- rejection acceptance reproduces the target's distribution ----
+ * A vocabulary of 8, a fixed 6-token prompt, 3 tokens per request, each request its own seed.
+ * The first output comes from the prompt's step; the next two come out of speculation (k = 2
+ * drafts a step from a 1-layer self drafter, whose distribution differs a lot from the
+ * target's). Their joint distribution, marginal over the first output, is computed exactly
+ * from the target's logits (64 prefixes through the engine, softmax at the temperature and
+ * top-k here, in double precision) and compared with the counts by Pearson's chi-squared at
+ * significance 0.001 (bins with fewer than 5 expected draws pooled).
+ * The number of draws: N = 20000. A sampler off by total variation d shifts the statistic's
+ * mean by at least N (2d)^2 (Cauchy-Schwarz: sum D^2/p >= (sum |D|)^2), 72 for d = 0.03,
+ * against a critical value near dof + 3.1 sqrt(2 dof) (~95 for 63 degrees): such a sampler
+ * fails with probability > 0.9, while a correct one passes 999 times in 1000 (the seeds are
+ * fixed, so the result is reproducible). The test also shows its power: the same counts
+ * against the draft's own joint distribution (what a verifier keeping every draft would give)
+ * are rejected. */
+enum { CV = 8, CHI_N = 20000, CHI_BATCH = 8 };
+
+static void softmax_ref(const float *lg, double temp, int top_k, double *p)
+{
+    double mx = -1e300;
+    for (int v = 0; v < CV; v++)
+        mx = lg[v] > mx ? lg[v] : mx;
+    double sum = 0;
+    for (int v = 0; v < CV; v++)
+        sum += (p[v] = exp((lg[v] - mx) / temp));
+    for (int v = 0; v < CV; v++)
+        p[v] /= sum;
+    if (top_k > 0 && top_k < CV) { /* keep the top_k most likely (ties: lower id), renormalise */
+        double kept = 0;
+        bool keep[CV] = {0};
+        for (int r = 0; r < top_k; r++) {
+            int best = -1;
+            for (int v = 0; v < CV; v++)
+                if (!keep[v] && (best < 0 || p[v] > p[best])) best = v;
+            keep[best] = true;
+            kept += p[best];
+        }
+        for (int v = 0; v < CV; v++)
+            p[v] = keep[v] ? p[v] / kept : 0;
+    }
+}
+
+/* The next-token distribution after `prefix` (n tokens), through n_layers layers. */
+static void next_dist(tdm_engine_t *e, const int32_t *prefix, int n, int n_layers, double temp,
+                      int top_k, double *p)
+{
+    int32_t pages[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    struct tdm_batch_seq q = {
+        .tokens = prefix, .n_tokens = n, .pages = pages, .n_pages = 8, .n_logits = 1};
+    struct tdm_batch b = {&q, 1};
+    float lg[CV];
+    struct tdm_engine_out out = {.logits = lg, .n_layers = n_layers};
+    assert_int_equal(tdm_engine_run(e, &b, &out), TDM_OK);
+    softmax_ref(lg, temp, top_k, p);
+}
+
+/* joint[a * CV + b]: P(second output a, third output b), marginal over the first. */
+static void joint_ref(tdm_engine_t *e, const int32_t *prompt, int n_layers, double temp, int top_k,
+                      double *joint)
+{
+    int32_t pre[9];
+    memcpy(pre, prompt, 6 * sizeof *pre);
+    double p1[CV], p2[CV], p3[CV];
+    next_dist(e, pre, 6, NL, temp, top_k, p1); /* the first output: always the target's */
+    memset(joint, 0, CV * CV * sizeof *joint);
+    for (int t1 = 0; t1 < CV; t1++) {
+        if (p1[t1] == 0) continue;
+        pre[6] = t1;
+        next_dist(e, pre, 7, n_layers, temp, top_k, p2);
+        for (int t2 = 0; t2 < CV; t2++) {
+            if (p2[t2] == 0) continue;
+            pre[7] = t2;
+            next_dist(e, pre, 8, n_layers, temp, top_k, p3);
+            for (int t3 = 0; t3 < CV; t3++)
+                joint[t2 * CV + t3] += p1[t1] * p2[t2] * p3[t3];
+        }
+    }
+}
+
+/* Pearson's statistic of counts against probabilities (bins under 5 expected draws pooled);
+ * *crit: the 0.001 critical value (Wilson-Hilferty). */
+static double chi2(const int *counts, const double *p, int n_cells, int n, double *crit)
+{
+    double stat = 0, pool_e = 0, pool_o = 0;
+    int bins = 0;
+    for (int i = 0; i < n_cells; i++) {
+        double e = p[i] * n;
+        if (e < 5) {
+            pool_e += e;
+            pool_o += counts[i];
+            continue;
+        }
+        stat += (counts[i] - e) * (counts[i] - e) / e;
+        bins++;
+    }
+    if (pool_e > 0) {
+        stat += (pool_o - pool_e) * (pool_o - pool_e) / pool_e;
+        bins++;
+    }
+    double k = bins - 1, z = 3.0902;
+    *crit = k * pow(1 - 2 / (9 * k) + z * sqrt(2 / (9 * k)), 3);
+    return stat;
+}
+
+static void check_rejection_distribution(double temp, int top_k)
+{
+    make_model_v(21, CV);
+    tdm_engine_t *e = make_engine(512);
+    const int32_t prompt[6] = {3, 1, 4, 1, 5, 2};
+    double joint[CV * CV], draft_joint[CV * CV];
+    joint_ref(e, prompt, NL, temp, top_k, joint);
+    joint_ref(e, prompt, 1, temp, top_k, draft_joint);
+    int counts[CV * CV] = {0};
+    /* the first requests' outputs without speculation: rejection acceptance must differ from
+     * them somewhere (equal everywhere would mean exact acceptance ran instead) */
+    enum { CMP = 64 };
+    int32_t plain[CMP][3];
+    {
+        tdm_sched_t *s0 = NULL;
+        struct tdm_sched_opts o0 = {.max_batch_tokens = 64, .watermark_pages = -1};
+        assert_int_equal(tdm_sched_create(e, NULL, &o0, &s0), TDM_OK);
+        for (int i = 0; i < CMP; i++) {
+            struct tdm_req_params p = {.prompt = prompt,
+                                       .n_prompt = 6,
+                                       .max_tokens = 3,
+                                       .ignore_eos = true,
+                                       .sampling = tdm_sampling_defaults(),
+                                       .top_logprobs = -1};
+            p.sampling.temperature = (float)temp;
+            p.sampling.top_k = top_k;
+            p.sampling.seed = (uint64_t)i * 2654435761u + 17;
+            tdm_req_t *r = NULL;
+            assert_int_equal(tdm_sched_submit(s0, &p, &r), TDM_OK);
+            while (tdm_req_state(r) != TDM_REQ_FINISHED)
+                tdm_sched_step(s0);
+            struct tdm_req_view v;
+            tdm_req_lock(r, &v);
+            memcpy(plain[i], v.tokens, sizeof plain[i]);
+            tdm_req_unlock(r);
+            tdm_req_release(r);
+        }
+        tdm_sched_destroy(s0);
+    }
+    int differ = 0;
+    struct tdm_sched_opts so_s = {.max_batch_tokens = 64, .watermark_pages = -1};
+    tdm_sched_t *s = NULL;
+    assert_int_equal(tdm_sched_create(e, NULL, &so_s, &s), TDM_OK);
+    tdm_spec_t *sp = NULL;
+    struct tdm_spec_opts so = {
+        .method = TDM_SPEC_SELF, .self_layers = 1, .k = 2, .accept = TDM_SPEC_ACCEPT_REJECTION};
+    assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_OK);
+    assert_int_equal(tdm_spec_attach(sp, s), TDM_OK);
+    for (int done = 0; done < CHI_N; done += CHI_BATCH) {
+        tdm_req_t *r[CHI_BATCH];
+        for (int i = 0; i < CHI_BATCH; i++) {
+            struct tdm_req_params p = {.prompt = prompt,
+                                       .n_prompt = 6,
+                                       .max_tokens = 3,
+                                       .ignore_eos = true,
+                                       .sampling = tdm_sampling_defaults(),
+                                       .top_logprobs = -1};
+            p.sampling.temperature = (float)temp;
+            p.sampling.top_k = top_k;
+            p.sampling.seed = (uint64_t)(done + i) * 2654435761u + 17;
+            assert_int_equal(tdm_sched_submit(s, &p, &r[i]), TDM_OK);
+        }
+        for (int guard = 0; guard < 100; guard++) {
+            bool live = false;
+            for (int i = 0; i < CHI_BATCH; i++)
+                live |= tdm_req_state(r[i]) != TDM_REQ_FINISHED;
+            if (!live) break;
+            tdm_sched_step(s);
+        }
+        for (int i = 0; i < CHI_BATCH; i++) {
+            struct tdm_req_view v;
+            tdm_req_lock(r[i], &v);
+            assert_int_equal(v.n_out, 3);
+            counts[v.tokens[1] * CV + v.tokens[2]]++;
+            if (done + i < CMP) differ += memcmp(v.tokens, plain[done + i], sizeof plain[0]) != 0;
+            tdm_req_unlock(r[i]);
+            tdm_req_release(r[i]);
+        }
+    }
+    struct tdm_spec_stats st;
+    tdm_spec_get_stats(sp, &st);
+    double crit, crit2;
+    double x = chi2(counts, joint, CV * CV, CHI_N, &crit);
+    double x_draft = chi2(counts, draft_joint, CV * CV, CHI_N, &crit2);
+    print_message("rejection T=%.2f top_k=%d: chi2 %.1f (critical %.1f); against the draft's "
+                  "distribution %.1f (critical %.1f); drafted %llu, kept %llu\n",
+                  temp, top_k, x, crit, x_draft, crit2, (unsigned long long)st.drafted,
+                  (unsigned long long)st.accepted);
+    assert_true(st.drafted > CHI_N / 2);                      /* speculation really ran */
+    assert_true(st.accepted > 0 && st.accepted < st.drafted); /* and both branches */
+    assert_true(differ > 0);
+    assert_true(x < crit);
+    assert_true(x_draft > crit2); /* the test can tell a wrong distribution */
+    tdm_sched_destroy(s);
+    tdm_spec_destroy(sp);
+    tdm_engine_destroy(e);
+    tdm_test_model_free(&tiny);
+}
+
+static void test_rejection_distribution(void **state)
+{
+    (void)state;
+    check_rejection_distribution(1.0, 0);
+    check_rejection_distribution(0.9, 5);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -421,6 +645,7 @@ int main(void)
         cmocka_unit_test(test_controller),
         cmocka_unit_test(test_exact_is_lossless),
         cmocka_unit_test(test_preempt_cancel_and_caps),
+        cmocka_unit_test(test_rejection_distribution),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
