@@ -15,7 +15,9 @@
  * The first depth that does not pay ends the step's drafting. R is then re-evaluated with the
  * chosen drafts and the choice repeated (a higher R is stricter); the best is kept, and only
  * if it beats the step without drafts. Costs are measured, so a CPU, whose verify cost grows
- * with every token, drafts less than a GPU, whose verify is nearly flat in T.
+ * with every token, drafts less than a GPU, whose verify is nearly flat in T. The first three
+ * drafting steps draft one token each, to measure; a request that drafted nothing for 32, 64,
+ * 128, ... steps probes with one, unless even a certain token could not pay for a draft.
  *
  * Everything here runs on the scheduler thread.
  */
@@ -25,7 +27,7 @@
 
 #include "spec/spec_int.h"
 
-enum { PRIOR_WEIGHT = 4, WARMUP_STEPS = 6, WARMUP_K = 2, PROBE_FIRST = 32 };
+enum { PRIOR_WEIGHT = 4, WARMUP_STEPS = 3, WARMUP_K = 1, PROBE_FIRST = 32 };
 #define COST_DECAY   0.98
 #define RECORD_DECAY 0.97f
 #define PRIOR_RATE   0.02f
@@ -154,9 +156,12 @@ void tdm_spec_ctl_choose(struct tdm_spec_ctl *c, struct tdm_sched_draft *d, int 
         if (r <= rate) break;
         rate = r;
     }
+    /* probes only where a draft could pay at all: one certain token against one draft pass
+     * and its verify token (a drafter as dear as the target never can) */
+    bool could_pay = 1.0 > rate0 * (da + db + vb);
     for (int i = 0; i < n; i++) {
         int k = any_best ? best[i] : 0;
-        if (!k && probe_due(d[i].stats)) k = 1;
+        if (!k && could_pay && probe_due(d[i].stats)) k = 1;
         d[i].k = TDM_MIN(d[i].k, k);
     }
 }

@@ -94,6 +94,7 @@ int tdm_cmd_bench(int argc, char **argv)
 {
     if (argc >= 2 && !strcmp(argv[1], "xfer")) return tdm_cmd_bench_xfer(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "serve")) return tdm_cmd_bench_serve(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "spec")) return tdm_cmd_bench_spec(argc - 1, argv + 1);
     if (argc < 2 || strcmp(argv[1], "model") != 0) {
         fprintf(stderr,
                 "usage: tandem bench model [--model PATH] [--threads N] "

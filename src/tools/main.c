@@ -19,7 +19,7 @@ static void usage(FILE *f)
             "  info       print a model's configuration, tensor types and sizes\n"
             "  serve      serve the OpenAI-compatible HTTP API\n"
             "  router     one OpenAI endpoint over several `tandem serve` nodes\n"
-            "  bench      benchmarks (`tandem bench model|serve|xfer`)\n"
+            "  bench      benchmarks (`tandem bench model|serve|xfer|spec`)\n"
             "  checkpoint write a random-weight HF checkpoint (`--shape llama-3.1-8b --out DIR`)\n"
             "\n"
             "Every command takes --model PATH (a .gguf file or a Hugging Face checkpoint folder);\n"

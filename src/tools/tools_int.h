@@ -22,6 +22,7 @@ int tdm_cmd_generate(int argc, char **argv);
 int tdm_cmd_chat(int argc, char **argv);
 int tdm_cmd_info(int argc, char **argv);
 int tdm_cmd_bench(int argc, char **argv);
+int tdm_cmd_bench_spec(int argc, char **argv); /* bench_spec.c */
 int tdm_cmd_bench_model_cuda(int argc, char **argv); /* bench_gpu.c: --backend cuda */
 int tdm_cmd_bench_xfer(int argc, char **argv);       /* bench_xfer.c: transfer-engine bandwidth */
 int tdm_cmd_bench_serve(int argc, char **argv);      /* bench_serve.c: HTTP load generator */

@@ -145,3 +145,47 @@ def test_serve_refuses_spec_on_a_prefill_node(default_model):
     cp = run_tandem(["serve", "--model", default_model, "--role", "prefill", "--spec", "self"],
                     check=False, timeout=60)
     assert cp.returncode == 2 and "--spec is for the decoding side" in cp.stderr, cp.stderr
+
+
+def test_bench_spec_json(default_model, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"What is the capital of France?"\n\n"Name a primary color."\n'
+                       '"Why is the sea salty?"\n')
+    cp = run_tandem(["bench", "spec", "--model", default_model, "--prompts", prompts,
+                     "--max-tokens", "8", "--batch", "1,2", "--spec", "self",
+                     "--spec-self-layers", "30", "--spec-k", "auto,2", "--json"],
+                    timeout=600 * SLOW)
+    out = json.loads(cp.stdout)
+    assert out["prompts"] == 3 and out["max_tokens"] == 8
+    assert "self (30 layers of 30)" in out["spec"]
+    rows = out["results"]
+    assert [(r["batch"], r["k"]) for r in rows] == [(1, "none"), (1, "auto"), (1, "k=2"),
+                                                    (2, "none"), (2, "auto"), (2, "k=2")]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["itl_p99_ms"] >= r["itl_p50_ms"] >= 0
+        if r["k"] == "none":
+            assert r["speedup"] == 1.0 and r["tau"] == 1.0
+        else:
+            assert r["identical"] is True  # exact acceptance
+        if r["k"] == "k=2":  # the model drafting for itself keeps every draft
+            assert r["drafted"] > 0 and r["accepted"] == r["drafted"] and r["tau"] > 2
+            assert r["accept_by_position"] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("args,needle", [
+    ([], "--prompts FILE is required"),
+    (["--prompts", "/nonexistent"], "cannot open"),
+    (["--prompts", "BAD"], "not a non-empty JSON string"),
+    (["--prompts", "GOOD"], "give the drafter"),
+    (["--prompts", "GOOD", "--spec", "self", "--batch", "0"], "--batch"),
+    (["--prompts", "GOOD", "--spec", "self", "--spec-k", "auto,99"], "--spec-k"),
+])
+def test_bench_spec_bad_input(default_model, tmp_path, args, needle):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"not": "a string"}\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('"hello"\n')
+    args = [str(bad) if a == "BAD" else str(good) if a == "GOOD" else a for a in args]
+    cp = run_tandem(["bench", "spec", "--model", default_model, *args], check=False)
+    assert cp.returncode == 2, cp.stderr
+    assert needle in cp.stderr, cp.stderr
