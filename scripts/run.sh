@@ -4,7 +4,9 @@
 #   - a prefill node  (tandem serve --role prefill): computes prompt KV and streams it, layer by
 #     layer, over libfabric (tcp;ofi_rxm) into pages the decode node reserved;
 #   - a decode node   (tandem serve --role decode): the OpenAI API; it sends prompts to the
-#     prefill node, waits for the KV to land, then decodes;
+#     prefill node, waits for the KV to land, then decodes, speculating with the self drafter
+#     (the target's first 28 layers; the controller chooses k, and keeps it at 0 where
+#     drafting does not pay);
 #   - a router        (tandem router): the public entry point over the decode node(s).
 # A sample chat request goes through the router with curl (streamed), then every process is
 # stopped by PID. TANDEM_KEEP_SERVING=1 leaves them running until Ctrl-C.
@@ -38,11 +40,12 @@ wait_file "$RUN/prefill.port" "${PIDS[-1]}" "$RUN/prefill.log"
 echo "--- prefill node: $(grep -o 'fabric address .*' "$RUN/prefill.log")"
 
 build/tandem serve --role decode --prefill-peers "@$RUN/prefill.addr" --port 0 \
-    --port-file "$RUN/decode.port" --served-model-name smollm2 >"$RUN/decode.log" 2>&1 &
+    --port-file "$RUN/decode.port" --served-model-name smollm2 \
+    --spec self --spec-self-layers 28 >"$RUN/decode.log" 2>&1 &
 PIDS+=($!)
 wait_file "$RUN/decode.port" "${PIDS[-1]}" "$RUN/decode.log"
 DECODE="http://127.0.0.1:$(cat "$RUN/decode.port")"
-echo "--- decode node: $DECODE"
+echo "--- decode node: $DECODE ($(grep -o 'speculation: self.*' "$RUN/decode.log"))"
 
 build/tandem router --backends "$DECODE" --port "${TANDEM_PORT:-0}" \
     --port-file "$RUN/router.port" >"$RUN/router.log" 2>&1 &
@@ -73,6 +76,20 @@ for line in sys.stdin:
 '
 echo "--- the prompt's KV came from the prefill node:"
 curl -s "$DECODE/metrics" | grep -E '^tandem_disagg_(remote_prefills_total|kv_landed_seconds_(sum|count))' || true
+echo "--- speculation on the decode node:"
+curl -s "$DECODE/metrics" | python3 -c '
+import sys
+m = {}
+for line in sys.stdin:
+    if line.startswith("tandem_spec_") and " " in line:
+        k, v = line.rsplit(" ", 1)
+        m[k] = float(v)
+steps = m.get("tandem_spec_tokens_per_step_count", 0)
+tau = m.get("tandem_spec_tokens_per_step_sum", 0) / steps if steps else 1.0
+print("tau %.3f tokens per target step over %d decode steps; %d tokens drafted, %d kept"
+      % (tau, steps, m.get("tandem_spec_drafted_tokens_total", 0),
+         m.get("tandem_spec_accepted_tokens_total", 0)))
+'
 if [ "${TANDEM_KEEP_SERVING:-0}" = 1 ]; then
     echo "--- serving on $URL (Ctrl-C to stop)"
     wait

@@ -50,6 +50,14 @@ struct tdm_engine_opts {
      * attention output projection (DESIGN.md §1.1), and 0 when a forward call begins. Off by
      * default: on a GPU each store is one more kernel per layer. */
     bool count_layers;
+    /* Speculation with a draft model. The target's engine: extra KV layer groups for its pool
+     * (the draft's layers; same page ids, one page table per sequence). The draft's engine:
+     * kv_shared, the pool it uses instead of creating one (its layers are group kv_group; the
+     * page size and page count are the pool's), usually with the target's backend. */
+    const struct tdm_kv_group *kv_extra;
+    int n_kv_extra;
+    tdm_kv_pool_t *kv_shared;
+    int kv_group;
     tdm_backend_t *backend;     /* NULL: the engine creates one of backend_kind and owns it */
     int backend_kind;           /* enum tdm_backend_kind: TDM_BACKEND_CPU (0) or TDM_BACKEND_CUDA */
     double gpu_memory_fraction; /* CUDA: share of device memory for weights, workspace and the

@@ -5,7 +5,9 @@
  *   [n_layers][n_pages][2][n_kv_heads][page_size][head_dim] of the pool's element type (fp32
  *   today), HND, K then V, where the backend keeps its buffers (tdm_kv_pool_geometry says
  *   where, and gives the strides).
- * A page id names the same page in every layer, so a sequence has one page table for all layers.
+ * A page id names the same page in every layer, so a sequence has one page table for all layers
+ * (and every layer group: a draft model's layers have a region of their own geometry, and the
+ * same page ids, so speculation shares the allocator and the page tables).
  * For a kv_head range, K and V of one page are each one contiguous run (a head slice is at most
  * two transfers; a whole page of one layer is one).
  *
@@ -37,12 +39,25 @@ extern "C" {
 
 typedef struct tdm_kv_pool tdm_kv_pool_t;
 
+/* A layer group: layers of their own geometry beside the pool's own (a draft model's). */
+#define TDM_KV_MAX_EXTRA_GROUPS 1
+struct tdm_kv_group {
+    int n_layers;
+    int n_kv_heads;
+    int head_dim;
+};
+
 struct tdm_kv_config {
     int n_layers;
     int n_kv_heads;
     int head_dim;
     int page_size; /* tokens per page */
     int64_t n_pages;
+    /* Extra layer groups (group 1 ..): the same page ids name pages in them too, so one page
+     * table per sequence covers every group. Each has a region of its own memory, laid out like
+     * group 0's; tdm_kv_pool_geometry describes group 0. */
+    int n_extra;
+    struct tdm_kv_group extra[TDM_KV_MAX_EXTRA_GROUPS];
     enum tdm_dtype dtype; /* element type; TDM_DTYPE_F32 (0) is the one the backends compute in
                            * today: a pool of another type is refused at creation */
 };
@@ -75,9 +90,11 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
                               tdm_kv_pool_t **out);
 void tdm_kv_pool_destroy(tdm_kv_pool_t *pool);
 
-/* Bytes of one page in one layer. */
+/* Bytes of one page in one layer (of group 0). */
 size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg);
-/* Pages that fit in `bytes` of KV memory. */
+/* Bytes of one page across every layer of every group. */
+size_t tdm_kv_page_bytes_all(const struct tdm_kv_config *cfg);
+/* Pages that fit in `bytes` of KV memory (every group counted). */
 int64_t tdm_kv_pages_for_bytes(const struct tdm_kv_config *cfg, size_t bytes);
 const struct tdm_kv_config *tdm_kv_pool_config(const tdm_kv_pool_t *pool);
 /* The pool's memory, place, element type and strides (for registration with a transfer
@@ -85,6 +102,10 @@ const struct tdm_kv_config *tdm_kv_pool_config(const tdm_kv_pool_t *pool);
 struct tdm_kv_geometry tdm_kv_pool_geometry(const tdm_kv_pool_t *pool);
 /* The layer view the backend ops take. */
 struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer);
+/* Layer `layer` of group `group` (0: the pool's own layers). */
+struct tdm_kv_layer tdm_kv_pool_group_layer(const tdm_kv_pool_t *pool, int group, int layer);
+/* Group `group`'s geometry (0: the pool's own). false when there is no such group. */
+bool tdm_kv_pool_group(const tdm_kv_pool_t *pool, int group, struct tdm_kv_group *out);
 
 /* Allocates n pages, all or nothing: TDM_ENOMEM (and no change) if fewer are free. Each page
  * starts with one owner reference. ids: [n], written only on success. */

@@ -253,6 +253,10 @@ struct tdm_draft_stats {
     float kept[TDM_SPEC_MAX_K];
     uint32_t steps;      /* decode steps so far */
     uint32_t idle_steps; /* consecutive steps with nothing drafted */
+    /* for a drafter with KV of its own (a draft model's layer group): the positions of that
+     * KV that hold the request's tokens, [0, cursor), and the token count its last proposal
+     * started from. The scheduler zeroes cursor when the request's pages go back. */
+    int32_t cursor, base;
 };
 struct tdm_sched_draft {
     tdm_req_t *req;

@@ -12,8 +12,11 @@
  *          at the drafts' positions; the verify pass overwrites them with the target's, so
  *          for accepted tokens the KV is the target's own: one page table, nothing computed
  *          twice that is kept.
- *   draft  a separate checkpoint with the target's vocabulary (not in this build yet: the
- *          KV pool's layer groups come first).
+ *   draft  a separate checkpoint with the target's vocabulary (refused otherwise). Its KV is
+ *          a layer group of the target's pool (same page ids, one page table per sequence).
+ *          It catches up on the tokens it has not seen (the prompt, then each step's accepted
+ *          tokens and bonus token), runs k steps, and its KV keeps what was accepted. CPU
+ *          backend only for now (the CUDA memory plan does not reserve its weights yet).
  *   mtp, eagle  trained heads (a later issue).
  *
  * Acceptance.
@@ -76,7 +79,12 @@ struct tdm_spec_opts {
     int k;                  /* > 0: exactly this many drafts a step (fixed); 0: auto */
     enum tdm_spec_accept accept;
     bool q_one_hot; /* rejection with q = the proposal alone (vLLM's default; to measure) */
+    /* draft: the loaded draft model (borrowed; outlives the tdm_spec_t). The target's engine
+     * must have been created with its layer group (tdm_spec_kv_group) in kv_extra. */
+    const struct tdm_model *draft_model;
 };
+/* The KV layer group a draft model needs in the target's pool. */
+void tdm_spec_kv_group(const struct tdm_model *draft, struct tdm_kv_group *out);
 
 /* "none", "draft", "self", "mtp", "eagle"; TDM_EINVAL with a message otherwise. */
 tdm_status tdm_spec_method_parse(const char *s, enum tdm_spec_method *out);

@@ -44,6 +44,8 @@ struct tdm_engine {
     tdm_backend_t *backend;
     bool owns_backend;
     tdm_kv_pool_t *kv;
+    bool owns_kv;
+    int kv_group; /* the pool's layer group that holds this model's layers */
     struct tdm_model_config cfg;
     /* weights as the backend holds them */
     struct tdm_weight tok_embd, output_norm, output;
@@ -226,9 +228,25 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     e->rows = balloc(e, R * c->d_model * f, &st);
     e->logits = balloc(e, R * c->vocab_size * f, &st);
     if (st != TDM_OK) goto out_scratch;
-    /* the backend's worst-case workspace, and what its memory plan leaves for the KV pool */
+    /* a borrowed pool: its page size and page count; its layer group must be this model's */
+    if (o->kv_shared) {
+        const struct tdm_kv_config *pc = tdm_kv_pool_config(o->kv_shared);
+        struct tdm_kv_group g;
+        if (!tdm_kv_pool_group(o->kv_shared, o->kv_group, &g) || g.n_layers != c->n_layers ||
+            g.n_kv_heads != c->n_kv_heads || g.head_dim != c->head_dim) {
+            st = tdm_err_set(TDM_EINVAL,
+                             "engine: KV layer group %d of the shared pool does not fit this "
+                             "model (%d layers, %d kv heads of %d)",
+                             o->kv_group, c->n_layers, c->n_kv_heads, c->head_dim);
+            goto out_scratch;
+        }
+        o->page_size = pc->page_size;
+        o->kv_pages = pc->n_pages;
+    }
+    /* the backend's worst-case workspace, and what its memory plan leaves for the KV pool (a
+     * borrowed backend with a borrowed pool keeps its owner's plan) */
     size_t backend_kv_bytes = 0;
-    if (e->backend->iface->reserve) {
+    if (e->backend->iface->reserve && !(o->kv_shared && o->backend)) {
         const int max_pages_seq = (o->max_ctx + o->page_size - 1) / o->page_size;
         struct tdm_backend_limits lim = {
             .max_tokens = o->max_batch_tokens,
@@ -272,13 +290,23 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
                                .n_kv_heads = c->n_kv_heads,
                                .head_dim = c->head_dim,
                                .page_size = o->page_size,
-                               .n_pages = o->kv_pages};
-    if (kc.n_pages <= 0) {
+                               .n_pages = o->kv_pages,
+                               .n_extra = o->n_kv_extra};
+    if (o->n_kv_extra < 0 || o->n_kv_extra > TDM_KV_MAX_EXTRA_GROUPS) {
+        st = tdm_err_set(TDM_EINVAL, "engine: %d extra KV layer groups", o->n_kv_extra);
+        goto out_scratch;
+    }
+    for (int g = 0; g < o->n_kv_extra; g++)
+        kc.extra[g] = o->kv_extra[g];
+    if (o->kv_shared) {
+        e->kv = o->kv_shared;
+        e->kv_group = o->kv_group;
+    } else if (kc.n_pages <= 0) {
         size_t bytes = o->kv_bytes;
         if (!bytes && backend_kv_bytes) {
             bytes = backend_kv_bytes; /* the backend's memory plan (CUDA) */
         } else if (!bytes) {
-            size_t full = tdm_kv_page_bytes(&kc) * (size_t)c->n_layers *
+            size_t full = tdm_kv_page_bytes_all(&kc) *
                           (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
                           (size_t)o->max_seqs;
             bytes = TDM_MIN(full, DEFAULT_KV_CAP_BYTES);
@@ -289,8 +317,11 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
             goto out_scratch;
         }
     }
-    o->kv_pages = kc.n_pages;
-    if ((st = tdm_kv_pool_create(&kc, e->backend, &e->kv)) != TDM_OK) goto out_scratch;
+    if (!o->kv_shared) {
+        o->kv_pages = kc.n_pages;
+        if ((st = tdm_kv_pool_create(&kc, e->backend, &e->kv)) != TDM_OK) goto out_scratch;
+        e->owns_kv = true;
+    }
 
     size_t meta = (T * 4 + (size_t)o->max_seqs * 4 + 8 + R) * sizeof(int32_t) +
                   (size_t)o->max_seqs * (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
@@ -301,7 +332,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     return TDM_OK;
 
 out_scratch:
-    tdm_kv_pool_destroy(e->kv);
+    if (e->owns_kv) tdm_kv_pool_destroy(e->kv);
     free_scratch(e);
     tdm_sample_scratch_free(&e->sample_scratch);
     free(e->host_logits);
@@ -319,7 +350,7 @@ out_free:
 void tdm_engine_destroy(tdm_engine_t *e)
 {
     if (!e) return;
-    tdm_kv_pool_destroy(e->kv);
+    if (e->owns_kv) tdm_kv_pool_destroy(e->kv);
     free_scratch(e);
     tdm_sample_scratch_free(&e->sample_scratch);
     free(e->host_logits);
@@ -567,7 +598,7 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
         ops->rmsnorm(b, e->x, e->layers[0].attn_norm.data, c->rms_eps, T, d, e->h);
         for (int l = 0; l < n_layers; l++) {
             const struct tdm_layer_weights *w = &e->layers[l];
-            struct tdm_kv_layer kv = tdm_kv_pool_layer(e->kv, l);
+            struct tdm_kv_layer kv = tdm_kv_pool_group_layer(e->kv, e->kv_group, l);
             const struct tdm_matmul_part qkv[] = {
                 {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
             ops->matmul_multi(b, e->h, T, qkv, 3);

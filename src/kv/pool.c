@@ -21,7 +21,9 @@ struct tdm_kv_pool {
     struct tdm_kv_config cfg;
     tdm_backend_t *backend;
     float *mem; /* [n_layers][n_pages][2][n_kv_heads][page_size][head_dim], backend memory */
-    size_t layer_floats; /* floats per layer region */
+    size_t layer_floats;                  /* floats per layer region */
+    float *gmem[TDM_KV_MAX_EXTRA_GROUPS]; /* the extra groups' regions, laid out alike */
+    size_t g_layer_floats[TDM_KV_MAX_EXTRA_GROUPS];
     pthread_mutex_t mu;
     int32_t *free_ids; /* [n_pages] stack */
     int64_t n_free;
@@ -40,9 +42,22 @@ size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg)
     return (size_t)2 * cfg->n_kv_heads * cfg->page_size * cfg->head_dim * elem_bytes(cfg->dtype);
 }
 
-int64_t tdm_kv_pages_for_bytes(const struct tdm_kv_config *cfg, size_t bytes)
+static size_t group_page_bytes(const struct tdm_kv_config *cfg, const struct tdm_kv_group *g)
+{
+    return (size_t)2 * g->n_kv_heads * cfg->page_size * g->head_dim * elem_bytes(cfg->dtype);
+}
+
+size_t tdm_kv_page_bytes_all(const struct tdm_kv_config *cfg)
 {
     size_t per_page = tdm_kv_page_bytes(cfg) * (size_t)cfg->n_layers;
+    for (int g = 0; g < cfg->n_extra && g < TDM_KV_MAX_EXTRA_GROUPS; g++)
+        per_page += group_page_bytes(cfg, &cfg->extra[g]) * (size_t)cfg->extra[g].n_layers;
+    return per_page;
+}
+
+int64_t tdm_kv_pages_for_bytes(const struct tdm_kv_config *cfg, size_t bytes)
+{
+    size_t per_page = tdm_kv_page_bytes_all(cfg);
     return per_page ? (int64_t)(bytes / per_page) : 0;
 }
 
@@ -65,6 +80,15 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     size_t total_bytes = layer_floats * (size_t)cfg->n_layers * sizeof(float);
     if (total_bytes / cfg->n_layers / sizeof(float) != layer_floats)
         return tdm_err_set(TDM_ERANGE, "kv pool: size overflows");
+    if (cfg->n_extra < 0 || cfg->n_extra > TDM_KV_MAX_EXTRA_GROUPS)
+        return tdm_err_set(TDM_EINVAL, "kv pool: %d extra layer groups (at most %d)", cfg->n_extra,
+                           TDM_KV_MAX_EXTRA_GROUPS);
+    for (int g = 0; g < cfg->n_extra; g++) {
+        const struct tdm_kv_group *x = &cfg->extra[g];
+        if (x->n_layers <= 0 || x->n_kv_heads <= 0 || x->head_dim <= 0 || x->n_layers > 4096 ||
+            x->n_kv_heads > 4096 || x->head_dim > 4096)
+            return tdm_err_set(TDM_EINVAL, "kv pool: layer group %d has a bad geometry", g + 1);
+    }
 
     struct tdm_kv_pool *p = calloc(1, sizeof *p);
     if (!p) return tdm_err_set(TDM_ENOMEM, "kv pool: out of memory");
@@ -80,6 +104,19 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
         tdm_err_set(TDM_ENOMEM, "kv pool: cannot allocate %zu bytes for %lld pages", total_bytes,
                     (long long)cfg->n_pages);
         goto out_free_nomsg;
+    }
+    for (int g = 0; g < cfg->n_extra; g++) {
+        const struct tdm_kv_group *x = &cfg->extra[g];
+        p->g_layer_floats[g] = group_page_bytes(cfg, x) / sizeof(float) * (size_t)cfg->n_pages;
+        size_t bytes = p->g_layer_floats[g] * (size_t)x->n_layers * sizeof(float);
+        if (!(p->gmem[g] = backend->iface->buf_alloc(backend, bytes))) {
+            tdm_err_set(TDM_ENOMEM, "kv pool: cannot allocate %zu bytes for layer group %d", bytes,
+                        g + 1);
+            for (int h = 0; h < g; h++)
+                backend->iface->buf_free(backend, p->gmem[h]);
+            backend->iface->buf_free(backend, p->mem);
+            goto out_free_nomsg;
+        }
     }
     for (int64_t i = 0; i < cfg->n_pages; i++)
         p->free_ids[i] = (int32_t)(cfg->n_pages - 1 - i); /* page 0 is handed out first */
@@ -101,6 +138,8 @@ void tdm_kv_pool_destroy(tdm_kv_pool_t *pool)
 {
     if (!pool) return;
     pool->backend->iface->buf_free(pool->backend, pool->mem);
+    for (int g = 0; g < pool->cfg.n_extra; g++)
+        pool->backend->iface->buf_free(pool->backend, pool->gmem[g]);
     pthread_mutex_destroy(&pool->mu);
     free(pool->free_ids);
     free(pool->owner_refs);
@@ -139,6 +178,34 @@ struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer)
         .page_size = pool->cfg.page_size,
         .n_pages = pool->cfg.n_pages,
     };
+}
+
+struct tdm_kv_layer tdm_kv_pool_group_layer(const tdm_kv_pool_t *pool, int group, int layer)
+{
+    if (group == 0) return tdm_kv_pool_layer(pool, layer);
+    TDM_ASSERT(group > 0 && group <= pool->cfg.n_extra);
+    const struct tdm_kv_group *x = &pool->cfg.extra[group - 1];
+    TDM_ASSERT(layer >= 0 && layer < x->n_layers);
+    return (struct tdm_kv_layer){
+        .base = pool->gmem[group - 1] + (size_t)layer * pool->g_layer_floats[group - 1],
+        .n_kv_heads = x->n_kv_heads,
+        .head_dim = x->head_dim,
+        .page_size = pool->cfg.page_size,
+        .n_pages = pool->cfg.n_pages,
+    };
+}
+
+bool tdm_kv_pool_group(const tdm_kv_pool_t *pool, int group, struct tdm_kv_group *out)
+{
+    if (group == 0) {
+        *out = (struct tdm_kv_group){.n_layers = pool->cfg.n_layers,
+                                     .n_kv_heads = pool->cfg.n_kv_heads,
+                                     .head_dim = pool->cfg.head_dim};
+        return true;
+    }
+    if (group < 0 || group > pool->cfg.n_extra) return false;
+    *out = pool->cfg.extra[group - 1];
+    return true;
 }
 
 static void check_id(const tdm_kv_pool_t *pool, int32_t id)

@@ -54,6 +54,7 @@ void tdm_sched_requeue(struct tdm_sched *s, int i, bool preempted)
     struct tdm_req *r = s->running[i];
     tdm_kv_seq_release(s->kv, &r->kv);
     r->n_cached = 0;
+    r->draft_stats.cursor = 0; /* a drafter's own KV went with the pages */
     r->batch_slot = -1;
     tdm_sched_running_remove(s, i);
     pthread_mutex_lock(&s->mu);

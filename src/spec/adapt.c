@@ -179,3 +179,83 @@ void tdm_spec_ctl_learn(struct tdm_spec_ctl *c, struct tdm_draft_stats *st, int 
         st->kept[j] *= RECORD_DECAY;
     }
 }
+
+/* ---- the gate ---- */
+#define GATE_RATE        0.1
+#define GATE_MARGIN      0.98
+#define GATE_BASE_N      2
+#define GATE_REFRESH     32
+#define GATE_EXPLORE     32
+#define GATE_EXPLORE_MAX 256
+
+static int gate_bucket(int n)
+{
+    int b = 0;
+    while (n > 1 && b < TDM_SPEC_GATE_BUCKETS - 1) {
+        n >>= 1;
+        b++;
+    }
+    return b;
+}
+
+static void arm_add(struct tdm_spec_arm *a, double x)
+{
+    a->rate = a->n ? a->rate + GATE_RATE * (x - a->rate) : x;
+    a->n++;
+}
+
+bool tdm_spec_gate_begin(struct tdm_spec_gate *g, int n)
+{
+    if (g->open && !g->mixed && g->ns > 0 && g->tokens > 0)
+        arm_add(&g->arm[g->bucket][g->drafted], g->tokens / g->ns);
+    int b = gate_bucket(n);
+    g->open = true;
+    g->fresh = true;
+    g->mixed = true; /* until tdm_spec_gate_ran says the plan was decode-only */
+    g->drafted = false;
+    g->bucket = b;
+    g->tokens = 0;
+    g->ns = 0;
+    g->expect_tokens = -1;
+    if (!g->every[b]) g->every[b] = GATE_EXPLORE;
+    const struct tdm_spec_arm *off = &g->arm[b][0], *on = &g->arm[b][1];
+    g->since[b]++;
+    if (off->n < GATE_BASE_N) return false; /* measure the baseline first */
+    if (on->n < GATE_BASE_N) return true;
+    if (on->rate < off->rate * GATE_MARGIN) { /* drafting loses here: off, exploring rarely */
+        if (g->since[b] < g->every[b]) return false;
+        g->since[b] = 0;
+        g->every[b] = TDM_MIN(g->every[b] * 2, GATE_EXPLORE_MAX);
+        return true;
+    }
+    g->every[b] = GATE_EXPLORE; /* drafting wins: keep the baseline fresh now and then */
+    if (g->since[b] >= GATE_REFRESH) {
+        g->since[b] = 0;
+        return false;
+    }
+    return true;
+}
+
+void tdm_spec_gate_planned(struct tdm_spec_gate *g, bool drafted, int expect_tokens)
+{
+    g->drafted = drafted;
+    g->expect_tokens = expect_tokens;
+}
+
+void tdm_spec_gate_time(struct tdm_spec_gate *g, double ns)
+{
+    g->ns += ns;
+}
+
+void tdm_spec_gate_ran(struct tdm_spec_gate *g, int plan_tokens)
+{
+    /* a step with prefill chunks costs and yields differently: it is not counted; nor is a
+     * step whose books mix with another's (a run that no propose opened) */
+    g->mixed = !g->open || !g->fresh || plan_tokens != g->expect_tokens;
+    g->fresh = false;
+}
+
+void tdm_spec_gate_tokens(struct tdm_spec_gate *g, int n)
+{
+    g->tokens += n;
+}

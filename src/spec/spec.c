@@ -72,12 +72,17 @@ tdm_status tdm_spec_k_parse(const char *s, int *k, bool *off)
 static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tokens)
 {
     struct tdm_spec *sp = ctx;
-    if (sp->o.k > 0)
+    if (sp->o.k > 0) {
         for (int i = 0; i < n; i++)
             d[i].k = TDM_MIN(d[i].k, sp->o.k);
-    else
+    } else if (tdm_spec_gate_begin(&sp->gate, base_tokens)) {
         tdm_spec_ctl_choose(&sp->ctl, d, n, base_tokens);
+    } else {
+        for (int i = 0; i < n; i++)
+            d[i].k = 0;
+    }
     int m = 0;
+    tdm_spec_gate_planned(&sp->gate, false, base_tokens);
     pthread_mutex_lock(&sp->mu);
     for (int i = 0; i < n; i++) {
         sp->st.k_hist[TDM_MIN(TDM_MAX(d[i].k, 0), TDM_SPEC_MAX_K)]++;
@@ -87,12 +92,15 @@ static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tok
     if (!m) return;
     sp->dr.propose(sp->dr.ctx, sp, sp->batch, m);
     /* back into the scheduler's array, by request */
+    int drafted = 0;
     for (int i = 0, q = 0; i < n && q < m; i++)
         if (d[i].req == sp->batch[q].req) {
             d[i].n = sp->batch[q].n;
             d[i].q = sp->batch[q].q;
+            drafted += d[i].n;
             q++;
         }
+    tdm_spec_gate_planned(&sp->gate, drafted > 0, base_tokens + drafted);
 }
 
 static void on_accepted(void *ctx, tdm_req_t *r, struct tdm_draft_stats *st, int n_draft,
@@ -101,6 +109,8 @@ static void on_accepted(void *ctx, tdm_req_t *r, struct tdm_draft_stats *st, int
     struct tdm_spec *sp = ctx;
     (void)r;
     tdm_spec_ctl_learn(&sp->ctl, st, n_draft, n_accepted);
+    if (sp->dr.accepted) sp->dr.accepted(sp->dr.ctx, st, n_draft, n_accepted);
+    tdm_spec_gate_tokens(&sp->gate, n_published);
     pthread_mutex_lock(&sp->mu);
     sp->st.drafted += (uint64_t)n_draft;
     sp->st.accepted += (uint64_t)n_accepted;
@@ -118,6 +128,8 @@ static void on_step_done(void *ctx, const struct tdm_sched_plan *plan, uint64_t 
 {
     struct tdm_spec *sp = ctx;
     tdm_spec_cost_observe(&sp->ctl.verify, plan->n_tokens, (double)run_ns);
+    tdm_spec_gate_time(&sp->gate, (double)run_ns);
+    tdm_spec_gate_ran(&sp->gate, plan->n_tokens);
 }
 
 static const struct tdm_sched_drafter_i SPEC_DRAFTER = {
@@ -126,6 +138,7 @@ static const struct tdm_sched_drafter_i SPEC_DRAFTER = {
 void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns)
 {
     tdm_spec_cost_observe(&sp->ctl.draft, n_seqs, (double)ns);
+    tdm_spec_gate_time(&sp->gate, (double)ns);
     pthread_mutex_lock(&sp->mu);
     sp->st.draft_passes++;
     sp->st.draft_s += (double)ns * 1e-9;
@@ -144,9 +157,7 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
     case TDM_SPEC_NONE:
         return tdm_err_set(TDM_EINVAL, "spec: no method given");
     case TDM_SPEC_DRAFT:
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "--spec draft is not in this build yet (the KV pool's layer groups "
-                           "come first); --spec self needs no second checkpoint");
+        break;
     case TDM_SPEC_MTP:
     case TDM_SPEC_EAGLE:
         return tdm_err_set(TDM_EUNSUPPORTED,
@@ -164,13 +175,16 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
     sp->o.draft_path = NULL; /* not kept: the caller's string */
     sp->target = target;
     sp->n_layers = tdm_engine_model(target)->cfg.n_layers;
+    sp->draft_layers = o->draft_model ? o->draft_model->cfg.n_layers : 0;
     sp->max_seqs = tdm_engine_opts(target)->max_seqs;
     pthread_mutex_init(&sp->mu, NULL);
     tdm_status st = tdm_spec_ctl_init(&sp->ctl, sp->max_seqs);
     if (st == TDM_OK && !(sp->batch = calloc((size_t)sp->max_seqs, sizeof *sp->batch)))
         st = tdm_err_set(TDM_ENOMEM, "spec: out of memory");
     if (st == TDM_OK)
-        st = tdm_spec_self_create(target, o->self_layers, o->accept, o->q_one_hot, &sp->dr);
+        st = o->method == TDM_SPEC_DRAFT
+                 ? tdm_spec_draft_create(target, o->draft_model, o->accept, o->q_one_hot, &sp->dr)
+                 : tdm_spec_self_create(target, o->self_layers, o->accept, o->q_one_hot, &sp->dr);
     if (st != TDM_OK) {
         tdm_spec_destroy(sp);
         return st;
@@ -201,8 +215,13 @@ void tdm_spec_describe(const tdm_spec_t *sp, char *buf, size_t cap)
         snprintf(k, sizeof k, "k %d (fixed)", sp->o.k);
     else
         snprintf(k, sizeof k, "k auto (at most %d)", TDM_SPEC_AUTO_K);
-    snprintf(buf, cap, "%s (%d layers of %d), %s, %s", sp->dr.name, tdm_spec_self_layers(&sp->dr),
-             sp->n_layers, k, tdm_spec_accept_name(sp->o.accept));
+    if (sp->o.method == TDM_SPEC_DRAFT)
+        snprintf(buf, cap, "draft model (%d layers; the target has %d), %s, %s", sp->draft_layers,
+                 sp->n_layers, k, tdm_spec_accept_name(sp->o.accept));
+    else
+        snprintf(buf, cap, "%s (%d layers of %d), %s, %s", sp->dr.name,
+                 tdm_spec_self_layers(&sp->dr), sp->n_layers, k,
+                 tdm_spec_accept_name(sp->o.accept));
 }
 
 void tdm_spec_get_stats(tdm_spec_t *sp, struct tdm_spec_stats *out)

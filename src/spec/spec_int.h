@@ -21,12 +21,17 @@ struct tdm_spec_drafter {
     const char *name;
     void *ctx;
     void (*propose)(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *d, int n);
+    /* optional: a request's decode step kept n_accepted of n_draft drafts */
+    void (*accepted)(void *ctx, struct tdm_draft_stats *st, int n_draft, int n_accepted);
     void (*destroy)(void *ctx);
 };
 
 tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, enum tdm_spec_accept accept,
                                 bool one_hot, struct tdm_spec_drafter *out);
 int tdm_spec_self_layers(const struct tdm_spec_drafter *d); /* the self drafter's N */
+tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *draft,
+                                 enum tdm_spec_accept accept, bool one_hot,
+                                 struct tdm_spec_drafter *out);
 
 /* ---- cost models (adapt.c): y = a + b x, exponentially weighted least squares ---- */
 struct tdm_spec_cost {
@@ -49,6 +54,34 @@ struct tdm_spec_ctl {
     int *best, *cur;             /* [cap] */
 };
 tdm_status tdm_spec_ctl_init(struct tdm_spec_ctl *c, int max_seqs);
+/* ---- the gate: what speculation really gained, measured (adapt.c) ----
+ * The cost models are lines; real costs are not (a decode step replays a CUDA graph, a step
+ * with drafts does not). So the controller's choices are also judged by their results: per
+ * batch-size bucket (1, 2-3, 4-7, ...), the throughput (tokens published per second of draft
+ * and verify time) of decode-only steps that drafted and of those that did not, each an
+ * exponentially weighted mean. Where drafting measures slower, it is off, with a one-step
+ * exploration every 32, 64, ... 256 steps; where it is faster, one step in 32 runs without, to
+ * keep the baseline current. The first steps of a bucket run without, to measure it. */
+enum { TDM_SPEC_GATE_BUCKETS = 8 };
+struct tdm_spec_arm {
+    double rate; /* tokens per ns */
+    uint32_t n;
+};
+struct tdm_spec_gate {
+    struct tdm_spec_arm arm[TDM_SPEC_GATE_BUCKETS][2]; /* [bucket][drafted] */
+    uint32_t since[TDM_SPEC_GATE_BUCKETS], every[TDM_SPEC_GATE_BUCKETS];
+    /* the step in progress */
+    bool open, fresh, drafted, mixed;
+    int bucket, expect_tokens, tokens;
+    double ns;
+};
+/* Closes the previous step's books and says whether this step (n decoding requests) may draft. */
+bool tdm_spec_gate_begin(struct tdm_spec_gate *g, int n);
+/* This step's drafting: drafted or not, and the tokens the plan should hold if decode-only. */
+void tdm_spec_gate_planned(struct tdm_spec_gate *g, bool drafted, int expect_tokens);
+void tdm_spec_gate_time(struct tdm_spec_gate *g, double ns);      /* a draft pass or the run */
+void tdm_spec_gate_ran(struct tdm_spec_gate *g, int plan_tokens); /* after the run */
+void tdm_spec_gate_tokens(struct tdm_spec_gate *g, int n);        /* a request's published */
 void tdm_spec_ctl_free(struct tdm_spec_ctl *c);
 /* Lowers each d[i].k to the chosen k (0 included). base_tokens: the step's decode tokens. */
 void tdm_spec_ctl_choose(struct tdm_spec_ctl *c, struct tdm_sched_draft *d, int n, int base_tokens);
@@ -58,8 +91,10 @@ void tdm_spec_ctl_learn(struct tdm_spec_ctl *c, struct tdm_draft_stats *st, int 
 
 struct tdm_spec {
     struct tdm_spec_opts o;
+    struct tdm_spec_gate gate;
     tdm_engine_t *target;
-    int n_layers; /* the target's */
+    int n_layers;     /* the target's */
+    int draft_layers; /* a draft model's */
     struct tdm_spec_drafter dr;
     struct tdm_spec_ctl ctl;
     struct tdm_sched_draft *batch; /* [max_seqs] the drafts with k > 0 */

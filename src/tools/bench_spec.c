@@ -412,6 +412,7 @@ int tdm_cmd_bench_spec(int argc, char **argv)
     struct tdm_model *m = tdm_tool_load_model(o.model);
     tdm_tok_t *tok = NULL;
     tdm_engine_t *e = NULL;
+    struct tdm_model *draft = NULL;
     struct tdm_chat_template tmpl = {0};
     int32_t **ids = calloc((size_t)n_prompts, sizeof *ids), **outs[2] = {0};
     int *n_ids = calloc((size_t)n_prompts, sizeof *n_ids), *n_outs[2] = {0};
@@ -463,6 +464,11 @@ int tdm_cmd_bench_spec(int argc, char **argv)
         .backend_kind = o.backend_kind,
         .gpu_memory_fraction = o.gpu_frac,
     };
+    struct tdm_kv_group draft_group;
+    if (!tdm_tool_spec_load_draft("tandem bench spec", &so, m, &eo, &draft_group, &draft)) {
+        rc = 2;
+        goto out;
+    }
     if (tdm_engine_create(m, &eo, &e) != TDM_OK) {
         tdm_tool_fail("engine");
         goto out;
@@ -477,8 +483,7 @@ int tdm_cmd_bench_spec(int argc, char **argv)
     char desc[160] = "";
     { /* warm-up, not measured: the weights and the KV pool paged in */
         struct result warm;
-        if (!run_config(e, tok, &o, &so, 1, -1, ids, n_ids, 1, outs[0], n_outs[0], &warm))
-            goto out;
+        if (!run_config(e, tok, &o, &so, 1, -1, ids, n_ids, 1, outs[0], n_outs[0], &warm)) goto out;
     }
     for (int b = 0; b < o.n_batches; b++) {
         struct result *base = &rs[n_rs];
@@ -532,6 +537,7 @@ out:
     free(n_ids);
     free(rs);
     tdm_engine_destroy(e);
+    tdm_model_free(draft);
     tdm_chat_template_clear(&tmpl);
     tdm_tok_free(tok);
     tdm_model_free(m);

@@ -61,6 +61,8 @@ struct gen {
     struct tdm_sample_scratch scratch;
     double prefill_s, decode_s;
     int n_prefilled, n_decoded;
+    struct tdm_model *draft; /* --spec draft */
+    struct tdm_kv_group draft_group;
 };
 
 static void usage(FILE *f, bool chat)
@@ -192,7 +194,7 @@ static int parse_opts(int argc, char **argv, bool chat, struct gen_opts *o)
     return 0;
 }
 
-static tdm_status gen_init(struct gen *g, const struct tdm_model *m, const struct gen_opts *o)
+static tdm_status gen_init(struct gen *g, const struct tdm_model *m, struct gen_opts *o)
 {
     memset(g, 0, sizeof *g);
     g->model = m;
@@ -208,6 +210,9 @@ static tdm_status gen_init(struct gen *g, const struct tdm_model *m, const struc
         .gpu_memory_fraction = o->gpu_frac,
     };
     if (!eo.max_ctx && m->cfg.max_ctx > 0) eo.max_ctx = m->cfg.max_ctx;
+    if (o->spec_on &&
+        !tdm_tool_spec_load_draft("tandem generate", &o->spec, m, &eo, &g->draft_group, &g->draft))
+        return tdm_err_set(TDM_EINVAL, "the draft model could not be used");
     int ps = eo.page_size ? eo.page_size : 16;
     /* the context, plus room for a step's drafts past its end */
     eo.kv_pages = ((eo.max_ctx ? eo.max_ctx : 4096) + TDM_SPEC_MAX_K + ps - 1) / ps + 1;
@@ -224,6 +229,7 @@ static void gen_free(struct gen *g)
 {
     if (g->engine) tdm_kv_seq_release(tdm_engine_kv(g->engine), &g->kv);
     tdm_engine_destroy(g->engine);
+    tdm_model_free(g->draft);
     tdm_sample_scratch_free(&g->scratch);
     free(g->tokens);
     free(g->logits);

@@ -204,3 +204,34 @@ tdm_spec_t *tdm_tool_spec_attach(const char *who, const struct tdm_spec_opts *o,
     fprintf(stderr, "%s: speculation: %s\n", who, d);
     return sp;
 }
+
+bool tdm_tool_spec_load_draft(const char *who, struct tdm_spec_opts *o,
+                              const struct tdm_model *target, struct tdm_engine_opts *eo,
+                              struct tdm_kv_group *g, struct tdm_model **draft)
+{
+    *draft = NULL;
+    if (o->method != TDM_SPEC_DRAFT) return true;
+    if (eo->backend_kind == TDM_BACKEND_CUDA) {
+        fprintf(stderr,
+                "%s: --spec draft runs on the CPU backend only for now (the CUDA memory plan "
+                "does not reserve a draft's weights yet); --spec self works on both\n",
+                who);
+        return false;
+    }
+    struct tdm_model *d = tdm_tool_load_model(o->draft_path);
+    if (!d) return false;
+    if (d->cfg.vocab_size != target->cfg.vocab_size) {
+        fprintf(stderr,
+                "%s: the draft %s has a vocabulary of %d tokens, the target %d: a draft must "
+                "share the target's tokenizer\n",
+                who, o->draft_path, d->cfg.vocab_size, target->cfg.vocab_size);
+        tdm_model_free(d);
+        return false;
+    }
+    tdm_spec_kv_group(d, g);
+    eo->kv_extra = g;
+    eo->n_kv_extra = 1;
+    o->draft_model = d;
+    *draft = d;
+    return true;
+}

@@ -289,6 +289,7 @@ int tdm_cmd_serve(int argc, char **argv)
     tdm_engine_t *e = NULL;
     tdm_sched_t *sched = NULL;
     tdm_spec_t *spec = NULL;
+    struct tdm_model *draft = NULL;
     tdm_server_t *srv = NULL;
     struct tdm_chat_template tmpl = {0};
     bool have_chat = false;
@@ -318,6 +319,12 @@ int tdm_cmd_serve(int argc, char **argv)
         .count_layers = is_prefill,
         .backend_kind = backend_kind,
         .gpu_memory_fraction = gpu_frac};
+    struct tdm_kv_group draft_group;
+    if (spec_on &&
+        !tdm_tool_spec_load_draft("tandem serve", &spec_o, m, &eo, &draft_group, &draft)) {
+        rc = 2;
+        goto out_tok;
+    }
     if (tdm_engine_create(m, &eo, &e) != TDM_OK) {
         tdm_tool_fail("engine");
         goto out_tok;
@@ -426,6 +433,7 @@ out_sched:
 out_engine:
     tdm_engine_destroy(e);
 out_tok:
+    tdm_model_free(draft);
     tdm_chat_template_clear(&tmpl);
     tdm_tok_free(tok);
 out_model:

@@ -22,7 +22,7 @@ int tdm_cmd_generate(int argc, char **argv);
 int tdm_cmd_chat(int argc, char **argv);
 int tdm_cmd_info(int argc, char **argv);
 int tdm_cmd_bench(int argc, char **argv);
-int tdm_cmd_bench_spec(int argc, char **argv); /* bench_spec.c */
+int tdm_cmd_bench_spec(int argc, char **argv);       /* bench_spec.c */
 int tdm_cmd_bench_model_cuda(int argc, char **argv); /* bench_gpu.c: --backend cuda */
 int tdm_cmd_bench_xfer(int argc, char **argv);       /* bench_xfer.c: transfer-engine bandwidth */
 int tdm_cmd_bench_serve(int argc, char **argv);      /* bench_serve.c: HTTP load generator */
@@ -109,6 +109,13 @@ void tdm_tool_spec_usage(FILE *f); /* their usage lines */
 /* Turns the parsed strings into options. *on is false for --spec none or --spec-k 0. Prints
  * why and returns false on a bad value or a combination that makes no sense. */
 bool tdm_tool_spec_opts(const struct tdm_tool_spec *c, struct tdm_spec_opts *o, bool *on);
+/* --spec draft: loads the draft checkpoint (o->draft_path), checks its vocabulary against the
+ * target's, and gives the target's engine options its KV layer group (stored in *g); sets
+ * o->draft_model and *draft (free it after the engines). A no-op for other methods. Prints why
+ * and returns false on failure. */
+bool tdm_tool_spec_load_draft(const char *who, struct tdm_spec_opts *o,
+                              const struct tdm_model *target, struct tdm_engine_opts *eo,
+                              struct tdm_kv_group *g, struct tdm_model **draft);
 /* Creates the drafter for an engine and installs it on the scheduler; prints what it is under
  * `who` ("tandem serve"). NULL after printing why. */
 tdm_spec_t *tdm_tool_spec_attach(const char *who, const struct tdm_spec_opts *o, tdm_engine_t *e,

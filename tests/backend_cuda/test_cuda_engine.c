@@ -270,6 +270,76 @@ static void test_qwen3_f32(void **state)
     cpu_vs_cuda(TDM_DTYPE_F32, TDM_ARCH_QWEN3);
 }
 
+/* Early-exit passes (tdm_engine_out.n_layers, a self drafter's) through CUDA graphs: decode
+ * steps alternate 1 layer and all NL, and the graph run must match op by op each time (a graph
+ * recorded for one layer count and replayed for the other would be far off). */
+static void test_early_exit_graphs(void **state)
+{
+    (void)state;
+    if (!have_gpu) {
+        print_message("SKIP: %s\n", skip_reason);
+        skip();
+    }
+    struct tdm_model m;
+    make_model(&m, TDM_DTYPE_Q8_0, TDM_ARCH_LLAMA);
+    struct tdm_backend_cuda_opts go = {.no_graphs = true};
+    tdm_backend_t *eager = NULL;
+    assert_int_equal(tdm_backend_cuda_create(&go, &eager), TDM_OK);
+    struct run runs[2];
+    run_open(&runs[0], &m, TDM_BACKEND_CUDA, eager);
+    run_open(&runs[1], &m, TDM_BACKEND_CUDA, NULL);
+    enum { S = 8, P = 20, STEPS = 8 };
+    static int32_t toks[S][P + STEPS];
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < P + STEPS; i++)
+            toks[s][i] = (int32_t)(rng_u64() % VOCAB);
+    float *lg[2];
+    for (int r = 0; r < 2; r++) {
+        lg[r] = malloc((size_t)S * VOCAB * sizeof(float));
+        struct tdm_batch_seq bs[S];
+        for (int s = 0; s < S; s++) {
+            assert_int_equal(
+                tdm_kv_seq_reserve(tdm_engine_kv(runs[r].e), &runs[r].kv[s], P + STEPS), TDM_OK);
+            bs[s] = (struct tdm_batch_seq){.tokens = toks[s],
+                                           .n_tokens = P,
+                                           .pages = runs[r].kv[s].pages,
+                                           .n_pages = runs[r].kv[s].n_pages,
+                                           .n_logits = 1};
+        }
+        struct tdm_batch b = {bs, S};
+        assert_int_equal(tdm_engine_forward(runs[r].e, &b, lg[r], NULL), TDM_OK);
+    }
+    double worst = 0;
+    for (int step = 0; step < STEPS; step++) {
+        int nl = step % 2 ? NL : 1;
+        for (int r = 0; r < 2; r++) {
+            struct tdm_batch_seq bs[S];
+            for (int s = 0; s < S; s++)
+                bs[s] = (struct tdm_batch_seq){.tokens = &toks[s][P + step],
+                                               .n_tokens = 1,
+                                               .pos0 = P + step,
+                                               .pages = runs[r].kv[s].pages,
+                                               .n_pages = runs[r].kv[s].n_pages,
+                                               .n_logits = 1};
+            struct tdm_batch b = {bs, S};
+            struct tdm_engine_out out = {.logits = lg[r], .n_layers = nl};
+            assert_int_equal(tdm_engine_run(runs[r].e, &b, &out), TDM_OK);
+            assert_int_equal(atomic_load(tdm_engine_layer_counter(runs[r].e)), nl);
+        }
+        for (int s = 0; s < S; s++)
+            worst =
+                fmax(worst, row_err(lg[1] + (size_t)s * VOCAB, lg[0] + (size_t)s * VOCAB, VOCAB));
+    }
+    printf("early exit, graphs vs op by op: worst row error %.3g\n", worst);
+    assert_true(worst <= 2e-3);
+    for (int r = 0; r < 2; r++) {
+        free(lg[r]);
+        run_close(&runs[r]);
+    }
+    tdm_backend_destroy(eager);
+    free_model();
+}
+
 static void test_create_error(void **state)
 {
     (void)state;
@@ -291,10 +361,9 @@ int main(void)
         printf("SKIP: test_cuda_engine: %s\n", skip_reason);
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_create_error),
-        cmocka_unit_test(test_llama_q8),
-        cmocka_unit_test(test_qwen2_bf16),
-        cmocka_unit_test(test_qwen3_f32),
+        cmocka_unit_test(test_create_error),      cmocka_unit_test(test_llama_q8),
+        cmocka_unit_test(test_qwen2_bf16),        cmocka_unit_test(test_qwen3_f32),
+        cmocka_unit_test(test_early_exit_graphs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

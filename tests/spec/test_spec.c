@@ -58,6 +58,25 @@ static void make_model(uint64_t seed)
     make_model_v(seed, VOCAB);
 }
 
+/* An engine whose pool also holds `draft`'s layers (group 1), for the draft-model drafter. */
+static tdm_engine_t *make_engine_for(int64_t kv_pages, const struct tdm_model *draft)
+{
+    struct tdm_kv_group g;
+    tdm_spec_kv_group(draft, &g);
+    struct tdm_engine_opts o = {.n_threads = 1,
+                                .batch_invariant = true,
+                                .page_size = 4,
+                                .kv_pages = kv_pages,
+                                .max_batch_tokens = 128,
+                                .max_seqs = 8,
+                                .max_logit_rows = 8 * (1 + TDM_SPEC_AUTO_K),
+                                .kv_extra = &g,
+                                .n_kv_extra = 1};
+    tdm_engine_t *e = NULL;
+    assert_int_equal(tdm_engine_create(&tiny.m, &o, &e), TDM_OK);
+    return e;
+}
+
 static tdm_engine_t *make_engine(int64_t kv_pages)
 {
     struct tdm_engine_opts o = {.n_threads = 1,
@@ -358,6 +377,50 @@ static void test_controller(void **state)
     tdm_spec_ctl_free(&c);
 }
 
+/* ---- the gate: measured results overrule the cost model ---- */
+static bool gate_step(struct tdm_spec_gate *g, int n, int tokens_off, int tokens_on, bool mixed)
+{
+    bool a = tdm_spec_gate_begin(g, n);
+    tdm_spec_gate_planned(g, a, n + (a ? n : 0));
+    tdm_spec_gate_time(g, 1000);
+    tdm_spec_gate_ran(g, n + (a ? n : 0) + (mixed ? 5 : 0));
+    tdm_spec_gate_tokens(g, a ? tokens_on : tokens_off);
+    return a;
+}
+
+static void test_gate(void **state)
+{
+    (void)state;
+    /* drafting measures slower: after the baseline and a few tries, off, with exploration
+     * steps thinning out (32, 64, 128, ...) */
+    struct tdm_spec_gate g = {0};
+    int on = 0;
+    for (int i = 0; i < 600; i++)
+        on += gate_step(&g, 4, 10, 5, false);
+    assert_true(on >= 3 && on <= 3 + 7);
+    /* faster: on nearly always, with a baseline refresh in 32 */
+    g = (struct tdm_spec_gate){0};
+    on = 0;
+    for (int i = 0; i < 600; i++)
+        on += gate_step(&g, 4, 10, 20, false);
+    assert_true(on >= 600 - 3 - 600 / 30 && on < 600);
+    /* buckets are separate: batch 1 may lose while batch 16 wins */
+    g = (struct tdm_spec_gate){0};
+    int on1 = 0, on16 = 0;
+    for (int i = 0; i < 400; i++) {
+        on1 += gate_step(&g, 1, 10, 5, false);
+        on16 += gate_step(&g, 16, 10, 20, false);
+    }
+    assert_true(on1 <= 12 && on16 >= 350);
+    /* steps with prefill chunks are not counted: only the baseline's first steps happen */
+    g = (struct tdm_spec_gate){0};
+    on = 0;
+    for (int i = 0; i < 100; i++)
+        on += gate_step(&g, 2, 10, 20, true);
+    assert_int_equal(on, 0);
+    assert_int_equal(g.arm[1][0].n, 0);
+}
+
 static void test_cost_fit(void **state)
 {
     (void)state;
@@ -401,8 +464,10 @@ static void test_options(void **state)
     tdm_spec_t *sp = NULL;
     struct tdm_spec_opts so = {.method = TDM_SPEC_SELF, .self_layers = NL + 1};
     assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EINVAL);
-    so = (struct tdm_spec_opts){.method = TDM_SPEC_DRAFT};
-    assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EUNSUPPORTED);
+    so = (struct tdm_spec_opts){.method = TDM_SPEC_DRAFT}; /* no draft model given */
+    assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EINVAL);
+    so.draft_model = &tiny.m; /* the pool has no layer group for it */
+    assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EINVAL);
     so = (struct tdm_spec_opts){.method = TDM_SPEC_SELF, .accept = 7};
     assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EINVAL);
     so = (struct tdm_spec_opts){.method = TDM_SPEC_SELF, .k = TDM_SPEC_MAX_K + 1};
@@ -637,15 +702,92 @@ static void test_rejection_distribution(void **state)
     check_rejection_distribution(0.9, 5);
 }
 
+/* The draft-model drafter: a second random model (2 layers, other widths, the same
+ * vocabulary) whose KV is layer group 1 of the target's pool. Exact mode gives the target's
+ * tokens for every setting; the target drafting for itself through this path keeps every draft;
+ * a pool too small for all requests preempts mid-speculation (the draft's KV is caught up
+ * again) and still gives the same tokens; a draft with another vocabulary is refused. */
+static void test_draft_model(void **state)
+{
+    (void)state;
+    struct tdm_test_model draft;
+    struct tdm_test_model_opts dopt = {.arch = TDM_ARCH_LLAMA,
+                                       .dtype = TDM_DTYPE_F32,
+                                       .n_layers = 2,
+                                       .d_model = 16,
+                                       .n_heads = 2,
+                                       .n_kv_heads = 1,
+                                       .head_dim = 8,
+                                       .d_ff = 32,
+                                       .vocab = VOCAB,
+                                       .max_ctx = 256,
+                                       .rope_neox = true,
+                                       .seed = 77};
+    tdm_test_model_make(&draft, &dopt);
+    make_model(31);
+    tdm_engine_t *e = make_engine_for(256, &draft.m);
+    for (int which = 0; which < 5; which++) {
+        struct run_cfg c = {.sp = settings(which, 5 + (uint64_t)which), .n_req = N_REQ};
+        make_prompts(&c, 40 + (uint64_t)which);
+        struct run_out ref, got;
+        run(e, NULL, &c, &ref);
+        const int ks[] = {3, 0};
+        for (int ki = 0; ki < 2; ki++) {
+            struct tdm_spec_opts so = {
+                .method = TDM_SPEC_DRAFT, .draft_model = &draft.m, .k = ks[ki]};
+            run(e, &so, &c, &got);
+            expect_same(&got, &ref, c.n_req, "draft model");
+            if (ks[ki]) assert_true(got.st.drafted > 0);
+        }
+    }
+    tdm_engine_destroy(e);
+    /* the target drafting for itself, its copy of the KV in group 1 */
+    e = make_engine_for(256, &tiny.m);
+    struct run_cfg c = {.sp = settings(1, 9), .n_req = N_REQ};
+    make_prompts(&c, 50);
+    struct run_out ref, got;
+    run(e, NULL, &c, &ref);
+    struct tdm_spec_opts self_o = {.method = TDM_SPEC_DRAFT, .draft_model = &tiny.m, .k = 4};
+    run(e, &self_o, &c, &got);
+    expect_same(&got, &ref, c.n_req, "the target as its own draft model");
+    assert_true(got.st.drafted > 0);
+    assert_int_equal(got.st.accepted, got.st.drafted);
+    tdm_engine_destroy(e);
+    /* preemption mid-speculation */
+    e = make_engine_for(30, &draft.m);
+    run(e, NULL, &c, &ref);
+    assert_true(ref.preemptions > 0);
+    struct tdm_spec_opts so = {.method = TDM_SPEC_DRAFT, .draft_model = &draft.m, .k = 3};
+    run(e, &so, &c, &got);
+    assert_true(got.preemptions > 0);
+    expect_same(&got, &ref, c.n_req, "draft model with preemptions");
+    tdm_engine_destroy(e);
+    /* another vocabulary */
+    struct tdm_test_model other;
+    dopt.vocab = VOCAB + 1;
+    tdm_test_model_make(&other, &dopt);
+    e = make_engine_for(64, &other.m);
+    tdm_spec_t *sp = NULL;
+    so.draft_model = &other.m;
+    assert_int_equal(tdm_spec_create(e, &so, &sp), TDM_EINVAL);
+    assert_non_null(strstr(tdm_err_msg(), "vocabulary"));
+    tdm_engine_destroy(e);
+    tdm_test_model_free(&other);
+    tdm_test_model_free(&draft);
+    tdm_test_model_free(&tiny);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_options),
         cmocka_unit_test(test_cost_fit),
         cmocka_unit_test(test_controller),
+        cmocka_unit_test(test_gate),
         cmocka_unit_test(test_exact_is_lossless),
         cmocka_unit_test(test_preempt_cancel_and_caps),
         cmocka_unit_test(test_rejection_distribution),
+        cmocka_unit_test(test_draft_model),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

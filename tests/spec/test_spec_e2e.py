@@ -15,6 +15,10 @@ import json
 import os
 import random
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
 from conftest import run_tandem
@@ -56,6 +60,38 @@ def test_generate_exact_is_bit_identical(default_model, setting):
         assert len(st["accept_by_position"]) == 3
         if layers == "30":  # the model drafting for itself: all kept, sampled or not
             assert st["accepted"] == st["drafted"] and st["tau"] > 3
+
+
+@pytest.fixture(scope="module")
+def draft8(default_model, tmp_path_factory):
+    """A real draft model: the default model's first 8 layers (same vocabulary and head)."""
+    out = tmp_path_factory.mktemp("draft") / "smol8.gguf"
+    root = pathlib.Path(__file__).resolve().parent.parent.parent
+    subprocess.run([sys.executable, str(root / "scripts" / "truncate_gguf.py"), str(default_model),
+                    str(out), "8"], check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("setting", [0, 1])
+def test_generate_draft_model_is_bit_identical(default_model, draft8, setting):
+    base, _ = gen(default_model, SETTINGS[setting])
+    for draft, full in ((draft8, False), (default_model, True)):
+        ids, err = gen(default_model, SETTINGS[setting] + [
+            "--spec", "draft", "--spec-draft", draft, "--spec-k", "3", "--spec-stats"])
+        assert ids == base, f"--spec draft {draft} changed the output"
+        st = json.loads(err.strip().splitlines()[-1])
+        assert st["drafted"] > 0
+        if full:  # the model as its own draft, with its own copy of the KV
+            assert st["accepted"] == st["drafted"] and st["tau"] > 3
+
+
+def test_draft_model_refusals(default_model, draft8):
+    cp = run_tandem(["generate", "--model", default_model, "--prompt", "hi", "--max-tokens", "2",
+                     "--backend", "cuda", "--spec", "draft", "--spec-draft", draft8], check=False)
+    assert cp.returncode != 0 and "CPU backend only" in cp.stderr, cp.stderr
+    cp = run_tandem(["generate", "--model", default_model, "--prompt", "hi", "--max-tokens", "2",
+                     "--spec", "draft", "--spec-draft", "/nonexistent.gguf"], check=False)
+    assert cp.returncode != 0 and "nonexistent" in cp.stderr, cp.stderr
 
 
 def test_issue_command_and_adaptive_default(default_model):
