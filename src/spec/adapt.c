@@ -221,7 +221,19 @@ bool tdm_spec_gate_begin(struct tdm_spec_gate *g, int n)
     const struct tdm_spec_arm *off = &g->arm[b][0], *on = &g->arm[b][1];
     g->since[b]++;
     if (off->n < GATE_BASE_N) return false; /* measure the baseline first */
-    if (on->n < GATE_BASE_N) return true;
+    if (on->n < GATE_BASE_N) {
+        /* drafting gets relatively dearer as the batch grows: where a smaller batch already
+         * measured it losing, this one starts off too, and only explores */
+        bool smaller_loses = false;
+        for (int x = 0; x < b; x++)
+            smaller_loses |= g->arm[x][1].n >= GATE_BASE_N && g->arm[x][0].n >= GATE_BASE_N &&
+                             g->arm[x][1].rate < g->arm[x][0].rate * GATE_MARGIN;
+        if (!smaller_loses) return true;
+        if (g->since[b] < g->every[b]) return false;
+        g->since[b] = 0;
+        g->every[b] = TDM_MIN(g->every[b] * 2, GATE_EXPLORE_MAX);
+        return true;
+    }
     if (on->rate < off->rate * GATE_MARGIN) { /* drafting loses here: off, exploring rarely */
         if (g->since[b] < g->every[b]) return false;
         g->since[b] = 0;

@@ -61,7 +61,9 @@ tdm_status tdm_spec_ctl_init(struct tdm_spec_ctl *c, int max_seqs);
  * and verify time) of decode-only steps that drafted and of those that did not, each an
  * exponentially weighted mean. Where drafting measures slower, it is off, with a one-step
  * exploration every 32, 64, ... 256 steps; where it is faster, one step in 32 runs without, to
- * keep the baseline current. The first steps of a bucket run without, to measure it. */
+ * keep the baseline current. The first steps of a bucket run without, to measure it; a bucket
+ * larger than one where drafting measured slower starts off (drafting gets relatively dearer
+ * as the batch grows) and only explores. */
 enum { TDM_SPEC_GATE_BUCKETS = 8 };
 struct tdm_spec_arm {
     double rate; /* tokens per ns */

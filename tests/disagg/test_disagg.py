@@ -145,6 +145,29 @@ def test_concurrent_requests_identical(colocated, pair):
     prefill_idle(p)
 
 
+def test_speculating_decode_node_identical(colocated, default_model):
+    """A decode node that speculates (the self drafter over the KV the prefill node streamed,
+    the model drafting for itself, so every draft is kept) gives the colocated greedy tokens."""
+    p = prefill_node()
+    try:
+        d = decode_node([p], ["--spec", "self", "--spec-self-layers", "30", "--spec-k", "3"])
+        try:
+            ps = prompts(4 if SANITIZED else 12, 13, LENS)
+            want = [run(colocated, x, 12) for x in ps]
+            got = [run(d, x, 12) for x in ps]
+            assert want == got
+            m = decode_idle(d)
+            assert m[("tandem_spec_drafted_tokens_total", ())] > 0
+            assert m[("tandem_spec_accepted_tokens_total", ())] == \
+                m[("tandem_spec_drafted_tokens_total", ())]
+            assert m[("tandem_disagg_remote_prefills_total", ())] >= len(ps) - 1
+            prefill_idle(p)
+        finally:
+            d.stop()
+    finally:
+        p.stop()
+
+
 def test_chat_and_stream_through_disaggregation(colocated, pair):
     p, d = pair
     body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],

@@ -412,6 +412,14 @@ static void test_gate(void **state)
         on16 += gate_step(&g, 16, 10, 20, false);
     }
     assert_true(on1 <= 12 && on16 >= 350);
+    /* a larger batch after a smaller one lost: it starts off and only explores */
+    g = (struct tdm_spec_gate){0};
+    for (int i = 0; i < 40; i++)
+        gate_step(&g, 1, 10, 5, false);
+    on16 = 0;
+    for (int i = 0; i < 40; i++)
+        on16 += gate_step(&g, 16, 10, 5, false);
+    assert_true(on16 <= 1);
     /* steps with prefill chunks are not counted: only the baseline's first steps happen */
     g = (struct tdm_spec_gate){0};
     on = 0;
