@@ -128,6 +128,12 @@ static void on_step_done(void *ctx, const struct tdm_sched_plan *plan, uint64_t 
 {
     struct tdm_spec *sp = ctx;
     tdm_spec_cost_observe(&sp->ctl.verify, plan->n_tokens, (double)run_ns);
+    double a = 0, b = 0;
+    tdm_spec_cost_fit(&sp->ctl.verify, &a, &b);
+    pthread_mutex_lock(&sp->mu); /* readers of the statistics see the fit, not the sums */
+    sp->st.verify_a_ns = a;
+    sp->st.verify_b_ns = b;
+    pthread_mutex_unlock(&sp->mu);
     tdm_spec_gate_time(&sp->gate, (double)run_ns);
     tdm_spec_gate_ran(&sp->gate, plan->n_tokens);
 }
@@ -138,10 +144,14 @@ static const struct tdm_sched_drafter_i SPEC_DRAFTER = {
 void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns)
 {
     tdm_spec_cost_observe(&sp->ctl.draft, n_seqs, (double)ns);
+    double a = 0, b = 0;
+    tdm_spec_cost_fit(&sp->ctl.draft, &a, &b);
     tdm_spec_gate_time(&sp->gate, (double)ns);
     pthread_mutex_lock(&sp->mu);
     sp->st.draft_passes++;
     sp->st.draft_s += (double)ns * 1e-9;
+    sp->st.draft_a_ns = a;
+    sp->st.draft_b_ns = b;
     pthread_mutex_unlock(&sp->mu);
 }
 
@@ -230,15 +240,6 @@ void tdm_spec_get_stats(tdm_spec_t *sp, struct tdm_spec_stats *out)
     *out = sp->st;
     pthread_mutex_unlock(&sp->mu);
     out->tau = out->target_steps ? (double)out->tokens / (double)out->target_steps : 0;
-    double a, b;
-    if (tdm_spec_cost_fit(&sp->ctl.verify, &a, &b)) {
-        out->verify_a_ns = a;
-        out->verify_b_ns = b;
-    }
-    if (tdm_spec_cost_fit(&sp->ctl.draft, &a, &b)) {
-        out->draft_a_ns = a;
-        out->draft_b_ns = b;
-    }
 }
 
 int tdm_spec_stats_json(const struct tdm_spec_stats *st, char *buf, size_t cap)

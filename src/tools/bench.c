@@ -7,7 +7,6 @@
  * count, so the bound is   rate <= B * bandwidth / (weight_bytes + B * kv_bytes_per_seq).
  * A checksum of the greedy tokens is printed so a fast wrong answer is visible.
  */
-#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,6 +89,13 @@ struct bench_seq {
     int n;
 };
 
+static void bench_model_usage(FILE *f)
+{
+    fprintf(f, "usage: tandem bench model [--model PATH] [--threads N] [--prompt-len N] [--gen N] "
+               "[--context N] [--batch-invariant]\n"
+               "       tandem bench model --backend cuda --help   (the GPU benchmark)\n");
+}
+
 int tdm_cmd_bench(int argc, char **argv)
 {
     if (argc >= 2 && !strcmp(argv[1], "xfer")) return tdm_cmd_bench_xfer(argc - 1, argv + 1);
@@ -112,44 +118,23 @@ int tdm_cmd_bench(int argc, char **argv)
             fprintf(stderr, "tandem: --backend is cpu or cuda\n");
             return 2;
         }
-    static const struct option opts[] = {
-        {"model", required_argument, 0, 'm'},      {"threads", required_argument, 0, 't'},
-        {"prompt-len", required_argument, 0, 'p'}, {"gen", required_argument, 0, 'g'},
-        {"context", required_argument, 0, 'c'},    {"batch-invariant", no_argument, 0, 'b'},
-        {"backend", required_argument, 0, 'B'},    {0, 0, 0, 0}};
     const char *model = NULL;
     int64_t threads = 0, prompt_len = 512, gen = 64, context = 32;
     bool batch_inv = false;
-    int c;
-    optind = 2;
-    opterr = 0;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (c) {
-        case 'm':
-            model = optarg;
-            break;
-        case 't':
-            if (!tdm_tool_int("threads", optarg, 1, 1024, &threads)) return 2;
-            break;
-        case 'p':
-            if (!tdm_tool_int("prompt-len", optarg, 1, 1 << 20, &prompt_len)) return 2;
-            break;
-        case 'g':
-            if (!tdm_tool_int("gen", optarg, 1, 1 << 20, &gen)) return 2;
-            break;
-        case 'c':
-            if (!tdm_tool_int("context", optarg, 1, 1 << 20, &context)) return 2;
-            break;
-        case 'b':
-            batch_inv = true;
-            break;
-        case 'B': /* cpu */
-            break;
-        default:
-            fprintf(stderr, "tandem: unknown option '%s'\n", argv[optind - 1]);
-            return 2;
-        }
-    }
+    int backend_kind = TDM_BACKEND_CPU;
+    const struct tdm_opt own[] = {
+        TDM_OPT_S("model", &model),
+        TDM_OPT_I("threads", &threads, 1, 1024),
+        TDM_OPT_I("prompt-len", &prompt_len, 1, 1 << 20),
+        TDM_OPT_I("gen", &gen, 1, 1 << 20),
+        TDM_OPT_I("context", &context, 1, 1 << 20),
+        TDM_OPT_B("batch-invariant", &batch_inv),
+        TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind), /* cpu here */
+        TDM_OPT_END,
+    };
+    const struct tdm_opt *const tables[] = {own, NULL};
+    int prc = tdm_tool_parse("bench model", argc - 1, argv + 1, tables, bench_model_usage);
+    if (prc) return prc == 1 ? 0 : 2;
     struct tdm_model *m = tdm_tool_load_model(model);
     if (!m) return 1;
     const struct tdm_model_config *cf = &m->cfg;

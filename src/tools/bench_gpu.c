@@ -20,7 +20,6 @@
  * GPU work and the copy of the logits to pinned host memory; the benchmark's own greedy argmax
  * on the host (the next tokens) is outside it.
  */
-#include <getopt.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -134,67 +133,57 @@ static int cmp_d(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+static struct {
+    int v[8], n;
+} g_batches = {{1, 8, 64, 256}, 4};
+
+static bool opt_batches(const char *arg, void *dst)
+{
+    (void)dst;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", arg);
+    g_batches.n = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && g_batches.n < 8;
+         t = strtok_r(NULL, ",", &save)) {
+        int64_t v;
+        if (!tdm_tool_int("batches", t, 1, 4096, &v)) return false;
+        g_batches.v[g_batches.n++] = (int)v;
+    }
+    if (!g_batches.n) fprintf(stderr, "--batches: empty list\n");
+    return g_batches.n > 0;
+}
+
+static void gpu_usage(FILE *f)
+{
+    fprintf(f, "usage: tandem bench model --backend cuda [--shape llama-3.1-8b|llama-3.2-1b | "
+               "--model PATH] [--prompt-len N] [--gen N] [--context N]\n"
+               "       [--gpu-memory-fraction F] [--no-graphs] [--batches 1,8,64,256]\n");
+}
+
 int tdm_cmd_bench_model_cuda(int argc, char **argv)
 {
-    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
-                                         {"shape", required_argument, 0, 's'},
-                                         {"prompt-len", required_argument, 0, 'p'},
-                                         {"gen", required_argument, 0, 'g'},
-                                         {"context", required_argument, 0, 'c'},
-                                         {"backend", required_argument, 0, 'B'},
-                                         {"gpu-memory-fraction", required_argument, 0, 'f'},
-                                         {"no-graphs", no_argument, 0, 'G'},
-                                         {"batches", required_argument, 0, 'b'},
-                                         {0, 0, 0, 0}};
     const char *model_path = NULL, *shape_name = "llama-3.1-8b";
     int64_t prompt_len = 4096, gen = 32, context = 1024;
     double frac = 0.9;
     bool no_graphs = false;
-    int batches[8] = {1, 8, 64, 256}, n_batches = 4;
-    int c;
-    optind = 2;
-    opterr = 0;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (c) {
-        case 'm':
-            model_path = optarg;
-            break;
-        case 's':
-            shape_name = optarg;
-            break;
-        case 'p':
-            if (!tdm_tool_int("prompt-len", optarg, 1, 1 << 16, &prompt_len)) return 2;
-            break;
-        case 'g':
-            if (!tdm_tool_int("gen", optarg, 2, 4096, &gen)) return 2;
-            break;
-        case 'c':
-            if (!tdm_tool_int("context", optarg, 1, 1 << 17, &context)) return 2;
-            break;
-        case 'B':
-            break; /* "cuda": that is why we are here */
-        case 'f':
-            if (!tdm_tool_float("gpu-memory-fraction", optarg, 0.05, 1.0, &frac)) return 2;
-            break;
-        case 'G':
-            no_graphs = true;
-            break;
-        case 'b': {
-            n_batches = 0;
-            for (char *save = NULL, *t = strtok_r(optarg, ",", &save); t && n_batches < 8;
-                 t = strtok_r(NULL, ",", &save)) {
-                int64_t v;
-                if (!tdm_tool_int("batches", t, 1, 4096, &v)) return 2;
-                batches[n_batches++] = (int)v;
-            }
-            if (!n_batches) return 2;
-            break;
-        }
-        default:
-            fprintf(stderr, "tandem: unknown option '%s'\n", argv[optind - 1]);
-            return 2;
-        }
-    }
+    int backend_kind = TDM_BACKEND_CUDA; /* why we are here */
+    g_batches.n = 4;
+    const struct tdm_opt own[] = {
+        TDM_OPT_S("model", &model_path),
+        TDM_OPT_S("shape", &shape_name),
+        TDM_OPT_I("prompt-len", &prompt_len, 1, 1 << 16),
+        TDM_OPT_I("gen", &gen, 2, 4096),
+        TDM_OPT_I("context", &context, 1, 1 << 17),
+        TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind),
+        TDM_OPT_F("gpu-memory-fraction", &frac, 0.05, 1.0),
+        TDM_OPT_B("no-graphs", &no_graphs),
+        TDM_OPT_P("batches", opt_batches, &g_batches),
+        TDM_OPT_END,
+    };
+    const struct tdm_opt *const tables[] = {own, NULL};
+    int prc = tdm_tool_parse("bench model --backend cuda", argc - 1, argv + 1, tables, gpu_usage);
+    if (prc) return prc == 1 ? 0 : 2;
+    int *batches = g_batches.v, n_batches = g_batches.n;
     const struct shape *sh = NULL;
     for (size_t i = 0; i < TDM_ARRAY_LEN(SHAPES); i++)
         if (!strcmp(shape_name, SHAPES[i].name)) sh = &SHAPES[i];

@@ -34,7 +34,6 @@
  * progress bar reads only atomics).
  */
 #include <errno.h>
-#include <getopt.h>
 #include <jansson.h>
 #include <math.h>
 #include <pthread.h>
@@ -886,52 +885,75 @@ static void usage(FILE *f)
         "could not be reached, 2 on a usage error.\n");
 }
 
-enum {
-    O_URL = 256,
-    O_MODEL,
-    O_ENDPOINT,
-    O_RATE,
-    O_CONC,
-    O_NUM,
-    O_IN,
-    O_IN_R,
-    O_OUT,
-    O_OUT_R,
-    O_DATASET,
-    O_TOKRANGE,
-    O_SEED,
-    O_KEY,
-    O_TIMEOUT,
-    O_NO_EOS,
-    O_EXTRA,
-    O_JSON,
-    O_NO_PROG,
-    O_HELP
-};
+static bool opt_endpoint(const char *arg, void *dst)
+{
+    struct bs_plan *p = dst;
+    if (!strcmp(arg, "completions"))
+        p->endpoint = EP_COMPLETIONS;
+    else if (!strcmp(arg, "chat"))
+        p->endpoint = EP_CHAT;
+    else {
+        fprintf(stderr, "tandem: --endpoint: expected completions or chat, got '%s'\n", arg);
+        return false;
+    }
+    return true;
+}
+
+static bool opt_rate(const char *arg, void *dst)
+{
+    double *rate = dst;
+    if (!strcmp(arg, "inf")) {
+        *rate = INFINITY;
+        return true;
+    }
+    return tdm_tool_float("rate", arg, 1e-6, 1e6, rate);
+}
+
+static bool opt_token_range(const char *arg, void *dst)
+{
+    struct bs_plan *p = dst;
+    char buf[64];
+    const char *colon = strchr(arg, ':');
+    int64_t lo, hi;
+    if (colon && (size_t)(colon - arg) < sizeof buf) {
+        memcpy(buf, arg, (size_t)(colon - arg));
+        buf[colon - arg] = '\0';
+        if (tdm_parse_i64(buf, 0, INT32_MAX, &lo) && tdm_parse_i64(colon + 1, 1, INT32_MAX, &hi) &&
+            hi > lo) {
+            p->token_lo = lo;
+            p->token_hi = hi;
+            return true;
+        }
+    }
+    fprintf(stderr, "tandem: --token-range: expected LO:HI with 0 <= LO < HI, got '%s'\n", arg);
+    return false;
+}
+
+static bool opt_api_key(const char *arg, void *dst)
+{
+    if (!arg[0] || strlen(arg) > 512 || strpbrk(arg, "\r\n")) {
+        fprintf(stderr, "tandem: --api-key: expected 1 to 512 bytes with no line break\n");
+        return false;
+    }
+    *(const char **)dst = arg;
+    return true;
+}
+
+static bool opt_extra_body(const char *arg, void *dst)
+{
+    json_t **body = dst;
+    json_error_t jerr;
+    json_decref(*body);
+    *body = json_loads(arg, 0, &jerr);
+    if (!json_is_object(*body)) {
+        fprintf(stderr, "tandem: --extra-body: expected a JSON object\n");
+        return false;
+    }
+    return true;
+}
 
 int tdm_cmd_bench_serve(int argc, char **argv)
 {
-    static const struct option opts[] = {{"url", required_argument, 0, O_URL},
-                                         {"model", required_argument, 0, O_MODEL},
-                                         {"endpoint", required_argument, 0, O_ENDPOINT},
-                                         {"rate", required_argument, 0, O_RATE},
-                                         {"concurrency", required_argument, 0, O_CONC},
-                                         {"num-prompts", required_argument, 0, O_NUM},
-                                         {"input-len", required_argument, 0, O_IN},
-                                         {"input-len-range", required_argument, 0, O_IN_R},
-                                         {"output-len", required_argument, 0, O_OUT},
-                                         {"output-len-range", required_argument, 0, O_OUT_R},
-                                         {"dataset", required_argument, 0, O_DATASET},
-                                         {"token-range", required_argument, 0, O_TOKRANGE},
-                                         {"seed", required_argument, 0, O_SEED},
-                                         {"api-key", required_argument, 0, O_KEY},
-                                         {"timeout", required_argument, 0, O_TIMEOUT},
-                                         {"no-ignore-eos", no_argument, 0, O_NO_EOS},
-                                         {"extra-body", required_argument, 0, O_EXTRA},
-                                         {"json", required_argument, 0, O_JSON},
-                                         {"no-progress", no_argument, 0, O_NO_PROG},
-                                         {"help", no_argument, 0, O_HELP},
-                                         {0, 0, 0, 0}};
     struct bs_plan p = {.url = "http://127.0.0.1:8000",
                         .rate = INFINITY,
                         .concurrency = 256,
@@ -943,133 +965,49 @@ int tdm_cmd_bench_serve(int argc, char **argv)
                         .ignore_eos = true,
                         .timeout_s = 600};
     const char *dataset = "synthetic", *json_path = NULL;
-    bool show_progress = true;
-    int64_t v;
-    double d;
+    bool show_progress = true, no_progress = false, no_ignore_eos = false;
     int rc = 2;
     char *model_owned = NULL;
     struct bs_run run = {0};
     pthread_t *threads = NULL;
     int n_threads = 0;
-
-    optind = 1;
-    opterr = 0;
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (c) {
-        case O_URL:
-            p.url = optarg;
-            break;
-        case O_MODEL:
-            p.model = optarg;
-            break;
-        case O_ENDPOINT:
-            if (!strcmp(optarg, "completions"))
-                p.endpoint = EP_COMPLETIONS;
-            else if (!strcmp(optarg, "chat"))
-                p.endpoint = EP_CHAT;
-            else {
-                fprintf(stderr, "tandem: --endpoint: expected completions or chat, got '%s'\n",
-                        optarg);
-                goto out;
-            }
-            break;
-        case O_RATE:
-            if (!strcmp(optarg, "inf"))
-                p.rate = INFINITY;
-            else if (!tdm_tool_float("rate", optarg, 1e-6, 1e6, &p.rate))
-                goto out;
-            break;
-        case O_CONC:
-            if (!tdm_tool_int("concurrency", optarg, 1, MAX_CONCURRENCY, &v)) goto out;
-            p.concurrency = (int)v;
-            break;
-        case O_NUM:
-            if (!tdm_tool_int("num-prompts", optarg, 1, MAX_PROMPTS, &v)) goto out;
-            p.num_prompts = (int)v;
-            break;
-        case O_IN:
-        case O_OUT:
-            if (!tdm_tool_int(c == O_IN ? "input-len" : "output-len", optarg, 1, MAX_LEN, &v))
-                goto out;
-            *(c == O_IN ? &p.input_len : &p.output_len) = (int)v;
-            break;
-        case O_IN_R:
-        case O_OUT_R:
-            if (!tdm_tool_float(c == O_IN_R ? "input-len-range" : "output-len-range", optarg, 0,
-                                0.999, &d))
-                goto out;
-            *(c == O_IN_R ? &p.input_range : &p.output_range) = d;
-            break;
-        case O_DATASET:
-            dataset = optarg;
-            break;
-        case O_TOKRANGE: {
-            char buf[64];
-            const char *colon = strchr(optarg, ':');
-            int64_t lo, hi;
-            if (!colon || (size_t)(colon - optarg) >= sizeof buf) goto bad_range;
-            memcpy(buf, optarg, (size_t)(colon - optarg));
-            buf[colon - optarg] = '\0';
-            if (!tdm_parse_i64(buf, 0, INT32_MAX, &lo) ||
-                !tdm_parse_i64(colon + 1, 1, INT32_MAX, &hi) || hi <= lo)
-                goto bad_range;
-            p.token_lo = lo;
-            p.token_hi = hi;
-            break;
-        bad_range:
-            fprintf(stderr, "tandem: --token-range: expected LO:HI with 0 <= LO < HI, got '%s'\n",
-                    optarg);
-            goto out;
-        }
-        case O_SEED:
-            if (!tdm_tool_int("seed", optarg, 0, INT64_MAX, &v)) goto out;
-            p.seed = (uint64_t)v;
-            break;
-        case O_KEY:
-            if (!optarg[0] || strlen(optarg) > 512 || strpbrk(optarg, "\r\n")) {
-                fprintf(stderr, "tandem: --api-key: expected 1 to 512 bytes with no line break\n");
-                goto out;
-            }
-            p.api_key = optarg;
-            break;
-        case O_TIMEOUT:
-            if (!tdm_tool_float("timeout", optarg, 0.001, 86400, &p.timeout_s)) goto out;
-            break;
-        case O_NO_EOS:
-            p.ignore_eos = false;
-            break;
-        case O_EXTRA: {
-            json_error_t jerr;
-            json_decref(p.extra_body);
-            p.extra_body = json_loads(optarg, 0, &jerr);
-            if (!json_is_object(p.extra_body)) {
-                fprintf(stderr, "tandem: --extra-body: expected a JSON object\n");
-                goto out;
-            }
-            break;
-        }
-        case O_JSON:
-            json_path = optarg;
-            break;
-        case O_NO_PROG:
-            show_progress = false;
-            break;
-        case O_HELP:
-            usage(stdout);
-            rc = 0;
-            goto out;
-        default:
-            fprintf(stderr, "tandem: bench serve: unknown or incomplete option '%s'\n",
-                    argv[optind - 1]);
-            usage(stderr);
-            goto out;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, "tandem: bench serve: unexpected argument '%s'\n", argv[optind]);
+    int64_t conc = p.concurrency, num = p.num_prompts, in_len = p.input_len, out_len = p.output_len,
+            seed = 0;
+    const struct tdm_opt own[] = {
+        TDM_OPT_S("url", &p.url),
+        TDM_OPT_S("model", &p.model),
+        TDM_OPT_P("endpoint", opt_endpoint, &p),
+        TDM_OPT_P("rate", opt_rate, &p.rate),
+        TDM_OPT_I("concurrency", &conc, 1, MAX_CONCURRENCY),
+        TDM_OPT_I("num-prompts", &num, 1, MAX_PROMPTS),
+        TDM_OPT_I("input-len", &in_len, 1, MAX_LEN),
+        TDM_OPT_F("input-len-range", &p.input_range, 0, 0.999),
+        TDM_OPT_I("output-len", &out_len, 1, MAX_LEN),
+        TDM_OPT_F("output-len-range", &p.output_range, 0, 0.999),
+        TDM_OPT_S("dataset", &dataset),
+        TDM_OPT_P("token-range", opt_token_range, &p),
+        TDM_OPT_I("seed", &seed, 0, 9.0e18),
+        TDM_OPT_P("api-key", opt_api_key, &p.api_key),
+        TDM_OPT_F("timeout", &p.timeout_s, 0.001, 86400),
+        TDM_OPT_B("no-ignore-eos", &no_ignore_eos),
+        TDM_OPT_P("extra-body", opt_extra_body, &p.extra_body),
+        TDM_OPT_S("json", &json_path),
+        TDM_OPT_B("no-progress", &no_progress),
+        TDM_OPT_END,
+    };
+    const struct tdm_opt *const tables[] = {own, NULL};
+    int prc = tdm_tool_parse("bench serve", argc, argv, tables, usage);
+    if (prc) {
+        rc = prc == 1 ? 0 : 2;
         goto out;
     }
+    p.concurrency = (int)conc;
+    p.num_prompts = (int)num;
+    p.input_len = (int)in_len;
+    p.output_len = (int)out_len;
+    p.seed = (uint64_t)seed;
+    p.ignore_eos = !no_ignore_eos;
+    show_progress = !no_progress;
     if (!strcmp(dataset, "synthetic"))
         p.source = p.endpoint == EP_CHAT ? SRC_WORDS : SRC_IDS;
     else if (!strcmp(dataset, "random-ids"))

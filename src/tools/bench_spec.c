@@ -31,7 +31,7 @@ struct bench_opts {
     int64_t top_k, seed;
     int backend_kind;
     double gpu_frac;
-    bool raw, json;
+    bool raw, json, one_hot;
     int batches[MAX_BATCHES], n_batches;
     int ks[MAX_KS], n_ks; /* 0: auto */
     struct tdm_tool_spec spec_cli;
@@ -48,18 +48,21 @@ struct result {
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: tandem bench spec --prompts FILE [options]\n"
-               "  --model PATH            the target (default: the default model)\n"
-               "  --prompts FILE          one JSON string a line: user messages\n"
-               "  --max-tokens N          tokens per request (default 64)\n"
-               "  --batch LIST            requests in flight, e.g. 1,4,16 (the default)\n"
-               "  --limit N               only the first N prompts\n"
-               "  --temperature T --top-p P --top-k K --seed S   sampling (default greedy)\n"
-               "  --raw                   prompts as they are, without the chat template\n"
-               "  --threads N --backend cpu|cuda --gpu-memory-fraction F --ctx N\n"
-               "  --json                  one JSON object on stdout instead of the table\n"
-               "  --spec-k LIST           configurations to run beside none: auto and/or fixed\n"
-               "                          lengths, e.g. auto,1,2,4 (default auto)\n");
+    fprintf(f,
+            "usage: tandem bench spec --prompts FILE [options]\n"
+            "  --model PATH            the target (default: the default model)\n"
+            "  --prompts FILE          one JSON string a line: user messages\n"
+            "  --max-tokens N          tokens per request (default 64)\n"
+            "  --batch LIST            requests in flight, e.g. 1,4,16 (the default)\n"
+            "  --limit N               only the first N prompts\n"
+            "  --temperature T --top-p P --top-k K --seed S   sampling (default greedy)\n"
+            "  --raw                   prompts as they are, without the chat template\n"
+            "  --threads N --backend cpu|cuda --gpu-memory-fraction F --ctx N\n"
+            "  --json                  one JSON object on stdout instead of the table\n"
+            "  --q-one-hot             rejection with q the proposal alone (vLLM's default), to\n"
+            "                          measure what the draft's full distribution gains\n"
+            "  --spec-k LIST           configurations to run beside none: auto and/or fixed\n"
+            "                          lengths, e.g. auto,1,2,4 (default auto)\n");
     tdm_tool_spec_usage(f);
 }
 
@@ -379,6 +382,7 @@ int tdm_cmd_bench_spec(int argc, char **argv)
         TDM_OPT_F("gpu-memory-fraction", &o.gpu_frac, 0.05, 1.0),
         TDM_OPT_I("ctx", &o.ctx, 16, 1 << 20),
         TDM_OPT_B("json", &o.json),
+        TDM_OPT_B("q-one-hot", &o.one_hot),
         TDM_OPT_END,
     };
     struct tdm_opt spec_t[TDM_TOOL_SPEC_OPTS];
@@ -396,11 +400,18 @@ int tdm_cmd_bench_spec(int argc, char **argv)
     int n_prompts = read_prompts(o.prompts, &texts, (int)o.limit);
     if (n_prompts < 0) return 2;
     struct tdm_spec_opts so;
-    bool on = false;
-    if (!tdm_tool_spec_opts(&o.spec_cli, &so, &on) || so.method == TDM_SPEC_NONE) {
-        if (so.method == TDM_SPEC_NONE)
-            fprintf(stderr,
-                    "tandem bench spec: give the drafter: --spec self (or draft, mtp, eagle)\n");
+    bool on = false, ok = tdm_tool_spec_opts(&o.spec_cli, &so, &on);
+    if (ok && so.method == TDM_SPEC_NONE) {
+        fprintf(stderr,
+                "tandem bench spec: give the drafter: --spec self (or draft, mtp, eagle)\n");
+        ok = false;
+    }
+    if (ok && o.one_hot && so.accept != TDM_SPEC_ACCEPT_REJECTION) {
+        fprintf(stderr, "tandem bench spec: --q-one-hot is for --spec-accept rejection\n");
+        ok = false;
+    }
+    so.q_one_hot = o.one_hot;
+    if (!ok) {
         for (int i = 0; i < n_prompts; i++)
             free(texts[i]);
         free(texts);

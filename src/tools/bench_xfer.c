@@ -17,7 +17,6 @@
  * The CUDA IPC transport is measured by tests/tools/xfer_cuda_check.cu on a two-GPU machine.
  */
 #include <fcntl.h>
-#include <getopt.h>
 #include <jansson.h>
 #include <signal.h>
 #include <stdio.h>
@@ -341,88 +340,45 @@ static tdm_status bx_latency(struct bx_pair *p, int pings, double *one_way_us)
     return st;
 }
 
-static void bx_usage(void)
+static void bx_usage_to(FILE *f)
 {
-    fprintf(stderr,
-            "usage: tandem bench xfer [options]\n"
-            "  --provider LIST      comma-separated libfabric providers (default "
-            "\"tcp;ofi_rxm,shm\")\n"
-            "  --node ADDR          local address for tcp (default 127.0.0.1)\n"
-            "  --region-mib N       registered region per side (default 256)\n"
-            "  --pages-per-write N  pages in one paged write (default 64)\n"
-            "  --window N           paged writes in flight (default 16)\n"
-            "  --round-mib N        bytes moved per timed round (default 512)\n"
-            "  --rounds N           timed rounds per page size; best is shown (default 3)\n"
-            "  --pings N            latency round trips (default 2000)\n"
-            "  --iperf-seconds N    iperf3 reference duration (default 3)\n"
-            "The CUDA IPC transport: tests/tools/xfer_cuda_check.cu on a two-GPU machine.\n");
+    fprintf(f, "usage: tandem bench xfer [options]\n"
+               "  --provider LIST      comma-separated libfabric providers (default "
+               "\"tcp;ofi_rxm,shm\")\n"
+               "  --node ADDR          local address for tcp (default 127.0.0.1)\n"
+               "  --region-mib N       registered region per side (default 256)\n"
+               "  --pages-per-write N  pages in one paged write (default 64)\n"
+               "  --window N           paged writes in flight (default 16)\n"
+               "  --round-mib N        bytes moved per timed round (default 512)\n"
+               "  --rounds N           timed rounds per page size; best is shown (default 3)\n"
+               "  --pings N            latency round trips (default 2000)\n"
+               "  --iperf-seconds N    iperf3 reference duration (default 3)\n"
+               "The CUDA IPC transport: tests/tools/xfer_cuda_check.cu on a two-GPU machine.\n");
 }
 
 int tdm_cmd_bench_xfer(int argc, char **argv)
 {
     struct bx_opts o = {"tcp;ofi_rxm,shm", "127.0.0.1", 256, 64, 16, 512, 3, 2000, 3};
-    static const struct option opts[] = {{"provider", required_argument, 0, 'p'},
-                                         {"node", required_argument, 0, 'n'},
-                                         {"region-mib", required_argument, 0, 'r'},
-                                         {"pages-per-write", required_argument, 0, 'k'},
-                                         {"window", required_argument, 0, 'w'},
-                                         {"round-mib", required_argument, 0, 'b'},
-                                         {"rounds", required_argument, 0, 'R'},
-                                         {"pings", required_argument, 0, 'l'},
-                                         {"iperf-seconds", required_argument, 0, 'i'},
-                                         {"transport", required_argument, 0, 't'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
-    optind = 1;
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        bool ok = true;
-        switch (c) {
-        case 'p':
-            o.providers = optarg;
-            break;
-        case 'n':
-            o.node = optarg;
-            break;
-        case 'r':
-            ok = tdm_tool_int("--region-mib", optarg, 4, 4096, &o.region_mib);
-            break;
-        case 'k':
-            ok = tdm_tool_int("--pages-per-write", optarg, 1, 16384, &o.pages_per_write);
-            break;
-        case 'w':
-            ok = tdm_tool_int("--window", optarg, 1, 512, &o.window);
-            break;
-        case 'b':
-            ok = tdm_tool_int("--round-mib", optarg, 1, 1 << 16, &o.round_mib);
-            break;
-        case 'R':
-            ok = tdm_tool_int("--rounds", optarg, 1, 100, &o.rounds);
-            break;
-        case 'l':
-            ok = tdm_tool_int("--pings", optarg, 10, 1000000, &o.pings);
-            break;
-        case 'i':
-            ok = tdm_tool_int("--iperf-seconds", optarg, 1, 60, &o.iperf_seconds);
-            break;
-        case 't':
-            if (strcmp(optarg, "fabric") != 0) {
-                fprintf(stderr, "tandem: the cuda-ipc transport is measured by "
-                                "tests/tools/xfer_cuda_check.cu (needs GPUs)\n");
-                return 2;
-            }
-            break;
-        case 'h':
-            bx_usage();
-            return 0;
-        default:
-            bx_usage();
-            return 2;
-        }
-        if (!ok) return 2;
-    }
-    if (optind < argc) {
-        fprintf(stderr, "tandem: unexpected argument '%s'\n", argv[optind]);
+    const char *transport = NULL;
+    const struct tdm_opt own[] = {
+        TDM_OPT_S("provider", &o.providers),
+        TDM_OPT_S("node", &o.node),
+        TDM_OPT_I("region-mib", &o.region_mib, 4, 4096),
+        TDM_OPT_I("pages-per-write", &o.pages_per_write, 1, 16384),
+        TDM_OPT_I("window", &o.window, 1, 512),
+        TDM_OPT_I("round-mib", &o.round_mib, 1, 1 << 16),
+        TDM_OPT_I("rounds", &o.rounds, 1, 100),
+        TDM_OPT_I("pings", &o.pings, 10, 1000000),
+        TDM_OPT_I("iperf-seconds", &o.iperf_seconds, 1, 60),
+        TDM_OPT_S("transport", &transport),
+        TDM_OPT_END,
+    };
+    const struct tdm_opt *const tables[] = {own, NULL};
+    int prc = tdm_tool_parse("bench xfer", argc, argv, tables, bx_usage_to);
+    if (prc) return prc == 1 ? 0 : 2;
+    if (transport && strcmp(transport, "fabric") != 0) {
+        fprintf(stderr, "tandem: the cuda-ipc transport is measured by "
+                        "tests/tools/xfer_cuda_check.cu (needs GPUs)\n");
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);

@@ -27,7 +27,6 @@
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <getopt.h>
 #include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -596,102 +595,52 @@ static void usage(FILE *f)
                "nothing\n");
 }
 
-enum {
-    C_SHAPE = 256,
-    C_CONFIG,
-    C_OUT,
-    C_DTYPE,
-    C_SEED,
-    C_STD,
-    C_SHARD,
-    C_THREADS,
-    C_FORCE,
-    C_DRY,
-    C_HELP
-};
+static bool opt_dtype(const char *arg, void *dst)
+{
+    for (int d = 0; d < (int)TDM_ARRAY_LEN(DTYPES); d++)
+        if (!strcmp(arg, DTYPES[d].name)) {
+            *(int *)dst = d;
+            return true;
+        }
+    fprintf(stderr, "tandem: --dtype: expected bf16, f16 or f32, got '%s'\n", arg);
+    return false;
+}
 
 int tdm_cmd_checkpoint(int argc, char **argv)
 {
-    static const struct option opts[] = {{"shape", required_argument, 0, C_SHAPE},
-                                         {"config", required_argument, 0, C_CONFIG},
-                                         {"out", required_argument, 0, C_OUT},
-                                         {"dtype", required_argument, 0, C_DTYPE},
-                                         {"seed", required_argument, 0, C_SEED},
-                                         {"std", required_argument, 0, C_STD},
-                                         {"max-shard-bytes", required_argument, 0, C_SHARD},
-                                         {"threads", required_argument, 0, C_THREADS},
-                                         {"force", no_argument, 0, C_FORCE},
-                                         {"dry-run", no_argument, 0, C_DRY},
-                                         {"help", no_argument, 0, C_HELP},
-                                         {0, 0, 0, 0}};
     const char *shape_name = NULL, *config_path = NULL, *out = NULL;
     int dtype = -1, n_threads = 0, rc = 2, n_tensors = 0, n_shards = 1;
     uint64_t seed = 0;
     double std = 0;
-    int64_t max_shard = CK_DEFAULT_SHARD, v;
+    int64_t max_shard = CK_DEFAULT_SHARD;
     bool force = false, dry_run = false;
     json_t *cfg = NULL;
     struct ck_tensor *t = NULL;
     tdm_pool_t *pool = NULL;
     uint8_t *bufs[2] = {NULL, NULL};
 
-    optind = 1;
-    opterr = 0;
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (c) {
-        case C_SHAPE:
-            shape_name = optarg;
-            break;
-        case C_CONFIG:
-            config_path = optarg;
-            break;
-        case C_OUT:
-            out = optarg;
-            break;
-        case C_DTYPE:
-            for (int d = 0; d < (int)TDM_ARRAY_LEN(DTYPES); d++)
-                if (!strcmp(optarg, DTYPES[d].name)) dtype = d;
-            if (dtype < 0) {
-                fprintf(stderr, "tandem: --dtype: expected bf16, f16 or f32, got '%s'\n", optarg);
-                goto out;
-            }
-            break;
-        case C_SEED:
-            if (!tdm_tool_int("seed", optarg, 0, INT64_MAX, &v)) goto out;
-            seed = (uint64_t)v;
-            break;
-        case C_STD:
-            if (!tdm_tool_float("std", optarg, 1e-6, 10, &std)) goto out;
-            break;
-        case C_SHARD:
-            if (!tdm_tool_int("max-shard-bytes", optarg, 1, INT64_MAX / 2, &max_shard)) goto out;
-            break;
-        case C_THREADS:
-            if (!tdm_tool_int("threads", optarg, 1, 1024, &v)) goto out;
-            n_threads = (int)v;
-            break;
-        case C_FORCE:
-            force = true;
-            break;
-        case C_DRY:
-            dry_run = true;
-            break;
-        case C_HELP:
-            usage(stdout);
-            rc = 0;
-            goto out;
-        default:
-            fprintf(stderr, "tandem: checkpoint: unknown or incomplete option '%s'\n",
-                    argv[optind - 1]);
-            usage(stderr);
-            goto out;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, "tandem: checkpoint: unexpected argument '%s'\n", argv[optind]);
+    int64_t seed_v = 0, threads_v = 0;
+    const struct tdm_opt own[] = {
+        TDM_OPT_S("shape", &shape_name),
+        TDM_OPT_S("config", &config_path),
+        TDM_OPT_S("out", &out),
+        TDM_OPT_P("dtype", opt_dtype, &dtype),
+        TDM_OPT_I("seed", &seed_v, 0, 9.0e18),
+        TDM_OPT_F("std", &std, 1e-6, 10),
+        TDM_OPT_I("max-shard-bytes", &max_shard, 1, 4.0e18),
+        TDM_OPT_I("threads", &threads_v, 1, 1024),
+        TDM_OPT_B("force", &force),
+        TDM_OPT_B("dry-run", &dry_run),
+        TDM_OPT_END,
+    };
+    const struct tdm_opt *const tables[] = {own, NULL};
+    int prc = tdm_tool_parse("checkpoint", argc, argv, tables, usage);
+    if (prc) {
+        rc = prc == 1 ? 0 : 2;
         goto out;
     }
+    seed = (uint64_t)seed_v;
+    n_threads = (int)threads_v;
     if ((!out && !dry_run) || (!shape_name == !config_path)) {
         fprintf(stderr, "tandem: checkpoint: needs --out and one of --shape or --config\n");
         usage(stderr);

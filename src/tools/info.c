@@ -2,7 +2,6 @@
  * `tandem info`: a model's configuration, tensor types, parameter and byte counts, tokenizer and
  * chat template, as text or (--json) one JSON object.
  */
-#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,34 +23,20 @@ static const char *scaling_name(enum tdm_rope_scaling s)
     return "?";
 }
 
+static void info_usage(FILE *f)
+{
+    fprintf(f, "usage: tandem info [--model PATH] [--json]\n");
+}
+
 int tdm_cmd_info(int argc, char **argv)
 {
-    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
-                                         {"json", no_argument, 0, 'j'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
     const char *model = NULL;
     bool json = false;
-    int c;
-    optind = 1;
-    opterr = 0;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (c == 'm')
-            model = optarg;
-        else if (c == 'j')
-            json = true;
-        else if (c == 'h') {
-            printf("usage: tandem info [--model PATH] [--json]\n");
-            return 0;
-        } else {
-            fprintf(stderr, "tandem: unknown or incomplete option '%s'\n", argv[optind - 1]);
-            return 2;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, "tandem: unexpected argument '%s'\n", argv[optind]);
-        return 2;
-    }
+    const struct tdm_opt own[] = {TDM_OPT_S("model", &model), TDM_OPT_B("json", &json),
+                                  TDM_OPT_END};
+    const struct tdm_opt *const tables[] = {own, NULL};
+    int prc = tdm_tool_parse("info", argc, argv, tables, info_usage);
+    if (prc) return prc == 1 ? 0 : 2;
     struct tdm_model *m = tdm_tool_load_model(model);
     if (!m) return 1;
     const struct tdm_model_config *cf = &m->cfg;
