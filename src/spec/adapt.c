@@ -186,7 +186,8 @@ void tdm_spec_ctl_learn(struct tdm_spec_ctl *c, struct tdm_draft_stats *st, int 
 #define GATE_BASE_N      2
 #define GATE_REFRESH     32
 #define GATE_EXPLORE     32
-#define GATE_EXPLORE_MAX 256
+#define GATE_EXPLORE_MAX 256    /* the doubling's cap for small losses */
+#define GATE_EXPLORE_CAP 1000000 /* the interval's cap when a draft step costs many */
 
 static int gate_bucket(int n)
 {
@@ -196,6 +197,17 @@ static int gate_bucket(int n)
         b++;
     }
     return b;
+}
+
+/* The next exploration interval where drafting loses: doubled, and long enough that one
+ * exploring step (which costs off/on - 1 steps' worth of time) is at most 1% of the steps in
+ * between. */
+static uint32_t explore_next(uint32_t every, double off_rate, double on_rate)
+{
+    double loss = on_rate > 0 ? off_rate / on_rate - 1 : 1e6;
+    double need = 100.0 * loss;
+    double next = TDM_MAX(TDM_MIN((double)every * 2, (double)GATE_EXPLORE_MAX), need);
+    return (uint32_t)TDM_MIN(next, (double)GATE_EXPLORE_CAP);
 }
 
 static void arm_add(struct tdm_spec_arm *a, double x)
@@ -237,7 +249,7 @@ bool tdm_spec_gate_begin(struct tdm_spec_gate *g, int n)
     if (on->rate < off->rate * GATE_MARGIN) { /* drafting loses here: off, exploring rarely */
         if (g->since[b] < g->every[b]) return false;
         g->since[b] = 0;
-        g->every[b] = TDM_MIN(g->every[b] * 2, GATE_EXPLORE_MAX);
+        g->every[b] = explore_next(g->every[b], off->rate, on->rate);
         return true;
     }
     g->every[b] = GATE_EXPLORE; /* drafting wins: keep the baseline fresh now and then */

@@ -60,7 +60,8 @@ tdm_status tdm_spec_ctl_init(struct tdm_spec_ctl *c, int max_seqs);
  * batch-size bucket (1, 2-3, 4-7, ...), the throughput (tokens published per second of draft
  * and verify time) of decode-only steps that drafted and of those that did not, each an
  * exponentially weighted mean. Where drafting measures slower, it is off, with a one-step
- * exploration every 32, 64, ... 256 steps; where it is faster, one step in 32 runs without, to
+ * exploration every 32, 64, ... 256 steps, or more where a drafting step costs many (so that
+ * exploring costs at most 1% of the time); where it is faster, one step in 32 runs without, to
  * keep the baseline current. The first steps of a bucket run without, to measure it; a bucket
  * larger than one where drafting measured slower starts off (drafting gets relatively dearer
  * as the batch grows) and only explores. */

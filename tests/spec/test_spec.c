@@ -398,6 +398,13 @@ static void test_gate(void **state)
     for (int i = 0; i < 600; i++)
         on += gate_step(&g, 4, 10, 5, false);
     assert_true(on >= 3 && on <= 3 + 7);
+    /* a drafting step 50 times dearer: after the first tries, exploring is spaced so that it
+     * costs at most 1% (an interval of at least 100 * 49 steps) */
+    g = (struct tdm_spec_gate){0};
+    on = 0;
+    for (int i = 0; i < 6000; i++)
+        on += gate_step(&g, 4, 50, 1, false);
+    assert_true(on >= 2 && on <= 4);
     /* faster: on nearly always, with a baseline refresh in 32 */
     g = (struct tdm_spec_gate){0};
     on = 0;
