@@ -394,13 +394,22 @@ int tdm_cmd_serve(int argc, char **argv)
             "%d seqs\n",
             name, ef->max_ctx, (long long)ks.total, ef->page_size, ef->max_batch_tokens,
             ef->max_seqs);
-    if (spec) { /* what verification holds, reserved before the KV pool was sized */
+    if (spec) { /* what speculation holds, reserved before the KV pool was sized */
         double mib = (double)ef->max_logit_rows * m->cfg.vocab_size * sizeof(float) / 1048576.0;
+        const struct tdm_kv_config *kc = tdm_kv_pool_config(tdm_engine_kv(e));
+        double all = (double)tdm_kv_page_bytes_all(kc),
+               own = (double)tdm_kv_page_bytes(kc) * kc->n_layers;
+        char dkv[128] = "no draft weights or KV of its own";
+        if (draft)
+            snprintf(dkv, sizeof dkv,
+                     "the draft's KV: %.1f MiB of the pool (%.0f%% of each page), its weights "
+                     "mapped from its file",
+                     (all - own) * (double)kc->n_pages / 1048576.0, 100.0 * (all - own) / all);
         fprintf(stderr,
                 "tandem serve: speculation: %d verify rows: %.1f MiB of logits in the engine, "
-                "%.1f MiB of host rows; no draft weights or KV of its own\n",
+                "%.1f MiB of host rows; %s\n",
                 ef->max_logit_rows, mib,
-                mib + (double)ef->max_logit_rows * m->cfg.d_model * sizeof(float) / 1048576.0);
+                mib + (double)ef->max_logit_rows * m->cfg.d_model * sizeof(float) / 1048576.0, dkv);
     }
     tdm_server_set_ready(srv, true);
     fprintf(stderr, "tandem serve: listening on http://%s:%d\n", host, tdm_server_port(srv));
