@@ -186,7 +186,7 @@ void tdm_spec_ctl_learn(struct tdm_spec_ctl *c, struct tdm_draft_stats *st, int 
 #define GATE_BASE_N      2
 #define GATE_REFRESH     32
 #define GATE_EXPLORE     32
-#define GATE_EXPLORE_MAX 256    /* the doubling's cap for small losses */
+#define GATE_EXPLORE_MAX 256     /* the doubling's cap for small losses */
 #define GATE_EXPLORE_CAP 1000000 /* the interval's cap when a draft step costs many */
 
 static int gate_bucket(int n)

@@ -230,7 +230,7 @@ void tdm_spec_describe(const tdm_spec_t *sp, char *buf, size_t cap)
                  sp->n_layers, k, tdm_spec_accept_name(sp->o.accept));
     else
         snprintf(buf, cap, "%s (%d layers of %d), %s, %s", sp->dr.name,
-                 tdm_spec_self_layers(&sp->dr), sp->n_layers, k,
+                 tdm_spec_chain_layers(&sp->dr), sp->n_layers, k,
                  tdm_spec_accept_name(sp->o.accept));
 }
 

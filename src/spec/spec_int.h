@@ -26,9 +26,16 @@ struct tdm_spec_drafter {
     void (*destroy)(void *ctx);
 };
 
+/* The chain machinery (chain.c): engine e run pass by pass, n_layers per pass (0: all);
+ * own_kv: the model's KV is its own and is caught up by cursor (else it is the target's). Takes
+ * e over when owns_engine (destroyed with the drafter, or on failure). */
+tdm_status tdm_spec_chain_create(tdm_engine_t *e, bool owns_engine, int n_layers, bool own_kv,
+                                 const char *name, enum tdm_spec_accept accept, bool one_hot,
+                                 struct tdm_spec_drafter *out);
+int tdm_spec_chain_layers(const struct tdm_spec_drafter *d); /* its n_layers (self: N) */
+/* The two drafters on it: self.c and draft.c. */
 tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, enum tdm_spec_accept accept,
                                 bool one_hot, struct tdm_spec_drafter *out);
-int tdm_spec_self_layers(const struct tdm_spec_drafter *d); /* the self drafter's N */
 tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *draft,
                                  enum tdm_spec_accept accept, bool one_hot,
                                  struct tdm_spec_drafter *out);
