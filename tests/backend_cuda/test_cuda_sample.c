@@ -282,6 +282,118 @@ static void test_rng_keyed(void **state)
     free(logits);
 }
 
+/* Hostile floats, from any source (the model included): NaN, infinities and huge finite
+ * logits, with every kind of parameters and a temperature far below the floor. The device must
+ * never choose a NaN, must give the host's token wherever the choice is forced (a +inf, nothing
+ * finite, greedy) and must never report a NaN log-probability. */
+static void test_hostile_floats(void **state)
+{
+    (void)state;
+    if (!gpu) {
+        print_message("SKIP: %s\n", skip_reason);
+        skip();
+    }
+    enum { V = 1000, SHAPES = 7, PARAMS = 5, POS = 8, N = SHAPES * PARAMS * POS };
+    const float nan = NAN, inf = INFINITY;
+    float *rows = malloc(sizeof(float) * SHAPES * V);
+    assert_non_null(rows);
+    for (int sh = 0; sh < SHAPES; sh++) {
+        float *r = rows + (size_t)sh * V;
+        for (int i = 0; i < V; i++) {
+            float g = 3.0f * rng_normal();
+            switch (sh) {
+            case 0:
+                r[i] = i % 10 == 3 ? nan : g;
+                break; /* NaN beside finite */
+            case 1:
+                r[i] = nan;
+                break; /* nothing finite */
+            case 2:
+                r[i] = i == 17 || i == 500 ? inf : i % 7 ? g : nan;
+                break; /* +inf wins */
+            case 3:
+                r[i] = -inf;
+                break;
+            case 4:
+                r[i] = i == 999 ? 3.4e38f : i % 2 ? 3e38f : -3e38f;
+                break; /* huge */
+            case 5:
+                r[i] = i == 2 ? -2e30f : -1e30f;
+                break;
+            default:
+                r[i] = i % 2 ? nan : -inf;
+                break;
+            }
+        }
+    }
+    static const int greedy_token[SHAPES] = {-1, 0, 17, 0, 999, 0, 0};
+    struct tdm_sampling_params ps[PARAMS];
+    for (int q = 0; q < PARAMS; q++)
+        ps[q] = tdm_sampling_defaults();
+    ps[1].temperature = 1.0f;
+    ps[2].temperature = 0.7f, ps[2].top_k = 3, ps[2].top_p = 0.9f, ps[2].min_p = 0.1f;
+    ps[3].temperature = 100.0f, ps[3].repetition_penalty = 2.0f, ps[3].presence_penalty = 2.0f;
+    ps[4].temperature = 1e-40f, ps[4].top_k = 5; /* the reproducer: below the floor */
+    struct tdm_sampler smp[SHAPES * PARAMS];
+    struct tdm_sample_row dev[N], ref[N];
+    float *logits = malloc(sizeof(float) * N * V), *host = malloc(sizeof(float) * N * V);
+    assert_non_null(logits);
+    assert_non_null(host);
+    for (int sh = 0; sh < SHAPES; sh++)
+        for (int q = 0; q < PARAMS; q++) {
+            struct tdm_sampler *m = &smp[sh * PARAMS + q];
+            assert_int_equal(tdm_sampler_init(m, &ps[q], 7, V), TDM_OK);
+            tdm_sampler_accept(m, 17, true);
+            tdm_sampler_accept(m, 6, false);
+            for (int k = 0; k < POS; k++) {
+                int r = (sh * PARAMS + q) * POS + k;
+                memcpy(logits + (size_t)r * V, rows + (size_t)sh * V, sizeof(float) * V);
+                dev[r] = (struct tdm_sample_row){
+                    .smp = m, .position = (uint32_t)(3 + k), .n_top = k % 2 ? 5 : 0};
+                ref[r] = dev[r];
+            }
+        }
+    memcpy(host, logits, sizeof(float) * N * V);
+    const struct tdm_backend_i *ops = gpu->iface;
+    float *d = ops->buf_alloc(gpu, sizeof(float) * N * V);
+    assert_non_null(d);
+    ops->upload(gpu, d, logits, sizeof(float) * N * V);
+    assert_int_equal(ops->sample(gpu, d, N, V, dev), TDM_OK);
+    struct tdm_sample_scratch scratch;
+    assert_int_equal(tdm_sample_scratch_init(&scratch, V), TDM_OK);
+    int forced = 0, same = 0;
+    for (int r = 0; r < N; r++) {
+        int sh = r / (PARAMS * POS), q = (r / POS) % PARAMS;
+        tdm_sample_row_host(&ref[r], host + (size_t)r * V, &scratch);
+        const float raw = rows[(size_t)sh * V + dev[r].token];
+        assert_true(dev[r].token >= 0 && dev[r].token < V);
+        assert_false(isnan(dev[r].logprob));
+        for (int k = 0; k < dev[r].n_top; k++) {
+            assert_false(isnan(dev[r].top_lps[k]));
+            assert_true(dev[r].top_ids[k] >= 0 && dev[r].top_ids[k] < V);
+        }
+        if (sh == 0) assert_false(isnan(raw)); /* NaN is never chosen beside finite values */
+        bool is_forced = sh != 0 && sh != 4 && sh != 5 ? true : q == 0 || q == 4;
+        if (sh == 5 && q != 0 && q != 4) is_forced = false;
+        if (is_forced) {
+            forced++;
+            assert_int_equal(dev[r].token, ref[r].token);
+            if (greedy_token[sh] >= 0) assert_int_equal(dev[r].token, greedy_token[sh]);
+        }
+        same += dev[r].token == ref[r].token;
+    }
+    printf("hostile floats: %d rows, %d forced (all identical to the host), %d/%d identical\n", N,
+           forced, same, N);
+    assert_true(forced >= N / 2);
+    tdm_sample_scratch_free(&scratch);
+    ops->buf_free(gpu, d);
+    for (int i = 0; i < SHAPES * PARAMS; i++)
+        tdm_sampler_free(&smp[i]);
+    free(rows);
+    free(logits);
+    free(host);
+}
+
 /* For the record (never asserted): the time of one sampling call per kind of row, for 1 and 64
  * rows of a 128,256 vocabulary of normal logits. */
 static void test_timing(void **state)
@@ -365,6 +477,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_against_host),
         cmocka_unit_test(test_rng_keyed),
+        cmocka_unit_test(test_hostile_floats),
         cmocka_unit_test(test_timing),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

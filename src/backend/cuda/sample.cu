@@ -146,7 +146,17 @@ __device__ void row_argmax(const float *lg, int vocab, Smem &sm, float *out_v, i
         if (sm.fred[i] > bv || (sm.fred[i] == bv && sm.ired[i] < bi))
             bv = sm.fred[i], bi = sm.ired[i];
     *out_v = bv;
-    *out_id = bi;
+    *out_id = bi == 0x7fffffff ? 0 : bi; /* no candidate at all: token 0, as the host */
+}
+
+/* A log-probability from a logit and the row's log-sum-exp, never NaN (the host's
+ * logprob_from): a +inf logit against a +inf sum is 0, anything else not finite is -inf. */
+__device__ float logprob_from(float logit, double lse)
+{
+    if (isnan(logit)) return -INFINITY;
+    if (isinf(lse) && lse > 0) return isinf(logit) && logit > 0 ? 0.0f : -INFINITY;
+    const double lp = (double)logit - lse;
+    return isnan(lp) ? -INFINITY : (float)lp;
 }
 
 /*
@@ -265,12 +275,19 @@ __global__ void __launch_bounds__(kThreads)
     tdm_cu_sample_out *out = outs + blockIdx.x;
     const int tid = threadIdx.x;
 
+    /* 0. non-finite logits, from any source (the model included), as the host: NaN is never
+     * chosen (it becomes -inf here, in place: each thread owns the ids that row_argmax reads
+     * next, and row_argmax synchronises before anyone reads another's), a +inf wins outright
+     * (the lowest id among them), and a row with nothing finite gives token 0. */
+    for (int i = tid; i < vocab; i += kThreads)
+        if (isnan(lg[i])) lg[i] = -INFINITY;
+
     /* 1. the raw log-sum-exp (log-probabilities are reported under the raw logits) */
     float mx;
     int amx;
     row_argmax(lg, vocab, sm, &mx, &amx);
-    double raw_lse = 0.0;
-    if (p.n_top >= 0) {
+    double raw_lse = mx; /* +inf or -inf when the largest is not finite */
+    if (p.n_top >= 0 && isfinite(mx)) {
         double s = 0.0;
         for (int i = tid; i < vocab; i += kThreads)
             s += exp((double)lg[i] - (double)mx);
@@ -327,7 +344,15 @@ __global__ void __launch_bounds__(kThreads)
                 }
             for (int a = 0; a < n; a++) {
                 out->top_ids[a] = key_id(sm.top_keys[a]);
-                out->top_lps[a] = (float)((double)key_value(sm.top_keys[a]) - raw_lse);
+                out->top_lps[a] = logprob_from(key_value(sm.top_keys[a]), raw_lse);
+            }
+            /* fewer candidates than asked for (NaN rows, now -inf, fall outside every
+             * threshold): the rest are the lowest ids not listed, certain never to be drawn */
+            for (int id = 0; n < n_top && id < vocab; id++) {
+                bool listed = false;
+                for (int a = 0; a < n && !listed; a++)
+                    listed = out->top_ids[a] == id;
+                if (!listed) out->top_ids[n] = id, out->top_lps[n++] = -INFINITY;
             }
         }
         __syncthreads();
@@ -350,8 +375,8 @@ __global__ void __launch_bounds__(kThreads)
         row_argmax(lg, vocab, sm, &mx, &amx);
     }
 
-    int chosen = amx; /* greedy: the lowest id among the largest */
-    if (!(p.temperature == 0.0f || p.top_k == 1)) {
+    int chosen = amx; /* greedy: the lowest id among the largest; forced when it is not finite */
+    if (!(p.temperature == 0.0f || p.top_k == 1) && isfinite(mx)) {
         /* 4. softmax at the temperature, as the host: e = exp((l - max) * (1 / T)) */
         const float inv_t = __fdiv_rn(1.0f, p.temperature);
         const float m = mx;
@@ -483,7 +508,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = tid; j < p.pen_n; j += kThreads)
             if (pens[p.pen_off + j].id == chosen) sm.raw_chosen = pens[p.pen_off + j].raw;
     __syncthreads();
-    if (tid == 0) out->logprob = p.n_top >= 0 ? (float)((double)sm.raw_chosen - raw_lse) : 0.0f;
+    if (tid == 0) out->logprob = p.n_top >= 0 ? logprob_from(sm.raw_chosen, raw_lse) : 0.0f;
 }
 
 } // namespace
