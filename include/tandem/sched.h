@@ -56,6 +56,22 @@
  * tdm_req_release, which also cancels the request if it is still running), the scheduler
  * another until the request is finished and its KV pages are back in the pool.
  *
+ * Watchdog (opts.watchdog_ms > 0): a thread of its own watches the step in flight. When one
+ * step (plan, run and commit) has run longer than the limit, the scheduler is stalled:
+ *   - every request it holds (running, and waiting) is failed at once with TDM_ETIMEDOUT, so
+ *     each client gets an error instead of waiting forever; the requests stay with the
+ *     scheduler, which drops them if the step ever comes back (a running request's pages are
+ *     released then, not before: the stuck step may still write into them, so the pool shows
+ *     them used while stalled);
+ *   - submissions are refused (TDM_EAGAIN), tdm_sched_stall_ms() is positive (the server's
+ *     /health answers 503), and the stall is counted;
+ *   - tdm_sched_stop gives up on a stalled thread at its drain deadline and returns false: the
+ *     caller exits without cleaning up (the stuck step may still touch everything).
+ * A step that comes back ends the stall: the scheduler goes on with the requests it has left.
+ *
+ * Fault injection for tests (never needed in production): TANDEM_SCHED_FAULTS=stall:N:MS makes
+ * the N-th step (counted from 1) sleep MS milliseconds before it runs (MS < 0: forever).
+ *
  * Threading: tdm_sched_submit, tdm_req_* and tdm_sched_metrics are thread-safe. The executor,
  * the connector and the drafter are called only by the scheduler thread (or by the caller of
  * tdm_sched_step, for a scheduler whose thread is not started).
@@ -83,6 +99,7 @@ struct tdm_sched_opts {
     int watermark_pages;  /* pages kept free at admission for running decodes; <0: 0, 0: 1% */
     bool row_outputs;     /* reserve [max_rows] logit and hidden rows for requests that want
                            * them (or later: tdm_sched_reserve_rows) */
+    int watchdog_ms;      /* a step longer than this stalls the scheduler (see above); <= 0: off */
 };
 
 #define TDM_MAX_TOP_LOGPROBS TDM_TOP_LOGPROBS_MAX
@@ -306,8 +323,13 @@ bool tdm_sched_step(tdm_sched_t *s);
 /* Starts the scheduler thread. */
 tdm_status tdm_sched_start(tdm_sched_t *s);
 /* Stops taking requests. With drain_ms > 0, waits up to that long for running and waiting
- * requests to finish; then cancels what is left, stops the thread and returns. */
-void tdm_sched_stop(tdm_sched_t *s, int drain_ms);
+ * requests to finish; then cancels what is left, stops the thread and returns true. A thread
+ * stalled in a step (see the watchdog) is given up at the drain deadline: false, and then the
+ * scheduler must not be destroyed (the process should exit). */
+bool tdm_sched_stop(tdm_sched_t *s, int drain_ms);
+/* How long the step in flight has run when it is past the watchdog's limit, in ms; 0 when the
+ * scheduler is not stalled (or has no watchdog). Any thread. */
+int64_t tdm_sched_stall_ms(const tdm_sched_t *s);
 void tdm_sched_destroy(tdm_sched_t *s); /* stops first if needed; NULL is a no-op */
 
 /* Queues a request. TDM_EINVAL/TDM_ERANGE for bad params (message says why), TDM_EAGAIN when
@@ -363,8 +385,11 @@ void tdm_hist_observe(struct tdm_hist *h, double v);
 struct tdm_sched_metrics_snapshot {
     struct tdm_hist ttft_s, itl_s, e2e_s, batch_tokens, batch_seqs;
     uint64_t prompt_tokens, generated_tokens, preemptions, steps;
-    uint64_t finished[5]; /* by enum tdm_finish */
-    uint64_t rejected;    /* refused at submit (queue full or stopping) */
+    uint64_t finished[5];     /* by enum tdm_finish */
+    uint64_t rejected;        /* refused at submit (queue full, stopping or stalled) */
+    uint64_t stalls;          /* steps the watchdog found past its limit */
+    uint64_t watchdog_failed; /* requests it failed */
+    int64_t stalled_ms;       /* tdm_sched_stall_ms at the snapshot */
     int running, waiting;
     struct tdm_kv_stats kv;
     bool accepting;

@@ -23,6 +23,10 @@ void tdm_sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish wh
     int64_t now = (int64_t)tdm_now_ns();
     /* the metrics and the pages before the client can see the end: whoever reads /metrics
      * or the pool after a response finds this request counted and its pages back */
+    /* failed by the watchdog: it is an error, whatever ended it here, and its client has
+     * seen that already */
+    bool hung = atomic_load(&r->hung);
+    if (hung) why = TDM_FINISH_ERROR;
     pthread_mutex_lock(&s->mmu);
     s->m.finished[why]++;
     if (why == TDM_FINISH_STOP || why == TDM_FINISH_LENGTH)
@@ -32,10 +36,12 @@ void tdm_sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish wh
     r->n_cached = 0;
     tdm_sched_set_state(r, TDM_REQ_FINISHED);
     pthread_mutex_lock(&r->mu);
-    r->finish = why;
-    r->error = err;
-    if (msg) snprintf(r->error_msg, sizeof r->error_msg, "%s", msg);
-    r->t_end_ns = now;
+    if (!hung) {
+        r->finish = why;
+        r->error = err;
+        if (msg) snprintf(r->error_msg, sizeof r->error_msg, "%s", msg);
+        r->t_end_ns = now;
+    }
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
     tdm_sched_req_unref(r);
@@ -201,6 +207,12 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
         struct tdm_req *r = q->req;
         r->batch_slot = -1;
         r->n_cached = q->pos0 + q->n_tokens;
+        if (atomic_load(&r->hung)) { /* the watchdog failed it while this step was stuck */
+            drop_drafts(r);
+            tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
+            tdm_sched_finish(s, r, TDM_FINISH_ERROR, TDM_ETIMEDOUT, NULL);
+            continue;
+        }
         if (!q->last) continue;
         enum tdm_finish f = r->prefill_only ? TDM_FINISH_STOP : commit_rows(s, r, q);
         if (f != TDM_FINISH_NONE) {

@@ -116,6 +116,7 @@ void tdm_sched_metrics(tdm_sched_t *s, struct tdm_sched_metrics_snapshot *out)
     out->accepting = s->accepting;
     pthread_mutex_unlock(&s->mu);
     out->kv = tdm_kv_pool_stats(s->kv);
+    out->stalled_ms = tdm_sched_stall_ms(s);
 }
 
 int tdm_sched_max_ctx(const tdm_sched_t *s)
@@ -133,6 +134,7 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
         return tdm_err_set(TDM_EINVAL, "sched: the executor lacks its run call or its limits");
     struct tdm_sched *s = calloc(1, sizeof *s);
     if (!s) return tdm_err_set(TDM_ENOMEM, "sched: out of memory");
+    tdm_status fail = TDM_ENOMEM;
     s->x = *x;
     s->tok = tok;
     s->kv = x->kv;
@@ -163,13 +165,32 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
     s->slots = calloc((size_t)s->o.max_batch_tokens, sizeof *s->slots);
     s->want = calloc(rows, sizeof *s->want);
     s->srows = calloc(rows, sizeof *s->srows);
-    if (!s->running || !s->pseqs || !s->drafts || !s->decodes || !s->slots || !s->want || !s->srows)
+    s->held = calloc(n, sizeof *s->held);
+    s->wsnap = calloc((size_t)s->o.max_waiting, sizeof *s->wsnap);
+    if (!s->running || !s->pseqs || !s->drafts || !s->decodes || !s->slots || !s->want ||
+        !s->srows || !s->held || !s->wsnap)
         goto out_free;
+    const char *faults = getenv("TANDEM_SCHED_FAULTS");
+    if (faults && *faults) {
+        unsigned long long step = 0;
+        long long ms = 0;
+        int used = 0;
+        if (sscanf(faults, "stall:%llu:%lld%n", &step, &ms, &used) != 2 || faults[used] || !step) {
+            fail = tdm_err_set(TDM_EINVAL, "TANDEM_SCHED_FAULTS: want stall:STEP:MS, got \"%s\"",
+                               faults);
+            goto out_fail;
+        }
+        s->fault_step = step;
+        s->fault_ms = ms;
+        TDM_WARN("sched: fault injection: step %llu sleeps %lld ms", step, ms);
+    }
     if (s->o.row_outputs && !tdm_sched_row_outputs(s)) goto out_free;
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->mmu, NULL);
     pthread_cond_init(&s->cv_work, NULL);
     pthread_cond_init(&s->cv_idle, NULL);
+    pthread_mutex_init(&s->wmu, NULL);
+    pthread_cond_init(&s->wcv, NULL);
     metrics_init(&s->m);
     s->accepting = true;
     s->next_id = 1;
@@ -177,6 +198,10 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
     return TDM_OK;
 
 out_free:
+    fail = tdm_err_set(TDM_ENOMEM, "sched: out of memory");
+out_fail:
+    free(s->held);
+    free(s->wsnap);
     free(s->running);
     free(s->pseqs);
     free(s->drafts);
@@ -190,7 +215,7 @@ out_free:
     free(s->hidden);
     tdm_sample_scratch_free(&s->scratch);
     free(s);
-    return tdm_err_set(TDM_ENOMEM, "sched: out of memory");
+    return fail;
 }
 
 tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
@@ -315,7 +340,8 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     r->t_submit_ns = (int64_t)tdm_now_ns();
 
     pthread_mutex_lock(&s->mu);
-    if (!s->accepting || s->n_waiting >= s->o.max_waiting) {
+    bool stalled = atomic_load(&s->stall_since_ns) != 0;
+    if (!s->accepting || s->n_waiting >= s->o.max_waiting || stalled) {
         bool stopping = !s->accepting;
         pthread_mutex_unlock(&s->mu);
         pthread_mutex_lock(&s->mmu);
@@ -324,9 +350,13 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
         pthread_mutex_destroy(&r->mu);
         pthread_cond_destroy(&r->cv);
         tdm_sampler_free(&r->smp);
-        st = stopping ? tdm_err_set(TDM_ECANCELED, "the server is shutting down")
-                      : tdm_err_set(TDM_EAGAIN, "the waiting queue is full (%d requests)",
-                                    s->o.max_waiting);
+        st = stopping  ? tdm_err_set(TDM_ECANCELED, "the server is shutting down")
+             : stalled ? tdm_err_set(TDM_EAGAIN,
+                                     "the scheduler is stalled: a step has run for "
+                                     "%lld ms",
+                                     (long long)tdm_sched_stall_ms(s))
+                       : tdm_err_set(TDM_EAGAIN, "the waiting queue is full (%d requests)",
+                                     s->o.max_waiting);
         goto out_buffers;
     }
     r->id = s->next_id++;
@@ -435,21 +465,155 @@ static void *sched_main(void *arg)
     return NULL;
 }
 
+/* ---- the watchdog ---- */
+
+int64_t tdm_sched_stall_ms(const tdm_sched_t *s)
+{
+    uint64_t t0 = atomic_load(&((struct tdm_sched *)s)->stall_since_ns);
+    return t0 ? (int64_t)((tdm_now_ns() - t0) / 1000000u) : 0;
+}
+
+/* Fails a request the stalled scheduler holds: its client gets the error now; the scheduler
+ * drops it when (if) its step comes back. The caller holds a reference. */
+static bool fail_hung(struct tdm_req *r, int64_t ms)
+{
+    if (atomic_exchange(&r->hung, true)) return false;
+    atomic_store(&r->cancel, true);
+    pthread_mutex_lock(&r->mu);
+    bool fresh = r->finish == TDM_FINISH_NONE;
+    if (fresh) {
+        r->finish = TDM_FINISH_ERROR;
+        r->error = TDM_ETIMEDOUT;
+        snprintf(r->error_msg, sizeof r->error_msg,
+                 "the scheduler is stalled: a step has made no progress for %lld ms",
+                 (long long)ms);
+        r->t_end_ns = (int64_t)tdm_now_ns();
+    }
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return fresh;
+}
+
+/* The step in flight is past the limit (wmu held): flag the stall, fail what it holds. */
+static void stall(struct tdm_sched *s, uint64_t now)
+{
+    int64_t ms = (int64_t)((now - s->step_t0_ns) / 1000000u);
+    atomic_store(&s->stall_since_ns, s->step_t0_ns);
+    if (s->step_failed) return;
+    s->step_failed = true;
+    TDM_ERROR("sched: stalled: a step has run for %lld ms (limit %d ms); failing its %d "
+              "running requests and the waiting ones",
+              (long long)ms, s->o.watchdog_ms, s->n_held);
+    uint64_t failed = 0;
+    for (int i = 0; i < s->n_held; i++)
+        failed += fail_hung(s->held[i], ms);
+    /* the waiting list, copied with a reference each (s->mu and r->mu never nest) */
+    int n = 0;
+    pthread_mutex_lock(&s->mu);
+    for (struct tdm_req *r = s->wait_head; r && n < s->o.max_waiting; r = r->next) {
+        atomic_fetch_add(&r->refs, 1);
+        s->wsnap[n++] = r;
+    }
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < n; i++) {
+        failed += fail_hung(s->wsnap[i], ms);
+        tdm_sched_req_unref(s->wsnap[i]);
+    }
+    pthread_mutex_lock(&s->mmu);
+    s->m.stalls++;
+    s->m.watchdog_failed += failed;
+    pthread_mutex_unlock(&s->mmu);
+}
+
+static void *watchdog_main(void *arg)
+{
+    struct tdm_sched *s = arg;
+    int tick = TDM_MAX(10, TDM_MIN(s->o.watchdog_ms / 8, 1000));
+    pthread_mutex_lock(&s->wmu);
+    while (!s->wstop) {
+        struct timespec dl = tdm_deadline_ms(CLOCK_REALTIME, tick);
+        pthread_cond_timedwait(&s->wcv, &s->wmu, &dl);
+        uint64_t now = tdm_now_ns();
+        if (s->step_t0_ns && now - s->step_t0_ns > (uint64_t)s->o.watchdog_ms * 1000000u)
+            stall(s, now);
+    }
+    pthread_mutex_unlock(&s->wmu);
+    return NULL;
+}
+
+/* What the step holds: the running requests (a reference each), taken when it begins and
+ * again once its plan has admitted new ones. */
+static void watch_held(struct tdm_sched *s, bool begin)
+{
+    if (!s->wstarted) return;
+    pthread_mutex_lock(&s->wmu);
+    for (int i = 0; i < s->n_held; i++)
+        tdm_sched_req_unref(s->held[i]);
+    s->n_held = s->n_running;
+    for (int i = 0; i < s->n_running; i++) {
+        atomic_fetch_add(&s->running[i]->refs, 1);
+        s->held[i] = s->running[i];
+    }
+    if (begin) {
+        s->step_failed = false;
+        s->step_t0_ns = tdm_now_ns();
+    } else if (s->step_failed) { /* stalled in the plan: the admitted ones fail too */
+        int64_t ms = (int64_t)((tdm_now_ns() - s->step_t0_ns) / 1000000u);
+        for (int i = 0; i < s->n_held; i++)
+            fail_hung(s->held[i], ms);
+    }
+    pthread_mutex_unlock(&s->wmu);
+}
+
+static void watch_end(struct tdm_sched *s)
+{
+    if (!s->wstarted) return;
+    pthread_mutex_lock(&s->wmu);
+    if (atomic_load(&s->stall_since_ns))
+        TDM_WARN("sched: the stalled step came back after %lld ms; going on",
+                 (long long)((tdm_now_ns() - s->step_t0_ns) / 1000000u));
+    atomic_store(&s->stall_since_ns, 0);
+    s->step_t0_ns = 0;
+    int n = s->n_held;
+    s->n_held = 0;
+    pthread_mutex_unlock(&s->wmu);
+    for (int i = 0; i < n; i++)
+        tdm_sched_req_unref(s->held[i]); /* the step has ended: no one else reads held */
+}
+
 tdm_status tdm_sched_start(tdm_sched_t *s)
 {
     if (s->started) return TDM_OK;
+    if (s->o.watchdog_ms > 0 && !s->wstarted) {
+        s->wstop = false;
+        if (pthread_create(&s->wthread, NULL, watchdog_main, s))
+            return tdm_err_set(TDM_EINTERNAL, "sched: cannot start the watchdog thread");
+        s->wstarted = true;
+    }
     if (pthread_create(&s->thread, NULL, sched_main, s))
         return tdm_err_set(TDM_EINTERNAL, "sched: cannot start the scheduler thread");
     s->started = true;
     return TDM_OK;
 }
 
-void tdm_sched_stop(tdm_sched_t *s, int drain_ms)
+static void watchdog_stop(struct tdm_sched *s)
 {
+    if (!s->wstarted) return;
+    pthread_mutex_lock(&s->wmu);
+    s->wstop = true;
+    pthread_cond_broadcast(&s->wcv);
+    pthread_mutex_unlock(&s->wmu);
+    pthread_join(s->wthread, NULL);
+    s->wstarted = false;
+}
+
+bool tdm_sched_stop(tdm_sched_t *s, int drain_ms)
+{
+    if (s->abandoned) return false;
     pthread_mutex_lock(&s->mu);
     s->accepting = false;
+    struct timespec dl = tdm_deadline_ms(CLOCK_REALTIME, TDM_MAX(drain_ms, 0));
     if (drain_ms > 0 && s->started) {
-        struct timespec dl = tdm_deadline_ms(CLOCK_REALTIME, drain_ms);
         while (s->n_running || s->n_waiting)
             if (pthread_cond_timedwait(&s->cv_idle, &s->mu, &dl)) break;
     }
@@ -457,21 +621,54 @@ void tdm_sched_stop(tdm_sched_t *s, int drain_ms)
     pthread_cond_broadcast(&s->cv_work);
     pthread_mutex_unlock(&s->mu);
     if (s->started) {
-        pthread_join(s->thread, NULL);
+        /* a healthy thread is joined however long its last step takes; a stalled one is
+         * given up at the drain deadline */
+        for (;;) {
+            struct timespec slice = tdm_deadline_ms(CLOCK_REALTIME, 50);
+            if (pthread_timedjoin_np(s->thread, NULL, &slice) == 0) break;
+            struct timespec now;
+            clock_gettime(CLOCK_REALTIME, &now);
+            bool past =
+                now.tv_sec > dl.tv_sec || (now.tv_sec == dl.tv_sec && now.tv_nsec >= dl.tv_nsec);
+            if (past && tdm_sched_stall_ms(s) > 0) {
+                TDM_ERROR("sched: the scheduler thread is stalled in a step (%lld ms); giving "
+                          "it up",
+                          (long long)tdm_sched_stall_ms(s));
+                s->abandoned = true;
+                return false;
+            }
+        }
         s->started = false;
     } else {
         tdm_sched_reap_cancelled(s, true);
     }
+    watchdog_stop(s);
+    return true;
 }
 
 bool tdm_sched_step(tdm_sched_t *s)
 {
+    watch_held(s, true);
     tdm_sched_reap_cancelled(s, false);
     bool progress = tdm_sched_plan_build(s);
+    watch_held(s, false);
     struct tdm_sched_plan *p = &s->plan;
-    if (!p->n_seqs) return progress; /* a preemption made room: go again at once */
+    if (!p->n_seqs) {
+        watch_end(s);
+        return progress; /* a preemption made room: go again at once */
+    }
     if (s->conn && s->conn->step_begin) s->conn->step_begin(s->conn_ctx, p);
     uint64_t t0 = tdm_now_ns();
+    if (s->fault_step && s->n_steps == s->fault_step) { /* plan.c counted this step */
+        TDM_WARN("sched: fault injection: step %llu sleeps %lld ms",
+                 (unsigned long long)s->fault_step, (long long)s->fault_ms);
+        for (int64_t left = s->fault_ms; left != 0;) {
+            int64_t ms = left < 0 ? 1000 : TDM_MIN(left, 1000);
+            struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+            nanosleep(&ts, NULL);
+            if (left > 0) left -= ms;
+        }
+    }
     tdm_status st = s->x.iface->run(s->x.ctx, p);
     uint64_t run_ns = tdm_now_ns() - t0;
     if (s->conn && s->conn->step_end) s->conn->step_end(s->conn_ctx, p, st);
@@ -483,14 +680,19 @@ bool tdm_sched_step(tdm_sched_t *s)
     tdm_hist_observe(&s->m.batch_seqs, p->n_seqs);
     pthread_mutex_unlock(&s->mmu);
     tdm_sched_commit(s, st);
+    watch_end(s);
     return true;
 }
 
 void tdm_sched_destroy(tdm_sched_t *s)
 {
     if (!s) return;
-    tdm_sched_stop(s, 0);
+    if (!tdm_sched_stop(s, 0)) return; /* stalled and given up: its thread may touch all of it */
     tdm_sample_scratch_free(&s->scratch);
+    pthread_mutex_destroy(&s->wmu);
+    pthread_cond_destroy(&s->wcv);
+    free(s->held);
+    free(s->wsnap);
     pthread_mutex_destroy(&s->mu);
     pthread_mutex_destroy(&s->mmu);
     pthread_cond_destroy(&s->cv_work);

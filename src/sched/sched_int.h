@@ -33,6 +33,7 @@ struct tdm_req {
     uint64_t id;
     atomic_bool cancel;
     atomic_bool stop; /* the cancel is a stop (tdm_req_stop): its reader matched a stop string */
+    atomic_bool hung; /* failed by the watchdog: its client has its error, the scheduler drops it */
 
     /* immutable after submit */
     int n_prompt, max_tokens, min_tokens, top_k_lp; /* top_k_lp: -1 = no logprobs */
@@ -53,7 +54,7 @@ struct tdm_req {
     int n_draft;     /* drafted tokens at the end of tokens (0 outside a step) */
     struct tdm_draft_stats draft_stats;
     const float *draft_q; /* the drafter's q for this step's drafts (rejection), or NULL */
-    int n_cached; /* tokens whose KV is in kv */
+    int n_cached;         /* tokens whose KV is in kv */
     struct tdm_kv_seq kv;
     struct tdm_sampler smp;
     int batch_slot; /* index in this step's plan, or -1 */
@@ -115,6 +116,22 @@ struct tdm_sched {
     struct tdm_req **decodes;       /* [max_seqs] this step's decoding requests */
     float *rej_p, *rej_raw;         /* [vocab] rejection acceptance's p, and a raw logit row */
     uint64_t n_steps;
+
+    /* the watchdog (sched.c). wmu guards step_t0_ns, held and the stall flags; it nests
+     * inside nothing and nothing nests inside it except a request's r->mu. */
+    pthread_mutex_t wmu;
+    pthread_cond_t wcv; /* the watchdog's sleep; signalled on stop */
+    pthread_t wthread;
+    bool wstarted, wstop;
+    bool abandoned;        /* tdm_sched_stop gave up on a stalled thread */
+    uint64_t step_t0_ns;   /* when the step in flight began; 0 between steps */
+    struct tdm_req **held; /* [max_seqs] the running requests at the step's start (a ref each) */
+    int n_held;
+    bool step_failed;                /* the watchdog has failed this step's requests */
+    _Atomic uint64_t stall_since_ns; /* step_t0_ns while stalled, else 0 */
+    struct tdm_req **wsnap;          /* [max_waiting] the watchdog's copy of the waiting list */
+    uint64_t fault_step;             /* TANDEM_SCHED_FAULTS: this step sleeps fault_ms first */
+    int64_t fault_ms;
 
     pthread_mutex_t mmu;
     struct tdm_sched_metrics_snapshot m;

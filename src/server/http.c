@@ -110,10 +110,12 @@ static bool stream_next(struct stream *st)
     } else if (v.finish != TDM_FINISH_NONE) {
         if (v.finish == TDM_FINISH_ERROR || v.finish == TDM_FINISH_CANCELLED) {
             struct api_err e;
-            tdm_api_err_set(&e, v.finish == TDM_FINISH_CANCELLED ? 503 : 500, NULL, "%s",
-                            v.finish == TDM_FINISH_CANCELLED ? "the request was cancelled (server "
-                                                               "shutting down)"
-                                                             : v.error_msg);
+            tdm_api_err_set(
+                &e, v.finish == TDM_FINISH_CANCELLED || v.error == TDM_ETIMEDOUT ? 503 : 500, NULL,
+                "%s",
+                v.finish == TDM_FINISH_CANCELLED ? "the request was cancelled (server "
+                                                   "shutting down)"
+                                                 : v.error_msg);
             char *j = tdm_api_error_json(&e);
             if (j && asprintf(&ev, "data: %s\n\n", j) < 0) ev = NULL;
             free(j);
@@ -234,7 +236,8 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     if (v.finish == TDM_FINISH_ERROR) {
         char msg[300];
         snprintf(msg, sizeof msg, "generation failed: %s", v.error_msg);
-        ret = tdm_reply_errf(c, s->http, 500, "%s", msg);
+        /* a stalled scheduler (the watchdog's TDM_ETIMEDOUT) is worth retrying elsewhere */
+        ret = tdm_reply_errf(c, s->http, v.error == TDM_ETIMEDOUT ? 503 : 500, "%s", msg);
     } else if (v.finish == TDM_FINISH_CANCELLED) {
         ret = tdm_reply_errf(c, s->http, 503, "the request was cancelled (server shutting down)");
     } else {
@@ -271,12 +274,17 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
         if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /health");
-        bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining);
-        return tdm_reply_send(c, s->http, ok ? 200 : 503,
-                              strdup(ok                          ? "{\"status\":\"ok\"}"
-                                     : atomic_load(&s->draining) ? "{\"status\":\"draining\"}"
-                                                                 : "{\"status\":\"starting\"}"),
-                              "application/json");
+        int64_t stall = tdm_sched_stall_ms(s->sched);
+        bool ok = atomic_load(&s->ready) && !atomic_load(&s->draining) && !stall;
+        char *body = NULL;
+        if (stall &&
+            asprintf(&body, "{\"status\":\"stalled\",\"stalled_ms\":%lld}", (long long)stall) < 0)
+            body = NULL;
+        if (!stall)
+            body = strdup(ok                          ? "{\"status\":\"ok\"}"
+                          : atomic_load(&s->draining) ? "{\"status\":\"draining\"}"
+                                                      : "{\"status\":\"starting\"}");
+        return tdm_reply_send(c, s->http, ok ? 200 : 503, body, "application/json");
     }
     if (!strcmp(url, "/metrics")) {
         if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /metrics");

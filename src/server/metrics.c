@@ -107,6 +107,13 @@ char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint6
     scalar(&b, "tandem_steps_total", "counter", "Forward steps run.", lab, (double)m->steps);
     scalar(&b, "tandem_requests_rejected_total", "counter",
            "Requests refused at submission (queue full or draining).", lab, (double)m->rejected);
+    scalar(&b, "tandem_sched_stalls_total", "counter", "Steps that ran past the watchdog's limit.",
+           lab, (double)m->stalls);
+    scalar(&b, "tandem_sched_watchdog_failed_total", "counter",
+           "Requests failed because the scheduler was stalled.", lab, (double)m->watchdog_failed);
+    scalar(&b, "tandem_sched_stalled_seconds", "gauge",
+           "How long the stalled step has run (0 when not stalled).", lab,
+           (double)m->stalled_ms / 1000.0);
     tdm_sbuf_printf(&b, "# HELP tandem_requests_finished_total Requests finished, by reason.\n"
                         "# TYPE tandem_requests_finished_total counter\n");
     static const char *const reasons[] = {"none", "stop", "length", "cancelled", "error"};

@@ -8,6 +8,7 @@
  * a library call.
  */
 #include <signal.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +34,8 @@ static void usage(FILE *f)
         "  --max-seqs N            running sequences (default 64)\n"
         "  --prefill-chunk N       tokens per prefill chunk of one sequence (default: budget)\n"
         "  --max-waiting N         waiting-queue capacity; beyond it requests get 503 (1024)\n"
+        "  --watchdog-ms N         a step running longer stalls the server: its requests fail,\n"
+        "                          /health answers 503 until it comes back (60000; 0: off)\n"
         "  --page-size N           tokens per KV page (default 16)\n"
         "  --kv-pages N            KV pool size in pages, or\n"
         "  --kv-memory SIZE        KV pool size in bytes (suffixes K, M, G, KiB, MiB, GiB)\n"
@@ -193,6 +196,7 @@ int tdm_cmd_serve(int argc, char **argv)
     const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
     const char *addr_file = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
+    int64_t watchdog = 60000;
     int backend_kind = TDM_BACKEND_CPU;
     double gpu_frac = 0.9;
     struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
@@ -207,6 +211,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("max-seqs", &seqs, 1, 4096),
         TDM_OPT_I("prefill-chunk", &chunk, 1, 1 << 20),
         TDM_OPT_I("max-waiting", &waiting, 1, 1 << 20),
+        TDM_OPT_I("watchdog-ms", &watchdog, 0, 86400000),
         TDM_OPT_I("page-size", &page, 1, 1024),
         TDM_OPT_I("kv-pages", &pages, 1, INT32_MAX),
         TDM_OPT_P("kv-memory", opt_kv_memory, &kv_bytes),
@@ -332,7 +337,8 @@ int tdm_cmd_serve(int argc, char **argv)
     struct tdm_sched_opts so = {.max_batch_tokens = (int)mbt,
                                 .max_seqs = (int)seqs,
                                 .prefill_chunk = (int)chunk,
-                                .max_waiting = (int)waiting};
+                                .max_waiting = (int)waiting,
+                                .watchdog_ms = (int)watchdog};
     if (tdm_sched_create(e, tok, &so, &sched) != TDM_OK) {
         tdm_tool_fail("scheduler");
         goto out_engine;
@@ -424,7 +430,13 @@ int tdm_cmd_serve(int argc, char **argv)
     fprintf(stderr, "tandem serve: %s: draining (up to %lld s)\n",
             sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)drain);
     tdm_server_drain(srv);
-    tdm_sched_stop(sched, (int)drain * 1000);
+    if (!tdm_sched_stop(sched, (int)drain * 1000)) {
+        /* a step is stuck: nothing can be freed or joined safely; end the process now */
+        fprintf(stderr, "tandem serve: the scheduler is stalled in a step; exiting without "
+                        "cleanup\n");
+        fflush(stderr);
+        _exit(3);
+    }
     /* the requests have ended; let their responses reach the clients before closing */
     if (!tdm_server_wait_idle(srv, 5000))
         fprintf(stderr, "tandem serve: some responses were still being written; closing\n");

@@ -15,6 +15,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+
+#include <pthread.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -66,6 +69,10 @@ struct fake_exec {
     int32_t *kv_tok;    /* [n_slots] token written at each slot */
     uint64_t *kv_owner; /* [n_slots] request id that wrote it, 0 = never */
     int fail_at_step;   /* run returns TDM_EINTERNAL on this step */
+    int block_at_step;  /* run waits on this step until `unblock` (the watchdog test) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool unblock, blocked;
     struct plan_rec rec[MAX_PLAN];
     int n_rec;
     int max_seqs_seen;
@@ -76,6 +83,13 @@ static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
     struct fake_exec *x = ctx;
     if ((int)p->step == x->fail_at_step)
         return tdm_err_set(TDM_EINTERNAL, "fake executor: step %d fails", x->fail_at_step);
+    if ((int)p->step == x->block_at_step) {
+        pthread_mutex_lock(&x->mu);
+        x->blocked = true;
+        while (!x->unblock)
+            pthread_cond_wait(&x->cv, &x->mu);
+        pthread_mutex_unlock(&x->mu);
+    }
     if (p->n_seqs > x->max_seqs_seen) x->max_seqs_seen = p->n_seqs;
     int rows = 0, tokens = 0;
     for (int s = 0; s < p->n_seqs; s++) {
@@ -150,6 +164,8 @@ static void fix_open(struct fix *f, int64_t n_pages, const struct tdm_sched_opts
         .n_layers = 1, .n_kv_heads = 1, .head_dim = 1, .page_size = PS, .n_pages = n_pages};
     assert_int_equal(tdm_kv_pool_create(&kc, f->backend, &f->kv), TDM_OK);
     f->x.kv = f->kv;
+    pthread_mutex_init(&f->x.mu, NULL);
+    pthread_cond_init(&f->x.cv, NULL);
     f->x.n_slots = (int)n_pages * PS;
     f->x.kv_tok = calloc((size_t)f->x.n_slots, sizeof *f->x.kv_tok);
     f->x.kv_owner = calloc((size_t)f->x.n_slots, sizeof *f->x.kv_owner);
@@ -181,6 +197,8 @@ static void fix_close(struct fix *f)
     tdm_backend_destroy(f->backend);
     free(f->x.kv_tok);
     free(f->x.kv_owner);
+    pthread_mutex_destroy(&f->x.mu);
+    pthread_cond_destroy(&f->x.cv);
 }
 
 static void make_prompt(int32_t *p, int n, int seed)
@@ -708,6 +726,104 @@ static void test_executor_error(void **state)
     fix_close(&f);
 }
 
+/* Waits (bounded) until cond(f) holds. */
+static bool wait_for(struct fix *f, bool (*cond)(struct fix *), int ms)
+{
+    for (int i = 0; i < ms / 5; i++) {
+        if (cond(f)) return true;
+        struct timespec ts = {0, 5000000};
+        nanosleep(&ts, NULL);
+    }
+    return cond(f);
+}
+static bool is_stalled(struct fix *f)
+{
+    return tdm_sched_stall_ms(f->s) > 0;
+}
+static bool is_unstalled_and_empty(struct fix *f)
+{
+    return tdm_sched_stall_ms(f->s) == 0 && tdm_kv_pool_stats(f->kv).used == 0;
+}
+
+/* A step that never ends (the executor blocks): the watchdog fails the running and the
+ * waiting requests with TDM_ETIMEDOUT, refuses submissions and reports the stall; when the
+ * step comes back, the scheduler drops the failed requests, its pages come back, and the next
+ * request is served as if nothing had happened. */
+static void test_watchdog(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.watchdog_ms = 150};
+    fix_open(&f, 64, &so, 64, 1); /* one sequence at a time: the second request waits */
+    f.x.block_at_step = 3;
+    assert_int_equal(tdm_sched_start(f.s), TDM_OK);
+    int32_t a[6], b[6], c[6];
+    make_prompt(a, 6, 1);
+    make_prompt(b, 6, 2);
+    make_prompt(c, 6, 3);
+    tdm_req_t *rs[2] = {submit(&f, a, 6, 10, NULL), submit(&f, b, 6, 10, NULL)};
+    for (int i = 0; i < 2; i++) {
+        struct tdm_req_view v;
+        for (int it = 0; it < 100; it++) { /* 100 x 100 ms at most */
+            tdm_req_lock(rs[i], &v);
+            enum tdm_finish fin = v.finish;
+            tdm_req_unlock(rs[i]);
+            if (fin != TDM_FINISH_NONE) break;
+            tdm_req_wait(rs[i], v.n_out, 100);
+        }
+        tdm_req_lock(rs[i], &v);
+        assert_int_equal(v.finish, TDM_FINISH_ERROR);
+        assert_int_equal(v.error, TDM_ETIMEDOUT);
+        assert_non_null(strstr(v.error_msg, "stalled"));
+        assert_int_equal(v.n_out, i == 0 ? 2 : 0); /* steps 1 and 2 ran; b never did */
+        tdm_req_unlock(rs[i]);
+    }
+    assert_true(is_stalled(&f));
+    assert_true(f.x.blocked);
+    /* while stalled: submissions are refused, the stall is counted, the pages are still held
+     * by the stuck step */
+    struct tdm_req_params rp = {.prompt = c,
+                                .n_prompt = 6,
+                                .max_tokens = 4,
+                                .ignore_eos = true,
+                                .sampling = tdm_sampling_defaults(),
+                                .top_logprobs = -1};
+    tdm_req_t *r = NULL;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &r), TDM_EAGAIN);
+    assert_non_null(strstr(tdm_err_msg(), "stalled"));
+    struct tdm_sched_metrics_snapshot m;
+    tdm_sched_metrics(f.s, &m);
+    assert_int_equal(m.stalls, 1);
+    assert_int_equal(m.watchdog_failed, 2);
+    assert_true(m.stalled_ms > 0);
+    assert_true(m.kv.used > 0);
+    /* the step comes back */
+    pthread_mutex_lock(&f.x.mu);
+    f.x.unblock = true;
+    pthread_cond_broadcast(&f.x.cv);
+    pthread_mutex_unlock(&f.x.mu);
+    assert_true(wait_for(&f, is_unstalled_and_empty, 5000));
+    tdm_sched_metrics(f.s, &m);
+    assert_int_equal(m.finished[TDM_FINISH_ERROR], 2);
+    assert_int_equal(m.running + m.waiting, 0);
+    for (int i = 0; i < 2; i++)
+        tdm_req_release(rs[i]);
+    /* and serves the next request as if nothing had happened */
+    r = submit(&f, c, 6, 4, NULL);
+    struct tdm_req_view v;
+    for (int it = 0; it < 100; it++) {
+        tdm_req_lock(r, &v);
+        enum tdm_finish fin = v.finish;
+        tdm_req_unlock(r);
+        if (fin != TDM_FINISH_NONE) break;
+        tdm_req_wait(r, v.n_out, 100);
+    }
+    expect_output(r, c, 6, 4, TDM_FINISH_LENGTH);
+    tdm_req_release(r);
+    assert_true(tdm_sched_stop(f.s, 1000));
+    fix_close(&f);
+}
+
 /* A prefill-only request (a prefill node's) samples nothing, wants its last row's hidden state
  * and finishes after its last span. */
 static void test_prefill_only_rows(void **state)
@@ -766,6 +882,7 @@ int main(void)
         cmocka_unit_test(test_drafts_all_accepted),
         cmocka_unit_test(test_drafts_with_penalties),
         cmocka_unit_test(test_executor_error),
+        cmocka_unit_test(test_watchdog),
         cmocka_unit_test(test_prefill_only_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,0 +1,86 @@
+"""The scheduler watchdog (issue 15): a step that makes no progress fails its requests with an
+error, turns /health to 503, refuses new requests, and SIGTERM still ends the process within
+its drain deadline. The stuck step is made by the scheduler's fault injection
+(TANDEM_SCHED_FAULTS=stall:STEP:MS), which sleeps before the step runs."""
+import json
+import time
+
+from lib.rawhttp import open_stream
+from lib.server import Server
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True}
+
+
+def health(s):
+    st, body, _ = s.request("GET", "/health", timeout=10)
+    return st, json.loads(body)
+
+
+def test_stalled_step_fails_its_requests_then_recovers(default_model):
+    # step 3 (the second decode) sleeps 4 s; the watchdog's limit is 0.5 s
+    s = Server(["--threads", "2", "--watchdog-ms", "500"],
+               env={"TANDEM_SCHED_FAULTS": "stall:3:4000"})
+    try:
+        sock = open_stream(s.port, "/v1/chat/completions", {**CHAT, "stream": True})
+        t0 = time.time()
+        st, r = s.post("/v1/chat/completions", CHAT, timeout=30)
+        waited = time.time() - t0
+        assert st == 503, r
+        assert "stalled" in r["error"]["message"]
+        assert waited < 3.5, f"the error took {waited:.1f} s (the stuck step lasts 4 s)"
+        # the streaming client gets an error event, not a hang
+        data = b""
+        while b"[DONE]" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        sock.close()
+        assert b"stalled" in data and b'"error"' in data
+        # while stalled: /health and new requests say so
+        st, h = health(s)
+        if st == 503:  # the stall may just have ended on a slow machine
+            assert h["status"] == "stalled" and h["stalled_ms"] >= 500
+            st2, r2 = s.post("/v1/chat/completions", CHAT, timeout=30)
+            assert st2 == 503 and "stalled" in r2["error"]["message"]
+        # the step comes back: healthy again, pages at baseline, requests served
+        deadline = time.time() + 30
+        while health(s)[0] != 200:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        m = s.wait_idle()
+        assert m[("tandem_sched_stalls_total", ())] == 1
+        assert m[("tandem_sched_watchdog_failed_total", ())] >= 2
+        assert m[("tandem_kv_pages_used", ())] == 0
+        st, r = s.post("/v1/chat/completions", CHAT, timeout=60)
+        assert st == 200 and r["usage"]["completion_tokens"] == 8
+        s.stop_clean()
+    finally:
+        s.stop()
+
+
+def test_sigterm_ends_a_stalled_server(default_model):
+    # step 2 never ends
+    s = Server(["--threads", "2", "--watchdog-ms", "300", "--drain-timeout", "1"],
+               env={"TANDEM_SCHED_FAULTS": "stall:2:-1"})
+    try:
+        st, r = s.post("/v1/chat/completions", CHAT, timeout=30)
+        assert st == 503 and "stalled" in r["error"]["message"]
+        assert health(s)[0] == 503
+        t0 = time.time()
+        s.proc.send_signal(15)
+        rc = s.proc.wait(timeout=15)
+        took = time.time() - t0
+        assert rc == 3, s.logs()
+        assert took < 6, f"SIGTERM took {took:.1f} s with a 1 s drain deadline"
+        assert "stalled in a step" in s.logs()
+    finally:
+        s.stop()
+
+
+def test_bad_fault_spec_is_refused(default_model):
+    try:
+        Server(["--threads", "1"], env={"TANDEM_SCHED_FAULTS": "stall:x"})
+    except RuntimeError as e:
+        assert "TANDEM_SCHED_FAULTS" in str(e)
+    else:
+        raise AssertionError("a bad TANDEM_SCHED_FAULTS was accepted")
