@@ -63,9 +63,11 @@ extern "C" {
 #define TDM_DISAGG_MAX_PEERS 16
 
 struct tdm_disagg_xfer_opts {
-    const char *provider; /* "tcp;ofi_rxm" (default), "shm", ... */
-    const char *node;     /* local address to bind; NULL: provider default */
-    int peer_timeout_ms;  /* a silent peer is dead after this; 0: 2000 */
+    const char *provider;   /* "tcp;ofi_rxm" (default), "shm", ... */
+    const char *node;       /* local address to bind; NULL: provider default */
+    int peer_timeout_ms;    /* a silent peer is dead after this; 0: 2000 */
+    const void *fabric_key; /* the cluster secret (16 to 256 bytes); NULL: none (SECURITY.md) */
+    size_t fabric_key_bytes;
 };
 
 /* ---- decode side ---- */

@@ -130,6 +130,12 @@ struct tdm_req_params {
      * < 0 none for this request. */
     int spec_k;
     void *user; /* opaque; handed back to the connector */
+    /* Called when the request has news (an output, its finish), by the scheduler's thread (or
+     * its watchdog) with the request's lock held: it must only wake someone up (no call into
+     * the scheduler). Never called after tdm_req_release returns. NULL: readers poll with
+     * tdm_req_wait. */
+    void (*notify)(void *ctx);
+    void *notify_ctx;
 };
 
 enum tdm_finish {

@@ -41,8 +41,11 @@ struct tdm_server_opts {
     const char *api_key;    /* NULL: no authentication */
     const char *model_name; /* the id /v1/models lists and responses carry */
     size_t max_body;        /* 0: TDM_SERVER_DEFAULT_MAX_BODY */
-    int max_connections;    /* 0: 1024 */
-    int idle_timeout_s;     /* an idle connection is closed after this; 0: 600 */
+    int max_connections;    /* 0: 10000 */
+    int idle_timeout_s;     /* an idle connection is closed after this; 0: 30 */
+    int header_timeout_ms;  /* a request's headers must arrive within this; 0: 10000 */
+    int body_timeout_ms;    /* and its body within this after them; 0: 30000 */
+    int http_threads;       /* threads of the event loop; 0: 4 */
     /* A prefill node: generation routes answer 404 saying so; /health and /metrics stay. */
     bool no_generate;
     /* More Prometheus text appended to /metrics (malloc'd by the callback; NULL: none). */
@@ -101,8 +104,10 @@ struct tdm_router_opts {
     int timeout_s;               /* longest wait for a backend's response head, and between
                                     two pieces of its body; 0: 600 */
     size_t max_body;             /* 0: TDM_SERVER_DEFAULT_MAX_BODY */
-    int max_connections;         /* 0: 1024 */
+    int max_connections;         /* 0: 10000 (a thread each: see front.h) */
     int idle_timeout_s;          /* an idle client connection is closed after this; 0: 600 */
+    int header_timeout_ms;       /* a request's headers must arrive within this; 0: 10000 */
+    int body_timeout_ms;         /* and its body within this after them; 0: 30000 */
 };
 
 /* Checks every backend once, then listens. Fails on a malformed backend URL or a busy port. */

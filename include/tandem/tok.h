@@ -46,6 +46,9 @@ enum tdm_tok_kind { TDM_TOK_BPE_BYTES = 0, TDM_TOK_SPM = 1 };
 enum tdm_tok_flags {
     TDM_TOK_ADD_BOS = 1 << 0,       /* prepend BOS if the tokenizer has one */
     TDM_TOK_PARSE_SPECIAL = 1 << 1, /* recognise special/added tokens in the text */
+    TDM_TOK_STOP_AT_CAP = 1 << 2,   /* stop once more than `cap` ids are out: TDM_ERANGE, and
+                                     * *n_out is then only a lower bound (bounds the time an
+                                     * oversized input costs) */
 };
 
 /* Reads tokenizer.ggml.* (model "gpt2" or "llama"). The tokenizer copies what it needs: `g`

@@ -50,6 +50,13 @@
  * it then complete with TDM_EPEER. -FI_EAGAIN from the provider is retried after progress; the
  * engine's queues are bounded (max_jobs, max_ops).
  *
+ * Authentication (fabric_key set): a peer is known only once it has answered our hello's random
+ * challenge with HMAC-SHA256(key, label | challenge | both nonces); until then its messages and
+ * immediates are dropped (unauth_dropped), and it never reaches on_peer. Counters armed for a
+ * peer take immediate messages (tdm_xfer_send_imm) from that peer only; an RMA write's
+ * immediate names no writer, and is fenced by the region's key instead: keys are random where
+ * the provider lets us choose them, and only proven peers are given descriptors.
+ *
  * Fault injection ("drop_imm=0.1,delay_imm_ms=50,dup_imm=0.1,reorder_imm=0.5,fail_write=0.05,
  * seed=7", or $TANDEM_XFER_FAULTS) acts on the receiver's delivery of immediates and on the
  * sender's writes; see docs/xfer.md for the counter semantics under each.
@@ -98,6 +105,10 @@ struct tdm_xfer_config {
     int max_slots;           /* counter slots, capped by the immediate layout; default 4096 */
     int max_pages_per_write; /* default 65536 */
     const char *faults;      /* fault-injection spec; NULL: $TANDEM_XFER_FAULTS; "" none */
+    /* The cluster secret (16 to 256 bytes, copied): peers prove they hold it before any of
+     * their messages or immediates is taken (docs/SECURITY.md). NULL: no authentication. */
+    const void *fabric_key;
+    size_t fabric_key_bytes;
     tdm_xfer_msg_fn on_msg;
     void *on_msg_ctx;
     tdm_xfer_peer_fn on_peer;
@@ -120,6 +131,8 @@ struct tdm_xfer_stats {
     uint64_t writes_posted, write_bytes, sends_posted, msgs_received, imm_received;
     uint64_t eagain_retries, ops_timed_out, cq_errors, injected_failures, heartbeats_sent;
     uint64_t imm_dropped, imm_delayed, imm_duplicated, imm_reordered; /* fault injection */
+    uint64_t auth_ok, auth_failed; /* peers that proved the fabric key, and bad proofs */
+    uint64_t unauth_dropped;       /* messages and immediates from peers not (yet) proven */
 };
 
 /* ---- engine ---- */
@@ -278,11 +291,12 @@ struct tdm_xfer_transport tdm_xfer_ipc_transport(tdm_xfer_ipc_t *t);
 
 /* ---- immediate counters (also fed by the CUDA IPC transport) ---- */
 struct tdm_xfer_counter_stats {
-    uint64_t delivered; /* immediates handed to the table */
-    uint64_t counted;   /* ... that advanced an armed counter */
-    uint64_t stale;     /* ... for an unarmed slot or another epoch */
-    uint64_t duplicate; /* ... whose index had already been counted */
-    uint64_t invalid;   /* ... with index >= expected or slot out of range */
+    uint64_t delivered;  /* immediates handed to the table */
+    uint64_t counted;    /* ... that advanced an armed counter */
+    uint64_t stale;      /* ... for an unarmed slot or another epoch */
+    uint64_t duplicate;  /* ... whose index had already been counted */
+    uint64_t invalid;    /* ... with index >= expected or slot out of range */
+    uint64_t wrong_peer; /* ... from another peer than the one the counter was armed for */
     uint64_t fired_ok, fired_error;
 };
 /* n_slots counters, each expecting at most max_expected immediates. */
@@ -302,11 +316,18 @@ tdm_status tdm_xfer_counters_arm(tdm_xfer_counters_t *c, uint32_t slot, uint32_t
 tdm_status tdm_xfer_counters_cancel(tdm_xfer_counters_t *c, uint32_t slot, uint32_t epoch);
 /* Counts one immediate; fires the callback (on this thread) when it completes a counter. */
 void tdm_xfer_counters_deliver(tdm_xfer_counters_t *c, const struct tdm_xfer_imm *imm);
+/* The same, from a known sender: an immediate for a counter armed for another peer is counted
+ * as wrong_peer and never advances it (TDM_XFER_ANY_PEER: the sender is not known). */
+void tdm_xfer_counters_deliver_from(tdm_xfer_counters_t *c, const struct tdm_xfer_imm *imm,
+                                    uint32_t peer);
 /* Fires counters whose deadline passed (TDM_ETIMEDOUT); returns how many. */
 int tdm_xfer_counters_expire(tdm_xfer_counters_t *c, uint64_t now_ns);
 /* Fires the counters bound to `peer` with `st`; returns how many. */
 int tdm_xfer_counters_fail_peer(tdm_xfer_counters_t *c, uint32_t peer, tdm_status st);
 void tdm_xfer_counters_get_stats(tdm_xfer_counters_t *c, struct tdm_xfer_counter_stats *out);
+
+/* n random bytes from the system's generator (GnuTLS's, for keys); false when it fails. */
+bool tdm_xfer_random(void *buf, size_t n);
 
 /* ---- a small waiter for synchronous callers: pass tdm_xfer_sync_done and the sync as ctx ---- */
 struct tdm_xfer_sync {

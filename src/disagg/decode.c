@@ -5,7 +5,8 @@
  * Slots. Each remote prefill in progress owns a slot: a counter slot in the transfer engine and a
  * context buffer of (d_model + vocab) floats. A slot is FREE, PENDING (request sent, counter
  * armed) or FENCED (the attempt was abandoned; its pages are held until the prefiller
- * acknowledges the cancel or dies). Its epoch advances on every use.
+ * acknowledges the cancel or dies). Its epoch changes on every use (a random value, never the last
+ * one).
  *
  * Locking. d->mu guards the slots and peers. Transfer-engine calls that may call back
  * synchronously (counter cancel) are made with d->mu released. tdm_req_remote_done is called
@@ -18,7 +19,7 @@
 
 #include "disagg/disagg_int.h"
 
-/* A slot's life (d->mu held for every transition; the epoch advances at each admit):
+/* A slot's life (d->mu held for every transition; a new random epoch at each admit):
  *
  *          admit                 on_counter (all writes landed)
  *   FREE ----------> PENDING -------------------------------------> FREE
@@ -273,12 +274,18 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
         if (!p->alive || (t->mask >> i & 1)) continue;
         if (best < 0 || p->outstanding_tokens < d->peers[best].outstanding_tokens) best = i;
     }
+    /* a free slot from a random start, and a random epoch: what an immediate must name to
+     * count is not guessable from the order of requests (docs/SECURITY.md) */
+    uint32_t rnd[2] = {0, 0};
+    if (!tdm_xfer_random(rnd, sizeof rnd)) rnd[0] = (uint32_t)tdm_now_ns(), rnd[1] = rnd[0] >> 7;
     int slot = -1;
-    for (int i = 0; i < d->n_slots && best >= 0; i++)
+    for (int k = 0; k < d->n_slots && best >= 0; k++) {
+        int i = (int)((rnd[0] + (uint32_t)k) % (uint32_t)d->n_slots);
         if (d->slots[i].state == SLOT_FREE) {
             slot = i;
             break;
         }
+    }
     if (best < 0 || slot < 0) {
         if (t->attempts) d->local_fallbacks++;
         pthread_mutex_unlock(&d->mu);
@@ -287,7 +294,9 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     t->attempts++;
     t->mask |= 1u << best;
     struct dslot *sl = &d->slots[slot];
-    sl->epoch = (sl->epoch + 1) % (d->ep.caps.max_epoch + 1);
+    uint32_t fresh = rnd[1] % (d->ep.caps.max_epoch + 1);
+    if (fresh == sl->epoch) fresh = (fresh + 1) % (d->ep.caps.max_epoch + 1); /* never the last */
+    sl->epoch = fresh;
     sl->state = SLOT_PENDING;
     sl->req = r;
     sl->req_id = tdm_req_id(r);
@@ -541,5 +550,6 @@ char *tdm_disagg_decode_metrics(void *ctx)
         tdm_prom_sample(&b, "tandem_disagg_peer_up", lab, d->peers[i].alive ? 1 : 0);
     }
     pthread_mutex_unlock(&d->mu);
+    tdm_disagg_endpoint_metrics(&d->ep, &b);
     return tdm_sbuf_take(&b);
 }

@@ -38,6 +38,8 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
                                     const struct disagg_endpoint_opts *o);
 /* Deregisters both regions; call after tdm_xfer_destroy(ep->x). */
 void tdm_disagg_endpoint_release(struct disagg_endpoint *ep);
+/* The fabric's authentication and immediate counters, as Prometheus text. */
+void tdm_disagg_endpoint_metrics(struct disagg_endpoint *ep, struct tdm_sbuf *b);
 
 /* What a control-message send's completion needs to undo. */
 struct send_ctx {

@@ -738,5 +738,6 @@ char *tdm_disagg_prefill_metrics(void *ctx)
         tdm_prom_sample(&b, "tandem_disagg_transfer_errors_total", lab, (double)p->errors[i]);
     }
     pthread_mutex_unlock(&p->mu);
+    tdm_disagg_endpoint_metrics(&p->ep, &b);
     return tdm_sbuf_take(&b);
 }

@@ -42,7 +42,7 @@ void tdm_sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish wh
         if (msg) snprintf(r->error_msg, sizeof r->error_msg, "%s", msg);
         r->t_end_ns = now;
     }
-    pthread_cond_broadcast(&r->cv);
+    tdm_sched_req_news(r);
     pthread_mutex_unlock(&r->mu);
     tdm_sched_req_unref(r);
 }
@@ -83,7 +83,7 @@ static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
     r->n_out = i + 1;
     bool first = i == 0;
     if (first) r->t_first_ns = now;
-    pthread_cond_broadcast(&r->cv);
+    tdm_sched_req_news(r);
     pthread_mutex_unlock(&r->mu);
 
     pthread_mutex_lock(&s->mmu);

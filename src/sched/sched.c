@@ -329,6 +329,8 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
         (uint8_t)((p->prefill_only ? 0 : TDM_ROW_SAMPLE) | (p->want_logits ? TDM_ROW_LOGITS : 0) |
                   (p->want_hidden ? TDM_ROW_HIDDEN : 0));
     r->user = p->user;
+    r->notify = p->notify;
+    r->notify_ctx = p->notify_ctx;
     r->sched = s;
     atomic_init(&r->remote, REMOTE_NONE);
     atomic_init(&r->state, TDM_REQ_WAITING);
@@ -398,6 +400,9 @@ void tdm_req_stop(tdm_req_t *r)
 void tdm_req_release(tdm_req_t *r)
 {
     if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    r->notify = NULL; /* the hook's context may go away now */
+    pthread_mutex_unlock(&r->mu);
     atomic_store(&r->cancel, true);
     tdm_sched_req_unref(r);
 }
@@ -489,7 +494,7 @@ static bool fail_hung(struct tdm_req *r, int64_t ms)
                  (long long)ms);
         r->t_end_ns = (int64_t)tdm_now_ns();
     }
-    pthread_cond_broadcast(&r->cv);
+    tdm_sched_req_news(r);
     pthread_mutex_unlock(&r->mu);
     return fresh;
 }

@@ -69,7 +69,9 @@ struct tdm_req {
     float *logprobs;
     int32_t *top_ids;
     float *top_lps;
-    int stop_at; /* the output that is an EOS or a stop id, or -1 */
+    int stop_at;               /* the output that is an EOS or a stop id, or -1 */
+    void (*notify)(void *ctx); /* cleared by tdm_req_release */
+    void *notify_ctx;
     enum tdm_finish finish;
     tdm_status error;
     char error_msg[256];
@@ -161,6 +163,12 @@ void tdm_sched_set_state(struct tdm_req *r, enum tdm_req_state st);
 
 /* sched.c */
 void tdm_sched_req_unref(struct tdm_req *r);
+/* Wakes r's readers: its cv, and its notify hook. r->mu held. */
+static inline void tdm_sched_req_news(struct tdm_req *r)
+{
+    pthread_cond_broadcast(&r->cv);
+    if (r->notify) r->notify(r->notify_ctx);
+}
 /* Reserves the logit and hidden rows; false when out of memory. */
 bool tdm_sched_row_outputs(struct tdm_sched *s);
 

@@ -6,19 +6,185 @@
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
+
+/* ---- connections and their deadlines ---- */
+
+enum { PHASE_HEADERS, PHASE_BODY, PHASE_ANSWER };
+
+struct fconn {
+    int fd;
+    atomic_bool nul_target; /* this request's target decodes to a NUL byte (%00) */
+    _Atomic int phase;
+    _Atomic uint64_t t0_ns; /* when the phase began */
+    bool shut;              /* the sweeper shut it down (under the front's mu) */
+    struct fconn *prev, *next;
+};
+
+struct tdm_front {
+    struct MHD_Daemon *d;
+    struct tdm_front_cfg cfg;
+    int port;
+    pthread_mutex_t mu; /* the connection list, stop */
+    pthread_cond_t cv;
+    struct fconn *head;
+    bool stop, sweeping;
+    pthread_t sweeper;
+    _Atomic uint64_t closed;
+};
+
+static struct fconn *conn_of(struct MHD_Connection *c)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci ? ci->socket_context : NULL;
+}
+
+static void conn_phase(struct MHD_Connection *c, int phase)
+{
+    struct fconn *fc = conn_of(c);
+    if (!fc) return;
+    atomic_store(&fc->t0_ns, tdm_now_ns());
+    atomic_store(&fc->phase, phase);
+}
+
+static void notify_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                              enum MHD_ConnectionNotificationCode toe)
+{
+    struct tdm_front *f = cls;
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+        struct fconn *fc = calloc(1, sizeof *fc);
+        if (!fc) return; /* untracked: only its deadlines are lost */
+        fc->fd = tdm_front_client_fd(c);
+        atomic_init(&fc->phase, PHASE_HEADERS);
+        atomic_init(&fc->t0_ns, tdm_now_ns());
+        pthread_mutex_lock(&f->mu);
+        fc->next = f->head;
+        if (f->head) f->head->prev = fc;
+        f->head = fc;
+        pthread_mutex_unlock(&f->mu);
+        *socket_context = fc;
+    } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+        struct fconn *fc = *socket_context;
+        if (!fc) return;
+        /* unlinked before libmicrohttpd closes the socket, so the sweeper never shuts down
+         * a descriptor that was reused */
+        pthread_mutex_lock(&f->mu);
+        if (fc->prev)
+            fc->prev->next = fc->next;
+        else
+            f->head = fc->next;
+        if (fc->next) fc->next->prev = fc->prev;
+        pthread_mutex_unlock(&f->mu);
+        free(fc);
+        *socket_context = NULL;
+    }
+}
+
+static void *sweeper_main(void *arg)
+{
+    struct tdm_front *f = arg;
+    const uint64_t hdr = (uint64_t)f->cfg.header_timeout_ms * 1000000u,
+                   body = (uint64_t)f->cfg.body_timeout_ms * 1000000u;
+    pthread_mutex_lock(&f->mu);
+    while (!f->stop) {
+        struct timespec dl = tdm_deadline_ms(CLOCK_REALTIME, 100);
+        pthread_cond_timedwait(&f->cv, &f->mu, &dl);
+        if (f->stop) break;
+        uint64_t now = tdm_now_ns();
+        for (struct fconn *fc = f->head; fc; fc = fc->next) {
+            int ph = atomic_load(&fc->phase);
+            uint64_t t0 = atomic_load(&fc->t0_ns);
+            uint64_t limit = ph == PHASE_HEADERS ? hdr : ph == PHASE_BODY ? body : 0;
+            if (!limit || fc->shut || fc->fd < 0 || now < t0 || now - t0 <= limit) continue;
+            /* libmicrohttpd owns the socket: shut it down (not close), and its loop sees the
+             * end and closes the connection */
+            shutdown(fc->fd, SHUT_RDWR);
+            fc->shut = true;
+            atomic_fetch_add(&f->closed, 1);
+        }
+        if (f->cfg.sweep) {
+            pthread_mutex_unlock(&f->mu);
+            f->cfg.sweep(f->cfg.cls);
+            pthread_mutex_lock(&f->mu);
+        }
+    }
+    pthread_mutex_unlock(&f->mu);
+    return NULL;
+}
+
+static enum MHD_Result count_content_length(void *cls, enum MHD_ValueKind kind, const char *key,
+                                            const char *value)
+{
+    (void)kind, (void)value;
+    if (!strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH)) ++*(int *)cls;
+    return MHD_YES;
+}
+
+/* libmicrohttpd's request-line hook: the per-request body starts here, with the raw target
+ * (the URI with its query, before any decoding) and its length up to the first NUL. */
+static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
+{
+    (void)cls;
+    struct fconn *fc = conn_of(c);
+    if (fc) atomic_store(&fc->nul_target, false);
+    struct tdm_front_body *b = calloc(1, sizeof *b);
+    if (b) {
+        b->raw_uri = uri;
+        b->raw_len = strlen(uri);
+    }
+    return b;
+}
+
+/* libmicrohttpd's percent-decoding, with a %00 noted (it would cut the path short). */
+static size_t unescape(void *cls, struct MHD_Connection *c, char *s)
+{
+    (void)cls;
+    for (const char *p = s; (p = strchr(p, '%')); p++)
+        if (p[1] == '0' && p[2] == '0') {
+            struct fconn *fc = conn_of(c);
+            if (fc) atomic_store(&fc->nul_target, true);
+            break;
+        }
+    return MHD_http_unescape(s);
+}
+
+const char *tdm_front_framing_error(struct MHD_Connection *c, const struct tdm_front_body *b,
+                                    const char *version)
+{
+    /* A NUL byte in the request target: libmicrohttpd parses the request line in place, so
+     * the version follows the raw target and the space after it; a NUL inside the target
+     * makes the target's string end before that. */
+    if (b && b->raw_uri && version && *version && version > b->raw_uri &&
+        version - b->raw_uri < 1 << 20 && version != b->raw_uri + b->raw_len + 1)
+        return "the request target holds a NUL byte";
+    struct fconn *fc = conn_of(c);
+    if (fc && atomic_load(&fc->nul_target)) return "the request target decodes to a NUL byte";
+    int n = 0;
+    MHD_get_connection_values(c, MHD_HEADER_KIND, count_content_length, &n);
+    if (n > 1) return "the request has more than one Content-Length header";
+    return NULL;
+}
 
 enum tdm_front_step tdm_front_feed(struct MHD_Connection *c, void **con_cls, const char *upload,
                                    size_t *upload_size, size_t max_body,
                                    struct tdm_front_body **body)
 {
-    struct tdm_front_body *b = *con_cls;
-    if (!b) {
-        if (!(b = calloc(1, sizeof *b))) return TDM_FRONT_OOM;
+    struct tdm_front_body *b = *con_cls; /* made by uri_log, when it could */
+    if (!b || !b->started) {
+        if (!b && !(b = calloc(1, sizeof *b))) return TDM_FRONT_OOM;
         *con_cls = b;
+        b->started = true;
+        conn_phase(c, PHASE_BODY); /* the headers are in */
         const char *cl =
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl && strtoull(cl, NULL, 10) > max_body) {
@@ -53,15 +219,18 @@ enum tdm_front_step tdm_front_feed(struct MHD_Connection *c, void **con_cls, con
         *upload_size = 0;
         return TDM_FRONT_MORE;
     }
+    conn_phase(c, PHASE_ANSWER);
     return b->too_big ? TDM_FRONT_TOO_BIG : TDM_FRONT_DONE;
 }
 
 void tdm_front_completed(void *cls, struct MHD_Connection *c, void **con_cls,
                          enum MHD_RequestTerminationCode toe)
 {
-    (void)cls, (void)c, (void)toe;
+    (void)cls, (void)toe;
+    conn_phase(c, PHASE_HEADERS); /* keep-alive: the next request's headers are due */
     struct tdm_front_body *b = *con_cls;
     if (!b) return;
+    if (b->app_free) b->app_free(b->app);
     free(b->body);
     free(b);
     *con_cls = NULL;
@@ -103,33 +272,103 @@ bool tdm_front_client_gone(struct MHD_Connection *c)
     return false;
 }
 
-tdm_status tdm_front_listen(const char *who, const char *host, int port, int max_connections,
-                            int idle_timeout_s, MHD_AccessHandlerCallback handler, void *cls,
-                            struct MHD_Daemon **out, int *bound_port)
+/* Room for every connection's socket: the soft descriptor limit raised toward the hard one. */
+static void raise_fd_limit(int want)
 {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl)) return;
+    rlim_t need = (rlim_t)want + 256;
+    if (rl.rlim_cur >= need) return;
+    rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > need ? need : rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+}
+
+tdm_status tdm_front_start(const struct tdm_front_cfg *cfg, struct tdm_front **out)
+{
+    struct tdm_front *f = calloc(1, sizeof *f);
+    if (!f) return tdm_err_set(TDM_ENOMEM, "%s: out of memory", cfg->who);
+    f->cfg = *cfg;
+    struct tdm_front_cfg *c = &f->cfg;
+    if (c->max_connections <= 0) c->max_connections = 10000;
+    /* a blocked connection thread is not idle to libmicrohttpd's clock: longer there */
+    if (c->idle_timeout_s <= 0) c->idle_timeout_s = c->threads > 0 ? 30 : 600;
+    if (c->header_timeout_ms <= 0) c->header_timeout_ms = 10000;
+    if (c->body_timeout_ms <= 0) c->body_timeout_ms = 30000;
+    pthread_mutex_init(&f->mu, NULL);
+    pthread_cond_init(&f->cv, NULL);
+
     struct addrinfo hints = {.ai_family = AF_UNSPEC,
                              .ai_socktype = SOCK_STREAM,
                              .ai_flags = AI_NUMERICHOST | AI_PASSIVE};
     struct addrinfo *ai = NULL;
     char port_s[16];
-    snprintf(port_s, sizeof port_s, "%d", port);
-    if (getaddrinfo(host, port_s, &hints, &ai) || !ai)
-        return tdm_err_set(TDM_EINVAL, "%s: '%s' is not a numeric IPv4 or IPv6 address", who, host);
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
-                     MHD_USE_ERROR_LOG | MHD_USE_POLL;
+    snprintf(port_s, sizeof port_s, "%d", c->port);
+    tdm_status st;
+    if (getaddrinfo(c->host, port_s, &hints, &ai) || !ai) {
+        st = tdm_err_set(TDM_EINVAL, "%s: '%s' is not a numeric IPv4 or IPv6 address", c->who,
+                         c->host);
+        goto out_free;
+    }
+    raise_fd_limit(c->max_connections);
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    flags |= c->threads > 0 ? MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME
+                            : MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    struct MHD_Daemon *d = MHD_start_daemon(
-        flags, 0, NULL, NULL, handler, cls, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_NOTIFY_COMPLETED, tdm_front_completed, NULL, MHD_OPTION_CONNECTION_LIMIT,
-        (unsigned)(max_connections > 0 ? max_connections : 1024), MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)(idle_timeout_s > 0 ? idle_timeout_s : 600), MHD_OPTION_CONNECTION_MEMORY_LIMIT,
-        (size_t)(256 * 1024), MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u, MHD_OPTION_END);
+    /* a thread per connection gets a small stack: it runs a handler, not a deep recursion */
+    size_t stack = c->threads > 0 ? 0 : (size_t)512 * 1024;
+    f->d = MHD_start_daemon(
+        flags, 0, NULL, NULL, c->handler, c->cls, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+        MHD_OPTION_NOTIFY_COMPLETED, tdm_front_completed, f, MHD_OPTION_NOTIFY_CONNECTION,
+        notify_connection, f, MHD_OPTION_CONNECTION_LIMIT, (unsigned)c->max_connections,
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)c->idle_timeout_s,
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(128 * 1024), MHD_OPTION_LISTEN_BACKLOG_SIZE,
+        4096u, MHD_OPTION_THREAD_POOL_SIZE, (unsigned)(c->threads > 1 ? c->threads : 0),
+        MHD_OPTION_THREAD_STACK_SIZE, stack, MHD_OPTION_URI_LOG_CALLBACK, uri_log, NULL,
+        MHD_OPTION_UNESCAPE_CALLBACK, unescape, NULL, MHD_OPTION_END);
     freeaddrinfo(ai);
-    if (!d)
-        return tdm_err_set(TDM_EIO, "%s: cannot listen on %s:%d (%s)", who, host, port,
-                           strerror(errno));
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    *bound_port = di ? di->port : port;
-    *out = d;
+    if (!f->d) {
+        st = tdm_err_set(TDM_EIO, "%s: cannot listen on %s:%d (%s)", c->who, c->host, c->port,
+                         strerror(errno));
+        goto out_free;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(f->d, MHD_DAEMON_INFO_BIND_PORT);
+    f->port = di ? di->port : c->port;
+    if (pthread_create(&f->sweeper, NULL, sweeper_main, f)) {
+        MHD_stop_daemon(f->d);
+        st = tdm_err_set(TDM_EINTERNAL, "%s: cannot start the connection sweeper", c->who);
+        goto out_free;
+    }
+    f->sweeping = true;
+    *out = f;
     return TDM_OK;
+
+out_free:
+    pthread_mutex_destroy(&f->mu);
+    pthread_cond_destroy(&f->cv);
+    free(f);
+    return st;
+}
+
+int tdm_front_port(const struct tdm_front *f)
+{
+    return f->port;
+}
+
+uint64_t tdm_front_deadline_closed(const struct tdm_front *f)
+{
+    return atomic_load(&((struct tdm_front *)f)->closed);
+}
+
+void tdm_front_stop(struct tdm_front *f)
+{
+    if (!f) return;
+    pthread_mutex_lock(&f->mu);
+    f->stop = true;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+    if (f->sweeping) pthread_join(f->sweeper, NULL);
+    MHD_stop_daemon(f->d);
+    pthread_mutex_destroy(&f->mu);
+    pthread_cond_destroy(&f->cv);
+    free(f);
 }

@@ -1,11 +1,13 @@
 /*
  * The HTTP front that the server (http.c) and the router (router.c) share: listening with
- * libmicrohttpd (thread per connection), the request body as it accumulates under a hard cap,
+ * libmicrohttpd (see tdm_front_start), the request body as it accumulates under a hard cap,
  * the bearer-key check, and whether a connection's client is still there.
  *
  * Ownership: a connection's body belongs to libmicrohttpd's per-connection pointer from the
- * first call of the access handler until tdm_front_completed frees it. Threading: every
- * function but tdm_front_listen runs on the connection's own thread.
+ * first call of the access handler until tdm_front_completed frees it, with the owner's own
+ * per-request state (app, freed by app_free). Threading: tdm_front_feed, tdm_front_bearer_ok
+ * and tdm_front_client_gone run on whichever thread serves the connection; tdm_front_start
+ * and tdm_front_stop on the owner's; the sweeper on its own.
  */
 #ifndef TANDEM_SERVER_FRONT_H
 #define TANDEM_SERVER_FRONT_H
@@ -20,6 +22,11 @@ struct tdm_front_body {
     char *body; /* NUL-terminated; NULL while empty */
     size_t len, cap;
     bool too_big;
+    bool started;                /* the access handler has seen it */
+    const char *raw_uri;         /* the request target as it came (libmicrohttpd's memory) */
+    size_t raw_len;              /* its length up to the first NUL */
+    void *app;                   /* the owner's per-request state */
+    void (*app_free)(void *app); /* called when the request ends */
 };
 
 enum tdm_front_step {
@@ -43,10 +50,52 @@ bool tdm_front_bearer_ok(struct MHD_Connection *c, const char *key);
 bool tdm_front_client_gone(struct MHD_Connection *c);
 /* The connection's socket, or -1. */
 int tdm_front_client_fd(struct MHD_Connection *c);
-/* Listens on a numeric host and port (0: any free one) with `handler`; `who` prefixes the
- * error messages ("server", "router"). *bound_port: the port actually bound. */
-tdm_status tdm_front_listen(const char *who, const char *host, int port, int max_connections,
-                            int idle_timeout_s, MHD_AccessHandlerCallback handler, void *cls,
-                            struct MHD_Daemon **out, int *bound_port);
+/* The listening side: a libmicrohttpd daemon, and a sweeper thread that enforces the
+ * connections' deadlines and calls the owner's sweep hook.
+ *
+ * Two modes. threads > 0: an event loop (epoll) served by that many threads, with
+ * suspend/resume allowed: handlers must never block (a handler that waits suspends its
+ * connection and is resumed by whoever has news), so idle and slow connections cost memory and
+ * a socket, not a thread. threads == 0: a thread per connection (the router, whose relay
+ * blocks on its backend).
+ *
+ * A connection's phases and their deadlines (the sweeper shuts the socket down past them, and
+ * libmicrohttpd then closes it):
+ *
+ *   accept --> HEADERS --(headers in: first handler call)--> BODY --(body in)--> ANSWER
+ *                ^                                                                 |
+ *                +-------------------(response done: keep-alive)------------------+
+ *
+ *   HEADERS  header_timeout_ms from the accept or from the previous response's end
+ *   BODY     body_timeout_ms from the end of the headers
+ *   ANSWER   none (a long generation is not a fault; idle_timeout_s still applies while
+ *            the connection is not suspended)
+ */
+struct tdm_front_cfg {
+    const char *who;       /* prefixes error messages: "server", "router" */
+    const char *host;      /* numeric IPv4 or IPv6 */
+    int port;              /* 0: any free port */
+    int threads;           /* > 0: event loop with this many threads; 0: a thread per connection */
+    int max_connections;   /* 0: 10000 */
+    int idle_timeout_s;    /* inactivity limit of a connection; 0: 30 */
+    int header_timeout_ms; /* 0: 10000 */
+    int body_timeout_ms;   /* 0: 30000 */
+    MHD_AccessHandlerCallback handler;
+    void *cls;
+    void (*sweep)(void *cls); /* called by the sweeper about every 100 ms; NULL: none */
+};
+struct tdm_front;
+tdm_status tdm_front_start(const struct tdm_front_cfg *cfg, struct tdm_front **out);
+int tdm_front_port(const struct tdm_front *f);
+/* Connections the sweeper closed for missing a deadline. */
+uint64_t tdm_front_deadline_closed(const struct tdm_front *f);
+/* Stops the sweeper, then the daemon (every suspended connection must have been resumed:
+ * the owner's job). NULL is a no-op. */
+void tdm_front_stop(struct tdm_front *f);
+
+/* The request is bad at the framing level (duplicate Content-Length, a NUL in the request
+ * target, ...): a message for a 400, or NULL when it is fine. libmicrohttpd passes those. */
+const char *tdm_front_framing_error(struct MHD_Connection *c, const struct tdm_front_body *b,
+                                    const char *version);
 
 #endif

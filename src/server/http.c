@@ -1,19 +1,35 @@
 /*
- * The HTTP side of the server (include/tandem/server.h): libmicrohttpd in thread-per-connection
- * mode, routing, authentication, body limits, and the SSE writer.
+ * The HTTP side of the server (include/tandem/server.h): libmicrohttpd as an event loop over a
+ * few threads (src/server/front.h), routing, authentication, body limits, and the SSE writer.
  *
- * A connection's thread owns its request: it parses, submits, and then blocks on the request's
- * output through its reader (tdm_req_reader_wait with a 100 ms timeout; the reader renders the
- * text and runs the stop strings on this thread), checking between waits whether the client is
- * still there (POLLRDHUP, or a zero-byte peek). A gone client ends the response with an error,
- * which makes libmicrohttpd close the connection and free the stream, which releases (and so
- * cancels) the request. Nothing here blocks the scheduler.
+ * No handler ever blocks. A generation submits its request, then reads what the scheduler has
+ * published through its reader (which renders the text and runs the stop strings on the
+ * handler's thread); when there is nothing new it suspends its connection. The scheduler's
+ * notify hook (struct tdm_req_params.notify) resumes it on news; so idle streams and slow
+ * clients cost no thread. A waiter's states:
+ *
+ *   RUNNING --(nothing new: suspend)--> SUSPENDED --(notify: resume)--> RUNNING
+ *      |  ^                                 |
+ *      |  +--(news came first: go again)    +--(sweeper: the client hung up, or the server
+ *      |                                         is closing: gone, resume)--> RUNNING
+ *      +--(finished, or gone) --> the response ends; the request is released (cancelled)
+ *
+ *   from       to         who                       when
+ *   RUNNING    SUSPENDED  the handler / the reader  no news since its last look
+ *   SUSPENDED  RUNNING    notify (scheduler thread) a token or the finish was published
+ *   SUSPENDED  RUNNING    the sweeper (front.c)     the client is gone, or closing
+ *   RUNNING    RUNNING    notify                    news while it ran: `news` makes it look again
+ *
+ * Locks: notify runs under the request's lock and takes the waiter's (r->mu -> w->mu); the
+ * handler never holds the waiter's lock while it reads the request; the sweeper takes the
+ * server's waiter list lock, then a waiter's (wmu -> w->mu).
  *
  * Streaming responses are callback responses: the callback writes one SSE event per output token
  * (tokens whose text is still held back for a possible stop string are folded into the next
  * event), then the finish event, the usage event when asked, and "data: [DONE]".
  */
 #include <errno.h>
+#include <pthread.h>
 #include <microhttpd.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -25,8 +41,20 @@
 #include "server/reply.h"
 #include "server/server_int.h"
 
+struct waiter {
+    struct tdm_server *srv;
+    struct MHD_Connection *conn;
+    pthread_mutex_t mu;
+    bool suspended, news;
+    atomic_bool gone;           /* the client hung up, or the server is closing */
+    struct waiter *prev, *next; /* in srv's list, under srv->wmu */
+};
+
 struct tdm_server {
-    struct MHD_Daemon *d;
+    struct tdm_front *front;
+    pthread_mutex_t wmu; /* the waiters' list, closing */
+    struct waiter *waiters;
+    bool closing;
     tdm_sched_t *sched;
     struct api_ctx api;
     char *api_key;
@@ -42,14 +70,20 @@ struct tdm_server {
     void *extra_metrics_ctx;
 };
 
-struct stream {
+/* A generation: its request, reader and waiter (the non-streaming kind is only this). */
+struct gen {
     struct tdm_server *srv;
-    struct MHD_Connection *conn;
     tdm_req_t *req;
+    tdm_req_reader_t *rd; /* this request's text and stop strings */
     struct api_req ar;
     char id[48];
     long created;
-    tdm_req_reader_t *rd;  /* this request's text and stop strings */
+    struct waiter w;
+};
+
+/* A streaming generation: the generation, and where its events stand. */
+struct stream {
+    struct gen g;
     struct tdm_req_view v; /* the reader's last view */
     int sent_out;
     size_t sent_text;
@@ -58,15 +92,109 @@ struct stream {
     size_t pend_len, pend_off;
 };
 
+/* ---- waiters ---- */
+
+static void waiter_init(struct waiter *w, struct tdm_server *s, struct MHD_Connection *c)
+{
+    w->srv = s;
+    w->conn = c;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_mutex_lock(&s->wmu);
+    atomic_init(&w->gone, s->closing);
+    w->prev = NULL;
+    w->next = s->waiters;
+    if (s->waiters) s->waiters->prev = w;
+    s->waiters = w;
+    pthread_mutex_unlock(&s->wmu);
+}
+
+/* After the request is released (no notify can come any more). */
+static void waiter_fini(struct waiter *w)
+{
+    struct tdm_server *s = w->srv;
+    pthread_mutex_lock(&s->wmu);
+    if (w->prev)
+        w->prev->next = w->next;
+    else
+        s->waiters = w->next;
+    if (w->next) w->next->prev = w->prev;
+    pthread_mutex_unlock(&s->wmu);
+    pthread_mutex_destroy(&w->mu);
+}
+
+/* The scheduler's notify hook (under the request's lock). */
+static void waiter_notify(void *ctx)
+{
+    struct waiter *w = ctx;
+    pthread_mutex_lock(&w->mu);
+    if (w->suspended) {
+        w->suspended = false;
+        MHD_resume_connection(w->conn);
+    } else {
+        w->news = true;
+    }
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* Before looking at the request: news from now on makes waiter_suspend refuse. */
+static void waiter_look(struct waiter *w)
+{
+    pthread_mutex_lock(&w->mu);
+    w->news = false;
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* Suspends the connection unless news came (or the client went) since waiter_look: true
+ * when suspended (return and wait to be called again), false to look again. */
+static bool waiter_suspend(struct waiter *w)
+{
+    pthread_mutex_lock(&w->mu);
+    bool sus = !w->news && !atomic_load(&w->gone);
+    if (sus) {
+        w->suspended = true;
+        MHD_suspend_connection(w->conn);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return sus;
+}
+
+/* The front's sweeper: a suspended connection's hang-up is not seen by libmicrohttpd, so look
+ * for it here (and resume everything when closing). */
+static void sweep(void *cls)
+{
+    struct tdm_server *s = cls;
+    pthread_mutex_lock(&s->wmu);
+    for (struct waiter *w = s->waiters; w; w = w->next) {
+        pthread_mutex_lock(&w->mu);
+        /* closing: every waiter is gone, so none suspends again */
+        if (s->closing) atomic_store(&w->gone, true);
+        if (w->suspended && (s->closing || tdm_front_client_gone(w->conn))) {
+            atomic_store(&w->gone, true);
+            w->suspended = false;
+            MHD_resume_connection(w->conn);
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
+    pthread_mutex_unlock(&s->wmu);
+}
+
 /* ---- streaming ---- */
+
+/* Ends a generation: its request is released first (no notify after that, so the waiter can
+ * go), then everything it owns. */
+static void gen_end(struct gen *g)
+{
+    tdm_req_release(g->req);
+    waiter_fini(&g->w);
+    tdm_req_reader_destroy(g->rd);
+    tdm_api_req_free(&g->ar);
+    atomic_fetch_sub(&g->srv->active, 1);
+}
 
 static void stream_free(void *cls)
 {
     struct stream *st = cls;
-    atomic_fetch_sub(&st->srv->active, 1);
-    tdm_req_release(st->req);
-    tdm_req_reader_destroy(st->rd);
-    tdm_api_req_free(&st->ar);
+    gen_end(&st->g);
     free(st->pend);
     free(st);
 }
@@ -75,14 +203,14 @@ static void stream_free(void *cls)
  * The reader takes in what the scheduler published; nothing here holds the request's lock. */
 static bool stream_next(struct stream *st)
 {
-    struct tdm_server *s = st->srv;
+    struct tdm_server *s = st->g.srv;
     char *ev = NULL;
-    tdm_req_reader_update(st->rd, st->req, &st->v);
+    tdm_req_reader_update(st->g.rd, st->g.req, &st->v);
     const struct tdm_req_view v = st->v;
     if (st->finish_sent) {
-        if (st->ar.include_usage && !st->usage_sent && v.finish != TDM_FINISH_ERROR &&
+        if (st->g.ar.include_usage && !st->usage_sent && v.finish != TDM_FINISH_ERROR &&
             v.finish != TDM_FINISH_CANCELLED) {
-            ev = tdm_api_render_usage_chunk(&s->api, &st->ar, st->id, st->created, &v);
+            ev = tdm_api_render_usage_chunk(&s->api, &st->g.ar, st->g.id, st->g.created, &v);
             st->usage_sent = true;
         } else {
             ev = strdup("data: [DONE]\n\n");
@@ -96,7 +224,7 @@ static bool stream_next(struct stream *st)
         bool last = to == v.n_out && v.finish != TDM_FINISH_NONE && v.finish != TDM_FINISH_ERROR &&
                     v.finish != TDM_FINISH_CANCELLED;
         if (v.text_end[to - 1] > st->sent_text || v.logprobs || !st->first_sent || last) {
-            ev = tdm_api_render_chunk(&s->api, &st->ar, st->id, st->created, &v, from, to,
+            ev = tdm_api_render_chunk(&s->api, &st->g.ar, st->g.id, st->g.created, &v, from, to,
                                       st->sent_text, !st->first_sent, last);
             st->first_sent = true;
             st->sent_text = last ? v.text_len : v.text_end[to - 1];
@@ -120,8 +248,8 @@ static bool stream_next(struct stream *st)
             if (j && asprintf(&ev, "data: %s\n\n", j) < 0) ev = NULL;
             free(j);
         } else {
-            ev = tdm_api_render_chunk(&s->api, &st->ar, st->id, st->created, &v, v.n_out, v.n_out,
-                                      st->sent_text, !st->first_sent, true);
+            ev = tdm_api_render_chunk(&s->api, &st->g.ar, st->g.id, st->g.created, &v, v.n_out,
+                                      v.n_out, st->sent_text, !st->first_sent, true);
             st->first_sent = true;
         }
         st->finish_sent = true;
@@ -150,16 +278,48 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
             return (ssize_t)n;
         }
         if (st->done) return MHD_CONTENT_READER_END_OF_STREAM;
+        waiter_look(&st->g.w);
         if (stream_next(st)) continue;
-        if (tdm_front_client_gone(st->conn)) return MHD_CONTENT_READER_END_WITH_ERROR;
-        tdm_req_reader_wait(st->rd, st->req, 100);
+        if (atomic_load(&st->g.w.gone)) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (waiter_suspend(&st->g.w)) return 0; /* resumed on news: called again */
     }
 }
 
 /* ---- generation endpoints ---- */
 
+static void gen_free(void *app)
+{
+    gen_end(app);
+    free(app);
+}
+
+/* A non-streaming generation: answers when it has finished, else suspends (and is called again
+ * when resumed). The request ends in gen_free, when libmicrohttpd completes the connection's
+ * request. */
+static enum MHD_Result gen_continue(struct tdm_server *s, struct MHD_Connection *c, struct gen *g)
+{
+    struct tdm_req_view v;
+    for (;;) {
+        waiter_look(&g->w);
+        tdm_req_reader_update(g->rd, g->req, &v);
+        if (v.finish != TDM_FINISH_NONE) break;
+        if (atomic_load(&g->w.gone) || tdm_front_client_gone(c)) return MHD_NO;
+        if (waiter_suspend(&g->w)) return MHD_YES;
+    }
+    if (v.finish == TDM_FINISH_ERROR) {
+        char msg[300];
+        snprintf(msg, sizeof msg, "generation failed: %s", v.error_msg);
+        /* a stalled scheduler (the watchdog's TDM_ETIMEDOUT) is worth retrying elsewhere */
+        return tdm_reply_errf(c, s->http, v.error == TDM_ETIMEDOUT ? 503 : 500, "%s", msg);
+    }
+    if (v.finish == TDM_FINISH_CANCELLED)
+        return tdm_reply_errf(c, s->http, 503, "the request was cancelled (server shutting down)");
+    char *body = tdm_api_render_full(&s->api, &g->ar, g->id, g->created, &v);
+    return tdm_reply_send(c, s->http, 200, body, "application/json");
+}
+
 static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, bool chat,
-                                const struct tdm_front_body *cc)
+                                struct tdm_front_body *cc)
 {
     if (atomic_load(&s->draining))
         return tdm_reply_errf(c, s->http, 503, "the server is shutting down");
@@ -170,37 +330,45 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     tdm_req_reader_t *rd = NULL;
     tdm_status st = tdm_req_reader_create(s->api.tok, (const char *const *)ar.stops, ar.n_stops,
                                           ar.p.max_tokens, ar.p.top_logprobs, &rd);
+    /* the waiter lives in the stream or the generation, created before the submit so that
+     * the scheduler's first notify finds it */
+    struct stream *sm = NULL;
+    struct gen *g = NULL;
+    if (st == TDM_OK) {
+        if (ar.stream && (sm = calloc(1, sizeof *sm))) g = &sm->g;
+        if (!ar.stream) g = calloc(1, sizeof *g);
+        if (!g) st = tdm_err_set(TDM_ENOMEM, "out of memory");
+    }
     tdm_req_t *req = NULL;
-    if (st == TDM_OK) st = tdm_sched_submit(s->sched, &ar.p, &req);
+    if (st == TDM_OK) {
+        waiter_init(&g->w, s, c);
+        ar.p.notify = waiter_notify;
+        ar.p.notify_ctx = &g->w;
+        st = tdm_sched_submit(s->sched, &ar.p, &req);
+        if (st != TDM_OK) waiter_fini(&g->w);
+    }
     if (st != TDM_OK) {
         int status = st == TDM_EAGAIN || st == TDM_ECANCELED ? 503 : st == TDM_ENOMEM ? 500 : 400;
         tdm_api_err_set(&e, status, NULL, "%s", tdm_err_msg());
+        if (sm)
+            free(sm);
+        else
+            free(g);
         tdm_req_reader_destroy(rd);
         tdm_api_req_free(&ar);
         return tdm_reply_err(c, s->http, &e);
     }
-    char id[48];
-    snprintf(id, sizeof id, "%s-%llx%08llx", chat ? "chatcmpl" : "cmpl",
+    g->srv = s;
+    g->req = req;
+    g->rd = rd;
+    g->ar = ar;
+    snprintf(g->id, sizeof g->id, "%s-%llx%08llx", chat ? "chatcmpl" : "cmpl",
              (unsigned long long)tdm_now_ns() & 0xffffffffffull,
              (unsigned long long)tdm_req_id(req));
-    long created = (long)time(NULL);
+    g->created = (long)time(NULL);
+    atomic_fetch_add(&s->active, 1);
 
-    if (ar.stream) {
-        struct stream *sm = calloc(1, sizeof *sm);
-        if (!sm) {
-            tdm_req_release(req);
-            tdm_req_reader_destroy(rd);
-            tdm_api_req_free(&ar);
-            return tdm_reply_errf(c, s->http, 500, "out of memory");
-        }
-        sm->srv = s;
-        sm->rd = rd;
-        atomic_fetch_add(&s->active, 1);
-        sm->conn = c;
-        sm->req = req;
-        sm->ar = ar;
-        memcpy(sm->id, id, sizeof id);
-        sm->created = created;
+    if (sm) {
         struct MHD_Response *r =
             MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, stream_read, sm, stream_free);
         if (!r) {
@@ -215,40 +383,9 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
         atomic_fetch_add(&s->http[2], 1);
         return ret;
     }
-
-    /* non-streaming: wait here (this is the connection's own thread); the reader renders the
-     * text as tokens arrive, with no lock held */
-    atomic_fetch_add(&s->active, 1);
-    struct tdm_req_view v;
-    for (;;) {
-        tdm_req_reader_update(rd, req, &v);
-        if (v.finish != TDM_FINISH_NONE) break;
-        if (tdm_front_client_gone(c)) {
-            tdm_req_release(req);
-            tdm_req_reader_destroy(rd);
-            tdm_api_req_free(&ar);
-            atomic_fetch_sub(&s->active, 1);
-            return MHD_NO;
-        }
-        tdm_req_reader_wait(rd, req, 100);
-    }
-    enum MHD_Result ret;
-    if (v.finish == TDM_FINISH_ERROR) {
-        char msg[300];
-        snprintf(msg, sizeof msg, "generation failed: %s", v.error_msg);
-        /* a stalled scheduler (the watchdog's TDM_ETIMEDOUT) is worth retrying elsewhere */
-        ret = tdm_reply_errf(c, s->http, v.error == TDM_ETIMEDOUT ? 503 : 500, "%s", msg);
-    } else if (v.finish == TDM_FINISH_CANCELLED) {
-        ret = tdm_reply_errf(c, s->http, 503, "the request was cancelled (server shutting down)");
-    } else {
-        char *body = tdm_api_render_full(&s->api, &ar, id, created, &v);
-        ret = tdm_reply_send(c, s->http, 200, body, "application/json");
-    }
-    tdm_req_release(req);
-    tdm_req_reader_destroy(rd);
-    tdm_api_req_free(&ar);
-    atomic_fetch_sub(&s->active, 1);
-    return ret;
+    cc->app = g;
+    cc->app_free = gen_free;
+    return gen_continue(s, c, g);
 }
 
 /* ---- routing ---- */
@@ -270,6 +407,9 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     case TDM_FRONT_DONE:
         break;
     }
+    if (cc->app) return gen_continue(s, c, cc->app); /* resumed */
+    const char *bad = tdm_front_framing_error(c, cc, version);
+    if (bad) return tdm_reply_errf(c, s->http, 400, "%s", bad);
 
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
@@ -355,6 +495,10 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
                               .model_name = s->model_name,
                               .max_ctx = tdm_sched_max_ctx(sched),
                               .vocab = tdm_tok_vocab_size(m->tok)};
+    for (int i = 0; i < s->api.vocab; i++) {
+        size_t len = 0;
+        if (tdm_tok_piece(m->tok, i, &len) && len > s->api.max_piece) s->api.max_piece = len;
+    }
     tdm_status st;
     if (!s->model_name || (o->api_key && *o->api_key && !s->api_key)) {
         st = tdm_err_set(TDM_ENOMEM, "server: out of memory");
@@ -364,10 +508,23 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
         st = tdm_err_set(TDM_EINVAL, "server: port %d is not in 0..65535", o->port);
         goto out_free;
     }
-    const char *host = o->host ? o->host : "127.0.0.1";
-    if ((st = tdm_front_listen("server", host, o->port, o->max_connections, o->idle_timeout_s,
-                               handler, s, &s->d, &s->port)) != TDM_OK)
+    pthread_mutex_init(&s->wmu, NULL);
+    struct tdm_front_cfg fc = {.who = "server",
+                               .host = o->host ? o->host : "127.0.0.1",
+                               .port = o->port,
+                               .threads = o->http_threads > 0 ? o->http_threads : 4,
+                               .max_connections = o->max_connections,
+                               .idle_timeout_s = o->idle_timeout_s,
+                               .header_timeout_ms = o->header_timeout_ms,
+                               .body_timeout_ms = o->body_timeout_ms,
+                               .handler = handler,
+                               .cls = s,
+                               .sweep = sweep};
+    if ((st = tdm_front_start(&fc, &s->front)) != TDM_OK) {
+        pthread_mutex_destroy(&s->wmu);
         goto out_free;
+    }
+    s->port = tdm_front_port(s->front);
     *out = s;
     return TDM_OK;
 
@@ -405,7 +562,14 @@ bool tdm_server_wait_idle(tdm_server_t *s, int timeout_ms)
 void tdm_server_stop(tdm_server_t *s)
 {
     if (!s) return;
-    MHD_stop_daemon(s->d);
+    /* every suspended connection is resumed (gone: its response ends) before the daemon stops,
+     * as libmicrohttpd requires; a waiter made from now on starts gone */
+    pthread_mutex_lock(&s->wmu);
+    s->closing = true;
+    pthread_mutex_unlock(&s->wmu);
+    sweep(s);
+    tdm_front_stop(s->front);
+    pthread_mutex_destroy(&s->wmu);
     free(s->model_name);
     free(s->api_key);
     free(s);

@@ -146,13 +146,30 @@ static bool get_bool(json_t *v, const char *name, bool *out, struct api_err *err
 static bool encode_text(const struct api_ctx *c, const char *text, size_t len, int flags,
                         struct api_req *r, const char *param, struct api_err *err)
 {
-    size_t cap = len + 8, n = 0;
+    if (c->max_piece && len / c->max_piece > (size_t)c->max_ctx) {
+        /* refused before the tokenizer runs: its time grows with the bytes, the context not */
+        tdm_api_err_set(err, 400, param,
+                        "the prompt has at least %zu tokens (%zu bytes); this model's context "
+                        "is %d tokens",
+                        len / c->max_piece, len, c->max_ctx);
+        return false;
+    }
+    /* the tokenizer stops once the prompt cannot fit (the context check that follows refuses
+     * a prompt of max_ctx tokens, with its count) */
+    size_t cap = TDM_MIN(len + 8, (size_t)c->max_ctx), n = 0;
     int32_t *ids = malloc(cap * sizeof *ids);
     if (!ids) {
         tdm_api_err_set(err, 500, NULL, "out of memory");
         return false;
     }
-    tdm_status st = tdm_tok_encode(c->tok, text, len, flags, ids, cap, &n);
+    tdm_status st = tdm_tok_encode(c->tok, text, len, flags | TDM_TOK_STOP_AT_CAP, ids, cap, &n);
+    if (st == TDM_ERANGE && n > cap) {
+        free(ids);
+        tdm_api_err_set(err, 400, param,
+                        "the prompt has more than %zu tokens; this model's context is %d tokens",
+                        cap, c->max_ctx);
+        return false;
+    }
     if (st != TDM_OK) {
         free(ids);
         tdm_api_err_set(err, 400, param, "%s", tdm_err_msg());

@@ -90,7 +90,7 @@ struct backend {
 };
 
 struct tdm_router {
-    struct MHD_Daemon *d;
+    struct tdm_front *front;
     struct backend *b;
     int n_backends;
     pthread_mutex_t mu; /* pick + in-flight increment; rr */
@@ -507,6 +507,8 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     case TDM_FRONT_DONE:
         break;
     }
+    const char *bad = tdm_front_framing_error(c, cc, version);
+    if (bad) return tdm_reply_errf(c, r->own_by_class, 400, "%s", bad);
 
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
@@ -633,9 +635,18 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
     /* One round of checks before listening, so that a router over live backends routes at once. */
     health_check_all(r, true);
     const char *host = o->host ? o->host : "127.0.0.1";
-    if ((st = tdm_front_listen("router", host, o->port, o->max_connections, o->idle_timeout_s,
-                               handler, r, &r->d, &r->port)) != TDM_OK)
-        goto out_free;
+    struct tdm_front_cfg fc = {.who = "router",
+                               .host = host,
+                               .port = o->port,
+                               .threads = 0, /* the relay blocks on its backend */
+                               .max_connections = o->max_connections,
+                               .idle_timeout_s = o->idle_timeout_s,
+                               .header_timeout_ms = o->header_timeout_ms,
+                               .body_timeout_ms = o->body_timeout_ms,
+                               .handler = handler,
+                               .cls = r};
+    if ((st = tdm_front_start(&fc, &r->front)) != TDM_OK) goto out_free;
+    r->port = tdm_front_port(r->front);
     if (pthread_create(&r->health_thread, NULL, health_main, r) != 0) {
         st = tdm_err_set(TDM_EIO, "router: cannot start the health-check thread");
         goto out_stop_daemon;
@@ -645,7 +656,7 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
     return TDM_OK;
 
 out_stop_daemon:
-    MHD_stop_daemon(r->d);
+    tdm_front_stop(r->front);
 out_free:
     router_free(r);
     return st;
@@ -677,6 +688,6 @@ void tdm_router_stop(tdm_router_t *r)
     pthread_cond_broadcast(&r->health_cv);
     pthread_mutex_unlock(&r->health_mu);
     if (r->health_running) pthread_join(r->health_thread, NULL);
-    MHD_stop_daemon(r->d); /* connection threads see `stopping` within POLL_SLICE_MS */
+    tdm_front_stop(r->front); /* connection threads see `stopping` within POLL_SLICE_MS */
     router_free(r);
 }

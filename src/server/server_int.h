@@ -29,6 +29,9 @@ struct api_ctx {
     const char *model_name;
     int max_ctx;
     int vocab;
+    size_t max_piece; /* bytes of the vocabulary's longest token: text of B bytes has at least
+                       * B / max_piece tokens, so a prompt far over the context is refused
+                       * before it is tokenized; 0: unknown */
 };
 
 struct api_req {

@@ -31,6 +31,7 @@ struct enc {
     const struct tdm_tok *tok;
     int32_t *ids;
     size_t cap, n;
+    bool stop_at_cap; /* TDM_TOK_STOP_AT_CAP */
     struct tok_bpe_work bpe;
     char *norm[2]; /* normaliser ping-pong buffers */
     size_t norm_cap[2];
@@ -209,6 +210,8 @@ static tdm_status metaspace_stage(struct enc *e, int k, const char *s, size_t le
 static tdm_status run_stage(struct enc *e, int k, const char *s, size_t len)
 {
     if (!len) return TDM_OK;
+    if (e->stop_at_cap && e->n > e->cap)
+        return tdm_err_set(TDM_ERANGE, "tokenizer: more than %zu tokens", e->cap);
     if (k == e->tok->n_stages) return model_piece(e, s, len);
     if (e->tok->stages[k].kind == TOK_STAGE_METASPACE) return metaspace_stage(e, k, s, len);
     return regex_stage(e, k, s, len);
@@ -350,7 +353,8 @@ tdm_status tdm_tok_encode(const tdm_tok_t *tok, const char *text, size_t len, in
     if (!tdm_tok_utf8_valid(text, len, &bad))
         return tdm_err_set(TDM_EINVAL, "tokenizer: invalid UTF-8 at byte offset %zu", bad);
 
-    struct enc e = {.tok = tok, .ids = ids, .cap = cap};
+    struct enc e = {
+        .tok = tok, .ids = ids, .cap = cap, .stop_at_cap = (flags & TDM_TOK_STOP_AT_CAP) != 0};
     tdm_status st = TDM_OK;
     if (tok->n_stages) {
         e.md = pcre2_match_data_create(4, NULL);
@@ -375,7 +379,7 @@ tdm_status tdm_tok_encode(const tdm_tok_t *tok, const char *text, size_t len, in
             while (run_end > run && space_before(text, run_end, &ws))
                 run_end = ws;
         st = encode_run(&e, text + run, run_end - run, run == 0);
-        if (st) goto out_free;
+        if (st) goto out_stopped;
         emit(&e, id);
         p += en->text_len;
         if (en->flags & TOK_F_RSTRIP) {
@@ -389,9 +393,9 @@ tdm_status tdm_tok_encode(const tdm_tok_t *tok, const char *text, size_t len, in
         run = p;
     }
     st = encode_run(&e, text + run, len - run, run == 0);
-    if (st) goto out_free;
-
+out_stopped:
     *n_out = e.n;
+    if (st) goto out_free;
     if (e.n > cap)
         st = tdm_err_set(TDM_ERANGE, "tokenizer: %zu tokens do not fit in %zu", e.n, cap);
 out_free:

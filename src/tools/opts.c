@@ -28,6 +28,10 @@ void tdm_tool_http_table(struct tdm_tool_http *h, struct tdm_opt out[TDM_TOOL_HT
         TDM_OPT_S("api-key", &h->api_key),
         TDM_OPT_I("max-body", &h->max_body, 1024, 1 << 30),
         TDM_OPT_I("drain-timeout", &h->drain_s, 0, 3600),
+        TDM_OPT_I("max-connections", &h->max_connections, 1, 1 << 20),
+        TDM_OPT_I("idle-timeout", &h->idle_timeout_s, 1, 86400),
+        TDM_OPT_I("header-timeout-ms", &h->header_timeout_ms, 10, 3600000),
+        TDM_OPT_I("body-timeout-ms", &h->body_timeout_ms, 10, 3600000),
         TDM_OPT_END,
     };
     memcpy(out, t, sizeof t);

@@ -32,8 +32,7 @@ static void usage(FILE *f)
             "  --connect-timeout-ms N  limit of one connect to a backend (2000)\n"
             "  --timeout S             longest wait for a backend's answer, and between two\n"
             "                          pieces of it, in seconds (600)\n"
-            "  --max-body BYTES        request body limit (default 4194304)\n"
-            "  --max-connections N     client connections at once (1024)\n"
+            "  --max-body BYTES        request body limit (default 4194304)\n" TDM_TOOL_HTTP_USAGE
             "  --drain-timeout S       seconds to let responses finish on SIGTERM (default 30)\n");
 }
 
@@ -70,9 +69,9 @@ int tdm_cmd_router(int argc, char **argv)
                               .api_key = getenv("TANDEM_API_KEY"),
                               .port = 8080,
                               .max_body = TDM_SERVER_DEFAULT_MAX_BODY,
-                              .drain_s = 30};
+                              .drain_s = 30,
+                              .max_connections = 1024};
     int64_t interval = 1000, health_timeout = 1000, connect_timeout = 2000, timeout = 600;
-    int64_t max_conn = 1024;
     struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
     tdm_tool_http_table(&h, http);
     const struct tdm_opt own[] = {
@@ -82,7 +81,6 @@ int tdm_cmd_router(int argc, char **argv)
         TDM_OPT_I("health-timeout-ms", &health_timeout, 10, 600 * 1000),
         TDM_OPT_I("connect-timeout-ms", &connect_timeout, 10, 600 * 1000),
         TDM_OPT_I("timeout", &timeout, 1, 24 * 3600),
-        TDM_OPT_I("max-connections", &max_conn, 1, 65536),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {http, own, NULL};
@@ -119,7 +117,10 @@ int tdm_cmd_router(int argc, char **argv)
                                  .connect_timeout_ms = (int)connect_timeout,
                                  .timeout_s = (int)timeout,
                                  .max_body = (size_t)max_body,
-                                 .max_connections = (int)max_conn};
+                                 .max_connections = (int)h.max_connections,
+                                 .idle_timeout_s = (int)h.idle_timeout_s,
+                                 .header_timeout_ms = (int)h.header_timeout_ms,
+                                 .body_timeout_ms = (int)h.body_timeout_ms};
     tdm_router_t *r = NULL;
     tdm_status st = tdm_router_start(&ro, &r);
     if (st != TDM_OK) {

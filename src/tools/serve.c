@@ -8,6 +8,8 @@
  * a library call.
  */
 #include <signal.h>
+#include <sys/stat.h>
+#include <errno.h>
 #include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,7 +47,9 @@ static void usage(FILE *f)
         "  --gpu-memory-fraction F CUDA: share of GPU memory for weights, workspace and KV (0.9)\n"
         "  --batch-invariant       never use OpenBLAS (see docs/DESIGN.md)\n"
         "  --max-body BYTES        request body limit (default 4194304)\n"
-        "  --drain-timeout S       seconds to let requests finish on SIGTERM (default 30)\n"
+        "  --drain-timeout S       seconds to let requests finish on SIGTERM (default "
+        "30)\n" TDM_TOOL_HTTP_USAGE
+        "  --http-threads N        threads of the HTTP event loop (default 4)\n"
         "\n"
         "disaggregated prefill and decode (docs/DESIGN.md section 4):\n"
         "  --role both|prefill|decode  both (default): colocated. prefill: takes prefill\n"
@@ -58,6 +62,8 @@ static void usage(FILE *f)
         "efa\n"
         "  --xfer-node ADDR        local address the fabric endpoint binds to\n"
         "  --xfer-addr-file FILE   prefill: write this node's fabric address to FILE\n"
+        "  --fabric-key FILE       the cluster secret (16 to 256 bytes; trailing whitespace is\n"
+        "                          dropped): peers must prove they hold it (docs/SECURITY.md)\n"
         "  --remote-chunk N        decode: prefill chunk asked of peers (default 256 tokens)\n"
         "  --remote-timeout-ms N   decode: one remote prefill's deadline (default 30000)\n"
         "  --remote-attempts N     decode: peers tried per request before prefilling here (2)\n"
@@ -181,6 +187,40 @@ static char *extra_metrics(void *ctx)
     return out ? out : calloc(1, 1);
 }
 
+/* --fabric-key FILE: 16 to 256 bytes, trailing whitespace dropped; a file others can read is
+ * warned about (the key is the fabric's only authentication). */
+static bool read_fabric_key(const char *path, uint8_t out[256], size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "tandem serve: --fabric-key %s: %s\n", path, strerror(errno));
+        return false;
+    }
+    uint8_t buf[258];
+    size_t got = fread(buf, 1, sizeof buf, f);
+    struct stat sb;
+    bool shared = fstat(fileno(f), &sb) == 0 && (sb.st_mode & (S_IRWXG | S_IRWXO));
+    fclose(f);
+    while (got && (buf[got - 1] == '\n' || buf[got - 1] == '\r' || buf[got - 1] == ' ' ||
+                   buf[got - 1] == '\t'))
+        got--;
+    if (got < 16 || got > 256) {
+        fprintf(stderr, "tandem serve: --fabric-key %s: %zu bytes; a key is 16 to 256 bytes\n",
+                path, got);
+        explicit_bzero(buf, sizeof buf);
+        return false;
+    }
+    if (shared)
+        fprintf(stderr,
+                "tandem serve: warning: --fabric-key %s can be read by other users "
+                "(chmod 600 it)\n",
+                path);
+    memcpy(out, buf, got);
+    *n = got;
+    explicit_bzero(buf, sizeof buf);
+    return true;
+}
+
 int tdm_cmd_serve(int argc, char **argv)
 {
     const char *model = NULL, *name = NULL;
@@ -194,9 +234,9 @@ int tdm_cmd_serve(int argc, char **argv)
     size_t kv_bytes = 0;
     bool inv = false;
     const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
-    const char *addr_file = NULL;
+    const char *addr_file = NULL, *fabric_key_file = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
-    int64_t watchdog = 60000;
+    int64_t watchdog = 60000, http_threads = 4;
     int backend_kind = TDM_BACKEND_CPU;
     double gpu_frac = 0.9;
     struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
@@ -212,6 +252,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("prefill-chunk", &chunk, 1, 1 << 20),
         TDM_OPT_I("max-waiting", &waiting, 1, 1 << 20),
         TDM_OPT_I("watchdog-ms", &watchdog, 0, 86400000),
+        TDM_OPT_I("http-threads", &http_threads, 1, 256),
         TDM_OPT_I("page-size", &page, 1, 1024),
         TDM_OPT_I("kv-pages", &pages, 1, INT32_MAX),
         TDM_OPT_P("kv-memory", opt_kv_memory, &kv_bytes),
@@ -225,6 +266,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_S("xfer-provider", &provider),
         TDM_OPT_S("xfer-node", &xnode),
         TDM_OPT_S("xfer-addr-file", &addr_file),
+        TDM_OPT_S("fabric-key", &fabric_key_file),
         TDM_OPT_I("remote-chunk", &rchunk, 1, 1 << 20),
         TDM_OPT_I("remote-timeout-ms", &rtimeout, 100, 3600000),
         TDM_OPT_I("remote-attempts", &rattempts, 0, 16),
@@ -265,11 +307,23 @@ int tdm_cmd_serve(int argc, char **argv)
         fprintf(stderr, "tandem serve: --xfer-addr-file is for --role prefill\n");
         return 2;
     }
-    struct tdm_disagg_decode_opts dopt = {
-        .xfer = {.provider = provider, .node = xnode, .peer_timeout_ms = (int)peer_timeout},
-        .chunk = (int)rchunk,
-        .timeout_ms = (int)rtimeout,
-        .max_attempts = rattempts ? (int)rattempts : -1};
+    uint8_t fkey[256];
+    size_t fkey_bytes = 0;
+    if (fabric_key_file) {
+        if (!is_prefill && !is_decode) {
+            fprintf(stderr, "tandem serve: --fabric-key is for --role prefill or decode\n");
+            return 2;
+        }
+        if (!read_fabric_key(fabric_key_file, fkey, &fkey_bytes)) return 2;
+    }
+    struct tdm_disagg_decode_opts dopt = {.xfer = {.provider = provider,
+                                                   .node = xnode,
+                                                   .peer_timeout_ms = (int)peer_timeout,
+                                                   .fabric_key = fkey_bytes ? fkey : NULL,
+                                                   .fabric_key_bytes = fkey_bytes},
+                                          .chunk = (int)rchunk,
+                                          .timeout_ms = (int)rtimeout,
+                                          .max_attempts = rattempts ? (int)rattempts : -1};
     char *peer_bufs[TDM_DISAGG_MAX_PEERS] = {0};
     if (is_decode && !parse_peers(peers_arg, &dopt, peer_bufs)) {
         free_peers(peer_bufs);
@@ -348,8 +402,11 @@ int tdm_cmd_serve(int argc, char **argv)
         goto out_sched;
     }
     if (is_prefill) {
-        struct tdm_disagg_prefill_opts po = {
-            .xfer = {.provider = provider, .node = xnode, .peer_timeout_ms = (int)peer_timeout}};
+        struct tdm_disagg_prefill_opts po = {.xfer = {.provider = provider,
+                                                      .node = xnode,
+                                                      .peer_timeout_ms = (int)peer_timeout,
+                                                      .fabric_key = fkey_bytes ? fkey : NULL,
+                                                      .fabric_key_bytes = fkey_bytes}};
         if (tdm_disagg_prefill_create(&po, e, sched, &pre) != TDM_OK) {
             tdm_tool_fail("prefill messenger");
             goto out_sched;
@@ -375,6 +432,11 @@ int tdm_cmd_serve(int argc, char **argv)
                                  .api_key = api_key,
                                  .model_name = name,
                                  .max_body = (size_t)max_body,
+                                 .max_connections = (int)h.max_connections,
+                                 .idle_timeout_s = (int)h.idle_timeout_s,
+                                 .header_timeout_ms = (int)h.header_timeout_ms,
+                                 .body_timeout_ms = (int)h.body_timeout_ms,
+                                 .http_threads = (int)http_threads,
                                  .no_generate = is_prefill,
                                  .extra_metrics = extra_metrics,
                                  .extra_metrics_ctx = &xm};

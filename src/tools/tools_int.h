@@ -88,12 +88,20 @@ struct tdm_opt {
 int tdm_tool_parse(const char *cmd, int argc, char **argv, const struct tdm_opt *const *tables,
                    void (*usage)(FILE *));
 /* The options every HTTP-serving command shares (serve, router): --host, --port, --port-file,
- * --api-key, --max-body, --drain-timeout. The caller sets the defaults in h first. */
+ * --api-key, --max-body, --drain-timeout, and the connection limits. The caller sets the
+ * defaults in h first. */
 struct tdm_tool_http {
     const char *host, *port_file, *api_key;
     int64_t port, max_body, drain_s;
+    int64_t max_connections, idle_timeout_s, header_timeout_ms, body_timeout_ms; /* 0: default */
 };
-#define TDM_TOOL_HTTP_OPTS 7 /* entries of the table, its end included */
+#define TDM_TOOL_HTTP_OPTS 11 /* entries of the table, its end included */
+/* The usage lines of those options. */
+#define TDM_TOOL_HTTP_USAGE                                                                        \
+    "  --max-connections N     open client connections at most (serve 10000, router 1024)\n"       \
+    "  --idle-timeout S        an idle connection is closed after S s (serve 30, router 600)\n"    \
+    "  --header-timeout-ms N   a request's headers must arrive within N ms (10000)\n"              \
+    "  --body-timeout-ms N     and its body within N ms after them (30000)\n"
 void tdm_tool_http_table(struct tdm_tool_http *h, struct tdm_opt out[TDM_TOOL_HTTP_OPTS]);
 /* --backend cpu|cuda into an int (enum tdm_backend_kind). */
 bool tdm_tool_opt_backend(const char *arg, void *dst);

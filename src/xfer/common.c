@@ -14,6 +14,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <gnutls/crypto.h>
+
 #include "xfer/xfer_int.h"
 
 /* ---- pages ---- */
@@ -231,7 +233,7 @@ tdm_status tdm_xfer_wire_parse(const uint8_t *buf, size_t n, struct tdm_xfer_wir
     if (buf[4] != TDM_XFER_WIRE_VERSION)
         return tdm_err_set(TDM_EFORMAT, "xfer: message version %u", buf[4]);
     uint8_t type = buf[5];
-    if (type < TDM_XFER_MSG_HELLO || type > TDM_XFER_MSG_BYE)
+    if (type < TDM_XFER_MSG_HELLO || type > TDM_XFER_MSG_AUTH)
         return tdm_err_set(TDM_EFORMAT, "xfer: unknown message type %u", type);
     uint32_t len = tdm_get_u32(buf + 16);
     if ((uint64_t)len != n - TDM_XFER_WIRE_HDR)
@@ -239,6 +241,8 @@ tdm_status tdm_xfer_wire_parse(const uint8_t *buf, size_t n, struct tdm_xfer_wir
                            n - TDM_XFER_WIRE_HDR);
     if (type == TDM_XFER_MSG_IMM && len != 8)
         return tdm_err_set(TDM_EFORMAT, "xfer: immediate message of %u bytes", len);
+    if (type == TDM_XFER_MSG_AUTH && len != TDM_XFER_PROOF)
+        return tdm_err_set(TDM_EFORMAT, "xfer: proof of %u bytes", len);
     if (type == TDM_XFER_MSG_HEARTBEAT && len != 0)
         return tdm_err_set(TDM_EFORMAT, "xfer: heartbeat with payload");
     hdr->type = type;
@@ -249,27 +253,39 @@ tdm_status tdm_xfer_wire_parse(const uint8_t *buf, size_t n, struct tdm_xfer_wir
 }
 
 size_t tdm_xfer_wire_hello_put(uint8_t *buf, size_t cap, int imm_bits, const void *addr,
-                               size_t addr_bytes)
+                               size_t addr_bytes, uint8_t flags,
+                               const uint8_t challenge[TDM_XFER_CHALLENGE])
 {
-    if (cap < 3 + addr_bytes || addr_bytes > UINT16_MAX) return 0;
+    size_t n = 3 + addr_bytes + 1 + TDM_XFER_CHALLENGE;
+    if (cap < n || addr_bytes > UINT16_MAX) return 0;
     buf[0] = (uint8_t)imm_bits;
     tdm_put_u16(buf + 1, (uint16_t)addr_bytes);
     memcpy(buf + 3, addr, addr_bytes);
-    return 3 + addr_bytes;
+    buf[3 + addr_bytes] = flags;
+    memcpy(buf + 4 + addr_bytes, challenge, TDM_XFER_CHALLENGE);
+    return n;
 }
 
-tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, int *imm_bits,
-                                     const uint8_t **addr, size_t *addr_bytes)
+tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, struct tdm_xfer_hello *out)
 {
     if (n < 3) return tdm_err_set(TDM_EFORMAT, "xfer: short hello");
     if (p[0] != 32 && p[0] != 64) return tdm_err_set(TDM_EFORMAT, "xfer: hello imm_bits %u", p[0]);
     size_t len = tdm_get_u16(p + 1);
-    if (len == 0 || len != n - 3)
+    if (len == 0 || len + 1 + TDM_XFER_CHALLENGE != n - 3)
         return tdm_err_set(TDM_EFORMAT, "xfer: hello address of %zu bytes in %zu", len, n - 3);
-    *imm_bits = p[0];
-    *addr = p + 3;
-    *addr_bytes = len;
+    if (p[3 + len] & ~TDM_XFER_HELLO_KEYED)
+        return tdm_err_set(TDM_EFORMAT, "xfer: hello flags %#x", p[3 + len]);
+    *out = (struct tdm_xfer_hello){.imm_bits = p[0],
+                                   .addr = p + 3,
+                                   .addr_bytes = len,
+                                   .flags = p[3 + len],
+                                   .challenge = p + 4 + len};
     return TDM_OK;
+}
+
+bool tdm_xfer_random(void *buf, size_t n)
+{
+    return gnutls_rnd(GNUTLS_RND_KEY, buf, n) == 0;
 }
 
 /* ---- packed remote memory ----

@@ -18,8 +18,9 @@
  * once; it is called after the mutex is released (a callback may arm or cancel). Immediates are
  * idempotent: each armed slot keeps a bitmap of the indices already counted, so a duplicate does
  * not advance the count. An immediate for an IDLE slot, or for another epoch, is stale (a late
- * write of an abandoned transfer) and ignored. Memory: the bitmap is allocated at arm, sized by
- * `expected`, which is capped by max_expected.
+ * write of an abandoned transfer) and ignored; one from another peer than the counter's (when
+ * the sender is known) is counted as wrong_peer and ignored. Memory: the bitmap is allocated at
+ * arm, sized by `expected`, which is capped by max_expected.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -188,6 +189,12 @@ tdm_status tdm_xfer_counters_cancel(tdm_xfer_counters_t *c, uint32_t slot, uint3
 
 void tdm_xfer_counters_deliver(tdm_xfer_counters_t *c, const struct tdm_xfer_imm *imm)
 {
+    tdm_xfer_counters_deliver_from(c, imm, TDM_XFER_ANY_PEER);
+}
+
+void tdm_xfer_counters_deliver_from(tdm_xfer_counters_t *c, const struct tdm_xfer_imm *imm,
+                                    uint32_t peer)
+{
     struct firing f;
     bool done = false;
     pthread_mutex_lock(&c->mu);
@@ -198,6 +205,8 @@ void tdm_xfer_counters_deliver(tdm_xfer_counters_t *c, const struct tdm_xfer_imm
         struct counter *k = &c->slots[imm->slot];
         if (!k->armed || k->epoch != imm->epoch) {
             c->stats.stale++;
+        } else if (k->peer != TDM_XFER_ANY_PEER && peer != TDM_XFER_ANY_PEER && peer != k->peer) {
+            c->stats.wrong_peer++;
         } else if (imm->index >= k->expected) {
             c->stats.invalid++;
         } else if (k->seen[imm->index / 64] >> (imm->index % 64) & 1) {

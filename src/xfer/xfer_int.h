@@ -66,15 +66,20 @@ tdm_status tdm_xfer_addr_decode(const char *s, void *raw, size_t cap, size_t *n)
  *   u32 magic 'TDXF' | u8 version | u8 type | u16 reserved | u64 sender nonce | u32 payload bytes
  * little-endian, 20 bytes, then the payload. */
 #define TDM_XFER_WIRE_MAGIC   0x46584454u /* "TDXF" */
-#define TDM_XFER_WIRE_VERSION 1
+#define TDM_XFER_WIRE_VERSION 2
 #define TDM_XFER_WIRE_HDR     20
 enum tdm_xfer_msg_type {
-    TDM_XFER_MSG_HELLO = 1,     /* payload: u8 imm_bits | u16 addr bytes | addr */
+    TDM_XFER_MSG_HELLO = 1,     /* payload: u8 imm_bits | u16 addr bytes | addr | u8 flags |
+                                 * 32-byte challenge (flags: TDM_XFER_HELLO_KEYED) */
     TDM_XFER_MSG_HEARTBEAT = 2, /* no payload */
     TDM_XFER_MSG_USER = 3,      /* the user's control message */
     TDM_XFER_MSG_IMM = 4,       /* payload: u64 encoded immediate (CUDA IPC completions) */
     TDM_XFER_MSG_BYE = 5,       /* the sender is shutting down cleanly */
+    TDM_XFER_MSG_AUTH = 6,      /* payload: the 32-byte proof (HMAC-SHA256, see peer.c) */
 };
+#define TDM_XFER_HELLO_KEYED 1u /* the sender has a fabric key and wants a proof */
+#define TDM_XFER_CHALLENGE   32
+#define TDM_XFER_PROOF       32
 struct tdm_xfer_wire_hdr {
     uint8_t type;
     uint64_t nonce;
@@ -86,10 +91,18 @@ void tdm_xfer_wire_put_hdr(uint8_t *buf, uint8_t type, uint64_t nonce, uint32_t 
 tdm_status tdm_xfer_wire_parse(const uint8_t *buf, size_t n, struct tdm_xfer_wire_hdr *hdr,
                                const uint8_t **payload);
 /* HELLO payload. */
+struct tdm_xfer_hello {
+    int imm_bits;
+    const uint8_t *addr; /* into the payload */
+    size_t addr_bytes;
+    uint8_t flags;
+    const uint8_t *challenge; /* TDM_XFER_CHALLENGE bytes, into the payload */
+};
 size_t tdm_xfer_wire_hello_put(uint8_t *buf, size_t cap, int imm_bits, const void *addr,
-                               size_t addr_bytes);
-tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, int *imm_bits,
-                                     const uint8_t **addr, size_t *addr_bytes);
+                               size_t addr_bytes, uint8_t flags,
+                               const uint8_t challenge[TDM_XFER_CHALLENGE]);
+tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, struct tdm_xfer_hello *out);
+
 
 #ifdef __cplusplus
 }

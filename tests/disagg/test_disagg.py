@@ -361,3 +361,45 @@ def test_prefill_and_decode_in_separate_namespaces(colocated, default_model, net
         if d:
             d.stop()
         p.stop()
+
+
+def key_file(text):
+    d = tempfile.mkdtemp(prefix="tandem-key-")
+    path = os.path.join(d, "key")
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def test_fabric_key(colocated, default_model):
+    """With --fabric-key the pair proves the cluster key and serves as before; a decode node
+    with another key is never taken as a peer by the prefill node (it prefills locally, with
+    the same tokens), and a key that is too short is refused at start."""
+    key, other = key_file("k" * 32), key_file("o" * 32)
+    p = prefill_node(["--fabric-key", key])
+    try:
+        d = decode_node([p], ["--fabric-key", key])
+        try:
+            ps = prompts(3, 21, [5, 40, 70])
+            assert [run(d, x) for x in ps] == [run(colocated, x) for x in ps]
+            m = decode_idle(d)
+            assert m[("tandem_disagg_remote_prefills_total", ())] >= len(ps)
+            assert m[("tandem_fabric_auth_total", (("result", "ok"),))] >= 1
+        finally:
+            d.stop()
+        bad = decode_node([p], ["--fabric-key", other, "--remote-timeout-ms", "3000"])
+        try:
+            ps = prompts(2, 22, [5, 40])
+            assert [run(bad, x) for x in ps] == [run(colocated, x) for x in ps]
+            m = decode_idle(bad)
+            assert m[("tandem_disagg_remote_prefills_total", ())] == 0
+            pm = p.metrics()
+            assert pm[("tandem_fabric_auth_total", (("result", "failed"),))] >= 1
+            prefill_idle(p)
+        finally:
+            bad.stop()
+    finally:
+        p.stop()
+    with pytest.raises(RuntimeError, match="16 to 256 bytes"):
+        prefill_node(["--fabric-key", key_file("short")])

@@ -20,11 +20,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (tdm_xfer_wire_parse(data, size, &h, &payload) == TDM_OK) {
         if (payload < data || payload + h.payload_bytes != data + size) abort();
         if (h.type == TDM_XFER_MSG_HELLO) {
-            int bits;
-            const uint8_t *addr;
-            size_t n;
-            if (tdm_xfer_wire_hello_parse(payload, h.payload_bytes, &bits, &addr, &n) == TDM_OK &&
-                (addr + n != payload + h.payload_bytes || (bits != 32 && bits != 64)))
+            struct tdm_xfer_hello hl;
+            if (tdm_xfer_wire_hello_parse(payload, h.payload_bytes, &hl) == TDM_OK &&
+                (hl.addr + hl.addr_bytes + 1 != hl.challenge ||
+                 hl.challenge + TDM_XFER_CHALLENGE != payload + h.payload_bytes ||
+                 (hl.imm_bits != 32 && hl.imm_bits != 64) || (hl.flags & ~TDM_XFER_HELLO_KEYED)))
                 abort();
         }
         if (h.type == TDM_XFER_MSG_IMM) {

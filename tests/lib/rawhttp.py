@@ -8,15 +8,10 @@ import json
 import socket
 
 
-def raw_http(port, method, path, body: bytes, headers=None, timeout=60):
-    """One exchange; returns (status, head bytes, body with chunked framing removed). A header
-    given as None is left out."""
-    hdr = {"Host": "127.0.0.1", "Content-Type": "application/json",
-           "Content-Length": str(len(body)), "Connection": "close", **(headers or {})}
-    hdr = {k: v for k, v in hdr.items() if v is not None}
-    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdr.items())
+def exchange_bytes(port, head: bytes, body: bytes = b"", timeout=60):
+    """Sends head then body as they are, and reads the whole answer until the peer closes."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(head.encode() + b"\r\n")
+        s.sendall(head)
         try:
             s.sendall(body)
         except (BrokenPipeError, ConnectionResetError):
@@ -30,6 +25,17 @@ def raw_http(port, method, path, body: bytes, headers=None, timeout=60):
             if not chunk:
                 break
             data += chunk
+    return data
+
+
+def raw_http(port, method, path, body: bytes, headers=None, timeout=60):
+    """One exchange; returns (status, head bytes, body with chunked framing removed). A header
+    given as None is left out."""
+    hdr = {"Host": "127.0.0.1", "Content-Type": "application/json",
+           "Content-Length": str(len(body)), "Connection": "close", **(headers or {})}
+    hdr = {k: v for k, v in hdr.items() if v is not None}
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdr.items())
+    data = exchange_bytes(port, head.encode() + b"\r\n", body, timeout)
     head, _, payload = data.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     if b"transfer-encoding: chunked" in head.lower():

@@ -156,8 +156,8 @@ static void test_wire(void **state)
     const uint8_t *payload;
     tdm_xfer_wire_put_hdr(buf, TDM_XFER_MSG_USER, 0x1122334455667788ull, 3);
     memcpy(buf + TDM_XFER_WIRE_HDR, "abc", 3);
-    /* hand-written bytes: magic "TDXF", version 1, type 3 */
-    assert_memory_equal(buf, "TDXF\x01\x03\x00\x00\x88\x77\x66\x55\x44\x33\x22\x11\x03\0\0\0", 20);
+    /* hand-written bytes: magic "TDXF", version 2, type 3 */
+    assert_memory_equal(buf, "TDXF\x02\x03\x00\x00\x88\x77\x66\x55\x44\x33\x22\x11\x03\0\0\0", 20);
     assert_int_equal(tdm_xfer_wire_parse(buf, 23, &h, &payload), TDM_OK);
     assert_int_equal(h.type, TDM_XFER_MSG_USER);
     assert_true(h.nonce == 0x1122334455667788ull);
@@ -171,19 +171,34 @@ static void test_wire(void **state)
     buf[0] = 'X';
     assert_int_equal(tdm_xfer_wire_parse(buf, 23, &h, &payload), TDM_EFORMAT);
 
-    uint8_t hello[64], addr[5] = {1, 2, 3, 4, 5};
-    size_t n = tdm_xfer_wire_hello_put(hello, sizeof(hello), 64, addr, 5);
-    assert_int_equal(n, 8);
-    int bits;
-    const uint8_t *a;
-    size_t an;
-    assert_int_equal(tdm_xfer_wire_hello_parse(hello, n, &bits, &a, &an), TDM_OK);
-    assert_int_equal(bits, 64);
-    assert_int_equal(an, 5);
-    assert_memory_equal(a, addr, 5);
-    assert_int_equal(tdm_xfer_wire_hello_parse(hello, n - 1, &bits, &a, &an), TDM_EFORMAT);
+    uint8_t hello[64], addr[5] = {1, 2, 3, 4, 5}, chal[TDM_XFER_CHALLENGE];
+    for (int i = 0; i < TDM_XFER_CHALLENGE; i++)
+        chal[i] = (uint8_t)(3 * i + 1);
+    size_t n =
+        tdm_xfer_wire_hello_put(hello, sizeof(hello), 64, addr, 5, TDM_XFER_HELLO_KEYED, chal);
+    assert_int_equal(n, 8 + 1 + TDM_XFER_CHALLENGE);
+    struct tdm_xfer_hello hl;
+    assert_int_equal(tdm_xfer_wire_hello_parse(hello, n, &hl), TDM_OK);
+    assert_int_equal(hl.imm_bits, 64);
+    assert_int_equal(hl.addr_bytes, 5);
+    assert_memory_equal(hl.addr, addr, 5);
+    assert_int_equal(hl.flags, TDM_XFER_HELLO_KEYED);
+    assert_memory_equal(hl.challenge, chal, TDM_XFER_CHALLENGE);
+    assert_int_equal(tdm_xfer_wire_hello_parse(hello, n - 1, &hl), TDM_EFORMAT);
+    hello[8] = 0x80; /* an unknown flag */
+    assert_int_equal(tdm_xfer_wire_hello_parse(hello, n, &hl), TDM_EFORMAT);
+    hello[8] = 0;
     hello[0] = 48;
-    assert_int_equal(tdm_xfer_wire_hello_parse(hello, n, &bits, &a, &an), TDM_EFORMAT);
+    assert_int_equal(tdm_xfer_wire_hello_parse(hello, n, &hl), TDM_EFORMAT);
+    /* a proof is exactly 32 bytes */
+    uint8_t auth[TDM_XFER_WIRE_HDR + TDM_XFER_PROOF + 1] = {0};
+    tdm_xfer_wire_put_hdr(auth, TDM_XFER_MSG_AUTH, 9, TDM_XFER_PROOF);
+    assert_int_equal(tdm_xfer_wire_parse(auth, TDM_XFER_WIRE_HDR + TDM_XFER_PROOF, &h, &payload),
+                     TDM_OK);
+    tdm_xfer_wire_put_hdr(auth, TDM_XFER_MSG_AUTH, 9, TDM_XFER_PROOF + 1);
+    assert_int_equal(
+        tdm_xfer_wire_parse(auth, TDM_XFER_WIRE_HDR + TDM_XFER_PROOF + 1, &h, &payload),
+        TDM_EFORMAT);
 
     struct tdm_xfer_rmem r = {.addr = 0x7f0000001000ull,
                               .key = 42,
@@ -446,19 +461,172 @@ static void test_engine_loopback_shm(void **state)
 
 /* The libfabric engine through the transport table (what disagg calls): a paged write with an
  * immediate and a single write land, the counter fires, regions come back from the table. */
+/* ---- the fabric key ---- */
+
+static bool wait_text(struct got_msg *g, const char *want, int ms)
+{
+    for (int i = 0; i < ms / 2; i++) {
+        pthread_mutex_lock(&g->mu);
+        bool got = !strcmp(g->text, want);
+        pthread_mutex_unlock(&g->mu);
+        if (got) return true;
+        usleep(2000);
+    }
+    return false;
+}
+
+static volatile int key_fired;
+static volatile tdm_status key_status;
+static void on_key_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
+{
+    (void)ctx, (void)slot, (void)epoch;
+    key_status = st;
+    __atomic_add_fetch(&key_fired, 1, __ATOMIC_SEQ_CST);
+}
+
+/* With a fabric key: peers holding it meet and talk; a peer with another key or none never
+ * becomes known, and nothing it sends (messages, immediates) is read; a counter armed for one
+ * peer ignores the same immediate from another proven peer. Over shm and tcp;ofi_rxm. */
+static void run_fabric_key(const char *provider, const char *node)
+{
+    struct got_msg g = {PTHREAD_MUTEX_INITIALIZER, ""};
+    static const char key[] = "a cluster secret of 32 bytes....";
+    static const char other[] = "another secret, also 32 bytes...";
+    struct tdm_xfer_config cfg;
+    tdm_xfer_config_default(&cfg);
+    cfg.provider = provider;
+    cfg.node = node;
+    cfg.faults = "";
+    cfg.peer_timeout_ms = 1500;
+    cfg.fabric_key = key;
+    cfg.fabric_key_bytes = 32;
+    tdm_xfer_t *a, *b, *c, *d, *e;
+    assert_int_equal(tdm_xfer_create(&cfg, &a), TDM_OK);
+    assert_int_equal(tdm_xfer_create(&cfg, &c), TDM_OK);
+    cfg.on_msg = on_msg;
+    cfg.on_msg_ctx = &g;
+    assert_int_equal(tdm_xfer_create(&cfg, &b), TDM_OK);
+    cfg.on_msg = NULL;
+    cfg.fabric_key = other;
+    assert_int_equal(tdm_xfer_create(&cfg, &d), TDM_OK);
+    cfg.fabric_key = NULL;
+    cfg.fabric_key_bytes = 0;
+    assert_int_equal(tdm_xfer_create(&cfg, &e), TDM_OK);
+    /* a short key is refused */
+    cfg.fabric_key = "short";
+    cfg.fabric_key_bytes = 5;
+    tdm_xfer_t *bad = NULL;
+    assert_int_equal(tdm_xfer_create(&cfg, &bad), TDM_EINVAL);
+
+    char addr_b[TDM_XFER_ADDR_MAX], addr_a[TDM_XFER_ADDR_MAX], addr_c[TDM_XFER_ADDR_MAX];
+    assert_int_equal(tdm_xfer_addr(b, addr_b, sizeof addr_b), TDM_OK);
+    assert_int_equal(tdm_xfer_addr(a, addr_a, sizeof addr_a), TDM_OK);
+    assert_int_equal(tdm_xfer_addr(c, addr_c, sizeof addr_c), TDM_OK);
+    uint32_t ab, cb, db, eb, ba, bc;
+    assert_int_equal(tdm_xfer_peer_add(a, addr_b, &ab), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_add(c, addr_b, &cb), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_add(d, addr_b, &db), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_add(e, addr_b, &eb), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(a, ab, 5000), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(c, cb, 5000), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_add(b, addr_a, &ba), TDM_OK); /* the entry its hello made */
+    assert_int_equal(tdm_xfer_peer_add(b, addr_c, &bc), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(b, ba, 5000), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(b, bc, 5000), TDM_OK);
+
+    /* the wrong key and no key: never known; what they send is never read */
+    assert_int_not_equal(tdm_xfer_peer_wait(d, db, 2500), TDM_OK);
+    assert_int_not_equal(tdm_xfer_peer_wait(e, eb, 500), TDM_OK);
+    tdm_xfer_send(d, db, "forged", 6, 0, NULL, NULL);
+    struct tdm_xfer_imm forged = {7, 3, 0};
+    tdm_xfer_send_imm(d, db, &forged, 0, NULL, NULL);
+    assert_int_equal(tdm_xfer_send(a, ab, "hello b", 7, 0, NULL, NULL), TDM_OK);
+    assert_true(wait_text(&g, "hello b", 2000));
+
+    /* a counter armed for a: the same immediate from c (a proven peer, but not a) is ignored */
+    key_fired = 0;
+    assert_int_equal(
+        tdm_xfer_counters_arm(tdm_xfer_get_counters(b), 7, 3, 1, ba, 5000, on_key_fire, NULL),
+        TDM_OK);
+    struct tdm_xfer_imm imm = {7, 3, 0};
+    struct tdm_xfer_sync sy;
+    tdm_xfer_sync_init(&sy);
+    tdm_xfer_sync_add(&sy, 1);
+    assert_int_equal(tdm_xfer_send_imm(c, cb, &imm, 0, tdm_xfer_sync_done, &sy), TDM_OK);
+    assert_int_equal(tdm_xfer_sync_wait(&sy, 5000), TDM_OK);
+    struct tdm_xfer_counter_stats cs;
+    for (int i = 0; i < 500; i++) {
+        tdm_xfer_counters_get_stats(tdm_xfer_get_counters(b), &cs);
+        if (cs.wrong_peer) break;
+        usleep(2000);
+    }
+    assert_int_equal(cs.wrong_peer, 1);
+    assert_int_equal(key_fired, 0);
+    /* and from a, through an RMA write's immediate: counted */
+    enum { PAGE = 64 };
+    uint8_t *src = calloc(4, PAGE), *dst = calloc(4, PAGE);
+    memset(src, 0x5a, 4 * PAGE);
+    tdm_xfer_mr_t *ms, *md;
+    assert_int_equal(tdm_xfer_mr_reg(a, src, 4 * PAGE, TDM_XFER_MEM_HOST, &ms), TDM_OK);
+    assert_int_equal(tdm_xfer_mr_reg(b, dst, 4 * PAGE, TDM_XFER_MEM_HOST, &md), TDM_OK);
+    struct tdm_xfer_rmem r;
+    tdm_xfer_mr_remote(md, &r);
+    tdm_xfer_sync_add(&sy, 1);
+    assert_int_equal(
+        tdm_xfer_write(a, ab, ms, 0, &r, 0, 4 * PAGE, &imm, 0, tdm_xfer_sync_done, &sy), TDM_OK);
+    assert_int_equal(tdm_xfer_sync_wait(&sy, 5000), TDM_OK);
+    for (int i = 0; i < 1000 && !__atomic_load_n(&key_fired, __ATOMIC_SEQ_CST); i++)
+        usleep(2000);
+    assert_int_equal(key_fired, 1);
+    assert_int_equal(key_status, TDM_OK);
+    assert_memory_equal(dst, src, 4 * PAGE);
+
+    /* b's view: proofs from a and c, refusals of d and e, their messages dropped */
+    struct tdm_xfer_stats st;
+    tdm_xfer_get_stats(b, &st);
+    assert_true(st.auth_ok >= 2);
+    assert_true(st.auth_failed >= 1);
+    assert_true(st.unauth_dropped >= 1);
+    pthread_mutex_lock(&g.mu);
+    assert_string_equal(g.text, "hello b"); /* "forged" never arrived */
+    pthread_mutex_unlock(&g.mu);
+    print_message("fabric key over %s: auth ok %llu, failed %llu, dropped %llu, wrong peer "
+                  "%llu\n",
+                  provider, (unsigned long long)st.auth_ok, (unsigned long long)st.auth_failed,
+                  (unsigned long long)st.unauth_dropped, (unsigned long long)cs.wrong_peer);
+    tdm_xfer_sync_destroy(&sy);
+    tdm_xfer_mr_dereg(ms);
+    tdm_xfer_mr_dereg(md);
+    free(src);
+    free(dst);
+    tdm_xfer_destroy(e);
+    tdm_xfer_destroy(d);
+    tdm_xfer_destroy(c);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+}
+
+static void test_fabric_key_shm(void **state)
+{
+    (void)state;
+    run_fabric_key("shm", NULL);
+}
+
+static void test_fabric_key_tcp(void **state)
+{
+    (void)state;
+    run_fabric_key("tcp;ofi_rxm", "127.0.0.1");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_merge_runs),
-        cmocka_unit_test(test_pages_check),
-        cmocka_unit_test(test_imm_layout),
-        cmocka_unit_test(test_faults),
-        cmocka_unit_test(test_addr),
-        cmocka_unit_test(test_wire),
-        cmocka_unit_test(test_counters),
-        cmocka_unit_test(test_counter_callback_rearms),
-        cmocka_unit_test(test_sync_timeout),
-        cmocka_unit_test(test_engine_loopback_shm),
+        cmocka_unit_test(test_merge_runs),     cmocka_unit_test(test_pages_check),
+        cmocka_unit_test(test_imm_layout),     cmocka_unit_test(test_faults),
+        cmocka_unit_test(test_addr),           cmocka_unit_test(test_wire),
+        cmocka_unit_test(test_counters),       cmocka_unit_test(test_counter_callback_rearms),
+        cmocka_unit_test(test_sync_timeout),   cmocka_unit_test(test_engine_loopback_shm),
+        cmocka_unit_test(test_fabric_key_shm), cmocka_unit_test(test_fabric_key_tcp),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -14,11 +14,11 @@
 
 #include "xfer/fabric/fabric_int.h"
 
-static void imm_deliver_now(tdm_xfer_t *x, uint64_t data)
+static void imm_deliver_now(tdm_xfer_t *x, uint64_t data, uint32_t peer)
 {
     struct tdm_xfer_imm imm;
     tdm_xfer_imm_decode(x->caps.imm_bits, data, &imm);
-    tdm_xfer_counters_deliver(x->counters, &imm);
+    tdm_xfer_counters_deliver_from(x->counters, &imm, peer);
 }
 
 static void release_held(tdm_xfer_t *x, uint64_t now, bool all)
@@ -26,7 +26,7 @@ static void release_held(tdm_xfer_t *x, uint64_t now, bool all)
     int k = 0;
     for (int i = 0; i < x->n_held; i++) {
         if (all || now - x->held[i].since_ns >= REORDER_HOLD_NS)
-            imm_deliver_now(x, x->held[i].data);
+            imm_deliver_now(x, x->held[i].data, x->held[i].peer);
         else
             x->held[k++] = x->held[i];
     }
@@ -35,26 +35,28 @@ static void release_held(tdm_xfer_t *x, uint64_t now, bool all)
 
 /* Delivery after the optional delay; a delivery also releases the immediates held for reorder,
  * so they land after it. */
-static void imm_deliver(tdm_xfer_t *x, uint64_t data)
+static void imm_deliver(tdm_xfer_t *x, uint64_t data, uint32_t peer)
 {
-    imm_deliver_now(x, data);
+    imm_deliver_now(x, data, peer);
     if (x->n_held) release_held(x, 0, true);
 }
 
-static void imm_schedule(tdm_xfer_t *x, uint64_t data)
+static void imm_schedule(tdm_xfer_t *x, uint64_t data, uint32_t peer)
 {
     if (x->faults.delay_imm_ms > 0 && x->delay_count < DELAY_RING) {
         uint32_t at = (x->delay_head + x->delay_count) % DELAY_RING;
         x->delay_ring[at].release_ns = tdm_now_ns() + (uint64_t)x->faults.delay_imm_ms * 1000000ull;
         x->delay_ring[at].data = data;
+        x->delay_ring[at].peer = peer;
         x->delay_count++;
         STAT_ADD(x, imm_delayed, 1);
         return;
     }
-    imm_deliver(x, data);
+    imm_deliver(x, data, peer);
 }
 
-static void imm_arrived(tdm_xfer_t *x, uint64_t data)
+/* An immediate from `peer` (TDM_XFER_ANY_PEER: the provider did not say who sent it). */
+static void imm_arrived(tdm_xfer_t *x, uint64_t data, uint32_t peer)
 {
     STAT_ADD(x, imm_received, 1);
     switch (tdm_xfer_faults_imm(&x->faults, x->imm_seq++)) {
@@ -63,18 +65,18 @@ static void imm_arrived(tdm_xfer_t *x, uint64_t data)
         return;
     case TDM_XFER_IMM_DUP:
         STAT_ADD(x, imm_duplicated, 1);
-        imm_schedule(x, data);
-        imm_schedule(x, data);
+        imm_schedule(x, data, peer);
+        imm_schedule(x, data, peer);
         return;
     case TDM_XFER_IMM_REORDER:
         if (x->n_held < HELD_MAX) {
             STAT_ADD(x, imm_reordered, 1);
-            x->held[x->n_held++] = (struct held_imm){data, tdm_now_ns()};
+            x->held[x->n_held++] = (struct held_imm){data, tdm_now_ns(), peer};
             return;
         }
         /* fallthrough */
     case TDM_XFER_IMM_DELIVER:
-        imm_schedule(x, data);
+        imm_schedule(x, data, peer);
         return;
     }
 }
@@ -83,9 +85,10 @@ void tdm_fab_fault_timers(tdm_xfer_t *x, uint64_t now)
 {
     while (x->delay_count && x->delay_ring[x->delay_head].release_ns <= now) {
         uint64_t d = x->delay_ring[x->delay_head].data;
+        uint32_t p = x->delay_ring[x->delay_head].peer;
         x->delay_head = (x->delay_head + 1) % DELAY_RING;
         x->delay_count--;
-        imm_deliver(x, d);
+        imm_deliver(x, d, p);
     }
     if (x->n_held) release_held(x, now, false);
 }
@@ -97,6 +100,72 @@ static struct op *op_of(tdm_xfer_t *x, void *ctx)
     return o;
 }
 
+/* Constant-time comparison of two proofs. */
+static bool proof_equal(const uint8_t *a, const uint8_t *b)
+{
+    uint8_t d = 0;
+    for (int i = 0; i < TDM_XFER_PROOF; i++)
+        d |= a[i] ^ b[i];
+    return d == 0;
+}
+
+/* A hello: binds the sender's nonce and challenge to its entry (inserted when new). Under mu.
+ * Returns the peer, or UINT32_MAX when the hello is refused. */
+static uint32_t take_hello(tdm_xfer_t *x, const struct tdm_xfer_wire_hdr *h, const uint8_t *payload,
+                           bool *send_back, bool *send_auth, bool *newly_known)
+{
+    struct tdm_xfer_hello hl;
+    if (tdm_xfer_wire_hello_parse(payload, h->payload_bytes, &hl) != TDM_OK ||
+        hl.addr_bytes > ADDR_RAW_MAX) {
+        TDM_WARN("xfer: bad hello: %s", tdm_err_msg());
+        return UINT32_MAX;
+    }
+    if (hl.imm_bits != x->caps.imm_bits) {
+        TDM_WARN("xfer: peer uses %d-bit immediates, we use %d; ignored", hl.imm_bits,
+                 x->caps.imm_bits);
+        return UINT32_MAX;
+    }
+    if (x->key_bytes && !(hl.flags & TDM_XFER_HELLO_KEYED)) {
+        STAT_ADD(x, auth_failed, 1);
+        TDM_WARN("xfer: a hello from a peer without the fabric key; ignored");
+        return UINT32_MAX;
+    }
+    if (!x->key_bytes && (hl.flags & TDM_XFER_HELLO_KEYED)) {
+        TDM_WARN("xfer: a peer wants a fabric key and this node has none (--fabric-key); "
+                 "ignored");
+        return UINT32_MAX;
+    }
+    uint32_t peer = UINT32_MAX;
+    bool inserted;
+    if (tdm_fab_peer_find_or_insert_locked(x, hl.addr, hl.addr_bytes, &peer, &inserted) != TDM_OK) {
+        TDM_WARN("xfer: hello from a peer we cannot add: %s", tdm_err_msg());
+        return UINT32_MAX;
+    }
+    struct peer *p = &x->peers[peer];
+    if (p->nonce_set && p->nonce != h->nonce) {
+        /* the same address with another nonce: a restarted process, or someone claiming its
+         * address. Without a key the newest wins (as before keys existed); with one, a proven
+         * incarnation keeps the entry until it dies, and an unproven one is replaced */
+        if (x->key_bytes && p->known) {
+            TDM_DEBUG("xfer: peer %u said hello with another nonce while proven; ignored", peer);
+            return UINT32_MAX;
+        }
+    }
+    p->nonce = h->nonce;
+    p->nonce_set = true;
+    memcpy(p->their_chal, hl.challenge, TDM_XFER_CHALLENGE);
+    *send_back = !p->hello_sent;
+    p->hello_sent = true;
+    if (x->key_bytes) {
+        *send_auth = true; /* every hello gets our proof: the first may have been lost */
+    } else if (!p->known) {
+        p->known = true;
+        *newly_known = true;
+        pthread_cond_broadcast(&x->cv);
+    }
+    return peer;
+}
+
 static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
 {
     struct tdm_xfer_wire_hdr h;
@@ -106,53 +175,50 @@ static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
         return;
     }
     uint32_t peer = UINT32_MAX;
-    bool newly_known = false, send_back = false;
+    bool newly_known = false, send_back = false, send_auth = false;
     pthread_mutex_lock(&x->mu);
     for (uint32_t i = 0; i < x->n_peers; i++)
-        if (x->peers[i].known && x->peers[i].nonce == h.nonce) peer = i;
-    if (h.type == TDM_XFER_MSG_HELLO && peer == UINT32_MAX) {
-        int imm_bits;
-        const uint8_t *addr;
-        size_t addr_bytes;
-        bool inserted;
-        if (tdm_xfer_wire_hello_parse(payload, h.payload_bytes, &imm_bits, &addr, &addr_bytes) !=
-                TDM_OK ||
-            addr_bytes > ADDR_RAW_MAX) {
-            pthread_mutex_unlock(&x->mu);
-            TDM_WARN("xfer: bad hello: %s", tdm_err_msg());
-            return;
-        } else if (imm_bits != x->caps.imm_bits) {
-            pthread_mutex_unlock(&x->mu);
-            TDM_WARN("xfer: peer uses %d-bit immediates, we use %d; ignored", imm_bits,
-                     x->caps.imm_bits);
-            return;
-        } else if (tdm_fab_peer_find_or_insert_locked(x, addr, addr_bytes, &peer, &inserted) !=
-                   TDM_OK) {
-            pthread_mutex_unlock(&x->mu);
-            TDM_WARN("xfer: hello from a peer we cannot add: %s", tdm_err_msg());
-            return;
+        if (x->peers[i].nonce_set && x->peers[i].nonce == h.nonce && !x->peers[i].dead) peer = i;
+    if (h.type == TDM_XFER_MSG_HELLO) {
+        peer = take_hello(x, &h, payload, &send_back, &send_auth, &newly_known);
+    } else if (h.type == TDM_XFER_MSG_AUTH && peer != UINT32_MAX && x->key_bytes &&
+               !x->peers[peer].known) {
+        uint8_t want[TDM_XFER_PROOF];
+        tdm_fab_proof(x, x->peers[peer].my_chal, h.nonce, x->nonce, want);
+        if (proof_equal(want, payload)) {
+            x->peers[peer].known = true;
+            newly_known = true;
+            STAT_ADD(x, auth_ok, 1);
+            pthread_cond_broadcast(&x->cv);
+        } else {
+            STAT_ADD(x, auth_failed, 1);
+            if (!x->peers[peer].auth_warned)
+                TDM_WARN("xfer: peer %u's proof of the fabric key is wrong (another key?); "
+                         "ignored",
+                         peer);
+            x->peers[peer].auth_warned = true;
         }
-        struct peer *p = &x->peers[peer];
-        p->known = true;
-        p->nonce = h.nonce;
-        newly_known = true;
-        send_back = !p->hello_sent;
-        p->hello_sent = true;
-        pthread_cond_broadcast(&x->cv);
     }
-    if (peer != UINT32_MAX) x->peers[peer].last_seen_ns = tdm_now_ns();
-    bool dead = peer != UINT32_MAX && x->peers[peer].dead;
+    bool known = peer != UINT32_MAX && x->peers[peer].known;
+    if (known) x->peers[peer].last_seen_ns = tdm_now_ns();
     pthread_mutex_unlock(&x->mu);
-    if (peer == UINT32_MAX || dead) return; /* unknown sender or a dead incarnation */
-    STAT_ADD(x, msgs_received, 1);
+    if (peer == UINT32_MAX) return; /* unknown sender, a dead incarnation, a refused hello */
     if (send_back) tdm_fab_send_hello(x, peer);
+    if (send_auth) tdm_fab_send_auth(x, peer);
+    if (!known) {
+        /* not proven yet: nothing else it says is read */
+        if (h.type != TDM_XFER_MSG_HELLO && h.type != TDM_XFER_MSG_AUTH)
+            STAT_ADD(x, unauth_dropped, 1);
+        return;
+    }
+    STAT_ADD(x, msgs_received, 1);
     if (newly_known && x->cfg.on_peer) x->cfg.on_peer(x->cfg.on_peer_ctx, peer, true);
     switch (h.type) {
     case TDM_XFER_MSG_USER:
         if (x->cfg.on_msg) x->cfg.on_msg(x->cfg.on_msg_ctx, peer, payload, h.payload_bytes);
         break;
     case TDM_XFER_MSG_IMM:
-        imm_arrived(x, tdm_get_u64(payload));
+        imm_arrived(x, tdm_get_u64(payload), peer);
         break;
     case TDM_XFER_MSG_BYE:
         tdm_fab_peer_declare_dead(x, peer, "it said goodbye");
@@ -165,7 +231,10 @@ static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
 static void handle_completion(tdm_xfer_t *x, const struct fi_cq_data_entry *e)
 {
     if ((e->flags & FI_REMOTE_CQ_DATA) && (e->flags & (FI_RMA | FI_REMOTE_WRITE))) {
-        imm_arrived(x, e->data);
+        /* The writer is not named (providers' source reports for remote writes are not
+         * reliable: tcp;ofi_rxm's do not match the address table); such an immediate is fenced
+         * by the region's random key, which only proven peers were given (docs/SECURITY.md). */
+        imm_arrived(x, e->data, TDM_XFER_ANY_PEER);
         x->traffic = true;
     }
     struct op *op = op_of(x, e->op_context);

@@ -112,10 +112,22 @@ static tdm_status reg_raw(tdm_xfer_t *x, void *base, size_t bytes, struct fid_mr
                           uint64_t *key, void **desc)
 {
     uint64_t access = FI_SEND | FI_RECV | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
-    pthread_mutex_lock(&x->mu);
-    uint64_t requested = x->next_key++;
-    pthread_mutex_unlock(&x->mu);
-    int rc = fi_mr_reg(x->domain, base, bytes, access, 0, requested, 0, mr, NULL);
+    /* a key we choose is random (a guessed key is a way in; the provider's own keys, under
+     * FI_MR_PROV_KEY, are the provider's business), within the provider's key size; a
+     * collision with a key in use is retried */
+    size_t key_size = x->info->domain_attr->mr_key_size;
+    uint64_t mask = key_size >= 8 ? ~0ull : key_size ? (1ull << (8 * key_size)) - 1 : 0xffffull;
+    int rc = -FI_ENOKEY;
+    for (int tries = 0; tries < 8 && rc == -FI_ENOKEY; tries++) {
+        uint64_t requested;
+        if (!tdm_xfer_random(&requested, sizeof requested)) {
+            pthread_mutex_lock(&x->mu);
+            requested = x->next_key++;
+            pthread_mutex_unlock(&x->mu);
+        }
+        requested &= mask;
+        rc = fi_mr_reg(x->domain, base, bytes, access, 0, requested, 0, mr, NULL);
+    }
     if (rc) return tdm_err_set(TDM_EIO, "xfer: fi_mr_reg of %zu bytes: %s", bytes, fi_msg(rc));
     if (x->info->domain_attr->mr_mode & FI_MR_ENDPOINT) {
         if ((rc = fi_mr_bind(*mr, &x->ep->fid, 0)) || (rc = fi_mr_enable(*mr))) {
@@ -165,10 +177,27 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
     pthread_condattr_destroy(&ca);
     x->submit_head = x->submit_tail = x->active_head = x->active_tail = -1;
     x->next_key = 1;
-    uint32_t seed[4] = {(uint32_t)getpid(), (uint32_t)tdm_now_ns(), (uint32_t)(uintptr_t)x, 7};
-    uint32_t key[2] = {(uint32_t)(tdm_now_ns() >> 32), 0x9e3779b9u}, r[4];
-    tdm_philox4x32(seed, key, r);
-    x->nonce = ((uint64_t)r[0] << 32 | r[1]) | 1;
+    if (!tdm_xfer_random(&x->nonce, sizeof x->nonce)) {
+        st = tdm_err_set(TDM_EIO, "xfer: no random bytes for the engine's nonce");
+        pthread_mutex_destroy(&x->mu);
+        pthread_cond_destroy(&x->cv);
+        free(x);
+        return st;
+    }
+    x->nonce |= 1;
+    if (cfg.fabric_key) {
+        if (cfg.fabric_key_bytes < 16 || cfg.fabric_key_bytes > sizeof x->key) {
+            st = tdm_err_set(TDM_EINVAL, "xfer: a fabric key of %zu bytes (16 to %zu)",
+                             cfg.fabric_key_bytes, sizeof x->key);
+            pthread_mutex_destroy(&x->mu);
+            pthread_cond_destroy(&x->cv);
+            free(x);
+            return st;
+        }
+        memcpy(x->key, cfg.fabric_key, cfg.fabric_key_bytes);
+        x->key_bytes = cfg.fabric_key_bytes;
+    }
+    x->cfg.fabric_key = NULL; /* the copy is x->key */
 
     int n_rx = cfg.ctrl_rx_depth;
     x->n_ops = cfg.max_ops + n_rx;
@@ -262,6 +291,7 @@ void tdm_xfer_destroy(tdm_xfer_t *x)
     free(x->ops);
     pthread_mutex_destroy(&x->mu);
     pthread_cond_destroy(&x->cv);
+    explicit_bzero(x->key, sizeof x->key);
     free(x);
 }
 

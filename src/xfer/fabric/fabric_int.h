@@ -41,6 +41,20 @@
  * sender (we insert its address and hello back). Every message carries the sender's random nonce,
  * which maps it to its entry; any message refreshes last_seen. Dead is final for an entry: a
  * restarted process has a new nonce and becomes a new peer.
+ *
+ * With a fabric key, a peer's life:
+ *
+ *   add / its hello --> HELLOED --(its AUTH proves the key)--> KNOWN --> ... --> DEAD
+ *                         |  (our hello, with its challenge, is resent every heartbeat;
+ *                         |   every hello from it is answered with our AUTH)
+ *                         +--(bad proof: counted, ignored; silence: DEAD after peer_timeout)
+ *
+ *   from     to      where                      when
+ *   -        HELLOED peer_add / handle_message  we add it, or its hello arrives (nonce bound)
+ *   HELLOED  KNOWN   handle_message (AUTH)      HMAC(key, label|our challenge|its nonce|ours)
+ *   HELLOED  DEAD    progress timers            nothing proven for peer_timeout_ms
+ * Messages other than HELLO and AUTH, and immediates, from a peer that is not KNOWN are
+ * dropped before they are read. Without a key a hello makes it KNOWN at once.
  */
 #ifndef TANDEM_XFER_FABRIC_INT_H
 #define TANDEM_XFER_FABRIC_INT_H
@@ -101,8 +115,12 @@ struct op {
 };
 
 struct peer {
-    bool used, dead, known; /* known: its hello arrived (nonce bound) */
+    bool used, dead, known; /* known: its hello arrived (nonce bound) and, with a key, its proof */
     bool hello_sent;
+    bool nonce_set;                         /* its hello arrived: `nonce` is its own */
+    bool auth_warned;                       /* a bad proof was logged once */
+    uint8_t my_chal[TDM_XFER_CHALLENGE];    /* the challenge our hellos to it carry */
+    uint8_t their_chal[TDM_XFER_CHALLENGE]; /* the one its hello carried */
     fi_addr_t fi;
     uint8_t addr[ADDR_RAW_MAX];
     size_t addr_bytes;
@@ -113,6 +131,7 @@ struct peer {
 struct held_imm {
     uint64_t data;
     uint64_t since_ns;
+    uint32_t peer; /* the sender, or TDM_XFER_ANY_PEER */
 };
 
 struct tdm_xfer {
@@ -122,6 +141,8 @@ struct tdm_xfer {
     struct tdm_xfer_faults faults;
     struct tdm_xfer_caps caps;
     uint64_t nonce;
+    uint8_t key[256]; /* the fabric key; key_bytes 0: none */
+    size_t key_bytes;
 
     struct fi_info *info;
     struct fid_fabric *fabric;
@@ -165,6 +186,7 @@ struct tdm_xfer {
     uint64_t imm_seq, write_seq;
     struct {
         uint64_t release_ns, data;
+        uint32_t peer;
     } * delay_ring;
     uint32_t delay_head, delay_count;
     struct held_imm held[HELD_MAX];
@@ -209,6 +231,10 @@ tdm_status tdm_fab_peer_find_or_insert_locked(tdm_xfer_t *x, const uint8_t *raw,
 tdm_status tdm_fab_send_typed(tdm_xfer_t *x, uint32_t peer, uint8_t type, const void *payload,
                               size_t bytes, int timeout_ms, tdm_xfer_done_fn done, void *ctx);
 void tdm_fab_send_hello(tdm_xfer_t *x, uint32_t peer);
+/* Our proof for `peer` (its challenge, both nonces); x->key set, mu held or the peer stable. */
+void tdm_fab_proof(const tdm_xfer_t *x, const uint8_t chal[TDM_XFER_CHALLENGE], uint64_t from,
+                   uint64_t to, uint8_t out[TDM_XFER_PROOF]);
+void tdm_fab_send_auth(tdm_xfer_t *x, uint32_t peer);
 void tdm_fab_fault_timers(tdm_xfer_t *x, uint64_t now);
 int tdm_fab_op_get(tdm_xfer_t *x, int reserve);
 void tdm_fab_op_put(tdm_xfer_t *x, int o);

@@ -11,6 +11,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <gnutls/crypto.h>
+
 #include "xfer/fabric/fabric_int.h"
 
 void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why)
@@ -62,16 +64,52 @@ tdm_status tdm_fab_peer_find_or_insert_locked(tdm_xfer_t *x, const uint8_t *raw,
     memcpy(p->addr, raw, n);
     p->addr_bytes = n;
     p->last_seen_ns = tdm_now_ns();
+    if (!tdm_xfer_random(p->my_chal, sizeof p->my_chal))
+        return tdm_err_set(TDM_EIO, "xfer: no random bytes for a challenge");
     *out = i;
     *inserted = true;
     return TDM_OK;
 }
 
+/* HMAC-SHA256(key, label | challenge | from | to): `from` proves to `to` that it holds the
+ * key, for the challenge `to` sent. */
+void tdm_fab_proof(const tdm_xfer_t *x, const uint8_t chal[TDM_XFER_CHALLENGE], uint64_t from,
+                   uint64_t to, uint8_t out[TDM_XFER_PROOF])
+{
+    static const char label[] = "tandem fabric auth v1";
+    uint8_t msg[sizeof label + TDM_XFER_CHALLENGE + 16];
+    memcpy(msg, label, sizeof label);
+    memcpy(msg + sizeof label, chal, TDM_XFER_CHALLENGE);
+    tdm_put_u64(msg + sizeof label + TDM_XFER_CHALLENGE, from);
+    tdm_put_u64(msg + sizeof label + TDM_XFER_CHALLENGE + 8, to);
+    if (gnutls_hmac_fast(GNUTLS_MAC_SHA256, x->key, x->key_bytes, msg, sizeof msg, out))
+        memset(out, 0, TDM_XFER_PROOF); /* never a valid proof: the check compares HMACs */
+}
+
+void tdm_fab_send_auth(tdm_xfer_t *x, uint32_t peer)
+{
+    uint8_t proof[TDM_XFER_PROOF];
+    pthread_mutex_lock(&x->mu);
+    uint8_t chal[TDM_XFER_CHALLENGE];
+    memcpy(chal, x->peers[peer].their_chal, sizeof chal);
+    uint64_t to = x->peers[peer].nonce;
+    pthread_mutex_unlock(&x->mu);
+    tdm_fab_proof(x, chal, x->nonce, to, proof);
+    if (tdm_fab_send_typed(x, peer, TDM_XFER_MSG_AUTH, proof, sizeof proof, 0, NULL, NULL) !=
+        TDM_OK)
+        TDM_WARN("xfer: proof to peer %u not queued: %s", peer, tdm_err_msg());
+}
+
 void tdm_fab_send_hello(tdm_xfer_t *x, uint32_t peer)
 {
-    uint8_t payload[3 + ADDR_RAW_MAX];
-    size_t n = tdm_xfer_wire_hello_put(payload, sizeof(payload), x->caps.imm_bits, x->my_addr,
-                                       x->my_addr_bytes);
+    uint8_t payload[4 + ADDR_RAW_MAX + TDM_XFER_CHALLENGE];
+    uint8_t chal[TDM_XFER_CHALLENGE];
+    pthread_mutex_lock(&x->mu);
+    memcpy(chal, x->peers[peer].my_chal, sizeof chal);
+    pthread_mutex_unlock(&x->mu);
+    size_t n =
+        tdm_xfer_wire_hello_put(payload, sizeof(payload), x->caps.imm_bits, x->my_addr,
+                                x->my_addr_bytes, x->key_bytes ? TDM_XFER_HELLO_KEYED : 0, chal);
     if (tdm_fab_send_typed(x, peer, TDM_XFER_MSG_HELLO, payload, n, 0, NULL, NULL) != TDM_OK)
         TDM_WARN("xfer: hello to peer %u not queued: %s", peer, tdm_err_msg());
 }

@@ -60,6 +60,15 @@ static void timers(tdm_xfer_t *x, uint64_t now)
             x->peers[i].last_hb_ns = now;
             pthread_mutex_unlock(&x->mu);
         }
+        /* not proven yet: our hello again, each heartbeat period (the first, or the proof it
+         * brought back, may have been lost) */
+        if (x->key_bytes && !p.known && p.hello_sent &&
+            now - p.last_hb_ns >= (hb_ns ? hb_ns : 200000000ull)) {
+            pthread_mutex_lock(&x->mu);
+            x->peers[i].last_hb_ns = now;
+            pthread_mutex_unlock(&x->mu);
+            tdm_fab_send_hello(x, i);
+        }
     }
     tdm_fab_fault_timers(x, now);
 }
