@@ -19,7 +19,7 @@
  *                                  on another prefill peer, or prefilled locally
  *   slot:     FREE --admit--> PENDING --landed--> FREE
  *                             PENDING --failed, or the request finished--> FENCED
- *                             FENCED --CANCEL_ACK | NACK | peer torn down--> FREE
+ *                             FENCED --CANCEL_ACK | NACK | its process gone--> FREE
  *
  * Expected writes: the decoder fixes the prefill chunk C (a multiple of the page size) in the
  * request, so prompt[:-1] of n tokens runs as ceil(n / C) chunks; the prefiller writes each
@@ -29,10 +29,23 @@
  * no page is written twice. Sharding: both sides hold all KV heads (TP = 1); the request
  * carries the decoder's head range so a sharded peer can be refused clearly.
  *
- * Fencing: immediates name (slot, epoch); a slot's epoch changes every use, so a late write of
- * an abandoned attempt is never counted. The pages of an abandoned attempt are held (IN_FLIGHT
- * in the pool) until the prefiller acknowledges the cancel, or the connection to it is torn
- * down (peer dead); only then can they be reused.
+ * Fencing: immediates name (slot, epoch); a slot's epoch changes every use (a random value),
+ * so a late write of an abandoned attempt is never counted. The pages of an abandoned attempt are held (IN_FLIGHT
+ * in the pool) until the prefiller acknowledges the cancel, or its connection failed or its
+ * process is found gone (a peer dead by silence alone may be stopped, not dead: its queued
+ * writes would land later); only then can they be reused.
+ *
+ * Peers (decode side). A prefill peer is up once its handshake is done (with --fabric-key, once
+ * it proved the key), and down when the transfer engine declares it dead: nothing heard from it
+ * (heartbeats included) for peer_timeout_ms, a completion error, or its goodbye. A down peer
+ * gets no request; a thread of the decoder retries it with backoff (revive_ms, doubling to
+ * 10 s): its @FILE is read again (a restarted node may listen elsewhere), then a fresh
+ * handshake. A stalled peer that resumes, or a restarted one, is used again without
+ * restarting the decoder:
+ *
+ *   up --(dead)--> down --(backoff passed: file re-read, hello)--> trying --(handshake)--> up
+ *                   ^                                                 |
+ *                   +-----------(no answer within peer_timeout_ms)----+
  *
  * Prefill node (tdm_disagg_prefill_*). A job (enum job_state in prefill.c, with its table):
  *   RECEIVED --submitted--> SCHEDULED (writes posted per layer and chunk, then the context)
@@ -75,7 +88,12 @@ struct tdm_disagg_xfer_opts {
 struct tdm_disagg_decode_opts {
     struct tdm_disagg_xfer_opts xfer;
     const char *peers[TDM_DISAGG_MAX_PEERS]; /* prefill nodes' printable addresses */
+    /* where peers[i] was read from (--prefill-peers @FILE), or NULL: a peer that is down is
+     * retried with backoff, and its file read again first, so a prefill node restarted at a
+     * new address is picked up without restarting this one */
+    const char *peer_files[TDM_DISAGG_MAX_PEERS];
     int n_peers;
+    int revive_ms; /* first retry of a dead peer after this, doubling to 10 s; 0: 500 */
     int chunk;        /* prefill chunk in tokens (rounded up to pages); 0: 256 */
     int timeout_ms;   /* one attempt's deadline, send to KV landed; 0: 30000 */
     int max_attempts; /* remote attempts per request (each on another peer), then the

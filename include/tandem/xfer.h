@@ -155,6 +155,17 @@ tdm_xfer_counters_t *tdm_xfer_get_counters(tdm_xfer_t *x);
  * same index. */
 tdm_status tdm_xfer_peer_add(tdm_xfer_t *x, const char *addr, uint32_t *peer);
 bool tdm_xfer_peer_alive(tdm_xfer_t *x, uint32_t peer);
+/* The peer is dead and its connection is known to be gone (a completion error, or its goodbye),
+ * so nothing it posted earlier can still land. A peer dead by silence alone (a stopped process,
+ * whose kernel still holds the connection) is not gone: its queued writes land when it runs
+ * again. */
+bool tdm_xfer_peer_gone(tdm_xfer_t *x, uint32_t peer);
+/* For a dead peer that is not known to be gone: asks its host whether anything still listens at
+ * its address (a TCP connect, within timeout_ms, for socket-addressed providers such as
+ * tcp;ofi_rxm, which report nothing when a peer's process dies). Refused: the process is gone
+ * (tdm_xfer_peer_gone becomes true) and TDM_OK; something answers, or no answer: TDM_EAGAIN;
+ * an address that is not a socket address: TDM_EUNSUPPORTED. Blocks up to timeout_ms. */
+tdm_status tdm_xfer_peer_probe(tdm_xfer_t *x, uint32_t peer, int timeout_ms);
 /* Waits up to timeout_ms for the peer's hello or heartbeat (a round trip has happened). */
 tdm_status tdm_xfer_peer_wait(tdm_xfer_t *x, uint32_t peer, int timeout_ms);
 

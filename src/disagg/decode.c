@@ -26,15 +26,17 @@
  *     ^                 |  on_counter (timeout, dead peer, NACK, send error, the request
  *     |                 v  finished: finished() cancels the counter)
  *     +------------- FENCED  (pages held IN_FLIGHT; a CANCEL goes to the prefiller)
- *      unfence_locked: CANCEL_ACK or NACK (on_msg), the peer torn down (on_peer), destroy
+ *      unfence_locked: CANCEL_ACK or NACK (on_msg), the peer's connection failed (on_peer),
+ *      its process found gone (the reviver's probe), destroy. Silence alone never unfences: a
+ *      stopped prefill node's queued writes land when it resumes.
  *
  *   transition         function                         thread
  *   FREE -> PENDING    admit                            scheduler
  *   PENDING -> FREE    on_counter, TDM_OK               xfer progress
  *   PENDING -> FENCED  on_counter, an error             xfer progress, or the scheduler
  *                                                       (finished -> counter cancel)
- *   FENCED -> FREE     unfence_locked                   xfer progress (on_msg, on_peer), or
- *                                                       the destroying thread
+ *   FENCED -> FREE     unfence_locked                   xfer progress (on_msg, on_peer), the
+ *                                                       reviver, or the destroying thread
  * A request the connector hears has finished while PENDING is detached from its slot first
  * (slot.req = NULL), so on_counter never touches it again; its pages are held by the fencing
  * before the scheduler drops its references (tdm_sched_finish calls finished() first). */
@@ -57,8 +59,11 @@ struct dslot {
 
 struct dpeer {
     char addr[TDM_XFER_ADDR_MAX];
+    char *file; /* where addr comes from (re-read before a retry), or NULL */
     uint32_t xid;
     bool alive;
+    int64_t next_try_ns; /* while down: the next handshake attempt */
+    int backoff_ms;
     int64_t outstanding_tokens;
     uint64_t sent, landed, failed;
 };
@@ -87,6 +92,10 @@ struct tdm_disagg_decode {
     int n_peers;
     struct tried *tried;
     int n_tried_cap;
+    /* the reviver thread: dead peers are tried again with backoff */
+    pthread_cond_t rcv;
+    pthread_t reviver;
+    bool reviving, stop;
     /* metrics */
     struct tdm_hist landed_s;
     uint64_t errors[N_ERR], remote_ok, local_fallbacks, fenced_now;
@@ -232,22 +241,57 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     if (cancel_counter) tdm_xfer_counters_cancel(tdm_xfer_get_counters(d->ep.x), m.slot, m.epoch);
 }
 
+/* A fenced slot's cancel, to send again (d->mu released). */
+struct recancel {
+    uint32_t slot, epoch;
+};
+
+/* The fenced slots of peer i, for their cancels to go out again now that it is back (their
+ * acks unfence them). d->mu held. */
+static int collect_fenced(struct tdm_disagg_decode *d, int i, struct recancel *out, int cap)
+{
+    int n = 0;
+    for (int s = 0; s < d->n_slots && n < cap; s++)
+        if (d->slots[s].state == SLOT_FENCED && d->slots[s].peer == i)
+            out[n++] = (struct recancel){(uint32_t)s, d->slots[s].epoch};
+    return n;
+}
+
 static void on_peer(void *ctx, uint32_t xpeer, bool up)
 {
     struct tdm_disagg_decode *d = ctx;
+    /* fenced pages are reused only when nothing of the peer can still land: its connection
+     * failed, or (once it is back) it acknowledged the cancels. A peer dead by silence may be a
+     * stopped process whose writes land when it resumes. */
+    bool gone = !up && tdm_xfer_peer_gone(d->ep.x, xpeer);
+    struct recancel cancels[64];
+    int n_cancels = 0;
     pthread_mutex_lock(&d->mu);
     for (int i = 0; i < d->n_peers; i++) {
         if (d->peers[i].xid != xpeer) continue;
         if (d->peers[i].alive != up)
             TDM_INFO("disagg: prefill peer %s is %s", d->peers[i].addr, up ? "up" : "down");
         d->peers[i].alive = up;
-        if (up) continue;
-        /* the connection is torn down: fenced pages of this peer can be reused */
+        int first = d->o.revive_ms > 0 ? d->o.revive_ms : 500;
+        if (up) {
+            d->peers[i].backoff_ms = first;
+            n_cancels = collect_fenced(d, i, cancels, (int)TDM_ARRAY_LEN(cancels));
+            continue;
+        }
+        d->peers[i].next_try_ns = (int64_t)tdm_now_ns() + (int64_t)d->peers[i].backoff_ms * 1000000;
+        if (!gone) {
+            TDM_INFO("disagg: prefill peer %s is silent; its fenced pages stay held until it "
+                     "answers or its connection fails",
+                     d->peers[i].addr);
+            continue;
+        }
         for (int s = 0; s < d->n_slots; s++)
             if (d->slots[s].state == SLOT_FENCED && d->slots[s].peer == i)
                 unfence_locked(d, &d->slots[s]);
     }
     pthread_mutex_unlock(&d->mu);
+    for (int k = 0; k < n_cancels; k++)
+        send_cancel(d, xpeer, cancels[k].slot, cancels[k].epoch);
 }
 
 /* ---- the KV connector (scheduler thread) ---- */
@@ -395,6 +439,86 @@ static void finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
     if (slot >= 0) tdm_xfer_counters_cancel(tdm_xfer_get_counters(d->ep.x), (uint32_t)slot, epoch);
 }
 
+/* ---- peers coming back ---- */
+
+/* The first line of a peer's address file, or false. */
+static bool read_addr_file(const char *path, char *out, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    bool ok = fgets(out, (int)cap, f) != NULL;
+    fclose(f);
+    if (ok) out[strcspn(out, " \r\n\t")] = '\0';
+    return ok && out[0];
+}
+
+/* Every peer that is down, once its backoff has passed: its file read again (the node may have
+ * restarted elsewhere), then a fresh handshake (the transfer engine brings a dead entry back in
+ * place, or makes a new one for a new address). */
+static void *reviver_main(void *arg)
+{
+    struct tdm_disagg_decode *d = arg;
+    pthread_mutex_lock(&d->mu);
+    while (!d->stop) {
+        struct timespec dl = tdm_deadline_ms(CLOCK_REALTIME, 100);
+        pthread_cond_timedwait(&d->rcv, &d->mu, &dl);
+        for (int i = 0; i < d->n_peers && !d->stop; i++) {
+            struct dpeer *p = &d->peers[i];
+            int64_t now = (int64_t)tdm_now_ns();
+            if (p->alive || now < p->next_try_ns) continue;
+            /* fenced pages of a silent peer: is its process gone (then nothing can land)? */
+            uint32_t old = p->xid;
+            bool fenced = false;
+            for (int s = 0; s < d->n_slots && !fenced; s++)
+                fenced = d->slots[s].state == SLOT_FENCED && d->slots[s].peer == i;
+            if (fenced) {
+                pthread_mutex_unlock(&d->mu);
+                bool gone = tdm_xfer_peer_gone(d->ep.x, old) ||
+                            tdm_xfer_peer_probe(d->ep.x, old, 200) == TDM_OK;
+                pthread_mutex_lock(&d->mu);
+                if (gone && p->xid == old)
+                    for (int s = 0; s < d->n_slots; s++)
+                        if (d->slots[s].state == SLOT_FENCED && d->slots[s].peer == i)
+                            unfence_locked(d, &d->slots[s]);
+            }
+            char addr[TDM_XFER_ADDR_MAX], fresh[TDM_XFER_ADDR_MAX];
+            snprintf(addr, sizeof addr, "%s", p->addr);
+            char *file = p->file;
+            p->next_try_ns = now + (int64_t)p->backoff_ms * 1000000;
+            p->backoff_ms = TDM_MIN(p->backoff_ms * 2, 10000);
+            pthread_mutex_unlock(&d->mu);
+            if (file && read_addr_file(file, fresh, sizeof fresh) && strcmp(fresh, addr)) {
+                TDM_INFO("disagg: prefill peer %d moved: %s now holds %s", i, file, fresh);
+                snprintf(addr, sizeof addr, "%s", fresh);
+            }
+            uint32_t xid = 0;
+            tdm_status st = tdm_xfer_peer_add(d->ep.x, addr, &xid);
+            if (st != TDM_OK) TDM_WARN("disagg: prefill peer %d (%s): %s", i, addr, tdm_err_msg());
+            pthread_mutex_lock(&d->mu);
+            if (st != TDM_OK) continue;
+            snprintf(p->addr, sizeof p->addr, "%s", addr);
+            p->xid = xid;
+            pthread_mutex_unlock(&d->mu);
+            /* its answer may have come before xid was set (on_peer then matched nothing) */
+            bool up = tdm_xfer_peer_wait(d->ep.x, xid, 1) == TDM_OK;
+            pthread_mutex_lock(&d->mu);
+            if (up && p->xid == xid && !p->alive) {
+                TDM_INFO("disagg: prefill peer %s is up", p->addr);
+                p->alive = true;
+                p->backoff_ms = d->o.revive_ms > 0 ? d->o.revive_ms : 500;
+                struct recancel rc[64];
+                int n = collect_fenced(d, i, rc, (int)TDM_ARRAY_LEN(rc));
+                pthread_mutex_unlock(&d->mu);
+                for (int k = 0; k < n; k++)
+                    send_cancel(d, xid, rc[k].slot, rc[k].epoch);
+                pthread_mutex_lock(&d->mu);
+            }
+        }
+    }
+    pthread_mutex_unlock(&d->mu);
+    return NULL;
+}
+
 /* ---- lifecycle ---- */
 
 tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_engine_t *e,
@@ -463,7 +587,17 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     for (int i = 0; i < o->n_peers; i++) {
         struct dpeer *p = &d->peers[d->n_peers];
         snprintf(p->addr, sizeof p->addr, "%s", o->peers[i]);
-        if ((st = tdm_xfer_peer_add(d->ep.x, p->addr, &p->xid)) != TDM_OK) goto out_ep;
+        p->backoff_ms = d->o.revive_ms > 0 ? d->o.revive_ms : 500;
+        p->next_try_ns = (int64_t)tdm_now_ns() + (int64_t)p->backoff_ms * 1000000;
+        if (o->peer_files[i] && !(p->file = strdup(o->peer_files[i]))) {
+            st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
+            goto out_ep;
+        }
+        if ((st = tdm_xfer_peer_add(d->ep.x, p->addr, &p->xid)) != TDM_OK) {
+            free(p->file);
+            p->file = NULL;
+            goto out_ep;
+        }
         d->n_peers++;
         if (tdm_xfer_peer_wait(d->ep.x, p->xid, 5000) == TDM_OK) {
             pthread_mutex_lock(&d->mu);
@@ -475,12 +609,21 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
                      i, p->addr);
         }
     }
+    pthread_cond_init(&d->rcv, NULL);
+    if (pthread_create(&d->reviver, NULL, reviver_main, d)) {
+        st = tdm_err_set(TDM_EINTERNAL, "disagg: cannot start the peer reviver");
+        pthread_cond_destroy(&d->rcv);
+        goto out_ep;
+    }
+    d->reviving = true;
     static const struct tdm_kv_connector_i conn = {.admit = admit, .finished = finished};
     tdm_sched_set_connector(s, &conn, d);
     *out = d;
     return TDM_OK;
 
 out_ep:
+    for (int i = 0; i < d->n_peers; i++)
+        free(d->peers[i].file);
     tdm_xfer_destroy(d->ep.x);
     tdm_disagg_endpoint_release(&d->ep);
 out_free:
@@ -497,6 +640,14 @@ out_free:
 void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d)
 {
     if (!d) return;
+    pthread_mutex_lock(&d->mu);
+    d->stop = true;
+    pthread_cond_broadcast(&d->rcv);
+    pthread_mutex_unlock(&d->mu);
+    if (d->reviving) pthread_join(d->reviver, NULL);
+    pthread_cond_destroy(&d->rcv);
+    for (int i = 0; i < d->n_peers; i++)
+        free(d->peers[i].file);
     /* the scheduler is stopped: nothing pending can land any more */
     tdm_xfer_destroy(d->ep.x); /* fires armed counters with TDM_ECANCELED */
     pthread_mutex_lock(&d->mu);

@@ -479,14 +479,17 @@ int64_t tdm_sched_stall_ms(const tdm_sched_t *s)
 }
 
 /* Fails a request the stalled scheduler holds: its client gets the error now; the scheduler
- * drops it when (if) its step comes back. The caller holds a reference. */
-static bool fail_hung(struct tdm_req *r, int64_t ms)
+ * drops it when (if) its step comes back. The caller holds a reference. Counted before the
+ * client can see it, as every finish is. */
+static void fail_hung(struct tdm_sched *s, struct tdm_req *r, int64_t ms)
 {
-    if (atomic_exchange(&r->hung, true)) return false;
+    if (atomic_exchange(&r->hung, true)) return;
     atomic_store(&r->cancel, true);
+    pthread_mutex_lock(&s->mmu);
+    s->m.watchdog_failed++;
+    pthread_mutex_unlock(&s->mmu);
     pthread_mutex_lock(&r->mu);
-    bool fresh = r->finish == TDM_FINISH_NONE;
-    if (fresh) {
+    if (r->finish == TDM_FINISH_NONE) {
         r->finish = TDM_FINISH_ERROR;
         r->error = TDM_ETIMEDOUT;
         snprintf(r->error_msg, sizeof r->error_msg,
@@ -496,22 +499,26 @@ static bool fail_hung(struct tdm_req *r, int64_t ms)
     }
     tdm_sched_req_news(r);
     pthread_mutex_unlock(&r->mu);
-    return fresh;
 }
 
 /* The step in flight is past the limit (wmu held): flag the stall, fail what it holds. */
 static void stall(struct tdm_sched *s, uint64_t now)
 {
     int64_t ms = (int64_t)((now - s->step_t0_ns) / 1000000u);
-    atomic_store(&s->stall_since_ns, s->step_t0_ns);
-    if (s->step_failed) return;
+    if (s->step_failed) {
+        atomic_store(&s->stall_since_ns, s->step_t0_ns);
+        return;
+    }
     s->step_failed = true;
+    pthread_mutex_lock(&s->mmu);
+    s->m.stalls++;
+    pthread_mutex_unlock(&s->mmu);
+    atomic_store(&s->stall_since_ns, s->step_t0_ns);
     TDM_ERROR("sched: stalled: a step has run for %lld ms (limit %d ms); failing its %d "
               "running requests and the waiting ones",
               (long long)ms, s->o.watchdog_ms, s->n_held);
-    uint64_t failed = 0;
     for (int i = 0; i < s->n_held; i++)
-        failed += fail_hung(s->held[i], ms);
+        fail_hung(s, s->held[i], ms);
     /* the waiting list, copied with a reference each (s->mu and r->mu never nest) */
     int n = 0;
     pthread_mutex_lock(&s->mu);
@@ -521,13 +528,9 @@ static void stall(struct tdm_sched *s, uint64_t now)
     }
     pthread_mutex_unlock(&s->mu);
     for (int i = 0; i < n; i++) {
-        failed += fail_hung(s->wsnap[i], ms);
+        fail_hung(s, s->wsnap[i], ms);
         tdm_sched_req_unref(s->wsnap[i]);
     }
-    pthread_mutex_lock(&s->mmu);
-    s->m.stalls++;
-    s->m.watchdog_failed += failed;
-    pthread_mutex_unlock(&s->mmu);
 }
 
 static void *watchdog_main(void *arg)
@@ -565,7 +568,7 @@ static void watch_held(struct tdm_sched *s, bool begin)
     } else if (s->step_failed) { /* stalled in the plan: the admitted ones fail too */
         int64_t ms = (int64_t)((tdm_now_ns() - s->step_t0_ns) / 1000000u);
         for (int i = 0; i < s->n_held; i++)
-            fail_hung(s->held[i], ms);
+            fail_hung(s, s->held[i], ms);
     }
     pthread_mutex_unlock(&s->wmu);
 }

@@ -100,11 +100,12 @@ static bool parse_size(const char *s, size_t *out)
 
 static void free_peers(char **bufs)
 {
-    for (int i = 0; i < TDM_DISAGG_MAX_PEERS; i++)
+    for (int i = 0; i < 2 * TDM_DISAGG_MAX_PEERS; i++)
         free(bufs[i]);
 }
 
-/* "addr,@file,..." into o->peers (strings kept in bufs). */
+/* "addr,@file,..." into o->peers and o->peer_files (strings kept in bufs: [0, MAX) the
+ * addresses, [MAX, 2 MAX) the @FILE items). */
 static bool parse_peers(const char *arg, struct tdm_disagg_decode_opts *o, char **bufs)
 {
     const char *p = arg;
@@ -128,7 +129,8 @@ static bool parse_peers(const char *arg, struct tdm_disagg_decode_opts *o, char 
             }
             fclose(f);
             line[strcspn(line, " \r\n\t")] = '\0';
-            free(item);
+            o->peer_files[o->n_peers] = item + 1; /* kept: re-read when the peer is down */
+            bufs[TDM_DISAGG_MAX_PEERS + o->n_peers] = item;
             if (!(item = strdup(line))) return false;
         }
         if (!item[0]) {
@@ -324,7 +326,7 @@ int tdm_cmd_serve(int argc, char **argv)
                                           .chunk = (int)rchunk,
                                           .timeout_ms = (int)rtimeout,
                                           .max_attempts = rattempts ? (int)rattempts : -1};
-    char *peer_bufs[TDM_DISAGG_MAX_PEERS] = {0};
+    char *peer_bufs[2 * TDM_DISAGG_MAX_PEERS] = {0}; /* addresses, then the @FILE items */
     if (is_decode && !parse_peers(peers_arg, &dopt, peer_bufs)) {
         free_peers(peer_bufs);
         return 2;

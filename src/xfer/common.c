@@ -273,7 +273,7 @@ tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, struct tdm_xfer
     size_t len = tdm_get_u16(p + 1);
     if (len == 0 || len + 1 + TDM_XFER_CHALLENGE != n - 3)
         return tdm_err_set(TDM_EFORMAT, "xfer: hello address of %zu bytes in %zu", len, n - 3);
-    if (p[3 + len] & ~TDM_XFER_HELLO_KEYED)
+    if (p[3 + len] & ~TDM_XFER_HELLO_FLAGS)
         return tdm_err_set(TDM_EFORMAT, "xfer: hello flags %#x", p[3 + len]);
     *out = (struct tdm_xfer_hello){.imm_bits = p[0],
                                    .addr = p + 3,

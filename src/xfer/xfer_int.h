@@ -70,14 +70,16 @@ tdm_status tdm_xfer_addr_decode(const char *s, void *raw, size_t cap, size_t *n)
 #define TDM_XFER_WIRE_HDR     20
 enum tdm_xfer_msg_type {
     TDM_XFER_MSG_HELLO = 1,     /* payload: u8 imm_bits | u16 addr bytes | addr | u8 flags |
-                                 * 32-byte challenge (flags: TDM_XFER_HELLO_KEYED) */
+                                 * 32-byte challenge (flags: TDM_XFER_HELLO_*) */
     TDM_XFER_MSG_HEARTBEAT = 2, /* no payload */
     TDM_XFER_MSG_USER = 3,      /* the user's control message */
     TDM_XFER_MSG_IMM = 4,       /* payload: u64 encoded immediate (CUDA IPC completions) */
     TDM_XFER_MSG_BYE = 5,       /* the sender is shutting down cleanly */
     TDM_XFER_MSG_AUTH = 6,      /* payload: the 32-byte proof (HMAC-SHA256, see peer.c) */
 };
-#define TDM_XFER_HELLO_KEYED 1u /* the sender has a fabric key and wants a proof */
+#define TDM_XFER_HELLO_KEYED  1u /* the sender has a fabric key and wants a proof */
+#define TDM_XFER_HELLO_ANSWER 2u /* the sender does not know us (yet, or any more): hello back */
+#define TDM_XFER_HELLO_FLAGS  (TDM_XFER_HELLO_KEYED | TDM_XFER_HELLO_ANSWER)
 #define TDM_XFER_CHALLENGE   32
 #define TDM_XFER_PROOF       32
 struct tdm_xfer_wire_hdr {

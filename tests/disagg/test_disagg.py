@@ -34,9 +34,9 @@ SLACK = ["--peer-timeout-ms", "30000"] if SANITIZED else []
 DECODE_SLACK = SLACK + ["--remote-timeout-ms", "300000"] if SANITIZED else []
 
 
-def prefill_node(extra=(), env=None, prefix=None):
-    d = tempfile.mkdtemp(prefix="tandem-pf-")
-    addr = os.path.join(d, "addr")
+def prefill_node(extra=(), env=None, prefix=None, addr=None):
+    if addr is None:
+        addr = os.path.join(tempfile.mkdtemp(prefix="tandem-pf-"), "addr")
     s = Server(THREADS + ["--role", "prefill", "--xfer-addr-file", addr] + SLACK + list(extra),
                env=env, prefix=prefix)
     s.addr_file = addr
@@ -403,3 +403,81 @@ def test_fabric_key(colocated, default_model):
         p.stop()
     with pytest.raises(RuntimeError, match="16 to 256 bytes"):
         prefill_node(["--fabric-key", key_file("short")])
+
+
+def peer_up(d):
+    return d.metrics()[("tandem_disagg_peer_up", (("peer", "0"),))]
+
+
+def wait_peer(d, up, timeout):
+    deadline = time.time() + timeout
+    while peer_up(d) != up:
+        assert time.time() < deadline, f"the prefill peer did not go {'up' if up else 'down'}"
+        time.sleep(0.1)
+
+
+# a short liveness limit, so that a stop is noticed quickly (longer under the sanitizers)
+QUICK = ["--peer-timeout-ms", "8000" if SANITIZED else "1000"]
+
+
+def test_stopped_prefill_node_comes_back(colocated, default_model):
+    """SIGSTOP: the prefill node's kernel still takes bytes, but it sends no heartbeat, so the
+    decode node declares it down and prefills locally; after SIGCONT the decode node's retries
+    make a fresh handshake and it is used again. Tokens stay the colocated ones throughout."""
+    p = prefill_node(QUICK)
+    try:
+        d = decode_node([p], QUICK + ["--remote-timeout-ms", "3000"])
+        try:
+            ps = prompts(3, 31, [20, 40, 70])
+            want = [run(colocated, x) for x in ps]
+            assert run(d, ps[0]) == want[0]
+            remote = d.metrics()[("tandem_disagg_remote_prefills_total", ())]
+            assert remote >= 1
+            os.kill(p.proc.pid, 19)  # SIGSTOP
+            try:
+                wait_peer(d, 0, 60)
+                assert run(d, ps[1]) == want[1]  # prefilled here
+            finally:
+                os.kill(p.proc.pid, 18)  # SIGCONT
+            wait_peer(d, 1, 60)
+            assert run(d, ps[2]) == want[2]
+            m = decode_idle(d)
+            assert m[("tandem_disagg_remote_prefills_total", ())] > remote
+            prefill_idle(p)
+        finally:
+            d.stop()
+    finally:
+        p.stop()
+
+
+def test_restarted_prefill_node_is_picked_up(colocated, default_model):
+    """A prefill node restarted at a new address (a new port, written to the same
+    --prefill-peers @FILE) is found by the decode node, which was not restarted."""
+    addr = os.path.join(tempfile.mkdtemp(prefix="tandem-pf-"), "addr")
+    p = prefill_node(QUICK, addr=addr)
+    d = None
+    try:
+        d = decode_node([p], QUICK)
+        ps = prompts(2, 32, [30, 50])
+        want = [run(colocated, x) for x in ps]
+        assert run(d, ps[0]) == want[0]
+        old = open(addr).read()
+        p.stop()
+        os.unlink(addr)
+        wait_peer(d, 0, 30)
+        p = prefill_node(QUICK, addr=addr)
+        deadline = time.time() + 30
+        while not os.path.exists(addr):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert open(addr).read() != old
+        remote = d.metrics()[("tandem_disagg_remote_prefills_total", ())]
+        wait_peer(d, 1, 60)
+        assert run(d, ps[1]) == want[1]
+        m = decode_idle(d)
+        assert m[("tandem_disagg_remote_prefills_total", ())] == remote + 1
+        prefill_idle(p)
+    finally:
+        if d:
+            d.stop()
+        p.stop()

@@ -24,7 +24,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (m.type == TDM_DMSG_PREFILL) {
         const struct tdm_disagg_prefill_msg *f = &m.prefill;
         if (!f->n_tokens || f->n_tokens > CAP || f->n_pages > CAP || !f->page_size ||
-            f->chunk % f->page_size || f->n_pages != (f->n_tokens + f->page_size - 1) / f->page_size ||
+            f->chunk % f->page_size ||
+            f->n_pages != (f->n_tokens + f->page_size - 1) / f->page_size ||
             f->kv_head_end > f->n_kv_heads || f->kv_head_begin >= f->kv_head_end)
             abort();
         if (tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages) != size) abort();

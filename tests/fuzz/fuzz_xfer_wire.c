@@ -24,7 +24,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (tdm_xfer_wire_hello_parse(payload, h.payload_bytes, &hl) == TDM_OK &&
                 (hl.addr + hl.addr_bytes + 1 != hl.challenge ||
                  hl.challenge + TDM_XFER_CHALLENGE != payload + h.payload_bytes ||
-                 (hl.imm_bits != 32 && hl.imm_bits != 64) || (hl.flags & ~TDM_XFER_HELLO_KEYED)))
+                 (hl.imm_bits != 32 && hl.imm_bits != 64) || (hl.flags & ~TDM_XFER_HELLO_FLAGS)))
                 abort();
         }
         if (h.type == TDM_XFER_MSG_IMM) {

@@ -3,12 +3,19 @@ error, turns /health to 503, refuses new requests, and SIGTERM still ends the pr
 its drain deadline. The stuck step is made by the scheduler's fault injection
 (TANDEM_SCHED_FAULTS=stall:STEP:MS), which sleeps before the step runs."""
 import json
+import os
 import time
 
 from lib.rawhttp import open_stream
 from lib.server import Server
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True}
+# Under the sanitizers an ordinary step takes far longer: the limit and the stall scale with it.
+SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
+# The limit is far above an ordinary step (tens of ms; a loaded 2-core machine or the sanitizers
+# make a prefill step take up to seconds), and the injected stall far above the limit.
+WATCHDOG_MS, STALL_MS = (6000, 15000) if SANITIZED else (1500, 5000)
+SCALE = 4 if SANITIZED else 1
 
 
 def health(s):
@@ -17,9 +24,9 @@ def health(s):
 
 
 def test_stalled_step_fails_its_requests_then_recovers(default_model):
-    # step 3 (the second decode) sleeps 4 s; the watchdog's limit is 0.5 s
-    s = Server(["--threads", "2", "--watchdog-ms", "500"],
-               env={"TANDEM_SCHED_FAULTS": "stall:3:4000"})
+    # step 3 (the second decode) sleeps STALL_MS; the watchdog's limit is WATCHDOG_MS
+    s = Server(["--threads", "2", "--watchdog-ms", str(WATCHDOG_MS)],
+               env={"TANDEM_SCHED_FAULTS": f"stall:3:{STALL_MS}"})
     try:
         sock = open_stream(s.port, "/v1/chat/completions", {**CHAT, "stream": True})
         t0 = time.time()
@@ -27,7 +34,8 @@ def test_stalled_step_fails_its_requests_then_recovers(default_model):
         waited = time.time() - t0
         assert st == 503, r
         assert "stalled" in r["error"]["message"]
-        assert waited < 3.5, f"the error took {waited:.1f} s (the stuck step lasts 4 s)"
+        limit = (STALL_MS - 500) / 1000
+        assert waited < limit, f"the error took {waited:.1f} s (the stuck step lasts {STALL_MS} ms)"
         # the streaming client gets an error event, not a hang
         data = b""
         while b"[DONE]" not in data:
@@ -39,11 +47,12 @@ def test_stalled_step_fails_its_requests_then_recovers(default_model):
         # while stalled: /health and new requests say so
         st, h = health(s)
         if st == 503:  # the stall may just have ended on a slow machine
-            assert h["status"] == "stalled" and h["stalled_ms"] >= 500
+            assert h["status"] == "stalled" and h["stalled_ms"] >= WATCHDOG_MS
+            assert "stalled" in s.logs() and "step 3 sleeps" in s.logs()
             st2, r2 = s.post("/v1/chat/completions", CHAT, timeout=30)
             assert st2 == 503 and "stalled" in r2["error"]["message"]
         # the step comes back: healthy again, pages at baseline, requests served
-        deadline = time.time() + 30
+        deadline = time.time() + 30 * SCALE
         while health(s)[0] != 200:
             assert time.time() < deadline
             time.sleep(0.1)
@@ -60,7 +69,7 @@ def test_stalled_step_fails_its_requests_then_recovers(default_model):
 
 def test_sigterm_ends_a_stalled_server(default_model):
     # step 2 never ends
-    s = Server(["--threads", "2", "--watchdog-ms", "300", "--drain-timeout", "1"],
+    s = Server(["--threads", "2", "--watchdog-ms", str(WATCHDOG_MS), "--drain-timeout", "1"],
                env={"TANDEM_SCHED_FAULTS": "stall:2:-1"})
     try:
         st, r = s.post("/v1/chat/completions", CHAT, timeout=30)
@@ -70,8 +79,9 @@ def test_sigterm_ends_a_stalled_server(default_model):
         s.proc.send_signal(15)
         rc = s.proc.wait(timeout=15)
         took = time.time() - t0
+        assert "step 2 sleeps" in s.logs()  # the injected stall, not a slow ordinary step
         assert rc == 3, s.logs()
-        assert took < 6, f"SIGTERM took {took:.1f} s with a 1 s drain deadline"
+        assert took < 6 * SCALE, f"SIGTERM took {took:.1f} s with a 1 s drain deadline"
         assert "stalled in a step" in s.logs()
     finally:
         s.stop()

@@ -154,7 +154,12 @@ static uint32_t take_hello(tdm_xfer_t *x, const struct tdm_xfer_wire_hdr *h, con
     p->nonce = h->nonce;
     p->nonce_set = true;
     memcpy(p->their_chal, hl.challenge, TDM_XFER_CHALLENGE);
-    *send_back = !p->hello_sent;
+    /* hello back when we never did, or when it does not know us (it restarted its side of
+     * the handshake: a revived entry) */
+    uint64_t now = tdm_now_ns();
+    *send_back = !p->hello_sent ||
+                 ((hl.flags & TDM_XFER_HELLO_ANSWER) && now - p->last_hello_ns >= HELLO_GAP_NS);
+    if (*send_back) p->last_hello_ns = now; /* at most one answer per gap: no ping-pong */
     p->hello_sent = true;
     if (x->key_bytes) {
         *send_auth = true; /* every hello gets our proof: the first may have been lost */
@@ -202,7 +207,10 @@ static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
     bool known = peer != UINT32_MAX && x->peers[peer].known;
     if (known) x->peers[peer].last_seen_ns = tdm_now_ns();
     pthread_mutex_unlock(&x->mu);
-    if (peer == UINT32_MAX) return; /* unknown sender, a dead incarnation, a refused hello */
+    if (peer == UINT32_MAX) { /* unknown sender, a dead incarnation, a refused hello */
+        if (h.type != TDM_XFER_MSG_HELLO) STAT_ADD(x, unauth_dropped, 1);
+        return;
+    }
     if (send_back) tdm_fab_send_hello(x, peer);
     if (send_auth) tdm_fab_send_auth(x, peer);
     if (!known) {
@@ -221,7 +229,7 @@ static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
         imm_arrived(x, tdm_get_u64(payload), peer);
         break;
     case TDM_XFER_MSG_BYE:
-        tdm_fab_peer_declare_dead(x, peer, "it said goodbye");
+        tdm_fab_peer_declare_dead(x, peer, "it said goodbye", true);
         break;
     default:
         break;
@@ -253,10 +261,8 @@ static void handle_completion(tdm_xfer_t *x, const struct fi_cq_data_entry *e)
         x->tx_free[x->n_tx_free++] = op->buf;
         /* fallthrough */
     case OP_WRITE:
-        /* a completed operation is proof of life, even when heartbeats queue behind writes */
-        pthread_mutex_lock(&x->mu);
-        x->peers[op->peer].last_seen_ns = tdm_now_ns();
-        pthread_mutex_unlock(&x->mu);
+        /* not proof of life: a send completes into the kernel's buffer of a stopped peer;
+         * only what the peer sends (its heartbeats, every 200 ms) refreshes last_seen */
         if (op->job >= 0) x->jobs[op->job].ops_in_flight--;
         if (op->job >= 0 && op->kind == OP_SEND && x->jobs[op->job].state == JOB_ACTIVE)
             tdm_fab_job_finish(x, op->job, TDM_OK);
@@ -299,7 +305,7 @@ static void handle_error(tdm_xfer_t *x)
         tdm_err_set(TDM_EPEER, "xfer: operation to peer %u failed: %s", peer, why);
         tdm_fab_job_finish(x, j, TDM_EPEER);
     }
-    tdm_fab_peer_declare_dead(x, peer, why);
+    tdm_fab_peer_declare_dead(x, peer, why, true);
 }
 
 /* Handles what one fi_cq_read / fi_cq_sread returned; true when anything happened. */

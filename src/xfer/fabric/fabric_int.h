@@ -39,8 +39,10 @@
  *
  * Peers: a peer entry is made by tdm_xfer_peer_add (we send hello) or by a hello from an unknown
  * sender (we insert its address and hello back). Every message carries the sender's random nonce,
- * which maps it to its entry; any message refreshes last_seen. Dead is final for an entry: a
- * restarted process has a new nonce and becomes a new peer.
+ * which maps it to its entry; a message from a known peer refreshes last_seen (what we sent
+ * completing proves nothing: a stopped process's kernel still takes its TCP bytes). A dead
+ * entry comes back in place when its address is added again or says hello again: a fresh
+ * handshake, the same index.
  *
  * With a fabric key, a peer's life:
  *
@@ -81,6 +83,7 @@
 #define REORDER_HOLD_NS (20ull * 1000000ull) /* a held immediate is released after 20 ms */
 #define DELAY_RING      65536
 #define HELD_MAX        64
+#define HELLO_GAP_NS    (100ull * 1000000ull) /* answers to hellos are this far apart */
 
 enum job_state { JOB_FREE = 0, JOB_QUEUED, JOB_ACTIVE, JOB_DONE };
 enum job_kind { JOB_WRITE = 0, JOB_SEND };
@@ -117,8 +120,10 @@ struct op {
 struct peer {
     bool used, dead, known; /* known: its hello arrived (nonce bound) and, with a key, its proof */
     bool hello_sent;
-    bool nonce_set;                         /* its hello arrived: `nonce` is its own */
-    bool auth_warned;                       /* a bad proof was logged once */
+    bool nonce_set;         /* its hello arrived: `nonce` is its own */
+    uint64_t last_hello_ns; /* when we last answered its hello */
+    bool gone;              /* dead by a completion error or its goodbye (see tdm_xfer_peer_gone) */
+    bool auth_warned;       /* a bad proof was logged once */
     uint8_t my_chal[TDM_XFER_CHALLENGE];    /* the challenge our hellos to it carry */
     uint8_t their_chal[TDM_XFER_CHALLENGE]; /* the one its hello carried */
     fi_addr_t fi;
@@ -225,7 +230,8 @@ static inline const char *fi_msg(int rc)
 
 /* ---- shared between the files of the transport (progress thread unless marked) ---- */
 void tdm_fab_job_finish(tdm_xfer_t *x, int j, tdm_status st);
-void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why);
+/* gone: the connection failed (a completion error, a goodbye), not just silence */
+void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why, bool gone);
 tdm_status tdm_fab_peer_find_or_insert_locked(tdm_xfer_t *x, const uint8_t *raw, size_t n,
                                               uint32_t *out, bool *inserted);
 tdm_status tdm_fab_send_typed(tdm_xfer_t *x, uint32_t peer, uint8_t type, const void *payload,

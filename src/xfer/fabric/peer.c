@@ -4,6 +4,9 @@
  * x->mu; the progress thread declares deaths, user threads add and wait for peers.
  */
 #include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,11 +18,13 @@
 
 #include "xfer/fabric/fabric_int.h"
 
-void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why)
+void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why, bool gone)
 {
     pthread_mutex_lock(&x->mu);
     bool was = x->peers[p].dead;
     x->peers[p].dead = true;
+    x->peers[p].known = false;
+    if (gone) x->peers[p].gone = true;
     pthread_cond_broadcast(&x->cv);
     pthread_mutex_unlock(&x->mu);
     if (was) return;
@@ -51,12 +56,27 @@ tdm_status tdm_fab_peer_find_or_insert_locked(tdm_xfer_t *x, const uint8_t *raw,
             return TDM_OK;
         }
     }
-    if (x->n_peers >= (uint32_t)x->cfg.max_peers)
-        return tdm_err_set(TDM_ERANGE, "xfer: more than %d peers", x->cfg.max_peers);
+    /* a dead entry of the same address comes back in place, with a fresh handshake: a peer
+     * that stalled or restarted is used again, and its index (what callers keep) is the same.
+     * Everything of the dead incarnation (jobs, counters) was failed when it died, and its
+     * messages (its old nonce) no longer match once the new hello binds a nonce. */
+    uint32_t i = UINT32_MAX;
     fi_addr_t fa = FI_ADDR_NOTAVAIL;
-    int rc = fi_av_insert(x->av, raw, 1, &fa, 0, NULL);
-    if (rc != 1) return tdm_err_set(TDM_EINVAL, "xfer: fi_av_insert failed: %s", fi_msg(rc));
-    uint32_t i = x->n_peers++;
+    for (uint32_t k = 0; k < x->n_peers; k++) {
+        struct peer *p = &x->peers[k];
+        if (p->dead && p->addr_bytes == n && !memcmp(p->addr, raw, n)) {
+            i = k;
+            fa = p->fi;
+            break;
+        }
+    }
+    if (i == UINT32_MAX) {
+        if (x->n_peers >= (uint32_t)x->cfg.max_peers)
+            return tdm_err_set(TDM_ERANGE, "xfer: more than %d peers", x->cfg.max_peers);
+        int rc = fi_av_insert(x->av, raw, 1, &fa, 0, NULL);
+        if (rc != 1) return tdm_err_set(TDM_EINVAL, "xfer: fi_av_insert failed: %s", fi_msg(rc));
+        i = x->n_peers++;
+    }
     struct peer *p = &x->peers[i];
     memset(p, 0, sizeof(*p));
     p->used = true;
@@ -106,10 +126,11 @@ void tdm_fab_send_hello(tdm_xfer_t *x, uint32_t peer)
     uint8_t chal[TDM_XFER_CHALLENGE];
     pthread_mutex_lock(&x->mu);
     memcpy(chal, x->peers[peer].my_chal, sizeof chal);
+    uint8_t flags = (uint8_t)((x->key_bytes ? TDM_XFER_HELLO_KEYED : 0) |
+                              (x->peers[peer].known ? 0 : TDM_XFER_HELLO_ANSWER));
     pthread_mutex_unlock(&x->mu);
-    size_t n =
-        tdm_xfer_wire_hello_put(payload, sizeof(payload), x->caps.imm_bits, x->my_addr,
-                                x->my_addr_bytes, x->key_bytes ? TDM_XFER_HELLO_KEYED : 0, chal);
+    size_t n = tdm_xfer_wire_hello_put(payload, sizeof(payload), x->caps.imm_bits, x->my_addr,
+                                       x->my_addr_bytes, flags, chal);
     if (tdm_fab_send_typed(x, peer, TDM_XFER_MSG_HELLO, payload, n, 0, NULL, NULL) != TDM_OK)
         TDM_WARN("xfer: hello to peer %u not queued: %s", peer, tdm_err_msg());
 }
@@ -154,6 +175,56 @@ tdm_status tdm_xfer_peer_add(tdm_xfer_t *x, const char *addr, uint32_t *peer)
     if (st != TDM_OK) return st;
     if (hello) tdm_fab_send_hello(x, p);
     *peer = p;
+    return TDM_OK;
+}
+
+bool tdm_xfer_peer_gone(tdm_xfer_t *x, uint32_t peer)
+{
+    pthread_mutex_lock(&x->mu);
+    bool gone = peer < x->n_peers && x->peers[peer].dead && x->peers[peer].gone;
+    pthread_mutex_unlock(&x->mu);
+    return gone;
+}
+
+tdm_status tdm_xfer_peer_probe(tdm_xfer_t *x, uint32_t peer, int timeout_ms)
+{
+    struct sockaddr_storage sa;
+    socklen_t len = 0;
+    pthread_mutex_lock(&x->mu);
+    bool dead = peer < x->n_peers && x->peers[peer].dead;
+    if (dead) {
+        const struct peer *p = &x->peers[peer];
+        sa_family_t fam = AF_UNSPEC;
+        if (p->addr_bytes >= sizeof fam) memcpy(&fam, p->addr, sizeof fam);
+        if ((fam == AF_INET && p->addr_bytes == sizeof(struct sockaddr_in)) ||
+            (fam == AF_INET6 && p->addr_bytes == sizeof(struct sockaddr_in6))) {
+            len = (socklen_t)p->addr_bytes;
+            memcpy(&sa, p->addr, p->addr_bytes);
+        }
+    }
+    pthread_mutex_unlock(&x->mu);
+    if (!dead) return TDM_EAGAIN;
+    if (!len) return tdm_err_set(TDM_EUNSUPPORTED, "xfer: peer %u has no socket address", peer);
+    int fd = socket(sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return TDM_EAGAIN;
+    bool refused = false;
+    if (connect(fd, (struct sockaddr *)&sa, len) != 0) {
+        if (errno == ECONNREFUSED) {
+            refused = true;
+        } else if (errno == EINPROGRESS) {
+            struct pollfd pf = {.fd = fd, .events = POLLOUT};
+            int err = 0;
+            socklen_t el = sizeof err;
+            if (poll(&pf, 1, timeout_ms) == 1 && !getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el))
+                refused = err == ECONNREFUSED;
+        }
+    }
+    close(fd);
+    if (!refused) return TDM_EAGAIN;
+    pthread_mutex_lock(&x->mu);
+    if (x->peers[peer].dead) x->peers[peer].gone = true;
+    pthread_mutex_unlock(&x->mu);
+    TDM_INFO("xfer: peer %u's address refuses connections: its process is gone", peer);
     return TDM_OK;
 }
 

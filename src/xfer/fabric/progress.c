@@ -52,7 +52,7 @@ static void timers(tdm_xfer_t *x, uint64_t now)
         if (dead_ns && now > p.last_seen_ns && now - p.last_seen_ns > dead_ns) {
             char why[96];
             snprintf(why, sizeof(why), "nothing heard for %d ms", x->cfg.peer_timeout_ms);
-            tdm_fab_peer_declare_dead(x, i, why);
+            tdm_fab_peer_declare_dead(x, i, why, false);
             continue;
         }
         if (hb_ns && p.known && now - p.last_hb_ns >= hb_ns && tdm_fab_send_heartbeat(x, i)) {
@@ -60,10 +60,9 @@ static void timers(tdm_xfer_t *x, uint64_t now)
             x->peers[i].last_hb_ns = now;
             pthread_mutex_unlock(&x->mu);
         }
-        /* not proven yet: our hello again, each heartbeat period (the first, or the proof it
-         * brought back, may have been lost) */
-        if (x->key_bytes && !p.known && p.hello_sent &&
-            now - p.last_hb_ns >= (hb_ns ? hb_ns : 200000000ull)) {
+        /* not known yet: our hello again, each heartbeat period (the first, its answer or the
+         * proof it brought back may have been lost, or the peer is stopped and comes back) */
+        if (!p.known && p.hello_sent && now - p.last_hb_ns >= (hb_ns ? hb_ns : 200000000ull)) {
             pthread_mutex_lock(&x->mu);
             x->peers[i].last_hb_ns = now;
             pthread_mutex_unlock(&x->mu);

@@ -1,0 +1,48 @@
+/*
+ * libFuzzer target for the HTTP request parser (tdm_api_parse, src/server/openai.c): arbitrary
+ * bodies for /v1/completions and /v1/chat/completions (a ChatML template), with a byte-level
+ * tokenizer and a small context, so that long prompts hit the context checks. An accepted
+ * request must be one the scheduler can take: a prompt of 1 to max_ctx - 1 tokens inside the
+ * vocabulary, max_tokens that fit the rest of the context, sampling parameters that validate,
+ * at most the documented number of stop strings and top log-probabilities. A refused one must
+ * carry a 4xx status and a message. Never a crash, a leak or a hang.
+ *
+ * Layout: u8 (bit 0: chat), then the body.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fuzz_lib.h"
+#include "server/server_int.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1) return 0;
+    static struct tdm_chat_template chat = {.format = TDM_CHAT_CHATML};
+    tdm_tok_t *tok = fuzz_tokenizer();
+    struct api_ctx c = {.tok = tok,
+                        .chat = &chat,
+                        .add_bos = false,
+                        .model_name = "fuzz",
+                        .max_ctx = 256,
+                        .vocab = tdm_tok_vocab_size(tok),
+                        .max_piece = 16};
+    bool is_chat = data[0] & 1;
+    struct api_req r;
+    struct api_err e;
+    if (!tdm_api_parse(&c, is_chat, (const char *)data + 1, size - 1, &r, &e)) {
+        if (e.status < 400 || e.status > 499 || !e.message[0]) abort();
+        return 0;
+    }
+    if (r.n_prompt < 1 || r.n_prompt >= c.max_ctx || !r.prompt) abort();
+    for (int i = 0; i < r.n_prompt; i++)
+        if (r.prompt[i] < 0 || r.prompt[i] >= c.vocab) abort();
+    if (r.p.max_tokens < 1 || r.n_prompt + r.p.max_tokens > c.max_ctx) abort();
+    if (tdm_sampling_validate(&r.p.sampling) != TDM_OK) abort();
+    if (r.p.top_logprobs > TDM_MAX_TOP_LOGPROBS) abort();
+    char *j = tdm_api_error_json(&(struct api_err){.status = 400, .message = "x"});
+    free(j);
+    tdm_api_req_free(&r);
+    return 0;
+}
