@@ -11,14 +11,16 @@
  * a body over max_body bytes (413), unknown routes (404) and methods (405). The server goes on
  * serving.
  *
- * Threading: libmicrohttpd runs one thread per connection. A connection thread parses and
- * tokenizes its request, submits it to the scheduler and then waits on the request's output,
- * writing SSE chunks as tokens arrive; it polls its socket while waiting, so a client that
- * goes away cancels its request within about 100 ms and the request's KV pages go back to the
- * pool. The scheduler never waits for a connection.
+ * Threading: libmicrohttpd's event loop over http_threads threads (src/server/front.h). A
+ * handler parses and tokenizes its request, submits it to the scheduler and never blocks: with
+ * nothing new to write it suspends its connection, and the request's notify hook resumes it
+ * when the scheduler publishes (http.c has the waiter's states). A sweeper thread closes
+ * connections past their header or body deadline, and finds clients that hung up while
+ * suspended (within about 100 ms), which cancels their requests and returns their KV pages.
+ * The scheduler never waits for a connection.
  *
  * Ownership: the server borrows the scheduler, tokenizer and chat template; they must outlive
- * it. tdm_server_stop waits for every connection thread.
+ * it. tdm_server_stop resumes every suspended connection, then stops the daemon.
  */
 #ifndef TANDEM_SERVER_H
 #define TANDEM_SERVER_H
