@@ -272,9 +272,8 @@ static void on_peer(void *ctx, uint32_t xpeer, bool up)
         if (d->peers[i].alive != up)
             TDM_INFO("disagg: prefill peer %s is %s", d->peers[i].addr, up ? "up" : "down");
         d->peers[i].alive = up;
-        int first = d->o.revive_ms > 0 ? d->o.revive_ms : 500;
         if (up) {
-            d->peers[i].backoff_ms = first;
+            d->peers[i].backoff_ms = d->o.revive_ms;
             n_cancels = collect_fenced(d, i, cancels, (int)TDM_ARRAY_LEN(cancels));
             continue;
         }
@@ -505,7 +504,7 @@ static void *reviver_main(void *arg)
             if (up && p->xid == xid && !p->alive) {
                 TDM_INFO("disagg: prefill peer %s is up", p->addr);
                 p->alive = true;
-                p->backoff_ms = d->o.revive_ms > 0 ? d->o.revive_ms : 500;
+                p->backoff_ms = d->o.revive_ms;
                 struct recancel rc[64];
                 int n = collect_fenced(d, i, rc, (int)TDM_ARRAY_LEN(rc));
                 pthread_mutex_unlock(&d->mu);
@@ -533,6 +532,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     d->o = *o;
     if (d->o.timeout_ms <= 0) d->o.timeout_ms = 30000;
     if (!d->o.max_attempts) d->o.max_attempts = 2;
+    if (d->o.revive_ms <= 0) d->o.revive_ms = 500;
     d->engine = e;
     d->sched = s;
     d->kv = tdm_engine_kv(e);
@@ -587,7 +587,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     for (int i = 0; i < o->n_peers; i++) {
         struct dpeer *p = &d->peers[d->n_peers];
         snprintf(p->addr, sizeof p->addr, "%s", o->peers[i]);
-        p->backoff_ms = d->o.revive_ms > 0 ? d->o.revive_ms : 500;
+        p->backoff_ms = d->o.revive_ms;
         p->next_try_ns = (int64_t)tdm_now_ns() + (int64_t)p->backoff_ms * 1000000;
         if (o->peer_files[i] && !(p->file = strdup(o->peer_files[i]))) {
             st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
