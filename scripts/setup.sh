@@ -12,7 +12,8 @@ APT_PACKAGES=(
     build-essential cmake pkg-config git ca-certificates
     clang libclang-rt-14-dev            # libFuzzer targets
     libfabric-dev libmicrohttpd-dev libjansson-dev libpcre2-dev libhwloc-dev
-    libgnutls28-dev                     # HMAC-SHA256 and random bytes (fabric authentication)
+    libgnutls28-dev                     # HMAC-SHA256, random bytes, the HTTPS client
+    openssl                             # tests make their own TLS certificates
     libopenblas-dev libcmocka-dev
     iproute2 iperf3 curl
     python3 python3-venv python3-pip

@@ -48,6 +48,9 @@ struct tdm_server_opts {
     int header_timeout_ms;  /* a request's headers must arrive within this; 0: 10000 */
     int body_timeout_ms;    /* and its body within this after them; 0: 30000 */
     int http_threads;       /* threads of the event loop; 0: 4 */
+    /* HTTPS: the certificate chain and its private key as PEM text, both or neither (copied);
+     * NULL: plain HTTP. */
+    const char *tls_cert_pem, *tls_key_pem;
     /* A prefill node: generation routes answer 404 saying so; /health and /metrics stay. */
     bool no_generate;
     /* More Prometheus text appended to /metrics (malloc'd by the callback; NULL: none). */
@@ -110,6 +113,11 @@ struct tdm_router_opts {
     int idle_timeout_s;          /* an idle client connection is closed after this; 0: 600 */
     int header_timeout_ms;       /* a request's headers must arrive within this; 0: 10000 */
     int body_timeout_ms;         /* and its body within this after them; 0: 30000 */
+    /* HTTPS toward clients, as tdm_server_opts. */
+    const char *tls_cert_pem, *tls_key_pem;
+    /* https:// backends are verified against the CA certificates in this PEM file (and their
+     * host name or IP address against the certificate); NULL: the system's trust store. */
+    const char *backend_ca_file;
 };
 
 /* Checks every backend once, then listens. Fails on a malformed backend URL or a busy port. */

@@ -40,6 +40,7 @@ struct tdm_front {
     bool stop, sweeping;
     pthread_t sweeper;
     _Atomic uint64_t closed;
+    char *tls_cert, *tls_key; /* copies of the PEM text (the daemon may read them later) */
 };
 
 static struct fconn *conn_of(struct MHD_Connection *c)
@@ -309,11 +310,30 @@ tdm_status tdm_front_start(const struct tdm_front_cfg *cfg, struct tdm_front **o
                          c->host);
         goto out_free;
     }
+    if (!c->tls_cert_pem != !c->tls_key_pem) {
+        freeaddrinfo(ai);
+        st = tdm_err_set(TDM_EINVAL, "%s: TLS needs both a certificate and its key", c->who);
+        goto out_free;
+    }
+    if (c->tls_cert_pem &&
+        (!(f->tls_cert = strdup(c->tls_cert_pem)) || !(f->tls_key = strdup(c->tls_key_pem)))) {
+        freeaddrinfo(ai);
+        st = tdm_err_set(TDM_ENOMEM, "%s: out of memory", c->who);
+        goto out_free;
+    }
     raise_fd_limit(c->max_connections);
+    /* HTTPS options, or none: passed as an array since varargs cannot be conditional */
+    struct MHD_OptionItem tls[3] = {{MHD_OPTION_END, 0, NULL}};
+    if (c->tls_cert_pem) {
+        tls[0] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_CERT, 0, f->tls_cert};
+        tls[1] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_KEY, 0, f->tls_key};
+        tls[2] = (struct MHD_OptionItem){MHD_OPTION_END, 0, NULL};
+    }
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
     flags |= c->threads > 0 ? MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME
                             : MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    if (c->tls_cert_pem) flags |= MHD_USE_TLS;
     /* a thread per connection gets a small stack: it runs a handler, not a deep recursion */
     size_t stack = c->threads > 0 ? 0 : (size_t)512 * 1024;
     f->d = MHD_start_daemon(
@@ -324,11 +344,16 @@ tdm_status tdm_front_start(const struct tdm_front_cfg *cfg, struct tdm_front **o
         MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(128 * 1024), MHD_OPTION_LISTEN_BACKLOG_SIZE,
         4096u, MHD_OPTION_THREAD_POOL_SIZE, (unsigned)(c->threads > 1 ? c->threads : 0),
         MHD_OPTION_THREAD_STACK_SIZE, stack, MHD_OPTION_URI_LOG_CALLBACK, uri_log, NULL,
-        MHD_OPTION_UNESCAPE_CALLBACK, unescape, NULL, MHD_OPTION_END);
+        MHD_OPTION_UNESCAPE_CALLBACK, unescape, NULL, MHD_OPTION_ARRAY, tls, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!f->d) {
-        st = tdm_err_set(TDM_EIO, "%s: cannot listen on %s:%d (%s)", c->who, c->host, c->port,
-                         strerror(errno));
+        st = c->tls_cert_pem
+                 ? tdm_err_set(TDM_EINVAL,
+                               "%s: cannot listen on %s:%d with TLS (%s; is the certificate and "
+                               "key PEM, and the key the certificate's?)",
+                               c->who, c->host, c->port, strerror(errno))
+                 : tdm_err_set(TDM_EIO, "%s: cannot listen on %s:%d (%s)", c->who, c->host, c->port,
+                               strerror(errno));
         goto out_free;
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(f->d, MHD_DAEMON_INFO_BIND_PORT);
@@ -345,6 +370,8 @@ tdm_status tdm_front_start(const struct tdm_front_cfg *cfg, struct tdm_front **o
 out_free:
     pthread_mutex_destroy(&f->mu);
     pthread_cond_destroy(&f->cv);
+    free(f->tls_cert);
+    free(f->tls_key);
     free(f);
     return st;
 }
@@ -370,5 +397,7 @@ void tdm_front_stop(struct tdm_front *f)
     MHD_stop_daemon(f->d);
     pthread_mutex_destroy(&f->mu);
     pthread_cond_destroy(&f->cv);
+    free(f->tls_cert);
+    free(f->tls_key);
     free(f);
 }

@@ -80,6 +80,9 @@ struct tdm_front_cfg {
     int idle_timeout_s;    /* inactivity limit of a connection; 0: 30 */
     int header_timeout_ms; /* 0: 10000 */
     int body_timeout_ms;   /* 0: 30000 */
+    /* HTTPS (libmicrohttpd's GnuTLS): the certificate chain and its private key, PEM text, both
+     * or neither; NULL: plain HTTP. Copied. */
+    const char *tls_cert_pem, *tls_key_pem;
     MHD_AccessHandlerCallback handler;
     void *cls;
     void (*sweep)(void *cls); /* called by the sweeper about every 100 ms; NULL: none */

@@ -517,6 +517,8 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
                                .idle_timeout_s = o->idle_timeout_s,
                                .header_timeout_ms = o->header_timeout_ms,
                                .body_timeout_ms = o->body_timeout_ms,
+                               .tls_cert_pem = o->tls_cert_pem,
+                               .tls_key_pem = o->tls_key_pem,
                                .handler = handler,
                                .cls = s,
                                .sweep = sweep};

@@ -29,9 +29,12 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <gnutls/gnutls.h>
+#include <gnutls/x509.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <arpa/inet.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,16 +68,49 @@ const char *tdm_bh_fail_str(enum tdm_bh_fail f)
     return "unknown";
 }
 
-tdm_status tdm_bh_target_init(const char *url, struct tdm_bh_target *out)
+/* The trust anchors for https: ca_file's certificates, or the system's. */
+static tdm_status tls_creds(const char *url, const char *ca_file, void **out)
+{
+    gnutls_certificate_credentials_t cr;
+    if (gnutls_certificate_allocate_credentials(&cr) != GNUTLS_E_SUCCESS)
+        return tdm_err_set(TDM_ENOMEM, "%s: out of memory", url);
+    int n = ca_file ? gnutls_certificate_set_x509_trust_file(cr, ca_file, GNUTLS_X509_FMT_PEM)
+                    : gnutls_certificate_set_x509_system_trust(cr);
+    if (n <= 0) {
+        gnutls_certificate_free_credentials(cr);
+        if (ca_file)
+            return tdm_err_set(TDM_EINVAL, "%s: no CA certificate could be read from %s (%s)", url,
+                               ca_file, n < 0 ? gnutls_strerror(n) : "none in the file");
+        return tdm_err_set(TDM_ENOTFOUND,
+                           "%s: the system's trust store is empty or unreadable (%s); give a CA "
+                           "file",
+                           url, n < 0 ? gnutls_strerror(n) : "no certificate");
+    }
+    *out = cr;
+    return TDM_OK;
+}
+
+void tdm_bh_target_free(struct tdm_bh_target *t)
+{
+    if (t && t->tls_creds) gnutls_certificate_free_credentials(t->tls_creds);
+    if (t) t->tls_creds = NULL;
+}
+
+tdm_status tdm_bh_target_init(const char *url, const char *ca_file, struct tdm_bh_target *out)
 {
     struct tdm_bh_target t;
     memset(&t, 0, sizeof t);
-    if (!strncasecmp(url, "https://", 8))
-        return tdm_err_set(TDM_EUNSUPPORTED, "%s: https is not supported (plain http only)", url);
-    if (strncasecmp(url, "http://", 7))
-        return tdm_err_set(TDM_EINVAL, "%s: expected a URL of the form http://host[:port][/path]",
-                           url);
-    const char *p = url + 7, *host_end, *port = NULL;
+    size_t skip;
+    if (!strncasecmp(url, "https://", 8)) {
+        t.tls = true;
+        skip = 8;
+    } else if (!strncasecmp(url, "http://", 7)) {
+        skip = 7;
+    } else {
+        return tdm_err_set(TDM_EINVAL,
+                           "%s: expected a URL of the form http[s]://host[:port][/path]", url);
+    }
+    const char *p = url + skip, *host_end, *port = NULL;
     size_t port_len = 0;
     if (*p == '[') { /* IPv6 literal */
         host_end = strchr(p, ']');
@@ -105,7 +141,7 @@ tdm_status tdm_bh_target_init(const char *url, struct tdm_bh_target *out)
         if (!tdm_parse_i64(buf, 1, 65535, &v)) return tdm_err_set(TDM_EINVAL, "%s: bad port", url);
         snprintf(t.port, sizeof t.port, "%d", (int)v);
     } else {
-        strcpy(t.port, "80");
+        strcpy(t.port, t.tls ? "443" : "80");
     }
     if (*p && *p != '/') return tdm_err_set(TDM_EINVAL, "%s: bad URL", url);
     size_t plen = strlen(p);
@@ -125,6 +161,10 @@ tdm_status tdm_bh_target_init(const char *url, struct tdm_bh_target *out)
     memcpy(&t.addr, res->ai_addr, res->ai_addrlen);
     t.addr_len = res->ai_addrlen;
     freeaddrinfo(res);
+    if (t.tls) {
+        tdm_status st = tls_creds(url, ca_file, &t.tls_creds);
+        if (st != TDM_OK) return st;
+    }
     *out = t;
     return TDM_OK;
 }
@@ -185,30 +225,6 @@ static enum tdm_bh_fail do_connect(const struct tdm_bh_target *t, uint64_t deadl
 out_close:
     close(fd);
     return TDM_BH_CONNECT;
-}
-
-static enum tdm_bh_fail send_all(int fd, const char *p, size_t n, uint64_t deadline_ns)
-{
-    while (n > 0) {
-        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
-        if (w > 0) {
-            p += w;
-            n -= (size_t)w;
-            continue;
-        }
-        if (w < 0 && errno == EINTR) continue;
-        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int r = wait_fd(fd, POLLOUT, deadline_ns);
-            if (r == 0) {
-                tdm_err_set(TDM_ETIMEDOUT, "timed out sending the request");
-                return TDM_BH_TIMEOUT;
-            }
-            if (r > 0) continue;
-        }
-        tdm_err_set(TDM_EPEER, "sending the request: %s", strerror(errno));
-        return TDM_BH_SEND;
-    }
-    return TDM_BH_OK;
 }
 
 /* ---- response parser ---- */
@@ -456,6 +472,8 @@ static enum tdm_bh_fail feed(struct rx *rx, const char *p, size_t n)
 
 struct tdm_bh_conn {
     int fd;
+    gnutls_session_t tls;    /* https: the session over fd; NULL: plain */
+    int tls_err;             /* the GnuTLS error that failed a record call */
     enum tdm_bh_fail failed; /* sticky: once a call fails for good, every later call does */
     struct rx rx;
     struct tdm_bh_handler pull; /* pull mode: on_body fills out[] */
@@ -463,6 +481,152 @@ struct tdm_bh_conn {
     char out[RECV_CAP];
     char raw[RECV_CAP];
 };
+
+/* ---- bytes over the socket, plain or TLS ---- */
+
+/* The socket's own semantics for both: > 0 bytes, 0 the peer closed, -1 with errno (EAGAIN:
+ * wait for io_events(c)). A TLS failure sets errno EPROTO and keeps GnuTLS's code in tls_err. */
+static ssize_t io_recv(struct tdm_bh_conn *c, void *buf, size_t n)
+{
+    if (!c->tls) return recv(c->fd, buf, n, 0);
+    ssize_t r = gnutls_record_recv(c->tls, buf, n);
+    if (r >= 0) return r;
+    if (r == GNUTLS_E_AGAIN)
+        errno = EAGAIN;
+    else if (r == GNUTLS_E_INTERRUPTED)
+        errno = EINTR;
+    else if (r == GNUTLS_E_PREMATURE_TERMINATION)
+        return 0; /* closed without close_notify */
+    else {
+        c->tls_err = (int)r;
+        errno = EPROTO;
+    }
+    return -1;
+}
+
+static ssize_t io_send(struct tdm_bh_conn *c, const void *p, size_t n)
+{
+    if (!c->tls) return send(c->fd, p, n, MSG_NOSIGNAL);
+    ssize_t w = gnutls_record_send(c->tls, p, n);
+    if (w >= 0) return w;
+    if (w == GNUTLS_E_AGAIN)
+        errno = EAGAIN;
+    else if (w == GNUTLS_E_INTERRUPTED)
+        errno = EINTR;
+    else {
+        c->tls_err = (int)w;
+        errno = EPROTO;
+    }
+    return -1;
+}
+
+/* What to wait for after EAGAIN: TLS may need to write while reading, and the reverse. */
+static short io_events(struct tdm_bh_conn *c, short plain)
+{
+    if (!c->tls) return plain;
+    return gnutls_record_get_direction(c->tls) ? POLLOUT : POLLIN;
+}
+
+static const char *io_error(struct tdm_bh_conn *c)
+{
+    return c->tls && c->tls_err ? gnutls_strerror(c->tls_err) : strerror(errno);
+}
+
+/* GnuTLS's transport: the socket, without SIGPIPE. */
+static ssize_t tls_push(gnutls_transport_ptr_t p, const void *data, size_t n)
+{
+    return send((int)(intptr_t)p, data, n, MSG_NOSIGNAL);
+}
+
+static ssize_t tls_pull(gnutls_transport_ptr_t p, void *data, size_t n)
+{
+    return recv((int)(intptr_t)p, data, n, 0);
+}
+
+static int tls_pull_timeout(gnutls_transport_ptr_t p, unsigned ms)
+{
+    struct pollfd pfd = {.fd = (int)(intptr_t)p, .events = POLLIN};
+    return poll(&pfd, 1, ms == GNUTLS_INDEFINITE_TIMEOUT ? -1 : (int)ms);
+}
+
+/* The TLS handshake and the certificate's verification, within deadline_ns. */
+static enum tdm_bh_fail tls_start(const struct tdm_bh_target *t, struct tdm_bh_conn *c,
+                                  uint64_t deadline_ns)
+{
+    if (gnutls_init(&c->tls, GNUTLS_CLIENT | GNUTLS_NONBLOCK) != GNUTLS_E_SUCCESS) {
+        c->tls = NULL;
+        tdm_err_set(TDM_ENOMEM, "TLS: out of memory");
+        return TDM_BH_NOMEM;
+    }
+    gnutls_session_t s = c->tls;
+    unsigned char ip[16];
+    bool literal = inet_pton(AF_INET, t->host, ip) == 1 || inet_pton(AF_INET6, t->host, ip) == 1;
+    if (gnutls_set_default_priority(s) != GNUTLS_E_SUCCESS ||
+        gnutls_credentials_set(s, GNUTLS_CRD_CERTIFICATE, t->tls_creds) != GNUTLS_E_SUCCESS ||
+        (!literal && gnutls_server_name_set(s, GNUTLS_NAME_DNS, t->host, strlen(t->host)))) {
+        tdm_err_set(TDM_EINTERNAL, "TLS to %s:%s: cannot set the session up", t->host, t->port);
+        return TDM_BH_CONNECT;
+    }
+    gnutls_session_set_verify_cert(s, t->host, 0);
+    gnutls_transport_set_ptr(s, (gnutls_transport_ptr_t)(intptr_t)c->fd);
+    gnutls_transport_set_push_function(s, tls_push);
+    gnutls_transport_set_pull_function(s, tls_pull);
+    gnutls_transport_set_pull_timeout_function(s, tls_pull_timeout);
+    gnutls_handshake_set_timeout(s, 0); /* ours: deadline_ns */
+    for (;;) {
+        int r = gnutls_handshake(s);
+        if (r == GNUTLS_E_SUCCESS) return TDM_BH_OK;
+        if (r == GNUTLS_E_AGAIN || r == GNUTLS_E_INTERRUPTED) {
+            int w = wait_fd(c->fd, gnutls_record_get_direction(s) ? POLLOUT : POLLIN, deadline_ns);
+            if (w > 0) continue;
+            tdm_err_set(TDM_ETIMEDOUT, "TLS to %s:%s: handshake %s", t->host, t->port,
+                        w == 0 ? "timed out" : strerror(errno));
+            return TDM_BH_CONNECT;
+        }
+        if (!gnutls_error_is_fatal(r)) continue; /* a warning alert */
+        if (r == GNUTLS_E_CERTIFICATE_VERIFICATION_ERROR) {
+            gnutls_datum_t why = {NULL, 0};
+            unsigned st = gnutls_session_get_verify_cert_status(s);
+            gnutls_certificate_verification_status_print(st, gnutls_certificate_type_get(s), &why,
+                                                         0);
+            for (size_t n = why.data ? strlen((char *)why.data) : 0;
+                 n > 0 && why.data[n - 1] == ' ';)
+                why.data[--n] = '\0';
+            tdm_err_set(TDM_EPEER, "TLS to %s:%s: the server's certificate is refused: %s", t->host,
+                        t->port, why.data ? (const char *)why.data : "not trusted");
+            gnutls_free(why.data);
+        } else {
+            tdm_err_set(TDM_EPEER, "TLS to %s:%s: handshake failed: %s", t->host, t->port,
+                        gnutls_strerror(r));
+        }
+        return TDM_BH_CONNECT;
+    }
+}
+
+static enum tdm_bh_fail send_all(struct tdm_bh_conn *c, const char *p, size_t n,
+                                 uint64_t deadline_ns)
+{
+    while (n > 0) {
+        ssize_t w = io_send(c, p, n);
+        if (w > 0) {
+            p += w;
+            n -= (size_t)w;
+            continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int r = wait_fd(c->fd, io_events(c, POLLOUT), deadline_ns);
+            if (r == 0) {
+                tdm_err_set(TDM_ETIMEDOUT, "timed out sending the request");
+                return TDM_BH_TIMEOUT;
+            }
+            if (r > 0) continue;
+        }
+        tdm_err_set(TDM_EPEER, "sending the request: %s", io_error(c));
+        return TDM_BH_SEND;
+    }
+    return TDM_BH_OK;
+}
 
 static bool pull_body(void *ctx, const char *data, size_t n)
 {
@@ -527,12 +691,14 @@ static enum tdm_bh_fail conn_open(const struct tdm_bh_target *t, const struct td
     if (body_len) memcpy(req + hl, rq->body, body_len);
 
     if ((f = do_connect(t, connect_deadline, &c->fd))) goto out_free;
-    if ((f = send_all(c->fd, req, (size_t)hl + body_len, rq->deadline_ns))) goto out_close;
+    if (t->tls && (f = tls_start(t, c, connect_deadline))) goto out_close;
+    if ((f = send_all(c, req, (size_t)hl + body_len, rq->deadline_ns))) goto out_close;
     free(req);
     *out = c;
     return TDM_BH_OK;
 
 out_close:
+    if (c->tls) gnutls_deinit(c->tls);
     close(c->fd);
 out_free:
     free(req);
@@ -548,7 +714,7 @@ static enum tdm_bh_fail pump(struct tdm_bh_conn *c, uint64_t deadline_ns)
     if (c->failed) return c->failed;
     enum tdm_bh_fail f;
     for (;;) {
-        ssize_t r = recv(c->fd, c->raw, sizeof c->raw, 0);
+        ssize_t r = io_recv(c, c->raw, sizeof c->raw);
         if (r > 0) {
             f = feed(&c->rx, c->raw, (size_t)r);
             break;
@@ -565,14 +731,14 @@ static enum tdm_bh_fail pump(struct tdm_bh_conn *c, uint64_t deadline_ns)
         }
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            int w = wait_fd(c->fd, POLLIN, deadline_ns);
+            int w = wait_fd(c->fd, io_events(c, POLLIN), deadline_ns);
             if (w > 0) continue;
             if (w == 0) {
                 tdm_err_set(TDM_ETIMEDOUT, "the request timed out");
                 return TDM_BH_TIMEOUT;
             }
         }
-        tdm_err_set(TDM_EPEER, "receiving: %s", strerror(errno));
+        tdm_err_set(TDM_EPEER, "receiving: %s", io_error(c));
         f = TDM_BH_TRUNCATED;
         break;
     }
@@ -583,6 +749,7 @@ static enum tdm_bh_fail pump(struct tdm_bh_conn *c, uint64_t deadline_ns)
 void tdm_bh_close(tdm_bh_conn_t *c)
 {
     if (!c) return;
+    if (c->tls) gnutls_deinit(c->tls);
     if (c->fd >= 0) close(c->fd);
     free(c->rx.head);
     free(c);

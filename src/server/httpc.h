@@ -18,8 +18,15 @@
  *
  * Why this shape: a proxy and a load generator both need to see stream pieces as they arrive, to
  * bound every wait, and to know precisely what went wrong (refused, timed out, cut short,
- * malformed), and nothing more: no TLS, no redirects, no keep-alive. A fresh connection per
- * request costs a loopback connect (tens of microseconds).
+ * malformed), and nothing more: no redirects, no keep-alive. A fresh connection per request
+ * costs a loopback connect (tens of microseconds), plus a handshake over https.
+ *
+ * TLS (https:// targets): GnuTLS over the same non-blocking socket, every handshake and record
+ * step under the same deadlines. The server's certificate is always verified, against the CA
+ * file given to tdm_bh_target_init or the system's trust store, and against the URL's host
+ * (a name, or an IP address literal matched against the certificate's IP addresses); a failure
+ * is TDM_BH_CONNECT with GnuTLS's reason. The server name is sent (SNI) for names, not for IP
+ * literals.
  *
  * Threading: tdm_bh_request() keeps all its state on the caller's stack and heap; a tdm_bh_conn_t
  * belongs to one thread at a time. Any number of threads may run requests at once against one
@@ -47,10 +54,16 @@ struct tdm_bh_target {
     char base_path[1024]; /* "" or "/prefix" without a trailing slash */
     struct sockaddr_storage addr;
     socklen_t addr_len;
+    bool tls;        /* https:// */
+    void *tls_creds; /* GnuTLS credentials (the trusted CAs), shared by every connection */
 };
 
-/* Parses and resolves `url`. https:// is refused (no TLS here). */
-tdm_status tdm_bh_target_init(const char *url, struct tdm_bh_target *out);
+/* Parses and resolves `url` (http:// or https://). ca_file: PEM CA certificates to trust for
+ * https (NULL: the system's store); ignored for http. Free with tdm_bh_target_free. */
+tdm_status tdm_bh_target_init(const char *url, const char *ca_file, struct tdm_bh_target *out);
+/* Frees what tdm_bh_target_init allocated (TLS credentials); no request may be running. A
+ * zeroed target is fine. */
+void tdm_bh_target_free(struct tdm_bh_target *t);
 
 /* Why a request did not complete. */
 enum tdm_bh_fail {

@@ -563,6 +563,7 @@ static char *label_escape(const char *s)
 static void router_free(struct tdm_router *r)
 {
     for (int i = 0; r->b && i < r->n_backends; i++) {
+        tdm_bh_target_free(&r->b[i].target);
         free(r->b[i].url);
         free(r->b[i].label);
     }
@@ -617,7 +618,7 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
     r->n_backends = o->n_backends;
     for (int i = 0; i < o->n_backends; i++) {
         struct backend *b = &r->b[i];
-        if ((st = tdm_bh_target_init(o->backends[i], &b->target)) != TDM_OK) {
+        if ((st = tdm_bh_target_init(o->backends[i], o->backend_ca_file, &b->target)) != TDM_OK) {
             st = tdm_err_set(st, "router: backend %s", tdm_err_msg());
             goto out_free;
         }
@@ -643,6 +644,8 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
                                .idle_timeout_s = o->idle_timeout_s,
                                .header_timeout_ms = o->header_timeout_ms,
                                .body_timeout_ms = o->body_timeout_ms,
+                               .tls_cert_pem = o->tls_cert_pem,
+                               .tls_key_pem = o->tls_key_pem,
                                .handler = handler,
                                .cls = r};
     if ((st = tdm_front_start(&fc, &r->front)) != TDM_OK) goto out_free;

@@ -858,7 +858,8 @@ static void usage(FILE *f)
         "bounded concurrency; prints TTFT, TPOT, ITL and E2E latency (mean, p50, p90, p99)\n"
         "and request/token throughput.\n"
         "\n"
-        "  --url URL              server base URL (default http://127.0.0.1:8000)\n"
+        "  --url URL              server base URL (default http://127.0.0.1:8000; https too)\n"
+        "  --ca FILE              PEM CA certificates for an https URL (default: the system's)\n"
         "  --model NAME           model name sent in requests (default: GET /v1/models)\n"
         "  --endpoint E           completions (default) or chat\n"
         "  --rate R               Poisson arrival rate in req/s, or inf (default inf)\n"
@@ -964,7 +965,7 @@ int tdm_cmd_bench_serve(int argc, char **argv)
                         .token_hi = 32000,
                         .ignore_eos = true,
                         .timeout_s = 600};
-    const char *dataset = "synthetic", *json_path = NULL;
+    const char *dataset = "synthetic", *json_path = NULL, *ca_file = NULL;
     bool show_progress = true, no_progress = false, no_ignore_eos = false;
     int rc = 2;
     char *model_owned = NULL;
@@ -992,6 +993,7 @@ int tdm_cmd_bench_serve(int argc, char **argv)
         TDM_OPT_B("no-ignore-eos", &no_ignore_eos),
         TDM_OPT_P("extra-body", opt_extra_body, &p.extra_body),
         TDM_OPT_S("json", &json_path),
+        TDM_OPT_S("ca", &ca_file),
         TDM_OPT_B("no-progress", &no_progress),
         TDM_OPT_END,
     };
@@ -1027,7 +1029,7 @@ int tdm_cmd_bench_serve(int argc, char **argv)
                         "messages are text)\n");
         goto out;
     }
-    if (tdm_bh_target_init(p.url, &p.target)) {
+    if (tdm_bh_target_init(p.url, ca_file, &p.target)) {
         fprintf(stderr, "tandem: --url: %s\n", tdm_err_msg());
         goto out;
     }
@@ -1100,5 +1102,6 @@ out:
     }
     free(p.lines);
     json_decref(p.extra_body);
+    tdm_bh_target_free(&p.target);
     return rc;
 }

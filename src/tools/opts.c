@@ -7,12 +7,14 @@
  *   "tandem CMD: unknown or incomplete option 'X'" (then the usage on stderr), or the value
  *   checker's "--name: ..." line. Main thread only.
  */
+#include <errno.h>
 #include <getopt.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "tandem/server.h"
 #include "tools/tools_int.h"
@@ -32,9 +34,69 @@ void tdm_tool_http_table(struct tdm_tool_http *h, struct tdm_opt out[TDM_TOOL_HT
         TDM_OPT_I("idle-timeout", &h->idle_timeout_s, 1, 86400),
         TDM_OPT_I("header-timeout-ms", &h->header_timeout_ms, 10, 3600000),
         TDM_OPT_I("body-timeout-ms", &h->body_timeout_ms, 10, 3600000),
+        TDM_OPT_S("tls-cert", &h->tls_cert),
+        TDM_OPT_S("tls-key", &h->tls_key),
         TDM_OPT_END,
     };
     memcpy(out, t, sizeof t);
+}
+
+/* A whole PEM file, NUL-terminated, at most 1 MiB. */
+static char *read_pem(const char *cmd, const char *opt, const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "tandem %s: --%s %s: %s\n", cmd, opt, path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = (1u << 20) + 1, n = 0;
+    char *buf = malloc(cap);
+    if (buf) n = fread(buf, 1, cap - 1, f);
+    bool err = ferror(f), more = buf && n == cap - 1 && fgetc(f) != EOF;
+    fclose(f);
+    if (!buf || err || more || n == 0 || memchr(buf, '\0', n) ||
+        !memmem(buf, n, "-----BEGIN ", 11)) {
+        fprintf(stderr, "tandem %s: --%s %s: %s\n", cmd, opt, path,
+                !buf   ? "out of memory"
+                : err  ? "cannot be read"
+                : more ? "over 1 MiB"
+                       : "not a PEM file (no -----BEGIN line)");
+        free(buf);
+        return NULL;
+    }
+    buf[n] = '\0';
+    return buf;
+}
+
+bool tdm_tool_http_tls(const char *cmd, const struct tdm_tool_http *h, char **cert, char **key)
+{
+    *cert = *key = NULL;
+    if (!h->tls_cert && !h->tls_key) return true;
+    if (!h->tls_cert || !h->tls_key) {
+        fprintf(stderr, "tandem %s: --tls-cert and --tls-key go together\n", cmd);
+        return false;
+    }
+    struct stat sb;
+    if (stat(h->tls_key, &sb) == 0 && (sb.st_mode & (S_IRWXG | S_IRWXO)))
+        fprintf(stderr,
+                "tandem %s: warning: --tls-key %s can be read by other users (chmod 600 it)\n", cmd,
+                h->tls_key);
+    if (!(*cert = read_pem(cmd, "tls-cert", h->tls_cert))) return false;
+    if (!(*key = read_pem(cmd, "tls-key", h->tls_key))) {
+        free(*cert);
+        *cert = NULL;
+        return false;
+    }
+    return true;
+}
+
+void tdm_tool_http_tls_free(char *cert, char *key)
+{
+    free(cert);
+    if (key) {
+        explicit_bzero(key, strlen(key));
+        free(key);
+    }
 }
 
 static bool set_value(const struct tdm_opt *o, const char *arg)

@@ -27,6 +27,8 @@ static void usage(FILE *f)
             "  --port-file FILE        write the bound port to FILE once listening\n"
             "  --api-key KEY           require Authorization: Bearer KEY (or $TANDEM_API_KEY)\n"
             "  --backend-api-key KEY   send Authorization: Bearer KEY to the backends\n"
+            "  --backend-ca FILE       PEM CA certificates that https:// backends are verified\n"
+            "                          against (default: the system's trust store)\n"
             "  --health-interval-ms N  how often each backend's /health is checked (1000)\n"
             "  --health-timeout-ms N   limit of one health check (1000)\n"
             "  --connect-timeout-ms N  limit of one connect to a backend (2000)\n"
@@ -64,7 +66,7 @@ out_free:
 
 int tdm_cmd_router(int argc, char **argv)
 {
-    const char *backends = NULL, *backend_key = NULL;
+    const char *backends = NULL, *backend_key = NULL, *backend_ca = NULL;
     struct tdm_tool_http h = {.host = "127.0.0.1",
                               .api_key = getenv("TANDEM_API_KEY"),
                               .port = 8080,
@@ -77,6 +79,7 @@ int tdm_cmd_router(int argc, char **argv)
     const struct tdm_opt own[] = {
         TDM_OPT_S("backends", &backends),
         TDM_OPT_S("backend-api-key", &backend_key),
+        TDM_OPT_S("backend-ca", &backend_ca),
         TDM_OPT_I("health-interval-ms", &interval, 10, 3600 * 1000),
         TDM_OPT_I("health-timeout-ms", &health_timeout, 10, 600 * 1000),
         TDM_OPT_I("connect-timeout-ms", &connect_timeout, 10, 600 * 1000),
@@ -103,6 +106,13 @@ int tdm_cmd_router(int argc, char **argv)
         return 2;
     }
 
+    char *tls_cert = NULL, *tls_key = NULL;
+    if (!tdm_tool_http_tls("router", &h, &tls_cert, &tls_key)) {
+        for (int i = 0; i < n_urls; i++)
+            free(urls[i]);
+        free(urls);
+        return 2;
+    }
     sigset_t sigs = tdm_tool_block_shutdown_signals();
 
     int rc = 1;
@@ -120,16 +130,21 @@ int tdm_cmd_router(int argc, char **argv)
                                  .max_connections = (int)h.max_connections,
                                  .idle_timeout_s = (int)h.idle_timeout_s,
                                  .header_timeout_ms = (int)h.header_timeout_ms,
-                                 .body_timeout_ms = (int)h.body_timeout_ms};
+                                 .body_timeout_ms = (int)h.body_timeout_ms,
+                                 .tls_cert_pem = tls_cert,
+                                 .tls_key_pem = tls_key,
+                                 .backend_ca_file = backend_ca};
     tdm_router_t *r = NULL;
     tdm_status st = tdm_router_start(&ro, &r);
+    tdm_tool_http_tls_free(tls_cert, tls_key); /* the router holds its own copy */
     if (st != TDM_OK) {
         tdm_tool_fail("router");
         rc = st == TDM_EINVAL || st == TDM_ENOTFOUND || st == TDM_EUNSUPPORTED ? 2 : 1;
         goto out_urls;
     }
-    fprintf(stderr, "tandem router: listening on http://%s:%d over %d backend%s\n", host,
-            tdm_router_port(r), n_urls, n_urls == 1 ? "" : "s");
+    fprintf(stderr, "tandem router: listening on %s://%s:%d over %d backend%s\n",
+            h.tls_cert ? "https" : "http", host, tdm_router_port(r), n_urls,
+            n_urls == 1 ? "" : "s");
     if (port_file) {
         char num[32];
         snprintf(num, sizeof num, "%d", tdm_router_port(r));

@@ -429,6 +429,11 @@ int tdm_cmd_serve(int argc, char **argv)
         if (slash && slash[1]) name = slash + 1;
     }
     struct extra_metrics_ctx xm = {.pre = pre, .dec = dec, .spec = spec};
+    char *tls_cert = NULL, *tls_key = NULL;
+    if (!tdm_tool_http_tls("serve", &h, &tls_cert, &tls_key)) {
+        rc = 2;
+        goto out_disagg;
+    }
     struct tdm_server_opts sv = {.host = host,
                                  .port = (int)port,
                                  .api_key = api_key,
@@ -439,13 +444,18 @@ int tdm_cmd_serve(int argc, char **argv)
                                  .header_timeout_ms = (int)h.header_timeout_ms,
                                  .body_timeout_ms = (int)h.body_timeout_ms,
                                  .http_threads = (int)http_threads,
+                                 .tls_cert_pem = tls_cert,
+                                 .tls_key_pem = tls_key,
                                  .no_generate = is_prefill,
                                  .extra_metrics = extra_metrics,
                                  .extra_metrics_ctx = &xm};
     struct tdm_server_model smod = {
         .tok = tok, .chat = have_chat ? &tmpl : NULL, .add_bos = tdm_tok_adds_bos(tok)};
-    if (tdm_server_start(&sv, sched, &smod, &srv) != TDM_OK) {
+    tdm_status sst = tdm_server_start(&sv, sched, &smod, &srv);
+    tdm_tool_http_tls_free(tls_cert, tls_key); /* the server holds its own copy */
+    if (sst != TDM_OK) {
         tdm_tool_fail("server");
+        if (sst == TDM_EINVAL) rc = 2;
         goto out_disagg;
     }
     if (is_prefill) {
@@ -482,7 +492,8 @@ int tdm_cmd_serve(int argc, char **argv)
                 mib + (double)ef->max_logit_rows * m->cfg.d_model * sizeof(float) / 1048576.0, dkv);
     }
     tdm_server_set_ready(srv, true);
-    fprintf(stderr, "tandem serve: listening on http://%s:%d\n", host, tdm_server_port(srv));
+    fprintf(stderr, "tandem serve: listening on %s://%s:%d\n", h.tls_cert ? "https" : "http", host,
+            tdm_server_port(srv));
     if (port_file) {
         char num[32];
         snprintf(num, sizeof num, "%d", tdm_server_port(srv));

@@ -94,15 +94,22 @@ struct tdm_tool_http {
     const char *host, *port_file, *api_key;
     int64_t port, max_body, drain_s;
     int64_t max_connections, idle_timeout_s, header_timeout_ms, body_timeout_ms; /* 0: default */
+    const char *tls_cert, *tls_key; /* PEM files (HTTPS) */
 };
-#define TDM_TOOL_HTTP_OPTS 11 /* entries of the table, its end included */
+#define TDM_TOOL_HTTP_OPTS 13 /* entries of the table, its end included */
 /* The usage lines of those options. */
 #define TDM_TOOL_HTTP_USAGE                                                                        \
     "  --max-connections N     open client connections at most (serve 10000, router 1024)\n"       \
     "  --idle-timeout S        an idle connection is closed after S s (serve 30, router 600)\n"    \
     "  --header-timeout-ms N   a request's headers must arrive within N ms (10000)\n"              \
-    "  --body-timeout-ms N     and its body within N ms after them (30000)\n"
+    "  --body-timeout-ms N     and its body within N ms after them (30000)\n"                      \
+    "  --tls-cert FILE         serve HTTPS with this PEM certificate (chain)...\n"                 \
+    "  --tls-key FILE          ...and its PEM private key\n"
 void tdm_tool_http_table(struct tdm_tool_http *h, struct tdm_opt out[TDM_TOOL_HTTP_OPTS]);
+/* --tls-cert/--tls-key: both or neither; reads the PEM text into *cert and *key (NULL, NULL for
+ * plain HTTP). Prints why and returns false on a missing, unreadable or non-PEM file. */
+bool tdm_tool_http_tls(const char *cmd, const struct tdm_tool_http *h, char **cert, char **key);
+void tdm_tool_http_tls_free(char *cert, char *key); /* wipes the key */
 /* --backend cpu|cuda into an int (enum tdm_backend_kind). */
 bool tdm_tool_opt_backend(const char *arg, void *dst);
 /* The speculation options that generate, serve and bench share: --spec, --spec-draft,

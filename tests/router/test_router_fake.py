@@ -324,7 +324,8 @@ def test_router_own_errors(start):
 def test_cli_refuses_bad_arguments():
     exe = str(build_dir() / "tandem")
     for args in ([], ["--backends", ""], ["--backends", "http://127.0.0.1:1,"],
-                 ["--backends", "https://127.0.0.1:1"], ["--backends", "ftp://x"],
+                 ["--backends", "https://127.0.0.1:1", "--backend-ca", "/nonexistent.pem"],
+                 ["--backends", "ftp://x"],
                  ["--backends", "http://127.0.0.1:99999"], ["--backends", "http://127.0.0.1:1",
                                                             "--timeout", "0"],
                  ["--backends", "http://127.0.0.1:1", "--bogus"]):
