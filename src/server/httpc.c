@@ -486,38 +486,35 @@ struct tdm_bh_conn {
 
 /* The socket's own semantics for both: > 0 bytes, 0 the peer closed, -1 with errno (EAGAIN:
  * wait for io_events(c)). A TLS failure sets errno EPROTO and keeps GnuTLS's code in tls_err. */
-static ssize_t io_recv(struct tdm_bh_conn *c, void *buf, size_t n)
+/* A GnuTLS record call's failure as the socket's: errno EAGAIN or EINTR, or EPROTO with
+ * GnuTLS's code kept in tls_err. Returns -1. */
+static ssize_t tls_fail(struct tdm_bh_conn *c, ssize_t r)
 {
-    if (!c->tls) return recv(c->fd, buf, n, 0);
-    ssize_t r = gnutls_record_recv(c->tls, buf, n);
-    if (r >= 0) return r;
-    if (r == GNUTLS_E_AGAIN)
+    if (r == GNUTLS_E_AGAIN) {
         errno = EAGAIN;
-    else if (r == GNUTLS_E_INTERRUPTED)
+    } else if (r == GNUTLS_E_INTERRUPTED) {
         errno = EINTR;
-    else if (r == GNUTLS_E_PREMATURE_TERMINATION)
-        return 0; /* closed without close_notify */
-    else {
+    } else {
         c->tls_err = (int)r;
         errno = EPROTO;
     }
     return -1;
 }
 
+static ssize_t io_recv(struct tdm_bh_conn *c, void *buf, size_t n)
+{
+    if (!c->tls) return recv(c->fd, buf, n, 0);
+    ssize_t r = gnutls_record_recv(c->tls, buf, n);
+    if (r >= 0) return r;
+    if (r == GNUTLS_E_PREMATURE_TERMINATION) return 0; /* closed without close_notify */
+    return tls_fail(c, r);
+}
+
 static ssize_t io_send(struct tdm_bh_conn *c, const void *p, size_t n)
 {
     if (!c->tls) return send(c->fd, p, n, MSG_NOSIGNAL);
     ssize_t w = gnutls_record_send(c->tls, p, n);
-    if (w >= 0) return w;
-    if (w == GNUTLS_E_AGAIN)
-        errno = EAGAIN;
-    else if (w == GNUTLS_E_INTERRUPTED)
-        errno = EINTR;
-    else {
-        c->tls_err = (int)w;
-        errno = EPROTO;
-    }
-    return -1;
+    return w >= 0 ? w : tls_fail(c, w);
 }
 
 /* What to wait for after EAGAIN: TLS may need to write while reading, and the reverse. */
@@ -577,7 +574,7 @@ static enum tdm_bh_fail tls_start(const struct tdm_bh_target *t, struct tdm_bh_c
         int r = gnutls_handshake(s);
         if (r == GNUTLS_E_SUCCESS) return TDM_BH_OK;
         if (r == GNUTLS_E_AGAIN || r == GNUTLS_E_INTERRUPTED) {
-            int w = wait_fd(c->fd, gnutls_record_get_direction(s) ? POLLOUT : POLLIN, deadline_ns);
+            int w = wait_fd(c->fd, io_events(c, POLLIN), deadline_ns);
             if (w > 0) continue;
             tdm_err_set(TDM_ETIMEDOUT, "TLS to %s:%s: handshake %s", t->host, t->port,
                         w == 0 ? "timed out" : strerror(errno));

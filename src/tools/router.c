@@ -106,16 +106,12 @@ int tdm_cmd_router(int argc, char **argv)
         return 2;
     }
 
+    int rc = 2;
     char *tls_cert = NULL, *tls_key = NULL;
-    if (!tdm_tool_http_tls("router", &h, &tls_cert, &tls_key)) {
-        for (int i = 0; i < n_urls; i++)
-            free(urls[i]);
-        free(urls);
-        return 2;
-    }
+    if (!tdm_tool_http_tls("router", &h, &tls_cert, &tls_key)) goto out_urls;
     sigset_t sigs = tdm_tool_block_shutdown_signals();
 
-    int rc = 1;
+    rc = 1;
     struct tdm_router_opts ro = {.host = host,
                                  .port = (int)port,
                                  .backends = (const char *const *)urls,

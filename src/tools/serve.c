@@ -333,6 +333,13 @@ int tdm_cmd_serve(int argc, char **argv)
     }
     if (pages && kv_bytes) {
         fprintf(stderr, "tandem serve: give --kv-pages or --kv-memory, not both\n");
+        free_peers(peer_bufs);
+        return 2;
+    }
+    /* read before the model loads, so that a bad file is reported at once */
+    char *tls_cert = NULL, *tls_key = NULL;
+    if (!tdm_tool_http_tls("serve", &h, &tls_cert, &tls_key)) {
+        free_peers(peer_bufs);
         return 2;
     }
 
@@ -344,6 +351,7 @@ int tdm_cmd_serve(int argc, char **argv)
     struct tdm_model *m = tdm_tool_load_model(model);
     if (!m) {
         free_peers(peer_bufs);
+        tdm_tool_http_tls_free(tls_cert, tls_key);
         return 1;
     }
     tdm_tok_t *tok = tdm_tool_load_tokenizer(m, false);
@@ -429,11 +437,6 @@ int tdm_cmd_serve(int argc, char **argv)
         if (slash && slash[1]) name = slash + 1;
     }
     struct extra_metrics_ctx xm = {.pre = pre, .dec = dec, .spec = spec};
-    char *tls_cert = NULL, *tls_key = NULL;
-    if (!tdm_tool_http_tls("serve", &h, &tls_cert, &tls_key)) {
-        rc = 2;
-        goto out_disagg;
-    }
     struct tdm_server_opts sv = {.host = host,
                                  .port = (int)port,
                                  .api_key = api_key,
@@ -453,6 +456,7 @@ int tdm_cmd_serve(int argc, char **argv)
         .tok = tok, .chat = have_chat ? &tmpl : NULL, .add_bos = tdm_tok_adds_bos(tok)};
     tdm_status sst = tdm_server_start(&sv, sched, &smod, &srv);
     tdm_tool_http_tls_free(tls_cert, tls_key); /* the server holds its own copy */
+    tls_cert = tls_key = NULL;
     if (sst != TDM_OK) {
         tdm_tool_fail("server");
         if (sst == TDM_EINVAL) rc = 2;
@@ -535,5 +539,6 @@ out_tok:
 out_model:
     tdm_model_free(m);
     free_peers(peer_bufs);
+    tdm_tool_http_tls_free(tls_cert, tls_key); /* exits before the server started */
     return rc;
 }
