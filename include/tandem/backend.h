@@ -81,6 +81,9 @@ struct tdm_backend_limits {
     int max_rows;   /* logit rows per step */
     int max_pages;  /* page-table entries per step, all sequences together */
     int n_heads, n_kv_heads, head_dim, d_model, d_ff, vocab;
+    /* bytes the memory plan leaves out of the KV pool for what comes later on this backend
+     * (speculation's draft model and its buffers) */
+    size_t reserve_bytes;
 };
 
 struct tdm_backend_i {
@@ -97,6 +100,9 @@ struct tdm_backend_i {
      * uploaded). The backend owns what it creates and frees it in destroy. */
     tdm_status (*weight_prepare)(tdm_backend_t *b, const struct tdm_weight *host,
                                  struct tdm_weight *out);
+    /* Optional: the bytes of backend memory weight_prepare will take for this weight (a
+     * memory plan's input); NULL: none (the CPU uses host weights where they are). */
+    size_t (*weight_bytes)(tdm_backend_t *b, const struct tdm_weight *host);
 
     /* out[i] = emb[tokens[i]] as fp32. out: [n][emb.cols] */
     void (*embed)(tdm_backend_t *b, const struct tdm_weight *emb, const int32_t *tokens, int n,

@@ -58,6 +58,13 @@ struct tdm_engine_opts {
     int n_kv_extra;
     tdm_kv_pool_t *kv_shared;
     int kv_group;
+    /* Speculation beside this engine on its backend: co_model (a draft model that will run on
+     * this backend: its weights as the backend stores them, and an engine's scratch for it
+     * with these limits) and reserve_bytes more (the drafts' distributions) are held back from
+     * the KV pool when the backend's memory plan sizes it, and the backend's workspace covers
+     * co_model's shapes too. tdm_spec_engine_opts fills both. */
+    const struct tdm_model *co_model;
+    size_t reserve_bytes;
     tdm_backend_t *backend;     /* NULL: the engine creates one of backend_kind and owns it */
     int backend_kind;           /* enum tdm_backend_kind: TDM_BACKEND_CPU (0) or TDM_BACKEND_CUDA */
     double gpu_memory_fraction; /* CUDA: share of device memory for weights, workspace and the
@@ -133,6 +140,8 @@ tdm_status tdm_engine_forward_sample(tdm_engine_t *e, const struct tdm_batch *ba
 const struct tdm_model *tdm_engine_model(const tdm_engine_t *e);
 tdm_kv_pool_t *tdm_engine_kv(tdm_engine_t *e);
 const struct tdm_engine_opts *tdm_engine_opts(const tdm_engine_t *e); /* with defaults filled */
+/* Fills o's zero limits with the defaults tdm_engine_create would use for this model. */
+void tdm_engine_fill_defaults(const struct tdm_model_config *cfg, struct tdm_engine_opts *o);
 tdm_backend_t *tdm_engine_backend(tdm_engine_t *e);
 /* The engine's layer counter (count_layers), readable from any thread while a forward call
  * runs; NULL when the engine was created without count_layers. The engine owns it: on the

@@ -54,6 +54,7 @@ struct tdm_sample_scratch {
     float *probs; /* [vocab] */
     int32_t *ids; /* [vocab] */
     float *raw;   /* [vocab] copy of the raw logits, for logprobs under penalties */
+    float *p;     /* [vocab] the target's distribution in a verified row */
 };
 tdm_status tdm_sample_scratch_init(struct tdm_sample_scratch *s, int vocab);
 void tdm_sample_scratch_free(struct tdm_sample_scratch *s);
@@ -100,19 +101,50 @@ int32_t tdm_dist_draw(const float *w, int vocab, double u);
 /* ---- one logit row of a forward pass to sample (the host path below, or a backend's device
  * sampler: backend.h `sample`, which must give the same token for the same logits) ---- */
 #define TDM_TOP_LOGPROBS_MAX 20
+#define TDM_SAMPLE_MAX_UNDO  16 /* a row's undo list: at most one verified span's drafts */
+
+/* What a row's sampling does. Speculation's acceptance is a sampling mode, so it runs where
+ * the logits are (a backend's device sampler implements the same three) and only tokens come
+ * back. RNG streams (the last argument of tdm_rng_uniform, keyed on the row's position): 0 the
+ * sampler's draw, 1 rejection's accept test, 2 its residual draw, 3 a drafter's own draw. */
+enum tdm_sample_mode {
+    TDM_SAMPLE_DRAW = 0, /* the sampler's draw (tdm_sampler_sample) */
+    /* A rejection drafter's row: the row's distribution (tdm_sampler_dist) into `dist`, then a
+     * draw from it in id order with stream 3; one_hot: dist is then that draw's one-hot (the
+     * proposal alone, vLLM's default). */
+    TDM_SAMPLE_PROPOSE = 1,
+    /* Verifies `draft`. q NULL (exact): the sampler's draw, kept when it equals the draft. q
+     * (rejection): kept with probability min(1, p(draft) / q(draft)) (stream 1), else the token
+     * is drawn from max(0, p - q) in id order (stream 2; from p if that is all zero). */
+    TDM_SAMPLE_VERIFY = 2,
+};
+
 struct tdm_sample_row {
     /* in */
     const struct tdm_sampler *smp;
     uint32_t position; /* absolute position of the token being chosen (the RNG counter) */
     int n_top;         /* -1: no log-probabilities; 0: the chosen token's; 1..20: and the top */
+    uint8_t mode;      /* enum tdm_sample_mode */
+    bool one_hot;      /* PROPOSE */
+    int32_t draft;     /* VERIFY: the proposed token, in [0, vocab) */
+    /* VERIFY: NULL, or [vocab] the draft's distribution at this position; PROPOSE: [vocab] out.
+     * Both in the sampling engine's backend memory (tdm_backend_i.buf_alloc). */
+    const float *q;
+    float *dist;
+    /* Output tokens the sampler holds that this row must not see (a verified span's drafts
+     * after this row's position, all accepted into smp): the penalties count them out. At most
+     * TDM_SAMPLE_MAX_UNDO, each in [0, vocab); NULL when n_undo is 0. */
+    const int32_t *undo;
+    int n_undo;
     /* out */
     int32_t token;
+    bool kept;     /* VERIFY: the draft was accepted (token == draft) */
     float logprob; /* the token's, under the raw logits (n_top >= 0) */
     int32_t top_ids[TDM_TOP_LOGPROBS_MAX];
     float top_lps[TDM_TOP_LOGPROBS_MAX];
 };
-/* Samples a row on the host: the top log-probabilities, then tdm_sampler_sample. logits is
- * modified in place. */
+/* Samples a row on the host by its mode: the top log-probabilities, then the mode's draw.
+ * logits is modified in place. q and dist must be host memory here. */
 void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
                          struct tdm_sample_scratch *scratch);
 

@@ -264,7 +264,9 @@ void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
  * acceptance instead: draft d at a position is kept with probability min(1, p(d) / q(d)), p
  * being the target's distribution there (tdm_sampler_dist), with the uniform of RNG stream 1;
  * the first one refused is replaced by a draw from max(0, p - q) normalised (stream 2). The
- * target's own draws use stream 0, so a drafter draws its proposals from stream 3.
+ * target's own draws use stream 0, so a drafter draws its proposals from stream 3. Both
+ * acceptances run in the verified rows' sampling (TDM_SAMPLE_VERIFY, sample.h), where the
+ * logits are.
  * Rejected positions are rewound: the token list, the penalty state and the KV past the kept
  * end. */
 #define TDM_SPEC_MAX_K 16
@@ -295,7 +297,8 @@ struct tdm_sched_draft {
     int cap;      /* k as the scheduler set it (read-only) */
     int32_t *out; /* [k]: proposals */
     /* out, for rejection acceptance: [k][vocab] the draft's distribution at each proposal
-     * (drafter's storage, valid until the commit); NULL: exact acceptance */
+     * (drafter's storage in the target engine's backend memory, where the verify rows are
+     * sampled: device memory on CUDA; valid until the commit); NULL: exact acceptance */
     const float *q;
     int n; /* out: how many were proposed (0..k) */
 };
@@ -313,7 +316,8 @@ struct tdm_sched_drafter_i {
     void (*step_done)(void *ctx, const struct tdm_sched_plan *plan, uint64_t run_ns);
 };
 /* Sets the drafter (before tdm_sched_start); k_max caps every proposal (at most
- * TDM_SPEC_MAX_K). Reserves the row outputs that verification under penalties needs. */
+ * TDM_SPEC_MAX_K). Verification needs no row outputs: each verified row is sampled in
+ * TDM_SAMPLE_VERIFY mode where the logits are. */
 tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_i *d, void *ctx,
                                  int k_max);
 

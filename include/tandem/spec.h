@@ -15,8 +15,9 @@
  *   draft  a separate checkpoint with the target's vocabulary (refused otherwise). Its KV is
  *          a layer group of the target's pool (same page ids, one page table per sequence).
  *          It catches up on the tokens it has not seen (the prompt, then each step's accepted
- *          tokens and bonus token), runs k steps, and its KV keeps what was accepted. CPU
- *          backend only for now (the CUDA memory plan does not reserve its weights yet).
+ *          tokens and bonus token), runs k steps, and its KV keeps what was accepted. On CUDA
+ *          the target's memory plan holds back its weights and scratch
+ *          (tdm_spec_engine_opts) before the KV pool is sized.
  *   mtp, eagle  trained heads (a later issue).
  *
  * Acceptance.
@@ -85,6 +86,15 @@ struct tdm_spec_opts {
 };
 /* The KV layer group a draft model needs in the target's pool. */
 void tdm_spec_kv_group(const struct tdm_model *draft, struct tdm_kv_group *out);
+/* What speculation needs of the target engine's options, set before it is created: for a
+ * draft model, its layer group (stored in *group, which must outlive the creation) and the
+ * draft as co_model (its weights and scratch held back from the KV pool); for rejection
+ * acceptance, the drafts' distributions' bytes in reserve_bytes. */
+void tdm_spec_engine_opts(const struct tdm_spec_opts *o, const struct tdm_model *target,
+                          struct tdm_kv_group *group, struct tdm_engine_opts *eo);
+/* The bytes of a rejection drafter's distributions for an engine with these (defaulted)
+ * options: [min(max_seqs, max_logit_rows)][TDM_SPEC_MAX_K][vocab] floats. */
+size_t tdm_spec_q_bytes(const struct tdm_engine_opts *target_opts, int vocab);
 
 /* "none", "draft", "self", "mtp", "eagle"; TDM_EINVAL with a message otherwise. */
 tdm_status tdm_spec_method_parse(const char *s, enum tdm_spec_method *out);

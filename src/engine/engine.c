@@ -118,6 +118,16 @@ void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_fre
     }
 }
 
+/* A layer's weights, in one order (prepare_weights pairs them with the engine's copies). */
+enum { LAYER_WEIGHTS = 14 };
+static void layer_weights(const struct tdm_layer_weights *w, const struct tdm_weight **out)
+{
+    const struct tdm_weight *l[LAYER_WEIGHTS] = {
+        &w->attn_norm, &w->wq,     &w->wk, &w->wv,       &w->bq,     &w->bk,   &w->bv,
+        &w->q_norm,    &w->k_norm, &w->wo, &w->ffn_norm, &w->w_gate, &w->w_up, &w->w_down};
+    memcpy(out, l, sizeof l);
+}
+
 static tdm_status prep(tdm_engine_t *e, const struct tdm_weight *w, struct tdm_weight *out)
 {
     if (!w->data) {
@@ -141,12 +151,9 @@ static tdm_status prepare_weights(tdm_engine_t *e)
     else if ((st = prep(e, &m->output, &e->output)) != TDM_OK)
         return st;
     for (int l = 0; l < e->cfg.n_layers; l++) {
-        const struct tdm_layer_weights *src = &m->layers[l];
         struct tdm_layer_weights *dst = &e->layers[l];
-        const struct tdm_weight *s[] = {&src->attn_norm, &src->wq,    &src->wk,       &src->wv,
-                                        &src->bq,        &src->bk,    &src->bv,       &src->q_norm,
-                                        &src->k_norm,    &src->wo,    &src->ffn_norm, &src->w_gate,
-                                        &src->w_up,      &src->w_down};
+        const struct tdm_weight *s[LAYER_WEIGHTS];
+        layer_weights(&m->layers[l], s);
         struct tdm_weight *d[] = {&dst->attn_norm, &dst->wq,    &dst->wk,       &dst->wv,
                                   &dst->bq,        &dst->bk,    &dst->bv,       &dst->q_norm,
                                   &dst->k_norm,    &dst->wo,    &dst->ffn_norm, &dst->w_gate,
@@ -157,7 +164,35 @@ static tdm_status prepare_weights(tdm_engine_t *e)
     return TDM_OK;
 }
 
-static void fill_defaults(const struct tdm_model_config *cfg, struct tdm_engine_opts *o)
+/* The engine scratch for a model at T batch tokens and R logit rows (the balloc calls of
+ * tdm_engine_create, in bytes). */
+static size_t scratch_bytes(const struct tdm_model_config *c, size_t T, size_t R)
+{
+    size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    return sizeof(float) *
+           (T * (size_t)c->d_model * 3 + T * qd * 2 + T * kvd * 2 + T * (size_t)c->d_ff +
+            R * (size_t)c->d_model + R * (size_t)c->vocab_size);
+}
+
+/* What a co-model (a draft) will take of backend b: its weights as b stores them (tied
+ * embeddings once), and an engine's scratch at T tokens and R rows. */
+static size_t co_model_bytes(tdm_backend_t *b, const struct tdm_model *m, size_t T, size_t R)
+{
+    size_t bytes = scratch_bytes(&m->cfg, T, R);
+    size_t (*wb)(tdm_backend_t *, const struct tdm_weight *) = b->iface->weight_bytes;
+    if (!wb) return bytes;
+    bytes += wb(b, &m->tok_embd) + wb(b, &m->output_norm);
+    if (m->output.data != m->tok_embd.data) bytes += wb(b, &m->output);
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const struct tdm_weight *w[LAYER_WEIGHTS];
+        layer_weights(&m->layers[l], w);
+        for (int i = 0; i < LAYER_WEIGHTS; i++)
+            bytes += wb(b, w[i]);
+    }
+    return bytes;
+}
+
+void tdm_engine_fill_defaults(const struct tdm_model_config *cfg, struct tdm_engine_opts *o)
 {
     if (o->page_size <= 0) o->page_size = DEFAULT_PAGE_SIZE;
     if (o->max_ctx <= 0) o->max_ctx = cfg->max_ctx > 0 ? cfg->max_ctx : 4096;
@@ -175,7 +210,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     e->model = model;
     e->cfg = model->cfg;
     e->opts = opts ? *opts : (struct tdm_engine_opts){0};
-    fill_defaults(&e->cfg, &e->opts);
+    tdm_engine_fill_defaults(&e->cfg, &e->opts);
     const struct tdm_model_config *c = &e->cfg;
     struct tdm_engine_opts *o = &e->opts;
     if (c->head_dim <= 0 || c->head_dim % 2 || c->head_dim > TDM_MAX_HEAD_DIM) {
@@ -258,7 +293,20 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
             .head_dim = c->head_dim,
             .d_model = c->d_model,
             .d_ff = c->d_ff,
-            .vocab = c->vocab_size};
+            .vocab = c->vocab_size,
+            .reserve_bytes = o->reserve_bytes};
+        const struct tdm_model *co = o->co_model;
+        if (co) { /* a draft beside this model: its shapes, its weights and its scratch */
+            const struct tdm_model_config *cc = &co->cfg;
+            lim.n_heads = TDM_MAX(lim.n_heads, cc->n_heads);
+            lim.n_kv_heads = TDM_MAX(lim.n_kv_heads, cc->n_kv_heads);
+            lim.head_dim = TDM_MAX(lim.head_dim, cc->head_dim);
+            lim.d_model = TDM_MAX(lim.d_model, cc->d_model);
+            lim.d_ff = TDM_MAX(lim.d_ff, cc->d_ff);
+            lim.vocab = TDM_MAX(lim.vocab, cc->vocab_size);
+            lim.reserve_bytes += co_model_bytes(e->backend, co, (size_t)o->max_batch_tokens,
+                                                (size_t)o->max_logit_rows);
+        }
         if ((st = e->backend->iface->reserve(e->backend, &lim, &backend_kv_bytes)) != TDM_OK &&
             !(o->kv_pages > 0 || o->kv_bytes > 0))
             goto out_scratch;
@@ -519,6 +567,19 @@ static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, 
     tdm_backend_t *b = e->backend;
     const struct tdm_backend_i *ops = b->iface;
     int vocab = e->cfg.vocab_size;
+    bool in_backend = false; /* a row reads or writes a distribution in backend memory */
+    for (int i = 0; i < n_rows; i++) {
+        const struct tdm_sample_row *r = &samples[i];
+        if (!(want[i] & TDM_ROW_SAMPLE)) continue;
+        bool ok = r->mode <= TDM_SAMPLE_VERIFY && r->n_undo >= 0 &&
+                  r->n_undo <= TDM_SAMPLE_MAX_UNDO && (r->n_undo == 0 || r->undo) &&
+                  (r->mode != TDM_SAMPLE_PROPOSE || r->dist) &&
+                  (r->mode != TDM_SAMPLE_VERIFY || (r->draft >= 0 && r->draft < vocab));
+        for (int j = 0; ok && j < r->n_undo; j++)
+            ok = r->undo[j] >= 0 && r->undo[j] < vocab;
+        if (!ok) return tdm_err_set(TDM_EINVAL, "batch: sample row %d is malformed", i);
+        in_backend |= r->mode == TDM_SAMPLE_PROPOSE || (r->mode == TDM_SAMPLE_VERIFY && r->q);
+    }
     if (e->device_sampling) {
         if (all) return ops->sample(b, e->logits, n_rows, vocab, samples);
         /* the device samples every row: the others greedily, from a copy of the list */
@@ -534,6 +595,10 @@ static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, 
     }
     float *lg = e->logits;
     if (e->host_logits) {
+        if (in_backend)
+            return tdm_err_set(TDM_EUNSUPPORTED,
+                               "engine: rejection acceptance reads distributions in device "
+                               "memory, and this vocabulary is sampled on the host");
         lg = e->host_logits;
         ops->download(b, lg, e->logits, (size_t)n_rows * vocab * sizeof(float));
     }

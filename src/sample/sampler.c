@@ -50,7 +50,8 @@ tdm_status tdm_sample_scratch_init(struct tdm_sample_scratch *s, int vocab)
     s->probs = malloc((size_t)vocab * sizeof *s->probs);
     s->ids = malloc((size_t)vocab * sizeof *s->ids);
     s->raw = malloc((size_t)vocab * sizeof *s->raw);
-    if (!s->probs || !s->ids || !s->raw) {
+    s->p = malloc((size_t)vocab * sizeof *s->p);
+    if (!s->probs || !s->ids || !s->raw || !s->p) {
         tdm_sample_scratch_free(s);
         return tdm_err_set(TDM_ENOMEM, "sampler scratch: out of memory");
     }
@@ -64,6 +65,7 @@ void tdm_sample_scratch_free(struct tdm_sample_scratch *s)
     free(s->probs);
     free(s->ids);
     free(s->raw);
+    free(s->p);
     memset(s, 0, sizeof *s);
 }
 
@@ -205,15 +207,38 @@ void tdm_logprobs_top(const float *logits, int vocab, int k, int32_t *ids, float
         logprobs[i] = logprob_from(logits[ids[i]], lse);
 }
 
-static void apply_penalties(const struct tdm_sampler *s, float *logits)
+/* One token's penalties (the device sampler does the same float operations). */
+static float penalise(const struct tdm_sampling_params *p, float l, uint32_t cnt, bool in_prompt)
+{
+    if (p->repetition_penalty != 1.0f && (cnt || in_prompt))
+        l = l > 0 ? l / p->repetition_penalty : l * p->repetition_penalty;
+    if (cnt) l -= p->presence_penalty + p->frequency_penalty * (float)cnt;
+    return l;
+}
+
+/* The penalties of the sampler's state, less the n_undo output tokens in undo: each of those
+ * is penalised again from its raw logit with its count less its occurrences there. */
+static void apply_penalties(const struct tdm_sampler *s, float *logits, const int32_t *undo,
+                            int n_undo)
 {
     const struct tdm_sampling_params *p = &s->params;
-    for (int i = 0; i < s->vocab; i++) {
-        uint32_t cnt = s->out_count[i];
-        if (p->repetition_penalty != 1.0f && (cnt || s->prompt_seen[i]))
-            logits[i] = logits[i] > 0 ? logits[i] / p->repetition_penalty
-                                      : logits[i] * p->repetition_penalty;
-        if (cnt) logits[i] -= p->presence_penalty + p->frequency_penalty * (float)cnt;
+    float raw[TDM_SAMPLE_MAX_UNDO];
+    n_undo = TDM_MIN(TDM_MAX(n_undo, 0), TDM_SAMPLE_MAX_UNDO);
+    for (int j = 0; j < n_undo; j++)
+        raw[j] = logits[undo[j]];
+    for (int i = 0; i < s->vocab; i++)
+        logits[i] = penalise(p, logits[i], s->out_count[i], s->prompt_seen[i] != 0);
+    for (int j = 0; j < n_undo; j++) {
+        int32_t t = undo[j];
+        bool first = true;
+        uint32_t n = 0;
+        for (int a = 0; a < n_undo; a++) {
+            if (undo[a] == t && a < j) first = false;
+            n += undo[a] == t;
+        }
+        if (!first) continue;
+        uint32_t cnt = s->out_count[t] > n ? s->out_count[t] - n : 0;
+        logits[t] = penalise(p, raw[j], cnt, s->prompt_seen[t] != 0);
     }
 }
 
@@ -245,11 +270,12 @@ static int nucleus_candidates(const struct tdm_sampling_params *p, const float *
  * greedy), else -1 with scratch->probs holding the softmax at the temperature and
  * scratch->ids[0, *n) the kept tokens (in a fixed order). logits is modified. */
 static int32_t kept_set(const struct tdm_sampler *s, float *logits,
-                        struct tdm_sample_scratch *scratch, int *n_out)
+                        struct tdm_sample_scratch *scratch, int *n_out, const int32_t *undo,
+                        int n_undo)
 {
     const struct tdm_sampling_params *p = &s->params;
     int vocab = s->vocab;
-    if (s->out_count) apply_penalties(s, logits);
+    if (s->out_count) apply_penalties(s, logits, undo, n_undo);
     /* non-finite logits, from any source (the model included): NaN is never chosen, a +inf wins
      * outright, and a row with nothing finite gives token 0 */
     int first_pinf = -1;
@@ -314,47 +340,35 @@ static int32_t kept_set(const struct tdm_sampler *s, float *logits,
     return -1;
 }
 
-int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t position,
-                           struct tdm_sample_scratch *scratch, float *logprob)
+/* The sampler's draw from the kept set (stream 0), with penalties less undo. */
+static int32_t draw_kept(const struct tdm_sampler *s, float *logits, uint32_t position,
+                         struct tdm_sample_scratch *scratch, const int32_t *undo, int n_undo)
 {
-    int vocab = s->vocab;
-    TDM_ASSERT(scratch->vocab >= vocab);
-    double raw_lse = 0.0;
-    if (logprob) {
-        raw_lse = log_sum_exp(logits, vocab);
-        if (s->out_count) memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
-    }
-    const float *raw = s->out_count ? scratch->raw : logits;
     int n = 0;
-    int32_t chosen = kept_set(s, logits, scratch, &n);
-    if (chosen < 0) {
-        const float *probs = scratch->probs;
-        const int32_t *ids = scratch->ids;
-        double total = 0.0;
-        for (int i = 0; i < n; i++)
-            total += probs[ids[i]];
-        double u = tdm_rng_uniform(s->params.seed, s->request_id, position, 0) * total;
-        double cum = 0.0;
-        chosen = ids[n - 1];
-        for (int i = 0; i < n; i++) {
-            cum += probs[ids[i]];
-            if (u < cum) {
-                chosen = ids[i];
-                break;
-            }
-        }
+    int32_t chosen = kept_set(s, logits, scratch, &n, undo, n_undo);
+    if (chosen >= 0) return chosen;
+    const float *probs = scratch->probs;
+    const int32_t *ids = scratch->ids;
+    double total = 0.0;
+    for (int i = 0; i < n; i++)
+        total += probs[ids[i]];
+    double u = tdm_rng_uniform(s->params.seed, s->request_id, position, 0) * total;
+    double cum = 0.0;
+    chosen = ids[n - 1];
+    for (int i = 0; i < n; i++) {
+        cum += probs[ids[i]];
+        if (u < cum) return ids[i];
     }
-    if (logprob) *logprob = logprob_from(raw[chosen], raw_lse);
     return chosen;
 }
 
-int tdm_sampler_dist(const struct tdm_sampler *s, float *logits, struct tdm_sample_scratch *scratch,
-                     float *dist)
+/* The distribution of draw_kept into dist (penalties less undo); returns its support size. */
+static int dist_kept(const struct tdm_sampler *s, float *logits, struct tdm_sample_scratch *scratch,
+                     float *dist, const int32_t *undo, int n_undo)
 {
     int vocab = s->vocab;
-    TDM_ASSERT(scratch->vocab >= vocab);
     int n = 0;
-    int32_t forced = kept_set(s, logits, scratch, &n);
+    int32_t forced = kept_set(s, logits, scratch, &n, undo, n_undo);
     memset(dist, 0, (size_t)vocab * sizeof *dist);
     if (forced >= 0) {
         dist[forced] = 1.0f;
@@ -366,6 +380,29 @@ int tdm_sampler_dist(const struct tdm_sampler *s, float *logits, struct tdm_samp
     for (int i = 0; i < n; i++)
         dist[scratch->ids[i]] = (float)(scratch->probs[scratch->ids[i]] / total);
     return n;
+}
+
+int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t position,
+                           struct tdm_sample_scratch *scratch, float *logprob)
+{
+    int vocab = s->vocab;
+    TDM_ASSERT(scratch->vocab >= vocab);
+    double raw_lse = 0.0;
+    if (logprob) {
+        raw_lse = log_sum_exp(logits, vocab);
+        if (s->out_count) memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
+    }
+    const float *raw = s->out_count ? scratch->raw : logits;
+    int32_t chosen = draw_kept(s, logits, position, scratch, NULL, 0);
+    if (logprob) *logprob = logprob_from(raw[chosen], raw_lse);
+    return chosen;
+}
+
+int tdm_sampler_dist(const struct tdm_sampler *s, float *logits, struct tdm_sample_scratch *scratch,
+                     float *dist)
+{
+    TDM_ASSERT(scratch->vocab >= s->vocab);
+    return dist_kept(s, logits, scratch, dist, NULL, 0);
 }
 
 int32_t tdm_dist_draw(const float *w, int vocab, double u)
@@ -387,13 +424,64 @@ int32_t tdm_dist_draw(const float *w, int vocab, double u)
     return last;
 }
 
+/* Rejection acceptance of row's draft (see TDM_SAMPLE_VERIFY): p into scratch->p, the
+ * residual into scratch->probs. */
+static int32_t verify_rejection(struct tdm_sample_row *row, float *logits,
+                                struct tdm_sample_scratch *scratch)
+{
+    const struct tdm_sampler *smp = row->smp;
+    int vocab = smp->vocab;
+    int32_t d = row->draft;
+    const float *q = row->q;
+    float *p = scratch->p;
+    dist_kept(smp, logits, scratch, p, row->undo, row->n_undo);
+    uint64_t seed = smp->params.seed, id = smp->request_id;
+    double u = tdm_rng_uniform(seed, id, row->position, 1);
+    row->kept = q[d] > 0.0f && u * q[d] < p[d];
+    if (row->kept) return d;
+    float *w = scratch->probs;
+    for (int v = 0; v < vocab; v++) /* the residual: max(0, p - q) */
+        w[v] = p[v] > q[v] ? p[v] - q[v] : 0.0f;
+    double u2 = tdm_rng_uniform(seed, id, row->position, 2);
+    int32_t t = tdm_dist_draw(w, vocab, u2);
+    if (t < 0) t = tdm_dist_draw(p, vocab, u2); /* p == q to the last bit: p itself is right */
+    return t < 0 ? d : t;
+}
+
 void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
                          struct tdm_sample_scratch *scratch)
 {
     const struct tdm_sampler *smp = row->smp;
+    int vocab = smp->vocab;
+    TDM_ASSERT(scratch->vocab >= vocab);
     int k = TDM_MIN(row->n_top, TDM_TOP_LOGPROBS_MAX);
-    if (k > 0) tdm_logprobs_top(logits, smp->vocab, k, row->top_ids, row->top_lps);
+    if (k > 0) tdm_logprobs_top(logits, vocab, k, row->top_ids, row->top_lps);
     row->logprob = 0.0f;
-    row->token = tdm_sampler_sample(smp, logits, row->position, scratch,
-                                    row->n_top >= 0 ? &row->logprob : NULL);
+    row->kept = false;
+    if (row->mode == TDM_SAMPLE_DRAW && !row->n_undo) {
+        row->token = tdm_sampler_sample(smp, logits, row->position, scratch,
+                                        row->n_top >= 0 ? &row->logprob : NULL);
+        return;
+    }
+    /* the other modes modify logits too: the raw row is kept for the log-probability */
+    double raw_lse = row->n_top >= 0 ? log_sum_exp(logits, vocab) : 0.0;
+    memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
+    int32_t t;
+    if (row->mode == TDM_SAMPLE_PROPOSE) {
+        dist_kept(smp, logits, scratch, row->dist, row->undo, row->n_undo);
+        t = tdm_dist_draw(row->dist, vocab,
+                          tdm_rng_uniform(smp->params.seed, smp->request_id, row->position, 3));
+        if (t < 0) t = 0;
+        if (row->one_hot) {
+            memset(row->dist, 0, (size_t)vocab * sizeof *row->dist);
+            row->dist[t] = 1.0f;
+        }
+    } else if (row->mode == TDM_SAMPLE_VERIFY && row->q) {
+        t = verify_rejection(row, logits, scratch);
+    } else {
+        t = draw_kept(smp, logits, row->position, scratch, row->undo, row->n_undo);
+        row->kept = row->mode == TDM_SAMPLE_VERIFY && t == row->draft;
+    }
+    row->token = t;
+    if (row->n_top >= 0) row->logprob = logprob_from(scratch->raw[t], raw_lse);
 }

@@ -1,8 +1,9 @@
 /*
  * The commit: applies what a run of the plan brought back (scheduler thread). For each span
  * that reached the end of its token list, the rows' tokens are published in order; a drafted
- * span keeps its drafts while they equal the target's token at their position, then the
- * target's token at the first mismatch (or after the last draft). What was rejected is
+ * span keeps its drafts while their rows accepted them (the rows were sampled in
+ * TDM_SAMPLE_VERIFY mode, by the engine, where the logits are: the device on CUDA), then the
+ * row's token at the first rejection (or after the last draft). What was rejected is
  * rewound: the drafts leave the token list and the penalty state (newest first), the KV keeps
  * only the positions that hold kept tokens, and pages past them go back to the pool.
  *
@@ -108,38 +109,6 @@ static void drop_drafts(struct tdm_req *r)
         tdm_sampler_unaccept(&r->smp, r->tokens[--r->n_tokens]);
 }
 
-/* Rejection acceptance of draft d at row sr (logits lg, the draft's distribution qd): keeps d
- * with probability min(1, p(d) / q(d)), else draws the row's token from max(0, p - q); fills
- * sr's token and log-probabilities. Returns whether d was kept. */
-static bool accept_rejection(struct tdm_sched *s, struct tdm_req *r, struct tdm_sample_row *sr,
-                             float *lg, const float *qd, int32_t d)
-{
-    int vocab = s->vocab;
-    memcpy(s->rej_raw, lg, (size_t)vocab * sizeof *lg); /* log-probabilities: the raw row */
-    float *pd = s->rej_p;
-    tdm_sampler_dist(&r->smp, lg, &s->scratch, pd);
-    uint64_t seed = r->smp.params.seed, id = r->smp.request_id;
-    double u = tdm_rng_uniform(seed, id, sr->position, 1);
-    bool kept = qd[d] > 0.0f && u * qd[d] < pd[d];
-    int32_t t = d;
-    if (!kept) {
-        for (int v = 0; v < vocab; v++) /* the residual, in place: max(0, p - q) */
-            pd[v] = pd[v] > qd[v] ? pd[v] - qd[v] : 0.0f;
-        t = tdm_dist_draw(pd, vocab, tdm_rng_uniform(seed, id, sr->position, 2));
-        if (t < 0) { /* p == q to the last bit: the residual is empty, p itself is right */
-            memcpy(lg, s->rej_raw, (size_t)vocab * sizeof *lg);
-            tdm_sampler_dist(&r->smp, lg, &s->scratch, pd);
-            t = tdm_dist_draw(pd, vocab, tdm_rng_uniform(seed, id, sr->position, 2));
-            if (t < 0) t = d;
-        }
-    }
-    sr->token = t;
-    sr->logprob = sr->n_top >= 0 ? tdm_logprob_of(s->rej_raw, vocab, t) : 0.0f;
-    int k = TDM_MIN(sr->n_top, TDM_TOP_LOGPROBS_MAX);
-    if (k > 0) tdm_logprobs_top(s->rej_raw, vocab, k, sr->top_ids, sr->top_lps);
-    return kept;
-}
-
 /* Publishes the rows of r's last span; returns the finish reason (NONE to go on). */
 static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
                                    const struct tdm_plan_seq *q)
@@ -151,16 +120,8 @@ static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
     for (int i = 0; i <= n_draft; i++) {
         int row = q->row0 + i;
         struct tdm_sample_row *sr = &p->samples[row];
-        int32_t d = i < n_draft ? r->tokens[committed + i] : -1; /* read before publish */
-        float *lg = p->logits + (size_t)row * s->vocab;
-        bool kept;
-        if (d >= 0 && r->draft_q) {
-            kept = accept_rejection(s, r, sr, lg, r->draft_q + (size_t)i * s->vocab, d);
-        } else {
-            if (!(q->want & TDM_ROW_SAMPLE)) /* a verified row under penalties: its state now */
-                tdm_sample_row_host(sr, lg, &s->scratch);
-            kept = sr->token == d;
-        }
+        /* the row verified its draft where it was sampled (TDM_SAMPLE_VERIFY) */
+        bool kept = i < n_draft && sr->kept && sr->token == r->tokens[committed + i];
         f = publish(s, r, sr);
         if (f != TDM_FINISH_NONE || i == n_draft || !kept) break;
         accepted++;

@@ -13,6 +13,9 @@
 
 #include "sched/sched_int.h"
 
+_Static_assert(TDM_SPEC_MAX_K <= TDM_SAMPLE_MAX_UNDO,
+               "a verified row's undo list holds its span's drafts");
+
 void tdm_sched_set_state(struct tdm_req *r, enum tdm_req_state st)
 {
     atomic_store(&r->state, (int)st);
@@ -180,11 +183,6 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
     int ps = s->page_size, pos0 = r->n_cached;
     bool last = pos0 + span == r->n_tokens;
     uint8_t want = r->want;
-    /* with penalties, each verified row depends on the drafts before it, and rejection
-     * acceptance needs the target's distribution: the commit samples those rows on the host,
-     * in order, from their logits */
-    if (r->n_draft && (r->penalties || r->draft_q))
-        want = (uint8_t)((want & ~TDM_ROW_SAMPLE) | TDM_ROW_LOGITS);
     int n_rows = last && want ? 1 + r->n_draft : 0;
     int32_t *slots = s->slots + p->n_tokens;
     for (int i = 0; i < span; i++) {
@@ -212,6 +210,17 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
             (struct tdm_sample_row){.smp = &r->smp,
                                     .position = (uint32_t)(pos0 + span - n_rows + i + 1),
                                     .n_top = r->top_k_lp};
+        if (i < r->n_draft) {
+            /* a verified row: its draft, the draft's distribution (rejection), and the drafts
+             * after it, which the penalty state holds but this row must not see */
+            int at = r->n_tokens - r->n_draft + i;
+            struct tdm_sample_row *sr = &s->srows[row];
+            sr->mode = TDM_SAMPLE_VERIFY;
+            sr->draft = r->tokens[at];
+            sr->q = r->draft_q ? r->draft_q + (size_t)i * s->vocab : NULL;
+            sr->undo = r->tokens + at;
+            sr->n_undo = r->n_draft - i;
+        }
     }
     r->batch_slot = p->n_seqs++;
     p->n_tokens += span;
@@ -223,8 +232,7 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
  * rows_after: to keep for those after it). */
 static int draft_cap(struct tdm_sched *s, struct tdm_req *r, int budget, int rows, int rows_after)
 {
-    if (!s->drafter || r->prefill_only || r->spec_k < 0 || (r->penalties && !s->row_outputs))
-        return 0;
+    if (!s->drafter || r->prefill_only || r->spec_k < 0) return 0;
     int n_out = r->n_tokens - r->n_prompt;
     int k = r->spec_k > 0 ? TDM_MIN(s->draft_k, r->spec_k) : s->draft_k;
     k = TDM_MIN(k, budget - 1);

@@ -205,8 +205,6 @@ out_fail:
     free(s->running);
     free(s->pseqs);
     free(s->drafts);
-    free(s->rej_p);
-    free(s->rej_raw);
     free(s->decodes);
     free(s->slots);
     free(s->want);
@@ -709,8 +707,6 @@ void tdm_sched_destroy(tdm_sched_t *s)
     free(s->running);
     free(s->pseqs);
     free(s->drafts);
-    free(s->rej_p);
-    free(s->rej_raw);
     free(s->decodes);
     free(s->slots);
     free(s->want);
@@ -739,16 +735,8 @@ tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_
     s->drafter = d && d->propose && k_max > 0 ? d : NULL;
     s->drafter_ctx = ctx;
     s->draft_k = TDM_MIN(TDM_MIN(TDM_MAX(k_max, 0), TDM_SPEC_MAX_K), s->o.max_batch_tokens - 1);
-    if (!s->drafter) return TDM_OK;
-    free(s->rej_p);
-    free(s->rej_raw);
-    s->rej_p = malloc((size_t)s->vocab * sizeof *s->rej_p);
-    s->rej_raw = malloc((size_t)s->vocab * sizeof *s->rej_raw);
-    if (!s->rej_p || !s->rej_raw)
-        return tdm_err_set(TDM_ENOMEM, "sched: out of memory for the acceptance rows");
-    /* verification under penalties or rejection acceptance samples its rows on the host, from
-     * their logits */
-    return tdm_sched_reserve_rows(s);
+    /* verification needs no logits: its rows verify where they are sampled (TDM_SAMPLE_VERIFY) */
+    return TDM_OK;
 }
 
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st)

@@ -116,7 +116,6 @@ struct tdm_sched {
     int draft_k;
     struct tdm_sched_draft *drafts; /* [max_seqs] this step's drafting batch */
     struct tdm_req **decodes;       /* [max_seqs] this step's decoding requests */
-    float *rej_p, *rej_raw;         /* [vocab] rejection acceptance's p, and a raw logit row */
     uint64_t n_steps;
 
     /* the watchdog (sched.c). wmu guards step_t0_ns, held and the stall flags; it nests

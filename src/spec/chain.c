@@ -17,12 +17,15 @@
  *   3. draft: its KV now holds positions [0, n + k - 1); after the commit (accepted) only the
  *      kept ones count: cursor = min(n + k - 1, n + accepted).
  * Draws: exact acceptance samples with the request's sampler at each position (the target's
- * keyed uniform: a coupled draw); rejection keeps the model's distribution q and draws from it
- * with RNG stream 3 (independent of the verifier's 1 and 2); one-hot keeps q as the proposal
- * alone (vLLM's default, to measure what the full q gains). Penalties see the drafts as they
- * come (accepted into the request's sampler, unaccepted before returning).
+ * keyed uniform: a coupled draw); rejection samples its rows in TDM_SAMPLE_PROPOSE mode, which
+ * leaves the model's distribution q in backend memory (on the device, next to the logits, where
+ * the target's verify rows read it) and draws from it with RNG stream 3 (independent of the
+ * verifier's 1 and 2); one-hot keeps q as the proposal alone (vLLM's default, to measure what
+ * the full q gains). Penalties see the drafts as they come (accepted into the request's
+ * sampler, unaccepted before returning).
  *
- * Ownership: owns its scratch, and the engine when it made it (draft); borrows the model, the
+ * Ownership: owns its scratch (q in the backend's memory), and the engine when it made it
+ * (draft); borrows the model, the
  * target's pool and backend. Scheduler thread.
  */
 #include <stdlib.h>
@@ -44,29 +47,27 @@ struct chain_drafter {
     int *idx;                    /* [max_seqs] */
     int *n_acc;                  /* [max_seqs] */
     int *fed;                    /* [max_seqs] catch-up tokens fed so far */
-    float *logits;               /* rejection: [max_seqs][vocab] */
-    float *q;                    /* rejection: [max_seqs][TDM_SPEC_MAX_K][vocab] */
-    struct tdm_sample_scratch scratch;
+    float *q; /* rejection: [max_seqs][TDM_SPEC_MAX_K][vocab], the backend's memory */
 };
 
-/* Request i's draft at depth j from its row (pass entry p): sampled by the engine (exact) or
- * drawn from q (rejection, stream 3). */
-static int32_t take(struct chain_drafter *dd, struct tdm_sched_draft *x, int i, int j, int p)
+/* Request i's draft at depth j from its row (pass entry p): the row's token, drawn by its
+ * sampling (exact: the request's draw; rejection: PROPOSE, which also left q in place). */
+static int32_t take(struct chain_drafter *dd, struct tdm_sched_draft *x, int i, int p)
 {
-    if (!dd->rejection) return dd->rows[p].token;
-    int V = dd->vocab;
-    float *qd = dd->q + ((size_t)i * TDM_SPEC_MAX_K + (size_t)j) * V;
-    tdm_sampler_dist(x->smp, dd->logits + (size_t)p * V, &dd->scratch, qd);
-    const struct tdm_sampler *smp = x->smp;
-    uint32_t pos = (uint32_t)(x->n_tokens + j);
-    int32_t t = tdm_dist_draw(qd, V, tdm_rng_uniform(smp->params.seed, smp->request_id, pos, 3));
-    if (t < 0) t = 0;
-    if (dd->one_hot) {
-        memset(qd, 0, (size_t)V * sizeof *qd);
-        qd[t] = 1.0f;
+    if (dd->rejection) x->q = dd->q + (size_t)i * TDM_SPEC_MAX_K * dd->vocab;
+    return dd->rows[p].token;
+}
+
+/* Pass entry p's row: request x (index i) choosing position pos, draft depth j. */
+static void set_row(struct chain_drafter *dd, struct tdm_sched_draft *x, int i, int j, int p,
+                    uint32_t pos)
+{
+    dd->rows[p] = (struct tdm_sample_row){.smp = x->smp, .position = pos, .n_top = -1, .token = -1};
+    if (dd->rejection) {
+        dd->rows[p].mode = TDM_SAMPLE_PROPOSE;
+        dd->rows[p].one_hot = dd->one_hot;
+        dd->rows[p].dist = dd->q + ((size_t)i * TDM_SPEC_MAX_K + (size_t)j) * dd->vocab;
     }
-    x->q = dd->q + (size_t)i * TDM_SPEC_MAX_K * V;
-    return t;
 }
 
 /* One pass over the m entries built in dd->seqs; false when it failed. */
@@ -74,11 +75,8 @@ static bool run_pass(struct chain_drafter *dd, struct tdm_spec *sp, int m, int r
 {
     struct tdm_batch b = {.seqs = dd->seqs, .n_seqs = m};
     struct tdm_engine_out out = {.want = dd->want, .samples = dd->rows, .n_layers = dd->n_layers};
-    if (dd->rejection)
-        out = (struct tdm_engine_out){
-            .want = dd->want, .logits = dd->logits, .n_layers = dd->n_layers};
     for (int r = 0; r < rows; r++)
-        dd->want[r] = dd->rejection ? TDM_ROW_LOGITS : TDM_ROW_SAMPLE;
+        dd->want[r] = TDM_ROW_SAMPLE;
     uint64_t t0 = tdm_now_ns();
     tdm_status st = tdm_engine_run(dd->e, &b, &out);
     tdm_spec_note_pass(sp, m, tdm_now_ns() - t0);
@@ -120,8 +118,7 @@ static void chain_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft
                                                    .n_pages = d[i].n_pages,
                                                    .n_logits = last ? 1 : 0};
             if (last) {
-                dd->rows[rows] = (struct tdm_sample_row){
-                    .smp = d[i].smp, .position = (uint32_t)d[i].n_tokens, .n_top = -1, .token = -1};
+                set_row(dd, &d[i], i, 0, rows, (uint32_t)d[i].n_tokens);
                 dd->idx[rows++] = i;
             }
             dd->fed[i] += span;
@@ -131,7 +128,7 @@ static void chain_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft
         if (!(ok = run_pass(dd, sp, m, rows))) break;
         for (int r = 0; r < rows; r++) {
             struct tdm_sched_draft *x = &d[dd->idx[r]];
-            x->out[0] = take(dd, x, dd->idx[r], 0, r);
+            x->out[0] = take(dd, x, dd->idx[r], r);
             x->n = 1;
         }
     }
@@ -157,14 +154,13 @@ static void chain_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft
                                                  .pages = d[i].pages,
                                                  .n_pages = d[i].n_pages,
                                                  .n_logits = 1};
-            dd->rows[m] = (struct tdm_sample_row){
-                .smp = d[i].smp, .position = (uint32_t)(pos + 1), .n_top = -1, .token = -1};
+            set_row(dd, &d[i], i, j, m, (uint32_t)(pos + 1));
             dd->idx[m++] = i;
         }
         if (!m || !(ok = run_pass(dd, sp, m, m))) break;
         for (int q = 0; q < m; q++) {
             struct tdm_sched_draft *x = &d[dd->idx[q]];
-            x->out[j] = take(dd, x, dd->idx[q], j, q);
+            x->out[j] = take(dd, x, dd->idx[q], q);
             x->n = j + 1;
         }
     }
@@ -187,7 +183,6 @@ static void chain_destroy(void *ctx)
 {
     struct chain_drafter *dd = ctx;
     if (!dd) return;
-    if (dd->owns_engine) tdm_engine_destroy(dd->e);
     free(dd->seqs);
     free(dd->rows);
     free(dd->want);
@@ -195,9 +190,11 @@ static void chain_destroy(void *ctx)
     free(dd->idx);
     free(dd->n_acc);
     free(dd->fed);
-    free(dd->logits);
-    free(dd->q);
-    tdm_sample_scratch_free(&dd->scratch);
+    if (dd->q) {
+        tdm_backend_t *be = tdm_engine_backend(dd->e);
+        be->iface->buf_free(be, dd->q);
+    }
+    if (dd->owns_engine) tdm_engine_destroy(dd->e);
     free(dd);
 }
 
@@ -228,14 +225,28 @@ tdm_status tdm_spec_chain_create(tdm_engine_t *e, bool owns_engine, int n_layers
     dd->idx = calloc((size_t)n, sizeof *dd->idx);
     dd->n_acc = calloc((size_t)n, sizeof *dd->n_acc);
     dd->fed = calloc((size_t)n, sizeof *dd->fed);
-    bool rej_ok = !dd->rejection ||
-                  ((dd->logits = malloc((size_t)n * dd->vocab * sizeof(float))) &&
-                   (dd->q = malloc((size_t)n * TDM_SPEC_MAX_K * dd->vocab * sizeof(float))) &&
-                   tdm_sample_scratch_init(&dd->scratch, dd->vocab) == TDM_OK);
-    if (!dd->seqs || !dd->rows || !dd->want || !dd->tok || !dd->idx || !dd->n_acc || !dd->fed ||
-        !rej_ok) {
+    if (!dd->seqs || !dd->rows || !dd->want || !dd->tok || !dd->idx || !dd->n_acc || !dd->fed) {
         chain_destroy(dd);
         return tdm_err_set(TDM_ENOMEM, "spec %s: out of memory", name);
+    }
+    if (dd->rejection) {
+        /* q lives where the rows are sampled: the backend's memory when it samples (the
+         * device), which is where the target's verify rows read it too */
+        tdm_backend_t *be = tdm_engine_backend(e);
+        struct tdm_mem_place pl = tdm_backend_buf_place(be);
+        if (!tdm_engine_samples_on_device(e) && pl.kind != TDM_MEM_HOST) {
+            chain_destroy(dd);
+            return tdm_err_set(TDM_EUNSUPPORTED,
+                               "spec %s: rejection acceptance needs device sampling on this "
+                               "backend (a vocabulary it samples)",
+                               name);
+        }
+        size_t bytes = tdm_spec_q_bytes(eo, dd->vocab); /* what tdm_spec_engine_opts held back */
+        if (!(dd->q = be->iface->buf_alloc(be, bytes))) {
+            chain_destroy(dd);
+            return tdm_err_set(TDM_ENOMEM, "spec %s: no %zu bytes for the drafts' distributions",
+                               name, bytes);
+        }
     }
     *out = (struct tdm_spec_drafter){.name = name,
                                      .ctx = dd,

@@ -8,8 +8,9 @@
  * borrows that pool (tdm_engine_opts.kv_shared) and the target's backend; it catches up on the
  * tokens it has not seen (tdm_draft_stats.cursor).
  *
- * The CUDA backend's memory plan does not reserve a draft's weights yet, so this drafter runs
- * on the CPU backend only (refused with a message on CUDA).
+ * Memory. On a backend with a memory plan (CUDA), the target engine holds back the draft's
+ * weights and scratch (tdm_engine_opts.co_model) and the rejection drafts' distributions
+ * (reserve_bytes) before it sizes the KV pool: tdm_spec_engine_opts sets both.
  *
  * Ownership: the chain drafter owns the draft engine; the draft model is the caller's.
  * Scheduler thread.
@@ -21,6 +22,29 @@ void tdm_spec_kv_group(const struct tdm_model *draft, struct tdm_kv_group *out)
     *out = (struct tdm_kv_group){.n_layers = draft->cfg.n_layers,
                                  .n_kv_heads = draft->cfg.n_kv_heads,
                                  .head_dim = draft->cfg.head_dim};
+}
+
+size_t tdm_spec_q_bytes(const struct tdm_engine_opts *target_opts, int vocab)
+{
+    int n = TDM_MIN(target_opts->max_seqs, target_opts->max_logit_rows);
+    return (size_t)TDM_MAX(n, 0) * TDM_SPEC_MAX_K * (size_t)vocab * sizeof(float);
+}
+
+void tdm_spec_engine_opts(const struct tdm_spec_opts *o, const struct tdm_model *target,
+                          struct tdm_kv_group *group, struct tdm_engine_opts *eo)
+{
+    if (o->method == TDM_SPEC_NONE) return;
+    if (o->method == TDM_SPEC_DRAFT && o->draft_model) {
+        tdm_spec_kv_group(o->draft_model, group);
+        eo->kv_extra = group;
+        eo->n_kv_extra = 1;
+        eo->co_model = o->draft_model;
+    }
+    if (o->accept == TDM_SPEC_ACCEPT_REJECTION) {
+        struct tdm_engine_opts f = *eo;
+        tdm_engine_fill_defaults(&target->cfg, &f);
+        eo->reserve_bytes += tdm_spec_q_bytes(&f, target->cfg.vocab_size);
+    }
 }
 
 tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *draft,
@@ -36,11 +60,6 @@ tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *d
                            "draft must share the target's tokenizer",
                            dc->vocab_size, tc->vocab_size);
     tdm_backend_t *be = tdm_engine_backend(target);
-    if (tdm_backend_is_cuda(be))
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "--spec draft runs on the CPU backend only for now: the CUDA memory "
-                           "plan does not reserve a draft's weights yet (--spec self works on "
-                           "both)");
     tdm_kv_pool_t *kv = tdm_engine_kv(target);
     struct tdm_kv_group want, have;
     tdm_spec_kv_group(draft, &want);

@@ -276,13 +276,9 @@ bool tdm_tool_spec_load_draft(const char *who, struct tdm_spec_opts *o,
                               struct tdm_kv_group *g, struct tdm_model **draft)
 {
     *draft = NULL;
-    if (o->method != TDM_SPEC_DRAFT) return true;
-    if (eo->backend_kind == TDM_BACKEND_CUDA) {
-        fprintf(stderr,
-                "%s: --spec draft runs on the CPU backend only for now (the CUDA memory plan "
-                "does not reserve a draft's weights yet); --spec self works on both\n",
-                who);
-        return false;
+    if (o->method != TDM_SPEC_DRAFT) {
+        tdm_spec_engine_opts(o, target, g, eo); /* rejection's distributions */
+        return true;
     }
     struct tdm_model *d = tdm_tool_load_model(o->draft_path);
     if (!d) return false;
@@ -294,10 +290,8 @@ bool tdm_tool_spec_load_draft(const char *who, struct tdm_spec_opts *o,
         tdm_model_free(d);
         return false;
     }
-    tdm_spec_kv_group(d, g);
-    eo->kv_extra = g;
-    eo->n_kv_extra = 1;
     o->draft_model = d;
+    tdm_spec_engine_opts(o, target, g, eo);
     *draft = d;
     return true;
 }

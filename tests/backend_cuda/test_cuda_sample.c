@@ -240,6 +240,165 @@ static void test_against_host(void **state)
     assert_true(st.worst_top <= 1e-4);
 }
 
+/*
+ * Speculation's modes (sample.h) on the device against the host, row by row: draws whose
+ * penalties leave out an undo list, exact verification, a drafter's proposal (its
+ * distribution written to device memory) and rejection verification (q read from device
+ * memory). Each row's mode, draft and undo list are random; a verified draft is the host's own
+ * token half the time, so both outcomes occur. The same tolerance as test_against_host: (token,
+ * kept) the host's in all but one row in a thousand, and a proposal's distribution within 1e-6
+ * of the host's tdm_sampler_dist at every token.
+ */
+static void modes_batch(int vocab, int n, int *rows, int *same, double *worst_dist, int *kept_n,
+                        int *modes_seen)
+{
+    const size_t V = (size_t)vocab;
+    float *logits = malloc((size_t)n * V * sizeof(float));
+    float *host = malloc((size_t)n * V * sizeof(float));
+    float *q = malloc((size_t)n * V * sizeof(float));     /* rejection rows' q, host copy */
+    float *hdist = malloc((size_t)n * V * sizeof(float)); /* proposals, host side */
+    float *ddist = malloc((size_t)n * V * sizeof(float)); /* proposals, device side, fetched */
+    int32_t(*undo)[TDM_SAMPLE_MAX_UNDO] = calloc((size_t)n, sizeof *undo);
+    struct tdm_sampler *smp = calloc((size_t)n, sizeof *smp);
+    struct tdm_sample_row *dev = calloc((size_t)n, sizeof *dev);
+    struct tdm_sample_row *ref = calloc((size_t)n, sizeof *ref);
+    struct tdm_sample_scratch scratch;
+    assert_true(logits && host && q && hdist && ddist && undo && smp && dev && ref);
+    assert_int_equal(tdm_sample_scratch_init(&scratch, vocab), TDM_OK);
+    const struct tdm_backend_i *ops = gpu->iface;
+    float *d_logits = ops->buf_alloc(gpu, (size_t)n * V * sizeof(float));
+    float *d_q = ops->buf_alloc(gpu, (size_t)n * V * sizeof(float));
+    float *d_dist = ops->buf_alloc(gpu, (size_t)n * V * sizeof(float));
+    assert_true(d_logits && d_q && d_dist);
+    for (int r = 0; r < n; r++) {
+        float *row = logits + (size_t)r * V;
+        fill_row(row, vocab, (enum shape)(rng_u64() % N_SHAPES));
+        struct tdm_sampling_params p = draw_params();
+        if (rng_u64() % 2) { /* penalties on half the rows, so undo lists matter */
+            p.repetition_penalty = 1.3f;
+            p.presence_penalty = 0.6f;
+            p.frequency_penalty = 0.4f;
+        }
+        assert_int_equal(tdm_sampler_init(&smp[r], &p, rng_u64(), vocab), TDM_OK);
+        int n_undo = 0;
+        if (smp[r].out_count) {
+            for (int i = 0; i < 1 + (int)(rng_u64() % 50); i++)
+                tdm_sampler_accept(&smp[r], (int32_t)(rng_u64() % V), true);
+            /* outputs, the last few of them the span's drafts (the undo list), favouring the
+             * tokens the row likes so that the penalties move its choice */
+            int n_out = 1 + (int)(rng_u64() % 40);
+            n_undo = (int)(rng_u64() % (TDM_SAMPLE_MAX_UNDO + 1));
+            n_undo = TDM_MIN(n_undo, n_out);
+            int32_t top = tdm_argmax(row, vocab);
+            for (int i = 0; i < n_out; i++) {
+                int32_t t = rng_u64() % 2 ? top : (int32_t)(rng_u64() % TDM_MIN(V, 300));
+                tdm_sampler_accept(&smp[r], t, false);
+                if (i >= n_out - n_undo) undo[r][i - (n_out - n_undo)] = t;
+            }
+        }
+        uint8_t mode = (uint8_t)(rng_u64() % 3);
+        dev[r] = (struct tdm_sample_row){.smp = &smp[r],
+                                         .position = (uint32_t)(rng_u64() % 100000),
+                                         .n_top = (int)(rng_u64() % 3) - 1,
+                                         .mode = mode,
+                                         .undo = n_undo ? undo[r] : NULL,
+                                         .n_undo = n_undo};
+        ref[r] = dev[r];
+        modes_seen[mode]++;
+        if (mode == TDM_SAMPLE_PROPOSE) {
+            bool oh = rng_u64() % 4 == 0;
+            dev[r].one_hot = ref[r].one_hot = oh;
+            dev[r].dist = d_dist + (size_t)r * V;
+            ref[r].dist = hdist + (size_t)r * V;
+        } else if (mode == TDM_SAMPLE_VERIFY) {
+            /* the draft: the host's own draw half the time, else any token */
+            struct tdm_sample_row probe = ref[r];
+            probe.mode = TDM_SAMPLE_DRAW;
+            memcpy(host, row, V * sizeof(float));
+            tdm_sample_row_host(&probe, host, &scratch);
+            int32_t dft = rng_u64() % 2 ? probe.token : (int32_t)(rng_u64() % V);
+            dev[r].draft = ref[r].draft = dft;
+            if (rng_u64() % 2) { /* rejection: q from a perturbed row, holding the draft */
+                float *qr = q + (size_t)r * V;
+                for (size_t i = 0; i < V; i++)
+                    host[i] = row[i] + 0.5f * rng_normal();
+                struct tdm_sampler qs;
+                struct tdm_sampling_params qp = p;
+                qp.temperature = qp.temperature > 0 ? qp.temperature : 1.0f;
+                qp.repetition_penalty = 1.0f;
+                qp.presence_penalty = qp.frequency_penalty = 0.0f;
+                assert_int_equal(tdm_sampler_init(&qs, &qp, 1, vocab), TDM_OK);
+                tdm_sampler_dist(&qs, host, &scratch, qr);
+                tdm_sampler_free(&qs);
+                if (rng_u64() % 2) qr[dft] = TDM_MAX(qr[dft], 0.3f); /* often q(d) > 0 */
+                ref[r].q = qr;
+                dev[r].q = d_q + (size_t)r * V;
+            }
+        }
+    }
+    memcpy(host, logits, (size_t)n * V * sizeof(float));
+    ops->upload(gpu, d_logits, logits, (size_t)n * V * sizeof(float));
+    ops->upload(gpu, d_q, q, (size_t)n * V * sizeof(float));
+    ops->sync(gpu);
+    assert_int_equal(ops->sample(gpu, d_logits, n, vocab, dev), TDM_OK);
+    ops->download(gpu, ddist, d_dist, (size_t)n * V * sizeof(float));
+    ops->sync(gpu);
+    for (int r = 0; r < n; r++) {
+        tdm_sample_row_host(&ref[r], host + (size_t)r * V, &scratch);
+        (*rows)++;
+        bool ok = dev[r].token == ref[r].token && dev[r].kept == ref[r].kept;
+        *same += ok;
+        *kept_n += ref[r].kept;
+        if (!ok)
+            print_message("mode %d row %d (vocab %d, T %.2f k %d p %.2f, undo %d, q %d): gpu %d "
+                          "kept %d, host %d kept %d\n",
+                          ref[r].mode, r, vocab, smp[r].params.temperature, smp[r].params.top_k,
+                          smp[r].params.top_p, ref[r].n_undo, ref[r].q != NULL, dev[r].token,
+                          dev[r].kept, ref[r].token, ref[r].kept);
+        if (ref[r].mode == TDM_SAMPLE_PROPOSE && ok)
+            for (size_t i = 0; i < V; i++) {
+                double e = fabs((double)ddist[(size_t)r * V + i] - hdist[(size_t)r * V + i]);
+                if (e > *worst_dist) *worst_dist = e;
+            }
+    }
+    ops->buf_free(gpu, d_logits);
+    ops->buf_free(gpu, d_q);
+    ops->buf_free(gpu, d_dist);
+    for (int r = 0; r < n; r++)
+        tdm_sampler_free(&smp[r]);
+    tdm_sample_scratch_free(&scratch);
+    free(logits);
+    free(host);
+    free(q);
+    free(hdist);
+    free(ddist);
+    free(undo);
+    free(smp);
+    free(dev);
+    free(ref);
+}
+
+static void test_modes_against_host(void **state)
+{
+    (void)state;
+    if (!gpu) {
+        print_message("SKIP: %s\n", skip_reason);
+        skip();
+    }
+    int rows = 0, same = 0, kept = 0, modes[3] = {0};
+    double worst = 0.0;
+    static const int vocabs[] = {1000, 49152, 100003};
+    for (size_t v = 0; v < TDM_ARRAY_LEN(vocabs); v++)
+        for (int b = 0; b < 4; b++)
+            modes_batch(vocabs[v], 128, &rows, &same, &worst, &kept, modes);
+    printf("gpu vs host sampling modes: %d rows (draw %d, propose %d, verify %d); (token, kept) "
+           "identical in %d, %d drafts kept; proposals' distributions worst |diff| %.3g\n",
+           rows, modes[0], modes[1], modes[2], same, kept, worst);
+    assert_true(modes[0] > 100 && modes[1] > 100 && modes[2] > 100 && kept > 50);
+    assert_true(1000 * (rows - same) <= rows + 1000); /* at most one, or one in a thousand */
+    assert_true(worst <= 1e-6);
+}
+
 /* The draw follows the counter RNG: the same seed, request and position give the same token;
  * other positions give the distribution's other tokens. */
 static void test_rng_keyed(void **state)
@@ -475,9 +634,8 @@ int main(void)
         printf("SKIP: test_cuda_sample: %s\n", skip_reason);
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_against_host),
-        cmocka_unit_test(test_rng_keyed),
-        cmocka_unit_test(test_hostile_floats),
+        cmocka_unit_test(test_against_host), cmocka_unit_test(test_modes_against_host),
+        cmocka_unit_test(test_rng_keyed),    cmocka_unit_test(test_hostile_floats),
         cmocka_unit_test(test_timing),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

@@ -8,7 +8,9 @@
  *
  * Layout: u8 vocab (1..64), u8 n_top, u8 flags (bit 0: a prompt token seen, bit 1: an output
  * token seen), f32 temperature, top_p, min_p, repetition, presence, frequency, u32 top_k,
- * u32 position, then the logits (missing ones are 0).
+ * u32 position, then the logits, then a q of as many floats (missing ones are 0). Flags bits 2-3
+ * pick the row's mode (draw, propose, verify), bit 4 one-hot, bit 5 a q for verification; with
+ * bit 1 the output token is also the row's undo list.
  */
 #include <math.h>
 #include <stdint.h>
@@ -58,9 +60,27 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     float logits[MAX_VOCAB];
     for (int i = 0; i < vocab; i++)
         logits[i] = f32_at(data, size, &off);
-    struct tdm_sample_row row = {.smp = &smp, .position = position, .n_top = n_top};
+    /* the row's mode (speculation's propose and verify too), with the output token as its
+     * undo list and a q made of the next floats, whatever they are */
+    float q[MAX_VOCAB], dist[MAX_VOCAB];
+    for (int i = 0; i < vocab; i++)
+        q[i] = f32_at(data, size, &off);
+    int32_t undo = (int32_t)(top_k % (uint32_t)vocab);
+    struct tdm_sample_row row = {.smp = &smp,
+                                 .position = position,
+                                 .n_top = n_top,
+                                 .mode = (uint8_t)((flags >> 2) % 3),
+                                 .one_hot = (flags & 16) != 0,
+                                 .draft = (int32_t)(position % (uint32_t)vocab),
+                                 .q = (flags & 32) ? q : NULL,
+                                 .dist = dist,
+                                 .undo = (flags & 2) ? &undo : NULL,
+                                 .n_undo = (flags & 2) ? 1 : 0};
     tdm_sample_row_host(&row, logits, &scratch);
     if (row.token < 0 || row.token >= vocab) abort();
+    if (row.mode == TDM_SAMPLE_PROPOSE)
+        for (int i = 0; i < vocab; i++)
+            if (!(dist[i] >= 0.0f && dist[i] <= 1.0f)) abort(); /* a distribution, never NaN */
     if (n_top >= 0 && isnan(row.logprob)) abort();
     for (int k = 0; k < n_top && k < vocab; k++)
         if (isnan(row.top_lps[k]) || row.top_ids[k] < 0 || row.top_ids[k] >= vocab) abort();

@@ -129,6 +129,83 @@ static void test_unaccept(void **s)
 /* Any float reaches the sampler: tiny temperatures are greedy, NaN is never chosen, +inf wins,
  * nothing is read out of bounds and no log-probability is NaN (issue: a temperature of 1e-40
  * with top_k 5 looped forever). */
+/* A row's undo list is the state before those tokens: a verified row sampled with the span's
+ * later drafts held in the sampler and listed in undo draws what the sampler draws once they
+ * are unaccepted (the order speculation's commit used to sample in), and a proposal's
+ * distribution is tdm_sampler_dist of that state; exact verification keeps a draft only when
+ * it is that draw. Over random logits, histories and penalty settings, including a draft
+ * repeated in the list and one also in the prompt. */
+static void test_undo_rows(void **s)
+{
+    (void)s;
+    enum { V = 300 };
+    float lg[V], a[V], b[V], da[V], db[V];
+    struct tdm_sample_scratch sc;
+    assert_int_equal(tdm_sample_scratch_init(&sc, V), TDM_OK);
+    uint64_t st = 12345;
+    int differ = 0;
+    for (int it = 0; it < 400; it++) {
+        struct tdm_sampling_params p = tdm_sampling_defaults();
+        p.temperature = it % 4 == 0 ? 0.0f : 0.9f;
+        p.top_k = it % 3 == 0 ? 20 : 0;
+        p.repetition_penalty = 1.4f;
+        p.presence_penalty = 0.7f;
+        p.frequency_penalty = 0.5f;
+        p.seed = (uint64_t)it;
+        struct tdm_sampler smp;
+        assert_int_equal(tdm_sampler_init(&smp, &p, 7, V), TDM_OK);
+        for (int i = 0; i < V; i++) {
+            st = st * 6364136223846793005ull + 1442695040888963407ull;
+            lg[i] = (float)((double)(st >> 11) / 9007199254740992.0) * 6.0f - 3.0f;
+        }
+        int32_t top = tdm_argmax(lg, V);
+        tdm_sampler_accept(&smp, top, true); /* in the prompt as well */
+        for (int i = 0; i < 5; i++)
+            tdm_sampler_accept(&smp, (int32_t)((it * 7 + i * 13) % V), false);
+        int n_undo = 1 + it % TDM_SAMPLE_MAX_UNDO;
+        int32_t undo[TDM_SAMPLE_MAX_UNDO];
+        for (int j = 0; j < n_undo; j++) { /* the row's favourites, repeated */
+            undo[j] = j % 3 == 0 ? top : (int32_t)((it + j * 31) % V);
+            tdm_sampler_accept(&smp, undo[j], false);
+        }
+        uint32_t pos = (uint32_t)(100 + it);
+        struct tdm_sample_row row = {.smp = &smp,
+                                     .position = pos,
+                                     .n_top = 0,
+                                     .mode = TDM_SAMPLE_VERIFY,
+                                     .draft = undo[0],
+                                     .undo = undo,
+                                     .n_undo = n_undo};
+        memcpy(a, lg, sizeof lg);
+        tdm_sample_row_host(&row, a, &sc);
+        struct tdm_sample_row prop = row;
+        prop.mode = TDM_SAMPLE_PROPOSE;
+        prop.dist = da;
+        memcpy(a, lg, sizeof lg);
+        tdm_sample_row_host(&prop, a, &sc);
+        /* the reference: the state with the drafts unaccepted, newest first */
+        for (int j = n_undo - 1; j >= 0; j--)
+            tdm_sampler_unaccept(&smp, undo[j]);
+        memcpy(b, lg, sizeof lg);
+        float lp = 0.0f;
+        int32_t want = tdm_sampler_sample(&smp, b, pos, &sc, &lp);
+        memcpy(b, lg, sizeof lg);
+        tdm_sampler_dist(&smp, b, &sc, db);
+        assert_int_equal(row.token, want);
+        assert_true(row.logprob == lp);
+        assert_int_equal(row.kept, want == undo[0]);
+        assert_memory_equal(da, db, sizeof da);
+        /* without the undo list the penalties would see the drafts: the choice moves */
+        for (int j = 0; j < n_undo; j++)
+            tdm_sampler_accept(&smp, undo[j], false);
+        memcpy(b, lg, sizeof lg);
+        differ += tdm_sampler_sample(&smp, b, pos, &sc, NULL) != want;
+        tdm_sampler_free(&smp);
+    }
+    assert_true(differ > 20); /* the test can tell an ignored undo list */
+    tdm_sample_scratch_free(&sc);
+}
+
 static void test_hostile_floats(void **s)
 {
     (void)s;
@@ -393,7 +470,7 @@ int main(void)
         cmocka_unit_test(test_filters),        cmocka_unit_test(test_rng_keyed),
         cmocka_unit_test(test_logprobs_top),   cmocka_unit_test(test_validate),
         cmocka_unit_test(test_stream),         cmocka_unit_test(test_unaccept),
-        cmocka_unit_test(test_hostile_floats),
+        cmocka_unit_test(test_hostile_floats), cmocka_unit_test(test_undo_rows),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

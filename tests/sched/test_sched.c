@@ -124,9 +124,24 @@ static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
             }
             int32_t tok = next_of(h);
             if (q->want & TDM_ROW_SAMPLE) {
-                assert_int_equal(p->samples[row].position, (uint32_t)x_pos + 1);
-                p->samples[row].token = tok;
-                p->samples[row].logprob = -0.5f;
+                struct tdm_sample_row *sr = &p->samples[row];
+                assert_int_equal(sr->position, (uint32_t)x_pos + 1);
+                /* a verified row names the span's next token as its draft, and the drafts
+                 * from there to the span's end as what its penalties must not see */
+                int next = x_pos + 1 - q->pos0, n_after = q->n_tokens - next;
+                if (i < q->n_draft) {
+                    assert_int_equal(sr->mode, TDM_SAMPLE_VERIFY);
+                    assert_int_equal(sr->draft, q->tokens[next]);
+                    assert_int_equal(sr->n_undo, n_after);
+                    for (int j = 0; j < n_after; j++)
+                        assert_int_equal(sr->undo[j], q->tokens[next + j]);
+                } else {
+                    assert_int_equal(sr->mode, TDM_SAMPLE_DRAW);
+                    assert_int_equal(sr->n_undo, 0);
+                }
+                sr->token = tok;
+                sr->kept = sr->mode == TDM_SAMPLE_VERIFY && tok == sr->draft;
+                sr->logprob = -0.5f;
             }
             if (q->want & TDM_ROW_LOGITS)
                 for (int v = 0; v < VOCAB; v++)
@@ -660,15 +675,15 @@ static void run_drafted(int right, bool penalties)
     assert_int_equal(d.steps, steps - 1);
     if (right == 0) assert_int_equal(d.accepted, 0);
     if (right >= 3) assert_int_equal(d.accepted, d.proposed);
-    /* drafted spans: one row per draft plus one; under penalties the rows bring back logits
-     * (sampled in order on the host), otherwise a sampled token */
+    /* drafted spans: one row per draft plus one, each a sampled token (verified where it is
+     * sampled, penalties or not) */
     bool drafted = false;
     for (int i = 0; i < f.x.n_rec; i++)
         if (f.x.rec[i].n_draft) {
             drafted = true;
             assert_int_equal(f.x.rec[i].n_rows, f.x.rec[i].n_draft + 1);
             assert_int_equal(f.x.rec[i].n_tokens, f.x.rec[i].n_draft + 1);
-            assert_int_equal(f.x.rec[i].want, penalties ? TDM_ROW_LOGITS : TDM_ROW_SAMPLE);
+            assert_int_equal(f.x.rec[i].want, TDM_ROW_SAMPLE);
         }
     assert_true(drafted);
     if (right >= 3) assert_true(steps < 20); /* several tokens a step */

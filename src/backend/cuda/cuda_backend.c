@@ -103,6 +103,7 @@ static const struct tdm_backend_i CUDA_IFACE = {
     .upload = tdm_cuda_upload,
     .download = tdm_cuda_download,
     .weight_prepare = tdm_cuda_weight_prepare,
+    .weight_bytes = tdm_cuda_weight_bytes,
     .embed = tdm_cuda_embed,
     .rmsnorm = tdm_cuda_rmsnorm,
     .add_rmsnorm = tdm_cuda_add_rmsnorm,

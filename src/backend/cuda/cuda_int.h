@@ -197,6 +197,7 @@ void tdm_cuda_upload(tdm_backend_t *b, void *dst, const void *src, size_t bytes)
 void tdm_cuda_download(tdm_backend_t *b, void *dst, const void *src, size_t bytes);
 void tdm_cuda_grow(struct tdm_cuda *cu, void **buf, size_t *cap, size_t need);
 tdm_status tdm_cuda_own(struct tdm_cuda *cu, void *dev, const struct tdm_weight *w);
+size_t tdm_cuda_weight_bytes(tdm_backend_t *b, const struct tdm_weight *host);
 tdm_status tdm_cuda_weight_prepare(tdm_backend_t *b, const struct tdm_weight *host,
                                    struct tdm_weight *out);
 const struct tdm_cu_step *tdm_cuda_dev_step(struct tdm_cuda *cu, const struct tdm_step *st, int gs,

@@ -80,17 +80,24 @@ bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts, int n_par
                  const uint16_t *x, int n, bool swiglu, uint16_t *out_bf16);
 
 /* Sampling (sample.cu): one block per logit row, the host sampler's choice for the same
- * logits (sample.h). logits [n_rows][vocab] is overwritten (penalties); pens: each row's
+ * logits (sample.h), in the row's mode (a draw, a drafter's proposal, or a draft's
+ * verification). logits [n_rows][vocab] is overwritten (penalties); pens: each row's
  * distinct seen tokens at [pen_off, pen_off + pen_n) (raw is written: the logit before the
  * penalty); scratch: tdm_cu_sample_scratch_bytes(n_rows, vocab). Returns false for a vocabulary
  * it cannot take (n_rows 0: only that check). */
 #define TDM_CU_SAMPLE_MAX_TOP   20
 #define TDM_CU_SAMPLE_MAX_VOCAB (1 << 18)
+#define TDM_CU_SAMPLE_MAX_UNDO  16
+/* mode: sample.h's enum tdm_sample_mode (0 draw, 1 propose, 2 verify) */
 struct tdm_cu_sample_row {
     float temperature, top_p, min_p, repetition, presence, frequency;
     int32_t top_k, n_top, pen_off, pen_n;
-    uint32_t position, pad;
+    uint32_t position, mode;
     uint64_t seed, request_id;
+    int32_t draft, one_hot, n_undo, pad;
+    int32_t undo[TDM_CU_SAMPLE_MAX_UNDO]; /* tokens whose penalty counts this row leaves out */
+    const float *q;                       /* verify: the draft's distribution, or NULL */
+    float *dist;                          /* propose: the row's distribution, out */
 };
 struct tdm_cu_sample_pen {
     int32_t id;
@@ -98,7 +105,7 @@ struct tdm_cu_sample_pen {
     float raw;
 };
 struct tdm_cu_sample_out {
-    int32_t token;
+    int32_t token, kept;
     float logprob;
     int32_t top_ids[TDM_CU_SAMPLE_MAX_TOP];
     float top_lps[TDM_CU_SAMPLE_MAX_TOP];

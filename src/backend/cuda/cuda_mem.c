@@ -91,6 +91,22 @@ tdm_status tdm_cuda_own(struct tdm_cuda *cu, void *dev, const struct tdm_weight 
     return TDM_OK;
 }
 
+/* The device bytes of a host weight as tdm_cuda_weight_prepare holds it: a matrix as bf16, a
+ * vector as fp32 followed by a bf16 copy. */
+static size_t prepared_bytes(const struct tdm_weight *host)
+{
+    const size_t cols = (size_t)host->cols;
+    return host->rows == 1 ? cols * sizeof(float) + cols * 2
+                           : cols * sizeof(uint16_t) * (size_t)host->rows;
+}
+
+size_t tdm_cuda_weight_bytes(tdm_backend_t *b, const struct tdm_weight *host)
+{
+    (void)b;
+    if (!host->data || host->rows < 1 || host->cols < 1 || is_device_ptr(host->data)) return 0;
+    return prepared_bytes(host);
+}
+
 tdm_status tdm_cuda_weight_prepare(tdm_backend_t *b, const struct tdm_weight *host,
                                    struct tdm_weight *out)
 {
@@ -120,7 +136,7 @@ tdm_status tdm_cuda_weight_prepare(tdm_backend_t *b, const struct tdm_weight *ho
     /* a vector is held as fp32 followed by a bf16 copy (used if it is ever a 1-row matrix) */
     const size_t esz = vec ? sizeof(float) : sizeof(uint16_t);
     const size_t row_out = (size_t)host->cols * esz;
-    const size_t bytes = row_out * (size_t)host->rows + (vec ? (size_t)host->cols * 2 : 0);
+    const size_t bytes = prepared_bytes(host);
     void *dev = NULL;
     if (cudaMalloc(&dev, bytes) != cudaSuccess) {
         (void)cudaGetLastError();

@@ -2,8 +2,10 @@
  * The CUDA backend's `sample` hook: packs each row's parameters and penalty list (the
  * sampler's distinct seen tokens, with their output counts) into pinned memory, copies them
  * in one transfer, runs the sampling kernel (sample.cu) over the logits where the LM head left
- * them, and copies back only tokens and log-probabilities: 168 bytes a row instead of the
- * vocabulary's 4 bytes a token.
+ * them, and copies back only tokens, log-probabilities and (verified rows) whether the draft
+ * was kept: 172 bytes a row instead of the vocabulary's 4 bytes a token. A rejection drafter's
+ * distributions (q) stay on the device: PROPOSE rows write them there, and the target's VERIFY
+ * rows read them there.
  *
  * Ownership: the staging buffers belong to the instance; they grow (outside any capture:
  * sampling is never recorded in a graph) when a step brings more rows or penalty entries than
@@ -14,6 +16,9 @@
 #include "backend/cuda/cuda_int.h"
 
 _Static_assert(TDM_CU_SAMPLE_MAX_TOP == TDM_TOP_LOGPROBS_MAX, "top log-probabilities: one limit");
+_Static_assert(TDM_CU_SAMPLE_MAX_UNDO == TDM_SAMPLE_MAX_UNDO, "undo lists: one limit");
+_Static_assert(TDM_SAMPLE_DRAW == 0 && TDM_SAMPLE_PROPOSE == 1 && TDM_SAMPLE_VERIFY == 2,
+               "sample.cu numbers the modes so");
 
 /* Makes the device-only scratch hold `need` bytes. */
 static tdm_status scratch_grow(struct tdm_cuda *cu, size_t need)
@@ -98,7 +103,15 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
             .position = rows[i].position,
             .seed = p->seed,
             .request_id = smp->request_id,
+            .mode = rows[i].mode,
+            .draft = rows[i].draft,
+            .one_hot = rows[i].one_hot,
+            .n_undo = smp->seen ? TDM_MIN(rows[i].n_undo, TDM_CU_SAMPLE_MAX_UNDO) : 0,
+            .q = rows[i].mode == TDM_SAMPLE_VERIFY ? rows[i].q : NULL,
+            .dist = rows[i].mode == TDM_SAMPLE_PROPOSE ? rows[i].dist : NULL,
         };
+        for (int j = 0; j < hr[i].n_undo; j++)
+            hr[i].undo[j] = rows[i].undo[j];
         for (int j = 0; smp->seen && j < smp->n_seen; j++) {
             int32_t t = smp->seen[j];
             hp[off++] = (struct tdm_cu_sample_pen){
@@ -117,6 +130,7 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
     TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
     for (int i = 0; i < n_rows; i++) {
         rows[i].token = hout[i].token;
+        rows[i].kept = hout[i].kept != 0;
         rows[i].logprob = hout[i].logprob;
         int k = TDM_MIN(rows[i].n_top, TDM_CU_SAMPLE_MAX_TOP);
         for (int j = 0; j < k; j++) {

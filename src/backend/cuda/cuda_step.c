@@ -271,16 +271,16 @@ tdm_status tdm_cuda_reserve(tdm_backend_t *b, const struct tdm_backend_limits *l
     TDM_CU_CHECK(cudaMemGetInfo(&free_b, &total_b));
     const double target = cu->mem_fraction * (double)total_b;
     const double used = (double)(total_b - free_b);
-    const double left = target - used;
+    const double left = target - used - (double)lim->reserve_bytes;
     *kv_bytes = left > 0 ? (size_t)left : 0;
     TDM_INFO("cuda memory plan on %s: %.2f GiB total, fraction %.2f -> %.2f GiB; in use now "
              "%.2f GiB (weights %.2f GiB, backend workspace %.2f GiB, engine scratch and the "
-             "rest %.2f GiB); KV pool gets %.2f GiB",
+             "rest %.2f GiB); held back for speculation %.2f GiB; KV pool gets %.2f GiB",
              cu->name, total_b / 1073741824.0, cu->mem_fraction, target / 1073741824.0,
              used / 1073741824.0, cu->weight_bytes / 1073741824.0,
              cu->workspace_bytes / 1073741824.0,
              (used - (double)cu->weight_bytes - (double)cu->workspace_bytes) / 1073741824.0,
-             (left > 0 ? left : 0) / 1073741824.0);
+             lim->reserve_bytes / 1073741824.0, (left > 0 ? left : 0) / 1073741824.0);
     if (left <= 0)
         return tdm_err_set(TDM_ENOMEM,
                            "cuda backend: no device memory left for the KV pool (fraction %.2f of "

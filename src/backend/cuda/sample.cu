@@ -26,6 +26,13 @@
  * Differences from the host are in the last bits of sums (parallel order, fixed point): a token
  * differs only when the draw lands within ~1e-7 of a boundary between two candidates.
  *
+ * Modes (sample.h's enum tdm_sample_mode): a draw; a rejection drafter's proposal (the row's
+ * distribution written to device memory, then a draw from it in id order, stream 3); a draft's
+ * verification (exact: the draw, kept when it equals the draft; rejection: the draft kept with
+ * probability min(1, p/q), stream 1, else a draw in id order from max(0, p - q), stream 2).
+ * A verified row's penalties leave out the later drafts of its span (its undo list), so every
+ * row of a span is sampled at once and each sees the state the host would have at its turn.
+ *
  * Threading: one block per row, rows independent; enqueued on the caller's stream.
  */
 #include <cfloat>
@@ -264,6 +271,56 @@ template <class F> __device__ int compact(int vocab, F key_of, unsigned long lon
     return sm.n_c;
 }
 
+/*
+ * A draw in id order from non-negative weights w(i), i < n: the first id whose cumulative
+ * weight passes u * total, in 2^-62 fixed point (each weight at most 1). Each thread owns a run
+ * of ids; an exclusive scan of the runs' masses finds the run where the draw lands. -1 when
+ * every weight is 0. Every thread gets the answer.
+ */
+template <class F> __device__ int draw_id_order(int n, F w, double u, Smem &sm)
+{
+    const int tid = threadIdx.x;
+    const int per = (n + kThreads - 1) / kThreads;
+    const int i0 = min(n, tid * per), i1 = min(n, i0 + per);
+    unsigned long long mine = 0;
+    for (int i = i0; i < i1; i++)
+        mine += fix(w(i));
+    unsigned long long inc = mine;
+    const int l = tid & 31, wp = tid >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned long long t = __shfl_up_sync(0xffffffffu, inc, o);
+        if (l >= o) inc += t;
+    }
+    __syncthreads();
+    if (l == 31) sm.ured[wp] = inc;
+    if (tid == 0) sm.chosen = -1;
+    __syncthreads();
+    unsigned long long base = 0, total = 0;
+    for (int i = 0; i < kWarps; i++) {
+        if (i < wp) base += sm.ured[i];
+        total += sm.ured[i];
+    }
+    const unsigned long long exc = base + inc - mine;
+    unsigned long long target = (unsigned long long)(u * (double)total);
+    if (total > 0 && target >= total) target = total - 1;
+    if (total > 0 && mine > 0 && exc <= target && target < exc + mine) {
+        unsigned long long c = exc;
+        for (int i = i0; i < i1; i++) {
+            const unsigned long long f = fix(w(i));
+            if (f == 0) continue;
+            c += f;
+            if (c > target) {
+                sm.chosen = i;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    const int r = sm.chosen;
+    __syncthreads();
+    return r;
+}
+
 __global__ void __launch_bounds__(kThreads)
     sample_kernel(float *logits, int vocab, const tdm_cu_sample_row *rows, tdm_cu_sample_pen *pens,
                   tdm_cu_sample_out *outs, float *escratch, unsigned long long *kscratch)
@@ -361,14 +418,19 @@ __global__ void __launch_bounds__(kThreads)
     /* 3. penalties, in place; each listed token's raw logit is kept for its logprob */
     const bool penalised = p.pen_n > 0;
     if (penalised) {
+        const int n_undo = min(max(p.n_undo, 0), TDM_CU_SAMPLE_MAX_UNDO);
         for (int j = tid; j < p.pen_n; j += kThreads) {
             tdm_cu_sample_pen &e = pens[p.pen_off + j];
+            /* the count this row sees: less the later drafts of its span (its undo list) */
+            uint32_t count = e.count;
+            for (int a = 0; a < n_undo; a++)
+                if (p.undo[a] == e.id && count > 0) count--;
             float l = lg[e.id];
             e.raw = l;
-            if (p.repetition != 1.0f && (e.count || e.in_prompt))
+            if (p.repetition != 1.0f && (count || e.in_prompt))
                 l = l > 0 ? __fdiv_rn(l, p.repetition) : __fmul_rn(l, p.repetition);
-            if (e.count)
-                l = __fsub_rn(l, __fadd_rn(p.presence, __fmul_rn(p.frequency, (float)e.count)));
+            if (count)
+                l = __fsub_rn(l, __fadd_rn(p.presence, __fmul_rn(p.frequency, (float)count)));
             lg[e.id] = l;
         }
         __syncthreads();
@@ -376,12 +438,19 @@ __global__ void __launch_bounds__(kThreads)
     }
 
     int chosen = amx; /* greedy: the lowest id among the largest; forced when it is not finite */
-    if (!(p.temperature == 0.0f || p.top_k == 1) && isfinite(mx)) {
+    const bool forced = p.temperature == 0.0f || p.top_k == 1 || !isfinite(mx);
+    float *ebuf = escratch + (size_t)blockIdx.x * vocab;
+    /* the kept set, for the modes that need the distribution: prob(i) >= kept_lo (and > 0),
+     * and with a cut by rank key_desc(prob(i), i) <= kept_cut; kept_mass its fixed-point sum */
+    float kept_lo = 0.0f, inv_sum_k = 0.0f;
+    uint64_t kept_cut = kNone;
+    bool rank_cut = false;
+    unsigned long long kept_mass = 0;
+    if (!forced) {
         /* 4. softmax at the temperature, as the host: e = exp((l - max) * (1 / T)) */
         const float inv_t = __fdiv_rn(1.0f, p.temperature);
         const float m = mx;
         /* each exponential once (in double: the costly part), kept for every later pass */
-        float *ebuf = escratch + (size_t)blockIdx.x * vocab;
         double s = 0.0;
         for (int i = tid; i < vocab; i += kThreads) {
             float e = (float)exp((double)__fmul_rn(__fsub_rn(lg[i], m), inv_t));
@@ -389,55 +458,27 @@ __global__ void __launch_bounds__(kThreads)
             s += e;
         }
         const float inv_sum = (float)(1.0 / block_sum_d(s, sm));
+        inv_sum_k = inv_sum;
         auto prob = [&](int i) { return __fmul_rn(ebuf[i], inv_sum); };
         const float pmax = inv_sum; /* exp(0) * inv_sum: the largest probability */
         const float floor_p = __fmul_rn(p.min_p, pmax);
         const double u = rng_uniform(p.seed, p.request_id, p.position, 0);
 
         if (p.top_k == 0 && p.top_p >= 1.0f) {
-            /* 5a. no cut by rank: candidates in id order, p >= min_p * p_max and p > 0. Each
-             * thread owns a run of ids; an exclusive scan of the runs' masses finds the run
-             * where the cumulative mass passes the draw. */
-            const int per = (vocab + kThreads - 1) / kThreads;
-            const int i0 = min(vocab, tid * per), i1 = min(vocab, i0 + per);
-            unsigned long long mine = 0;
-            for (int i = i0; i < i1; i++) {
-                float q = prob(i);
-                if (q >= floor_p && q > 0.0f) mine += fix(q);
+            /* 5a. no cut by rank: candidates in id order, p >= min_p * p_max and p > 0 */
+            kept_lo = floor_p;
+            auto w = [&](int i) {
+                const float q = prob(i);
+                return q >= floor_p && q > 0.0f ? q : 0.0f;
+            };
+            if (p.mode == 1 || (p.mode == 2 && p.q)) { /* the modes that need p's mass */
+                unsigned long long mass = 0;
+                for (int i = tid; i < vocab; i += kThreads)
+                    mass += fix(w(i));
+                kept_mass = block_sum_u(mass, sm);
             }
-            /* exclusive scan over the block, warp by warp */
-            unsigned long long inc = mine;
-            const int l = tid & 31, w = tid >> 5;
-            for (int o = 1; o < 32; o <<= 1) {
-                unsigned long long t = __shfl_up_sync(0xffffffffu, inc, o);
-                if (l >= o) inc += t;
-            }
-            __syncthreads();
-            if (l == 31) sm.ured[w] = inc;
-            if (tid == 0) sm.chosen = -1;
-            __syncthreads();
-            unsigned long long base = 0, total = 0;
-            for (int i = 0; i < kWarps; i++) {
-                if (i < w) base += sm.ured[i];
-                total += sm.ured[i];
-            }
-            const unsigned long long exc = base + inc - mine;
-            unsigned long long target = (unsigned long long)(u * (double)total);
-            if (total > 0 && target >= total) target = total - 1;
-            if (mine > 0 && exc <= target && target < exc + mine) {
-                unsigned long long c = exc;
-                for (int i = i0; i < i1; i++) {
-                    float q = prob(i);
-                    if (!(q >= floor_p && q > 0.0f)) continue;
-                    c += fix(q);
-                    if (c > target) {
-                        sm.chosen = i;
-                        break;
-                    }
-                }
-            }
-            __syncthreads();
-            if (sm.chosen >= 0) chosen = sm.chosen;
+            const int c = draw_id_order(vocab, w, u, sm);
+            if (c >= 0) chosen = c;
         } else {
             /* 5b. cut by rank. A threshold whose candidates provably hold the top_k and the
              * nucleus (the host's loop), then the cuts as radix selects over those. */
@@ -489,6 +530,10 @@ __global__ void __launch_bounds__(kThreads)
                 if (cand_w(i, k, w)) total += w;
             }
             total = block_sum_u(total, sm);
+            kept_lo = lo;
+            kept_cut = cut;
+            rank_cut = true;
+            kept_mass = total;
             if (total > 0) {
                 unsigned long long target = (unsigned long long)(u * (double)total);
                 if (target >= total) target = total - 1;
@@ -498,9 +543,58 @@ __global__ void __launch_bounds__(kThreads)
         }
     }
 
-    /* 6. the chosen token's log-probability under the raw logits */
+    /* 6. the modes that need the row's distribution p (the host's tdm_sampler_dist): a
+     * drafter's proposal writes it out and draws from it (stream 3); rejection verification
+     * tests the draft against it (stream 1) and draws from the residual (stream 2) */
+    const bool rejection = p.mode == 2 && p.q != nullptr;
+    int kept = p.mode == 2 && chosen == p.draft;
+    if (p.mode == 1 || rejection) {
+        float *pd = p.mode == 1 ? p.dist : ebuf;
+        const double total = (double)kept_mass / kFix;
+        __syncthreads(); /* every earlier read of ebuf is done */
+        for (int i = tid; i < vocab; i += kThreads) {
+            float v;
+            if (forced || !(total > 0.0)) {
+                v = i == chosen ? 1.0f : 0.0f;
+            } else {
+                const float q = __fmul_rn(ebuf[i], inv_sum_k);
+                const bool in = q >= kept_lo && (rank_cut ? key_desc(q, i) <= kept_cut : q > 0.0f);
+                v = in ? (float)((double)q / total) : 0.0f;
+            }
+            pd[i] = v;
+        }
+        __syncthreads();
+        auto wp = [&](int i) { return pd[i]; };
+        if (p.mode == 1) {
+            const int t =
+                draw_id_order(vocab, wp, rng_uniform(p.seed, p.request_id, p.position, 3), sm);
+            chosen = t >= 0 ? t : 0;
+            if (p.one_hot)
+                for (int i = tid; i < vocab; i += kThreads)
+                    pd[i] = i == chosen ? 1.0f : 0.0f;
+        } else {
+            const int d = p.draft;
+            const float qd = p.q[d], pdd = pd[d];
+            const double u1 = rng_uniform(p.seed, p.request_id, p.position, 1);
+            kept = qd > 0.0f && u1 * (double)qd < (double)pdd;
+            if (kept) {
+                chosen = d;
+            } else {
+                const float *q = p.q;
+                auto wr = [&](int i) { return pd[i] > q[i] ? __fsub_rn(pd[i], q[i]) : 0.0f; };
+                const double u2 = rng_uniform(p.seed, p.request_id, p.position, 2);
+                int t = draw_id_order(vocab, wr, u2, sm);
+                if (t < 0) t = draw_id_order(vocab, wp, u2, sm); /* p == q: p itself */
+                chosen = t >= 0 ? t : d;
+            }
+        }
+        __syncthreads();
+    }
+
+    /* 7. the chosen token's log-probability under the raw logits */
     if (tid == 0) {
         out->token = chosen;
+        out->kept = kept;
         sm.raw_chosen = lg[chosen];
     }
     __syncthreads();
