@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Builds (or takes prebuilt) and runs every GPU test and the GPU benchmark on a machine with an
 # NVIDIA GPU (Hopper, sm_90a):
-#   1. tests/backend_cuda/test_cuda_ops     every CUDA op against the CPU backend
+#   1. tests/backend/test_backend_ops     every op of every backend (CPU ISAs, CUDA) against references
 #   2. tests/backend_cuda/test_cuda_engine  engine logits CUDA vs CPU, graphs vs op by op
 #   2b. tests/backend_cuda/test_cuda_sample sampling on the GPU vs the host sampler
 #   3. compute-sanitizer memcheck on the op test (on a second GPU when there is one, alongside)
 #   4. tandem bench model --backend cuda    for the llama-3.1-8b and llama-3.2-1b shapes
 #   5. with TANDEM_GPU_TEST_MODEL=PATH: greedy `tandem generate` on CPU and GPU, 8 prompts
 # Usage: scripts/gpu_test.sh [PREBUILT_DIR]
-#   PREBUILT_DIR holds bin/ (tandem, test_cuda_ops, test_cuda_engine, test_cuda_sample) and lib/ (shared libraries
+#   PREBUILT_DIR holds bin/ (tandem, test_backend_ops, test_cuda_engine, test_cuda_sample) and lib/ (shared libraries
 #   the binaries need that the GPU machine lacks), for machines without the build dependencies;
 #   without it the script builds into build-gpu/ with CMake.
 # TANDEM_GPU_TEST_NO_MEMCHECK=1 skips step 3 (on one GPU it runs first, for minutes).
@@ -22,7 +22,7 @@ if [ $# -ge 1 ]; then
     BIN=$1/bin
     export LD_LIBRARY_PATH="$(cd "$1" && pwd)/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     TANDEM=$BIN/tandem
-    OPS=$BIN/test_cuda_ops
+    OPS=$BIN/test_backend_ops
     ENG=$BIN/test_cuda_engine
     SMP=$BIN/test_cuda_sample
 else
@@ -32,7 +32,7 @@ else
         exit 1
     }
     TANDEM=build-gpu/tandem
-    OPS=build-gpu/tests/test_cuda_ops
+    OPS=build-gpu/tests/test_backend_ops
     ENG=build-gpu/tests/test_cuda_engine
     SMP=build-gpu/tests/test_cuda_sample
 fi
@@ -106,7 +106,7 @@ fi
 if [ -n "$SAN_PID" ]; then
     wait $SAN_PID
     src=$(cat "$LOGS/memcheck.rc" 2>/dev/null || echo "?")
-    summary+="memcheck test_cuda_ops: rc=$src $(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log")"$'\n'
+    summary+="memcheck test_backend_ops: rc=$src $(grep -E 'ERROR SUMMARY' "$LOGS/memcheck.log")"$'\n'
     [ "$src" = 0 ] || status=1
 fi
 echo "==== summary"

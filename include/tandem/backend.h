@@ -193,6 +193,17 @@ tdm_status tdm_backend_cpu_create(const struct tdm_backend_cpu_opts *opts, tdm_b
 void tdm_backend_destroy(tdm_backend_t *b); /* NULL is a no-op */
 /* Where the backend's buffers (activations, the KV pool) live. */
 struct tdm_mem_place tdm_backend_buf_place(tdm_backend_t *b);
+/* A typed buffer of `bytes` from b's buf_alloc, its place stated (TDM_ENOMEM with a message
+ * naming `what`). Release with tdm_backend_buf_release (which zeroes it; an empty one is a
+ * no-op). */
+tdm_status tdm_backend_buf_new(tdm_backend_t *b, size_t bytes, const char *what,
+                               struct tdm_buf *out);
+void tdm_backend_buf_release(tdm_backend_t *b, struct tdm_buf *buf);
+/* Host memory to a typed buffer of b at byte offset off, and back: TDM_ERANGE past its end. */
+tdm_status tdm_buf_upload(tdm_backend_t *b, struct tdm_buf *dst, size_t off, const void *src,
+                          size_t n);
+tdm_status tdm_buf_download(tdm_backend_t *b, void *dst, const struct tdm_buf *src, size_t off,
+                            size_t n);
 
 enum tdm_backend_kind { TDM_BACKEND_CPU = 0, TDM_BACKEND_CUDA = 1 };
 

@@ -158,6 +158,14 @@ struct tdm_mem_place {
     int device; /* TDM_MEM_DEVICE: the device ordinal; otherwise 0 */
 };
 const char *tdm_mem_kind_name(enum tdm_mem_kind k); /* "host", "pinned", "device" */
+/* A buffer that knows where it lives: what a backend hands out (tdm_backend_buf_new) for
+ * activations, the KV pool and speculation's distributions. ptr may only be dereferenced on
+ * the host when place.kind is not TDM_MEM_DEVICE. */
+struct tdm_buf {
+    void *ptr;
+    size_t bytes;
+    struct tdm_mem_place place;
+};
 
 /* ---- small helpers ---- */
 /* Parses a decimal integer in [lo, hi]; false on junk, overflow or out of range. */

@@ -17,6 +17,49 @@ struct tdm_mem_place tdm_backend_buf_place(tdm_backend_t *b)
     return (struct tdm_mem_place){.kind = TDM_MEM_HOST};
 }
 
+tdm_status tdm_backend_buf_new(tdm_backend_t *b, size_t bytes, const char *what,
+                               struct tdm_buf *out)
+{
+    *out = (struct tdm_buf){0};
+    void *p = bytes ? b->iface->buf_alloc(b, bytes) : NULL;
+    if (bytes && !p)
+        return tdm_err_set(TDM_ENOMEM, "%s backend: cannot allocate %zu bytes for %s",
+                           b->iface->name, bytes, what);
+    *out = (struct tdm_buf){.ptr = p, .bytes = bytes, .place = tdm_backend_buf_place(b)};
+    return TDM_OK;
+}
+
+void tdm_backend_buf_release(tdm_backend_t *b, struct tdm_buf *buf)
+{
+    if (buf->ptr) b->iface->buf_free(b, buf->ptr);
+    *buf = (struct tdm_buf){0};
+}
+
+static bool in_range(const struct tdm_buf *buf, size_t off, size_t n)
+{
+    return off <= buf->bytes && n <= buf->bytes - off;
+}
+
+tdm_status tdm_buf_upload(tdm_backend_t *b, struct tdm_buf *dst, size_t off, const void *src,
+                          size_t n)
+{
+    if (!in_range(dst, off, n))
+        return tdm_err_set(TDM_ERANGE, "buffer: %zu bytes at %zu past the end of %zu", n, off,
+                           dst->bytes);
+    if (n) b->iface->upload(b, (char *)dst->ptr + off, src, n);
+    return TDM_OK;
+}
+
+tdm_status tdm_buf_download(tdm_backend_t *b, void *dst, const struct tdm_buf *src, size_t off,
+                            size_t n)
+{
+    if (!in_range(src, off, n))
+        return tdm_err_set(TDM_ERANGE, "buffer: %zu bytes at %zu past the end of %zu", n, off,
+                           src->bytes);
+    if (n) b->iface->download(b, dst, (const char *)src->ptr + off, n);
+    return TDM_OK;
+}
+
 #ifndef TDM_HAVE_CUDA
 static tdm_status no_cuda(void)
 {

@@ -51,7 +51,9 @@ struct tdm_engine {
     struct tdm_weight tok_embd, output_norm, output;
     struct tdm_layer_weights *layers; /* [n_layers] */
     float *inv_freq;                  /* [head_dim/2], host */
-    /* activation scratch, backend memory */
+    /* activation scratch: typed buffers of the backend (act), and the views the ops take */
+    struct tdm_buf act[10];
+    int n_act;
     float *x;               /* [max_tokens][d_model] residual stream */
     float *h;               /* [max_tokens][d_model] normed input of the next matmul */
     float *q;               /* [max_tokens][n_heads*head_dim] */
@@ -76,20 +78,23 @@ struct tdm_engine {
     _Atomic int32_t *counter;        /* count_layers: own_counter or the backend's */
 };
 
-static void *balloc(tdm_engine_t *e, size_t bytes, tdm_status *st)
+/* One activation buffer of the backend, kept typed in e->act; NULL once *st is an error. */
+static float *balloc(tdm_engine_t *e, size_t bytes, tdm_status *st)
 {
     if (*st != TDM_OK) return NULL;
-    void *p = e->backend->iface->buf_alloc(e->backend, bytes);
-    if (!p) *st = tdm_err_set(TDM_ENOMEM, "engine: cannot allocate %zu bytes of scratch", bytes);
-    return p;
+    TDM_ASSERT(e->n_act < (int)TDM_ARRAY_LEN(e->act));
+    struct tdm_buf *b = &e->act[e->n_act];
+    if ((*st = tdm_backend_buf_new(e->backend, bytes, "engine scratch", b)) != TDM_OK) return NULL;
+    e->n_act++;
+    return b->ptr;
 }
 
-/* Releases the activation scratch (any of it may be NULL after a failed creation). */
+/* Releases the activation scratch (what a failed creation made of it too). */
 static void free_scratch(tdm_engine_t *e)
 {
-    void *bufs[] = {e->x, e->h, e->q, e->k, e->v, e->att, e->o, e->gate, e->rows, e->logits};
-    for (size_t i = 0; i < TDM_ARRAY_LEN(bufs); i++)
-        if (bufs[i]) e->backend->iface->buf_free(e->backend, bufs[i]);
+    for (int i = 0; i < e->n_act; i++)
+        tdm_backend_buf_release(e->backend, &e->act[i]);
+    e->n_act = 0;
 }
 
 void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_freqs, float *out)

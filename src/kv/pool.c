@@ -20,9 +20,13 @@
 struct tdm_kv_pool {
     struct tdm_kv_config cfg;
     tdm_backend_t *backend;
-    float *mem; /* [n_layers][n_pages][2][n_kv_heads][page_size][head_dim], backend memory */
-    size_t layer_floats;                  /* floats per layer region */
-    float *gmem[TDM_KV_MAX_EXTRA_GROUPS]; /* the extra groups' regions, laid out alike */
+    /* [n_layers][n_pages][2][n_kv_heads][page_size][head_dim]: a typed buffer of the backend
+     * (buf), and the view the layers index (mem) */
+    struct tdm_buf buf;
+    float *mem;
+    size_t layer_floats;                          /* floats per layer region */
+    struct tdm_buf gbuf[TDM_KV_MAX_EXTRA_GROUPS]; /* the extra groups' regions, laid out alike */
+    float *gmem[TDM_KV_MAX_EXTRA_GROUPS];
     size_t g_layer_floats[TDM_KV_MAX_EXTRA_GROUPS];
     pthread_mutex_t mu;
     int32_t *free_ids; /* [n_pages] stack */
@@ -99,24 +103,20 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     p->owner_refs = calloc((size_t)cfg->n_pages, sizeof *p->owner_refs);
     p->holds = calloc((size_t)cfg->n_pages, sizeof *p->holds);
     if (!p->free_ids || !p->owner_refs || !p->holds) goto out_free;
-    p->mem = backend->iface->buf_alloc(backend, total_bytes);
-    if (!p->mem) {
-        tdm_err_set(TDM_ENOMEM, "kv pool: cannot allocate %zu bytes for %lld pages", total_bytes,
-                    (long long)cfg->n_pages);
+    if (tdm_backend_buf_new(backend, total_bytes, "the KV pool", &p->buf) != TDM_OK)
         goto out_free_nomsg;
-    }
+    p->mem = p->buf.ptr;
     for (int g = 0; g < cfg->n_extra; g++) {
         const struct tdm_kv_group *x = &cfg->extra[g];
         p->g_layer_floats[g] = group_page_bytes(cfg, x) / sizeof(float) * (size_t)cfg->n_pages;
         size_t bytes = p->g_layer_floats[g] * (size_t)x->n_layers * sizeof(float);
-        if (!(p->gmem[g] = backend->iface->buf_alloc(backend, bytes))) {
-            tdm_err_set(TDM_ENOMEM, "kv pool: cannot allocate %zu bytes for layer group %d", bytes,
-                        g + 1);
+        if (tdm_backend_buf_new(backend, bytes, "a KV layer group", &p->gbuf[g]) != TDM_OK) {
             for (int h = 0; h < g; h++)
-                backend->iface->buf_free(backend, p->gmem[h]);
-            backend->iface->buf_free(backend, p->mem);
+                tdm_backend_buf_release(backend, &p->gbuf[h]);
+            tdm_backend_buf_release(backend, &p->buf);
             goto out_free_nomsg;
         }
+        p->gmem[g] = p->gbuf[g].ptr;
     }
     for (int64_t i = 0; i < cfg->n_pages; i++)
         p->free_ids[i] = (int32_t)(cfg->n_pages - 1 - i); /* page 0 is handed out first */
@@ -137,9 +137,9 @@ out_free_nomsg:
 void tdm_kv_pool_destroy(tdm_kv_pool_t *pool)
 {
     if (!pool) return;
-    pool->backend->iface->buf_free(pool->backend, pool->mem);
+    tdm_backend_buf_release(pool->backend, &pool->buf);
     for (int g = 0; g < pool->cfg.n_extra; g++)
-        pool->backend->iface->buf_free(pool->backend, pool->gmem[g]);
+        tdm_backend_buf_release(pool->backend, &pool->gbuf[g]);
     pthread_mutex_destroy(&pool->mu);
     free(pool->free_ids);
     free(pool->owner_refs);
@@ -159,7 +159,7 @@ struct tdm_kv_geometry tdm_kv_pool_geometry(const tdm_kv_pool_t *pool)
     size_t page = tdm_kv_page_bytes(c), layer = page * (size_t)c->n_pages;
     return (struct tdm_kv_geometry){.dtype = c->dtype,
                                     .elem_bytes = eb,
-                                    .place = tdm_backend_buf_place(pool->backend),
+                                    .place = pool->buf.place,
                                     .base = pool->mem,
                                     .bytes = layer * (size_t)c->n_layers,
                                     .layer_bytes = layer,

@@ -47,7 +47,8 @@ struct chain_drafter {
     int *idx;                    /* [max_seqs] */
     int *n_acc;                  /* [max_seqs] */
     int *fed;                    /* [max_seqs] catch-up tokens fed so far */
-    float *q; /* rejection: [max_seqs][TDM_SPEC_MAX_K][vocab], the backend's memory */
+    struct tdm_buf qbuf;         /* rejection: [max_seqs][TDM_SPEC_MAX_K][vocab], the backend's */
+    float *q;                    /* its view */
 };
 
 /* Request i's draft at depth j from its row (pass entry p): the row's token, drawn by its
@@ -190,10 +191,7 @@ static void chain_destroy(void *ctx)
     free(dd->idx);
     free(dd->n_acc);
     free(dd->fed);
-    if (dd->q) {
-        tdm_backend_t *be = tdm_engine_backend(dd->e);
-        be->iface->buf_free(be, dd->q);
-    }
+    tdm_backend_buf_release(tdm_engine_backend(dd->e), &dd->qbuf);
     if (dd->owns_engine) tdm_engine_destroy(dd->e);
     free(dd);
 }
@@ -233,20 +231,21 @@ tdm_status tdm_spec_chain_create(tdm_engine_t *e, bool owns_engine, int n_layers
         /* q lives where the rows are sampled: the backend's memory when it samples (the
          * device), which is where the target's verify rows read it too */
         tdm_backend_t *be = tdm_engine_backend(e);
-        struct tdm_mem_place pl = tdm_backend_buf_place(be);
-        if (!tdm_engine_samples_on_device(e) && pl.kind != TDM_MEM_HOST) {
+        if (!tdm_engine_samples_on_device(e) && tdm_backend_buf_place(be).kind != TDM_MEM_HOST) {
             chain_destroy(dd);
             return tdm_err_set(TDM_EUNSUPPORTED,
                                "spec %s: rejection acceptance needs device sampling on this "
                                "backend (a vocabulary it samples)",
                                name);
         }
-        size_t bytes = tdm_spec_q_bytes(eo, dd->vocab); /* what tdm_spec_engine_opts held back */
-        if (!(dd->q = be->iface->buf_alloc(be, bytes))) {
+        /* what tdm_spec_engine_opts held back */
+        tdm_status st = tdm_backend_buf_new(be, tdm_spec_q_bytes(eo, dd->vocab),
+                                            "the drafts' distributions", &dd->qbuf);
+        if (st != TDM_OK) {
             chain_destroy(dd);
-            return tdm_err_set(TDM_ENOMEM, "spec %s: no %zu bytes for the drafts' distributions",
-                               name, bytes);
+            return st;
         }
+        dd->q = dd->qbuf.ptr;
     }
     *out = (struct tdm_spec_drafter){.name = name,
                                      .ctx = dd,

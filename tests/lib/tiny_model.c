@@ -137,3 +137,62 @@ void tdm_test_model_free(struct tdm_test_model *tm)
     free(tm->layers);
     memset(tm, 0, sizeof *tm);
 }
+
+static void put_f16(uint8_t *p, float f)
+{
+    const uint16_t h = tdm_f32_to_f16(f);
+    memcpy(p, &h, 2);
+}
+
+void tdm_test_weight_make(uint64_t *state, enum tdm_dtype dt, int64_t rows, int64_t cols,
+                          struct tdm_test_weight *tw)
+{
+    const size_t rb = tdm_dtype_row_bytes(dt, cols);
+    if (!rb) abort();
+    tw->alloc = malloc(rb * (size_t)rows + 64);
+    if (!tw->alloc) abort();
+    uint8_t *data = tw->alloc + 4;
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = data + (size_t)r * rb;
+        for (int64_t c = 0; dt == TDM_DTYPE_F32 && c < cols; c++) {
+            const float f = tdm_test_uniform(state, -1, 1);
+            memcpy(row + 4 * c, &f, 4);
+        }
+        for (int64_t c = 0; dt == TDM_DTYPE_BF16 && c < cols; c++) {
+            const uint16_t h = tdm_f32_to_bf16(tdm_test_uniform(state, -1, 1));
+            memcpy(row + 2 * c, &h, 2);
+        }
+        for (int64_t b = 0; dt == TDM_DTYPE_Q8_0 && b < cols / 32; b++) {
+            uint8_t *blk = row + b * sizeof(struct block_q8_0);
+            put_f16(blk + offsetof(struct block_q8_0, d), tdm_test_uniform(state, 0.001f, 0.02f));
+            for (int j = 0; j < 32; j++)
+                blk[offsetof(struct block_q8_0, qs) + j] =
+                    (uint8_t)(tdm_test_splitmix64(state) % 255 + 129);
+        }
+        for (int64_t b = 0; dt == TDM_DTYPE_Q4_0 && b < cols / 32; b++) {
+            uint8_t *blk = row + b * sizeof(struct block_q4_0);
+            put_f16(blk + offsetof(struct block_q4_0, d), tdm_test_uniform(state, -0.2f, 0.2f));
+            for (int j = 0; j < 16; j++)
+                blk[offsetof(struct block_q4_0, qs) + j] = (uint8_t)tdm_test_splitmix64(state);
+        }
+        for (int64_t b = 0; dt == TDM_DTYPE_Q4_1 && b < cols / 32; b++) {
+            uint8_t *blk = row + b * sizeof(struct block_q4_1);
+            put_f16(blk + offsetof(struct block_q4_1, d), tdm_test_uniform(state, 0.01f, 0.2f));
+            put_f16(blk + offsetof(struct block_q4_1, m), tdm_test_uniform(state, -1.5f, 0.1f));
+            for (int j = 0; j < 16; j++)
+                blk[offsetof(struct block_q4_1, qs) + j] = (uint8_t)tdm_test_splitmix64(state);
+        }
+    }
+    tw->w =
+        (struct tdm_weight){.dtype = dt, .rows = rows, .cols = cols, .row_bytes = rb, .data = data};
+    tw->deq = malloc((size_t)rows * (size_t)cols * sizeof(float));
+    if (!tw->deq) abort();
+    for (int64_t r = 0; r < rows; r++)
+        if (tdm_dequantize(dt, data + (size_t)r * rb, tw->deq + r * cols, cols) != TDM_OK) abort();
+}
+
+void tdm_test_weight_free(struct tdm_test_weight *tw)
+{
+    free(tw->alloc);
+    free(tw->deq);
+}

@@ -24,6 +24,18 @@ float tdm_test_uniform(uint64_t *state, float lo, float hi);
 /* n uniform values in [lo, hi), malloc'd with a few bytes of slack past the end. */
 float *tdm_test_rand_vec(uint64_t *state, size_t n, float lo, float hi);
 
+/* A random weight of any dtype the backends take (F32, BF16, Q8_0, Q4_0, Q4_1; quantised cols
+ * a multiple of 32), its data 4 bytes past an aligned address (GGUF data need not be aligned to
+ * a vector), with deq: its values by tdm_dequantize, [rows][cols], a reference's input. */
+struct tdm_test_weight {
+    struct tdm_weight w;
+    uint8_t *alloc;
+    float *deq;
+};
+void tdm_test_weight_make(uint64_t *state, enum tdm_dtype dt, int64_t rows, int64_t cols,
+                          struct tdm_test_weight *tw);
+void tdm_test_weight_free(struct tdm_test_weight *tw);
+
 struct tdm_test_model_opts {
     enum tdm_arch arch;
     enum tdm_dtype dtype; /* of the matrices: F32, BF16 or Q8_0 (cols a multiple of 32) */

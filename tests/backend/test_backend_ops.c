@@ -1,0 +1,782 @@
+/*
+ * One op test over every backend (in the style of ggml's test-backend-ops): each op of the
+ * backend interface (backend.h) on every backend this machine has (the CPU backend at each ISA
+ * level it supports, once batch-invariant, and the CUDA backend when a GPU is present), against
+ * naive references written here in double precision on the same random inputs. A new backend
+ * is one more entry in open_backends() with its tolerances.
+ *
+ * References: quantised weights are random blocks dequantised with tdm_dequantize (model/
+ * quant.c, itself checked against the gguf Python package), then multiplied in double.
+ * Inputs go to the backend through its own buf_alloc/upload and come back through download;
+ * outputs are poisoned with NaN first, so an element the op does not write fails.
+ *
+ * Tolerances, per backend:
+ *   matmul family  |out - ref| <= mm * sum_c |w_c x_c| + 1e-5 * |bias|. CPU mm = 1e-5 (fp32
+ *                  accumulation of up to a few thousand products, relative to the magnitude of
+ *                  the terms, so cancellation cannot fail a correct kernel). CUDA mm = 1e-2:
+ *                  weights and inputs are rounded to bf16 (u = 2^-8 each) and accumulated in
+ *                  fp32;
+ *   embed          CPU exact (the row dequantised); CUDA 2^-8 relative (the table is bf16);
+ *   norms, rope, silu, add: CPU 1e-6, CUDA 1e-5 relative to the magnitude of the values; gather
+ *                  and the V half of the KV append exact;
+ *   attention      CPU 1e-5 absolute on outputs of O(1); CUDA 1e-4, and 2e-2 for steps with
+ *                  prefill chunks at head_dim 64 or 128 (the tensor cores take bf16 Q, K, V and
+ *                  P: scores move by scale * sum|q k| * 2u ~ 1.1% for head_dim 128, plus 0.2%
+ *                  each for P and V, against max|v| = 1).
+ * Contracts checked bit for bit on every backend: matmul_multi equals matmul part by part, and
+ * (for quantised weights) matmul_swiglu equals matmul, matmul, silu_mul.
+ *
+ * What stays backend-specific: the CPU's invariance across batch sizes and thread counts and
+ * its ISA selection (tests/backend/test_cpu_ops.c), and the CUDA engine's graphs
+ * (tests/backend_cuda/test_cuda_engine.c). Without a GPU the CUDA entry is skipped with a
+ * message.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_int.h"
+#include "model/quant_int.h"
+#include "tandem/backend.h"
+#include "tandem/model.h"
+#include "lib/test_rng.h"
+#include "lib/tiny_model.h"
+
+/* ---- the backends ---- */
+
+struct be {
+    char name[48];
+    tdm_backend_t *b;
+    bool cuda;
+    bool tails; /* weights of any width (not only multiples of 32) for F32 and BF16 */
+    double mm, emb, elem, att, att_tc;
+};
+static struct be bes[8];
+static int n_bes;
+
+static void open_backends(void)
+{
+    for (int isa = 0; isa <= (int)tdm_cpu_isa_detect(); isa++)
+        for (int inv = 0; inv < (isa == (int)tdm_cpu_isa_detect() ? 2 : 1); inv++) {
+            struct tdm_backend_cpu_opts o = {.n_threads = 2, .batch_invariant = inv == 1};
+            struct be *e = &bes[n_bes];
+            if (tdm_backend_cpu_create_isa(&o, (enum tdm_cpu_isa)isa, &e->b) != TDM_OK) continue;
+            snprintf(e->name, sizeof e->name, "cpu %s%s", tdm_cpu_isa_name((enum tdm_cpu_isa)isa),
+                     inv ? " batch_invariant" : "");
+            e->tails = true;
+            e->mm = 1e-5, e->emb = 0, e->elem = 1e-6, e->att = 1e-5, e->att_tc = 1e-5;
+            n_bes++;
+        }
+    struct be *e = &bes[n_bes];
+    if (tdm_backend_cuda_create(NULL, &e->b) == TDM_OK) {
+        snprintf(e->name, sizeof e->name, "cuda");
+        e->cuda = true;
+        e->mm = 1e-2, e->emb = 1.0 / 256, e->elem = 1e-5, e->att = 1e-4, e->att_tc = 2e-2;
+        n_bes++;
+    } else {
+        printf("SKIP: test_backend_ops: the cuda backend: %s\n", tdm_err_msg());
+    }
+}
+
+/* ---- data ---- */
+
+static uint64_t rng_state = 0x5851F42D4C957F2Dull;
+static uint64_t rng_u64(void)
+{
+    return tdm_test_splitmix64(&rng_state);
+}
+static float rng_f(float lo, float hi)
+{
+    return tdm_test_uniform(&rng_state, lo, hi);
+}
+static float *rand_vec(size_t n, float lo, float hi)
+{
+    return tdm_test_rand_vec(&rng_state, n, lo, hi);
+}
+
+/* backend memory holding a copy of host[n] */
+static float *put(const struct be *e, const float *host, size_t n)
+{
+    float *d = e->b->iface->buf_alloc(e->b, n * sizeof(float) + 64);
+    assert_non_null(d);
+    e->b->iface->upload(e->b, d, host, n * sizeof(float));
+    return d;
+}
+/* backend memory of n NaNs */
+static float *poisoned(const struct be *e, size_t n)
+{
+    float *h = malloc(n * sizeof(float) + 4);
+    assert_non_null(h);
+    for (size_t i = 0; i < n; i++)
+        h[i] = NAN;
+    float *d = put(e, h, n);
+    free(h);
+    return d;
+}
+/* a host copy of backend memory */
+static float *get(const struct be *e, const float *d, size_t n)
+{
+    float *h = malloc(n * sizeof(float) + 4);
+    assert_non_null(h);
+    e->b->iface->download(e->b, h, d, n * sizeof(float));
+    e->b->iface->sync(e->b);
+    return h;
+}
+static void drop(const struct be *e, void *d)
+{
+    e->b->iface->buf_free(e->b, d);
+}
+
+/* |got - ref| <= rel * max(|ref|, floor) everywhere */
+static void check_rel(const char *be, const char *what, const float *got, const double *ref,
+                      size_t n, double rel, double floor)
+{
+    for (size_t i = 0; i < n; i++) {
+        const double tol = rel * fmax(fabs(ref[i]), floor) + 1e-30;
+        if (!(fabs((double)got[i] - ref[i]) <= tol)) {
+            print_error("%s: %s [%zu] = %.9g, ref %.9g (tol %.3g)\n", be, what, i, got[i], ref[i],
+                        tol);
+            fail();
+        }
+    }
+}
+
+/* the backend's own form of a weight (the CPU: the same bytes; CUDA: a bf16 device copy it
+ * owns until it is destroyed) */
+static struct tdm_weight prepared(const struct be *e, const struct tdm_test_weight *tw)
+{
+    struct tdm_weight w;
+    assert_int_equal(e->b->iface->weight_prepare(e->b, &tw->w, &w), TDM_OK);
+    return w;
+}
+
+static const enum tdm_dtype DTYPES[] = {TDM_DTYPE_F32, TDM_DTYPE_BF16, TDM_DTYPE_Q8_0,
+                                        TDM_DTYPE_Q4_0, TDM_DTYPE_Q4_1};
+
+/* ---- matmul family ---- */
+
+static void check_matmul(const struct be *e, const struct tdm_test_weight *tw, const float *x,
+                         int n, const float *bias, const float *out, const char *what)
+{
+    const int64_t rows = tw->w.rows, cols = tw->w.cols;
+    for (int i = 0; i < n; i++)
+        for (int64_t r = 0; r < rows; r++) {
+            double s = 0, mag = 0;
+            for (int64_t c = 0; c < cols; c++) {
+                const double p = (double)tw->deq[r * cols + c] * (double)x[i * cols + c];
+                s += p;
+                mag += fabs(p);
+            }
+            double tol = e->mm * mag + 1e-30;
+            if (bias) s += bias[r], tol += 1e-5 * fabs(bias[r]);
+            const double got = out[(size_t)i * rows + r];
+            if (!(fabs(got - s) <= tol)) {
+                print_error("%s: %s %s %lldx%lld n=%d: out[%d][%lld] = %.9g, ref %.9g (tol "
+                            "%.3g)\n",
+                            e->name, what, tdm_dtype_name(tw->w.dtype), (long long)rows,
+                            (long long)cols, n, i, (long long)r, got, s, tol);
+                fail();
+            }
+        }
+}
+
+struct mm_shape {
+    int64_t rows, cols;
+    int n;
+    bool bias;
+};
+
+static void test_matmul(void **state)
+{
+    (void)state;
+    const struct mm_shape shapes[] = {
+        {1, 32, 1, false},    {7, 64, 3, true},    {37, 96, 17, false},   {130, 256, 5, true},
+        {33, 1536, 2, false}, {50, 128, 70, true}, {576, 576, 1, false},  {19, 32, 4, false},
+        {24, 4096, 1, false}, {16, 1536, 9, true}, {256, 512, 300, true}, {1000, 64, 8, false},
+        {256, 512, 4, true},  {64, 96, 8, false},  {48, 4096, 3, false},  {512, 4096, 1, true},
+        {96, 320, 2, false},
+    };
+    /* F32 and BF16 rows of any length: the CPU's vector and scalar tails */
+    const struct mm_shape tails[] = {
+        {5, 9, 1, false}, {13, 45, 3, true}, {3, 100, 17, false},
+        {17, 7, 2, true}, {9, 1, 1, false},
+    };
+    const size_t n_main = TDM_ARRAY_LEN(shapes), n_all = n_main + TDM_ARRAY_LEN(tails);
+    for (size_t d = 0; d < TDM_ARRAY_LEN(DTYPES); d++) {
+        const bool plain = DTYPES[d] == TDM_DTYPE_F32 || DTYPES[d] == TDM_DTYPE_BF16;
+        for (size_t s = 0; s < (plain ? n_all : n_main); s++) {
+            const struct mm_shape sh = s < n_main ? shapes[s] : tails[s - n_main];
+            struct tdm_test_weight tw;
+            tdm_test_weight_make(&rng_state, DTYPES[d], sh.rows, sh.cols, &tw);
+            float *x = rand_vec((size_t)sh.n * sh.cols, -1, 1);
+            float *bias = sh.bias ? rand_vec((size_t)sh.rows, -1, 1) : NULL;
+            const size_t n_out = (size_t)sh.n * sh.rows;
+            for (int k = 0; k < n_bes; k++) {
+                const struct be *e = &bes[k];
+                if (s >= n_main && !e->tails) continue;
+                struct tdm_weight w = prepared(e, &tw);
+                float *dx = put(e, x, (size_t)sh.n * sh.cols);
+                float *db = bias ? put(e, bias, (size_t)sh.rows) : NULL;
+                float *dout = poisoned(e, n_out);
+                e->b->iface->matmul(e->b, &w, dx, sh.n, db, dout);
+                float *out = get(e, dout, n_out);
+                check_matmul(e, &tw, x, sh.n, bias, out, "matmul");
+                free(out);
+                drop(e, dout), drop(e, dx);
+                if (db) drop(e, db);
+            }
+            free(bias);
+            free(x);
+            tdm_test_weight_free(&tw);
+        }
+    }
+}
+
+/* matmul_multi (q, k, v of mixed types) and matmul_swiglu, at 1, 5, 9 and 70 rows (on CUDA: the
+ * CUDA-core, tensor-core, and cuBLASLt paths): against the references, and bit for bit against
+ * the plain ops they fuse. */
+static void test_matmul_fused(void **state)
+{
+    (void)state;
+    const int ns[] = {1, 5, 9, 70};
+    const int64_t D = 256, F = 96, rows[3] = {128, 64, 64};
+    for (size_t d = 0; d < TDM_ARRAY_LEN(DTYPES); d++) {
+        struct tdm_test_weight tw[3], gate, up;
+        for (int j = 0; j < 3; j++)
+            tdm_test_weight_make(&rng_state, DTYPES[(d + (size_t)j) % TDM_ARRAY_LEN(DTYPES)],
+                                 rows[j], D, &tw[j]);
+        /* swiglu with quantised weights (F32 ones may take OpenBLAS alone: see backend.h) */
+        tdm_test_weight_make(&rng_state, DTYPES[2 + d % 3], F, D, &gate);
+        tdm_test_weight_make(&rng_state, DTYPES[2 + (d + 1) % 3], F, D, &up);
+        for (size_t ni = 0; ni < TDM_ARRAY_LEN(ns); ni++) {
+            const int n = ns[ni];
+            float *x = rand_vec((size_t)n * D, -1, 1), *bq = rand_vec((size_t)rows[0], -1, 1);
+            const float *bias[3] = {bq, NULL, NULL};
+            for (int k = 0; k < n_bes; k++) {
+                const struct be *e = &bes[k];
+                const struct tdm_backend_i *o = e->b->iface;
+                struct tdm_weight w[3], wg = prepared(e, &gate), wu = prepared(e, &up);
+                float *dx = put(e, x, (size_t)n * D), *dbq = put(e, bq, (size_t)rows[0]);
+                float *fused[3], *alone[3];
+                struct tdm_matmul_part parts[3];
+                for (int j = 0; j < 3; j++) {
+                    w[j] = prepared(e, &tw[j]);
+                    fused[j] = poisoned(e, (size_t)n * rows[j]);
+                    alone[j] = poisoned(e, (size_t)n * rows[j]);
+                    parts[j] = (struct tdm_matmul_part){&w[j], j == 0 ? dbq : NULL, fused[j]};
+                }
+                o->matmul_multi(e->b, dx, n, parts, 3);
+                for (int j = 0; j < 3; j++) {
+                    o->matmul(e->b, &w[j], dx, n, j == 0 ? dbq : NULL, alone[j]);
+                    float *hf = get(e, fused[j], (size_t)n * rows[j]);
+                    float *ha = get(e, alone[j], (size_t)n * rows[j]);
+                    check_matmul(e, &tw[j], x, n, bias[j], hf, "matmul_multi");
+                    if (memcmp(hf, ha, (size_t)n * rows[j] * sizeof(float))) {
+                        print_error("%s: matmul_multi part %d (%s, n=%d) differs from matmul\n",
+                                    e->name, j, tdm_dtype_name(tw[j].w.dtype), n);
+                        fail();
+                    }
+                    free(hf), free(ha);
+                    drop(e, fused[j]), drop(e, alone[j]);
+                }
+                float *sw = poisoned(e, (size_t)n * F), *g = poisoned(e, (size_t)n * F),
+                      *u = poisoned(e, (size_t)n * F), *su = poisoned(e, (size_t)n * F);
+                o->matmul_swiglu(e->b, &wg, &wu, dx, n, sw);
+                o->matmul(e->b, &wg, dx, n, NULL, g);
+                o->matmul(e->b, &wu, dx, n, NULL, u);
+                o->silu_mul(e->b, g, u, n, (int)F, su);
+                float *hs = get(e, sw, (size_t)n * F), *hsu = get(e, su, (size_t)n * F);
+                if (memcmp(hs, hsu, (size_t)n * F * sizeof(float))) {
+                    print_error("%s: matmul_swiglu (n=%d) differs from matmul, matmul, silu_mul\n",
+                                e->name, n);
+                    fail();
+                }
+                /* and the reference: silu(x Wg) * (x Wu), with both products' error propagated
+                 * (|d silu(g) u| <= 1.1 |dg| |u| + |silu(g)| |du|) */
+                for (int i = 0; i < n; i++)
+                    for (int64_t r = 0; r < F; r++) {
+                        double sg = 0, su_ = 0, mg = 0, mu = 0;
+                        for (int64_t c = 0; c < D; c++) {
+                            const double a = (double)gate.deq[r * D + c] * x[i * D + c];
+                            const double b = (double)up.deq[r * D + c] * x[i * D + c];
+                            sg += a, su_ += b, mg += fabs(a), mu += fabs(b);
+                        }
+                        const double ref = sg / (1 + exp(-sg)) * su_;
+                        const double tol = 1.1 * e->mm * mg * (fabs(su_) + e->mm * mu) +
+                                           fabs(sg) * e->mm * mu + 1e-6;
+                        const double got = hs[(size_t)i * F + r];
+                        if (!(fabs(got - ref) <= tol)) {
+                            print_error("%s: swiglu [%d][%lld] = %.9g, ref %.9g (tol %.3g)\n",
+                                        e->name, i, (long long)r, got, ref, tol);
+                            fail();
+                        }
+                    }
+                free(hs), free(hsu);
+                drop(e, sw), drop(e, g), drop(e, u), drop(e, su), drop(e, dx), drop(e, dbq);
+            }
+            free(x), free(bq);
+        }
+        for (int j = 0; j < 3; j++)
+            tdm_test_weight_free(&tw[j]);
+        tdm_test_weight_free(&gate), tdm_test_weight_free(&up);
+    }
+}
+
+static void test_embed(void **state)
+{
+    (void)state;
+    const int V = 300, n = 37;
+    const int64_t dims[] = {96, 64};
+    for (size_t d = 0; d < TDM_ARRAY_LEN(DTYPES); d++)
+        for (size_t di = 0; di < TDM_ARRAY_LEN(dims); di++) {
+            const int64_t D = dims[di];
+            struct tdm_test_weight tw;
+            tdm_test_weight_make(&rng_state, DTYPES[d], V, D, &tw);
+            int32_t tok[37];
+            for (int i = 0; i < n; i++)
+                tok[i] = (int32_t)(rng_u64() % V);
+            tok[0] = V - 1;
+            double *ref = malloc((size_t)n * D * sizeof(double));
+            for (int i = 0; i < n; i++)
+                for (int64_t c = 0; c < D; c++)
+                    ref[i * D + c] = tw.deq[tok[i] * D + c];
+            for (int k = 0; k < n_bes; k++) {
+                const struct be *e = &bes[k];
+                struct tdm_weight w = prepared(e, &tw);
+                float *dout = poisoned(e, (size_t)n * D);
+                e->b->iface->embed(e->b, &w, tok, n, dout);
+                float *out = get(e, dout, (size_t)n * D);
+                check_rel(e->name, "embed", out, ref, (size_t)n * D, e->emb, 0);
+                free(out);
+                drop(e, dout);
+            }
+            free(ref);
+            tdm_test_weight_free(&tw);
+        }
+}
+
+/* ---- norms and elementwise ops ---- */
+
+static void ref_rmsnorm(const double *x, const float *w, float eps, int n, int dim, double *out)
+{
+    for (int i = 0; i < n; i++) {
+        double ss = 0;
+        for (int c = 0; c < dim; c++)
+            ss += x[(size_t)i * dim + c] * x[(size_t)i * dim + c];
+        const double inv = 1.0 / sqrt(ss / dim + eps);
+        for (int c = 0; c < dim; c++)
+            out[(size_t)i * dim + c] = x[(size_t)i * dim + c] * inv * w[c];
+    }
+}
+
+static void test_norms_elementwise(void **state)
+{
+    (void)state;
+    const int dims[] = {8, 64, 96, 576, 4096, 5000};
+    for (size_t di = 0; di < TDM_ARRAY_LEN(dims); di++) {
+        const int dim = dims[di], n = 13;
+        const size_t N = (size_t)n * dim;
+        float *x = rand_vec(N, -2, 2), *y = rand_vec(N, -2, 2), *w = rand_vec(dim, 0.5f, 1.5f);
+        double *xd = malloc(N * sizeof(double)), *sum = malloc(N * sizeof(double));
+        double *r_norm = malloc(N * sizeof(double)), *r_add = malloc(N * sizeof(double));
+        double *r_head = malloc(N * sizeof(double)), *r_silu = malloc(N * sizeof(double));
+        double *yd = malloc(N * sizeof(double));
+        for (size_t i = 0; i < N; i++) {
+            xd[i] = x[i], yd[i] = y[i];
+            sum[i] = (double)x[i] + y[i];
+            r_silu[i] = x[i] / (1 + exp(-(double)x[i])) * y[i];
+        }
+        ref_rmsnorm(xd, w, 1e-5f, n, dim, r_norm);
+        ref_rmsnorm(sum, w, 1e-6f, n, dim, r_add);
+        ref_rmsnorm(yd, w, 1e-6f, n, dim, r_head);
+        const int32_t pick[5] = {12, 0, 7, 7, 3};
+        double *r_gather = malloc((size_t)5 * dim * sizeof(double));
+        for (int i = 0; i < 5; i++)
+            for (int c = 0; c < dim; c++)
+                r_gather[(size_t)i * dim + c] = x[(size_t)pick[i] * dim + c];
+        for (int k = 0; k < n_bes; k++) {
+            const struct be *e = &bes[k];
+            const struct tdm_backend_i *o = e->b->iface;
+            float *dx = put(e, x, N), *dy = put(e, y, N), *dw = put(e, w, (size_t)dim);
+            float *dout = poisoned(e, N);
+            o->rmsnorm(e->b, dx, dw, 1e-5f, n, dim, dout);
+            float *h = get(e, dout, N);
+            check_rel(e->name, "rmsnorm", h, r_norm, N, e->elem, 1.0);
+            free(h);
+            float *dr = put(e, x, N); /* the residual: x += y, out = rmsnorm(x) */
+            o->add_rmsnorm(e->b, dr, dy, dw, 1e-6f, n, dim, dout);
+            h = get(e, dout, N);
+            check_rel(e->name, "add_rmsnorm out", h, r_add, N, e->elem, 1.0);
+            free(h);
+            h = get(e, dr, N);
+            check_rel(e->name, "add_rmsnorm residual", h, sum, N, e->elem, 1.0);
+            free(h);
+            float *dh = put(e, y, N);
+            o->head_rmsnorm(e->b, dh, dw, 1e-6f, n, dim);
+            h = get(e, dh, N);
+            check_rel(e->name, "head_rmsnorm", h, r_head, N, e->elem, 1.0);
+            free(h);
+            o->silu_mul(e->b, dx, dy, n, dim, dout);
+            h = get(e, dout, N);
+            check_rel(e->name, "silu_mul", h, r_silu, N, e->elem, 1.0);
+            free(h);
+            float *da = put(e, x, N);
+            o->add(e->b, da, dy, N);
+            h = get(e, da, N);
+            check_rel(e->name, "add", h, sum, N, e->elem, 1.0);
+            free(h);
+            float *dg = poisoned(e, (size_t)5 * dim);
+            o->gather_rows(e->b, dx, pick, 5, dim, dg);
+            h = get(e, dg, (size_t)5 * dim);
+            check_rel(e->name, "gather_rows", h, r_gather, (size_t)5 * dim, 0, 0);
+            free(h);
+            drop(e, dx), drop(e, dy), drop(e, dw), drop(e, dout), drop(e, dr), drop(e, dh);
+            drop(e, da), drop(e, dg);
+        }
+        free(x), free(y), free(w), free(xd), free(yd), free(sum), free(r_norm), free(r_add);
+        free(r_head), free(r_silu), free(r_gather);
+    }
+}
+
+/* ---- paged steps: rope + KV append, attention ---- */
+
+/* Sequence s has `len` positions of KV, the last n_new of them this step's tokens. */
+struct seq_spec {
+    int len, n_new;
+};
+
+struct paged_step {
+    struct tdm_step st;
+    int32_t *buf;
+    int64_t n_pages;
+};
+
+/* A step over n_seqs sequences whose pages are distinct random pages of a pool with 5 more
+ * pages than they need. */
+static void build_step(const struct seq_spec *ss, int n_seqs, int ps, struct paged_step *p)
+{
+    int T = 0, P = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        T += ss[s].n_new;
+        P += (ss[s].len + ps - 1) / ps;
+    }
+    p->n_pages = P + 5;
+    p->buf = malloc(sizeof(int32_t) * (size_t)(4 * T + 3 * (n_seqs + 1) + P + p->n_pages + 1));
+    assert_non_null(p->buf);
+    int32_t *tok = p->buf, *pos = tok + T, *slot = pos + T, *tseq = slot + T, *sts = tseq + T,
+            *kvl = sts + n_seqs + 1, *sps = kvl + n_seqs + 1, *pid = sps + n_seqs + 1,
+            *perm = pid + P;
+    for (int64_t i = 0; i < p->n_pages; i++)
+        perm[i] = (int32_t)i;
+    for (int64_t i = p->n_pages - 1; i > 0; i--) {
+        const int64_t j = (int64_t)(rng_u64() % (uint64_t)(i + 1));
+        const int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    int t = 0, pg = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const int need = (ss[s].len + ps - 1) / ps;
+        sts[s] = t, sps[s] = pg, kvl[s] = ss[s].len;
+        for (int j = 0; j < need; j++)
+            pid[pg + j] = perm[pg + j];
+        for (int i = 0; i < ss[s].n_new; i++, t++) {
+            const int q = ss[s].len - ss[s].n_new + i;
+            tok[t] = 0, pos[t] = q, tseq[t] = s;
+            slot[t] = pid[pg + q / ps] * ps + q % ps;
+        }
+        pg += need;
+    }
+    sts[n_seqs] = t, sps[n_seqs] = pg;
+    p->st = (struct tdm_step){.n_tokens = T,
+                              .n_seqs = n_seqs,
+                              .tokens = tok,
+                              .positions = pos,
+                              .slots = slot,
+                              .token_seq = tseq,
+                              .seq_token_start = sts,
+                              .seq_kv_len = kvl,
+                              .seq_page_start = sps,
+                              .page_ids = pid,
+                              .page_size = ps};
+}
+
+/* Offset of K (which = 0) or V (1) of KV head g at slot `slot` in an HND layer. */
+static size_t kv_off(int nkv, int ps, int hd, int slot, int which, int g)
+{
+    return ((((size_t)slot / ps) * 2 + which) * nkv + g) * ps * hd + (size_t)(slot % ps) * hd;
+}
+
+static void test_rope_kv_append(void **state)
+{
+    (void)state;
+    const int n_heads = 6, nkv = 2, hds[] = {8, 18, 64, 96, 128}, pss[] = {5, 16};
+    for (size_t hi = 0; hi < TDM_ARRAY_LEN(hds); hi++)
+        for (size_t pi = 0; pi < TDM_ARRAY_LEN(pss); pi++)
+            for (int neox = 0; neox < 2; neox++) {
+                const int hd = hds[hi], ps = pss[pi];
+                const struct seq_spec seqs[] = {{12, 12}, {33, 2}, {40, 1}};
+                struct paged_step p;
+                build_step(seqs, 3, ps, &p);
+                const int T = p.st.n_tokens;
+                int32_t *positions = (int32_t *)p.st.positions;
+                /* a large position exercises the fp32 angle (positions are read for angles only;
+                 * the slot says where k and v go) */
+                positions[T - 1] = 9000 + 12;
+                const size_t kvn = (size_t)p.n_pages * 2 * nkv * ps * hd;
+                float *sentinel = malloc(kvn * sizeof(float));
+                for (size_t i = 0; i < kvn; i++)
+                    sentinel[i] = 12345.0f;
+                float *inv = malloc((size_t)hd / 2 * sizeof(float));
+                for (int i = 0; i < hd / 2; i++)
+                    inv[i] = (float)pow(10000.0, -2.0 * i / hd);
+                struct tdm_rope rope = {.head_dim = hd, .neox = neox, .inv_freq = inv};
+                const size_t nq = (size_t)T * n_heads * hd, nk = (size_t)T * nkv * hd;
+                float *q = rand_vec(nq, -1, 1), *k = rand_vec(nk, -1, 1), *v = rand_vec(nk, -1, 1);
+                /* the reference: q and k rotated in double by the fp32 angle pos * inv_freq */
+                double *rq = malloc(nq * sizeof(double)), *rk = malloc(nk * sizeof(double));
+                for (int t = 0; t < T; t++)
+                    for (int h = 0; h < n_heads + nkv; h++) {
+                        const float *src = h < n_heads ? q + ((size_t)t * n_heads + h) * hd
+                                                       : k + ((size_t)t * nkv + h - n_heads) * hd;
+                        double *dst = h < n_heads ? rq + ((size_t)t * n_heads + h) * hd
+                                                  : rk + ((size_t)t * nkv + h - n_heads) * hd;
+                        for (int i = 0; i < hd / 2; i++) {
+                            const int a = neox ? i : 2 * i, c = neox ? i + hd / 2 : 2 * i + 1;
+                            const double ang = (double)((float)positions[t] * inv[i]);
+                            dst[a] = src[a] * cos(ang) - src[c] * sin(ang);
+                            dst[c] = src[a] * sin(ang) + src[c] * cos(ang);
+                        }
+                    }
+                for (int b = 0; b < n_bes; b++) {
+                    const struct be *e = &bes[b];
+                    char what[64];
+                    snprintf(what, sizeof what, "rope%s hd=%d ps=%d", neox ? " neox" : "", hd, ps);
+                    float *dq = put(e, q, nq), *dk = put(e, k, nk), *dv = put(e, v, nk);
+                    float *dkv = put(e, sentinel, kvn);
+                    struct tdm_kv_layer kv = {.base = dkv,
+                                              .n_kv_heads = nkv,
+                                              .head_dim = hd,
+                                              .page_size = ps,
+                                              .n_pages = p.n_pages};
+                    e->b->iface->rope_kv_append(e->b, dq, dk, dv, n_heads, &p.st, &rope, &kv);
+                    float *hq = get(e, dq, nq), *hkv = get(e, dkv, kvn);
+                    check_rel(e->name, what, hq, rq, nq, e->elem, 1.0);
+                    float *gk = malloc((size_t)hd * sizeof(float));
+                    size_t touched = 0;
+                    for (size_t i = 0; i < kvn; i++)
+                        touched += hkv[i] != 12345.0f;
+                    for (int t = 0; t < T; t++)
+                        for (int g = 0; g < nkv; g++) {
+                            const int slot = p.st.slots[t];
+                            memcpy(gk, hkv + kv_off(nkv, ps, hd, slot, 0, g), hd * sizeof(float));
+                            check_rel(e->name, what, gk, rk + ((size_t)t * nkv + g) * hd,
+                                      (size_t)hd, e->elem, 1.0);
+                            if (memcmp(hkv + kv_off(nkv, ps, hd, slot, 1, g),
+                                       v + ((size_t)t * nkv + g) * hd, hd * sizeof(float))) {
+                                print_error("%s: %s: V of token %d head %d not appended as is\n",
+                                            e->name, what, t, g);
+                                fail();
+                            }
+                        }
+                    if (touched != (size_t)T * 2 * nkv * hd) { /* nothing else was written */
+                        print_error("%s: %s: %zu KV values written, not %zu\n", e->name, what,
+                                    touched, (size_t)T * 2 * nkv * hd);
+                        fail();
+                    }
+                    free(gk), free(hq), free(hkv);
+                    drop(e, dq), drop(e, dk), drop(e, dv), drop(e, dkv);
+                }
+                free(rq), free(rk), free(q), free(k), free(v), free(inv), free(sentinel);
+                free(p.buf);
+            }
+}
+
+/* The dense reference for token t: a softmax over positions 0..p in double. */
+static void ref_attention(const float *q, int n_heads, const struct tdm_step *st, const float *kv,
+                          int nkv, int hd, float scale, int t, double *out)
+{
+    const int group = n_heads / nkv, s = st->token_seq[t], n_pos = st->positions[t] + 1;
+    const int ps = st->page_size;
+    double *w = malloc((size_t)n_pos * sizeof(double));
+    for (int h = 0; h < n_heads; h++) {
+        const int g = h / group;
+        const float *qh = q + ((size_t)t * n_heads + h) * hd;
+        double mx = -INFINITY, sum = 0;
+        for (int j = 0; j < n_pos; j++) {
+            const int slot = st->page_ids[st->seq_page_start[s] + j / ps] * ps + j % ps;
+            const float *kr = kv + kv_off(nkv, ps, hd, slot, 0, g);
+            double d = 0;
+            for (int i = 0; i < hd; i++)
+                d += (double)qh[i] * kr[i];
+            w[j] = d * scale;
+            if (w[j] > mx) mx = w[j];
+        }
+        for (int j = 0; j < n_pos; j++)
+            sum += (w[j] = exp(w[j] - mx));
+        for (int i = 0; i < hd; i++) {
+            double o = 0;
+            for (int j = 0; j < n_pos; j++) {
+                const int slot = st->page_ids[st->seq_page_start[s] + j / ps] * ps + j % ps;
+                o += w[j] * kv[kv_off(nkv, ps, hd, slot, 1, g) + i];
+            }
+            out[(size_t)h * hd + i] = o / sum;
+        }
+    }
+    free(w);
+}
+
+static void attention_case(int nh, int nkv, int hd, int ps, const struct seq_spec *ss, int n)
+{
+    struct paged_step p;
+    build_step(ss, n, ps, &p);
+    const int T = p.st.n_tokens;
+    const size_t kvn = (size_t)p.n_pages * 2 * nkv * ps * hd, nq = (size_t)T * nh * hd;
+    /* the sequences' positions hold values; every other slot is NaN, and must never be read */
+    float *kv = malloc(kvn * sizeof(float));
+    for (size_t i = 0; i < kvn; i++)
+        kv[i] = NAN;
+    for (int s = 0; s < n; s++)
+        for (int j = 0; j < ss[s].len; j++) {
+            const int slot = p.st.page_ids[p.st.seq_page_start[s] + j / ps] * ps + j % ps;
+            for (int which = 0; which < 2; which++)
+                for (int g = 0; g < nkv; g++)
+                    for (int i = 0; i < hd; i++)
+                        kv[kv_off(nkv, ps, hd, slot, which, g) + i] = rng_f(-1, 1);
+        }
+    /* larger |q| makes the softmax peaky, exercising the running-max rescaling */
+    float *q = rand_vec(nq, -4, 4);
+    const float scale = 1.0f / sqrtf((float)hd);
+    double *ref = malloc(nq * sizeof(double));
+    for (int t = 0; t < T; t++)
+        ref_attention(q, nh, &p.st, kv, nkv, hd, scale, t, ref + (size_t)t * nh * hd);
+    bool prefill = false;
+    for (int i = 0; i < n; i++)
+        prefill |= ss[i].n_new > 1;
+    for (int b = 0; b < n_bes; b++) {
+        const struct be *e = &bes[b];
+        float *dq = put(e, q, nq), *dkv = put(e, kv, kvn), *dout = poisoned(e, nq);
+        struct tdm_kv_layer L = {
+            .base = dkv, .n_kv_heads = nkv, .head_dim = hd, .page_size = ps, .n_pages = p.n_pages};
+        e->b->iface->attention(e->b, dq, nh, &p.st, &L, scale, dout);
+        float *got = get(e, dout, nq);
+        char what[96];
+        snprintf(what, sizeof what, "attention nh=%d nkv=%d hd=%d ps=%d seqs=%d", nh, nkv, hd, ps,
+                 n);
+        /* absolute on outputs within [-1, 1]: a convex combination of values of V */
+        check_rel(e->name, what, got, ref, nq,
+                  prefill && (hd == 64 || hd == 128) ? e->att_tc : e->att, 1.0);
+        free(got);
+        drop(e, dq), drop(e, dkv), drop(e, dout);
+    }
+    free(ref), free(q), free(kv), free(p.buf);
+}
+
+static void test_attention(void **state)
+{
+    (void)state;
+    const struct {
+        int nh, nkv, hd, ps;
+    } heads[] = {
+        {6, 2, 16, 16}, /* GQA 3:1 */
+        {4, 4, 20, 5},  /* MHA, head_dim not a multiple of 8, odd page size */
+        {18, 1, 8, 7},  /* one KV head shared by many heads */
+        {2, 1, 64, 1},  /* one position per page */
+        {9, 3, 64, 16}, {32, 8, 128, 7}, {8, 1, 96, 16}, {16, 2, 128, 16}, {4, 2, 256, 16},
+    };
+    /* prefill chunks (one over an existing prefix), decodes past several softmax chunks and
+     * 128-position segments (split-KV), and short chunks in the middle of sequences */
+    const struct seq_spec mixed[] = {{10, 10}, {97, 1}, {23, 3}, {2, 1}, {600, 1}, {258, 3}};
+    const struct seq_spec prefill[] = {{45, 45}, {1, 1}, {103, 33}, {100, 100}};
+    const struct seq_spec decode[] = {{1500, 1}, {3, 1}, {777, 1}};
+    const struct seq_spec one[] = {{4000, 1}};
+    for (size_t h = 0; h < TDM_ARRAY_LEN(heads); h++) {
+        const int nh = heads[h].nh, nkv = heads[h].nkv, hd = heads[h].hd, ps = heads[h].ps;
+        attention_case(nh, nkv, hd, ps, mixed, (int)TDM_ARRAY_LEN(mixed));
+        attention_case(nh, nkv, hd, ps, prefill, (int)TDM_ARRAY_LEN(prefill));
+        attention_case(nh, nkv, hd, ps, decode, (int)TDM_ARRAY_LEN(decode));
+        if (hd >= 64) attention_case(nh, nkv, hd, ps, one, 1);
+    }
+}
+
+/* layer_done stores layer + 1 once the work before it is done: into the backend's own counter
+ * (CUDA: mapped pinned memory) and into ordinary host memory */
+static void test_layer_done(void **state)
+{
+    (void)state;
+    for (int b = 0; b < n_bes; b++) {
+        const struct be *e = &bes[b];
+        static _Atomic int32_t mine;
+        atomic_store(&mine, 0);
+        e->b->iface->layer_done(e->b, 2, &mine);
+        e->b->iface->sync(e->b);
+        assert_int_equal(atomic_load(&mine), 3);
+        if (e->cuda) {
+            _Atomic int32_t *own = tdm_backend_cuda_counter(e->b);
+            assert_non_null(own);
+            e->b->iface->layer_done(e->b, 6, own);
+            e->b->iface->sync(e->b);
+            assert_int_equal(atomic_load(own), 7);
+        }
+    }
+}
+
+/* Typed buffers: each states the backend's place (the CPU: host; CUDA: device 0), copies
+ * through them are bounds-checked, and a release empties them. */
+static void test_typed_buffers(void **state)
+{
+    (void)state;
+    for (int b = 0; b < n_bes; b++) {
+        const struct be *e = &bes[b];
+        struct tdm_buf buf;
+        assert_int_equal(tdm_backend_buf_new(e->b, 1000, "a test", &buf), TDM_OK);
+        assert_non_null(buf.ptr);
+        assert_int_equal(buf.bytes, 1000);
+        assert_int_equal(buf.place.kind, e->cuda ? TDM_MEM_DEVICE : TDM_MEM_HOST);
+        uint8_t src[1000], dst[1000];
+        for (int i = 0; i < 1000; i++)
+            src[i] = (uint8_t)(i * 7);
+        assert_int_equal(tdm_buf_upload(e->b, &buf, 0, src, 1000), TDM_OK);
+        memset(dst, 0, sizeof dst);
+        assert_int_equal(tdm_buf_download(e->b, dst + 10, &buf, 10, 990), TDM_OK);
+        e->b->iface->sync(e->b);
+        assert_memory_equal(dst + 10, src + 10, 990);
+        assert_int_equal(tdm_buf_upload(e->b, &buf, 999, src, 2), TDM_ERANGE);
+        assert_int_equal(tdm_buf_upload(e->b, &buf, SIZE_MAX, src, 2), TDM_ERANGE);
+        assert_int_equal(tdm_buf_download(e->b, dst, &buf, 1, 1000), TDM_ERANGE);
+        assert_int_equal(tdm_buf_download(e->b, dst, &buf, 1000, 0), TDM_OK);
+        tdm_backend_buf_release(e->b, &buf);
+        assert_null(buf.ptr);
+        assert_int_equal(buf.bytes, 0);
+        tdm_backend_buf_release(e->b, &buf); /* an empty one: a no-op */
+        assert_int_equal(tdm_backend_buf_new(e->b, 0, "nothing", &buf), TDM_OK);
+        assert_null(buf.ptr);
+    }
+}
+
+int main(void)
+{
+    open_backends();
+    printf("test_backend_ops over %d backends:", n_bes);
+    for (int i = 0; i < n_bes; i++)
+        printf(" [%s]", bes[i].name);
+    printf("\n");
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_matmul),         cmocka_unit_test(test_matmul_fused),
+        cmocka_unit_test(test_embed),          cmocka_unit_test(test_norms_elementwise),
+        cmocka_unit_test(test_rope_kv_append), cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_layer_done),     cmocka_unit_test(test_typed_buffers),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    for (int i = 0; i < n_bes; i++)
+        tdm_backend_destroy(bes[i].b);
+    return rc;
+}
