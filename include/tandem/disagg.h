@@ -30,10 +30,10 @@
  * carries the decoder's head range so a sharded peer can be refused clearly.
  *
  * Fencing: immediates name (slot, epoch); a slot's epoch changes every use (a random value),
- * so a late write of an abandoned attempt is never counted. The pages of an abandoned attempt are held (IN_FLIGHT
- * in the pool) until the prefiller acknowledges the cancel, or its connection failed or its
- * process is found gone (a peer dead by silence alone may be stopped, not dead: its queued
- * writes would land later); only then can they be reused.
+ * so a late write of an abandoned attempt is never counted. The pages of an abandoned attempt are
+ * held (IN_FLIGHT in the pool) until the prefiller acknowledges the cancel, or its connection
+ * failed or its process is found gone (a peer dead by silence alone may be stopped, not dead: its
+ * queued writes would land later); only then can they be reused.
  *
  * Peers (decode side). A prefill peer is up once its handshake is done (with --fabric-key, once
  * it proved the key), and down when the transfer engine declares it dead: nothing heard from it
@@ -93,7 +93,7 @@ struct tdm_disagg_decode_opts {
      * new address is picked up without restarting this one */
     const char *peer_files[TDM_DISAGG_MAX_PEERS];
     int n_peers;
-    int revive_ms; /* first retry of a dead peer after this, doubling to 10 s; 0: 500 */
+    int revive_ms;    /* first retry of a dead peer after this, doubling to 10 s; 0: 500 */
     int chunk;        /* prefill chunk in tokens (rounded up to pages); 0: 256 */
     int timeout_ms;   /* one attempt's deadline, send to KV landed; 0: 30000 */
     int max_attempts; /* remote attempts per request (each on another peer), then the
@@ -107,6 +107,8 @@ typedef struct tdm_disagg_decode tdm_disagg_decode_t;
 tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_engine_t *e,
                                     tdm_sched_t *s, tdm_disagg_decode_t **out);
 void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d);
+/* This node's printable fabric address (its prefill peers reach it here). */
+tdm_status tdm_disagg_decode_addr(const tdm_disagg_decode_t *d, char *buf, size_t cap);
 /* Prometheus text for the decode side (appended to /metrics); malloc'd. */
 char *tdm_disagg_decode_metrics(void *d);
 

@@ -637,6 +637,11 @@ out_free:
     return st;
 }
 
+tdm_status tdm_disagg_decode_addr(const tdm_disagg_decode_t *d, char *buf, size_t cap)
+{
+    return tdm_xfer_addr(d->ep.x, buf, cap);
+}
+
 void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d)
 {
     if (!d) return;

@@ -61,7 +61,7 @@ static void usage(FILE *f)
         "  --xfer-provider P       libfabric provider: tcp;ofi_rxm (default), shm, verbs;ofi_rxm, "
         "efa\n"
         "  --xfer-node ADDR        local address the fabric endpoint binds to\n"
-        "  --xfer-addr-file FILE   prefill: write this node's fabric address to FILE\n"
+        "  --xfer-addr-file FILE   prefill, decode: write this node's fabric address to FILE\n"
         "  --fabric-key FILE       the cluster secret (16 to 256 bytes; trailing whitespace is\n"
         "                          dropped): peers must prove they hold it (docs/SECURITY.md)\n"
         "  --remote-chunk N        decode: prefill chunk asked of peers (default 256 tokens)\n"
@@ -305,8 +305,8 @@ int tdm_cmd_serve(int argc, char **argv)
                         "a prefill node samples no tokens\n");
         return 2;
     }
-    if (!is_prefill && addr_file) {
-        fprintf(stderr, "tandem serve: --xfer-addr-file is for --role prefill\n");
+    if (!is_prefill && !is_decode && addr_file) {
+        fprintf(stderr, "tandem serve: --xfer-addr-file is for --role prefill or decode\n");
         return 2;
     }
     uint8_t fkey[256];
@@ -462,13 +462,15 @@ int tdm_cmd_serve(int argc, char **argv)
         if (sst == TDM_EINVAL) rc = 2;
         goto out_disagg;
     }
-    if (is_prefill) {
+    if (is_prefill || is_decode) {
         char addr[TDM_XFER_ADDR_MAX];
-        if (tdm_disagg_prefill_addr(pre, addr, sizeof addr) != TDM_OK) {
+        if ((is_prefill ? tdm_disagg_prefill_addr(pre, addr, sizeof addr)
+                        : tdm_disagg_decode_addr(dec, addr, sizeof addr)) != TDM_OK) {
             tdm_tool_fail("fabric address");
             goto out_server;
         }
-        fprintf(stderr, "tandem serve: prefill node; fabric address %s\n", addr);
+        fprintf(stderr, "tandem serve: %s node; fabric address %s\n",
+                is_prefill ? "prefill" : "decode", addr);
         if (addr_file && !tdm_tool_write_file_atomic(addr_file, addr)) goto out_server;
     }
     const struct tdm_engine_opts *ef = tdm_engine_opts(e);
@@ -479,21 +481,20 @@ int tdm_cmd_serve(int argc, char **argv)
             name, ef->max_ctx, (long long)ks.total, ef->page_size, ef->max_batch_tokens,
             ef->max_seqs);
     if (spec) { /* what speculation holds, reserved before the KV pool was sized */
-        double mib = (double)ef->max_logit_rows * m->cfg.vocab_size * sizeof(float) / 1048576.0;
         const struct tdm_kv_config *kc = tdm_kv_pool_config(tdm_engine_kv(e));
         double all = (double)tdm_kv_page_bytes_all(kc),
                own = (double)tdm_kv_page_bytes(kc) * kc->n_layers;
-        char dkv[128] = "no draft weights or KV of its own";
+        char dkv[160] = "no draft weights or KV of its own";
         if (draft)
             snprintf(dkv, sizeof dkv,
-                     "the draft's KV: %.1f MiB of the pool (%.0f%% of each page), its weights "
-                     "mapped from its file",
-                     (all - own) * (double)kc->n_pages / 1048576.0, 100.0 * (all - own) / all);
+                     "the draft's KV: %.1f MiB of the pool (%.0f%% of each page), its weights %s",
+                     (all - own) * (double)kc->n_pages / 1048576.0, 100.0 * (all - own) / all,
+                     eo.backend_kind == TDM_BACKEND_CUDA ? "held back by the memory plan"
+                                                         : "mapped from its file");
         fprintf(stderr,
-                "tandem serve: speculation: %d verify rows: %.1f MiB of logits in the engine, "
-                "%.1f MiB of host rows; %s\n",
-                ef->max_logit_rows, mib,
-                mib + (double)ef->max_logit_rows * m->cfg.d_model * sizeof(float) / 1048576.0, dkv);
+                "tandem serve: speculation: %d verify rows, verified where they are sampled; "
+                "the drafts' distributions %.1f MiB; %s\n",
+                ef->max_logit_rows, (double)ef->reserve_bytes / 1048576.0, dkv);
     }
     tdm_server_set_ready(srv, true);
     fprintf(stderr, "tandem serve: listening on %s://%s:%d\n", h.tls_cert ? "https" : "http", host,

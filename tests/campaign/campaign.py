@@ -14,6 +14,11 @@ Cases:
   slowloris         N slow clients trickling headers while healthy clients are served
   stall             a scheduler step that never ends (TANDEM_SCHED_FAULTS): every request must
                     end with an error, then SIGTERM ends the process
+  forged-imm        a peer that holds the fabric key floods the decode node with forged and
+                    guessed immediates while requests are in flight: none may complete one
+  unauth-peer       a peer without the key floods both nodes, and asks the prefill node for a
+                    free prefill into its own memory: nothing of it may be read; then the same
+                    prefill with the key is served (the check can fail)
 
 For each case it prints: runs, requests, completed correctly, failed with an error, hung (no
 answer within the deadline), wrong (an answer that differs from colocated), and pages leaked
@@ -27,6 +32,7 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +41,7 @@ import urllib.error
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/, for lib.*
 
-from lib.server import Server  # noqa: E402
+from lib.server import Server, build_dir  # noqa: E402
 from router.routerlib import Router as RouterProcess  # noqa: E402
 
 SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
@@ -310,9 +316,152 @@ def case_stall(ref, runs):
     return t
 
 
+def fabric_key():
+    path = os.path.join(tempfile.mkdtemp(prefix="tandem-campaign-key-"), "key")
+    with open(path, "w") as f:
+        f.write(os.urandom(24).hex())
+    os.chmod(path, 0o600)
+    return path
+
+
+def flood(addr, key=None, ms=3000, geometry=None, no_wait=False, seed=1):
+    """A hostile fabric peer (tests/tools/xfer_peer --role flood), started in the background."""
+    tool = os.path.join(str(build_dir()), "tests", "tools", "xfer_peer")
+    cmd = [tool, "--role", "flood", "--peer", addr, "--flood-ms", str(ms), "--linger-ms", "1500",
+           "--seed", str(seed)]
+    if key:
+        cmd += ["--fabric-key", key]
+    if geometry:
+        cmd += ["--prefill-geometry", geometry]
+    if no_wait:
+        cmd += ["--no-wait"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def flood_result(proc):
+    """The FLOOD line's fields, as ints ({} when the tool printed none)."""
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    for line in out.splitlines():
+        if line.startswith("FLOOD "):
+            return {k: int(v) for k, v in (f.split("=") for f in line.split()[1:])}
+    return {}
+
+
+# the default model's KV geometry: layers, KV heads, head_dim, page size, d_model, vocab
+GEOMETRY = "30,3,64,16,576,49152"
+
+
+def requests_under(t, d, ps, want, attack):
+    """Asks the decode node for every prompt in ps (three at a time) while attack() runs."""
+    with cf.ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(ask, d, x) for x in ps]
+        res = attack()
+        for w, f in zip(want, futs):
+            count(t, w, f.result())
+    return res
+
+
+def case_forged_imm(ref, runs):
+    t = Tally("forged and guessed immediates from a peer with the key")
+    key = fabric_key()
+    addr = addr_file()
+    p = prefill(addr, ["--fabric-key", key])
+    d, daddr = decode_keyed(addr, key)
+    ps = prompts(3, 700, [300, 120, 40])
+    want = [ask(ref, x)[1] for x in ps]
+    try:
+        for i in range(runs):
+            t.runs += 1
+            before = d.metrics()
+
+            def attack():
+                return flood_result(flood(daddr, key, 3000, seed=i + 1))
+
+            r = requests_under(t, d, ps, want, attack)
+            after = d.metrics()
+            ignored = sum(after.get(("tandem_fabric_immediates_total", (("kind", k),)), 0)
+                          - before.get(("tandem_fabric_immediates_total", (("kind", k),)), 0)
+                          for k in ("stale", "invalid", "wrong_peer", "duplicate"))
+            if not r.get("up") or r.get("imm", 0) < 100:
+                t.notes.append(f"run {i}: the attacker did not get through its flood: {r}")
+                t.wrong += 1
+            elif ignored < r["imm"] * 0.9:
+                t.notes.append(f"run {i}: {r['imm']} forged immediates sent, {ignored} counted")
+            t.notes.append(f"run {i}: {r.get('imm', 0)} forged immediates, {ignored:.0f} "
+                           "counted as stale, invalid, duplicate or from the wrong peer")
+            settle(t, d, p)
+    finally:
+        d.stop()
+        p.stop()
+    return t
+
+
+def case_unauth_peer(ref, runs):
+    t = Tally("a peer without the key: flood and a free prefill")
+    key = fabric_key()
+    addr = addr_file()
+    p = prefill(addr, ["--fabric-key", key])
+    d, daddr = decode_keyed(addr, key)
+    ps = prompts(3, 800, [300, 120, 40])
+    want = [ask(ref, x)[1] for x in ps]
+    with open(addr) as f:
+        paddr = f.read().strip()
+    try:
+        for i in range(runs):
+            t.runs += 1
+            before = p.metrics()
+
+            def attack():
+                a = flood(paddr, None, 3000, GEOMETRY, no_wait=True, seed=i + 1)
+                b = flood(daddr, None, 3000, no_wait=True, seed=i + 101)
+                return flood_result(a), flood_result(b)
+
+            ra, rb = requests_under(t, d, ps, want, attack)
+            after = p.metrics()
+            served = (after[("tandem_disagg_prefills_total", ())]
+                      - before[("tandem_disagg_prefills_total", ())])
+            for name, r in (("prefill", ra), ("decode", rb)):
+                if r.get("up") or r.get("got") or r.get("written"):
+                    t.wrong += 1
+                    t.notes.append(f"run {i}: the {name} node answered a peer without the key: {r}")
+            t.notes.append(f"run {i}: sent unauthenticated {ra.get('imm', 0) + rb.get('imm', 0)} "
+                           f"immediates, {ra.get('msg', 0) + rb.get('msg', 0)} messages; "
+                           f"prefills served meanwhile {served:.0f} (the decode node's own)")
+            settle(t, d, p)
+        # the control: with the key the same request is served, so the check above can fail
+        r = flood_result(flood(paddr, key, 200, GEOMETRY))
+        if not (r.get("up") and r.get("written", 0) > 0):
+            t.wrong += 1
+            t.notes.append(f"control: a prefill asked with the key was not served: {r}")
+        else:
+            t.notes.append(f"control: with the key the same prefill wrote {r['written']} bytes")
+        settle(t, d, p)
+    finally:
+        d.stop()
+        p.stop()
+    return t
+
+
+def decode_keyed(addr, key):
+    """A decode node with the fabric key, and its fabric address (its --xfer-addr-file)."""
+    daddr = addr_file()
+    d = decode(addr, ["--fabric-key", key, "--xfer-addr-file", daddr])
+    deadline = time.time() + 30
+    while not os.path.exists(daddr):
+        assert time.time() < deadline, "the decode node wrote no address"
+        time.sleep(0.05)
+    with open(daddr) as f:
+        return d, f.read().strip()
+
+
 CASES = {"prefill-kill": case_prefill_kill, "prefill-stop": case_prefill_stop,
          "faults": case_faults, "decode-restart": case_decode_restart,
-         "slowloris": case_slowloris, "stall": case_stall}
+         "slowloris": case_slowloris, "stall": case_stall, "forged-imm": case_forged_imm,
+         "unauth-peer": case_unauth_peer}
 
 
 def main(argv=None):

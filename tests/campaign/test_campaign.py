@@ -16,9 +16,11 @@ HERE = pathlib.Path(__file__).resolve().parent
 @pytest.mark.skipif(bool(os.environ.get("TANDEM_SANITIZED")),
                     reason="the campaign runs in the Release pass")
 def test_campaign_short(default_model):
-    cases = "prefill-stop,decode-restart,slowloris,stall"
+    cases = "prefill-stop,decode-restart,slowloris,stall,forged-imm,unauth-peer"
     cp = subprocess.run([sys.executable, str(HERE / "campaign.py"), "--runs", "1",
                          "--cases", cases], capture_output=True, text=True, timeout=1200)
     print(cp.stdout)
     assert cp.returncode == 0, f"{cp.stdout[-4000:]}\n{cp.stderr[-4000:]}"
     assert "| prefill SIGSTOP 3 s mid-transfer, SIGCONT | 1 |" in cp.stdout
+    assert "| a peer without the key: flood and a free prefill | 1 | 3 | 3 |" in cp.stdout
+    assert "control: with the key the same prefill wrote" in cp.stdout

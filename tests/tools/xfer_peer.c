@@ -13,6 +13,17 @@
  *               re-sent with the right epoch. Dumps its source region and page lists, waits for
  *               FIN, prints "WRITES ok=<n> err=<n> code=<tdm_status>" and exits.
  *
+ *   flood:      a hostile peer for the failure campaign (tests/campaign/): connects to --peer
+ *               (with --fabric-key FILE or without), prints "PEER up=<0|1>" (with --no-wait it
+ *               does not wait for the handshake, and sends while it is unanswered), then with
+ *               --prefill-geometry L,H,D,PS,DM,V sends a PREFILL for a 16-token prompt whose KV
+ *               and context are to land in a region of its own (free compute), and for
+ *               --flood-ms sends immediates with random slots, epochs and indices (half of them
+ *               in the first 8 slots with epochs under 16, where guessing once worked) and, every
+ *               64th, a control message of random bytes. After --linger-ms it prints
+ *               "FLOOD up=<0|1> imm=<n> msg=<n> err=<n> got=<n> written=<bytes>": messages it
+ *               received, and the bytes of its region that were written.
+ *
  * The byte-for-byte check is done by the Python test from the dumps, independently of this code.
  * Output lines are "KEY value..." on stdout; diagnostics go to stderr.
  */
@@ -24,12 +35,15 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tandem/disagg.h"
 #include "tandem/xfer.h"
 
 #define SLOT 5
 
 static struct {
-    const char *role, *provider, *node, *peer_addr, *faults, *dump;
+    const char *role, *provider, *node, *peer_addr, *faults, *dump, *key_file, *geometry;
+    int flood_ms;
+    bool no_wait;
     int writes, pages_per_write, expect, stale, interval_ms, linger_ms, counter_timeout_ms;
     int op_timeout_ms, peer_timeout_ms, heartbeat_ms, run_timeout_ms;
     uint64_t page_bytes, region_pages, seed;
@@ -102,9 +116,12 @@ static void on_peer(void *ctx, uint32_t peer, bool up)
         fprintf(stderr, "xfer_peer: send: %s\n", tdm_err_msg());
 }
 
+static int got_msgs; /* flood: messages received */
+
 static void on_msg(void *ctx, uint32_t peer, const void *data, size_t bytes)
 {
     pthread_mutex_lock(&mu);
+    got_msgs++;
     if (bytes == 3 && !memcmp(data, "FIN", 3)) {
         have_fin = true;
     } else if (!have_remote && tdm_xfer_rmem_unpack(data, bytes, &remote) == TDM_OK) {
@@ -321,6 +338,123 @@ static int run_initiator(void)
     return 0;
 }
 
+/* --fabric-key FILE as tandem serve reads it: 16 to 256 bytes, trailing whitespace dropped */
+static bool read_key(const char *path, uint8_t key[256], size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return false;
+    *n = fread(key, 1, 256, f);
+    fclose(f);
+    while (*n && (key[*n - 1] == '\n' || key[*n - 1] == '\r' || key[*n - 1] == ' ' ||
+                  key[*n - 1] == '\t'))
+        (*n)--;
+    return *n >= 16;
+}
+
+static int run_flood(void)
+{
+    uint32_t peer;
+    if (tdm_xfer_peer_add(engine, opt.peer_addr, &peer) != TDM_OK) {
+        fprintf(stderr, "xfer_peer: peer_add: %s\n", tdm_err_msg());
+        return 1;
+    }
+    /* --no-wait: send at once, while the hello is still unanswered (what an attacker without
+     * the key can do: the receiver must drop it unread) */
+    bool up = !opt.no_wait && tdm_xfer_peer_wait(engine, peer, 3000) == TDM_OK;
+    if (!opt.no_wait) printf("PEER up=%d\n", up);
+    fflush(stdout);
+    rng_state = opt.seed * 0x9E3779B97F4A7C15ull + 7;
+    int n_imm = 0, n_msg = 0, n_err = 0;
+    uint8_t *region = NULL;
+    size_t region_bytes = 0;
+    tdm_xfer_mr_t *mr = NULL;
+    unsigned L, H, D, PS, DM, V;
+    if (opt.geometry && sscanf(opt.geometry, "%u,%u,%u,%u,%u,%u", &L, &H, &D, &PS, &DM, &V) == 6) {
+        /* a PREFILL of 16 tokens into one page of our own, and a context buffer */
+        const uint64_t page = 2ull * H * PS * D * sizeof(float), ctx = (uint64_t)(DM + V) * 4 + 64;
+        region_bytes = (size_t)(page * L + ctx);
+        region = tdm_alloc_aligned(region_bytes);
+        if (!region) return 1;
+        memset(region, 0, region_bytes);
+        if (tdm_xfer_mr_reg(engine, region, region_bytes, TDM_XFER_MEM_HOST, &mr) != TDM_OK) {
+            fprintf(stderr, "xfer_peer: mr_reg: %s\n", tdm_err_msg());
+            return 1;
+        }
+        int32_t tokens[16];
+        for (int i = 0; i < 16; i++)
+            tokens[i] = (int32_t)(100 + next_rand() % (V - 100));
+        uint32_t pages[1] = {0};
+        struct tdm_disagg_msg m = {.type = TDM_DMSG_PREFILL};
+        struct tdm_disagg_prefill_msg *pm = &m.prefill;
+        *pm = (struct tdm_disagg_prefill_msg){.req_id = next_rand(),
+                                              .slot = 1,
+                                              .epoch = 1,
+                                              .n_tokens = 16,
+                                              .chunk = 16,
+                                              .n_layers = L,
+                                              .n_kv_heads = H,
+                                              .head_dim = D,
+                                              .page_size = PS,
+                                              .elem_bytes = 4,
+                                              .kv_head_begin = 0,
+                                              .kv_head_end = H,
+                                              .dst_layer_stride = page,
+                                              .ctx_offset = page * L,
+                                              .d_model = DM,
+                                              .vocab = V,
+                                              .want_logits = 1,
+                                              .n_pages = 1,
+                                              .tokens = tokens,
+                                              .pages = pages};
+        tdm_xfer_mr_remote(mr, &pm->kv);
+        pm->ctx = pm->kv;
+        uint8_t buf[4096];
+        size_t n = tdm_disagg_msg_encode(&m, buf, sizeof buf);
+        if (n && tdm_xfer_send(engine, peer, buf, n, 0, NULL, NULL) == TDM_OK)
+            n_msg++;
+        else
+            n_err++;
+    }
+    const uint64_t end = tdm_now_ns() + (uint64_t)opt.flood_ms * 1000000ull;
+    for (uint64_t i = 0; tdm_now_ns() < end; i++) {
+        tdm_status st;
+        if (i % 64 == 63) {
+            uint8_t junk[256];
+            for (size_t j = 0; j < sizeof junk; j++)
+                junk[j] = (uint8_t)next_rand();
+            if (i % 128 == 127) memcpy(junk, "TDMD\x01", 5); /* a header, then garbage */
+            st = tdm_xfer_send(engine, peer, junk, 8 + next_rand() % 248, 0, NULL, NULL);
+            n_msg += st == TDM_OK;
+        } else {
+            /* half of them where guessing used to work (the first slots, small epochs) */
+            bool low = i & 1;
+            struct tdm_xfer_imm imm = {(uint32_t)(next_rand() % (low ? 8 : 4096)),
+                                       (uint32_t)(1 + next_rand() % (low ? 16 : 65536)),
+                                       (uint32_t)(next_rand() % 64)};
+            st = tdm_xfer_send_imm(engine, peer, &imm, 0, NULL, NULL);
+            n_imm += st == TDM_OK;
+        }
+        if (st == TDM_EAGAIN)
+            usleep(200);
+        else if (st != TDM_OK)
+            n_err++, usleep(1000);
+    }
+    usleep((useconds_t)opt.linger_ms * 1000);
+    if (opt.no_wait) up = tdm_xfer_peer_wait(engine, peer, 0) == TDM_OK;
+    size_t written = 0;
+    for (size_t i = 0; i < region_bytes; i++)
+        written += region[i] != 0;
+    pthread_mutex_lock(&mu);
+    int got = got_msgs;
+    pthread_mutex_unlock(&mu);
+    printf("FLOOD up=%d imm=%d msg=%d err=%d got=%d written=%zu\n", up, n_imm, n_msg, n_err, got,
+           written);
+    fflush(stdout);
+    tdm_xfer_mr_dereg(mr);
+    tdm_free_aligned(region);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const struct option lo[] = {{"role", 1, 0, 'r'},
@@ -344,6 +478,10 @@ int main(int argc, char **argv)
                                        {"peer-timeout-ms", 1, 0, 't'},
                                        {"heartbeat-ms", 1, 0, 'h'},
                                        {"run-timeout-ms", 1, 0, 'R'},
+                                       {"fabric-key", 1, 0, 'K'},
+                                       {"prefill-geometry", 1, 0, 'G'},
+                                       {"flood-ms", 1, 0, 'F'},
+                                       {"no-wait", 0, 0, 'W'},
                                        {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -411,14 +549,26 @@ int main(int argc, char **argv)
         case 'R':
             opt.run_timeout_ms = atoi(optarg);
             break;
+        case 'K':
+            opt.key_file = optarg;
+            break;
+        case 'G':
+            opt.geometry = optarg;
+            break;
+        case 'F':
+            opt.flood_ms = atoi(optarg);
+            break;
+        case 'W':
+            opt.no_wait = true;
+            break;
         default:
             return 2;
         }
     }
     if (!opt.role || opt.writes <= 0 || opt.pages_per_write <= 0 || opt.page_bytes == 0 ||
         opt.page_bytes % 8 || (uint64_t)opt.pages_per_write > opt.region_pages ||
-        (!strcmp(opt.role, "initiator") && !opt.peer_addr)) {
-        fprintf(stderr, "usage: xfer_peer --role target|initiator [--peer ADDR] ...\n");
+        (strcmp(opt.role, "target") && !opt.peer_addr)) {
+        fprintf(stderr, "usage: xfer_peer --role target|initiator|flood [--peer ADDR] ...\n");
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);
@@ -432,11 +582,24 @@ int main(int argc, char **argv)
     cfg.heartbeat_ms = opt.heartbeat_ms;
     cfg.on_msg = on_msg;
     cfg.on_peer = on_peer;
+    uint8_t key[256];
+    size_t key_n = 0;
+    if (opt.key_file) {
+        if (!read_key(opt.key_file, key, &key_n)) {
+            fprintf(stderr, "xfer_peer: --fabric-key %s: unreadable or under 16 bytes\n",
+                    opt.key_file);
+            return 2;
+        }
+        cfg.fabric_key = key;
+        cfg.fabric_key_bytes = key_n;
+    }
     if (tdm_xfer_create(&cfg, &engine) != TDM_OK) {
         fprintf(stderr, "xfer_peer: create: %s\n", tdm_err_msg());
         return 1;
     }
-    int rc = !strcmp(opt.role, "target") ? run_target() : run_initiator();
+    int rc = !strcmp(opt.role, "target")  ? run_target()
+             : !strcmp(opt.role, "flood") ? run_flood()
+                                          : run_initiator();
     tdm_xfer_destroy(engine);
     return rc;
 }
