@@ -107,6 +107,10 @@ typedef struct tdm_disagg_decode tdm_disagg_decode_t;
 tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_engine_t *e,
                                     tdm_sched_t *s, tdm_disagg_decode_t **out);
 void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d);
+/* The address in an address file (--xfer-addr-file, a decoder's --prefill-peers @FILE): its
+ * first line up to the first blank; false when it cannot be read or is empty. The decoder
+ * reads its peers' files again when a peer is down, so a node restarted elsewhere is found. */
+bool tdm_disagg_read_addr_file(const char *path, char *out, size_t cap);
 /* This node's printable fabric address (its prefill peers reach it here). */
 tdm_status tdm_disagg_decode_addr(const tdm_disagg_decode_t *d, char *buf, size_t cap);
 /* Prometheus text for the decode side (appended to /metrics); malloc'd. */

@@ -441,7 +441,7 @@ static void finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
 /* ---- peers coming back ---- */
 
 /* The first line of a peer's address file, or false. */
-static bool read_addr_file(const char *path, char *out, size_t cap)
+bool tdm_disagg_read_addr_file(const char *path, char *out, size_t cap)
 {
     FILE *f = fopen(path, "r");
     if (!f) return false;
@@ -486,7 +486,8 @@ static void *reviver_main(void *arg)
             p->next_try_ns = now + (int64_t)p->backoff_ms * 1000000;
             p->backoff_ms = TDM_MIN(p->backoff_ms * 2, 10000);
             pthread_mutex_unlock(&d->mu);
-            if (file && read_addr_file(file, fresh, sizeof fresh) && strcmp(fresh, addr)) {
+            if (file && tdm_disagg_read_addr_file(file, fresh, sizeof fresh) &&
+                strcmp(fresh, addr)) {
                 TDM_INFO("disagg: prefill peer %d moved: %s now holds %s", i, file, fresh);
                 snprintf(addr, sizeof addr, "%s", fresh);
             }

@@ -111,13 +111,39 @@ struct tdm_router {
 
 /* Per client request: the body being received. */
 /* Per relayed response: owns the backend connection and one in-flight count. */
+/* The end of an OpenAI stream: once it has been relayed, a client that closes is done, not
+ * gone (clients close on it, before the backend's chunked terminator has come through). */
+#define SSE_DONE     "data: [DONE]\n\n"
+#define SSE_DONE_LEN (sizeof SSE_DONE - 1)
+
 struct relay {
     struct tdm_router *r;
     int be;
     tdm_bh_conn_t *bc;
     int client_fd; /* -1: unknown, not watched */
     uint64_t idle_deadline_ns;
+    char tail[SSE_DONE_LEN]; /* the last bytes relayed, oldest first */
+    size_t n_tail;
 };
+
+/* Keeps the last SSE_DONE_LEN bytes relayed. */
+static void remember_tail(struct relay *rl, const char *buf, size_t n)
+{
+    if (n >= SSE_DONE_LEN) {
+        memcpy(rl->tail, buf + n - SSE_DONE_LEN, SSE_DONE_LEN);
+        rl->n_tail = SSE_DONE_LEN;
+        return;
+    }
+    size_t keep = TDM_MIN(rl->n_tail, SSE_DONE_LEN - n);
+    memmove(rl->tail, rl->tail + rl->n_tail - keep, keep);
+    memcpy(rl->tail + keep, buf, n);
+    rl->n_tail = keep + n;
+}
+
+static bool stream_done(const struct relay *rl)
+{
+    return rl->n_tail == SSE_DONE_LEN && !memcmp(rl->tail, SSE_DONE, SSE_DONE_LEN);
+}
 
 /* ---- backend state ---- */
 
@@ -282,6 +308,7 @@ static ssize_t relay_read(void *cls, uint64_t pos, char *buf, size_t max)
         if (f == TDM_BH_OK) {
             if (n == 0) return MHD_CONTENT_READER_END_OF_STREAM;
             rl->idle_deadline_ns = tdm_now_ns() + r->timeout_ns;
+            remember_tail(rl, buf, n);
             return (ssize_t)n;
         }
         if (f != TDM_BH_TIMEOUT) {
@@ -294,7 +321,8 @@ static ssize_t relay_read(void *cls, uint64_t pos, char *buf, size_t max)
         case WAIT_AGAIN:
             continue;
         case WAIT_CLIENT_GONE:
-            count_error(r, PE_CLIENT_GONE);
+            /* after the stream's last event it is a normal close, not a client leaving */
+            if (!stream_done(rl)) count_error(r, PE_CLIENT_GONE);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         case WAIT_TIMEOUT:
             count_error(r, PE_TIMEOUT);

@@ -119,16 +119,12 @@ static bool parse_peers(const char *arg, struct tdm_disagg_decode_opts *o, char 
         char *item = strndup(p, n);
         if (!item) return false;
         if (item[0] == '@') {
-            FILE *f = fopen(item + 1, "r");
             char line[TDM_XFER_ADDR_MAX];
-            if (!f || !fgets(line, sizeof line, f)) {
+            if (!tdm_disagg_read_addr_file(item + 1, line, sizeof line)) {
                 fprintf(stderr, "--prefill-peers: cannot read an address from %s\n", item + 1);
-                if (f) fclose(f);
                 free(item);
                 return false;
             }
-            fclose(f);
-            line[strcspn(line, " \r\n\t")] = '\0';
             o->peer_files[o->n_peers] = item + 1; /* kept: re-read when the peer is down */
             bufs[TDM_DISAGG_MAX_PEERS + o->n_peers] = item;
             if (!(item = strdup(line))) return false;

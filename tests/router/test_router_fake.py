@@ -183,6 +183,39 @@ def test_client_leaving_closes_the_backend_connection(start):
     assert up(m, fake.url) == 1  # a client leaving is not the backend's fault
 
 
+def test_client_closing_on_done_is_not_a_disconnect(start):
+    """bench serve and most clients close on `data: [DONE]`, before the backend's chunked
+    terminator arrives: the router must not count that as a client leaving. The backend holds
+    its terminator for a second so the client's close always comes first; a client that leaves
+    before [DONE] is still counted (the control)."""
+    def behave(conn, req):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        done = json.loads(req["body"]).get("prompt") == "done"
+        for ev in [b"data: one\n\n", b"data: two\n\n"] + ([b"data: [DONE]\n\n"] if done else []):
+            conn.sendall(b"%x\r\n%s\r\n" % (len(ev), ev))
+        threading.Event().wait(1.5)
+        try:
+            conn.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass
+
+    fake = start(FakeBackend, behave)
+    router = start(Router, [fake.url])
+    for prompt, want in (("done", b"data: [DONE]"), ("cut", b"data: two")):
+        s = open_stream(router.port, "/v1/completions", {"prompt": prompt, "stream": True})
+        got = b""
+        while want not in got:
+            chunk = s.recv(4096)
+            assert chunk, got
+            got += chunk
+        s.close()
+    m = router.wait_for(lambda m: proxy_errors(m, "client_disconnect") == 1,
+                        "the early close counted, once")
+    time.sleep(2)  # both backends' terminators have come and gone
+    assert proxy_errors(router.metrics(), "client_disconnect") == 1
+
+
 def test_connection_error_before_the_head_retries_on_another_backend(start):
     def hang_up(conn, req):
         pass  # closes without answering
