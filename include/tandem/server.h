@@ -109,7 +109,8 @@ struct tdm_router_opts {
     int timeout_s;               /* longest wait for a backend's response head, and between
                                     two pieces of its body; 0: 600 */
     size_t max_body;             /* 0: TDM_SERVER_DEFAULT_MAX_BODY */
-    int max_connections;         /* 0: 10000 (a thread each: see front.h) */
+    int max_connections;         /* 0: 10000 */
+    int http_threads;            /* threads of the event loop; 0: 4 */
     int idle_timeout_s;          /* an idle client connection is closed after this; 0: 600 */
     int header_timeout_ms;       /* a request's headers must arrive within this; 0: 10000 */
     int body_timeout_ms;         /* and its body within this after them; 0: 30000 */

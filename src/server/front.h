@@ -56,8 +56,8 @@ int tdm_front_client_fd(struct MHD_Connection *c);
  * Two modes. threads > 0: an event loop (epoll) served by that many threads, with
  * suspend/resume allowed: handlers must never block (a handler that waits suspends its
  * connection and is resumed by whoever has news), so idle and slow connections cost memory and
- * a socket, not a thread. threads == 0: a thread per connection (the router, whose relay
- * blocks on its backend).
+ * a socket, not a thread (the server: the scheduler's news resumes; the router: its pump,
+ * when a backend sends). threads == 0: a thread per connection, for a handler that blocks.
  *
  * A connection's phases and their deadlines (the sweeper shuts the socket down past them, and
  * libmicrohttpd then closes it):

@@ -18,7 +18,7 @@
  *   transition        performed by
  *   -> up / -> down   health_check_all() on the health thread, every health_interval_ms
  *                     (also once in tdm_router_start, so a fresh router routes at once)
- *   -> down           mark_down() on a connection thread (forward() or relay_read())
+ *   -> down           mark_down() on an event-loop thread (fwd_step() or relay_read())
  *
  * Failures: a connection error (refused, reset, cut short or garbled) before the backend's
  * response head arrives leaves nothing sent to the client, so the request is retried once on
@@ -27,15 +27,18 @@
  * 504 (not retried: it may still be working on the request, and it is not marked down, since a
  * long generation is not a fault; a hung backend fails its health checks instead).
  *
- * Cancellation: while a connection thread waits on its backend it also polls its client's socket
+ * Cancellation: while a connection waits on its backend the pump also polls its client's socket
  * for a hang-up (POLLRDHUP). A client that leaves makes the router close the backend connection,
  * which the backend sees as its own client leaving: it cancels the request and frees its KV pages.
  *
- * Threading: libmicrohttpd runs one thread per client connection; that thread does the whole
- * forward (connect, send, wait, relay) with blocking calls bounded by timeouts, checking the
- * client and the stop flag at least every POLL_SLICE_MS. One health thread probes the backends
- * in turn. Backend state is atomics, plus a mutex so that a pick and its in-flight increment are
- * one step. tdm_router_stop waits for every thread.
+ * Threading: libmicrohttpd's event loop on http_threads threads (front.h). No handler waits: a
+ * forward connects and sends (bounded by connect_timeout_ms), then looks for the response head
+ * and relays body bytes only as far as they have come; when the backend has nothing new the
+ * connection parks in the pump (pump.h), one thread polling every parked backend socket, which
+ * resumes it when bytes come, the client hangs up or a deadline passes. So 1,000 relayed streams
+ * cost sockets and memory, not threads. One health thread probes the backends in turn. Backend
+ * state is atomics, plus a mutex so that a pick and its in-flight increment are one step.
+ * tdm_router_stop resumes every parked connection, then stops the daemon and the threads.
  *
  * Bounds: bodies over max_body get 413; connections are capped by max_connections; every
  * backend wait has a deadline (connect_timeout_ms, then timeout_s for the head and between body
@@ -43,7 +46,6 @@
  */
 #include <errno.h>
 #include <microhttpd.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -57,9 +59,9 @@
 #include "server/front.h"
 #include "server/reply.h"
 #include "tandem/server.h"
+#include "server/pump.h"
 #include "server/server_int.h"
 
-#define POLL_SLICE_MS     250
 #define RELAY_BLOCK_BYTES 16384
 #define MAX_BEARER_BYTES  512
 
@@ -107,6 +109,7 @@ struct tdm_router {
     pthread_t health_thread;
     bool health_running;
     int port;
+    struct tdm_pump *pump; /* waits on backends for the suspended connections */
 };
 
 /* Per client request: the body being received. */
@@ -120,7 +123,8 @@ struct relay {
     struct tdm_router *r;
     int be;
     tdm_bh_conn_t *bc;
-    int client_fd; /* -1: unknown, not watched */
+    struct tdm_park *park; /* where the connection waits for the backend's next bytes */
+    struct MHD_Connection *park_conn;
     uint64_t idle_deadline_ns;
     char tail[SSE_DONE_LEN]; /* the last bytes relayed, oldest first */
     size_t n_tail;
@@ -255,37 +259,6 @@ static void *health_main(void *arg)
     }
 }
 
-/* ---- waiting on a backend while watching the client ---- */
-
-/* Sleeps until the backend socket is readable, the client hangs up, or ms pass. Only a hang-up
- * is watched on the client's side: bytes it sends (a pipelined request) stay unread. Returns
- * true when the client is gone. */
-static bool wait_backend_or_hangup(int backend_fd, int client_fd, int ms)
-{
-    struct pollfd p[2] = {{.fd = backend_fd, .events = POLLIN},
-                          {.fd = client_fd, .events = POLLRDHUP}};
-    int n = poll(p, client_fd >= 0 ? 2 : 1, ms);
-    return n > 0 && client_fd >= 0 &&
-           (p[1].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
-}
-
-/* How one slice of waiting on the backend ended (AGAIN: look at the backend again). */
-enum wait_end { WAIT_AGAIN, WAIT_FAILED, WAIT_CLIENT_GONE, WAIT_STOPPING, WAIT_TIMEOUT };
-
-/* Sleeps one slice (at most POLL_SLICE_MS), unless the deadline has passed or the router is
- * stopping. */
-static enum wait_end wait_slice(struct tdm_router *r, tdm_bh_conn_t *bc, int client_fd,
-                                uint64_t deadline_ns)
-{
-    uint64_t now = tdm_now_ns();
-    if (atomic_load(&r->stopping)) return WAIT_STOPPING;
-    if (now >= deadline_ns) return WAIT_TIMEOUT;
-    uint64_t left_ms = (deadline_ns - now + 999999) / 1000000;
-    int ms = (int)TDM_MIN(left_ms, (uint64_t)POLL_SLICE_MS);
-    if (wait_backend_or_hangup(tdm_bh_fd(bc), client_fd, ms)) return WAIT_CLIENT_GONE;
-    return WAIT_AGAIN;
-}
-
 /* ---- relaying a response ---- */
 
 static void relay_free(void *cls)
@@ -293,18 +266,22 @@ static void relay_free(void *cls)
     struct relay *rl = cls;
     tdm_bh_close(rl->bc); /* the backend sees its client leave if it was not done */
     release(rl->r, rl->be);
+    tdm_park_free(rl->park);
     free(rl);
 }
 
+/* The response body's reader, on an event-loop thread: what the backend has sent so far, or
+ * (nothing yet) the connection parks until the backend sends more, and this is called again. */
 static ssize_t relay_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
     struct relay *rl = cls;
     struct tdm_router *r = rl->r;
+    (void)pos;
     if (max == 0) return 0;
     size_t cap = TDM_MIN(max, (size_t)RELAY_BLOCK_BYTES);
     for (;;) {
         size_t n = 0;
-        enum tdm_bh_fail f = tdm_bh_read(rl->bc, buf, cap, 0, &n);
+        enum tdm_bh_fail f = tdm_bh_read(rl->bc, buf, cap, 0, &n); /* what is there now */
         if (f == TDM_BH_OK) {
             if (n == 0) return MHD_CONTENT_READER_END_OF_STREAM;
             rl->idle_deadline_ns = tdm_now_ns() + r->timeout_ns;
@@ -317,31 +294,32 @@ static ssize_t relay_read(void *cls, uint64_t pos, char *buf, size_t max)
             TDM_WARN("router: %s: response cut short: %s", r->b[rl->be].url, tdm_err_msg());
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
-        switch (wait_slice(r, rl->bc, rl->client_fd, rl->idle_deadline_ns)) {
-        case WAIT_AGAIN:
-            continue;
-        case WAIT_CLIENT_GONE:
+        if (atomic_load(&r->stopping)) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (tdm_park_gone(rl->park) || tdm_front_client_gone(rl->park_conn)) {
             /* after the stream's last event it is a normal close, not a client leaving */
             if (!stream_done(rl)) count_error(r, PE_CLIENT_GONE);
             return MHD_CONTENT_READER_END_WITH_ERROR;
-        case WAIT_TIMEOUT:
+        }
+        if (tdm_now_ns() >= rl->idle_deadline_ns) {
             count_error(r, PE_TIMEOUT);
             TDM_WARN("router: %s: no response bytes for %llu s; cutting the response",
                      r->b[rl->be].url, (unsigned long long)(r->timeout_ns / 1000000000ull));
             return MHD_CONTENT_READER_END_WITH_ERROR;
-        default:
-            return MHD_CONTENT_READER_END_WITH_ERROR;
         }
+        if (tdm_park_wait(rl->park, tdm_bh_fd(rl->bc), rl->idle_deadline_ns))
+            return 0; /* suspended: called again when the backend has more */
     }
 }
 
 /* Queues the backend's response (head received) for relaying. Takes bc and the in-flight count
  * of `be` in every case. */
 static enum MHD_Result relay_start(struct tdm_router *r, struct MHD_Connection *c, int be,
-                                   tdm_bh_conn_t *bc, int client_fd)
+                                   tdm_bh_conn_t *bc)
 {
     struct relay *rl = calloc(1, sizeof *rl);
-    if (!rl) {
+    struct tdm_park *park = rl ? tdm_park_new(r->pump, c) : NULL;
+    if (!park) {
+        free(rl);
         tdm_bh_close(bc);
         release(r, be);
         count_error(r, PE_NOMEM);
@@ -350,7 +328,8 @@ static enum MHD_Result relay_start(struct tdm_router *r, struct MHD_Connection *
     *rl = (struct relay){.r = r,
                          .be = be,
                          .bc = bc,
-                         .client_fd = client_fd,
+                         .park = park,
+                         .park_conn = c,
                          .idle_deadline_ns = tdm_now_ns() + r->timeout_ns};
     int status = tdm_bh_status(bc);
     int64_t len = tdm_bh_content_length(bc);
@@ -387,66 +366,131 @@ static const char *backend_bearer(struct tdm_router *r, struct MHD_Connection *c
     return h + 7;
 }
 
-static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, const char *method,
-                               const char *url, const struct tdm_front_body *cc)
+/* A forwarded request waiting for its backend's response head: the attempt in progress (at
+ * most two, the second on another backend after a connection error) and the last failure.
+ * Lives in the connection's tdm_front_body.app until the request ends. */
+struct fwd {
+    struct tdm_router *r;
+    struct tdm_park *park;
+    struct tdm_bh_request rq; /* borrows the connection's headers and body */
+    int attempts, tried, be;
+    tdm_bh_conn_t *bc;
+    enum tdm_bh_fail last;
+    char last_msg[400];
+};
+
+static void fwd_free(void *app)
 {
-    if (atomic_load(&r->draining))
-        return tdm_reply_errf(c, r->own_by_class, 503, "the router is shutting down");
-    bool post = !strcmp(method, "POST");
-    int client_fd = tdm_front_client_fd(c);
-    struct tdm_bh_request rq = {.method = method,
-                                .path = url,
-                                .bearer = backend_bearer(r, c),
-                                .body = post ? (cc->body ? cc->body : "") : NULL,
-                                .body_len = post ? cc->len : 0,
-                                .connect_timeout_ms = r->connect_timeout_ms};
-    enum tdm_bh_fail last = TDM_BH_OK;
-    char last_msg[400] = "";
-    int tried = -1;
-    for (int attempt = 0; attempt < 2; attempt++) {
-        int be = pick(r, tried);
-        if (be < 0) break;
-        if (attempt > 0) atomic_fetch_add(&r->retries, 1);
-        rq.deadline_ns = tdm_now_ns() + r->timeout_ns;
-        tdm_bh_conn_t *bc = NULL;
-        enum tdm_bh_fail f = tdm_bh_open(&r->b[be].target, &rq, &bc);
-        enum wait_end end = WAIT_FAILED;
-        while (f == TDM_BH_OK) {
-            f = tdm_bh_wait_head(bc, 0);
-            if (f == TDM_BH_OK) return relay_start(r, c, be, bc, client_fd);
-            if (f != TDM_BH_TIMEOUT) break;
-            end = wait_slice(r, bc, client_fd, rq.deadline_ns);
-            if (end == WAIT_AGAIN) f = TDM_BH_OK;
-        }
-        snprintf(last_msg, sizeof last_msg, "%s: %s", r->b[be].url,
-                 end == WAIT_TIMEOUT ? "no response before the timeout" : tdm_err_msg());
-        tdm_bh_close(bc);
-        release(r, be);
-        if (end == WAIT_CLIENT_GONE) {
-            count_error(r, PE_CLIENT_GONE);
-            return MHD_NO;
-        }
-        if (end == WAIT_STOPPING)
-            return tdm_reply_errf(c, r->own_by_class, 503, "the router is shutting down");
-        count_error(r, err_kind(f));
-        last = f;
-        if (!is_connection_error(f)) break;
-        mark_down(r, be, last_msg);
-        tried = be;
+    struct fwd *w = app;
+    if (w->bc) {
+        tdm_bh_close(w->bc);
+        release(w->r, w->be);
     }
-    switch (last) {
+    tdm_park_free(w->park);
+    free(w);
+}
+
+/* Ends the attempt in progress with failure f (its backend marked down for a connection
+ * error); true when another backend may be tried. */
+static bool fwd_failed(struct fwd *w, enum tdm_bh_fail f, const char *msg)
+{
+    struct tdm_router *r = w->r;
+    snprintf(w->last_msg, sizeof w->last_msg, "%s: %s", r->b[w->be].url, msg);
+    tdm_bh_close(w->bc);
+    w->bc = NULL;
+    release(r, w->be);
+    count_error(r, err_kind(f));
+    w->last = f;
+    if (!is_connection_error(f)) return false;
+    mark_down(r, w->be, w->last_msg);
+    w->tried = w->be;
+    return true;
+}
+
+/* Runs the forward as far as it can without waiting: opens an attempt, and relays once the head
+ * is in; parks the connection while the backend has not answered (the pump resumes it, and
+ * the handler calls this again). */
+static enum MHD_Result fwd_step(struct tdm_router *r, struct MHD_Connection *c, struct fwd *w)
+{
+    for (;;) {
+        if (!w->bc) {
+            int be = w->attempts < 2 ? pick(r, w->tried) : -1;
+            if (be < 0) break;
+            if (w->attempts++ > 0) atomic_fetch_add(&r->retries, 1);
+            w->be = be;
+            w->rq.deadline_ns = tdm_now_ns() + r->timeout_ns;
+            /* connect and send: a loopback or LAN connect, bounded by connect_timeout_ms */
+            enum tdm_bh_fail f = tdm_bh_open(&r->b[be].target, &w->rq, &w->bc);
+            if (f != TDM_BH_OK) {
+                w->bc = NULL;
+                if (fwd_failed(w, f, tdm_err_msg())) continue;
+                break;
+            }
+        }
+        enum tdm_bh_fail f = tdm_bh_wait_head(w->bc, 0); /* what is there now */
+        if (f == TDM_BH_OK) {
+            tdm_bh_conn_t *bc = w->bc;
+            w->bc = NULL; /* the relay takes it, and the in-flight count */
+            return relay_start(r, c, w->be, bc);
+        }
+        if (f != TDM_BH_TIMEOUT) {
+            if (fwd_failed(w, f, tdm_err_msg())) continue;
+            break;
+        }
+        if (tdm_park_gone(w->park) || tdm_front_client_gone(c)) {
+            count_error(r, PE_CLIENT_GONE);
+            return MHD_NO; /* fwd_free closes the backend connection */
+        }
+        if (atomic_load(&r->stopping))
+            return tdm_reply_errf(c, r->own_by_class, 503, "the router is shutting down");
+        if (tdm_now_ns() >= w->rq.deadline_ns) {
+            fwd_failed(w, TDM_BH_TIMEOUT, "no response before the timeout");
+            break;
+        }
+        if (tdm_park_wait(w->park, tdm_bh_fd(w->bc), w->rq.deadline_ns)) return MHD_YES;
+    }
+    switch (w->last) {
     case TDM_BH_OK:
         count_error(r, PE_NO_BACKEND);
         return tdm_reply_errf(c, r->own_by_class, 503, "no healthy backend (0 of %d up)",
                               r->n_backends);
     case TDM_BH_TIMEOUT:
         return tdm_reply_errf(c, r->own_by_class, 504, "the backend did not answer in time (%s)",
-                              last_msg);
+                              w->last_msg);
     case TDM_BH_NOMEM:
         return tdm_reply_errf(c, r->own_by_class, 500, "out of memory");
     default:
-        return tdm_reply_errf(c, r->own_by_class, 502, "no backend could answer (%s)", last_msg);
+        return tdm_reply_errf(c, r->own_by_class, 502, "no backend could answer (%s)", w->last_msg);
     }
+}
+
+static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, const char *method,
+                               const char *url, struct tdm_front_body *cc)
+{
+    if (atomic_load(&r->draining))
+        return tdm_reply_errf(c, r->own_by_class, 503, "the router is shutting down");
+    struct fwd *w = calloc(1, sizeof *w);
+    if (w && !(w->park = tdm_park_new(r->pump, c))) {
+        free(w);
+        w = NULL;
+    }
+    if (!w) {
+        count_error(r, PE_NOMEM);
+        return tdm_reply_errf(c, r->own_by_class, 500, "out of memory");
+    }
+    bool post = !strcmp(method, "POST");
+    *w = (struct fwd){.r = r,
+                      .park = w->park,
+                      .rq = {.method = method,
+                             .path = url,
+                             .bearer = backend_bearer(r, c),
+                             .body = post ? (cc->body ? cc->body : "") : NULL,
+                             .body_len = post ? cc->len : 0,
+                             .connect_timeout_ms = r->connect_timeout_ms},
+                      .tried = -1};
+    cc->app = w;
+    cc->app_free = fwd_free;
+    return fwd_step(r, c, w);
 }
 
 /* ---- /health and /metrics ---- */
@@ -535,6 +579,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     case TDM_FRONT_DONE:
         break;
     }
+    if (cc->app) return fwd_step(r, c, cc->app); /* resumed by the pump */
     const char *bad = tdm_front_framing_error(c, cc, version);
     if (bad) return tdm_reply_errf(c, r->own_by_class, 400, "%s", bad);
 
@@ -667,7 +712,7 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
     struct tdm_front_cfg fc = {.who = "router",
                                .host = host,
                                .port = o->port,
-                               .threads = 0, /* the relay blocks on its backend */
+                               .threads = o->http_threads > 0 ? o->http_threads : 4,
                                .max_connections = o->max_connections,
                                .idle_timeout_s = o->idle_timeout_s,
                                .header_timeout_ms = o->header_timeout_ms,
@@ -676,6 +721,7 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
                                .tls_key_pem = o->tls_key_pem,
                                .handler = handler,
                                .cls = r};
+    if ((st = tdm_pump_start(&r->pump)) != TDM_OK) goto out_free;
     if ((st = tdm_front_start(&fc, &r->front)) != TDM_OK) goto out_free;
     r->port = tdm_front_port(r->front);
     if (pthread_create(&r->health_thread, NULL, health_main, r) != 0) {
@@ -687,8 +733,10 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
     return TDM_OK;
 
 out_stop_daemon:
+    tdm_pump_close(r->pump);
     tdm_front_stop(r->front);
 out_free:
+    tdm_pump_stop(r->pump);
     router_free(r);
     return st;
 }
@@ -719,6 +767,8 @@ void tdm_router_stop(tdm_router_t *r)
     pthread_cond_broadcast(&r->health_cv);
     pthread_mutex_unlock(&r->health_mu);
     if (r->health_running) pthread_join(r->health_thread, NULL);
-    tdm_front_stop(r->front); /* connection threads see `stopping` within POLL_SLICE_MS */
+    tdm_pump_close(r->pump); /* every parked connection resumed: its response ends */
+    tdm_front_stop(r->front);
+    tdm_pump_stop(r->pump);
     router_free(r);
 }

@@ -18,24 +18,26 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: tandem router --backends URL[,URL...] [options]\n"
-            "\n"
-            "  --backends URLS         `tandem serve` nodes, comma-separated: http://host:port\n"
-            "  --host ADDR             numeric address to bind (default 127.0.0.1)\n"
-            "  --port N                TCP port (default 8080; 0 picks a free one)\n"
-            "  --port-file FILE        write the bound port to FILE once listening\n"
-            "  --api-key KEY           require Authorization: Bearer KEY (or $TANDEM_API_KEY)\n"
-            "  --backend-api-key KEY   send Authorization: Bearer KEY to the backends\n"
-            "  --backend-ca FILE       PEM CA certificates that https:// backends are verified\n"
-            "                          against (default: the system's trust store)\n"
-            "  --health-interval-ms N  how often each backend's /health is checked (1000)\n"
-            "  --health-timeout-ms N   limit of one health check (1000)\n"
-            "  --connect-timeout-ms N  limit of one connect to a backend (2000)\n"
-            "  --timeout S             longest wait for a backend's answer, and between two\n"
-            "                          pieces of it, in seconds (600)\n"
-            "  --max-body BYTES        request body limit (default 4194304)\n" TDM_TOOL_HTTP_USAGE
-            "  --drain-timeout S       seconds to let responses finish on SIGTERM (default 30)\n");
+    fprintf(
+        f, "usage: tandem router --backends URL[,URL...] [options]\n"
+           "\n"
+           "  --backends URLS         `tandem serve` nodes, comma-separated: http://host:port\n"
+           "  --host ADDR             numeric address to bind (default 127.0.0.1)\n"
+           "  --port N                TCP port (default 8080; 0 picks a free one)\n"
+           "  --port-file FILE        write the bound port to FILE once listening\n"
+           "  --api-key KEY           require Authorization: Bearer KEY (or $TANDEM_API_KEY)\n"
+           "  --backend-api-key KEY   send Authorization: Bearer KEY to the backends\n"
+           "  --backend-ca FILE       PEM CA certificates that https:// backends are verified\n"
+           "                          against (default: the system's trust store)\n"
+           "  --health-interval-ms N  how often each backend's /health is checked (1000)\n"
+           "  --health-timeout-ms N   limit of one health check (1000)\n"
+           "  --connect-timeout-ms N  limit of one connect to a backend (2000)\n"
+           "  --timeout S             longest wait for a backend's answer, and between two\n"
+           "                          pieces of it, in seconds (600)\n"
+           "  --http-threads N        threads of the HTTP event loop (default 4); relayed streams\n"
+           "                          wait in one more thread, not one each\n"
+           "  --max-body BYTES        request body limit (default 4194304)\n" TDM_TOOL_HTTP_USAGE
+           "  --drain-timeout S       seconds to let responses finish on SIGTERM (default 30)\n");
 }
 
 /* Splits "a,b,c" into a malloc'd array of malloc'd strings; false on an empty item. */
@@ -72,8 +74,9 @@ int tdm_cmd_router(int argc, char **argv)
                               .port = 8080,
                               .max_body = TDM_SERVER_DEFAULT_MAX_BODY,
                               .drain_s = 30,
-                              .max_connections = 1024};
-    int64_t interval = 1000, health_timeout = 1000, connect_timeout = 2000, timeout = 600;
+                              .max_connections = 10000};
+    int64_t interval = 1000, health_timeout = 1000, connect_timeout = 2000, timeout = 600,
+            http_threads = 4;
     struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
     tdm_tool_http_table(&h, http);
     const struct tdm_opt own[] = {
@@ -84,6 +87,7 @@ int tdm_cmd_router(int argc, char **argv)
         TDM_OPT_I("health-timeout-ms", &health_timeout, 10, 600 * 1000),
         TDM_OPT_I("connect-timeout-ms", &connect_timeout, 10, 600 * 1000),
         TDM_OPT_I("timeout", &timeout, 1, 24 * 3600),
+        TDM_OPT_I("http-threads", &http_threads, 1, 256),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {http, own, NULL};
@@ -124,6 +128,7 @@ int tdm_cmd_router(int argc, char **argv)
                                  .timeout_s = (int)timeout,
                                  .max_body = (size_t)max_body,
                                  .max_connections = (int)h.max_connections,
+                                 .http_threads = (int)http_threads,
                                  .idle_timeout_s = (int)h.idle_timeout_s,
                                  .header_timeout_ms = (int)h.header_timeout_ms,
                                  .body_timeout_ms = (int)h.body_timeout_ms,

@@ -70,7 +70,7 @@ class FakeBackend:
         self.lock = threading.Lock()
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
+        self.sock.listen(2048)  # room for a thousand connects at once
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.closing = False

@@ -216,6 +216,63 @@ def test_client_closing_on_done_is_not_a_disconnect(start):
     assert proxy_errors(router.metrics(), "client_disconnect") == 1
 
 
+def read_until(s, marker):
+    got = b""
+    while marker not in got:
+        chunk = s.recv(4096)
+        assert chunk, got
+        got += chunk
+    return got
+
+
+def test_idle_streams_cost_no_threads(start):
+    """1,000 streams held open through the router, each waiting on a backend that has sent one
+    event: the router's thread count stays that of its event loop (not one per connection), a
+    healthy request is answered meanwhile, and every stream gets the next event when it comes."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    go = threading.Event()
+
+    def behave(conn, req):
+        if json.loads(req["body"]).get("prompt") == "quick":
+            conn.sendall(json_answer(200, {"ok": True}))
+            return
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        for ev in (b"data: one\n\n", None, b"data: two\n\n", b"data: [DONE]\n\n"):
+            if ev is None:
+                go.wait(120)
+                continue
+            conn.sendall(b"%x\r\n%s\r\n" % (len(ev), ev))
+        conn.sendall(b"0\r\n\r\n")
+
+    fake = start(FakeBackend, behave)
+    router = start(Router, [fake.url])
+    n = 1000
+    socks = []
+    try:
+        for _ in range(n):
+            socks.append(open_stream(router.port, "/v1/completions", {"prompt": "x", "stream": True}))
+        for s in socks:
+            read_until(s, b"data: one")
+        with open(f"/proc/{router.proc.pid}/status") as f:
+            threads = int(next(ln for ln in f if ln.startswith("Threads:")).split()[1])
+        assert threads < 40, f"{threads} router threads for {n} open streams"
+        st, raw, _ = post(router, body={"prompt": "quick"})
+        assert st == 200 and json.loads(raw) == {"ok": True}
+        go.set()
+        for s in socks:
+            assert b"data: two" in read_until(s, b"data: [DONE]")
+        m = router.metrics()
+        assert proxy_errors(m, "client_disconnect") == 0
+        print(f"{n} streams through the router on {threads} threads")
+    finally:
+        go.set()
+        for s in socks:
+            s.close()
+
+
 def test_connection_error_before_the_head_retries_on_another_backend(start):
     def hang_up(conn, req):
         pass  # closes without answering
