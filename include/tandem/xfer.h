@@ -130,6 +130,7 @@ struct tdm_xfer_caps {
 struct tdm_xfer_stats {
     uint64_t writes_posted, write_bytes, sends_posted, msgs_received, imm_received;
     uint64_t eagain_retries, ops_timed_out, cq_errors, injected_failures, heartbeats_sent;
+    uint64_t peers_recycled; /* dead entries reused for new addresses (a full peer table) */
     uint64_t imm_dropped, imm_delayed, imm_duplicated, imm_reordered; /* fault injection */
     uint64_t auth_ok, auth_failed; /* peers that proved the fabric key, and bad proofs */
     uint64_t unauth_dropped;       /* messages and immediates from peers not (yet) proven */

@@ -498,6 +498,17 @@ static void *reviver_main(void *arg)
             if (st != TDM_OK) continue;
             snprintf(p->addr, sizeof p->addr, "%s", addr);
             p->xid = xid;
+            /* the transfer engine may have recycled another dead peer's entry for this address
+             * (a full table, the entry long silent): that peer's address was dropped with it,
+             * so nothing of its old incarnation can land any more (its fences go), and it is
+             * re-added by address when its turn comes */
+            for (int j = 0; j < d->n_peers; j++) {
+                if (j == i || d->peers[j].xid != xid) continue;
+                d->peers[j].xid = UINT32_MAX;
+                for (int s = 0; s < d->n_slots; s++)
+                    if (d->slots[s].state == SLOT_FENCED && d->slots[s].peer == j)
+                        unfence_locked(d, &d->slots[s]);
+            }
             pthread_mutex_unlock(&d->mu);
             /* its answer may have come before xid was set (on_peer then matched nothing) */
             bool up = tdm_xfer_peer_wait(d->ep.x, xid, 1) == TDM_OK;

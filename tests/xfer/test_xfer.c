@@ -619,15 +619,72 @@ static void test_fabric_key_tcp(void **state)
     run_fabric_key("tcp;ofi_rxm", "127.0.0.1");
 }
 
+/* A full peer table does not lock a node out of its restarted peers: peers that die are, once
+ * long silent, recycled for new addresses (the failure campaign's 64th prefill restart at a new
+ * address used to fail with "more than 64 peers"). A live peer is never recycled. */
+static void test_peer_table_recycles_the_dead(void **state)
+{
+    (void)state;
+    struct tdm_xfer_config cfg;
+    tdm_xfer_config_default(&cfg);
+    cfg.provider = "tcp;ofi_rxm";
+    cfg.node = "127.0.0.1";
+    cfg.faults = "";
+    cfg.peer_timeout_ms = 300;
+    cfg.heartbeat_ms = 50;
+    struct tdm_xfer_config small = cfg;
+    small.max_peers = 2;
+    tdm_xfer_t *a, *b[4];
+    assert_int_equal(tdm_xfer_create(&small, &a), TDM_OK);
+    char addr[4][TDM_XFER_ADDR_MAX];
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(tdm_xfer_create(&cfg, &b[i]), TDM_OK);
+        assert_int_equal(tdm_xfer_addr(b[i], addr[i], sizeof addr[i]), TDM_OK);
+    }
+    uint32_t p0, p1, p2, p3;
+    assert_int_equal(tdm_xfer_peer_add(a, addr[0], &p0), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_add(a, addr[1], &p1), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(a, p0, 5000), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(a, p1, 5000), TDM_OK);
+    /* full, and both alive: a third is refused */
+    assert_int_equal(tdm_xfer_peer_add(a, addr[2], &p2), TDM_ERANGE);
+    /* b0 dies; once it has been silent for four peer timeouts its entry serves b2 */
+    tdm_xfer_destroy(b[0]);
+    b[0] = NULL;
+    tdm_status st = TDM_ERANGE;
+    for (int i = 0; i < 100 && st != TDM_OK; i++) {
+        usleep(50000);
+        st = tdm_xfer_peer_add(a, addr[2], &p2);
+    }
+    assert_int_equal(st, TDM_OK);
+    assert_int_equal(p2, p0);
+    assert_int_equal(tdm_xfer_peer_wait(a, p2, 5000), TDM_OK);
+    struct tdm_xfer_stats xs;
+    tdm_xfer_get_stats(a, &xs);
+    assert_int_equal(xs.peers_recycled, 1);
+    /* b1 and b2 alive: still no room for b3 */
+    assert_int_equal(tdm_xfer_peer_add(a, addr[3], &p3), TDM_ERANGE);
+    for (int i = 1; i < 4; i++)
+        tdm_xfer_destroy(b[i]);
+    tdm_xfer_destroy(a);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_merge_runs),     cmocka_unit_test(test_pages_check),
-        cmocka_unit_test(test_imm_layout),     cmocka_unit_test(test_faults),
-        cmocka_unit_test(test_addr),           cmocka_unit_test(test_wire),
-        cmocka_unit_test(test_counters),       cmocka_unit_test(test_counter_callback_rearms),
-        cmocka_unit_test(test_sync_timeout),   cmocka_unit_test(test_engine_loopback_shm),
-        cmocka_unit_test(test_fabric_key_shm), cmocka_unit_test(test_fabric_key_tcp),
+        cmocka_unit_test(test_merge_runs),
+        cmocka_unit_test(test_pages_check),
+        cmocka_unit_test(test_imm_layout),
+        cmocka_unit_test(test_faults),
+        cmocka_unit_test(test_addr),
+        cmocka_unit_test(test_wire),
+        cmocka_unit_test(test_counters),
+        cmocka_unit_test(test_counter_callback_rearms),
+        cmocka_unit_test(test_sync_timeout),
+        cmocka_unit_test(test_engine_loopback_shm),
+        cmocka_unit_test(test_fabric_key_shm),
+        cmocka_unit_test(test_fabric_key_tcp),
+        cmocka_unit_test(test_peer_table_recycles_the_dead),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -70,9 +70,29 @@ tdm_status tdm_fab_peer_find_or_insert_locked(tdm_xfer_t *x, const uint8_t *raw,
             break;
         }
     }
-    if (i == UINT32_MAX) {
-        if (x->n_peers >= (uint32_t)x->cfg.max_peers)
-            return tdm_err_set(TDM_ERANGE, "xfer: more than %d peers", x->cfg.max_peers);
+    if (i == UINT32_MAX && x->n_peers >= (uint32_t)x->cfg.max_peers) {
+        /* a full table: the entry of a dead peer at another address is recycled, one known
+         * to be gone first, else the one silent longest (past 4 peer timeouts), so a node
+         * whose peers restart at new addresses, again and again, keeps finding them */
+        uint64_t now = tdm_now_ns(), quiet = 4ull * (uint64_t)x->cfg.peer_timeout_ms * 1000000ull;
+        for (uint32_t k = 0; k < x->n_peers; k++) {
+            const struct peer *q = &x->peers[k];
+            if (!q->dead || now - q->last_seen_ns < quiet) continue;
+            if (i == UINT32_MAX || (q->gone && !x->peers[i].gone) ||
+                (q->gone == x->peers[i].gone && q->last_seen_ns < x->peers[i].last_seen_ns))
+                i = k;
+        }
+        if (i == UINT32_MAX)
+            return tdm_err_set(TDM_ERANGE, "xfer: more than %d peers, none of them long dead",
+                               x->cfg.max_peers);
+        TDM_INFO("xfer: peer table full: entry %u (dead%s) is reused for a new address", i,
+                 x->peers[i].gone ? ", gone" : "");
+        fi_addr_t old = x->peers[i].fi;
+        (void)fi_av_remove(x->av, &old, 1, 0);
+        int rc = fi_av_insert(x->av, raw, 1, &fa, 0, NULL);
+        if (rc != 1) return tdm_err_set(TDM_EINVAL, "xfer: fi_av_insert failed: %s", fi_msg(rc));
+        STAT_ADD(x, peers_recycled, 1);
+    } else if (i == UINT32_MAX) {
         int rc = fi_av_insert(x->av, raw, 1, &fa, 0, NULL);
         if (rc != 1) return tdm_err_set(TDM_EINVAL, "xfer: fi_av_insert failed: %s", fi_msg(rc));
         i = x->n_peers++;
