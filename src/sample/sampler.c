@@ -424,17 +424,17 @@ int32_t tdm_dist_draw(const float *w, int vocab, double u)
     return last;
 }
 
-/* Rejection acceptance of row's draft (see TDM_SAMPLE_VERIFY): p into scratch->p, the
- * residual into scratch->probs. */
+/* Rejection acceptance of row's draft (see TDM_SAMPLE_VERIFY), penalties less undo: p into
+ * scratch->p, the residual into scratch->probs. */
 static int32_t verify_rejection(struct tdm_sample_row *row, float *logits,
-                                struct tdm_sample_scratch *scratch)
+                                struct tdm_sample_scratch *scratch, const int32_t *undo, int n_undo)
 {
     const struct tdm_sampler *smp = row->smp;
     int vocab = smp->vocab;
     int32_t d = row->draft;
     const float *q = row->q;
     float *p = scratch->p;
-    dist_kept(smp, logits, scratch, p, row->undo, row->n_undo);
+    dist_kept(smp, logits, scratch, p, undo, n_undo);
     uint64_t seed = smp->params.seed, id = smp->request_id;
     double u = tdm_rng_uniform(seed, id, row->position, 1);
     row->kept = q[d] > 0.0f && u * q[d] < p[d];
@@ -458,17 +458,20 @@ void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
     if (k > 0) tdm_logprobs_top(logits, vocab, k, row->top_ids, row->top_lps);
     row->logprob = 0.0f;
     row->kept = false;
-    if (row->mode == TDM_SAMPLE_DRAW && !row->n_undo) {
-        row->token = tdm_sampler_sample(smp, logits, row->position, scratch,
-                                        row->n_top >= 0 ? &row->logprob : NULL);
-        return;
+    /* as tdm_sampler_sample: only penalties change the logits the log-probability is read
+     * from, so only then is the raw row kept; and without penalties an undo list is moot */
+    const bool pen = smp->out_count != NULL;
+    const int32_t *undo = pen ? row->undo : NULL;
+    const int n_undo = pen ? row->n_undo : 0;
+    double raw_lse = 0.0;
+    if (row->n_top >= 0) {
+        raw_lse = log_sum_exp(logits, vocab);
+        if (pen) memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
     }
-    /* the other modes modify logits too: the raw row is kept for the log-probability */
-    double raw_lse = row->n_top >= 0 ? log_sum_exp(logits, vocab) : 0.0;
-    memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
+    const float *raw = pen ? scratch->raw : logits;
     int32_t t;
     if (row->mode == TDM_SAMPLE_PROPOSE) {
-        dist_kept(smp, logits, scratch, row->dist, row->undo, row->n_undo);
+        dist_kept(smp, logits, scratch, row->dist, undo, n_undo);
         t = tdm_dist_draw(row->dist, vocab,
                           tdm_rng_uniform(smp->params.seed, smp->request_id, row->position, 3));
         if (t < 0) t = 0;
@@ -477,11 +480,11 @@ void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
             row->dist[t] = 1.0f;
         }
     } else if (row->mode == TDM_SAMPLE_VERIFY && row->q) {
-        t = verify_rejection(row, logits, scratch);
+        t = verify_rejection(row, logits, scratch, undo, n_undo);
     } else {
-        t = draw_kept(smp, logits, row->position, scratch, row->undo, row->n_undo);
+        t = draw_kept(smp, logits, row->position, scratch, undo, n_undo);
         row->kept = row->mode == TDM_SAMPLE_VERIFY && t == row->draft;
     }
     row->token = t;
-    if (row->n_top >= 0) row->logprob = logprob_from(scratch->raw[t], raw_lse);
+    if (row->n_top >= 0) row->logprob = logprob_from(raw[t], raw_lse);
 }

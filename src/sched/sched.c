@@ -211,7 +211,6 @@ out_fail:
     free(s->srows);
     free(s->logits);
     free(s->hidden);
-    tdm_sample_scratch_free(&s->scratch);
     free(s);
     return fail;
 }
@@ -232,16 +231,14 @@ tdm_status tdm_sched_create(tdm_engine_t *engine, const tdm_tok_t *tok,
     return TDM_OK;
 }
 
-/* Reserves the logit and hidden rows (and the host sampler's scratch for them); false when
- * out of memory. */
+/* Reserves the logit and hidden rows; false when out of memory. */
 bool tdm_sched_row_outputs(struct tdm_sched *s)
 {
     if (s->row_outputs) return true;
     size_t rows = (size_t)s->max_rows;
     if (!s->logits) s->logits = malloc(rows * (size_t)s->vocab * sizeof(float));
     if (!s->hidden) s->hidden = malloc(rows * (size_t)TDM_MAX(s->x.d_model, 1) * sizeof(float));
-    if (!s->scratch.probs) tdm_sample_scratch_init(&s->scratch, s->vocab);
-    s->row_outputs = s->logits && s->hidden && s->scratch.probs;
+    s->row_outputs = s->logits && s->hidden;
     return s->row_outputs;
 }
 
@@ -694,7 +691,6 @@ void tdm_sched_destroy(tdm_sched_t *s)
 {
     if (!s) return;
     if (!tdm_sched_stop(s, 0)) return; /* stalled and given up: its thread may touch all of it */
-    tdm_sample_scratch_free(&s->scratch);
     pthread_mutex_destroy(&s->wmu);
     pthread_cond_destroy(&s->wcv);
     free(s->held);

@@ -101,14 +101,13 @@ struct tdm_sched {
     /* scheduler thread only */
     struct tdm_req **running; /* [max_seqs], ascending id */
     struct tdm_sched_plan plan;
-    struct tdm_plan_seq *pseqs;        /* [max_seqs] */
-    int32_t *slots;                    /* [max_batch_tokens] the plan's KV slots */
-    uint8_t *want;                     /* [max_rows] */
-    struct tdm_sample_row *srows;      /* [max_rows] */
-    float *logits;                     /* [max_rows][vocab], with row outputs */
-    float *hidden;                     /* [max_rows][d_model], with row outputs */
-    bool row_outputs;                  /* logits and hidden exist */
-    struct tdm_sample_scratch scratch; /* host sampling of LOGITS rows (drafts + penalties) */
+    struct tdm_plan_seq *pseqs;   /* [max_seqs] */
+    int32_t *slots;               /* [max_batch_tokens] the plan's KV slots */
+    uint8_t *want;                /* [max_rows] */
+    struct tdm_sample_row *srows; /* [max_rows] */
+    float *logits;                /* [max_rows][vocab], with row outputs */
+    float *hidden;                /* [max_rows][d_model], with row outputs */
+    bool row_outputs;             /* logits and hidden exist */
     const struct tdm_kv_connector_i *conn;
     void *conn_ctx;
     const struct tdm_sched_drafter_i *drafter;
