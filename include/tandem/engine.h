@@ -83,6 +83,12 @@ struct tdm_batch_seq {
      * that tree verification can give siblings at one depth slots of their own. */
     const int32_t *slots;
     int n_logits; /* output rows for the last n_logits tokens of the span */
+    /* A head model (tdm_model.head) only: [n_tokens][d_model] host, the target's hidden state
+     * that goes with each token (see struct tdm_head); required there, ignored elsewhere. */
+    const float *hidden;
+    /* NULL, or [n_tokens][d_model] host: receives every token's final-normed hidden state
+     * (the LM head's input; what a head takes as h). */
+    float *features;
 };
 
 struct tdm_batch {

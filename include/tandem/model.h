@@ -207,8 +207,32 @@ struct tdm_layer_weights {
     struct tdm_weight w_down;         /* [d_model][d_ff] */
 };
 
+/* A speculation head (spec.h: mtp, eagle): a one-layer draft fed with the target's hidden
+ * states. Its input for the token t(i+1) and the target's hidden state h(i) (the final-normed
+ * state the target's LM head reads, at position i) is
+ *     x = fc([enorm(embed(t(i+1))), hnorm(h(i))]) (+ fc_bias)
+ * (fc: [d_model][2 d_model], held as its two column halves), then one decoder layer of the
+ * target's architecture at position i, then the head's final norm and the target's LM head:
+ * its logits propose t(i+2). A head model is a struct tdm_model with n_layers 1 whose head
+ * points here; its tok_embd and output are the target's (borrowed: the target must outlive
+ * it). Norms a layout lacks have data NULL: EAGLE's heads normalise neither input, and have
+ * no input norm on their layer and no final norm. */
+enum tdm_head_layout {
+    TDM_HEAD_TANDEM = 0,   /* ours (docs/HEADS.md) */
+    TDM_HEAD_EAGLE,        /* EAGLE(-2): fc (with a bias), one layer without its input norm */
+    TDM_HEAD_DEEPSEEK_MTP, /* DeepSeek-V3's MTP layer names: enorm, hnorm, eh_proj, shared_head */
+};
+struct tdm_head {
+    enum tdm_head_layout layout;
+    struct tdm_weight enorm, hnorm; /* [d_model]; data NULL: that input is not normalised */
+    struct tdm_weight fc_e, fc_h;   /* [d_model][d_model]: fc's columns for each input */
+    struct tdm_weight fc_bias;      /* [d_model]; data NULL: none */
+};
+const char *tdm_head_layout_name(enum tdm_head_layout l); /* "tandem", "eagle", "deepseek-mtp" */
+
 struct tdm_model {
     struct tdm_model_config cfg;
+    struct tdm_head *head;            /* a speculation head's input stage, else NULL */
     struct tdm_weight tok_embd;       /* [vocab][d_model] */
     struct tdm_weight output_norm;    /* [d_model] */
     struct tdm_weight output;         /* [vocab][d_model]; same data as tok_embd when tied */
@@ -232,6 +256,15 @@ typedef void (*tdm_progress_fn)(void *ctx, double fraction);
 tdm_status tdm_model_load(const char *path, tdm_progress_fn progress, void *progress_ctx,
                           struct tdm_model **out);
 void tdm_model_free(struct tdm_model *m);
+/* Loads a speculation head for `target` from a safetensors file (or a folder holding
+ * model.safetensors) in any tdm_head_layout, telling the layout by its tensor names. A head
+ * that does not fit its target (d_model, head_dim, vocabulary of a shared head copy) or needs
+ * what tandem does not run (MLA, experts) is refused with a message naming both sides. The
+ * result borrows the target's embeddings and LM head: free it (tdm_model_free) first. */
+tdm_status tdm_head_load(const char *path, const struct tdm_model *target, struct tdm_model **out);
+/* The default head of a model file: beside it, its name's extension (.gguf, or none for a
+ * folder) replaced by .mtp.safetensors. false when it does not fit. */
+bool tdm_default_head_path(const char *model_path, char *buf, size_t cap);
 
 /* Default model: $TANDEM_MODEL if set, else
  * ${XDG_CACHE_HOME:-$HOME/.cache}/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf.

@@ -196,6 +196,8 @@ struct tdm_plan_seq {
     uint8_t want;         /* tdm_row_want bits of each of its rows */
     int n_draft;          /* drafted tokens at the end of the span, verified by this step */
     bool last;            /* the span reaches the end of the request's token list */
+    float *features;      /* [n_tokens][d_model] host: every token's final-normed hidden state
+                           * (tdm_batch_seq.features), for a drafter that reads them; or NULL */
 };
 struct tdm_sched_plan {
     uint64_t step; /* 1, 2, ... */
@@ -292,6 +294,7 @@ struct tdm_sched_draft {
     struct tdm_sampler *smp; /* its sampler: draws keyed like the target's (a drafter that
                               * accepts into it must unaccept before returning) */
     struct tdm_draft_stats *stats;
+    void *state;  /* the drafter's own state for this request (state_bytes), or NULL */
     int k;        /* in: the most it may propose (its cap, the budget, the context); the drafter
                    * may lower it to what it chose */
     int cap;      /* k as the scheduler set it (read-only) */
@@ -301,6 +304,22 @@ struct tdm_sched_draft {
      * sampled: device memory on CUDA; valid until the commit); NULL: exact acceptance */
     const float *q;
     int n; /* out: how many were proposed (0..k) */
+};
+/* What a drafter that reads the target's features (feature_dim > 0) is fed after each commit:
+ * for a request still running, the features of the positions of this step's span whose KV was
+ * kept, [pos0, pos0 + n): every prefill position, and of a verified span the last committed
+ * token's and the accepted drafts'. Each such position p has its next token committed
+ * (tokens[p + 1], p + 1 < n_tokens). features: [n][d_model], valid during the call. */
+struct tdm_sched_feed {
+    tdm_req_t *req;
+    const int32_t *tokens; /* committed tokens [0, n_tokens) */
+    int n_tokens;
+    const int32_t *pages; /* its page table (covers [0, n_tokens)) */
+    int n_pages;
+    struct tdm_draft_stats *stats;
+    void *state; /* as in tdm_sched_draft */
+    int pos0, n;
+    const float *features;
 };
 struct tdm_sched_drafter_i {
     /* Proposes for a batch of n requests about to decode. base_tokens: the step's tokens
@@ -314,6 +333,15 @@ struct tdm_sched_drafter_i {
                      int n_accepted, int n_published);
     /* After each run: the plan that ran and how long the run took (a cost model's input). */
     void (*step_done)(void *ctx, const struct tdm_sched_plan *plan, uint64_t run_ns);
+    /* Optional: > 0 asks for the target's features (d_model floats a token) of every span of
+     * the requests that may speculate, handed over by feed after each commit (in batch
+     * order). Scheduler thread; feed may run the engine on those requests' pages at positions
+     * below n_tokens. */
+    int feature_dim;
+    void (*feed)(void *ctx, const struct tdm_sched_feed *f, int n);
+    /* Optional: bytes of per-request state the scheduler keeps for the drafter (zeroed at
+     * submit, and whenever the request's pages go back), handed over as `state`. */
+    size_t state_bytes;
 };
 /* Sets the drafter (before tdm_sched_start); k_max caps every proposal (at most
  * TDM_SPEC_MAX_K). Verification needs no row outputs: each verified row is sampled in

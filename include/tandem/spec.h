@@ -18,7 +18,11 @@
  *          tokens and bonus token), runs k steps, and its KV keeps what was accepted. On CUDA
  *          the target's memory plan holds back its weights and scratch
  *          (tdm_spec_engine_opts) before the KV pool is sized.
- *   mtp, eagle  trained heads (a later issue).
+ *   mtp    a one-layer head fed with the target's hidden states (model.h, struct tdm_head;
+ *          docs/HEADS.md), run as a chain (mtp.c): the scheduler hands it the target's
+ *          features of the kept positions after each commit; its one layer is a layer group of
+ *          the target's pool, like a draft model's.
+ *   eagle  the same head's proposals as dynamic trees (not in this build yet).
  *
  * Acceptance.
  *   exact  a draft is kept when it equals the target's own draw at its position, drawn with

@@ -15,6 +15,14 @@
  *
  * Logits are computed only for the rows that asked for them (gathered after the final norm).
  *
+ * A speculation head (model.h, struct tdm_head) replaces the embedding with its input stage:
+ *   x = enorm(embed(tokens)) fc_e + hnorm(hidden) fc_h (+ fc_bias)   (hidden: the batch's)
+ * then runs its one layer like any other; a missing input norm on that layer (EAGLE) feeds x
+ * to the q/k/v projections as it is, a missing final norm gives the LM head x itself.
+ *
+ * Features: a sequence with a features buffer gets every token's final-normed hidden state
+ * (downloaded after the layer loop), which is what a head reads as h.
+ *
  * Memory: activation scratch is reserved at creation for max_batch_tokens rows in backend
  * memory; per-step metadata comes from a host arena reset every call. Nothing is allocated on
  * the forward path. A backend with a `reserve` hook (CUDA) reserves its own workspace after the
@@ -50,9 +58,11 @@ struct tdm_engine {
     /* weights as the backend holds them */
     struct tdm_weight tok_embd, output_norm, output;
     struct tdm_layer_weights *layers; /* [n_layers] */
-    float *inv_freq;                  /* [head_dim/2], host */
+    struct tdm_head head;             /* a head model's input stage */
+    bool is_head;
+    float *inv_freq; /* [head_dim/2], host */
     /* activation scratch: typed buffers of the backend (act), and the views the ops take */
-    struct tdm_buf act[10];
+    struct tdm_buf act[12];
     int n_act;
     float *x;               /* [max_tokens][d_model] residual stream */
     float *h;               /* [max_tokens][d_model] normed input of the next matmul */
@@ -64,6 +74,8 @@ struct tdm_engine {
     float *gate;            /* [max_tokens][d_ff] silu(gate) * up */
     float *rows;            /* [max_logit_rows][d_model] gathered final-normed rows */
     float *logits;          /* [max_logit_rows][vocab] */
+    float *hin;             /* a head: [max_tokens][d_model] the hidden states it was given */
+    float *hin2;            /* a head: [max_tokens][d_model] scratch of its input stage */
     struct tdm_arena arena; /* per-step metadata, host */
     bool device_sampling;   /* the backend's sample hook takes this vocabulary */
     /* forward_sample without device sampling: the host sampler's scratch, and a host copy of
@@ -155,6 +167,16 @@ static tdm_status prepare_weights(tdm_engine_t *e)
         e->output = e->tok_embd;
     else if ((st = prep(e, &m->output, &e->output)) != TDM_OK)
         return st;
+    if (m->head) {
+        const struct tdm_head *h = m->head;
+        e->head.layout = h->layout;
+        if ((st = prep(e, &h->enorm, &e->head.enorm)) != TDM_OK ||
+            (st = prep(e, &h->hnorm, &e->head.hnorm)) != TDM_OK ||
+            (st = prep(e, &h->fc_e, &e->head.fc_e)) != TDM_OK ||
+            (st = prep(e, &h->fc_h, &e->head.fc_h)) != TDM_OK ||
+            (st = prep(e, &h->fc_bias, &e->head.fc_bias)) != TDM_OK)
+            return st;
+    }
     for (int l = 0; l < e->cfg.n_layers; l++) {
         struct tdm_layer_weights *dst = &e->layers[l];
         const struct tdm_weight *s[LAYER_WEIGHTS];
@@ -171,23 +193,29 @@ static tdm_status prepare_weights(tdm_engine_t *e)
 
 /* The engine scratch for a model at T batch tokens and R logit rows (the balloc calls of
  * tdm_engine_create, in bytes). */
-static size_t scratch_bytes(const struct tdm_model_config *c, size_t T, size_t R)
+static size_t scratch_bytes(const struct tdm_model *m, size_t T, size_t R)
 {
+    const struct tdm_model_config *c = &m->cfg;
     size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
     return sizeof(float) *
-           (T * (size_t)c->d_model * 3 + T * qd * 2 + T * kvd * 2 + T * (size_t)c->d_ff +
-            R * (size_t)c->d_model + R * (size_t)c->vocab_size);
+           (T * (size_t)c->d_model * (m->head ? 5 : 3) + T * qd * 2 + T * kvd * 2 +
+            T * (size_t)c->d_ff + R * (size_t)c->d_model + R * (size_t)c->vocab_size);
 }
 
 /* What a co-model (a draft) will take of backend b: its weights as b stores them (tied
  * embeddings once), and an engine's scratch at T tokens and R rows. */
 static size_t co_model_bytes(tdm_backend_t *b, const struct tdm_model *m, size_t T, size_t R)
 {
-    size_t bytes = scratch_bytes(&m->cfg, T, R);
+    size_t bytes = scratch_bytes(m, T, R);
     size_t (*wb)(tdm_backend_t *, const struct tdm_weight *) = b->iface->weight_bytes;
     if (!wb) return bytes;
     bytes += wb(b, &m->tok_embd) + wb(b, &m->output_norm);
     if (m->output.data != m->tok_embd.data) bytes += wb(b, &m->output);
+    if (m->head) {
+        const struct tdm_head *h = m->head;
+        bytes += wb(b, &h->enorm) + wb(b, &h->hnorm) + wb(b, &h->fc_e) + wb(b, &h->fc_h) +
+                 wb(b, &h->fc_bias);
+    }
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const struct tdm_weight *w[LAYER_WEIGHTS];
         layer_weights(&m->layers[l], w);
@@ -267,6 +295,11 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     e->gate = balloc(e, T * c->d_ff * f, &st);
     e->rows = balloc(e, R * c->d_model * f, &st);
     e->logits = balloc(e, R * c->vocab_size * f, &st);
+    if (model->head) {
+        e->is_head = true;
+        e->hin = balloc(e, T * c->d_model * f, &st);
+        e->hin2 = balloc(e, T * c->d_model * f, &st);
+    }
     if (st != TDM_OK) goto out_scratch;
     /* a borrowed pool: its page size and page count; its layer group must be this model's */
     if (o->kv_shared) {
@@ -475,6 +508,9 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
                 return tdm_err_set(TDM_EINVAL,
                                    "batch: sequence %d token %d has KV slot %d, outside the pool",
                                    s, i, q->slots[i]);
+        if (e->is_head && !q->hidden)
+            return tdm_err_set(TDM_EINVAL, "batch: sequence %d has no hidden states for the head",
+                               s);
         for (int i = 0; i < q->n_tokens; i++)
             if (q->tokens[i] < 0 || q->tokens[i] >= e->cfg.vocab_size)
                 return tdm_err_set(TDM_EINVAL, "batch: token id %d outside the vocabulary (0..%d)",
@@ -655,6 +691,10 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
     struct tdm_rope rope = {.head_dim = hd, .neox = c->rope_neox, .inv_freq = e->inv_freq};
     _Atomic int32_t *counter = e->counter;
     if (counter) atomic_store_explicit(counter, 0, memory_order_release);
+    if (e->is_head) /* the hidden states, in step order (before a graph may replay) */
+        for (int s = 0; s < batch->n_seqs; s++)
+            ops->upload(b, e->hin + (size_t)step.seq_token_start[s] * d, batch->seqs[s].hidden,
+                        (size_t)batch->seqs[s].n_tokens * d * sizeof(float));
     /* a backend may pad the step (a CUDA-graph bucket) or replay the whole layer loop */
     bool replayed = false;
     if (ops->step_begin &&
@@ -663,15 +703,40 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
         return st;
     }
     int T = step.n_tokens;
+    const struct tdm_head *hw = &e->head;
+    /* the LM head's input: the final norm's output, or the residual itself (a head without) */
+    const bool final_norm = e->output_norm.data != NULL;
+    float *lm_in = final_norm ? e->h : e->x;
     if (!replayed) {
-        ops->embed(b, &e->tok_embd, step.tokens, T, e->x);
-        ops->rmsnorm(b, e->x, e->layers[0].attn_norm.data, c->rms_eps, T, d, e->h);
+        if (e->is_head) {
+            /* x = enorm(embed) fc_e + hnorm(hidden) fc_h (+ bias) */
+            ops->embed(b, &e->tok_embd, step.tokens, T, e->o);
+            const float *ein = e->o;
+            float *hin = e->hin, *hout = e->hin2;
+            if (hw->enorm.data) {
+                ops->rmsnorm(b, e->o, hw->enorm.data, c->rms_eps, T, d, e->h);
+                ein = e->h;
+            }
+            if (hw->hnorm.data) {
+                ops->rmsnorm(b, e->hin, hw->hnorm.data, c->rms_eps, T, d, e->hin2);
+                hin = e->hin2;
+                hout = e->hin;
+            }
+            ops->matmul(b, &hw->fc_e, ein, T, hw->fc_bias.data, e->x);
+            ops->matmul(b, &hw->fc_h, hin, T, NULL, hout);
+            ops->add(b, e->x, hout, (size_t)T * d);
+        } else {
+            ops->embed(b, &e->tok_embd, step.tokens, T, e->x);
+        }
+        if (e->layers[0].attn_norm.data)
+            ops->rmsnorm(b, e->x, e->layers[0].attn_norm.data, c->rms_eps, T, d, e->h);
         for (int l = 0; l < n_layers; l++) {
             const struct tdm_layer_weights *w = &e->layers[l];
             struct tdm_kv_layer kv = tdm_kv_pool_group_layer(e->kv, e->kv_group, l);
             const struct tdm_matmul_part qkv[] = {
                 {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
-            ops->matmul_multi(b, e->h, T, qkv, 3);
+            /* a head's layer without an input norm (EAGLE) projects x itself */
+            ops->matmul_multi(b, l == 0 && !w->attn_norm.data ? e->x : e->h, T, qkv, 3);
             if (c->qk_norm) {
                 ops->head_rmsnorm(b, e->q, w->q_norm.data, c->rms_eps, T * c->n_heads, hd);
                 ops->head_rmsnorm(b, e->k, w->k_norm.data, c->rms_eps, T * c->n_kv_heads, hd);
@@ -685,7 +750,10 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
             ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
             const float *next_norm =
                 l + 1 < n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
-            ops->add_rmsnorm(b, e->x, e->o, next_norm, c->rms_eps, T, d, e->h);
+            if (next_norm)
+                ops->add_rmsnorm(b, e->x, e->o, next_norm, c->rms_eps, T, d, e->h);
+            else /* a head without a final norm */
+                ops->add(b, e->x, e->o, (size_t)T * d);
         }
         if (ops->step_end && (st = ops->step_end(b)) != TDM_OK) {
             ops->sync(b);
@@ -696,8 +764,12 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
         ops->gather_rows(b, e->x, rows, n_rows, d, e->rows);
         download_rows(e, out->hidden, e->rows, want, n_rows, d, TDM_ROW_HIDDEN);
     }
+    for (int s = 0; s < batch->n_seqs; s++) /* a span's tokens are consecutive rows */
+        if (batch->seqs[s].features)
+            ops->download(b, batch->seqs[s].features, lm_in + (size_t)step.seq_token_start[s] * d,
+                          (size_t)batch->seqs[s].n_tokens * d * sizeof(float));
     if (any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE)) {
-        ops->gather_rows(b, e->h, rows, n_rows, d, e->rows);
+        ops->gather_rows(b, lm_in, rows, n_rows, d, e->rows);
         ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
     }
     /* logits before sampling, which may overwrite them */

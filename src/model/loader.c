@@ -36,6 +36,9 @@
 struct loader {
     struct tdm_model *m;
     char name[256]; /* the tensor being prepared, for messages */
+    const char
+        *hf_layer; /* HF layer names: this prefix (one %d: the layer); NULL: model.layers.%d. */
+    bool attn_norm_optional; /* a head's layer may lack its input norm (EAGLE) */
 };
 
 static const struct tdm_tensor_info *find_tensor(struct loader *L, const char *name)
@@ -48,6 +51,17 @@ static const struct tdm_tensor_info *find_tensor(struct loader *L, const char *n
 static const char *tname(struct loader *L, const char *gguf_fmt, const char *hf_fmt, int layer)
 {
     snprintf(L->name, sizeof(L->name), L->m->is_gguf ? gguf_fmt : hf_fmt, layer);
+    return L->name;
+}
+
+/* A layer tensor's name: GGUF's pattern, or the HF prefix and this suffix. */
+static const char *lname(struct loader *L, const char *gguf_fmt, const char *hf_suffix, int layer)
+{
+    if (L->m->is_gguf) return tname(L, gguf_fmt, NULL, layer);
+    int n =
+        snprintf(L->name, sizeof L->name, L->hf_layer ? L->hf_layer : "model.layers.%d.", layer);
+    if (n >= 0 && (size_t)n < sizeof L->name)
+        snprintf(L->name + n, sizeof L->name - n, "%s", hf_suffix);
     return L->name;
 }
 
@@ -186,31 +200,34 @@ static tdm_status load_vector(struct loader *L, const char *name, int64_t n, str
     return prepare(L, t, 1, n, t->dtype == TDM_DTYPE_F32, w);
 }
 
-static tdm_status load_layer(struct loader *L, int i)
+/* Layer i's weights into layers[slot] (a head's one layer is slot 0 whatever its name). */
+static tdm_status load_layer_at(struct loader *L, int i, int slot)
 {
     const struct tdm_model_config *c = &L->m->cfg;
-    struct tdm_layer_weights *lw = &L->m->layers[i];
+    struct tdm_layer_weights *lw = &L->m->layers[slot];
     int64_t d = c->d_model, q = (int64_t)c->n_heads * c->head_dim;
     int64_t kv = (int64_t)c->n_kv_heads * c->head_dim, ff = c->d_ff;
     tdm_status rc;
     /* clang-format off */
-    if ((rc = load_vector(L, tname(L, "blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight", i), d, &lw->attn_norm)) ||
-        (rc = load_matrix(L, tname(L, "blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", i), q, d, &lw->wq)) ||
-        (rc = load_matrix(L, tname(L, "blk.%d.attn_k.weight", "model.layers.%d.self_attn.k_proj.weight", i), kv, d, &lw->wk)) ||
-        (rc = load_matrix(L, tname(L, "blk.%d.attn_v.weight", "model.layers.%d.self_attn.v_proj.weight", i), kv, d, &lw->wv)) ||
-        (rc = load_matrix(L, tname(L, "blk.%d.attn_output.weight", "model.layers.%d.self_attn.o_proj.weight", i), d, q, &lw->wo)) ||
-        (rc = load_vector(L, tname(L, "blk.%d.ffn_norm.weight", "model.layers.%d.post_attention_layernorm.weight", i), d, &lw->ffn_norm)) ||
-        (rc = load_matrix(L, tname(L, "blk.%d.ffn_gate.weight", "model.layers.%d.mlp.gate_proj.weight", i), ff, d, &lw->w_gate)) ||
-        (rc = load_matrix(L, tname(L, "blk.%d.ffn_up.weight", "model.layers.%d.mlp.up_proj.weight", i), ff, d, &lw->w_up)) ||
-        (rc = load_matrix(L, tname(L, "blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", i), d, ff, &lw->w_down)))
+    const char *an = lname(L, "blk.%d.attn_norm.weight", "input_layernorm.weight", i);
+    if ((!L->attn_norm_optional || find_tensor(L, an)) && (rc = load_vector(L, an, d, &lw->attn_norm)))
+        return rc;
+    if ((rc = load_matrix(L, lname(L, "blk.%d.attn_q.weight", "self_attn.q_proj.weight", i), q, d, &lw->wq)) ||
+        (rc = load_matrix(L, lname(L, "blk.%d.attn_k.weight", "self_attn.k_proj.weight", i), kv, d, &lw->wk)) ||
+        (rc = load_matrix(L, lname(L, "blk.%d.attn_v.weight", "self_attn.v_proj.weight", i), kv, d, &lw->wv)) ||
+        (rc = load_matrix(L, lname(L, "blk.%d.attn_output.weight", "self_attn.o_proj.weight", i), d, q, &lw->wo)) ||
+        (rc = load_vector(L, lname(L, "blk.%d.ffn_norm.weight", "post_attention_layernorm.weight", i), d, &lw->ffn_norm)) ||
+        (rc = load_matrix(L, lname(L, "blk.%d.ffn_gate.weight", "mlp.gate_proj.weight", i), ff, d, &lw->w_gate)) ||
+        (rc = load_matrix(L, lname(L, "blk.%d.ffn_up.weight", "mlp.up_proj.weight", i), ff, d, &lw->w_up)) ||
+        (rc = load_matrix(L, lname(L, "blk.%d.ffn_down.weight", "mlp.down_proj.weight", i), d, ff, &lw->w_down)))
         return rc;
     /* clang-format on */
-    const char *bq = tname(L, "blk.%d.attn_q.bias", "model.layers.%d.self_attn.q_proj.bias", i);
+    const char *bq = lname(L, "blk.%d.attn_q.bias", "self_attn.q_proj.bias", i);
     if (c->qkv_bias) {
         /* clang-format off */
         if ((rc = load_vector(L, bq, q, &lw->bq)) ||
-            (rc = load_vector(L, tname(L, "blk.%d.attn_k.bias", "model.layers.%d.self_attn.k_proj.bias", i), kv, &lw->bk)) ||
-            (rc = load_vector(L, tname(L, "blk.%d.attn_v.bias", "model.layers.%d.self_attn.v_proj.bias", i), kv, &lw->bv)))
+            (rc = load_vector(L, lname(L, "blk.%d.attn_k.bias", "self_attn.k_proj.bias", i), kv, &lw->bk)) ||
+            (rc = load_vector(L, lname(L, "blk.%d.attn_v.bias", "self_attn.v_proj.bias", i), kv, &lw->bv)))
             return rc;
         /* clang-format on */
     } else if (find_tensor(L, bq)) {
@@ -219,16 +236,20 @@ static tdm_status load_layer(struct loader *L, int i)
     }
     if (c->qk_norm) {
         /* clang-format off */
-        if ((rc = load_vector(L, tname(L, "blk.%d.attn_q_norm.weight", "model.layers.%d.self_attn.q_norm.weight", i), c->head_dim, &lw->q_norm)) ||
-            (rc = load_vector(L, tname(L, "blk.%d.attn_k_norm.weight", "model.layers.%d.self_attn.k_norm.weight", i), c->head_dim, &lw->k_norm)))
+        if ((rc = load_vector(L, lname(L, "blk.%d.attn_q_norm.weight", "self_attn.q_norm.weight", i), c->head_dim, &lw->q_norm)) ||
+            (rc = load_vector(L, lname(L, "blk.%d.attn_k_norm.weight", "self_attn.k_norm.weight", i), c->head_dim, &lw->k_norm)))
             return rc;
         /* clang-format on */
     }
-    const char *bo =
-        tname(L, "blk.%d.attn_output.bias", "model.layers.%d.self_attn.o_proj.bias", i);
+    const char *bo = lname(L, "blk.%d.attn_output.bias", "self_attn.o_proj.bias", i);
     if (find_tensor(L, bo))
         return tdm_err_set(TDM_EUNSUPPORTED, "%s: attention output biases are not supported", bo);
     return TDM_OK;
+}
+
+static tdm_status load_layer(struct loader *L, int i)
+{
+    return load_layer_at(L, i, i);
 }
 
 static tdm_status load_globals(struct loader *L)
@@ -409,6 +430,7 @@ void tdm_model_free(struct tdm_model *m)
         tdm_free_aligned(m->owned[i]);
     free(m->owned);
     free(m->layers);
+    free(m->head);
     free(m->chat_template);
     free(m->path);
     tdm_gguf_close(m->gguf);
@@ -432,4 +454,214 @@ bool tdm_default_model_path(char *buf, size_t cap)
     else
         return false;
     return n >= 0 && (size_t)n < cap;
+}
+
+/* ---- speculation heads ----
+ * One loader for three layouts, told apart by tensor names (docs/HEADS.md):
+ *   tandem        enorm.weight, hnorm.weight, fc.weight [d, 2d], layers.0.* (HF names), norm.weight
+ *   eagle         fc.weight (fc.bias), layers.0.* without input_layernorm, no norm
+ *   deepseek-mtp  model.layers.N.{enorm,hnorm,eh_proj}.weight, model.layers.N.* (the layer),
+ *                 model.layers.N.shared_head.norm.weight (shared_head.head.weight: the
+ *                 target's LM head, checked and not kept)
+ * The layer's geometry (heads, KV heads, d_ff, biases, q/k norms) comes from its tensors; its
+ * width, head size and RoPE are the target's. */
+
+const char *tdm_head_layout_name(enum tdm_head_layout l)
+{
+    switch (l) {
+    case TDM_HEAD_TANDEM:
+        return "tandem";
+    case TDM_HEAD_EAGLE:
+        return "eagle";
+    case TDM_HEAD_DEEPSEEK_MTP:
+        return "deepseek-mtp";
+    }
+    return "unknown";
+}
+
+/* The rows of a 2-D tensor named n, or -1 when it is absent or not 2-D. */
+static int64_t tensor_rows(struct loader *L, const char *n)
+{
+    const struct tdm_tensor_info *t = find_tensor(L, n);
+    return t && t->n_dims == 2 ? t->ne[1] : -1;
+}
+
+/* fc [d][2d] as its two column halves (F32, owned): fc_e multiplies the embedding, fc_h the
+ * hidden state. */
+static tdm_status load_fc(struct loader *L, const char *name, int64_t d, struct tdm_head *h)
+{
+    const struct tdm_tensor_info *t;
+    tdm_status rc = find_shaped(L, name, d, 2 * d, false, &t);
+    if (rc) return rc;
+    size_t rb = tdm_dtype_row_bytes(t->dtype, 2 * d);
+    void *e, *hh, *row, *raw;
+    if ((rc = own_alloc(L->m, (size_t)(d * d) * sizeof(float), &e)) ||
+        (rc = own_alloc(L->m, (size_t)(d * d) * sizeof(float), &hh)) ||
+        (rc = own_alloc(L->m, (size_t)(2 * d) * sizeof(float), &row)) ||
+        (rc = own_alloc(L->m, rb, &raw)))
+        return rc;
+    for (int64_t r = 0; r < d; r++) {
+        memcpy(raw, (const uint8_t *)t->data + (size_t)r * rb, rb); /* aligned for the reader */
+        if ((rc = tdm_dequantize(t->dtype, raw, row, 2 * d)))
+            return tdm_err_set(rc, "%s: cannot convert %s to f32", name, tdm_dtype_name(t->dtype));
+        memcpy((float *)e + r * d, row, (size_t)d * sizeof(float));
+        memcpy((float *)hh + r * d, (float *)row + d, (size_t)d * sizeof(float));
+    }
+    size_t rbf = (size_t)d * sizeof(float);
+    h->fc_e = (struct tdm_weight){TDM_DTYPE_F32, d, d, rbf, e};
+    h->fc_h = (struct tdm_weight){TDM_DTYPE_F32, d, d, rbf, hh};
+    L->m->n_params += (uint64_t)(2 * d * d);
+    L->m->weight_bytes += (uint64_t)(2 * d * d) * sizeof(float);
+    return TDM_OK;
+}
+
+/* The DeepSeek MTP layer's index: the lowest N with model.layers.N.eh_proj.weight; -1. */
+static int deepseek_mtp_layer(const tdm_st_t *st)
+{
+    int best = -1;
+    for (int64_t i = 0; i < tdm_st_n_tensors(st); i++) {
+        const char *n = tdm_st_tensor(st, i)->name;
+        int layer, end = 0;
+        if (sscanf(n, "model.layers.%d.eh_proj.weight%n", &layer, &end) == 1 && end > 0 &&
+            !n[end] && layer >= 0 && (best < 0 || layer < best))
+            best = layer;
+    }
+    return best;
+}
+
+static tdm_status load_head(struct loader *L, const struct tdm_model *target)
+{
+    struct tdm_model *m = L->m;
+    const struct tdm_model_config *tc = &target->cfg;
+    const int64_t d = tc->d_model, hd = tc->head_dim;
+    struct tdm_head *h = m->head;
+    char prefix[64], name[160];
+    int idx = 0;
+    if (find_tensor(L, "fc.weight")) {
+        h->layout = find_tensor(L, "enorm.weight") ? TDM_HEAD_TANDEM : TDM_HEAD_EAGLE;
+        snprintf(prefix, sizeof prefix, "layers.");
+    } else if ((idx = deepseek_mtp_layer(m->st)) >= 0) {
+        h->layout = TDM_HEAD_DEEPSEEK_MTP;
+        snprintf(prefix, sizeof prefix, "model.layers.%d.", idx);
+    } else if (find_tensor(L, "d2t") || find_tensor(L, "midlayer.self_attn.q_proj.weight")) {
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "%s: an EAGLE-3 head (fused low, middle and high features, d2t/t2d "
+                           "vocabulary maps): not supported yet",
+                           m->path);
+    } else {
+        return tdm_err_set(TDM_EFORMAT,
+                           "%s: not a speculation head: no fc.weight (tandem, EAGLE) and no "
+                           "model.layers.N.eh_proj.weight (DeepSeek MTP)",
+                           m->path);
+    }
+    const char *lp = h->layout == TDM_HEAD_DEEPSEEK_MTP ? prefix : "layers.0.";
+#define HNAME(suffix) (snprintf(name, sizeof name, "%s%s", lp, suffix), name)
+    if (find_tensor(L, HNAME("self_attn.q_a_proj.weight")) ||
+        find_tensor(L, HNAME("self_attn.kv_a_proj_with_mqa.weight")))
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "%s: the head's layer uses MLA attention, which "
+                           "tandem does not run yet",
+                           m->path);
+    if (find_tensor(L, HNAME("mlp.gate.weight")) ||
+        find_tensor(L, HNAME("mlp.experts.0.gate_proj.weight")))
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "%s: the head's layer is a mixture of experts, "
+                           "which tandem does not run yet",
+                           m->path);
+    /* the input projection decides the width: it must be the target's */
+    const char *fc = h->layout == TDM_HEAD_DEEPSEEK_MTP ? HNAME("eh_proj.weight") : "fc.weight";
+    char fc_name[160];
+    snprintf(fc_name, sizeof fc_name, "%s", fc);
+    int64_t fc_rows = tensor_rows(L, fc_name);
+    if (fc_rows != d)
+        return tdm_err_set(TDM_EINVAL,
+                           "%s: the head is %lld wide (%s), the target %s is %lld wide: a head "
+                           "must be trained for its target",
+                           m->path, (long long)fc_rows, fc_name, target->path, (long long)d);
+    int64_t q_rows = tensor_rows(L, HNAME("self_attn.q_proj.weight"));
+    int64_t k_rows = tensor_rows(L, HNAME("self_attn.k_proj.weight"));
+    int64_t ff = tensor_rows(L, HNAME("mlp.gate_proj.weight"));
+    if (q_rows <= 0 || k_rows <= 0 || ff <= 0 || q_rows % hd || k_rows % hd ||
+        (q_rows / hd) % (k_rows / hd))
+        return tdm_err_set(TDM_EFORMAT,
+                           "%s: the head's layer (%sself_attn.q_proj, k_proj, mlp.gate_proj) is "
+                           "missing or does not split into the target's %lld-wide heads",
+                           m->path, lp, (long long)hd);
+    m->cfg = *tc;
+    m->cfg.n_layers = 1;
+    m->cfg.n_heads = (int)(q_rows / hd);
+    m->cfg.n_kv_heads = (int)(k_rows / hd);
+    m->cfg.d_ff = (int)ff;
+    m->cfg.qkv_bias = find_tensor(L, HNAME("self_attn.q_proj.bias")) != NULL;
+    m->cfg.qk_norm = find_tensor(L, HNAME("self_attn.q_norm.weight")) != NULL;
+    if (!(m->layers = calloc(1, sizeof *m->layers)))
+        return tdm_err_set(TDM_ENOMEM, "model: out of memory");
+    L->hf_layer = h->layout == TDM_HEAD_DEEPSEEK_MTP ? "model.layers.%d." : "layers.%d.";
+    L->attn_norm_optional = h->layout == TDM_HEAD_EAGLE;
+    tdm_status rc = load_layer_at(L, idx, 0);
+    if (rc) return rc;
+    if ((rc = load_fc(L, fc_name, d, h))) return rc;
+    const char *bias = h->layout == TDM_HEAD_DEEPSEEK_MTP ? HNAME("eh_proj.bias") : "fc.bias";
+    snprintf(fc_name, sizeof fc_name, "%s", bias);
+    if (find_tensor(L, fc_name) && (rc = load_vector(L, fc_name, d, &h->fc_bias))) return rc;
+    const char *norm = "norm.weight";
+    if (h->layout == TDM_HEAD_DEEPSEEK_MTP) {
+        if ((rc = load_vector(L, HNAME("enorm.weight"), d, &h->enorm)) ||
+            (rc = load_vector(L, HNAME("hnorm.weight"), d, &h->hnorm)))
+            return rc;
+        const char *sh = HNAME("shared_head.head.weight");
+        int64_t sv = tensor_rows(L, sh);
+        if (find_tensor(L, sh) && sv != tc->vocab_size)
+            return tdm_err_set(TDM_EINVAL,
+                               "%s: %s has %lld tokens, the target %s %d: the head was made for "
+                               "another vocabulary",
+                               m->path, sh, (long long)sv, target->path, tc->vocab_size);
+        norm = HNAME("shared_head.norm.weight");
+    } else if (h->layout == TDM_HEAD_TANDEM) {
+        if ((rc = load_vector(L, "enorm.weight", d, &h->enorm)) ||
+            (rc = load_vector(L, "hnorm.weight", d, &h->hnorm)))
+            return rc;
+    }
+    snprintf(fc_name, sizeof fc_name, "%s", norm);
+    if ((h->layout != TDM_HEAD_EAGLE || find_tensor(L, fc_name)) &&
+        (rc = load_vector(L, fc_name, d, &m->output_norm)))
+        return rc;
+#undef HNAME
+    m->tok_embd = target->tok_embd;
+    m->output = target->output;
+    m->rope_freqs = target->rope_freqs;
+    return TDM_OK;
+}
+
+tdm_status tdm_head_load(const char *path, const struct tdm_model *target, struct tdm_model **out)
+{
+    if (!path || !target || !out) return tdm_err_set(TDM_EINVAL, "tdm_head_load: bad args");
+    struct tdm_model *m = calloc(1, sizeof *m);
+    tdm_status rc;
+    if (!m || !(m->head = calloc(1, sizeof *m->head)) || !(m->path = strdup(path))) {
+        rc = tdm_err_set(TDM_ENOMEM, "model: out of memory");
+        goto out_free;
+    }
+    if ((rc = tdm_st_open(path, &m->st))) goto out_free;
+    struct loader L = {.m = m};
+    if ((rc = load_head(&L, target))) goto out_free;
+    TDM_DEBUG("loaded head %s (%s layout): %d heads, %d kv heads, d_ff %d, %.1fM params", path,
+              tdm_head_layout_name(m->head->layout), m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.d_ff,
+              (double)m->n_params / 1e6);
+    *out = m;
+    return TDM_OK;
+out_free:
+    tdm_model_free(m);
+    return rc;
+}
+
+bool tdm_default_head_path(const char *model_path, char *buf, size_t cap)
+{
+    if (!model_path || !*model_path) return false;
+    size_t n = strlen(model_path);
+    while (n > 1 && model_path[n - 1] == '/') /* a folder given as dir/ */
+        n--;
+    if (n >= 5 && !strncmp(model_path + n - 5, ".gguf", 5)) n -= 5;
+    int w = snprintf(buf, cap, "%.*s.mtp.safetensors", (int)n, model_path);
+    return w > 0 && (size_t)w < cap;
 }

@@ -163,6 +163,7 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
         }
         return;
     }
+    int n_feeds = 0;
     for (int j = 0; j < p->n_seqs; j++) {
         const struct tdm_plan_seq *q = &p->seqs[j];
         struct tdm_req *r = q->req;
@@ -174,11 +175,24 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
             tdm_sched_finish(s, r, TDM_FINISH_ERROR, TDM_ETIMEDOUT, NULL);
             continue;
         }
-        if (!q->last) continue;
-        enum tdm_finish f = r->prefill_only ? TDM_FINISH_STOP : commit_rows(s, r, q);
+        enum tdm_finish f = TDM_FINISH_NONE;
+        if (q->last) f = r->prefill_only ? TDM_FINISH_STOP : commit_rows(s, r, q);
         if (f != TDM_FINISH_NONE) {
             tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
             tdm_sched_finish(s, r, f, TDM_OK, NULL);
+        } else if (q->features && r->n_cached > q->pos0) {
+            /* the kept positions' features, for a drafter that reads them */
+            s->feeds[n_feeds++] = (struct tdm_sched_feed){.req = r,
+                                                          .tokens = r->tokens,
+                                                          .n_tokens = r->n_tokens,
+                                                          .pages = r->kv.pages,
+                                                          .n_pages = r->kv.n_pages,
+                                                          .stats = &r->draft_stats,
+                                                          .state = r->dstate,
+                                                          .pos0 = q->pos0,
+                                                          .n = r->n_cached - q->pos0,
+                                                          .features = q->features};
         }
     }
+    if (n_feeds) s->drafter->feed(s->drafter_ctx, s->feeds, n_feeds);
 }

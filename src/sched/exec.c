@@ -24,7 +24,8 @@ static tdm_status engine_run(void *ctx, struct tdm_sched_plan *p)
                                              .pages = q->pages,
                                              .n_pages = q->n_pages,
                                              .slots = q->slots,
-                                             .n_logits = q->n_rows};
+                                             .n_logits = q->n_rows,
+                                             .features = q->features};
     }
     struct tdm_batch b = {.seqs = x->bseqs, .n_seqs = p->n_seqs};
     struct tdm_engine_out out = {

@@ -58,6 +58,7 @@ void tdm_sched_requeue(struct tdm_sched *s, int i, bool preempted)
     tdm_kv_seq_release(s->kv, &r->kv);
     r->n_cached = 0;
     r->draft_stats.cursor = 0; /* a drafter's own KV went with the pages */
+    if (r->dstate) memset(r->dstate, 0, s->drafter->state_bytes);
     r->batch_slot = -1;
     tdm_sched_running_remove(s, i);
     pthread_mutex_lock(&s->mu);
@@ -201,7 +202,10 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
                                .n_rows = n_rows,
                                .want = want,
                                .n_draft = r->n_draft,
-                               .last = last};
+                               .last = last,
+                               .features = s->features && !r->prefill_only && r->spec_k >= 0
+                                               ? s->features + (size_t)p->n_tokens * s->x.d_model
+                                               : NULL};
     for (int i = 0; i < n_rows; i++) {
         int row = p->n_rows + i;
         s->want[row] = want;
@@ -359,6 +363,7 @@ bool tdm_sched_plan_build(struct tdm_sched *s)
                                                                .n_pages = r->kv.n_pages,
                                                                .smp = &r->smp,
                                                                .stats = &r->draft_stats,
+                                                               .state = r->dstate,
                                                                .k = k,
                                                                .out = r->tokens + r->n_tokens};
         budget -= 1 + k;

@@ -54,6 +54,7 @@ static void req_free(struct tdm_req *r)
     free(r->logprobs);
     free(r->top_ids);
     free(r->top_lps);
+    free(r->dstate);
     free(r);
 }
 
@@ -211,6 +212,8 @@ out_fail:
     free(s->srows);
     free(s->logits);
     free(s->hidden);
+    free(s->features);
+    free(s->feeds);
     free(s);
     return fail;
 }
@@ -305,6 +308,11 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
         st = tdm_err_set(TDM_ENOMEM, "out of memory");
         goto out_buffers;
     }
+    if (s->drafter && s->drafter->state_bytes &&
+        !(r->dstate = calloc(1, s->drafter->state_bytes))) {
+        st = tdm_err_set(TDM_ENOMEM, "out of memory");
+        goto out_buffers;
+    }
     if ((st = tdm_sampler_init(&r->smp, &p->sampling, 0, s->vocab)) != TDM_OK) goto out_buffers;
     memcpy(r->tokens, p->prompt, (size_t)p->n_prompt * sizeof *r->tokens);
     for (int i = 0; i < p->n_prompt; i++)
@@ -372,6 +380,7 @@ out_buffers:
     free(r->logprobs);
     free(r->top_ids);
     free(r->top_lps);
+    free(r->dstate);
     free(r);
     return st;
 }
@@ -730,6 +739,24 @@ tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_
 {
     s->drafter = d && d->propose && k_max > 0 ? d : NULL;
     s->drafter_ctx = ctx;
+    if (s->drafter && d->feature_dim > 0) {
+        if (d->feature_dim != s->x.d_model || !d->feed) {
+            s->drafter = NULL;
+            return tdm_err_set(TDM_EINVAL,
+                               "sched: the drafter reads %d-wide features, the "
+                               "executor's are %d wide",
+                               d->feature_dim, s->x.d_model);
+        }
+        free(s->features);
+        free(s->feeds);
+        s->features =
+            malloc((size_t)s->o.max_batch_tokens * (size_t)d->feature_dim * sizeof(float));
+        s->feeds = calloc((size_t)s->o.max_seqs, sizeof *s->feeds);
+        if (!s->features || !s->feeds) {
+            s->drafter = NULL;
+            return tdm_err_set(TDM_ENOMEM, "sched: out of memory for the drafter's features");
+        }
+    }
     s->draft_k = TDM_MIN(TDM_MIN(TDM_MAX(k_max, 0), TDM_SPEC_MAX_K), s->o.max_batch_tokens - 1);
     /* verification needs no logits: its rows verify where they are sampled (TDM_SAMPLE_VERIFY) */
     return TDM_OK;

@@ -53,6 +53,7 @@ struct tdm_req {
     int n_tokens;    /* prompt + outputs (+ drafts) */
     int n_draft;     /* drafted tokens at the end of tokens (0 outside a step) */
     struct tdm_draft_stats draft_stats;
+    void *dstate;         /* the drafter's state_bytes for it, or NULL */
     const float *draft_q; /* the drafter's q for this step's drafts (rejection), or NULL */
     int n_cached;         /* tokens whose KV is in kv */
     struct tdm_kv_seq kv;
@@ -115,6 +116,8 @@ struct tdm_sched {
     int draft_k;
     struct tdm_sched_draft *drafts; /* [max_seqs] this step's drafting batch */
     struct tdm_req **decodes;       /* [max_seqs] this step's decoding requests */
+    float *features;                /* [max_batch_tokens][d_model] with a feature drafter */
+    struct tdm_sched_feed *feeds;   /* [max_seqs] */
     uint64_t n_steps;
 
     /* the watchdog (sched.c). wmu guards step_t0_ns, held and the stall flags; it nests

@@ -49,29 +49,11 @@ struct chain_drafter {
     int *fed;                    /* [max_seqs] catch-up tokens fed so far */
     struct tdm_buf qbuf;         /* rejection: [max_seqs][TDM_SPEC_MAX_K][vocab], the backend's */
     float *q;                    /* its view */
+    struct tdm_spec_draws dw;
 };
 
 /* Request i's draft at depth j from its row (pass entry p): the row's token, drawn by its
  * sampling (exact: the request's draw; rejection: PROPOSE, which also left q in place). */
-static int32_t take(struct chain_drafter *dd, struct tdm_sched_draft *x, int i, int p)
-{
-    if (dd->rejection) x->q = dd->q + (size_t)i * TDM_SPEC_MAX_K * dd->vocab;
-    return dd->rows[p].token;
-}
-
-/* Pass entry p's row: request x (index i) choosing position pos, draft depth j. */
-static void set_row(struct chain_drafter *dd, struct tdm_sched_draft *x, int i, int j, int p,
-                    uint32_t pos)
-{
-    dd->rows[p] = (struct tdm_sample_row){.smp = x->smp, .position = pos, .n_top = -1, .token = -1};
-    if (dd->rejection) {
-        dd->rows[p].mode = TDM_SAMPLE_PROPOSE;
-        dd->rows[p].one_hot = dd->one_hot;
-        dd->rows[p].dist = dd->q + ((size_t)i * TDM_SPEC_MAX_K + (size_t)j) * dd->vocab;
-    }
-}
-
-/* One pass over the m entries built in dd->seqs; false when it failed. */
 static bool run_pass(struct chain_drafter *dd, struct tdm_spec *sp, int m, int rows)
 {
     struct tdm_batch b = {.seqs = dd->seqs, .n_seqs = m};
@@ -119,7 +101,7 @@ static void chain_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft
                                                    .n_pages = d[i].n_pages,
                                                    .n_logits = last ? 1 : 0};
             if (last) {
-                set_row(dd, &d[i], i, 0, rows, (uint32_t)d[i].n_tokens);
+                tdm_spec_set_row(&dd->dw, &d[i], i, 0, rows, (uint32_t)d[i].n_tokens);
                 dd->idx[rows++] = i;
             }
             dd->fed[i] += span;
@@ -129,7 +111,7 @@ static void chain_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft
         if (!(ok = run_pass(dd, sp, m, rows))) break;
         for (int r = 0; r < rows; r++) {
             struct tdm_sched_draft *x = &d[dd->idx[r]];
-            x->out[0] = take(dd, x, dd->idx[r], r);
+            x->out[0] = tdm_spec_take(&dd->dw, x, dd->idx[r], r);
             x->n = 1;
         }
     }
@@ -155,13 +137,13 @@ static void chain_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft
                                                  .pages = d[i].pages,
                                                  .n_pages = d[i].n_pages,
                                                  .n_logits = 1};
-            set_row(dd, &d[i], i, j, m, (uint32_t)(pos + 1));
+            tdm_spec_set_row(&dd->dw, &d[i], i, j, m, (uint32_t)(pos + 1));
             dd->idx[m++] = i;
         }
         if (!m || !(ok = run_pass(dd, sp, m, m))) break;
         for (int q = 0; q < m; q++) {
             struct tdm_sched_draft *x = &d[dd->idx[q]];
-            x->out[j] = take(dd, x, dd->idx[q], q);
+            x->out[j] = tdm_spec_take(&dd->dw, x, dd->idx[q], q);
             x->n = j + 1;
         }
     }
@@ -247,6 +229,7 @@ tdm_status tdm_spec_chain_create(tdm_engine_t *e, bool owns_engine, int n_layers
         }
         dd->q = dd->qbuf.ptr;
     }
+    dd->dw = (struct tdm_spec_draws){dd->rows, dd->q, dd->vocab, dd->rejection, dd->one_hot};
     *out = (struct tdm_spec_drafter){.name = name,
                                      .ctx = dd,
                                      .propose = chain_propose,

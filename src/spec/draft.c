@@ -34,7 +34,7 @@ void tdm_spec_engine_opts(const struct tdm_spec_opts *o, const struct tdm_model 
                           struct tdm_kv_group *group, struct tdm_engine_opts *eo)
 {
     if (o->method == TDM_SPEC_NONE) return;
-    if (o->method == TDM_SPEC_DRAFT && o->draft_model) {
+    if ((o->method == TDM_SPEC_DRAFT || o->method == TDM_SPEC_MTP) && o->draft_model) {
         tdm_spec_kv_group(o->draft_model, group);
         eo->kv_extra = group;
         eo->n_kv_extra = 1;
@@ -45,6 +45,21 @@ void tdm_spec_engine_opts(const struct tdm_spec_opts *o, const struct tdm_model 
         tdm_engine_fill_defaults(&target->cfg, &f);
         eo->reserve_bytes += tdm_spec_q_bytes(&f, target->cfg.vocab_size);
     }
+}
+
+void tdm_spec_beside_opts(tdm_engine_t *target, struct tdm_engine_opts *eo)
+{
+    const struct tdm_engine_opts *to = tdm_engine_opts(target);
+    int n = TDM_MIN(to->max_seqs, to->max_logit_rows);
+    *eo = (struct tdm_engine_opts){.n_threads = to->n_threads,
+                                   .batch_invariant = to->batch_invariant,
+                                   .max_ctx = to->max_ctx,
+                                   .max_batch_tokens = to->max_batch_tokens,
+                                   .max_seqs = n,
+                                   .max_logit_rows = n,
+                                   .kv_shared = tdm_engine_kv(target),
+                                   .kv_group = 1,
+                                   .backend = tdm_engine_backend(target)};
 }
 
 tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *draft,
@@ -59,7 +74,6 @@ tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *d
                            "spec draft: the draft's vocabulary has %d tokens, the target's %d: a "
                            "draft must share the target's tokenizer",
                            dc->vocab_size, tc->vocab_size);
-    tdm_backend_t *be = tdm_engine_backend(target);
     tdm_kv_pool_t *kv = tdm_engine_kv(target);
     struct tdm_kv_group want, have;
     tdm_spec_kv_group(draft, &want);
@@ -68,17 +82,8 @@ tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *d
         return tdm_err_set(TDM_EINVAL, "spec draft: the target's KV pool has no layer group "
                                        "for this draft (create the target engine with "
                                        "tdm_spec_kv_group's group in kv_extra)");
-    const struct tdm_engine_opts *to = tdm_engine_opts(target);
-    int n = TDM_MIN(to->max_seqs, to->max_logit_rows);
-    struct tdm_engine_opts eo = {.n_threads = to->n_threads,
-                                 .batch_invariant = to->batch_invariant,
-                                 .max_ctx = to->max_ctx,
-                                 .max_batch_tokens = to->max_batch_tokens,
-                                 .max_seqs = n,
-                                 .max_logit_rows = n,
-                                 .kv_shared = kv,
-                                 .kv_group = 1,
-                                 .backend = be};
+    struct tdm_engine_opts eo;
+    tdm_spec_beside_opts(target, &eo);
     tdm_engine_t *e = NULL;
     tdm_status st = tdm_engine_create(draft, &eo, &e);
     if (st != TDM_OK) return st;

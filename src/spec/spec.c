@@ -138,8 +138,11 @@ static void on_step_done(void *ctx, const struct tdm_sched_plan *plan, uint64_t 
     tdm_spec_gate_ran(&sp->gate, plan->n_tokens);
 }
 
-static const struct tdm_sched_drafter_i SPEC_DRAFTER = {
-    .propose = on_propose, .accepted = on_accepted, .step_done = on_step_done};
+static void on_feed(void *ctx, const struct tdm_sched_feed *f, int n)
+{
+    struct tdm_spec *sp = ctx;
+    sp->dr.feed(sp->dr.ctx, sp, f, n);
+}
 
 void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns)
 {
@@ -169,11 +172,11 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
     case TDM_SPEC_DRAFT:
         break;
     case TDM_SPEC_MTP:
+        break;
     case TDM_SPEC_EAGLE:
         return tdm_err_set(TDM_EUNSUPPORTED,
-                           "--spec %s needs a trained head, not in this build "
-                           "yet; --spec self needs none",
-                           tdm_spec_method_name(o->method));
+                           "--spec eagle (dynamic trees of a head's proposals) is not in this "
+                           "build yet; --spec mtp runs the same head as a chain");
     default:
         return tdm_err_set(TDM_EINVAL, "spec: unknown method %d", (int)o->method);
     }
@@ -191,10 +194,20 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
     tdm_status st = tdm_spec_ctl_init(&sp->ctl, sp->max_seqs);
     if (st == TDM_OK && !(sp->batch = calloc((size_t)sp->max_seqs, sizeof *sp->batch)))
         st = tdm_err_set(TDM_ENOMEM, "spec: out of memory");
-    if (st == TDM_OK)
-        st = o->method == TDM_SPEC_DRAFT
-                 ? tdm_spec_draft_create(target, o->draft_model, o->accept, o->q_one_hot, &sp->dr)
-                 : tdm_spec_self_create(target, o->self_layers, o->accept, o->q_one_hot, &sp->dr);
+    if (st == TDM_OK) {
+        if (o->method == TDM_SPEC_DRAFT)
+            st = tdm_spec_draft_create(target, o->draft_model, o->accept, o->q_one_hot, &sp->dr);
+        else if (o->method == TDM_SPEC_MTP)
+            st = tdm_spec_mtp_create(target, o->draft_model, o->accept, o->q_one_hot, &sp->dr);
+        else
+            st = tdm_spec_self_create(target, o->self_layers, o->accept, o->q_one_hot, &sp->dr);
+    }
+    sp->iface = (struct tdm_sched_drafter_i){.propose = on_propose,
+                                             .accepted = on_accepted,
+                                             .step_done = on_step_done,
+                                             .feature_dim = sp->dr.feature_dim,
+                                             .feed = sp->dr.feed ? on_feed : NULL,
+                                             .state_bytes = sp->dr.state_bytes};
     if (st != TDM_OK) {
         tdm_spec_destroy(sp);
         return st;
@@ -215,7 +228,7 @@ void tdm_spec_destroy(tdm_spec_t *sp)
 
 tdm_status tdm_spec_attach(tdm_spec_t *sp, tdm_sched_t *s)
 {
-    return tdm_sched_set_drafter(s, &SPEC_DRAFTER, sp, sp->o.k > 0 ? sp->o.k : TDM_SPEC_AUTO_K);
+    return tdm_sched_set_drafter(s, &sp->iface, sp, sp->o.k > 0 ? sp->o.k : TDM_SPEC_AUTO_K);
 }
 
 void tdm_spec_describe(const tdm_spec_t *sp, char *buf, size_t cap)
@@ -228,6 +241,12 @@ void tdm_spec_describe(const tdm_spec_t *sp, char *buf, size_t cap)
     if (sp->o.method == TDM_SPEC_DRAFT)
         snprintf(buf, cap, "draft model (%d layers; the target has %d), %s, %s", sp->draft_layers,
                  sp->n_layers, k, tdm_spec_accept_name(sp->o.accept));
+    else if (sp->o.method == TDM_SPEC_MTP)
+        snprintf(buf, cap, "mtp head (%s layout), chain, %s, %s",
+                 sp->o.draft_model && sp->o.draft_model->head
+                     ? tdm_head_layout_name(sp->o.draft_model->head->layout)
+                     : "?",
+                 k, tdm_spec_accept_name(sp->o.accept));
     else
         snprintf(buf, cap, "%s (%d layers of %d), %s, %s", sp->dr.name,
                  tdm_spec_chain_layers(&sp->dr), sp->n_layers, k,

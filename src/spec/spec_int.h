@@ -24,7 +24,51 @@ struct tdm_spec_drafter {
     /* optional: a request's decode step kept n_accepted of n_draft drafts */
     void (*accepted)(void *ctx, struct tdm_draft_stats *st, int n_draft, int n_accepted);
     void (*destroy)(void *ctx);
+    /* optional, for a drafter fed with the target's features (tdm_sched_drafter_i's) */
+    int feature_dim;
+    size_t state_bytes;
+    void (*feed)(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed *f, int n);
 };
+
+/* The sampling row of a draft proposed at `pos` for request x: the request's own keyed draw
+ * (exact), or a PROPOSE row leaving the draft's distribution in dist (rejection). */
+static inline void tdm_spec_draft_row(struct tdm_sample_row *row, struct tdm_sched_draft *x,
+                                      uint32_t pos, float *dist, bool one_hot)
+{
+    *row = (struct tdm_sample_row){.smp = x->smp, .position = pos, .n_top = -1, .token = -1};
+    if (dist) {
+        row->mode = TDM_SAMPLE_PROPOSE;
+        row->one_hot = one_hot;
+        row->dist = dist;
+    }
+}
+
+/* A drafter's draws: its pass rows, and for rejection the drafts' distributions q
+ * ([max_seqs][TDM_SPEC_MAX_K][vocab] in the backend's memory). */
+struct tdm_spec_draws {
+    struct tdm_sample_row *rows;
+    float *q;
+    int vocab;
+    bool rejection, one_hot;
+};
+/* Pass entry p's row: request x (index i) choosing position pos, draft depth j. */
+static inline void tdm_spec_set_row(const struct tdm_spec_draws *w, struct tdm_sched_draft *x,
+                                    int i, int j, int p, uint32_t pos)
+{
+    float *dist = w->rejection ? w->q + ((size_t)i * TDM_SPEC_MAX_K + (size_t)j) * w->vocab : NULL;
+    tdm_spec_draft_row(&w->rows[p], x, pos, dist, w->one_hot);
+}
+/* Request i's draft from its row (pass entry p): the row's token, drawn by its sampling
+ * (exact: the request's draw; rejection: PROPOSE, which also left q in place). */
+static inline int32_t tdm_spec_take(const struct tdm_spec_draws *w, struct tdm_sched_draft *x,
+                                    int i, int p)
+{
+    if (w->rejection) x->q = w->q + (size_t)i * TDM_SPEC_MAX_K * w->vocab;
+    return w->rows[p].token;
+}
+/* The options of an engine that runs beside the target's (a draft model's, a head's): on its
+ * backend, its pool's layer group 1, one logit row per sequence. */
+void tdm_spec_beside_opts(tdm_engine_t *target, struct tdm_engine_opts *eo);
 
 /* The chain machinery (chain.c): engine e run pass by pass, n_layers per pass (0: all);
  * own_kv: the model's KV is its own and is caught up by cursor (else it is the target's). Takes
@@ -39,6 +83,10 @@ tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, enum tdm_spe
 tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *draft,
                                  enum tdm_spec_accept accept, bool one_hot,
                                  struct tdm_spec_drafter *out);
+/* The MTP head drafter (mtp.c): head is a tdm_head_load model for the target. */
+tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *head,
+                               enum tdm_spec_accept accept, bool one_hot,
+                               struct tdm_spec_drafter *out);
 
 /* ---- cost models (adapt.c): y = a + b x, exponentially weighted least squares ---- */
 struct tdm_spec_cost {
@@ -106,6 +154,7 @@ struct tdm_spec {
     int n_layers;     /* the target's */
     int draft_layers; /* a draft model's */
     struct tdm_spec_drafter dr;
+    struct tdm_sched_drafter_i iface; /* what the scheduler calls */
     struct tdm_spec_ctl ctl;
     struct tdm_sched_draft *batch; /* [max_seqs] the drafts with k > 0 */
     int max_seqs;

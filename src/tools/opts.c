@@ -185,17 +185,19 @@ bool tdm_tool_opt_backend(const char *arg, void *dst)
 /* ---- speculation ---- */
 void tdm_tool_spec_usage(FILE *f)
 {
-    fprintf(f,
-            "speculative decoding:\n"
-            "  --spec none|draft|self|mtp|eagle  the drafter (default none)\n"
-            "  --spec-draft PATH       the draft checkpoint or head (draft, mtp, eagle)\n"
-            "  --spec-self-layers N    self: the target's first N layers draft (default: a "
-            "quarter;\n"
-            "                          all of them is the model drafting for itself)\n"
-            "  --spec-k auto|K         drafts per step: auto (adaptive, at most %d) or exactly "
-            "K; 0 is off\n"
-            "  --spec-accept exact|rejection  exact keeps the output bit-identical (default)\n",
-            TDM_SPEC_AUTO_K);
+    fprintf(
+        f,
+        "speculative decoding:\n"
+        "  --spec none|draft|self|mtp|eagle  the drafter (default none)\n"
+        "  --spec-draft PATH       the draft checkpoint (draft) or head (mtp, eagle;\n"
+        "                          default: the target's head beside it, MODEL.mtp.safetensors)\n"
+        "  --spec-self-layers N    self: the target's first N layers draft (default: a "
+        "quarter;\n"
+        "                          all of them is the model drafting for itself)\n"
+        "  --spec-k auto|K         drafts per step: auto (adaptive, at most %d) or exactly "
+        "K; 0 is off\n"
+        "  --spec-accept exact|rejection  exact keeps the output bit-identical (default)\n",
+        TDM_SPEC_AUTO_K);
 }
 void tdm_tool_spec_table(struct tdm_tool_spec *c, struct tdm_opt out[TDM_TOOL_SPEC_OPTS])
 {
@@ -237,12 +239,12 @@ bool tdm_tool_spec_opts(const struct tdm_tool_spec *c, struct tdm_spec_opts *o, 
         fprintf(stderr, "--spec-self-layers is for --spec self\n");
         return false;
     }
-    bool needs_path = o->method != TDM_SPEC_SELF;
+    bool needs_path = o->method == TDM_SPEC_DRAFT;
     if (needs_path && !c->draft) {
         fprintf(stderr, "--spec %s needs --spec-draft PATH\n", tdm_spec_method_name(o->method));
         return false;
     }
-    if (!needs_path && c->draft) {
+    if (o->method == TDM_SPEC_SELF && c->draft) {
         fprintf(stderr, "--spec-draft is for --spec draft, mtp or eagle\n");
         return false;
     }
@@ -276,6 +278,31 @@ bool tdm_tool_spec_load_draft(const char *who, struct tdm_spec_opts *o,
                               struct tdm_kv_group *g, struct tdm_model **draft)
 {
     *draft = NULL;
+    if (o->method == TDM_SPEC_MTP || o->method == TDM_SPEC_EAGLE) {
+        char def[4096];
+        const char *path = o->draft_path;
+        if (!path) {
+            if (!tdm_default_head_path(target->path, def, sizeof def)) {
+                fprintf(stderr, "%s: --spec %s: no head path for %s; give --spec-draft\n", who,
+                        tdm_spec_method_name(o->method), target->path);
+                return false;
+            }
+            path = def;
+        }
+        struct tdm_model *h = NULL;
+        if (tdm_head_load(path, target, &h) != TDM_OK) {
+            fprintf(stderr, "%s: --spec %s: %s%s\n", who, tdm_spec_method_name(o->method),
+                    tdm_err_msg(),
+                    o->draft_path ? ""
+                                  : " (the target's default head; train one with tandem "
+                                    "train-mtp, or give --spec-draft)");
+            return false;
+        }
+        o->draft_model = h;
+        tdm_spec_engine_opts(o, target, g, eo);
+        *draft = h;
+        return true;
+    }
     if (o->method != TDM_SPEC_DRAFT) {
         tdm_spec_engine_opts(o, target, g, eo); /* rejection's distributions */
         return true;

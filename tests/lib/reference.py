@@ -325,6 +325,44 @@ def apply_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool)
     return out
 
 
+def layer_step(m: Model, L: Layer, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+               K: np.ndarray, V: np.ndarray):
+    """One decoder layer over x [T, d] at positions pos, appending to the layer's cache K, V
+    [S, nkv, hd]; mask [T, S + T] is True where a query must not look. A layer without an
+    input norm (an EAGLE head's) projects x itself. Returns (x, K, V)."""
+    T, hd = x.shape[0], m.head_dim
+    nh, nkv = L.wq.shape[0] // hd, L.wk.shape[0] // hd  # a head's layer may differ
+    group = nh // nkv
+    scale = 1.0 / math.sqrt(hd)
+    h = rmsnorm(x, L.attn_norm, m.rms_eps) if L.attn_norm is not None else x
+    q = h @ L.wq.T
+    k = h @ L.wk.T
+    v = h @ L.wv.T
+    if L.bq is not None:
+        q, k, v = q + L.bq, k + L.bk, v + L.bv
+    q = q.reshape(T, nh, hd)
+    k = k.reshape(T, nkv, hd)
+    v = v.reshape(T, nkv, hd)
+    if L.q_norm is not None:
+        q = rmsnorm(q, L.q_norm, m.rms_eps)
+        k = rmsnorm(k, L.k_norm, m.rms_eps)
+    q = apply_rope(q, pos, m.inv_freq, m.rope_neox)
+    k = apply_rope(k, pos, m.inv_freq, m.rope_neox)
+    K = np.concatenate([K, k], axis=0)  # [S, nkv, hd]
+    V = np.concatenate([V, v], axis=0)
+    qg = q.reshape(T, nkv, group, hd)
+    scores = np.einsum("tkgd,skd->kgts", qg, K) * scale  # [nkv, group, T, S]
+    scores = np.where(mask, -np.inf, scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    a = np.einsum("kgts,skd->tkgd", p, V).reshape(T, nh * hd)
+    x = x + a @ L.wo.T
+    h = rmsnorm(x, L.ffn_norm, m.rms_eps)
+    x = x + (silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+    return x, K, V
+
+
 class Session:
     """Incremental evaluation: step(tokens) appends tokens at the next positions and returns
     their logits [T, vocab], attending to everything before through a per-layer KV cache."""
@@ -342,49 +380,59 @@ class Session:
             raise ValueError("no tokens")
         if tokens.min() < 0 or tokens.max() >= m.vocab_size:
             raise ValueError("token id out of range")
-        T, nh, nkv, hd = tokens.size, m.n_heads, m.n_kv_heads, m.head_dim
-        group = nh // nkv
-        p0 = self.n_past
+        T, p0 = tokens.size, self.n_past
         pos = np.arange(p0, p0 + T)
         # causal mask over [past + new]: query t (position p0+t) sees keys at s <= p0+t
         mask = np.arange(p0 + T)[None, :] > pos[:, None]  # [T, S]
-        scale = 1.0 / math.sqrt(hd)
 
         x = m.embed[tokens]  # [T, d]
         for li, L in enumerate(m.layers):
-            h = rmsnorm(x, L.attn_norm, m.rms_eps)
-            q = h @ L.wq.T
-            k = h @ L.wk.T
-            v = h @ L.wv.T
-            if L.bq is not None:
-                q, k, v = q + L.bq, k + L.bk, v + L.bv
-            q = q.reshape(T, nh, hd)
-            k = k.reshape(T, nkv, hd)
-            v = v.reshape(T, nkv, hd)
-            if L.q_norm is not None:
-                q = rmsnorm(q, L.q_norm, m.rms_eps)
-                k = rmsnorm(k, L.k_norm, m.rms_eps)
-            q = apply_rope(q, pos, m.inv_freq, m.rope_neox)
-            k = apply_rope(k, pos, m.inv_freq, m.rope_neox)
-            K = self.k[li] = np.concatenate([self.k[li], k], axis=0)  # [S, nkv, hd]
-            V = self.v[li] = np.concatenate([self.v[li], v], axis=0)
-            qg = q.reshape(T, nkv, group, hd)
-            scores = np.einsum("tkgd,skd->kgts", qg, K) * scale  # [nkv, group, T, S]
-            scores = np.where(mask, -np.inf, scores)
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            a = np.einsum("kgts,skd->tkgd", p, V).reshape(T, nh * hd)
-            x = x + a @ L.wo.T
-            h = rmsnorm(x, L.ffn_norm, m.rms_eps)
-            x = x + (silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+            x, self.k[li], self.v[li] = layer_step(m, L, x, pos, mask, self.k[li], self.v[li])
         self.n_past += T
-        return rmsnorm(x, m.out_norm, m.rms_eps) @ m.lm_head.T
+        self.features = rmsnorm(x, m.out_norm, m.rms_eps)  # [T, d]: what the LM head reads
+        return self.features @ m.lm_head.T
 
 
 def forward(model: Model, tokens) -> np.ndarray:
     """Logits [T, vocab] (float64) for every position of `tokens`, from an empty cache."""
     return Session(model).step(tokens)
+
+
+@dataclasses.dataclass
+class Head:
+    """A speculation head (tandem's docs/HEADS.md): x = fc [enorm(embed(t)), hnorm(h)] (+ bias),
+    one decoder layer, a final norm, the target's LM head. None: that norm is absent."""
+    fc: np.ndarray  # [d, 2d]
+    layer: Layer
+    enorm: np.ndarray | None = None
+    hnorm: np.ndarray | None = None
+    fc_bias: np.ndarray | None = None
+    norm: np.ndarray | None = None
+
+
+def head_forward(model: Model, head: Head, tokens, feats) -> tuple[np.ndarray, np.ndarray]:
+    """The head over rows p = 0 .. T-1 from an empty cache: row p reads tokens[p] (the target's
+    t(p+1)) and feats[p] (the target's feature h(p)) at position p. Returns (logits [T, vocab],
+    features [T, d]: the head's own final-normed states)."""
+    m = model
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    feats = np.asarray(feats, dtype=np.float64)
+    T = tokens.size
+    e = m.embed[tokens]
+    if head.enorm is not None:
+        e = rmsnorm(e, head.enorm, m.rms_eps)
+    h = rmsnorm(feats, head.hnorm, m.rms_eps) if head.hnorm is not None else feats
+    x = np.concatenate([e, h], axis=-1) @ head.fc.T
+    if head.fc_bias is not None:
+        x = x + head.fc_bias
+    pos = np.arange(T)
+    mask = np.arange(T)[None, :] > pos[:, None]
+    hd = m.head_dim
+    nkv = head.layer.wk.shape[0] // hd
+    empty = np.zeros((0, nkv, hd))
+    x, _, _ = layer_step(m, head.layer, x, pos, mask, empty, empty)
+    f = rmsnorm(x, head.norm, m.rms_eps) if head.norm is not None else x
+    return f @ m.lm_head.T, f
 
 
 def top2_margin(logits: np.ndarray) -> float:
@@ -414,5 +462,5 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
-__all__ = ["Model", "Layer", "Session", "load", "forward", "greedy", "rel_err", "top2_margin",
+__all__ = ["Model", "Layer", "Head", "Session", "load", "layer_step", "head_forward", "forward", "greedy", "rel_err", "top2_margin",
            "rope_inv_freq", "apply_rope", "rmsnorm", "silu"]
