@@ -718,6 +718,8 @@ void tdm_sched_destroy(tdm_sched_t *s)
     free(s->srows);
     free(s->hidden);
     free(s->logits);
+    free(s->features);
+    free(s->feeds);
     free(s);
 }
 
