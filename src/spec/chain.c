@@ -178,6 +178,22 @@ static void chain_destroy(void *ctx)
     free(dd);
 }
 
+tdm_status tdm_spec_q_alloc(tdm_engine_t *e, const struct tdm_engine_opts *sized_by,
+                            const char *name, struct tdm_buf *out)
+{
+    /* q lives where the rows are sampled: the backend's memory when it samples (the device),
+     * which is where the target's verify rows read it too */
+    tdm_backend_t *be = tdm_engine_backend(e);
+    if (!tdm_engine_samples_on_device(e) && tdm_backend_buf_place(be).kind != TDM_MEM_HOST)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "spec %s: rejection acceptance needs device sampling on this "
+                           "backend (a vocabulary it samples)",
+                           name);
+    /* what tdm_spec_engine_opts held back */
+    return tdm_backend_buf_new(be, tdm_spec_q_bytes(sized_by, tdm_engine_model(e)->cfg.vocab_size),
+                               "the drafts' distributions", out);
+}
+
 tdm_status tdm_spec_chain_create(tdm_engine_t *e, bool owns_engine, int n_layers, bool own_kv,
                                  const char *name, enum tdm_spec_accept accept, bool one_hot,
                                  struct tdm_spec_drafter *out)
@@ -210,19 +226,7 @@ tdm_status tdm_spec_chain_create(tdm_engine_t *e, bool owns_engine, int n_layers
         return tdm_err_set(TDM_ENOMEM, "spec %s: out of memory", name);
     }
     if (dd->rejection) {
-        /* q lives where the rows are sampled: the backend's memory when it samples (the
-         * device), which is where the target's verify rows read it too */
-        tdm_backend_t *be = tdm_engine_backend(e);
-        if (!tdm_engine_samples_on_device(e) && tdm_backend_buf_place(be).kind != TDM_MEM_HOST) {
-            chain_destroy(dd);
-            return tdm_err_set(TDM_EUNSUPPORTED,
-                               "spec %s: rejection acceptance needs device sampling on this "
-                               "backend (a vocabulary it samples)",
-                               name);
-        }
-        /* what tdm_spec_engine_opts held back */
-        tdm_status st = tdm_backend_buf_new(be, tdm_spec_q_bytes(eo, dd->vocab),
-                                            "the drafts' distributions", &dd->qbuf);
+        tdm_status st = tdm_spec_q_alloc(e, eo, name, &dd->qbuf);
         if (st != TDM_OK) {
             chain_destroy(dd);
             return st;

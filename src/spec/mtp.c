@@ -319,15 +319,7 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
         return tdm_err_set(TDM_ENOMEM, "spec mtp: out of memory");
     }
     if (md->rejection) {
-        tdm_backend_t *be = tdm_engine_backend(md->e);
-        if (!tdm_engine_samples_on_device(md->e) &&
-            tdm_backend_buf_place(be).kind != TDM_MEM_HOST) {
-            mtp_destroy(md);
-            return tdm_err_set(TDM_EUNSUPPORTED, "spec mtp: rejection acceptance needs device "
-                                                 "sampling on this backend");
-        }
-        if ((st = tdm_backend_buf_new(be, tdm_spec_q_bytes(to, md->vocab),
-                                      "the drafts' distributions", &md->qbuf)) != TDM_OK) {
+        if ((st = tdm_spec_q_alloc(md->e, to, "mtp", &md->qbuf)) != TDM_OK) {
             mtp_destroy(md);
             return st;
         }

@@ -70,6 +70,11 @@ static inline int32_t tdm_spec_take(const struct tdm_spec_draws *w, struct tdm_s
  * backend, its pool's layer group 1, one logit row per sequence. */
 void tdm_spec_beside_opts(tdm_engine_t *target, struct tdm_engine_opts *eo);
 
+/* A rejection drafter's q for engine e ([min(max_seqs, max_logit_rows) of sized_by]
+ * [TDM_SPEC_MAX_K][vocab] where e samples; TDM_EUNSUPPORTED where that is not possible). */
+tdm_status tdm_spec_q_alloc(tdm_engine_t *e, const struct tdm_engine_opts *sized_by,
+                            const char *name, struct tdm_buf *out);
+
 /* The chain machinery (chain.c): engine e run pass by pass, n_layers per pass (0: all);
  * own_kv: the model's KV is its own and is caught up by cursor (else it is the target's). Takes
  * e over when owns_engine (destroyed with the drafter, or on failure). */
