@@ -45,9 +45,26 @@ struct tdm_step {
     const int32_t *page_ids;        /* concatenated page tables: seq s, logical page j */
     int page_size;
     int n_layers; /* layers this step runs (fewer than the model's: an early-exit draft pass) */
+    /* Token trees (engine.h, struct tdm_batch_tree); all NULL in a step without one. A
+     * sequence s is a tree when tree_node_start[s] < tree_node_start[s + 1]: its nodes' KV
+     * slots are tree_slots[tree_node_start[s] ..] (at most TDM_TREE_MAX_NODES), and its tree
+     * tokens (tree_mask[t] != 0) see KV positions [0, seq_prefix[s]) through the page table,
+     * then the nodes their mask names (below). tree_mask[t] is 0 for every other token. */
+    const uint64_t *tree_mask;      /* [n_tokens] bit j: node j of the token's tree is visible */
+    const int32_t *seq_prefix;      /* [n_seqs] */
+    const int32_t *tree_node_start; /* [n_seqs + 1] offsets into tree_slots */
+    const int32_t *tree_slots;      /* the trees' nodes' KV slots, by sequence */
 };
 
-/* A token at position p attends to KV positions [0, p] of its own sequence (causal). */
+/* Attention (contract). A token at position p attends to KV positions [0, p] of its own
+ * sequence (causal), read through the page table. A tree token at position p (tree_mask[t] !=
+ * 0, prefix P = seq_prefix[s]) attends to positions [0, P) through the page table, then to the
+ * positions P .. p held by the nodes of its mask: the i-th set bit (from the lowest) is the
+ * node at position P + i, read from its slot (the engine checks that there are p - P + 1 of
+ * them and that the highest is the token's own). So a tree token sees exactly what a chain
+ * token at p sees, with its ancestors' KV in place of earlier positions' (a token tree's
+ * path). Backends run the prefix part as the causal kernel does: the mask never reaches it,
+ * and a tree costs what a chain of as many tokens costs. */
 
 /* One layer of the paged KV pool (kv.h), HND: [n_pages][2][n_kv_heads][page_size][head_dim]
  * fp32, K then V. */
@@ -73,6 +90,7 @@ struct tdm_matmul_part {
 };
 #define TDM_MATMUL_MULTI_MAX 4   /* parts per matmul_multi call */
 #define TDM_MAX_HEAD_DIM     512 /* every backend supports head_dim up to this (even) value */
+#define TDM_TREE_MAX_NODES   64  /* nodes of one token tree (a token's visible nodes: 64 bits) */
 
 /* What the engine will ask of a backend at most (tdm_backend_i.reserve). */
 struct tdm_backend_limits {
@@ -148,6 +166,18 @@ struct tdm_backend_i {
     /* out[i] = x[rows[i]], copying rows of dim floats */
     void (*gather_rows)(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                         float *out);
+    /* out[i][cols[c]] = x[i][c] for c < n_cols, and -inf in every other column of out's
+     * width-long rows: a reduced draft vocabulary's logits in the whole vocabulary's places.
+     * x: [n][n_cols]; cols: [n_cols] distinct, < width, in backend memory; out: [n][width]. */
+    void (*scatter_cols)(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
+                         int width, float *out);
+    /* Copies the K and V rows of n slots (every KV head) in n_layers layers of one region:
+     * layer l starts at kv->base + l * layer_floats, and slot dst[i] gets what slot src[i]
+     * holds, the pairs applied in order (a later pair may overwrite an earlier one's source,
+     * or read what an earlier one wrote). src, dst: host arrays (a tree's accepted path moved
+     * into its positions, kv.h). */
+    void (*kv_copy)(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
+                    size_t layer_floats, const int32_t *src, const int32_t *dst, int n);
     /* Publishes "layer `layer` has finished its attention output projection" (DESIGN.md
      * §1.1): stores layer + 1 into *counter once the work before it has completed. */
     void (*layer_done)(tdm_backend_t *b, int layer, _Atomic int32_t *counter);

@@ -17,17 +17,32 @@
  *             WAITING_REMOTE_KV --all writes landed--> RUNNING (prompt[-1] first) --> FINISHED
  *             WAITING_REMOTE_KV --timeout | peer dead | NACK | send error--> WAITING: retried
  *                                  on another prefill peer, or prefilled locally
+ *             WAITING_REMOTE_KV --NACK of the head (TDM_EUNSUPPORTED)--> WAITING: retried on
+ *                                  the same peer without the head (not counted as an attempt)
  *   slot:     FREE --admit--> PENDING --landed--> FREE
  *                             PENDING --failed, or the request finished--> FENCED
  *                             FENCED --CANCEL_ACK | NACK | its process gone--> FREE
  *
  * Expected writes: the decoder fixes the prefill chunk C (a multiple of the page size) in the
  * request, so prompt[:-1] of n tokens runs as ceil(n / C) chunks; the prefiller writes each
- * layer's pages of each chunk as one paged write (immediate index chunk * n_layers + layer),
- * then the context (hidden state, and logits when asked) of the last prefilled position
- * (index n_chunks * n_layers). Expected = n_chunks * n_layers + 1. Chunks are page aligned, so
- * no page is written twice. Sharding: both sides hold all KV heads (TP = 1); the request
- * carries the decoder's head range so a sharded peer can be refused clearly.
+ * layer's pages of each chunk as one paged write (immediate index chunk * S + layer, S the
+ * layers streamed per chunk), then the context of the last prefilled position (index
+ * n_chunks * S). Expected = n_chunks * S + 1. Chunks are page aligned, so no page is written
+ * twice. Sharding: both sides hold all KV heads (TP = 1); the request carries the decoder's
+ * head range so a sharded peer can be refused clearly.
+ *
+ * Speculation across disaggregation. A decoder that drafts with an mtp head (opts.head) asks
+ * for the head's KV too (want_head, struct tdm_disagg_head_req: the head's fingerprint and
+ * geometry, its KV region). The prefill node, holding the same head (its opts.head; another
+ * one, or none, is refused with TDM_EUNSUPPORTED and a message naming both), runs it over
+ * each chunk from the target's features and streams its layer as one more: S = n_layers + 1
+ * (head layer h of a chunk at index chunk * S + n_layers + h), else S = n_layers. Of P
+ * prefilled tokens the head's rows [0, P - 1) are made there (row p reads t(p+1)); the
+ * context carries the feature of P - 1 (tdm_disagg_ctx_layout: hidden state, feature,
+ * logits), which the decoder hands to the scheduler with the request
+ * (tdm_req_remote_done_feed), so the request drafts at its first step. A refusing peer is
+ * asked without the head from then on (until it has been down): those requests decode
+ * without drafts, and prefill stays disaggregated.
  *
  * Fencing: immediates name (slot, epoch); a slot's epoch changes every use (a random value),
  * so a late write of an abandoned attempt is never counted. The pages of an abandoned attempt are
@@ -99,6 +114,12 @@ struct tdm_disagg_decode_opts {
     int max_attempts; /* remote attempts per request (each on another peer), then the
                        * request is prefilled on this node; 0: 2; -1: never remote */
     bool want_logits; /* ask for the last position's logits in the context */
+    /* The mtp head this node drafts with (tdm_head_load; borrowed, outlives the decoder), or
+     * NULL. With one, each prefill asks for the head's KV and the last prefilled position's
+     * feature too, and the request drafts from its first step. A peer that refuses (no head,
+     * or another one: it says which) is asked without the head from then on, until it comes
+     * back from being down; those requests decode without drafts. */
+    const struct tdm_model *head;
 };
 typedef struct tdm_disagg_decode tdm_disagg_decode_t;
 /* Creates the transfer engine, registers the KV pool and the context buffers, connects the
@@ -120,6 +141,11 @@ char *tdm_disagg_decode_metrics(void *d);
 struct tdm_disagg_prefill_opts {
     struct tdm_disagg_xfer_opts xfer;
     int max_jobs; /* prefill requests accepted at once; 0: 256 */
+    /* The mtp head its decoders draft with (tdm_head_load; borrowed, outlives the prefill
+     * side; the engine's pool has its layer group), or NULL: requests for a head's KV are
+     * refused. With one, it runs the head over each prefilled span of a request that asks,
+     * and streams the head's KV layer like the target's. */
+    const struct tdm_model *head;
 };
 typedef struct tdm_disagg_prefill tdm_disagg_prefill_t;
 /* The engine must count layers (tdm_engine_opts.count_layers): the messenger watches its
@@ -140,6 +166,19 @@ enum tdm_disagg_msg_type {
 };
 #define TDM_DMSG_MAX_ERROR 200
 
+/* A prefill request's speculation head (want_head): the decoder drafts with an mtp head and
+ * asks for its KV of the prefilled span as one more layer (group 1 of its pool, the same page
+ * ids). fingerprint and geometry name the decoder's head (tdm_spec_head_fingerprint); the
+ * prefill node refuses a request for another head, or when it has none (NACK with
+ * TDM_EUNSUPPORTED, the message naming both sides). */
+struct tdm_disagg_head_req {
+    uint64_t fingerprint;
+    uint32_t n_layers, n_heads, n_kv_heads, head_dim, d_ff; /* the head's layers and geometry */
+    uint64_t dst_layer_stride;                              /* bytes between its KV layers */
+    struct tdm_xfer_rmem kv;                                /* the decoder's head KV region */
+};
+#define TDM_DISAGG_HEAD_MAX_LAYERS 16 /* a head has one layer; a bound for peers' values */
+
 struct tdm_disagg_prefill_msg {
     uint64_t req_id;
     uint32_t slot, epoch;
@@ -151,6 +190,8 @@ struct tdm_disagg_prefill_msg {
     uint64_t ctx_offset; /* this slot's context buffer in ctx */
     uint32_t d_model, vocab;
     uint8_t want_logits;
+    uint8_t want_head; /* 1: head below is set, the head's KV and feature are asked for */
+    struct tdm_disagg_head_req head;
     uint32_t n_pages;
     const int32_t *tokens; /* [n_tokens], pointing into the message (decode) */
     const uint32_t *pages; /* [n_pages] */
@@ -162,8 +203,8 @@ struct tdm_disagg_msg {
     int32_t status;                        /* NACK */
     char error[TDM_DMSG_MAX_ERROR + 1];    /* NACK */
 };
-/* Bytes a PREFILL message with these counts takes. */
-size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages);
+/* Bytes a PREFILL message with these counts takes (with the head block when head). */
+size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head);
 /* Encodes into buf (cap bytes); returns the size, 0 if it does not fit. */
 size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_t cap);
 /* Decodes and validates; PREFILL's tokens and pages point into `buf` (aligned copies are the
@@ -171,8 +212,16 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
 tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disagg_msg *out,
                                  int32_t *tokens_out, uint32_t tokens_cap, uint32_t *pages_out,
                                  uint32_t pages_cap);
-/* The number of immediates a decoder expects for n prefilled tokens. */
+/* The number of immediates a decoder expects for n prefilled tokens: n_chunks * n_layers + 1,
+ * where n_layers counts the target's layers plus the head's when the request asks for the
+ * head's KV. */
 uint32_t tdm_disagg_expected_writes(uint32_t n_tokens, uint32_t chunk, uint32_t n_layers);
+/* Where the context of a request lies in a context buffer, in floats: the hidden state
+ * (d_model: the residual after the last layer), then with want_head the feature (d_model: the
+ * final-normed state, what a head reads), then with want_logits the logits (vocab). Returns
+ * the context's floats. */
+size_t tdm_disagg_ctx_layout(uint32_t d_model, uint32_t vocab, bool want_head, bool want_logits,
+                             size_t *feature_at, size_t *logits_at);
 
 #ifdef __cplusplus
 }

@@ -89,6 +89,25 @@ struct tdm_batch_seq {
     /* NULL, or [n_tokens][d_model] host: receives every token's final-normed hidden state
      * (the LM head's input; what a head takes as h). */
     float *features;
+    /* NULL: the span is a chain (token i at position pos0 + i, causal). Otherwise a token tree
+     * (below); slots are then required. */
+    const struct tdm_batch_tree *tree;
+};
+
+/* A span that is a token tree (speculation: EAGLE-2's verification and its drafting, spec.h).
+ * The span may open with c chain tokens (mask 0, positions pos0 .. pos0 + c - 1, causal: a
+ * verified tree's root, the last committed token); every later token is a tree token: it sits
+ * at positions[i], writes its KV at slots[i], and attends to KV positions [0, pos0 + c)
+ * through the page table, then to the tree's nodes its mask names, one per position from
+ * pos0 + c up to its own (backend.h, the attention contract): its ancestors and itself. Nodes
+ * are the tree's tokens with KV, this span's and earlier passes' (a drafter adds a depth per
+ * pass); node j's KV is at node_slots[j], and a token's own node is the highest bit of its
+ * mask. The engine checks all of this (TDM_EINVAL) before any KV is written. */
+struct tdm_batch_tree {
+    const int32_t *positions;  /* [n_tokens] absolute positions */
+    const uint64_t *mask;      /* [n_tokens] bit j: node j is visible; 0: a chain token */
+    const int32_t *node_slots; /* [n_nodes] KV slots (page_id * page_size + offset) */
+    int n_nodes;               /* 1 .. TDM_TREE_MAX_NODES */
 };
 
 struct tdm_batch {

@@ -107,6 +107,13 @@ struct tdm_kv_layer tdm_kv_pool_group_layer(const tdm_kv_pool_t *pool, int group
 /* Group `group`'s geometry (0: the pool's own). false when there is no such group. */
 bool tdm_kv_pool_group(const tdm_kv_pool_t *pool, int group, struct tdm_kv_group *out);
 
+/* Copies the KV of n slots (slot = page_id * page_size + offset) in every layer of every
+ * group: slot dst[i] gets what slot src[i] holds, the pairs applied in order. Speculation's
+ * token trees use it to move an accepted path's KV from the slots its nodes were verified in
+ * to the positions they now hold (the rest is trimmed). The caller's thread drives the pool's
+ * backend (the scheduler's); asynchronous on a device, ordered before later work there. */
+void tdm_kv_pool_copy_slots(tdm_kv_pool_t *pool, const int32_t *src, const int32_t *dst, int n);
+
 /* Allocates n pages, all or nothing: TDM_ENOMEM (and no change) if fewer are free. Each page
  * starts with one owner reference. ids: [n], written only on success. */
 tdm_status tdm_kv_pool_alloc(tdm_kv_pool_t *pool, int n, int32_t *ids);

@@ -131,6 +131,22 @@ void tdm_st_close(tdm_st_t *st);
 int64_t tdm_st_n_tensors(const tdm_st_t *st);
 const struct tdm_tensor_info *tdm_st_tensor(const tdm_st_t *st, int64_t i);
 const struct tdm_tensor_info *tdm_st_find_tensor(const tdm_st_t *st, const char *name);
+/* A string of the first file's "__metadata__", or NULL; valid while st is open. */
+const char *tdm_st_metadata(const tdm_st_t *st, const char *key);
+/* One tensor for tdm_st_write: shape as the file lists it (outermost first). */
+struct tdm_st_out {
+    const char *name;
+    const char *dtype; /* the format's spelling: "F32", "BF16", "F16", "I64", "I32", ... */
+    int n_dims;
+    int64_t shape[4];
+    const void *data;
+    size_t nbytes; /* must equal the shape's product times the dtype's width */
+};
+/* Writes a safetensors file: the tensors in order, and meta (n_meta key/value pairs, flat:
+ * key0, value0, key1, ...) as "__metadata__". Through a temporary file and a rename, so a
+ * reader never sees half a file. TDM_EINVAL for a bad tensor, TDM_EIO with the reason. */
+tdm_status tdm_st_write(const char *path, const struct tdm_st_out *t, int n,
+                        const char *const *meta, int n_meta);
 
 /* ---- model configuration ---- */
 enum tdm_arch { TDM_ARCH_LLAMA = 0, TDM_ARCH_QWEN2, TDM_ARCH_QWEN3 };
@@ -227,6 +243,11 @@ struct tdm_head {
     struct tdm_weight enorm, hnorm; /* [d_model]; data NULL: that input is not normalised */
     struct tdm_weight fc_e, fc_h;   /* [d_model][d_model]: fc's columns for each input */
     struct tdm_weight fc_bias;      /* [d_model]; data NULL: none */
+    /* A reduced draft vocabulary (its d2t map): the head's LM head (the model's `output`) has
+     * n_draft rows, draft token i being target token d2t[i] (ascending); its logits are placed
+     * in the target's vocabulary, -inf elsewhere. NULL / 0: the whole vocabulary. */
+    const int32_t *d2t;
+    int n_draft;
 };
 const char *tdm_head_layout_name(enum tdm_head_layout l); /* "tandem", "eagle", "deepseek-mtp" */
 

@@ -101,12 +101,18 @@ int32_t tdm_dist_draw(const float *w, int vocab, double u);
 /* ---- one logit row of a forward pass to sample (the host path below, or a backend's device
  * sampler: backend.h `sample`, which must give the same token for the same logits) ---- */
 #define TDM_TOP_LOGPROBS_MAX 20
-#define TDM_SAMPLE_MAX_UNDO  16 /* a row's undo list: at most one verified span's drafts */
+/* A row's undo list holds at most one verified span's drafts (a token tree's other branches
+ * included); a tree row has at most TDM_SAMPLE_MAX_CAND candidates (a node's children), whose
+ * accept tests draw from RNG streams TDM_SAMPLE_STREAM_TREE + i. */
+#define TDM_SAMPLE_MAX_UNDO    64
+#define TDM_SAMPLE_MAX_CAND    16
+#define TDM_SAMPLE_STREAM_TREE 4
 
 /* What a row's sampling does. Speculation's acceptance is a sampling mode, so it runs where
- * the logits are (a backend's device sampler implements the same three) and only tokens come
+ * the logits are (a backend's device sampler implements the same four) and only tokens come
  * back. RNG streams (the last argument of tdm_rng_uniform, keyed on the row's position): 0 the
- * sampler's draw, 1 rejection's accept test, 2 its residual draw, 3 a drafter's own draw. */
+ * sampler's draw, 1 rejection's accept test, 2 its residual draw, 3 a drafter's own draw,
+ * 4 + i a tree row's test of its candidate i. */
 enum tdm_sample_mode {
     TDM_SAMPLE_DRAW = 0, /* the sampler's draw (tdm_sampler_sample) */
     /* A rejection drafter's row: the row's distribution (tdm_sampler_dist) into `dist`, then a
@@ -117,6 +123,18 @@ enum tdm_sample_mode {
      * (rejection): kept with probability min(1, p(draft) / q(draft)) (stream 1), else the token
      * is drawn from max(0, p - q) in id order (stream 2; from p if that is all zero). */
     TDM_SAMPLE_VERIFY = 2,
+    /* A token tree's node, in rejection acceptance (spec.h): its children's tokens `cand`, in
+     * the drafter's order, are point-mass proposals tested one after another against the
+     * row's distribution p (tdm_sampler_dist, penalties less undo). Candidate i, with r the
+     * distribution left by the earlier ones, is kept with probability r(cand[i]) (stream
+     * 4 + i); refused, it leaves r with cand[i] removed and renormalised. When every candidate
+     * is refused, the token is drawn from the last r in id order (stream 2). kept: a candidate
+     * was kept (token is it). The token has distribution p exactly, whatever the candidates:
+     * one step of speculative sampling with proposal q = the point mass at d, target r, keeps
+     * d with probability min(1, r(d) / 1) = r(d) and otherwise draws from the normalised
+     * residual max(0, r - q) = r without d; by induction over the candidates the output is r
+     * at every step, so p at the first. */
+    TDM_SAMPLE_TREE = 3,
 };
 
 struct tdm_sample_row {
@@ -136,9 +154,12 @@ struct tdm_sample_row {
      * TDM_SAMPLE_MAX_UNDO, each in [0, vocab); NULL when n_undo is 0. */
     const int32_t *undo;
     int n_undo;
+    /* TREE: the candidates (distinct tokens in [0, vocab)); NULL when n_cand is 0 */
+    const int32_t *cand;
+    int n_cand;
     /* out */
     int32_t token;
-    bool kept;     /* VERIFY: the draft was accepted (token == draft) */
+    bool kept;     /* VERIFY: the draft was accepted (token == draft); TREE: a candidate */
     float logprob; /* the token's, under the raw logits (n_top >= 0) */
     int32_t top_ids[TDM_TOP_LOGPROBS_MAX];
     float top_lps[TDM_TOP_LOGPROBS_MAX];

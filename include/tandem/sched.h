@@ -14,8 +14,9 @@
  *                (a request is admitted only when the pages for its whole prompt are free);
  *   run     the executor runs the plan (tdm_engine_run: one forward pass);
  *   commit  (commit.c) applies what came back: the sampled token, or for a drafted span the
- *           accepted prefix plus the target's token; rejected positions are rewound (token
- *           list, penalty state, KV pages past the kept end), and outputs are published.
+ *           accepted prefix (a token tree's: the accepted path, its KV moved into place) plus
+ *           the target's token; rejected positions are rewound (token list, penalty state, KV
+ *           pages past the kept end), and outputs are published.
  * A KV connector (disaggregation) is called at fixed points: admission, around each run, and
  * finish. Nothing else changes the scheduler's behaviour.
  *
@@ -198,6 +199,12 @@ struct tdm_plan_seq {
     bool last;            /* the span reaches the end of the request's token list */
     float *features;      /* [n_tokens][d_model] host: every token's final-normed hidden state
                            * (tdm_batch_seq.features), for a drafter that reads them; or NULL */
+    /* A verified token tree (a tree drafter's, below), or NULL: the span is then the last
+     * committed token (a chain token at pos0) and the tree's nodes, node j being span token
+     * j + 1 at position pos0 + its depth, in slot slots[j + 1]: the slot of position pos0 +
+     * j + 1 (siblings get slots of their own; the commit moves the accepted path's KV down to
+     * its positions). Row i samples the position after span token i's. */
+    const struct tdm_batch_tree *tree;
 };
 struct tdm_sched_plan {
     uint64_t step; /* 1, 2, ... */
@@ -255,6 +262,30 @@ tdm_status tdm_sched_reserve_rows(tdm_sched_t *s);
  * asked again (it may return false to prefill locally). */
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
 
+/* ---- speculation across disaggregation: features for a drafter, through the connector ----
+ * Features (struct tdm_plan_seq.features, the target's final-normed states) are downloaded for
+ * every span of a request that may speculate (spec_k >= 0) whenever the scheduler keeps a
+ * features buffer: for its feature drafter (tdm_sched_set_drafter), or for its connector
+ * (tdm_sched_reserve_features). A prefill-only request with spec_k >= 0 is one that speculates
+ * on the node that decodes it: its spans get features too, which the connector's step_end
+ * reads (a prefill node runs the decoder's head over them, spec.h tdm_spec_head_kv); they are
+ * never fed to a drafter here.
+ *
+ * The decode side hands the drafter what came with the KV (tdm_req_remote_done_feed): the
+ * target's feature of the last prefilled position p = n_tokens - 2 (its state after prompt[-2]),
+ * and the number of positions [0, drafter_kv) of the drafter's own KV (its layer group) that
+ * landed with the pages, made from the target's features. When the request becomes RUNNING,
+ * the scheduler sets its tdm_draft_stats.cursor to drafter_kv and feeds the drafter that one
+ * feature at p (a tdm_sched_feed of n = 1), before the first step is planned: a drafter that
+ * finds a gap before p covered by cursor takes it as its own KV, and drafts at the first step. */
+/* Reserves the [max_batch_tokens][d_model] features buffer for a connector that reads the
+ * features of its requests' spans in step_end. Before tdm_sched_start. TDM_ENOMEM. */
+tdm_status tdm_sched_reserve_features(tdm_sched_t *s);
+/* tdm_req_remote_done(r, TDM_OK), also handing over feature ([d_model] floats, copied before it
+ * returns) and drafter_kv (0 .. n_tokens - 2) as described above. Without a feature drafter
+ * the extras are dropped. Any thread. */
+void tdm_req_remote_done_feed(tdm_req_t *r, const float *feature, int drafter_kv);
+
 /* ---- speculation: a drafter proposes tokens, the step verifies them ----
  * Each step, every decoding request that may speculate is handed to the drafter at once, as a
  * batch of struct tdm_sched_draft: the drafter chooses how many tokens to propose for each
@@ -284,6 +315,10 @@ struct tdm_draft_stats {
      * KV that hold the request's tokens, [0, cursor), and the token count its last proposal
      * started from. The scheduler zeroes cursor when the request's pages go back. */
     int32_t cursor, base;
+    /* a tree drafter's last verified step: the tree's depth (reached and kept above count by
+     * depth, not by draft index), and how many accepted drafts were not their parent's first
+     * child (a branch other than the drafter's best guess); 0 for a chain */
+    int32_t tree_depth, tree_off_first;
 };
 struct tdm_sched_draft {
     tdm_req_t *req;
@@ -304,6 +339,18 @@ struct tdm_sched_draft {
      * sampled: device memory on CUDA; valid until the commit); NULL: exact acceptance */
     const float *q;
     int n; /* out: how many were proposed (0..k) */
+    /* A tree drafter's (tdm_sched_drafter_i.tree): parent[j] is the proposal that out[j]
+     * continues, -1 for the last committed token, always < j (so a parent comes first): a
+     * token tree of n nodes, at most TDM_SAMPLE_MAX_CAND children a node and TDM_SPEC_MAX_K
+     * deep (the plan cuts a proposal at its first node past either). NULL for a chain
+     * drafter. Out: tree_rejection verifies each node's children as point-mass proposals
+     * (TDM_SAMPLE_TREE: multi-draft rejection sampling, lossless in distribution) instead of
+     * by exact match with the target's keyed draw (lossless token for token). */
+    int32_t *parent;
+    bool tree_rejection;
+    /* a tree drafter's: the deepest draft worth proposing (past it nothing could be published:
+     * max_tokens, the context); deeper nodes are cut. A chain's: k. */
+    int depth_cap;
 };
 /* What a drafter that reads the target's features (feature_dim > 0) is fed after each commit:
  * for a request still running, the features of the positions of this step's span whose KV was
@@ -342,10 +389,22 @@ struct tdm_sched_drafter_i {
     /* Optional: bytes of per-request state the scheduler keeps for the drafter (zeroed at
      * submit, and whenever the request's pages go back), handed over as `state`. */
     size_t state_bytes;
+    /* Optional: a tree drafter (EAGLE-2). Its proposals are token trees (tdm_sched_draft
+     * .parent), verified in the step's one pass as a tree span (tdm_plan_seq.tree): every
+     * node's row samples the target at the node's position, with penalties that see the
+     * node's path only (its undo list names the other branches' drafts); the commit walks
+     * from the root, following the child whose token is the row's, publishes the path and
+     * the last row's token, moves the path's KV to its positions (tdm_kv_pool_copy_slots) and
+     * its features to their rows (the feed sees a chain), and trims the rest. kv_scratch:
+     * positions from n_tokens - 1 on where propose writes KV of its own layer group beyond
+     * its k proposals' (its own tree's nodes), reserved with them. */
+    bool tree;
+    int kv_scratch;
 };
 /* Sets the drafter (before tdm_sched_start); k_max caps every proposal (at most
- * TDM_SPEC_MAX_K). Verification needs no row outputs: each verified row is sampled in
- * TDM_SAMPLE_VERIFY mode where the logits are. */
+ * TDM_SPEC_MAX_K; a tree drafter's, nodes: at most TDM_TREE_MAX_NODES). Verification needs no
+ * row outputs: each verified row is sampled in TDM_SAMPLE_VERIFY (or, for a tree, DRAW or
+ * TREE) mode where the logits are. */
 tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_i *d, void *ctx,
                                  int k_max);
 

@@ -93,6 +93,11 @@ const char *tdm_tok_piece(const tdm_tok_t *tok, int id, size_t *len);
 tdm_status tdm_tok_decode(const tdm_tok_t *tok, const int32_t *ids, size_t n, bool skip_special,
                           char *buf, size_t cap, size_t *len_out);
 
+/* ---- UTF-8 and byte-level helpers (text.c) ---- */
+/* True when s[0..len) is valid UTF-8 (RFC 3629: no overlongs, surrogates or > U+10FFFF);
+ * otherwise false with the offset of the first bad byte in *bad_off (bad_off may be NULL). */
+bool tdm_tok_utf8_valid(const char *s, size_t len, size_t *bad_off);
+
 /* ---- chat templates ---- */
 /* RAW: message contents concatenated, no markup (for models without a template). */
 enum tdm_chat_format { TDM_CHAT_CHATML = 0, TDM_CHAT_LLAMA3, TDM_CHAT_RAW };

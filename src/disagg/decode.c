@@ -3,10 +3,21 @@
  * diagram).
  *
  * Slots. Each remote prefill in progress owns a slot: a counter slot in the transfer engine and a
- * context buffer of (d_model + vocab) floats. A slot is FREE, PENDING (request sent, counter
- * armed) or FENCED (the attempt was abandoned; its pages are held until the prefiller
- * acknowledges the cancel or dies). Its epoch changes on every use (a random value, never the last
- * one).
+ * context buffer of (2 d_model + vocab) floats (tdm_disagg_ctx_layout). A slot is FREE, PENDING
+ * (request sent, counter armed) or FENCED (the attempt was abandoned; its pages are held until
+ * the prefiller acknowledges the cancel or dies). Its epoch changes on every use (a random
+ * value, never the last one).
+ *
+ * The head. A decoder that drafts with an mtp head (opts.head) asks each prefill for the head's
+ * KV too (one more layer per chunk, into the head's layer group of the pool) and the feature of
+ * the last prefilled position in the context. When the counter fires, the feature goes to the
+ * scheduler with the request (tdm_req_remote_done_feed, copied out of the slot's context before
+ * the slot is free again), and the drafter starts from it at the first step. A peer that
+ * answers a head request with a NACK of TDM_EUNSUPPORTED (no head, or another: its message
+ * says which) is marked head_refused: that attempt does not count against the request, which
+ * goes back to the same peer without the head (it then decodes without drafts), and so do
+ * later requests, until the peer has been down and up again (it may have restarted with the
+ * right head). Prefilling here instead would give up disaggregation for a drafting feature.
  *
  * Locking. d->mu guards the slots and peers. Transfer-engine calls that may call back
  * synchronously (counter cancel) are made with d->mu released. tdm_req_remote_done is called
@@ -41,9 +52,9 @@
  * (slot.req = NULL), so on_counter never touches it again; its pages are held by the fencing
  * before the scheduler drops its references (tdm_sched_finish calls finished() first). */
 enum slot_state { SLOT_FREE, SLOT_PENDING, SLOT_FENCED };
-enum { ERR_TIMEOUT, ERR_PEER, ERR_NACK, ERR_SEND, ERR_CANCELLED, ERR_OTHER, N_ERR };
-static const char *const err_names[N_ERR] = {"timeout", "peer",      "nack",
-                                             "send",    "cancelled", "other"};
+enum { ERR_TIMEOUT, ERR_PEER, ERR_NACK, ERR_SEND, ERR_CANCELLED, ERR_HEAD, ERR_OTHER, N_ERR };
+static const char *const err_names[N_ERR] = {"timeout",   "peer", "nack", "send",
+                                             "cancelled", "head", "other"};
 
 struct dslot {
     enum slot_state state;
@@ -53,7 +64,9 @@ struct dslot {
     int peer;       /* index in d->peers */
     int32_t *pages; /* [cap] copy, for fencing */
     int n_pages, n_tokens;
-    bool acked; /* the prefiller said nothing more will land */
+    bool acked;     /* the prefiller said nothing more will land */
+    bool head;      /* the attempt asked for the head's KV and feature */
+    bool head_nack; /* the peer refused the head (TDM_EUNSUPPORTED) */
     int64_t t_sent;
 };
 
@@ -62,6 +75,7 @@ struct dpeer {
     char *file; /* where addr comes from (re-read before a retry), or NULL */
     uint32_t xid;
     bool alive;
+    bool head_refused;   /* it cannot make our head's KV: ask it without (until it comes back) */
     int64_t next_try_ns; /* while down: the next handshake attempt */
     int backoff_ms;
     int64_t outstanding_tokens;
@@ -80,10 +94,11 @@ struct tdm_disagg_decode {
     tdm_sched_t *sched;
     tdm_kv_pool_t *kv;
     struct disagg_endpoint ep;
-    struct tdm_xfer_rmem kv_rmem, ctx_rmem;
+    struct tdm_xfer_rmem kv_rmem, ctx_rmem, head_rmem;
     float *ctx_mem;
     size_t ctx_bytes;
     int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, chunk;
+    int head_layers; /* the head's KV layers (0: no head) */
 
     pthread_mutex_t mu;
     struct dslot *slots;
@@ -99,6 +114,7 @@ struct tdm_disagg_decode {
     /* metrics */
     struct tdm_hist landed_s;
     uint64_t errors[N_ERR], remote_ok, local_fallbacks, fenced_now;
+    uint64_t head_ok; /* remote prefills that brought the head's KV */
 };
 
 /* ---- tried-peers table: which peers a request has used (by request id) ---- */
@@ -174,12 +190,23 @@ static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
         tdm_req_t *r = sl->req;
         sl->state = SLOT_FREE;
         sl->req = NULL;
-        if (r) tdm_req_remote_done(r, TDM_OK);
+        if (r && sl->head) {
+            /* the head's KV of [0, n - 1) landed, and the feature of n - 1 (n prefilled) */
+            size_t feature_at;
+            tdm_disagg_ctx_layout((uint32_t)d->d_model, (uint32_t)d->vocab, true, d->o.want_logits,
+                                  &feature_at, NULL);
+            const float *ctx_buf = d->ctx_mem + (size_t)slot * (d->ctx_bytes / sizeof(float));
+            d->head_ok++;
+            tdm_req_remote_done_feed(r, ctx_buf + feature_at, sl->n_tokens - 1);
+        } else if (r) {
+            tdm_req_remote_done(r, TDM_OK);
+        }
         pthread_mutex_unlock(&d->mu);
         return;
     }
     /* failure: fence the pages, tell the prefiller, hand the request back */
-    int kind = sl->acked && st == TDM_ECANCELED ? ERR_NACK : err_kind(st);
+    int kind =
+        sl->acked && st == TDM_ECANCELED ? (sl->head_nack ? ERR_HEAD : ERR_NACK) : err_kind(st);
     d->errors[kind]++;
     p->failed++;
     TDM_WARN("disagg: request %llu: remote prefill on %s failed (%s: %s); %s",
@@ -230,9 +257,25 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     }
     bool cancel_counter = false;
     sl->acked = true;
-    if (m.type == TDM_DMSG_NACK)
-        TDM_WARN("disagg: prefill peer %s refused request %llu: %s", d->peers[sl->peer].addr,
+    struct dpeer *p = &d->peers[sl->peer];
+    if (m.type == TDM_DMSG_NACK && sl->head && m.status == TDM_EUNSUPPORTED) {
+        /* it cannot make our head's KV: the request goes back to it without the head, and
+         * so do the next ones (the attempt is not counted against this request) */
+        if (!p->head_refused)
+            TDM_WARN("disagg: prefill peer %s cannot make the speculation head's KV: %s; its "
+                     "prefills go on without the head, and those requests decode without drafts",
+                     p->addr, m.error);
+        p->head_refused = true;
+        sl->head_nack = true;
+        struct tried *t = tried_get(d, sl->req_id, false);
+        if (t) {
+            t->mask &= ~(1u << sl->peer);
+            if (t->attempts) t->attempts--;
+        }
+    } else if (m.type == TDM_DMSG_NACK) {
+        TDM_WARN("disagg: prefill peer %s refused request %llu: %s", p->addr,
                  (unsigned long long)sl->req_id, m.error);
+    }
     if (sl->state == SLOT_FENCED)
         unfence_locked(d, sl);
     else if (sl->state == SLOT_PENDING)
@@ -271,6 +314,8 @@ static void on_peer(void *ctx, uint32_t xpeer, bool up)
         if (d->peers[i].xid != xpeer) continue;
         if (d->peers[i].alive != up)
             TDM_INFO("disagg: prefill peer %s is %s", d->peers[i].addr, up ? "up" : "down");
+        /* a peer back from being down may have restarted with the right head */
+        if (up && !d->peers[i].alive) d->peers[i].head_refused = false;
         d->peers[i].alive = up;
         if (up) {
             d->peers[i].backoff_ms = d->o.revive_ms;
@@ -303,6 +348,10 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     uint32_t expected =
         tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)d->chunk, (uint32_t)d->n_layers);
     if (expected - 1 > d->ep.caps.max_index) return false; /* too many chunks for the immediates */
+    /* the head's KV is one more layer per chunk, when the immediates can name it */
+    uint32_t expected_head = tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)d->chunk,
+                                                        (uint32_t)(d->n_layers + d->head_layers));
+    bool head = d->head_layers > 0 && expected_head - 1 <= d->ep.caps.max_index;
     int need_pages = (n_tokens + d->page_size - 1) / d->page_size;
     pthread_mutex_lock(&d->mu);
     struct tried *t = tried_get(d, tdm_req_id(r), true);
@@ -336,6 +385,8 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     }
     t->attempts++;
     t->mask |= 1u << best;
+    head = head && !d->peers[best].head_refused;
+    if (head) expected = expected_head;
     struct dslot *sl = &d->slots[slot];
     uint32_t fresh = rnd[1] % (d->ep.caps.max_epoch + 1);
     if (fresh == sl->epoch) fresh = (fresh + 1) % (d->ep.caps.max_epoch + 1); /* never the last */
@@ -347,6 +398,8 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     sl->n_pages = need_pages;
     sl->n_tokens = n_tokens;
     sl->acked = false;
+    sl->head = head;
+    sl->head_nack = false;
     sl->t_sent = (int64_t)tdm_now_ns();
     memcpy(sl->pages, pages, (size_t)need_pages * sizeof *pages);
     struct dpeer *p = &d->peers[best];
@@ -378,10 +431,16 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
                                          .d_model = (uint32_t)d->d_model,
                                          .vocab = (uint32_t)d->vocab,
                                          .want_logits = d->o.want_logits,
+                                         .want_head = head,
                                          .n_pages = (uint32_t)need_pages,
                                          .tokens = tokens,
                                          .pages = (const uint32_t *)pages};
-    size_t size = tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages);
+    if (head) {
+        f->head = d->ep.head.id;
+        f->head.dst_layer_stride = d->ep.head.layer_bytes;
+        f->head.kv = d->head_rmem;
+    }
+    size_t size = tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages, head);
     uint8_t *buf = malloc(size);
     struct send_ctx *sc = malloc(sizeof *sc);
     tdm_xfer_counters_t *ctr = tdm_xfer_get_counters(d->ep.x);
@@ -516,6 +575,7 @@ static void *reviver_main(void *arg)
             if (up && p->xid == xid && !p->alive) {
                 TDM_INFO("disagg: prefill peer %s is up", p->addr);
                 p->alive = true;
+                p->head_refused = false;
                 p->backoff_ms = d->o.revive_ms;
                 struct recancel rc[64];
                 int n = collect_fenced(d, i, rc, (int)TDM_ARRAY_LEN(rc));
@@ -570,7 +630,13 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     d->slots = calloc((size_t)d->n_slots, sizeof *d->slots);
     d->n_tried_cap = 4 * eo->max_seqs + 1024;
     d->tried = calloc((size_t)d->n_tried_cap, sizeof *d->tried);
-    d->ctx_bytes = ((size_t)(d->d_model + d->vocab) * sizeof(float) + 63) / 64 * 64;
+    /* room for the largest context: hidden state, feature, logits */
+    d->ctx_bytes =
+        (tdm_disagg_ctx_layout((uint32_t)d->d_model, (uint32_t)d->vocab, true, true, NULL, NULL) *
+             sizeof(float) +
+         63) /
+        64 * 64;
+    d->head_layers = o->head ? o->head->cfg.n_layers : 0;
     d->ctx_mem = aligned_alloc(64, d->ctx_bytes * (size_t)d->n_slots);
     if (!d->slots || !d->tried || !d->ctx_mem) {
         st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
@@ -587,6 +653,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
                                          .kv = d->kv,
                                          .ctx_mem = d->ctx_mem,
                                          .ctx_bytes = d->ctx_bytes * (size_t)d->n_slots,
+                                         .head = o->head,
                                          .on_msg = on_msg,
                                          .on_peer = on_peer,
                                          .ctx = d};
@@ -595,6 +662,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
         free(d->slots[d->n_slots - 1].pages);
     d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.kv_reg, &d->kv_rmem);
     d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.ctx_reg, &d->ctx_rmem);
+    if (d->ep.head.on) d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.head_reg, &d->head_rmem);
 
     for (int i = 0; i < o->n_peers; i++) {
         struct dpeer *p = &d->peers[d->n_peers];
@@ -692,6 +760,10 @@ char *tdm_disagg_decode_metrics(void *ctx)
                   &d->landed_s, NULL);
     tdm_prom_scalar(&b, "tandem_disagg_remote_prefills_total", "counter",
                     "Remote prefills whose KV landed.", NULL, (double)d->remote_ok);
+    tdm_prom_scalar(&b, "tandem_disagg_head_kv_landed_total", "counter",
+                    "Remote prefills that also brought the speculation head's KV and feature "
+                    "(those requests draft from their first step).",
+                    NULL, (double)d->head_ok);
     tdm_prom_scalar(&b, "tandem_disagg_local_fallbacks_total", "counter",
                     "Requests prefilled here after remote attempts failed.", NULL,
                     (double)d->local_fallbacks);
@@ -716,6 +788,15 @@ char *tdm_disagg_decode_metrics(void *ctx)
     for (int i = 0; i < d->n_peers; i++) {
         snprintf(lab, sizeof lab, "peer=\"%d\"", i);
         tdm_prom_sample(&b, "tandem_disagg_peer_up", lab, d->peers[i].alive ? 1 : 0);
+    }
+    if (d->head_layers) {
+        tdm_prom_family(&b, "tandem_disagg_peer_head", "gauge",
+                        "Whether a prefill peer is asked for the speculation head's KV (0: it "
+                        "refused: another head, or none).");
+        for (int i = 0; i < d->n_peers; i++) {
+            snprintf(lab, sizeof lab, "peer=\"%d\"", i);
+            tdm_prom_sample(&b, "tandem_disagg_peer_head", lab, d->peers[i].head_refused ? 0 : 1);
+        }
     }
     pthread_mutex_unlock(&d->mu);
     tdm_disagg_endpoint_metrics(&d->ep, &b);

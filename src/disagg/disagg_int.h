@@ -14,12 +14,21 @@
 struct tdm_disagg_decode;
 
 /* ---- the messenger endpoint both sides open (endpoint.c) ---- */
+/* A speculation head's KV: layer group 1 of the pool (one region of its own, its layers one
+ * after another, pages laid out like group 0's), and the head's identity for the wire. */
+struct disagg_head {
+    bool on;
+    struct tdm_disagg_head_req id; /* fingerprint and geometry (kv and stride: not set) */
+    void *base;                    /* [n_layers][n_pages][2][n_kv_heads][page_size][head_dim] */
+    size_t bytes, layer_bytes, page_bytes;
+};
 struct disagg_endpoint {
     tdm_xfer_t *x;                /* the control channel: peers, messages, counters */
     struct tdm_xfer_transport tp; /* the data plane: every write and send goes through it */
-    struct tdm_xfer_region kv_reg, ctx_reg;
+    struct tdm_xfer_region kv_reg, ctx_reg, head_reg; /* head_reg: with a head only */
     struct tdm_xfer_caps caps;
     struct tdm_kv_geometry kv; /* the pool's place, element type and strides */
+    struct disagg_head head;
 };
 struct disagg_endpoint_opts {
     const struct tdm_disagg_xfer_opts *xfer;
@@ -28,16 +37,21 @@ struct disagg_endpoint_opts {
     tdm_kv_pool_t *kv;
     void *ctx_mem; /* host context buffers, registered too */
     size_t ctx_bytes;
+    const struct tdm_model *head; /* a speculation head: its KV group is registered too */
     tdm_xfer_msg_fn on_msg;
     tdm_xfer_peer_fn on_peer;
     void *ctx; /* for both callbacks */
 };
-/* Creates the transfer engine and registers the KV pool (where the pool says it lives) and the
- * context buffers. On failure nothing is left open. */
+/* Creates the transfer engine and registers the KV pool (where the pool says it lives), the
+ * context buffers and, with a head, the head's KV group (TDM_EINVAL when the pool lacks it).
+ * On failure nothing is left open. */
 tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
                                     const struct disagg_endpoint_opts *o);
-/* Deregisters both regions; call after tdm_xfer_destroy(ep->x). */
+/* Deregisters the regions; call after tdm_xfer_destroy(ep->x). */
 void tdm_disagg_endpoint_release(struct disagg_endpoint *ep);
+/* A head's identity and geometry in words, for messages: "0123456789abcdef (1 layer, 9 heads,
+ * 3 kv heads of 64, d_ff 1536)". */
+void tdm_disagg_head_describe(const struct tdm_disagg_head_req *h, char *buf, size_t cap);
 /* The fabric's authentication and immediate counters, as Prometheus text. */
 void tdm_disagg_endpoint_metrics(struct disagg_endpoint *ep, struct tdm_sbuf *b);
 

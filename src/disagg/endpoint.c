@@ -1,7 +1,8 @@
 /*
  * The messenger endpoint that both sides open: a transfer engine whose control messages fit a
  * PREFILL of a full context, the KV pool registered where it lives (its place and strides come
- * from the pool, never from constants), and the host context buffers.
+ * from the pool, never from constants), the host context buffers, and with a speculation head
+ * the head's KV layer group (a region of its own in the pool) and the head's identity.
  *
  * Called once at a side's creation, on the creating thread; the endpoint then belongs to that
  * side.
@@ -9,6 +10,38 @@
 #include <stdio.h>
 
 #include "disagg/disagg_int.h"
+#include "tandem/spec.h"
+
+/* The head's KV group in the pool, and its identity. */
+static tdm_status head_open(struct disagg_head *h, tdm_kv_pool_t *kv, const struct tdm_model *m,
+                            size_t elem_bytes)
+{
+    struct tdm_kv_group g;
+    const struct tdm_kv_config *kc = tdm_kv_pool_config(kv);
+    if (!tdm_kv_pool_group(kv, 1, &g) || g.n_layers != m->cfg.n_layers ||
+        g.n_kv_heads != m->cfg.n_kv_heads || g.head_dim != m->cfg.head_dim)
+        return tdm_err_set(TDM_EINVAL, "disagg: the KV pool has no layer group for the "
+                                       "speculation head (load it before the engine)");
+    h->page_bytes = (size_t)2 * g.n_kv_heads * kc->page_size * g.head_dim * elem_bytes;
+    h->layer_bytes = h->page_bytes * (size_t)kc->n_pages;
+    h->bytes = h->layer_bytes * (size_t)g.n_layers;
+    h->base = tdm_kv_pool_group_layer(kv, 1, 0).base;
+    h->id = (struct tdm_disagg_head_req){.fingerprint = tdm_spec_head_fingerprint(m),
+                                         .n_layers = (uint32_t)m->cfg.n_layers,
+                                         .n_heads = (uint32_t)m->cfg.n_heads,
+                                         .n_kv_heads = (uint32_t)m->cfg.n_kv_heads,
+                                         .head_dim = (uint32_t)m->cfg.head_dim,
+                                         .d_ff = (uint32_t)m->cfg.d_ff};
+    h->on = true;
+    return TDM_OK;
+}
+
+void tdm_disagg_head_describe(const struct tdm_disagg_head_req *h, char *buf, size_t cap)
+{
+    snprintf(buf, cap, "%016llx (%u layer%s, %u heads, %u kv heads of %u, d_ff %u)",
+             (unsigned long long)h->fingerprint, h->n_layers, h->n_layers == 1 ? "" : "s",
+             h->n_heads, h->n_kv_heads, h->head_dim, h->d_ff);
+}
 
 tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
                                     const struct disagg_endpoint_opts *o)
@@ -21,16 +54,18 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     if (o->xfer->peer_timeout_ms > 0) xc.peer_timeout_ms = o->xfer->peer_timeout_ms;
     xc.fabric_key = o->xfer->fabric_key;
     xc.fabric_key_bytes = o->xfer->fabric_key_bytes;
+    tdm_status st;
+    if (o->head && (st = head_open(&ep->head, o->kv, o->head, ep->kv.elem_bytes)) != TDM_OK)
+        return st;
     int max_pages = (o->max_ctx + o->page_size - 1) / o->page_size;
-    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)o->max_ctx, (uint32_t)max_pages);
+    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)o->max_ctx, (uint32_t)max_pages, true);
     if ((size_t)xc.ctrl_bytes < msg) xc.ctrl_bytes = (int)msg;
     if (xc.max_jobs < o->min_jobs) xc.max_jobs = o->min_jobs;
     xc.on_msg = o->on_msg;
     xc.on_msg_ctx = o->ctx;
     xc.on_peer = o->on_peer;
     xc.on_peer_ctx = o->ctx;
-    tdm_status st = tdm_xfer_create(&xc, &ep->x);
-    if (st != TDM_OK) return st;
+    if ((st = tdm_xfer_create(&xc, &ep->x)) != TDM_OK) return st;
     /* host pages travel by the fabric's RMA; device pages will take CUDA IPC or host staging
      * through the same table (the issue of GPU disaggregation) */
     ep->tp = tdm_xfer_fabric_transport(ep->x);
@@ -43,8 +78,13 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     if ((st = tp->mr_reg(ep->tp.t, o->ctx_mem, o->ctx_bytes, TDM_XFER_MEM_HOST, &ep->ctx_reg)) !=
         TDM_OK)
         goto out_kv;
+    if (ep->head.on &&
+        (st = tp->mr_reg(ep->tp.t, ep->head.base, ep->head.bytes, kind, &ep->head_reg)) != TDM_OK)
+        goto out_ctx;
     return TDM_OK;
 
+out_ctx:
+    tp->mr_dereg(ep->tp.t, &ep->ctx_reg);
 out_kv:
     tp->mr_dereg(ep->tp.t, &ep->kv_reg);
 out_xfer:
@@ -56,6 +96,7 @@ out_xfer:
 void tdm_disagg_endpoint_release(struct disagg_endpoint *ep)
 {
     if (!ep->tp.iface) return;
+    ep->tp.iface->mr_dereg(ep->tp.t, &ep->head_reg); /* zeroed without a head: a no-op */
     ep->tp.iface->mr_dereg(ep->tp.t, &ep->ctx_reg);
     ep->tp.iface->mr_dereg(ep->tp.t, &ep->kv_reg);
 }

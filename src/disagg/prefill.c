@@ -9,10 +9,22 @@
  * Layer streaming. step_begin (scheduler thread) publishes the step's spans and zeroes the
  * engine's layer counter; while the forward runs, the messenger thread polls the counter and
  * posts, for every layer that has finished its output projection, one paged write per span
- * (immediate index chunk * n_layers + layer). step_end posts whatever layers the messenger has
- * not reached yet, and the context write (hidden state, logits) of spans that end a prompt.
- * Source pages are held (IN_FLIGHT) from posting until the write completes, so the scheduler
- * can finish the request while its writes are still on the wire.
+ * (immediate index chunk * S + layer, S the layers the job streams: the target's, plus the
+ * head's when asked). step_end posts whatever layers the messenger has not reached yet, then
+ * for jobs that asked for the head's KV runs the head over the step's spans and posts its
+ * layer (index chunk * S + n_layers + head layer), then the context write (hidden state,
+ * feature with a head, logits when asked) of spans that end a prompt. Source pages are held
+ * (IN_FLIGHT) from posting until the write completes, so the scheduler can finish the request
+ * while its writes are still on the wire.
+ *
+ * The head (speculation across disaggregation). A prefill of P tokens runs the head's rows
+ * [0, P - 1) (row p reads t(p+1), the last needs prompt[-1] which stays with the decoder) from
+ * the target's features of each span, which the scheduler downloads for a job that asks (its
+ * request is submitted with spec_k 0: it speculates, on the decoder). Every chunk posts the head
+ * layer's pages, rows or not, so the count is fixed in advance; a page's positions past
+ * P - 2 hold nothing the decoder reads before its first step rewrites them. A request for a
+ * head this node does not have (none, or another fingerprint or geometry) is refused with
+ * TDM_EUNSUPPORTED and a message naming both heads.
  *
  * Locking: p->mu guards jobs, the inbox and the step state. Posting calls into the transfer
  * engine only enqueue, so they are made under p->mu. Write completions run on the progress
@@ -24,6 +36,7 @@
 #include <time.h>
 
 #include "disagg/disagg_int.h"
+#include "tandem/spec.h"
 
 /* A job's life (p->mu held for every transition):
  *
@@ -77,7 +90,11 @@ struct step_span {
     struct job *job;
     int pos0, n_tokens;
     const int32_t *pages;
+    int n_pages;
+    const float *features; /* [n_tokens][d_model], filled by the run; NULL without a head */
 };
+
+enum wkind { W_KV, W_HEAD, W_CTX }; /* a target layer's pages, the head layer's, the context */
 
 struct tdm_disagg_prefill {
     struct tdm_disagg_prefill_opts o;
@@ -104,10 +121,22 @@ struct tdm_disagg_prefill {
     struct step_span *spans;
     int n_spans;
     uint32_t *src_tmp, *dst_tmp;
+    /* the head (opts.head): its engine, and the step's head rows (scheduler thread) */
+    tdm_spec_head_kv_t *head_kv;
+    int head_layers;
+    struct tdm_spec_head_rows *hrows; /* [max_seqs] */
+    int *hspan;                       /* [max_seqs] the span each row set came from */
     /* metrics */
     struct tdm_hist transfer_s, layer_lag_s, bytes_h;
     uint64_t errors[N_PERR], jobs_ok, writes_total, bytes_total, landed_during_forward;
+    uint64_t head_jobs_ok, head_rows;
 };
+
+/* The layers a job streams per chunk: the target's, and the head's when it asked. */
+static int stream_layers(const struct tdm_disagg_prefill *p, const struct job *j)
+{
+    return p->n_layers + (j->m.want_head ? p->head_layers : 0);
+}
 
 static void send_msg(struct tdm_disagg_prefill *p, uint32_t xpeer, const struct tdm_disagg_msg *m)
 {
@@ -163,9 +192,11 @@ static void on_write_done(void *ctx, tdm_status st)
     free(w);
 }
 
-/* Posts one write (paged when n_pages > 0, else the context). Called with p->mu held. */
-static void post_locked(struct tdm_disagg_prefill *p, struct job *j, const int32_t *src_pages,
-                        int p0, int n, int layer, uint32_t index, int64_t t_layer)
+/* Posts one write: pages [p0, p0 + n) of a layer (W_KV: the target's; W_HEAD: the head's), or
+ * the context (W_CTX). Called with p->mu held. */
+static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind kind,
+                        const int32_t *src_pages, int p0, int n, int layer, uint32_t index,
+                        int64_t t_layer)
 {
     if (j->failed || j->cancel) return;
     struct wctx *w = malloc(sizeof *w + (size_t)n * sizeof(int32_t));
@@ -178,28 +209,34 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, const int32
     tdm_status st;
     int64_t deadline = (int64_t)tdm_now_ns() + 10 * 1000000000LL;
     for (;;) {
-        if (n > 0) {
+        if (kind != W_CTX) {
+            bool head = kind == W_HEAD;
+            size_t page_bytes = head ? p->ep.head.page_bytes : p->page_bytes;
             for (int i = 0; i < n; i++) {
                 w->pages[i] = src_pages[p0 + i];
                 p->src_tmp[i] = (uint32_t)src_pages[p0 + i];
                 p->dst_tmp[i] = j->dst_pages[p0 + i];
             }
-            w->bytes = (uint64_t)n * p->page_bytes;
-            struct tdm_xfer_pages pg = {.src_pages = p->src_tmp,
-                                        .dst_pages = p->dst_tmp,
-                                        .n_pages = (uint32_t)n,
-                                        .page_bytes = p->page_bytes,
-                                        .src_stride = p->page_bytes,
-                                        .dst_stride = p->page_bytes,
-                                        .src_offset = (uint64_t)layer * p->layer_bytes,
-                                        .dst_offset = (uint64_t)layer * j->m.dst_layer_stride};
+            w->bytes = (uint64_t)n * page_bytes;
+            struct tdm_xfer_pages pg = {
+                .src_pages = p->src_tmp,
+                .dst_pages = p->dst_tmp,
+                .n_pages = (uint32_t)n,
+                .page_bytes = page_bytes,
+                .src_stride = page_bytes,
+                .dst_stride = page_bytes,
+                .src_offset = (uint64_t)layer * (head ? p->ep.head.layer_bytes : p->layer_bytes),
+                .dst_offset =
+                    (uint64_t)layer * (head ? j->m.head.dst_layer_stride : j->m.dst_layer_stride)};
             tdm_kv_pool_hold(p->kv, n, w->pages);
-            st = p->ep.tp.iface->write_pages(p->ep.tp.t, j->xpeer, &p->ep.kv_reg, &j->m.kv, &pg,
-                                             &imm, 0, on_write_done, w);
+            st = p->ep.tp.iface->write_pages(
+                p->ep.tp.t, j->xpeer, head ? &p->ep.head_reg : &p->ep.kv_reg,
+                head ? &j->m.head.kv : &j->m.kv, &pg, &imm, 0, on_write_done, w);
             if (st != TDM_OK) tdm_kv_pool_unhold(p->kv, n, w->pages);
         } else {
-            size_t bytes = (size_t)j->m.d_model * sizeof(float);
-            if (j->m.want_logits) bytes += (size_t)j->m.vocab * sizeof(float);
+            size_t bytes = tdm_disagg_ctx_layout(j->m.d_model, j->m.vocab, j->m.want_head,
+                                                 j->m.want_logits, NULL, NULL) *
+                           sizeof(float);
             w->bytes = bytes;
             st = p->ep.tp.iface->write(p->ep.tp.t, j->xpeer, &p->ep.ctx_reg,
                                        (uint64_t)j->ctx_slot * p->ctx_bytes, &j->m.ctx,
@@ -225,17 +262,66 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, const int32
     j->outstanding++;
 }
 
+/* Posts layer `layer` of a span (W_KV: the target's; W_HEAD: the head's). p->mu held. */
+static void post_span_layer_locked(struct tdm_disagg_prefill *p, const struct step_span *sp,
+                                   enum wkind kind, int layer, int64_t t_layer)
+{
+    struct job *j = sp->job;
+    int p0 = sp->pos0 / p->page_size;
+    int p1 = (sp->pos0 + sp->n_tokens + p->page_size - 1) / p->page_size;
+    uint32_t chunk_idx = (uint32_t)sp->pos0 / j->m.chunk;
+    uint32_t index = chunk_idx * (uint32_t)stream_layers(p, j) +
+                     (uint32_t)(kind == W_HEAD ? p->n_layers + layer : layer);
+    post_locked(p, j, kind, sp->pages, p0, p1 - p0, layer, index, t_layer);
+}
+
 /* Posts layer `layer` of every span of the current step. p->mu held. */
 static void post_layer_locked(struct tdm_disagg_prefill *p, int layer, int64_t t_layer)
 {
+    for (int s = 0; s < p->n_spans; s++)
+        post_span_layer_locked(p, &p->spans[s], W_KV, layer, t_layer);
+}
+
+/* The head over this step's spans of jobs that asked for it, then its layer's writes (every
+ * such span posts them, rows or not). p->mu held; dropped around the head's pass (the
+ * messenger has nothing left to post for this step, and no job of it can be freed before the
+ * scheduler, which is this thread, finishes its request). */
+static void run_head_locked(struct tdm_disagg_prefill *p)
+{
+    int n = 0;
     for (int s = 0; s < p->n_spans; s++) {
-        struct step_span *sp = &p->spans[s];
+        const struct step_span *sp = &p->spans[s];
         struct job *j = sp->job;
-        int p0 = sp->pos0 / p->page_size;
-        int p1 = (sp->pos0 + sp->n_tokens + p->page_size - 1) / p->page_size;
-        uint32_t chunk_idx = (uint32_t)sp->pos0 / j->m.chunk;
-        post_locked(p, j, sp->pages, p0, p1 - p0, layer,
-                    chunk_idx * (uint32_t)p->n_layers + (uint32_t)layer, t_layer);
+        if (!j->m.want_head || j->failed || j->cancel) continue;
+        int rows = TDM_MAX(TDM_MIN(sp->pos0 + sp->n_tokens, (int)j->m.n_tokens - 1) - sp->pos0, 0);
+        if (rows && !sp->features) {
+            job_fail_locked(j, "%s", "the scheduler kept no features for the head");
+            continue;
+        }
+        p->hrows[n] = (struct tdm_spec_head_rows){.tokens = j->tokens,
+                                                  .pos0 = sp->pos0,
+                                                  .n = rows,
+                                                  .features = sp->features,
+                                                  .pages = sp->pages,
+                                                  .n_pages = sp->n_pages};
+        p->hspan[n++] = s;
+    }
+    if (!n) return;
+    pthread_mutex_unlock(&p->mu);
+    tdm_status st = tdm_spec_head_kv_run(p->head_kv, p->hrows, n);
+    char err[TDM_DMSG_MAX_ERROR];
+    if (st != TDM_OK) snprintf(err, sizeof err, "the head's pass failed: %s", tdm_err_msg());
+    pthread_mutex_lock(&p->mu);
+    int64_t now = (int64_t)tdm_now_ns();
+    for (int k = 0; k < n; k++) {
+        const struct step_span *sp = &p->spans[p->hspan[k]];
+        if (st != TDM_OK) {
+            job_fail_locked(sp->job, "%s", err);
+            continue;
+        }
+        p->head_rows += (uint64_t)p->hrows[k].n;
+        for (int l = 0; l < p->head_layers; l++)
+            post_span_layer_locked(p, sp, W_HEAD, l, now);
     }
 }
 
@@ -249,8 +335,12 @@ static void step_begin(void *ctx, const struct tdm_sched_plan *plan)
     for (int i = 0; i < plan->n_seqs; i++) {
         const struct tdm_plan_seq *q = &plan->seqs[i];
         if (q->user)
-            p->spans[p->n_spans++] = (struct step_span){
-                .job = q->user, .pos0 = q->pos0, .n_tokens = q->n_tokens, .pages = q->pages};
+            p->spans[p->n_spans++] = (struct step_span){.job = q->user,
+                                                        .pos0 = q->pos0,
+                                                        .n_tokens = q->n_tokens,
+                                                        .pages = q->pages,
+                                                        .n_pages = q->n_pages,
+                                                        .features = q->features};
     }
     atomic_store(p->layer_counter, 0);
     p->step_seq++;
@@ -268,20 +358,32 @@ static void step_end(void *ctx, const struct tdm_sched_plan *plan, tdm_status st
         int64_t now = (int64_t)tdm_now_ns();
         for (; p->step_posted < p->n_layers; p->step_posted++)
             post_layer_locked(p, p->step_posted, now);
+        if (p->head_kv) run_head_locked(p);
         for (int i = 0; i < plan->n_seqs; i++) {
             const struct tdm_plan_seq *q = &plan->seqs[i];
             struct job *j = q->user;
             if (!j || !q->last || !(q->want & TDM_ROW_HIDDEN) || !q->n_rows) continue;
-            /* the job's request asked for the hidden state (and logits) of its last row */
+            if (j->m.want_head && !q->features) {
+                job_fail_locked(j, "%s", "the scheduler kept no features for the head");
+                continue;
+            }
+            /* the job's request asked for the hidden state (and logits) of its last row; a
+             * head reads the feature of its last token */
             int row = q->row0 + q->n_rows - 1;
+            size_t feature_at, logits_at;
+            tdm_disagg_ctx_layout(j->m.d_model, j->m.vocab, j->m.want_head, j->m.want_logits,
+                                  &feature_at, &logits_at);
             float *dst = p->ctx_mem + (size_t)j->ctx_slot * (p->ctx_bytes / sizeof(float));
             memcpy(dst, plan->hidden + (size_t)row * p->d_model,
                    (size_t)p->d_model * sizeof(float));
+            if (j->m.want_head)
+                memcpy(dst + feature_at, q->features + (size_t)(q->n_tokens - 1) * p->d_model,
+                       (size_t)p->d_model * sizeof(float));
             if (j->m.want_logits)
-                memcpy(dst + p->d_model, plan->logits + (size_t)row * p->vocab,
+                memcpy(dst + logits_at, plan->logits + (size_t)row * p->vocab,
                        (size_t)p->vocab * sizeof(float));
             uint32_t n_chunks = (j->m.n_tokens + j->m.chunk - 1) / j->m.chunk;
-            post_locked(p, j, NULL, 0, 0, -1, n_chunks * (uint32_t)p->n_layers, 0);
+            post_locked(p, j, W_CTX, NULL, 0, 0, -1, n_chunks * (uint32_t)stream_layers(p, j), 0);
             j->ctx_posted = true;
         }
     }
@@ -309,8 +411,46 @@ static void finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
 
 /* ---- messages (progress thread) ---- */
 
-static bool validate(struct tdm_disagg_prefill *p, const struct tdm_disagg_prefill_msg *m,
-                     char *why, size_t cap)
+/* Whether n_layers layers `stride` bytes apart, each written up to page max_page of page_bytes,
+ * lie inside a region of `bytes` (all but page_bytes from a peer: no product may overflow). */
+static bool region_fits(uint64_t n_layers, uint64_t stride, uint64_t page_bytes, uint64_t max_page,
+                        uint64_t bytes)
+{
+    uint64_t last = (max_page + 1) * page_bytes; /* max_page < 2^32, page_bytes is ours */
+    if (last > bytes) return false;
+    if (n_layers <= 1) return true;
+    return stride >= page_bytes && stride <= (bytes - last) / (n_layers - 1);
+}
+
+/* A request for the head's KV: this node's head must be the decoder's. TDM_EUNSUPPORTED (the
+ * decoder then asks this node without the head) with both heads named. */
+static tdm_status validate_head(struct tdm_disagg_prefill *p, const struct tdm_disagg_head_req *h,
+                                char *why, size_t cap)
+{
+    char theirs[96], ours[96];
+    tdm_disagg_head_describe(h, theirs, sizeof theirs);
+    if (!p->ep.head.on) {
+        snprintf(why, cap,
+                 "no speculation head on this prefill node (the decoder's: %.70s); start it "
+                 "with --spec mtp --spec-draft HEAD",
+                 theirs);
+        return TDM_EUNSUPPORTED;
+    }
+    const struct tdm_disagg_head_req *me = &p->ep.head.id;
+    if (h->fingerprint != me->fingerprint || h->n_layers != me->n_layers ||
+        h->n_heads != me->n_heads || h->n_kv_heads != me->n_kv_heads ||
+        h->head_dim != me->head_dim || h->d_ff != me->d_ff) {
+        tdm_disagg_head_describe(me, ours, sizeof ours);
+        snprintf(why, cap, "speculation heads differ: decoder %.70s, prefill node %.70s", theirs,
+                 ours); /* the NACK's room: each head's description fits in 70 */
+        return TDM_EUNSUPPORTED;
+    }
+    return TDM_OK;
+}
+
+/* A prefill request this node can serve: TDM_OK, else the status for the NACK and why. */
+static tdm_status validate(struct tdm_disagg_prefill *p, const struct tdm_disagg_prefill_msg *m,
+                           char *why, size_t cap)
 {
     if (m->n_layers != (uint32_t)p->n_layers || m->n_kv_heads != (uint32_t)p->n_kv_heads ||
         m->head_dim != (uint32_t)p->head_dim || m->page_size != (uint32_t)p->page_size ||
@@ -320,45 +460,51 @@ static bool validate(struct tdm_disagg_prefill *p, const struct tdm_disagg_prefi
                  "page %u; here: %d, %d, %d, %d)",
                  m->n_layers, m->n_kv_heads, m->head_dim, m->page_size, p->n_layers, p->n_kv_heads,
                  p->head_dim, p->page_size);
-        return false;
+        return TDM_EINVAL;
     }
     if (m->elem_bytes != p->ep.kv.elem_bytes) {
         snprintf(why, cap, "KV elements differ (decoder: %u bytes; here: %zu)", m->elem_bytes,
                  p->ep.kv.elem_bytes);
-        return false;
+        return TDM_EINVAL;
     }
     if (m->kv_head_begin != 0 || m->kv_head_end != m->n_kv_heads) {
         snprintf(why, cap, "sharded decoders (kv heads %u..%u) are not supported by this node",
                  m->kv_head_begin, m->kv_head_end);
-        return false;
+        return TDM_EINVAL;
     }
     if (m->chunk > (uint32_t)p->max_chunk) {
         snprintf(why, cap, "chunk of %u tokens is more than this node's step of %d", m->chunk,
                  p->max_chunk);
-        return false;
+        return TDM_EINVAL;
     }
     if (m->n_tokens + 1 > (uint32_t)p->max_ctx) {
         snprintf(why, cap, "%u tokens do not fit this node's context of %d", m->n_tokens,
                  p->max_ctx);
-        return false;
+        return TDM_EINVAL;
     }
+    tdm_status st;
+    if (m->want_head && (st = validate_head(p, &m->head, why, cap)) != TDM_OK) return st;
     uint32_t n_chunks = (m->n_tokens + m->chunk - 1) / m->chunk;
-    if ((uint64_t)n_chunks * (uint64_t)p->n_layers > p->ep.caps.max_index) {
+    uint64_t layers = (uint64_t)p->n_layers + (m->want_head ? (uint64_t)p->head_layers : 0);
+    if ((uint64_t)n_chunks * layers > p->ep.caps.max_index) {
         snprintf(why, cap, "too many writes for the immediate layout");
-        return false;
+        return TDM_EINVAL;
     }
     uint64_t max_page = 0;
     for (uint32_t i = 0; i < m->n_pages; i++)
         if (m->pages[i] > max_page) max_page = m->pages[i];
-    uint64_t kv_end = (uint64_t)(p->n_layers - 1) * m->dst_layer_stride +
-                      (max_page + 1) * (uint64_t)p->page_bytes;
-    size_t ctx_need = (size_t)m->d_model * 4 + (m->want_logits ? (size_t)m->vocab * 4 : 0);
-    if (m->dst_layer_stride < p->page_bytes || kv_end > m->kv.bytes ||
-        m->ctx_offset + ctx_need > m->ctx.bytes || m->ctx_offset > m->ctx.bytes) {
+    size_t ctx_need =
+        tdm_disagg_ctx_layout(m->d_model, m->vocab, m->want_head, m->want_logits, NULL, NULL) *
+        sizeof(float);
+    if (!region_fits((uint64_t)p->n_layers, m->dst_layer_stride, p->page_bytes, max_page,
+                     m->kv.bytes) ||
+        (m->want_head && !region_fits((uint64_t)p->head_layers, m->head.dst_layer_stride,
+                                      p->ep.head.page_bytes, max_page, m->head.kv.bytes)) ||
+        m->ctx_offset > m->ctx.bytes || ctx_need > m->ctx.bytes - m->ctx_offset) {
         snprintf(why, cap, "destination pages or context lie outside the decoder's regions");
-        return false;
+        return TDM_EINVAL;
     }
-    return true;
+    return TDM_OK;
 }
 
 static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
@@ -406,11 +552,13 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     }
     if (m.type != TDM_DMSG_PREFILL) goto out;
     char why[TDM_DMSG_MAX_ERROR];
-    if (!validate(p, &m.prefill, why, sizeof why)) {
+    tdm_status vst = validate(p, &m.prefill, why, sizeof why);
+    if (vst != TDM_OK) {
         pthread_mutex_lock(&p->mu);
         p->errors[PERR_REFUSED]++;
         pthread_mutex_unlock(&p->mu);
-        nack(p, xpeer, m.prefill.slot, m.prefill.epoch, TDM_EINVAL, why);
+        TDM_WARN("disagg: refused a prefill request of decoder peer %u: %s", xpeer, why);
+        nack(p, xpeer, m.prefill.slot, m.prefill.epoch, vst, why);
         goto out;
     }
     struct job *j = calloc(1, sizeof *j);
@@ -491,6 +639,9 @@ static void service_jobs_locked(struct tdm_disagg_prefill *p)
                                             .fixed_chunk = (int)j->m.chunk,
                                             .want_hidden = true,
                                             .want_logits = j->m.want_logits != 0,
+                                            /* with a head it speculates, on the decoder: the
+                                             * scheduler keeps its spans' features */
+                                            .spec_k = j->m.want_head ? 0 : -1,
                                             .user = j};
                 tdm_req_t *r = NULL;
                 j->state = JOB_SCHEDULED;
@@ -515,6 +666,7 @@ static void service_jobs_locked(struct tdm_disagg_prefill *p)
             bool ok = !j->failed && !j->cancel && j->why == TDM_FINISH_STOP && j->ctx_posted;
             if (ok) {
                 p->jobs_ok++;
+                if (j->m.want_head) p->head_jobs_ok++;
                 tdm_hist_observe(&p->transfer_s, (double)(j->t_last_done - j->t_first_done) * 1e-9);
                 tdm_hist_observe(&p->bytes_h, (double)j->bytes);
                 TDM_DEBUG("disagg: prefill %llu for peer %u: %u tokens, %llu writes, %llu pages, "
@@ -608,7 +760,12 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
     struct tdm_kv_geometry g = tdm_kv_pool_geometry(p->kv);
     p->page_bytes = g.page_bytes;
     p->layer_bytes = g.layer_bytes;
-    p->ctx_bytes = ((size_t)(p->d_model + p->vocab) * sizeof(float) + 63) / 64 * 64;
+    /* room for the largest context: hidden state, feature, logits */
+    p->ctx_bytes =
+        (tdm_disagg_ctx_layout((uint32_t)p->d_model, (uint32_t)p->vocab, true, true, NULL, NULL) *
+             sizeof(float) +
+         63) /
+        64 * 64;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     static const double lat[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06,
@@ -633,14 +790,28 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
         st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
         goto out_free;
     }
+    if (o->head) { /* the decoders' head: its engine, its rows, and the spans' features */
+        p->head_layers = o->head->cfg.n_layers;
+        p->hrows = calloc((size_t)eo->max_seqs, sizeof *p->hrows);
+        p->hspan = calloc((size_t)eo->max_seqs, sizeof *p->hspan);
+        if (!p->hrows || !p->hspan) {
+            st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
+            goto out_free;
+        }
+        if ((st = tdm_spec_head_kv_create(e, o->head, &p->head_kv)) != TDM_OK ||
+            (st = tdm_sched_reserve_features(s)) != TDM_OK)
+            goto out_free;
+    }
     struct disagg_endpoint_opts eopts = {.xfer = &o->xfer,
                                          .max_ctx = p->max_ctx,
                                          .page_size = p->page_size,
-                                         .min_jobs = (p->n_layers + 1) * eo->max_seqs *
-                                                     2, /* a step's writes per span, twice */
+                                         /* a step's writes per span, twice */
+                                         .min_jobs =
+                                             (p->n_layers + p->head_layers + 1) * eo->max_seqs * 2,
                                          .kv = p->kv,
                                          .ctx_mem = p->ctx_mem,
                                          .ctx_bytes = p->ctx_bytes * (size_t)p->o.max_jobs,
+                                         .head = o->head,
                                          .on_msg = on_msg,
                                          .on_peer = on_peer,
                                          .ctx = p};
@@ -661,6 +832,9 @@ out_mr:
     tdm_xfer_destroy(p->ep.x);
     tdm_disagg_endpoint_release(&p->ep);
 out_free:
+    tdm_spec_head_kv_destroy(p->head_kv);
+    free(p->hrows);
+    free(p->hspan);
     free(p->spans);
     free(p->src_tmp);
     free(p->dst_tmp);
@@ -690,6 +864,9 @@ void tdm_disagg_prefill_destroy(tdm_disagg_prefill_t *p)
         free(j);
     }
     tdm_disagg_endpoint_release(&p->ep);
+    tdm_spec_head_kv_destroy(p->head_kv);
+    free(p->hrows);
+    free(p->hspan);
     free(p->spans);
     free(p->src_tmp);
     free(p->dst_tmp);
@@ -726,6 +903,11 @@ char *tdm_disagg_prefill_metrics(void *ctx)
                     NULL, (double)p->writes_total);
     tdm_prom_scalar(&b, "tandem_disagg_write_bytes_total", "counter", "Bytes written to decoders.",
                     NULL, (double)p->bytes_total);
+    tdm_prom_scalar(&b, "tandem_disagg_head_kv_prefills_total", "counter",
+                    "Prefill requests that also streamed the speculation head's KV.", NULL,
+                    (double)p->head_jobs_ok);
+    tdm_prom_scalar(&b, "tandem_disagg_head_rows_total", "counter",
+                    "Rows the speculation head ran for decoders.", NULL, (double)p->head_rows);
     tdm_prom_scalar(&b, "tandem_disagg_writes_landed_during_forward_total", "counter",
                     "Writes that landed while the forward pass that produced them was still "
                     "running (layer streaming).",

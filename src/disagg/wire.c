@@ -6,8 +6,15 @@
  *   header: "TDMD" u8 version(1) u8 type u16 reserved
  *   PREFILL: u64 req_id, u32 slot, epoch, n_tokens, chunk, n_layers, n_kv_heads, head_dim,
  *            page_size, elem_bytes, kv_head_begin, kv_head_end, d_model, vocab, n_pages,
- *            u8 want_logits, u8[3] pad, u64 dst_layer_stride, ctx_offset,
- *            rmem kv[96], rmem ctx[96], i32 tokens[n_tokens], u32 pages[n_pages]
+ *            u32 reserved, u8 want_logits, u8 flags, u8[2] pad, u64 dst_layer_stride,
+ *            ctx_offset, rmem kv[96], rmem ctx[96],
+ *            [flags & HEAD: u64 head_fingerprint, u32 head_n_layers, head_n_heads,
+ *             head_n_kv_heads, head_head_dim, head_d_ff, u32 reserved,
+ *             u64 head_dst_layer_stride, rmem head_kv[96]],
+ *            i32 tokens[n_tokens], u32 pages[n_pages]
+ *            flags: bit 0 HEAD (want_head); the other bits are reserved. Without HEAD the
+ *            message is byte for byte what it was before heads existed, and a node that
+ *            predates them refuses a HEAD request (its reserved bytes are set).
  *   NACK:    u32 slot, epoch, i32 status, u16 len, char error[len]
  *   CANCEL, CANCEL_ACK: u32 slot, epoch
  */
@@ -17,7 +24,10 @@
 
 #define HDR           8
 #define PREFILL_FIXED (8 + 15 * 4 + 4 + 8 + 8 + 2 * TDM_XFER_RMEM_WIRE)
+#define HEAD_BLOCK    (8 + 6 * 4 + 8 + TDM_XFER_RMEM_WIRE)
+#define FLAG_HEAD     0x01
 #define MAX_TOKENS    (1u << 24)
+#define MAX_GEOMETRY  (1u << 20) /* kv heads, head size, d_ff: sanity bounds on a peer's values */
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -44,9 +54,21 @@ static uint64_t get64(const uint8_t *p)
     return v;
 }
 
-size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages)
+size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head)
 {
-    return HDR + PREFILL_FIXED + 4 * (size_t)n_tokens + 4 * (size_t)n_pages;
+    return HDR + PREFILL_FIXED + (head ? HEAD_BLOCK : 0) + 4 * (size_t)n_tokens +
+           4 * (size_t)n_pages;
+}
+
+size_t tdm_disagg_ctx_layout(uint32_t d_model, uint32_t vocab, bool want_head, bool want_logits,
+                             size_t *feature_at, size_t *logits_at)
+{
+    size_t at = d_model;
+    if (feature_at) *feature_at = at;
+    if (want_head) at += d_model;
+    if (logits_at) *logits_at = at;
+    if (want_logits) at += vocab;
+    return at;
 }
 
 uint32_t tdm_disagg_expected_writes(uint32_t n_tokens, uint32_t chunk, uint32_t n_layers)
@@ -60,7 +82,8 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
     size_t need;
     switch (m->type) {
     case TDM_DMSG_PREFILL:
-        need = tdm_disagg_prefill_msg_size(m->prefill.n_tokens, m->prefill.n_pages);
+        need = tdm_disagg_prefill_msg_size(m->prefill.n_tokens, m->prefill.n_pages,
+                                           m->prefill.want_head);
         break;
     case TDM_DMSG_NACK:
         need = HDR + 14 + strnlen(m->error, TDM_DMSG_MAX_ERROR);
@@ -91,7 +114,8 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
         put32(p, 0); /* the 15th u32 slot is reserved */
         p += 4;
         p[0] = f->want_logits;
-        p[1] = p[2] = p[3] = 0;
+        p[1] = f->want_head ? FLAG_HEAD : 0;
+        p[2] = p[3] = 0;
         p += 4;
         put64(p, f->dst_layer_stride);
         p += 8;
@@ -101,6 +125,18 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
         p += TDM_XFER_RMEM_WIRE;
         tdm_xfer_rmem_pack(&f->ctx, p);
         p += TDM_XFER_RMEM_WIRE;
+        if (f->want_head) {
+            const struct tdm_disagg_head_req *h = &f->head;
+            put64(p, h->fingerprint);
+            p += 8;
+            const uint32_t hu[] = {h->n_layers, h->n_heads, h->n_kv_heads, h->head_dim, h->d_ff, 0};
+            for (size_t i = 0; i < sizeof hu / sizeof *hu; i++, p += 4)
+                put32(p, hu[i]);
+            put64(p, h->dst_layer_stride);
+            p += 8;
+            tdm_xfer_rmem_pack(&h->kv, p);
+            p += TDM_XFER_RMEM_WIRE;
+        }
         for (uint32_t i = 0; i < f->n_tokens; i++, p += 4)
             put32(p, (uint32_t)f->tokens[i]);
         for (uint32_t i = 0; i < f->n_pages; i++, p += 4)
@@ -181,8 +217,9 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
     f->vocab = u[12];
     f->n_pages = u[13];
     f->want_logits = p[0];
-    if (u[14] || p[1] || p[2] || p[3] || f->want_logits > 1)
+    if (u[14] || (p[1] & ~FLAG_HEAD) || p[2] || p[3] || f->want_logits > 1)
         return tdm_err_set(TDM_EFORMAT, "disagg: reserved bytes set in a prefill request");
+    f->want_head = (p[1] & FLAG_HEAD) != 0;
     p += 4;
     f->dst_layer_stride = get64(p);
     p += 8;
@@ -193,10 +230,35 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
     p += TDM_XFER_RMEM_WIRE;
     if ((st = tdm_xfer_rmem_unpack(p, TDM_XFER_RMEM_WIRE, &f->ctx)) != TDM_OK) return st;
     p += TDM_XFER_RMEM_WIRE;
+    size_t fixed = PREFILL_FIXED + (f->want_head ? HEAD_BLOCK : 0);
+    if (body < fixed) return tdm_err_set(TDM_EFORMAT, "disagg: short prefill request");
+    if (f->want_head) {
+        struct tdm_disagg_head_req *h = &f->head;
+        h->fingerprint = get64(p);
+        p += 8;
+        uint32_t hu[6];
+        for (int i = 0; i < 6; i++, p += 4)
+            hu[i] = get32(p);
+        h->n_layers = hu[0];
+        h->n_heads = hu[1];
+        h->n_kv_heads = hu[2];
+        h->head_dim = hu[3];
+        h->d_ff = hu[4];
+        if (hu[5]) return tdm_err_set(TDM_EFORMAT, "disagg: reserved bytes set in a head block");
+        h->dst_layer_stride = get64(p);
+        p += 8;
+        if ((st = tdm_xfer_rmem_unpack(p, TDM_XFER_RMEM_WIRE, &h->kv)) != TDM_OK) return st;
+        p += TDM_XFER_RMEM_WIRE;
+        if (!h->n_layers || h->n_layers > TDM_DISAGG_HEAD_MAX_LAYERS || !h->n_heads ||
+            h->n_heads > MAX_GEOMETRY || !h->n_kv_heads || h->n_kv_heads > h->n_heads ||
+            !h->head_dim || h->head_dim > MAX_GEOMETRY || !h->d_ff || h->d_ff > MAX_GEOMETRY)
+            return tdm_err_set(TDM_EFORMAT, "disagg: inconsistent head geometry in a prefill "
+                                            "request");
+    }
     if (!f->n_tokens || f->n_tokens > MAX_TOKENS || !f->n_pages || f->n_pages > MAX_TOKENS)
         return tdm_err_set(TDM_EFORMAT, "disagg: prefill request with %u tokens and %u pages",
                            f->n_tokens, f->n_pages);
-    if (body != PREFILL_FIXED + 4 * (size_t)f->n_tokens + 4 * (size_t)f->n_pages)
+    if (body != fixed + 4 * (size_t)f->n_tokens + 4 * (size_t)f->n_pages)
         return tdm_err_set(TDM_EFORMAT, "disagg: prefill request length mismatch");
     if (f->n_tokens > tokens_cap || f->n_pages > pages_cap)
         return tdm_err_set(TDM_ERANGE,

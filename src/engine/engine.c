@@ -20,6 +20,10 @@
  * then runs its one layer like any other; a missing input norm on that layer (EAGLE) feeds x
  * to the q/k/v projections as it is, a missing final norm gives the LM head x itself.
  *
+ * A head with a reduced draft vocabulary (its d2t map) has an LM head of those rows only: its
+ * logits are placed in the vocabulary's columns, -inf elsewhere (scatter_cols), so the
+ * samplers see a whole-vocabulary row whatever the head.
+ *
  * Features: a sequence with a features buffer gets every token's final-normed hidden state
  * (downloaded after the layer loop), which is what a head reads as h.
  *
@@ -62,20 +66,25 @@ struct tdm_engine {
     bool is_head;
     float *inv_freq; /* [head_dim/2], host */
     /* activation scratch: typed buffers of the backend (act), and the views the ops take */
-    struct tdm_buf act[12];
+    struct tdm_buf act[13];
     int n_act;
-    float *x;               /* [max_tokens][d_model] residual stream */
-    float *h;               /* [max_tokens][d_model] normed input of the next matmul */
-    float *q;               /* [max_tokens][n_heads*head_dim] */
-    float *k;               /* [max_tokens][n_kv_heads*head_dim] */
-    float *v;               /* [max_tokens][n_kv_heads*head_dim] */
-    float *att;             /* [max_tokens][n_heads*head_dim] */
-    float *o;               /* [max_tokens][d_model] */
-    float *gate;            /* [max_tokens][d_ff] silu(gate) * up */
-    float *rows;            /* [max_logit_rows][d_model] gathered final-normed rows */
-    float *logits;          /* [max_logit_rows][vocab] */
-    float *hin;             /* a head: [max_tokens][d_model] the hidden states it was given */
-    float *hin2;            /* a head: [max_tokens][d_model] scratch of its input stage */
+    float *x;      /* [max_tokens][d_model] residual stream */
+    float *h;      /* [max_tokens][d_model] normed input of the next matmul */
+    float *q;      /* [max_tokens][n_heads*head_dim] */
+    float *k;      /* [max_tokens][n_kv_heads*head_dim] */
+    float *v;      /* [max_tokens][n_kv_heads*head_dim] */
+    float *att;    /* [max_tokens][n_heads*head_dim] */
+    float *o;      /* [max_tokens][d_model] */
+    float *gate;   /* [max_tokens][d_ff] silu(gate) * up */
+    float *rows;   /* [max_logit_rows][d_model] gathered final-normed rows */
+    float *logits; /* [max_logit_rows][vocab] */
+    float *hin;    /* a head: [max_tokens][d_model] the hidden states it was given */
+    float *hin2;   /* a head: [max_tokens][d_model] scratch of its input stage */
+    /* a head with a reduced draft vocabulary: its logits [max_logit_rows][n_draft], placed in
+     * the vocabulary's columns (draft_cols: [n_draft] target ids, backend memory) */
+    float *draft_logits;
+    struct tdm_buf draft_cols;
+    int n_draft;
     struct tdm_arena arena; /* per-step metadata, host */
     bool device_sampling;   /* the backend's sample hook takes this vocabulary */
     /* forward_sample without device sampling: the host sampler's scratch, and a host copy of
@@ -107,6 +116,7 @@ static void free_scratch(tdm_engine_t *e)
     for (int i = 0; i < e->n_act; i++)
         tdm_backend_buf_release(e->backend, &e->act[i]);
     e->n_act = 0;
+    tdm_backend_buf_release(e->backend, &e->draft_cols);
 }
 
 void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_freqs, float *out)
@@ -197,9 +207,10 @@ static size_t scratch_bytes(const struct tdm_model *m, size_t T, size_t R)
 {
     const struct tdm_model_config *c = &m->cfg;
     size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    size_t draft = m->head && m->head->d2t ? R * (size_t)m->head->n_draft + m->head->n_draft : 0;
     return sizeof(float) *
            (T * (size_t)c->d_model * (m->head ? 5 : 3) + T * qd * 2 + T * kvd * 2 +
-            T * (size_t)c->d_ff + R * (size_t)c->d_model + R * (size_t)c->vocab_size);
+            T * (size_t)c->d_ff + R * (size_t)c->d_model + R * (size_t)c->vocab_size + draft);
 }
 
 /* What a co-model (a draft) will take of backend b: its weights as b stores them (tied
@@ -299,6 +310,15 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         e->is_head = true;
         e->hin = balloc(e, T * c->d_model * f, &st);
         e->hin2 = balloc(e, T * c->d_model * f, &st);
+        if (model->head->d2t && st == TDM_OK) {
+            e->n_draft = model->head->n_draft;
+            e->draft_logits = balloc(e, R * (size_t)e->n_draft * f, &st);
+            if (st == TDM_OK &&
+                (st = tdm_backend_buf_new(e->backend, (size_t)e->n_draft * sizeof(int32_t),
+                                          "draft vocabulary", &e->draft_cols)) == TDM_OK)
+                e->backend->iface->upload(e->backend, e->draft_cols.ptr, model->head->d2t,
+                                          (size_t)e->n_draft * sizeof(int32_t));
+        }
     }
     if (st != TDM_OK) goto out_scratch;
     /* a borrowed pool: its page size and page count; its layer group must be this model's */
@@ -413,6 +433,9 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
                   (size_t)o->max_seqs * (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
                       sizeof(int32_t) +
                   64 * 16 + R;
+    /* token trees: a mask per token, a prefix and node offsets per sequence, their nodes */
+    meta += T * sizeof(uint64_t) +
+            ((size_t)o->max_seqs * (2 + TDM_TREE_MAX_NODES) + 1) * sizeof(int32_t) + 64 * 4;
     if ((st = tdm_arena_init(&e->arena, meta)) != TDM_OK) goto out_scratch;
     *out = e;
     return TDM_OK;
@@ -474,6 +497,59 @@ _Atomic int32_t *tdm_engine_layer_counter(tdm_engine_t *e)
     return e->counter;
 }
 
+/* A tree span's checks (engine.h, struct tdm_batch_tree): its leading chain tokens, then
+ * tree tokens whose masks name one node per position from the prefix on, the last their own.
+ * *prefix: the positions its tree tokens read through the page table; *end: one past its
+ * deepest position. */
+static tdm_status check_tree(const tdm_engine_t *e, int s, const struct tdm_batch_seq *q,
+                             int *prefix, int64_t *end)
+{
+    const struct tdm_batch_tree *tr = q->tree;
+    const int64_t n_slots = e->opts.kv_pages * e->opts.page_size;
+    if (!q->slots || !tr->positions || !tr->mask || !tr->node_slots || tr->n_nodes < 1 ||
+        tr->n_nodes > TDM_TREE_MAX_NODES)
+        return tdm_err_set(TDM_EINVAL,
+                           "batch: sequence %d: a tree needs slots, positions, masks and 1 .. %d "
+                           "nodes (%d)",
+                           s, TDM_TREE_MAX_NODES, tr->n_nodes);
+    for (int j = 0; j < tr->n_nodes; j++)
+        if (tr->node_slots[j] < 0 || tr->node_slots[j] >= n_slots)
+            return tdm_err_set(TDM_EINVAL,
+                               "batch: sequence %d: tree node %d has KV slot %d, outside the pool",
+                               s, j, tr->node_slots[j]);
+    const uint64_t nodes = tr->n_nodes == 64 ? ~(uint64_t)0 : ((uint64_t)1 << tr->n_nodes) - 1;
+    int c = 0;
+    for (; c < q->n_tokens && tr->mask[c] == 0; c++)
+        if (tr->positions[c] != q->pos0 + c)
+            return tdm_err_set(TDM_EINVAL,
+                               "batch: sequence %d: chain token %d of a tree is at position %d, "
+                               "not %d",
+                               s, c, tr->positions[c], q->pos0 + c);
+    const int64_t p0 = (int64_t)q->pos0 + c;
+    int64_t last = p0;
+    for (int i = c; i < q->n_tokens; i++) {
+        const uint64_t m = tr->mask[i];
+        if (!m || (m & ~nodes))
+            return tdm_err_set(TDM_EINVAL,
+                               "batch: sequence %d: tree token %d has mask %#llx (%d nodes; chain "
+                               "tokens come first)",
+                               s, i, (unsigned long long)m, tr->n_nodes);
+        if ((int64_t)tr->positions[i] != p0 + __builtin_popcountll(m) - 1)
+            return tdm_err_set(TDM_EINVAL,
+                               "batch: sequence %d: tree token %d at position %d sees %d nodes "
+                               "after position %lld",
+                               s, i, tr->positions[i], __builtin_popcountll(m), (long long)p0);
+        if (tr->node_slots[63 - __builtin_clzll(m)] != q->slots[i])
+            return tdm_err_set(TDM_EINVAL,
+                               "batch: sequence %d: tree token %d's slot is not its last node's", s,
+                               i);
+        last = TDM_MAX(last, (int64_t)tr->positions[i] + 1);
+    }
+    *prefix = (int)p0;
+    *end = last;
+    return TDM_OK;
+}
+
 /* Validates the batch and flattens it into a step; fills out_rows with the token indices that
  * want logits. Writes nothing to the KV cache. */
 static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct tdm_step *st,
@@ -481,7 +557,8 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
 {
     const struct tdm_engine_opts *o = &e->opts;
     int ps = o->page_size;
-    int64_t n_tokens = 0, n_rows = 0, n_pages = 0;
+    int64_t n_tokens = 0, n_rows = 0, n_pages = 0, n_nodes = 0;
+    bool trees = false;
     if (b->n_seqs <= 0) return tdm_err_set(TDM_EINVAL, "batch: no sequences");
     if (b->n_seqs > o->max_seqs)
         return tdm_err_set(TDM_ERANGE, "batch: %d sequences, at most %d", b->n_seqs, o->max_seqs);
@@ -490,6 +567,13 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
         if (q->n_tokens <= 0 || q->pos0 < 0 || q->n_logits < 0 || q->n_logits > q->n_tokens)
             return tdm_err_set(TDM_EINVAL, "batch: sequence %d has an empty span or bad counts", s);
         int64_t end = (int64_t)q->pos0 + q->n_tokens;
+        if (q->tree) {
+            int prefix;
+            tdm_status tst = check_tree(e, s, q, &prefix, &end);
+            if (tst != TDM_OK) return tst;
+            trees = true;
+            n_nodes += q->tree->n_nodes;
+        }
         if (end > o->max_ctx)
             return tdm_err_set(TDM_ERANGE,
                                "batch: sequence %d reaches position %lld, context is %d", s,
@@ -541,28 +625,53 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
         !seq_page_start || !page_ids || !rows)
         return tdm_err_set(TDM_ERANGE, "batch: metadata exceeds the reserved scratch (%s)",
                            tdm_err_msg());
+    /* token trees: only a step with one has the arrays (backends branch on them once) */
+    uint64_t *tree_mask = NULL;
+    int32_t *seq_prefix = NULL, *tree_node_start = NULL, *tree_slots = NULL;
+    if (trees) {
+        tree_mask = tdm_arena_alloc(a, n_tokens * sizeof(uint64_t));
+        seq_prefix = tdm_arena_alloc(a, b->n_seqs * sizeof(int32_t));
+        tree_node_start = tdm_arena_alloc(a, (b->n_seqs + 1) * sizeof(int32_t));
+        tree_slots = tdm_arena_alloc(a, n_nodes * sizeof(int32_t));
+        if (!tree_mask || !seq_prefix || !tree_node_start || !tree_slots)
+            return tdm_err_set(TDM_ERANGE, "batch: tree metadata exceeds the reserved scratch");
+    }
 
-    int t = 0, r = 0, pg = 0;
+    int t = 0, r = 0, pg = 0, nd = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const struct tdm_batch_seq *q = &b->seqs[s];
-        int end = q->pos0 + q->n_tokens;
+        const struct tdm_batch_tree *tr = q->tree;
+        int64_t end64 = (int64_t)q->pos0 + q->n_tokens;
+        int prefix = (int)end64;
+        if (tr) check_tree(e, s, q, &prefix, &end64); /* checked above: the same values */
+        int end = (int)end64;
         int need = (end + ps - 1) / ps;
         seq_token_start[s] = t;
         seq_page_start[s] = pg;
         seq_kv_len[s] = end;
         memcpy(page_ids + pg, q->pages, (size_t)need * sizeof(int32_t));
         pg += need;
+        if (trees) {
+            seq_prefix[s] = prefix;
+            tree_node_start[s] = nd;
+            if (tr) {
+                memcpy(tree_slots + nd, tr->node_slots, (size_t)tr->n_nodes * sizeof(int32_t));
+                nd += tr->n_nodes;
+            }
+        }
         for (int i = 0; i < q->n_tokens; i++, t++) {
-            int pos = q->pos0 + i;
+            int pos = tr ? tr->positions[i] : q->pos0 + i;
             tokens[t] = q->tokens[i];
             positions[t] = pos;
             slots[t] = q->slots ? q->slots[i] : q->pages[pos / ps] * ps + pos % ps;
             token_seq[t] = s;
+            if (trees) tree_mask[t] = tr ? tr->mask[i] : 0;
             if (i >= q->n_tokens - q->n_logits) rows[r++] = t;
         }
     }
     seq_token_start[b->n_seqs] = t;
     seq_page_start[b->n_seqs] = pg;
+    if (trees) tree_node_start[b->n_seqs] = nd;
     *st = (struct tdm_step){
         .n_tokens = (int)n_tokens,
         .n_seqs = b->n_seqs,
@@ -575,6 +684,10 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
         .seq_page_start = seq_page_start,
         .page_ids = page_ids,
         .page_size = ps,
+        .tree_mask = tree_mask,
+        .seq_prefix = seq_prefix,
+        .tree_node_start = tree_node_start,
+        .tree_slots = tree_slots,
     };
     *out_rows = rows;
     *n_out = (int)n_rows;
@@ -612,12 +725,16 @@ static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, 
     for (int i = 0; i < n_rows; i++) {
         const struct tdm_sample_row *r = &samples[i];
         if (!(want[i] & TDM_ROW_SAMPLE)) continue;
-        bool ok = r->mode <= TDM_SAMPLE_VERIFY && r->n_undo >= 0 &&
-                  r->n_undo <= TDM_SAMPLE_MAX_UNDO && (r->n_undo == 0 || r->undo) &&
-                  (r->mode != TDM_SAMPLE_PROPOSE || r->dist) &&
-                  (r->mode != TDM_SAMPLE_VERIFY || (r->draft >= 0 && r->draft < vocab));
+        bool ok =
+            r->mode <= TDM_SAMPLE_TREE && r->n_undo >= 0 && r->n_undo <= TDM_SAMPLE_MAX_UNDO &&
+            (r->n_undo == 0 || r->undo) && (r->mode != TDM_SAMPLE_PROPOSE || r->dist) &&
+            (r->mode != TDM_SAMPLE_VERIFY || (r->draft >= 0 && r->draft < vocab)) &&
+            (r->mode != TDM_SAMPLE_TREE ||
+             (r->n_cand >= 0 && r->n_cand <= TDM_SAMPLE_MAX_CAND && (r->n_cand == 0 || r->cand)));
         for (int j = 0; ok && j < r->n_undo; j++)
             ok = r->undo[j] >= 0 && r->undo[j] < vocab;
+        for (int j = 0; ok && r->mode == TDM_SAMPLE_TREE && j < r->n_cand; j++)
+            ok = r->cand[j] >= 0 && r->cand[j] < vocab;
         if (!ok) return tdm_err_set(TDM_EINVAL, "batch: sample row %d is malformed", i);
         in_backend |= r->mode == TDM_SAMPLE_PROPOSE || (r->mode == TDM_SAMPLE_VERIFY && r->q);
     }
@@ -770,7 +887,13 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
                           (size_t)batch->seqs[s].n_tokens * d * sizeof(float));
     if (any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE)) {
         ops->gather_rows(b, lm_in, rows, n_rows, d, e->rows);
-        ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
+        if (e->n_draft) { /* a reduced draft vocabulary: its rows, then placed */
+            ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->draft_logits);
+            ops->scatter_cols(b, e->draft_logits, e->draft_cols.ptr, n_rows, e->n_draft,
+                              c->vocab_size, e->logits);
+        } else {
+            ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
+        }
     }
     /* logits before sampling, which may overwrite them */
     if (any & TDM_ROW_LOGITS)

@@ -208,6 +208,22 @@ bool tdm_kv_pool_group(const tdm_kv_pool_t *pool, int group, struct tdm_kv_group
     return true;
 }
 
+void tdm_kv_pool_copy_slots(tdm_kv_pool_t *pool, const int32_t *src, const int32_t *dst, int n)
+{
+    if (n <= 0) return;
+    const int64_t n_slots = pool->cfg.n_pages * pool->cfg.page_size;
+    for (int i = 0; i < n; i++)
+        TDM_ASSERT(src[i] >= 0 && src[i] < n_slots && dst[i] >= 0 && dst[i] < n_slots);
+    const struct tdm_backend_i *ops = pool->backend->iface;
+    TDM_ASSERT(ops->kv_copy);
+    for (int g = 0; g <= pool->cfg.n_extra; g++) {
+        struct tdm_kv_layer l0 = tdm_kv_pool_group_layer(pool, g, 0);
+        int n_layers = g ? pool->cfg.extra[g - 1].n_layers : pool->cfg.n_layers;
+        size_t layer_floats = g ? pool->g_layer_floats[g - 1] : pool->layer_floats;
+        ops->kv_copy(pool->backend, &l0, n_layers, layer_floats, src, dst, n);
+    }
+}
+
 static void check_id(const tdm_kv_pool_t *pool, int32_t id)
 {
     TDM_ASSERT(id >= 0 && id < pool->cfg.n_pages);

@@ -529,6 +529,48 @@ static int deepseek_mtp_layer(const tdm_st_t *st)
     return best;
 }
 
+/* A reduced draft vocabulary: d2t (I64 [n], EAGLE-3's convention: draft token i is target
+ * token i + d2t[i]), ascending target ids. The head's LM head becomes a copy of the target's
+ * rows for those ids (as the target stores them). */
+static tdm_status load_d2t(struct loader *L, const struct tdm_model *target)
+{
+    struct tdm_model *m = L->m;
+    const struct tdm_tensor_info *t = find_tensor(L, "d2t");
+    const int64_t V = target->cfg.vocab_size, n = t->n_dims == 1 ? t->ne[0] : -1;
+    if (strcmp(tdm_st_dtype_str(m->st, t), "I64") || n < 1 || n > V ||
+        t->nbytes != (size_t)n * sizeof(int64_t))
+        return tdm_err_set(TDM_EFORMAT,
+                           "%s: d2t must be a 1-D I64 tensor of at most %lld "
+                           "entries (the target's vocabulary)",
+                           m->path, (long long)V);
+    int32_t *ids;
+    void *rows, *p;
+    tdm_status rc;
+    if ((rc = own_alloc(m, (size_t)n * sizeof *ids, &p))) return rc;
+    ids = p;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t off;
+        memcpy(&off, (const uint8_t *)t->data + i * 8, 8);
+        int64_t id = i + off;
+        if (off < -V || off > V || id < 0 || id >= V || (i > 0 && id <= ids[i - 1]))
+            return tdm_err_set(TDM_EFORMAT,
+                               "%s: d2t maps draft token %lld to %lld: the ids must ascend "
+                               "within the target's vocabulary of %lld",
+                               m->path, (long long)i, (long long)id, (long long)V);
+        ids[i] = (int32_t)id;
+    }
+    const struct tdm_weight *o = &target->output;
+    if ((rc = own_alloc(m, (size_t)n * o->row_bytes, &rows))) return rc;
+    for (int64_t i = 0; i < n; i++)
+        memcpy((uint8_t *)rows + (size_t)i * o->row_bytes,
+               (const uint8_t *)o->data + (size_t)ids[i] * o->row_bytes, o->row_bytes);
+    m->output = (struct tdm_weight){o->dtype, n, o->cols, o->row_bytes, rows};
+    m->head->d2t = ids;
+    m->head->n_draft = (int)n;
+    m->weight_bytes += (uint64_t)n * o->row_bytes;
+    return TDM_OK;
+}
+
 static tdm_status load_head(struct loader *L, const struct tdm_model *target)
 {
     struct tdm_model *m = L->m;
@@ -537,17 +579,17 @@ static tdm_status load_head(struct loader *L, const struct tdm_model *target)
     struct tdm_head *h = m->head;
     char prefix[64], name[160];
     int idx = 0;
-    if (find_tensor(L, "fc.weight")) {
+    if (find_tensor(L, "midlayer.self_attn.q_proj.weight")) {
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "%s: an EAGLE-3 head (fused low, middle and high features, d2t/t2d "
+                           "vocabulary maps): not supported yet",
+                           m->path);
+    } else if (find_tensor(L, "fc.weight")) {
         h->layout = find_tensor(L, "enorm.weight") ? TDM_HEAD_TANDEM : TDM_HEAD_EAGLE;
         snprintf(prefix, sizeof prefix, "layers.");
     } else if ((idx = deepseek_mtp_layer(m->st)) >= 0) {
         h->layout = TDM_HEAD_DEEPSEEK_MTP;
         snprintf(prefix, sizeof prefix, "model.layers.%d.", idx);
-    } else if (find_tensor(L, "d2t") || find_tensor(L, "midlayer.self_attn.q_proj.weight")) {
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "%s: an EAGLE-3 head (fused low, middle and high features, d2t/t2d "
-                           "vocabulary maps): not supported yet",
-                           m->path);
     } else {
         return tdm_err_set(TDM_EFORMAT,
                            "%s: not a speculation head: no fc.weight (tandem, EAGLE) and no "
@@ -630,6 +672,7 @@ static tdm_status load_head(struct loader *L, const struct tdm_model *target)
     m->tok_embd = target->tok_embd;
     m->output = target->output;
     m->rope_freqs = target->rope_freqs;
+    if (h->layout == TDM_HEAD_TANDEM && find_tensor(L, "d2t")) return load_d2t(L, target);
     return TDM_OK;
 }
 

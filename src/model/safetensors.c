@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 struct st_shard {
     char *label;         /* file path (or "<memory>") for messages */
@@ -43,6 +44,7 @@ struct tdm_st {
     int64_t n_tensors, cap_tensors;
     int64_t *slots; /* open-addressing hash of tensor indexes, -1 empty; [n_slots] */
     uint64_t n_slots;
+    json_t *meta; /* the first file's "__metadata__" string entries, or NULL */
 };
 
 /* Every dtype of the safetensors format, with its width in bits. */
@@ -96,6 +98,7 @@ void tdm_st_close(tdm_st_t *st)
     free(st->tensors);
     free(st->raw_dtypes);
     free(st->shard_of);
+    json_decref(st->meta);
     free(st->slots);
     free(st);
 }
@@ -275,7 +278,18 @@ static tdm_status st_parse(tdm_st_t *st, int shard, const uint8_t *data, size_t 
     json_t *val;
     json_object_foreach(root, key, val)
     {
-        if (!strcmp(key, "__metadata__")) continue;
+        if (!strcmp(key, "__metadata__")) {
+            /* string -> string (the format's rule); other values are not kept */
+            if (shard == 0 && json_is_object(val) && !st->meta && (st->meta = json_object())) {
+                const char *mk;
+                json_t *mv;
+                json_object_foreach(val, mk, mv)
+                {
+                    if (json_is_string(mv)) json_object_set(st->meta, mk, mv);
+                }
+            }
+            continue;
+        }
         rc = st_parse_entry(st, shard, label, key, val, base, data_len, &ranges[n_ranges]);
         if (rc) goto out_ranges;
         n_ranges++;
@@ -525,4 +539,88 @@ const char *tdm_st_dtype_str(const tdm_st_t *st, const struct tdm_tensor_info *t
 {
     if (!st || !t || t < st->tensors || t >= st->tensors + st->n_tensors) return "?";
     return st->raw_dtypes[t - st->tensors];
+}
+
+const char *tdm_st_metadata(const tdm_st_t *st, const char *key)
+{
+    json_t *v = st && st->meta && key ? json_object_get(st->meta, key) : NULL;
+    return v ? json_string_value(v) : NULL;
+}
+
+/* ---- the writer ---- */
+static bool st_write_all(FILE *f, const void *p, size_t n)
+{
+    return n == 0 || fwrite(p, 1, n, f) == n;
+}
+
+tdm_status tdm_st_write(const char *path, const struct tdm_st_out *t, int n,
+                        const char *const *meta, int n_meta)
+{
+    if (!path || (n && !t) || n < 0 || n_meta < 0 || (n_meta && !meta))
+        return tdm_err_set(TDM_EINVAL, "tdm_st_write: bad args");
+    json_t *root = json_object(), *md = n_meta ? json_object() : NULL;
+    if (!root || (n_meta && !md)) {
+        json_decref(root);
+        json_decref(md);
+        return tdm_err_set(TDM_ENOMEM, "safetensors: out of memory");
+    }
+    for (int i = 0; i < n_meta; i++)
+        json_object_set_new(md, meta[2 * i], json_string(meta[2 * i + 1]));
+    if (md) json_object_set_new(root, "__metadata__", md);
+    uint64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        unsigned bits = 0;
+        for (size_t k = 0; k < TDM_ARRAY_LEN(st_dtypes); k++)
+            if (!strcmp(st_dtypes[k].name, t[i].dtype)) bits = st_dtypes[k].bits;
+        uint64_t count = 1;
+        json_t *shape = json_array();
+        for (int k = 0; k < t[i].n_dims; k++) {
+            count *= (uint64_t)t[i].shape[k];
+            json_array_append_new(shape, json_integer(t[i].shape[k]));
+        }
+        if (!bits || t[i].n_dims < 0 || t[i].n_dims > 4 || count * bits / 8 != t[i].nbytes ||
+            json_object_get(root, t[i].name)) {
+            json_decref(shape);
+            json_decref(root);
+            return tdm_err_set(TDM_EINVAL,
+                               "safetensors: tensor \"%s\" (%s) has a bad shape, "
+                               "size or name",
+                               t[i].name, t[i].dtype);
+        }
+        json_t *e = json_object(), *offs = json_array();
+        json_array_append_new(offs, json_integer((json_int_t)off));
+        json_array_append_new(offs, json_integer((json_int_t)(off + t[i].nbytes)));
+        json_object_set_new(e, "dtype", json_string(t[i].dtype));
+        json_object_set_new(e, "shape", shape);
+        json_object_set_new(e, "data_offsets", offs);
+        json_object_set_new(root, t[i].name, e);
+        off += t[i].nbytes;
+    }
+    char *hdr = json_dumps(root, JSON_COMPACT | JSON_SORT_KEYS);
+    json_decref(root);
+    if (!hdr) return tdm_err_set(TDM_ENOMEM, "safetensors: out of memory");
+    size_t hl = strlen(hdr), padded = (hl + 7) & ~(size_t)7;
+    char tmp[4096];
+    int w = snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    FILE *f = w > 0 && (size_t)w < sizeof tmp ? fopen(tmp, "wb") : NULL;
+    if (!f) {
+        free(hdr);
+        return tdm_err_set(TDM_EIO, "%s: cannot write: %s", path, strerror(errno));
+    }
+    uint8_t len8[8];
+    for (int i = 0; i < 8; i++)
+        len8[i] = (uint8_t)((uint64_t)padded >> (8 * i));
+    bool ok = st_write_all(f, len8, 8) && st_write_all(f, hdr, hl) &&
+              st_write_all(f, "        ", padded - hl);
+    free(hdr);
+    for (int i = 0; ok && i < n; i++)
+        ok = st_write_all(f, t[i].data, t[i].nbytes);
+    ok = fflush(f) == 0 && fsync(fileno(f)) == 0 && ok;
+    ok = fclose(f) == 0 && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        return tdm_err_set(TDM_EIO, "%s: cannot write: %s", path, strerror(e));
+    }
+    return TDM_OK;
 }

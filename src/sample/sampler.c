@@ -448,6 +448,33 @@ static int32_t verify_rejection(struct tdm_sample_row *row, float *logits,
     return t < 0 ? d : t;
 }
 
+/* A tree row's recursive rejection over its point-mass candidates (TDM_SAMPLE_TREE), penalties
+ * less undo: p into scratch->p, and what is left of it after the refused candidates. */
+static int32_t verify_tree(struct tdm_sample_row *row, float *logits,
+                           struct tdm_sample_scratch *scratch, const int32_t *undo, int n_undo)
+{
+    const struct tdm_sampler *smp = row->smp;
+    float *p = scratch->p;
+    dist_kept(smp, logits, scratch, p, undo, n_undo);
+    const uint64_t seed = smp->params.seed, id = smp->request_id;
+    const int n = TDM_MIN(TDM_MAX(row->n_cand, 0), TDM_SAMPLE_MAX_CAND);
+    double left = 1.0; /* the mass of p not yet refused: r = p / left off the refused */
+    for (int i = 0; i < n; i++) {
+        const int32_t d = row->cand[i];
+        const double pd = p[d];
+        const double u = tdm_rng_uniform(seed, id, row->position, TDM_SAMPLE_STREAM_TREE + i);
+        if (pd > 0 && u * left < pd) {
+            row->kept = true;
+            return d;
+        }
+        left -= pd;
+        p[d] = 0.0f;
+    }
+    int32_t t = tdm_dist_draw(p, smp->vocab, tdm_rng_uniform(seed, id, row->position, 2));
+    /* nothing left: only when the candidates held all of p and rounding refused them all */
+    return t >= 0 ? t : (n ? row->cand[n - 1] : 0);
+}
+
 void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
                          struct tdm_sample_scratch *scratch)
 {
@@ -481,6 +508,8 @@ void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
         }
     } else if (row->mode == TDM_SAMPLE_VERIFY && row->q) {
         t = verify_rejection(row, logits, scratch, undo, n_undo);
+    } else if (row->mode == TDM_SAMPLE_TREE) {
+        t = verify_tree(row, logits, scratch, undo, n_undo);
     } else {
         t = draw_kept(smp, logits, row->position, scratch, undo, n_undo);
         row->kept = row->mode == TDM_SAMPLE_VERIFY && t == row->draft;

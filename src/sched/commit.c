@@ -109,35 +109,101 @@ static void drop_drafts(struct tdm_req *r)
         tdm_sampler_unaccept(&r->smp, r->tokens[--r->n_tokens]);
 }
 
+/* A verified token tree (tdm_plan_seq.tree): from the root (span token 0), each row's token is
+ * published, and the walk goes on to the child whose draft is that token (exact: the target's
+ * keyed draw; rejection: the candidate its TREE row kept, or a residual draw, which is no
+ * child's), up to a row with no such child or the request's end. The path's KV moves from the
+ * slots it was verified in (those of positions pos0 + its span indices) to its positions
+ * (pos0 + 1 .. pos0 + accepted), in order: a node's span index is at least its depth, so each
+ * move reads a slot no earlier move wrote. Its features move likewise, so the feed sees a
+ * chain. Returns the finish reason; *accepted: the path's drafts. */
+static enum tdm_finish commit_tree(struct tdm_sched *s, struct tdm_req *r,
+                                   const struct tdm_plan_seq *q, int *accepted)
+{
+    struct tdm_sched_plan *p = &s->plan;
+    const int n_draft = r->n_draft, committed = r->n_tokens - n_draft;
+    int32_t drafts[TDM_TREE_MAX_NODES], path[TDM_TREE_MAX_NODES];
+    memcpy(drafts, r->tokens + committed, (size_t)n_draft * sizeof *drafts);
+    drop_drafts(r);
+    enum tdm_finish f = TDM_FINISH_NONE;
+    int node = 0, n = 0, off_first = 0, depth = 0;
+    for (int j = 0; j < n_draft; j++)
+        depth = TDM_MAX(depth, q->tree->positions[j + 1] - q->pos0);
+    for (;;) {
+        const struct tdm_sample_row *sr = &p->samples[q->row0 + node];
+        f = publish(s, r, sr);
+        if (f != TDM_FINISH_NONE) break;
+        int child = -1, rank = 0;
+        for (int j = node; j < n_draft && child < 0; j++) /* children come after their parent */
+            if (r->tree_parent[j] == node - 1) {
+                if (drafts[j] == sr->token)
+                    child = j + 1;
+                else
+                    rank++;
+            }
+        if (child < 0) break;
+        off_first += rank > 0;
+        path[n++] = child;
+        node = child;
+    }
+    int32_t src[TDM_TREE_MAX_NODES], dst[TDM_TREE_MAX_NODES];
+    int moves = 0;
+    for (int d = 1; d <= n; d++) {
+        if (path[d - 1] == d) continue;
+        src[moves] = q->slots[path[d - 1]];
+        dst[moves++] = q->slots[d];
+        if (q->features)
+            memcpy(q->features + (size_t)d * s->x.d_model,
+                   q->features + (size_t)path[d - 1] * s->x.d_model,
+                   (size_t)s->x.d_model * sizeof(float));
+    }
+    if (moves) tdm_kv_pool_copy_slots(s->kv, src, dst, moves);
+    r->draft_stats.tree_depth = depth;
+    r->draft_stats.tree_off_first = off_first;
+    *accepted = n;
+    return f;
+}
+
 /* Publishes the rows of r's last span; returns the finish reason (NONE to go on). */
 static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
                                    const struct tdm_plan_seq *q)
 {
     struct tdm_sched_plan *p = &s->plan;
     int n_draft = r->n_draft, committed = r->n_tokens - n_draft, accepted = 0;
-    drop_drafts(r); /* the rows below put back what is kept, in order */
+    /* statistics by draft position; a tree's by depth */
+    int n_positions = n_draft;
     enum tdm_finish f = TDM_FINISH_NONE;
-    for (int i = 0; i <= n_draft; i++) {
-        int row = q->row0 + i;
-        struct tdm_sample_row *sr = &p->samples[row];
-        /* the row verified its draft where it was sampled (TDM_SAMPLE_VERIFY) */
-        bool kept = i < n_draft && sr->kept && sr->token == r->tokens[committed + i];
-        f = publish(s, r, sr);
-        if (f != TDM_FINISH_NONE || i == n_draft || !kept) break;
-        accepted++;
+    r->draft_stats.tree_depth = r->draft_stats.tree_off_first = 0;
+    if (r->tree && n_draft && q->tree) {
+        f = commit_tree(s, r, q, &accepted);
+        n_positions = r->draft_stats.tree_depth;
+    } else {
+        drop_drafts(r); /* the rows below put back what is kept, in order */
+        for (int i = 0; i <= n_draft; i++) {
+            int row = q->row0 + i;
+            struct tdm_sample_row *sr = &p->samples[row];
+            /* the row verified its draft where it was sampled (TDM_SAMPLE_VERIFY) */
+            bool kept = i < n_draft && sr->kept && sr->token == r->tokens[committed + i];
+            f = publish(s, r, sr);
+            if (f != TDM_FINISH_NONE || i == n_draft || !kept) break;
+            accepted++;
+        }
     }
+    r->tree = false;
     if (n_draft) {
         /* the KV holds the kept tokens' positions: up to the last accepted draft */
         r->n_cached = TDM_MIN(r->n_cached, committed + accepted);
         r->draft_q = NULL;
-        for (int i = 0; i < n_draft && i <= accepted && i < TDM_SPEC_MAX_K; i++) {
+        for (int i = 0; i < n_positions && i <= accepted && i < TDM_SPEC_MAX_K; i++) {
             r->draft_stats.reached[i] += 1;
             r->draft_stats.kept[i] += i < accepted;
         }
     }
     /* pages reserved for drafts that were not proposed or not kept go back too */
     if (s->drafter) tdm_kv_seq_trim(s->kv, &r->kv, r->n_cached);
-    if (s->drafter && committed > r->n_prompt) { /* a decode step, not the prompt's end */
+    /* a decode step, not the prompt's end; or the first step of a request whose prompt was
+     * prefilled elsewhere, which may have verified drafts too */
+    if (s->drafter && (committed > r->n_prompt || n_draft)) {
         r->draft_stats.steps++;
         r->draft_stats.idle_steps = n_draft ? 0 : r->draft_stats.idle_steps + 1;
         if (s->drafter->accepted)
@@ -180,8 +246,9 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
         if (f != TDM_FINISH_NONE) {
             tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
             tdm_sched_finish(s, r, f, TDM_OK, NULL);
-        } else if (q->features && r->n_cached > q->pos0) {
-            /* the kept positions' features, for a drafter that reads them */
+        } else if (q->features && s->feeds && !r->prefill_only && r->n_cached > q->pos0) {
+            /* the kept positions' features, for a drafter that reads them (a prefill-only
+             * request's are its connector's, read in step_end) */
             s->feeds[n_feeds++] = (struct tdm_sched_feed){.req = r,
                                                           .tokens = r->tokens,
                                                           .n_tokens = r->n_tokens,

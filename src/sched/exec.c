@@ -25,7 +25,8 @@ static tdm_status engine_run(void *ctx, struct tdm_sched_plan *p)
                                              .n_pages = q->n_pages,
                                              .slots = q->slots,
                                              .n_logits = q->n_rows,
-                                             .features = q->features};
+                                             .features = q->features,
+                                             .tree = q->tree};
     }
     struct tdm_batch b = {.seqs = x->bseqs, .n_seqs = p->n_seqs};
     struct tdm_engine_out out = {

@@ -13,7 +13,7 @@
 
 #include "sched/sched_int.h"
 
-_Static_assert(TDM_SPEC_MAX_K <= TDM_SAMPLE_MAX_UNDO,
+_Static_assert(TDM_SPEC_MAX_K <= TDM_SAMPLE_MAX_UNDO && TDM_TREE_MAX_NODES <= TDM_SAMPLE_MAX_UNDO,
                "a verified row's undo list holds its span's drafts");
 
 void tdm_sched_set_state(struct tdm_req *r, enum tdm_req_state st)
@@ -158,8 +158,30 @@ static int next_span(struct tdm_sched *s, struct tdm_req *r, int budget)
     return TDM_MIN(TDM_MIN(left, budget), s->o.prefill_chunk);
 }
 
-/* WAITING_REMOTE_KV requests whose fill ended: OK -> RUNNING with prompt[:-1] in the KV, a
- * failure -> WAITING with its pages released (the connector fenced them). */
+/* What a remote fill brought the drafter (tdm_req_remote_done_feed): its own KV of
+ * [0, drafter_kv) as stats->cursor, and the target's feature of the last prefilled position. */
+static void feed_remote(struct tdm_sched *s, struct tdm_req *r)
+{
+    r->remote_fed = false;
+    int p = r->n_tokens - 2;
+    if (!s->drafter || !s->drafter->feed || !r->dstate || r->spec_k < 0 || p < 0) return;
+    r->draft_stats.cursor = TDM_MIN(TDM_MAX(r->remote_drafter_kv, 0), p);
+    struct tdm_sched_feed f = {.req = r,
+                               .tokens = r->tokens,
+                               .n_tokens = r->n_tokens,
+                               .pages = r->kv.pages,
+                               .n_pages = r->kv.n_pages,
+                               .stats = &r->draft_stats,
+                               .state = r->dstate,
+                               .pos0 = p,
+                               .n = 1,
+                               .features = r->remote_feature};
+    s->drafter->feed(s->drafter_ctx, &f, 1);
+}
+
+/* WAITING_REMOTE_KV requests whose fill ended: OK -> RUNNING with prompt[:-1] in the KV (and
+ * the drafter fed what came with it), a failure -> WAITING with its pages released (the
+ * connector fenced them). */
 static void land_remote(struct tdm_sched *s)
 {
     for (int i = s->n_running - 1; i >= 0; i--) {
@@ -169,8 +191,53 @@ static void land_remote(struct tdm_sched *s)
         if (st == REMOTE_OK) {
             r->n_cached = r->n_tokens - 1;
             tdm_sched_set_state(r, TDM_REQ_RUNNING);
+            if (r->remote_fed) feed_remote(s, r);
         } else if (st == REMOTE_FAILED) {
             tdm_sched_requeue(s, i, false);
+        }
+    }
+}
+
+/* The tree of r's drafts as plan sequence q sees it (tdm_plan_seq.tree): span token i + 1 is
+ * draft i at position pos0 + its depth, seeing its ancestors and itself; and each row's
+ * sampling: the position after its token's, penalties less every draft off its path, and (in
+ * rejection acceptance) its children as candidates. */
+static void plan_tree(struct tdm_sched *s, struct tdm_req *r, struct tdm_plan_seq *q, int row0)
+{
+    const int n = r->n_draft, T = 1 + n, seq = (int)(q - s->pseqs);
+    int32_t *pos = s->tree_pos + (size_t)seq * (1 + TDM_TREE_MAX_NODES);
+    uint64_t *mask = s->tree_mask + (size_t)seq * (1 + TDM_TREE_MAX_NODES);
+    pos[0] = q->pos0;
+    mask[0] = 0; /* the last committed token: a chain token */
+    for (int i = 1; i < T; i++) {
+        const int par = r->tree_parent[i - 1] + 1; /* span index; 0 is the root */
+        pos[i] = pos[par] + 1;
+        mask[i] = mask[par] | (uint64_t)1 << (i - 1);
+    }
+    struct tdm_batch_tree *tr = &s->trees[seq];
+    *tr = (struct tdm_batch_tree){
+        .positions = pos, .mask = mask, .node_slots = q->slots + 1, .n_nodes = n};
+    q->tree = tr;
+    for (int i = 0; i < q->n_rows; i++) {
+        const int row = row0 + i;
+        struct tdm_sample_row *sr = &s->srows[row];
+        sr->position = (uint32_t)pos[i] + 1;
+        int32_t *undo = s->tree_undo + (size_t)row * TDM_TREE_MAX_NODES;
+        int n_undo = 0;
+        for (int j = 1; j < T; j++)
+            if (!(mask[i] >> (j - 1) & 1)) undo[n_undo++] = q->tokens[j];
+        sr->undo = n_undo ? undo : NULL;
+        sr->n_undo = n_undo;
+        sr->mode = TDM_SAMPLE_DRAW; /* exact: the target's keyed draw; the commit follows it */
+        if (!r->tree_rejection) continue;
+        int32_t *cand = s->tree_cand + (size_t)row * TDM_SAMPLE_MAX_CAND;
+        int n_cand = 0;
+        for (int j = i; j < n; j++) /* children come after their parent */
+            if (r->tree_parent[j] == i - 1) cand[n_cand++] = q->tokens[j + 1];
+        if (n_cand) {
+            sr->mode = TDM_SAMPLE_TREE;
+            sr->cand = cand;
+            sr->n_cand = n_cand;
         }
     }
 }
@@ -203,7 +270,9 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
                                .want = want,
                                .n_draft = r->n_draft,
                                .last = last,
-                               .features = s->features && !r->prefill_only && r->spec_k >= 0
+                               /* a request that may speculate, here or (prefill-only) on
+                                * the node that decodes it */
+                               .features = s->features && r->spec_k >= 0
                                                ? s->features + (size_t)p->n_tokens * s->x.d_model
                                                : NULL};
     for (int i = 0; i < n_rows; i++) {
@@ -226,6 +295,7 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
             sr->n_undo = r->n_draft - i;
         }
     }
+    if (r->tree && r->n_draft && n_rows) plan_tree(s, r, q, p->n_rows);
     r->batch_slot = p->n_seqs++;
     p->n_tokens += span;
     p->n_rows += n_rows;
@@ -240,10 +310,45 @@ static int draft_cap(struct tdm_sched *s, struct tdm_req *r, int budget, int row
     int n_out = r->n_tokens - r->n_prompt;
     int k = r->spec_k > 0 ? TDM_MIN(s->draft_k, r->spec_k) : s->draft_k;
     k = TDM_MIN(k, budget - 1);
-    k = TDM_MIN(k, r->max_tokens - n_out - 1);    /* drafts + the target's token fit */
-    k = TDM_MIN(k, s->max_ctx - r->n_tokens - 1); /* and their positions the context */
+    if (s->drafter->tree) { /* a tree's nodes fit the token list; its depth is what publishes */
+        k = TDM_MIN(k, r->tokens_cap - r->n_tokens);
+        if (r->max_tokens - n_out - 1 <= 0) k = 0;
+    } else {
+        k = TDM_MIN(k, r->max_tokens - n_out - 1); /* drafts + the target's token fit */
+    }
+    k = TDM_MIN(k, s->max_ctx - r->n_tokens - 1); /* and their positions (slots) the context */
     k = TDM_MIN(k, s->max_rows - rows - 1 - rows_after);
     return TDM_MAX(k, 0);
+}
+
+/* How many of a tree drafter's first m proposals form a tree the plan takes: each continues
+ * the committed token or an earlier proposal, a node has at most TDM_SAMPLE_MAX_CAND children,
+ * and the tree is at most TDM_SPEC_MAX_K deep (the statistics count by depth) and no deeper
+ * than its depth_cap. The first proposal that breaks a rule ends it (a prefix of a tree in
+ * parent-first order is a tree). */
+static int tree_prefix(const struct tdm_sched_draft *d, int m)
+{
+    int depth[TDM_TREE_MAX_NODES], children[1 + TDM_TREE_MAX_NODES] = {0};
+    m = TDM_MIN(m, TDM_TREE_MAX_NODES);
+    for (int j = 0; j < m; j++) {
+        const int par = d->parent[j];
+        if (par < -1 || par >= j) return j;
+        depth[j] = par < 0 ? 1 : depth[par] + 1;
+        if (depth[j] > TDM_MIN(TDM_SPEC_MAX_K, d->depth_cap) ||
+            children[par + 1] == TDM_SAMPLE_MAX_CAND)
+            return j;
+        children[par + 1]++;
+    }
+    return m;
+}
+
+/* The deepest draft of r worth proposing: past it, nothing could be published (max_tokens, the
+ * context). A chain's is its k. */
+static int depth_cap(const struct tdm_sched *s, const struct tdm_req *r, int k)
+{
+    if (!s->drafter->tree) return k;
+    int n_out = r->n_tokens - r->n_prompt;
+    return TDM_MAX(TDM_MIN(r->max_tokens - n_out - 1, s->max_ctx - r->n_tokens - 1), 0);
 }
 
 /* Hands the drafting batch to the drafter and appends what it proposed to each token list
@@ -266,11 +371,14 @@ static int draft_batch(struct tdm_sched *s, int n, int base_tokens)
                 m = j; /* a drafter's bad token ends its proposal */
                 break;
             }
+        if (d->parent) m = tree_prefix(d, m);
         for (int j = 0; j < m; j++)
             tdm_sampler_accept(&r->smp, d->out[j], false);
         r->n_tokens += m;
         r->n_draft = m;
-        r->draft_q = m ? d->q : NULL;
+        r->draft_q = m && !d->parent ? d->q : NULL;
+        r->tree = m && d->parent;
+        r->tree_rejection = r->tree && d->tree_rejection;
         unused += d->cap - m;
     }
     return unused;
@@ -350,22 +458,30 @@ bool tdm_sched_plan_build(struct tdm_sched *s)
             i--; /* r left the array */
             continue;
         }
-        /* the drafts' positions need pages before the drafter runs (it may write their KV) */
+        /* the drafts' positions need pages before the drafter runs (it may write their KV,
+         * and a tree drafter its scratch past them) */
         int k = draft_cap(s, r, budget, rows, n_decodes);
-        if (k && tdm_kv_seq_reserve(s->kv, &r->kv, r->n_tokens + k) != TDM_OK) k = 0;
+        int64_t kv_need = r->n_tokens + k;
+        if (k && s->drafter->tree)
+            kv_need =
+                TDM_MIN(TDM_MAX(kv_need, r->n_tokens - 1 + s->drafter->kv_scratch), s->max_ctx);
+        if (k && tdm_kv_seq_reserve(s->kv, &r->kv, kv_need) != TDM_OK) k = 0;
         r->batch_slot = -2; /* decoding this step: never a preemption victim */
         s->decodes[base++] = r;
         if (k)
-            s->drafts[n_drafting++] = (struct tdm_sched_draft){.req = r,
-                                                               .tokens = r->tokens,
-                                                               .n_tokens = r->n_tokens,
-                                                               .pages = r->kv.pages,
-                                                               .n_pages = r->kv.n_pages,
-                                                               .smp = &r->smp,
-                                                               .stats = &r->draft_stats,
-                                                               .state = r->dstate,
-                                                               .k = k,
-                                                               .out = r->tokens + r->n_tokens};
+            s->drafts[n_drafting++] =
+                (struct tdm_sched_draft){.req = r,
+                                         .tokens = r->tokens,
+                                         .n_tokens = r->n_tokens,
+                                         .pages = r->kv.pages,
+                                         .n_pages = r->kv.n_pages,
+                                         .smp = &r->smp,
+                                         .stats = &r->draft_stats,
+                                         .state = r->dstate,
+                                         .k = k,
+                                         .out = r->tokens + r->n_tokens,
+                                         .parent = s->drafter->tree ? r->tree_parent : NULL,
+                                         .depth_cap = depth_cap(s, r, k)};
         budget -= 1 + k;
         rows += 1 + k;
     }

@@ -55,6 +55,7 @@ static void req_free(struct tdm_req *r)
     free(r->top_ids);
     free(r->top_lps);
     free(r->dstate);
+    free(r->remote_feature);
     free(r);
 }
 
@@ -294,9 +295,13 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
 
     struct tdm_req *r = calloc(1, sizeof *r);
     if (!r) return tdm_err_set(TDM_ENOMEM, "out of memory");
-    int cap = p->n_prompt + p->max_tokens;
+    /* a tree drafter's nodes all join the token list until the commit, however few of them
+     * can still be published */
+    int cap =
+        p->n_prompt + p->max_tokens + (s->drafter && s->drafter->tree ? TDM_TREE_MAX_NODES : 0);
     size_t nout = (size_t)p->max_tokens;
     r->tokens = malloc((size_t)cap * sizeof *r->tokens);
+    r->tokens_cap = cap;
     bool lp = p->top_logprobs >= 0;
     if (lp) r->logprobs = malloc(nout * sizeof *r->logprobs);
     if (p->top_logprobs > 0) {
@@ -310,6 +315,12 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     }
     if (s->drafter && s->drafter->state_bytes &&
         !(r->dstate = calloc(1, s->drafter->state_bytes))) {
+        st = tdm_err_set(TDM_ENOMEM, "out of memory");
+        goto out_buffers;
+    }
+    /* a remote fill may bring a feature drafter its inputs (tdm_req_remote_done_feed) */
+    if (s->drafter && s->drafter->feed && s->conn && s->conn->admit && !p->prefill_only &&
+        !(r->remote_feature = malloc((size_t)s->x.d_model * sizeof(float)))) {
         st = tdm_err_set(TDM_ENOMEM, "out of memory");
         goto out_buffers;
     }
@@ -381,6 +392,7 @@ out_buffers:
     free(r->top_ids);
     free(r->top_lps);
     free(r->dstate);
+    free(r->remote_feature);
     free(r);
     return st;
 }
@@ -720,6 +732,11 @@ void tdm_sched_destroy(tdm_sched_t *s)
     free(s->logits);
     free(s->features);
     free(s->feeds);
+    free(s->trees);
+    free(s->tree_pos);
+    free(s->tree_undo);
+    free(s->tree_cand);
+    free(s->tree_mask);
     free(s);
 }
 
@@ -759,9 +776,50 @@ tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_
             return tdm_err_set(TDM_ENOMEM, "sched: out of memory for the drafter's features");
         }
     }
-    s->draft_k = TDM_MIN(TDM_MIN(TDM_MAX(k_max, 0), TDM_SPEC_MAX_K), s->o.max_batch_tokens - 1);
+    if (s->drafter && d->tree) {
+        const size_t n = (size_t)s->o.max_seqs, rows = (size_t)s->max_rows;
+        const size_t per = 1 + TDM_TREE_MAX_NODES;
+        free(s->trees);
+        free(s->tree_pos);
+        free(s->tree_undo);
+        free(s->tree_cand);
+        free(s->tree_mask);
+        s->trees = calloc(n, sizeof *s->trees);
+        s->tree_pos = calloc(n * per, sizeof *s->tree_pos);
+        s->tree_mask = calloc(n * per, sizeof *s->tree_mask);
+        s->tree_undo = calloc(rows * TDM_TREE_MAX_NODES, sizeof *s->tree_undo);
+        s->tree_cand = calloc(rows * TDM_SAMPLE_MAX_CAND, sizeof *s->tree_cand);
+        if (!s->trees || !s->tree_pos || !s->tree_mask || !s->tree_undo || !s->tree_cand) {
+            s->drafter = NULL;
+            return tdm_err_set(TDM_ENOMEM, "sched: out of memory for the drafter's trees");
+        }
+    }
+    const int k_cap = s->drafter && d->tree ? TDM_TREE_MAX_NODES : TDM_SPEC_MAX_K;
+    s->draft_k = TDM_MIN(TDM_MIN(TDM_MAX(k_max, 0), k_cap), s->o.max_batch_tokens - 1);
     /* verification needs no logits: its rows verify where they are sampled (TDM_SAMPLE_VERIFY) */
     return TDM_OK;
+}
+
+tdm_status tdm_sched_reserve_features(tdm_sched_t *s)
+{
+    if (s->features) return TDM_OK;
+    s->features =
+        malloc((size_t)s->o.max_batch_tokens * (size_t)TDM_MAX(s->x.d_model, 1) * sizeof(float));
+    if (!s->features)
+        return tdm_err_set(TDM_ENOMEM, "sched: out of memory for %d tokens' features",
+                           s->o.max_batch_tokens);
+    return TDM_OK;
+}
+
+void tdm_req_remote_done_feed(tdm_req_t *r, const float *feature, int drafter_kv)
+{
+    /* the scheduler does not touch the mailbox while the request waits for its KV */
+    if (r->remote_feature && feature) {
+        memcpy(r->remote_feature, feature, (size_t)r->sched->x.d_model * sizeof(float));
+        r->remote_drafter_kv = drafter_kv;
+        r->remote_fed = true;
+    }
+    tdm_req_remote_done(r, TDM_OK);
 }
 
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st)

@@ -46,16 +46,28 @@ struct tdm_req {
     void *user;
     struct tdm_sched *sched;
     _Atomic int remote; /* REMOTE_* */
-    _Atomic int state;  /* enum tdm_req_state; written by the scheduler thread only */
+    /* tdm_req_remote_done_feed's mailbox, written before `remote` turns REMOTE_OK (so after
+     * land_remote reads REMOTE_OK it is complete): the target's feature of the last prefilled
+     * position ([d_model], reserved at submit with a feature drafter and a connector) and the
+     * positions of the drafter's KV that landed. remote_fed says they were given. */
+    float *remote_feature;
+    int remote_drafter_kv;
+    bool remote_fed;
+    _Atomic int state; /* enum tdm_req_state; written by the scheduler thread only */
 
     /* scheduler thread only */
-    int32_t *tokens; /* [n_prompt + max_tokens]: prompt, outputs, then this step's drafts */
+    int32_t *tokens; /* [tokens_cap]: prompt, outputs, then this step's drafts */
+    int tokens_cap;  /* n_prompt + max_tokens, and a tree's worth more for a tree drafter */
     int n_tokens;    /* prompt + outputs (+ drafts) */
     int n_draft;     /* drafted tokens at the end of tokens (0 outside a step) */
     struct tdm_draft_stats draft_stats;
     void *dstate;         /* the drafter's state_bytes for it, or NULL */
     const float *draft_q; /* the drafter's q for this step's drafts (rejection), or NULL */
-    int n_cached;         /* tokens whose KV is in kv */
+    /* this step's drafts are a token tree (a tree drafter's): draft j continues draft
+     * tree_parent[j] (-1: the last committed token); tree_rejection: verified as point masses */
+    bool tree, tree_rejection;
+    int32_t tree_parent[TDM_TREE_MAX_NODES];
+    int n_cached; /* tokens whose KV is in kv */
     struct tdm_kv_seq kv;
     struct tdm_sampler smp;
     int batch_slot; /* index in this step's plan, or -1 */
@@ -117,7 +129,13 @@ struct tdm_sched {
     struct tdm_sched_draft *drafts; /* [max_seqs] this step's drafting batch */
     struct tdm_req **decodes;       /* [max_seqs] this step's decoding requests */
     float *features;                /* [max_batch_tokens][d_model] with a feature drafter */
-    struct tdm_sched_feed *feeds;   /* [max_seqs] */
+    /* a tree drafter's plan scratch (tdm_sched_set_drafter): per plan sequence its tree, its
+     * tokens' positions and masks ([max_seqs][1 + TDM_TREE_MAX_NODES]); per row its undo list
+     * ([max_rows][TDM_TREE_MAX_NODES]) and candidates ([max_rows][TDM_SAMPLE_MAX_CAND]) */
+    struct tdm_batch_tree *trees;
+    int32_t *tree_pos, *tree_undo, *tree_cand;
+    uint64_t *tree_mask;
+    struct tdm_sched_feed *feeds; /* [max_seqs] */
     uint64_t n_steps;
 
     /* the watchdog (sched.c). wmu guards step_t0_ns, held and the stall flags; it nests

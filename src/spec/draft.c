@@ -34,13 +34,21 @@ void tdm_spec_engine_opts(const struct tdm_spec_opts *o, const struct tdm_model 
                           struct tdm_kv_group *group, struct tdm_engine_opts *eo)
 {
     if (o->method == TDM_SPEC_NONE) return;
-    if ((o->method == TDM_SPEC_DRAFT || o->method == TDM_SPEC_MTP) && o->draft_model) {
+    if ((o->method == TDM_SPEC_DRAFT || o->method == TDM_SPEC_MTP || o->method == TDM_SPEC_EAGLE) &&
+        o->draft_model) {
         tdm_spec_kv_group(o->draft_model, group);
         eo->kv_extra = group;
         eo->n_kv_extra = 1;
         eo->co_model = o->draft_model;
     }
-    if (o->accept == TDM_SPEC_ACCEPT_REJECTION) {
+    if (o->method == TDM_SPEC_EAGLE) { /* a verified tree's rows: the root and every node */
+        const int rows = 1 + (o->tree_budget > 0 ? o->tree_budget : TDM_SPEC_TREE_BUDGET);
+        struct tdm_engine_opts f = *eo;
+        tdm_engine_fill_defaults(&target->cfg, &f);
+        eo->max_logit_rows = TDM_MAX(f.max_logit_rows, rows);
+    }
+    if (o->accept == TDM_SPEC_ACCEPT_REJECTION && o->method != TDM_SPEC_EAGLE) {
+        /* (a tree's rejection tests point masses: no distributions to keep) */
         struct tdm_engine_opts f = *eo;
         tdm_engine_fill_defaults(&target->cfg, &f);
         eo->reserve_bytes += tdm_spec_q_bytes(&f, target->cfg.vocab_size);

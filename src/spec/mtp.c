@@ -22,10 +22,23 @@
  * pending rows, which must end at N - 2: this rewrites the head's KV past head_len with the
  * target's features, replacing what the previous step's drafts wrote there ("when its KV is
  * refilled, the head runs again over the accepted span on the target's hidden states"), and
- * its last row draws draft 1; then one pass per depth. A gap in the features (a prompt whose
- * KV came from another node) leaves the request without drafts until its pages go back.
+ * its last row draws draft 1; then one pass per depth.
+ *
+ * A prompt whose KV came from another node (disagg.h) leaves a gap in the features: the
+ * scheduler feeds nothing for positions [0, N - 1). When the prefill node ran this same head
+ * over them (tdm_spec_head_kv, below), the head's KV of [0, N - 2) landed with the pages and
+ * the context brought h(N - 2): the scheduler then sets stats->cursor to N - 2 and feeds that
+ * one feature at N - 2, so head_len = N - 2, pend = [h(N - 2)] and the request drafts at its
+ * first step (prompt[-1], whose row verifies draft 1 = the first output token). Any other gap
+ * leaves the request without drafts until its pages go back (dead).
  *
  * Draws are the chain's: the request's keyed draw (exact) or PROPOSE rows with q (rejection).
+ *
+ * The same head on a prefill node (tdm_spec_head_kv, spec.h): an engine of its own beside the
+ * prefill node's target that runs the head's rows over what that node prefilled, from the
+ * target's features there, so that the head's KV streams to the decoder as one more layer
+ * (disagg.h). It is the same engine call as the catch-up here, so the KV is the same bit for
+ * bit on a batch-invariant backend. tdm_spec_head_fingerprint tells two nodes' heads apart.
  *
  * Ownership: owns the head's engine and its scratch; borrows the head model, the target's
  * pool and backend. Scheduler thread.
@@ -98,8 +111,15 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
             st->head_len = p0;
             st->n_pend = 0;
         } else if (p0 > st->head_len + st->n_pend) {
-            st->dead = 1;
-            continue;
+            /* a gap: positions before p0 ran elsewhere (a remote prefill). The head's KV of
+             * them came with the pages when the prefill node ran this head (the scheduler
+             * says so in stats->cursor); otherwise no drafts until the pages go back */
+            if (!f[i].stats || f[i].stats->cursor < p0) {
+                st->dead = 1;
+                continue;
+            }
+            st->head_len = p0;
+            st->n_pend = 0;
         } else {
             st->n_pend = p0 - st->head_len;
         }
@@ -150,24 +170,22 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
     }
 }
 
-static void mtp_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *d, int n)
+bool tdm_spec_mtp_catch_up(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *d, int n,
+                           const struct tdm_spec_mtp_last *last_row)
 {
     struct mtp_drafter *md = ctx;
     const size_t row = (size_t)md->d * sizeof(float);
     n = TDM_MIN(n, md->max_seqs);
-    int kmax = 0;
+    bool ok = false;
     for (int i = 0; i < n; i++) {
         const struct mtp_req *st = d[i].state;
-        d[i].n = 0;
-        md->n_acc[i] = 0;
-        bool ready =
-            st && !st->dead && st->n_pend >= 1 && st->head_len + st->n_pend == d[i].n_tokens - 1;
+        bool ready = d[i].k > 0 && st && !st->dead && st->n_pend >= 1 &&
+                     st->head_len + st->n_pend == d[i].n_tokens - 1;
         md->todo[i] = ready ? st->n_pend : -1;
         md->done[i] = 0;
-        if (ready) kmax = TDM_MAX(kmax, d[i].k);
+        ok |= ready;
     }
-    /* 1. the pending rows, ending at N - 2, whose row draws draft 1 */
-    bool ok = kmax > 0;
+    /* the pending rows, ending at N - 2, whose row the caller samples */
     while (ok) {
         int m = 0, rows = 0, budget = md->max_tokens;
         size_t off = 0;
@@ -188,7 +206,7 @@ static void mtp_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *
                                                    .features = last ? md->fout + off : NULL};
             if (last) {
                 md->foff[i] = off + (size_t)(span - 1) * md->d;
-                tdm_spec_set_row(&md->dw, &d[i], i, 0, rows, (uint32_t)d[i].n_tokens);
+                last_row->set(last_row->ctx, &d[i], i, md->rows, rows);
                 md->idx[rows++] = i;
             }
             off += (size_t)span * md->d;
@@ -200,18 +218,56 @@ static void mtp_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *
         for (int r = 0; r < rows; r++) {
             int i = md->idx[r];
             struct mtp_req *st = d[i].state;
-            d[i].out[0] = tdm_spec_take(&md->dw, &d[i], i, r);
-            d[i].n = 1;
-            memcpy(md->g + (size_t)i * md->d, md->fout + md->foff[i], row);
+            last_row->take(last_row->ctx, &d[i], i, &md->rows[r], md->fout + md->foff[i]);
             st->head_len = d[i].n_tokens - 1; /* from the target's features, all of it */
             st->n_pend = 0;
         }
     }
+    return ok;
+}
+
+tdm_engine_t *tdm_spec_mtp_engine(void *ctx)
+{
+    return ((struct mtp_drafter *)ctx)->e;
+}
+
+/* mtp's last catch-up row: draft 1, drawn like every chain draft, and the head's feature */
+static void mtp_last_set(void *ctx, struct tdm_sched_draft *x, int i, struct tdm_sample_row *rows,
+                         int r)
+{
+    struct mtp_drafter *md = ctx;
+    (void)rows;
+    tdm_spec_set_row(&md->dw, x, i, 0, r, (uint32_t)x->n_tokens);
+}
+static void mtp_last_take(void *ctx, struct tdm_sched_draft *x, int i,
+                          const struct tdm_sample_row *row, const float *g)
+{
+    struct mtp_drafter *md = ctx;
+    x->out[0] = tdm_spec_take(&md->dw, x, i, (int)(row - md->rows));
+    x->n = 1;
+    memcpy(md->g + (size_t)i * md->d, g, (size_t)md->d * sizeof(float));
+}
+
+static void mtp_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *d, int n)
+{
+    struct mtp_drafter *md = ctx;
+    const size_t row = (size_t)md->d * sizeof(float);
+    n = TDM_MIN(n, md->max_seqs);
+    for (int i = 0; i < n; i++) {
+        d[i].n = 0;
+        md->n_acc[i] = 0;
+    }
+    /* 1. the pending rows, ending at N - 2, whose row draws draft 1 */
+    const struct tdm_spec_mtp_last last = {mtp_last_set, mtp_last_take, md};
+    bool ok = tdm_spec_mtp_catch_up(md, sp, d, n, &last);
     if (!ok) {
         for (int i = 0; i < n; i++)
             d[i].n = 0;
         return;
     }
+    int kmax = 0;
+    for (int i = 0; i < n; i++)
+        if (d[i].n) kmax = TDM_MAX(kmax, d[i].k);
     /* 2. the deeper drafts: draft j and the head's own feature at N - 2 + j */
     for (int j = 1; j < kmax && ok; j++) {
         int m = 0;
@@ -265,32 +321,48 @@ static void mtp_destroy(void *ctx)
     free(md);
 }
 
-tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *head,
-                               enum tdm_spec_accept accept, bool one_hot,
-                               struct tdm_spec_drafter *out)
+/* The head fits the target, whose pool has the head's layer group (both users of a head). */
+static tdm_status head_fits(tdm_engine_t *target, const struct tdm_model *head, const char *who)
 {
     if (!head || !head->head)
-        return tdm_err_set(TDM_EINVAL, "spec mtp: no head (give --spec-draft HEAD.safetensors)");
+        return tdm_err_set(TDM_EINVAL, "%s: no head (give --spec-draft HEAD.safetensors)", who);
     const struct tdm_model_config *tc = &tdm_engine_model(target)->cfg, *hc = &head->cfg;
     if (hc->d_model != tc->d_model || hc->vocab_size != tc->vocab_size ||
         hc->head_dim != tc->head_dim)
-        return tdm_err_set(TDM_EINVAL, "spec mtp: the head was loaded for another target");
-    tdm_kv_pool_t *kv = tdm_engine_kv(target);
+        return tdm_err_set(TDM_EINVAL,
+                           "%s: the head (%d wide, head size %d, vocabulary %d) was loaded for "
+                           "another target (%d wide, head size %d, vocabulary %d)",
+                           who, hc->d_model, hc->head_dim, hc->vocab_size, tc->d_model,
+                           tc->head_dim, tc->vocab_size);
     struct tdm_kv_group want, have;
     tdm_spec_kv_group(head, &want);
-    if (!tdm_kv_pool_group(kv, 1, &have) || have.n_layers != want.n_layers ||
+    if (!tdm_kv_pool_group(tdm_engine_kv(target), 1, &have) || have.n_layers != want.n_layers ||
         have.n_kv_heads != want.n_kv_heads || have.head_dim != want.head_dim)
-        return tdm_err_set(TDM_EINVAL, "spec mtp: the target's KV pool has no layer group for "
-                                       "the head (create the target engine with "
-                                       "tdm_spec_engine_opts)");
+        return tdm_err_set(TDM_EINVAL,
+                           "%s: the target's KV pool has no layer group for the head "
+                           "(create the target engine with tdm_spec_engine_opts)",
+                           who);
+    return TDM_OK;
+}
+
+tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *head,
+                               enum tdm_spec_accept accept, bool one_hot, int rows_per_seq,
+                               struct tdm_spec_drafter *out)
+{
+    tdm_status st = head_fits(target, head, "spec mtp");
+    if (st != TDM_OK) return st;
+    const struct tdm_model_config *tc = &tdm_engine_model(target)->cfg;
     const struct tdm_engine_opts *to = tdm_engine_opts(target);
     struct tdm_engine_opts eo;
     tdm_spec_beside_opts(target, &eo);
     int n = eo.max_seqs;
+    /* a tree drafter's passes take several rows a request (within the target's own rows,
+     * which the memory plan sized the head's scratch by) */
+    if (rows_per_seq > 1)
+        eo.max_logit_rows = (int)TDM_MIN((int64_t)n * rows_per_seq, (int64_t)to->max_logit_rows);
     struct mtp_drafter *md = calloc(1, sizeof *md);
     if (!md) return tdm_err_set(TDM_ENOMEM, "spec mtp: out of memory");
-    tdm_status st = tdm_engine_create(head, &eo, &md->e);
-    if (st != TDM_OK) {
+    if ((st = tdm_engine_create(head, &eo, &md->e)) != TDM_OK) {
         free(md);
         return st;
     }
@@ -335,4 +407,159 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
                                                     (size_t)PEND_CAP * dd * sizeof(float),
                                      .feed = mtp_feed};
     return TDM_OK;
+}
+
+/* ---- the head's KV for a decoder elsewhere (spec.h) ---- */
+
+struct tdm_spec_head_kv {
+    tdm_engine_t *e; /* the head's, beside the target's (group 1 of its pool) */
+    int max_seqs, max_tokens;
+    struct tdm_batch_seq *seqs; /* [max_seqs] */
+};
+
+tdm_status tdm_spec_head_kv_create(tdm_engine_t *target, const struct tdm_model *head,
+                                   tdm_spec_head_kv_t **out)
+{
+    tdm_status st = head_fits(target, head, "spec head KV");
+    if (st != TDM_OK) return st;
+    struct tdm_spec_head_kv *h = calloc(1, sizeof *h);
+    if (!h) return tdm_err_set(TDM_ENOMEM, "spec head KV: out of memory");
+    struct tdm_engine_opts eo;
+    tdm_spec_beside_opts(target, &eo);
+    if ((st = tdm_engine_create(head, &eo, &h->e)) != TDM_OK) {
+        free(h);
+        return st;
+    }
+    const struct tdm_engine_opts *ho = tdm_engine_opts(h->e);
+    h->max_seqs = ho->max_seqs;
+    h->max_tokens = ho->max_batch_tokens;
+    if (!(h->seqs = calloc((size_t)h->max_seqs, sizeof *h->seqs))) {
+        tdm_spec_head_kv_destroy(h);
+        return tdm_err_set(TDM_ENOMEM, "spec head KV: out of memory");
+    }
+    *out = h;
+    return TDM_OK;
+}
+
+void tdm_spec_head_kv_destroy(tdm_spec_head_kv_t *h)
+{
+    if (!h) return;
+    tdm_engine_destroy(h->e);
+    free(h->seqs);
+    free(h);
+}
+
+tdm_status tdm_spec_head_kv_run(tdm_spec_head_kv_t *h, const struct tdm_spec_head_rows *rows, int n)
+{
+    const int d = tdm_engine_model(h->e)->cfg.d_model;
+    int i = 0, done = 0; /* rows of span i already run */
+    while (i < n) {
+        int m = 0, budget = h->max_tokens;
+        while (i < n && m < h->max_seqs && budget > 0) {
+            const struct tdm_spec_head_rows *r = &rows[i];
+            int span = TDM_MIN(r->n - done, budget);
+            if (span > 0) {
+                h->seqs[m++] = (struct tdm_batch_seq){.tokens = r->tokens + r->pos0 + done + 1,
+                                                      .n_tokens = span,
+                                                      .pos0 = r->pos0 + done,
+                                                      .pages = r->pages,
+                                                      .n_pages = r->n_pages,
+                                                      .hidden = r->features + (size_t)done * d};
+                done += span;
+                budget -= span;
+            }
+            if (done >= r->n) {
+                i++;
+                done = 0;
+            }
+        }
+        if (!m) break;
+        struct tdm_batch b = {.seqs = h->seqs, .n_seqs = m};
+        struct tdm_engine_out o = {0};
+        tdm_status st = tdm_engine_run(h->e, &b, &o);
+        if (st != TDM_OK) return st;
+    }
+    return TDM_OK;
+}
+
+/* Four independent FNV-style lanes over 8-byte words (a mismatch check, not a MAC). */
+struct fp {
+    uint64_t lane[4];
+};
+static void fp_words(struct fp *f, const uint8_t *p, size_t bytes)
+{
+    const uint64_t prime = 0x100000001b3ull;
+    size_t i = 0;
+    for (; i + 32 <= bytes; i += 32)
+        for (int l = 0; l < 4; l++) {
+            uint64_t w;
+            memcpy(&w, p + i + 8 * l, 8);
+            f->lane[l] = (f->lane[l] ^ w) * prime;
+        }
+    for (; i < bytes; i++)
+        f->lane[0] = (f->lane[0] ^ p[i]) * prime;
+}
+static void fp_u64(struct fp *f, uint64_t v)
+{
+    uint8_t b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)(v >> (8 * i));
+    fp_words(f, b, 8);
+}
+static void fp_weight(struct fp *f, const struct tdm_weight *w)
+{
+    fp_u64(f, w->data ? 1 + (uint64_t)w->dtype : 0);
+    if (!w->data) return;
+    fp_u64(f, (uint64_t)w->rows);
+    fp_u64(f, (uint64_t)w->cols);
+    fp_words(f, w->data, (size_t)w->rows * w->row_bytes);
+}
+
+uint64_t tdm_spec_head_fingerprint(const struct tdm_model *head)
+{
+    struct fp f = {{0xcbf29ce484222325ull, 0x84222325cbf29ce4ull, 0x9e3779b97f4a7c15ull,
+                    0xc2b2ae3d27d4eb4full}};
+    const struct tdm_model_config *c = &head->cfg;
+    uint32_t eps, theta;
+    memcpy(&eps, &c->rms_eps, 4);
+    memcpy(&theta, &c->rope_theta, 4);
+    const uint64_t cfg[] = {(uint64_t)c->arch,
+                            (uint64_t)c->n_layers,
+                            (uint64_t)c->d_model,
+                            (uint64_t)c->n_heads,
+                            (uint64_t)c->n_kv_heads,
+                            (uint64_t)c->head_dim,
+                            (uint64_t)c->d_ff,
+                            (uint64_t)c->vocab_size,
+                            eps,
+                            theta,
+                            (uint64_t)c->rope_neox,
+                            (uint64_t)c->qkv_bias,
+                            (uint64_t)c->qk_norm};
+    for (size_t i = 0; i < TDM_ARRAY_LEN(cfg); i++)
+        fp_u64(&f, cfg[i]);
+    if (head->head) {
+        const struct tdm_head *hd = head->head;
+        fp_u64(&f, 1 + (uint64_t)hd->layout);
+        const struct tdm_weight *hw[] = {&hd->enorm, &hd->hnorm, &hd->fc_e, &hd->fc_h,
+                                         &hd->fc_bias};
+        for (size_t i = 0; i < TDM_ARRAY_LEN(hw); i++)
+            fp_weight(&f, hw[i]);
+        fp_u64(&f, (uint64_t)hd->n_draft); /* a reduced draft vocabulary */
+        for (int i = 0; i < hd->n_draft; i++)
+            fp_u64(&f, (uint64_t)hd->d2t[i]);
+    }
+    for (int l = 0; l < c->n_layers && head->layers; l++) {
+        const struct tdm_layer_weights *L = &head->layers[l];
+        const struct tdm_weight *lw[] = {&L->attn_norm, &L->wq,     &L->wk,     &L->wv,     &L->bq,
+                                         &L->bk,        &L->bv,     &L->q_norm, &L->k_norm, &L->wo,
+                                         &L->ffn_norm,  &L->w_gate, &L->w_up,   &L->w_down};
+        for (size_t i = 0; i < TDM_ARRAY_LEN(lw); i++)
+            fp_weight(&f, lw[i]);
+    }
+    fp_weight(&f, &head->output_norm);
+    uint64_t h = 0;
+    for (int l = 0; l < 4; l++)
+        h = (h ^ f.lane[l]) * 0x9e3779b97f4a7c15ull + (h >> 29);
+    return h;
 }

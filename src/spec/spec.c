@@ -72,7 +72,14 @@ tdm_status tdm_spec_k_parse(const char *s, int *k, bool *off)
 static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tokens)
 {
     struct tdm_spec *sp = ctx;
-    if (sp->o.k > 0) {
+    if (sp->dr.tree) {
+        /* a tree's size is its budget (the scheduler's cap); k fixed drafts every step (and
+         * caps the depth, eagle.c); auto: the gate alone (the per-position model is a
+         * chain's) */
+        if (sp->o.k == 0 && !tdm_spec_gate_begin(&sp->gate, base_tokens))
+            for (int i = 0; i < n; i++)
+                d[i].k = 0;
+    } else if (sp->o.k > 0) {
         for (int i = 0; i < n; i++)
             d[i].k = TDM_MIN(d[i].k, sp->o.k);
     } else if (tdm_spec_gate_begin(&sp->gate, base_tokens)) {
@@ -97,6 +104,7 @@ static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tok
         if (d[i].req == sp->batch[q].req) {
             d[i].n = sp->batch[q].n;
             d[i].q = sp->batch[q].q;
+            d[i].tree_rejection = sp->batch[q].tree_rejection;
             drafted += d[i].n;
             q++;
         }
@@ -108,7 +116,9 @@ static void on_accepted(void *ctx, tdm_req_t *r, struct tdm_draft_stats *st, int
 {
     struct tdm_spec *sp = ctx;
     (void)r;
-    tdm_spec_ctl_learn(&sp->ctl, st, n_draft, n_accepted);
+    /* a tree's record is by depth: n_pos positions were drafted along every path */
+    const int n_pos = st->tree_depth > 0 ? st->tree_depth : n_draft;
+    tdm_spec_ctl_learn(&sp->ctl, st, n_pos, n_accepted);
     if (sp->dr.accepted) sp->dr.accepted(sp->dr.ctx, st, n_draft, n_accepted);
     tdm_spec_gate_tokens(&sp->gate, n_published);
     pthread_mutex_lock(&sp->mu);
@@ -116,7 +126,11 @@ static void on_accepted(void *ctx, tdm_req_t *r, struct tdm_draft_stats *st, int
     sp->st.accepted += (uint64_t)n_accepted;
     sp->st.target_steps++;
     sp->st.tokens += (uint64_t)n_published;
-    for (int j = 0; j < n_draft && j < TDM_SPEC_MAX_K; j++) {
+    if (st->tree_depth > 0) {
+        sp->st.tree_steps++;
+        sp->st.accepted_other_branch += (uint64_t)st->tree_off_first;
+    }
+    for (int j = 0; j < n_pos && j < TDM_SPEC_MAX_K; j++) {
         sp->st.drafted_at[j]++;
         sp->st.accepted_at[j] += j < n_accepted;
     }
@@ -174,9 +188,7 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
     case TDM_SPEC_MTP:
         break;
     case TDM_SPEC_EAGLE:
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "--spec eagle (dynamic trees of a head's proposals) is not in this "
-                           "build yet; --spec mtp runs the same head as a chain");
+        break;
     default:
         return tdm_err_set(TDM_EINVAL, "spec: unknown method %d", (int)o->method);
     }
@@ -198,7 +210,9 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
         if (o->method == TDM_SPEC_DRAFT)
             st = tdm_spec_draft_create(target, o->draft_model, o->accept, o->q_one_hot, &sp->dr);
         else if (o->method == TDM_SPEC_MTP)
-            st = tdm_spec_mtp_create(target, o->draft_model, o->accept, o->q_one_hot, &sp->dr);
+            st = tdm_spec_mtp_create(target, o->draft_model, o->accept, o->q_one_hot, 1, &sp->dr);
+        else if (o->method == TDM_SPEC_EAGLE)
+            st = tdm_spec_eagle_create(target, o->draft_model, o, &sp->dr);
         else
             st = tdm_spec_self_create(target, o->self_layers, o->accept, o->q_one_hot, &sp->dr);
     }
@@ -207,7 +221,9 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
                                              .step_done = on_step_done,
                                              .feature_dim = sp->dr.feature_dim,
                                              .feed = sp->dr.feed ? on_feed : NULL,
-                                             .state_bytes = sp->dr.state_bytes};
+                                             .state_bytes = sp->dr.state_bytes,
+                                             .tree = sp->dr.tree,
+                                             .kv_scratch = sp->dr.kv_scratch};
     if (st != TDM_OK) {
         tdm_spec_destroy(sp);
         return st;
@@ -226,8 +242,15 @@ void tdm_spec_destroy(tdm_spec_t *sp)
     free(sp);
 }
 
+/* A tree drafter's node budget (eagle). */
+static int tree_budget(const struct tdm_spec_opts *o)
+{
+    return o->tree_budget > 0 ? o->tree_budget : TDM_SPEC_TREE_BUDGET;
+}
+
 tdm_status tdm_spec_attach(tdm_spec_t *sp, tdm_sched_t *s)
 {
+    if (sp->dr.tree) return tdm_sched_set_drafter(s, &sp->iface, sp, tree_budget(&sp->o));
     return tdm_sched_set_drafter(s, &sp->iface, sp, sp->o.k > 0 ? sp->o.k : TDM_SPEC_AUTO_K);
 }
 
@@ -241,6 +264,17 @@ void tdm_spec_describe(const tdm_spec_t *sp, char *buf, size_t cap)
     if (sp->o.method == TDM_SPEC_DRAFT)
         snprintf(buf, cap, "draft model (%d layers; the target has %d), %s, %s", sp->draft_layers,
                  sp->n_layers, k, tdm_spec_accept_name(sp->o.accept));
+    else if (sp->o.method == TDM_SPEC_EAGLE)
+        snprintf(buf, cap,
+                 "eagle trees of the mtp head (%s layout): budget %d, top-k %d, depth %d%s, %s, "
+                 "%s",
+                 sp->o.draft_model && sp->o.draft_model->head
+                     ? tdm_head_layout_name(sp->o.draft_model->head->layout)
+                     : "?",
+                 tree_budget(&sp->o), sp->o.tree_topk ? sp->o.tree_topk : TDM_SPEC_TREE_TOPK,
+                 sp->o.tree_depth ? sp->o.tree_depth : TDM_SPEC_TREE_DEPTH,
+                 sp->o.k > 0 ? " (at most k)" : "", sp->o.k > 0 ? "every step" : "gated",
+                 sp->o.accept == TDM_SPEC_ACCEPT_REJECTION ? "multi-draft rejection" : "exact");
     else if (sp->o.method == TDM_SPEC_MTP)
         snprintf(buf, cap, "mtp head (%s layout), chain, %s, %s",
                  sp->o.draft_model && sp->o.draft_model->head
@@ -274,11 +308,16 @@ int tdm_spec_stats_json(const struct tdm_spec_stats *st, char *buf, size_t cap)
                               (double)st->accepted_at[j] / (double)st->drafted_at[j]);
     snprintf(pos + n, sizeof pos - n, "]");
     double tau = st->target_steps ? (double)st->tokens / (double)st->target_steps : 0;
+    char tree[96] = ""; /* trees: their steps and the drafts kept off the best guess */
+    if (st->tree_steps)
+        snprintf(tree, sizeof tree, ",\"tree_steps\":%llu,\"accepted_other_branch\":%llu",
+                 (unsigned long long)st->tree_steps, (unsigned long long)st->accepted_other_branch);
     return snprintf(buf, cap,
                     "{\"drafted\":%llu,\"accepted\":%llu,\"target_steps\":%llu,\"tokens\":%llu,"
-                    "\"tau\":%.4f,\"accept_by_position\":%s}",
+                    "\"tau\":%.4f,\"accept_by_position\":%s%s}",
                     (unsigned long long)st->drafted, (unsigned long long)st->accepted,
-                    (unsigned long long)st->target_steps, (unsigned long long)st->tokens, tau, pos);
+                    (unsigned long long)st->target_steps, (unsigned long long)st->tokens, tau, pos,
+                    tree);
 }
 
 /* A histogram of small counts (bounds 1, 2, ... or 0, 1, ...) from a table of counts. */
@@ -323,6 +362,12 @@ char *tdm_spec_metrics(void *ctx)
     counts_hist(&h, st.k_hist, TDM_SPEC_MAX_K + 1, 0);
     tdm_hist_prom(&b, "tandem_spec_k_chosen", "Drafts chosen for a request's decode step.", &h,
                   NULL);
+    tdm_prom_scalar(&b, "tandem_spec_tree_steps_total", "counter",
+                    "Decode steps that verified a token tree (eagle).", NULL,
+                    (double)st.tree_steps);
+    tdm_prom_scalar(&b, "tandem_spec_accepted_other_branch_total", "counter",
+                    "Kept tree drafts that were not their parent's first child.", NULL,
+                    (double)st.accepted_other_branch);
     tdm_prom_scalar(&b, "tandem_spec_draft_seconds_total", "counter",
                     "Time in draft forward passes.", NULL, st.draft_s);
     tdm_prom_family(

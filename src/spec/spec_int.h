@@ -28,6 +28,10 @@ struct tdm_spec_drafter {
     int feature_dim;
     size_t state_bytes;
     void (*feed)(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed *f, int n);
+    /* a tree drafter (tdm_sched_drafter_i's tree and kv_scratch): k is its trees' node
+     * budget, and the controller's per-position choice does not apply (the gate does) */
+    bool tree;
+    int kv_scratch;
 };
 
 /* The sampling row of a draft proposed at `pos` for request x: the request's own keyed draw
@@ -88,10 +92,32 @@ tdm_status tdm_spec_self_create(tdm_engine_t *target, int n_layers, enum tdm_spe
 tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *draft,
                                  enum tdm_spec_accept accept, bool one_hot,
                                  struct tdm_spec_drafter *out);
-/* The MTP head drafter (mtp.c): head is a tdm_head_load model for the target. */
+/* The MTP head drafter (mtp.c): head is a tdm_head_load model for the target. rows_per_seq:
+ * the logit rows a request may take in one of the head engine's passes (1 for mtp's chains;
+ * the eagle drafter's top-k), capped by the target's. */
 tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *head,
-                               enum tdm_spec_accept accept, bool one_hot,
+                               enum tdm_spec_accept accept, bool one_hot, int rows_per_seq,
                                struct tdm_spec_drafter *out);
+/* ---- mtp.c's machinery that the eagle drafter (eagle.c) drives ----
+ * mtp (the drafter's ctx) keeps each request's head state, fed with the target's features
+ * (its feed); tdm_spec_mtp_catch_up runs, for each request of d[0, n) with k > 0 whose
+ * pending rows end at N - 2 (n_tokens N), the head over them (its KV from the target's
+ * features, up to position N - 2), and hands the last row to `last`: set fills its sampling
+ * row (rows[r], a row of mtp's passes), take sees the sampled row and the head's feature
+ * g(N - 2) ([d_model] floats, valid during the call). Requests not ready are skipped (take is
+ * not called). false: a pass failed (what was taken stays taken). */
+struct tdm_spec_mtp_last {
+    void (*set)(void *ctx, struct tdm_sched_draft *x, int i, struct tdm_sample_row *rows, int r);
+    void (*take)(void *ctx, struct tdm_sched_draft *x, int i, const struct tdm_sample_row *row,
+                 const float *g);
+    void *ctx;
+};
+bool tdm_spec_mtp_catch_up(void *mtp, struct tdm_spec *sp, struct tdm_sched_draft *d, int n,
+                           const struct tdm_spec_mtp_last *last);
+tdm_engine_t *tdm_spec_mtp_engine(void *mtp); /* the head's engine (group 1 of the pool) */
+/* The EAGLE-2 drafter (eagle.c): the same head's proposals as dynamic token trees. */
+tdm_status tdm_spec_eagle_create(tdm_engine_t *target, const struct tdm_model *head,
+                                 const struct tdm_spec_opts *o, struct tdm_spec_drafter *out);
 
 /* ---- cost models (adapt.c): y = a + b x, exponentially weighted least squares ---- */
 struct tdm_spec_cost {

@@ -37,20 +37,20 @@ bool tdm_tok_utf8_valid(const char *s, size_t len, size_t *bad_off)
             else if (c == 0xF4)
                 hi = 0x8F; /* above U+10FFFF */
         } else {
-            *bad_off = i;
+            if (bad_off) *bad_off = i;
             return false;
         }
         if (len - i < n) {
-            *bad_off = i;
+            if (bad_off) *bad_off = i;
             return false;
         }
         if (p[i + 1] < lo || p[i + 1] > hi) {
-            *bad_off = i;
+            if (bad_off) *bad_off = i;
             return false;
         }
         for (size_t k = 2; k < n; k++) {
             if ((p[i + k] & 0xC0) != 0x80) {
-                *bad_off = i;
+                if (bad_off) *bad_off = i;
                 return false;
             }
         }

@@ -130,10 +130,7 @@ struct tdm_tok {
     uint32_t split_first[257]; /* split_ids[split_first[b] .. split_first[b+1]) start with b */
 };
 
-/* ---- UTF-8 and byte-level helpers (text.c) ---- */
-/* True when s[0..len) is valid UTF-8 (RFC 3629: no overlongs, surrogates or > U+10FFFF);
- * otherwise false with the offset of the first bad byte in *bad_off. */
-bool tdm_tok_utf8_valid(const char *s, size_t len, size_t *bad_off);
+/* ---- UTF-8 and byte-level helpers (text.c; tdm_tok_utf8_valid is in tok.h) ---- */
 /* Length of the UTF-8 sequence at s (which must be valid), 1..4. */
 int tdm_tok_utf8_len(unsigned char lead);
 /* Decodes one code point from valid UTF-8 at s; returns its byte length. */

@@ -11,18 +11,31 @@
  * speedup over no speculation at that batch size, and whether every request's tokens equal
  * those without speculation (exact acceptance must say yes). --json prints one object.
  *
+ * With --spec eagle, --spec-tree-budget takes a list too: each k runs once per tree budget,
+ * and rows say which (and how many tree steps kept drafts off the head's first guess).
+ *
  * The scheduler runs on this thread, one step at a time, so a token's arrival time is the end
  * of the step that published it. Prompts: a file of one JSON string per line, each a user
  * message rendered through the model's chat template (--raw: used as it is).
+ *
+ * --attention: a micro-benchmark of the CPU backend's attention op alone (no model): a token
+ * tree of T tokens (the last committed token and T - 1 nodes of a 4-ary tree, EAGLE-like)
+ * against a chain of T tokens (its reference, timed in the same run), over the same prefix of
+ * P positions of random KV, for each P of --attention-prefix and T of --attention-tokens; the
+ * default model's attention shape (9 heads, 3 KV heads, head size 64; page size 16). Each is
+ * timed as the best of nine batches of calls, the chain's and the tree's taken in turn; each
+ * prints its outputs' checksum, and every tree token's output is checked against a
+ * double-precision softmax over its path.
  */
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "tools/tools_int.h"
 
-enum { MAX_BATCHES = 8, MAX_KS = 8 };
+enum { MAX_BATCHES = 8, MAX_KS = 8, MAX_BUDGETS = 8, MAX_ATT = 8 };
 
 struct bench_opts {
     const char *model, *prompts;
@@ -31,15 +44,19 @@ struct bench_opts {
     int64_t top_k, seed;
     int backend_kind;
     double gpu_frac;
-    bool raw, json, one_hot;
+    bool raw, json, one_hot, attention;
     int batches[MAX_BATCHES], n_batches;
-    int ks[MAX_KS], n_ks; /* 0: auto */
+    int ks[MAX_KS], n_ks;                  /* 0: auto */
+    int budgets[MAX_BUDGETS], n_budgets;   /* eagle's tree budgets; none: the default */
+    int att_prefix[MAX_ATT], n_att_prefix; /* --attention: prefix lengths */
+    int att_tokens[MAX_ATT], n_att_tokens; /* --attention: span tokens */
     struct tdm_tool_spec spec_cli;
 };
 
 struct result {
     int batch;
-    int k; /* -1: no speculation; 0: auto */
+    int budget; /* eagle: the tree budget; 0: not a tree */
+    int k;      /* -1: no speculation; 0: auto */
     double tau, itl_p50_ms, itl_p99_ms, tpot_ms, tok_s, speedup;
     int64_t tokens;
     bool identical;
@@ -62,7 +79,13 @@ static void usage(FILE *f)
             "  --q-one-hot             rejection with q the proposal alone (vLLM's default), to\n"
             "                          measure what the draft's full distribution gains\n"
             "  --spec-k LIST           configurations to run beside none: auto and/or fixed\n"
-            "                          lengths, e.g. auto,1,2,4 (default auto)\n");
+            "                          lengths, e.g. auto,1,2,4 (default auto)\n"
+            "  --spec-tree-budget LIST eagle: tree budgets to run for each k, e.g. 8,16,32\n"
+            "  --attention             instead: the CPU attention op, a token tree of T\n"
+            "                          tokens against a chain of T tokens (no model)\n"
+            "  --attention-prefix LIST prefix lengths (default 128,512,2048,8192)\n"
+            "  --attention-tokens LIST tokens T (at most %d; default 8,16,32,64)\n",
+            TDM_TREE_MAX_NODES);
     tdm_tool_spec_usage(f);
 }
 
@@ -106,54 +129,34 @@ static bool opt_ks(const char *arg, void *dst)
     (void)dst;
     return parse_int_list(arg, g_o->ks, &g_o->n_ks, MAX_KS, true, "spec-k");
 }
-
-/* Reads one JSON string a line; returns the number read (or -1 after printing why). */
-static int read_prompts(const char *path, char ***out, int limit)
+static bool in_range(const int *v, int n, int hi, const char *name)
 {
-    FILE *f = fopen(path, "r");
-    if (!f) {
-        fprintf(stderr, "tandem bench spec: cannot open %s\n", path);
-        return -1;
-    }
-    char *line = NULL;
-    size_t cap = 0;
-    int n = 0, lineno = 0, room = 0;
-    char **v = NULL;
-    ssize_t len;
-    while ((len = getline(&line, &cap, f)) > 0 && (limit <= 0 || n < limit)) {
-        lineno++;
-        if (strspn(line, " \t\r\n") == (size_t)len) continue;
-        json_error_t err;
-        json_t *j = json_loads(line, JSON_DECODE_ANY, &err);
-        if (!j || !json_is_string(j) || !json_string_length(j)) {
-            fprintf(stderr, "tandem bench spec: %s:%d: not a non-empty JSON string\n", path,
-                    lineno);
-            json_decref(j);
-            n = -1;
-            break;
+    for (int i = 0; i < n; i++)
+        if (v[i] > hi) {
+            fprintf(stderr, "--%s: %d is over %d\n", name, v[i], hi);
+            return false;
         }
-        if (n == room) {
-            room = room ? room * 2 : 64;
-            char **nv = realloc(v, (size_t)room * sizeof *nv);
-            if (!nv) {
-                json_decref(j);
-                n = -1;
-                break;
-            }
-            v = nv;
-        }
-        v[n++] = strdup(json_string_value(j));
-        json_decref(j);
-    }
-    free(line);
-    fclose(f);
-    if (n == 0) fprintf(stderr, "tandem bench spec: %s has no prompts\n", path);
-    if (n <= 0) {
-        free(v);
-        return -1;
-    }
-    *out = v;
-    return n;
+    return true;
+}
+static bool opt_budgets(const char *arg, void *dst)
+{
+    (void)dst;
+    return parse_int_list(arg, g_o->budgets, &g_o->n_budgets, MAX_BUDGETS, false,
+                          "spec-tree-budget") &&
+           in_range(g_o->budgets, g_o->n_budgets, TDM_TREE_MAX_NODES, "spec-tree-budget");
+}
+static bool opt_att_prefix(const char *arg, void *dst)
+{
+    (void)dst;
+    return parse_int_list(arg, g_o->att_prefix, &g_o->n_att_prefix, MAX_ATT, false,
+                          "attention-prefix");
+}
+static bool opt_att_tokens(const char *arg, void *dst)
+{
+    (void)dst;
+    return parse_int_list(arg, g_o->att_tokens, &g_o->n_att_tokens, MAX_ATT, false,
+                          "attention-tokens") &&
+           in_range(g_o->att_tokens, g_o->n_att_tokens, TDM_TREE_MAX_NODES, "attention-tokens");
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -176,9 +179,10 @@ struct slot {
     double t_last;
 };
 
-/* Runs every prompt at `batch` in flight; k < 0: no speculation. Outputs go to outs[prompt]. */
+/* Runs every prompt at `batch` in flight; k < 0: no speculation; budget > 0: eagle's tree
+ * budget. Outputs go to outs[prompt]. */
 static bool run_config(tdm_engine_t *e, const tdm_tok_t *tok, const struct bench_opts *o,
-                       const struct tdm_spec_opts *so, int batch, int k, int32_t **ids,
+                       const struct tdm_spec_opts *so, int batch, int k, int budget, int32_t **ids,
                        const int *n_ids, int n_prompts, int32_t **outs, int *n_outs,
                        struct result *res)
 {
@@ -192,6 +196,7 @@ static bool run_config(tdm_engine_t *e, const tdm_tok_t *tok, const struct bench
     if (k >= 0) {
         struct tdm_spec_opts so2 = *so;
         so2.k = k;
+        if (budget > 0) so2.tree_budget = budget;
         if (tdm_spec_create(e, &so2, &sp) != TDM_OK || tdm_spec_attach(sp, s) != TDM_OK) {
             tdm_tool_fail("speculation");
             tdm_spec_destroy(sp);
@@ -268,6 +273,7 @@ static bool run_config(tdm_engine_t *e, const tdm_tok_t *tok, const struct bench
     for (int i = 0; sl && i < batch; i++)
         if (sl[i].r) tdm_req_release(sl[i].r);
     *res = (struct result){.batch = batch,
+                           .budget = k >= 0 ? budget : 0,
                            .k = k,
                            .tokens = tokens,
                            .tok_s = wall > 0 ? (double)tokens / wall : 0,
@@ -300,18 +306,19 @@ static void k_name(int k, char *buf, size_t cap)
 
 static void print_table(const struct result *rs, int n)
 {
-    printf("%-6s %-6s %6s %-30s %9s %9s %9s %9s %8s %5s\n", "batch", "k", "tau",
+    printf("%-6s %-6s %-6s %6s %-30s %9s %9s %9s %9s %8s %5s\n", "batch", "k", "tree", "tau",
            "accept by position", "itl p50", "itl p99", "tpot ms", "tok/s", "speedup", "same");
     for (int i = 0; i < n; i++) {
         const struct result *r = &rs[i];
-        char k[16], acc[64] = "-";
+        char k[16], acc[64] = "-", tree[16] = "-";
         k_name(r->k, k, sizeof k);
+        if (r->budget > 0) snprintf(tree, sizeof tree, "%d", r->budget);
         size_t m = 0;
         for (int j = 0; j < TDM_SPEC_MAX_K && r->st.drafted_at[j] && m + 8 < sizeof acc; j++)
             m += (size_t)snprintf(acc + m, sizeof acc - m, "%s%.2f", j ? " " : "",
                                   (double)r->st.accepted_at[j] / (double)r->st.drafted_at[j]);
-        printf("%-6d %-6s %6.3f %-30s %9.2f %9.2f %9.2f %9.1f %8.3f %5s\n", r->batch, k, r->tau,
-               acc, r->itl_p50_ms, r->itl_p99_ms, r->tpot_ms, r->tok_s, r->speedup,
+        printf("%-6d %-6s %-6s %6.3f %-30s %9.2f %9.2f %9.2f %9.1f %8.3f %5s\n", r->batch, k, tree,
+               r->tau, acc, r->itl_p50_ms, r->itl_p99_ms, r->tpot_ms, r->tok_s, r->speedup,
                r->k < 0       ? "-"
                : r->identical ? "yes"
                               : "no");
@@ -337,6 +344,12 @@ static void print_json(const struct bench_opts *o, const char *desc, int n_promp
                 acc, json_real((double)r->st.accepted_at[j] / (double)r->st.drafted_at[j]));
         json_object_set_new(x, "batch", json_integer(r->batch));
         json_object_set_new(x, "k", json_string(k));
+        if (r->budget > 0) {
+            json_object_set_new(x, "budget", json_integer(r->budget));
+            json_object_set_new(x, "tree_steps", json_integer((json_int_t)r->st.tree_steps));
+            json_object_set_new(x, "accepted_other_branch",
+                                json_integer((json_int_t)r->st.accepted_other_branch));
+        }
         json_object_set_new(x, "tau", json_real(r->tau));
         json_object_set_new(x, "accept_by_position", acc);
         json_object_set_new(x, "drafted", json_integer((json_int_t)r->st.drafted));
@@ -354,6 +367,271 @@ static void print_json(const struct bench_opts *o, const char *desc, int n_promp
     if (s) printf("%s\n", s);
     free(s);
     json_decref(root);
+}
+
+/* ---- --attention: a tree of T tokens against a chain of T tokens on the CPU ---- */
+
+enum { ATT_HEADS = 9, ATT_KV_HEADS = 3, ATT_HEAD_DIM = 64, ATT_PAGE = 16, ATT_ARITY = 4 };
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+struct att_case {
+    int prefix, tokens, depth;
+    double chain_us, tree_us, chain_sum, tree_sum, max_err;
+};
+
+/* One step's metadata: a chain of T tokens at positions [P, P + T), or the last committed token
+ * at P and T - 1 nodes of a 4-ary tree (node i's parent: (i - 1) / 4) at P + their depth, each
+ * in the slot of position P + its index (a verified tree's layout, sched.h). Pages are the
+ * identity, so a slot is its position. */
+struct att_step {
+    struct tdm_step st;
+    int32_t tok[TDM_TREE_MAX_NODES], pos[TDM_TREE_MAX_NODES], slot[TDM_TREE_MAX_NODES];
+    int32_t tseq[TDM_TREE_MAX_NODES], sts[2], kvl[1], sps[2], prefix[1], tns[2];
+    uint64_t mask[TDM_TREE_MAX_NODES];
+    int32_t *pages;
+};
+
+static void att_step_make(struct att_step *a, int P, int T, bool tree, int32_t *pages, int n_pages)
+{
+    memset(a, 0, sizeof *a);
+    int end = P + 1;
+    for (int i = 0; i < T; i++) {
+        const int par = (i - 1) / ATT_ARITY;
+        a->slot[i] = P + i;
+        a->pos[i] = !tree || i == 0 ? P + i : a->pos[par] + 1;
+        a->mask[i] = !tree || i == 0 ? 0 : a->mask[par] | (uint64_t)1 << (i - 1);
+        end = TDM_MAX(end, a->pos[i] + 1);
+    }
+    a->sts[1] = T;
+    a->kvl[0] = end;
+    a->sps[1] = n_pages;
+    a->prefix[0] = P + 1;
+    a->tns[1] = T - 1;
+    a->st = (struct tdm_step){.n_tokens = T,
+                              .n_seqs = 1,
+                              .tokens = a->tok,
+                              .positions = a->pos,
+                              .slots = a->slot,
+                              .token_seq = a->tseq,
+                              .seq_token_start = a->sts,
+                              .seq_kv_len = a->kvl,
+                              .seq_page_start = a->sps,
+                              .page_ids = pages,
+                              .page_size = ATT_PAGE,
+                              .n_layers = 1};
+    if (tree && T > 1) {
+        a->st.tree_mask = a->mask;
+        a->st.seq_prefix = a->prefix;
+        a->st.tree_node_start = a->tns;
+        a->st.tree_slots = a->slot + 1;
+    }
+}
+
+/* The best time of one call (microseconds) of the chain's step and of the tree's, over batches
+ * of calls (~50 ms each) taken in turn, so that both see the same machine. */
+static void att_time(tdm_backend_t *b, const float *q, const struct tdm_step *chain,
+                     const struct tdm_step *tree, const struct tdm_kv_layer *kv, float *out,
+                     double *chain_us, double *tree_us)
+{
+    const float scale = 1.0f / sqrtf((float)ATT_HEAD_DIM);
+    int reps = 1;
+    for (;;) { /* calls per batch: enough for ~50 ms of the chain */
+        double t0 = tdm_now_s();
+        for (int r = 0; r < reps; r++)
+            b->iface->attention(b, q, ATT_HEADS, chain, kv, scale, out);
+        double dt = tdm_now_s() - t0;
+        if (dt > 0.05 || reps >= (1 << 20)) break;
+        reps *= dt > 0.005 ? 2 : 8;
+    }
+    double best[2] = {1e30, 1e30};
+    for (int batch = 0; batch < 9; batch++)
+        for (int w = 0; w < 2; w++) {
+            const struct tdm_step *st = w ? tree : chain;
+            double t0 = tdm_now_s();
+            for (int r = 0; r < reps; r++)
+                b->iface->attention(b, q, ATT_HEADS, st, kv, scale, out);
+            best[w] = TDM_MIN(best[w], (tdm_now_s() - t0) / reps);
+        }
+    *chain_us = best[0] * 1e6;
+    *tree_us = best[1] * 1e6;
+}
+
+/* The largest error of token t's output (out: the step's) against a double-precision softmax
+ * over what it sees: positions [0, P') (P' its prefix, or its own position + 1 for a chain
+ * token) through the identity page table, then its mask's nodes. */
+static double att_check(const float *q, const float *kvb, const struct att_step *a, int t,
+                        const float *out)
+{
+    const struct tdm_step *st = &a->st;
+    const size_t head = (size_t)ATT_PAGE * ATT_HEAD_DIM, page = 2 * ATT_KV_HEADS * head;
+    const uint64_t m = st->tree_mask ? st->tree_mask[t] : 0;
+    const int paged = m ? st->seq_prefix[0] : st->positions[t] + 1;
+    const int n = paged + __builtin_popcountll(m);
+    int32_t *seen = malloc((size_t)n * sizeof *seen);
+    double *w = malloc((size_t)n * sizeof *w);
+    if (!seen || !w) {
+        free(seen);
+        free(w);
+        return 1e30;
+    }
+    int k = 0;
+    for (int p = 0; p < paged; p++)
+        seen[k++] = p; /* identity pages: a position's slot is itself */
+    for (uint64_t x = m; x; x &= x - 1)
+        seen[k++] = st->tree_slots[__builtin_ctzll(x)];
+    double worst = 0;
+    for (int h = 0; h < ATT_HEADS; h++) {
+        const int g = h / (ATT_HEADS / ATT_KV_HEADS);
+        const float *qh = q + ((size_t)t * ATT_HEADS + h) * ATT_HEAD_DIM;
+        double mx = -1e300, sum = 0;
+        for (int j = 0; j < n; j++) {
+            const float *kr = kvb + (size_t)(seen[j] / ATT_PAGE) * page + (size_t)g * head +
+                              (size_t)(seen[j] % ATT_PAGE) * ATT_HEAD_DIM;
+            double dot = 0;
+            for (int i = 0; i < ATT_HEAD_DIM; i++)
+                dot += (double)qh[i] * kr[i];
+            w[j] = dot * (double)(1.0f / sqrtf((float)ATT_HEAD_DIM));
+            mx = TDM_MAX(mx, w[j]);
+        }
+        for (int j = 0; j < n; j++)
+            sum += (w[j] = exp(w[j] - mx));
+        for (int i = 0; i < ATT_HEAD_DIM; i++) {
+            double o = 0;
+            for (int j = 0; j < n; j++)
+                o += w[j] *
+                     kvb[(size_t)(seen[j] / ATT_PAGE) * page + (size_t)(ATT_KV_HEADS + g) * head +
+                         (size_t)(seen[j] % ATT_PAGE) * ATT_HEAD_DIM + i];
+            const double got = out[((size_t)t * ATT_HEADS + h) * ATT_HEAD_DIM + i];
+            worst = TDM_MAX(worst, fabs(got - o / sum));
+        }
+    }
+    free(seen);
+    free(w);
+    return worst;
+}
+
+static bool bench_attention(const struct bench_opts *o)
+{
+    static const int def_prefix[] = {128, 512, 2048, 8192}, def_tokens[] = {8, 16, 32, 64};
+    const int *prefix = o->n_att_prefix ? o->att_prefix : def_prefix;
+    const int *tokens = o->n_att_tokens ? o->att_tokens : def_tokens;
+    const int n_p = o->n_att_prefix ? o->n_att_prefix : 4,
+              n_t = o->n_att_tokens ? o->n_att_tokens : 4;
+    struct tdm_backend_cpu_opts bo = {.n_threads = (int)o->threads};
+    tdm_backend_t *b = NULL;
+    if (tdm_backend_cpu_create(&bo, &b) != TDM_OK) {
+        tdm_tool_fail("cpu backend");
+        return false;
+    }
+    struct att_case *cases = calloc((size_t)n_p * n_t, sizeof *cases);
+    struct att_step *ch = malloc(sizeof *ch), *tr = malloc(sizeof *tr);
+    bool ok = cases && ch && tr;
+    uint64_t rng = 0x9e3779b97f4a7c15ull;
+    int n_cases = 0;
+    for (int pi = 0; ok && pi < n_p; pi++)
+        for (int ti = 0; ok && ti < n_t; ti++) {
+            const int P = prefix[pi], T = tokens[ti];
+            const int n_pages = (P + T + ATT_PAGE - 1) / ATT_PAGE + 1;
+            const size_t kv_floats = (size_t)n_pages * 2 * ATT_KV_HEADS * ATT_PAGE * ATT_HEAD_DIM;
+            const size_t q_floats = (size_t)T * ATT_HEADS * ATT_HEAD_DIM;
+            float *kv = b->iface->buf_alloc(b, kv_floats * sizeof(float));
+            float *q = b->iface->buf_alloc(b, q_floats * sizeof(float));
+            float *out = b->iface->buf_alloc(b, q_floats * sizeof(float));
+            int32_t *pages = malloc((size_t)n_pages * sizeof *pages);
+            if (!kv || !q || !out || !pages) {
+                fprintf(stderr, "tandem bench spec: out of memory\n");
+                ok = false;
+            }
+            for (size_t i = 0; ok && i < kv_floats; i++)
+                kv[i] = (float)((double)(splitmix64(&rng) >> 11) / 9007199254740992.0 * 2 - 1);
+            for (size_t i = 0; ok && i < q_floats; i++)
+                q[i] = (float)((double)(splitmix64(&rng) >> 11) / 9007199254740992.0 * 4 - 2);
+            for (int i = 0; ok && i < n_pages; i++)
+                pages[i] = i;
+            if (ok) {
+                struct att_case *c = &cases[n_cases++];
+                struct tdm_kv_layer L = {.base = kv,
+                                         .n_kv_heads = ATT_KV_HEADS,
+                                         .head_dim = ATT_HEAD_DIM,
+                                         .page_size = ATT_PAGE,
+                                         .n_pages = n_pages};
+                att_step_make(ch, P, T, false, pages, n_pages);
+                att_step_make(tr, P, T, true, pages, n_pages);
+                c->prefix = P;
+                c->tokens = T;
+                c->depth = tr->pos[T - 1] - P;
+                att_time(b, q, &ch->st, &tr->st, &L, out, &c->chain_us, &c->tree_us);
+                const float scale = 1.0f / sqrtf((float)ATT_HEAD_DIM);
+                b->iface->attention(b, q, ATT_HEADS, &ch->st, &L, scale, out);
+                for (size_t i = 0; i < q_floats; i++)
+                    c->chain_sum += out[i];
+                b->iface->attention(b, q, ATT_HEADS, &tr->st, &L, scale, out);
+                for (size_t i = 0; i < q_floats; i++)
+                    c->tree_sum += out[i];
+                for (int t = 0; t < T; t++)
+                    c->max_err = TDM_MAX(c->max_err, att_check(q, kv, tr, t, out));
+            }
+            free(pages);
+            if (kv) b->iface->buf_free(b, kv);
+            if (q) b->iface->buf_free(b, q);
+            if (out) b->iface->buf_free(b, out);
+        }
+    const double tol = 1e-4;
+    if (ok && o->json) {
+        json_t *root = json_object(), *arr = json_array();
+        char be[64];
+        snprintf(be, sizeof be, "cpu %s", tdm_backend_cpu_isa());
+        json_object_set_new(root, "backend", json_string(be));
+        json_object_set_new(root, "heads", json_integer(ATT_HEADS));
+        json_object_set_new(root, "kv_heads", json_integer(ATT_KV_HEADS));
+        json_object_set_new(root, "head_dim", json_integer(ATT_HEAD_DIM));
+        for (int i = 0; i < n_cases; i++) {
+            const struct att_case *c = &cases[i];
+            json_t *x = json_object();
+            json_object_set_new(x, "prefix", json_integer(c->prefix));
+            json_object_set_new(x, "tokens", json_integer(c->tokens));
+            json_object_set_new(x, "tree_depth", json_integer(c->depth));
+            json_object_set_new(x, "chain_us", json_real(c->chain_us));
+            json_object_set_new(x, "tree_us", json_real(c->tree_us));
+            json_object_set_new(x, "ratio", json_real(c->tree_us / c->chain_us));
+            json_object_set_new(x, "chain_checksum", json_real(c->chain_sum));
+            json_object_set_new(x, "tree_checksum", json_real(c->tree_sum));
+            json_object_set_new(x, "tree_max_error", json_real(c->max_err));
+            json_object_set_new(x, "tree_matches_reference", json_boolean(c->max_err <= tol));
+            json_array_append_new(arr, x);
+        }
+        json_object_set_new(root, "cases", arr);
+        char *js = json_dumps(root, JSON_COMPACT);
+        if (js) printf("%s\n", js);
+        free(js);
+        json_decref(root);
+    } else if (ok) {
+        printf("attention on the CPU (%s): %d heads, %d KV heads, head size %d, page size %d; a "
+               "tree of T tokens (4-ary) against a chain of T tokens over the same prefix\n",
+               tdm_backend_cpu_isa(), ATT_HEADS, ATT_KV_HEADS, ATT_HEAD_DIM, ATT_PAGE);
+        printf("%8s %6s %6s %10s %10s %8s %14s %14s %10s\n", "prefix", "tokens", "depth",
+               "chain us", "tree us", "ratio", "chain sum", "tree sum", "tree err");
+        for (int i = 0; i < n_cases; i++) {
+            const struct att_case *c = &cases[i];
+            printf("%8d %6d %6d %10.1f %10.1f %8.3f %14.6f %14.6f %10.2e%s\n", c->prefix, c->tokens,
+                   c->depth, c->chain_us, c->tree_us, c->tree_us / c->chain_us, c->chain_sum,
+                   c->tree_sum, c->max_err, c->max_err <= tol ? "" : " WRONG");
+        }
+    }
+    for (int i = 0; ok && i < n_cases; i++)
+        ok = cases[i].max_err <= tol;
+    free(cases);
+    free(ch);
+    free(tr);
+    tdm_backend_destroy(b);
+    return ok;
 }
 
 int tdm_cmd_bench_spec(int argc, char **argv)
@@ -383,21 +661,28 @@ int tdm_cmd_bench_spec(int argc, char **argv)
         TDM_OPT_I("ctx", &o.ctx, 16, 1 << 20),
         TDM_OPT_B("json", &o.json),
         TDM_OPT_B("q-one-hot", &o.one_hot),
+        TDM_OPT_B("attention", &o.attention),
+        TDM_OPT_P("attention-prefix", opt_att_prefix, NULL),
+        TDM_OPT_P("attention-tokens", opt_att_tokens, NULL),
         TDM_OPT_END,
     };
     struct tdm_opt spec_t[TDM_TOOL_SPEC_OPTS];
     tdm_tool_spec_table(&o.spec_cli, spec_t);
-    for (struct tdm_opt *t = spec_t; t->name; t++) /* --spec-k takes a list here */
+    for (struct tdm_opt *t = spec_t; t->name; t++) { /* --spec-k, -tree-budget: lists here */
         if (!strcmp(t->name, "spec-k")) *t = (struct tdm_opt)TDM_OPT_P("spec-k", opt_ks, NULL);
+        if (!strcmp(t->name, "spec-tree-budget"))
+            *t = (struct tdm_opt)TDM_OPT_P("spec-tree-budget", opt_budgets, NULL);
+    }
     const struct tdm_opt *const tables[] = {own, spec_t, NULL};
     int prc = tdm_tool_parse("bench spec", argc, argv, tables, usage);
     if (prc) return prc == 1 ? 0 : 2;
+    if (o.attention) return bench_attention(&o) ? 0 : 1;
     if (!o.prompts) {
         fprintf(stderr, "tandem bench spec: --prompts FILE is required\n");
         return 2;
     }
     char **texts = NULL;
-    int n_prompts = read_prompts(o.prompts, &texts, (int)o.limit);
+    int n_prompts = tdm_tool_read_prompts("tandem bench spec", o.prompts, (int)o.limit, &texts);
     if (n_prompts < 0) return 2;
     struct tdm_spec_opts so;
     bool on = false, ok = tdm_tool_spec_opts(&o.spec_cli, &so, &on);
@@ -411,10 +696,16 @@ int tdm_cmd_bench_spec(int argc, char **argv)
         ok = false;
     }
     so.q_one_hot = o.one_hot;
+    if (ok && o.n_budgets && so.method != TDM_SPEC_EAGLE) {
+        fprintf(stderr, "tandem bench spec: --spec-tree-budget is for --spec eagle\n");
+        ok = false;
+    }
+    /* the engine's rows: the largest tree's */
+    for (int i = 0; i < o.n_budgets; i++)
+        so.tree_budget = TDM_MAX(so.tree_budget, o.budgets[i]);
+    const int n_trees = so.method == TDM_SPEC_EAGLE && o.n_budgets ? o.n_budgets : 1;
     if (!ok) {
-        for (int i = 0; i < n_prompts; i++)
-            free(texts[i]);
-        free(texts);
+        tdm_tool_free_prompts(texts, n_prompts);
         return 2;
     }
     int rc = 1, max_b = 0;
@@ -424,44 +715,15 @@ int tdm_cmd_bench_spec(int argc, char **argv)
     tdm_tok_t *tok = NULL;
     tdm_engine_t *e = NULL;
     struct tdm_model *draft = NULL;
-    struct tdm_chat_template tmpl = {0};
-    int32_t **ids = calloc((size_t)n_prompts, sizeof *ids), **outs[2] = {0};
-    int *n_ids = calloc((size_t)n_prompts, sizeof *n_ids), *n_outs[2] = {0};
-    struct result *rs = calloc((size_t)o.n_batches * (size_t)(1 + o.n_ks), sizeof *rs);
+    int32_t **ids = NULL, **outs[2] = {0};
+    int *n_ids = NULL, *n_outs[2] = {0};
+    struct result *rs = calloc((size_t)o.n_batches * (size_t)(1 + o.n_ks * n_trees), sizeof *rs);
     int n_rs = 0;
-    if (!m || !ids || !n_ids || !rs) goto out;
+    if (!m || !rs) goto out;
     if (!(tok = tdm_tool_load_tokenizer(m, false))) goto out;
-    if (!o.raw && tdm_chat_template_detect(m->chat_template, &tmpl) != TDM_OK) {
-        fprintf(stderr, "tandem bench spec: no chat template tandem understands; use --raw\n");
+    if (!tdm_tool_encode_prompts("tandem bench spec", m, tok, texts, n_prompts, o.raw,
+                                 o.ctx - o.max_tokens - TDM_TREE_MAX_NODES, &ids, &n_ids))
         goto out;
-    }
-    for (int i = 0; i < n_prompts; i++) {
-        char *rendered = NULL;
-        const char *text = texts[i];
-        bool add_bos = tdm_tok_adds_bos(tok);
-        if (!o.raw) {
-            struct tdm_chat_msg msg = {"user", texts[i]};
-            if (tdm_chat_render(&tmpl, &msg, 1, true, &rendered) != TDM_OK) {
-                tdm_tool_fail("chat template");
-                goto out;
-            }
-            text = rendered;
-            if (tmpl.add_bos_text) add_bos = false;
-        }
-        size_t len = strlen(text), n_out = 0;
-        ids[i] = malloc((len + 8) * sizeof(int32_t));
-        int flags = (o.raw ? 0 : TDM_TOK_PARSE_SPECIAL) | (add_bos ? TDM_TOK_ADD_BOS : 0);
-        tdm_status st =
-            ids[i] ? tdm_tok_encode(tok, text, len, flags, ids[i], len + 8, &n_out) : TDM_ENOMEM;
-        free(rendered);
-        if (st != TDM_OK || !n_out ||
-            n_out + (size_t)o.max_tokens + TDM_SPEC_MAX_K > (size_t)o.ctx) {
-            fprintf(stderr, "tandem bench spec: prompt %d does not encode or does not fit --ctx\n",
-                    i + 1);
-            goto out;
-        }
-        n_ids[i] = (int)n_out;
-    }
     int ps = 16;
     struct tdm_engine_opts eo = {
         .n_threads = (int)o.threads,
@@ -471,7 +733,8 @@ int tdm_cmd_bench_spec(int argc, char **argv)
         .max_seqs = max_b,
         .max_batch_tokens = 512,
         .max_logit_rows = TDM_MIN(512, max_b * (1 + TDM_SPEC_MAX_K)),
-        .kv_pages = (int64_t)max_b * ((o.ctx + TDM_SPEC_MAX_K + ps - 1) / ps + 1),
+        /* (a tree drafter's scratch past the drafts: at most TDM_TREE_MAX_NODES positions) */
+        .kv_pages = (int64_t)max_b * ((o.ctx + TDM_TREE_MAX_NODES + ps - 1) / ps + 1),
         .backend_kind = o.backend_kind,
         .gpu_memory_fraction = o.gpu_frac,
     };
@@ -494,30 +757,40 @@ int tdm_cmd_bench_spec(int argc, char **argv)
     char desc[160] = "";
     { /* warm-up, not measured: the weights and the KV pool paged in */
         struct result warm;
-        if (!run_config(e, tok, &o, &so, 1, -1, ids, n_ids, 1, outs[0], n_outs[0], &warm)) goto out;
+        if (!run_config(e, tok, &o, &so, 1, -1, 0, ids, n_ids, 1, outs[0], n_outs[0], &warm))
+            goto out;
     }
     for (int b = 0; b < o.n_batches; b++) {
         struct result *base = &rs[n_rs];
-        if (!run_config(e, tok, &o, &so, o.batches[b], -1, ids, n_ids, n_prompts, outs[0],
+        if (!run_config(e, tok, &o, &so, o.batches[b], -1, 0, ids, n_ids, n_prompts, outs[0],
                         n_outs[0], &rs[n_rs]))
             goto out;
         base->speedup = 1.0;
         n_rs++;
-        for (int k = 0; k < o.n_ks; k++) {
-            struct result *r = &rs[n_rs];
-            if (!run_config(e, tok, &o, &so, o.batches[b], o.ks[k], ids, n_ids, n_prompts, outs[1],
-                            n_outs[1], r))
-                goto out;
-            r->speedup = base->tok_s > 0 ? r->tok_s / base->tok_s : 0;
-            r->identical = true;
-            for (int i = 0; i < n_prompts; i++)
-                r->identical = r->identical && n_outs[0][i] == n_outs[1][i] &&
-                               !memcmp(outs[0][i], outs[1][i], (size_t)n_outs[0][i] * 4);
-            n_rs++;
-            if (!o.json)
-                fprintf(stderr, "tandem bench spec: batch %d, %s: tau %.3f, %.1f tok/s (%.3fx)\n",
-                        r->batch, o.ks[k] ? "fixed k" : "auto", r->tau, r->tok_s, r->speedup);
-        }
+        for (int k = 0; k < o.n_ks; k++)
+            for (int t = 0; t < n_trees; t++) {
+                struct result *r = &rs[n_rs];
+                int budget = so.method != TDM_SPEC_EAGLE ? 0
+                             : o.n_budgets               ? o.budgets[t]
+                                                         : TDM_SPEC_TREE_BUDGET;
+                if (!run_config(e, tok, &o, &so, o.batches[b], o.ks[k], budget, ids, n_ids,
+                                n_prompts, outs[1], n_outs[1], r))
+                    goto out;
+                r->speedup = base->tok_s > 0 ? r->tok_s / base->tok_s : 0;
+                r->identical = true;
+                for (int i = 0; i < n_prompts; i++)
+                    r->identical = r->identical && n_outs[0][i] == n_outs[1][i] &&
+                                   !memcmp(outs[0][i], outs[1][i], (size_t)n_outs[0][i] * 4);
+                n_rs++;
+                char tree[32] = "";
+                if (budget) snprintf(tree, sizeof tree, ", tree budget %d", budget);
+                if (!o.json)
+                    fprintf(stderr,
+                            "tandem bench spec: batch %d, %s%s: tau %.3f, %.1f tok/s "
+                            "(%.3fx)\n",
+                            r->batch, o.ks[k] ? "fixed k" : "auto", tree, r->tau, r->tok_s,
+                            r->speedup);
+            }
     }
     {
         tdm_spec_t *sp = NULL;
@@ -539,17 +812,14 @@ out:
         free(outs[w]);
         free(n_outs[w]);
     }
-    for (int i = 0; i < n_prompts; i++) {
-        if (ids) free(ids[i]);
-        free(texts[i]);
-    }
-    free(texts);
+    for (int i = 0; ids && i < n_prompts; i++)
+        free(ids[i]);
+    tdm_tool_free_prompts(texts, n_prompts);
     free(ids);
     free(n_ids);
     free(rs);
     tdm_engine_destroy(e);
     tdm_model_free(draft);
-    tdm_chat_template_clear(&tmpl);
     tdm_tok_free(tok);
     tdm_model_free(m);
     return rc;

@@ -1,7 +1,8 @@
 /*
  * Helpers shared by the subcommands: model and tokenizer loading with a progress bar, strict
- * option parsing.
+ * option parsing, prompt sets.
  */
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -152,5 +153,127 @@ bool tdm_tool_write_file_atomic(const char *path, const char *text)
         fprintf(stderr, "tandem: cannot write %s\n", path);
         return false;
     }
+    return true;
+}
+
+/* ---- prompt sets: one JSON string a line ---- */
+int tdm_tool_parse_prompts(const char *who, const char *label, const char *text, size_t len,
+                           int limit, char ***out)
+{
+    int n = 0, room = 0, lineno = 0;
+    char **v = NULL;
+    const char *p = text, *end = text + len;
+    while (p < end && (limit <= 0 || n < limit)) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        size_t ll = nl ? (size_t)(nl - p) : (size_t)(end - p);
+        const char *line = p;
+        p = nl ? nl + 1 : end;
+        lineno++;
+        size_t blank = 0;
+        while (blank < ll && strchr(" \t\r", line[blank]))
+            blank++;
+        if (blank == ll) continue;
+        json_error_t err;
+        json_t *j = json_loadb(line, ll, JSON_DECODE_ANY, &err);
+        if (!j || !json_is_string(j) || !json_string_length(j)) {
+            fprintf(stderr, "%s: %s:%d: not a non-empty JSON string\n", who, label, lineno);
+            json_decref(j);
+            goto fail;
+        }
+        if (n == room) {
+            room = room ? room * 2 : 64;
+            char **nv = realloc(v, (size_t)room * sizeof *nv);
+            if (!nv) {
+                json_decref(j);
+                goto fail;
+            }
+            v = nv;
+        }
+        v[n] = strdup(json_string_value(j));
+        json_decref(j);
+        if (!v[n++]) goto fail;
+    }
+    if (n == 0) {
+        fprintf(stderr, "%s: %s has no prompts\n", who, label);
+        free(v);
+        return -1;
+    }
+    *out = v;
+    return n;
+fail:
+    tdm_tool_free_prompts(v, n);
+    return -1;
+}
+
+int tdm_tool_read_prompts(const char *who, const char *path, int limit, char ***out)
+{
+    char *text = NULL;
+    size_t len = 0;
+    if (tdm_file_read(path, (size_t)1 << 30, &text, &len) != TDM_OK) {
+        fprintf(stderr, "%s: cannot open %s: %s\n", who, path, tdm_err_msg());
+        return -1;
+    }
+    int n = tdm_tool_parse_prompts(who, path, text, len, limit, out);
+    free(text);
+    return n;
+}
+
+void tdm_tool_free_prompts(char **texts, int n)
+{
+    for (int i = 0; texts && i < n; i++)
+        free(texts[i]);
+    free(texts);
+}
+
+bool tdm_tool_encode_prompts(const char *who, const struct tdm_model *m, const tdm_tok_t *tok,
+                             char *const *texts, int n, bool raw, int64_t max_len, int32_t ***ids,
+                             int **n_ids)
+{
+    struct tdm_chat_template tmpl = {0};
+    if (!raw && tdm_chat_template_detect(m->chat_template, &tmpl) != TDM_OK) {
+        fprintf(stderr, "%s: no chat template tandem understands; use --raw\n", who);
+        return false;
+    }
+    int32_t **v = calloc((size_t)n, sizeof *v);
+    int *nv = calloc((size_t)n, sizeof *nv);
+    bool ok = v && nv;
+    for (int i = 0; ok && i < n; i++) {
+        char *rendered = NULL;
+        const char *text = texts[i];
+        bool add_bos = tdm_tok_adds_bos(tok);
+        if (!raw) {
+            struct tdm_chat_msg msg = {"user", texts[i]};
+            if (tdm_chat_render(&tmpl, &msg, 1, true, &rendered) != TDM_OK) {
+                tdm_tool_fail("chat template");
+                ok = false;
+                break;
+            }
+            text = rendered;
+            if (tmpl.add_bos_text) add_bos = false;
+        }
+        size_t len = strlen(text), n_out = 0;
+        v[i] = malloc((len + 8) * sizeof(int32_t));
+        int flags = (raw ? 0 : TDM_TOK_PARSE_SPECIAL) | (add_bos ? TDM_TOK_ADD_BOS : 0);
+        tdm_status st =
+            v[i] ? tdm_tok_encode(tok, text, len, flags, v[i], len + 8, &n_out) : TDM_ENOMEM;
+        free(rendered);
+        if (st != TDM_OK || !n_out || (int64_t)n_out > max_len) {
+            fprintf(stderr, "%s: prompt %d does not encode or is longer than %lld tokens\n", who,
+                    i + 1, (long long)max_len);
+            ok = false;
+            break;
+        }
+        nv[i] = (int)n_out;
+    }
+    tdm_chat_template_clear(&tmpl);
+    if (!ok) {
+        for (int i = 0; v && i < n; i++)
+            free(v[i]);
+        free(v);
+        free(nv);
+        return false;
+    }
+    *ids = v;
+    *n_ids = nv;
     return true;
 }

@@ -21,6 +21,7 @@ static void usage(FILE *f)
             "  router     one OpenAI endpoint over several `tandem serve` nodes\n"
             "  bench      benchmarks (`tandem bench model|serve|xfer|spec`)\n"
             "  checkpoint write a random-weight HF checkpoint (`--shape llama-3.1-8b --out DIR`)\n"
+            "  train-mtp  train a speculation head on the model's own continuations\n"
             "\n"
             "Every command takes --model PATH (a .gguf file or a Hugging Face checkpoint folder);\n"
             "without it the default model is used: $TANDEM_MODEL, or\n"
@@ -48,6 +49,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "chat")) return tdm_cmd_chat(argc - 1, argv + 1);
     if (!strcmp(cmd, "info")) return tdm_cmd_info(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return tdm_cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(cmd, "train-mtp")) return tdm_cmd_train_mtp(argc - 1, argv + 1);
     if (!strcmp(cmd, "serve")) return tdm_cmd_serve(argc - 1, argv + 1);
     if (!strcmp(cmd, "router")) return tdm_cmd_router(argc - 1, argv + 1);
     if (!strcmp(cmd, "checkpoint")) return tdm_cmd_checkpoint(argc - 1, argv + 1);

@@ -196,8 +196,15 @@ void tdm_tool_spec_usage(FILE *f)
         "                          all of them is the model drafting for itself)\n"
         "  --spec-k auto|K         drafts per step: auto (adaptive, at most %d) or exactly "
         "K; 0 is off\n"
-        "  --spec-accept exact|rejection  exact keeps the output bit-identical (default)\n",
-        TDM_SPEC_AUTO_K);
+        "  --spec-accept exact|rejection  exact keeps the output bit-identical (default);\n"
+        "                          rejection: speculative sampling (eagle: multi-draft)\n"
+        "  --spec-tree-budget N    eagle: drafted tokens a tree keeps (1 .. %d, default %d)\n"
+        "  --spec-tree-topk K      eagle: children per node, nodes expanded per depth\n"
+        "                          (1 .. %d, default %d)\n"
+        "  --spec-tree-depth D     eagle: the deepest drafts (1 .. %d, default %d; with\n"
+        "                          --spec-k K fixed, at most K, and drafting every step)\n",
+        TDM_SPEC_AUTO_K, TDM_TREE_MAX_NODES, TDM_SPEC_TREE_BUDGET, TDM_SAMPLE_MAX_CAND,
+        TDM_SPEC_TREE_TOPK, TDM_SPEC_MAX_K, TDM_SPEC_TREE_DEPTH);
 }
 void tdm_tool_spec_table(struct tdm_tool_spec *c, struct tdm_opt out[TDM_TOOL_SPEC_OPTS])
 {
@@ -207,6 +214,9 @@ void tdm_tool_spec_table(struct tdm_tool_spec *c, struct tdm_opt out[TDM_TOOL_SP
         TDM_OPT_I("spec-self-layers", &c->self_layers, 1, 1 << 16),
         TDM_OPT_S("spec-k", &c->k),
         TDM_OPT_S("spec-accept", &c->accept),
+        TDM_OPT_I("spec-tree-budget", &c->tree_budget, 1, TDM_TREE_MAX_NODES),
+        TDM_OPT_I("spec-tree-topk", &c->tree_topk, 1, TDM_SAMPLE_MAX_CAND),
+        TDM_OPT_I("spec-tree-depth", &c->tree_depth, 1, TDM_SPEC_MAX_K),
         TDM_OPT_END,
     };
     memcpy(out, t, sizeof t);
@@ -223,7 +233,8 @@ bool tdm_tool_spec_opts(const struct tdm_tool_spec *c, struct tdm_spec_opts *o, 
         fprintf(stderr, "%s\n", tdm_err_msg());
         return false;
     }
-    bool given = c->draft || c->self_layers || c->k || c->accept;
+    const bool tree_given = c->tree_budget || c->tree_topk || c->tree_depth;
+    bool given = c->draft || c->self_layers || c->k || c->accept || tree_given;
     if (o->method == TDM_SPEC_NONE) {
         if (given && c->method) {
             fprintf(stderr, "--spec none takes no other --spec-* option\n");
@@ -248,8 +259,15 @@ bool tdm_tool_spec_opts(const struct tdm_tool_spec *c, struct tdm_spec_opts *o, 
         fprintf(stderr, "--spec-draft is for --spec draft, mtp or eagle\n");
         return false;
     }
+    if (tree_given && o->method != TDM_SPEC_EAGLE) {
+        fprintf(stderr, "--spec-tree-budget, -topk and -depth are for --spec eagle\n");
+        return false;
+    }
     o->draft_path = c->draft;
     o->self_layers = (int)c->self_layers;
+    o->tree_budget = (int)c->tree_budget;
+    o->tree_topk = (int)c->tree_topk;
+    o->tree_depth = (int)c->tree_depth;
     *on = !off;
     return true;
 }

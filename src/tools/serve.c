@@ -67,7 +67,10 @@ static void usage(FILE *f)
         "  --remote-chunk N        decode: prefill chunk asked of peers (default 256 tokens)\n"
         "  --remote-timeout-ms N   decode: one remote prefill's deadline (default 30000)\n"
         "  --remote-attempts N     decode: peers tried per request before prefilling here (2)\n"
-        "  --peer-timeout-ms N     a silent fabric peer is declared dead after this (2000)\n");
+        "  --peer-timeout-ms N     a silent fabric peer is declared dead after this (2000)\n"
+        "  --spec mtp [--spec-draft HEAD]  on a decode node: prefill nodes also send the head's\n"
+        "                          KV, and requests draft from their first step; on a prefill\n"
+        "                          node: the head it runs for its decoders (the same file)\n");
     tdm_tool_spec_usage(f);
 }
 
@@ -296,11 +299,18 @@ int tdm_cmd_serve(int argc, char **argv)
                 role);
         return 2;
     }
-    if (is_prefill && spec_on) {
-        fprintf(stderr, "tandem serve: --spec is for the decoding side (--role both or decode); "
-                        "a prefill node samples no tokens\n");
+    /* a head's methods: a chain (mtp) or trees (eagle) of the same head */
+    const bool head_method = spec_o.method == TDM_SPEC_MTP || spec_o.method == TDM_SPEC_EAGLE;
+    if (is_prefill && spec_on && !head_method) {
+        fprintf(stderr,
+                "tandem serve: --spec is for the decoding side (--role both or decode; here: "
+                "--spec %s): a prefill node samples no tokens; it takes --spec mtp or eagle "
+                "[--spec-draft HEAD] only, to make the KV of its decoders' head\n",
+                tdm_spec_method_name(spec_o.method));
         return 2;
     }
+    if (is_prefill && spec_on) /* the head's KV only: nothing drafts or is accepted here */
+        spec_o.accept = TDM_SPEC_ACCEPT_EXACT;
     if (!is_prefill && !is_decode && addr_file) {
         fprintf(stderr, "tandem serve: --xfer-addr-file is for --role prefill or decode\n");
         return 2;
@@ -380,7 +390,8 @@ int tdm_cmd_serve(int argc, char **argv)
         .max_batch_tokens = (int)mbt,
         .max_seqs = (int)seqs,
         /* a verified span has a row per draft, plus one */
-        .max_logit_rows = spec_on ? (int)TDM_MIN(mbt, seqs * (1 + TDM_SPEC_AUTO_K)) : (int)seqs,
+        .max_logit_rows =
+            spec_on && !is_prefill ? (int)TDM_MIN(mbt, seqs * (1 + TDM_SPEC_AUTO_K)) : (int)seqs,
         .count_layers = is_prefill,
         .backend_kind = backend_kind,
         .gpu_memory_fraction = gpu_frac};
@@ -403,7 +414,8 @@ int tdm_cmd_serve(int argc, char **argv)
         tdm_tool_fail("scheduler");
         goto out_engine;
     }
-    if (spec_on && !(spec = tdm_tool_spec_attach("tandem serve", &spec_o, e, sched))) {
+    if (spec_on && !is_prefill &&
+        !(spec = tdm_tool_spec_attach("tandem serve", &spec_o, e, sched))) {
         rc = 2;
         goto out_sched;
     }
@@ -412,12 +424,16 @@ int tdm_cmd_serve(int argc, char **argv)
                                                       .node = xnode,
                                                       .peer_timeout_ms = (int)peer_timeout,
                                                       .fabric_key = fkey_bytes ? fkey : NULL,
-                                                      .fabric_key_bytes = fkey_bytes}};
+                                                      .fabric_key_bytes = fkey_bytes},
+                                             .head = draft}; /* --spec mtp: the head */
         if (tdm_disagg_prefill_create(&po, e, sched, &pre) != TDM_OK) {
             tdm_tool_fail("prefill messenger");
             goto out_sched;
         }
     } else if (is_decode) {
+        /* a head (mtp, eagle): prefill nodes make its KV, and requests draft from their first
+         * step */
+        dopt.head = spec && head_method ? draft : NULL;
         if (tdm_disagg_decode_create(&dopt, e, sched, &dec) != TDM_OK) {
             tdm_tool_fail("decode messenger");
             goto out_sched;
@@ -467,6 +483,13 @@ int tdm_cmd_serve(int argc, char **argv)
         }
         fprintf(stderr, "tandem serve: %s node; fabric address %s\n",
                 is_prefill ? "prefill" : "decode", addr);
+        if (draft && head_method && (is_prefill || spec))
+            fprintf(stderr,
+                    "tandem serve: speculation head %016llx: %s (the head's KV crosses with "
+                    "the prompt's; both nodes must load the same head)\n",
+                    (unsigned long long)tdm_spec_head_fingerprint(draft),
+                    is_prefill ? "this node runs it over what it prefills for decoders"
+                               : "prefill nodes run it, requests draft from their first step");
         if (addr_file && !tdm_tool_write_file_atomic(addr_file, addr)) goto out_server;
     }
     const struct tdm_engine_opts *ef = tdm_engine_opts(e);

@@ -29,6 +29,7 @@ int tdm_cmd_bench_serve(int argc, char **argv);      /* bench_serve.c: HTTP load
 int tdm_cmd_serve(int argc, char **argv);            /* serve.c: the OpenAI-compatible server */
 int tdm_cmd_router(int argc, char **argv);           /* router.c: one endpoint over serve nodes */
 int tdm_cmd_checkpoint(int argc, char **argv); /* checkpoint.c: random-weight HF checkpoints */
+int tdm_cmd_train_mtp(int argc, char **argv);  /* train_mtp.c: train a speculation head */
 
 /* Loads --model (or the default model), drawing a progress bar on stderr when it is a terminal.
  * On failure prints the reason and returns NULL. */
@@ -38,6 +39,19 @@ struct tdm_model *tdm_tool_load_model(const char *path);
 tdm_tok_t *tdm_tool_load_tokenizer(const struct tdm_model *m, bool quiet);
 /* Parses "5,17,3" into a malloc'd array; false (after printing why) on junk or an empty list. */
 bool tdm_tool_parse_ids(const char *s, int32_t **ids, int *n);
+/* Prompt sets: one JSON string a line, blank lines skipped. Returns the number read into a
+ * malloc'd array (free with tdm_tool_free_prompts), or -1 after printing why under `who`.
+ * limit > 0: only the first `limit`. parse: from text in memory, `label` naming it. */
+int tdm_tool_read_prompts(const char *who, const char *path, int limit, char ***out);
+int tdm_tool_parse_prompts(const char *who, const char *label, const char *text, size_t len,
+                           int limit, char ***out);
+void tdm_tool_free_prompts(char **texts, int n);
+/* Each prompt as a user message through the model's chat template (raw: as it is), encoded;
+ * one malloc'd id array per prompt (free each, then both arrays). Prints why and returns
+ * false when there is no template, or a prompt does not encode or is over max_len tokens. */
+bool tdm_tool_encode_prompts(const char *who, const struct tdm_model *m, const tdm_tok_t *tok,
+                             char *const *texts, int n, bool raw, int64_t max_len, int32_t ***ids,
+                             int **n_ids);
 /* Strict numeric option parsing: prints "--name: ..." and returns false on junk. */
 bool tdm_tool_int(const char *name, const char *s, int64_t lo, int64_t hi, int64_t *out);
 bool tdm_tool_float(const char *name, const char *s, double lo, double hi, double *out);
@@ -113,12 +127,13 @@ void tdm_tool_http_tls_free(char *cert, char *key); /* wipes the key */
 /* --backend cpu|cuda into an int (enum tdm_backend_kind). */
 bool tdm_tool_opt_backend(const char *arg, void *dst);
 /* The speculation options that generate, serve and bench share: --spec, --spec-draft,
- * --spec-self-layers, --spec-k, --spec-accept. */
+ * --spec-self-layers, --spec-k, --spec-accept, and eagle's --spec-tree-budget, -topk, -depth. */
 struct tdm_tool_spec {
     const char *method, *draft, *k, *accept;
     int64_t self_layers;
+    int64_t tree_budget, tree_topk, tree_depth;
 };
-#define TDM_TOOL_SPEC_OPTS 6 /* entries of the table, its end included */
+#define TDM_TOOL_SPEC_OPTS 9 /* entries of the table, its end included */
 void tdm_tool_spec_table(struct tdm_tool_spec *c, struct tdm_opt out[TDM_TOOL_SPEC_OPTS]);
 void tdm_tool_spec_usage(FILE *f); /* their usage lines */
 /* Turns the parsed strings into options. *on is false for --spec none or --spec-k 0. Prints

@@ -24,7 +24,10 @@
  *                  P: scores move by scale * sum|q k| * 2u ~ 1.1% for head_dim 128, plus 0.2%
  *                  each for P and V, against max|v| = 1).
  * Contracts checked bit for bit on every backend: matmul_multi equals matmul part by part, and
- * (for quantised weights) matmul_swiglu equals matmul, matmul, silu_mul.
+ * (for quantised weights) matmul_swiglu equals matmul, matmul, silu_mul; kv_copy moves exactly
+ * its pairs' rows, in order. Token trees' attention (a chain beside a tree, random shapes up to
+ * 64 nodes) against the same double reference; on the CPU each tree token also equals the
+ * chain token that sees the same KV, bit for bit.
  *
  * What stays backend-specific: the CPU's invariance across batch sizes and thread counts and
  * its ISA selection (tests/backend/test_cpu_ops.c), and the CUDA engine's graphs
@@ -438,6 +441,28 @@ static void test_norms_elementwise(void **state)
             h = get(e, dg, (size_t)5 * dim);
             check_rel(e->name, "gather_rows", h, r_gather, (size_t)5 * dim, 0, 0);
             free(h);
+            /* scatter_cols: x's 13 rows of min(dim, 40) columns into rows of dim + 7 */
+            const int nc = dim < 40 ? dim : 40, wide = dim + 7;
+            int32_t *cols = malloc((size_t)nc * sizeof *cols);
+            for (int c = 0; c < nc; c++)
+                cols[c] = (int32_t)((c * 7 + 3) % wide);         /* distinct: 7 is prime to wide */
+            float *dc = put(e, (const float *)cols, (size_t)nc); /* int32s, float-sized */
+            float *dsc = poisoned(e, (size_t)n * wide);
+            float *dxs = put(e, x, (size_t)n * nc);
+            o->scatter_cols(e->b, dxs, (const int32_t *)dc, n, nc, wide, dsc);
+            h = get(e, dsc, (size_t)n * wide);
+            for (int i = 0; i < n; i++)
+                for (int c = 0; c < wide; c++) {
+                    float want = -INFINITY;
+                    for (int k = 0; k < nc; k++)
+                        if (cols[k] == c) want = x[(size_t)i * nc + k];
+                    if (memcmp(&h[(size_t)i * wide + c], &want, sizeof want))
+                        fail_msg("%s: scatter_cols row %d column %d: %g, want %g", e->name, i, c,
+                                 h[(size_t)i * wide + c], want);
+                }
+            free(h);
+            free(cols);
+            drop(e, dc), drop(e, dsc), drop(e, dxs);
             drop(e, dx), drop(e, dy), drop(e, dw), drop(e, dout), drop(e, dr), drop(e, dh);
             drop(e, da), drop(e, dg);
         }
@@ -707,6 +732,270 @@ static void test_attention(void **state)
     }
 }
 
+/* ---- token trees: the attention contract's tree tokens (backend.h) ----
+ * One step: a chain sequence (2 new tokens over 35, pages of its own) beside a tree sequence:
+ * a prefix of P positions, the root (a chain token at P) and n nodes, node i - 1 being span
+ * token i, of a random parent (depth at most 10), at position P + its depth, in the slot of
+ * position P + i (a verified tree's layout). Every tree token is checked against a
+ * double-precision softmax over positions [0, P] through the page table and the nodes of its
+ * mask; KV that no token may see is NaN. On the CPU each tree token's output also equals, bit
+ * for bit, that of a chain token at the same position whose earlier positions hold the same K
+ * and V (its path laid out as a sequence): what makes tree verification exact. */
+struct tree_step {
+    struct paged_step chain; /* the chain sequence's, reused for its arrays */
+    struct tdm_step st;
+    int32_t *buf;
+    uint64_t *mask;
+    int64_t n_pages;
+    int T, P, n_nodes;
+};
+
+static void build_tree_step(int ps, int P, int n_nodes, struct tree_step *ts)
+{
+    const int Lc = 35, Nc = 2, T = Nc + 1 + n_nodes;
+    const int pages_c = (Lc + ps - 1) / ps, pages_t = (P + 1 + n_nodes + ps - 1) / ps;
+    ts->T = T, ts->P = P, ts->n_nodes = n_nodes;
+    ts->n_pages = pages_c + pages_t + 3;
+    ts->buf = malloc(sizeof(int32_t) * (size_t)(5 * T + 16 + pages_c + pages_t + ts->n_pages));
+    ts->mask = calloc((size_t)T, sizeof *ts->mask);
+    assert_non_null(ts->buf);
+    assert_non_null(ts->mask);
+    int32_t *tok = ts->buf, *pos = tok + T, *slot = pos + T, *tseq = slot + T, *nslot = tseq + T,
+            *sts = nslot + T, *kvl = sts + 3, *sps = kvl + 2, *pre = sps + 3, *tns = pre + 2,
+            *pid = tns + 3, *perm = pid + pages_c + pages_t;
+    for (int64_t i = 0; i < ts->n_pages; i++)
+        perm[i] = (int32_t)i;
+    for (int64_t i = ts->n_pages - 1; i > 0; i--) {
+        const int64_t j = (int64_t)(rng_u64() % (uint64_t)(i + 1));
+        const int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    for (int j = 0; j < pages_c + pages_t; j++)
+        pid[j] = perm[j];
+    /* the chain sequence: positions Lc - Nc .. Lc - 1 */
+    for (int i = 0; i < Nc; i++) {
+        const int q = Lc - Nc + i;
+        tok[i] = 0, pos[i] = q, tseq[i] = 0, slot[i] = pid[q / ps] * ps + q % ps;
+    }
+    /* the tree sequence: the root, then the nodes */
+    const int32_t *tp = pid + pages_c;
+    int depth_max = 0;
+    for (int i = 0; i <= n_nodes; i++) {
+        const int t = Nc + i, q = P + i;
+        tok[t] = 0, tseq[t] = 1, slot[t] = tp[q / ps] * ps + q % ps;
+        if (i == 0) {
+            pos[t] = P;
+            continue;
+        }
+        int par;
+        do
+            par = (int)(rng_u64() % (uint64_t)i);
+        while (pos[Nc + par] - P >= 10);
+        pos[t] = pos[Nc + par] + 1;
+        ts->mask[t] = ts->mask[Nc + par] | (uint64_t)1 << (i - 1);
+        nslot[i - 1] = slot[t];
+        depth_max = TDM_MAX(depth_max, pos[t] - P);
+    }
+    sts[0] = 0, sts[1] = Nc, sts[2] = T;
+    kvl[0] = Lc, kvl[1] = P + depth_max + 1;
+    sps[0] = 0, sps[1] = pages_c, sps[2] = pages_c + pages_t;
+    pre[0] = Lc, pre[1] = P + 1;
+    tns[0] = 0, tns[1] = 0, tns[2] = n_nodes;
+    ts->st = (struct tdm_step){.n_tokens = T,
+                               .n_seqs = 2,
+                               .tokens = tok,
+                               .positions = pos,
+                               .slots = slot,
+                               .token_seq = tseq,
+                               .seq_token_start = sts,
+                               .seq_kv_len = kvl,
+                               .seq_page_start = sps,
+                               .page_ids = pid,
+                               .page_size = ps,
+                               .tree_mask = ts->mask,
+                               .seq_prefix = pre,
+                               .tree_node_start = tns,
+                               .tree_slots = nslot};
+}
+
+/* The KV slots token t sees, in position order; returns how many. */
+static int tree_seen(const struct tdm_step *st, int t, int32_t *out)
+{
+    const int s = st->token_seq[t], ps = st->page_size;
+    const int32_t *pages = st->page_ids + st->seq_page_start[s];
+    const uint64_t m = st->tree_mask[t];
+    const int paged = m ? st->seq_prefix[s] : st->positions[t] + 1;
+    int n = 0;
+    for (int p = 0; p < paged; p++)
+        out[n++] = pages[p / ps] * ps + p % ps;
+    for (uint64_t x = m; x; x &= x - 1)
+        out[n++] = st->tree_slots[st->tree_node_start[s] + __builtin_ctzll(x)];
+    return n;
+}
+
+static void tree_attention_case(int nh, int nkv, int hd, int ps, int P, int n_nodes)
+{
+    struct tree_step ts;
+    build_tree_step(ps, P, n_nodes, &ts);
+    const struct tdm_step *st = &ts.st;
+    const int T = st->n_tokens, group = nh / nkv;
+    const size_t kvn = (size_t)ts.n_pages * 2 * nkv * ps * hd, nq = (size_t)T * nh * hd;
+    float *kv = malloc(kvn * sizeof(float));
+    for (size_t i = 0; i < kvn; i++)
+        kv[i] = NAN;
+    int32_t *seen = malloc((size_t)(P + 64 + 64) * sizeof *seen);
+    for (int t = 0; t < T; t++) { /* values where some token looks */
+        const int n = tree_seen(st, t, seen);
+        for (int j = 0; j < n; j++)
+            for (int which = 0; which < 2; which++)
+                for (int g = 0; g < nkv; g++)
+                    for (int i = 0; i < hd; i++) {
+                        float *x = &kv[kv_off(nkv, ps, hd, seen[j], which, g) + i];
+                        if (isnan(*x)) *x = rng_f(-1, 1);
+                    }
+    }
+    float *q = rand_vec(nq, -4, 4);
+    const float scale = 1.0f / sqrtf((float)hd);
+    double *ref = malloc(nq * sizeof(double)), *w = malloc((size_t)(P + 128) * sizeof(double));
+    for (int t = 0; t < T; t++) {
+        const int n = tree_seen(st, t, seen);
+        for (int h = 0; h < nh; h++) {
+            const int g = h / group;
+            const float *qh = q + ((size_t)t * nh + h) * hd;
+            double mx = -INFINITY, sum = 0;
+            for (int j = 0; j < n; j++) {
+                double d = 0;
+                for (int i = 0; i < hd; i++)
+                    d += (double)qh[i] * kv[kv_off(nkv, ps, hd, seen[j], 0, g) + i];
+                w[j] = d * scale;
+                mx = fmax(mx, w[j]);
+            }
+            for (int j = 0; j < n; j++)
+                sum += (w[j] = exp(w[j] - mx));
+            for (int i = 0; i < hd; i++) {
+                double o = 0;
+                for (int j = 0; j < n; j++)
+                    o += w[j] * kv[kv_off(nkv, ps, hd, seen[j], 1, g) + i];
+                ref[((size_t)t * nh + h) * hd + i] = o / sum;
+            }
+        }
+    }
+    for (int b = 0; b < n_bes; b++) {
+        const struct be *e = &bes[b];
+        float *dq = put(e, q, nq), *dkv = put(e, kv, kvn), *dout = poisoned(e, nq);
+        struct tdm_kv_layer L = {
+            .base = dkv, .n_kv_heads = nkv, .head_dim = hd, .page_size = ps, .n_pages = ts.n_pages};
+        e->b->iface->attention(e->b, dq, nh, st, &L, scale, dout);
+        float *got = get(e, dout, nq);
+        char what[112];
+        snprintf(what, sizeof what, "tree attention nh=%d nkv=%d hd=%d ps=%d P=%d nodes=%d", nh,
+                 nkv, hd, ps, P, n_nodes);
+        check_rel(e->name, what, got, ref, nq, hd == 64 || hd == 128 ? e->att_tc : e->att, 1.0);
+        if (!e->cuda) { /* each tree token equals the chain token that sees the same KV */
+            for (int t = 2; t < T; t++) {
+                const int n = tree_seen(st, t, seen);
+                const int pages = (n + ps - 1) / ps;
+                const size_t ckvn = (size_t)pages * 2 * nkv * ps * hd;
+                float *ckv = malloc(ckvn * sizeof(float));
+                for (int j = 0; j < n; j++)
+                    for (int which = 0; which < 2; which++)
+                        for (int g = 0; g < nkv; g++)
+                            memcpy(&ckv[kv_off(nkv, ps, hd, j, which, g)],
+                                   &kv[kv_off(nkv, ps, hd, seen[j], which, g)],
+                                   (size_t)hd * sizeof(float));
+                int32_t pid[1024], z = 0, sts[2] = {0, 1}, kvl[1] = {n}, sps[2] = {0, pages};
+                for (int j = 0; j < pages; j++)
+                    pid[j] = j;
+                int32_t p1 = n - 1, s1 = n - 1;
+                struct tdm_step cs = {.n_tokens = 1,
+                                      .n_seqs = 1,
+                                      .tokens = &z,
+                                      .positions = &p1,
+                                      .slots = &s1,
+                                      .token_seq = &z,
+                                      .seq_token_start = sts,
+                                      .seq_kv_len = kvl,
+                                      .seq_page_start = sps,
+                                      .page_ids = pid,
+                                      .page_size = ps};
+                float *cq = put(e, q + (size_t)t * nh * hd, (size_t)nh * hd);
+                float *cd = put(e, ckv, ckvn), *co = poisoned(e, (size_t)nh * hd);
+                struct tdm_kv_layer CL = {.base = cd,
+                                          .n_kv_heads = nkv,
+                                          .head_dim = hd,
+                                          .page_size = ps,
+                                          .n_pages = pages};
+                e->b->iface->attention(e->b, cq, nh, &cs, &CL, scale, co);
+                float *cg = get(e, co, (size_t)nh * hd);
+                if (memcmp(cg, got + (size_t)t * nh * hd, (size_t)nh * hd * sizeof(float))) {
+                    print_error("%s: %s: tree token %d differs from its chain\n", e->name, what, t);
+                    fail();
+                }
+                free(cg), free(ckv);
+                drop(e, cq), drop(e, cd), drop(e, co);
+            }
+        }
+        free(got);
+        drop(e, dq), drop(e, dkv), drop(e, dout);
+    }
+    free(ref), free(w), free(q), free(kv), free(seen), free(ts.buf), free(ts.mask);
+}
+
+static void test_tree_attention(void **state)
+{
+    (void)state;
+    const struct {
+        int nh, nkv, hd, ps;
+    } heads[] = {
+        {6, 2, 16, 16}, {4, 4, 20, 5},   {18, 1, 8, 7},
+        {9, 3, 64, 16}, {32, 8, 128, 7}, {8, 1, 96, 16},
+    };
+    const struct {
+        int P, nodes;
+    } shapes[] = {{0, 5}, {3, 1}, {40, 24}, {130, 63}, {600, 64}, {1300, 16}};
+    for (size_t h = 0; h < TDM_ARRAY_LEN(heads); h++)
+        for (size_t sh = 0; sh < TDM_ARRAY_LEN(shapes); sh++)
+            tree_attention_case(heads[h].nh, heads[h].nkv, heads[h].hd, heads[h].ps, shapes[sh].P,
+                                shapes[sh].nodes);
+}
+
+/* kv_copy: the pairs in order (a later pair reading what an earlier one wrote, and
+ * overwriting what an earlier one read), every KV head of every layer, nothing else. */
+static void test_kv_copy(void **state)
+{
+    (void)state;
+    const int nkv = 3, hd = 24, ps = 5, n_pages = 7, n_layers = 2;
+    const size_t layer = (size_t)n_pages * 2 * nkv * ps * hd, n = layer * n_layers;
+    float *kv = rand_vec(n, -1, 1), *want = malloc(n * sizeof(float));
+    /* a path compaction: 7 -> 1, 9 -> 2 (1 and 2 are read first by nobody); then 2 -> 3: reads
+     * what the pair before wrote; and 12 -> 7: overwrites the first pair's source */
+    const int32_t src[] = {7, 9, 2, 12}, dst[] = {1, 2, 3, 7};
+    memcpy(want, kv, n * sizeof(float));
+    for (int l = 0; l < n_layers; l++)
+        for (int i = 0; i < 4; i++)
+            for (int which = 0; which < 2; which++)
+                for (int g = 0; g < nkv; g++)
+                    memmove(&want[l * layer + kv_off(nkv, ps, hd, dst[i], which, g)],
+                            &want[l * layer + kv_off(nkv, ps, hd, src[i], which, g)],
+                            (size_t)hd * sizeof(float));
+    for (int b = 0; b < n_bes; b++) {
+        const struct be *e = &bes[b];
+        float *d = put(e, kv, n);
+        struct tdm_kv_layer L = {
+            .base = d, .n_kv_heads = nkv, .head_dim = hd, .page_size = ps, .n_pages = n_pages};
+        e->b->iface->kv_copy(e->b, &L, n_layers, layer, src, dst, 4);
+        float *got = get(e, d, n);
+        if (memcmp(got, want, n * sizeof(float))) {
+            print_error("%s: kv_copy\n", e->name);
+            fail();
+        }
+        free(got);
+        drop(e, d);
+    }
+    free(kv), free(want);
+}
+
 /* layer_done stores layer + 1 once the work before it is done: into the backend's own counter
  * (CUDA: mapped pinned memory) and into ordinary host memory */
 static void test_layer_done(void **state)
@@ -774,6 +1063,7 @@ int main(void)
         cmocka_unit_test(test_embed),          cmocka_unit_test(test_norms_elementwise),
         cmocka_unit_test(test_rope_kv_append), cmocka_unit_test(test_attention),
         cmocka_unit_test(test_layer_done),     cmocka_unit_test(test_typed_buffers),
+        cmocka_unit_test(test_tree_attention), cmocka_unit_test(test_kv_copy),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = 0; i < n_bes; i++)

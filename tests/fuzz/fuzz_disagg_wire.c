@@ -2,10 +2,12 @@
  * libFuzzer target for the disaggregation control messages (src/disagg/wire.c): bytes from a
  * peer process. Accepted messages must satisfy what the messengers rely on (counts within the
  * caps, pages consistent with tokens and page size, chunk a multiple of the page size, a
+ * head block within its bounds when the HEAD flag is set and nothing of it read otherwise, a
  * printable NACK text), and must encode back to the same bytes; anything else must be an
  * error, never a crash or an out-of-bounds read.
  *
- * Seed corpus: tests/fuzz/corpus/disagg_wire/ (one message of each type).
+ * Seed corpus: tests/fuzz/corpus/disagg_wire/ (one message of each type, and a PREFILL with
+ * a head block: prefill_head).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,7 +30,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             f->n_pages != (f->n_tokens + f->page_size - 1) / f->page_size ||
             f->kv_head_end > f->n_kv_heads || f->kv_head_begin >= f->kv_head_end)
             abort();
-        if (tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages) != size) abort();
+        if (f->want_head > 1) abort();
+        if (f->want_head) { /* the head block's bounds (what the prefill node relies on) */
+            const struct tdm_disagg_head_req *h = &f->head;
+            if (!h->n_layers || h->n_layers > TDM_DISAGG_HEAD_MAX_LAYERS || !h->n_heads ||
+                !h->n_kv_heads || h->n_kv_heads > h->n_heads || !h->head_dim || !h->d_ff)
+                abort();
+        } else {
+            static const struct tdm_disagg_head_req none;
+            if (memcmp(&f->head, &none, sizeof none)) abort(); /* nothing read without HEAD */
+        }
+        if (tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages, f->want_head) != size) abort();
     }
     if (m.type == TDM_DMSG_NACK)
         for (const char *c = m.error; *c; c++)

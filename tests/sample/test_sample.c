@@ -206,6 +206,107 @@ static void test_undo_rows(void **s)
     tdm_sample_scratch_free(&sc);
 }
 
+/* TDM_SAMPLE_TREE: a node's children tested one after another as point masses, then a draw from
+ * what is left. The token's distribution is the row's p, whatever the candidates: Pearson's
+ * chi-squared over 40000 rows (positions and seeds vary the uniforms) at significance 0.001,
+ * for a full and a top-k-cut distribution (a candidate with no mass) and candidate orders; the
+ * same counts against a verifier that does not renormalise what is left after a refusal (it
+ * keeps candidate i with probability p(d_i) itself) are rejected: the test can tell. kept says
+ * whether the token is a candidate; a greedy row keeps a candidate exactly when it is the
+ * argmax. */
+static void test_tree_rows(void **s)
+{
+    (void)s;
+    enum { V = 8, N = 40000 };
+    const float lg[V] = {0.2f, -1.0f, 1.1f, 0.4f, -0.3f, 0.9f, 0.0f, -2.0f};
+    const int32_t cands[2][3] = {{2, 5, 0}, {7, 2, 3}};
+    struct tdm_sample_scratch sc;
+    assert_int_equal(tdm_sample_scratch_init(&sc, V), TDM_OK);
+    for (int cfg = 0; cfg < 4; cfg++) {
+        const int32_t *cand = cands[cfg & 1];
+        struct tdm_sampling_params p = tdm_sampling_defaults();
+        p.temperature = 1.0f;
+        if (cfg >= 2) p.top_k = 4; /* token 7 (a candidate of the second list) has no mass */
+        double pv[V] = {0}, naive[V] = {0};
+        float buf[V], dist[V];
+        int counts[V] = {0};
+        {
+            struct tdm_sampler smp;
+            assert_int_equal(tdm_sampler_init(&smp, &p, 0, V), TDM_OK);
+            memcpy(buf, lg, sizeof buf);
+            tdm_sampler_dist(&smp, buf, &sc, dist);
+            tdm_sampler_free(&smp);
+        }
+        double left = 1.0, rest = 1.0;
+        for (int v = 0; v < V; v++)
+            pv[v] = dist[v];
+        for (int i = 0; i < 3; i++) { /* the verifier that forgets to renormalise */
+            naive[cand[i]] = left * pv[cand[i]];
+            left *= 1 - pv[cand[i]];
+            rest -= pv[cand[i]];
+        }
+        for (int v = 0; v < V; v++)
+            if (v != cand[0] && v != cand[1] && v != cand[2]) naive[v] = left * pv[v] / rest;
+        for (int i = 0; i < N; i++) {
+            p.seed = (uint64_t)(i / 1000) + 100 * (uint64_t)cfg;
+            struct tdm_sampler smp;
+            assert_int_equal(tdm_sampler_init(&smp, &p, (uint64_t)cfg, V), TDM_OK);
+            struct tdm_sample_row row = {.smp = &smp,
+                                         .position = (uint32_t)(i % 1000),
+                                         .n_top = -1,
+                                         .mode = TDM_SAMPLE_TREE,
+                                         .cand = cand,
+                                         .n_cand = 3};
+            memcpy(buf, lg, sizeof buf);
+            tdm_sample_row_host(&row, buf, &sc);
+            assert_true(row.token >= 0 && row.token < V);
+            const bool is_cand =
+                row.token == cand[0] || row.token == cand[1] || row.token == cand[2];
+            assert_int_equal(row.kept, is_cand);
+            counts[row.token]++;
+            tdm_sampler_free(&smp);
+        }
+        double x = 0, xn = 0;
+        int bins = 0;
+        for (int v = 0; v < V; v++) {
+            if (pv[v] == 0) {
+                assert_int_equal(counts[v], 0); /* never a token p cannot draw */
+                continue;
+            }
+            x += (counts[v] - N * pv[v]) * (counts[v] - N * pv[v]) / (N * pv[v]);
+            xn += (counts[v] - N * naive[v]) * (counts[v] - N * naive[v]) / (N * naive[v]);
+            bins++;
+        }
+        const double k = bins - 1, z = 3.0902;
+        const double crit = k * pow(1 - 2 / (9 * k) + z * sqrt(2 / (9 * k)), 3);
+        print_message("tree rows, config %d: chi2 %.1f, against the naive verifier %.1f "
+                      "(critical %.1f)\n",
+                      cfg, x, xn, crit);
+        assert_true(x < crit);
+        assert_true(xn > crit);
+    }
+    /* greedy: the argmax (2) always; kept when it is a candidate */
+    struct tdm_sampling_params g = tdm_sampling_defaults();
+    struct tdm_sampler smp;
+    assert_int_equal(tdm_sampler_init(&smp, &g, 0, V), TDM_OK);
+    for (int c = 0; c < 2; c++) {
+        float buf[V];
+        memcpy(buf, lg, sizeof buf);
+        struct tdm_sample_row row = {
+            .smp = &smp, .n_top = -1, .mode = TDM_SAMPLE_TREE, .cand = cands[c], .n_cand = 3};
+        tdm_sample_row_host(&row, buf, &sc);
+        assert_int_equal(row.token, 2);
+        assert_true(row.kept);
+        row.n_cand = 1; /* only the first candidate: 2 for list 0, 7 for list 1 */
+        memcpy(buf, lg, sizeof buf);
+        tdm_sample_row_host(&row, buf, &sc);
+        assert_int_equal(row.token, 2);
+        assert_int_equal(row.kept, c == 0);
+    }
+    tdm_sampler_free(&smp);
+    tdm_sample_scratch_free(&sc);
+}
+
 static void test_hostile_floats(void **s)
 {
     (void)s;
@@ -471,6 +572,7 @@ int main(void)
         cmocka_unit_test(test_logprobs_top),   cmocka_unit_test(test_validate),
         cmocka_unit_test(test_stream),         cmocka_unit_test(test_unaccept),
         cmocka_unit_test(test_hostile_floats), cmocka_unit_test(test_undo_rows),
+        cmocka_unit_test(test_tree_rows),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

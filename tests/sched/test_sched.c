@@ -8,7 +8,11 @@
  * back from its own KV store: a span's tokens are written at the plan's slots, and a row's
  * token hashes the tokens at positions [0, x] found through the page table. A wrong slot, a
  * stale page, a position fed twice or skipped, or KV left behind by a rewind changes the
- * output, which is checked against the same hash computed straight from the token list.
+ * output, which is checked against the same hash computed straight from the token list. The
+ * store is the KV pool's own memory (one layer, one head of size 1: K holds the token, V the
+ * request that wrote it), so what the scheduler moves in the pool (a token tree's accepted
+ * path, tdm_kv_pool_copy_slots) moves in the store. A tree span's row hashes what its token
+ * sees: the prefix through the page table, then its mask's nodes.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -66,10 +70,10 @@ struct plan_rec { /* one sequence of one recorded plan */
 struct fake_exec {
     tdm_kv_pool_t *kv;
     int n_slots;
-    int32_t *kv_tok;    /* [n_slots] token written at each slot */
-    uint64_t *kv_owner; /* [n_slots] request id that wrote it, 0 = never */
-    int fail_at_step;   /* run returns TDM_EINTERNAL on this step */
-    int block_at_step;  /* run waits on this step until `unblock` (the watchdog test) */
+    float *store;      /* the pool's layer: slot s's K (the token) at kv_k(s), V (the writer's id,
+                        * 0: never written) at kv_v(s) */
+    int fail_at_step;  /* run returns TDM_EINTERNAL on this step */
+    int block_at_step; /* run waits on this step until `unblock` (the watchdog test) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool unblock, blocked;
@@ -77,6 +81,27 @@ struct fake_exec {
     int n_rec;
     int max_seqs_seen;
 };
+
+/* The store's two floats of a slot in the pool's HND layer [page][K, V][1 head][PS][1]. */
+static float *kv_k(struct fake_exec *x, int slot)
+{
+    return &x->store[(size_t)(slot / PS) * 2 * PS + slot % PS];
+}
+static float *kv_v(struct fake_exec *x, int slot)
+{
+    return &x->store[(size_t)(slot / PS) * 2 * PS + PS + slot % PS];
+}
+static void kv_put(struct fake_exec *x, int slot, int32_t tok, uint64_t id)
+{
+    *kv_k(x, slot) = (float)tok;
+    *kv_v(x, slot) = (float)id;
+}
+/* The hash over slot's token, checking that request id wrote it. */
+static uint64_t kv_hash(struct fake_exec *x, uint64_t h, int slot, uint64_t id)
+{
+    assert_int_equal((uint64_t)*kv_v(x, slot), id); /* this request's KV, written */
+    return hash_step(h, (int32_t)*kv_k(x, slot));
+}
 
 static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
 {
@@ -108,20 +133,43 @@ static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
                                                    .want = q->want};
         for (int i = 0; i < q->n_tokens; i++) {
             int pos = q->pos0 + i;
-            /* a linear sequence: the slot of its position in the page table */
+            /* the slot of its position in the page table (a tree's nodes: of its index) */
             assert_int_equal(q->slots[i], q->pages[pos / PS] * PS + pos % PS);
-            x->kv_tok[q->slots[i]] = q->tokens[i];
-            x->kv_owner[q->slots[i]] = id;
+            kv_put(x, q->slots[i], q->tokens[i], id);
+        }
+        if (q->tree) { /* a verified tree: every token a row, each seeing its own path */
+            const struct tdm_batch_tree *tr = q->tree;
+            assert_int_equal(q->n_rows, q->n_tokens);
+            assert_int_equal(tr->n_nodes, q->n_tokens - 1);
+            for (int i = 0; i < q->n_rows; i++) {
+                const int row = q->row0 + i;
+                uint64_t h = HASH0;
+                for (int pos = 0; pos < q->pos0 + 1; pos++) /* the prefix and the root */
+                    h = kv_hash(x, h, q->pages[pos / PS] * PS + pos % PS, id);
+                for (uint64_t m = tr->mask[i]; m; m &= m - 1)
+                    h = kv_hash(x, h, tr->node_slots[__builtin_ctzll(m)], id);
+                assert_int_equal(tr->positions[i], q->pos0 + __builtin_popcountll(tr->mask[i]));
+                struct tdm_sample_row *sr = &p->samples[row];
+                assert_int_equal(sr->position, (uint32_t)tr->positions[i] + 1);
+                /* penalties see the row's path: the other drafts are its undo list */
+                assert_int_equal(sr->n_undo, tr->n_nodes - __builtin_popcountll(tr->mask[i]));
+                assert_true(sr->mode == TDM_SAMPLE_DRAW || sr->mode == TDM_SAMPLE_TREE);
+                sr->token = next_of(h);
+                sr->kept = false;
+                for (int c = 0; sr->mode == TDM_SAMPLE_TREE && c < sr->n_cand; c++)
+                    sr->kept |= sr->cand[c] == sr->token;
+                sr->logprob = -0.5f;
+            }
+            rows += q->n_rows;
+            tokens += q->n_tokens;
+            continue;
         }
         for (int i = 0; i < q->n_rows; i++) {
             int row = q->row0 + i, x_pos = q->pos0 + q->n_tokens - q->n_rows + i;
             assert_int_equal(p->want[row], q->want);
             uint64_t h = HASH0;
-            for (int pos = 0; pos <= x_pos; pos++) {
-                int slot = q->pages[pos / PS] * PS + pos % PS;
-                assert_int_equal(x->kv_owner[slot], id); /* this request's KV, written */
-                h = hash_step(h, x->kv_tok[slot]);
-            }
+            for (int pos = 0; pos <= x_pos; pos++)
+                h = kv_hash(x, h, q->pages[pos / PS] * PS + pos % PS, id);
             int32_t tok = next_of(h);
             if (q->want & TDM_ROW_SAMPLE) {
                 struct tdm_sample_row *sr = &p->samples[row];
@@ -182,8 +230,8 @@ static void fix_open(struct fix *f, int64_t n_pages, const struct tdm_sched_opts
     pthread_mutex_init(&f->x.mu, NULL);
     pthread_cond_init(&f->x.cv, NULL);
     f->x.n_slots = (int)n_pages * PS;
-    f->x.kv_tok = calloc((size_t)f->x.n_slots, sizeof *f->x.kv_tok);
-    f->x.kv_owner = calloc((size_t)f->x.n_slots, sizeof *f->x.kv_owner);
+    f->x.store = tdm_kv_pool_layer(f->kv, 0).base;
+    memset(f->x.store, 0, (size_t)n_pages * 2 * PS * sizeof(float));
     struct tdm_sched_exec ex = {.iface = &fake_exec_i,
                                 .ctx = &f->x,
                                 .kv = f->kv,
@@ -210,8 +258,6 @@ static void fix_close(struct fix *f)
     expect_baseline(f);
     tdm_kv_pool_destroy(f->kv);
     tdm_backend_destroy(f->backend);
-    free(f->x.kv_tok);
-    free(f->x.kv_owner);
     pthread_mutex_destroy(&f->x.mu);
     pthread_cond_destroy(&f->x.cv);
 }
@@ -412,8 +458,7 @@ static void conn_land(struct fake_conn *c)
         }
         for (int pos = 0; pos < c->pending_n[i]; pos++) {
             int slot = c->pending_pages[i][pos / PS] * PS + pos % PS;
-            x->kv_tok[slot] = c->pending_tokens[i][pos];
-            x->kv_owner[slot] = tdm_req_id(r);
+            kv_put(x, slot, c->pending_tokens[i][pos], tdm_req_id(r));
         }
         tdm_req_remote_done(r, TDM_OK);
     }
@@ -710,6 +755,119 @@ static void test_drafts_all_accepted(void **state)
     run_drafted(3, false);
 }
 
+/* ---- a fake tree drafter: the reference continuation on second children ----
+ * At each depth: a wrong first child (with a wrong child of its own), then the right token,
+ * under which the next depth goes on. The verified path runs through second children only, so
+ * each kept draft was verified in a slot other than its position's: the commit must move its
+ * KV down (the store is the pool's memory), or the next step's hash reads the wrong branch. */
+struct fake_tree {
+    int depth;
+    bool rejection;
+    long proposed, accepted, off_first, steps, published;
+};
+
+static int tree_add(struct tdm_sched_draft *x, int parent, int32_t tok)
+{
+    if (x->n >= x->k) return -1;
+    x->out[x->n] = tok;
+    x->parent[x->n] = parent;
+    return x->n++;
+}
+
+static void tree_propose(void *ctx, struct tdm_sched_draft *dr, int n, int base_tokens)
+{
+    struct fake_tree *d = ctx;
+    assert_true(n >= 1 && base_tokens >= n);
+    for (int j = 0; j < n; j++) {
+        struct tdm_sched_draft *x = &dr[j];
+        assert_non_null(x->parent);
+        int32_t ref[MAX_CTX];
+        reference(x->tokens, x->n_tokens, d->depth, ref);
+        x->n = 0;
+        x->tree_rejection = d->rejection;
+        int parent = -1;
+        for (int dep = 0; dep < d->depth && dep < x->depth_cap && x->n + 3 <= x->k; dep++) {
+            int wrong = tree_add(x, parent, (ref[dep] + 1) % VOCAB);
+            tree_add(x, wrong, (ref[dep] + 2) % VOCAB);
+            parent = tree_add(x, parent, ref[dep]);
+        }
+        assert_true(x->n_pages * PS >= x->n_tokens + x->k);
+    }
+}
+
+static void tree_accepted(void *ctx, tdm_req_t *r, struct tdm_draft_stats *st, int n_draft,
+                          int n_accepted, int n_published)
+{
+    struct fake_tree *d = ctx;
+    (void)r;
+    if (n_draft) {
+        /* every kept draft is a second child */
+        assert_int_equal(st->tree_off_first, n_accepted);
+        assert_true(n_accepted <= st->tree_depth);
+    }
+    d->proposed += n_draft;
+    d->accepted += n_accepted;
+    d->off_first += st->tree_off_first;
+    d->steps++;
+    d->published += n_published;
+}
+
+static const struct tdm_sched_drafter_i fake_tree_i = {
+    .propose = tree_propose, .accepted = tree_accepted, .tree = true};
+
+static void run_tree(int depth, bool rejection, bool penalties)
+{
+    struct fix f;
+    struct tdm_sched_opts so = {0};
+    fix_open(&f, 64, &so, 64, 8);
+    struct fake_tree d = {.depth = depth, .rejection = rejection};
+    assert_int_equal(tdm_sched_set_drafter(f.s, &fake_tree_i, &d, 12), TDM_OK);
+    int32_t a[5];
+    make_prompt(a, 5, 9);
+    struct tdm_req_params rp = {.prompt = a,
+                                .n_prompt = 5,
+                                .max_tokens = 30,
+                                .ignore_eos = true,
+                                .sampling = tdm_sampling_defaults(),
+                                .top_logprobs = -1};
+    if (penalties) rp.sampling.repetition_penalty = 1.1f;
+    tdm_req_t *r = NULL;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &r), TDM_OK);
+    int steps = 0;
+    while (tdm_req_state(r) != TDM_REQ_FINISHED && steps < 100) {
+        tdm_sched_step(f.s);
+        steps++;
+        if (tdm_req_state(r) == TDM_REQ_FINISHED) break;
+        /* the KV keeps the kept positions only: the verified tree's other slots are trimmed */
+        struct tdm_req_view v;
+        tdm_req_lock(r, &v);
+        int n_cached = 5 + v.n_out - 1;
+        tdm_req_unlock(r);
+        assert_int_equal(tdm_kv_pool_stats(f.kv).used, (n_cached + PS - 1) / PS);
+    }
+    expect_output(r, a, 5, 30, TDM_FINISH_LENGTH);
+    assert_int_equal(d.published, 30 - 1);
+    if (depth > 0) {
+        assert_true(d.accepted > 0 && d.off_first == d.accepted);
+        /* depth + 1 tokens a step (the budget of 12 holds the whole tree): the prompt's step,
+         * then 29 outputs */
+        assert_true(steps <= 1 + (29 + depth) / (depth + 1) + 1);
+    }
+    for (int i = 0; i < f.x.n_rec; i++) /* a tree span: one row a token */
+        if (f.x.rec[i].n_draft) assert_int_equal(f.x.rec[i].n_rows, f.x.rec[i].n_tokens);
+    tdm_req_release(r);
+    fix_close(&f);
+}
+
+static void test_tree_drafts(void **state)
+{
+    (void)state;
+    run_tree(1, false, false);
+    run_tree(3, false, false);
+    run_tree(3, true, false); /* rejection: each node's children as point masses */
+    run_tree(4, false, true); /* penalties: each row's undo list is off its path */
+}
+
 static void test_drafts_with_penalties(void **state)
 {
     (void)state;
@@ -896,6 +1054,7 @@ int main(void)
         cmocka_unit_test(test_drafts_partly_accepted),
         cmocka_unit_test(test_drafts_all_accepted),
         cmocka_unit_test(test_drafts_with_penalties),
+        cmocka_unit_test(test_tree_drafts),
         cmocka_unit_test(test_executor_error),
         cmocka_unit_test(test_watchdog),
         cmocka_unit_test(test_prefill_only_rows),

@@ -29,6 +29,12 @@
  * elements 8i + l in order; lanes fold ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)); tail elements
  * after); weights use libm's expf. The AVX2 step (attention_avx2.c) vectorises the same scheme.
  *
+ * Token trees (backend.h, the attention contract): a tree token at position p reads positions
+ * [0, P) through the page table and positions P .. p from its visible nodes' slots, in the
+ * same chunks and segments as a chain token at p. Only where a position's K and V rows are
+ * found changes, so the values are bit for bit those of the chain token that sees the same
+ * KV (what makes tree verification exact), and the prefix part costs what it always did.
+ *
  * Threading: work items are (token, KV head) pairs, dealt round-robin to the pool's threads
  * (later tokens of a prefill attend to more positions, so a contiguous split would be
  * lopsided). One item handles all query heads of its group (TDM_CPU_ATTN_GROUP at a time), so
@@ -107,21 +113,33 @@ void tdm_cpu_attn_step_portable(const struct tdm_cpu_attn_step *s)
 
 /* What one token needs to find its KV. */
 struct att_tok {
-    int n_pos;            /* positions 0 .. n_pos - 1 */
-    const int32_t *pages; /* the sequence's page table */
+    int n_pos;                        /* positions 0 .. n_pos - 1 */
+    int n_paged;                      /* of them, [0, n_paged) through the page table */
+    const int32_t *pages;             /* the sequence's page table */
+    int32_t path[TDM_TREE_MAX_NODES]; /* a tree token: the slots of positions n_paged .. */
 };
 
 static struct att_tok att_tok(const struct att_job *job, int t)
 {
     const struct tdm_step *st = job->st;
     const int s = st->token_seq[t];
-    const struct att_tok tk = {
+    struct att_tok tk = {
         .n_pos = st->positions[t] + 1,
+        .n_paged = st->positions[t] + 1,
         .pages = st->page_ids + st->seq_page_start[s],
     };
+    const uint64_t mask = st->tree_mask ? st->tree_mask[t] : 0;
+    if (mask) { /* its visible nodes, lowest first: one per position from the prefix on */
+        const int32_t *nodes = st->tree_slots + st->tree_node_start[s];
+        tk.n_paged = st->seq_prefix[s];
+        int n = 0;
+        for (uint64_t m = mask; m; m &= m - 1)
+            tk.path[n++] = nodes[__builtin_ctzll(m)];
+        TDM_ASSERT(tk.n_paged + n == tk.n_pos);
+    }
     const int n_seq_pages = st->seq_page_start[s + 1] - st->seq_page_start[s];
     TDM_ASSERT(tk.n_pos <= st->seq_kv_len[s] &&
-               (tk.n_pos + job->kv->page_size - 1) / job->kv->page_size <= n_seq_pages);
+               (tk.n_paged + job->kv->page_size - 1) / job->kv->page_size <= n_seq_pages);
     return tk;
 }
 
@@ -162,10 +180,18 @@ static void segment_state(const struct att_job *job, int t, const struct att_tok
         step.cn = TDM_MIN(TDM_CPU_ATTN_CHUNK, p1 - j0);
         for (int jj = 0; jj < step.cn; jj++) {
             const int pos = j0 + jj;
-            const int32_t page = tk->pages[pos / ps];
+            int32_t page, off;
+            if (pos < tk->n_paged) {
+                page = tk->pages[pos / ps];
+                off = pos % ps;
+            } else { /* a tree token's ancestor (or itself) */
+                const int32_t slot = tk->path[pos - tk->n_paged];
+                page = slot / ps;
+                off = slot % ps;
+            }
             TDM_ASSERT(page >= 0 && page < kv->n_pages);
-            const float *kp = kv->base + (size_t)page * page_stride + (size_t)g * head_stride +
-                              (size_t)(pos % ps) * hd;
+            const float *kp =
+                kv->base + (size_t)page * page_stride + (size_t)g * head_stride + (size_t)off * hd;
             kr[jj] = kp;
             vr[jj] = kp + (size_t)nkv * head_stride;
         }
@@ -354,4 +380,25 @@ void tdm_cpu_attention(tdm_backend_t *b, const float *q, int n_heads, const stru
     struct tdm_cpu *cpu = tdm_cpu_of(b);
     if (work >= SPLIT_MIN_WORK && attention_split(cpu, &job)) return;
     tdm_cpu_run(cpu, work, attention_worker, &job);
+}
+
+void tdm_cpu_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
+                     size_t layer_floats, const int32_t *src, const int32_t *dst, int n)
+{
+    (void)b;
+    const int ps = kv->page_size, hd = kv->head_dim, nkv = kv->n_kv_heads;
+    const size_t head_stride = (size_t)ps * hd, page_stride = 2 * (size_t)nkv * head_stride;
+    const size_t row_bytes = (size_t)hd * sizeof(float);
+    for (int l = 0; l < n_layers; l++) {
+        float *base = kv->base + (size_t)l * layer_floats;
+        for (int i = 0; i < n; i++) {
+            TDM_ASSERT(src[i] >= 0 && dst[i] >= 0 && src[i] / ps < kv->n_pages &&
+                       dst[i] / ps < kv->n_pages);
+            const float *from =
+                base + (size_t)(src[i] / ps) * page_stride + (size_t)(src[i] % ps) * hd;
+            float *to = base + (size_t)(dst[i] / ps) * page_stride + (size_t)(dst[i] % ps) * hd;
+            for (int kvh = 0; kvh < 2 * nkv; kvh++) /* K heads, then V heads */
+                memcpy(to + (size_t)kvh * head_stride, from + (size_t)kvh * head_stride, row_bytes);
+        }
+    }
 }

@@ -241,6 +241,8 @@ static const struct tdm_backend_i CPU_IFACE = {
     .silu_mul = tdm_cpu_silu_mul,
     .add = tdm_cpu_add,
     .gather_rows = tdm_cpu_gather_rows,
+    .scatter_cols = tdm_cpu_scatter_cols,
+    .kv_copy = tdm_cpu_kv_copy,
     .layer_done = cpu_layer_done,
     .sync = cpu_sync,
 };

@@ -151,6 +151,10 @@ void tdm_cpu_attention(tdm_backend_t *b, const float *q, int n_heads, const stru
 void tdm_cpu_silu_mul(tdm_backend_t *b, const float *gate, const float *up, int n, int dim,
                       float *out);
 void tdm_cpu_add(tdm_backend_t *b, float *x, const float *y, size_t n);
+void tdm_cpu_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
+                     size_t layer_floats, const int32_t *src, const int32_t *dst, int n);
+void tdm_cpu_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
+                          int width, float *out);
 void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                          float *out);
 

@@ -1,6 +1,7 @@
 /*
- * Row ops: embed (token rows of the embedding table, dequantised to fp32) and gather_rows
- * (copies selected activation rows, e.g. the last token of each sequence before the LM head).
+ * Row ops: embed (token rows of the embedding table, dequantised to fp32), gather_rows
+ * (copies selected activation rows, e.g. the last token of each sequence before the LM head)
+ * and scatter_cols (a reduced draft vocabulary's logits into the whole vocabulary's columns).
  *
  * Embedding rows are dequantised with tdm_cpu_weight_row (matmul.c), which yields the same
  * floats as the reference dequantiser. Token ids and row indices are the engine's to validate
@@ -12,6 +13,7 @@
  */
 #include "backend/cpu/cpu_int.h"
 
+#include <math.h>
 #include <string.h>
 
 struct embed_job {
@@ -68,4 +70,37 @@ void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, 
     if (n <= 0 || dim <= 0) return;
     struct gather_job job = {.x = x, .rows = rows, .n = n, .dim = dim, .out = out};
     tdm_cpu_run(tdm_cpu_of(b), (int64_t)n * dim, gather_worker, &job);
+}
+
+struct scatter_job {
+    const float *x;
+    const int32_t *cols;
+    int n, n_cols, width;
+    float *out;
+};
+
+static void scatter_worker(void *ctx, int ith, int nth)
+{
+    const struct scatter_job *job = ctx;
+    int64_t i0, i1;
+    tdm_split_range(job->n, ith, nth, 1, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++) {
+        float *o = job->out + (size_t)i * job->width;
+        const float *x = job->x + (size_t)i * job->n_cols;
+        for (int c = 0; c < job->width; c++)
+            o[c] = -INFINITY;
+        for (int c = 0; c < job->n_cols; c++) {
+            TDM_ASSERT(job->cols[c] >= 0 && job->cols[c] < job->width);
+            o[job->cols[c]] = x[c];
+        }
+    }
+}
+
+void tdm_cpu_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
+                          int width, float *out)
+{
+    if (n <= 0 || width <= 0) return;
+    struct scatter_job job = {
+        .x = x, .cols = cols, .n = n, .n_cols = n_cols, .width = width, .out = out};
+    tdm_cpu_run(tdm_cpu_of(b), (int64_t)n * width, scatter_worker, &job);
 }

@@ -21,12 +21,20 @@
  *
  * Padding: a tile whose sequence has KV length 0 (a CUDA-graph padding slot) writes zeros.
  *
+ * Token trees (backend.h's attention contract): a tile of a tree sequence reads positions
+ * [0, P) through the page table, exactly as a chain tile does, then the tree's nodes as columns
+ * P .. P + n_nodes - 1 (node j's K and V from its slot). A chain row masks columns past its
+ * position, as always; a tree row takes every prefix column and, of the node columns, those
+ * its 64-bit mask names. The mask touches the node columns only, so the prefix part is the
+ * causal kernel's, and a tree of T tokens costs what a chain of T tokens costs.
+ *
  * Numerics: fp32 throughout; q is pre-multiplied by the softmax scale; expf is the precise one.
  */
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
+#include <climits>
 #include <math.h>
 #include <stdlib.h>
 
@@ -45,7 +53,56 @@ struct attn_args {
     int n_heads, nkv, hd, gs, page_size, n_splits, n_tokens;
     float scale;
     const int32_t *positions, *seq_kv_len, *seq_page_start, *page_ids, *tiles;
+    const unsigned long long *tree_mask; /* NULL: no tree in the step */
+    const int32_t *seq_prefix, *tree_node_start, *tree_slots;
 };
+
+/* A tile's sequence as the attention sees it: a tree's prefix tp and nodes, or (a chain) tp =
+ * INT_MAX, so that no position is a node. */
+struct seq_kv {
+    int tp, n_nodes;
+    const int32_t *nodes;
+};
+
+__device__ __forceinline__ seq_kv seq_kv_of(const attn_args &a, int seq)
+{
+    seq_kv t = {INT_MAX, 0, nullptr};
+    if (a.tree_mask) {
+        const int n0 = a.tree_node_start[seq], n1 = a.tree_node_start[seq + 1];
+        if (n1 > n0) {
+            t.tp = a.seq_prefix[seq];
+            t.n_nodes = n1 - n0;
+            t.nodes = a.tree_slots + n0;
+        }
+    }
+    return t;
+}
+
+/* Where KV head g's K row of column p is (V is v_off floats further): a position through the
+ * page table, or a tree's node through its slot. */
+__device__ __forceinline__ const float *kv_row(const attn_args &a, const int32_t *pages,
+                                               const seq_kv &sk, int p, int g, size_t page_floats,
+                                               int hd)
+{
+    const int ps = a.page_size;
+    int page, off;
+    if (p < sk.tp) {
+        page = pages[p / ps];
+        off = p % ps;
+    } else {
+        const int slot = sk.nodes[p - sk.tp];
+        page = slot / ps;
+        off = slot % ps;
+    }
+    return a.kv_base + (size_t)page * page_floats + ((size_t)g * ps + off) * hd;
+}
+
+/* Whether a row sees column p: a chain row up to its position (lim), a tree row (lim = tp - 1)
+ * the prefix and the nodes of its mask. */
+__device__ __forceinline__ bool sees(int p, int lim, unsigned long long mask, int tp)
+{
+    return p <= lim || (p >= tp && ((mask >> (p - tp)) & 1ull));
+}
 
 __device__ __forceinline__ uint16_t to_bf16(float f)
 {
@@ -78,14 +135,19 @@ template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_ke
         }
         Qs[idx] = v;
     }
+    const seq_kv sk = seq_kv_of(a, seq);
     int pos[RPW];
+    unsigned long long msk[RPW];
 #pragma unroll
     for (int i = 0; i < RPW; i++) {
         const int r = warp * RPW + i;
-        pos[i] = r < R ? a.positions[tok0 + r / a.gs] : -1;
+        const int t = tok0 + r / a.gs;
+        msk[i] = r < R && a.tree_mask ? a.tree_mask[t] : 0ull;
+        pos[i] = r < R ? (msk[i] ? sk.tp - 1 : a.positions[t]) : -1;
     }
     int kv_end = a.positions[tok0 + ntok - 1] + 1;
     kv_end = min(kv_end, a.seq_kv_len[seq]);
+    if (sk.nodes) kv_end = sk.tp + sk.n_nodes; /* the prefix, then the nodes as columns */
     const int per = ((kv_end + a.n_splits - 1) / a.n_splits + CHUNK - 1) / CHUNK * CHUNK;
     const int lo = split * per, hi = min(kv_end, lo + per);
 
@@ -106,9 +168,7 @@ template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_ke
         __syncthreads();
         if (threadIdx.x < CHUNK) {
             const int p = c0 + threadIdx.x;
-            krow[threadIdx.x] = p < hi ? a.kv_base + (size_t)pages[p / ps] * page_floats +
-                                             ((size_t)g * ps + p % ps) * hd
-                                       : nullptr;
+            krow[threadIdx.x] = p < hi ? kv_row(a, pages, sk, p, g, page_floats, hd) : nullptr;
         }
         __syncthreads();
         if (hd % 4 == 0) { /* 16-byte loads */
@@ -158,7 +218,7 @@ template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_ke
         float pw[RPW];
 #pragma unroll
         for (int i = 0; i < RPW; i++) {
-            const bool ok = p < hi && p <= pos[i];
+            const bool ok = p < hi && sees(p, pos[i], msk[i], sk.tp);
             float sc = ok ? s[i] : -INFINITY;
             float mx = sc;
             for (int o = 16; o > 0; o >>= 1)
@@ -274,8 +334,11 @@ template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(
     const int R = ntok * a.gs;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, qr = lane / 4, qc = lane % 4;
     const int r0 = warp * 16 + qr, r1 = r0 + 8;
-    const int pos0 = r0 < R ? a.positions[tok0 + r0 / a.gs] : -1;
-    const int pos1 = r1 < R ? a.positions[tok0 + r1 / a.gs] : -1;
+    const seq_kv sk = seq_kv_of(a, seq);
+    const unsigned long long mk0 = r0 < R && a.tree_mask ? a.tree_mask[tok0 + r0 / a.gs] : 0ull;
+    const unsigned long long mk1 = r1 < R && a.tree_mask ? a.tree_mask[tok0 + r1 / a.gs] : 0ull;
+    const int pos0 = r0 < R ? (mk0 ? sk.tp - 1 : a.positions[tok0 + r0 / a.gs]) : -1;
+    const int pos1 = r1 < R ? (mk1 ? sk.tp - 1 : a.positions[tok0 + r1 / a.gs]) : -1;
     const float qs = a.scale * 1.4426950408889634f;
     const float *q0 =
         r0 < R ? a.q + ((size_t)(tok0 + r0 / a.gs) * a.n_heads + g * a.gs + r0 % a.gs) * D
@@ -301,7 +364,8 @@ template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(
     for (int nt = 0; nt < D / 8; nt++)
         o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-    const int kv_end = min(a.positions[tok0 + ntok - 1] + 1, a.seq_kv_len[seq]);
+    const int kv_end =
+        sk.nodes ? sk.tp + sk.n_nodes : min(a.positions[tok0 + ntok - 1] + 1, a.seq_kv_len[seq]);
     const int ps = a.page_size;
     const int32_t *pages = a.page_ids + a.seq_page_start[seq];
     const size_t page_floats = (size_t)2 * a.nkv * ps * D, v_off = (size_t)a.nkv * ps * D;
@@ -317,8 +381,7 @@ template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(
             const int i = idx / (D / 4), d = (idx % (D / 4)) * 4, p = c0 + i;
             pk[u] = pv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (p < kv_end) {
-                const float *kr = a.kv_base + (size_t)pages[p / ps] * page_floats +
-                                  ((size_t)g * ps + p % ps) * D + d;
+                const float *kr = kv_row(a, pages, sk, p, g, page_floats, D) + d;
                 pk[u] = *reinterpret_cast<const float4 *>(kr);
                 pv[u] = *reinterpret_cast<const float4 *>(kr + v_off);
             }
@@ -357,7 +420,8 @@ template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(
             for (int e = 0; e < 4; e++) {
                 const int col = c0 + nt * 8 + qc * 2 + (e & 1);
                 const int pos = e < 2 ? pos0 : pos1;
-                if (!(col < kv_end && col <= pos)) sc[nt][e] = -INFINITY;
+                const unsigned long long mk = e < 2 ? mk0 : mk1;
+                if (!(col < kv_end && sees(col, pos, mk, sk.tp))) sc[nt][e] = -INFINITY;
                 if (e < 2)
                     mx0 = fmaxf(mx0, sc[nt][e]);
                 else
@@ -554,7 +618,11 @@ extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, in
                    st->seq_kv_len,
                    st->seq_page_start,
                    st->page_ids,
-                   st->tiles};
+                   st->tiles,
+                   st->tree_mask,
+                   st->seq_prefix,
+                   st->tree_node_start,
+                   st->tree_slots};
     bool ok;
     /* prefill-shaped steps (tiles of several tokens) on the tensor cores */
     if (mma && n_splits == 1) {
@@ -580,6 +648,46 @@ extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, in
         tdm_pdl_launch(combine_kernel, st->n_tokens * n_heads, 128, 0, s, part, n_splits,
                        st->n_tokens, n_heads, hd, out, out_bf16);
     return true;
+}
+
+namespace
+{
+struct kv_pairs {
+    int32_t src[TDM_CU_KV_COPY_MAX], dst[TDM_CU_KV_COPY_MAX];
+};
+
+/* One block per layer and K or V head, the pairs in order: a thread handles the same elements
+ * of every pair, so a pair that reads what an earlier one wrote (or overwrites what it read)
+ * sees it in program order, without a barrier. */
+__global__ void kv_copy_kernel(float *base, size_t layer_floats, int hd, int ps, int nkv, int n,
+                               kv_pairs pr)
+{
+    tdm_pdl_wait();
+    const size_t head = (size_t)ps * hd, page = 2 * (size_t)nkv * head;
+    float *layer = base + (size_t)blockIdx.x * layer_floats + (size_t)blockIdx.y * head;
+    for (int i = 0; i < n; i++) {
+        const float *from = layer + (size_t)(pr.src[i] / ps) * page + (size_t)(pr.src[i] % ps) * hd;
+        float *to = layer + (size_t)(pr.dst[i] / ps) * page + (size_t)(pr.dst[i] % ps) * hd;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x)
+            to[d] = from[d];
+    }
+}
+} // namespace
+
+extern "C" void tdm_cu_kv_copy(cudaStream_t s, float *base, int n_layers, size_t layer_floats,
+                               int n_kv_heads, int hd, int page_size, const int32_t *src,
+                               const int32_t *dst, int n)
+{
+    if (n <= 0 || n_layers <= 0) return;
+    kv_pairs pr = {};
+    n = min(n, TDM_CU_KV_COPY_MAX);
+    for (int i = 0; i < n; i++) {
+        pr.src[i] = src[i];
+        pr.dst[i] = dst[i];
+    }
+    dim3 grid(n_layers, 2 * n_kv_heads); /* (layer, K head then V head) */
+    tdm_pdl_launch(kv_copy_kernel, grid, 128, 0, s, base, layer_floats, hd, page_size, n_kv_heads,
+                   n, pr);
 }
 
 extern "C" int tdm_cu_attention_rows_cap(int hd)

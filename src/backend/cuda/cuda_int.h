@@ -235,8 +235,12 @@ void tdm_cuda_rope_kv_append(tdm_backend_t *b, float *q, const float *k, const f
                              const struct tdm_kv_layer *kv);
 void tdm_cuda_attention(tdm_backend_t *b, const float *q, int n_heads, const struct tdm_step *st,
                         const struct tdm_kv_layer *kv, float scale, float *out);
+void tdm_cuda_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
+                           int width, float *out);
 void tdm_cuda_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                           float *out);
+void tdm_cuda_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
+                      size_t layer_floats, const int32_t *src, const int32_t *dst, int n);
 int32_t *tdm_cuda_counter_dev(struct tdm_cuda *cu, _Atomic int32_t *counter);
 void tdm_cuda_layer_done(tdm_backend_t *b, int layer, _Atomic int32_t *counter);
 void tdm_cuda_sync(tdm_backend_t *b);

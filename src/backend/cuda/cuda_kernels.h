@@ -29,6 +29,9 @@ struct tdm_cu_step {
     int n_tokens, n_seqs, page_size;
     const int32_t *tokens, *positions, *slots, *token_seq;
     const int32_t *seq_token_start, *seq_kv_len, *seq_page_start, *page_ids;
+    /* token trees (backend.h's tdm_step): NULL in a step without one */
+    const unsigned long long *tree_mask;
+    const int32_t *seq_prefix, *tree_node_start, *tree_slots;
     /* attention work list: tile i covers tokens [tiles[3i+1], +tiles[3i+2]) of seq tiles[3i] */
     const int32_t *tiles;
     int n_tiles;
@@ -49,8 +52,16 @@ void tdm_cu_add_bias(cudaStream_t s, float *out, const float *bias, int n, int r
 void tdm_cu_silu_mul(cudaStream_t s, const float *gate, const float *up, size_t n, float *out,
                      uint16_t *out_bf16);
 void tdm_cu_add(cudaStream_t s, float *x, const float *y, size_t n);
+void tdm_cu_scatter_cols(cudaStream_t s, const float *x, const int32_t *cols, int n, int n_cols,
+                         int width, float *out);
 void tdm_cu_gather_rows(cudaStream_t s, const float *x, const int32_t *rows, int n, int dim,
                         float *out);
+/* Copies K and V rows of n slots (every KV head) in n_layers layers of one region (layer l at
+ * base + l * layer_floats): slot dst[i] gets slot src[i]'s, the pairs in order. src, dst: host
+ * arrays, at most TDM_CU_KV_COPY_MAX pairs a call (they travel as kernel arguments). */
+#define TDM_CU_KV_COPY_MAX 64
+void tdm_cu_kv_copy(cudaStream_t s, float *base, int n_layers, size_t layer_floats, int n_kv_heads,
+                    int hd, int page_size, const int32_t *src, const int32_t *dst, int n);
 /* RoPE of q (in place) and k, k and v written to the KV cache at each token's slot (slot < 0:
  * a padding token, nothing written). inv_freq: [hd/2] device. */
 void tdm_cu_rope_kv_append(cudaStream_t s, float *q, const float *k, const float *v, int n_heads,
@@ -87,14 +98,16 @@ bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts, int n_par
  * it cannot take (n_rows 0: only that check). */
 #define TDM_CU_SAMPLE_MAX_TOP   20
 #define TDM_CU_SAMPLE_MAX_VOCAB (1 << 18)
-#define TDM_CU_SAMPLE_MAX_UNDO  16
-/* mode: sample.h's enum tdm_sample_mode (0 draw, 1 propose, 2 verify) */
+#define TDM_CU_SAMPLE_MAX_UNDO  64
+#define TDM_CU_SAMPLE_MAX_CAND  16
+/* mode: sample.h's enum tdm_sample_mode (0 draw, 1 propose, 2 verify, 3 a tree's node) */
 struct tdm_cu_sample_row {
     float temperature, top_p, min_p, repetition, presence, frequency;
     int32_t top_k, n_top, pen_off, pen_n;
     uint32_t position, mode;
     uint64_t seed, request_id;
-    int32_t draft, one_hot, n_undo, pad;
+    int32_t draft, one_hot, n_undo, n_cand;
+    int32_t cand[TDM_CU_SAMPLE_MAX_CAND]; /* tree: the candidates, tested in this order */
     int32_t undo[TDM_CU_SAMPLE_MAX_UNDO]; /* tokens whose penalty counts this row leaves out */
     const float *q;                       /* verify: the draft's distribution, or NULL */
     float *dist;                          /* propose: the row's distribution, out */

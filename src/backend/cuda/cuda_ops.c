@@ -370,6 +370,17 @@ void tdm_cuda_attention(tdm_backend_t *b, const float *q, int n_heads, const str
     tdm_cuda_prof_end(cu);
 }
 
+void tdm_cuda_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
+                           int width, float *out)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    tdm_cuda_prof_begin(cu, P_GATHER);
+    shadow_clear(cu);
+    tdm_cu_scatter_cols(cu->stream, x, cols, n, n_cols, width, out);
+    check_launch();
+    tdm_cuda_prof_end(cu);
+}
+
 void tdm_cuda_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                           float *out)
 {
@@ -432,4 +443,16 @@ void tdm_cuda_sync(tdm_backend_t *b)
     cu->cur_st = NULL;
     cu->cur_rows = NULL;
     shadow_clear(cu);
+}
+
+void tdm_cuda_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
+                      size_t layer_floats, const int32_t *src, const int32_t *dst, int n)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    tdm_cuda_bind(cu);
+    for (int i = 0; i < n; i += TDM_CU_KV_COPY_MAX) { /* pairs travel as kernel arguments */
+        tdm_cu_kv_copy(cu->stream, kv->base, n_layers, layer_floats, kv->n_kv_heads, kv->head_dim,
+                       kv->page_size, src + i, dst + i, TDM_MIN(n - i, TDM_CU_KV_COPY_MAX));
+        check_launch();
+    }
 }

@@ -17,8 +17,10 @@
 
 _Static_assert(TDM_CU_SAMPLE_MAX_TOP == TDM_TOP_LOGPROBS_MAX, "top log-probabilities: one limit");
 _Static_assert(TDM_CU_SAMPLE_MAX_UNDO == TDM_SAMPLE_MAX_UNDO, "undo lists: one limit");
-_Static_assert(TDM_SAMPLE_DRAW == 0 && TDM_SAMPLE_PROPOSE == 1 && TDM_SAMPLE_VERIFY == 2,
-               "sample.cu numbers the modes so");
+_Static_assert(TDM_CU_SAMPLE_MAX_CAND == TDM_SAMPLE_MAX_CAND, "tree candidates: one limit");
+_Static_assert(TDM_SAMPLE_DRAW == 0 && TDM_SAMPLE_PROPOSE == 1 && TDM_SAMPLE_VERIFY == 2 &&
+                   TDM_SAMPLE_TREE == 3 && TDM_SAMPLE_STREAM_TREE == 4,
+               "sample.cu numbers the modes and streams so");
 
 /* Makes the device-only scratch hold `need` bytes. */
 static tdm_status scratch_grow(struct tdm_cuda *cu, size_t need)
@@ -112,6 +114,11 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
         };
         for (int j = 0; j < hr[i].n_undo; j++)
             hr[i].undo[j] = rows[i].undo[j];
+        if (rows[i].mode == TDM_SAMPLE_TREE) {
+            hr[i].n_cand = TDM_MIN(TDM_MAX(rows[i].n_cand, 0), TDM_CU_SAMPLE_MAX_CAND);
+            for (int j = 0; j < hr[i].n_cand; j++)
+                hr[i].cand[j] = rows[i].cand[j];
+        }
         for (int j = 0; smp->seen && j < smp->n_seen; j++) {
             int32_t t = smp->seen[j];
             hp[off++] = (struct tdm_cu_sample_pen){

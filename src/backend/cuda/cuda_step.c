@@ -14,14 +14,44 @@
 
 /* ---- step metadata ---- */
 
-enum { M_TOKENS, M_POS, M_SLOTS, M_TSEQ, M_TILES, M_STS, M_KVLEN, M_SPS, M_ROWS, M_PAGES, M_N };
+/* The token trees' arrays come last, after the page tables, and travel only with a step that
+ * has a tree (the common step's upload stays as small as it was). */
+enum {
+    M_TOKENS,
+    M_POS,
+    M_SLOTS,
+    M_TSEQ,
+    M_TILES,
+    M_STS,
+    M_KVLEN,
+    M_SPS,
+    M_ROWS,
+    M_PAGES,
+    M_TMASK, /* [T] uint64 as 2 int32 each */
+    M_TPRE,
+    M_TNS,
+    M_TSLOTS,
+    M_N
+};
 
 /* Offsets (int32 elements) of each array in the metadata buffers, from the capacities. */
 static void meta_offsets(const struct tdm_cuda *cu, size_t off[M_N + 1])
 {
     const size_t T = (size_t)cu->cap_t, S = (size_t)cu->cap_s;
-    const size_t len[M_N] = {
-        T, T, T, T, 3 * T, S + 1, S, S + 1, (size_t)cu->cap_r, (size_t)cu->cap_p};
+    const size_t len[M_N] = {T,
+                             T,
+                             T,
+                             T,
+                             3 * T,
+                             S + 1,
+                             S,
+                             S + 1,
+                             (size_t)cu->cap_r,
+                             (size_t)cu->cap_p,
+                             2 * T,
+                             S,
+                             S + 1,
+                             S * TDM_TREE_MAX_NODES};
     off[0] = 0;
     for (int i = 0; i < M_N; i++)
         off[i + 1] = off[i] + ((len[i] + 31) & ~(size_t)31);
@@ -105,21 +135,40 @@ static void upload_step(struct tdm_cuda *cu, const struct tdm_step *st, const in
     TDM_ASSERT(n_tiles <= cu->cap_t);
     TDM_CU_CHECK(cudaMemcpyAsync(cu->d_meta, h, (off[M_PAGES] + (size_t)P) * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, cu->stream));
+    const bool trees = st->tree_mask != NULL;
+    if (trees) { /* never padded: a step with a tree is not a graph's */
+        TDM_ASSERT(Tp == T);
+        const int n_nodes = st->tree_node_start[S];
+        TDM_ASSERT(n_nodes <= cu->cap_s * TDM_TREE_MAX_NODES);
+        memcpy(h + off[M_TMASK], st->tree_mask, (size_t)T * sizeof(uint64_t));
+        memcpy(h + off[M_TPRE], st->seq_prefix, (size_t)S * 4);
+        memcpy(h + off[M_TNS], st->tree_node_start, (size_t)(S + 1) * 4);
+        memcpy(h + off[M_TSLOTS], st->tree_slots, (size_t)n_nodes * 4);
+        TDM_CU_CHECK(
+            cudaMemcpyAsync(cu->d_meta + off[M_TMASK], h + off[M_TMASK],
+                            (off[M_TSLOTS] - off[M_TMASK] + (size_t)n_nodes) * sizeof(int32_t),
+                            cudaMemcpyHostToDevice, cu->stream));
+    }
     const int32_t *d = cu->d_meta;
-    cu->dstep = (struct tdm_cu_step){.n_tokens = Tp,
-                                     .n_seqs = Sp,
-                                     .page_size = st->page_size,
-                                     .tokens = d + off[M_TOKENS],
-                                     .positions = d + off[M_POS],
-                                     .slots = d + off[M_SLOTS],
-                                     .token_seq = d + off[M_TSEQ],
-                                     .seq_token_start = d + off[M_STS],
-                                     .seq_kv_len = d + off[M_KVLEN],
-                                     .seq_page_start = d + off[M_SPS],
-                                     .page_ids = d + off[M_PAGES],
-                                     .tiles = d + off[M_TILES],
-                                     .n_tiles = n_tiles,
-                                     .tile_tokens = max_tile};
+    cu->dstep = (struct tdm_cu_step){
+        .n_tokens = Tp,
+        .n_seqs = Sp,
+        .page_size = st->page_size,
+        .tokens = d + off[M_TOKENS],
+        .positions = d + off[M_POS],
+        .slots = d + off[M_SLOTS],
+        .token_seq = d + off[M_TSEQ],
+        .seq_token_start = d + off[M_STS],
+        .seq_kv_len = d + off[M_KVLEN],
+        .seq_page_start = d + off[M_SPS],
+        .page_ids = d + off[M_PAGES],
+        .tree_mask = trees ? (const unsigned long long *)(d + off[M_TMASK]) : NULL,
+        .seq_prefix = trees ? d + off[M_TPRE] : NULL,
+        .tree_node_start = trees ? d + off[M_TNS] : NULL,
+        .tree_slots = trees ? d + off[M_TSLOTS] : NULL,
+        .tiles = d + off[M_TILES],
+        .n_tiles = n_tiles,
+        .tile_tokens = max_tile};
     cu->dstep_tiling = tile_tokens;
     cu->d_step_rows = d + off[M_ROWS];
     cu->dstep_graph = graph;
@@ -169,7 +218,9 @@ tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int3
     struct tdm_cuda *cu = tdm_cu_of(b);
     tdm_cuda_bind(cu);
     *replayed = false;
-    bool decode = cu->graphs_enabled && cu->reserved && st->n_tokens == st->n_seqs;
+    /* a step with a token tree runs op by op (a graph records one step's shape, not masks) */
+    bool decode =
+        cu->graphs_enabled && cu->reserved && st->n_tokens == st->n_seqs && !st->tree_mask;
     int bucket = 0;
     if (decode) {
         bucket = bucket_for(st->n_tokens);

@@ -152,6 +152,19 @@ __global__ void gather_kernel(const float *x, const int32_t *rows, int dim, floa
         dst[j] = src[j];
 }
 
+__global__ void scatter_cols_kernel(const float *x, const int32_t *cols, int n_cols, int width,
+                                    float *out)
+{
+    tdm_pdl_wait();
+    float *o = out + (size_t)blockIdx.x * width;
+    const float *xr = x + (size_t)blockIdx.x * n_cols;
+    for (int j = threadIdx.x; j < width; j += blockDim.x)
+        o[j] = -INFINITY;
+    __syncthreads();
+    for (int c = threadIdx.x; c < n_cols; c += blockDim.x)
+        o[cols[c]] = xr[c];
+}
+
 __device__ __forceinline__ void rotate_pair(float *x, int ia, int ib, float c, float s)
 {
     const float a = x[ia], b = x[ib];
@@ -295,6 +308,13 @@ void tdm_cu_gather_rows(cudaStream_t s, const float *x, const int32_t *rows, int
 {
     if (n <= 0 || dim <= 0) return;
     tdm_pdl_launch(gather_kernel, n, 256, 0, s, x, rows, dim, out);
+}
+
+void tdm_cu_scatter_cols(cudaStream_t s, const float *x, const int32_t *cols, int n, int n_cols,
+                         int width, float *out)
+{
+    if (n <= 0 || width <= 0) return;
+    tdm_pdl_launch(scatter_cols_kernel, n, 256, 0, s, x, cols, n_cols, width, out);
 }
 
 void tdm_cu_rope_kv_append(cudaStream_t s, float *q, const float *k, const float *v, int n_heads,

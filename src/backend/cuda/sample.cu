@@ -29,7 +29,9 @@
  * Modes (sample.h's enum tdm_sample_mode): a draw; a rejection drafter's proposal (the row's
  * distribution written to device memory, then a draw from it in id order, stream 3); a draft's
  * verification (exact: the draw, kept when it equals the draft; rejection: the draft kept with
- * probability min(1, p/q), stream 1, else a draw in id order from max(0, p - q), stream 2).
+ * probability min(1, p/q), stream 1, else a draw in id order from max(0, p - q), stream 2); a
+ * token tree's node in rejection acceptance (its candidates tested as point masses, stream
+ * 4 + i each, then a draw from what is left, stream 2).
  * A verified row's penalties leave out the later drafts of its span (its undo list), so every
  * row of a span is sampled at once and each sees the state the host would have at its turn.
  *
@@ -471,7 +473,7 @@ __global__ void __launch_bounds__(kThreads)
                 const float q = prob(i);
                 return q >= floor_p && q > 0.0f ? q : 0.0f;
             };
-            if (p.mode == 1 || (p.mode == 2 && p.q)) { /* the modes that need p's mass */
+            if (p.mode == 1 || (p.mode == 2 && p.q) || p.mode == 3) { /* they need p's mass */
                 unsigned long long mass = 0;
                 for (int i = tid; i < vocab; i += kThreads)
                     mass += fix(w(i));
@@ -548,7 +550,7 @@ __global__ void __launch_bounds__(kThreads)
      * tests the draft against it (stream 1) and draws from the residual (stream 2) */
     const bool rejection = p.mode == 2 && p.q != nullptr;
     int kept = p.mode == 2 && chosen == p.draft;
-    if (p.mode == 1 || rejection) {
+    if (p.mode == 1 || rejection || p.mode == 3) {
         float *pd = p.mode == 1 ? p.dist : ebuf;
         const double total = (double)kept_mass / kFix;
         __syncthreads(); /* every earlier read of ebuf is done */
@@ -565,7 +567,38 @@ __global__ void __launch_bounds__(kThreads)
         }
         __syncthreads();
         auto wp = [&](int i) { return pd[i]; };
-        if (p.mode == 1) {
+        if (p.mode == 3) {
+            /* a tree's node: its candidates as point-mass proposals, one after another (the
+             * host's verify_tree: candidate i kept with probability r(d), stream 4 + i; refused,
+             * it leaves r without d), then a draw in id order from what is left (stream 2) */
+            if (tid == 0) {
+                const int n = min(max(p.n_cand, 0), TDM_CU_SAMPLE_MAX_CAND);
+                double left = 1.0;
+                sm.chosen = -1;
+                for (int i = 0; i < n && sm.chosen < 0; i++) {
+                    const int d = p.cand[i];
+                    const double pdd = pd[d];
+                    const double u = rng_uniform(p.seed, p.request_id, p.position, 4 + i);
+                    if (pdd > 0.0 && u * left < pdd) {
+                        sm.chosen = d;
+                    } else {
+                        left -= pdd;
+                        pd[d] = 0.0f;
+                    }
+                }
+            }
+            __syncthreads();
+            if (sm.chosen >= 0) {
+                chosen = sm.chosen;
+                kept = 1;
+            } else {
+                const double u2 = rng_uniform(p.seed, p.request_id, p.position, 2);
+                const int t = draw_id_order(vocab, wp, u2, sm);
+                const int n = min(max(p.n_cand, 0), TDM_CU_SAMPLE_MAX_CAND);
+                chosen = t >= 0 ? t : (n ? p.cand[n - 1] : 0);
+                kept = 0;
+            }
+        } else if (p.mode == 1) {
             const int t =
                 draw_id_order(vocab, wp, rng_uniform(p.seed, p.request_id, p.position, 3), sm);
             chosen = t >= 0 ? t : 0;
