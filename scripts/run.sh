@@ -2,11 +2,12 @@
 # Sets up everything (scripts/setup.sh: packages, build, default model) and runs the main job:
 # disaggregated serving on localhost with the default model:
 #   - a prefill node  (tandem serve --role prefill): computes prompt KV and streams it, layer by
-#     layer, over libfabric (tcp;ofi_rxm) into pages the decode node reserved;
+#     layer, over libfabric (tcp;ofi_rxm) into pages the decode node reserved; it also runs the
+#     shipped speculation head over the prompt and streams the head's KV as one more layer;
 #   - a decode node   (tandem serve --role decode): the OpenAI API; it sends prompts to the
-#     prefill node, waits for the KV to land, then decodes, speculating with the self drafter
-#     (the target's first 28 layers; the controller chooses k, and keeps it at 0 where
-#     drafting does not pay);
+#     prefill node, waits for the KV to land, then decodes, speculating with the shipped head
+#     (--spec mtp: the head beside the model, trained by scripts/train_head.sh) from its first
+#     step; the controller chooses k, and keeps it at 0 where drafting does not pay;
 #   - a router        (tandem router): the public entry point over the decode node(s).
 # A sample chat request goes through the router with curl (streamed), then every process is
 # stopped by PID. TANDEM_KEEP_SERVING=1 leaves them running until Ctrl-C.
@@ -34,18 +35,18 @@ wait_file() {
 }
 
 build/tandem serve --role prefill --port 0 --port-file "$RUN/prefill.port" \
-    --xfer-addr-file "$RUN/prefill.addr" >"$RUN/prefill.log" 2>&1 &
+    --xfer-addr-file "$RUN/prefill.addr" --spec mtp >"$RUN/prefill.log" 2>&1 &
 PIDS+=($!)
 wait_file "$RUN/prefill.port" "${PIDS[-1]}" "$RUN/prefill.log"
 echo "--- prefill node: $(grep -o 'fabric address .*' "$RUN/prefill.log")"
 
 build/tandem serve --role decode --prefill-peers "@$RUN/prefill.addr" --port 0 \
     --port-file "$RUN/decode.port" --served-model-name smollm2 \
-    --spec self --spec-self-layers 28 >"$RUN/decode.log" 2>&1 &
+    --spec mtp >"$RUN/decode.log" 2>&1 &
 PIDS+=($!)
 wait_file "$RUN/decode.port" "${PIDS[-1]}" "$RUN/decode.log"
 DECODE="http://127.0.0.1:$(cat "$RUN/decode.port")"
-echo "--- decode node: $DECODE ($(grep -o 'speculation: self.*' "$RUN/decode.log"))"
+echo "--- decode node: $DECODE ($(grep -o 'speculation head .*' "$RUN/decode.log" | head -1))"
 
 build/tandem router --backends "$DECODE" --port "${TANDEM_PORT:-0}" \
     --port-file "$RUN/router.port" >"$RUN/router.log" 2>&1 &

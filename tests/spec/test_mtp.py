@@ -236,10 +236,22 @@ def test_rejection_acceptance_runs(default_model, heads):
 
 
 def test_missing_default_head_is_a_clear_error(default_model, tmp_path):
-    cp = run_tandem(["generate", "--model", default_model, "--prompt", "hi", "--max-tokens", "2",
-                     "--spec", "mtp"], check=False,
-                    env={**os.environ, "TANDEM_MODEL": str(default_model)})
-    head = pathlib.Path(str(default_model)[:-len(".gguf")] + ".mtp.safetensors")
-    if head.exists():
-        pytest.skip(f"{head} exists (the shipped head)")
+    model = tmp_path / "lonely.gguf"  # the default model with no head beside it
+    model.symlink_to(default_model)
+    cp = run_tandem(["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "2",
+                     "--spec", "mtp"], check=False)
+    head = tmp_path / "lonely.mtp.safetensors"
     assert cp.returncode != 0 and "train-mtp" in cp.stderr and str(head) in cp.stderr
+
+
+def test_shipped_head_is_found_and_lossless(default_model):
+    """setup puts the shipped head beside the default model; --spec mtp and eagle use it."""
+    head = pathlib.Path(str(default_model)[:-len(".gguf")] + ".mtp.safetensors")
+    assert head.exists(), f"{head}: scripts/fetch_model.sh installs the shipped head"
+    prompt = "Tell me about the moon."
+    base, _ = gen(default_model, [], prompt)
+    for method in ("mtp", "eagle"):
+        ids, err = gen(default_model, ["--spec", method, "--spec-k", "3", "--spec-stats"], prompt)
+        assert ids == base, method
+        st = json.loads(err.strip().splitlines()[-1])
+        assert st["accepted"] > 0, (method, st)

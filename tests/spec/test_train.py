@@ -202,6 +202,23 @@ def test_trained_head_loads_and_is_lossless(trained, default_model):
         assert stats["drafted"] > 0
 
 
+def test_minutes_ends_the_run_by_its_deadline(trained, tmp_path):
+    """--minutes plans the last step from the measured step time: a schedule of 200 epochs
+    ends after a fraction of it, with a head, and the cosine schedule ends with it."""
+    import re
+    d, _ = trained
+    out = tmp_path / "timed.safetensors"
+    cp = train(out, "--data", str(d / "head.data"), "--epochs", "200", "--minutes", "0.25",
+               "--no-val")
+    planned = int(re.search(r"(\d+) steps of up to", cp.stderr).group(1))
+    summary = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert 0 < summary["steps"] < planned and out.exists()
+    rows = [l.split(",") for l in (tmp_path / "timed.csv").read_text().splitlines()[1:]]
+    assert len(rows) == summary["steps"]
+    lr = [float(r[6]) for r in rows]
+    assert lr[-1] < 0.3 * max(lr), "the cosine schedule was planned to end with the run"
+
+
 def test_resume_after_interrupt_is_bit_identical(trained, tmp_path):
     """SIGINT saves a checkpoint; --resume continues it to the same head, byte for byte, as a
     run that was never interrupted (batches and weights are functions of the step)."""
