@@ -200,6 +200,9 @@ struct tdm_backend_i {
                              const void *owner, _Atomic int32_t *counter, bool *replayed);
     /* Called after the layer loop when step_begin did not replay it (ends a recording). */
     tdm_status (*step_end)(tdm_backend_t *b);
+    /* Optional: `owner` (an engine that shares this backend) is gone: what was recorded for it
+     * must never replay, since a new engine may get its address (its buffers are freed). */
+    void (*step_forget)(tdm_backend_t *b, const void *owner);
     /* Samples n_rows logit rows where they are (logits: [n_rows][vocab] backend memory, which
      * may be overwritten) and fills each row's outputs: the same tokens tdm_sample_row_host
      * chooses for the same logits (the same RNG draw, the same candidate order), and the
@@ -274,6 +277,23 @@ void tdm_backend_cuda_host_free(tdm_backend_t *b, void *p);
 tdm_status tdm_backend_cuda_memset(tdm_backend_t *b, void *dev, int value, size_t bytes);
 /* The backend's own layer counter in mapped pinned host memory (a host thread may poll it). */
 _Atomic int32_t *tdm_backend_cuda_counter(tdm_backend_t *b);
+/* ---- fp32 GEMMs on the GPU over host memory (src/backend/cuda/cuda_host_gemm.c) ----
+ * For a caller whose data lives in host memory (the head trainer's --backend cuda):
+ * C[M][N] = A' B' + beta C, row-major fp32, A' = A (M x K) or A^T (A stored K x M) when ta, B'
+ * = B (K x N) or B^T (B stored N x K) when tb. Each call copies its operands over, runs cuBLASLt
+ * with fp32 compute, copies C back and waits. A b_const B (a matrix that never changes) is
+ * copied once and kept by address and size. Memory from host_alloc is pinned (full-speed
+ * copies). One thread uses an object. Without CUDA in the build or a GPU, create returns
+ * TDM_EUNSUPPORTED; after a failed call every call fails. */
+typedef struct tdm_cuda_gemm tdm_cuda_gemm_t;
+tdm_status tdm_cuda_gemm_create(int device, tdm_cuda_gemm_t **out);
+void tdm_cuda_gemm_destroy(tdm_cuda_gemm_t *g);
+tdm_status tdm_cuda_gemm_run(tdm_cuda_gemm_t *g, bool ta, bool tb, int M, int N, int K,
+                             const float *A, int lda, const float *B, int ldb, bool b_const,
+                             float beta, float *C, int ldc);
+void *tdm_cuda_gemm_host_alloc(tdm_cuda_gemm_t *g, size_t bytes);
+void tdm_cuda_gemm_host_free(tdm_cuda_gemm_t *g, void *p);
+
 /* Which CPU kernels were chosen at run time: "avx512bf16", "avx512", "avx2" or "portable". */
 const char *tdm_backend_cpu_isa(void);
 

@@ -58,6 +58,7 @@
 #ifndef TANDEM_SPEC_H
 #define TANDEM_SPEC_H
 
+#include "tandem/backend.h"
 #include "tandem/core.h"
 #include "tandem/engine.h"
 #include "tandem/sched.h"
@@ -231,6 +232,8 @@ struct tdm_train_opts {
     uint64_t seed;                   /* the initial weights */
     int n_threads;                   /* <= 0: one per core */
     int max_rows, max_seqs, max_len; /* a batch's rows (sum of len - 1), sequences, length */
+    tdm_cuda_gemm_t *gpu; /* non-NULL: the dense GEMMs run on this GPU (backend.h), the rest
+                           * on the pool; borrowed, outlives the trainer */
 };
 void tdm_train_opts_default(struct tdm_train_opts *o);
 

@@ -459,6 +459,8 @@ out_free:
 void tdm_engine_destroy(tdm_engine_t *e)
 {
     if (!e) return;
+    const struct tdm_backend_i *ops = e->backend ? e->backend->iface : NULL;
+    if (ops && !e->owns_backend && ops->step_forget) ops->step_forget(e->backend, e);
     if (e->owns_kv) tdm_kv_pool_destroy(e->kv);
     free_scratch(e);
     tdm_sample_scratch_free(&e->sample_scratch);

@@ -133,10 +133,11 @@ struct tdm_head_trainer {
     int *rseq;                     /* [max_rows] the row's sequence */
     /* backward scratch */
     float *dX, *dA, *dFF, *dGA, *dU, *dATT, *dQ, *dK, *dV, *dwpart;
-    float *Z;      /* [chunk][vd] */
-    float *Gl;     /* [chunk][d] the scored rows' features, then their gradient */
-    int chunk;     /* rows of the LM head's logits at a time */
-    int32_t *lrow; /* [max_rows] the current pass's scored rows */
+    float *Z;          /* [chunk][vd] */
+    float *Gl;         /* [chunk][d] the scored rows' features, then their gradient */
+    int chunk;         /* rows of the LM head's logits at a time */
+    tdm_status gpu_st; /* the first failed GPU GEMM of a pass (o.gpu) */
+    int32_t *lrow;     /* [max_rows] the current pass's scored rows */
     /* kept across the passes of a batch: [unroll][max_rows][...] */
     float *Kp, *Vp, *Gp;
     struct pass_rows pr[TDM_TRAIN_MAX_UNROLL];
@@ -207,6 +208,26 @@ static void gemm(struct tdm_head_trainer *t, enum gemm_kind kind, int T, int N, 
                  const float *a, const float *b, float *c, float beta)
 {
     if (T <= 0 || N <= 0 || K <= 0) return;
+    if (t->o.gpu) { /* the same products on the GPU; the frozen LM head stays there */
+        if (t->gpu_st != TDM_OK) return;
+        bool lm = b == t->lm;
+        switch (kind) {
+        case G_XWT:
+        case G_XWT_N:
+            t->gpu_st =
+                tdm_cuda_gemm_run(t->o.gpu, false, true, T, N, K, a, K, b, K, lm, beta, c, N);
+            break;
+        case G_XW:
+            t->gpu_st =
+                tdm_cuda_gemm_run(t->o.gpu, false, false, T, N, K, a, K, b, N, lm, beta, c, N);
+            break;
+        case G_GW: /* C[N][K] += A[T][N]^T B[T][K] */
+            t->gpu_st =
+                tdm_cuda_gemm_run(t->o.gpu, true, false, N, K, T, a, N, b, K, false, 1.0f, c, K);
+            break;
+        }
+        return;
+    }
     struct gemm_job j = {kind, T, N, K, a, b, c, beta};
     tdm_pool_run(t->pool, gemm_worker, &j);
 }
@@ -894,9 +915,11 @@ static tdm_status forward_backward(struct tdm_head_trainer *t, const struct tdm_
     t->top_k = top_k;
     if (backward) memset(t->grad, 0, t->n_params * sizeof(float));
     loss->n_passes = t->o.unroll;
+    t->gpu_st = TDM_OK;
     for (int j = 0; j < t->o.unroll; j++) {
         pass_layout(t, j);
         if ((st = run_pass(t, j, backward, loss)) != TDM_OK) return st;
+        if (t->gpu_st != TDM_OK) return t->gpu_st; /* its message is set */
     }
     t->seqs = NULL;
     return TDM_OK;
@@ -1097,7 +1120,10 @@ void tdm_head_trainer_destroy(tdm_head_trainer_t *t)
                      t->dFF,      t->dGA,  t->dU,     t->dATT,   t->dQ,    t->dK,  t->dV,
                      t->dwpart,   t->Z,    t->Gl,     t->Kp,     t->Vp,    t->Gp,  t->P};
     for (size_t i = 0; i < TDM_ARRAY_LEN(bufs); i++)
-        tdm_free_aligned(bufs[i]);
+        if (t->o.gpu && bufs[i] != t->P)
+            tdm_cuda_gemm_host_free(t->o.gpu, bufs[i]);
+        else
+            tdm_free_aligned(bufs[i]);
     free(t->d2t);
     free(t->t2d);
     free(t->pos);
@@ -1110,9 +1136,12 @@ void tdm_head_trainer_destroy(tdm_head_trainer_t *t)
     free(t);
 }
 
-static float *falloc(size_t n, bool *ok)
+/* Zeroed floats; pinned when the GEMMs run on the GPU (its copies then run at full speed). */
+static float *falloc(const struct tdm_head_trainer *t, size_t n, bool *ok)
 {
-    float *p = n ? tdm_alloc_aligned(n * sizeof(float)) : NULL;
+    float *p = !n         ? NULL
+               : t->o.gpu ? tdm_cuda_gemm_host_alloc(t->o.gpu, n * sizeof(float))
+                          : tdm_alloc_aligned(n * sizeof(float));
     if (n && !p) *ok = false;
     if (p) memset(p, 0, n * sizeof(float));
     return p;
@@ -1172,41 +1201,41 @@ tdm_status tdm_head_trainer_create(const struct tdm_model *target, const struct 
     bool ok = true;
     size_t R = (size_t)t->max_rows, d = (size_t)t->d, qd = (size_t)t->qd, kvd = (size_t)t->kvd;
     size_t ff = (size_t)t->ff, U = (size_t)o->unroll;
-    t->params = falloc(t->n_params, &ok);
-    t->grad = falloc(t->n_params, &ok);
-    t->adam_m = falloc(t->n_params, &ok);
-    t->adam_v = falloc(t->n_params, &ok);
-    t->embed = falloc((size_t)g->vocab * d, &ok);
-    t->lm = falloc((size_t)t->vd * d, &ok);
-    t->rope_cos = falloc((size_t)t->max_len * (t->hd / 2), &ok);
-    t->rope_sin = falloc((size_t)t->max_len * (t->hd / 2), &ok);
+    t->params = falloc(t, t->n_params, &ok);
+    t->grad = falloc(t, t->n_params, &ok);
+    t->adam_m = falloc(t, t->n_params, &ok);
+    t->adam_v = falloc(t, t->n_params, &ok);
+    t->embed = falloc(t, (size_t)g->vocab * d, &ok);
+    t->lm = falloc(t, (size_t)t->vd * d, &ok);
+    t->rope_cos = falloc(t, (size_t)t->max_len * (t->hd / 2), &ok);
+    t->rope_sin = falloc(t, (size_t)t->max_len * (t->hd / 2), &ok);
     float **rd[] = {&t->E,  &t->En, &t->H,  &t->Hn, &t->X0, &t->A,
                     &t->X1, &t->M,  &t->X2, &t->dX, &t->dA};
     for (size_t i = 0; i < TDM_ARRAY_LEN(rd); i++)
-        *rd[i] = falloc(R * d, &ok);
+        *rd[i] = falloc(t, R * d, &ok);
     float **rq[] = {&t->Qr, &t->Q, &t->ATT, &t->dATT, &t->dQ};
     for (size_t i = 0; i < TDM_ARRAY_LEN(rq); i++)
-        *rq[i] = falloc(R * qd, &ok);
-    t->Qn = g->qk_norm ? falloc(R * qd, &ok) : NULL;
-    t->Kn = g->qk_norm ? falloc(R * kvd, &ok) : NULL;
-    t->Kr = falloc(R * kvd, &ok);
-    t->dK = falloc(R * kvd, &ok);
-    t->dV = falloc(R * kvd, &ok);
+        *rq[i] = falloc(t, R * qd, &ok);
+    t->Qn = g->qk_norm ? falloc(t, R * qd, &ok) : NULL;
+    t->Kn = g->qk_norm ? falloc(t, R * kvd, &ok) : NULL;
+    t->Kr = falloc(t, R * kvd, &ok);
+    t->dK = falloc(t, R * kvd, &ok);
+    t->dV = falloc(t, R * kvd, &ok);
     float **rf[] = {&t->GA, &t->U, &t->S, &t->dFF, &t->dGA, &t->dU};
     for (size_t i = 0; i < TDM_ARRAY_LEN(rf); i++)
-        *rf[i] = falloc(R * TDM_MAX(ff, kvd), &ok);
+        *rf[i] = falloc(t, R * TDM_MAX(ff, kvd), &ok);
     float **rr[] = {&t->rE, &t->rH, &t->rA, &t->rM, &t->rG};
     for (size_t i = 0; i < TDM_ARRAY_LEN(rr); i++)
-        *rr[i] = falloc(R, &ok);
-    t->rQ = falloc(R * (size_t)t->nh, &ok);
-    t->rK = falloc(R * (size_t)t->nkv, &ok);
-    t->dwpart = falloc((size_t)t->nth * d, &ok);
+        *rr[i] = falloc(t, R, &ok);
+    t->rQ = falloc(t, R * (size_t)t->nh, &ok);
+    t->rK = falloc(t, R * (size_t)t->nkv, &ok);
+    t->dwpart = falloc(t, (size_t)t->nth * d, &ok);
     t->chunk = TDM_MAX(LOSS_CHUNK_MIN, TDM_MIN(LOSS_CHUNK_MAX, LOSS_CHUNK_FLOATS / t->vd));
-    t->Z = falloc((size_t)t->chunk * t->vd, &ok);
-    t->Gl = falloc((size_t)t->chunk * d, &ok);
-    t->Kp = falloc(U * R * kvd, &ok);
-    t->Vp = falloc(U * R * kvd, &ok);
-    t->Gp = falloc(U * R * d, &ok);
+    t->Z = falloc(t, (size_t)t->chunk * t->vd, &ok);
+    t->Gl = falloc(t, (size_t)t->chunk * d, &ok);
+    t->Kp = falloc(t, U * R * kvd, &ok);
+    t->Vp = falloc(t, U * R * kvd, &ok);
+    t->Gp = falloc(t, U * R * d, &ok);
     t->pos = calloc(R, sizeof *t->pos);
     t->tok = calloc(R, sizeof *t->tok);
     t->rseq = calloc(R, sizeof *t->rseq);

@@ -59,7 +59,7 @@ struct train_cli {
     int n_temps;
     int val_k[MAX_VAL_K], n_val_k;
     bool resume, no_val;
-    int backend_kind;
+    int backend_kind, train_kind;
 };
 
 static volatile sig_atomic_t g_stop;
@@ -89,6 +89,8 @@ static void usage(FILE *f)
             "  --top-k-targets K       target probabilities kept per position (default 32)\n"
             "  --max-len N             positions per sequence, at most (default 1024)\n"
             "  --backend cpu|cuda      where the target runs (default cpu)\n"
+            "  --train-backend cpu|cuda  where the head's GEMMs run (default: --backend's;\n"
+            "                          cuda: cuBLASLt fp32, the rest on the CPU's cores)\n"
             "training:\n"
             "  --epochs F              passes over the data (default 4), or --steps N\n"
             "  --minutes M             end training so that the run (data and training, not the\n"
@@ -703,7 +705,8 @@ int tdm_cmd_train_mtp(int argc, char **argv)
                           .n_temps = 2,
                           .val_k = {1, 2, 3, 4, 5},
                           .n_val_k = 5,
-                          .dtype = "BF16"};
+                          .dtype = "BF16",
+                          .train_kind = -1};
     g_cli = &c;
     const struct tdm_opt table[] = {
         TDM_OPT_S("model", &c.model),
@@ -719,6 +722,7 @@ int tdm_cmd_train_mtp(int argc, char **argv)
         TDM_OPT_I("top-k-targets", &c.top_k, 1, TDM_TRAIN_MAX_TOPK),
         TDM_OPT_I("max-len", &c.max_len, 8, TDM_TRAIN_MAX_LEN),
         TDM_OPT_P("backend", tdm_tool_opt_backend, &c.backend_kind),
+        TDM_OPT_P("train-backend", tdm_tool_opt_backend, &c.train_kind),
         TDM_OPT_F("epochs", &c.epochs, 0.01, 10000),
         TDM_OPT_I("steps", &c.steps, 1, 1 << 30),
         TDM_OPT_F("minutes", &c.minutes, 0.1, 1e6),
@@ -794,6 +798,7 @@ int tdm_cmd_train_mtp(int argc, char **argv)
     int *n_ids = NULL;
     tdm_train_data_t *data = NULL;
     tdm_head_trainer_t *tr = NULL;
+    tdm_cuda_gemm_t *gpu = NULL;
     bool *is_val = NULL;
     int *val_seqs = NULL, n_val_seqs = 0;
     int32_t *dvocab = NULL;
@@ -803,6 +808,13 @@ int tdm_cmd_train_mtp(int argc, char **argv)
     double *cs = NULL, *cl = NULL, *vs = NULL, *vl = NULL;
     int n_cl = 0, n_vl = 0;
     if (!m || !(tok = tdm_tool_load_tokenizer(m, false))) goto out;
+    /* the GPU of the training, before an hour of data is made for nothing */
+    if ((c.train_kind < 0 ? c.backend_kind : c.train_kind) == TDM_BACKEND_CUDA &&
+        tdm_cuda_gemm_create(0, &gpu) != TDM_OK) {
+        fprintf(stderr, "%s: --train-backend cuda: %s\n", who, tdm_err_msg());
+        rc = 2;
+        goto out;
+    }
     if (!tdm_tool_encode_prompts(who, m, tok, texts, n_prompts, false, c.max_len - 2, &ids, &n_ids))
         goto out;
     if (c.threads <= 0) c.threads = tdm_cpu_count();
@@ -912,6 +924,7 @@ int tdm_cmd_train_mtp(int argc, char **argv)
                        to.max_seqs, &sch))
         goto out;
     to.total_steps = sch.n_batches;
+    to.gpu = gpu;
     if (tdm_head_trainer_create(m, &g, &to, dvocab, n_draft, &tr) != TDM_OK) {
         tdm_tool_fail("trainer");
         goto out;
@@ -1139,6 +1152,7 @@ out:
     free(is_val);
     free(dvocab);
     tdm_head_trainer_destroy(tr);
+    tdm_cuda_gemm_destroy(gpu);
     tdm_train_data_free(data);
     for (int i = 0; ids && i < n_prompts; i++)
         free(ids[i]);

@@ -9,8 +9,10 @@
  * Layout: u8 vocab (1..64), u8 n_top, u8 flags (bit 0: a prompt token seen, bit 1: an output
  * token seen), f32 temperature, top_p, min_p, repetition, presence, frequency, u32 top_k,
  * u32 position, then the logits, then a q of as many floats (missing ones are 0). Flags bits 2-3
- * pick the row's mode (draw, propose, verify), bit 4 one-hot, bit 5 a q for verification; with
- * bit 1 the output token is also the row's undo list.
+ * pick the row's mode (draw, propose, verify, tree), bit 4 one-hot, bit 5 a q for verification;
+ * with bit 1 the output token is also the row's undo list. A tree row's candidates are the
+ * distinct tokens among the next (flags >> 6) + 1 bytes, modulo the vocabulary; a kept token
+ * must be one of them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -66,18 +68,36 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (int i = 0; i < vocab; i++)
         q[i] = f32_at(data, size, &off);
     int32_t undo = (int32_t)(top_k % (uint32_t)vocab);
+    int32_t cand[4];
+    int n_cand = 0;
+    for (int i = 0; i <= flags >> 6; i++) {
+        int32_t c = off < size ? (int32_t)(data[off] % vocab) : i % vocab;
+        off++;
+        bool dup = false;
+        for (int j = 0; j < n_cand; j++)
+            dup |= cand[j] == c;
+        if (!dup) cand[n_cand++] = c;
+    }
     struct tdm_sample_row row = {.smp = &smp,
                                  .position = position,
                                  .n_top = n_top,
-                                 .mode = (uint8_t)((flags >> 2) % 3),
+                                 .mode = (uint8_t)((flags >> 2) & 3),
                                  .one_hot = (flags & 16) != 0,
                                  .draft = (int32_t)(position % (uint32_t)vocab),
                                  .q = (flags & 32) ? q : NULL,
                                  .dist = dist,
                                  .undo = (flags & 2) ? &undo : NULL,
-                                 .n_undo = (flags & 2) ? 1 : 0};
+                                 .n_undo = (flags & 2) ? 1 : 0,
+                                 .cand = cand,
+                                 .n_cand = n_cand};
     tdm_sample_row_host(&row, logits, &scratch);
     if (row.token < 0 || row.token >= vocab) abort();
+    if (row.mode == TDM_SAMPLE_TREE && row.kept) {
+        bool found = false;
+        for (int j = 0; j < n_cand; j++)
+            found |= cand[j] == row.token;
+        if (!found) abort(); /* kept means one of the candidates */
+    }
     if (row.mode == TDM_SAMPLE_PROPOSE)
         for (int i = 0; i < vocab; i++)
             if (!(dist[i] >= 0.0f && dist[i] <= 1.0f)) abort(); /* a distribution, never NaN */

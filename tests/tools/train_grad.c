@@ -5,6 +5,7 @@
  *
  *   train_grad MODEL OUT [--unroll N] [--reg W] [--draft-vocab N] [--seed S] [--top-k K]
  *              [--seqs N] [--max-len L] [--heads H --kv-heads H2 --d-ff F] [--fd N]
+ *              [--gpu 1] [--compare OTHER.grad]
  *
  * Makes a head for MODEL with random weights (the norms too, so their gradients are not taken
  * at 1), a batch of random sequences (tokens, features, top-k distributions with some mass left
@@ -17,7 +18,9 @@
  * "draft_vocab":
  * [...], "fd": [[tensor, index, analytic, numeric], ...]} on stdout. --fd N also checks N
  * coordinates (the largest gradients of each tensor, in turn) by float32 central differences of the
- * trainer's own loss.
+ * trainer's own loss. --gpu 1 runs the trainer's GEMMs on the GPU (tdm_cuda_gemm); without one it
+ * prints "SKIP: ..." and exits 77. --compare OTHER.grad adds "compare": [max |a - b|, max |b|]
+ * against another run's gradient (the same options otherwise: the GPU's against the CPU's).
  */
 #include <math.h>
 #include <stdio.h>
@@ -53,7 +56,8 @@ int main(int argc, char **argv)
         return 2;
     }
     int unroll = 1, n_draft = 0, top_k = 5, n_seqs = 3, max_len = 12, heads = 0, kv_heads = 0;
-    int d_ff = 0, n_fd = 0;
+    int d_ff = 0, n_fd = 0, gpu = 0;
+    const char *compare = NULL;
     double reg = 0.5;
     uint64_t seed = 1;
     for (int i = 3; i + 1 < argc; i += 2) {
@@ -80,6 +84,10 @@ int main(int argc, char **argv)
             d_ff = atoi(v);
         else if (!strcmp(k, "--fd"))
             n_fd = atoi(v);
+        else if (!strcmp(k, "--gpu"))
+            gpu = atoi(v);
+        else if (!strcmp(k, "--compare"))
+            compare = v;
         else {
             fprintf(stderr, "train_grad: unknown option %s\n", k);
             return 2;
@@ -104,6 +112,15 @@ int main(int argc, char **argv)
     o.max_rows = 512;
     o.max_seqs = 16;
     o.max_len = 256;
+    tdm_cuda_gemm_t *cg = NULL;
+    if (gpu) {
+        if (tdm_cuda_gemm_create(0, &cg) != TDM_OK) {
+            printf("SKIP: train_grad --gpu: %s\n", tdm_err_msg());
+            tdm_model_free(m);
+            return 77;
+        }
+        o.gpu = cg;
+    }
     /* a draft vocabulary: every other id from 1, as many as asked */
     int32_t *dv = NULL;
     if (n_draft > 0) {
@@ -191,7 +208,25 @@ int main(int argc, char **argv)
     printf("], \"draft_vocab\": [");
     for (int i = 0; i < nv; i++)
         printf("%s%d", i ? ", " : "", d2t[i]);
-    printf("], \"fd\": [");
+    printf("]");
+    if (compare) { /* the other run's gradient, element by element */
+        FILE *fc = fopen(compare, "rb");
+        double worst = 0, scale = 0;
+        size_t k = 0;
+        float b;
+        while (fc && k < n_all && fread(&b, 4, 1, fc) == 1) {
+            worst = fmax(worst, fabs((double)grads[k] - b));
+            scale = fmax(scale, fabs((double)b));
+            k++;
+        }
+        if (fc) fclose(fc);
+        if (k != n_all) {
+            fprintf(stderr, "train_grad: %s holds %zu of %zu gradients\n", compare, k, n_all);
+            return 1;
+        }
+        printf(", \"compare\": [%.9g, %.9g]", worst, scale);
+    }
+    printf(", \"fd\": [");
     /* float32 central differences of the trainer's own loss at the largest gradients */
     off = 0;
     int done = 0;
@@ -224,6 +259,7 @@ int main(int argc, char **argv)
     free(grads);
     free(dv);
     tdm_head_trainer_destroy(t);
+    tdm_cuda_gemm_destroy(cg);
     tdm_model_free(m);
     return 0;
 }

@@ -123,6 +123,7 @@ static const struct tdm_backend_i CUDA_IFACE = {
     .reserve = tdm_cuda_reserve,
     .step_begin = tdm_cuda_step_begin,
     .step_end = tdm_cuda_step_end,
+    .step_forget = tdm_cuda_step_forget,
     .sample = tdm_cu_sample_rows,
 };
 

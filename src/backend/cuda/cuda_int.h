@@ -203,6 +203,7 @@ tdm_status tdm_cuda_weight_prepare(tdm_backend_t *b, const struct tdm_weight *ho
 const struct tdm_cu_step *tdm_cuda_dev_step(struct tdm_cuda *cu, const struct tdm_step *st, int gs,
                                             int hd);
 void tdm_cuda_drop_graphs(struct tdm_cuda *cu);
+void tdm_cuda_step_forget(tdm_backend_t *b, const void *owner);
 tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int32_t *rows,
                                int n_rows, const void *owner, _Atomic int32_t *counter,
                                bool *replayed);

@@ -256,6 +256,23 @@ tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int3
     return TDM_OK;
 }
 
+void tdm_cuda_step_forget(tdm_backend_t *b, const void *owner)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    tdm_cuda_bind(cu);
+    int n = 0;
+    for (int i = 0; i < cu->n_graphs; i++) {
+        if (cu->graphs[i].owner == owner) {
+            if (!n) TDM_CU_CHECK(cudaStreamSynchronize(cu->stream)); /* not replaying now */
+            n++;
+            cudaGraphExecDestroy(cu->graphs[i].exec);
+        } else {
+            cu->graphs[i - n] = cu->graphs[i];
+        }
+    }
+    cu->n_graphs -= n;
+}
+
 tdm_status tdm_cuda_step_end(tdm_backend_t *b)
 {
     struct tdm_cuda *cu = tdm_cu_of(b);
