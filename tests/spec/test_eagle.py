@@ -33,7 +33,8 @@ from lib.server import Server
 SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
 SLOW = 3 if SANITIZED else 1
 N_GEN = 16 if SANITIZED else 40
-BUDGETS = ("1", "16", "64") if SANITIZED else ("1", "8", "16", "32", "64")
+# under the sanitizers (about 10x slower) the ends of the range only: CI's time
+BUDGETS = ("1", "64") if SANITIZED else ("1", "8", "16", "32", "64")
 
 D_MODEL, HEAD_DIM, VOCAB = 576, 64, 49152  # SmolLM2-135M
 
@@ -99,7 +100,7 @@ PENALTIES = ["--temperature", "0.7", "--seed", "2", "--top-k", "20", "--top-p", 
 def test_generate_eagle_is_bit_identical(default_model, heads, kind, prompt, chat, setting):
     base, _ = gen(default_model, setting, prompt, chat)
     assert len(base) == N_GEN
-    for budget in BUDGETS:
+    for budget in BUDGETS[-1:] if SANITIZED and prompt is LONG else BUDGETS:
         ids, err = gen(default_model, setting + eagle(heads[kind], "--spec-k", "6",
                                                       "--spec-tree-budget", budget),
                        prompt, chat)
