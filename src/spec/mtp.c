@@ -181,9 +181,6 @@ bool tdm_spec_mtp_catch_up(void *ctx, struct tdm_spec *sp, struct tdm_sched_draf
         const struct mtp_req *st = d[i].state;
         bool ready = d[i].k > 0 && st && !st->dead && st->n_pend >= 1 &&
                      st->head_len + st->n_pend == d[i].n_tokens - 1;
-        if (!ready && d[i].k > 0 && st)
-            TDM_DEBUG("spec mtp: row %d not drafted: head_len %d, pending %d, tokens %d%s", i,
-                      st->head_len, st->n_pend, d[i].n_tokens, st->dead ? ", dead" : "");
         md->todo[i] = ready ? st->n_pend : -1;
         md->done[i] = 0;
         ok |= ready;
