@@ -3,6 +3,7 @@
  */
 #include "server/front.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
@@ -16,6 +17,93 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+
+#include "server/server_int.h"
+
+/* ---- libmicrohttpd's own error pages, answered in OpenAI JSON ----
+ *
+ * libmicrohttpd refuses some requests before any handler runs: a malformed request line or
+ * header line, headers over the connection's memory (431), a Content-Length it cannot read or
+ * a body too large for it (413), a bad chunk, an HTTP version it does not speak (505), an
+ * HTTP/1.1 request without Host. The bodies of those answers are HTML pages compiled into the
+ * library, and it offers no option to replace them.
+ *
+ * It builds each of them with its own exported MHD_create_response_from_buffer, called through
+ * its procedure linkage table, so this executable's definition below is the one its calls
+ * bind to. A persistent buffer that lies in the library's own image and is one of its HTML
+ * pages becomes {"error": {...}} with the page's text as the message; every other call (ours
+ * included) goes to the library's function unchanged. The status line stays the library's.
+ * tests/server/test_hardening.py checks each of these answers, so a libmicrohttpd that stops
+ * binding its calls here fails a test rather than going back to HTML unseen.
+ *
+ * Threading: any of libmicrohttpd's threads; the library's function is looked up once. */
+
+typedef struct MHD_Response *(*from_buffer_fn)(size_t, void *, enum MHD_ResponseMemoryMode);
+static from_buffer_fn mhd_from_buffer;
+static pthread_once_t mhd_from_buffer_once = PTHREAD_ONCE_INIT;
+
+static void find_mhd_from_buffer(void)
+{
+    mhd_from_buffer = (from_buffer_fn)dlsym(RTLD_NEXT, "MHD_create_response_from_buffer");
+}
+
+/* The text of an HTML page: between <body> and </body>, tags dropped, &quot; and &amp; read,
+ * spaces collapsed. */
+static void page_text(const char *page, size_t n, char *out, size_t cap)
+{
+    const char *end = page + n, *b = memmem(page, n, "<body>", 6);
+    b = b ? b + 6 : page;
+    const char *e = memmem(b, (size_t)(end - b), "</body>", 7);
+    if (e) end = e;
+    size_t j = 0;
+    bool tag = false;
+    for (const char *p = b; p < end && j + 1 < cap; p++) {
+        if (*p == '<') tag = true;
+        if (tag) {
+            if (*p == '>') tag = false;
+            continue;
+        }
+        char ch = *p;
+        if (ch == '&') {
+            if (end - p >= 6 && !memcmp(p, "&quot;", 6))
+                ch = '"', p += 5;
+            else if (end - p >= 5 && !memcmp(p, "&amp;", 5))
+                p += 4;
+        }
+        if ((unsigned char)ch < 0x20) ch = ' ';
+        if (ch == ' ' && (j == 0 || out[j - 1] == ' ')) continue;
+        out[j++] = ch;
+    }
+    while (j && out[j - 1] == ' ')
+        j--;
+    out[j] = '\0';
+}
+
+struct MHD_Response *MHD_create_response_from_buffer(size_t size, void *buffer,
+                                                     enum MHD_ResponseMemoryMode mode)
+{
+    pthread_once(&mhd_from_buffer_once, find_mhd_from_buffer);
+    if (!mhd_from_buffer) return NULL; /* libmicrohttpd is not loaded: nothing to answer with */
+    Dl_info in_buf, in_lib;
+    if (mode != MHD_RESPMEM_PERSISTENT || !buffer || size < 6 || memcmp(buffer, "<html>", 6) ||
+        !dladdr(buffer, &in_buf) || !dladdr((void *)mhd_from_buffer, &in_lib) ||
+        in_buf.dli_fbase != in_lib.dli_fbase)
+        return mhd_from_buffer(size, buffer, mode);
+    char text[400];
+    page_text(buffer, size, text, sizeof text);
+    struct api_err e;
+    tdm_api_err_set(&e, strstr(text, "developer of this Web server") ? 500 : 400, NULL, "%s",
+                    text[0] ? text : "the HTTP request is malformed");
+    char *json = tdm_api_error_json(&e);
+    if (!json) return mhd_from_buffer(size, buffer, mode);
+    struct MHD_Response *r = mhd_from_buffer(strlen(json), json, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(json);
+        return NULL;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    return r;
+}
 
 /* ---- connections and their deadlines ---- */
 

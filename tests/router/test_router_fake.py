@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from lib.rawhttp import open_stream, raw_http
+from lib.rawhttp import assert_library_refusals_are_json, open_stream, raw_http
 from lib.server import build_dir, http_request
 from routerlib import (FakeBackend, Router, assert_openai_error, json_answer, proxy_errors, routed,
                        up)
@@ -409,6 +409,15 @@ def test_router_own_errors(start):
     assert st == 405
     assert fake.requests == []  # all answered by the router
     assert routed(router.metrics(), "none", "4xx") == 6
+
+
+def test_library_refusals_are_json(start):
+    """What libmicrohttpd refuses before the router's handler runs is answered in JSON too;
+    none of it reaches the backend."""
+    fake = start(FakeBackend, echo)
+    router = start(Router, [fake.url])
+    assert_library_refusals_are_json(router.port)
+    assert [r["path"] for r in fake.requests] == ["/v1/models"]  # the check's own request
 
 
 def test_cli_refuses_bad_arguments():

@@ -1,5 +1,7 @@
 """HTTP hardening (issue 15, item 4): framing that libmicrohttpd lets through is refused in
-OpenAI JSON (a NUL in the request target, two Content-Length headers), a prompt far over the
+OpenAI JSON (a NUL in the request target, two Content-Length headers), and so is framing that
+libmicrohttpd refuses itself before any handler runs (its bodies are HTML pages compiled into
+the library: front.c turns them into JSON), on the server and the router; a prompt far over the
 context is refused before the tokenizer runs, and slow clients neither hold a thread each nor
 lock anyone out: a healthy client is served while 2,000 slow ones hang on, and connections that
 miss the header deadline are closed."""
@@ -10,7 +12,7 @@ import time
 
 import pytest
 
-from lib.rawhttp import exchange_bytes, raw_http
+from lib.rawhttp import assert_library_refusals_are_json, exchange_bytes, raw_http
 from lib.server import Server
 
 
@@ -44,6 +46,10 @@ def test_two_content_lengths_are_refused(server):
                     b"Content-Type: application/json\r\nContent-Length: %d\r\n"
                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (len(body), len(body))
                     + body, "Content-Length")
+
+
+def test_library_refusals_are_json(server):
+    assert_library_refusals_are_json(server.port)
 
 
 def test_prompt_far_over_the_context_is_refused_before_tokenizing(server):
