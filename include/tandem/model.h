@@ -194,6 +194,10 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
 /* Reads config.json (and generation_config.json if present) of a HF checkpoint folder.
  * Accepts rope_theta at top level or in rope_parameters; llama3 and linear rope scaling. */
 tdm_status tdm_config_from_hf(const char *dir, struct tdm_model_config *cfg);
+/* The same from the files' text: `gen` (generation_config.json) may be NULL; `where` names the
+ * folder in error messages. */
+tdm_status tdm_config_from_hf_text(const char *config, size_t config_len, const char *gen,
+                                   size_t gen_len, const char *where, struct tdm_model_config *cfg);
 const char *tdm_arch_name(enum tdm_arch a);
 
 /* ---- weights ----

@@ -415,21 +415,17 @@ static tdm_status j_eos(const json_t *o, const char *file, struct tdm_model_conf
     return TDM_OK;
 }
 
-static tdm_status read_json(const char *path, size_t cap, json_t **out)
+/* Parses one JSON object; `file` names it in errors. */
+static tdm_status parse_json(const char *text, size_t len, const char *file, json_t **out)
 {
-    char *text = NULL;
-    size_t len = 0;
-    tdm_status rc = tdm_file_read(path, cap, &text, &len);
-    if (rc) return rc;
     json_error_t jerr;
     json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
-    free(text);
     if (!root)
-        return tdm_err_set(TDM_EFORMAT, "%s: JSON error at line %d: %s", path, jerr.line,
+        return tdm_err_set(TDM_EFORMAT, "%s: JSON error at line %d: %s", file, jerr.line,
                            jerr.text);
     if (!json_is_object(root)) {
         json_decref(root);
-        return tdm_err_set(TDM_EFORMAT, "%s: not a JSON object", path);
+        return tdm_err_set(TDM_EFORMAT, "%s: not a JSON object", file);
     }
     *out = root;
     return TDM_OK;
@@ -578,36 +574,52 @@ static bool file_exists(const char *path)
     return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
+tdm_status tdm_config_from_hf_text(const char *config, size_t config_len, const char *gen,
+                                   size_t gen_len, const char *where, struct tdm_model_config *cfg)
+{
+    if (!config || !cfg || !where)
+        return tdm_err_set(TDM_EINVAL, "tdm_config_from_hf_text: bad args");
+    if (config_len > TDM_HF_MAX_CONFIG_BYTES || (gen && gen_len > TDM_HF_MAX_CONFIG_BYTES))
+        return tdm_err_set(TDM_EFORMAT, "%s: a config over %u bytes", where,
+                           TDM_HF_MAX_CONFIG_BYTES);
+    struct tdm_model_config c;
+    config_defaults(&c);
+    char file[512];
+    snprintf(file, sizeof file, "%s/config.json", where);
+    json_t *root = NULL;
+    tdm_status rc = parse_json(config, config_len, file, &root);
+    if (rc) return rc;
+    rc = hf_parse_config(root, file, &c);
+    json_decref(root);
+    if (rc) return rc;
+    if (gen) {
+        snprintf(file, sizeof file, "%s/generation_config.json", where);
+        if ((rc = parse_json(gen, gen_len, file, &root))) return rc;
+        rc = hf_parse_generation(root, file, &c);
+        json_decref(root);
+        if (rc) return rc;
+    }
+    if ((rc = config_check(&c, where))) return rc;
+    *cfg = c;
+    return TDM_OK;
+}
+
 tdm_status tdm_config_from_hf(const char *dir, struct tdm_model_config *cfg)
 {
     if (!dir || !cfg) return tdm_err_set(TDM_EINVAL, "tdm_config_from_hf: bad args");
-    struct tdm_model_config c;
-    config_defaults(&c);
-    char *path = NULL;
-    if (asprintf(&path, "%s/config.json", dir) < 0)
-        return tdm_err_set(TDM_ENOMEM, "config: out of memory");
-    json_t *root = NULL;
-    tdm_status rc = read_json(path, TDM_HF_MAX_CONFIG_BYTES, &root);
-    if (rc) goto out_path;
-    rc = hf_parse_config(root, path, &c);
-    json_decref(root);
-    if (rc) goto out_path;
-
-    free(path);
-    if (asprintf(&path, "%s/generation_config.json", dir) < 0) {
-        path = NULL;
-        rc = tdm_err_set(TDM_ENOMEM, "config: out of memory");
-        goto out_path;
+    char path[4096];
+    char *config = NULL, *gen = NULL;
+    size_t config_len = 0, gen_len = 0;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    tdm_status rc = tdm_file_read(path, TDM_HF_MAX_CONFIG_BYTES, &config, &config_len);
+    if (rc) return rc;
+    snprintf(path, sizeof path, "%s/generation_config.json", dir);
+    if (file_exists(path) && (rc = tdm_file_read(path, TDM_HF_MAX_CONFIG_BYTES, &gen, &gen_len))) {
+        free(config);
+        return rc;
     }
-    if (file_exists(path)) {
-        if ((rc = read_json(path, TDM_HF_MAX_CONFIG_BYTES, &root))) goto out_path;
-        rc = hf_parse_generation(root, path, &c);
-        json_decref(root);
-        if (rc) goto out_path;
-    }
-    if ((rc = config_check(&c, dir))) goto out_path;
-    *cfg = c;
-out_path:
-    free(path);
+    rc = tdm_config_from_hf_text(config, config_len, gen, gen_len, dir, cfg);
+    free(config);
+    free(gen);
     return rc;
 }
