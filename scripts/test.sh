@@ -2,7 +2,8 @@
 # Sets up everything (scripts/setup.sh) and runs the whole test suite:
 #   - the Release build (build/): C unit tests (cmocka) and the Python tests against the
 #     independent references (gguf, safetensors, tokenizers, numpy, jinja2);
-#   - the same suite on an ASan+UBSan build (build-asan/);
+#   - the same suite on an ASan+UBSan build (build-asan/; its tandem binary links the CPU's
+#     SIMD kernels uninstrumented, the C unit tests instrumented: CMakeLists.txt says why);
 #   - short libFuzzer runs of the parsers (build-fuzz/, clang).
 # The last line is "N passed, N failed, N skipped" over all of it; the exit status is 0 only if
 # nothing failed. Extra arguments go to pytest (e.g. -k tokenizer).
