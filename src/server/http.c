@@ -445,7 +445,36 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         return tdm_reply_send(c, s->http, 200, text, "text/plain; version=0.0.4; charset=utf-8");
     }
     bool is_models = !strcmp(url, "/v1/models"), is_cmpl = !strcmp(url, "/v1/completions"),
-         is_chat = !strcmp(url, "/v1/chat/completions");
+         is_chat = !strcmp(url, "/v1/chat/completions"),
+         is_model = !strncmp(url, "/v1/models/", 11) && url[11], is_tok = !strcmp(url, "/tokenize"),
+         is_detok = !strcmp(url, "/detokenize");
+    if (is_model || is_tok || is_detok) {
+        if (!tdm_front_bearer_ok(c, s->api_key))
+            return tdm_reply_errf(c, s->http, 401,
+                                  "missing or invalid API key (send Authorization: Bearer <key>)");
+        if (is_model) {
+            if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /v1/models/{model}");
+            if (strcmp(url + 11, s->model_name)) {
+                struct api_err e;
+                tdm_api_err_set(&e, 404, "model",
+                                "the model '%.200s' does not exist; this server serves '%.200s'",
+                                url + 11, s->model_name);
+                e.code = "model_not_found";
+                return tdm_reply_err(c, s->http, &e);
+            }
+            return tdm_reply_send(c, s->http, 200, tdm_api_render_model(&s->api, (long)time(NULL)),
+                                  "application/json");
+        }
+        if (!post)
+            return tdm_reply_errf(c, s->http, 405, "use POST %s",
+                                  is_tok ? "/tokenize" : "/detokenize");
+        struct api_err e;
+        const char *b = cc->body ? cc->body : "";
+        char *out = is_tok ? tdm_api_tokenize(&s->api, b, cc->len, &e)
+                           : tdm_api_detokenize(&s->api, b, cc->len, &e);
+        return out ? tdm_reply_send(c, s->http, 200, out, "application/json")
+                   : tdm_reply_err(c, s->http, &e);
+    }
     if (!is_models && !is_cmpl && !is_chat) {
         char msg[200];
         snprintf(msg, sizeof msg, "no route for %s %.100s", method, url);

@@ -7,8 +7,13 @@
  * like "max_token" is reported instead of ignored. Fields that do not change the output
  * ("user", "metadata", "store", ...) are accepted and ignored.
  *
- * Defaults follow OpenAI: completions generate 16 tokens unless max_tokens says otherwise;
- * chat completions run to the end of the context.
+ * Defaults follow OpenAI: completions generate 16 tokens unless max_tokens (or
+ * max_completion_tokens) says otherwise; chat completions run to the end of the context.
+ * Errors carry OpenAI's error.code where OpenAI has one for the case.
+ *
+ * Also here: vLLM's /tokenize and /detokenize bodies (tdm_api_tokenize, tdm_api_detokenize),
+ * which share the prompt and chat-template paths of the completions, so a /tokenize count is
+ * the prompt_tokens of the same prompt sent for completion.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -16,6 +21,8 @@
 #include <string.h>
 
 #include "server/server_int.h"
+
+#define CONTEXT_EXCEEDED "context_length_exceeded" /* OpenAI's error.code */
 
 void tdm_api_err_set(struct api_err *e, int status, const char *param, const char *fmt, ...)
 {
@@ -25,6 +32,8 @@ void tdm_api_err_set(struct api_err *e, int status, const char *param, const cha
               : status == 429 ? "rate_limit_error"
               : status >= 500 ? "server_error"
                               : "invalid_request_error";
+    /* the codes OpenAI gives for these statuses; call sites set the others */
+    e->code = status == 401 ? "invalid_api_key" : status == 429 ? "rate_limit_exceeded" : NULL;
     snprintf(e->param, sizeof e->param, "%s", param ? param : "");
     va_list ap;
     va_start(ap, fmt);
@@ -80,9 +89,9 @@ static json_t *jstr(const char *s, size_t n)
 
 char *tdm_api_error_json(const struct api_err *e)
 {
-    json_t *root =
-        json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type", e->type,
-                  "param", e->param[0] ? json_string(e->param) : json_null(), "code", json_null());
+    json_t *root = json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type",
+                             e->type, "param", e->param[0] ? json_string(e->param) : json_null(),
+                             "code", e->code ? json_string(e->code) : json_null());
     if (!root) return NULL;
     char *s = json_dumps(root, JSON_COMPACT);
     json_decref(root);
@@ -152,6 +161,7 @@ static bool encode_text(const struct api_ctx *c, const char *text, size_t len, i
                         "the prompt has at least %zu tokens (%zu bytes); this model's context "
                         "is %d tokens",
                         len / c->max_piece, len, c->max_ctx);
+        err->code = CONTEXT_EXCEEDED;
         return false;
     }
     /* the tokenizer stops once the prompt cannot fit (the context check that follows refuses
@@ -168,6 +178,7 @@ static bool encode_text(const struct api_ctx *c, const char *text, size_t len, i
         tdm_api_err_set(err, 400, param,
                         "the prompt has more than %zu tokens; this model's context is %d tokens",
                         cap, c->max_ctx);
+        err->code = CONTEXT_EXCEEDED;
         return false;
     }
     if (st != TDM_OK) {
@@ -209,6 +220,7 @@ static bool parse_prompt(const struct api_ctx *c, json_t *v, struct api_req *r, 
             tdm_api_err_set(err, 400, "prompt",
                             "the prompt has %zu tokens; this model's context is %d tokens", n,
                             c->max_ctx);
+            err->code = CONTEXT_EXCEEDED;
             return false;
         }
         r->prompt = malloc(n * sizeof *r->prompt);
@@ -273,8 +285,10 @@ static char *message_content(json_t *v, size_t idx, struct api_err *err)
     return s;
 }
 
-static bool parse_messages(const struct api_ctx *c, json_t *v, struct api_req *r,
-                           struct api_err *err)
+/* The chat template over `messages`, tokenized into r->prompt. gen_prompt: the assistant's
+ * turn is opened at the end; specials: a BOS token where the model adds one. */
+static bool parse_messages(const struct api_ctx *c, json_t *v, bool gen_prompt, bool specials,
+                           struct api_req *r, struct api_err *err)
 {
     if (!c->chat) {
         tdm_api_err_set(err, 400, NULL, "this model has no chat template; use /v1/completions");
@@ -337,11 +351,11 @@ static bool parse_messages(const struct api_ctx *c, json_t *v, struct api_req *r
         msgs[i].role = rs;
         msgs[i].content = contents[i];
     }
-    if (tdm_chat_render(c->chat, msgs, n, true, &rendered) != TDM_OK) {
+    if (tdm_chat_render(c->chat, msgs, n, gen_prompt, &rendered) != TDM_OK) {
         tdm_api_err_set(err, 400, "messages", "%s", tdm_err_msg());
         goto out;
     }
-    bool bos = c->add_bos && !c->chat->add_bos_text;
+    bool bos = specials && c->add_bos && !c->chat->add_bos_text;
     ok = encode_text(c, rendered, strlen(rendered),
                      TDM_TOK_PARSE_SPECIAL | (bos ? TDM_TOK_ADD_BOS : 0), r, "messages", err);
 out:
@@ -422,6 +436,24 @@ static bool unsupported(const char *key, json_t *v, struct api_err *err)
     return false;
 }
 
+/* "model", when given, must name the model this server serves. */
+static bool check_model(const struct api_ctx *c, json_t *root, struct api_err *err)
+{
+    json_t *v = json_object_get(root, "model");
+    if (!v || json_is_null(v)) return true;
+    if (!json_is_string(v)) {
+        tdm_api_err_set(err, 400, "model", "'model' must be a string");
+        return false;
+    }
+    if (strcmp(json_string_value(v), c->model_name)) {
+        tdm_api_err_set(err, 404, "model", "the model '%s' does not exist; this server serves '%s'",
+                        json_string_value(v), c->model_name);
+        err->code = "model_not_found";
+        return false;
+    }
+    return true;
+}
+
 bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
                    struct api_req *r, struct api_err *err)
 {
@@ -450,6 +482,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
     static const char *const known_c[] = {"model",
                                           "prompt",
                                           "max_tokens",
+                                          "max_completion_tokens",
                                           "temperature",
                                           "top_p",
                                           "top_k",
@@ -528,26 +561,14 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
         if (unsupported(key, v, err)) goto out;
     }
 
-    v = json_object_get(root, "model");
-    if (v && !json_is_null(v)) {
-        if (!json_is_string(v)) {
-            tdm_api_err_set(err, 400, "model", "'model' must be a string");
-            goto out;
-        }
-        if (strcmp(json_string_value(v), c->model_name)) {
-            tdm_api_err_set(err, 404, "model",
-                            "the model '%s' does not exist; this server serves '%s'",
-                            json_string_value(v), c->model_name);
-            goto out;
-        }
-    }
+    if (!check_model(c, root, err)) goto out;
 
     if (chat) {
         if (!json_object_get(root, "messages")) {
             tdm_api_err_set(err, 400, "messages", "'messages' is required");
             goto out;
         }
-        if (!parse_messages(c, json_object_get(root, "messages"), r, err)) goto out;
+        if (!parse_messages(c, json_object_get(root, "messages"), true, true, r, err)) goto out;
     } else {
         if (!json_object_get(root, "prompt")) {
             tdm_api_err_set(err, 400, "prompt", "'prompt' is required");
@@ -563,6 +584,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
         tdm_api_err_set(err, 400, chat ? "messages" : "prompt",
                         "the prompt has %d tokens; this model's context is %d tokens", r->n_prompt,
                         c->max_ctx);
+        err->code = CONTEXT_EXCEEDED;
         goto out;
     }
     int room = c->max_ctx - r->n_prompt;
@@ -573,7 +595,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
     r->p.max_tokens = chat ? room : TDM_MIN(16, room);
     const char *mt_name = "max_tokens";
     v = json_object_get(root, "max_tokens");
-    if (chat && (!v || json_is_null(v))) {
+    if (!v || json_is_null(v)) { /* the newer name; max_tokens wins when both are given */
         v = json_object_get(root, "max_completion_tokens");
         mt_name = "max_completion_tokens";
     }
@@ -585,6 +607,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                 "'%s' is %lld, but the prompt has %d tokens and this model's context is "
                 "%d tokens, which leaves room for %d",
                 mt_name, (long long)x, r->n_prompt, c->max_ctx, room);
+            err->code = CONTEXT_EXCEEDED;
             goto out;
         }
         r->p.max_tokens = (int)x;
@@ -696,7 +719,8 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
             tdm_api_err_set(err, 400, "stream_options", "'stream_options' must be an object");
             goto out;
         }
-        json_object_foreach(v, key, v)
+        json_t *opt; /* not v: json_object_foreach reads its object again at every step */
+        json_object_foreach(v, key, opt)
         {
             if (strcmp(key, "include_usage") && strcmp(key, "continuous_usage_stats")) {
                 tdm_api_err_set(err, 400, "stream_options", "unknown field 'stream_options.%s'",
@@ -704,8 +728,11 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                 goto out;
             }
             if (!strcmp(key, "include_usage")) {
-                if (!get_bool(v, "stream_options.include_usage", &b, err)) goto out;
+                if (!get_bool(opt, "stream_options.include_usage", &b, err)) goto out;
                 r->include_usage = b;
+            } else {
+                if (!get_bool(opt, "stream_options.continuous_usage_stats", &b, err)) goto out;
+                r->continuous_usage = b;
             }
         }
         if (!r->stream) {
@@ -887,9 +914,17 @@ char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, con
                            logprobs_completion(c, r, v, from, to, text_from), "finish_reason",
                            finish ? finish_value(v) : json_null());
     }
-    return sse(json_pack("{s:s, s:s, s:i, s:s, s:[o]}", "id", id, "object",
-                         r->chat ? "chat.completion.chunk" : "text_completion", "created",
-                         (json_int_t)created, "model", c->model_name, "choices", choice));
+    json_t *chunk = json_pack("{s:s, s:s, s:i, s:s, s:[o]}", "id", id, "object",
+                              r->chat ? "chat.completion.chunk" : "text_completion", "created",
+                              (json_int_t)created, "model", c->model_name, "choices", choice);
+    if (chunk && r->continuous_usage) { /* the tokens through this chunk */
+        int n_out = finish ? v->n_out : to;
+        json_object_set_new(chunk, "usage",
+                            json_pack("{s:i, s:i, s:i}", "prompt_tokens", v->n_prompt,
+                                      "completion_tokens", n_out, "total_tokens",
+                                      v->n_prompt + n_out));
+    }
+    return sse(chunk);
 }
 
 char *tdm_api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
@@ -901,9 +936,167 @@ char *tdm_api_render_usage_chunk(const struct api_ctx *c, const struct api_req *
                          usage(v)));
 }
 
+static json_t *model_object(const struct api_ctx *c, long created)
+{
+    return json_pack("{s:s, s:s, s:i, s:s, s:i}", "id", c->model_name, "object", "model", "created",
+                     (json_int_t)created, "owned_by", "tandem", "max_model_len", c->max_ctx);
+}
+
 char *tdm_api_render_models(const struct api_ctx *c, long created)
 {
-    return dump(json_pack("{s:s, s:[{s:s, s:s, s:i, s:s, s:i}]}", "object", "list", "data", "id",
-                          c->model_name, "object", "model", "created", (json_int_t)created,
-                          "owned_by", "tandem", "max_model_len", c->max_ctx));
+    return dump(json_pack("{s:s, s:[o]}", "object", "list", "data", model_object(c, created)));
+}
+
+char *tdm_api_render_model(const struct api_ctx *c, long created)
+{
+    return dump(model_object(c, created));
+}
+
+/* ---- /tokenize and /detokenize (vLLM's) ---- */
+
+/* The body as an object whose keys are all in `known` (NULL-terminated), or NULL with err. */
+static json_t *load_object(const char *body, size_t len, const char *const *known,
+                           struct api_err *err)
+{
+    json_error_t je;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) {
+        tdm_api_err_set(err, 400, NULL, "invalid JSON body: %s (line %d, column %d)", je.text,
+                        je.line, je.column);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        tdm_api_err_set(err, 400, NULL, "the request body must be a JSON object");
+        json_decref(root);
+        return NULL;
+    }
+    const char *key;
+    json_t *v;
+    json_object_foreach(root, key, v)
+    {
+        bool found = false;
+        for (size_t i = 0; known[i] && !found; i++)
+            found = !strcmp(key, known[i]);
+        if (!found) {
+            tdm_api_err_set(err, 400, key, "unknown field '%s'", key);
+            json_decref(root);
+            return NULL;
+        }
+    }
+    return root;
+}
+
+/* An optional boolean field, `def` when absent or null. */
+static bool opt_bool(json_t *root, const char *name, bool def, bool *out, struct api_err *err)
+{
+    json_t *v = json_object_get(root, name);
+    *out = def;
+    return !v || json_is_null(v) || get_bool(v, name, out, err);
+}
+
+char *tdm_api_tokenize(const struct api_ctx *c, const char *body, size_t len, struct api_err *err)
+{
+    static const char *const known[] = {"model",
+                                        "prompt",
+                                        "messages",
+                                        "add_special_tokens",
+                                        "add_generation_prompt",
+                                        "return_token_strs",
+                                        NULL};
+    memset(err, 0, sizeof *err);
+    json_t *root = load_object(body, len, known, err);
+    if (!root) return NULL;
+    char *out = NULL;
+    struct api_req r = {0};
+    bool specials, gen_prompt, strs;
+    json_t *prompt = json_object_get(root, "prompt"), *msgs = json_object_get(root, "messages");
+    if (!check_model(c, root, err) || !opt_bool(root, "add_special_tokens", true, &specials, err) ||
+        !opt_bool(root, "add_generation_prompt", true, &gen_prompt, err) ||
+        !opt_bool(root, "return_token_strs", false, &strs, err))
+        goto out;
+    if (!prompt == !msgs) {
+        tdm_api_err_set(err, 400, NULL, "give either 'prompt' (a string) or 'messages'");
+        goto out;
+    }
+    if (prompt) {
+        if (!json_is_string(prompt)) {
+            tdm_api_err_set(err, 400, "prompt", "'prompt' must be a string");
+            goto out;
+        }
+        int flags = TDM_TOK_PARSE_SPECIAL | (specials && c->add_bos ? TDM_TOK_ADD_BOS : 0);
+        if (!encode_text(c, json_string_value(prompt), json_string_length(prompt), flags, &r,
+                         "prompt", err))
+            goto out;
+    } else if (!parse_messages(c, msgs, gen_prompt, specials, &r, err)) {
+        goto out;
+    }
+    json_t *ids = json_array(), *pieces = strs ? json_array() : json_null();
+    for (int i = 0; i < r.n_prompt; i++) {
+        json_array_append_new(ids, json_integer(r.prompt[i]));
+        if (strs) json_array_append_new(pieces, token_str(c, r.prompt[i]));
+    }
+    out = dump(json_pack("{s:i, s:i, s:o, s:o}", "count", r.n_prompt, "max_model_len", c->max_ctx,
+                         "tokens", ids, "token_strs", pieces));
+    if (!out) tdm_api_err_set(err, 500, NULL, "out of memory");
+out:
+    free(r.prompt);
+    json_decref(root);
+    return out;
+}
+
+char *tdm_api_detokenize(const struct api_ctx *c, const char *body, size_t len, struct api_err *err)
+{
+    static const char *const known[] = {"model", "tokens", NULL};
+    memset(err, 0, sizeof *err);
+    json_t *root = load_object(body, len, known, err);
+    if (!root) return NULL;
+    char *out = NULL, *text = NULL;
+    int32_t *ids = NULL;
+    json_t *v = json_object_get(root, "tokens");
+    if (!check_model(c, root, err)) goto out;
+    if (!json_is_array(v)) {
+        tdm_api_err_set(err, 400, "tokens", "'tokens' must be a list of token ids");
+        goto out;
+    }
+    size_t n = json_array_size(v);
+    if (n > (size_t)c->max_ctx) {
+        tdm_api_err_set(err, 400, "tokens", "%zu tokens; at most %d (this model's context)", n,
+                        c->max_ctx);
+        err->code = CONTEXT_EXCEEDED;
+        goto out;
+    }
+    ids = malloc((n ? n : 1) * sizeof *ids);
+    if (!ids) goto oom;
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(v, i);
+        if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) >= c->vocab) {
+            tdm_api_err_set(err, 400, "tokens", "tokens[%zu] is not a token id in [0, %d)", i,
+                            c->vocab);
+            goto out;
+        }
+        ids[i] = (int32_t)json_integer_value(t);
+    }
+    size_t cap = n * (c->max_piece ? c->max_piece : 16) + 1, n_bytes = 0;
+    if (!(text = malloc(cap))) goto oom;
+    tdm_status st = tdm_tok_decode(c->tok, ids, n, false, text, cap, &n_bytes);
+    if (st == TDM_ERANGE || (st == TDM_OK && n_bytes >= cap)) { /* longer than guessed */
+        free(text);
+        cap = n_bytes + 1;
+        if (!(text = malloc(cap))) goto oom;
+        st = tdm_tok_decode(c->tok, ids, n, false, text, cap, &n_bytes);
+    }
+    if (st != TDM_OK || n_bytes >= cap) {
+        tdm_api_err_set(err, 500, NULL, "the tokens could not be decoded: %s", tdm_err_msg());
+        goto out;
+    }
+    out = dump(json_pack("{s:o}", "prompt", jstr(text, n_bytes)));
+    if (!out) goto oom;
+    goto out;
+oom:
+    tdm_api_err_set(err, 500, NULL, "out of memory");
+out:
+    free(text);
+    free(ids);
+    json_decref(root);
+    return out;
 }

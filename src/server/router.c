@@ -602,18 +602,17 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         return tdm_reply_send(c, r->own_by_class, 200, metrics_text(r),
                               "text/plain; version=0.0.4; charset=utf-8");
     }
-    bool is_models = !strcmp(url, "/v1/models"), is_cmpl = !strcmp(url, "/v1/completions"),
-         is_chat = !strcmp(url, "/v1/chat/completions");
-    if (!is_models && !is_cmpl && !is_chat)
+    /* a backend's routes: GET /v1/models, /v1/models/{model}; POST the rest */
+    bool is_get = !strcmp(url, "/v1/models") || (!strncmp(url, "/v1/models/", 11) && url[11]);
+    bool is_post = !strcmp(url, "/v1/completions") || !strcmp(url, "/v1/chat/completions") ||
+                   !strcmp(url, "/tokenize") || !strcmp(url, "/detokenize");
+    if (!is_get && !is_post)
         return tdm_reply_errf(c, r->own_by_class, 404, "no route for %s %.100s", method, url);
     if (!tdm_front_bearer_ok(c, r->api_key))
         return tdm_reply_errf(c, r->own_by_class, 401,
                               "missing or invalid API key (send Authorization: Bearer <key>)");
-    if (is_models && !get) return tdm_reply_errf(c, r->own_by_class, 405, "use GET /v1/models");
-    if (!is_models && !post)
-        return tdm_reply_errf(c, r->own_by_class, 405, "%s",
-                              is_chat ? "use POST /v1/chat/completions"
-                                      : "use POST /v1/completions");
+    if (is_get && !get) return tdm_reply_errf(c, r->own_by_class, 405, "use GET %.100s", url);
+    if (is_post && !post) return tdm_reply_errf(c, r->own_by_class, 405, "use POST %.100s", url);
     return forward(r, c, method, url, cc);
 }
 

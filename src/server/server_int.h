@@ -18,6 +18,7 @@
 struct api_err {
     int status; /* HTTP status */
     const char *type;
+    const char *code; /* OpenAI's error.code ("context_length_exceeded", ...) or NULL */
     char message[512];
     char param[64]; /* "" for none */
 };
@@ -36,8 +37,9 @@ struct api_ctx {
 
 struct api_req {
     bool chat, stream, include_usage;
-    bool chat_logprobs; /* chat: logprobs true (top_logprobs may be 0) */
-    int32_t *prompt;    /* malloc'd */
+    bool continuous_usage; /* stream_options.continuous_usage_stats: usage in every chunk */
+    bool chat_logprobs;    /* chat: logprobs true (top_logprobs may be 0) */
+    int32_t *prompt;       /* malloc'd */
     int n_prompt;
     struct tdm_req_params p;
     char *stops[TDM_MAX_STOP_STRINGS]; /* owned copies, for the request's reader */
@@ -66,6 +68,14 @@ char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, con
 char *tdm_api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
                                  long created, const struct tdm_req_view *v);
 char *tdm_api_render_models(const struct api_ctx *c, long created);
+/* GET /v1/models/{id}: the model object alone. */
+char *tdm_api_render_model(const struct api_ctx *c, long created);
+/* vLLM's POST /tokenize ({"prompt": text} or {"messages": [...]}, add_special_tokens,
+ * add_generation_prompt, return_token_strs) and POST /detokenize ({"tokens": [...]}): the
+ * answer's JSON, or NULL with err filled. */
+char *tdm_api_tokenize(const struct api_ctx *c, const char *body, size_t len, struct api_err *err);
+char *tdm_api_detokenize(const struct api_ctx *c, const char *body, size_t len,
+                         struct api_err *err);
 
 /* Valid UTF-8 copy of bytes, invalid sequences replaced by U+FFFD. */
 char *tdm_utf8_sanitize(const char *s, size_t n, size_t *out_len);

@@ -5,9 +5,11 @@
  * request must be one the scheduler can take: a prompt of 1 to max_ctx - 1 tokens inside the
  * vocabulary, max_tokens that fit the rest of the context, sampling parameters that validate,
  * at most the documented number of stop strings and top log-probabilities. A refused one must
- * carry a 4xx status and a message. Never a crash, a leak or a hang.
+ * carry a 4xx status and a message. Never a crash, a leak or a hang. Bit 1 of the first byte
+ * sends the body to vLLM's /tokenize (bit 0 set) or /detokenize instead: an answer must be
+ * JSON, a refusal a 4xx with a message.
  *
- * Layout: u8 (bit 0: chat), then the body.
+ * Layout: u8 (bit 0: chat or tokenize; bit 1: the tokenizer routes), then the body.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,9 +30,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                         .max_ctx = 256,
                         .vocab = tdm_tok_vocab_size(tok),
                         .max_piece = 16};
-    bool is_chat = data[0] & 1;
     struct api_req r;
     struct api_err e;
+    if (data[0] & 2) { /* vLLM's /tokenize or /detokenize */
+        char *out = data[0] & 1 ? tdm_api_tokenize(&c, (const char *)data + 1, size - 1, &e)
+                                : tdm_api_detokenize(&c, (const char *)data + 1, size - 1, &e);
+        if (!out && (e.status < 400 || e.status > 499 || !e.message[0])) abort();
+        if (out) {
+            json_t *root = json_loads(out, JSON_ALLOW_NUL, NULL); /* text may hold U+0000 */
+            if (!root) abort();                                   /* the answer must be JSON */
+            json_decref(root);
+            free(out);
+        }
+        return 0;
+    }
+    bool is_chat = data[0] & 1;
     if (!tdm_api_parse(&c, is_chat, (const char *)data + 1, size - 1, &r, &e)) {
         if (e.status < 400 || e.status > 499 || !e.message[0]) abort();
         return 0;

@@ -64,6 +64,23 @@ def test_health_and_models(cluster):
     assert via == direct == ["smol"]
 
 
+def test_model_tokenize_and_detokenize_routes_pass_through(cluster):
+    """GET /v1/models/{id}, POST /tokenize and /detokenize reach a backend and come back as it
+    answers them; a wrong method is the router's own 405."""
+    router, backends = cluster
+    assert client(router.url).models.retrieve("smol").id == "smol"
+    with pytest.raises(openai.NotFoundError):
+        client(router.url).models.retrieve("other")
+    for path, body in (("/tokenize", {"prompt": "Hello world"}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/detokenize", {"tokens": [19556, 905]})):
+        via = router.request("POST", path, body)
+        direct = backends[0].request("POST", path, body)
+        assert via[0] == direct[0] == 200 and json.loads(via[1]) == json.loads(direct[1]), path
+    st, raw, _ = router.request("GET", "/tokenize")
+    assert st == 405 and json.loads(raw)["error"]["message"] == "use POST /tokenize"
+
+
 def test_same_greedy_output_as_direct(cluster):
     router, backends = cluster
     via, direct = client(router.url), client(backends[0].url)

@@ -1,0 +1,167 @@
+"""The parts of the OpenAI and vLLM surface that tools call (issue 20, item 1): GET
+/v1/models/{id} (the `openai` client's models.retrieve), `max_completion_tokens` on
+/v1/completions (guidellm sends it), OpenAI's `error.code` values,
+`stream_options.continuous_usage_stats`, and vLLM's /tokenize and /detokenize.
+
+Tokens are checked against the independent reference: an HF `tokenizers` tokenizer built from
+the GGUF (lib.smol_hf), and the chat template rendered by jinja2; never against tandem itself.
+"""
+import json
+
+import openai
+import pytest
+
+from lib.rawhttp import raw_http
+from lib.server import Server
+from lib.smol_hf import smol_hf_tokenizer, smol_metadata
+
+
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def post(server, path, body):
+    st, _, raw = raw_http(server.port, "POST", path, json.dumps(body).encode())
+    return st, json.loads(raw)
+
+
+def test_models_retrieve(server):
+    m = client(server).models.retrieve("smol")
+    assert m.id == "smol" and m.object == "model" and m.owned_by == "tandem"
+    assert m.model_dump()["max_model_len"] == 8192
+    with pytest.raises(openai.NotFoundError) as e:
+        client(server).models.retrieve("gpt-4")
+    assert e.value.code == "model_not_found"
+    st, _, raw = raw_http(server.port, "POST", "/v1/models/smol", b"{}")
+    assert st == 405, raw
+
+
+def test_max_completion_tokens_on_completions(server):
+    """guidellm's body: both names; and the newer one alone."""
+    for body in ({"prompt": "Hi", "max_tokens": 4, "max_completion_tokens": 4},
+                 {"prompt": "Hi", "max_completion_tokens": 5}):
+        st, r = post(server, "/v1/completions", {**body, "temperature": 0, "ignore_eos": True})
+        assert st == 200, r
+        assert r["usage"]["completion_tokens"] == body.get("max_tokens", 5)
+    st, r = post(server, "/v1/completions", {"prompt": "Hi", "max_completion_tokens": 0})
+    assert st == 400 and r["error"]["param"] == "max_completion_tokens", r
+
+
+def test_error_codes(server, default_model):
+    cases = [
+        ({"prompt": "Hi", "max_tokens": 9000}, 400, "context_length_exceeded"),
+        ({"prompt": [5] * 8192, "max_tokens": 1}, 400, "context_length_exceeded"),
+        ({"prompt": "word " * 100000, "max_tokens": 1}, 400, "context_length_exceeded"),
+        ({"prompt": "Hi", "model": "gpt-4"}, 404, "model_not_found"),
+        ({"prompt": "Hi", "temperature": 7}, 400, None),  # OpenAI gives no code for a range
+    ]
+    for body, status, code in cases:
+        st, r = post(server, "/v1/completions", body)
+        assert st == status and r["error"]["code"] == code, (body if len(str(body)) < 200
+                                                             else "long", r)
+    st, r = post(server, "/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "x " * 9000}]})
+    assert st == 400 and r["error"]["code"] == "context_length_exceeded", r
+    s = Server(["--threads", "1", "--api-key", "k3y"])
+    try:
+        st, _, raw = raw_http(s.port, "POST", "/v1/completions", b'{"prompt":"Hi"}')
+        assert st == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key", raw
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_continuous_usage_stats(server, chat):
+    """Through the `openai` client: every chunk carries the usage so far; the text and the
+    final counts are those of the same request without streaming."""
+    cl = client(server)
+    kw = dict(model="smol", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    if chat:
+        make, kw["messages"] = cl.chat.completions.create, [{"role": "user", "content": "Hi"}]
+    else:
+        make, kw["prompt"] = cl.completions.create, "Once upon a time"
+    full = make(**kw)
+    chunks = list(make(**kw, stream=True, stream_options={"continuous_usage_stats": True,
+                                                           "include_usage": True}))
+    body, last = [c for c in chunks if c.choices], chunks[-1]
+    assert not last.choices and last.usage == full.usage  # include_usage's own chunk
+    counts = [c.usage.completion_tokens for c in body]
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] >= 1, counts
+    for c in body:
+        assert c.usage.prompt_tokens == full.usage.prompt_tokens
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    if chat:
+        text = "".join(c.choices[0].delta.content or "" for c in body)
+        assert text == full.choices[0].message.content
+    else:
+        assert "".join(c.choices[0].text for c in body) == full.choices[0].text
+    # without the option, the chunks carry no usage
+    assert all(c.usage is None for c in make(**kw, stream=True))
+
+
+TEXTS = ["Hello world", "  leading spaces and 12345 digits", "Ünïcödé ✓ 你好 👨‍👩‍👧",
+         "<|im_start|>user\nspecial tokens are parsed<|im_end|>", ""]
+
+
+def test_tokenize_matches_hf(server):
+    hf = smol_hf_tokenizer()
+    for text in TEXTS:
+        st, r = post(server, "/tokenize", {"prompt": text, "return_token_strs": True})
+        assert st == 200, r
+        want = hf.encode(text, add_special_tokens=False).ids
+        assert r["tokens"] == want and r["count"] == len(want), text
+        assert r["max_model_len"] == 8192 and len(r["token_strs"]) == len(want)
+        st, r2 = post(server, "/tokenize", {"prompt": text, "model": "smol"})
+        assert st == 200 and r2["tokens"] == want and r2["token_strs"] is None
+
+
+def jinja(messages, add_generation_prompt):
+    jinja2 = pytest.importorskip("jinja2")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(smol_metadata()["chat_template"]).render(
+        messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def test_tokenize_messages_is_the_chat_prompt(server):
+    """The chat template (jinja2) then HF's tokenizer; with the generation prompt it is the
+    prompt that /v1/chat/completions counts."""
+    hf = smol_hf_tokenizer()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    for gen in (True, False):
+        st, r = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": gen})
+        assert st == 200, r
+        assert r["tokens"] == hf.encode(jinja(msgs, gen), add_special_tokens=False).ids, gen
+    st, r = post(server, "/tokenize", {"messages": msgs})
+    st2, c = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+    assert st == st2 == 200 and r["count"] == c["usage"]["prompt_tokens"]
+
+
+def test_detokenize_matches_hf(server):
+    hf = smol_hf_tokenizer()
+    for text in TEXTS:
+        ids = hf.encode(text, add_special_tokens=False).ids
+        st, r = post(server, "/detokenize", {"tokens": ids})
+        assert st == 200 and r["prompt"] == hf.decode(ids, skip_special_tokens=False), (text, r)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, None),
+    ("/tokenize", {}, None),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "x", "truncate": 3}, "truncate"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+    ("/detokenize", {"tokens": [1, 49152]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": "12"}, "tokens"),
+    ("/detokenize", {"tokens": [0] * 8193}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_tokenize_bad_input(server, path, body, param):
+    st, r = post(server, path, body)
+    assert st in (400, 404) and r["error"]["param"] == param and r["error"]["message"], r
+    st, _, raw = raw_http(server.port, "POST", path, b"{not json")
+    assert st == 400 and json.loads(raw)["error"]["type"] == "invalid_request_error"
