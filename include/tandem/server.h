@@ -51,6 +51,7 @@ struct tdm_server_opts {
     /* HTTPS: the certificate chain and its private key as PEM text, both or neither (copied);
      * NULL: plain HTTP. */
     const char *tls_cert_pem, *tls_key_pem;
+    const char *allowed_origins; /* CORS: "*" or origins separated by commas; NULL: none */
     /* A prefill node: generation routes answer 404 saying so; /health and /metrics stay. */
     bool no_generate;
     /* More Prometheus text appended to /metrics (malloc'd by the callback; NULL: none). */
@@ -116,6 +117,7 @@ struct tdm_router_opts {
     int body_timeout_ms;         /* and its body within this after them; 0: 30000 */
     /* HTTPS toward clients, as tdm_server_opts. */
     const char *tls_cert_pem, *tls_key_pem;
+    const char *allowed_origins; /* CORS: "*" or origins separated by commas; NULL: none */
     /* https:// backends are verified against the CA certificates in this PEM file (and their
      * host name or IP address against the certificate); NULL: the system's trust store. */
     const char *backend_ca_file;

@@ -110,6 +110,7 @@ struct MHD_Response *MHD_create_response_from_buffer(size_t size, void *buffer,
 enum { PHASE_HEADERS, PHASE_BODY, PHASE_ANSWER };
 
 struct fconn {
+    struct tdm_front *f;
     int fd;
     atomic_bool nul_target; /* this request's target decodes to a NUL byte (%00) */
     _Atomic int phase;
@@ -129,6 +130,7 @@ struct tdm_front {
     pthread_t sweeper;
     _Atomic uint64_t closed;
     char *tls_cert, *tls_key; /* copies of the PEM text (the daemon may read them later) */
+    char *origins;            /* a copy of cfg.allowed_origins, checked; NULL: no CORS */
 };
 
 static struct fconn *conn_of(struct MHD_Connection *c)
@@ -152,7 +154,8 @@ static void notify_connection(void *cls, struct MHD_Connection *c, void **socket
     struct tdm_front *f = cls;
     if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
         struct fconn *fc = calloc(1, sizeof *fc);
-        if (!fc) return; /* untracked: only its deadlines are lost */
+        if (!fc) return; /* untracked: its deadlines and CORS are lost */
+        fc->f = f;
         fc->fd = tdm_front_client_fd(c);
         atomic_init(&fc->phase, PHASE_HEADERS);
         atomic_init(&fc->t0_ns, tdm_now_ns());
@@ -325,6 +328,69 @@ void tdm_front_completed(void *cls, struct MHD_Connection *c, void **con_cls,
     *con_cls = NULL;
 }
 
+/* ---- CORS ---- */
+
+/* An origin as the list may name it: scheme://host[:port] in printable ASCII, no space or
+ * comma (so that it can never split a header). */
+static bool origin_ok(const char *s, size_t n)
+{
+    if (n == 0 || n > 256 || !memmem(s, n, "://", 3)) return false;
+    for (size_t i = 0; i < n; i++)
+        if (s[i] <= ' ' || s[i] >= 0x7f || s[i] == ',') return false;
+    return true;
+}
+
+/* The allowed value for this request's Origin: the list's own copy of it, "*", or NULL. */
+static const char *cors_origin(struct MHD_Connection *c)
+{
+    struct fconn *fc = conn_of(c);
+    if (!fc || !fc->f->origins) return NULL;
+    const char *o = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Origin");
+    if (!o) return NULL;
+    const char *list = fc->f->origins;
+    if (!strcmp(list, "*")) return "*";
+    size_t n = strlen(o);
+    for (const char *p = list; *p;) {
+        const char *e = strchr(p, ',');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        if (len == n && !memcmp(p, o, n)) return p; /* ends at the comma: see tdm_front_cors */
+        if (!e) break;
+        p = e + 1;
+    }
+    return NULL;
+}
+
+void tdm_front_cors(struct MHD_Connection *c, struct MHD_Response *r)
+{
+    const char *o = cors_origin(c);
+    if (!o) return;
+    if (!strcmp(o, "*")) {
+        MHD_add_response_header(r, "Access-Control-Allow-Origin", "*");
+        return;
+    }
+    char buf[260];
+    size_t len = strcspn(o, ",");
+    snprintf(buf, sizeof buf, "%.*s", (int)len, o);
+    MHD_add_response_header(r, "Access-Control-Allow-Origin", buf);
+    MHD_add_response_header(r, "Vary", "Origin");
+}
+
+bool tdm_front_preflight(struct MHD_Connection *c, const char *method, const char **allow_headers)
+{
+    if (strcmp(method, "OPTIONS") ||
+        !MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Access-Control-Request-Method") ||
+        !cors_origin(c))
+        return false;
+    const char *h =
+        MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+    bool plain = h && *h && strlen(h) <= 1024;
+    for (const char *p = h; plain && *p; p++)
+        plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+                *p == '-' || *p == '_' || *p == ',' || *p == ' ';
+    *allow_headers = plain ? h : "Authorization, Content-Type";
+    return true;
+}
+
 bool tdm_front_bearer_ok(struct MHD_Connection *c, const char *key)
 {
     if (!key) return true;
@@ -403,6 +469,30 @@ tdm_status tdm_front_start(const struct tdm_front_cfg *cfg, struct tdm_front **o
         st = tdm_err_set(TDM_EINVAL, "%s: TLS needs both a certificate and its key", c->who);
         goto out_free;
     }
+    if (c->allowed_origins) {
+        const char *o = c->allowed_origins;
+        bool ok = *o != '\0';
+        if (ok && strcmp(o, "*"))
+            for (const char *p = o; ok;) {
+                const char *e = strchr(p, ',');
+                ok = origin_ok(p, e ? (size_t)(e - p) : strlen(p));
+                if (!e) break;
+                p = e + 1;
+            }
+        if (!ok) {
+            freeaddrinfo(ai);
+            st = tdm_err_set(TDM_EINVAL,
+                             "%s: --allowed-origins '%.300s': give * or origins such as "
+                             "https://app.example.com:8443, separated by commas, without spaces",
+                             c->who, o);
+            goto out_free;
+        }
+        if (!(f->origins = strdup(o))) {
+            freeaddrinfo(ai);
+            st = tdm_err_set(TDM_ENOMEM, "%s: out of memory", c->who);
+            goto out_free;
+        }
+    }
     if (c->tls_cert_pem &&
         (!(f->tls_cert = strdup(c->tls_cert_pem)) || !(f->tls_key = strdup(c->tls_key_pem)))) {
         freeaddrinfo(ai);
@@ -460,6 +550,7 @@ out_free:
     pthread_cond_destroy(&f->cv);
     free(f->tls_cert);
     free(f->tls_key);
+    free(f->origins);
     free(f);
     return st;
 }
@@ -487,5 +578,6 @@ void tdm_front_stop(struct tdm_front *f)
     pthread_cond_destroy(&f->cv);
     free(f->tls_cert);
     free(f->tls_key);
+    free(f->origins);
     free(f);
 }

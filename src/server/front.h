@@ -46,6 +46,14 @@ void tdm_front_completed(void *cls, struct MHD_Connection *c, void **con_cls,
 /* Authorization: Bearer <key>, compared in time independent of where it differs. A NULL key
  * lets everyone in. */
 bool tdm_front_bearer_ok(struct MHD_Connection *c, const char *key);
+/* CORS, by cfg.allowed_origins. tdm_front_cors adds Access-Control-Allow-Origin (the request's
+ * Origin when it is one of the list, "*" when the list is "*") and Vary: Origin to a response;
+ * nothing when the request has no Origin or another one. tdm_front_preflight: the request is a
+ * preflight (OPTIONS with Origin and Access-Control-Request-Method) from an allowed origin;
+ * *allow_headers is then what to answer in Access-Control-Allow-Headers (the requested header
+ * names when they are plain names, else a fixed list). */
+void tdm_front_cors(struct MHD_Connection *c, struct MHD_Response *r);
+bool tdm_front_preflight(struct MHD_Connection *c, const char *method, const char **allow_headers);
 /* The client hung up (or its socket errs). */
 bool tdm_front_client_gone(struct MHD_Connection *c);
 /* The connection's socket, or -1. */
@@ -83,6 +91,7 @@ struct tdm_front_cfg {
     /* HTTPS (libmicrohttpd's GnuTLS): the certificate chain and its private key, PEM text, both
      * or neither; NULL: plain HTTP. Copied. */
     const char *tls_cert_pem, *tls_key_pem;
+    const char *allowed_origins; /* CORS: "*" or origins separated by commas; NULL: none */
     MHD_AccessHandlerCallback handler;
     void *cls;
     void (*sweep)(void *cls); /* called by the sweeper about every 100 ms; NULL: none */

@@ -378,6 +378,7 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
         MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
         MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
         MHD_add_response_header(r, "X-Accel-Buffering", "no");
+        tdm_front_cors(c, r);
         enum MHD_Result ret = MHD_queue_response(c, 200, r);
         MHD_destroy_response(r);
         atomic_fetch_add(&s->http[2], 1);
@@ -411,6 +412,9 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     const char *bad = tdm_front_framing_error(c, cc, version);
     if (bad) return tdm_reply_errf(c, s->http, 400, "%s", bad);
 
+    const char *allow_headers;
+    if (tdm_front_preflight(c, method, &allow_headers))
+        return tdm_reply_preflight(c, s->http, allow_headers);
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
         if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /health");
@@ -547,6 +551,7 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
                                .header_timeout_ms = o->header_timeout_ms,
                                .body_timeout_ms = o->body_timeout_ms,
                                .tls_cert_pem = o->tls_cert_pem,
+                               .allowed_origins = o->allowed_origins,
                                .tls_key_pem = o->tls_key_pem,
                                .handler = handler,
                                .cls = s,

@@ -795,18 +795,23 @@ static json_t *logprobs_completion(const struct api_ctx *c, const struct api_req
         json_array_append_new(lps, lp_value(v->logprobs[i]));
         size_t off = i ? v->text_end[i - 1] : 0;
         json_array_append_new(offs, json_integer((json_int_t)(off - TDM_MIN(off, text_base))));
-        if (k > 0) {
-            json_t *o = json_object();
-            for (int j = 0; j < k; j++) {
-                json_t *s = token_str(c, v->top_ids[(size_t)i * k + j]);
-                json_object_set_new(o, json_string_value(s),
-                                    lp_value(v->top_lps[(size_t)i * k + j]));
-                json_decref(s);
-            }
-            json_array_append_new(tops, o);
-        } else {
-            json_array_append_new(tops, json_null());
+        /* as OpenAI and vLLM: the k most likely, and the sampled token beside them when it
+         * is not one of them (so logprobs 0 gives the sampled token alone) */
+        json_t *o = json_object();
+        bool sampled_in = false;
+        for (int j = 0; j < k; j++) {
+            int32_t id = v->top_ids[(size_t)i * k + j];
+            json_t *s = token_str(c, id);
+            json_object_set_new(o, json_string_value(s), lp_value(v->top_lps[(size_t)i * k + j]));
+            json_decref(s);
+            sampled_in |= id == v->tokens[i];
         }
+        if (!sampled_in) {
+            json_t *s = token_str(c, v->tokens[i]);
+            json_object_set_new(o, json_string_value(s), lp_value(v->logprobs[i]));
+            json_decref(s);
+        }
+        json_array_append_new(tops, o);
     }
     return json_pack("{s:o, s:o, s:o, s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs",
                      tops, "text_offset", offs);

@@ -9,6 +9,8 @@
 
 #include "server/reply.h"
 
+#include "server/front.h"
+
 enum MHD_Result tdm_reply_send(struct MHD_Connection *c, _Atomic uint64_t *by_class,
                                unsigned status, char *body, const char *ctype)
 {
@@ -28,6 +30,7 @@ enum MHD_Result tdm_reply_send(struct MHD_Connection *c, _Atomic uint64_t *by_cl
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (status == 405)
         MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, strstr(body, "POST") ? "POST" : "GET");
+    tdm_front_cors(c, r);
     enum MHD_Result ret = MHD_queue_response(c, status, r);
     MHD_destroy_response(r);
     if (status / 100 >= 1 && status / 100 <= 5) atomic_fetch_add(&by_class[status / 100], 1);
@@ -52,4 +55,19 @@ enum MHD_Result tdm_reply_errf(struct MHD_Connection *c, _Atomic uint64_t *by_cl
     va_end(ap);
     tdm_api_err_set(&e, status, NULL, "%s", msg);
     return tdm_reply_err(c, by_class, &e);
+}
+
+enum MHD_Result tdm_reply_preflight(struct MHD_Connection *c, _Atomic uint64_t *by_class,
+                                    const char *allow_headers)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(0, "", MHD_RESPMEM_PERSISTENT);
+    if (!r) return MHD_NO;
+    tdm_front_cors(c, r);
+    MHD_add_response_header(r, "Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+    MHD_add_response_header(r, "Access-Control-Allow-Headers", allow_headers);
+    MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+    enum MHD_Result ret = MHD_queue_response(c, 204, r);
+    MHD_destroy_response(r);
+    atomic_fetch_add(&by_class[2], 1);
+    return ret;
 }

@@ -31,4 +31,9 @@ enum MHD_Result tdm_reply_err(struct MHD_Connection *c, _Atomic uint64_t *by_cla
 enum MHD_Result tdm_reply_errf(struct MHD_Connection *c, _Atomic uint64_t *by_class, int status,
                                const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
+/* Answers a CORS preflight that tdm_front_preflight accepted: 204 with the allowed methods and
+ * `allow_headers`. */
+enum MHD_Result tdm_reply_preflight(struct MHD_Connection *c, _Atomic uint64_t *by_class,
+                                    const char *allow_headers);
+
 #endif

@@ -345,6 +345,7 @@ static enum MHD_Result relay_start(struct tdm_router *r, struct MHD_Connection *
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
         MHD_add_response_header(resp, "X-Accel-Buffering", "no");
     }
+    tdm_front_cors(c, resp);
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)status, resp);
     MHD_destroy_response(resp);
     atomic_fetch_add(&r->b[be].by_class[TDM_MIN(status / 100, 5)], 1);
@@ -583,6 +584,9 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     const char *bad = tdm_front_framing_error(c, cc, version);
     if (bad) return tdm_reply_errf(c, r->own_by_class, 400, "%s", bad);
 
+    const char *allow_headers;
+    if (tdm_front_preflight(c, method, &allow_headers))
+        return tdm_reply_preflight(c, r->own_by_class, allow_headers);
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");
     if (!strcmp(url, "/health")) {
         if (!get) return tdm_reply_errf(c, r->own_by_class, 405, "use GET /health");
@@ -717,6 +721,7 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
                                .header_timeout_ms = o->header_timeout_ms,
                                .body_timeout_ms = o->body_timeout_ms,
                                .tls_cert_pem = o->tls_cert_pem,
+                               .allowed_origins = o->allowed_origins,
                                .tls_key_pem = o->tls_key_pem,
                                .handler = handler,
                                .cls = r};

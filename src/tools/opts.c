@@ -36,6 +36,7 @@ void tdm_tool_http_table(struct tdm_tool_http *h, struct tdm_opt out[TDM_TOOL_HT
         TDM_OPT_I("body-timeout-ms", &h->body_timeout_ms, 10, 3600000),
         TDM_OPT_S("tls-cert", &h->tls_cert),
         TDM_OPT_S("tls-key", &h->tls_key),
+        TDM_OPT_S("allowed-origins", &h->allowed_origins),
         TDM_OPT_END,
     };
     memcpy(out, t, sizeof t);

@@ -134,6 +134,7 @@ int tdm_cmd_router(int argc, char **argv)
                                  .body_timeout_ms = (int)h.body_timeout_ms,
                                  .tls_cert_pem = tls_cert,
                                  .tls_key_pem = tls_key,
+                                 .allowed_origins = h.allowed_origins,
                                  .backend_ca_file = backend_ca};
     tdm_router_t *r = NULL;
     tdm_status st = tdm_router_start(&ro, &r);

@@ -461,6 +461,7 @@ int tdm_cmd_serve(int argc, char **argv)
                                  .http_threads = (int)http_threads,
                                  .tls_cert_pem = tls_cert,
                                  .tls_key_pem = tls_key,
+                                 .allowed_origins = h.allowed_origins,
                                  .no_generate = is_prefill,
                                  .extra_metrics = extra_metrics,
                                  .extra_metrics_ctx = &xm};

@@ -109,8 +109,9 @@ struct tdm_tool_http {
     int64_t port, max_body, drain_s;
     int64_t max_connections, idle_timeout_s, header_timeout_ms, body_timeout_ms; /* 0: default */
     const char *tls_cert, *tls_key; /* PEM files (HTTPS) */
+    const char *allowed_origins;    /* CORS */
 };
-#define TDM_TOOL_HTTP_OPTS 13 /* entries of the table, its end included */
+#define TDM_TOOL_HTTP_OPTS 14 /* entries of the table, its end included */
 /* The usage lines of those options. */
 #define TDM_TOOL_HTTP_USAGE                                                                        \
     "  --max-connections N     open client connections at most (serve 10000, router 1024)\n"       \
@@ -118,7 +119,9 @@ struct tdm_tool_http {
     "  --header-timeout-ms N   a request's headers must arrive within N ms (10000)\n"              \
     "  --body-timeout-ms N     and its body within N ms after them (30000)\n"                      \
     "  --tls-cert FILE         serve HTTPS with this PEM certificate (chain)...\n"                 \
-    "  --tls-key FILE          ...and its PEM private key\n"
+    "  --tls-key FILE          ...and its PEM private key\n"                                       \
+    "  --allowed-origins LIST  CORS: browsers on these origins (comma-separated, or *) may\n"      \
+    "                          call the API; preflights are answered (default: none)\n"
 void tdm_tool_http_table(struct tdm_tool_http *h, struct tdm_opt out[TDM_TOOL_HTTP_OPTS]);
 /* --tls-cert/--tls-key: both or neither; reads the PEM text into *cert and *key (NULL, NULL for
  * plain HTTP). Prints why and returns false on a missing, unreadable or non-PEM file. */

@@ -420,6 +420,26 @@ def test_library_refusals_are_json(start):
     assert [r["path"] for r in fake.requests] == ["/v1/models"]  # the check's own request
 
 
+def test_cors_on_the_router(start):
+    """--allowed-origins on the router: it answers preflights itself, and its relayed and own
+    answers carry Access-Control-Allow-Origin for a listed origin only."""
+    fake = start(FakeBackend, echo)
+    router = start(Router, [fake.url], ["--allowed-origins", "https://app.example.com"])
+    ok = {"Origin": "https://app.example.com"}
+    st, head, _ = raw_http(router.port, "OPTIONS", "/v1/completions", b"",
+                           headers={**ok, "Access-Control-Request-Method": "POST",
+                                    "Content-Length": None, "Content-Type": None})
+    assert st == 204 and b"access-control-allow-origin: https://app.example.com" in head.lower()
+    assert fake.requests == []
+    st, head, _ = raw_http(router.port, "POST", "/v1/completions", b"{}", headers=ok)
+    assert st == 200 and b"access-control-allow-origin: https://app.example.com" in head.lower()
+    st, head, _ = raw_http(router.port, "GET", "/v1/nothing", b"", headers=ok)
+    assert st == 404 and b"access-control-allow-origin" in head.lower()
+    st, head, _ = raw_http(router.port, "POST", "/v1/completions", b"{}",
+                           headers={"Origin": "https://other.example.com"})
+    assert st == 200 and b"access-control-allow-origin" not in head.lower()
+
+
 def test_cli_refuses_bad_arguments():
     exe = str(build_dir() / "tandem")
     for args in ([], ["--backends", ""], ["--backends", "http://127.0.0.1:1,"],

@@ -11,7 +11,8 @@ import json
 import openai
 import pytest
 
-from lib.rawhttp import raw_http
+from conftest import run_tandem
+from lib.rawhttp import exchange_bytes, raw_http
 from lib.server import Server
 from lib.smol_hf import smol_hf_tokenizer, smol_metadata
 
@@ -165,3 +166,94 @@ def test_tokenize_bad_input(server, path, body, param):
     assert st in (400, 404) and r["error"]["param"] == param and r["error"]["message"], r
     st, _, raw = raw_http(server.port, "POST", path, b"{not json")
     assert st == 400 and json.loads(raw)["error"]["type"] == "invalid_request_error"
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(server):
+    """OpenAI's and vLLM's shape: the `logprobs` most likely tokens, and the sampled one beside
+    them when it is not among them, so `logprobs: 0` gives the sampled token alone."""
+    cl = client(server)
+    r = cl.completions.create(model="smol", prompt="The sky is", max_tokens=6, temperature=0,
+                              logprobs=0)
+    lp = r.choices[0].logprobs
+    for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top == {tok: pytest.approx(l, abs=1e-6)}
+    r = cl.completions.create(model="smol", prompt="The sky is", max_tokens=24, temperature=1.5,
+                              seed=7, logprobs=1, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    sizes = set()
+    for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == pytest.approx(l, abs=1e-6) and len(top) in (1, 2)
+        assert max(top.values()) >= l - 1e-6
+        sizes.add(len(top))
+    assert sizes == {1, 2}, "at T 1.5 some draws are not the most likely token"
+
+
+def cors_exchange(port, method, path, headers, body=b""):
+    """(status, lower-cased response headers) of one raw request."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    if body:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    data = exchange_bytes(port, head.encode() + b"\r\n", body, 60)
+    lines = data.partition(b"\r\n\r\n")[0].decode("latin1").split("\r\n")
+    hdrs = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        hdrs[k.strip().lower()] = v.strip()
+    return int(lines[0].split()[1]), hdrs
+
+
+def test_cors(default_model):
+    """--allowed-origins: preflights from a listed origin are answered without the API key,
+    every answer to a listed origin (errors and streams too) carries its
+    Access-Control-Allow-Origin; other origins, and a server without the flag, get none."""
+    ok, other = "https://app.example.com", "https://evil.example.com"
+    s = Server(["--threads", "1", "--api-key", "k3y", "--allowed-origins",
+                f"http://localhost:3000,{ok}"])
+    plain = Server(["--threads", "1"])
+    try:
+        pre = {"Origin": ok, "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"}
+        st, h = cors_exchange(s.port, "OPTIONS", "/v1/chat/completions", pre)
+        assert st == 204 and h["access-control-allow-origin"] == ok, (st, h)
+        assert h["access-control-allow-headers"] == pre["Access-Control-Request-Headers"]
+        assert "POST" in h["access-control-allow-methods"] and h["vary"] == "Origin"
+        # a header list that is not plain names is not echoed
+        st, h = cors_exchange(s.port, "OPTIONS", "/v1/models",
+                              {**pre, "Access-Control-Request-Headers": "x-a; evil=1"})
+        assert st == 204 and h["access-control-allow-headers"] == "Authorization, Content-Type"
+        st, h = cors_exchange(s.port, "OPTIONS", "/v1/chat/completions", {**pre, "Origin": other})
+        assert st == 401 and "access-control-allow-origin" not in h  # not a preflight: routed
+        body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+        auth = {"Authorization": "Bearer k3y"}
+        for origin, want in ((ok, ok), ("http://localhost:3000", "http://localhost:3000"),
+                             (other, None)):
+            st, h = cors_exchange(s.port, "POST", "/v1/completions", {**auth, "Origin": origin},
+                                  body)
+            assert st == 200 and h.get("access-control-allow-origin") == want, (origin, h)
+        st, h = cors_exchange(s.port, "POST", "/v1/completions", {"Origin": ok}, body)
+        assert st == 401 and h["access-control-allow-origin"] == ok  # errors are readable too
+        stream = json.dumps({"prompt": "Hi", "max_tokens": 2, "stream": True}).encode()
+        st, h = cors_exchange(s.port, "POST", "/v1/completions", {**auth, "Origin": ok}, stream)
+        assert st == 200 and h["access-control-allow-origin"] == ok
+        st, h = cors_exchange(plain.port, "POST", "/v1/completions", {"Origin": ok}, body)
+        assert st == 200 and "access-control-allow-origin" not in h
+        st, h = cors_exchange(plain.port, "OPTIONS", "/v1/completions", pre)
+        assert st == 405 and "access-control-allow-origin" not in h
+    finally:
+        s.stop()
+        plain.stop()
+    s = Server(["--threads", "1", "--allowed-origins", "*"])
+    try:
+        st, h = cors_exchange(s.port, "GET", "/v1/models", {"Origin": other})
+        assert st == 200 and h["access-control-allow-origin"] == "*" and "vary" not in h
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("value", ["app.example.com", "https://a.example, https://b.example",
+                                   "https://a.example,,https://b.example", ""])
+def test_bad_allowed_origins_are_refused(default_model, value):
+    cp = run_tandem(["serve", "--model", default_model, "--port", "0", "--allowed-origins", value],
+                    check=False, timeout=60)
+    assert cp.returncode != 0 and "--allowed-origins" in cp.stderr, cp.stderr
