@@ -113,6 +113,11 @@ struct tdm_req_params {
     int min_tokens;        /* EOS and stop ids are ignored before this many outputs */
     bool ignore_eos;
     struct tdm_sampling_params sampling;
+    /* logit_bias: bias_vals[i] added to the logit of bias_ids[i] (tdm_sampler_set_bias; copied
+     * at submit); n_bias 0: none */
+    const int32_t *bias_ids;
+    const float *bias_vals;
+    int n_bias;
     int32_t stop_ids[TDM_MAX_STOP_IDS]; /* extra stop token ids */
     int n_stop_ids;
     int top_logprobs; /* 0..TDM_MAX_TOP_LOGPROBS alternatives per output; -1: no logprobs */

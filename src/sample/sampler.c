@@ -103,10 +103,55 @@ void tdm_sampler_free(struct tdm_sampler *s)
     free(s->prompt_seen);
     free(s->out_count);
     free(s->seen);
+    free(s->bias);
+    free(s->bias_ids);
     s->prompt_seen = NULL;
     s->out_count = NULL;
     s->seen = NULL;
     s->n_seen = 0;
+    s->bias = NULL;
+    s->bias_ids = NULL;
+    s->n_bias = 0;
+}
+
+tdm_status tdm_sampler_set_bias(struct tdm_sampler *s, const int32_t *ids, const float *vals, int n)
+{
+    if (n < 0 || n > TDM_MAX_LOGIT_BIAS)
+        return tdm_err_set(TDM_EINVAL, "logit bias: %d entries; at most %d", n, TDM_MAX_LOGIT_BIAS);
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= s->vocab)
+            return tdm_err_set(TDM_EINVAL, "logit bias: token %d is not in [0, %d)", ids[i],
+                               s->vocab);
+        if (!(vals[i] >= -100.0f && vals[i] <= 100.0f))
+            return tdm_err_set(TDM_EINVAL, "logit bias: %g for token %d is not in [-100, 100]",
+                               (double)vals[i], ids[i]);
+    }
+    free(s->bias);
+    free(s->bias_ids);
+    s->bias = NULL;
+    s->bias_ids = NULL;
+    s->n_bias = 0;
+    if (n == 0) return TDM_OK;
+    s->bias = calloc((size_t)s->vocab, sizeof *s->bias);
+    s->bias_ids = malloc((size_t)n * sizeof *s->bias_ids);
+    if (!s->bias || !s->bias_ids) {
+        free(s->bias);
+        free(s->bias_ids);
+        s->bias = NULL;
+        s->bias_ids = NULL;
+        return tdm_err_set(TDM_ENOMEM, "sampler: out of memory");
+    }
+    for (int i = 0; i < n; i++)
+        s->bias[ids[i]] = vals[i];
+    for (int t = 0; t < s->vocab && s->n_bias < n; t++) /* ascending, each once */
+        if (s->bias[t] != 0.0f) s->bias_ids[s->n_bias++] = t;
+    if (s->n_bias == 0) { /* every value was 0: nothing to do */
+        free(s->bias);
+        free(s->bias_ids);
+        s->bias = NULL;
+        s->bias_ids = NULL;
+    }
+    return TDM_OK;
 }
 
 void tdm_sampler_accept(struct tdm_sampler *s, int32_t token, bool is_prompt)
@@ -217,10 +262,16 @@ static float penalise(const struct tdm_sampling_params *p, float l, uint32_t cnt
 }
 
 /* The penalties of the sampler's state, less the n_undo output tokens in undo: each of those
- * is penalised again from its raw logit with its count less its occurrences there. */
+ * is penalised again from its raw logit with its count less its occurrences there. Then the
+ * logit bias, added to the penalised logit (as the device sampler does). */
 static void apply_penalties(const struct tdm_sampler *s, float *logits, const int32_t *undo,
                             int n_undo)
 {
+    if (!s->out_count) { /* a bias alone */
+        for (int j = 0; j < s->n_bias; j++)
+            logits[s->bias_ids[j]] += s->bias[s->bias_ids[j]];
+        return;
+    }
     const struct tdm_sampling_params *p = &s->params;
     float raw[TDM_SAMPLE_MAX_UNDO];
     n_undo = TDM_MIN(TDM_MAX(n_undo, 0), TDM_SAMPLE_MAX_UNDO);
@@ -240,6 +291,8 @@ static void apply_penalties(const struct tdm_sampler *s, float *logits, const in
         uint32_t cnt = s->out_count[t] > n ? s->out_count[t] - n : 0;
         logits[t] = penalise(p, raw[j], cnt, s->prompt_seen[t] != 0);
     }
+    for (int j = 0; j < s->n_bias; j++)
+        logits[s->bias_ids[j]] += s->bias[s->bias_ids[j]];
 }
 
 /* Gathers into ids a set of candidates that provably contains the top-k and the nucleus (see
@@ -275,7 +328,7 @@ static int32_t kept_set(const struct tdm_sampler *s, float *logits,
 {
     const struct tdm_sampling_params *p = &s->params;
     int vocab = s->vocab;
-    if (s->out_count) apply_penalties(s, logits, undo, n_undo);
+    if (tdm_sampler_processes(s)) apply_penalties(s, logits, undo, n_undo);
     /* non-finite logits, from any source (the model included): NaN is never chosen, a +inf wins
      * outright, and a row with nothing finite gives token 0 */
     int first_pinf = -1;
@@ -390,9 +443,9 @@ int32_t tdm_sampler_sample(const struct tdm_sampler *s, float *logits, uint32_t 
     double raw_lse = 0.0;
     if (logprob) {
         raw_lse = log_sum_exp(logits, vocab);
-        if (s->out_count) memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
+        if (tdm_sampler_processes(s)) memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
     }
-    const float *raw = s->out_count ? scratch->raw : logits;
+    const float *raw = tdm_sampler_processes(s) ? scratch->raw : logits;
     int32_t chosen = draw_kept(s, logits, position, scratch, NULL, 0);
     if (logprob) *logprob = logprob_from(raw[chosen], raw_lse);
     return chosen;
@@ -486,8 +539,9 @@ void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
     row->logprob = 0.0f;
     row->kept = false;
     /* as tdm_sampler_sample: only penalties change the logits the log-probability is read
-     * from, so only then is the raw row kept; and without penalties an undo list is moot */
-    const bool pen = smp->out_count != NULL;
+     * from, so only then is the raw row kept (a bias too); and without penalties an undo list
+     * is moot (apply_penalties ignores it) */
+    const bool pen = tdm_sampler_processes(smp);
     const int32_t *undo = pen ? row->undo : NULL;
     const int n_undo = pen ? row->n_undo : 0;
     double raw_lse = 0.0;

@@ -325,6 +325,11 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
         goto out_buffers;
     }
     if ((st = tdm_sampler_init(&r->smp, &p->sampling, 0, s->vocab)) != TDM_OK) goto out_buffers;
+    if (p->n_bias &&
+        (st = tdm_sampler_set_bias(&r->smp, p->bias_ids, p->bias_vals, p->n_bias)) != TDM_OK) {
+        tdm_sampler_free(&r->smp);
+        goto out_buffers;
+    }
     memcpy(r->tokens, p->prompt, (size_t)p->n_prompt * sizeof *r->tokens);
     for (int i = 0; i < p->n_prompt; i++)
         tdm_sampler_accept(&r->smp, p->prompt[i], true);

@@ -2,7 +2,7 @@
  * The OpenAI wire format: request validation and response rendering (server_int.h).
  *
  * Validation is strict where a silent mismatch would change the output: fields we do not
- * implement (tools, response_format other than text, logit_bias, n > 1, best_of > 1, echo,
+ * implement (tools, response_format other than text, n > 1, best_of > 1, echo,
  * suffix) and unknown fields are refused with 400 and the field named in "param", so a typo
  * like "max_token" is reported instead of ignored. Fields that do not change the output
  * ("user", "metadata", "store", ...) are accepted and ignored.
@@ -15,6 +15,7 @@
  * which share the prompt and chat-template paths of the completions, so a /tokenize count is
  * the prompt_tokens of the same prompt sent for completion.
  */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -101,6 +102,8 @@ char *tdm_api_error_json(const struct api_err *e)
 void tdm_api_req_free(struct api_req *r)
 {
     free(r->prompt);
+    free(r->bias_ids);
+    free(r->bias_vals);
     for (int i = 0; i < TDM_MAX_STOP_STRINGS; i++)
         free(r->stops[i]);
     memset(r, 0, sizeof *r);
@@ -400,6 +403,53 @@ static bool parse_stop(json_t *v, struct api_req *r, struct api_err *err)
     return true;
 }
 
+/* logit_bias: {"token id": bias in [-100, 100]}, the ids as decimal strings (OpenAI's form). */
+static bool parse_logit_bias(const struct api_ctx *c, json_t *v, struct api_req *r,
+                             struct api_err *err)
+{
+    if (json_is_null(v)) return true;
+    if (!json_is_object(v)) {
+        tdm_api_err_set(err, 400, "logit_bias",
+                        "'logit_bias' must be an object of token ids to biases");
+        return false;
+    }
+    size_t n = json_object_size(v);
+    if (n > TDM_MAX_LOGIT_BIAS) {
+        tdm_api_err_set(err, 400, "logit_bias", "'logit_bias' has %zu entries; at most %d", n,
+                        TDM_MAX_LOGIT_BIAS);
+        return false;
+    }
+    if (!n) return true;
+    r->bias_ids = malloc(n * sizeof *r->bias_ids);
+    r->bias_vals = malloc(n * sizeof *r->bias_vals);
+    if (!r->bias_ids || !r->bias_vals) {
+        tdm_api_err_set(err, 500, NULL, "out of memory");
+        return false;
+    }
+    const char *key;
+    json_t *b;
+    json_object_foreach(v, key, b)
+    {
+        char *end = NULL;
+        errno = 0;
+        long id = strtol(key, &end, 10);
+        if (!*key || *end || errno || id < 0 || id >= c->vocab || (key[0] == '0' && key[1]) ||
+            !(key[0] >= '0' && key[0] <= '9')) {
+            tdm_api_err_set(err, 400, "logit_bias",
+                            "'logit_bias' key '%.40s' is not a token id in [0, %d)", key, c->vocab);
+            return false;
+        }
+        if (!json_is_number(b) || !(json_number_value(b) >= -100 && json_number_value(b) <= 100)) {
+            tdm_api_err_set(err, 400, "logit_bias",
+                            "'logit_bias' of token %ld must be a number in [-100, 100]", id);
+            return false;
+        }
+        r->bias_ids[r->n_bias] = (int32_t)id;
+        r->bias_vals[r->n_bias++] = (float)json_number_value(b);
+    }
+    return true;
+}
+
 /* Fields that would change the output and that we do not implement. */
 static bool unsupported(const char *key, json_t *v, struct api_err *err)
 {
@@ -411,11 +461,6 @@ static bool unsupported(const char *key, json_t *v, struct api_err *err)
             tdm_api_err_set(err, 400, key, "'%s' is not supported", key);
             return true;
         }
-    if (!strcmp(key, "logit_bias") && !json_is_null(v) &&
-        !(json_is_object(v) && json_object_size(v) == 0)) {
-        tdm_api_err_set(err, 400, key, "'logit_bias' is not supported");
-        return true;
-    }
     if (!strcmp(key, "response_format") && !json_is_null(v)) {
         json_t *t = json_object_get(v, "type");
         if (!json_is_string(t) || strcmp(json_string_value(t), "text")) {
@@ -656,6 +701,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
         r->p.sampling.seed = tdm_now_ns() ^ (0x9e3779b97f4a7c15ull * ++ctr);
     }
     if ((v = json_object_get(root, "stop")) && !parse_stop(v, r, err)) goto out;
+    if ((v = json_object_get(root, "logit_bias")) && !parse_logit_bias(c, v, r, err)) goto out;
     if ((v = json_object_get(root, "stop_token_ids")) && !json_is_null(v)) {
         if (!json_is_array(v) || json_array_size(v) > TDM_MAX_STOP_IDS) {
             tdm_api_err_set(err, 400, "stop_token_ids",
@@ -742,6 +788,9 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
     }
     r->p.prompt = r->prompt;
     r->p.n_prompt = r->n_prompt;
+    r->p.bias_ids = r->bias_ids;
+    r->p.bias_vals = r->bias_vals;
+    r->p.n_bias = r->n_bias;
     ok = true;
 out:
     json_decref(root);

@@ -41,6 +41,9 @@ struct api_req {
     bool chat_logprobs;    /* chat: logprobs true (top_logprobs may be 0) */
     int32_t *prompt;       /* malloc'd */
     int n_prompt;
+    int32_t *bias_ids; /* logit_bias, malloc'd (NULL: none) */
+    float *bias_vals;
+    int n_bias;
     struct tdm_req_params p;
     char *stops[TDM_MAX_STOP_STRINGS]; /* owned copies, for the request's reader */
     int n_stops;

@@ -6,8 +6,8 @@
  * Logit rows of several shapes (normal, peaked, flat, and quantised to quarters so that many
  * probabilities tie exactly) and vocabularies (1,000, 49,152, 128,256, and one that is not a
  * multiple of the block), each row with its own parameters drawn from a grid: temperature,
- * top-k, top-p, min-p, repetition / presence / frequency penalties over a random history,
- * top log-probabilities, seed, request id, position.
+ * top-k, top-p, min-p, repetition / presence / frequency penalties over a random history, a
+ * logit bias on a third of the rows, top log-probabilities, seed, request id, position.
  *
  * Required: greedy rows choose the host's token every time; sampled rows choose it in all but
  * at most one row in a thousand (the kernel's sums run in another order and its exponential
@@ -107,6 +107,28 @@ struct stats {
 };
 
 /* Samples n rows of one vocabulary on both sides and compares them. */
+/* A logit bias on a third of the rows: the row's most likely token pushed down (so that the
+ * bias moves the choice), a token of its penalty list when it has one (a listed token's bias),
+ * and a few random ones. */
+static void maybe_bias(struct tdm_sampler *smp, const float *row, int vocab)
+{
+    if (rng_u64() % 3) return;
+    int32_t ids[6];
+    float vals[6];
+    int n = 0;
+    ids[n] = tdm_argmax(row, vocab);
+    vals[n++] = -1.0f - (float)(rng_u64() % 30);
+    if (smp->seen && smp->n_seen) {
+        ids[n] = smp->seen[rng_u64() % (uint64_t)smp->n_seen];
+        vals[n++] = 2.5f;
+    }
+    while (n < 6) {
+        ids[n] = (int32_t)(rng_u64() % (uint64_t)vocab);
+        vals[n++] = (float)((int)(rng_u64() % 201) - 100) * 0.37f;
+    }
+    assert_int_equal(tdm_sampler_set_bias(smp, ids, vals, n), TDM_OK);
+}
+
 static void compare_batch(int vocab, int n, struct stats *st)
 {
     float *logits = malloc((size_t)n * vocab * sizeof(float));
@@ -134,6 +156,7 @@ static void compare_batch(int vocab, int n, struct stats *st)
                 tdm_sampler_accept(&smp[r], (int32_t)(rng_u64() % (uint64_t)TDM_MIN(vocab, 300)),
                                    false);
         }
+        maybe_bias(&smp[r], logits + (size_t)r * vocab, vocab);
         uint32_t pos = (uint32_t)(rng_u64() % 100000);
         int n_top = tops[rng_u64() % TDM_ARRAY_LEN(tops)];
         dev[r] = (struct tdm_sample_row){.smp = &smp[r], .position = pos, .n_top = n_top};
@@ -296,6 +319,7 @@ static void modes_batch(int vocab, int n, int *rows, int *same, double *worst_di
                 if (i >= n_out - n_undo) undo[r][i - (n_out - n_undo)] = t;
             }
         }
+        maybe_bias(&smp[r], row, vocab);
         uint8_t mode = (uint8_t)(rng_u64() % 3);
         dev[r] = (struct tdm_sample_row){.smp = &smp[r],
                                          .position = (uint32_t)(rng_u64() % 100000),

@@ -12,7 +12,8 @@
  * pick the row's mode (draw, propose, verify, tree), bit 4 one-hot, bit 5 a q for verification;
  * with bit 1 the output token is also the row's undo list. A tree row's candidates are the
  * distinct tokens among the next (flags >> 6) + 1 bytes, modulo the vocabulary; a kept token
- * must be one of them.
+ * must be one of them. Then, while bytes remain (up to 4 entries), a logit bias: u8 token
+ * (modulo the vocabulary), f32 value; a set that tdm_sampler_set_bias refuses is dropped.
  */
 #include <math.h>
 #include <stdint.h>
@@ -78,6 +79,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             dup |= cand[j] == c;
         if (!dup) cand[n_cand++] = c;
     }
+    int32_t bias_ids[4];
+    float bias_vals[4];
+    int n_bias = 0;
+    while (n_bias < 4 && off + 5 <= size) {
+        bias_ids[n_bias] = (int32_t)(data[off++] % vocab);
+        bias_vals[n_bias++] = f32_at(data, size, &off);
+    }
+    if (n_bias && tdm_sampler_set_bias(&smp, bias_ids, bias_vals, n_bias) != TDM_OK && smp.bias)
+        abort(); /* a refused set leaves the sampler as it was (no bias here) */
     struct tdm_sample_row row = {.smp = &smp,
                                  .position = position,
                                  .n_top = n_top,

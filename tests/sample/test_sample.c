@@ -74,6 +74,71 @@ static void test_penalties(void **s)
     tdm_sampler_free(&smp);
 }
 
+/* logit_bias, worked by hand: added after the penalties, before greedy and the temperature;
+ * the log-probability stays the raw one; a repeated id takes its last value; out-of-range ids
+ * and values are refused; the distribution is the softmax of (penalised + bias) / T. */
+static void test_logit_bias(void **s)
+{
+    (void)s;
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    struct tdm_sampler smp;
+    assert_int_equal(tdm_sampler_init(&smp, &p, 1, V), TDM_OK);
+    /* greedy: 1 and 3 tie at 3.0; -100 on both leaves 2 (2.5); +1 on 7 (-4 + 1) changes nothing */
+    int32_t ids[] = {1, 3, 7, 3};
+    float vals[] = {-100.0f, 5.0f, 1.0f, -100.0f};
+    assert_int_equal(tdm_sampler_set_bias(&smp, ids, vals, 4), TDM_OK);
+    assert_int_equal(smp.n_bias, 3);
+    float l[V], lp;
+    memcpy(l, base, sizeof l);
+    assert_int_equal(tdm_sampler_sample(&smp, l, 0, &scratch, &lp), 2);
+    double lse = 0;
+    for (int i = 0; i < V; i++)
+        lse += exp(base[i]);
+    assert_true(fabs(lp - (2.5 - log(lse))) < 1e-5); /* under the raw logits */
+    /* +100 on the least likely token makes it the choice */
+    int32_t low = 7;
+    float big = 100.0f;
+    assert_int_equal(tdm_sampler_set_bias(&smp, &low, &big, 1), TDM_OK);
+    memcpy(l, base, sizeof l);
+    assert_int_equal(tdm_sampler_sample(&smp, l, 0, &scratch, &lp), 7);
+    assert_true(fabs(lp - (-4.0 - log(lse))) < 1e-5);
+    /* refused: an id outside the vocabulary, a value outside [-100, 100], NaN */
+    int32_t bad_id = V;
+    float nan_v = NAN, over = 100.5f;
+    assert_int_equal(tdm_sampler_set_bias(&smp, &bad_id, &big, 1), TDM_EINVAL);
+    assert_int_equal(tdm_sampler_set_bias(&smp, &low, &over, 1), TDM_EINVAL);
+    assert_int_equal(tdm_sampler_set_bias(&smp, &low, &nan_v, 1), TDM_EINVAL);
+    assert_int_equal(tdm_sampler_set_bias(&smp, NULL, NULL, 0), TDM_OK);
+    assert_null(smp.bias);
+    tdm_sampler_free(&smp);
+
+    /* with penalties and a temperature: the distribution, against the hand computation */
+    p.temperature = 0.7f;
+    p.repetition_penalty = 2.0f;
+    p.presence_penalty = 0.25f;
+    assert_int_equal(tdm_sampler_init(&smp, &p, 1, V), TDM_OK);
+    tdm_sampler_accept(&smp, 1, true);
+    tdm_sampler_accept(&smp, 3, false);
+    int32_t bids[] = {3, 5};
+    float bvals[] = {1.5f, -0.5f};
+    assert_int_equal(tdm_sampler_set_bias(&smp, bids, bvals, 2), TDM_OK);
+    double want[V], sum = 0;
+    for (int i = 0; i < V; i++) {
+        double x = base[i];
+        if (i == 1) x = 3.0 / 2.0;              /* prompt: repetition */
+        if (i == 3) x = 3.0 / 2.0 - 0.25 + 1.5; /* output: repetition, presence; bias */
+        if (i == 5) x = 0.5 - 0.5;              /* bias alone */
+        want[i] = exp(x / 0.7);
+        sum += want[i];
+    }
+    float dist[V];
+    memcpy(l, base, sizeof l);
+    assert_int_equal(tdm_sampler_dist(&smp, l, &scratch, dist), V);
+    for (int i = 0; i < V; i++)
+        assert_true(fabs(dist[i] - want[i] / sum) < 1e-6);
+    tdm_sampler_free(&smp);
+}
+
 /* Undoing accepts newest first gives back the exact earlier state: counts, the prompt marks,
  * the seen list (a device sampler's penalty list) and so the same penalised logits. */
 static void test_unaccept(void **s)
@@ -572,7 +637,7 @@ int main(void)
         cmocka_unit_test(test_logprobs_top),   cmocka_unit_test(test_validate),
         cmocka_unit_test(test_stream),         cmocka_unit_test(test_unaccept),
         cmocka_unit_test(test_hostile_floats), cmocka_unit_test(test_undo_rows),
-        cmocka_unit_test(test_tree_rows),
+        cmocka_unit_test(test_tree_rows),      cmocka_unit_test(test_logit_bias),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

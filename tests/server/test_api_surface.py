@@ -257,3 +257,33 @@ def test_bad_allowed_origins_are_refused(default_model, value):
     cp = run_tandem(["serve", "--model", default_model, "--port", "0", "--allowed-origins", value],
                     check=False, timeout=60)
     assert cp.returncode != 0 and "--allowed-origins" in cp.stderr, cp.stderr
+
+
+def test_logit_bias(server):
+    """+100 on a token makes every greedy output that token; -100 on the greedy tokens bans
+    them; the log-probabilities stay those of the raw logits (the same token has the same
+    logprob with and without a bias that does not change the choice); chat takes it too."""
+    base = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    st, plain = post(server, "/v1/completions", base)
+    assert st == 200, plain
+    plain_toks = plain["choices"][0]["logprobs"]["tokens"]
+    hf = smol_hf_tokenizer()
+    forced = hf.encode(" banana", add_special_tokens=False).ids[0]
+    st, r = post(server, "/v1/completions", {**base, "logit_bias": {str(forced): 100}})
+    assert st == 200, r
+    assert r["choices"][0]["text"] == hf.decode([forced] * 6), r["choices"][0]["text"]
+    # ban the first greedy token: the first output changes, and is never the banned one
+    st, t = post(server, "/tokenize", {"prompt": plain["choices"][0]["text"]})
+    first = t["tokens"][0]
+    st, r = post(server, "/v1/completions", {**base, "logit_bias": {str(first): -100}})
+    assert st == 200 and first not in post(server, "/tokenize", {
+        "prompt": r["choices"][0]["text"]})[1]["tokens"], r
+    # a bias that changes nothing leaves tokens and logprobs as they were (raw logprobs)
+    st, r = post(server, "/v1/completions", {**base, "logit_bias": {str(forced): -5}})
+    assert r["choices"][0]["logprobs"] == plain["choices"][0]["logprobs"]
+    assert r["choices"][0]["logprobs"]["tokens"] == plain_toks
+    st, r = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
+        "ignore_eos": True, "logit_bias": {str(forced): 100}})
+    assert st == 200 and r["choices"][0]["message"]["content"] == hf.decode([forced] * 3), r

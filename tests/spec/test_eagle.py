@@ -210,6 +210,9 @@ def mix(n, seed):
             body["spec_k"] = 0  # this one does not speculate
         if i % 4 == 2:
             body["spec_k"] = 3  # a smaller tree
+        if i % 4 == 3:  # a logit bias: the verify rows must see it as the plain rows do
+            body["logit_bias"] = {str(rng.randrange(100, 49000)): rng.choice([-100, 4, 9]),
+                                  str(body["prompt"][-1]): rng.choice([-3, 6])}
         out.append(body)
     return out
 

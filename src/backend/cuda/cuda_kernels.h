@@ -116,6 +116,7 @@ struct tdm_cu_sample_pen {
     int32_t id;
     uint32_t count, in_prompt;
     float raw;
+    float bias; /* logit_bias, added after the penalties; 0: none */
 };
 struct tdm_cu_sample_out {
     int32_t token, kept;

@@ -73,7 +73,8 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
 
     size_t n_pen = 0;
     for (int i = 0; i < n_rows; i++)
-        if (rows[i].smp->seen) n_pen += (size_t)rows[i].smp->n_seen;
+        n_pen +=
+            (size_t)(rows[i].smp->seen ? rows[i].smp->n_seen : 0) + (size_t)rows[i].smp->n_bias;
     const size_t rows_bytes = (size_t)n_rows * sizeof(struct tdm_cu_sample_row);
     const size_t pen_at = (rows_bytes + 63) & ~(size_t)63;
     tdm_status st;
@@ -101,7 +102,6 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
             .top_k = p->top_k,
             .n_top = TDM_MIN(rows[i].n_top, TDM_CU_SAMPLE_MAX_TOP),
             .pen_off = (int32_t)off,
-            .pen_n = smp->seen ? smp->n_seen : 0,
             .position = rows[i].position,
             .seed = p->seed,
             .request_id = smp->request_id,
@@ -119,11 +119,21 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
             for (int j = 0; j < hr[i].n_cand; j++)
                 hr[i].cand[j] = rows[i].cand[j];
         }
+        /* the penalty list: the seen tokens, each with its bias, then the biased tokens not
+         * seen (count 0: their penalties are nothing) */
         for (int j = 0; smp->seen && j < smp->n_seen; j++) {
             int32_t t = smp->seen[j];
-            hp[off++] = (struct tdm_cu_sample_pen){
-                .id = t, .count = smp->out_count[t], .in_prompt = smp->prompt_seen[t] != 0};
+            hp[off++] = (struct tdm_cu_sample_pen){.id = t,
+                                                   .count = smp->out_count[t],
+                                                   .in_prompt = smp->prompt_seen[t] != 0,
+                                                   .bias = smp->bias ? smp->bias[t] : 0.0f};
         }
+        for (int j = 0; j < smp->n_bias; j++) {
+            int32_t t = smp->bias_ids[j];
+            if (smp->seen && (smp->prompt_seen[t] || smp->out_count[t])) continue; /* listed */
+            hp[off++] = (struct tdm_cu_sample_pen){.id = t, .bias = smp->bias[t]};
+        }
+        hr[i].pen_n = (int32_t)(off - (size_t)hr[i].pen_off);
     }
     TDM_CU_CHECK(cudaMemcpyAsync(cu->d_samp, cu->h_samp,
                                  pen_at + n_pen * sizeof(struct tdm_cu_sample_pen),

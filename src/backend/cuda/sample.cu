@@ -417,7 +417,8 @@ __global__ void __launch_bounds__(kThreads)
         __syncthreads();
     }
 
-    /* 3. penalties, in place; each listed token's raw logit is kept for its logprob */
+    /* 3. penalties, then the logit bias, in place; each listed token's raw logit is kept for its
+     * logprob */
     const bool penalised = p.pen_n > 0;
     if (penalised) {
         const int n_undo = min(max(p.n_undo, 0), TDM_CU_SAMPLE_MAX_UNDO);
@@ -433,6 +434,7 @@ __global__ void __launch_bounds__(kThreads)
                 l = l > 0 ? __fdiv_rn(l, p.repetition) : __fmul_rn(l, p.repetition);
             if (count)
                 l = __fsub_rn(l, __fadd_rn(p.presence, __fmul_rn(p.frequency, (float)count)));
+            if (e.bias != 0.0f) l = __fadd_rn(l, e.bias);
             lg[e.id] = l;
         }
         __syncthreads();
