@@ -532,6 +532,7 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
         size_t len = 0;
         if (tdm_tok_piece(m->tok, i, &len) && len > s->api.max_piece) s->api.max_piece = len;
     }
+    tdm_api_find_fim(&s->api);
     tdm_status st;
     if (!s->model_name || (o->api_key && *o->api_key && !s->api_key)) {
         st = tdm_err_set(TDM_ENOMEM, "server: out of memory");

@@ -2,9 +2,10 @@
  * The OpenAI wire format: request validation and response rendering (server_int.h).
  *
  * Validation is strict where a silent mismatch would change the output: fields we do not
- * implement (tools, response_format other than text, n > 1, best_of > 1, echo,
- * suffix) and unknown fields are refused with 400 and the field named in "param", so a typo
- * like "max_token" is reported instead of ignored. Fields that do not change the output
+ * implement (tools, response_format other than text, n > 1, best_of > 1, echo, suffix on a
+ * model without fill-in-the-middle tokens) and unknown fields are refused with 400 and the field
+ * named in "param", so a typo like "max_token" is reported instead of ignored. Fields that do not
+ * change the output
  * ("user", "metadata", "store", ...) are accepted and ignored.
  *
  * Defaults follow OpenAI: completions generate 16 tokens unless max_tokens (or
@@ -194,7 +195,10 @@ static bool encode_text(const struct api_ctx *c, const char *text, size_t len, i
     return true;
 }
 
-static bool parse_prompt(const struct api_ctx *c, json_t *v, struct api_req *r, struct api_err *err)
+/* bos: a text prompt starts with BOS where the model adds one (not before a FIM prefix, which
+ * apply_suffix places itself). */
+static bool parse_prompt(const struct api_ctx *c, json_t *v, bool bos, struct api_req *r,
+                         struct api_err *err)
 {
     /* a list of one prompt is the same as that prompt */
     if (json_is_array(v) && json_array_size(v) == 1 &&
@@ -206,7 +210,7 @@ static bool parse_prompt(const struct api_ctx *c, json_t *v, struct api_req *r, 
             tdm_api_err_set(err, 400, "prompt", "the prompt is empty");
             return false;
         }
-        int flags = TDM_TOK_PARSE_SPECIAL | (c->add_bos ? TDM_TOK_ADD_BOS : 0);
+        int flags = TDM_TOK_PARSE_SPECIAL | (bos && c->add_bos ? TDM_TOK_ADD_BOS : 0);
         return encode_text(c, json_string_value(v), len, flags, r, "prompt", err);
     }
     if (json_is_array(v)) {
@@ -403,6 +407,75 @@ static bool parse_stop(json_t *v, struct api_req *r, struct api_err *err)
     return true;
 }
 
+void tdm_api_find_fim(struct api_ctx *c)
+{
+    static const char *const sets[][3] = {{"<fim_prefix>", "<fim_suffix>", "<fim_middle>"},
+                                          {"<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"}};
+    c->fim[0] = c->fim[1] = c->fim[2] = -1;
+    for (size_t s = 0; s < sizeof sets / sizeof *sets; s++) {
+        int32_t ids[3];
+        bool all = true;
+        for (int i = 0; i < 3 && all; i++)
+            all = (ids[i] = c->tok ? tdm_tok_find(c->tok, sets[s][i]) : -1) >= 0;
+        if (all) {
+            memcpy(c->fim, ids, sizeof ids);
+            return;
+        }
+    }
+}
+
+/* suffix: fill-in-the-middle, in the prefix-suffix-middle order the FIM models are trained
+ * on: [BOS] <fim_prefix> prompt <fim_suffix> suffix <fim_middle>, the model then writing the
+ * middle. r->prompt holds the prompt's tokens, without a BOS. */
+static bool apply_suffix(const struct api_ctx *c, json_t *v, struct api_req *r, struct api_err *err)
+{
+    if (!json_is_string(v)) {
+        tdm_api_err_set(err, 400, "suffix", "'suffix' must be a string");
+        return false;
+    }
+    if (c->fim[0] < 0) {
+        tdm_api_err_set(err, 400, "suffix",
+                        "'suffix' asks for fill-in-the-middle, and this model's vocabulary has no "
+                        "fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, <fim_middle>)");
+        return false;
+    }
+    struct api_req s = {0};
+    if (json_string_length(v) && !encode_text(c, json_string_value(v), json_string_length(v),
+                                              TDM_TOK_PARSE_SPECIAL, &s, "suffix", err))
+        return false;
+    bool bos = c->add_bos;
+    int32_t bos_id = bos ? tdm_tok_bos(c->tok) : -1;
+    int n = (bos_id >= 0) + 3 + r->n_prompt + s.n_prompt;
+    if (n > c->max_ctx) {
+        free(s.prompt);
+        tdm_api_err_set(err, 400, "suffix",
+                        "the prompt and suffix have %d tokens; this model's context is %d tokens",
+                        n, c->max_ctx);
+        err->code = CONTEXT_EXCEEDED;
+        return false;
+    }
+    int32_t *ids = malloc((size_t)n * sizeof *ids);
+    if (!ids) {
+        free(s.prompt);
+        tdm_api_err_set(err, 500, NULL, "out of memory");
+        return false;
+    }
+    int k = 0;
+    if (bos_id >= 0) ids[k++] = bos_id;
+    ids[k++] = c->fim[0];
+    if (r->n_prompt) memcpy(ids + k, r->prompt, (size_t)r->n_prompt * sizeof *ids);
+    k += r->n_prompt;
+    ids[k++] = c->fim[1];
+    if (s.n_prompt) memcpy(ids + k, s.prompt, (size_t)s.n_prompt * sizeof *ids);
+    k += s.n_prompt;
+    ids[k++] = c->fim[2];
+    free(s.prompt);
+    free(r->prompt);
+    r->prompt = ids;
+    r->n_prompt = k;
+    return true;
+}
+
 /* logit_bias: {"token id": bias in [-100, 100]}, the ids as decimal strings (OpenAI's form). */
 static bool parse_logit_bias(const struct api_ctx *c, json_t *v, struct api_req *r,
                              struct api_err *err)
@@ -454,7 +527,7 @@ static bool parse_logit_bias(const struct api_ctx *c, json_t *v, struct api_req 
 static bool unsupported(const char *key, json_t *v, struct api_err *err)
 {
     static const char *const never[] = {
-        "tools", "tool_choice", "functions",    "function_call", "suffix",        "prediction",
+        "tools", "tool_choice", "functions",    "function_call", "prediction",
         "audio", "guided_json", "guided_regex", "guided_choice", "guided_grammar"};
     for (size_t i = 0; i < sizeof never / sizeof *never; i++)
         if (!strcmp(key, never[i]) && !json_is_null(v)) {
@@ -619,7 +692,13 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
             tdm_api_err_set(err, 400, "prompt", "'prompt' is required");
             goto out;
         }
-        if (!parse_prompt(c, json_object_get(root, "prompt"), r, err)) goto out;
+        json_t *prompt = json_object_get(root, "prompt"), *suffix = json_object_get(root, "suffix");
+        bool fim = suffix && !json_is_null(suffix);
+        /* fill-in-the-middle may have an empty prefix */
+        if (!(fim && json_is_string(prompt) && !json_string_length(prompt)) &&
+            !parse_prompt(c, prompt, !fim, r, err))
+            goto out;
+        if (fim && !apply_suffix(c, suffix, r, err)) goto out;
     }
     if (r->n_prompt < 1) {
         tdm_api_err_set(err, 400, chat ? "messages" : "prompt", "the prompt is empty");

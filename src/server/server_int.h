@@ -30,6 +30,8 @@ struct api_ctx {
     const char *model_name;
     int max_ctx;
     int vocab;
+    int32_t fim[3];   /* fill-in-the-middle tokens: prefix, suffix, middle; -1 when the
+                       * vocabulary lacks them (then 'suffix' is refused) */
     size_t max_piece; /* bytes of the vocabulary's longest token: text of B bytes has at least
                        * B / max_piece tokens, so a prompt far over the context is refused
                        * before it is tokenized; 0: unknown */
@@ -49,6 +51,9 @@ struct api_req {
     int n_stops;
 };
 
+/* Fills c->fim from c->tok: StarCoder's <fim_prefix>, <fim_suffix>, <fim_middle>, or Qwen's
+ * <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>; -1 each when the set is incomplete. */
+void tdm_api_find_fim(struct api_ctx *c);
 /* Parses a request body. On failure fills err (status 4xx) and returns false. On success the
  * caller frees with tdm_api_req_free. */
 bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,

@@ -9,7 +9,8 @@
  * sends the body to vLLM's /tokenize (bit 0 set) or /detokenize instead: an answer must be
  * JSON, a refusal a 4xx with a message.
  *
- * Layout: u8 (bit 0: chat or tokenize; bit 1: the tokenizer routes), then the body.
+ * Layout: u8 (bit 0: chat or tokenize; bit 1: the tokenizer routes; bit 2: the model has
+ * fill-in-the-middle tokens, so 'suffix' is taken), then the body.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +31,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                         .max_ctx = 256,
                         .vocab = tdm_tok_vocab_size(tok),
                         .max_piece = 16};
+    tdm_api_find_fim(&c); /* the byte-level tokenizer has none: suffix is refused... */
+    if (data[0] & 4) {    /* ...unless bit 2 names three of its tokens as the FIM set */
+        c.fim[0] = 1, c.fim[1] = 2, c.fim[2] = 3;
+    }
     struct api_req r;
     struct api_err e;
     if (data[0] & 2) { /* vLLM's /tokenize or /detokenize */

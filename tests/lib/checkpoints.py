@@ -250,22 +250,23 @@ def byte_to_unicode() -> dict[int, str]:
     return table
 
 
-def gguf_vocab(vocab_size: int):
+def gguf_vocab(vocab_size: int, extra=()):
     """tokens, token types, merges, bos, eos for a byte-level BPE vocab of vocab_size tokens:
-    ids 0..255 are the bytes, then merges of two bytes, then <|bos|> and <|eos|>."""
-    if vocab_size < 259:
+    ids 0..255 are the bytes, then merges of two bytes, then the control tokens of `extra`,
+    then <|bos|> and <|eos|>."""
+    if vocab_size < 259 + len(extra):
         raise ValueError("gguf vocab needs at least 259 tokens (256 bytes, 1 merge, bos, eos)")
     b2u = byte_to_unicode()
     tokens = [b2u[b] for b in range(256)]
     letters = "etaoinshrdlucmfwyp"
     pairs = [(b2u[ord(" ")], c) for c in letters] + [(a, c) for a in letters for c in letters]
-    n_merges = vocab_size - 258
+    n_merges = vocab_size - 258 - len(extra)
     if n_merges > len(pairs):
         raise ValueError(f"vocab_size {vocab_size} too large for the tiny gguf vocab")
     merges = [f"{a} {c}" for a, c in pairs[:n_merges]]
     tokens += [a + c for a, c in pairs[:n_merges]]
-    tokens += ["<|bos|>", "<|eos|>"]
-    types = [1] * (vocab_size - 2) + [3, 3]  # NORMAL, CONTROL
+    tokens += list(extra) + ["<|bos|>", "<|eos|>"]
+    types = [1] * (256 + n_merges) + [3] * (len(extra) + 2)  # NORMAL, CONTROL
     return tokens, types, merges, vocab_size - 2, vocab_size - 1
 
 
@@ -339,12 +340,13 @@ def _gguf_matrix(arr: np.ndarray, wtype: str):
 
 
 def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, tied: bool = True,
-                         rope_freqs: bool = False, **shape) -> pathlib.Path:
+                         rope_freqs: bool = False, extra_tokens=(), **shape) -> pathlib.Path:
     """Writes a tiny random GGUF model (llama.cpp conventions) and returns its path.
 
     2-D matrices (embedding included) are stored as `wtype`; norms and biases F32. llama's Q/K
     are permuted as llama.cpp's converter does. rope_freqs=True adds a llama3-style
-    rope_freqs.weight tensor (per-frequency divisors, see LLAMA3_SCALING). Q6_K needs
+    rope_freqs.weight tensor (per-frequency divisors, see LLAMA3_SCALING). extra_tokens: control
+    tokens added to the vocabulary before bos and eos (gguf_vocab). Q6_K needs
     hidden_size and intermediate_size multiples of 256.
     """
     import gguf
@@ -374,7 +376,7 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
     wr.add_vocab_size(s["vocab_size"])
     wr.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q6_K": 18}[wtype])
     wr.add_quantization_version(2)
-    tokens, types, merges, bos, eos = gguf_vocab(s["vocab_size"])
+    tokens, types, merges, bos, eos = gguf_vocab(s["vocab_size"], extra_tokens)
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("default")
     wr.add_token_list(tokens)

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from conftest import run_tandem
+from lib.checkpoints import make_gguf_checkpoint
 from lib.rawhttp import exchange_bytes, raw_http
 from lib.server import Server
 from lib.smol_hf import smol_hf_tokenizer, smol_metadata
@@ -287,3 +288,36 @@ def test_logit_bias(server):
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
         "ignore_eos": True, "logit_bias": {str(forced): 100}})
     assert st == 200 and r["choices"][0]["message"]["content"] == hf.decode([forced] * 3), r
+
+
+@pytest.mark.parametrize("names", [("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+                                   ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")],
+                         ids=["starcoder", "qwen"])
+def test_suffix_is_fill_in_the_middle(tmp_path, names):
+    """On a model whose vocabulary has FIM tokens, `suffix` builds the prefix-suffix-middle
+    prompt: the same tokens, logprobs and count as that prompt written out with the special
+    tokens' text; an empty prefix works; the default model (no FIM tokens) refuses it."""
+    model = make_gguf_checkpoint(tmp_path / "fim.gguf", "llama", extra_tokens=names, seed=5)
+    s = Server(["--threads", "1"], model=model)
+    try:
+        for prompt, suffix in (("def add(a, b):", "\n    return c\n"), ("", "tail")):
+            body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+            st, fim = s.post("/v1/completions", {**body, "prompt": prompt, "suffix": suffix})
+            assert st == 200, fim
+            written = f"{names[0]}{prompt}{names[1]}{suffix}{names[2]}"
+            st, plain = s.post("/v1/completions", {**body, "prompt": written})
+            assert st == 200, plain
+            assert fim["usage"] == plain["usage"] and fim["choices"] == plain["choices"]
+            st, t = s.post("/tokenize", {"prompt": written, "return_token_strs": True})
+            assert t["token_strs"][0] == names[0] and names[2] == t["token_strs"][-1], t
+            assert t["count"] == fim["usage"]["prompt_tokens"]
+        st, r = s.post("/v1/completions", {"prompt": "x", "suffix": 5})
+        assert st == 400 and r["error"]["param"] == "suffix"
+    finally:
+        s.stop()
+
+
+def test_suffix_without_fim_tokens_is_refused(server):
+    st, r = post(server, "/v1/completions", {"prompt": "def f(", "suffix": ")\n"})
+    assert st == 400 and r["error"]["param"] == "suffix", r
+    assert "fill-in-the-middle" in r["error"]["message"], r
