@@ -261,17 +261,10 @@ static float penalise(const struct tdm_sampling_params *p, float l, uint32_t cnt
     return l;
 }
 
-/* The penalties of the sampler's state, less the n_undo output tokens in undo: each of those
- * is penalised again from its raw logit with its count less its occurrences there. Then the
- * logit bias, added to the penalised logit (as the device sampler does). */
-static void apply_penalties(const struct tdm_sampler *s, float *logits, const int32_t *undo,
-                            int n_undo)
+/* The penalties proper, by the counts, less the undo list (apply_penalties). */
+static void apply_counts(const struct tdm_sampler *s, float *logits, const int32_t *undo,
+                         int n_undo)
 {
-    if (!s->out_count) { /* a bias alone */
-        for (int j = 0; j < s->n_bias; j++)
-            logits[s->bias_ids[j]] += s->bias[s->bias_ids[j]];
-        return;
-    }
     const struct tdm_sampling_params *p = &s->params;
     float raw[TDM_SAMPLE_MAX_UNDO];
     n_undo = TDM_MIN(TDM_MAX(n_undo, 0), TDM_SAMPLE_MAX_UNDO);
@@ -291,6 +284,15 @@ static void apply_penalties(const struct tdm_sampler *s, float *logits, const in
         uint32_t cnt = s->out_count[t] > n ? s->out_count[t] - n : 0;
         logits[t] = penalise(p, raw[j], cnt, s->prompt_seen[t] != 0);
     }
+}
+
+/* The penalties of the sampler's state, less the n_undo output tokens in undo: each of those
+ * is penalised again from its raw logit with its count less its occurrences there. Then the
+ * logit bias, added to the penalised logit (as the device sampler does). */
+static void apply_penalties(const struct tdm_sampler *s, float *logits, const int32_t *undo,
+                            int n_undo)
+{
+    if (s->out_count) apply_counts(s, logits, undo, n_undo);
     for (int j = 0; j < s->n_bias; j++)
         logits[s->bias_ids[j]] += s->bias[s->bias_ids[j]];
 }

@@ -458,14 +458,8 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                                   "missing or invalid API key (send Authorization: Bearer <key>)");
         if (is_model) {
             if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /v1/models/{model}");
-            if (strcmp(url + 11, s->model_name)) {
-                struct api_err e;
-                tdm_api_err_set(&e, 404, "model",
-                                "the model '%.200s' does not exist; this server serves '%.200s'",
-                                url + 11, s->model_name);
-                e.code = "model_not_found";
-                return tdm_reply_err(c, s->http, &e);
-            }
+            struct api_err e;
+            if (!tdm_api_model_known(&s->api, url + 11, &e)) return tdm_reply_err(c, s->http, &e);
             return tdm_reply_send(c, s->http, 200, tdm_api_render_model(&s->api, (long)time(NULL)),
                                   "application/json");
         }

@@ -554,6 +554,37 @@ static bool unsupported(const char *key, json_t *v, struct api_err *err)
     return false;
 }
 
+/* A request body as a JSON object, or NULL with err (400): not JSON, not UTF-8, not an object. */
+static json_t *load_body(const char *body, size_t len, struct api_err *err)
+{
+    json_error_t je;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) {
+        if (json_error_code(&je) == json_error_invalid_utf8)
+            tdm_api_err_set(err, 400, NULL, "the request body is not valid UTF-8 (near byte %d)",
+                            je.position);
+        else
+            tdm_api_err_set(err, 400, NULL, "invalid JSON body: %s (line %d, column %d)", je.text,
+                            je.line, je.column);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        tdm_api_err_set(err, 400, NULL, "the request body must be a JSON object");
+        json_decref(root);
+        return NULL;
+    }
+    return root;
+}
+
+bool tdm_api_model_known(const struct api_ctx *c, const char *name, struct api_err *err)
+{
+    if (!strcmp(name, c->model_name)) return true;
+    tdm_api_err_set(err, 404, "model", "the model '%.200s' does not exist; this server serves '%s'",
+                    name, c->model_name);
+    err->code = "model_not_found";
+    return false;
+}
+
 /* "model", when given, must name the model this server serves. */
 static bool check_model(const struct api_ctx *c, json_t *root, struct api_err *err)
 {
@@ -563,13 +594,7 @@ static bool check_model(const struct api_ctx *c, json_t *root, struct api_err *e
         tdm_api_err_set(err, 400, "model", "'model' must be a string");
         return false;
     }
-    if (strcmp(json_string_value(v), c->model_name)) {
-        tdm_api_err_set(err, 404, "model", "the model '%s' does not exist; this server serves '%s'",
-                        json_string_value(v), c->model_name);
-        err->code = "model_not_found";
-        return false;
-    }
-    return true;
+    return tdm_api_model_known(c, json_string_value(v), err);
 }
 
 bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
@@ -581,22 +606,9 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
     r->p.sampling = tdm_sampling_defaults();
     r->p.sampling.temperature = 1.0f; /* OpenAI's default */
     r->p.top_logprobs = -1;
-    json_error_t je;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
-    if (!root) {
-        if (json_error_code(&je) == json_error_invalid_utf8)
-            tdm_api_err_set(err, 400, NULL, "the request body is not valid UTF-8 (near byte %d)",
-                            je.position);
-        else
-            tdm_api_err_set(err, 400, NULL, "invalid JSON body: %s (line %d, column %d)", je.text,
-                            je.line, je.column);
-        return false;
-    }
+    json_t *root = load_body(body, len, err);
+    if (!root) return false;
     bool ok = false;
-    if (!json_is_object(root)) {
-        tdm_api_err_set(err, 400, NULL, "the request body must be a JSON object");
-        goto out;
-    }
     static const char *const known_c[] = {"model",
                                           "prompt",
                                           "max_tokens",
@@ -1091,18 +1103,8 @@ char *tdm_api_render_model(const struct api_ctx *c, long created)
 static json_t *load_object(const char *body, size_t len, const char *const *known,
                            struct api_err *err)
 {
-    json_error_t je;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
-    if (!root) {
-        tdm_api_err_set(err, 400, NULL, "invalid JSON body: %s (line %d, column %d)", je.text,
-                        je.line, je.column);
-        return NULL;
-    }
-    if (!json_is_object(root)) {
-        tdm_api_err_set(err, 400, NULL, "the request body must be a JSON object");
-        json_decref(root);
-        return NULL;
-    }
+    json_t *root = load_body(body, len, err);
+    if (!root) return NULL;
     const char *key;
     json_t *v;
     json_object_foreach(root, key, v)

@@ -54,6 +54,8 @@ struct api_req {
 /* Fills c->fim from c->tok: StarCoder's <fim_prefix>, <fim_suffix>, <fim_middle>, or Qwen's
  * <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>; -1 each when the set is incomplete. */
 void tdm_api_find_fim(struct api_ctx *c);
+/* `name` is the model this server serves; else false with err (404, model_not_found). */
+bool tdm_api_model_known(const struct api_ctx *c, const char *name, struct api_err *err);
 /* Parses a request body. On failure fills err (status 4xx) and returns false. On success the
  * caller frees with tdm_api_req_free. */
 bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
