@@ -47,6 +47,8 @@ struct tdm_kv_group {
     int head_dim;
 };
 
+#define TDM_KV_MAX_PAGE_SIZE 1024 /* tokens a page */
+
 struct tdm_kv_config {
     int n_layers;
     int n_kv_heads;
@@ -138,6 +140,14 @@ tdm_status tdm_kv_seq_reserve(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64
  * request): the pages past the new end lose this sequence's reference, and are free unless
  * another owner or a transfer still holds them. A no-op when the table is not longer. */
 void tdm_kv_seq_trim(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64_t n_tokens);
+/* Makes the empty table dst hold src's KV of positions [0, n_tokens) (a prefix shared by
+ * requests with one prompt): the pages wholly inside the range become dst's too (a reference
+ * each: nothing may write those positions again while both hold them), and the page the range
+ * ends inside is a new page of dst's own with those slots copied (tdm_kv_pool_copy_slots), so
+ * that dst and src write their next positions apart. All or nothing: TDM_ENOMEM and no change
+ * when no page is free. Page size at most TDM_KV_MAX_PAGE_SIZE. */
+tdm_status tdm_kv_seq_share(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst,
+                            const struct tdm_kv_seq *src, int64_t n_tokens);
 /* Returns every page to the pool and frees the table. Safe on a zeroed seq. */
 void tdm_kv_seq_release(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq);
 

@@ -126,7 +126,7 @@ int32_t tdm_dist_draw(const float *w, int vocab, double u);
 #define TDM_SAMPLE_STREAM_TREE 4
 
 /* What a row's sampling does. Speculation's acceptance is a sampling mode, so it runs where
- * the logits are (a backend's device sampler implements the same four) and only tokens come
+ * the logits are (a backend's device sampler implements the same five) and only tokens come
  * back. RNG streams (the last argument of tdm_rng_uniform, keyed on the row's position): 0 the
  * sampler's draw, 1 rejection's accept test, 2 its residual draw, 3 a drafter's own draw,
  * 4 + i a tree row's test of its candidate i. */
@@ -152,6 +152,10 @@ enum tdm_sample_mode {
      * residual max(0, r - q) = r without d; by induction over the candidates the output is r
      * at every step, so p at the first. */
     TDM_SAMPLE_TREE = 3,
+    /* A prompt position's score (echo with logprobs): the token is given (`draft`, the
+     * prompt's next token) and nothing is drawn; only its log-probability and the top ones
+     * under the raw logits come out. */
+    TDM_SAMPLE_SCORE = 4,
 };
 
 struct tdm_sample_row {
@@ -161,7 +165,7 @@ struct tdm_sample_row {
     int n_top;         /* -1: no log-probabilities; 0: the chosen token's; 1..20: and the top */
     uint8_t mode;      /* enum tdm_sample_mode */
     bool one_hot;      /* PROPOSE */
-    int32_t draft;     /* VERIFY: the proposed token, in [0, vocab) */
+    int32_t draft;     /* VERIFY: the proposed token; SCORE: the given one; in [0, vocab) */
     /* VERIFY: NULL, or [vocab] the draft's distribution at this position; PROPOSE: [vocab] out.
      * Both in the sampling engine's backend memory (tdm_backend_i.buf_alloc). */
     const float *q;

@@ -121,6 +121,13 @@ struct tdm_req_params {
     int32_t stop_ids[TDM_MAX_STOP_IDS]; /* extra stop token ids */
     int n_stop_ids;
     int top_logprobs; /* 0..TDM_MAX_TOP_LOGPROBS alternatives per output; -1: no logprobs */
+    /* The prompt's log-probabilities (OpenAI's echo with logprobs): each prompt token's given
+     * those before it, with max(top_logprobs, 0) alternatives, from the raw logits (the first
+     * token has none). Its prefill spans then bring back a row per token (TDM_SAMPLE_SCORE),
+     * so they are cut to the rows a step has left; it is never filled by a connector. With it
+     * max_tokens may be 0: the request ends (TDM_FINISH_LENGTH) once the prompt is scored.
+     * Not with prefill_only, want_logits or want_hidden. */
+    bool prompt_logprobs;
     /* Disaggregation (DESIGN.md §4). prefill_only: a prefill node's request: the prompt is fed
      * and nothing is sampled (max_tokens is ignored); it finishes (TDM_FINISH_STOP, no outputs)
      * after its last span. fixed_chunk > 0: prefill spans are exactly this many tokens (the
@@ -171,6 +178,13 @@ struct tdm_req_view {
     tdm_status error; /* for TDM_FINISH_ERROR */
     char error_msg[256];
     int n_prompt;
+    /* prompt_logprobs: [n_prompt] and [n_prompt][top] (index 0, the first token, has none),
+     * final once the prompt is scored: NULL before, and without prompt_logprobs. From
+     * tdm_req_lock, n_scored says how far the scheduler has come (positions 1..n_scored). */
+    const float *prompt_lps;
+    const int32_t *prompt_top_ids;
+    const float *prompt_top_lps;
+    int prompt_top, n_scored;
     int64_t t_submit_ns, t_first_ns, t_end_ns;
     int n_preempted;
 };
@@ -199,6 +213,9 @@ struct tdm_plan_seq {
     int n_pages;
     const int32_t *slots; /* [n_tokens] the KV slot each token is written to */
     int row0, n_rows;     /* output rows [row0, row0 + n_rows): the span's last n_rows tokens */
+    int n_score;          /* the first n_score rows score the prompt (TDM_SAMPLE_SCORE: the
+                           * row of position x gives prompt token x + 1's log-probability);
+                           * the rest sample */
     uint8_t want;         /* tdm_row_want bits of each of its rows */
     int n_draft;          /* drafted tokens at the end of the span, verified by this step */
     bool last;            /* the span reaches the end of the request's token list */
@@ -437,6 +454,20 @@ void tdm_sched_destroy(tdm_sched_t *s); /* stops first if needed; NULL is a no-o
 /* Queues a request. TDM_EINVAL/TDM_ERANGE for bad params (message says why), TDM_EAGAIN when
  * the waiting queue is full, TDM_ECANCELED when the scheduler is stopping. */
 tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_req_t **out);
+/* Queues n requests with one prompt (OpenAI's n and best_of: the same prompt, each its own
+ * sampling, seed included), all or none, with consecutive ids; out[i] is ps[i]'s. They share
+ * the prompt's KV: the first (the leader) prefills it, and the others (followers) are passed
+ * over at admission until it has; then, at the commit of the leader's last prompt span, each
+ * follower that finds a running slot takes the prompt's full pages (a reference each) and a
+ * copy of its partial last page, holding positions [0, n_prompt - 1), and runs prompt[-1]
+ * itself, its first output drawn with its own sampler. A follower that finds no room, or whose
+ * leader ended or was preempted after its first output, prefills alone as any request does. A
+ * scheduler whose drafter reads features shares nothing (the drafter would see a gap in a
+ * follower's features and not draft for it): every member prefills. Each is released on its
+ * own; none is prefill-only. */
+#define TDM_SCHED_MAX_GROUP 64
+tdm_status tdm_sched_submit_group(tdm_sched_t *s, const struct tdm_req_params *ps, int n,
+                                  tdm_req_t **out);
 uint64_t tdm_req_id(const tdm_req_t *r);
 /* Cancels the request (idempotent; a finished request is unaffected). */
 void tdm_req_cancel(tdm_req_t *r);
@@ -463,7 +494,9 @@ void tdm_req_unlock(tdm_req_t *r);
  * thread. */
 typedef struct tdm_req_reader tdm_req_reader_t;
 /* tok: for the text (NULL: no text). stops: the stop strings (see tdm_text_stream; copied).
- * max_tokens and top_logprobs as submitted. TDM_EINVAL for bad stop strings. */
+ * max_tokens (0 only for a request that scores its prompt) and top_logprobs as submitted. The
+ * view's prompt log-probabilities are the reader's copies, taken once they are final.
+ * TDM_EINVAL for bad stop strings. */
 tdm_status tdm_req_reader_create(const tdm_tok_t *tok, const char *const *stops, int n_stops,
                                  int max_tokens, int top_logprobs, tdm_req_reader_t **out);
 void tdm_req_reader_destroy(tdm_req_reader_t *rd); /* NULL is a no-op */

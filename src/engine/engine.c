@@ -728,9 +728,10 @@ static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, 
         const struct tdm_sample_row *r = &samples[i];
         if (!(want[i] & TDM_ROW_SAMPLE)) continue;
         bool ok =
-            r->mode <= TDM_SAMPLE_TREE && r->n_undo >= 0 && r->n_undo <= TDM_SAMPLE_MAX_UNDO &&
+            r->mode <= TDM_SAMPLE_SCORE && r->n_undo >= 0 && r->n_undo <= TDM_SAMPLE_MAX_UNDO &&
             (r->n_undo == 0 || r->undo) && (r->mode != TDM_SAMPLE_PROPOSE || r->dist) &&
-            (r->mode != TDM_SAMPLE_VERIFY || (r->draft >= 0 && r->draft < vocab)) &&
+            ((r->mode != TDM_SAMPLE_VERIFY && r->mode != TDM_SAMPLE_SCORE) ||
+             (r->draft >= 0 && r->draft < vocab)) &&
             (r->mode != TDM_SAMPLE_TREE ||
              (r->n_cand >= 0 && r->n_cand <= TDM_SAMPLE_MAX_CAND && (r->n_cand == 0 || r->cand)));
         for (int j = 0; ok && j < r->n_undo; j++)

@@ -75,8 +75,9 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
         return tdm_err_set(TDM_EUNSUPPORTED,
                            "kv pool: element type %s is not computed by any backend yet (f32)",
                            tdm_dtype_name(cfg->dtype));
-    if (cfg->page_size > 1024)
-        return tdm_err_set(TDM_ERANGE, "kv pool: page size %d over 1024", cfg->page_size);
+    if (cfg->page_size > TDM_KV_MAX_PAGE_SIZE)
+        return tdm_err_set(TDM_ERANGE, "kv pool: page size %d over %d", cfg->page_size,
+                           TDM_KV_MAX_PAGE_SIZE);
     if (cfg->n_pages > INT32_MAX / cfg->page_size)
         return tdm_err_set(TDM_ERANGE, "kv pool: %lld pages is too many", (long long)cfg->n_pages);
     size_t page_floats = tdm_kv_page_bytes(cfg) / sizeof(float);
@@ -336,6 +337,35 @@ tdm_status tdm_kv_seq_reserve(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64
     tdm_status st = tdm_kv_pool_alloc(pool, add, seq->pages + seq->n_pages);
     if (st != TDM_OK) return st;
     seq->n_pages += add;
+    return TDM_OK;
+}
+
+tdm_status tdm_kv_seq_share(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst,
+                            const struct tdm_kv_seq *src, int64_t n_tokens)
+{
+    const int64_t ps = pool->cfg.page_size;
+    const int full = (int)(n_tokens / ps), part = (int)(n_tokens % ps);
+    const int want = full + (part > 0);
+    TDM_ASSERT(dst->n_pages == 0 && n_tokens >= 0 && want <= src->n_pages);
+    if (want > dst->cap_pages) {
+        int32_t *np = realloc(dst->pages, (size_t)want * sizeof *np);
+        if (!np) return tdm_err_set(TDM_ENOMEM, "kv: page table out of memory");
+        dst->pages = np;
+        dst->cap_pages = want;
+    }
+    if (part) {
+        tdm_status st = tdm_kv_pool_alloc(pool, 1, dst->pages + full);
+        if (st != TDM_OK) return st;
+        int32_t from[TDM_KV_MAX_PAGE_SIZE], to[TDM_KV_MAX_PAGE_SIZE];
+        for (int i = 0; i < part; i++) {
+            from[i] = (int32_t)(src->pages[full] * ps + i);
+            to[i] = (int32_t)(dst->pages[full] * ps + i);
+        }
+        tdm_kv_pool_copy_slots(pool, from, to, part);
+    }
+    memcpy(dst->pages, src->pages, (size_t)full * sizeof *dst->pages);
+    tdm_kv_pool_retain(pool, full, dst->pages);
+    dst->n_pages = want;
     return TDM_OK;
 }
 

@@ -553,7 +553,9 @@ void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
     }
     const float *raw = pen ? scratch->raw : logits;
     int32_t t;
-    if (row->mode == TDM_SAMPLE_PROPOSE) {
+    if (row->mode == TDM_SAMPLE_SCORE) {
+        t = row->draft; /* given: nothing is drawn, the penalties are moot */
+    } else if (row->mode == TDM_SAMPLE_PROPOSE) {
         dist_kept(smp, logits, scratch, row->dist, undo, n_undo);
         t = tdm_dist_draw(row->dist, vocab,
                           tdm_rng_uniform(smp->params.seed, smp->request_id, row->position, 3));

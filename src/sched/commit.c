@@ -130,7 +130,7 @@ static enum tdm_finish commit_tree(struct tdm_sched *s, struct tdm_req *r,
     for (int j = 0; j < n_draft; j++)
         depth = TDM_MAX(depth, q->tree->positions[j + 1] - q->pos0);
     for (;;) {
-        const struct tdm_sample_row *sr = &p->samples[q->row0 + node];
+        const struct tdm_sample_row *sr = &p->samples[q->row0 + q->n_score + node];
         f = publish(s, r, sr);
         if (f != TDM_FINISH_NONE) break;
         int child = -1, rank = 0;
@@ -180,7 +180,7 @@ static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
     } else {
         drop_drafts(r); /* the rows below put back what is kept, in order */
         for (int i = 0; i <= n_draft; i++) {
-            int row = q->row0 + i;
+            int row = q->row0 + q->n_score + i;
             struct tdm_sample_row *sr = &p->samples[row];
             /* the row verified its draft where it was sampled (TDM_SAMPLE_VERIFY) */
             bool kept = i < n_draft && sr->kept && sr->token == r->tokens[committed + i];
@@ -213,6 +213,27 @@ static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
     return f;
 }
 
+/* Publishes the prompt scores of q's SCORE rows: the row of position x holds prompt token
+ * x + 1's log-probability. A span recomputed after a preemption writes the same positions
+ * again. */
+static void commit_scores(struct tdm_sched *s, struct tdm_req *r, const struct tdm_plan_seq *q)
+{
+    const int k = r->p_top;
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < q->n_score; i++) {
+        const struct tdm_sample_row *sr = &s->plan.samples[q->row0 + i];
+        const size_t at = (size_t)(q->pos0 + i + 1);
+        r->p_lps[at] = sr->logprob;
+        if (k) {
+            memcpy(r->p_top_ids + at * k, sr->top_ids, (size_t)k * sizeof(int32_t));
+            memcpy(r->p_top_lps + at * k, sr->top_lps, (size_t)k * sizeof(float));
+        }
+    }
+    r->n_scored = TDM_MAX(r->n_scored, q->pos0 + q->n_score);
+    tdm_sched_req_news(r);
+    pthread_mutex_unlock(&r->mu);
+}
+
 void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
 {
     struct tdm_sched_plan *p = &s->plan;
@@ -241,8 +262,17 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
             tdm_sched_finish(s, r, TDM_FINISH_ERROR, TDM_ETIMEDOUT, NULL);
             continue;
         }
+        if (q->n_score) commit_scores(s, r, q);
+        /* the prompt is in the KV: a group's followers take it, before r may end here */
+        if (q->last && r->has_followers && r->n_tokens - r->n_draft == r->n_prompt)
+            tdm_sched_fork_followers(s, r);
         enum tdm_finish f = TDM_FINISH_NONE;
-        if (q->last) f = r->prefill_only ? TDM_FINISH_STOP : commit_rows(s, r, q);
+        /* a prefill-only request ends with its prompt; so does one that only scores it
+         * (max_tokens 0: its sampled row is dropped) */
+        if (q->last)
+            f = r->prefill_only  ? TDM_FINISH_STOP
+                : !r->max_tokens ? TDM_FINISH_LENGTH
+                                 : commit_rows(s, r, q);
         if (f != TDM_FINISH_NONE) {
             tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
             tdm_sched_finish(s, r, f, TDM_OK, NULL);

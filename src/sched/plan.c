@@ -146,8 +146,16 @@ static bool reserve_or_preempt(struct tdm_sched *s, struct tdm_req *r, int64_t n
     }
 }
 
-/* The span a request runs next: all that is left, capped by the budget and the chunk size. A
- * fixed-chunk request takes exactly its chunk (or what is left) or nothing. 0: it waits. */
+/* r's prompt spans score every position (prompt_logprobs): until its prompt is in the KV, so
+ * a request preempted after its first output recomputes without scoring again. */
+static bool scoring(const struct tdm_req *r)
+{
+    return r->score && r->n_tokens == r->n_prompt;
+}
+
+/* The span a request runs next: all that is left, capped by the budget and the chunk size (and
+ * a scoring request's by the output rows the plan has left, one a token). A fixed-chunk
+ * request takes exactly its chunk (or what is left) or nothing. 0: it waits. */
 static int next_span(struct tdm_sched *s, struct tdm_req *r, int budget)
 {
     int left = r->n_tokens - r->n_cached;
@@ -155,7 +163,9 @@ static int next_span(struct tdm_sched *s, struct tdm_req *r, int budget)
         int span = TDM_MIN(left, r->fixed_chunk);
         return span <= budget ? span : 0;
     }
-    return TDM_MIN(TDM_MIN(left, budget), s->o.prefill_chunk);
+    int span = TDM_MIN(TDM_MIN(left, budget), s->o.prefill_chunk);
+    if (scoring(r)) span = TDM_MIN(span, s->max_rows - s->plan.n_rows);
+    return TDM_MAX(span, 0);
 }
 
 /* What a remote fill brought the drafter (tdm_req_remote_done_feed): its own KV of
@@ -243,7 +253,9 @@ static void plan_tree(struct tdm_sched *s, struct tdm_req *r, struct tdm_plan_se
 }
 
 /* Appends r's next `span` tokens to the plan. The span's last tokens, when it reaches the end
- * of the token list, are its output rows: one, plus one per draft. */
+ * of the token list, are its output rows: one, plus one per draft. A scoring span's every
+ * token has a row: those that score the prompt's next token, then (at the prompt's end) the
+ * one that samples. */
 static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
 {
     struct tdm_sched_plan *p = &s->plan;
@@ -251,7 +263,8 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
     int ps = s->page_size, pos0 = r->n_cached;
     bool last = pos0 + span == r->n_tokens;
     uint8_t want = r->want;
-    int n_rows = last && want ? 1 + r->n_draft : 0;
+    int n_score = scoring(r) ? span - last : 0;
+    int n_rows = n_score + (last && want ? 1 + r->n_draft : 0);
     int32_t *slots = s->slots + p->n_tokens;
     for (int i = 0; i < span; i++) {
         int pos = pos0 + i;
@@ -267,6 +280,7 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
                                .slots = slots,
                                .row0 = p->n_rows,
                                .n_rows = n_rows,
+                               .n_score = n_score,
                                .want = want,
                                .n_draft = r->n_draft,
                                .last = last,
@@ -279,20 +293,27 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
         int row = p->n_rows + i;
         s->want[row] = want;
         /* the row of the token at position x chooses the token at x + 1 */
-        s->srows[row] =
-            (struct tdm_sample_row){.smp = &r->smp,
-                                    .position = (uint32_t)(pos0 + span - n_rows + i + 1),
-                                    .n_top = r->top_k_lp};
-        if (i < r->n_draft) {
+        const int at_pos = pos0 + span - n_rows + i; /* the row's token's position */
+        s->srows[row] = (struct tdm_sample_row){
+            .smp = &r->smp, .position = (uint32_t)(at_pos + 1), .n_top = r->top_k_lp};
+        if (i < n_score) { /* the prompt's next token, given: its log-probability */
+            struct tdm_sample_row *sr = &s->srows[row];
+            sr->mode = TDM_SAMPLE_SCORE;
+            sr->draft = r->tokens[at_pos + 1];
+            sr->n_top = r->p_top;
+            continue;
+        }
+        const int d = i - n_score; /* the sampling rows: the target's, then one per draft */
+        if (d < r->n_draft) {
             /* a verified row: its draft, the draft's distribution (rejection), and the drafts
              * after it, which the penalty state holds but this row must not see */
-            int at = r->n_tokens - r->n_draft + i;
+            int at = r->n_tokens - r->n_draft + d;
             struct tdm_sample_row *sr = &s->srows[row];
             sr->mode = TDM_SAMPLE_VERIFY;
             sr->draft = r->tokens[at];
-            sr->q = r->draft_q ? r->draft_q + (size_t)i * s->vocab : NULL;
+            sr->q = r->draft_q ? r->draft_q + (size_t)d * s->vocab : NULL;
             sr->undo = r->tokens + at;
-            sr->n_undo = r->n_draft - i;
+            sr->n_undo = r->n_draft - d;
         }
     }
     if (r->tree && r->n_draft && n_rows) plan_tree(s, r, q, p->n_rows);
@@ -384,34 +405,86 @@ static int draft_batch(struct tdm_sched *s, int n, int base_tokens)
     return unused;
 }
 
+/* Groups share their prompt's KV unless the drafter reads features: a follower that takes the
+ * KV has none of its prompt's features, and a feature drafter does not draft over a gap. */
+static bool shares(const struct tdm_sched *s)
+{
+    return !(s->drafter && s->drafter->feed);
+}
+
+/* f is a follower whose leader is still to prefill the prompt (it will take the KV from it
+ * then): passed over at admission. s->mu held (the leader's fields read are the scheduler
+ * thread's, which this is). */
+static bool follows_pending(const struct tdm_sched *s, const struct tdm_req *f)
+{
+    const struct tdm_req *l = f->leader;
+    return l && shares(s) && tdm_req_state(l) != TDM_REQ_FINISHED && l->n_tokens == l->n_prompt;
+}
+
+/* Takes r out of the waiting list (the scheduler thread's only removal; submitters append). */
+static void waiting_unlink(struct tdm_sched *s, struct tdm_req *r)
+{
+    pthread_mutex_lock(&s->mu);
+    struct tdm_req **pp = &s->wait_head;
+    while (*pp != r)
+        pp = &(*pp)->next;
+    *pp = r->next;
+    r->next = NULL;
+    s->n_waiting--;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void count_prompt(struct tdm_sched *s, struct tdm_req *r)
+{
+    if (r->counted) return;
+    r->counted = true;
+    pthread_mutex_lock(&s->mmu);
+    s->m.prompt_tokens += (uint64_t)r->n_prompt;
+    pthread_mutex_unlock(&s->mmu);
+}
+
+void tdm_sched_fork_followers(struct tdm_sched *s, struct tdm_req *l)
+{
+    if (!shares(s)) return;
+    const int keep = l->n_prompt - 1; /* each runs prompt[-1] itself, for its own first draw */
+    while (s->n_running < s->o.max_seqs) {
+        pthread_mutex_lock(&s->mu);
+        struct tdm_req *f = s->wait_head;
+        while (f && (f->leader != l || atomic_load(&f->cancel)))
+            f = f->next;
+        pthread_mutex_unlock(&s->mu);
+        if (!f || tdm_kv_seq_share(s->kv, &f->kv, &l->kv, keep) != TDM_OK) return;
+        waiting_unlink(s, f);
+        f->n_cached = keep;
+        running_insert(s, f);
+        count_prompt(s, f);
+    }
+}
+
 /* Admits waiting requests FCFS while the budget, the sequence and row caps and the free pages
- * allow; stops at the first that does not fit. Returns the budget left. */
+ * allow; stops at the first that does not fit (followers waiting for their leader's prompt
+ * are passed over). Returns the budget left. */
 static int admit(struct tdm_sched *s, int budget)
 {
     struct tdm_sched_plan *p = &s->plan;
     while (budget > 0 && s->n_running < s->o.max_seqs && p->n_rows < s->max_rows) {
         pthread_mutex_lock(&s->mu);
         struct tdm_req *r = s->wait_head;
+        while (r && follows_pending(s, r))
+            r = r->next;
         pthread_mutex_unlock(&s->mu);
         if (!r) break;
         int64_t need = (r->n_tokens + 1 + s->page_size - 1) / s->page_size;
         int64_t free_pages = tdm_kv_pool_stats(s->kv).free;
         if (need + (s->n_running ? s->o.watermark_pages : 0) > free_pages) break;
-        bool remote = s->conn && s->conn->admit && !r->prefill_only && r->n_tokens >= 2;
+        /* a scoring request prefills here: its prompt's rows are sampled where its KV is made */
+        bool remote =
+            s->conn && s->conn->admit && !r->prefill_only && !r->score && r->n_tokens >= 2;
         int span = remote ? r->n_tokens : next_span(s, r, budget);
         if (!span || tdm_kv_seq_reserve(s->kv, &r->kv, span) != TDM_OK) break;
-        pthread_mutex_lock(&s->mu);
-        s->wait_head = r->next;
-        r->next = NULL;
-        s->n_waiting--;
-        pthread_mutex_unlock(&s->mu);
+        waiting_unlink(s, r);
         running_insert(s, r);
-        if (!r->counted) {
-            r->counted = true;
-            pthread_mutex_lock(&s->mmu);
-            s->m.prompt_tokens += (uint64_t)r->n_prompt;
-            pthread_mutex_unlock(&s->mmu);
-        }
+        count_prompt(s, r);
         if (remote) {
             tdm_sched_set_state(r, TDM_REQ_WAITING_REMOTE_KV);
             if (s->conn->admit(s->conn_ctx, r, r->user, r->tokens, r->n_tokens - 1, r->kv.pages,

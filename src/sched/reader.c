@@ -40,12 +40,17 @@ struct tdm_req_reader {
     size_t text_len, text_cap;
     int stop_at; /* the scheduler's EOS / stop-id output, as the last lock saw it */
     char error_msg[256];
+    /* the prompt's log-probabilities (prompt_logprobs), copied once final */
+    float *p_lps;
+    int32_t *p_top_ids;
+    float *p_top_lps;
+    int p_top;
 };
 
 tdm_status tdm_req_reader_create(const tdm_tok_t *tok, const char *const *stops, int n_stops,
                                  int max_tokens, int top_logprobs, tdm_req_reader_t **out)
 {
-    if (max_tokens < 1 || top_logprobs < -1 || top_logprobs > TDM_MAX_TOP_LOGPROBS)
+    if (max_tokens < 0 || top_logprobs < -1 || top_logprobs > TDM_MAX_TOP_LOGPROBS)
         return tdm_err_set(TDM_EINVAL, "reader: max_tokens or top_logprobs out of range");
     struct tdm_req_reader *rd = calloc(1, sizeof *rd);
     if (!rd) return tdm_err_set(TDM_ENOMEM, "out of memory");
@@ -54,7 +59,7 @@ tdm_status tdm_req_reader_create(const tdm_tok_t *tok, const char *const *stops,
         free(rd);
         return st;
     }
-    size_t n = (size_t)max_tokens;
+    size_t n = (size_t)TDM_MAX(max_tokens, 1); /* 0: a request that only scores its prompt */
     rd->tok = tok;
     rd->max_tokens = max_tokens;
     rd->k = top_logprobs;
@@ -86,7 +91,38 @@ void tdm_req_reader_destroy(tdm_req_reader_t *rd)
     free(rd->top_lps);
     free(rd->text_end);
     free(rd->text);
+    free(rd->p_lps);
+    free(rd->p_top_ids);
+    free(rd->p_top_lps);
     free(rd);
+}
+
+/* Copies r's prompt log-probabilities once the scheduler has scored the whole prompt (raw: its
+ * view under the lock that saw so). They never change after that, and r outlives the reader's
+ * reference, so they are read here with no lock held. False when out of memory. */
+static bool take_prompt_scores(struct tdm_req_reader *rd, const struct tdm_req_view *raw)
+{
+    if (rd->p_lps || !raw->prompt_lps || raw->n_scored < raw->n_prompt - 1) return true;
+    const size_t n = (size_t)raw->n_prompt, k = (size_t)raw->prompt_top;
+    float *lps = malloc(n * sizeof *lps);
+    int32_t *ids = k ? malloc(n * k * sizeof *ids) : NULL;
+    float *tops = k ? malloc(n * k * sizeof *tops) : NULL;
+    if (!lps || (k && (!ids || !tops))) {
+        free(lps);
+        free(ids);
+        free(tops);
+        return false;
+    }
+    memcpy(lps, raw->prompt_lps, n * sizeof *lps);
+    if (k) {
+        memcpy(ids, raw->prompt_top_ids, n * k * sizeof *ids);
+        memcpy(tops, raw->prompt_top_lps, n * k * sizeof *tops);
+    }
+    rd->p_lps = lps;
+    rd->p_top_ids = ids;
+    rd->p_top_lps = tops;
+    rd->p_top = (int)k;
+    return true;
 }
 
 static bool text_append(struct tdm_req_reader *rd, const char *b, size_t n)
@@ -151,7 +187,8 @@ bool tdm_req_reader_update(tdm_req_reader_t *rd, tdm_req_t *r, struct tdm_req_vi
     rd->stop_at = raw.stop_at;
     rd->n_in = to;
 
-    /* the text, with no lock held */
+    /* the prompt's scores and the text, with no lock held */
+    rd->oom |= !take_prompt_scores(rd, &raw);
     for (int i = from; i < to && !rd->matched && !rd->oom; i++)
         rd->oom |= !render(rd, i);
     if ((rd->matched || rd->oom) && raw.finish == TDM_FINISH_NONE) {
@@ -195,6 +232,11 @@ bool tdm_req_reader_update(tdm_req_reader_t *rd, tdm_req_t *r, struct tdm_req_vi
                                .error =
                                    finish == TDM_FINISH_ERROR && rd->oom ? TDM_ENOMEM : raw.error,
                                .n_prompt = raw.n_prompt,
+                               .prompt_lps = rd->p_lps,
+                               .prompt_top_ids = rd->p_top_ids,
+                               .prompt_top_lps = rd->p_top_lps,
+                               .prompt_top = rd->p_top,
+                               .n_scored = rd->p_lps ? raw.n_prompt - 1 : 0,
                                .t_submit_ns = raw.t_submit_ns,
                                .t_first_ns = raw.t_first_ns,
                                .t_end_ns = raw.t_end_ns,

@@ -45,18 +45,30 @@ static void hist_init(struct tdm_hist *h, const double *bounds, int n)
     memcpy(h->bounds, bounds, (size_t)n * sizeof *bounds);
 }
 
-static void req_free(struct tdm_req *r)
+/* A request's buffers and the request (a submit that failed after allocating them, or the
+ * last reference's req_free). */
+static void req_buffers_free(struct tdm_req *r)
 {
-    tdm_sampler_free(&r->smp);
-    pthread_mutex_destroy(&r->mu);
-    pthread_cond_destroy(&r->cv);
     free(r->tokens);
     free(r->logprobs);
     free(r->top_ids);
     free(r->top_lps);
+    free(r->p_lps);
+    free(r->p_top_ids);
+    free(r->p_top_lps);
     free(r->dstate);
     free(r->remote_feature);
     free(r);
+}
+
+static void req_free(struct tdm_req *r)
+{
+    struct tdm_req *leader = r->leader;
+    tdm_sampler_free(&r->smp);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    req_buffers_free(r);
+    if (leader) tdm_sched_req_unref(leader);
 }
 
 void tdm_sched_req_unref(struct tdm_req *r)
@@ -248,7 +260,8 @@ bool tdm_sched_row_outputs(struct tdm_sched *s)
 
 /* ---- submission (any thread) ---- */
 
-tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_req_t **out)
+/* A validated request with its buffers, not yet queued (req_discard undoes it). */
+static tdm_status req_new(struct tdm_sched *s, const struct tdm_req_params *p, struct tdm_req **out)
 {
     if (!p->prompt || p->n_prompt < 1) return tdm_err_set(TDM_EINVAL, "the prompt is empty");
     if (p->n_prompt >= s->max_ctx)
@@ -256,7 +269,13 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
                            "the prompt has %d tokens; this model's context is %d tokens (at "
                            "least one must be left to generate)",
                            p->n_prompt, s->max_ctx);
-    if (p->max_tokens < 1) return tdm_err_set(TDM_EINVAL, "max_tokens must be at least 1");
+    if (p->max_tokens < (p->prompt_logprobs ? 0 : 1))
+        return tdm_err_set(TDM_EINVAL, "max_tokens must be at least 1 (0 only when the prompt "
+                                       "is scored)");
+    if (p->prompt_logprobs && (p->prefill_only || p->want_logits || p->want_hidden))
+        return tdm_err_set(TDM_EINVAL, "prompt log-probabilities are for a request that "
+                                       "samples here (not prefill_only, want_logits or "
+                                       "want_hidden)");
     if ((int64_t)p->n_prompt + p->max_tokens > s->max_ctx)
         return tdm_err_set(TDM_ERANGE,
                            "the prompt (%d tokens) plus max_tokens (%d) is more than this "
@@ -308,8 +327,18 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
         r->top_ids = malloc(nout * (size_t)p->top_logprobs * sizeof *r->top_ids);
         r->top_lps = malloc(nout * (size_t)p->top_logprobs * sizeof *r->top_lps);
     }
+    const int ptop = TDM_MAX(p->top_logprobs, 0);
+    if (p->prompt_logprobs) {
+        const size_t np = (size_t)p->n_prompt;
+        r->p_lps = malloc(np * sizeof *r->p_lps);
+        if (ptop) {
+            r->p_top_ids = malloc(np * (size_t)ptop * sizeof *r->p_top_ids);
+            r->p_top_lps = malloc(np * (size_t)ptop * sizeof *r->p_top_lps);
+        }
+    }
     if (!r->tokens || (lp && !r->logprobs) ||
-        (p->top_logprobs > 0 && (!r->top_ids || !r->top_lps))) {
+        (p->top_logprobs > 0 && (!r->top_ids || !r->top_lps)) ||
+        (p->prompt_logprobs && (!r->p_lps || (ptop && (!r->p_top_ids || !r->p_top_lps))))) {
         st = tdm_err_set(TDM_ENOMEM, "out of memory");
         goto out_buffers;
     }
@@ -337,6 +366,8 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     r->max_tokens = p->max_tokens;
     r->min_tokens = p->min_tokens;
     r->top_k_lp = p->top_logprobs;
+    r->score = p->prompt_logprobs;
+    r->p_top = p->prompt_logprobs ? ptop : 0;
     r->ignore_eos = p->ignore_eos;
     memcpy(r->stop_ids, p->stop_ids, sizeof r->stop_ids);
     r->n_stop_ids = p->n_stop_ids;
@@ -359,47 +390,85 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
     pthread_cond_init(&r->cv, NULL);
     atomic_init(&r->refs, 2); /* the submitter's and the scheduler's */
     r->t_submit_ns = (int64_t)tdm_now_ns();
-
-    pthread_mutex_lock(&s->mu);
-    bool stalled = atomic_load(&s->stall_since_ns) != 0;
-    if (!s->accepting || s->n_waiting >= s->o.max_waiting || stalled) {
-        bool stopping = !s->accepting;
-        pthread_mutex_unlock(&s->mu);
-        pthread_mutex_lock(&s->mmu);
-        s->m.rejected++;
-        pthread_mutex_unlock(&s->mmu);
-        pthread_mutex_destroy(&r->mu);
-        pthread_cond_destroy(&r->cv);
-        tdm_sampler_free(&r->smp);
-        st = stopping  ? tdm_err_set(TDM_ECANCELED, "the server is shutting down")
-             : stalled ? tdm_err_set(TDM_EAGAIN,
-                                     "the scheduler is stalled: a step has run for "
-                                     "%lld ms",
-                                     (long long)tdm_sched_stall_ms(s))
-                       : tdm_err_set(TDM_EAGAIN, "the waiting queue is full (%d requests)",
-                                     s->o.max_waiting);
-        goto out_buffers;
-    }
-    r->id = s->next_id++;
-    struct tdm_req **pp = &s->wait_head;
-    while (*pp)
-        pp = &(*pp)->next;
-    *pp = r;
-    s->n_waiting++;
-    pthread_cond_signal(&s->cv_work);
-    pthread_mutex_unlock(&s->mu);
     *out = r;
     return TDM_OK;
 
 out_buffers:
-    free(r->tokens);
-    free(r->logprobs);
-    free(r->top_ids);
-    free(r->top_lps);
-    free(r->dstate);
-    free(r->remote_feature);
-    free(r);
+    req_buffers_free(r);
     return st;
+}
+
+/* A request that req_new made and that was never queued (no one else holds it). */
+static void req_discard(struct tdm_req *r)
+{
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    tdm_sampler_free(&r->smp);
+    req_buffers_free(r);
+}
+
+tdm_status tdm_sched_submit_group(tdm_sched_t *s, const struct tdm_req_params *ps, int n,
+                                  tdm_req_t **out)
+{
+    if (n < 1 || n > TDM_SCHED_MAX_GROUP)
+        return tdm_err_set(TDM_ERANGE, "a group has 1 to %d requests, not %d", TDM_SCHED_MAX_GROUP,
+                           n);
+    for (int i = 1; i < n; i++)
+        if (ps[i].n_prompt != ps[0].n_prompt || !ps[i].prompt || !ps[0].prompt ||
+            memcmp(ps[i].prompt, ps[0].prompt, (size_t)ps[0].n_prompt * sizeof(int32_t)) ||
+            ps[i].prefill_only || ps[0].prefill_only)
+            return tdm_err_set(TDM_EINVAL, "the requests of a group share one prompt, and none is "
+                                           "prefill-only");
+    struct tdm_req *rs[TDM_SCHED_MAX_GROUP];
+    for (int i = 0; i < n; i++) {
+        tdm_status st = req_new(s, &ps[i], &rs[i]);
+        if (st != TDM_OK) {
+            while (i-- > 0)
+                req_discard(rs[i]);
+            return st;
+        }
+    }
+    pthread_mutex_lock(&s->mu);
+    bool stalled = atomic_load(&s->stall_since_ns) != 0;
+    if (!s->accepting || s->n_waiting + n > s->o.max_waiting || stalled) {
+        bool stopping = !s->accepting;
+        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_lock(&s->mmu);
+        s->m.rejected += (uint64_t)n;
+        pthread_mutex_unlock(&s->mmu);
+        for (int i = 0; i < n; i++)
+            req_discard(rs[i]);
+        return stopping  ? tdm_err_set(TDM_ECANCELED, "the server is shutting down")
+               : stalled ? tdm_err_set(TDM_EAGAIN,
+                                       "the scheduler is stalled: a step has run for "
+                                       "%lld ms",
+                                       (long long)tdm_sched_stall_ms(s))
+                         : tdm_err_set(TDM_EAGAIN, "the waiting queue is full (%d requests)",
+                                       s->o.max_waiting);
+    }
+    struct tdm_req **pp = &s->wait_head;
+    while (*pp)
+        pp = &(*pp)->next;
+    for (int i = 0; i < n; i++) {
+        rs[i]->id = s->next_id++;
+        if (i) { /* a follower holds its leader until it is freed */
+            rs[i]->leader = rs[0];
+            rs[0]->has_followers = true;
+            atomic_fetch_add(&rs[0]->refs, 1);
+        }
+        *pp = rs[i];
+        pp = &rs[i]->next;
+        out[i] = rs[i];
+    }
+    s->n_waiting += n;
+    pthread_cond_signal(&s->cv_work);
+    pthread_mutex_unlock(&s->mu);
+    return TDM_OK;
+}
+
+tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_req_t **out)
+{
+    return tdm_sched_submit_group(s, p, 1, out);
 }
 
 uint64_t tdm_req_id(const tdm_req_t *r)
@@ -457,6 +526,11 @@ void tdm_req_lock(tdm_req_t *r, struct tdm_req_view *v)
     v->error = r->error;
     memcpy(v->error_msg, r->error_msg, sizeof v->error_msg);
     v->n_prompt = r->n_prompt;
+    v->prompt_lps = r->p_lps;
+    v->prompt_top_ids = r->p_top_ids;
+    v->prompt_top_lps = r->p_top_lps;
+    v->prompt_top = r->p_top;
+    v->n_scored = r->n_scored;
     v->t_submit_ns = r->t_submit_ns;
     v->t_first_ns = r->t_first_ns;
     v->t_end_ns = r->t_end_ns;

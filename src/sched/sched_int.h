@@ -38,6 +38,7 @@ struct tdm_req {
     /* immutable after submit */
     int n_prompt, max_tokens, min_tokens, top_k_lp; /* top_k_lp: -1 = no logprobs */
     bool ignore_eos, prefill_only, penalties;
+    bool score;   /* prompt_logprobs: its prompt spans score every position */
     uint8_t want; /* tdm_row_want bits of its output rows */
     int32_t stop_ids[TDM_MAX_STOP_IDS];
     int n_stop_ids;
@@ -74,6 +75,11 @@ struct tdm_req {
     bool counted;   /* its prompt is in the prompt-token counter */
     int64_t t_last_ns;
     struct tdm_req *next; /* waiting list */
+    /* a group's follower (tdm_sched_submit_group): its leader, referenced until this request
+     * is freed. While the leader has not prefilled the prompt the follower is passed over at
+     * admission; when it has, the follower takes the prompt's KV from it (plan.c) */
+    struct tdm_req *leader;
+    bool has_followers; /* a group's leader with followers (immutable after submit) */
 
     /* output, under mu */
     pthread_mutex_t mu;
@@ -82,6 +88,11 @@ struct tdm_req {
     float *logprobs;
     int32_t *top_ids;
     float *top_lps;
+    /* prompt_logprobs: [n_prompt] and [n_prompt][p_top]; positions 1..n_scored are final */
+    float *p_lps;
+    int32_t *p_top_ids;
+    float *p_top_lps;
+    int p_top, n_scored;
     int stop_at;               /* the output that is an EOS or a stop id, or -1 */
     void (*notify)(void *ctx); /* cleared by tdm_req_release */
     void *notify_ctx;
@@ -169,6 +180,9 @@ void tdm_sched_running_remove(struct tdm_sched *s, int i);
 int tdm_sched_running_index(struct tdm_sched *s, const struct tdm_req *r);
 /* Drops cancelled requests (all of them with cancel_all). */
 void tdm_sched_reap_cancelled(struct tdm_sched *s, bool cancel_all);
+/* The commit of leader's last prompt span (its KV holds the prompt): its waiting followers
+ * take the prompt's KV, while running slots and pages last (tdm_sched_submit_group). */
+void tdm_sched_fork_followers(struct tdm_sched *s, struct tdm_req *leader);
 
 /* commit.c */
 /* Applies a run plan's results (st: the run's status) and publishes what came out. */

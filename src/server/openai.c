@@ -2,8 +2,8 @@
  * The OpenAI wire format: request validation and response rendering (server_int.h).
  *
  * Validation is strict where a silent mismatch would change the output: fields we do not
- * implement (tools, response_format other than text, n > 1, best_of > 1, echo, suffix on a
- * model without fill-in-the-middle tokens) and unknown fields are refused with 400 and the field
+ * implement (tools, response_format other than text, n > 1, best_of > 1, suffix on a model
+ * without fill-in-the-middle tokens) and unknown fields are refused with 400 and the field
  * named in "param", so a typo like "max_token" is reported instead of ignored. Fields that do not
  * change the output
  * ("user", "metadata", "store", ...) are accepted and ignored.
@@ -103,6 +103,7 @@ char *tdm_api_error_json(const struct api_err *e)
 void tdm_api_req_free(struct api_req *r)
 {
     free(r->prompt);
+    free(r->echo_text);
     free(r->bias_ids);
     free(r->bias_vals);
     for (int i = 0; i < TDM_MAX_STOP_STRINGS; i++)
@@ -252,6 +253,45 @@ static bool parse_prompt(const struct api_ctx *c, json_t *v, bool bos, struct ap
     tdm_api_err_set(err, 400, "prompt",
                     "'prompt' must be a string, a list of token ids, or a list of one of those");
     return false;
+}
+
+/* echo's text (api_req.echo_text): a text prompt as sent (a list of one is that prompt), with
+ * the BOS the server added before it skipped; a token prompt's pieces, special tokens
+ * included. */
+static bool echo_text(const struct api_ctx *c, json_t *v, struct api_req *r, struct api_err *err)
+{
+    if (json_is_array(v) && json_array_size(v) == 1 && json_is_string(json_array_get(v, 0)))
+        v = json_array_get(v, 0);
+    size_t n = 0;
+    if (json_is_string(v)) {
+        n = json_string_length(v);
+        r->echo_skip = c->add_bos && r->n_prompt && r->prompt[0] == tdm_tok_bos(c->tok) &&
+                       tdm_tok_is_special(c->tok, r->prompt[0]);
+        r->echo_text = malloc(n + 1);
+        if (r->echo_text) memcpy(r->echo_text, json_string_value(v), n + 1);
+    } else {
+        for (int i = 0; i < r->n_prompt; i++) {
+            size_t len = 0;
+            tdm_tok_piece(c->tok, r->prompt[i], &len);
+            n += len;
+        }
+        if ((r->echo_text = malloc(n + 1))) {
+            size_t at = 0;
+            for (int i = 0; i < r->n_prompt; i++) {
+                size_t len = 0;
+                const char *p = tdm_tok_piece(c->tok, r->prompt[i], &len);
+                memcpy(r->echo_text + at, p, len);
+                at += len;
+            }
+            r->echo_text[n] = '\0';
+        }
+    }
+    if (!r->echo_text) {
+        tdm_api_err_set(err, 500, NULL, "out of memory");
+        return false;
+    }
+    r->echo_len = n;
+    return true;
 }
 
 /* Message content: a string, or a list of {"type": "text", "text": ...} parts (joined). */
@@ -547,10 +587,6 @@ static bool unsupported(const char *key, json_t *v, struct api_err *err)
         tdm_api_err_set(err, 400, key, "'%s' must be 1 (one choice per request)", key);
         return true;
     }
-    if (!strcmp(key, "echo") && json_is_true(v)) {
-        tdm_api_err_set(err, 400, key, "'echo' is not supported");
-        return true;
-    }
     return false;
 }
 
@@ -711,6 +747,14 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
             !parse_prompt(c, prompt, !fim, r, err))
             goto out;
         if (fim && !apply_suffix(c, suffix, r, err)) goto out;
+        if ((v = json_object_get(root, "echo")) && !json_is_null(v)) {
+            if (!get_bool(v, "echo", &r->echo, err)) goto out;
+            if (r->echo && fim) {
+                tdm_api_err_set(err, 400, "echo", "'echo' cannot be combined with 'suffix'");
+                goto out;
+            }
+        }
+        if (r->echo && !echo_text(c, prompt, r, err)) goto out;
     }
     if (r->n_prompt < 1) {
         tdm_api_err_set(err, 400, chat ? "messages" : "prompt", "the prompt is empty");
@@ -736,7 +780,8 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
         mt_name = "max_completion_tokens";
     }
     if (v && !json_is_null(v)) {
-        if (!get_int(v, mt_name, 1, INT32_MAX, &x, err)) goto out;
+        /* 0 with echo: the prompt scored, nothing generated (lm-evaluation-harness's way) */
+        if (!get_int(v, mt_name, r->echo ? 0 : 1, INT32_MAX, &x, err)) goto out;
         if (x > room) {
             tdm_api_err_set(
                 err, 400, mt_name,
@@ -847,6 +892,9 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
         if (!get_int(v, "logprobs", 0, TDM_MAX_TOP_LOGPROBS, &x, err)) goto out;
         r->p.top_logprobs = (int)x;
     }
+    /* echo with logprobs scores the prompt; so does echo with nothing to generate (the
+     * scheduler's max_tokens 0 is a scoring request's) */
+    r->p.prompt_logprobs = r->echo && (r->p.top_logprobs >= 0 || r->p.max_tokens == 0);
     if ((v = json_object_get(root, "stream")) && !json_is_null(v)) {
         if (!get_bool(v, "stream", &b, err)) goto out;
         r->stream = b;
@@ -923,38 +971,82 @@ static json_t *lp_value(float lp)
     return json_real(lp < -9999.0f ? -9999.0 : (double)lp);
 }
 
-/* Completions logprobs object for outputs [from, to). */
+/* A completions top_logprobs entry, as OpenAI and vLLM give it: the k most likely, and the
+ * token itself beside them when it is not one of them (so logprobs 0 gives it alone). */
+static json_t *top_entry(const struct api_ctx *c, int k, const int32_t *ids, const float *lps,
+                         int32_t token, float lp)
+{
+    json_t *o = json_object();
+    bool in = false;
+    for (int j = 0; j < k; j++) {
+        json_t *s = token_str(c, ids[j]);
+        json_object_set_new(o, json_string_value(s), lp_value(lps[j]));
+        json_decref(s);
+        in |= ids[j] == token;
+    }
+    if (!in) {
+        json_t *s = token_str(c, token);
+        json_object_set_new(o, json_string_value(s), lp_value(lp));
+        json_decref(s);
+    }
+    return o;
+}
+
+/* Completions logprobs object for outputs [from, to); with echo, the prompt's tokens first
+ * (the first has no log-probability: null), and the outputs' offsets after the echoed text. */
 static json_t *logprobs_completion(const struct api_ctx *c, const struct api_req *r,
-                                   const struct tdm_req_view *v, int from, int to, size_t text_base)
+                                   const struct tdm_req_view *v, int from, int to, size_t text_base,
+                                   bool echo)
 {
     if (!v->logprobs) return json_null();
     json_t *toks = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
     int k = r->p.top_logprobs;
+    size_t shift = 0;
+    if (echo) {
+        const int pk = v->prompt_top;
+        for (int i = 0; i < r->n_prompt; i++) {
+            const int32_t t = r->prompt[i];
+            const bool has = i > 0 && v->prompt_lps;
+            json_array_append_new(toks, token_str(c, t));
+            json_array_append_new(lps, has ? lp_value(v->prompt_lps[i]) : json_null());
+            json_array_append_new(
+                tops, has ? top_entry(c, TDM_MIN(k, pk), v->prompt_top_ids + (size_t)i * pk,
+                                      v->prompt_top_lps + (size_t)i * pk, t, v->prompt_lps[i])
+                          : json_null());
+            json_array_append_new(offs, json_integer((json_int_t)shift));
+            if (i >= r->echo_skip) {
+                size_t len = 0;
+                tdm_tok_piece(c->tok, t, &len);
+                shift += len;
+            }
+        }
+        shift = r->echo_len; /* the outputs follow the echoed text */
+    }
     for (int i = from; i < to; i++) {
         json_array_append_new(toks, token_str(c, v->tokens[i]));
         json_array_append_new(lps, lp_value(v->logprobs[i]));
         size_t off = i ? v->text_end[i - 1] : 0;
-        json_array_append_new(offs, json_integer((json_int_t)(off - TDM_MIN(off, text_base))));
-        /* as OpenAI and vLLM: the k most likely, and the sampled token beside them when it
-         * is not one of them (so logprobs 0 gives the sampled token alone) */
-        json_t *o = json_object();
-        bool sampled_in = false;
-        for (int j = 0; j < k; j++) {
-            int32_t id = v->top_ids[(size_t)i * k + j];
-            json_t *s = token_str(c, id);
-            json_object_set_new(o, json_string_value(s), lp_value(v->top_lps[(size_t)i * k + j]));
-            json_decref(s);
-            sampled_in |= id == v->tokens[i];
-        }
-        if (!sampled_in) {
-            json_t *s = token_str(c, v->tokens[i]);
-            json_object_set_new(o, json_string_value(s), lp_value(v->logprobs[i]));
-            json_decref(s);
-        }
-        json_array_append_new(tops, o);
+        json_array_append_new(offs,
+                              json_integer((json_int_t)(shift + off - TDM_MIN(off, text_base))));
+        json_array_append_new(tops,
+                              top_entry(c, k, v->top_ids + (size_t)i * k,
+                                        v->top_lps + (size_t)i * k, v->tokens[i], v->logprobs[i]));
     }
     return json_pack("{s:o, s:o, s:o, s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs",
                      tops, "text_offset", offs);
+}
+
+/* A completion's text: with echo, the prompt's text before it. */
+static json_t *completion_text(const struct api_req *r, const char *text, size_t len, bool echo)
+{
+    if (!echo) return jstr(text, len);
+    char *both = malloc(r->echo_len + len + 1);
+    if (!both) return NULL;
+    memcpy(both, r->echo_text, r->echo_len);
+    memcpy(both + r->echo_len, text, len);
+    json_t *j = jstr(both, r->echo_len + len);
+    free(both);
+    return j;
 }
 
 static json_t *logprobs_chat(const struct api_ctx *c, const struct api_req *r,
@@ -1010,9 +1102,10 @@ char *tdm_api_render_full(const struct api_ctx *c, const struct api_req *r, cons
                            "assistant", "content", jstr(v->text, v->text_len), "logprobs",
                            logprobs_chat(c, r, v, 0, v->n_out), "finish_reason", finish_value(v));
     } else {
-        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "text", jstr(v->text, v->text_len),
-                           "logprobs", logprobs_completion(c, r, v, 0, v->n_out, 0),
-                           "finish_reason", finish_value(v));
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "text",
+                           completion_text(r, v->text, v->text_len, r->echo), "logprobs",
+                           logprobs_completion(c, r, v, 0, v->n_out, 0, r->echo), "finish_reason",
+                           finish_value(v));
     }
     return dump(json_pack("{s:s, s:s, s:i, s:s, s:[o], s:o}", "id", id, "object",
                           r->chat ? "chat.completion" : "text_completion", "created",
@@ -1042,7 +1135,10 @@ char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, con
     size_t text_to = to > 0 ? v->text_end[to - 1] : 0;
     if (finish) text_to = v->text_len;
     if (text_to < text_from) text_to = text_from;
-    json_t *text = jstr(v->text + text_from, text_to - text_from);
+    /* echo: the prompt comes with the first chunk */
+    json_t *text =
+        r->chat ? jstr(v->text + text_from, text_to - text_from)
+                : completion_text(r, v->text + text_from, text_to - text_from, r->echo && first);
     json_t *choice;
     if (r->chat) {
         json_t *delta = json_object();
@@ -1056,8 +1152,8 @@ char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, con
                            finish ? finish_value(v) : json_null());
     } else {
         choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "text", text, "logprobs",
-                           logprobs_completion(c, r, v, from, to, text_from), "finish_reason",
-                           finish ? finish_value(v) : json_null());
+                           logprobs_completion(c, r, v, from, to, text_from, r->echo && first),
+                           "finish_reason", finish ? finish_value(v) : json_null());
     }
     json_t *chunk = json_pack("{s:s, s:s, s:i, s:s, s:[o]}", "id", id, "object",
                               r->chat ? "chat.completion.chunk" : "text_completion", "created",

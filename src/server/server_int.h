@@ -41,7 +41,15 @@ struct api_req {
     bool chat, stream, include_usage;
     bool continuous_usage; /* stream_options.continuous_usage_stats: usage in every chunk */
     bool chat_logprobs;    /* chat: logprobs true (top_logprobs may be 0) */
-    int32_t *prompt;       /* malloc'd */
+    /* completions' echo: the prompt's text comes before the completion's, and with logprobs
+     * its tokens' log-probabilities before the completion's (the scheduler's
+     * prompt_logprobs). echo_text: a text prompt as sent, a token prompt's pieces; echo_skip:
+     * the leading tokens the text does not hold (a BOS the server added). */
+    bool echo;
+    char *echo_text;
+    size_t echo_len;
+    int echo_skip;
+    int32_t *prompt; /* malloc'd */
     int n_prompt;
     int32_t *bias_ids; /* logit_bias, malloc'd (NULL: none) */
     float *bias_vals;

@@ -320,7 +320,8 @@ static void modes_batch(int vocab, int n, int *rows, int *same, double *worst_di
             }
         }
         maybe_bias(&smp[r], row, vocab);
-        uint8_t mode = (uint8_t)(rng_u64() % 3);
+        uint8_t mode = (uint8_t)(rng_u64() % 4);
+        if (mode == 3) mode = TDM_SAMPLE_SCORE; /* trees have their own test */
         dev[r] = (struct tdm_sample_row){.smp = &smp[r],
                                          .position = (uint32_t)(rng_u64() % 100000),
                                          .n_top = (int)(rng_u64() % 3) - 1,
@@ -329,7 +330,10 @@ static void modes_batch(int vocab, int n, int *rows, int *same, double *worst_di
                                          .n_undo = n_undo};
         ref[r] = dev[r];
         modes_seen[mode]++;
-        if (mode == TDM_SAMPLE_PROPOSE) {
+        if (mode == TDM_SAMPLE_SCORE) { /* a prompt token, given: any, and its top ones */
+            dev[r].draft = ref[r].draft = (int32_t)(rng_u64() % V);
+            dev[r].n_top = ref[r].n_top = (int)(rng_u64() % (TDM_TOP_LOGPROBS_MAX + 1));
+        } else if (mode == TDM_SAMPLE_PROPOSE) {
             bool oh = rng_u64() % 4 == 0;
             dev[r].one_hot = ref[r].one_hot = oh;
             dev[r].dist = d_dist + (size_t)r * V;
@@ -371,6 +375,20 @@ static void modes_batch(int vocab, int n, int *rows, int *same, double *worst_di
         tdm_sample_row_host(&ref[r], host + (size_t)r * V, &scratch);
         (*rows)++;
         bool ok = dev[r].token == ref[r].token && dev[r].kept == ref[r].kept;
+        if (ref[r].mode == TDM_SAMPLE_SCORE) {
+            /* the given token, and its log-probability and the top ones as the host's */
+            assert_int_equal(dev[r].token, ref[r].draft);
+            double e = fabs((double)dev[r].logprob - ref[r].logprob);
+            if (!(e <= 1e-4) && !(isinf(dev[r].logprob) && dev[r].logprob == ref[r].logprob))
+                fail_msg("score row %d: gpu logprob %g, host %g", r, dev[r].logprob,
+                         ref[r].logprob);
+            for (int j = 0; j < ref[r].n_top; j++) {
+                double t = fabs((double)dev[r].top_lps[j] - ref[r].top_lps[j]);
+                if (!(t <= 1e-4) && dev[r].top_lps[j] != ref[r].top_lps[j])
+                    fail_msg("score row %d: top %d gpu %g, host %g", r, j, dev[r].top_lps[j],
+                             ref[r].top_lps[j]);
+            }
+        }
         *same += ok;
         *kept_n += ref[r].kept;
         if (!ok)
@@ -409,16 +427,18 @@ static void test_modes_against_host(void **state)
         print_message("SKIP: %s\n", skip_reason);
         skip();
     }
-    int rows = 0, same = 0, kept = 0, modes[3] = {0};
+    int rows = 0, same = 0, kept = 0, modes[TDM_SAMPLE_SCORE + 1] = {0};
     double worst = 0.0;
     static const int vocabs[] = {1000, 49152, 100003};
     for (size_t v = 0; v < TDM_ARRAY_LEN(vocabs); v++)
         for (int b = 0; b < 4; b++)
             modes_batch(vocabs[v], 128, &rows, &same, &worst, &kept, modes);
-    printf("gpu vs host sampling modes: %d rows (draw %d, propose %d, verify %d); (token, kept) "
-           "identical in %d, %d drafts kept; proposals' distributions worst |diff| %.3g\n",
-           rows, modes[0], modes[1], modes[2], same, kept, worst);
-    assert_true(modes[0] > 100 && modes[1] > 100 && modes[2] > 100 && kept > 50);
+    printf("gpu vs host sampling modes: %d rows (draw %d, propose %d, verify %d, score %d); "
+           "(token, kept) identical in %d, %d drafts kept; proposals' distributions worst |diff| "
+           "%.3g\n",
+           rows, modes[0], modes[1], modes[2], modes[TDM_SAMPLE_SCORE], same, kept, worst);
+    assert_true(modes[0] > 100 && modes[1] > 100 && modes[2] > 100 &&
+                modes[TDM_SAMPLE_SCORE] > 100 && kept > 50);
     assert_true(1000 * (rows - same) <= rows + 1000); /* at most one, or one in a thousand */
     assert_true(worst <= 1e-6);
 }

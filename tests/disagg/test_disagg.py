@@ -181,6 +181,24 @@ def test_chat_and_stream_through_disaggregation(colocated, pair):
     prefill_idle(p)
 
 
+def test_echo_logprobs_prefill_on_the_decode_node(colocated, pair):
+    """A request that scores its prompt (echo with logprobs) is prefilled on the decode node,
+    where its prompt rows are sampled (no remote prefill is counted for it), and answers as
+    the colocated server does."""
+    p, d = pair
+    body = {"prompt": prompts(1, 14, [40])[0], "echo": True, "logprobs": 3, "max_tokens": 4,
+            "temperature": 0}
+    st, a = colocated.post("/v1/completions", body)
+    m0 = d.metrics()
+    st2, b = d.post("/v1/completions", body)
+    assert st == st2 == 200, b
+    assert a["choices"] == b["choices"]
+    m1 = decode_idle(d)
+    assert m1[("tandem_disagg_remote_prefills_total", ())] == \
+        m0[("tandem_disagg_remote_prefills_total", ())]
+    prefill_idle(p)
+
+
 def test_layer_streaming(pair):
     """A long prompt's first KV writes land while its forward pass is still computing later
     layers: the prefill node counts writes that completed before the forward call that produced

@@ -7,7 +7,8 @@
  * at most the documented number of stop strings and top log-probabilities. A refused one must
  * carry a 4xx status and a message. Never a crash, a leak or a hang. Bit 1 of the first byte
  * sends the body to vLLM's /tokenize (bit 0 set) or /detokenize instead: an answer must be
- * JSON, a refusal a 4xx with a message.
+ * JSON, a refusal a 4xx with a message. An accepted echo has its text, and max_tokens 0 only
+ * with the prompt scored.
  *
  * Layout: u8 (bit 0: chat or tokenize; bit 1: the tokenizer routes; bit 2: the model has
  * fill-in-the-middle tokens, so 'suffix' is taken), then the body.
@@ -57,7 +58,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (r.n_prompt < 1 || r.n_prompt >= c.max_ctx || !r.prompt) abort();
     for (int i = 0; i < r.n_prompt; i++)
         if (r.prompt[i] < 0 || r.prompt[i] >= c.vocab) abort();
-    if (r.p.max_tokens < 1 || r.n_prompt + r.p.max_tokens > c.max_ctx) abort();
+    /* max_tokens 0 only for a request that scores its prompt (echo), which the scheduler
+     * takes; echo's text is there and NUL-terminated */
+    if (r.p.max_tokens < (r.p.prompt_logprobs ? 0 : 1) || r.n_prompt + r.p.max_tokens > c.max_ctx)
+        abort();
+    if (r.p.prompt_logprobs && !r.echo) abort();
+    if (r.echo && (!r.echo_text || r.echo_text[r.echo_len] || r.echo_skip > r.n_prompt)) abort();
     if (tdm_sampling_validate(&r.p.sampling) != TDM_OK) abort();
     if (r.p.top_logprobs > TDM_MAX_TOP_LOGPROBS) abort();
     char *j = tdm_api_error_json(&(struct api_err){.status = 400, .message = "x"});

@@ -552,6 +552,56 @@ static void test_logprobs_top(void **s)
     assert_true(fabs(tdm_logprob_of(base, V, 7) - (-4.0 - log(lse))) < 1e-5);
 }
 
+/* A score row (TDM_SAMPLE_SCORE) gives its token back and the token's log-probability under
+ * the raw logits, whatever the sampler's penalties, bias and temperature (computed here in
+ * double, independently); a NaN logit's is -inf, never NaN. */
+static void test_score_rows(void **s)
+{
+    (void)s;
+    enum { V = 50 };
+    struct tdm_sampling_params p = tdm_sampling_defaults();
+    p.temperature = 0.7f;
+    p.top_k = 3;
+    p.repetition_penalty = 1.5f;
+    p.presence_penalty = 1.0f;
+    struct tdm_sampler smp;
+    assert_int_equal(tdm_sampler_init(&smp, &p, 9, V), TDM_OK);
+    const int32_t ids[1] = {7};
+    const float vals[1] = {50.0f};
+    assert_int_equal(tdm_sampler_set_bias(&smp, ids, vals, 1), TDM_OK);
+    tdm_sampler_accept(&smp, 3, true);
+    tdm_sampler_accept(&smp, 3, false);
+    struct tdm_sample_scratch sc;
+    assert_int_equal(tdm_sample_scratch_init(&sc, V), TDM_OK);
+    float logits[V], raw[V];
+    for (int i = 0; i < V; i++)
+        raw[i] = (float)((i * 37) % 11) * 0.3f - 1.0f;
+    double sum = 0.0, mx = -1e30;
+    for (int i = 0; i < V; i++)
+        mx = raw[i] > mx ? raw[i] : mx;
+    for (int i = 0; i < V; i++)
+        sum += exp((double)raw[i] - mx);
+    for (int32_t t = 0; t < V; t++) {
+        memcpy(logits, raw, sizeof logits);
+        struct tdm_sample_row row = {
+            .smp = &smp, .position = 5, .n_top = 2, .mode = TDM_SAMPLE_SCORE, .draft = t};
+        tdm_sample_row_host(&row, logits, &sc);
+        assert_int_equal(row.token, t);
+        assert_false(row.kept);
+        assert_float_equal(row.logprob, (double)raw[t] - mx - log(sum), 1e-5);
+        assert_float_equal(row.top_lps[0], 2.0 - mx - log(sum), 1e-5); /* the largest, raw */
+    }
+    memcpy(logits, raw, sizeof logits);
+    logits[4] = NAN;
+    struct tdm_sample_row row = {
+        .smp = &smp, .position = 5, .n_top = 0, .mode = TDM_SAMPLE_SCORE, .draft = 4};
+    tdm_sample_row_host(&row, logits, &sc);
+    assert_int_equal(row.token, 4);
+    assert_true(isinf(row.logprob) && row.logprob < 0);
+    tdm_sample_scratch_free(&sc);
+    tdm_sampler_free(&smp);
+}
+
 static void test_validate(void **s)
 {
     (void)s;
@@ -638,6 +688,7 @@ int main(void)
         cmocka_unit_test(test_stream),         cmocka_unit_test(test_unaccept),
         cmocka_unit_test(test_hostile_floats), cmocka_unit_test(test_undo_rows),
         cmocka_unit_test(test_tree_rows),      cmocka_unit_test(test_logit_bias),
+        cmocka_unit_test(test_score_rows),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

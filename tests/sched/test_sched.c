@@ -47,6 +47,12 @@ static int32_t next_of(uint64_t h)
     return (int32_t)((h >> 20) % VOCAB);
 }
 
+/* The stand-in's log-probability of token t after the tokens hashed into h (a score row's). */
+static float score_of(uint64_t h, int32_t t)
+{
+    return -(float)(((h >> 7) ^ (uint64_t)t) % 1000) / 64.0f;
+}
+
 /* The reference: greedy continuation of `prompt` by n tokens, from the token list alone. */
 static void reference(const int32_t *prompt, int n_prompt, int n, int32_t *out)
 {
@@ -63,7 +69,7 @@ static void reference(const int32_t *prompt, int n_prompt, int n, int32_t *out)
 
 struct plan_rec { /* one sequence of one recorded plan */
     uint64_t step, req_id;
-    int pos0, n_tokens, n_rows, n_draft;
+    int pos0, n_tokens, n_rows, n_draft, n_score;
     uint8_t want;
 };
 
@@ -80,6 +86,7 @@ struct fake_exec {
     struct plan_rec rec[MAX_PLAN];
     int n_rec;
     int max_seqs_seen;
+    uint64_t leader_of[64]; /* by request id: the group leader whose KV it may read (0: none) */
 };
 
 /* The store's two floats of a slot in the pool's HND layer [page][K, V][1 head][PS][1]. */
@@ -96,10 +103,13 @@ static void kv_put(struct fake_exec *x, int slot, int32_t tok, uint64_t id)
     *kv_k(x, slot) = (float)tok;
     *kv_v(x, slot) = (float)id;
 }
-/* The hash over slot's token, checking that request id wrote it. */
+/* The hash over slot's token, checking that request id wrote it (or its group's leader, whose
+ * prompt KV a follower shares). */
 static uint64_t kv_hash(struct fake_exec *x, uint64_t h, int slot, uint64_t id)
 {
-    assert_int_equal((uint64_t)*kv_v(x, slot), id); /* this request's KV, written */
+    uint64_t writer = (uint64_t)*kv_v(x, slot);
+    if (writer != id || !id)
+        assert_int_equal(writer, id < 64 && x->leader_of[id] ? x->leader_of[id] : id);
     return hash_step(h, (int32_t)*kv_k(x, slot));
 }
 
@@ -130,6 +140,7 @@ static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
                                                    .n_tokens = q->n_tokens,
                                                    .n_rows = q->n_rows,
                                                    .n_draft = q->n_draft,
+                                                   .n_score = q->n_score,
                                                    .want = q->want};
         for (int i = 0; i < q->n_tokens; i++) {
             int pos = q->pos0 + i;
@@ -177,7 +188,21 @@ static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
                 /* a verified row names the span's next token as its draft, and the drafts
                  * from there to the span's end as what its penalties must not see */
                 int next = x_pos + 1 - q->pos0, n_after = q->n_tokens - next;
-                if (i < q->n_draft) {
+                if (i < q->n_score) {
+                    /* a score row: the prompt's next token given, its log-probability and
+                     * the top ones out (the token list goes on past a span that is not the
+                     * last) */
+                    assert_int_equal(sr->mode, TDM_SAMPLE_SCORE);
+                    assert_int_equal(sr->draft, q->tokens[next]);
+                    sr->token = sr->draft;
+                    sr->logprob = score_of(h, sr->draft);
+                    for (int j = 0; j < sr->n_top; j++) {
+                        sr->top_ids[j] = (sr->draft + j) % VOCAB;
+                        sr->top_lps[j] = score_of(h, sr->draft) - (float)j;
+                    }
+                    continue;
+                }
+                if (i - q->n_score < q->n_draft) {
                     assert_int_equal(sr->mode, TDM_SAMPLE_VERIFY);
                     assert_int_equal(sr->draft, q->tokens[next]);
                     assert_int_equal(sr->n_undo, n_after);
@@ -1041,6 +1066,208 @@ static void test_prefill_only_rows(void **state)
     fix_close(&f);
 }
 
+/* A group (n and best_of): the leader prefills the prompt, the followers wait for it and then
+ * take its KV (full pages shared, the partial one copied) and run prompt[-1] alone; their
+ * output is the stand-in's, read through pages the leader wrote. A follower that finds no
+ * running slot prefills alone; one cancelled while it waits ends cancelled; a leader that ends
+ * in the step its prompt completes (max_tokens 1) still hands the KV over. The pool is back at
+ * its baseline after each. */
+static void run_group(int max_seqs, int chunk, int n, int leader_max, int cancel_one)
+{
+    struct fix f;
+    struct tdm_sched_opts so = {.prefill_chunk = chunk};
+    fix_open(&f, 64, &so, 64, max_seqs);
+    int32_t a[10];
+    make_prompt(a, 10, 7);
+    struct tdm_req_params ps[4];
+    for (int i = 0; i < n; i++)
+        ps[i] = (struct tdm_req_params){.prompt = a,
+                                        .n_prompt = 10,
+                                        .max_tokens = i ? 6 : leader_max,
+                                        .ignore_eos = true,
+                                        .sampling = tdm_sampling_defaults(),
+                                        .top_logprobs = -1};
+    tdm_req_t *rs[4];
+    assert_int_equal(tdm_sched_submit_group(f.s, ps, n, rs), TDM_OK);
+    for (int i = 1; i < n; i++)
+        f.x.leader_of[tdm_req_id(rs[i])] = tdm_req_id(rs[0]);
+    if (cancel_one) tdm_req_cancel(rs[n - 1]);
+    run_until_done(&f, rs, n);
+    int shared = 0, leader_last_step = 0;
+    for (int i = 0; i < f.x.n_rec; i++)
+        if (f.x.rec[i].req_id == tdm_req_id(rs[0]) && f.x.rec[i].pos0 + f.x.rec[i].n_tokens == 10)
+            leader_last_step = (int)f.x.rec[i].step;
+    for (int j = 1; j < n; j++) {
+        int first = -1;
+        for (int i = 0; i < f.x.n_rec && first < 0; i++)
+            if (f.x.rec[i].req_id == tdm_req_id(rs[j])) first = i;
+        if (cancel_one && j == n - 1) {
+            assert_int_equal(first, -1); /* never ran */
+            continue;
+        }
+        assert_true(first >= 0);
+        if (f.x.rec[first].pos0 == 9) { /* took the KV: prompt[-1] alone, after the leader's */
+            assert_int_equal(f.x.rec[first].n_tokens, 1);
+            assert_true((int)f.x.rec[first].step > leader_last_step);
+            shared++;
+        } else {
+            assert_int_equal(f.x.rec[first].pos0, 0);
+        }
+    }
+    expect_output(rs[0], a, 10, leader_max, TDM_FINISH_LENGTH);
+    for (int j = 1; j < n; j++) {
+        if (cancel_one && j == n - 1) {
+            struct tdm_req_view v;
+            tdm_req_lock(rs[j], &v);
+            assert_int_equal(v.finish, TDM_FINISH_CANCELLED);
+            tdm_req_unlock(rs[j]);
+        } else {
+            expect_output(rs[j], a, 10, 6, TDM_FINISH_LENGTH);
+        }
+    }
+    /* room for everyone: every follower shared; one running slot: none could */
+    assert_int_equal(shared, max_seqs >= n ? n - 1 - cancel_one : 0);
+    for (int i = 0; i < n; i++)
+        tdm_req_release(rs[i]);
+    fix_close(&f);
+}
+
+static void test_groups_share_the_prompt(void **state)
+{
+    (void)state;
+    run_group(8, 4, 4, 5, 0);  /* three spans of the prompt, then three followers */
+    run_group(8, 64, 3, 1, 0); /* the leader ends as it hands over */
+    run_group(8, 4, 4, 5, 1);  /* a follower cancelled while it waits */
+    run_group(1, 4, 3, 5, 0);  /* one slot: each prefills alone */
+    /* a group shares one prompt */
+    struct fix f;
+    fix_open(&f, 16, NULL, 64, 8);
+    int32_t a[4] = {1, 2, 3, 4}, b[4] = {1, 2, 3, 5};
+    struct tdm_req_params ps[2] = {{.prompt = a,
+                                    .n_prompt = 4,
+                                    .max_tokens = 2,
+                                    .sampling = tdm_sampling_defaults(),
+                                    .top_logprobs = -1},
+                                   {.prompt = b,
+                                    .n_prompt = 4,
+                                    .max_tokens = 2,
+                                    .sampling = tdm_sampling_defaults(),
+                                    .top_logprobs = -1}};
+    tdm_req_t *rs[2];
+    assert_int_equal(tdm_sched_submit_group(f.s, ps, 2, rs), TDM_EINVAL);
+    assert_int_equal(tdm_sched_submit_group(f.s, ps, 0, rs), TDM_ERANGE);
+    fix_close(&f);
+}
+
+/* The reference score of prompt token x (x >= 1): the stand-in's, after prompt[0, x). */
+static float ref_score(const int32_t *prompt, int x)
+{
+    uint64_t h = HASH0;
+    for (int i = 0; i < x; i++)
+        h = hash_step(h, prompt[i]);
+    return score_of(h, prompt[x]);
+}
+
+static void expect_scores(tdm_req_t *r, const int32_t *prompt, int n_prompt, int top)
+{
+    struct tdm_req_view v;
+    tdm_req_lock(r, &v);
+    assert_int_equal(v.n_scored, n_prompt - 1);
+    assert_int_equal(v.prompt_top, top);
+    for (int x = 1; x < n_prompt; x++) {
+        assert_float_equal(v.prompt_lps[x], ref_score(prompt, x), 0.0f);
+        for (int j = 0; j < top; j++) {
+            assert_int_equal(v.prompt_top_ids[x * top + j], (prompt[x] + j) % VOCAB);
+            assert_float_equal(v.prompt_top_lps[x * top + j], ref_score(prompt, x) - (float)j,
+                               0.0f);
+        }
+    }
+    tdm_req_unlock(r);
+}
+
+/* A request that scores its prompt (prompt_logprobs): every prompt span brings back a row per
+ * token (SCORE rows, then the sampled one at the prompt's end), spans are cut to the rows a
+ * step has left, a connector never takes it, and with max_tokens 0 it ends once scored. The
+ * scores are the stand-in's for each prefix, read back through the page table. */
+static void test_prompt_scores(void **state)
+{
+    (void)state;
+    struct fix f;
+    fix_open(&f, 64, NULL, 64, 8); /* 24 rows a step */
+    struct fake_conn c = {.f = &f, .take = true};
+    tdm_sched_set_connector(f.s, &fake_conn_i, &c);
+    int32_t a[60], b[9], d[7];
+    make_prompt(a, 60, 4);
+    make_prompt(b, 9, 5);
+    make_prompt(d, 7, 6);
+    struct tdm_req_params rp = {.prompt = a,
+                                .n_prompt = 60,
+                                .max_tokens = 4,
+                                .ignore_eos = true,
+                                .sampling = tdm_sampling_defaults(),
+                                .top_logprobs = 3,
+                                .prompt_logprobs = true};
+    tdm_req_t *ra = NULL, *rb = NULL;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &ra), TDM_OK);
+    rp.prompt = b, rp.n_prompt = 9, rp.max_tokens = 0, rp.top_logprobs = -1; /* scores only */
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &rb), TDM_OK);
+    tdm_req_t *rc = submit(&f, d, 7, 5, NULL); /* an ordinary one, taken remote */
+    tdm_req_t *rs[3] = {ra, rb, rc};
+    for (int it = 0; it < 200 && c.admits == 0; it++)
+        tdm_sched_step(f.s);
+    conn_land(&c);
+    run_until_done(&f, rs, 3);
+    assert_int_equal(c.admits, 1); /* rc alone */
+    int scored_rows = 0;
+    for (int i = 0; i < f.x.n_rec; i++) {
+        const struct plan_rec *pr = &f.x.rec[i];
+        assert_true(pr->n_rows <= 24);
+        if (pr->req_id == tdm_req_id(rc)) assert_int_equal(pr->n_score, 0);
+        if (pr->req_id != tdm_req_id(ra) && pr->req_id != tdm_req_id(rb)) continue;
+        if (pr->pos0 + pr->n_tokens <= (pr->req_id == tdm_req_id(ra) ? 60 : 9)) {
+            /* a prompt span: a row a token, the last one sampled */
+            assert_int_equal(pr->n_rows, pr->n_tokens);
+            scored_rows += pr->n_score;
+        } else {
+            assert_int_equal(pr->n_score, 0); /* decodes score nothing */
+        }
+    }
+    assert_int_equal(scored_rows, 59 + 8);
+    expect_output(ra, a, 60, 4, TDM_FINISH_LENGTH);
+    expect_scores(ra, a, 60, 3);
+    expect_output(rb, b, 9, 0, TDM_FINISH_LENGTH);
+    expect_scores(rb, b, 9, 0);
+    expect_output(rc, d, 7, 5, TDM_FINISH_LENGTH);
+    struct tdm_req_view v;
+    tdm_req_lock(rc, &v);
+    assert_null(v.prompt_lps);
+    tdm_req_unlock(rc);
+    /* the reader copies them out once final, and takes max_tokens 0 */
+    tdm_req_reader_t *rdr = NULL;
+    assert_int_equal(tdm_req_reader_create(NULL, NULL, 0, 4, 3, &rdr), TDM_OK);
+    tdm_req_reader_update(rdr, ra, &v);
+    assert_non_null(v.prompt_lps);
+    assert_int_equal(v.n_scored, 59);
+    assert_float_equal(v.prompt_lps[59], ref_score(a, 59), 0.0f);
+    assert_int_equal(v.prompt_top_ids[59 * 3 + 2], (a[59] + 2) % VOCAB);
+    tdm_req_reader_destroy(rdr);
+    for (int i = 0; i < 3; i++)
+        tdm_req_release(rs[i]);
+    /* a one-token prompt has nothing to score: it is prefilled and ends */
+    rp.n_prompt = 1;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &ra), TDM_OK);
+    run_until_done(&f, &ra, 1);
+    expect_output(ra, b, 1, 0, TDM_FINISH_LENGTH);
+    expect_scores(ra, b, 1, 0);
+    tdm_req_release(ra);
+    /* what cannot score: a prefill-only request; max_tokens 0 without scoring */
+    rp.n_prompt = 9, rp.prefill_only = true;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &ra), TDM_EINVAL);
+    rp.prefill_only = false, rp.prompt_logprobs = false;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &ra), TDM_EINVAL);
+    fix_close(&f);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1058,6 +1285,8 @@ int main(void)
         cmocka_unit_test(test_executor_error),
         cmocka_unit_test(test_watchdog),
         cmocka_unit_test(test_prefill_only_rows),
+        cmocka_unit_test(test_prompt_scores),
+        cmocka_unit_test(test_groups_share_the_prompt),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -19,7 +19,7 @@ _Static_assert(TDM_CU_SAMPLE_MAX_TOP == TDM_TOP_LOGPROBS_MAX, "top log-probabili
 _Static_assert(TDM_CU_SAMPLE_MAX_UNDO == TDM_SAMPLE_MAX_UNDO, "undo lists: one limit");
 _Static_assert(TDM_CU_SAMPLE_MAX_CAND == TDM_SAMPLE_MAX_CAND, "tree candidates: one limit");
 _Static_assert(TDM_SAMPLE_DRAW == 0 && TDM_SAMPLE_PROPOSE == 1 && TDM_SAMPLE_VERIFY == 2 &&
-                   TDM_SAMPLE_TREE == 3 && TDM_SAMPLE_STREAM_TREE == 4,
+                   TDM_SAMPLE_TREE == 3 && TDM_SAMPLE_SCORE == 4 && TDM_SAMPLE_STREAM_TREE == 4,
                "sample.cu numbers the modes and streams so");
 
 /* Makes the device-only scratch hold `need` bytes. */
@@ -72,9 +72,10 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
     if (cu->device != 0) cudaSetDevice(cu->device);
 
     size_t n_pen = 0;
-    for (int i = 0; i < n_rows; i++)
-        n_pen +=
-            (size_t)(rows[i].smp->seen ? rows[i].smp->n_seen : 0) + (size_t)rows[i].smp->n_bias;
+    for (int i = 0; i < n_rows; i++) /* a score row draws nothing: no penalty list */
+        if (rows[i].mode != TDM_SAMPLE_SCORE)
+            n_pen +=
+                (size_t)(rows[i].smp->seen ? rows[i].smp->n_seen : 0) + (size_t)rows[i].smp->n_bias;
     const size_t rows_bytes = (size_t)n_rows * sizeof(struct tdm_cu_sample_row);
     const size_t pen_at = (rows_bytes + 63) & ~(size_t)63;
     tdm_status st;
@@ -121,14 +122,15 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
         }
         /* the penalty list: the seen tokens, each with its bias, then the biased tokens not
          * seen (count 0: their penalties are nothing) */
-        for (int j = 0; smp->seen && j < smp->n_seen; j++) {
+        const bool draws = rows[i].mode != TDM_SAMPLE_SCORE;
+        for (int j = 0; draws && smp->seen && j < smp->n_seen; j++) {
             int32_t t = smp->seen[j];
             hp[off++] = (struct tdm_cu_sample_pen){.id = t,
                                                    .count = smp->out_count[t],
                                                    .in_prompt = smp->prompt_seen[t] != 0,
                                                    .bias = smp->bias ? smp->bias[t] : 0.0f};
         }
-        for (int j = 0; j < smp->n_bias; j++) {
+        for (int j = 0; draws && j < smp->n_bias; j++) {
             int32_t t = smp->bias_ids[j];
             if (smp->seen && (smp->prompt_seen[t] || smp->out_count[t])) continue; /* listed */
             hp[off++] = (struct tdm_cu_sample_pen){.id = t, .bias = smp->bias[t]};

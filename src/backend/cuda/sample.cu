@@ -31,7 +31,8 @@
  * verification (exact: the draw, kept when it equals the draft; rejection: the draft kept with
  * probability min(1, p/q), stream 1, else a draw in id order from max(0, p - q), stream 2); a
  * token tree's node in rejection acceptance (its candidates tested as point masses, stream
- * 4 + i each, then a draw from what is left, stream 2).
+ * 4 + i each, then a draw from what is left, stream 2); a prompt position's score (the token
+ * given, nothing drawn: steps 3 to 6 are skipped).
  * A verified row's penalties leave out the later drafts of its span (its undo list), so every
  * row of a span is sampled at once and each sees the state the host would have at its turn.
  *
@@ -415,6 +416,18 @@ __global__ void __launch_bounds__(kThreads)
             }
         }
         __syncthreads();
+    }
+
+    /* a score row: the given token's log-probability, nothing drawn (p is the block's own, so
+     * every thread takes the same branch) */
+    if (p.mode == 4) {
+        if (tid == 0) {
+            const int d = p.draft;
+            out->token = d;
+            out->kept = 0;
+            out->logprob = p.n_top >= 0 ? logprob_from(lg[d], raw_lse) : 0.0f;
+        }
+        return;
     }
 
     /* 3. penalties, then the logit bias, in place; each listed token's raw logit is kept for its
