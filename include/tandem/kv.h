@@ -127,6 +127,12 @@ void tdm_kv_pool_retain(tdm_kv_pool_t *pool, int n, const int32_t *ids);
 void tdm_kv_pool_hold(tdm_kv_pool_t *pool, int n, const int32_t *ids);
 void tdm_kv_pool_unhold(tdm_kv_pool_t *pool, int n, const int32_t *ids);
 struct tdm_kv_stats tdm_kv_pool_stats(tdm_kv_pool_t *pool);
+/* Owner references on page id now. */
+int tdm_kv_pool_owners(tdm_kv_pool_t *pool, int32_t id);
+/* A hook an allocation that finds too few free pages calls, without the pool's lock, on the
+ * allocating thread, before it gives up: it may free pages (a cache's) and returns how many
+ * it freed. NULL: none. */
+void tdm_kv_pool_set_reclaim(tdm_kv_pool_t *pool, int (*reclaim)(void *ctx, int want), void *ctx);
 
 /* A sequence's page table: the pages holding positions [0, n_tokens). Grows a page at a time. */
 struct tdm_kv_seq {
@@ -148,8 +154,44 @@ void tdm_kv_seq_trim(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64_t n_toke
  * when no page is free. Page size at most TDM_KV_MAX_PAGE_SIZE. */
 tdm_status tdm_kv_seq_share(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst,
                             const struct tdm_kv_seq *src, int64_t n_tokens);
+/* Makes the empty table dst hold the n pages given (a reference each): a cached prefix. */
+tdm_status tdm_kv_seq_adopt(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst, const int32_t *pages,
+                            int n);
 /* Returns every page to the pool and frees the table. Safe on a zeroed seq. */
 void tdm_kv_seq_release(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq);
+
+/* ---- the prefix cache (prefix.c): full pages by content, shared by reference count ----
+ * A full page is keyed by a hash chain over the tokens of every page through it, seeded with a
+ * salt (the model and the KV element type), and a hit is checked token for token. The cache
+ * holds a reference on each page it names; pages only it holds are evicted least recently used
+ * first (leaves before the prefixes they continue), by tdm_prefix_cache_evict or the pool's
+ * reclaim hook (tdm_prefix_cache_reclaim). One thread uses a cache. */
+typedef struct tdm_prefix_cache tdm_prefix_cache_t;
+struct tdm_prefix_stats {
+    int64_t pages;           /* pages the cache names now */
+    uint64_t queried_tokens; /* tokens looked up (whole pages of prompts) */
+    uint64_t hit_tokens;     /* of them, found */
+    uint64_t stored_pages, evicted_pages;
+};
+tdm_status tdm_prefix_cache_create(tdm_kv_pool_t *pool, uint64_t salt, tdm_prefix_cache_t **out);
+void tdm_prefix_cache_destroy(tdm_prefix_cache_t *c); /* flushes first; NULL is a no-op */
+/* The longest cached prefix of tokens[0, n_tokens) in whole pages, at most max_pages: the
+ * empty table seq gets those pages (a reference each). Returns how many pages. */
+int tdm_prefix_cache_match(tdm_prefix_cache_t *c, const int32_t *tokens, int n_tokens,
+                           int max_pages, struct tdm_kv_seq *seq);
+/* Offers seq's first n_pages pages, full and final, holding tokens[0, n_pages * page_size):
+ * those not cached yet are added (the cache takes a reference on each). */
+void tdm_prefix_cache_insert(tdm_prefix_cache_t *c, const int32_t *tokens,
+                             const struct tdm_kv_seq *seq, int n_pages);
+/* Frees up to `want` pages that only the cache holds, least recently used first. Returns how
+ * many. */
+int tdm_prefix_cache_evict(tdm_prefix_cache_t *c, int want);
+int tdm_prefix_cache_reclaim(void *ctx, int want); /* the pool's reclaim hook, ctx the cache */
+/* Pages only the cache holds (what evict could free now). */
+int64_t tdm_prefix_cache_evictable(tdm_prefix_cache_t *c);
+/* Drops every entry (pages others hold stay theirs). Returns how many. */
+int tdm_prefix_cache_flush(tdm_prefix_cache_t *c);
+struct tdm_prefix_stats tdm_prefix_cache_stats(const tdm_prefix_cache_t *c);
 
 #ifdef __cplusplus
 }

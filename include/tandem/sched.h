@@ -185,6 +185,7 @@ struct tdm_req_view {
     const int32_t *prompt_top_ids;
     const float *prompt_top_lps;
     int prompt_top, n_scored;
+    int cached_tokens; /* prompt tokens found in the prefix cache at its first admission */
     int64_t t_submit_ns, t_first_ns, t_end_ns;
     int n_preempted;
 };
@@ -300,6 +301,22 @@ void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
  * the scheduler sets its tdm_draft_stats.cursor to drafter_kv and feeds the drafter that one
  * feature at p (a tdm_sched_feed of n = 1), before the first step is planned: a drafter that
  * finds a gap before p covered by cursor takes it as its own KV, and drafts at the first step. */
+/* Turns on automatic prefix caching (kv.h's prefix cache) over the scheduler's pool, salted
+ * with `salt` (the model and the KV element type): a request admitted with no KV reuses the
+ * longest cached prefix of its token list in whole pages, leaving at least its last token to
+ * run (not a request that scores its prompt, nor a group's follower, which takes its leader's);
+ * the full pages of every request whose KV is final are offered to the cache after each
+ * commit, and when it is preempted or ends; the pool's allocations evict pages only the cache
+ * holds, least recently used first, before anything is preempted. Rejected drafts never enter
+ * (their positions are past the committed end). After tdm_sched_set_drafter and
+ * tdm_sched_set_connector, before tdm_sched_start: TDM_EUNSUPPORTED with a connector
+ * (disaggregation: the KV of a cached prefix would not be sent) or a drafter that reads the
+ * target's features (a reused prefix would be a gap in them). TDM_ENOMEM. */
+tdm_status tdm_sched_enable_prefix_cache(tdm_sched_t *s, uint64_t salt);
+/* Drops every cache entry, on the scheduler thread at its next turn (pages requests hold stay
+ * theirs). Any thread; returns at once. */
+void tdm_sched_flush_prefix_cache(tdm_sched_t *s);
+
 /* Reserves the [max_batch_tokens][d_model] features buffer for a connector that reads the
  * features of its requests' spans in step_end. Before tdm_sched_start. TDM_ENOMEM. */
 tdm_status tdm_sched_reserve_features(tdm_sched_t *s);
@@ -528,6 +545,8 @@ struct tdm_sched_metrics_snapshot {
     int running, waiting;
     struct tdm_kv_stats kv;
     bool accepting;
+    bool prefix_on;                 /* prefix caching enabled */
+    struct tdm_prefix_stats prefix; /* as of the last step */
 };
 void tdm_sched_metrics(tdm_sched_t *s, struct tdm_sched_metrics_snapshot *out);
 /* The context length, vocabulary and EOS ids the scheduler checks requests against. */

@@ -34,6 +34,8 @@ struct tdm_kv_pool {
     uint16_t *owner_refs; /* [n_pages] */
     uint16_t *holds;      /* [n_pages] */
     int64_t n_in_flight;
+    int (*reclaim)(void *ctx, int want); /* tdm_kv_pool_set_reclaim; called unlocked */
+    void *reclaim_ctx;
 };
 
 static size_t elem_bytes(enum tdm_dtype t)
@@ -234,6 +236,12 @@ tdm_status tdm_kv_pool_alloc(tdm_kv_pool_t *pool, int n, int32_t *ids)
 {
     TDM_ASSERT(n >= 0);
     pthread_mutex_lock(&pool->mu);
+    if (n > pool->n_free && pool->reclaim) { /* a cache gives pages back, then try again */
+        int short_by = (int)(n - pool->n_free);
+        pthread_mutex_unlock(&pool->mu);
+        pool->reclaim(pool->reclaim_ctx, short_by);
+        pthread_mutex_lock(&pool->mu);
+    }
     if (n > pool->n_free) {
         int64_t n_free = pool->n_free;
         pthread_mutex_unlock(&pool->mu);
@@ -340,6 +348,39 @@ tdm_status tdm_kv_seq_reserve(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64
     return TDM_OK;
 }
 
+int tdm_kv_pool_owners(tdm_kv_pool_t *pool, int32_t id)
+{
+    pthread_mutex_lock(&pool->mu);
+    check_id(pool, id);
+    int n = pool->owner_refs[id];
+    pthread_mutex_unlock(&pool->mu);
+    return n;
+}
+
+void tdm_kv_pool_set_reclaim(tdm_kv_pool_t *pool, int (*reclaim)(void *ctx, int want), void *ctx)
+{
+    pthread_mutex_lock(&pool->mu);
+    pool->reclaim = reclaim;
+    pool->reclaim_ctx = ctx;
+    pthread_mutex_unlock(&pool->mu);
+}
+
+tdm_status tdm_kv_seq_adopt(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst, const int32_t *pages,
+                            int n)
+{
+    TDM_ASSERT(dst->n_pages == 0 && n >= 0);
+    if (n > dst->cap_pages) {
+        int32_t *np = realloc(dst->pages, (size_t)n * sizeof *np);
+        if (!np) return tdm_err_set(TDM_ENOMEM, "kv: page table out of memory");
+        dst->pages = np;
+        dst->cap_pages = n;
+    }
+    if (n) memcpy(dst->pages, pages, (size_t)n * sizeof *pages);
+    tdm_kv_pool_retain(pool, n, pages);
+    dst->n_pages = n;
+    return TDM_OK;
+}
+
 tdm_status tdm_kv_seq_share(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst,
                             const struct tdm_kv_seq *src, int64_t n_tokens)
 {
@@ -363,7 +404,7 @@ tdm_status tdm_kv_seq_share(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst,
         }
         tdm_kv_pool_copy_slots(pool, from, to, part);
     }
-    memcpy(dst->pages, src->pages, (size_t)full * sizeof *dst->pages);
+    if (full) memcpy(dst->pages, src->pages, (size_t)full * sizeof *dst->pages);
     tdm_kv_pool_retain(pool, full, dst->pages);
     dst->n_pages = want;
     return TDM_OK;

@@ -33,6 +33,7 @@ void tdm_sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish wh
     if (why == TDM_FINISH_STOP || why == TDM_FINISH_LENGTH)
         tdm_hist_observe(&s->m.e2e_s, (double)(now - r->t_submit_ns) * 1e-9);
     pthread_mutex_unlock(&s->mmu);
+    if (why != TDM_FINISH_ERROR) tdm_sched_offer_prefix(s, r); /* before its pages go back */
     tdm_kv_seq_release(s->kv, &r->kv);
     r->n_cached = 0;
     tdm_sched_set_state(r, TDM_REQ_FINISHED);
@@ -273,6 +274,7 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
             f = r->prefill_only  ? TDM_FINISH_STOP
                 : !r->max_tokens ? TDM_FINISH_LENGTH
                                  : commit_rows(s, r, q);
+        if (f == TDM_FINISH_NONE) tdm_sched_offer_prefix(s, r);
         if (f != TDM_FINISH_NONE) {
             tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
             tdm_sched_finish(s, r, f, TDM_OK, NULL);

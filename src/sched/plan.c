@@ -52,10 +52,21 @@ int tdm_sched_running_index(struct tdm_sched *s, const struct tdm_req *r)
     return -1;
 }
 
+void tdm_sched_offer_prefix(struct tdm_sched *s, struct tdm_req *r)
+{
+    if (!s->prefix || r->prefill_only || atomic_load(&r->hung)) return;
+    int full = TDM_MIN(r->n_cached / s->page_size, r->kv.n_pages);
+    if (full <= r->prefix_pages) return;
+    tdm_prefix_cache_insert(s->prefix, r->tokens, &r->kv, full);
+    r->prefix_pages = full;
+}
+
 void tdm_sched_requeue(struct tdm_sched *s, int i, bool preempted)
 {
     struct tdm_req *r = s->running[i];
+    tdm_sched_offer_prefix(s, r); /* its computed prefix waits for it in the cache */
     tdm_kv_seq_release(s->kv, &r->kv);
+    r->prefix_pages = 0;
     r->n_cached = 0;
     r->draft_stats.cursor = 0; /* a drafter's own KV went with the pages */
     if (r->dstate) memset(r->dstate, 0, s->drafter->state_bytes);
@@ -461,6 +472,13 @@ void tdm_sched_fork_followers(struct tdm_sched *s, struct tdm_req *l)
     }
 }
 
+/* A request admit() matched in the prefix cache and then could not take: its pages back. */
+static void unadmit(struct tdm_sched *s, struct tdm_req *r)
+{
+    tdm_kv_seq_release(s->kv, &r->kv);
+    r->n_cached = 0;
+}
+
 /* Admits waiting requests FCFS while the budget, the sequence and row caps and the free pages
  * allow; stops at the first that does not fit (followers waiting for their leader's prompt
  * are passed over). Returns the budget left. */
@@ -474,16 +492,37 @@ static int admit(struct tdm_sched *s, int budget)
             r = r->next;
         pthread_mutex_unlock(&s->mu);
         if (!r) break;
-        int64_t need = (r->n_tokens + 1 + s->page_size - 1) / s->page_size;
+        /* the longest cached prefix, leaving its last token to run (not for a request that
+         * scores every prompt position) */
+        int hit = 0;
+        if (s->prefix && !r->prefill_only && !r->score && !r->kv.n_pages)
+            hit = tdm_prefix_cache_match(s->prefix, r->tokens, r->n_tokens,
+                                         (r->n_tokens - 1) / s->page_size, &r->kv);
+        r->n_cached = hit * s->page_size;
+        int64_t need = (r->n_tokens + 1 + s->page_size - 1) / s->page_size - hit;
         int64_t free_pages = tdm_kv_pool_stats(s->kv).free;
-        if (need + (s->n_running ? s->o.watermark_pages : 0) > free_pages) break;
+        int64_t mark = s->n_running ? s->o.watermark_pages : 0;
+        if (s->prefix && need + mark > free_pages)
+            free_pages += tdm_prefix_cache_evictable(s->prefix);
+        if (need + mark > free_pages) {
+            unadmit(s, r);
+            break;
+        }
         /* a scoring request prefills here: its prompt's rows are sampled where its KV is made */
         bool remote =
             s->conn && s->conn->admit && !r->prefill_only && !r->score && r->n_tokens >= 2;
         int span = remote ? r->n_tokens : next_span(s, r, budget);
-        if (!span || tdm_kv_seq_reserve(s->kv, &r->kv, span) != TDM_OK) break;
+        if (!span || tdm_kv_seq_reserve(s->kv, &r->kv, r->n_cached + span) != TDM_OK) {
+            unadmit(s, r);
+            break;
+        }
         waiting_unlink(s, r);
         running_insert(s, r);
+        if (!r->counted) {
+            pthread_mutex_lock(&r->mu);
+            r->cached_tokens = TDM_MIN(r->n_cached, r->n_prompt);
+            pthread_mutex_unlock(&r->mu);
+        }
         count_prompt(s, r);
         if (remote) {
             tdm_sched_set_state(r, TDM_REQ_WAITING_REMOTE_KV);

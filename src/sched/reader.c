@@ -237,6 +237,7 @@ bool tdm_req_reader_update(tdm_req_reader_t *rd, tdm_req_t *r, struct tdm_req_vi
                                .prompt_top_lps = rd->p_top_lps,
                                .prompt_top = rd->p_top,
                                .n_scored = rd->p_lps ? raw.n_prompt - 1 : 0,
+                               .cached_tokens = raw.cached_tokens,
                                .t_submit_ns = raw.t_submit_ns,
                                .t_first_ns = raw.t_first_ns,
                                .t_end_ns = raw.t_end_ns,

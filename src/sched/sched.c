@@ -133,6 +133,47 @@ void tdm_sched_metrics(tdm_sched_t *s, struct tdm_sched_metrics_snapshot *out)
     out->stalled_ms = tdm_sched_stall_ms(s);
 }
 
+tdm_status tdm_sched_enable_prefix_cache(tdm_sched_t *s, uint64_t salt)
+{
+    if (s->started || s->prefix)
+        return tdm_err_set(TDM_EINVAL, "prefix caching is turned on once, before the start");
+    if (s->conn)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "prefix caching does not work with disaggregation yet: the KV of a "
+                           "cached prefix would not be sent to the decoder");
+    if (s->drafter && s->drafter->feed)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "prefix caching does not work with a drafter that reads the target's "
+                           "features (mtp, eagle) yet: a reused prefix would be a gap in them");
+    tdm_status st = tdm_prefix_cache_create(s->kv, salt, &s->prefix);
+    if (st != TDM_OK) return st;
+    tdm_kv_pool_set_reclaim(s->kv, tdm_prefix_cache_reclaim, s->prefix);
+    pthread_mutex_lock(&s->mmu);
+    s->m.prefix_on = true;
+    pthread_mutex_unlock(&s->mmu);
+    return TDM_OK;
+}
+
+void tdm_sched_flush_prefix_cache(tdm_sched_t *s)
+{
+    if (!s->prefix) return;
+    atomic_store(&s->flush_prefix, true);
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_signal(&s->cv_work);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Scheduler thread: a flush asked for, and the cache's figures for the metrics. */
+static void prefix_turn(struct tdm_sched *s)
+{
+    if (!s->prefix) return;
+    if (atomic_exchange(&s->flush_prefix, false)) tdm_prefix_cache_flush(s->prefix);
+    struct tdm_prefix_stats ps = tdm_prefix_cache_stats(s->prefix);
+    pthread_mutex_lock(&s->mmu);
+    s->m.prefix = ps;
+    pthread_mutex_unlock(&s->mmu);
+}
+
 int tdm_sched_max_ctx(const tdm_sched_t *s)
 {
     return s->max_ctx;
@@ -531,6 +572,7 @@ void tdm_req_lock(tdm_req_t *r, struct tdm_req_view *v)
     v->prompt_top_lps = r->p_top_lps;
     v->prompt_top = r->p_top;
     v->n_scored = r->n_scored;
+    v->cached_tokens = r->cached_tokens;
     v->t_submit_ns = r->t_submit_ns;
     v->t_first_ns = r->t_first_ns;
     v->t_end_ns = r->t_end_ns;
@@ -547,11 +589,12 @@ static void *sched_main(void *arg)
     struct tdm_sched *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->mu);
-        while (!s->stop && !s->n_waiting && !s->n_running)
+        while (!s->stop && !s->n_waiting && !s->n_running && !atomic_load(&s->flush_prefix))
             pthread_cond_wait(&s->cv_work, &s->mu);
         bool stop = s->stop;
         pthread_mutex_unlock(&s->mu);
         if (stop) break;
+        prefix_turn(s);
         if (!tdm_sched_step(s)) {
             /* Waiting requests that cannot be admitted yet, nothing running: sleep briefly
              * (pages come back only through cancellation, which also signals). */
@@ -753,6 +796,7 @@ bool tdm_sched_step(tdm_sched_t *s)
 {
     watch_held(s, true);
     tdm_sched_reap_cancelled(s, false);
+    prefix_turn(s);
     bool progress = tdm_sched_plan_build(s);
     watch_held(s, false);
     struct tdm_sched_plan *p = &s->plan;
@@ -791,6 +835,10 @@ void tdm_sched_destroy(tdm_sched_t *s)
 {
     if (!s) return;
     if (!tdm_sched_stop(s, 0)) return; /* stalled and given up: its thread may touch all of it */
+    if (s->prefix) { /* every page back to the pool, which outlives the scheduler */
+        tdm_kv_pool_set_reclaim(s->kv, NULL, NULL);
+        tdm_prefix_cache_destroy(s->prefix);
+    }
     pthread_mutex_destroy(&s->wmu);
     pthread_cond_destroy(&s->wcv);
     free(s->held);

@@ -80,6 +80,7 @@ struct tdm_req {
      * admission; when it has, the follower takes the prompt's KV from it (plan.c) */
     struct tdm_req *leader;
     bool has_followers; /* a group's leader with followers (immutable after submit) */
+    int prefix_pages;   /* its first pages offered to the prefix cache so far */
 
     /* output, under mu */
     pthread_mutex_t mu;
@@ -94,6 +95,7 @@ struct tdm_req {
     float *p_top_lps;
     int p_top, n_scored;
     int stop_at;               /* the output that is an EOS or a stop id, or -1 */
+    int cached_tokens;         /* prompt tokens its first admission found in the prefix cache */
     void (*notify)(void *ctx); /* cleared by tdm_req_release */
     void *notify_ctx;
     enum tdm_finish finish;
@@ -134,6 +136,8 @@ struct tdm_sched {
     bool row_outputs;             /* logits and hidden exist */
     const struct tdm_kv_connector_i *conn;
     void *conn_ctx;
+    tdm_prefix_cache_t *prefix; /* tdm_sched_enable_prefix_cache, or NULL */
+    atomic_bool flush_prefix;   /* tdm_sched_flush_prefix_cache asked (any thread) */
     const struct tdm_sched_drafter_i *drafter;
     void *drafter_ctx;
     int draft_k;
@@ -183,6 +187,9 @@ void tdm_sched_reap_cancelled(struct tdm_sched *s, bool cancel_all);
 /* The commit of leader's last prompt span (its KV holds the prompt): its waiting followers
  * take the prompt's KV, while running slots and pages last (tdm_sched_submit_group). */
 void tdm_sched_fork_followers(struct tdm_sched *s, struct tdm_req *leader);
+
+/* Offers r's full pages whose KV is final ([0, n_cached)) to the prefix cache, if any. */
+void tdm_sched_offer_prefix(struct tdm_sched *s, struct tdm_req *r);
 
 /* commit.c */
 /* Applies a run plan's results (st: the run's status) and publishes what came out. */

@@ -70,24 +70,37 @@ struct tdm_server {
     void *extra_metrics_ctx;
 };
 
-/* A generation: its request, reader and waiter (the non-streaming kind is only this). */
+/* One candidate of a generation: its request, its reader (text and stop strings), the reader's
+ * last view, and, streamed, where its events stand. */
+struct cand {
+    tdm_req_t *req;
+    tdm_req_reader_t *rd;
+    struct tdm_req_view v;
+    int prompt; /* tdm_api_prompt's index */
+    int index;  /* its choice's index when streamed (best_of == n: prompt * n + its place) */
+    int sent_out;
+    size_t sent_text;
+    bool first_sent, finish_sent;
+};
+
+/* A generation: its candidates (prompts x best_of, prompt-major; a prompt's are one scheduler
+ * group), and one waiter that any of them wakes. The non-streaming kind is only this. */
 struct gen {
     struct tdm_server *srv;
-    tdm_req_t *req;
-    tdm_req_reader_t *rd; /* this request's text and stop strings */
     struct api_req ar;
     char id[48];
     long created;
     struct waiter w;
+    int n_cand;
+    struct cand *c;
+    struct api_choice *ch; /* [n_cand] the response's choices */
 };
 
 /* A streaming generation: the generation, and where its events stand. */
 struct stream {
     struct gen g;
-    struct tdm_req_view v; /* the reader's last view */
-    int sent_out;
-    size_t sent_text;
-    bool first_sent, finish_sent, usage_sent, done;
+    int next; /* the candidate looked at first next time (round robin) */
+    bool usage_sent, done, failed;
     char *pend;
     size_t pend_len, pend_off;
 };
@@ -178,18 +191,63 @@ static void sweep(void *cls)
     pthread_mutex_unlock(&s->wmu);
 }
 
-/* ---- streaming ---- */
+/* ---- generations ---- */
 
-/* Ends a generation: its request is released first (no notify after that, so the waiter can
+/* Ends a generation: its requests are released first (no notify after that, so the waiter can
  * go), then everything it owns. */
 static void gen_end(struct gen *g)
 {
-    tdm_req_release(g->req);
+    for (int k = 0; k < g->n_cand; k++)
+        if (g->c[k].req) tdm_req_release(g->c[k].req);
     waiter_fini(&g->w);
-    tdm_req_reader_destroy(g->rd);
+    for (int k = 0; k < g->n_cand; k++)
+        tdm_req_reader_destroy(g->c[k].rd);
+    free(g->c);
+    free(g->ch);
     tdm_api_req_free(&g->ar);
     atomic_fetch_sub(&g->srv->active, 1);
 }
+
+/* The choice a candidate renders as: its prompt's first candidate holds the prompt's scores. */
+static struct api_choice choice_of(const struct gen *g, const struct cand *cd, int index)
+{
+    return (struct api_choice){.index = index,
+                               .prompt = cd->prompt,
+                               .v = &cd->v,
+                               .pv = &g->c[cd->prompt * g->ar.best_of].v};
+}
+
+/* Prompt tokens (each prompt once) and the completion tokens of the choices given. */
+static struct api_usage usage_of(const struct gen *g, const struct api_choice *ch, int n)
+{
+    struct api_usage u = {0};
+    for (int i = 0; i < g->ar.n_prompts; i++) { /* a prompt's first candidate looked it up */
+        u.prompt_tokens += tdm_api_prompt(&g->ar, i).n;
+        u.cached_tokens += g->c[i * g->ar.best_of].v.cached_tokens;
+    }
+    for (int i = 0; i < n; i++)
+        u.completion_tokens += ch[i].v->n_out;
+    return u;
+}
+
+/* An error event or reply's status and message for a candidate that ended without an answer. */
+static int failure_of(const struct tdm_req_view *v, char *msg, size_t cap)
+{
+    if (v->finish == TDM_FINISH_CANCELLED) {
+        snprintf(msg, cap, "the request was cancelled (server shutting down)");
+        return 503;
+    }
+    snprintf(msg, cap, "generation failed: %s", v->error_msg);
+    /* a stalled scheduler (the watchdog's TDM_ETIMEDOUT) is worth retrying elsewhere */
+    return v->error == TDM_ETIMEDOUT ? 503 : 500;
+}
+
+static bool failed(const struct tdm_req_view *v)
+{
+    return v->finish == TDM_FINISH_ERROR || v->finish == TDM_FINISH_CANCELLED;
+}
+
+/* ---- streaming ---- */
 
 static void stream_free(void *cls)
 {
@@ -199,71 +257,92 @@ static void stream_free(void *cls)
     free(st);
 }
 
-/* Renders the next SSE event into st->pend. Returns false when there is nothing to send yet.
- * The reader takes in what the scheduler published; nothing here holds the request's lock. */
-static bool stream_next(struct stream *st)
+/* Candidate cd's next event into *ev (*want: one was due, so NULL means out of memory).
+ * Returns false when it has nothing new. */
+static bool cand_next(struct stream *st, struct cand *cd, char **ev, bool *want)
 {
     struct tdm_server *s = st->g.srv;
+    const struct gen *g = &st->g;
+    if (cd->finish_sent) return false;
+    tdm_req_reader_update(cd->rd, cd->req, &cd->v);
+    const struct tdm_req_view v = cd->v;
+    const struct api_choice ch = choice_of(g, cd, cd->index);
+    if (v.n_out > cd->sent_out) {
+        /* one event per token; a token whose text is held back joins the next one */
+        int from = cd->sent_out, to = from + 1;
+        while (to < v.n_out && v.text_end[to - 1] == cd->sent_text && !v.logprobs)
+            to++;
+        bool last = to == v.n_out && v.finish != TDM_FINISH_NONE && !failed(&v);
+        if (v.text_end[to - 1] > cd->sent_text || v.logprobs || !cd->first_sent || last) {
+            *ev = tdm_api_render_chunk(&s->api, &g->ar, g->id, g->created, &ch, from, to,
+                                       cd->sent_text, !cd->first_sent, last);
+            *want = true;
+            cd->first_sent = true;
+            cd->sent_text = last ? v.text_len : v.text_end[to - 1];
+            if (last) cd->finish_sent = true;
+        }
+        cd->sent_out = to; /* without an event: nothing to show for these tokens yet */
+        return true;
+    }
+    if (v.finish == TDM_FINISH_NONE) return false;
+    if (failed(&v)) {
+        char msg[300];
+        struct api_err e;
+        tdm_api_err_set(&e, failure_of(&v, msg, sizeof msg), NULL, "%s", msg);
+        char *j = tdm_api_error_json(&e);
+        if (j && asprintf(ev, "data: %s\n\n", j) < 0) *ev = NULL;
+        free(j);
+        st->failed = true; /* the stream ends with it */
+    } else {
+        *ev = tdm_api_render_chunk(&s->api, &g->ar, g->id, g->created, &ch, v.n_out, v.n_out,
+                                   cd->sent_text, !cd->first_sent, true);
+        cd->first_sent = true;
+    }
+    *want = true;
+    cd->finish_sent = true;
+    return true;
+}
+
+/* Renders the next SSE event into st->pend: the candidates' events in turn, then (every one
+ * finished) the usage event when asked, and [DONE]. Returns false when there is nothing to
+ * send yet. The readers take in what the scheduler published; nothing here holds a request's
+ * lock. */
+static bool stream_next(struct stream *st)
+{
+    struct gen *g = &st->g;
     char *ev = NULL;
-    tdm_req_reader_update(st->g.rd, st->g.req, &st->v);
-    const struct tdm_req_view v = st->v;
-    if (st->finish_sent) {
-        if (st->g.ar.include_usage && !st->usage_sent && v.finish != TDM_FINISH_ERROR &&
-            v.finish != TDM_FINISH_CANCELLED) {
-            ev = tdm_api_render_usage_chunk(&s->api, &st->g.ar, st->g.id, st->g.created, &v);
+    bool want = false, all = true;
+    for (int k = 0; k < g->n_cand; k++)
+        all &= g->c[k].finish_sent;
+    if (st->failed || all) {
+        if (!st->failed && g->ar.include_usage && !st->usage_sent) {
+            for (int k = 0; k < g->n_cand; k++)
+                g->ch[k] = choice_of(g, &g->c[k], k);
+            ev = tdm_api_render_usage_chunk(&g->srv->api, &g->ar, g->id, g->created,
+                                            usage_of(g, g->ch, g->n_cand));
             st->usage_sent = true;
         } else {
             ev = strdup("data: [DONE]\n\n");
             st->done = true;
         }
-    } else if (v.n_out > st->sent_out) {
-        /* one event per token; a token whose text is held back joins the next one */
-        int from = st->sent_out, to = from + 1;
-        while (to < v.n_out && v.text_end[to - 1] == st->sent_text && !v.logprobs)
-            to++;
-        bool last = to == v.n_out && v.finish != TDM_FINISH_NONE && v.finish != TDM_FINISH_ERROR &&
-                    v.finish != TDM_FINISH_CANCELLED;
-        if (v.text_end[to - 1] > st->sent_text || v.logprobs || !st->first_sent || last) {
-            ev = tdm_api_render_chunk(&s->api, &st->g.ar, st->g.id, st->g.created, &v, from, to,
-                                      st->sent_text, !st->first_sent, last);
-            st->first_sent = true;
-            st->sent_text = last ? v.text_len : v.text_end[to - 1];
-            if (last) st->finish_sent = true;
-        }
-        st->sent_out = to;
-        if (!ev && !st->finish_sent && v.text_end[to - 1] == st->sent_text) {
-            /* nothing to show for these tokens yet */
-            return true;
-        }
-    } else if (v.finish != TDM_FINISH_NONE) {
-        if (v.finish == TDM_FINISH_ERROR || v.finish == TDM_FINISH_CANCELLED) {
-            struct api_err e;
-            tdm_api_err_set(
-                &e, v.finish == TDM_FINISH_CANCELLED || v.error == TDM_ETIMEDOUT ? 503 : 500, NULL,
-                "%s",
-                v.finish == TDM_FINISH_CANCELLED ? "the request was cancelled (server "
-                                                   "shutting down)"
-                                                 : v.error_msg);
-            char *j = tdm_api_error_json(&e);
-            if (j && asprintf(&ev, "data: %s\n\n", j) < 0) ev = NULL;
-            free(j);
-        } else {
-            ev = tdm_api_render_chunk(&s->api, &st->g.ar, st->g.id, st->g.created, &v, v.n_out,
-                                      v.n_out, st->sent_text, !st->first_sent, true);
-            st->first_sent = true;
-        }
-        st->finish_sent = true;
+        want = true;
     } else {
-        return false;
+        bool progress = false;
+        for (int t = 0; t < g->n_cand && !progress; t++) {
+            int k = (st->next + t) % g->n_cand;
+            if (cand_next(st, &g->c[k], &ev, &want)) {
+                progress = true;
+                st->next = (k + 1) % g->n_cand;
+            }
+        }
+        if (!progress) return false;
+        if (!want) return true;
     }
     free(st->pend);
     st->pend = ev;
     st->pend_len = ev ? strlen(ev) : 0;
     st->pend_off = 0;
-    if (!ev && !st->done) {
-        /* out of memory while rendering: end the stream */
-        st->done = true;
-    }
+    if (!ev) st->done = true; /* out of memory while rendering: end the stream */
     return true;
 }
 
@@ -293,29 +372,98 @@ static void gen_free(void *app)
     free(app);
 }
 
-/* A non-streaming generation: answers when it has finished, else suspends (and is called again
- * when resumed). The request ends in gen_free, when libmicrohttpd completes the connection's
- * request. */
+/* A candidate's cumulative log-probability (best_of's ranking). */
+static double cum_logprob(const struct tdm_req_view *v)
+{
+    double sum = 0.0;
+    for (int i = 0; v->logprobs && i < v->n_out; i++)
+        sum += v->logprobs[i];
+    return sum;
+}
+
+/* The response's choices: of each prompt's best_of candidates, the n with the highest
+ * cumulative log-probability (all of them, in order, when best_of == n). */
+static int pick_choices(struct gen *g)
+{
+    const int B = g->ar.best_of, n = g->ar.n;
+    int m = 0;
+    for (int i = 0; i < g->ar.n_prompts; i++) {
+        struct cand *c = g->c + (size_t)i * B;
+        bool taken[TDM_SCHED_MAX_GROUP] = {0};
+        for (int rank = 0; rank < n; rank++) {
+            int best = -1;
+            for (int j = 0; j < B; j++)
+                if (!taken[j] &&
+                    (best < 0 || (B > n && cum_logprob(&c[j].v) > cum_logprob(&c[best].v))))
+                    best = j;
+            taken[best] = true;
+            g->ch[m++] = choice_of(g, &c[best], i * n + rank);
+        }
+    }
+    return m;
+}
+
+/* A non-streaming generation: answers when every candidate has finished (or at once when one
+ * failed), else suspends (and is called again when resumed). The requests end in gen_free,
+ * when libmicrohttpd completes the connection's request. */
 static enum MHD_Result gen_continue(struct tdm_server *s, struct MHD_Connection *c, struct gen *g)
 {
-    struct tdm_req_view v;
+    int bad = -1;
     for (;;) {
         waiter_look(&g->w);
-        tdm_req_reader_update(g->rd, g->req, &v);
-        if (v.finish != TDM_FINISH_NONE) break;
+        int done = 0;
+        for (int k = 0; k < g->n_cand; k++) {
+            tdm_req_reader_update(g->c[k].rd, g->c[k].req, &g->c[k].v);
+            done += g->c[k].v.finish != TDM_FINISH_NONE;
+            if (failed(&g->c[k].v) && bad < 0) bad = k;
+        }
+        if (bad >= 0 || done == g->n_cand) break;
         if (atomic_load(&g->w.gone) || tdm_front_client_gone(c)) return MHD_NO;
         if (waiter_suspend(&g->w)) return MHD_YES;
     }
-    if (v.finish == TDM_FINISH_ERROR) {
+    if (bad >= 0) {
         char msg[300];
-        snprintf(msg, sizeof msg, "generation failed: %s", v.error_msg);
-        /* a stalled scheduler (the watchdog's TDM_ETIMEDOUT) is worth retrying elsewhere */
-        return tdm_reply_errf(c, s->http, v.error == TDM_ETIMEDOUT ? 503 : 500, "%s", msg);
+        int status = failure_of(&g->c[bad].v, msg, sizeof msg);
+        return tdm_reply_errf(c, s->http, status, "%s", msg);
     }
-    if (v.finish == TDM_FINISH_CANCELLED)
-        return tdm_reply_errf(c, s->http, 503, "the request was cancelled (server shutting down)");
-    char *body = tdm_api_render_full(&s->api, &g->ar, g->id, g->created, &v);
+    int m = pick_choices(g);
+    char *body =
+        tdm_api_render_full(&s->api, &g->ar, g->id, g->created, g->ch, m, usage_of(g, g->ch, m));
     return tdm_reply_send(c, s->http, 200, body, "application/json");
+}
+
+/* Creates the candidates' readers and submits each prompt's candidates as one group. Returns
+ * TDM_OK, or the first failure with every request made so far released. */
+static tdm_status gen_submit(struct tdm_server *s, struct gen *g)
+{
+    const struct api_req *ar = &g->ar;
+    const int B = ar->best_of;
+    tdm_status st = TDM_OK;
+    for (int k = 0; k < g->n_cand && st == TDM_OK; k++) {
+        g->c[k].prompt = k / B;
+        g->c[k].index = k;
+        st = tdm_req_reader_create(s->api.tok, (const char *const *)ar->stops, ar->n_stops,
+                                   ar->p.max_tokens, ar->p.top_logprobs, &g->c[k].rd);
+    }
+    struct tdm_req_params ps[TDM_SCHED_MAX_GROUP];
+    tdm_req_t *rs[TDM_SCHED_MAX_GROUP];
+    for (int i = 0; i < ar->n_prompts && st == TDM_OK; i++) {
+        for (int j = 0; j < B; j++) {
+            tdm_api_candidate(ar, i, j, &ps[j]);
+            ps[j].notify = waiter_notify;
+            ps[j].notify_ctx = &g->w;
+        }
+        st = tdm_sched_submit_group(s->sched, ps, B, rs);
+        for (int j = 0; st == TDM_OK && j < B; j++)
+            g->c[i * B + j].req = rs[j];
+    }
+    if (st != TDM_OK)
+        for (int k = 0; k < g->n_cand; k++)
+            if (g->c[k].req) {
+                tdm_req_release(g->c[k].req); /* cancels it */
+                g->c[k].req = NULL;
+            }
+    return st;
 }
 
 static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, bool chat,
@@ -327,46 +475,43 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     struct api_err e;
     if (!tdm_api_parse(&s->api, chat, cc->body ? cc->body : "", cc->len, &ar, &e))
         return tdm_reply_err(c, s->http, &e);
-    tdm_req_reader_t *rd = NULL;
-    tdm_status st = tdm_req_reader_create(s->api.tok, (const char *const *)ar.stops, ar.n_stops,
-                                          ar.p.max_tokens, ar.p.top_logprobs, &rd);
-    /* the waiter lives in the stream or the generation, created before the submit so that
-     * the scheduler's first notify finds it */
+    /* the waiter lives in the stream or the generation, made before the submits so that the
+     * scheduler's first notify finds it */
     struct stream *sm = NULL;
     struct gen *g = NULL;
-    if (st == TDM_OK) {
-        if (ar.stream && (sm = calloc(1, sizeof *sm))) g = &sm->g;
-        if (!ar.stream) g = calloc(1, sizeof *g);
-        if (!g) st = tdm_err_set(TDM_ENOMEM, "out of memory");
+    if (ar.stream && (sm = calloc(1, sizeof *sm))) g = &sm->g;
+    if (!ar.stream) g = calloc(1, sizeof *g);
+    const int n_cand = ar.n_prompts * ar.best_of;
+    if (g) {
+        g->c = calloc((size_t)n_cand, sizeof *g->c);
+        g->ch = calloc((size_t)n_cand, sizeof *g->ch);
     }
-    tdm_req_t *req = NULL;
-    if (st == TDM_OK) {
-        waiter_init(&g->w, s, c);
-        ar.p.notify = waiter_notify;
-        ar.p.notify_ctx = &g->w;
-        st = tdm_sched_submit(s->sched, &ar.p, &req);
-        if (st != TDM_OK) waiter_fini(&g->w);
+    if (!g || !g->c || !g->ch) {
+        if (g) {
+            free(g->c);
+            free(g->ch);
+        }
+        free(sm ? (void *)sm : (void *)g);
+        tdm_api_req_free(&ar);
+        return tdm_reply_errf(c, s->http, 500, "out of memory");
     }
+    g->srv = s;
+    g->ar = ar;
+    g->n_cand = n_cand;
+    atomic_fetch_add(&s->active, 1);
+    waiter_init(&g->w, s, c);
+    tdm_status st = gen_submit(s, g);
     if (st != TDM_OK) {
         int status = st == TDM_EAGAIN || st == TDM_ECANCELED ? 503 : st == TDM_ENOMEM ? 500 : 400;
         tdm_api_err_set(&e, status, NULL, "%s", tdm_err_msg());
-        if (sm)
-            free(sm);
-        else
-            free(g);
-        tdm_req_reader_destroy(rd);
-        tdm_api_req_free(&ar);
+        gen_end(g);
+        free(sm ? (void *)sm : (void *)g);
         return tdm_reply_err(c, s->http, &e);
     }
-    g->srv = s;
-    g->req = req;
-    g->rd = rd;
-    g->ar = ar;
     snprintf(g->id, sizeof g->id, "%s-%llx%08llx", chat ? "chatcmpl" : "cmpl",
              (unsigned long long)tdm_now_ns() & 0xffffffffffull,
-             (unsigned long long)tdm_req_id(req));
+             (unsigned long long)tdm_req_id(g->c[0].req));
     g->created = (long)time(NULL);
-    atomic_fetch_add(&s->active, 1);
 
     if (sm) {
         struct MHD_Response *r =
@@ -451,7 +596,15 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     bool is_models = !strcmp(url, "/v1/models"), is_cmpl = !strcmp(url, "/v1/completions"),
          is_chat = !strcmp(url, "/v1/chat/completions"),
          is_model = !strncmp(url, "/v1/models/", 11) && url[11], is_tok = !strcmp(url, "/tokenize"),
-         is_detok = !strcmp(url, "/detokenize");
+         is_detok = !strcmp(url, "/detokenize"), is_reset = !strcmp(url, "/reset_prefix_cache");
+    if (is_reset) { /* vLLM's: drops the prefix cache's entries (a cache off: nothing to do) */
+        if (!tdm_front_bearer_ok(c, s->api_key))
+            return tdm_reply_errf(c, s->http, 401,
+                                  "missing or invalid API key (send Authorization: Bearer <key>)");
+        if (!post) return tdm_reply_errf(c, s->http, 405, "use POST /reset_prefix_cache");
+        tdm_sched_flush_prefix_cache(s->sched);
+        return tdm_reply_send(c, s->http, 200, strdup("{\"status\":\"ok\"}"), "application/json");
+    }
     if (is_model || is_tok || is_detok) {
         if (!tdm_front_bearer_ok(c, s->api_key))
             return tdm_reply_errf(c, s->http, 401,
@@ -527,6 +680,9 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
         if (tdm_tok_piece(m->tok, i, &len) && len > s->api.max_piece) s->api.max_piece = len;
     }
     tdm_api_find_fim(&s->api);
+    struct tdm_sched_metrics_snapshot ms;
+    tdm_sched_metrics(sched, &ms);
+    s->api.prefix_caching = ms.prefix_on;
     tdm_status st;
     if (!s->model_name || (o->api_key && *o->api_key && !s->api_key)) {
         st = tdm_err_set(TDM_ENOMEM, "server: out of memory");

@@ -114,6 +114,22 @@ char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint6
     scalar(&b, "tandem_sched_stalled_seconds", "gauge",
            "How long the stalled step has run (0 when not stalled).", lab,
            (double)m->stalled_ms / 1000.0);
+    if (m->prefix_on) {
+        scalar(&b, "tandem_prefix_cache_pages", "gauge",
+               "KV pages the prefix cache names (some may be requests' too).", lab,
+               (double)m->prefix.pages);
+        scalar(&b, "tandem_prefix_cache_queried_tokens_total", "counter",
+               "Prompt tokens looked up in the prefix cache (whole pages).", lab,
+               (double)m->prefix.queried_tokens);
+        scalar(&b, "tandem_prefix_cache_hit_tokens_total", "counter",
+               "Of them, found: their KV was reused, not computed.", lab,
+               (double)m->prefix.hit_tokens);
+        scalar(&b, "tandem_prefix_cache_stored_pages_total", "counter",
+               "Full pages added to the prefix cache.", lab, (double)m->prefix.stored_pages);
+        scalar(&b, "tandem_prefix_cache_evicted_pages_total", "counter",
+               "Pages evicted from the prefix cache to make room.", lab,
+               (double)m->prefix.evicted_pages);
+    }
     tdm_sbuf_printf(&b, "# HELP tandem_requests_finished_total Requests finished, by reason.\n"
                         "# TYPE tandem_requests_finished_total counter\n");
     static const char *const reasons[] = {"none", "stop", "length", "cancelled", "error"};

@@ -2,11 +2,15 @@
  * The OpenAI wire format: request validation and response rendering (server_int.h).
  *
  * Validation is strict where a silent mismatch would change the output: fields we do not
- * implement (tools, response_format other than text, n > 1, best_of > 1, suffix on a model
- * without fill-in-the-middle tokens) and unknown fields are refused with 400 and the field
+ * implement (tools, response_format other than text, suffix on a model without
+ * fill-in-the-middle tokens) and unknown fields are refused with 400 and the field
  * named in "param", so a typo like "max_token" is reported instead of ignored. Fields that do not
  * change the output
  * ("user", "metadata", "store", ...) are accepted and ignored.
+ *
+ * Several choices: a completions list of prompts (up to TDM_API_MAX_PROMPTS), n per prompt and
+ * best_of candidates per prompt (each prompt's candidates one scheduler group, sharing its KV),
+ * at most TDM_API_MAX_CANDIDATES requests a body. Choice index = prompt * n + rank.
  *
  * Defaults follow OpenAI: completions generate 16 tokens unless max_tokens (or
  * max_completion_tokens) says otherwise; chat completions run to the end of the context.
@@ -102,6 +106,11 @@ char *tdm_api_error_json(const struct api_err *e)
 
 void tdm_api_req_free(struct api_req *r)
 {
+    for (int i = 0; r->more && i < r->n_prompts - 1; i++) {
+        free(r->more[i].ids);
+        free(r->more[i].echo_text);
+    }
+    free(r->more);
     free(r->prompt);
     free(r->echo_text);
     free(r->bias_ids);
@@ -221,7 +230,8 @@ static bool parse_prompt(const struct api_ctx *c, json_t *v, bool bos, struct ap
             return false;
         }
         if (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))) {
-            tdm_api_err_set(err, 400, "prompt", "only one prompt per request is supported");
+            tdm_api_err_set(err, 400, "prompt",
+                            "a prompt of a list must be a string or a list of token ids");
             return false;
         }
         if (n > (size_t)c->max_ctx) {
@@ -291,6 +301,125 @@ static bool echo_text(const struct api_ctx *c, json_t *v, struct api_req *r, str
         return false;
     }
     r->echo_len = n;
+    return true;
+}
+
+/* A completions prompt that is a list of prompts (strings or token lists) has that many;
+ * anything else (a string, token ids, a list of one) is one. */
+static size_t prompt_list_size(json_t *v)
+{
+    if (!json_is_array(v) || json_array_size(v) < 2) return 1;
+    json_t *e = json_array_get(v, 0);
+    return json_is_string(e) || json_is_array(e) ? json_array_size(v) : 1;
+}
+
+/* A list of prompts: each a string or token ids, into r's first prompt and r->more. */
+static bool parse_prompt_list(const struct api_ctx *c, json_t *v, bool fim, struct api_req *r,
+                              struct api_err *err)
+{
+    size_t n = json_array_size(v);
+    if (fim) {
+        tdm_api_err_set(err, 400, "suffix", "'suffix' takes one prompt, not a list of %zu", n);
+        return false;
+    }
+    if (n > TDM_API_MAX_PROMPTS) {
+        tdm_api_err_set(err, 400, "prompt", "%zu prompts in the list; at most %d", n,
+                        TDM_API_MAX_PROMPTS);
+        return false;
+    }
+    if (!(r->more = calloc(n - 1, sizeof *r->more))) {
+        tdm_api_err_set(err, 500, NULL, "out of memory");
+        return false;
+    }
+    r->n_prompts = (int)n;
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_array_get(v, i);
+        struct api_req t = {0}, *into = i ? &t : r;
+        /* each is one prompt: a string, or token ids (a nested list of lists is not) */
+        json_t *e0 = json_is_array(e) ? json_array_get(e, 0) : NULL;
+        if ((!json_is_string(e) && !json_is_array(e)) || (e0 && !json_is_integer(e0))) {
+            tdm_api_err_set(err, 400, "prompt",
+                            "prompt[%zu] must be a string or a list of token ids", i);
+            return false;
+        }
+        bool ok = parse_prompt(c, e, true, into, err) && (!r->echo || echo_text(c, e, into, err));
+        if (i) {
+            r->more[i - 1] = (struct api_prompt){.ids = t.prompt,
+                                                 .n = t.n_prompt,
+                                                 .echo_text = t.echo_text,
+                                                 .echo_len = t.echo_len,
+                                                 .echo_skip = t.echo_skip};
+        }
+        if (!ok) return false;
+    }
+    return true;
+}
+
+struct api_prompt tdm_api_prompt(const struct api_req *r, int i)
+{
+    if (i > 0 && i < r->n_prompts) return r->more[i - 1];
+    return (struct api_prompt){.ids = r->prompt,
+                               .n = r->n_prompt,
+                               .echo_text = r->echo_text,
+                               .echo_len = r->echo_len,
+                               .echo_skip = r->echo_skip};
+}
+
+void tdm_api_candidate(const struct api_req *r, int i, int j, struct tdm_req_params *out)
+{
+    const struct api_prompt ap = tdm_api_prompt(r, i);
+    *out = r->p;
+    out->prompt = ap.ids;
+    out->n_prompt = ap.n;
+    if (j) { /* splitmix64 of (seed, j): the candidates' draws apart */
+        uint64_t z = r->p.sampling.seed + 0x9e3779b97f4a7c15ull * (uint64_t)j;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        out->sampling.seed = z ^ (z >> 31);
+    }
+}
+
+/* n (completions and chat) and best_of (completions): the candidates a prompt, and how many
+ * of them come back. best_of > n ranks candidates by cumulative log-probability, which needs
+ * logprobs (computed then, and shown only if asked); it cannot be streamed (the best is known
+ * at the end). */
+static bool parse_choices(json_t *root, struct api_req *r, struct api_err *err)
+{
+    int64_t x;
+    json_t *v;
+    r->n = 1;
+    if ((v = json_object_get(root, "n")) && !json_is_null(v)) {
+        if (!get_int(v, "n", 1, TDM_SCHED_MAX_GROUP, &x, err)) return false;
+        r->n = (int)x;
+    }
+    r->best_of = r->n;
+    if ((v = json_object_get(root, "best_of")) && !json_is_null(v)) {
+        if (r->chat) {
+            tdm_api_err_set(err, 400, "best_of", "'best_of' is a completions field");
+            return false;
+        }
+        if (!get_int(v, "best_of", 1, TDM_SCHED_MAX_GROUP, &x, err)) return false;
+        if (x < r->n) {
+            tdm_api_err_set(err, 400, "best_of", "'best_of' (%lld) must be at least 'n' (%d)",
+                            (long long)x, r->n);
+            return false;
+        }
+        r->best_of = (int)x;
+    }
+    if (r->best_of > r->n && r->stream) {
+        tdm_api_err_set(err, 400, "best_of", "'best_of' greater than 'n' cannot be streamed");
+        return false;
+    }
+    if ((int64_t)r->n_prompts * r->best_of > TDM_API_MAX_CANDIDATES) {
+        tdm_api_err_set(err, 400, r->best_of > r->n ? "best_of" : "n",
+                        "%d prompts with %d candidates each is more than %d", r->n_prompts,
+                        r->best_of, TDM_API_MAX_CANDIDATES);
+        return false;
+    }
+    if (r->best_of > r->n && r->p.top_logprobs < 0) {
+        r->p.top_logprobs = 0;
+        r->hide_logprobs = true;
+    }
     return true;
 }
 
@@ -582,11 +711,6 @@ static bool unsupported(const char *key, json_t *v, struct api_err *err)
             return true;
         }
     }
-    if ((!strcmp(key, "n") || !strcmp(key, "best_of")) && !json_is_null(v) &&
-        !(json_is_integer(v) && json_integer_value(v) == 1)) {
-        tdm_api_err_set(err, 400, key, "'%s' must be 1 (one choice per request)", key);
-        return true;
-    }
     return false;
 }
 
@@ -742,11 +866,6 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
         }
         json_t *prompt = json_object_get(root, "prompt"), *suffix = json_object_get(root, "suffix");
         bool fim = suffix && !json_is_null(suffix);
-        /* fill-in-the-middle may have an empty prefix */
-        if (!(fim && json_is_string(prompt) && !json_string_length(prompt)) &&
-            !parse_prompt(c, prompt, !fim, r, err))
-            goto out;
-        if (fim && !apply_suffix(c, suffix, r, err)) goto out;
         if ((v = json_object_get(root, "echo")) && !json_is_null(v)) {
             if (!get_bool(v, "echo", &r->echo, err)) goto out;
             if (r->echo && fim) {
@@ -754,20 +873,35 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                 goto out;
             }
         }
-        if (r->echo && !echo_text(c, prompt, r, err)) goto out;
+        if (prompt_list_size(prompt) > 1) {
+            if (!parse_prompt_list(c, prompt, fim, r, err)) goto out;
+        } else {
+            /* fill-in-the-middle may have an empty prefix */
+            if (!(fim && json_is_string(prompt) && !json_string_length(prompt)) &&
+                !parse_prompt(c, prompt, !fim, r, err))
+                goto out;
+            if (fim && !apply_suffix(c, suffix, r, err)) goto out;
+            if (r->echo && !echo_text(c, prompt, r, err)) goto out;
+        }
     }
-    if (r->n_prompt < 1) {
-        tdm_api_err_set(err, 400, chat ? "messages" : "prompt", "the prompt is empty");
-        goto out;
+    if (!r->n_prompts) r->n_prompts = 1;
+    int longest = 0;
+    for (int i = 0; i < r->n_prompts; i++) {
+        const struct api_prompt ap = tdm_api_prompt(r, i);
+        if (ap.n < 1) {
+            tdm_api_err_set(err, 400, chat ? "messages" : "prompt", "the prompt is empty");
+            goto out;
+        }
+        if (ap.n >= c->max_ctx) {
+            tdm_api_err_set(err, 400, chat ? "messages" : "prompt",
+                            "the prompt has %d tokens; this model's context is %d tokens", ap.n,
+                            c->max_ctx);
+            err->code = CONTEXT_EXCEEDED;
+            goto out;
+        }
+        longest = TDM_MAX(longest, ap.n);
     }
-    if (r->n_prompt >= c->max_ctx) {
-        tdm_api_err_set(err, 400, chat ? "messages" : "prompt",
-                        "the prompt has %d tokens; this model's context is %d tokens", r->n_prompt,
-                        c->max_ctx);
-        err->code = CONTEXT_EXCEEDED;
-        goto out;
-    }
-    int room = c->max_ctx - r->n_prompt;
+    int room = c->max_ctx - longest;
 
     int64_t x;
     double d;
@@ -787,7 +921,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                 err, 400, mt_name,
                 "'%s' is %lld, but the prompt has %d tokens and this model's context is "
                 "%d tokens, which leaves room for %d",
-                mt_name, (long long)x, r->n_prompt, c->max_ctx, room);
+                mt_name, (long long)x, longest, c->max_ctx, room);
             err->code = CONTEXT_EXCEEDED;
             goto out;
         }
@@ -925,6 +1059,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
             goto out;
         }
     }
+    if (!parse_choices(root, r, err)) goto out; /* after logprobs and stream */
     r->p.prompt = r->prompt;
     r->p.n_prompt = r->n_prompt;
     r->p.bias_ids = r->bias_ids;
@@ -992,35 +1127,38 @@ static json_t *top_entry(const struct api_ctx *c, int k, const int32_t *ids, con
     return o;
 }
 
-/* Completions logprobs object for outputs [from, to); with echo, the prompt's tokens first
- * (the first has no log-probability: null), and the outputs' offsets after the echoed text. */
+/* Completions logprobs object for outputs [from, to) of a choice; with echo, its prompt's
+ * tokens first (the first has no log-probability: null), and the outputs' offsets after the
+ * echoed text. */
 static json_t *logprobs_completion(const struct api_ctx *c, const struct api_req *r,
-                                   const struct tdm_req_view *v, int from, int to, size_t text_base,
+                                   const struct api_choice *ch, int from, int to, size_t text_base,
                                    bool echo)
 {
-    if (!v->logprobs) return json_null();
+    const struct tdm_req_view *v = ch->v, *pv = ch->pv ? ch->pv : ch->v;
+    if (!v->logprobs || r->hide_logprobs) return json_null();
     json_t *toks = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
     int k = r->p.top_logprobs;
     size_t shift = 0;
     if (echo) {
-        const int pk = v->prompt_top;
-        for (int i = 0; i < r->n_prompt; i++) {
-            const int32_t t = r->prompt[i];
-            const bool has = i > 0 && v->prompt_lps;
+        const struct api_prompt ap = tdm_api_prompt(r, ch->prompt);
+        const int pk = pv->prompt_top;
+        for (int i = 0; i < ap.n; i++) {
+            const int32_t t = ap.ids[i];
+            const bool has = i > 0 && pv->prompt_lps;
             json_array_append_new(toks, token_str(c, t));
-            json_array_append_new(lps, has ? lp_value(v->prompt_lps[i]) : json_null());
+            json_array_append_new(lps, has ? lp_value(pv->prompt_lps[i]) : json_null());
             json_array_append_new(
-                tops, has ? top_entry(c, TDM_MIN(k, pk), v->prompt_top_ids + (size_t)i * pk,
-                                      v->prompt_top_lps + (size_t)i * pk, t, v->prompt_lps[i])
+                tops, has ? top_entry(c, TDM_MIN(k, pk), pv->prompt_top_ids + (size_t)i * pk,
+                                      pv->prompt_top_lps + (size_t)i * pk, t, pv->prompt_lps[i])
                           : json_null());
             json_array_append_new(offs, json_integer((json_int_t)shift));
-            if (i >= r->echo_skip) {
+            if (i >= ap.echo_skip) {
                 size_t len = 0;
                 tdm_tok_piece(c->tok, t, &len);
                 shift += len;
             }
         }
-        shift = r->echo_len; /* the outputs follow the echoed text */
+        shift = ap.echo_len; /* the outputs follow the echoed text */
     }
     for (int i = from; i < to; i++) {
         json_array_append_new(toks, token_str(c, v->tokens[i]));
@@ -1036,22 +1174,25 @@ static json_t *logprobs_completion(const struct api_ctx *c, const struct api_req
                      tops, "text_offset", offs);
 }
 
-/* A completion's text: with echo, the prompt's text before it. */
-static json_t *completion_text(const struct api_req *r, const char *text, size_t len, bool echo)
+/* A completion's text: with echo, its prompt's text before it. */
+static json_t *completion_text(const struct api_req *r, int prompt, const char *text, size_t len,
+                               bool echo)
 {
     if (!echo) return jstr(text, len);
-    char *both = malloc(r->echo_len + len + 1);
+    const struct api_prompt ap = tdm_api_prompt(r, prompt);
+    char *both = malloc(ap.echo_len + len + 1);
     if (!both) return NULL;
-    memcpy(both, r->echo_text, r->echo_len);
-    memcpy(both + r->echo_len, text, len);
-    json_t *j = jstr(both, r->echo_len + len);
+    memcpy(both, ap.echo_text, ap.echo_len);
+    memcpy(both + ap.echo_len, text, len);
+    json_t *j = jstr(both, ap.echo_len + len);
     free(both);
     return j;
 }
 
 static json_t *logprobs_chat(const struct api_ctx *c, const struct api_req *r,
-                             const struct tdm_req_view *v, int from, int to)
+                             const struct api_choice *ch, int from, int to)
 {
+    const struct tdm_req_view *v = ch->v;
     if (!v->logprobs || !r->chat_logprobs) return json_null();
     json_t *content = json_array();
     int k = r->p.top_logprobs;
@@ -1072,10 +1213,15 @@ static json_t *logprobs_chat(const struct api_ctx *c, const struct api_req *r,
     return json_pack("{s:o}", "content", content);
 }
 
-static json_t *usage(const struct tdm_req_view *v)
+static json_t *usage(const struct api_ctx *c, struct api_usage u)
 {
-    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", v->n_prompt, "completion_tokens", v->n_out,
-                     "total_tokens", v->n_prompt + v->n_out);
+    json_t *j =
+        json_pack("{s:i, s:i, s:i}", "prompt_tokens", u.prompt_tokens, "completion_tokens",
+                  u.completion_tokens, "total_tokens", u.prompt_tokens + u.completion_tokens);
+    if (j && c->prefix_caching)
+        json_object_set_new(j, "prompt_tokens_details",
+                            json_pack("{s:i}", "cached_tokens", u.cached_tokens));
+    return j;
 }
 
 static json_t *finish_value(const struct tdm_req_view *v)
@@ -1094,23 +1240,29 @@ static char *dump(json_t *root)
 }
 
 char *tdm_api_render_full(const struct api_ctx *c, const struct api_req *r, const char *id,
-                          long created, const struct tdm_req_view *v)
+                          long created, const struct api_choice *ch, int n_ch, struct api_usage u)
 {
-    json_t *choice;
-    if (r->chat) {
-        choice = json_pack("{s:i, s:{s:s, s:o}, s:o, s:o}", "index", 0, "message", "role",
-                           "assistant", "content", jstr(v->text, v->text_len), "logprobs",
-                           logprobs_chat(c, r, v, 0, v->n_out), "finish_reason", finish_value(v));
-    } else {
-        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "text",
-                           completion_text(r, v->text, v->text_len, r->echo), "logprobs",
-                           logprobs_completion(c, r, v, 0, v->n_out, 0, r->echo), "finish_reason",
-                           finish_value(v));
+    json_t *choices = json_array();
+    for (int i = 0; i < n_ch; i++) {
+        const struct tdm_req_view *v = ch[i].v;
+        json_t *choice;
+        if (r->chat)
+            choice = json_pack("{s:i, s:{s:s, s:o}, s:o, s:o}", "index", ch[i].index, "message",
+                               "role", "assistant", "content", jstr(v->text, v->text_len),
+                               "logprobs", logprobs_chat(c, r, &ch[i], 0, v->n_out),
+                               "finish_reason", finish_value(v));
+        else
+            choice =
+                json_pack("{s:i, s:o, s:o, s:o}", "index", ch[i].index, "text",
+                          completion_text(r, ch[i].prompt, v->text, v->text_len, r->echo),
+                          "logprobs", logprobs_completion(c, r, &ch[i], 0, v->n_out, 0, r->echo),
+                          "finish_reason", finish_value(v));
+        json_array_append_new(choices, choice);
     }
-    return dump(json_pack("{s:s, s:s, s:i, s:s, s:[o], s:o}", "id", id, "object",
+    return dump(json_pack("{s:s, s:s, s:i, s:s, s:o, s:o}", "id", id, "object",
                           r->chat ? "chat.completion" : "text_completion", "created",
-                          (json_int_t)created, "model", c->model_name, "choices", choice, "usage",
-                          usage(v)));
+                          (json_int_t)created, "model", c->model_name, "choices", choices, "usage",
+                          usage(c, u)));
 }
 
 static char *sse(json_t *root)
@@ -1129,16 +1281,17 @@ static char *sse(json_t *root)
 }
 
 char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
-                           long created, const struct tdm_req_view *v, int from, int to,
+                           long created, const struct api_choice *ch, int from, int to,
                            size_t text_from, bool first, bool finish)
 {
+    const struct tdm_req_view *v = ch->v;
     size_t text_to = to > 0 ? v->text_end[to - 1] : 0;
     if (finish) text_to = v->text_len;
     if (text_to < text_from) text_to = text_from;
     /* echo: the prompt comes with the first chunk */
-    json_t *text =
-        r->chat ? jstr(v->text + text_from, text_to - text_from)
-                : completion_text(r, v->text + text_from, text_to - text_from, r->echo && first);
+    json_t *text = r->chat ? jstr(v->text + text_from, text_to - text_from)
+                           : completion_text(r, ch->prompt, v->text + text_from,
+                                             text_to - text_from, r->echo && first);
     json_t *choice;
     if (r->chat) {
         json_t *delta = json_object();
@@ -1147,18 +1300,18 @@ char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, con
             json_object_set_new(delta, "content", text);
         else
             json_decref(text);
-        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "delta", delta, "logprobs",
-                           logprobs_chat(c, r, v, from, to), "finish_reason",
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", ch->index, "delta", delta, "logprobs",
+                           logprobs_chat(c, r, ch, from, to), "finish_reason",
                            finish ? finish_value(v) : json_null());
     } else {
-        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "text", text, "logprobs",
-                           logprobs_completion(c, r, v, from, to, text_from, r->echo && first),
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", ch->index, "text", text, "logprobs",
+                           logprobs_completion(c, r, ch, from, to, text_from, r->echo && first),
                            "finish_reason", finish ? finish_value(v) : json_null());
     }
     json_t *chunk = json_pack("{s:s, s:s, s:i, s:s, s:[o]}", "id", id, "object",
                               r->chat ? "chat.completion.chunk" : "text_completion", "created",
                               (json_int_t)created, "model", c->model_name, "choices", choice);
-    if (chunk && r->continuous_usage) { /* the tokens through this chunk */
+    if (chunk && r->continuous_usage) { /* this choice's tokens through this chunk */
         int n_out = finish ? v->n_out : to;
         json_object_set_new(chunk, "usage",
                             json_pack("{s:i, s:i, s:i}", "prompt_tokens", v->n_prompt,
@@ -1169,12 +1322,12 @@ char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, con
 }
 
 char *tdm_api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
-                                 long created, const struct tdm_req_view *v)
+                                 long created, struct api_usage u)
 {
     return sse(json_pack("{s:s, s:s, s:i, s:s, s:[], s:o}", "id", id, "object",
                          r->chat ? "chat.completion.chunk" : "text_completion", "created",
                          (json_int_t)created, "model", c->model_name, "choices", "usage",
-                         usage(v)));
+                         usage(c, u)));
 }
 
 static json_t *model_object(const struct api_ctx *c, long created)

@@ -30,12 +30,25 @@ struct api_ctx {
     const char *model_name;
     int max_ctx;
     int vocab;
-    int32_t fim[3];   /* fill-in-the-middle tokens: prefix, suffix, middle; -1 when the
-                       * vocabulary lacks them (then 'suffix' is refused) */
-    size_t max_piece; /* bytes of the vocabulary's longest token: text of B bytes has at least
-                       * B / max_piece tokens, so a prompt far over the context is refused
-                       * before it is tokenized; 0: unknown */
+    int32_t fim[3];      /* fill-in-the-middle tokens: prefix, suffix, middle; -1 when the
+                          * vocabulary lacks them (then 'suffix' is refused) */
+    bool prefix_caching; /* usage carries prompt_tokens_details.cached_tokens */
+    size_t max_piece;    /* bytes of the vocabulary's longest token: text of B bytes has at least
+                          * B / max_piece tokens, so a prompt far over the context is refused
+                          * before it is tokenized; 0: unknown */
 };
+
+/* One prompt of a request: its tokens, and echo's text of it (api_req.echo_text). */
+struct api_prompt {
+    int32_t *ids;
+    int n;
+    char *echo_text;
+    size_t echo_len;
+    int echo_skip;
+};
+
+#define TDM_API_MAX_PROMPTS    64  /* a completions list of prompts */
+#define TDM_API_MAX_CANDIDATES 256 /* prompts x best_of: the requests one body may start */
 
 struct api_req {
     bool chat, stream, include_usage;
@@ -49,6 +62,15 @@ struct api_req {
     char *echo_text;
     size_t echo_len;
     int echo_skip;
+    /* the fields above (prompt, n_prompt, echo_*) are the first prompt; a completions list of
+     * prompts has n_prompts > 1, the later ones in more[n_prompts - 1] (tdm_api_prompt) */
+    int n_prompts;
+    struct api_prompt *more;
+    /* n choices a prompt, from best_of candidates (best_of >= n; the n with the highest
+     * cumulative log-probability are returned); hide_logprobs: logprobs were computed for that
+     * ranking alone */
+    int n, best_of;
+    bool hide_logprobs;
     int32_t *prompt; /* malloc'd */
     int n_prompt;
     int32_t *bias_ids; /* logit_bias, malloc'd (NULL: none) */
@@ -69,22 +91,40 @@ bool tdm_api_model_known(const struct api_ctx *c, const char *name, struct api_e
 bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t len,
                    struct api_req *out, struct api_err *err);
 void tdm_api_req_free(struct api_req *r);
+/* Prompt i (0 .. n_prompts - 1) of a parsed request (a view: r owns it). */
+struct api_prompt tdm_api_prompt(const struct api_req *r, int i);
+/* The scheduler's parameters of candidate j (0 .. best_of - 1) of prompt i: r->p with that
+ * prompt, and for j > 0 a seed of its own derived from r's (candidate 0 has r's seed, so one
+ * choice is what the same request without n gives). */
+void tdm_api_candidate(const struct api_req *r, int i, int j, struct tdm_req_params *out);
 
 /* {"error": {...}} as a malloc'd string. */
 char *tdm_api_error_json(const struct api_err *e);
 void tdm_api_err_set(struct api_err *e, int status, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* One choice of a response: its index, its prompt (tdm_api_prompt), its request's view, and
+ * the view holding its prompt's log-probabilities (echo: the prompt's first candidate, the
+ * one that scored it). */
+struct api_choice {
+    int index, prompt;
+    const struct tdm_req_view *v, *pv;
+};
+struct api_usage {
+    int prompt_tokens, completion_tokens;
+    int cached_tokens; /* of the prompt tokens, found in the prefix cache */
+};
+
 /* Rendering. `id` is "cmpl-..." or "chatcmpl-...". All return malloc'd strings (NULL on OOM). */
 char *tdm_api_render_full(const struct api_ctx *c, const struct api_req *r, const char *id,
-                          long created, const struct tdm_req_view *v);
-/* One SSE event ("data: {...}\n\n") for outputs [from, to) of v. `first` adds the chat role
- * delta; finish adds finish_reason. */
+                          long created, const struct api_choice *ch, int n_ch, struct api_usage u);
+/* One SSE event ("data: {...}\n\n") for outputs [from, to) of one choice. `first` adds the
+ * chat role delta (and echo's prompt); finish adds finish_reason. */
 char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
-                           long created, const struct tdm_req_view *v, int from, int to,
+                           long created, const struct api_choice *ch, int from, int to,
                            size_t text_from, bool first, bool finish);
 char *tdm_api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
-                                 long created, const struct tdm_req_view *v);
+                                 long created, struct api_usage u);
 char *tdm_api_render_models(const struct api_ctx *c, long created);
 /* GET /v1/models/{id}: the model object alone. */
 char *tdm_api_render_model(const struct api_ctx *c, long created);

@@ -75,6 +75,7 @@ struct bs_plan {
     double rate; /* req/s; INFINITY for all at once */
     int concurrency, num_prompts;
     int input_len, output_len;
+    int prefix_len; /* synthetic: a prefix of this many tokens (words) every prompt shares */
     double input_range, output_range;
     int64_t token_lo, token_hi; /* synthetic ids drawn from [lo, hi) */
     uint64_t seed;
@@ -143,19 +144,24 @@ static char *build_body(const struct bs_plan *p, int i, int *n_in_planned, int *
     if (!root) return NULL;
     int n_out = draw_len(p->output_len, p->output_range, rng(p, i, 0, 1));
     int n_in = draw_len(p->input_len, p->input_range, rng(p, i, 0, 0));
+    /* the shared prefix's draws are request -1's, the same for every request */
+    const int pre = p->source == SRC_FILE ? 0 : p->prefix_len;
     if (p->source == SRC_IDS) {
         prompt = json_array();
-        for (int k = 0; prompt && k < n_in; k++) {
-            int64_t id = p->token_lo + (int64_t)(rng(p, i, (uint32_t)k + 1, 0) *
-                                                 (double)(p->token_hi - p->token_lo));
+        for (int k = 0; prompt && k < pre + n_in; k++) {
+            double u =
+                k < pre ? rng(p, -1, (uint32_t)k + 1, 2) : rng(p, i, (uint32_t)(k - pre) + 1, 0);
+            int64_t id = p->token_lo + (int64_t)(u * (double)(p->token_hi - p->token_lo));
             if (json_array_append_new(prompt, json_integer(id))) goto out_free;
         }
     } else if (p->source == SRC_WORDS) {
-        size_t cap = (size_t)n_in * 12 + 1, len = 0;
+        size_t cap = (size_t)(pre + n_in) * 12 + 1, len = 0;
         text = malloc(cap);
         if (!text) goto out_free;
-        for (int k = 0; k < n_in; k++) {
-            size_t w = (size_t)(rng(p, i, (uint32_t)k + 1, 0) * TDM_ARRAY_LEN(WORDS));
+        for (int k = 0; k < pre + n_in; k++) {
+            double u =
+                k < pre ? rng(p, -1, (uint32_t)k + 1, 2) : rng(p, i, (uint32_t)(k - pre) + 1, 0);
+            size_t w = (size_t)(u * TDM_ARRAY_LEN(WORDS));
             len += (size_t)snprintf(text + len, cap - len, "%s%s", k ? " " : "", WORDS[w]);
         }
         prompt = json_string(text);
@@ -183,7 +189,7 @@ static char *build_body(const struct bs_plan *p, int i, int *n_in_planned, int *
         goto out_free;
     if (p->extra_body && json_object_update(root, p->extra_body)) goto out_free;
     out = json_dumps(root, JSON_COMPACT);
-    *n_in_planned = n_in;
+    *n_in_planned = pre + n_in;
     *max_tokens = n_out;
 out_free:
     free(text);
@@ -749,6 +755,7 @@ static int report(const struct bs_plan *p, struct bs_run *run, const char *json_
                     "input_len", p->input_len, "input_len_range", p->input_range, "output_len",
                     p->output_len, "output_len_range", p->output_range, "seed", (json_int_t)p->seed,
                     "ignore_eos", p->ignore_eos, "timeout_s", p->timeout_s);
+    if (cfg) json_object_set_new(cfg, "prefix_len", json_integer(p->prefix_len));
     for (int k = 0; k < n_err_kinds; k++)
         json_object_set_new(errors, errs[k].kind, json_integer(errs[k].n));
     for (int i = 0; reqs && i < n; i++) {
@@ -867,6 +874,8 @@ static void usage(FILE *f)
         "  --num-prompts N        requests to send (default 100)\n"
         "  --input-len N          prompt length, tokens or words (default 128)\n"
         "  --input-len-range F    uniform in [N(1-F), N(1+F)], 0 <= F < 1 (default 0)\n"
+        "  --prefix-len N         synthetic: every prompt starts with the same N tokens (words),\n"
+        "                         as a shared system prompt (default 0)\n"
         "  --output-len N         max_tokens (default 128)\n"
         "  --output-len-range F   as for the input (default 0)\n"
         "  --dataset D            synthetic (random ids for completions, random words for\n"
@@ -973,7 +982,7 @@ int tdm_cmd_bench_serve(int argc, char **argv)
     pthread_t *threads = NULL;
     int n_threads = 0;
     int64_t conc = p.concurrency, num = p.num_prompts, in_len = p.input_len, out_len = p.output_len,
-            seed = 0;
+            seed = 0, prefix_len = 0;
     const struct tdm_opt own[] = {
         TDM_OPT_S("url", &p.url),
         TDM_OPT_S("model", &p.model),
@@ -983,6 +992,7 @@ int tdm_cmd_bench_serve(int argc, char **argv)
         TDM_OPT_I("num-prompts", &num, 1, MAX_PROMPTS),
         TDM_OPT_I("input-len", &in_len, 1, MAX_LEN),
         TDM_OPT_F("input-len-range", &p.input_range, 0, 0.999),
+        TDM_OPT_I("prefix-len", &prefix_len, 0, MAX_LEN),
         TDM_OPT_I("output-len", &out_len, 1, MAX_LEN),
         TDM_OPT_F("output-len-range", &p.output_range, 0, 0.999),
         TDM_OPT_S("dataset", &dataset),
@@ -1006,6 +1016,7 @@ int tdm_cmd_bench_serve(int argc, char **argv)
     p.concurrency = (int)conc;
     p.num_prompts = (int)num;
     p.input_len = (int)in_len;
+    p.prefix_len = (int)prefix_len;
     p.output_len = (int)out_len;
     p.seed = (uint64_t)seed;
     p.ignore_eos = !no_ignore_eos;

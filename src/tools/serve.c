@@ -46,6 +46,9 @@ static void usage(FILE *f)
         "  --backend cpu|cuda      compute backend (default cpu)\n"
         "  --gpu-memory-fraction F CUDA: share of GPU memory for weights, workspace and KV (0.9)\n"
         "  --batch-invariant       never use OpenBLAS (see docs/DESIGN.md)\n"
+        "  --prefix-caching        reuse the KV of prompts' cached prefixes (whole pages), kept\n"
+        "                          until memory is needed; POST /reset_prefix_cache drops them\n"
+        "                          (not with --role prefill|decode, --spec mtp|eagle yet)\n"
         "  --max-body BYTES        request body limit (default 4194304)\n"
         "  --drain-timeout S       seconds to let requests finish on SIGTERM (default "
         "30)\n" TDM_TOOL_HTTP_USAGE
@@ -233,7 +236,7 @@ int tdm_cmd_serve(int argc, char **argv)
     int64_t mbt = 512, seqs = 64, chunk = 0, waiting = 1024, page = 16, pages = 0;
     int64_t ctx = 0, threads = 0;
     size_t kv_bytes = 0;
-    bool inv = false;
+    bool inv = false, prefix_caching = false;
     const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
     const char *addr_file = NULL, *fabric_key_file = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
@@ -260,6 +263,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("max-ctx", &ctx, 2, 1 << 24),
         TDM_OPT_I("threads", &threads, 1, 1024),
         TDM_OPT_B("batch-invariant", &inv),
+        TDM_OPT_B("prefix-caching", &prefix_caching),
         TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind),
         TDM_OPT_F("gpu-memory-fraction", &gpu_frac, 0.05, 1.0),
         TDM_OPT_P("role", opt_role, &role),
@@ -289,6 +293,13 @@ int tdm_cmd_serve(int argc, char **argv)
     }
     if (!is_decode && peers_arg) {
         fprintf(stderr, "tandem serve: --prefill-peers is for --role decode\n");
+        return 2;
+    }
+    if ((is_prefill || is_decode) && prefix_caching) {
+        fprintf(stderr,
+                "tandem serve: --prefix-caching does not work with disaggregation "
+                "(--role %s) yet: the KV of a cached prefix would not be sent\n",
+                role);
         return 2;
     }
     if ((is_prefill || is_decode) && backend_kind == TDM_BACKEND_CUDA) {
@@ -437,6 +448,16 @@ int tdm_cmd_serve(int argc, char **argv)
         if (tdm_disagg_decode_create(&dopt, e, sched, &dec) != TDM_OK) {
             tdm_tool_fail("decode messenger");
             goto out_sched;
+        }
+    }
+    if (prefix_caching) { /* salted with the model and the pool's geometry */
+        uint64_t salt = 1469598103934665603ull ^ (uint64_t)page;
+        for (const char *p = model ? model : TDM_DEFAULT_MODEL_FILE; *p; p++)
+            salt = (salt ^ (unsigned char)*p) * 1099511628211ull;
+        if (tdm_sched_enable_prefix_cache(sched, salt) != TDM_OK) {
+            fprintf(stderr, "tandem serve: --prefix-caching: %s\n", tdm_err_msg());
+            rc = 2;
+            goto out_disagg;
         }
     }
     if (tdm_sched_start(sched) != TDM_OK) {

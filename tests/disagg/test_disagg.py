@@ -181,22 +181,35 @@ def test_chat_and_stream_through_disaggregation(colocated, pair):
     prefill_idle(p)
 
 
-def test_echo_logprobs_prefill_on_the_decode_node(colocated, pair):
-    """A request that scores its prompt (echo with logprobs) is prefilled on the decode node,
-    where its prompt rows are sampled (no remote prefill is counted for it), and answers as
-    the colocated server does."""
+def answers_as_colocated(colocated, pair, body):
+    """The decode node's answer to body is the colocated server's; returns the remote prefills
+    it took."""
     p, d = pair
-    body = {"prompt": prompts(1, 14, [40])[0], "echo": True, "logprobs": 3, "max_tokens": 4,
-            "temperature": 0}
     st, a = colocated.post("/v1/completions", body)
     m0 = d.metrics()
     st2, b = d.post("/v1/completions", body)
     assert st == st2 == 200, b
     assert a["choices"] == b["choices"]
     m1 = decode_idle(d)
-    assert m1[("tandem_disagg_remote_prefills_total", ())] == \
-        m0[("tandem_disagg_remote_prefills_total", ())]
     prefill_idle(p)
+    return m1[("tandem_disagg_remote_prefills_total", ())] - \
+        m0[("tandem_disagg_remote_prefills_total", ())]
+
+
+def test_echo_logprobs_prefill_on_the_decode_node(colocated, pair):
+    """A request that scores its prompt (echo with logprobs) is prefilled on the decode node,
+    where its prompt rows are sampled (no remote prefill is counted for it)."""
+    body = {"prompt": prompts(1, 14, [40])[0], "echo": True, "logprobs": 3, "max_tokens": 4,
+            "temperature": 0}
+    assert answers_as_colocated(colocated, pair, body) == 0
+
+
+def test_n_choices_through_disaggregation(colocated, pair):
+    """n = 3 on a decode node: the prompt is prefilled remotely once (its first choice's), and
+    the other choices take its KV on the decode node."""
+    body = {"prompt": prompts(1, 15, [70])[0], "n": 3, "max_tokens": 6, "temperature": 1.0,
+            "seed": 21, "logprobs": 0, "ignore_eos": True}
+    assert answers_as_colocated(colocated, pair, body) == 1
 
 
 def test_layer_streaming(pair):

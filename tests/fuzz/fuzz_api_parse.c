@@ -8,7 +8,7 @@
  * carry a 4xx status and a message. Never a crash, a leak or a hang. Bit 1 of the first byte
  * sends the body to vLLM's /tokenize (bit 0 set) or /detokenize instead: an answer must be
  * JSON, a refusal a 4xx with a message. An accepted echo has its text, and max_tokens 0 only
- * with the prompt scored.
+ * with the prompt scored; a list of prompts and n / best_of stay within their caps.
  *
  * Layout: u8 (bit 0: chat or tokenize; bit 1: the tokenizer routes; bit 2: the model has
  * fill-in-the-middle tokens, so 'suffix' is taken), then the body.
@@ -55,15 +55,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (e.status < 400 || e.status > 499 || !e.message[0]) abort();
         return 0;
     }
-    if (r.n_prompt < 1 || r.n_prompt >= c.max_ctx || !r.prompt) abort();
-    for (int i = 0; i < r.n_prompt; i++)
-        if (r.prompt[i] < 0 || r.prompt[i] >= c.vocab) abort();
-    /* max_tokens 0 only for a request that scores its prompt (echo), which the scheduler
-     * takes; echo's text is there and NUL-terminated */
-    if (r.p.max_tokens < (r.p.prompt_logprobs ? 0 : 1) || r.n_prompt + r.p.max_tokens > c.max_ctx)
+    /* every prompt of a list, each candidate's parameters; max_tokens 0 only for a request
+     * that scores its prompt (echo), which the scheduler takes; echo's text is there and
+     * NUL-terminated */
+    if (r.n_prompts < 1 || r.n_prompts > TDM_API_MAX_PROMPTS || r.n < 1 || r.best_of < r.n ||
+        r.best_of > TDM_SCHED_MAX_GROUP || r.n_prompts * r.best_of > TDM_API_MAX_CANDIDATES ||
+        (r.best_of > r.n && (r.stream || r.p.top_logprobs < 0)))
         abort();
+    for (int k = 0; k < r.n_prompts; k++) {
+        const struct api_prompt ap = tdm_api_prompt(&r, k);
+        if (ap.n < 1 || ap.n >= c.max_ctx || !ap.ids) abort();
+        for (int i = 0; i < ap.n; i++)
+            if (ap.ids[i] < 0 || ap.ids[i] >= c.vocab) abort();
+        if (r.p.max_tokens < (r.p.prompt_logprobs ? 0 : 1) || ap.n + r.p.max_tokens > c.max_ctx)
+            abort();
+        if (r.echo && (!ap.echo_text || ap.echo_text[ap.echo_len] || ap.echo_skip > ap.n)) abort();
+        struct tdm_req_params cp;
+        tdm_api_candidate(&r, k, r.best_of - 1, &cp);
+        if (cp.prompt != ap.ids || cp.n_prompt != ap.n) abort();
+    }
     if (r.p.prompt_logprobs && !r.echo) abort();
-    if (r.echo && (!r.echo_text || r.echo_text[r.echo_len] || r.echo_skip > r.n_prompt)) abort();
     if (tdm_sampling_validate(&r.p.sampling) != TDM_OK) abort();
     if (r.p.top_logprobs > TDM_MAX_TOP_LOGPROBS) abort();
     char *j = tdm_api_error_json(&(struct api_err){.status = 400, .message = "x"});

@@ -1156,6 +1156,93 @@ static void test_groups_share_the_prompt(void **state)
     tdm_req_t *rs[2];
     assert_int_equal(tdm_sched_submit_group(f.s, ps, 2, rs), TDM_EINVAL);
     assert_int_equal(tdm_sched_submit_group(f.s, ps, 0, rs), TDM_ERANGE);
+    /* a one-token prompt: nothing to share, each runs its token */
+    ps[0].n_prompt = ps[1].n_prompt = 1;
+    assert_int_equal(tdm_sched_submit_group(f.s, ps, 2, rs), TDM_OK);
+    f.x.leader_of[tdm_req_id(rs[1])] = tdm_req_id(rs[0]);
+    run_until_done(&f, rs, 2);
+    for (int i = 0; i < 2; i++) {
+        expect_output(rs[i], a, 1, 2, TDM_FINISH_LENGTH);
+        tdm_req_release(rs[i]);
+    }
+    fix_close(&f);
+}
+
+/* Prefix caching: a request reuses the whole pages of an earlier one's token list that its own
+ * starts with (its first span starts past them, at least its last token left to run), reads
+ * them through its page table (the stand-in's output is right only if they hold that prefix),
+ * and reports them as cached; a small pool evicts what only the cache holds instead of
+ * failing; a flush gives every page back. */
+static void test_prefix_cache(void **state)
+{
+    (void)state;
+    struct fix f;
+    fix_open(&f, 64, NULL, 64, 8);
+    assert_int_equal(tdm_sched_enable_prefix_cache(f.s, 1), TDM_OK);
+    int32_t a[22], b[30];
+    make_prompt(a, 22, 5);
+    memcpy(b, a, sizeof a);
+    for (int i = 22; i < 30; i++)
+        b[i] = (int32_t)(i % VOCAB);
+    tdm_req_t *ra = submit(&f, a, 22, 5, NULL);
+    run_until_done(&f, &ra, 1);
+    expect_output(ra, a, 22, 5, TDM_FINISH_LENGTH);
+    /* b shares a's prompt; a's outputs (positions 22..25) differ from b's tokens there */
+    int before = f.x.n_rec;
+    tdm_req_t *rb = submit(&f, b, 30, 4, NULL);
+    tdm_req_t *rc = submit(&f, a, 22, 5, NULL);
+    f.x.leader_of[tdm_req_id(rb)] = f.x.leader_of[tdm_req_id(rc)] = tdm_req_id(ra);
+    tdm_req_t *rs[2] = {rb, rc};
+    run_until_done(&f, rs, 2);
+    expect_output(rb, b, 30, 4, TDM_FINISH_LENGTH);
+    expect_output(rc, a, 22, 5, TDM_FINISH_LENGTH); /* the same as the first time */
+    for (int i = before; i < f.x.n_rec; i++)
+        if (f.x.rec[i].req_id == tdm_req_id(rb) || f.x.rec[i].req_id == tdm_req_id(rc)) {
+            assert_int_equal(f.x.rec[i].pos0, 20); /* five pages of 4 reused */
+            break;
+        }
+    for (int k = 0; k < 2; k++) {
+        struct tdm_req_view v;
+        tdm_req_lock(rs[k], &v);
+        assert_int_equal(v.cached_tokens, 20);
+        tdm_req_unlock(rs[k]);
+    }
+    struct tdm_sched_metrics_snapshot m;
+    tdm_sched_metrics(f.s, &m);
+    assert_true(m.prefix_on && m.prefix.hit_tokens == 40 && m.prefix.pages > 0);
+    assert_int_equal(m.kv.used, m.prefix.pages); /* idle: the cache's pages alone */
+    tdm_req_release(ra);
+    tdm_req_release(rb);
+    tdm_req_release(rc);
+    tdm_sched_flush_prefix_cache(f.s);
+    tdm_sched_step(f.s);
+    expect_baseline(&f);
+    fix_close(&f);
+
+    /* a pool of 12 pages: thirty distinct requests (each up to 5 pages) finish, evicting */
+    struct tdm_sched_opts so = {.watermark_pages = -1};
+    fix_open(&f, 12, &so, 64, 8);
+    assert_int_equal(tdm_sched_enable_prefix_cache(f.s, 1), TDM_OK);
+    int32_t p[30][12];
+    tdm_req_t *many[30];
+    for (int i = 0; i < 30; i++) {
+        make_prompt(p[i], 12, 40 + i);
+        many[i] = submit(&f, p[i], 12, 6, NULL);
+    }
+    run_until_done(&f, many, 30);
+    for (int i = 0; i < 30; i++) {
+        expect_output(many[i], p[i], 12, 6, TDM_FINISH_LENGTH);
+        tdm_req_release(many[i]);
+    }
+    tdm_sched_metrics(f.s, &m);
+    assert_true(m.prefix.evicted_pages > 0);
+    fix_close(&f); /* destroying the scheduler drops the cache: the pool at its baseline */
+
+    /* not with a connector (disaggregation) */
+    fix_open(&f, 16, NULL, 64, 8);
+    struct fake_conn c = {.f = &f};
+    tdm_sched_set_connector(f.s, &fake_conn_i, &c);
+    assert_int_equal(tdm_sched_enable_prefix_cache(f.s, 1), TDM_EUNSUPPORTED);
     fix_close(&f);
 }
 
@@ -1287,6 +1374,7 @@ int main(void)
         cmocka_unit_test(test_prefill_only_rows),
         cmocka_unit_test(test_prompt_scores),
         cmocka_unit_test(test_groups_share_the_prompt),
+        cmocka_unit_test(test_prefix_cache),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

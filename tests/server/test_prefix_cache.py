@@ -1,0 +1,115 @@
+"""Automatic prefix caching (`tandem serve --prefix-caching`, issue 19): a request reuses the KV
+of whole pages of an earlier request's tokens that its prompt starts with.
+
+Checked: the answer (greedy tokens and their log-probabilities) is the same bit for bit as the
+same server's without the cache (the CPU path is batch invariant), alone, in a multi-turn chat
+and among concurrent requests sharing a system prompt; usage.prompt_tokens_details.cached_tokens
+says how many prompt tokens were reused, and the forward pass ran that many fewer
+(tandem_batch_tokens' sum, counted exactly); the hit and store counters move; POST
+/reset_prefix_cache gives every page back; the flag is refused where it does not work yet.
+"""
+import concurrent.futures as cf
+import json
+
+import pytest
+
+from conftest import run_tandem
+from lib.rawhttp import raw_http
+from lib.server import Server, histogram
+
+SYSTEM = ("You are a careful assistant for a lighthouse museum. Answer in one short sentence, "
+          "mention the keeper when it helps, and never invent dates. Visitors ask about the lamp, "
+          "the stairs, the fog horn and the storms of the old days.")
+PS = 16
+
+
+@pytest.fixture(scope="module")
+def cached(default_model):
+    s = Server(["--threads", "2", "--prefix-caching"])
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def post(server, body, path="/v1/completions"):
+    st, _, raw = raw_http(server.port, "POST", path, json.dumps(body).encode())
+    assert st == 200, raw
+    return json.loads(raw)
+
+
+def flush(server):
+    st, _, raw = raw_http(server.port, "POST", "/reset_prefix_cache", b"")
+    assert st == 200, raw
+    return server.wait_idle()  # pages used back to 0
+
+
+def ran(m0, m1):
+    return histogram(m1, "tandem_batch_tokens")[1] - histogram(m0, "tandem_batch_tokens")[1]
+
+
+def test_reuse_is_exact_and_counted(cached, server):
+    flush(cached)
+    body = {"prompt": SYSTEM + " Question: what did the keeper do at dusk?", "max_tokens": 8,
+            "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    want = post(server, body)  # the same server without the cache
+    n = want["usage"]["prompt_tokens"]
+    m0 = cached.metrics()
+    first = post(cached, body)
+    m1 = cached.metrics()
+    second = post(cached, body)
+    m2 = cached.metrics()
+    for r in (first, second):
+        assert r["choices"] == want["choices"]
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    hit = (n - 1) // PS * PS  # whole pages, the last token left to run
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}
+    assert ran(m0, m1) == n + 7 and ran(m1, m2) == n - hit + 7
+    hits = m2[("tandem_prefix_cache_hit_tokens_total", ())] - \
+        m1[("tandem_prefix_cache_hit_tokens_total", ())]
+    assert hits == hit and m2[("tandem_prefix_cache_stored_pages_total", ())] > 0
+    assert "prompt_tokens_details" not in want["usage"]  # a server without the cache
+    m = flush(cached)
+    assert m[("tandem_prefix_cache_pages", ())] == 0
+
+
+def test_multi_turn_chat_reuses_its_history(cached, server):
+    flush(cached)
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Why was the fog horn needed?"}]
+    body = {"max_tokens": 12, "temperature": 0}
+    a = post(cached, {**body, "messages": msgs}, "/v1/chat/completions")
+    msgs2 = msgs + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "And the stairs?"}]
+    b = post(cached, {**body, "messages": msgs2}, "/v1/chat/completions")
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
+        (a["usage"]["prompt_tokens"] - 1) // PS * PS
+    ref = post(server, {**body, "messages": msgs2}, "/v1/chat/completions")
+    assert b["choices"][0]["message"] == ref["choices"][0]["message"]
+    flush(cached)
+
+
+def test_concurrent_requests_sharing_a_system_prompt(cached, server):
+    flush(cached)
+    questions = [f" Question {i}: tell me about the {w}." for i, w in
+                 enumerate(["lamp", "stairs", "fog horn", "storms", "keeper", "lens", "bell",
+                            "door", "window", "boat", "map", "clock"])]
+    bodies = [{"prompt": SYSTEM + q, "max_tokens": 6, "temperature": 0, "logprobs": 0,
+               "ignore_eos": True} for q in questions]
+    want = [post(server, b)["choices"] for b in bodies]
+    post(cached, bodies[0])  # the system prompt's pages in the cache
+    with cf.ThreadPoolExecutor(len(bodies)) as ex:
+        got = list(ex.map(lambda b: post(cached, b), bodies))
+    assert [g["choices"] for g in got] == want
+    assert all(g["usage"]["prompt_tokens_details"]["cached_tokens"] >= PS for g in got)
+    flush(cached)
+
+
+def test_refused_where_it_does_not_work_yet(default_model):
+    for extra, words in ((["--role", "decode", "--prefill-peers", "127.0.0.1:1"],
+                          "disaggregation"),
+                         (["--spec", "mtp"], "features")):
+        cp = run_tandem(["serve", "--model", default_model, "--port", "0", "--prefix-caching",
+                         *extra], check=False, timeout=120)
+        assert cp.returncode == 2 and "--prefix-caching" in cp.stderr and words in cp.stderr, \
+            cp.stderr[-2000:]
