@@ -575,6 +575,20 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                                                       : "{\"status\":\"starting\"}");
         return tdm_reply_send(c, s->http, ok ? 200 : 503, body, "application/json");
     }
+    /* Kubernetes probes: /live fails only when the scheduler is stalled (restart it); /ready
+     * is /health's answer (serving: loaded, not draining, not stalled) */
+    if (!strcmp(url, "/live") || !strcmp(url, "/ready")) {
+        if (!get) return tdm_reply_errf(c, s->http, 405, "use GET %s", url);
+        bool live = !strcmp(url, "/live"), stalled = tdm_sched_stall_ms(s->sched) > 0;
+        bool ok =
+            live ? !stalled : atomic_load(&s->ready) && !atomic_load(&s->draining) && !stalled;
+        return tdm_reply_send(
+            c, s->http, ok ? 200 : 503,
+            strdup(ok        ? (live ? "{\"status\":\"live\"}" : "{\"status\":\"ready\"}")
+                   : stalled ? "{\"status\":\"stalled\"}"
+                             : "{\"status\":\"not ready\"}"),
+            "application/json");
+    }
     if (!strcmp(url, "/metrics")) {
         if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /metrics");
         struct tdm_sched_metrics_snapshot m;

@@ -114,6 +114,18 @@ char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint6
     scalar(&b, "tandem_sched_stalled_seconds", "gauge",
            "How long the stalled step has run (0 when not stalled).", lab,
            (double)m->stalled_ms / 1000.0);
+    /* the names the Gateway API Inference Extension's endpoint picker reads by default (its
+     * model server protocol: queue depth and KV cache utilisation, vLLM's names), as aliases */
+    scalar(&b, "vllm:num_requests_waiting", "gauge", "Alias of tandem_requests_waiting.", lab,
+           m->waiting);
+    scalar(&b, "vllm:num_requests_running", "gauge", "Alias of tandem_requests_running.", lab,
+           m->running);
+    const double kv_use =
+        m->kv.total ? (double)(m->kv.used + m->kv.in_flight) / (double)m->kv.total : 0.0;
+    scalar(&b, "vllm:kv_cache_usage_perc", "gauge",
+           "KV cache pages in use, 0 to 1 (the prefix cache's pages count as used).", lab, kv_use);
+    scalar(&b, "vllm:gpu_cache_usage_perc", "gauge", "Alias of vllm:kv_cache_usage_perc.", lab,
+           kv_use);
     if (m->prefix_on) {
         scalar(&b, "tandem_prefix_cache_pages", "gauge",
                "KV pages the prefix cache names (some may be requests' too).", lab,

@@ -321,3 +321,20 @@ def test_suffix_without_fim_tokens_is_refused(server):
     st, r = post(server, "/v1/completions", {"prompt": "def f(", "suffix": ")\n"})
     assert st == 400 and r["error"]["param"] == "suffix", r
     assert "fill-in-the-middle" in r["error"]["message"], r
+
+
+def test_kubernetes_probes_and_endpoint_picker_metrics(server):
+    """/live and /ready (Kubernetes probes; the stalled case is test_watchdog's), and the
+    queue and KV-usage gauges under the names the Gateway API Inference Extension's endpoint
+    picker reads (vLLM's), equal to tandem's own."""
+    for route, status in (("/live", "live"), ("/ready", "ready")):
+        st, _, raw = raw_http(server.port, "GET", route, b"")
+        assert st == 200 and json.loads(raw) == {"status": status}, raw
+        st, _, raw = raw_http(server.port, "POST", route, b"{}")
+        assert st == 405, raw
+    m = server.metrics()
+    assert m[("vllm:num_requests_waiting", ())] == m[("tandem_requests_waiting", ())]
+    assert m[("vllm:num_requests_running", ())] == m[("tandem_requests_running", ())]
+    use = m[("tandem_kv_pages_used", ())] / m[("tandem_kv_pages_total", ())]
+    assert m[("vllm:kv_cache_usage_perc", ())] == pytest.approx(use)
+    assert m[("vllm:gpu_cache_usage_perc", ())] == m[("vllm:kv_cache_usage_perc", ())]

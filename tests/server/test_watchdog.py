@@ -51,6 +51,10 @@ def test_stalled_step_fails_its_requests_then_recovers(default_model):
             assert "stalled" in s.logs() and "step 3 sleeps" in s.logs()
             st2, r2 = s.post("/v1/chat/completions", CHAT, timeout=30)
             assert st2 == 503 and "stalled" in r2["error"]["message"]
+            # the Kubernetes probes: not live (restart it), not ready
+            for route in ("/live", "/ready"):
+                st3, b3, _ = s.request("GET", route, timeout=10)
+                assert st3 == 503 and json.loads(b3)["status"] == "stalled", (route, b3)
         # the step comes back: healthy again, pages at baseline, requests served
         deadline = time.time() + 30 * SCALE
         while health(s)[0] != 200:
