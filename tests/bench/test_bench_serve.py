@@ -224,6 +224,22 @@ def test_request_bodies(fake, tmp_path, tandem_bin):
     assert s2["errors"] == {"http_401": 2}
 
 
+def test_shared_prefix(fake, tmp_path, tandem_bin):
+    """--prefix-len: every prompt starts with the same ids (words), then its own."""
+    for endpoint, key in (("completions", "prompt"), ("chat", "messages")):
+        srv = fake()
+        _, s = bench(tmp_path, srv.url, "--endpoint", endpoint, "--num-prompts", 6,
+                     "--prefix-len", 20, "--input-len", 8, "--seed", 5)
+        reqs = srv.requests()
+        toks = [r["body"][key] if key == "prompt" else r["body"][key][0]["content"].split()
+                for r in reqs]
+        assert all(len(t) == 28 for t in toks)
+        assert len({tuple(t[:20]) for t in toks}) == 1  # one prefix
+        assert len({tuple(t[20:]) for t in toks}) == 6  # each its own rest
+        assert s["config"]["prefix_len"] == 20
+        srv.stop()
+
+
 def test_seed_determinism(fake, tmp_path, tandem_bin):
     bodies = []
     for seed in (3, 3, 4):
@@ -324,7 +340,7 @@ def test_json_schema(fake, tmp_path, tandem_bin):
         assert set(s[k]) == {"n", "mean", "p50", "p90", "p99", "min", "max"}
     assert set(s["config"]) == {"rate", "concurrency", "num_prompts", "dataset", "input_len",
                                 "input_len_range", "output_len", "output_len_range", "seed",
-                                "ignore_eos", "timeout_s"}
+                                "ignore_eos", "timeout_s", "prefix_len"}
     assert set(s["requests"][0]) == {"scheduled_s", "start_s", "ttft_ms", "e2e_ms",
                                      "input_tokens", "output_tokens", "chunks",
                                      "output_tokens_from_usage", "error", "error_message"}
