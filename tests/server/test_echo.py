@@ -17,6 +17,7 @@ install.
 """
 import json
 import math
+import os
 import pathlib
 
 import numpy as np
@@ -171,6 +172,8 @@ def test_lm_eval_loglikelihood_task(server, model):
     tok = smol_hf_tokenizer()
     docs = [json.loads(ln) for ln in
             (ROOT / "bench" / "lm_eval" / "tandem_mc.jsonl").read_text().splitlines()]
+    if os.environ.get("TANDEM_SANITIZED"):  # the same requests; fewer under the sanitizers
+        docs = docs[:3]
     right = right_ref = 0
     worst = 0.0
     for doc in docs:
