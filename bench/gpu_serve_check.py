@@ -12,8 +12,12 @@ runs on a GPU machine that has nothing but the built binary and the model.
 A tiny random model is enough (tests/lib/checkpoints.py make_gguf_checkpoint with head_dim 64):
 it is peaked, so sampled choices often agree; their log-probabilities are what is compared.
 """
-# of the same tokens. Stdlib only.
-import json, subprocess, sys, time, urllib.request
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
 BIN, MODEL = sys.argv[1], sys.argv[2]
 LD = sys.argv[3] if len(sys.argv) > 3 else "/usr/local/cuda/lib64"
 def start(port, extra):
