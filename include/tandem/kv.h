@@ -85,6 +85,8 @@ struct tdm_kv_stats {
     int64_t free;
     int64_t used;
     int64_t in_flight;
+    int64_t cached;    /* of used and in flight: pages a prefix cache names */
+    int64_t evictable; /* of them: held by the cache alone (its reference, no hold) */
 };
 
 /* Allocates the pool's memory through `backend` (which must outlive the pool). */
@@ -129,6 +131,12 @@ void tdm_kv_pool_unhold(tdm_kv_pool_t *pool, int n, const int32_t *ids);
 struct tdm_kv_stats tdm_kv_pool_stats(tdm_kv_pool_t *pool);
 /* Owner references on page id now. */
 int tdm_kv_pool_owners(tdm_kv_pool_t *pool, int32_t id);
+/* A prefix cache names page id (it holds a reference on it) or stops naming it (before it drops
+ * that reference): the pool then counts the page in tdm_kv_stats.cached, and in .evictable
+ * while the cache's is its only reference and no transfer holds it. */
+void tdm_kv_pool_set_cached(tdm_kv_pool_t *pool, int32_t id, bool cached);
+/* Page id is a cached page that only its cache holds (no other reference, no hold) now. */
+bool tdm_kv_pool_evictable(tdm_kv_pool_t *pool, int32_t id);
 /* A hook an allocation that finds too few free pages calls, without the pool's lock, on the
  * allocating thread, before it gives up: it may free pages (a cache's) and returns how many
  * it freed. NULL: none. */
@@ -187,7 +195,7 @@ void tdm_prefix_cache_insert(tdm_prefix_cache_t *c, const int32_t *tokens,
  * many. */
 int tdm_prefix_cache_evict(tdm_prefix_cache_t *c, int want);
 int tdm_prefix_cache_reclaim(void *ctx, int want); /* the pool's reclaim hook, ctx the cache */
-/* Pages only the cache holds (what evict could free now). */
+/* Pages only the cache holds (what evict could free now), as the pool counts them (O(1)). */
 int64_t tdm_prefix_cache_evictable(tdm_prefix_cache_t *c);
 /* Drops every entry (pages others hold stay theirs). Returns how many. */
 int tdm_prefix_cache_flush(tdm_prefix_cache_t *c);

@@ -10,6 +10,10 @@
  *   USED -> IN_FLIGHT         tdm_kv_pool_hold (first hold)
  *   IN_FLIGHT -> USED         tdm_kv_pool_unhold (last hold, owner references left)
  *   IN_FLIGHT -> FREE         tdm_kv_pool_unhold (last hold, no owner references)
+ *
+ * A page a prefix cache names carries a flag (tdm_kv_pool_set_cached): the pool counts those
+ * pages, and of them the evictable ones (the cache's reference alone, no hold), updating the
+ * count wherever a reference or a hold changes, so that both are read in O(1).
  */
 #include "tandem/kv.h"
 
@@ -36,7 +40,15 @@ struct tdm_kv_pool {
     int64_t n_in_flight;
     int (*reclaim)(void *ctx, int want); /* tdm_kv_pool_set_reclaim; called unlocked */
     void *reclaim_ctx;
+    uint8_t *cached;               /* [n_pages] named by a prefix cache */
+    int64_t n_cached, n_evictable; /* of them, held by the cache alone (one reference, no hold) */
 };
+
+/* Mutex held: page id is one a cache could evict now. */
+static bool evictable(const struct tdm_kv_pool *p, int32_t id)
+{
+    return p->cached[id] && p->owner_refs[id] == 1 && p->holds[id] == 0;
+}
 
 static size_t elem_bytes(enum tdm_dtype t)
 {
@@ -105,7 +117,8 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     p->free_ids = malloc((size_t)cfg->n_pages * sizeof *p->free_ids);
     p->owner_refs = calloc((size_t)cfg->n_pages, sizeof *p->owner_refs);
     p->holds = calloc((size_t)cfg->n_pages, sizeof *p->holds);
-    if (!p->free_ids || !p->owner_refs || !p->holds) goto out_free;
+    p->cached = calloc((size_t)cfg->n_pages, sizeof *p->cached);
+    if (!p->free_ids || !p->owner_refs || !p->holds || !p->cached) goto out_free;
     if (tdm_backend_buf_new(backend, total_bytes, "the KV pool", &p->buf) != TDM_OK)
         goto out_free_nomsg;
     p->mem = p->buf.ptr;
@@ -133,6 +146,7 @@ out_free_nomsg:
     free(p->free_ids);
     free(p->owner_refs);
     free(p->holds);
+    free(p->cached);
     free(p);
     return TDM_ENOMEM;
 }
@@ -147,6 +161,7 @@ void tdm_kv_pool_destroy(tdm_kv_pool_t *pool)
     free(pool->free_ids);
     free(pool->owner_refs);
     free(pool->holds);
+    free(pool->cached);
     free(pool);
 }
 
@@ -260,17 +275,23 @@ tdm_status tdm_kv_pool_alloc(tdm_kv_pool_t *pool, int n, int32_t *ids)
 /* Called with the mutex held. */
 static void maybe_release(tdm_kv_pool_t *pool, int32_t id)
 {
-    if (pool->owner_refs[id] == 0 && pool->holds[id] == 0) pool->free_ids[pool->n_free++] = id;
+    if (pool->owner_refs[id] == 0 && pool->holds[id] == 0) {
+        TDM_ASSERT(!pool->cached[id]); /* a cache drops its flag before its reference */
+        pool->free_ids[pool->n_free++] = id;
+    }
 }
 
 void tdm_kv_pool_free(tdm_kv_pool_t *pool, int n, const int32_t *ids)
 {
     pthread_mutex_lock(&pool->mu);
     for (int i = 0; i < n; i++) {
-        check_id(pool, ids[i]);
-        TDM_ASSERT(pool->owner_refs[ids[i]] > 0);
-        pool->owner_refs[ids[i]]--;
-        maybe_release(pool, ids[i]);
+        const int32_t id = ids[i];
+        check_id(pool, id);
+        TDM_ASSERT(pool->owner_refs[id] > 0);
+        const bool was = evictable(pool, id);
+        pool->owner_refs[id]--;
+        pool->n_evictable += (int64_t)evictable(pool, id) - was;
+        maybe_release(pool, id);
     }
     pthread_mutex_unlock(&pool->mu);
 }
@@ -279,9 +300,12 @@ void tdm_kv_pool_retain(tdm_kv_pool_t *pool, int n, const int32_t *ids)
 {
     pthread_mutex_lock(&pool->mu);
     for (int i = 0; i < n; i++) {
-        check_id(pool, ids[i]);
-        TDM_ASSERT(pool->owner_refs[ids[i]] > 0 && pool->owner_refs[ids[i]] < UINT16_MAX);
-        pool->owner_refs[ids[i]]++;
+        const int32_t id = ids[i];
+        check_id(pool, id);
+        TDM_ASSERT(pool->owner_refs[id] > 0 && pool->owner_refs[id] < UINT16_MAX);
+        const bool was = evictable(pool, id);
+        pool->owner_refs[id]++;
+        pool->n_evictable += (int64_t)evictable(pool, id) - was;
     }
     pthread_mutex_unlock(&pool->mu);
 }
@@ -290,9 +314,12 @@ void tdm_kv_pool_hold(tdm_kv_pool_t *pool, int n, const int32_t *ids)
 {
     pthread_mutex_lock(&pool->mu);
     for (int i = 0; i < n; i++) {
-        check_id(pool, ids[i]);
-        TDM_ASSERT(pool->owner_refs[ids[i]] > 0 && pool->holds[ids[i]] < UINT16_MAX);
-        if (pool->holds[ids[i]]++ == 0) pool->n_in_flight++;
+        const int32_t id = ids[i];
+        check_id(pool, id);
+        TDM_ASSERT(pool->owner_refs[id] > 0 && pool->holds[id] < UINT16_MAX);
+        const bool was = evictable(pool, id);
+        if (pool->holds[id]++ == 0) pool->n_in_flight++;
+        pool->n_evictable += (int64_t)evictable(pool, id) - was;
     }
     pthread_mutex_unlock(&pool->mu);
 }
@@ -301,13 +328,35 @@ void tdm_kv_pool_unhold(tdm_kv_pool_t *pool, int n, const int32_t *ids)
 {
     pthread_mutex_lock(&pool->mu);
     for (int i = 0; i < n; i++) {
-        check_id(pool, ids[i]);
-        TDM_ASSERT(pool->holds[ids[i]] > 0);
-        if (--pool->holds[ids[i]] == 0) {
-            pool->n_in_flight--;
-            maybe_release(pool, ids[i]);
-        }
+        const int32_t id = ids[i];
+        check_id(pool, id);
+        TDM_ASSERT(pool->holds[id] > 0);
+        const bool was = evictable(pool, id);
+        if (--pool->holds[id] == 0) pool->n_in_flight--;
+        pool->n_evictable += (int64_t)evictable(pool, id) - was;
+        if (!pool->holds[id]) maybe_release(pool, id);
     }
+    pthread_mutex_unlock(&pool->mu);
+}
+
+bool tdm_kv_pool_evictable(tdm_kv_pool_t *pool, int32_t id)
+{
+    pthread_mutex_lock(&pool->mu);
+    check_id(pool, id);
+    bool ok = evictable(pool, id);
+    pthread_mutex_unlock(&pool->mu);
+    return ok;
+}
+
+void tdm_kv_pool_set_cached(tdm_kv_pool_t *pool, int32_t id, bool cached)
+{
+    pthread_mutex_lock(&pool->mu);
+    check_id(pool, id);
+    TDM_ASSERT(pool->owner_refs[id] > 0 && pool->cached[id] != cached);
+    const bool was = evictable(pool, id);
+    pool->cached[id] = cached;
+    pool->n_cached += cached ? 1 : -1;
+    pool->n_evictable += (int64_t)evictable(pool, id) - was;
     pthread_mutex_unlock(&pool->mu);
 }
 
@@ -319,6 +368,8 @@ struct tdm_kv_stats tdm_kv_pool_stats(tdm_kv_pool_t *pool)
         .free = pool->n_free,
         .in_flight = pool->n_in_flight,
         .used = pool->cfg.n_pages - pool->n_free - pool->n_in_flight,
+        .cached = pool->n_cached,
+        .evictable = pool->n_evictable,
     };
     pthread_mutex_unlock(&pool->mu);
     return s;

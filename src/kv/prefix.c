@@ -8,8 +8,9 @@
  * table is open addressing on the key (linear probing, backward-shift deletion), sized to twice
  * the pool's pages.
  *
- * The cache holds one owner reference on each page it names. A page that only the cache holds
- * is evictable. Recency: every lookup and insert touches its chain from the deepest page to the
+ * The cache holds one owner reference on each page it names, and flags the page in the pool
+ * (tdm_kv_pool_set_cached), which counts the evictable ones (the cache's reference alone) in
+ * O(1). Recency: every lookup and insert touches its chain from the deepest page to the
  * root, so a parent is never less recent than its children, and eviction from the least
  * recent end frees leaves before the prefixes they continue. An entry whose page others still
  * hold is passed over.
@@ -224,6 +225,7 @@ void tdm_prefix_cache_insert(tdm_prefix_cache_t *c, const int32_t *tokens,
             c->e[i] = (struct entry){.key = key, .parent = parent, .page = seq->pages[p]};
             memcpy(c->toks + (size_t)i * c->ps, t, (size_t)c->ps * sizeof *t);
             tdm_kv_pool_retain(c->pool, 1, &seq->pages[p]);
+            tdm_kv_pool_set_cached(c->pool, seq->pages[p], true);
             lru_push(c, (int32_t)i);
             c->n++;
             c->st.stored_pages++;
@@ -236,41 +238,54 @@ void tdm_prefix_cache_insert(tdm_prefix_cache_t *c, const int32_t *tokens,
     free(chain);
 }
 
+/* The slot now holding the entry of (key, page) (a deletion may have moved it). */
+static int64_t slot_of(const struct tdm_prefix_cache *c, uint64_t key, int32_t page)
+{
+    for (int64_t i = (int64_t)(key & (uint64_t)(c->cap - 1));; i = (i + 1) & (c->cap - 1)) {
+        TDM_ASSERT(c->e[i].key);
+        if (c->e[i].key == key && c->e[i].page == page) return i;
+    }
+}
+
+/* Drops slot i's entry and the cache's reference on its page. */
+static void drop(struct tdm_prefix_cache *c, int64_t i)
+{
+    const int32_t page = c->e[i].page;
+    remove_at(c, i);
+    tdm_kv_pool_set_cached(c->pool, page, false);
+    tdm_kv_pool_free(c->pool, 1, &page);
+}
+
 int tdm_prefix_cache_evict(tdm_prefix_cache_t *c, int want)
 {
     int freed = 0;
     for (int32_t i = c->lru; i >= 0 && freed < want;) {
         const int32_t next = c->e[i].next;
-        const int32_t page = c->e[i].page;
-        if (tdm_kv_pool_owners(c->pool, page) == 1) { /* the cache's alone */
-            remove_at(c, i);
-            tdm_kv_pool_free(c->pool, 1, &page);
-            c->st.evicted_pages++;
-            freed++;
-            /* the deletion may move entries; start again from the least recent */
-            i = c->lru;
+        if (!tdm_kv_pool_evictable(c->pool, c->e[i].page)) { /* a request's too, or held */
+            i = next;
             continue;
         }
-        i = next;
+        /* the deletion may move the next entry to another slot: find it again by its key */
+        const uint64_t nkey = next >= 0 ? c->e[next].key : 0;
+        const int32_t npage = next >= 0 ? c->e[next].page : -1;
+        drop(c, i);
+        c->st.evicted_pages++;
+        freed++;
+        i = next >= 0 ? (int32_t)slot_of(c, nkey, npage) : -1;
     }
     return freed;
 }
 
 int64_t tdm_prefix_cache_evictable(tdm_prefix_cache_t *c)
 {
-    int64_t n = 0;
-    for (int32_t i = c->lru; i >= 0; i = c->e[i].next)
-        n += tdm_kv_pool_owners(c->pool, c->e[i].page) == 1;
-    return n;
+    return tdm_kv_pool_stats(c->pool).evictable;
 }
 
 int tdm_prefix_cache_flush(tdm_prefix_cache_t *c)
 {
     int n = 0;
     while (c->lru >= 0) {
-        const int32_t page = c->e[c->lru].page;
-        remove_at(c, c->lru);
-        tdm_kv_pool_free(c->pool, 1, &page);
+        drop(c, c->lru);
         n++;
     }
     return n;

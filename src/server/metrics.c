@@ -121,15 +121,20 @@ char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint6
     scalar(&b, "vllm:num_requests_running", "gauge", "Alias of tandem_requests_running.", lab,
            m->running);
     const double kv_use =
-        m->kv.total ? (double)(m->kv.used + m->kv.in_flight) / (double)m->kv.total : 0.0;
+        m->kv.total ? (double)(m->kv.used + m->kv.in_flight - m->kv.evictable) / (double)m->kv.total
+                    : 0.0;
     scalar(&b, "vllm:kv_cache_usage_perc", "gauge",
-           "KV cache pages in use, 0 to 1 (the prefix cache's pages count as used).", lab, kv_use);
+           "KV cache pages in use, 0 to 1 (pages only the prefix cache holds count as free).", lab,
+           kv_use);
     scalar(&b, "vllm:gpu_cache_usage_perc", "gauge", "Alias of vllm:kv_cache_usage_perc.", lab,
            kv_use);
     if (m->prefix_on) {
         scalar(&b, "tandem_prefix_cache_pages", "gauge",
                "KV pages the prefix cache names (some may be requests' too).", lab,
                (double)m->prefix.pages);
+        scalar(&b, "tandem_prefix_cache_evictable_pages", "gauge",
+               "Of them, pages only the cache holds: evicted first when memory is needed.", lab,
+               (double)m->kv.evictable);
         scalar(&b, "tandem_prefix_cache_queried_tokens_total", "counter",
                "Prompt tokens looked up in the prefix cache (whole pages).", lab,
                (double)m->prefix.queried_tokens);

@@ -297,8 +297,26 @@ static void test_match_insert_refs(void **state)
     tdm_kv_seq_release(p, &s);
     struct tdm_prefix_stats st = tdm_prefix_cache_stats(c);
     assert_int_equal(st.hit_tokens, (2 + 3 + 1 + 3) * PREFIX_PS);
+    /* the pool's count of the cache's pages: evictable while the cache's is the only reference
+     * and no transfer holds them */
+    struct tdm_kv_stats ks = tdm_kv_pool_stats(p);
+    assert_int_equal(ks.cached, 3);
+    assert_int_equal(ks.evictable, 3);
+    assert_int_equal(tdm_prefix_cache_match(c, a, 14, 1, &s), 1);
+    const int32_t held = s.pages[0];
+    tdm_kv_pool_hold(p, 1, &held);
+    ks = tdm_kv_pool_stats(p);
+    assert_int_equal(ks.evictable, 2);
+    tdm_kv_seq_release(p, &s); /* the hold keeps it from the cache's hands */
+    assert_int_equal(tdm_kv_pool_stats(p).evictable, 2);
+    assert_int_equal(tdm_prefix_cache_evict(c, 3), 2); /* not the held one */
+    tdm_kv_pool_unhold(p, 1, &held);
+    assert_int_equal(tdm_kv_pool_stats(p).evictable, 1);
+    run_and_offer(c, p, a, 14); /* the two evicted come back */
+    assert_int_equal(tdm_kv_pool_stats(p).evictable, 3);
     assert_int_equal(tdm_prefix_cache_flush(c), 3);
-    assert_int_equal(pages_used(p), 0);
+    ks = tdm_kv_pool_stats(p);
+    assert_int_equal(ks.cached + ks.evictable + ks.used, 0);
     tdm_prefix_cache_destroy(c);
     tdm_kv_pool_destroy(p);
 }
@@ -381,6 +399,8 @@ static void test_random_against_reference(void **state)
         }
         struct tdm_kv_stats st = tdm_kv_pool_stats(p);
         assert_int_equal(st.used, tdm_prefix_cache_stats(c).pages);
+        assert_int_equal(st.cached, st.used); /* every used page is the cache's alone */
+        assert_int_equal(st.evictable, st.used);
         assert_int_equal(st.free + st.used, PAGES);
     }
     assert_true(tdm_prefix_cache_stats(c).evicted_pages > 0);

@@ -68,6 +68,9 @@ def test_reuse_is_exact_and_counted(cached, server):
     hits = m2[("tandem_prefix_cache_hit_tokens_total", ())] - \
         m1[("tandem_prefix_cache_hit_tokens_total", ())]
     assert hits == hit and m2[("tandem_prefix_cache_stored_pages_total", ())] > 0
+    # idle: every used page is the cache's alone, so the endpoint picker's usage is 0
+    assert m2[("tandem_prefix_cache_evictable_pages", ())] == m2[("tandem_kv_pages_used", ())] > 0
+    assert m2[("vllm:kv_cache_usage_perc", ())] == 0
     assert "prompt_tokens_details" not in want["usage"]  # a server without the cache
     m = flush(cached)
     assert m[("tandem_prefix_cache_pages", ())] == 0
