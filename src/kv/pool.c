@@ -375,6 +375,20 @@ struct tdm_kv_stats tdm_kv_pool_stats(tdm_kv_pool_t *pool)
     return s;
 }
 
+/* Makes seq's table hold at least `want` page ids (doubling from 8). */
+static tdm_status seq_cap(struct tdm_kv_seq *seq, int64_t want)
+{
+    if (want <= seq->cap_pages) return TDM_OK;
+    int cap = seq->cap_pages ? seq->cap_pages : 8;
+    while (cap < want)
+        cap *= 2;
+    int32_t *np = realloc(seq->pages, (size_t)cap * sizeof *np);
+    if (!np) return tdm_err_set(TDM_ENOMEM, "kv: page table out of memory");
+    seq->pages = np;
+    seq->cap_pages = cap;
+    return TDM_OK;
+}
+
 tdm_status tdm_kv_seq_reserve(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64_t n_tokens)
 {
     int64_t ps = pool->cfg.page_size;
@@ -383,17 +397,10 @@ tdm_status tdm_kv_seq_reserve(tdm_kv_pool_t *pool, struct tdm_kv_seq *seq, int64
         return tdm_err_set(TDM_ENOMEM, "kv: %lld tokens need %lld pages, the pool has %lld",
                            (long long)n_tokens, (long long)want, (long long)pool->cfg.n_pages);
     if (want <= seq->n_pages) return TDM_OK;
-    if (want > seq->cap_pages) {
-        int cap = seq->cap_pages ? seq->cap_pages : 8;
-        while (cap < want)
-            cap *= 2;
-        int32_t *np = realloc(seq->pages, (size_t)cap * sizeof *np);
-        if (!np) return tdm_err_set(TDM_ENOMEM, "kv: page table out of memory");
-        seq->pages = np;
-        seq->cap_pages = cap;
-    }
+    tdm_status st = seq_cap(seq, want);
+    if (st != TDM_OK) return st;
     int add = (int)(want - seq->n_pages);
-    tdm_status st = tdm_kv_pool_alloc(pool, add, seq->pages + seq->n_pages);
+    st = tdm_kv_pool_alloc(pool, add, seq->pages + seq->n_pages);
     if (st != TDM_OK) return st;
     seq->n_pages += add;
     return TDM_OK;
@@ -420,12 +427,8 @@ tdm_status tdm_kv_seq_adopt(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst, const i
                             int n)
 {
     TDM_ASSERT(dst->n_pages == 0 && n >= 0);
-    if (n > dst->cap_pages) {
-        int32_t *np = realloc(dst->pages, (size_t)n * sizeof *np);
-        if (!np) return tdm_err_set(TDM_ENOMEM, "kv: page table out of memory");
-        dst->pages = np;
-        dst->cap_pages = n;
-    }
+    tdm_status st = seq_cap(dst, n);
+    if (st != TDM_OK) return st;
     if (n) memcpy(dst->pages, pages, (size_t)n * sizeof *pages);
     tdm_kv_pool_retain(pool, n, pages);
     dst->n_pages = n;
@@ -439,15 +442,10 @@ tdm_status tdm_kv_seq_share(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst,
     const int full = (int)(n_tokens / ps), part = (int)(n_tokens % ps);
     const int want = full + (part > 0);
     TDM_ASSERT(dst->n_pages == 0 && n_tokens >= 0 && want <= src->n_pages);
-    if (want > dst->cap_pages) {
-        int32_t *np = realloc(dst->pages, (size_t)want * sizeof *np);
-        if (!np) return tdm_err_set(TDM_ENOMEM, "kv: page table out of memory");
-        dst->pages = np;
-        dst->cap_pages = want;
-    }
-    if (part) {
-        tdm_status st = tdm_kv_pool_alloc(pool, 1, dst->pages + full);
-        if (st != TDM_OK) return st;
+    tdm_status st = seq_cap(dst, want);
+    if (st != TDM_OK) return st;
+    if (part) { /* the new page first: all or nothing */
+        if ((st = tdm_kv_pool_alloc(pool, 1, dst->pages + full)) != TDM_OK) return st;
         int32_t from[TDM_KV_MAX_PAGE_SIZE], to[TDM_KV_MAX_PAGE_SIZE];
         for (int i = 0; i < part; i++) {
             from[i] = (int32_t)(src->pages[full] * ps + i);
@@ -455,8 +453,7 @@ tdm_status tdm_kv_seq_share(tdm_kv_pool_t *pool, struct tdm_kv_seq *dst,
         }
         tdm_kv_pool_copy_slots(pool, from, to, part);
     }
-    if (full) memcpy(dst->pages, src->pages, (size_t)full * sizeof *dst->pages);
-    tdm_kv_pool_retain(pool, full, dst->pages);
+    tdm_kv_seq_adopt(pool, dst, src->pages, full); /* room is there: it cannot fail */
     dst->n_pages = want;
     return TDM_OK;
 }

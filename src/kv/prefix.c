@@ -28,7 +28,6 @@ struct entry {
     uint64_t key, parent; /* key 0: an empty slot (keys are never 0) */
     int32_t page;
     int32_t prev, next; /* recency list: entry indices, -1 at the ends */
-    uint64_t stamp;
 };
 
 struct tdm_prefix_cache {
@@ -39,7 +38,6 @@ struct tdm_prefix_cache {
     int32_t *toks;   /* [cap][ps] each entry's tokens */
     int64_t cap, n;
     int32_t lru, mru; /* least and most recent entries, -1 when empty */
-    uint64_t clock;
     struct tdm_prefix_stats st;
 };
 
@@ -130,7 +128,6 @@ static void lru_push(struct tdm_prefix_cache *c, int32_t i)
     else
         c->lru = i;
     c->mru = i;
-    e->stamp = ++c->clock;
 }
 
 static void touch(struct tdm_prefix_cache *c, int32_t i)
