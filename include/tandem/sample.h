@@ -178,6 +178,10 @@ struct tdm_sample_row {
     /* TREE: the candidates (distinct tokens in [0, vocab)); NULL when n_cand is 0 */
     const int32_t *cand;
     int n_cand;
+    /* Structured output: [tdm_grammar_mask_words(vocab)] host words, bit t set when token t
+     * may be chosen; the others' logits are -inf for the draw (the log-probabilities stay
+     * those of the raw logits). NULL: every token. Not read by SCORE rows. */
+    const uint32_t *allow;
     /* out */
     int32_t token;
     bool kept;     /* VERIFY: the draft was accepted (token == draft); TREE: a candidate */

@@ -81,6 +81,7 @@
 #define TANDEM_SCHED_H
 
 #include "tandem/core.h"
+#include "tandem/grammar.h"
 #include "tandem/engine.h"
 #include "tandem/sample.h"
 #include "tandem/tok.h"
@@ -118,6 +119,11 @@ struct tdm_req_params {
     const int32_t *bias_ids;
     const float *bias_vals;
     int n_bias;
+    /* Structured output: every output token follows this grammar (a reference is taken at
+     * submit; its vocabulary must be the model's rows). Each sampled row is masked to the
+     * tokens the grammar allows after the outputs before it (drafts included); the request
+     * finishes (TDM_FINISH_STOP) once the grammar is complete. NULL: unconstrained. */
+    tdm_grammar_t *grammar;
     int32_t stop_ids[TDM_MAX_STOP_IDS]; /* extra stop token ids */
     int n_stop_ids;
     int top_logprobs; /* 0..TDM_MAX_TOP_LOGPROBS alternatives per output; -1: no logprobs */
@@ -551,6 +557,8 @@ struct tdm_sched_metrics_snapshot {
 void tdm_sched_metrics(tdm_sched_t *s, struct tdm_sched_metrics_snapshot *out);
 /* The context length, vocabulary and EOS ids the scheduler checks requests against. */
 int tdm_sched_max_ctx(const tdm_sched_t *s);
+int tdm_sched_vocab(const tdm_sched_t *s);                /* the model's logit rows */
+int tdm_sched_eos(const tdm_sched_t *s, const int **ids); /* count; *ids valid for s's life */
 
 #ifdef __cplusplus
 }

@@ -552,6 +552,15 @@ void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
         if (pen) memcpy(scratch->raw, logits, (size_t)vocab * sizeof *logits);
     }
     const float *raw = pen ? scratch->raw : logits;
+    /* the grammar's mask: after the raw row is read, so the log-probabilities stay raw (the
+     * token chosen is allowed, so its raw logit is untouched in place) */
+    if (row->allow && row->mode != TDM_SAMPLE_SCORE)
+        for (int w = 0; w < (vocab + 31) / 32; w++) {
+            uint32_t m = row->allow[w];
+            if (m == UINT32_MAX) continue;
+            for (int b = 0; b < 32 && w * 32 + b < vocab; b++)
+                if (!(m >> b & 1)) logits[w * 32 + b] = -INFINITY;
+        }
     int32_t t;
     if (row->mode == TDM_SAMPLE_SCORE) {
         t = row->draft; /* given: nothing is drawn, the penalties are moot */

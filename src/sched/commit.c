@@ -69,6 +69,15 @@ static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
     int k = r->top_k_lp;
     float lp = sr->logprob;
     int32_t t = sr->token;
+    bool complete = false;
+    if (r->grammar) {
+        /* the row was masked, so the token is allowed unless no allowed token had a logit the
+         * sampler could take (all -inf or NaN), or the mask was lost */
+        int32_t g = tdm_grammar_next(r->grammar, r->gstate, t);
+        if (g < 0) return TDM_FINISH_ERROR;
+        r->gstate = g;
+        complete = tdm_grammar_complete(r->grammar, g);
+    }
     tdm_sampler_accept(&r->smp, t, false);
     r->tokens[r->n_tokens++] = t;
     int64_t now = (int64_t)tdm_now_ns();
@@ -97,7 +106,7 @@ static enum tdm_finish publish(struct tdm_sched *s, struct tdm_req *r,
     pthread_mutex_unlock(&s->mmu);
     r->t_last_ns = now;
 
-    if (stop) return TDM_FINISH_STOP;
+    if (stop || complete) return TDM_FINISH_STOP;
     if (r->n_tokens - r->n_prompt >= r->max_tokens || r->n_tokens >= s->max_ctx)
         return TDM_FINISH_LENGTH;
     return TDM_FINISH_NONE;
@@ -275,7 +284,12 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
                 : !r->max_tokens ? TDM_FINISH_LENGTH
                                  : commit_rows(s, r, q);
         if (f == TDM_FINISH_NONE) tdm_sched_offer_prefix(s, r);
-        if (f != TDM_FINISH_NONE) {
+        if (f == TDM_FINISH_ERROR) { /* only a grammar's refusal (publish) */
+            tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
+            tdm_sched_finish(s, r, f, TDM_EINVAL,
+                             "structured output: the grammar allows no token the model can take "
+                             "here (every allowed logit is -inf or NaN)");
+        } else if (f != TDM_FINISH_NONE) {
             tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
             tdm_sched_finish(s, r, f, TDM_OK, NULL);
         } else if (q->features && s->feeds && !r->prefill_only && r->n_cached > q->pos0) {

@@ -219,6 +219,14 @@ static void land_remote(struct tdm_sched *s)
     }
 }
 
+/* The mask of r's grammar at state st; a mask lost to memory denies everything, and the
+ * commit then finishes the request with an error. */
+static const uint32_t *grammar_mask(struct tdm_sched *s, struct tdm_req *r, int32_t st)
+{
+    const uint32_t *m = tdm_grammar_mask(r->grammar, st);
+    return m ? m : s->deny_all;
+}
+
 /* The tree of r's drafts as plan sequence q sees it (tdm_plan_seq.tree): span token i + 1 is
  * draft i at position pos0 + its depth, seeing its ancestors and itself; and each row's
  * sampling: the position after its token's, penalties less every draft off its path, and (in
@@ -235,6 +243,17 @@ static void plan_tree(struct tdm_sched *s, struct tdm_req *r, struct tdm_plan_se
         pos[i] = pos[par] + 1;
         mask[i] = mask[par] | (uint64_t)1 << (i - 1);
     }
+    /* a grammar's state at each node: its parent's after its token (dead past a token the
+     * grammar refuses: such a node's row is never reached, it takes its parent's mask) */
+    int32_t gst[1 + TDM_TREE_MAX_NODES];
+    if (r->grammar) {
+        gst[0] = r->gstate;
+        for (int i = 1; i < T; i++) {
+            const int par = r->tree_parent[i - 1] + 1;
+            int32_t g = tdm_grammar_next(r->grammar, gst[par], q->tokens[i]);
+            gst[i] = g >= 0 ? g : gst[par];
+        }
+    }
     struct tdm_batch_tree *tr = &s->trees[seq];
     *tr = (struct tdm_batch_tree){
         .positions = pos, .mask = mask, .node_slots = q->slots + 1, .n_nodes = n};
@@ -250,6 +269,7 @@ static void plan_tree(struct tdm_sched *s, struct tdm_req *r, struct tdm_plan_se
         sr->undo = n_undo ? undo : NULL;
         sr->n_undo = n_undo;
         sr->mode = TDM_SAMPLE_DRAW; /* exact: the target's keyed draw; the commit follows it */
+        if (r->grammar) sr->allow = grammar_mask(s, r, gst[i]);
         if (!r->tree_rejection) continue;
         int32_t *cand = s->tree_cand + (size_t)row * TDM_SAMPLE_MAX_CAND;
         int n_cand = 0;
@@ -300,6 +320,7 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
                                .features = s->features && r->spec_k >= 0
                                                ? s->features + (size_t)p->n_tokens * s->x.d_model
                                                : NULL};
+    int32_t gst = r->gstate; /* the grammar's state at the next sampling row */
     for (int i = 0; i < n_rows; i++) {
         int row = p->n_rows + i;
         s->want[row] = want;
@@ -315,6 +336,16 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
             continue;
         }
         const int d = i - n_score; /* the sampling rows: the target's, then one per draft */
+        if (r->grammar) {
+            /* row d chooses after drafts 0..d-1; past a draft the grammar refuses, the rows
+             * are never reached and keep the last live mask */
+            s->srows[row].allow = grammar_mask(s, r, gst);
+            if (d < r->n_draft) {
+                int32_t g =
+                    tdm_grammar_next(r->grammar, gst, r->tokens[r->n_tokens - r->n_draft + d]);
+                if (g >= 0) gst = g;
+            }
+        }
         if (d < r->n_draft) {
             /* a verified row: its draft, the draft's distribution (rejection), and the drafts
              * after it, which the penalty state holds but this row must not see */

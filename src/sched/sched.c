@@ -65,6 +65,7 @@ static void req_free(struct tdm_req *r)
 {
     struct tdm_req *leader = r->leader;
     tdm_sampler_free(&r->smp);
+    tdm_grammar_unref(r->grammar);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     req_buffers_free(r);
@@ -179,6 +180,17 @@ int tdm_sched_max_ctx(const tdm_sched_t *s)
     return s->max_ctx;
 }
 
+int tdm_sched_vocab(const tdm_sched_t *s)
+{
+    return s->vocab;
+}
+
+int tdm_sched_eos(const tdm_sched_t *s, const int **ids)
+{
+    *ids = s->eos;
+    return s->n_eos;
+}
+
 /* ---- creation ---- */
 
 tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t *tok,
@@ -220,10 +232,11 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
     s->slots = calloc((size_t)s->o.max_batch_tokens, sizeof *s->slots);
     s->want = calloc(rows, sizeof *s->want);
     s->srows = calloc(rows, sizeof *s->srows);
+    s->deny_all = calloc((size_t)tdm_grammar_mask_words(s->vocab), sizeof *s->deny_all);
     s->held = calloc(n, sizeof *s->held);
     s->wsnap = calloc((size_t)s->o.max_waiting, sizeof *s->wsnap);
     if (!s->running || !s->pseqs || !s->drafts || !s->decodes || !s->slots || !s->want ||
-        !s->srows || !s->held || !s->wsnap)
+        !s->srows || !s->deny_all || !s->held || !s->wsnap)
         goto out_free;
     const char *faults = getenv("TANDEM_SCHED_FAULTS");
     if (faults && *faults) {
@@ -264,6 +277,7 @@ out_fail:
     free(s->slots);
     free(s->want);
     free(s->srows);
+    free(s->deny_all);
     free(s->logits);
     free(s->hidden);
     free(s->features);
@@ -335,6 +349,9 @@ static tdm_status req_new(struct tdm_sched *s, const struct tdm_req_params *p, s
     if (p->fixed_chunk < 0 || p->fixed_chunk > s->o.max_batch_tokens)
         return tdm_err_set(TDM_EINVAL, "fixed_chunk must be between 0 and %d (tokens per step)",
                            s->o.max_batch_tokens);
+    if (p->grammar && tdm_grammar_vocab_size(p->grammar) != s->vocab)
+        return tdm_err_set(TDM_EINVAL, "the grammar was made for %d tokens; the model has %d",
+                           tdm_grammar_vocab_size(p->grammar), s->vocab);
     if (p->n_stop_ids < 0 || p->n_stop_ids > TDM_MAX_STOP_IDS)
         return tdm_err_set(TDM_ERANGE, "at most %d stop token ids", TDM_MAX_STOP_IDS);
     for (int i = 0; i < p->n_prompt; i++)
@@ -408,6 +425,10 @@ static tdm_status req_new(struct tdm_sched *s, const struct tdm_req_params *p, s
     r->min_tokens = p->min_tokens;
     r->top_k_lp = p->top_logprobs;
     r->score = p->prompt_logprobs;
+    if (p->grammar && !p->prefill_only) {
+        r->grammar = tdm_grammar_ref(p->grammar);
+        r->gstate = tdm_grammar_start(r->grammar);
+    }
     r->p_top = p->prompt_logprobs ? ptop : 0;
     r->ignore_eos = p->ignore_eos;
     memcpy(r->stop_ids, p->stop_ids, sizeof r->stop_ids);
@@ -445,6 +466,7 @@ static void req_discard(struct tdm_req *r)
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     tdm_sampler_free(&r->smp);
+    tdm_grammar_unref(r->grammar);
     req_buffers_free(r);
 }
 
@@ -855,6 +877,7 @@ void tdm_sched_destroy(tdm_sched_t *s)
     free(s->slots);
     free(s->want);
     free(s->srows);
+    free(s->deny_all);
     free(s->hidden);
     free(s->logits);
     free(s->features);

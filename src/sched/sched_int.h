@@ -71,6 +71,10 @@ struct tdm_req {
     int n_cached; /* tokens whose KV is in kv */
     struct tdm_kv_seq kv;
     struct tdm_sampler smp;
+    /* structured output: its grammar (a reference) and the state after its committed
+     * outputs; drafts never enter it (plan.c walks them from it for their rows' masks) */
+    tdm_grammar_t *grammar;
+    int32_t gstate;
     int batch_slot; /* index in this step's plan, or -1 */
     bool counted;   /* its prompt is in the prompt-token counter */
     int64_t t_last_ns;
@@ -131,6 +135,7 @@ struct tdm_sched {
     int32_t *slots;               /* [max_batch_tokens] the plan's KV slots */
     uint8_t *want;                /* [max_rows] */
     struct tdm_sample_row *srows; /* [max_rows] */
+    uint32_t *deny_all;           /* [mask words] zeros: a grammar row whose mask is lost */
     float *logits;                /* [max_rows][vocab], with row outputs */
     float *hidden;                /* [max_rows][d_model], with row outputs */
     bool row_outputs;             /* logits and hidden exist */

@@ -694,6 +694,12 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
         if (tdm_tok_piece(m->tok, i, &len) && len > s->api.max_piece) s->api.max_piece = len;
     }
     tdm_api_find_fim(&s->api);
+    if (!o->no_generate) { /* structured output's view of the vocabulary (the model's rows) */
+        const int *eos;
+        int n_eos = tdm_sched_eos(sched, &eos);
+        if (tdm_gvocab_create(m->tok, tdm_sched_vocab(sched), eos, n_eos, &s->api.gvocab) != TDM_OK)
+            TDM_WARN("server: structured output is off: %s", tdm_err_msg());
+    }
     struct tdm_sched_metrics_snapshot ms;
     tdm_sched_metrics(sched, &ms);
     s->api.prefix_caching = ms.prefix_on;
@@ -730,6 +736,7 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
     return TDM_OK;
 
 out_free:
+    tdm_gvocab_free(s->api.gvocab);
     free(s->model_name);
     free(s->api_key);
     free(s);
@@ -771,6 +778,7 @@ void tdm_server_stop(tdm_server_t *s)
     sweep(s);
     tdm_front_stop(s->front);
     pthread_mutex_destroy(&s->wmu);
+    tdm_gvocab_free(s->api.gvocab); /* after the scheduler let go of every request's grammar */
     free(s->model_name);
     free(s->api_key);
     free(s);

@@ -115,6 +115,7 @@ void tdm_api_req_free(struct api_req *r)
     free(r->echo_text);
     free(r->bias_ids);
     free(r->bias_vals);
+    tdm_grammar_unref(r->grammar);
     for (int i = 0; i < TDM_MAX_STOP_STRINGS; i++)
         free(r->stops[i]);
     memset(r, 0, sizeof *r);
@@ -692,25 +693,216 @@ static bool parse_logit_bias(const struct api_ctx *c, json_t *v, struct api_req 
     return true;
 }
 
+/* ---- structured output ----
+ * A request carries at most one constraint, in any of the spellings clients use:
+ *   response_format {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
+ *     "schema", "strict", "description"}} (OpenAI; "text" is no constraint);
+ *   guided_json (a schema), guided_regex, guided_choice, guided_grammar (vLLM's older fields);
+ *   structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object"} (vLLM's);
+ *   json_schema (llama-server's), regex, grammar (a GBNF grammar, llama-server's).
+ * The grammar compiles here, so a bad schema is this request's 400 naming what is wrong. */
+static bool set_grammar(const struct api_ctx *c, const char *param, enum tdm_grammar_kind kind,
+                        const char *src, size_t len, struct api_req *r, struct api_err *err)
+{
+    if (r->grammar) {
+        tdm_api_err_set(err, 400, param,
+                        "only one of response_format, guided_json, guided_regex, guided_choice, "
+                        "guided_grammar, structured_outputs, json_schema, regex and grammar may "
+                        "be given");
+        return false;
+    }
+    if (!c->gvocab) {
+        tdm_api_err_set(err, 400, param, "structured output is not available on this server");
+        return false;
+    }
+    tdm_grammar_t *g = NULL;
+    tdm_status st = tdm_grammar_get(c->gvocab, kind, src, len, &g);
+    if (st != TDM_OK) {
+        tdm_api_err_set(err, st == TDM_ENOMEM ? 500 : 400, param, "'%s': %s", param, tdm_err_msg());
+        return false;
+    }
+    r->grammar = g;
+    return true;
+}
+
+static bool schema_grammar(const struct api_ctx *c, const char *param, json_t *schema,
+                           struct api_req *r, struct api_err *err)
+{
+    if (json_is_string(schema))
+        return set_grammar(c, param, TDM_GRAMMAR_JSON_SCHEMA, json_string_value(schema),
+                           json_string_length(schema), r, err);
+    if (!json_is_object(schema) && !json_is_boolean(schema)) {
+        tdm_api_err_set(err, 400, param, "'%s' must be a JSON Schema (an object)", param);
+        return false;
+    }
+    char *s = json_dumps(schema, JSON_COMPACT | JSON_ENCODE_ANY);
+    if (!s) {
+        tdm_api_err_set(err, 500, param, "out of memory");
+        return false;
+    }
+    bool ok = set_grammar(c, param, TDM_GRAMMAR_JSON_SCHEMA, s, strlen(s), r, err);
+    free(s);
+    return ok;
+}
+
+static bool text_grammar(const struct api_ctx *c, const char *param, enum tdm_grammar_kind kind,
+                         json_t *v, struct api_req *r, struct api_err *err)
+{
+    if (!json_is_string(v)) {
+        tdm_api_err_set(err, 400, param, "'%s' must be a string", param);
+        return false;
+    }
+    return set_grammar(c, param, kind, json_string_value(v), json_string_length(v), r, err);
+}
+
+static bool choice_grammar(const struct api_ctx *c, const char *param, json_t *v, struct api_req *r,
+                           struct api_err *err)
+{
+    if (!json_is_array(v) || !json_array_size(v)) {
+        tdm_api_err_set(err, 400, param, "'%s' must be a non-empty list of strings", param);
+        return false;
+    }
+    char *s = json_dumps(v, JSON_COMPACT);
+    if (!s) {
+        tdm_api_err_set(err, 500, param, "out of memory");
+        return false;
+    }
+    bool ok = set_grammar(c, param, TDM_GRAMMAR_CHOICE, s, strlen(s), r, err);
+    free(s);
+    return ok;
+}
+
+static bool parse_response_format(const struct api_ctx *c, json_t *v, struct api_req *r,
+                                  struct api_err *err)
+{
+    const char *P = "response_format";
+    json_t *t = json_object_get(v, "type");
+    if (!json_is_object(v) || !json_is_string(t)) {
+        tdm_api_err_set(err, 400, P, "'response_format' must be an object with a 'type'");
+        return false;
+    }
+    const char *type = json_string_value(t);
+    const char *key;
+    json_t *x;
+    json_object_foreach(v, key, x)
+    {
+        if (strcmp(key, "type") && strcmp(key, "json_schema") && strcmp(key, "schema")) {
+            tdm_api_err_set(err, 400, P, "unknown field 'response_format.%s'", key);
+            return false;
+        }
+    }
+    if (!strcmp(type, "text")) return true;
+    if (!strcmp(type, "json_object")) {
+        /* llama-server's form carries a schema here too */
+        json_t *sc = json_object_get(v, "schema");
+        if (sc) return schema_grammar(c, "response_format.schema", sc, r, err);
+        return set_grammar(c, P, TDM_GRAMMAR_JSON_OBJECT, NULL, 0, r, err);
+    }
+    if (strcmp(type, "json_schema")) {
+        tdm_api_err_set(err, 400, P,
+                        "response_format type '%.40s' is not one of text, json_object, "
+                        "json_schema",
+                        type);
+        return false;
+    }
+    json_t *js = json_object_get(v, "json_schema");
+    if (!json_is_object(js)) {
+        tdm_api_err_set(err, 400, P, "response_format json_schema needs a 'json_schema' object");
+        return false;
+    }
+    json_object_foreach(js, key, x)
+    {
+        if (strcmp(key, "name") && strcmp(key, "schema") && strcmp(key, "strict") &&
+            strcmp(key, "description")) {
+            tdm_api_err_set(err, 400, P, "unknown field 'response_format.json_schema.%s'", key);
+            return false;
+        }
+    }
+    json_t *name = json_object_get(js, "name"), *strict = json_object_get(js, "strict");
+    if (name && !json_is_string(name)) {
+        tdm_api_err_set(err, 400, P, "response_format.json_schema.name must be a string");
+        return false;
+    }
+    if (strict && !json_is_boolean(strict) && !json_is_null(strict)) {
+        tdm_api_err_set(err, 400, P, "response_format.json_schema.strict must be a boolean");
+        return false;
+    }
+    json_t *sc = json_object_get(js, "schema");
+    if (!sc) /* OpenAI: no schema is any JSON object */
+        return set_grammar(c, P, TDM_GRAMMAR_JSON_OBJECT, NULL, 0, r, err);
+    return schema_grammar(c, "response_format.json_schema.schema", sc, r, err);
+}
+
+static bool parse_structured(const struct api_ctx *c, json_t *root, struct api_req *r,
+                             struct api_err *err)
+{
+    json_t *v;
+    if ((v = json_object_get(root, "response_format")) && !json_is_null(v) &&
+        !parse_response_format(c, v, r, err))
+        return false;
+    static const struct {
+        const char *field;
+        int how; /* 0 a schema, 1 a regex, 2 choices, 3 GBNF */
+    } FIELDS[] = {{"guided_json", 0},   {"json_schema", 0},    {"guided_regex", 1}, {"regex", 1},
+                  {"guided_choice", 2}, {"guided_grammar", 3}, {"grammar", 3}};
+    for (size_t i = 0; i < sizeof FIELDS / sizeof *FIELDS; i++) {
+        const char *f = FIELDS[i].field;
+        if (!(v = json_object_get(root, f)) || json_is_null(v)) continue;
+        bool ok =
+            FIELDS[i].how == 0 ? schema_grammar(c, f, v, r, err)
+            : FIELDS[i].how == 2
+                ? choice_grammar(c, f, v, r, err)
+                : text_grammar(c, f, FIELDS[i].how == 1 ? TDM_GRAMMAR_REGEX : TDM_GRAMMAR_GBNF, v,
+                               r, err);
+        if (!ok) return false;
+    }
+    if ((v = json_object_get(root, "structured_outputs")) && !json_is_null(v)) {
+        if (!json_is_object(v)) {
+            tdm_api_err_set(err, 400, "structured_outputs",
+                            "'structured_outputs' must be an object");
+            return false;
+        }
+        const char *key;
+        json_t *x;
+        json_object_foreach(v, key, x)
+        {
+            bool ok;
+            if (json_is_null(x) || !strcmp(key, "disable_fallback") ||
+                !strcmp(key, "disable_any_whitespace") ||
+                !strcmp(key, "disable_additional_properties") || !strcmp(key, "whitespace_pattern"))
+                continue;
+            if (!strcmp(key, "json"))
+                ok = schema_grammar(c, "structured_outputs.json", x, r, err);
+            else if (!strcmp(key, "regex"))
+                ok = text_grammar(c, "structured_outputs.regex", TDM_GRAMMAR_REGEX, x, r, err);
+            else if (!strcmp(key, "choice"))
+                ok = choice_grammar(c, "structured_outputs.choice", x, r, err);
+            else if (!strcmp(key, "grammar"))
+                ok = text_grammar(c, "structured_outputs.grammar", TDM_GRAMMAR_GBNF, x, r, err);
+            else if (!strcmp(key, "json_object"))
+                ok = !json_is_true(x) || set_grammar(c, "structured_outputs.json_object",
+                                                     TDM_GRAMMAR_JSON_OBJECT, NULL, 0, r, err);
+            else {
+                tdm_api_err_set(err, 400, "structured_outputs",
+                                "unknown field 'structured_outputs.%s'", key);
+                return false;
+            }
+            if (!ok) return false;
+        }
+    }
+    return true;
+}
+
 /* Fields that would change the output and that we do not implement. */
 static bool unsupported(const char *key, json_t *v, struct api_err *err)
 {
-    static const char *const never[] = {
-        "tools", "tool_choice", "functions",    "function_call", "prediction",
-        "audio", "guided_json", "guided_regex", "guided_choice", "guided_grammar"};
+    static const char *const never[] = {"tools",         "tool_choice", "functions",
+                                        "function_call", "prediction",  "audio"};
     for (size_t i = 0; i < sizeof never / sizeof *never; i++)
         if (!strcmp(key, never[i]) && !json_is_null(v)) {
             tdm_api_err_set(err, 400, key, "'%s' is not supported", key);
             return true;
         }
-    if (!strcmp(key, "response_format") && !json_is_null(v)) {
-        json_t *t = json_object_get(v, "type");
-        if (!json_is_string(t) || strcmp(json_string_value(t), "text")) {
-            tdm_api_err_set(err, 400, key,
-                            "only response_format {\"type\": \"text\"} is supported");
-            return true;
-        }
-    }
     return false;
 }
 
@@ -795,7 +987,16 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                                           "logit_bias",
                                           "suffix",
                                           "skip_special_tokens",
-                                          "spec_k"};
+                                          "spec_k",
+                                          "response_format",
+                                          "guided_json",
+                                          "guided_regex",
+                                          "guided_choice",
+                                          "guided_grammar",
+                                          "structured_outputs",
+                                          "regex",
+                                          "json_schema",
+                                          "grammar"};
     static const char *const known_chat[] = {"model",
                                              "messages",
                                              "max_tokens",
@@ -833,7 +1034,15 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                                              "prediction",
                                              "reasoning_effort",
                                              "skip_special_tokens",
-                                             "spec_k"};
+                                             "spec_k",
+                                             "guided_json",
+                                             "guided_regex",
+                                             "guided_choice",
+                                             "guided_grammar",
+                                             "structured_outputs",
+                                             "regex",
+                                             "json_schema",
+                                             "grammar"};
     const char *const *known = chat ? known_chat : known_c;
     size_t n_known =
         chat ? sizeof known_chat / sizeof *known_chat : sizeof known_c / sizeof *known_c;
@@ -1060,6 +1269,8 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
         }
     }
     if (!parse_choices(root, r, err)) goto out; /* after logprobs and stream */
+    if (!parse_structured(c, root, r, err)) goto out;
+    r->p.grammar = r->grammar;
     r->p.prompt = r->prompt;
     r->p.n_prompt = r->n_prompt;
     r->p.bias_ids = r->bias_ids;

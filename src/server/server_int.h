@@ -33,6 +33,7 @@ struct api_ctx {
     int32_t fim[3];      /* fill-in-the-middle tokens: prefix, suffix, middle; -1 when the
                           * vocabulary lacks them (then 'suffix' is refused) */
     bool prefix_caching; /* usage carries prompt_tokens_details.cached_tokens */
+    tdm_gvocab_t *gvocab; /* the vocabulary as bytes, for structured output; NULL: refused */
     size_t max_piece;    /* bytes of the vocabulary's longest token: text of B bytes has at least
                           * B / max_piece tokens, so a prompt far over the context is refused
                           * before it is tokenized; 0: unknown */
@@ -73,6 +74,9 @@ struct api_req {
     bool hide_logprobs;
     int32_t *prompt; /* malloc'd */
     int n_prompt;
+    /* structured output (response_format, guided_*, regex, structured_outputs): a reference,
+     * also in p.grammar; NULL: none */
+    tdm_grammar_t *grammar;
     int32_t *bias_ids; /* logit_bias, malloc'd (NULL: none) */
     float *bias_vals;
     int n_bias;

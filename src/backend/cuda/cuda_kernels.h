@@ -94,7 +94,9 @@ bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts, int n_par
  * logits (sample.h), in the row's mode (a draw, a drafter's proposal, or a draft's
  * verification). logits [n_rows][vocab] is overwritten (penalties); pens: each row's
  * distinct seen tokens at [pen_off, pen_off + pen_n) (raw is written: the logit before the
- * penalty); scratch: tdm_cu_sample_scratch_bytes(n_rows, vocab). Returns false for a vocabulary
+ * penalty); masks: the rows' grammar masks, row i's at word allow_off (-1: none; bit t of word
+ * t / 32 set when token t may be chosen, the others -inf after the penalties); scratch:
+ * tdm_cu_sample_scratch_bytes(n_rows, vocab). Returns false for a vocabulary
  * it cannot take (n_rows 0: only that check). */
 #define TDM_CU_SAMPLE_MAX_TOP   20
 #define TDM_CU_SAMPLE_MAX_VOCAB (1 << 18)
@@ -107,6 +109,7 @@ struct tdm_cu_sample_row {
     uint32_t position, mode;
     uint64_t seed, request_id;
     int32_t draft, one_hot, n_undo, n_cand;
+    int32_t allow_off;                    /* the grammar mask's first word in masks, or -1 */
     int32_t cand[TDM_CU_SAMPLE_MAX_CAND]; /* tree: the candidates, tested in this order */
     int32_t undo[TDM_CU_SAMPLE_MAX_UNDO]; /* tokens whose penalty counts this row leaves out */
     const float *q;                       /* verify: the draft's distribution, or NULL */
@@ -126,7 +129,7 @@ struct tdm_cu_sample_out {
 };
 bool tdm_cu_sample(cudaStream_t s, float *logits, int n_rows, int vocab,
                    const struct tdm_cu_sample_row *rows, struct tdm_cu_sample_pen *pens,
-                   struct tdm_cu_sample_out *out, void *scratch);
+                   const uint32_t *masks, struct tdm_cu_sample_out *out, void *scratch);
 /* The sampling scratch: exponentials (4 bytes a token) then candidate keys (8 bytes a token). */
 static inline size_t tdm_cu_sample_scratch_keys_at(int n_rows, int vocab)
 {

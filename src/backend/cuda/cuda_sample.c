@@ -76,11 +76,22 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
         if (rows[i].mode != TDM_SAMPLE_SCORE)
             n_pen +=
                 (size_t)(rows[i].smp->seen ? rows[i].smp->n_seen : 0) + (size_t)rows[i].smp->n_bias;
+    /* the grammar masks: each distinct one once (a request's rows often share one) */
+    const size_t words = (size_t)(vocab + 31) / 32;
+    size_t n_masks = 0;
+    for (int i = 0; i < n_rows; i++) {
+        if (!rows[i].allow || rows[i].mode == TDM_SAMPLE_SCORE) continue;
+        bool seen = false;
+        for (int j = 0; j < i && !seen; j++)
+            seen = rows[j].allow == rows[i].allow && rows[j].mode != TDM_SAMPLE_SCORE;
+        n_masks += !seen;
+    }
     const size_t rows_bytes = (size_t)n_rows * sizeof(struct tdm_cu_sample_row);
     const size_t pen_at = (rows_bytes + 63) & ~(size_t)63;
+    const size_t mask_at = (pen_at + n_pen * sizeof(struct tdm_cu_sample_pen) + 63) & ~(size_t)63;
+    const size_t staged = mask_at + n_masks * words * sizeof(uint32_t);
     tdm_status st;
-    if ((st = stage_grow(cu, &cu->h_samp, &cu->d_samp, &cu->samp_cap,
-                         pen_at + n_pen * sizeof(struct tdm_cu_sample_pen))) != TDM_OK ||
+    if ((st = stage_grow(cu, &cu->h_samp, &cu->d_samp, &cu->samp_cap, staged)) != TDM_OK ||
         (st = stage_grow(cu, &cu->h_sout, &cu->d_sout, &cu->sout_cap,
                          (size_t)n_rows * sizeof(struct tdm_cu_sample_out))) != TDM_OK ||
         (st = scratch_grow(cu, tdm_cu_sample_scratch_bytes(n_rows, vocab))) != TDM_OK)
@@ -88,7 +99,8 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
 
     struct tdm_cu_sample_row *hr = cu->h_samp;
     struct tdm_cu_sample_pen *hp = (struct tdm_cu_sample_pen *)((char *)cu->h_samp + pen_at);
-    size_t off = 0;
+    uint32_t *hm = (uint32_t *)((char *)cu->h_samp + mask_at);
+    size_t off = 0, mask_words = 0;
     for (int i = 0; i < n_rows; i++) {
         const struct tdm_sampler *smp = rows[i].smp;
         const struct tdm_sampling_params *p = &smp->params;
@@ -112,7 +124,18 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
             .n_undo = smp->seen ? TDM_MIN(rows[i].n_undo, TDM_CU_SAMPLE_MAX_UNDO) : 0,
             .q = rows[i].mode == TDM_SAMPLE_VERIFY ? rows[i].q : NULL,
             .dist = rows[i].mode == TDM_SAMPLE_PROPOSE ? rows[i].dist : NULL,
+            .allow_off = -1,
         };
+        if (rows[i].allow && rows[i].mode != TDM_SAMPLE_SCORE) {
+            for (int j = 0; j < i && hr[i].allow_off < 0; j++)
+                if (rows[j].allow == rows[i].allow && hr[j].allow_off >= 0)
+                    hr[i].allow_off = hr[j].allow_off;
+            if (hr[i].allow_off < 0) {
+                hr[i].allow_off = (int32_t)mask_words;
+                memcpy(hm + mask_words, rows[i].allow, words * sizeof(uint32_t));
+                mask_words += words;
+            }
+        }
         for (int j = 0; j < hr[i].n_undo; j++)
             hr[i].undo[j] = rows[i].undo[j];
         if (rows[i].mode == TDM_SAMPLE_TREE) {
@@ -137,12 +160,12 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
         }
         hr[i].pen_n = (int32_t)(off - (size_t)hr[i].pen_off);
     }
-    TDM_CU_CHECK(cudaMemcpyAsync(cu->d_samp, cu->h_samp,
-                                 pen_at + n_pen * sizeof(struct tdm_cu_sample_pen),
-                                 cudaMemcpyHostToDevice, cu->stream));
+    TDM_CU_CHECK(
+        cudaMemcpyAsync(cu->d_samp, cu->h_samp, staged, cudaMemcpyHostToDevice, cu->stream));
     struct tdm_cu_sample_out *dout = cu->d_sout, *hout = cu->h_sout;
     tdm_cu_sample(cu->stream, logits, n_rows, vocab, cu->d_samp,
-                  (struct tdm_cu_sample_pen *)((char *)cu->d_samp + pen_at), dout, cu->d_sscratch);
+                  (struct tdm_cu_sample_pen *)((char *)cu->d_samp + pen_at),
+                  (const uint32_t *)((char *)cu->d_samp + mask_at), dout, cu->d_sscratch);
     TDM_CU_CHECK(cudaGetLastError());
     TDM_CU_CHECK(cudaMemcpyAsync(hout, dout, (size_t)n_rows * sizeof *hout, cudaMemcpyDeviceToHost,
                                  cu->stream));

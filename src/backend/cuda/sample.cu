@@ -326,7 +326,8 @@ template <class F> __device__ int draw_id_order(int n, F w, double u, Smem &sm)
 
 __global__ void __launch_bounds__(kThreads)
     sample_kernel(float *logits, int vocab, const tdm_cu_sample_row *rows, tdm_cu_sample_pen *pens,
-                  tdm_cu_sample_out *outs, float *escratch, unsigned long long *kscratch)
+                  const uint32_t *masks, tdm_cu_sample_out *outs, float *escratch,
+                  unsigned long long *kscratch)
 {
     __shared__ Smem sm;
     unsigned long long *ckeys = kscratch + (size_t)blockIdx.x * vocab;
@@ -450,6 +451,14 @@ __global__ void __launch_bounds__(kThreads)
             if (e.bias != 0.0f) l = __fadd_rn(l, e.bias);
             lg[e.id] = l;
         }
+        __syncthreads();
+        row_argmax(lg, vocab, sm, &mx, &amx);
+    }
+    /* 3b. the grammar's mask (structured output): the tokens it refuses are out of the draw */
+    if (p.allow_off >= 0) {
+        const uint32_t *al = masks + p.allow_off;
+        for (int i = tid; i < vocab; i += kThreads)
+            if (!(al[i >> 5] >> (i & 31) & 1u)) lg[i] = -INFINITY;
         __syncthreads();
         row_argmax(lg, vocab, sm, &mx, &amx);
     }
@@ -657,7 +666,7 @@ __global__ void __launch_bounds__(kThreads)
 
 extern "C" bool tdm_cu_sample(cudaStream_t s, float *logits, int n_rows, int vocab,
                               const struct tdm_cu_sample_row *rows, struct tdm_cu_sample_pen *pens,
-                              struct tdm_cu_sample_out *out, void *scratch)
+                              const uint32_t *masks, struct tdm_cu_sample_out *out, void *scratch)
 {
     if (vocab <= 0 || vocab > TDM_CU_SAMPLE_MAX_VOCAB) return false;
     if (n_rows <= 0) return true;
@@ -665,6 +674,6 @@ extern "C" bool tdm_cu_sample(cudaStream_t s, float *logits, int n_rows, int voc
     float *e = (float *)scratch;
     unsigned long long *k =
         (unsigned long long *)((char *)scratch + tdm_cu_sample_scratch_keys_at(n_rows, vocab));
-    sample_kernel<<<n_rows, kThreads, 0, s>>>(logits, vocab, rows, pens, out, e, k);
+    sample_kernel<<<n_rows, kThreads, 0, s>>>(logits, vocab, rows, pens, masks, out, e, k);
     return true;
 }
