@@ -189,6 +189,9 @@ struct tdm_sample_row {
     int32_t top_ids[TDM_TOP_LOGPROBS_MAX];
     float top_lps[TDM_TOP_LOGPROBS_MAX];
 };
+/* Sets the logits of the tokens allow[] refuses to -inf (a grammar's mask: bit t of word t / 32
+ * set when token t may be chosen). */
+void tdm_sample_apply_allow(float *logits, int vocab, const uint32_t *allow);
 /* Samples a row on the host by its mode: the top log-probabilities, then the mode's draw.
  * logits is modified in place. q and dist must be host memory here. */
 void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,

@@ -530,6 +530,25 @@ static int32_t verify_tree(struct tdm_sample_row *row, float *logits,
     return t >= 0 ? t : (n ? row->cand[n - 1] : 0);
 }
 
+void tdm_sample_apply_allow(float *logits, int vocab, const uint32_t *allow)
+{
+    const int full = vocab / 32;
+    for (int w = 0; w < full; w++) { /* a grammar's masks are mostly all-or-nothing words */
+        const uint32_t x = allow[w];
+        float *l = logits + (size_t)w * 32;
+        if (x == UINT32_MAX) continue;
+        if (x == 0) {
+            for (int b = 0; b < 32; b++)
+                l[b] = -INFINITY;
+            continue;
+        }
+        for (uint32_t z = ~x; z; z &= z - 1)
+            l[__builtin_ctz(z)] = -INFINITY;
+    }
+    for (int t = full * 32; t < vocab; t++)
+        if (!(allow[t >> 5] >> (t & 31) & 1)) logits[t] = -INFINITY;
+}
+
 void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
                          struct tdm_sample_scratch *scratch)
 {
@@ -555,12 +574,7 @@ void tdm_sample_row_host(struct tdm_sample_row *row, float *logits,
     /* the grammar's mask: after the raw row is read, so the log-probabilities stay raw (the
      * token chosen is allowed, so its raw logit is untouched in place) */
     if (row->allow && row->mode != TDM_SAMPLE_SCORE)
-        for (int w = 0; w < (vocab + 31) / 32; w++) {
-            uint32_t m = row->allow[w];
-            if (m == UINT32_MAX) continue;
-            for (int b = 0; b < 32 && w * 32 + b < vocab; b++)
-                if (!(m >> b & 1)) logits[w * 32 + b] = -INFINITY;
-        }
+        tdm_sample_apply_allow(logits, vocab, row->allow);
     int32_t t;
     if (row->mode == TDM_SAMPLE_SCORE) {
         t = row->draft; /* given: nothing is drawn, the penalties are moot */

@@ -101,6 +101,7 @@ int tdm_cmd_bench(int argc, char **argv)
     if (argc >= 2 && !strcmp(argv[1], "xfer")) return tdm_cmd_bench_xfer(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "serve")) return tdm_cmd_bench_serve(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "spec")) return tdm_cmd_bench_spec(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "grammar")) return tdm_cmd_bench_grammar(argc - 1, argv + 1);
     if (argc < 2 || strcmp(argv[1], "model") != 0) {
         fprintf(stderr,
                 "usage: tandem bench model [--model PATH] [--threads N] "
@@ -108,6 +109,7 @@ int tdm_cmd_bench(int argc, char **argv)
                 "       tandem bench model --backend cuda [--shape llama-3.1-8b|llama-3.2-1b "
                 "| --model PATH] [--gpu-memory-fraction F] [--batches 1,8,64,256]\n"
                 "       tandem bench serve --help\n"
+                "       tandem bench grammar --help\n"
                 "       tandem bench xfer --help\n");
         return 2;
     }

@@ -26,6 +26,7 @@ int tdm_cmd_bench_spec(int argc, char **argv);       /* bench_spec.c */
 int tdm_cmd_bench_model_cuda(int argc, char **argv); /* bench_gpu.c: --backend cuda */
 int tdm_cmd_bench_xfer(int argc, char **argv);       /* bench_xfer.c: transfer-engine bandwidth */
 int tdm_cmd_bench_serve(int argc, char **argv);      /* bench_serve.c: HTTP load generator */
+int tdm_cmd_bench_grammar(int argc, char **argv);    /* bench_grammar.c: structured output */
 int tdm_cmd_serve(int argc, char **argv);            /* serve.c: the OpenAI-compatible server */
 int tdm_cmd_router(int argc, char **argv);           /* router.c: one endpoint over serve nodes */
 int tdm_cmd_checkpoint(int argc, char **argv); /* checkpoint.c: random-weight HF checkpoints */

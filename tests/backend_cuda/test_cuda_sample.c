@@ -270,11 +270,17 @@ static void test_against_host(void **state)
  * memory). Each row's mode, draft and undo list are random; a verified draft is the host's own
  * token half the time, so both outcomes occur. The same tolerance as test_against_host: (token,
  * kept) the host's in all but one row in a thousand, and a proposal's distribution within 1e-6
- * of the host's tdm_sampler_dist at every token.
+ * of the host's tdm_sampler_dist at every token. A third of the rows carry a grammar's mask
+ * (dense, sparse or nearly full; sometimes the previous row's, the same pointer, which the
+ * device stages once): the token must be one it allows whenever the host's is.
  */
+static int masked_rows;
 static void modes_batch(int vocab, int n, int *rows, int *same, double *worst_dist, int *kept_n,
                         int *modes_seen)
 {
+    const int words = (vocab + 31) / 32;
+    uint32_t *masks = calloc((size_t)n * (size_t)words, sizeof *masks);
+    assert_non_null(masks);
     const size_t V = (size_t)vocab;
     float *logits = malloc((size_t)n * V * sizeof(float));
     float *host = malloc((size_t)n * V * sizeof(float));
@@ -328,6 +334,27 @@ static void modes_batch(int vocab, int n, int *rows, int *same, double *worst_di
                                          .mode = mode,
                                          .undo = n_undo ? undo[r] : NULL,
                                          .n_undo = n_undo};
+        if (rng_u64() % 3 == 0) {
+            uint32_t *m = masks + (size_t)r * words;
+            if (r > 0 && dev[r - 1].allow && rng_u64() % 2) {
+                dev[r].allow = dev[r - 1].allow; /* a request's rows share one */
+            } else {
+                int kind = (int)(rng_u64() % 3);
+                for (int w = 0; w < words; w++)
+                    m[w] = kind == 0 ? (uint32_t)rng_u64() : kind == 1 ? 0u : ~0u;
+                for (int k = 0; k < 20; k++) { /* a few exceptions, the row's top among them */
+                    int32_t t = k == 0 ? tdm_argmax(row, vocab) : (int32_t)(rng_u64() % V);
+                    if (kind == 2)
+                        m[t >> 5] &= ~(1u << (t & 31));
+                    else
+                        m[t >> 5] |= 1u << (t & 31);
+                }
+                for (int t = vocab; t < words * 32; t++)
+                    m[t >> 5] &= ~(1u << (t & 31));
+                dev[r].allow = m;
+            }
+            masked_rows++;
+        }
         ref[r] = dev[r];
         modes_seen[mode]++;
         if (mode == TDM_SAMPLE_SCORE) { /* a prompt token, given: any, and its top ones */
@@ -389,6 +416,11 @@ static void modes_batch(int vocab, int n, int *rows, int *same, double *worst_di
                              ref[r].top_lps[j]);
             }
         }
+        const uint32_t *al = ref[r].allow;
+        if (al && ref[r].mode != TDM_SAMPLE_SCORE &&
+            (al[ref[r].token >> 5] >> (ref[r].token & 31) & 1) &&
+            !(al[dev[r].token >> 5] >> (dev[r].token & 31) & 1))
+            fail_msg("row %d: the device chose token %d, which its mask refuses", r, dev[r].token);
         *same += ok;
         *kept_n += ref[r].kept;
         if (!ok)
@@ -418,6 +450,7 @@ static void modes_batch(int vocab, int n, int *rows, int *same, double *worst_di
     free(smp);
     free(dev);
     free(ref);
+    free(masks);
 }
 
 static void test_modes_against_host(void **state)
@@ -433,12 +466,13 @@ static void test_modes_against_host(void **state)
     for (size_t v = 0; v < TDM_ARRAY_LEN(vocabs); v++)
         for (int b = 0; b < 4; b++)
             modes_batch(vocabs[v], 128, &rows, &same, &worst, &kept, modes);
-    printf("gpu vs host sampling modes: %d rows (draw %d, propose %d, verify %d, score %d); "
-           "(token, kept) identical in %d, %d drafts kept; proposals' distributions worst |diff| "
-           "%.3g\n",
-           rows, modes[0], modes[1], modes[2], modes[TDM_SAMPLE_SCORE], same, kept, worst);
+    printf("gpu vs host sampling modes: %d rows (draw %d, propose %d, verify %d, score %d; %d "
+           "masked); (token, kept) identical in %d, %d drafts kept; proposals' distributions "
+           "worst |diff| %.3g\n",
+           rows, modes[0], modes[1], modes[2], modes[TDM_SAMPLE_SCORE], masked_rows, same, kept,
+           worst);
     assert_true(modes[0] > 100 && modes[1] > 100 && modes[2] > 100 &&
-                modes[TDM_SAMPLE_SCORE] > 100 && kept > 50);
+                modes[TDM_SAMPLE_SCORE] > 100 && kept > 50 && masked_rows > 200);
     assert_true(1000 * (rows - same) <= rows + 1000); /* at most one, or one in a thousand */
     assert_true(worst <= 1e-6);
 }
