@@ -54,6 +54,11 @@ enum tdm_grammar_kind {
     TDM_GRAMMAR_JSON_OBJECT, /* any JSON object (OpenAI's json_object); source ignored */
     TDM_GRAMMAR_CHOICE,      /* a JSON array of strings: the output is one of them */
     TDM_GRAMMAR_GBNF,        /* a GBNF grammar (llama.cpp's), root rule "root" */
+    /* Tool calls in a chat format: {"format": "hermes" | "llama3", "parallel": bool, "tools":
+     * [{"name": ..., "parameters": schema}, ...]}. hermes: <tool_call>\n{"name": "f",
+     * "arguments": {...}}\n</tool_call>, one or (parallel) more separated by a newline;
+     * llama3: {"name": "f", "parameters": {...}}. The arguments follow the tool's schema. */
+    TDM_GRAMMAR_TOOL_CALLS,
 };
 
 /* Nesting unrolled for recursion and for "any JSON value" */

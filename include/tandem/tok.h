@@ -102,9 +102,18 @@ bool tdm_tok_utf8_valid(const char *s, size_t len, size_t *bad_off);
 /* RAW: message contents concatenated, no markup (for models without a template). */
 enum tdm_chat_format { TDM_CHAT_CHATML = 0, TDM_CHAT_LLAMA3, TDM_CHAT_RAW };
 
+/* One call an assistant message made (OpenAI's tool_calls): the function's name and its
+ * arguments as JSON text (an object; anything else is rendered as a JSON string). */
+struct tdm_chat_call {
+    const char *name;
+    const char *arguments;
+};
+
 struct tdm_chat_msg {
-    const char *role; /* "system", "user", "assistant" */
+    const char *role; /* "system", "user", "assistant", "tool" (a call's result) */
     const char *content;
+    const struct tdm_chat_call *calls; /* an assistant's tool calls, or NULL */
+    int n_calls;
 };
 
 struct tdm_chat_template {
@@ -130,6 +139,16 @@ void tdm_chat_template_clear(struct tdm_chat_template *t);
  * invalid UTF-8. *out is malloc'd; caller frees. */
 tdm_status tdm_chat_render(const struct tdm_chat_template *t, const struct tdm_chat_msg *msgs,
                            size_t n, bool add_generation_prompt, char **out);
+/* The same, with tools the model may call: tools[0, n_tools) are each one OpenAI tool object
+ * as JSON text ({"type": "function", "function": {...}}). ChatML renders them as Qwen2.5 and
+ * Hermes templates do (a "# Tools" section with <tools></tools> in the system turn, calls as
+ * <tool_call> blocks, results as <tool_response> blocks in a user turn); Llama 3 as Llama
+ * 3.1's template does with custom tools (in the first user message, JSON calls with
+ * "parameters", results in an ipython turn). TDM_EINVAL for a tool that is not JSON. */
+tdm_status tdm_chat_render_tools(const struct tdm_chat_template *t,
+                                 const struct tdm_chat_msg *msgs, size_t n,
+                                 const char *const *tools, int n_tools,
+                                 bool add_generation_prompt, char **out);
 
 #ifdef __cplusplus
 }

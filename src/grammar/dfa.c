@@ -383,6 +383,9 @@ static tdm_status grammar_new(tdm_gvocab_t *v, enum tdm_grammar_kind kind, const
     case TDM_GRAMMAR_GBNF:
         root = gbnf_to_ast(&t, src, len);
         break;
+    case TDM_GRAMMAR_TOOL_CALLS:
+        root = tool_calls_to_ast(&t, src, len);
+        break;
     default:
         ast_fail(&t, TDM_EINVAL, "grammar: unknown kind %d", (int)kind);
     }

@@ -122,5 +122,6 @@ int32_t schema_to_ast(struct ast *t, const char *src, size_t len);
 int32_t json_value_ast(struct ast *t, int depth, bool object_only);
 int32_t choice_to_ast(struct ast *t, const char *src, size_t len);
 int32_t gbnf_to_ast(struct ast *t, const char *src, size_t len);
+int32_t tool_calls_to_ast(struct ast *t, const char *src, size_t len);
 
 #endif /* TANDEM_GRAMMAR_INT_H */

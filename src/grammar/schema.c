@@ -674,3 +674,50 @@ int32_t choice_to_ast(struct ast *t, const char *src, size_t len)
     json_decref(root);
     return r;
 }
+
+int32_t tool_calls_to_ast(struct ast *t, const char *src, size_t len)
+{
+    json_error_t je;
+    json_t *root = json_loadb(src, len, 0, &je);
+    json_t *fmt = json_object_get(root, "format"), *tools = json_object_get(root, "tools");
+    bool hermes = json_is_string(fmt) && !strcmp(json_string_value(fmt), "hermes");
+    bool llama3 = json_is_string(fmt) && !strcmp(json_string_value(fmt), "llama3");
+    if (!root || (!hermes && !llama3) || !json_is_array(tools) || !json_array_size(tools)) {
+        json_decref(root);
+        return ast_fail(t, TDM_EINVAL, "tool calls: a format and a non-empty list of tools");
+    }
+    struct sc c;
+    sc_init(&c, t);
+    int32_t any = 0;
+    size_t i;
+    json_t *tool;
+    json_array_foreach(tools, i, tool)
+    {
+        json_t *name = json_object_get(tool, "name"), *params = json_object_get(tool, "parameters");
+        if (!json_is_string(name)) {
+            json_decref(root);
+            return ast_fail(t, TDM_EINVAL, "tool calls: tool %zu has no name", i);
+        }
+        c.root = params;
+        c.n_refs = c.depth = 0;
+        /* no parameters: no arguments, {} (as OpenAI sends them) */
+        int32_t args = params ? value_of(&c, params) : ast_lit(t, "{}", 2);
+        const char *n = json_string_value(name);
+        int32_t call = ast_cat(
+            t,
+            ast_lit(t, hermes ? "<tool_call>\n{\"name\": \"" : "{\"name\": \"", hermes ? 22 : 10),
+            ast_lit(t, n, strlen(n)));
+        call = ast_cat(
+            t, call,
+            ast_lit(t, hermes ? "\", \"arguments\": " : "\", \"parameters\": ", hermes ? 16 : 17));
+        call = ast_cat(t, call, args);
+        call = ast_cat(t, call, hermes ? ast_lit(t, "}\n</tool_call>", 14) : ast_lit(t, "}", 1));
+        any = ast_alt(t, any, call);
+        if (!ast_ok(t)) break;
+    }
+    bool parallel = json_is_true(json_object_get(root, "parallel"));
+    json_decref(root);
+    /* parallel: one call or more, separated by a newline (the item instantiated once) */
+    if (hermes && parallel) any = ast_list(t, any, ast_lit(t, "\n", 1), 1);
+    return any;
+}

@@ -81,6 +81,7 @@ struct cand {
     int sent_out;
     size_t sent_text;
     bool first_sent, finish_sent;
+    struct api_tool_scan ts; /* chat with tools: the output's calls, as text arrives */
 };
 
 /* A generation: its candidates (prompts x best_of, prompt-major; a prompt's are one scheduler
@@ -274,8 +275,11 @@ static bool cand_next(struct stream *st, struct cand *cd, char **ev, bool *want)
             to++;
         bool last = to == v.n_out && v.finish != TDM_FINISH_NONE && !failed(&v);
         if (v.text_end[to - 1] > cd->sent_text || v.logprobs || !cd->first_sent || last) {
-            *ev = tdm_api_render_chunk(&s->api, &g->ar, g->id, g->created, &ch, from, to,
-                                       cd->sent_text, !cd->first_sent, last);
+            *ev = g->ar.tools_parse
+                      ? tdm_api_render_tool_chunk(&s->api, &g->ar, g->id, g->created, &ch, from, to,
+                                                  &cd->ts, !cd->first_sent, last)
+                      : tdm_api_render_chunk(&s->api, &g->ar, g->id, g->created, &ch, from, to,
+                                             cd->sent_text, !cd->first_sent, last);
             *want = true;
             cd->first_sent = true;
             cd->sent_text = last ? v.text_len : v.text_end[to - 1];
@@ -294,8 +298,11 @@ static bool cand_next(struct stream *st, struct cand *cd, char **ev, bool *want)
         free(j);
         st->failed = true; /* the stream ends with it */
     } else {
-        *ev = tdm_api_render_chunk(&s->api, &g->ar, g->id, g->created, &ch, v.n_out, v.n_out,
-                                   cd->sent_text, !cd->first_sent, true);
+        *ev = g->ar.tools_parse
+                  ? tdm_api_render_tool_chunk(&s->api, &g->ar, g->id, g->created, &ch, v.n_out,
+                                              v.n_out, &cd->ts, !cd->first_sent, true)
+                  : tdm_api_render_chunk(&s->api, &g->ar, g->id, g->created, &ch, v.n_out, v.n_out,
+                                         cd->sent_text, !cd->first_sent, true);
         cd->first_sent = true;
     }
     *want = true;

@@ -116,6 +116,12 @@ void tdm_api_req_free(struct api_req *r)
     free(r->bias_ids);
     free(r->bias_vals);
     tdm_grammar_unref(r->grammar);
+    for (int i = 0; i < r->n_tools; i++) {
+        free(r->tool_json[i]);
+        free(r->tool_names[i]);
+    }
+    free(r->tool_json);
+    free(r->tool_names);
     for (int i = 0; i < TDM_MAX_STOP_STRINGS; i++)
         free(r->stops[i]);
     memset(r, 0, sizeof *r);
@@ -482,9 +488,23 @@ static bool parse_messages(const struct api_ctx *c, json_t *v, bool gen_prompt, 
     }
     struct tdm_chat_msg *msgs = calloc(n, sizeof *msgs);
     char **contents = calloc(n, sizeof *contents);
+    struct tdm_chat_call *calls = NULL;
+    size_t n_calls_all = 0;
+    for (size_t i = 0; i < n; i++) {
+        json_t *tc = json_object_get(json_array_get(v, i), "tool_calls");
+        if (json_is_array(tc)) n_calls_all += json_array_size(tc);
+    }
+    if (n_calls_all > 4096) {
+        tdm_api_err_set(err, 400, "messages", "at most 4096 tool calls in the conversation");
+        free(msgs);
+        free(contents);
+        return false;
+    }
+    calls = calloc(n_calls_all + 1, sizeof *calls);
+    size_t call_at = 0;
     bool ok = false;
     char *rendered = NULL;
-    if (!msgs || !contents) {
+    if (!msgs || !contents || !calls) {
         tdm_api_err_set(err, 500, NULL, "out of memory");
         goto out;
     }
@@ -498,7 +518,8 @@ static bool parse_messages(const struct api_ctx *c, json_t *v, bool gen_prompt, 
         json_t *val;
         json_object_foreach(m, key, val)
         {
-            if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name")) {
+            if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name") &&
+                strcmp(key, "tool_calls") && strcmp(key, "tool_call_id")) {
                 tdm_api_err_set(err, 400, "messages", "messages[%zu]: unsupported field '%s'", i,
                                 key);
                 goto out;
@@ -511,24 +532,59 @@ static bool parse_messages(const struct api_ctx *c, json_t *v, bool gen_prompt, 
         }
         const char *rs = json_string_value(role);
         if (!strcmp(rs, "developer")) rs = "system";
-        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant")) {
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") &&
+            strcmp(rs, "tool")) {
             tdm_api_err_set(err, 400, "messages",
-                            "messages[%zu].role must be system, developer, user or assistant", i);
+                            "messages[%zu].role must be system, developer, user, assistant or "
+                            "tool",
+                            i);
             goto out;
         }
-        json_t *content = json_object_get(m, "content");
-        if (!content) {
-            tdm_api_err_set(err, 400, "messages", "messages[%zu] has no content", i);
-            goto out;
+        json_t *content = json_object_get(m, "content"), *tc = json_object_get(m, "tool_calls");
+        if (tc && !json_is_null(tc)) {
+            if (strcmp(rs, "assistant") || !json_is_array(tc)) {
+                tdm_api_err_set(err, 400, "messages",
+                                "messages[%zu].tool_calls must be a list, on an assistant "
+                                "message",
+                                i);
+                goto out;
+            }
+            msgs[i].calls = calls + call_at;
+            for (size_t k = 0; k < json_array_size(tc); k++) {
+                json_t *call = json_array_get(tc, k), *fn = json_object_get(call, "function");
+                json_t *fname = json_object_get(fn, "name"),
+                       *fargs = json_object_get(fn, "arguments");
+                if (!json_is_string(fname) || !json_is_string(fargs)) {
+                    tdm_api_err_set(err, 400, "messages",
+                                    "messages[%zu].tool_calls[%zu] needs function.name and "
+                                    "function.arguments (a string)",
+                                    i, k);
+                    goto out;
+                }
+                calls[call_at++] = (struct tdm_chat_call){.name = json_string_value(fname),
+                                                          .arguments = json_string_value(fargs)};
+                msgs[i].n_calls++;
+            }
         }
-        if (!(contents[i] = message_content(content, i, err))) {
+        if (!content || (json_is_null(content) && msgs[i].n_calls)) {
+            if (!msgs[i].n_calls) {
+                tdm_api_err_set(err, 400, "messages", "messages[%zu] has no content", i);
+                goto out;
+            }
+            contents[i] = strdup("");
+        } else if (!(contents[i] = message_content(content, i, err))) {
             if (!err->status) tdm_api_err_set(err, 500, NULL, "out of memory");
+            goto out;
+        }
+        if (!contents[i]) {
+            tdm_api_err_set(err, 500, NULL, "out of memory");
             goto out;
         }
         msgs[i].role = rs;
         msgs[i].content = contents[i];
     }
-    if (tdm_chat_render(c->chat, msgs, n, gen_prompt, &rendered) != TDM_OK) {
+    if (tdm_chat_render_tools(c->chat, msgs, n, (const char *const *)r->tool_json, r->n_tools,
+                              gen_prompt, &rendered) != TDM_OK) {
         tdm_api_err_set(err, 400, "messages", "%s", tdm_err_msg());
         goto out;
     }
@@ -540,6 +596,7 @@ out:
         free(contents[i]);
     free(contents);
     free(msgs);
+    free(calls);
     free(rendered);
     return ok;
 }
@@ -893,11 +950,172 @@ static bool parse_structured(const struct api_ctx *c, json_t *root, struct api_r
     return true;
 }
 
+/* ---- tools (chat) ----
+ * tools: up to TDM_API_MAX_TOOLS {"type": "function", "function": {"name", "description",
+ * "parameters", "strict"}}; tool_choice "none" | "auto" (the default with tools) | "required" |
+ * {"type": "function", "function": {"name"}}; parallel_tool_calls. The template renders the
+ * tools (tdm_chat_render_tools); with "auto" the output is scanned for calls (tools.c); with
+ * "required" or a named function a grammar makes the output calls whose arguments follow the
+ * tools' parameter schemas. */
+static bool tool_name_ok(const char *s)
+{
+    size_t n = strlen(s);
+    if (!n || n > 64) return false;
+    for (size_t i = 0; i < n; i++) {
+        char ch = s[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+              ch == '_' || ch == '-'))
+            return false;
+    }
+    return true;
+}
+
+static bool parse_tools(const struct api_ctx *c, json_t *root, struct api_req *r,
+                        struct api_err *err)
+{
+    json_t *tools = json_object_get(root, "tools"), *choice = json_object_get(root, "tool_choice");
+    json_t *par = json_object_get(root, "parallel_tool_calls");
+    r->parallel_tools = true;
+    if (par && !json_is_null(par) && !get_bool(par, "parallel_tool_calls", &r->parallel_tools, err))
+        return false;
+    if (!tools || json_is_null(tools)) {
+        if (choice && !json_is_null(choice) &&
+            !(json_is_string(choice) && !strcmp(json_string_value(choice), "none"))) {
+            tdm_api_err_set(err, 400, "tool_choice", "'tool_choice' needs 'tools'");
+            return false;
+        }
+        return true;
+    }
+    size_t n = json_is_array(tools) ? json_array_size(tools) : 0;
+    if (!n || n > TDM_API_MAX_TOOLS) {
+        tdm_api_err_set(err, 400, "tools", "'tools' must be a list of 1 to %d tools",
+                        TDM_API_MAX_TOOLS);
+        return false;
+    }
+    r->tool_json = calloc(n, sizeof *r->tool_json);
+    r->tool_names = calloc(n, sizeof *r->tool_names);
+    if (!r->tool_json || !r->tool_names) {
+        tdm_api_err_set(err, 500, NULL, "out of memory");
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(tools, i), *type = json_object_get(t, "type");
+        json_t *fn = json_object_get(t, "function"), *name = json_object_get(fn, "name");
+        json_t *params = json_object_get(fn, "parameters");
+        if (!json_is_object(t) || !json_is_string(type) ||
+            strcmp(json_string_value(type), "function") || !json_is_object(fn)) {
+            tdm_api_err_set(err, 400, "tools",
+                            "tools[%zu] must be {\"type\": \"function\", \"function\": {...}}", i);
+            return false;
+        }
+        const char *k;
+        json_t *x;
+        json_object_foreach(fn, k, x)
+        {
+            if (strcmp(k, "name") && strcmp(k, "description") && strcmp(k, "parameters") &&
+                strcmp(k, "strict")) {
+                tdm_api_err_set(err, 400, "tools", "tools[%zu].function: unknown field '%s'", i, k);
+                return false;
+            }
+        }
+        if (!json_is_string(name) || !tool_name_ok(json_string_value(name))) {
+            tdm_api_err_set(err, 400, "tools",
+                            "tools[%zu].function.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                            i);
+            return false;
+        }
+        for (size_t j = 0; j < i; j++)
+            if (!strcmp(r->tool_names[j], json_string_value(name))) {
+                tdm_api_err_set(err, 400, "tools", "two tools are named '%s'", r->tool_names[j]);
+                return false;
+            }
+        if (params && !json_is_object(params)) {
+            tdm_api_err_set(err, 400, "tools",
+                            "tools[%zu].function.parameters must be a JSON Schema object", i);
+            return false;
+        }
+        r->tool_names[i] = strdup(json_string_value(name));
+        r->tool_json[i] = json_dumps(t, JSON_COMPACT);
+        r->n_tools = (int)i + 1;
+        if (!r->tool_names[i] || !r->tool_json[i]) {
+            tdm_api_err_set(err, 500, NULL, "out of memory");
+            return false;
+        }
+    }
+    r->tool_format =
+        c->chat && c->chat->format == TDM_CHAT_LLAMA3 ? TDM_TOOLS_LLAMA3 : TDM_TOOLS_HERMES;
+    r->tool_choice = TDM_TOOL_CHOICE_AUTO;
+    if (choice && !json_is_null(choice)) {
+        const char *cs = json_is_string(choice) ? json_string_value(choice) : NULL;
+        json_t *fn = json_object_get(choice, "function"), *name = json_object_get(fn, "name");
+        if (cs && !strcmp(cs, "none")) {
+            r->tool_choice = TDM_TOOL_CHOICE_NONE;
+        } else if (cs && !strcmp(cs, "auto")) {
+            r->tool_choice = TDM_TOOL_CHOICE_AUTO;
+        } else if (cs && !strcmp(cs, "required")) {
+            r->tool_choice = TDM_TOOL_CHOICE_REQUIRED;
+        } else if (json_is_object(choice) && json_is_string(name)) {
+            int found = -1;
+            for (int i = 0; i < r->n_tools && found < 0; i++)
+                if (!strcmp(r->tool_names[i], json_string_value(name))) found = i;
+            if (found < 0) {
+                tdm_api_err_set(err, 400, "tool_choice",
+                                "tool_choice names '%.64s', which is not among the tools",
+                                json_string_value(name));
+                return false;
+            }
+            r->tool_choice = TDM_TOOL_CHOICE_NAMED;
+            r->named_tool = found;
+        } else {
+            tdm_api_err_set(err, 400, "tool_choice",
+                            "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+            return false;
+        }
+    }
+    r->tools_parse = r->tool_choice != TDM_TOOL_CHOICE_NONE;
+    return true;
+}
+
+/* tool_choice required or named: the output is calls, their arguments by the tools' schemas */
+static bool tool_grammar(const struct api_ctx *c, struct api_req *r, struct api_err *err)
+{
+    if (r->tool_choice != TDM_TOOL_CHOICE_REQUIRED && r->tool_choice != TDM_TOOL_CHOICE_NAMED)
+        return true;
+    if (r->grammar) {
+        tdm_api_err_set(err, 400, "tool_choice",
+                        "tool_choice required or a named function cannot be combined with "
+                        "response_format or another constraint");
+        return false;
+    }
+    json_t *spec = json_pack(
+        "{s:s, s:b, s:[]}", "format", r->tool_format == TDM_TOOLS_LLAMA3 ? "llama3" : "hermes",
+        "parallel", r->parallel_tools && r->tool_choice == TDM_TOOL_CHOICE_REQUIRED, "tools");
+    for (int i = 0; spec && i < r->n_tools; i++) {
+        if (r->tool_choice == TDM_TOOL_CHOICE_NAMED && i != r->named_tool) continue;
+        json_t *t = json_loads(r->tool_json[i], 0, NULL);
+        json_t *params = json_object_get(json_object_get(t, "function"), "parameters");
+        json_t *one = json_pack("{s:s}", "name", r->tool_names[i]);
+        if (params && one) json_object_set(one, "parameters", params);
+        json_array_append_new(json_object_get(spec, "tools"), one);
+        json_decref(t);
+    }
+    char *src = spec ? json_dumps(spec, JSON_COMPACT) : NULL;
+    json_decref(spec);
+    if (!src) {
+        tdm_api_err_set(err, 500, NULL, "out of memory");
+        return false;
+    }
+    bool ok = set_grammar(c, "tools", TDM_GRAMMAR_TOOL_CALLS, src, strlen(src), r, err);
+    free(src);
+    return ok;
+}
+
 /* Fields that would change the output and that we do not implement. */
+
 static bool unsupported(const char *key, json_t *v, struct api_err *err)
 {
-    static const char *const never[] = {"tools",         "tool_choice", "functions",
-                                        "function_call", "prediction",  "audio"};
+    static const char *const never[] = {"functions", "function_call", "prediction", "audio"};
     for (size_t i = 0; i < sizeof never / sizeof *never; i++)
         if (!strcmp(key, never[i]) && !json_is_null(v)) {
             tdm_api_err_set(err, 400, key, "'%s' is not supported", key);
@@ -1067,6 +1285,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
             tdm_api_err_set(err, 400, "messages", "'messages' is required");
             goto out;
         }
+        if (!parse_tools(c, root, r, err)) goto out; /* the template renders them */
         if (!parse_messages(c, json_object_get(root, "messages"), true, true, r, err)) goto out;
     } else {
         if (!json_object_get(root, "prompt")) {
@@ -1270,6 +1489,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
     }
     if (!parse_choices(root, r, err)) goto out; /* after logprobs and stream */
     if (!parse_structured(c, root, r, err)) goto out;
+    if (!tool_grammar(c, r, err)) goto out; /* after the other constraints: one at most */
     r->p.grammar = r->grammar;
     r->p.prompt = r->prompt;
     r->p.n_prompt = r->n_prompt;
@@ -1450,6 +1670,56 @@ static char *dump(json_t *root)
     return s;
 }
 
+/* A call's OpenAI object: {"id", "type": "function", "function": {"name", "arguments"}} (with
+ * its index in a stream). The id is derived from the response's id, the choice's and the
+ * call's place: unique within the response, and unlike any other response's. */
+static json_t *tool_call_json(const char *id, int choice, int k, json_t *call, bool indexed)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (const char *p = id; *p; p++)
+        h = (h ^ (uint8_t)*p) * 1099511628211ull;
+    h ^= (uint64_t)choice * 0x9e3779b97f4a7c15ull + (uint64_t)k * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 31)) * 0x94d049bb133111ebull;
+    char cid[32];
+    snprintf(cid, sizeof cid, "call_%016llx", (unsigned long long)h);
+    json_t *o =
+        json_pack("{s:s, s:s, s:{s:O, s:O}}", "id", cid, "type", "function", "function", "name",
+                  json_object_get(call, "name"), "arguments", json_object_get(call, "arguments"));
+    if (o && indexed) json_object_set_new(o, "index", json_integer(k));
+    return o;
+}
+
+/* finish_reason of a choice whose output made calls: "tool_calls" where it would be "stop" */
+static json_t *finish_with_calls(const struct tdm_req_view *v, int n_calls)
+{
+    if (n_calls && v->finish == TDM_FINISH_STOP) return json_string("tool_calls");
+    return finish_value(v);
+}
+
+/* A chat choice's message with its output scanned for tool calls. */
+static json_t *message_with_tools(const struct api_req *r, const char *id, int choice,
+                                  const struct tdm_req_view *v, int *n_calls)
+{
+    struct api_tool_scan ts = {0};
+    struct api_text content = {0};
+    json_t *calls = json_array();
+    tdm_api_tools_scan(&ts, r->tool_format, v->text, v->text_len, true, &content, calls);
+    json_t *msg = json_pack("{s:s, s:o}", "role", "assistant", "content",
+                            content.n || !ts.n_calls ? jstr(content.p ? content.p : "", content.n)
+                                                     : json_null());
+    if (msg && ts.n_calls) {
+        json_t *arr = json_array();
+        for (int k = 0; k < ts.n_calls; k++)
+            json_array_append_new(arr,
+                                  tool_call_json(id, choice, k, json_array_get(calls, k), false));
+        json_object_set_new(msg, "tool_calls", arr);
+    }
+    *n_calls = ts.n_calls;
+    json_decref(calls);
+    free(content.p);
+    return msg;
+}
+
 char *tdm_api_render_full(const struct api_ctx *c, const struct api_req *r, const char *id,
                           long created, const struct api_choice *ch, int n_ch, struct api_usage u)
 {
@@ -1457,7 +1727,13 @@ char *tdm_api_render_full(const struct api_ctx *c, const struct api_req *r, cons
     for (int i = 0; i < n_ch; i++) {
         const struct tdm_req_view *v = ch[i].v;
         json_t *choice;
-        if (r->chat)
+        if (r->chat && r->tools_parse) {
+            int n_calls = 0;
+            json_t *msg = message_with_tools(r, id, ch[i].index, v, &n_calls);
+            choice = json_pack("{s:i, s:o, s:o, s:o}", "index", ch[i].index, "message", msg,
+                               "logprobs", logprobs_chat(c, r, &ch[i], 0, v->n_out),
+                               "finish_reason", finish_with_calls(v, n_calls));
+        } else if (r->chat)
             choice = json_pack("{s:i, s:{s:s, s:o}, s:o, s:o}", "index", ch[i].index, "message",
                                "role", "assistant", "content", jstr(v->text, v->text_len),
                                "logprobs", logprobs_chat(c, r, &ch[i], 0, v->n_out),
@@ -1491,6 +1767,53 @@ static char *sse(json_t *root)
     return s;
 }
 
+/* A chunk event around one choice; with continuous usage, the choice's tokens through it
+ * (n_out of them). */
+static char *chunk_sse(const struct api_ctx *c, const struct api_req *r, const char *id,
+                       long created, json_t *choice, const struct tdm_req_view *v, int n_out)
+{
+    json_t *chunk = json_pack("{s:s, s:s, s:i, s:s, s:[o]}", "id", id, "object",
+                              r->chat ? "chat.completion.chunk" : "text_completion", "created",
+                              (json_int_t)created, "model", c->model_name, "choices", choice);
+    if (chunk && r->continuous_usage)
+        json_object_set_new(chunk, "usage",
+                            json_pack("{s:i, s:i, s:i}", "prompt_tokens", v->n_prompt,
+                                      "completion_tokens", n_out, "total_tokens",
+                                      v->n_prompt + n_out));
+    return sse(chunk);
+}
+
+char *tdm_api_render_tool_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                                long created, const struct api_choice *ch, int from, int to,
+                                struct api_tool_scan *ts, bool first, bool finish)
+{
+    const struct tdm_req_view *v = ch->v;
+    size_t upto = finish ? v->text_len : to > 0 ? v->text_end[to - 1] : 0;
+    if (upto < ts->pos) upto = ts->pos;
+    struct api_text content = {0};
+    json_t *calls = json_array();
+    const int before = ts->n_calls;
+    tdm_api_tools_scan(ts, r->tool_format, v->text, upto, finish, &content, calls);
+    json_t *delta = json_object();
+    if (first) json_object_set_new(delta, "role", json_string("assistant"));
+    if (content.n || (first && !ts->n_calls))
+        json_object_set_new(delta, "content", jstr(content.p ? content.p : "", content.n));
+    if (ts->n_calls > before) {
+        json_t *arr = json_array();
+        for (int k = before; k < ts->n_calls; k++)
+            json_array_append_new(arr, tool_call_json(id, ch->index, k,
+                                                      json_array_get(calls, (size_t)(k - before)),
+                                                      true));
+        json_object_set_new(delta, "tool_calls", arr);
+    }
+    json_decref(calls);
+    free(content.p);
+    json_t *choice = json_pack("{s:i, s:o, s:o, s:o}", "index", ch->index, "delta", delta,
+                               "logprobs", logprobs_chat(c, r, ch, from, to), "finish_reason",
+                               finish ? finish_with_calls(v, ts->n_calls) : json_null());
+    return chunk_sse(c, r, id, created, choice, v, finish ? v->n_out : to);
+}
+
 char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
                            long created, const struct api_choice *ch, int from, int to,
                            size_t text_from, bool first, bool finish)
@@ -1519,17 +1842,7 @@ char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, con
                            logprobs_completion(c, r, ch, from, to, text_from, r->echo && first),
                            "finish_reason", finish ? finish_value(v) : json_null());
     }
-    json_t *chunk = json_pack("{s:s, s:s, s:i, s:s, s:[o]}", "id", id, "object",
-                              r->chat ? "chat.completion.chunk" : "text_completion", "created",
-                              (json_int_t)created, "model", c->model_name, "choices", choice);
-    if (chunk && r->continuous_usage) { /* this choice's tokens through this chunk */
-        int n_out = finish ? v->n_out : to;
-        json_object_set_new(chunk, "usage",
-                            json_pack("{s:i, s:i, s:i}", "prompt_tokens", v->n_prompt,
-                                      "completion_tokens", n_out, "total_tokens",
-                                      v->n_prompt + n_out));
-    }
-    return sse(chunk);
+    return chunk_sse(c, r, id, created, choice, v, finish ? v->n_out : to);
 }
 
 char *tdm_api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
@@ -1597,6 +1910,7 @@ char *tdm_api_tokenize(const struct api_ctx *c, const char *body, size_t len, st
                                         "add_special_tokens",
                                         "add_generation_prompt",
                                         "return_token_strs",
+                                        "tools",
                                         NULL};
     memset(err, 0, sizeof *err);
     json_t *root = load_object(body, len, known, err);
@@ -1622,7 +1936,8 @@ char *tdm_api_tokenize(const struct api_ctx *c, const char *body, size_t len, st
         if (!encode_text(c, json_string_value(prompt), json_string_length(prompt), flags, &r,
                          "prompt", err))
             goto out;
-    } else if (!parse_messages(c, msgs, gen_prompt, specials, &r, err)) {
+    } else if (!parse_tools(c, root, &r, err) ||
+               !parse_messages(c, msgs, gen_prompt, specials, &r, err)) {
         goto out;
     }
     json_t *ids = json_array(), *pieces = strs ? json_array() : json_null();
@@ -1634,7 +1949,7 @@ char *tdm_api_tokenize(const struct api_ctx *c, const char *body, size_t len, st
                          "tokens", ids, "token_strs", pieces));
     if (!out) tdm_api_err_set(err, 500, NULL, "out of memory");
 out:
-    free(r.prompt);
+    tdm_api_req_free(&r);
     json_decref(root);
     return out;
 }

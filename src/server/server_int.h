@@ -30,13 +30,13 @@ struct api_ctx {
     const char *model_name;
     int max_ctx;
     int vocab;
-    int32_t fim[3];      /* fill-in-the-middle tokens: prefix, suffix, middle; -1 when the
-                          * vocabulary lacks them (then 'suffix' is refused) */
-    bool prefix_caching; /* usage carries prompt_tokens_details.cached_tokens */
+    int32_t fim[3];       /* fill-in-the-middle tokens: prefix, suffix, middle; -1 when the
+                           * vocabulary lacks them (then 'suffix' is refused) */
+    bool prefix_caching;  /* usage carries prompt_tokens_details.cached_tokens */
     tdm_gvocab_t *gvocab; /* the vocabulary as bytes, for structured output; NULL: refused */
-    size_t max_piece;    /* bytes of the vocabulary's longest token: text of B bytes has at least
-                          * B / max_piece tokens, so a prompt far over the context is refused
-                          * before it is tokenized; 0: unknown */
+    size_t max_piece;     /* bytes of the vocabulary's longest token: text of B bytes has at least
+                           * B / max_piece tokens, so a prompt far over the context is refused
+                           * before it is tokenized; 0: unknown */
 };
 
 /* One prompt of a request: its tokens, and echo's text of it (api_req.echo_text). */
@@ -47,6 +47,37 @@ struct api_prompt {
     size_t echo_len;
     int echo_skip;
 };
+
+/* ---- tools (tools.c): the chat formats of tool calls, read back from the output ---- */
+enum { TDM_TOOLS_HERMES = 0, TDM_TOOLS_LLAMA3 };
+enum {
+    TDM_TOOL_CHOICE_NONE = 0,
+    TDM_TOOL_CHOICE_AUTO,
+    TDM_TOOL_CHOICE_REQUIRED,
+    TDM_TOOL_CHOICE_NAMED
+};
+#define TDM_API_MAX_TOOLS 128
+
+/* Bytes appended to (oom: an append failed and was dropped) */
+struct api_text {
+    char *p;
+    size_t n;
+    bool oom;
+};
+/* One choice's scanner: where it stands in the released text */
+struct api_tool_scan {
+    size_t pos;             /* consumed up to here */
+    size_t call_start;      /* in a block (or llama3's JSON): where the call's JSON starts */
+    size_t ws_from, ws_len; /* whitespace held back */
+    bool in_call;
+    int mode; /* llama3: 0 undecided, 1 content, 2 a call */
+    int n_calls;
+};
+/* Consumes text[pos, len) (the text released so far; final: all of it): appends the content
+ * that can no longer become a call to *content and each call that closed, {"name", "arguments"
+ * (JSON text)}, to calls. */
+void tdm_api_tools_scan(struct api_tool_scan *ts, int format, const char *text, size_t len,
+                        bool final, struct api_text *content, json_t *calls);
 
 #define TDM_API_MAX_PROMPTS    64  /* a completions list of prompts */
 #define TDM_API_MAX_CANDIDATES 256 /* prompts x best_of: the requests one body may start */
@@ -77,6 +108,14 @@ struct api_req {
     /* structured output (response_format, guided_*, regex, structured_outputs): a reference,
      * also in p.grammar; NULL: none */
     tdm_grammar_t *grammar;
+    /* chat tools: as sent (JSON text each, for the template), their names; tool_choice; the
+     * output is scanned for calls (tools_parse: tools given and tool_choice not none) in the
+     * template's format */
+    int n_tools;
+    char **tool_json, **tool_names;
+    int tool_choice, tool_format;
+    int named_tool; /* tool_choice names this one */
+    bool parallel_tools, tools_parse;
     int32_t *bias_ids; /* logit_bias, malloc'd (NULL: none) */
     float *bias_vals;
     int n_bias;
@@ -127,6 +166,11 @@ char *tdm_api_render_full(const struct api_ctx *c, const struct api_req *r, cons
 char *tdm_api_render_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
                            long created, const struct api_choice *ch, int from, int to,
                            size_t text_from, bool first, bool finish);
+/* A chat chunk of a request whose output is scanned for tool calls: the content released since
+ * the last one and the calls that closed, from ts (this choice's scanner). */
+char *tdm_api_render_tool_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
+                                long created, const struct api_choice *ch, int from, int to,
+                                struct api_tool_scan *ts, bool first, bool finish);
 char *tdm_api_render_usage_chunk(const struct api_ctx *c, const struct api_req *r, const char *id,
                                  long created, struct api_usage u);
 char *tdm_api_render_models(const struct api_ctx *c, long created);

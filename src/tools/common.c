@@ -242,7 +242,7 @@ bool tdm_tool_encode_prompts(const char *who, const struct tdm_model *m, const t
         const char *text = texts[i];
         bool add_bos = tdm_tok_adds_bos(tok);
         if (!raw) {
-            struct tdm_chat_msg msg = {"user", texts[i]};
+            struct tdm_chat_msg msg = {.role = "user", .content = texts[i]};
             if (tdm_chat_render(&tmpl, &msg, 1, true, &rendered) != TDM_OK) {
                 tdm_tool_fail("chat template");
                 ok = false;

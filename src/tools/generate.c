@@ -576,8 +576,8 @@ int tdm_cmd_generate(int argc, char **argv)
             if (!load_template(m, &tmpl)) goto out_gen;
             struct tdm_chat_msg msgs[2];
             size_t nm = 0;
-            if (o.system) msgs[nm++] = (struct tdm_chat_msg){"system", o.system};
-            msgs[nm++] = (struct tdm_chat_msg){"user", prompt};
+            if (o.system) msgs[nm++] = (struct tdm_chat_msg){.role = "system", .content = o.system};
+            msgs[nm++] = (struct tdm_chat_msg){.role = "user", .content = prompt};
             if (tdm_chat_render(&tmpl, msgs, nm, true, &rendered) != TDM_OK) {
                 tdm_tool_fail("chat template");
                 goto out_gen;
@@ -656,7 +656,7 @@ int tdm_cmd_chat(int argc, char **argv)
     struct tdm_chat_msg msgs[2 * MAX_TURNS + 1];
     char *owned[2 * MAX_TURNS + 1] = {0};
     size_t nm = 0;
-    if (o.system) msgs[nm++] = (struct tdm_chat_msg){"system", o.system};
+    if (o.system) msgs[nm++] = (struct tdm_chat_msg){.role = "system", .content = o.system};
     for (int turn = 0; turn < MAX_TURNS; turn++) {
         char *user = NULL;
         if (o.prompt) {
@@ -686,7 +686,7 @@ int tdm_cmd_chat(int argc, char **argv)
             goto out_msgs;
         }
         owned[nm] = user;
-        msgs[nm++] = (struct tdm_chat_msg){"user", user};
+        msgs[nm++] = (struct tdm_chat_msg){.role = "user", .content = user};
         char *rendered = NULL;
         int32_t *ids = NULL;
         int n = 0;
@@ -718,7 +718,7 @@ int tdm_cmd_chat(int argc, char **argv)
             goto out_msgs;
         }
         owned[nm] = reply ? reply : strdup("");
-        msgs[nm] = (struct tdm_chat_msg){"assistant", owned[nm]};
+        msgs[nm] = (struct tdm_chat_msg){.role = "assistant", .content = owned[nm]};
         nm++;
         if (o.stats) print_stats(&g);
     }

@@ -234,7 +234,7 @@ static int self_prompts(const char *who, const struct tdm_model *m, const tdm_to
     struct tdm_chat_template tmpl = {0};
     char *text = NULL;
     const char sentinel[] = "\x01";
-    struct tdm_chat_msg msg = {"user", sentinel};
+    struct tdm_chat_msg msg = {.role = "user", .content = sentinel};
     if (tdm_chat_template_detect(m->chat_template, &tmpl) != TDM_OK ||
         tdm_chat_render(&tmpl, &msg, 1, false, &text) != TDM_OK || !strstr(text, sentinel)) {
         fprintf(stderr, "%s: --self-prompts needs a chat template tandem understands\n", who);

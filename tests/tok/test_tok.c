@@ -869,11 +869,12 @@ static void test_chat(void **state)
         TDM_OK);
     assert_int_equal(t.format, TDM_CHAT_CHATML);
     assert_string_equal(t.default_system, "Be kind");
-    struct tdm_chat_msg user[] = {{"user", "hi"}};
+    struct tdm_chat_msg user[] = {{.role = "user", .content = "hi"}};
     render(&t, user, 1, true,
            "<|im_start|>system\nBe kind<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
            "<|im_start|>assistant\n");
-    struct tdm_chat_msg sys[] = {{"system", "S"}, {"user", " x "}};
+    struct tdm_chat_msg sys[] = {{.role = "system", .content = "S"},
+                                 {.role = "user", .content = " x "}};
     render(&t, sys, 2, false, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n x <|im_end|>\n");
     render(&t, NULL, 0, true, "<|im_start|>assistant\n");
     tdm_chat_template_clear(&t);
@@ -905,17 +906,44 @@ static void test_chat(void **state)
                      TDM_OK);
     assert_int_equal(t.format, TDM_CHAT_LLAMA3);
     assert_true(t.add_bos_text);
-    struct tdm_chat_msg l3[] = {{"system", "\xe3\x80\x80 S \n"}, {"user", "\xe2\x80\x8bu\t"}};
+    struct tdm_chat_msg l3[] = {{.role = "system", .content = "\xe3\x80\x80 S \n"},
+                                {.role = "user", .content = "\xe2\x80\x8bu\t"}};
     render(&t, l3, 2, true,
            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
            "<|start_header_id|>user<|end_header_id|>\n\n\xe2\x80\x8bu<|eot_id|>"
            "<|start_header_id|>assistant<|end_header_id|>\n\n");
     render(&t, NULL, 0, false, "");
 
+    /* Llama 3.1's custom tools: in the first user message (indent 4), calls with "parameters",
+     * results in an ipython turn */
+    {
+        const char *tools[] = {"{\"type\":\"function\",\"function\":{\"name\":\"f\"}}"};
+        struct tdm_chat_call call = {.name = "f", .arguments = "{\"a\":1}"};
+        struct tdm_chat_msg conv[] = {
+            {.role = "user", .content = " q "},
+            {.role = "assistant", .content = "", .calls = &call, .n_calls = 1},
+            {.role = "tool", .content = "42"}};
+        char *got = NULL;
+        assert_int_equal(tdm_chat_render_tools(&t, conv, 3, tools, 1, true, &got), TDM_OK);
+        assert_string_equal(
+            got, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nGiven the following "
+                 "functions, please respond with a JSON for a function call with its proper "
+                 "arguments that best answers the given prompt.\n\nRespond in the format "
+                 "{\"name\": function name, \"parameters\": dictionary of argument name and its "
+                 "value}.Do not use variables.\n\n{\n    \"type\": \"function\",\n    "
+                 "\"function\": {\n        \"name\": \"f\"\n    }\n}\n\nq<|eot_id|>"
+                 "<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"f\", "
+                 "\"parameters\": {\"a\": 1}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>"
+                 "\n\n42<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+        free(got);
+        const char *bad_tool[] = {"not json"};
+        assert_int_equal(tdm_chat_render_tools(&t, conv, 1, bad_tool, 1, true, &got), TDM_EINVAL);
+    }
+
     char *out = NULL;
-    struct tdm_chat_msg bad[] = {{"user", "\xff"}};
+    struct tdm_chat_msg bad[] = {{.role = "user", .content = "\xff"}};
     assert_int_equal(tdm_chat_render(&t, bad, 1, false, &out), TDM_EINVAL);
-    struct tdm_chat_msg null_content[] = {{"user", NULL}};
+    struct tdm_chat_msg null_content[] = {{.role = "user", .content = NULL}};
     assert_int_equal(tdm_chat_render(&t, null_content, 1, false, &out), TDM_EINVAL);
     assert_null(out);
     tdm_chat_template_clear(&t);
