@@ -18,20 +18,20 @@
 
 #include "grammar/grammar_int.h"
 
-void ast_init(struct ast *t)
+void tdm_ast_init(struct ast *t)
 {
     memset(t, 0, sizeof *t);
-    ast_none(t); /* index 0 */
+    tdm_ast_none(t); /* index 0 */
 }
 
-void ast_free(struct ast *t)
+void tdm_ast_free(struct ast *t)
 {
     free(t->n);
     free(t->sets);
     memset(t, 0, sizeof *t);
 }
 
-int32_t ast_fail(struct ast *t, tdm_status st, const char *fmt, ...)
+int32_t tdm_ast_fail(struct ast *t, tdm_status st, const char *fmt, ...)
 {
     if (t->err == TDM_OK) {
         va_list ap;
@@ -48,34 +48,34 @@ static int32_t add(struct ast *t, struct ast_node n)
     if (t->n_nodes == t->cap) {
         int32_t cap = t->cap ? t->cap * 2 : 256;
         if (cap > TDM_GRAMMAR_MAX_NFA * 2)
-            return ast_fail(t, TDM_ERANGE, "the grammar is too large (over %d nodes)",
-                            TDM_GRAMMAR_MAX_NFA * 2);
+            return tdm_ast_fail(t, TDM_ERANGE, "the grammar is too large (over %d nodes)",
+                                TDM_GRAMMAR_MAX_NFA * 2);
         struct ast_node *p = realloc(t->n, (size_t)cap * sizeof *p);
-        if (!p) return ast_fail(t, TDM_ENOMEM, "out of memory compiling a grammar");
+        if (!p) return tdm_ast_fail(t, TDM_ENOMEM, "out of memory compiling a grammar");
         t->n = p;
         t->cap = cap;
     }
     if (n.size > TDM_GRAMMAR_MAX_NFA)
-        return ast_fail(t, TDM_ERANGE,
-                        "the grammar is too large: it would need over %d automaton states "
-                        "(a repetition or length bound too high?)",
-                        TDM_GRAMMAR_MAX_NFA);
+        return tdm_ast_fail(t, TDM_ERANGE,
+                            "the grammar is too large: it would need over %d automaton states "
+                            "(a repetition or length bound too high?)",
+                            TDM_GRAMMAR_MAX_NFA);
     t->n[t->n_nodes] = n;
     return t->n_nodes++;
 }
 
-int32_t ast_none(struct ast *t)
+int32_t tdm_ast_none(struct ast *t)
 {
     if (t->n_nodes > 0) return 0;
     return add(t, (struct ast_node){.kind = AST_NONE, .a = -1, .b = -1});
 }
 
-int32_t ast_empty(struct ast *t)
+int32_t tdm_ast_empty(struct ast *t)
 {
     return add(t, (struct ast_node){.kind = AST_EMPTY, .a = -1, .b = -1, .size = 1});
 }
 
-int32_t ast_set(struct ast *t, const struct byteset *s)
+int32_t tdm_ast_set(struct ast *t, const struct byteset *s)
 {
     bool any = false;
     for (int i = 0; i < 8; i++)
@@ -84,7 +84,7 @@ int32_t ast_set(struct ast *t, const struct byteset *s)
     if (t->n_sets == t->sets_cap) {
         int32_t cap = t->sets_cap ? t->sets_cap * 2 : 64;
         struct byteset *p = realloc(t->sets, (size_t)cap * sizeof *p);
-        if (!p) return ast_fail(t, TDM_ENOMEM, "out of memory compiling a grammar");
+        if (!p) return tdm_ast_fail(t, TDM_ENOMEM, "out of memory compiling a grammar");
         t->sets = p;
         t->sets_cap = cap;
     }
@@ -93,14 +93,14 @@ int32_t ast_set(struct ast *t, const struct byteset *s)
                (struct ast_node){.kind = AST_SET, .a = -1, .b = -1, .set = t->n_sets++, .size = 2});
 }
 
-int32_t ast_byte_range(struct ast *t, int lo, int hi)
+int32_t tdm_ast_byte_range(struct ast *t, int lo, int hi)
 {
     struct byteset s = {{0}};
     byteset_add(&s, lo, hi);
-    return ast_set(t, &s);
+    return tdm_ast_set(t, &s);
 }
 
-int32_t ast_cat(struct ast *t, int32_t a, int32_t b)
+int32_t tdm_ast_cat(struct ast *t, int32_t a, int32_t b)
 {
     if (!ast_ok(t) || t->n[a].kind == AST_NONE || t->n[b].kind == AST_NONE) return 0;
     if (t->n[a].kind == AST_EMPTY) return b;
@@ -109,15 +109,15 @@ int32_t ast_cat(struct ast *t, int32_t a, int32_t b)
         t, (struct ast_node){.kind = AST_CAT, .a = a, .b = b, .size = t->n[a].size + t->n[b].size});
 }
 
-int32_t ast_lit(struct ast *t, const char *s, size_t len)
+int32_t tdm_ast_lit(struct ast *t, const char *s, size_t len)
 {
-    int32_t r = ast_empty(t);
+    int32_t r = tdm_ast_empty(t);
     for (size_t i = len; i-- > 0 && ast_ok(t);) /* right-leaning: the NFA walks it iteratively */
-        r = ast_cat(t, ast_byte_range(t, (uint8_t)s[i], (uint8_t)s[i]), r);
+        r = tdm_ast_cat(t, tdm_ast_byte_range(t, (uint8_t)s[i], (uint8_t)s[i]), r);
     return r;
 }
 
-int32_t ast_alt(struct ast *t, int32_t a, int32_t b)
+int32_t tdm_ast_alt(struct ast *t, int32_t a, int32_t b)
 {
     if (!ast_ok(t)) return 0;
     if (t->n[a].kind == AST_NONE) return b;
@@ -127,52 +127,52 @@ int32_t ast_alt(struct ast *t, int32_t a, int32_t b)
                       .kind = AST_ALT, .a = a, .b = b, .size = t->n[a].size + t->n[b].size + 2});
 }
 
-int32_t ast_rep(struct ast *t, int32_t a, int min, int max)
+int32_t tdm_ast_rep(struct ast *t, int32_t a, int min, int max)
 {
     if (!ast_ok(t)) return 0;
     if (min < 0 || (max >= 0 && max < min))
-        return ast_fail(t, TDM_EINVAL, "a repetition's bounds {%d,%d} are reversed", min, max);
-    if (t->n[a].kind == AST_NONE) return min == 0 ? ast_empty(t) : 0;
-    if (t->n[a].kind == AST_EMPTY || max == 0) return ast_empty(t);
+        return tdm_ast_fail(t, TDM_EINVAL, "a repetition's bounds {%d,%d} are reversed", min, max);
+    if (t->n[a].kind == AST_NONE) return min == 0 ? tdm_ast_empty(t) : 0;
+    if (t->n[a].kind == AST_EMPTY || max == 0) return tdm_ast_empty(t);
     if (min == 1 && max == 1) return a;
     int64_t copies = max < 0 ? (min > 0 ? min : 1) : max;
     int64_t size = copies * (t->n[a].size + 2) + 2;
     if (copies > TDM_GRAMMAR_MAX_NFA || size > TDM_GRAMMAR_MAX_NFA)
-        return ast_fail(t, TDM_ERANGE,
-                        "the grammar is too large: a repetition of up to %d would need over %d "
-                        "automaton states",
-                        max < 0 ? min : max, TDM_GRAMMAR_MAX_NFA);
+        return tdm_ast_fail(t, TDM_ERANGE,
+                            "the grammar is too large: a repetition of up to %d would need over %d "
+                            "automaton states",
+                            max < 0 ? min : max, TDM_GRAMMAR_MAX_NFA);
     return add(t, (struct ast_node){
                       .kind = AST_REP, .a = a, .b = -1, .min = min, .max = max, .size = size});
 }
 
-int32_t ast_opt(struct ast *t, int32_t a)
+int32_t tdm_ast_opt(struct ast *t, int32_t a)
 {
-    return ast_rep(t, a, 0, 1);
+    return tdm_ast_rep(t, a, 0, 1);
 }
 
-int32_t ast_list(struct ast *t, int32_t item, int32_t sep, int min)
+int32_t tdm_ast_list(struct ast *t, int32_t item, int32_t sep, int min)
 {
     if (!ast_ok(t)) return 0;
-    if (t->n[item].kind == AST_NONE) return min == 0 ? ast_empty(t) : 0;
-    if (t->n[sep].kind == AST_NONE) return min <= 1 ? (min ? item : ast_opt(t, item)) : 0;
+    if (t->n[item].kind == AST_NONE) return min == 0 ? tdm_ast_empty(t) : 0;
+    if (t->n[sep].kind == AST_NONE) return min <= 1 ? (min ? item : tdm_ast_opt(t, item)) : 0;
     const int64_t copies = min > 1 ? min : 1;
     if (copies > TDM_GRAMMAR_MAX_NFA)
-        return ast_fail(t, TDM_ERANGE, "the grammar is too large: a list of at least %d items",
-                        min);
+        return tdm_ast_fail(t, TDM_ERANGE, "the grammar is too large: a list of at least %d items",
+                            min);
     int64_t size = (copies + 1) * (t->n[item].size + t->n[sep].size) + 8;
     return add(t,
                (struct ast_node){.kind = AST_LIST, .a = item, .b = sep, .min = min, .size = size});
 }
 
 /* ---- codepoint sets ---- */
-void cpset_free(struct cpset *s)
+void tdm_cpset_free(struct cpset *s)
 {
     free(s->r);
     memset(s, 0, sizeof *s);
 }
 
-bool cpset_add(struct cpset *s, uint32_t lo, uint32_t hi)
+bool tdm_cpset_add(struct cpset *s, uint32_t lo, uint32_t hi)
 {
     if (lo > hi) return true;
     if (s->n == s->cap) {
@@ -194,7 +194,7 @@ static int cmp_range(const void *a, const void *b)
     return x[0] < y[0] ? -1 : x[0] > y[0];
 }
 
-void cpset_normalize(struct cpset *s)
+void tdm_cpset_normalize(struct cpset *s)
 {
     if (s->n == 0) return;
     qsort(s->r, (size_t)s->n, sizeof *s->r, cmp_range);
@@ -211,28 +211,28 @@ void cpset_normalize(struct cpset *s)
     s->n = w + 1;
 }
 
-bool cpset_negate(struct cpset *s)
+bool tdm_cpset_negate(struct cpset *s)
 {
-    cpset_normalize(s);
+    tdm_cpset_normalize(s);
     struct cpset c = {0};
     uint32_t next = 0;
     bool ok = true;
     for (int i = 0; i < s->n && ok; i++) {
-        if (s->r[i][0] > next) ok = cpset_add(&c, next, s->r[i][0] - 1);
+        if (s->r[i][0] > next) ok = tdm_cpset_add(&c, next, s->r[i][0] - 1);
         next = s->r[i][1] + 1;
     }
-    if (ok && next <= 0x10FFFF) ok = cpset_add(&c, next, 0x10FFFF);
+    if (ok && next <= 0x10FFFF) ok = tdm_cpset_add(&c, next, 0x10FFFF);
     if (!ok) {
-        cpset_free(&c);
+        tdm_cpset_free(&c);
         return false;
     }
-    cpset_free(s);
+    tdm_cpset_free(s);
     *s = c;
     return true;
 }
 
 /* ---- UTF-8 ---- */
-int grammar_utf8_encode(uint32_t cp, uint8_t *b)
+int tdm_grammar_utf8_encode(uint32_t cp, uint8_t *b)
 {
     if (cp < 0x80) {
         b[0] = (uint8_t)cp;
@@ -256,11 +256,12 @@ int grammar_utf8_encode(uint32_t cp, uint8_t *b)
     return 4;
 }
 
-int32_t ast_span(struct ast *t, const uint8_t *a, const uint8_t *b, int n, int lo, int hi)
+int32_t tdm_ast_span(struct ast *t, const uint8_t *a, const uint8_t *b, int n, int lo, int hi)
 {
-    if (n == 1) return ast_byte_range(t, a[0], b[0]);
+    if (n == 1) return tdm_ast_byte_range(t, a[0], b[0]);
     if (a[0] == b[0])
-        return ast_cat(t, ast_byte_range(t, a[0], a[0]), ast_span(t, a + 1, b + 1, n - 1, lo, hi));
+        return tdm_ast_cat(t, tdm_ast_byte_range(t, a[0], a[0]),
+                           tdm_ast_span(t, a + 1, b + 1, n - 1, lo, hi));
     uint8_t min[32], max[32];
     memset(min, lo, sizeof min);
     memset(max, hi, sizeof max);
@@ -271,15 +272,16 @@ int32_t ast_span(struct ast *t, const uint8_t *a, const uint8_t *b, int n, int l
     int mid_lo = a_min ? a[0] : a[0] + 1, mid_hi = b_max ? b[0] : b[0] - 1;
     int32_t r = 0;
     if (!a_min)
-        r = ast_cat(t, ast_byte_range(t, a[0], a[0]), ast_span(t, a + 1, max, n - 1, lo, hi));
+        r = tdm_ast_cat(t, tdm_ast_byte_range(t, a[0], a[0]),
+                        tdm_ast_span(t, a + 1, max, n - 1, lo, hi));
     if (mid_lo <= mid_hi)
-        r = ast_alt(t, r,
-                    ast_cat(t, ast_byte_range(t, mid_lo, mid_hi),
-                            ast_rep(t, ast_byte_range(t, lo, hi), n - 1, n - 1)));
+        r = tdm_ast_alt(t, r,
+                        tdm_ast_cat(t, tdm_ast_byte_range(t, mid_lo, mid_hi),
+                                    tdm_ast_rep(t, tdm_ast_byte_range(t, lo, hi), n - 1, n - 1)));
     if (!b_max)
-        r = ast_alt(
-            t, r,
-            ast_cat(t, ast_byte_range(t, b[0], b[0]), ast_span(t, min, b + 1, n - 1, lo, hi)));
+        r = tdm_ast_alt(t, r,
+                        tdm_ast_cat(t, tdm_ast_byte_range(t, b[0], b[0]),
+                                    tdm_ast_span(t, min, b + 1, n - 1, lo, hi)));
     return r;
 }
 
@@ -292,15 +294,15 @@ static int32_t utf8_range(struct ast *t, uint32_t lo, uint32_t hi)
         if (from > edge[k]) continue;
         uint32_t to = hi < edge[k] ? hi : edge[k];
         uint8_t a[4], b[4];
-        int n = grammar_utf8_encode(from, a);
-        grammar_utf8_encode(to, b);
-        r = ast_alt(t, r, ast_span(t, a, b, n, 0x80, 0xBF)); /* continuations: 80..BF */
+        int n = tdm_grammar_utf8_encode(from, a);
+        tdm_grammar_utf8_encode(to, b);
+        r = tdm_ast_alt(t, r, tdm_ast_span(t, a, b, n, 0x80, 0xBF)); /* continuations: 80..BF */
         from = to + 1;
     }
     return r;
 }
 
-int32_t ast_cpset(struct ast *t, const struct cpset *s, const struct byteset *exclude)
+int32_t tdm_ast_cpset(struct ast *t, const struct cpset *s, const struct byteset *exclude)
 {
     struct byteset ascii = {{0}};
     int32_t r = 0;
@@ -313,19 +315,19 @@ int32_t ast_cpset(struct ast *t, const struct cpset *s, const struct byteset *ex
         if (lo > hi) continue;
         /* the surrogates are not characters: UTF-8 has no encoding of them */
         if (lo <= 0xDFFF && hi >= 0xD800) {
-            if (lo < 0xD800) r = ast_alt(t, r, utf8_range(t, lo, 0xD7FF));
-            if (hi > 0xDFFF) r = ast_alt(t, r, utf8_range(t, 0xE000, hi));
+            if (lo < 0xD800) r = tdm_ast_alt(t, r, utf8_range(t, lo, 0xD7FF));
+            if (hi > 0xDFFF) r = tdm_ast_alt(t, r, utf8_range(t, 0xE000, hi));
         } else {
-            r = ast_alt(t, r, utf8_range(t, lo, hi));
+            r = tdm_ast_alt(t, r, utf8_range(t, lo, hi));
         }
     }
     if (exclude)
         for (int i = 0; i < 4; i++)
             ascii.w[i] &= ~exclude->w[i];
-    return ast_alt(t, ast_set(t, &ascii), r);
+    return tdm_ast_alt(t, tdm_ast_set(t, &ascii), r);
 }
 
-int grammar_utf8_decode(const uint8_t *p, size_t left, uint32_t *cp)
+int tdm_grammar_utf8_decode(const uint8_t *p, size_t left, uint32_t *cp)
 {
     if (!left) return 0;
     uint32_t c = p[0];
@@ -342,11 +344,11 @@ int grammar_utf8_decode(const uint8_t *p, size_t left, uint32_t *cp)
     return len;
 }
 
-int32_t ast_cp(struct ast *t, uint32_t cp)
+int32_t tdm_ast_cp(struct ast *t, uint32_t cp)
 {
     uint8_t b[4];
-    int n = grammar_utf8_encode(cp, b);
-    return ast_lit(t, (const char *)b, (size_t)n);
+    int n = tdm_grammar_utf8_encode(cp, b);
+    return tdm_ast_lit(t, (const char *)b, (size_t)n);
 }
 
 /* ---- NFA ---- */
@@ -488,7 +490,7 @@ static bool inst(const struct ast *t, int32_t node, struct nfa *n, struct frag *
     }
 }
 
-tdm_status nfa_build(struct ast *t, int32_t root, struct nfa *out)
+tdm_status tdm_nfa_build(struct ast *t, int32_t root, struct nfa *out)
 {
     memset(out, 0, sizeof *out);
     if (!ast_ok(t)) return tdm_err_set(t->err, "%s", t->msg);
@@ -499,12 +501,12 @@ tdm_status nfa_build(struct ast *t, int32_t root, struct nfa *out)
                            TDM_GRAMMAR_MAX_NFA);
     struct frag f;
     if (!inst(t, root, out, &f)) {
-        nfa_free(out);
+        tdm_nfa_free(out);
         return tdm_err_set(TDM_ENOMEM, "out of memory building a grammar's automaton");
     }
     int32_t m = nstate(out, NFA_MATCH, -1);
     if (m < 0) {
-        nfa_free(out);
+        tdm_nfa_free(out);
         return tdm_err_set(TDM_ENOMEM, "out of memory building a grammar's automaton");
     }
     out->s[f.end].out = m;
@@ -516,7 +518,7 @@ tdm_status nfa_build(struct ast *t, int32_t root, struct nfa *out)
     return TDM_OK;
 }
 
-void nfa_free(struct nfa *n)
+void tdm_nfa_free(struct nfa *n)
 {
     free(n->s);
     free(n->sets);

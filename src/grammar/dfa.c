@@ -365,37 +365,37 @@ static tdm_status grammar_new(tdm_gvocab_t *v, enum tdm_grammar_kind kind, const
                               size_t len, tdm_grammar_t **out)
 {
     struct ast t;
-    ast_init(&t);
+    tdm_ast_init(&t);
     int32_t root = 0;
     switch (kind) {
     case TDM_GRAMMAR_REGEX:
-        root = regex_to_ast(&t, src, len, false);
+        root = tdm_regex_to_ast(&t, src, len, false);
         break;
     case TDM_GRAMMAR_JSON_SCHEMA:
-        root = schema_to_ast(&t, src, len);
+        root = tdm_schema_to_ast(&t, src, len);
         break;
     case TDM_GRAMMAR_JSON_OBJECT:
-        root = json_value_ast(&t, TDM_GRAMMAR_MAX_DEPTH, true);
+        root = tdm_json_value_ast(&t, TDM_GRAMMAR_MAX_DEPTH, true);
         break;
     case TDM_GRAMMAR_CHOICE:
-        root = choice_to_ast(&t, src, len);
+        root = tdm_choice_to_ast(&t, src, len);
         break;
     case TDM_GRAMMAR_GBNF:
-        root = gbnf_to_ast(&t, src, len);
+        root = tdm_gbnf_to_ast(&t, src, len);
         break;
     case TDM_GRAMMAR_TOOL_CALLS:
-        root = tool_calls_to_ast(&t, src, len);
+        root = tdm_tool_calls_to_ast(&t, src, len);
         break;
     default:
-        ast_fail(&t, TDM_EINVAL, "grammar: unknown kind %d", (int)kind);
+        tdm_ast_fail(&t, TDM_EINVAL, "grammar: unknown kind %d", (int)kind);
     }
     tdm_grammar_t *g = calloc(1, sizeof *g);
     if (!g) {
-        ast_free(&t);
+        tdm_ast_free(&t);
         return tdm_err_set(TDM_ENOMEM, "grammar: out of memory");
     }
-    tdm_status st = nfa_build(&t, root, &g->nfa);
-    ast_free(&t);
+    tdm_status st = tdm_nfa_build(&t, root, &g->nfa);
+    tdm_ast_free(&t);
     if (st != TDM_OK) {
         free(g);
         return st;
@@ -536,7 +536,7 @@ void tdm_grammar_unref(tdm_grammar_t *g)
     free(g->buf);
     free(g->walk_nodes);
     free(g->walk_states);
-    nfa_free(&g->nfa);
+    tdm_nfa_free(&g->nfa);
     pthread_mutex_destroy(&g->mu);
     tdm_gvocab_t *v = g->v;
     free(g);

@@ -107,13 +107,13 @@ static bool index_rules(struct gb *g)
                          : 0;
         if (len) {
             if (g->n_rules == MAX_RULES) {
-                ast_fail(g->t, TDM_ERANGE, "grammar: more than %d rules", MAX_RULES);
+                tdm_ast_fail(g->t, TDM_ERANGE, "grammar: more than %d rules", MAX_RULES);
                 return false;
             }
             for (int r = 0; r < g->n_rules; r++)
                 if (g->rules[r].name_len == len && !memcmp(g->rules[r].name, g->s + i, len)) {
-                    ast_fail(g->t, TDM_EINVAL, "grammar: rule '%.*s' is defined twice", (int)len,
-                             g->s + i);
+                    tdm_ast_fail(g->t, TDM_EINVAL, "grammar: rule '%.*s' is defined twice",
+                                 (int)len, g->s + i);
                     return false;
                 }
             if (g->n_rules) g->rules[g->n_rules - 1].end = i;
@@ -147,23 +147,23 @@ static int hexval(char c)
 static int32_t read_char(struct gb *g, struct cur *c)
 {
     const uint8_t *p = (const uint8_t *)g->s;
-    if (c->i >= c->end) return ast_fail(g->t, TDM_EINVAL, "grammar: unterminated literal"), -1;
+    if (c->i >= c->end) return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: unterminated literal"), -1;
     uint32_t ch = p[c->i];
     if (ch == '\\') {
         c->i++;
-        if (c->i >= c->end) return ast_fail(g->t, TDM_EINVAL, "grammar: lone backslash"), -1;
+        if (c->i >= c->end) return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: lone backslash"), -1;
         char e = (char)p[c->i++];
         int digits = e == 'x' ? 2 : e == 'u' ? 4 : e == 'U' ? 8 : 0;
         if (digits) {
             uint32_t v = 0;
             for (int k = 0; k < digits; k++) {
                 int h = c->i < c->end ? hexval((char)p[c->i]) : -1;
-                if (h < 0) return ast_fail(g->t, TDM_EINVAL, "grammar: bad \\%c escape", e), -1;
+                if (h < 0) return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: bad \\%c escape", e), -1;
                 v = v << 4 | (uint32_t)h;
                 c->i++;
             }
             if (v > 0x10FFFF)
-                return ast_fail(g->t, TDM_EINVAL, "grammar: escape beyond U+10FFFF"), -1;
+                return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: escape beyond U+10FFFF"), -1;
             return (int32_t)v;
         }
         switch (e) {
@@ -181,11 +181,11 @@ static int32_t read_char(struct gb *g, struct cur *c)
         case '^':
             return e;
         default:
-            return ast_fail(g->t, TDM_EINVAL, "grammar: unknown escape \\%c", e), -1;
+            return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: unknown escape \\%c", e), -1;
         }
     }
-    int len = grammar_utf8_decode(p + c->i, c->end - c->i, &ch);
-    if (!len) return ast_fail(g->t, TDM_EINVAL, "grammar: not valid UTF-8"), -1;
+    int len = tdm_grammar_utf8_decode(p + c->i, c->end - c->i, &ch);
+    if (!len) return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: not valid UTF-8"), -1;
     c->i += (size_t)len;
     return (int32_t)ch;
 }
@@ -199,8 +199,8 @@ static int32_t parse_class(struct gb *g, struct cur *c)
     if (neg) c->i++;
     for (;;) {
         if (c->i >= c->end) {
-            cpset_free(&s);
-            return ast_fail(g->t, TDM_EINVAL, "grammar: '[' without its ']'");
+            tdm_cpset_free(&s);
+            return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: '[' without its ']'");
         }
         if (g->s[c->i] == ']') {
             c->i++;
@@ -211,18 +211,18 @@ static int32_t parse_class(struct gb *g, struct cur *c)
             c->i++;
             hi = read_char(g, c);
         }
-        if (lo < 0 || hi < 0 || hi < lo || !cpset_add(&s, (uint32_t)lo, (uint32_t)hi)) {
-            cpset_free(&s);
-            return ast_fail(g->t, TDM_EINVAL, "grammar: bad character class");
+        if (lo < 0 || hi < 0 || hi < lo || !tdm_cpset_add(&s, (uint32_t)lo, (uint32_t)hi)) {
+            tdm_cpset_free(&s);
+            return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: bad character class");
         }
     }
-    if (neg && !cpset_negate(&s)) {
-        cpset_free(&s);
-        return ast_fail(g->t, TDM_ENOMEM, "out of memory");
+    if (neg && !tdm_cpset_negate(&s)) {
+        tdm_cpset_free(&s);
+        return tdm_ast_fail(g->t, TDM_ENOMEM, "out of memory");
     }
-    cpset_normalize(&s);
-    int32_t r = ast_cpset(g->t, &s, NULL);
-    cpset_free(&s);
+    tdm_cpset_normalize(&s);
+    int32_t r = tdm_ast_cpset(g->t, &s, NULL);
+    tdm_cpset_free(&s);
     return r;
 }
 
@@ -233,20 +233,20 @@ static int32_t rule_ref(struct gb *g, const char *name, size_t len)
         if (r->name_len != len || memcmp(r->name, name, len)) continue;
         if (r->active >= TDM_GRAMMAR_MAX_DEPTH) return 0; /* recursion unrolled: cut */
         if (++g->nesting > MAX_NESTING * 4)
-            return ast_fail(g->t, TDM_ERANGE, "grammar: rules nest deeper than %d",
-                            MAX_NESTING * 4);
+            return tdm_ast_fail(g->t, TDM_ERANGE, "grammar: rules nest deeper than %d",
+                                MAX_NESTING * 4);
         r->active++;
         struct cur sub = {r->body, r->end};
         int32_t body = parse_alt(g, &sub);
         skip_ws(g, &sub);
         if (ast_ok(g->t) && sub.i < sub.end)
-            ast_fail(g->t, TDM_EINVAL, "grammar: unexpected '%c' in rule '%.*s'", g->s[sub.i],
-                     (int)len, name);
+            tdm_ast_fail(g->t, TDM_EINVAL, "grammar: unexpected '%c' in rule '%.*s'", g->s[sub.i],
+                         (int)len, name);
         r->active--;
         g->nesting--;
         return body;
     }
-    return ast_fail(g->t, TDM_EINVAL, "grammar: rule '%.*s' is not defined", (int)len, name);
+    return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: rule '%.*s' is not defined", (int)len, name);
 }
 
 static int32_t parse_primary(struct gb *g, struct cur *c)
@@ -254,13 +254,13 @@ static int32_t parse_primary(struct gb *g, struct cur *c)
     char ch = g->s[c->i];
     if (ch == '"') {
         c->i++;
-        int32_t r = ast_empty(g->t);
+        int32_t r = tdm_ast_empty(g->t);
         while (c->i < c->end && g->s[c->i] != '"' && ast_ok(g->t)) {
             int32_t cp = read_char(g, c);
             if (cp < 0) return 0;
-            r = ast_cat(g->t, r, ast_cp(g->t, (uint32_t)cp));
+            r = tdm_ast_cat(g->t, r, tdm_ast_cp(g->t, (uint32_t)cp));
         }
-        if (c->i >= c->end) return ast_fail(g->t, TDM_EINVAL, "grammar: unterminated string");
+        if (c->i >= c->end) return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: unterminated string");
         c->i++;
         return r;
     }
@@ -271,32 +271,34 @@ static int32_t parse_primary(struct gb *g, struct cur *c)
     if (ch == '.') {
         c->i++;
         struct cpset s = {0};
-        if (!cpset_add(&s, 0, 0x10FFFF)) return ast_fail(g->t, TDM_ENOMEM, "out of memory");
-        int32_t r = ast_cpset(g->t, &s, NULL);
-        cpset_free(&s);
+        if (!tdm_cpset_add(&s, 0, 0x10FFFF)) return tdm_ast_fail(g->t, TDM_ENOMEM, "out of memory");
+        int32_t r = tdm_ast_cpset(g->t, &s, NULL);
+        tdm_cpset_free(&s);
         return r;
     }
     if (ch == '(') {
         c->i++;
         if (++g->nesting > MAX_NESTING)
-            return ast_fail(g->t, TDM_ERANGE, "grammar: groups nest deeper than %d", MAX_NESTING);
+            return tdm_ast_fail(g->t, TDM_ERANGE, "grammar: groups nest deeper than %d",
+                                MAX_NESTING);
         int32_t r = parse_alt(g, c);
         skip_ws(g, c);
         if (c->i >= c->end || g->s[c->i] != ')')
-            return ast_fail(g->t, TDM_EINVAL, "grammar: '(' without its ')'");
+            return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: '(' without its ')'");
         c->i++;
         g->nesting--;
         return r;
     }
     if (ch == '<' || ch == '!')
-        return ast_fail(g->t, TDM_EUNSUPPORTED, "grammar feature not supported: token references");
+        return tdm_ast_fail(g->t, TDM_EUNSUPPORTED,
+                            "grammar feature not supported: token references");
     if (name_char(ch)) {
         size_t start = c->i;
         while (c->i < c->end && name_char(g->s[c->i]))
             c->i++;
         return rule_ref(g, g->s + start, c->i - start);
     }
-    return ast_fail(g->t, TDM_EINVAL, "grammar: unexpected '%c'", ch);
+    return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: unexpected '%c'", ch);
 }
 
 static bool read_num(const struct gb *g, struct cur *c, int *v)
@@ -336,25 +338,25 @@ static int32_t parse_item(struct gb *g, struct cur *c)
             }
             skip_ws(g, c);
             if (c->i >= c->end || g->s[c->i] != '}')
-                return ast_fail(g->t, TDM_EINVAL, "grammar: bad repetition {...}");
+                return tdm_ast_fail(g->t, TDM_EINVAL, "grammar: bad repetition {...}");
         } else {
             break;
         }
         c->i++;
-        r = ast_rep(g->t, r, lo, hi);
+        r = tdm_ast_rep(g->t, r, lo, hi);
     }
     return r;
 }
 
 static int32_t parse_seq(struct gb *g, struct cur *c)
 {
-    int32_t r = ast_empty(g->t);
+    int32_t r = tdm_ast_empty(g->t);
     for (;;) {
         skip_ws(g, c);
         if (c->i >= c->end || !ast_ok(g->t)) break;
         char ch = g->s[c->i];
         if (ch == '|' || ch == ')') break;
-        r = ast_cat(g->t, r, parse_item(g, c));
+        r = tdm_ast_cat(g->t, r, parse_item(g, c));
     }
     return r;
 }
@@ -364,15 +366,15 @@ static int32_t parse_alt(struct gb *g, struct cur *c)
     int32_t r = parse_seq(g, c);
     while (c->i < c->end && g->s[c->i] == '|' && ast_ok(g->t)) {
         c->i++;
-        r = ast_alt(g->t, r, parse_seq(g, c));
+        r = tdm_ast_alt(g->t, r, parse_seq(g, c));
     }
     return r;
 }
 
-int32_t gbnf_to_ast(struct ast *t, const char *src, size_t len)
+int32_t tdm_gbnf_to_ast(struct ast *t, const char *src, size_t len)
 {
     struct gb *g = calloc(1, sizeof *g);
-    if (!g) return ast_fail(t, TDM_ENOMEM, "out of memory");
+    if (!g) return tdm_ast_fail(t, TDM_ENOMEM, "out of memory");
     *g = (struct gb){.t = t, .s = src, .n = len};
     int32_t r = 0;
     if (index_rules(g)) {
@@ -380,13 +382,13 @@ int32_t gbnf_to_ast(struct ast *t, const char *src, size_t len)
         for (int i = 0; i < g->n_rules; i++)
             has_root |= g->rules[i].name_len == 4 && !memcmp(g->rules[i].name, "root", 4);
         if (!has_root)
-            ast_fail(t, TDM_EINVAL, "grammar: no rule named 'root'");
+            tdm_ast_fail(t, TDM_EINVAL, "grammar: no rule named 'root'");
         else
             r = rule_ref(g, "root", 4);
         if (ast_ok(t) && t->n[r].kind == AST_NONE)
-            ast_fail(t, TDM_EINVAL,
-                     "grammar: 'root' matches no string (within a recursion depth of %d)",
-                     TDM_GRAMMAR_MAX_DEPTH);
+            tdm_ast_fail(t, TDM_EINVAL,
+                         "grammar: 'root' matches no string (within a recursion depth of %d)",
+                         TDM_GRAMMAR_MAX_DEPTH);
     }
     free(g);
     return r;

@@ -46,25 +46,25 @@ struct ast {
     char msg[256];  /* its message */
 };
 
-void ast_init(struct ast *t);
-void ast_free(struct ast *t);
+void tdm_ast_init(struct ast *t);
+void tdm_ast_free(struct ast *t);
 /* Records the first error (later ones are dropped); returns AST_NONE's index (0). */
-int32_t ast_fail(struct ast *t, tdm_status st, const char *fmt, ...)
+int32_t tdm_ast_fail(struct ast *t, tdm_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static inline bool ast_ok(const struct ast *t)
 {
     return t->err == TDM_OK;
 }
-int32_t ast_none(struct ast *t);
-int32_t ast_empty(struct ast *t);
-int32_t ast_set(struct ast *t, const struct byteset *s); /* an empty set is NONE */
-int32_t ast_byte_range(struct ast *t, int lo, int hi);
-int32_t ast_lit(struct ast *t, const char *s, size_t len);
-int32_t ast_cat(struct ast *t, int32_t a, int32_t b);
-int32_t ast_alt(struct ast *t, int32_t a, int32_t b);
-int32_t ast_rep(struct ast *t, int32_t a, int min, int max);
-int32_t ast_opt(struct ast *t, int32_t a);
-int32_t ast_list(struct ast *t, int32_t item, int32_t sep, int min);
+int32_t tdm_ast_none(struct ast *t);
+int32_t tdm_ast_empty(struct ast *t);
+int32_t tdm_ast_set(struct ast *t, const struct byteset *s); /* an empty set is NONE */
+int32_t tdm_ast_byte_range(struct ast *t, int lo, int hi);
+int32_t tdm_ast_lit(struct ast *t, const char *s, size_t len);
+int32_t tdm_ast_cat(struct ast *t, int32_t a, int32_t b);
+int32_t tdm_ast_alt(struct ast *t, int32_t a, int32_t b);
+int32_t tdm_ast_rep(struct ast *t, int32_t a, int min, int max);
+int32_t tdm_ast_opt(struct ast *t, int32_t a);
+int32_t tdm_ast_list(struct ast *t, int32_t item, int32_t sep, int min);
 
 static inline void byteset_add(struct byteset *s, int lo, int hi)
 {
@@ -82,19 +82,19 @@ struct cpset {
     uint32_t (*r)[2];
     int n, cap;
 };
-void cpset_free(struct cpset *s);
-bool cpset_add(struct cpset *s, uint32_t lo, uint32_t hi); /* false: out of memory */
-void cpset_normalize(struct cpset *s);                     /* sort and merge */
-bool cpset_negate(struct cpset *s);                        /* complement over valid codepoints */
+void tdm_cpset_free(struct cpset *s);
+bool tdm_cpset_add(struct cpset *s, uint32_t lo, uint32_t hi); /* false: out of memory */
+void tdm_cpset_normalize(struct cpset *s);                     /* sort and merge */
+bool tdm_cpset_negate(struct cpset *s); /* complement over valid codepoints */
 /* The strings from a[0, n) to b[0, n) (n <= 32) in order, where every symbol after the first
  * ranges over lo..hi (decimal digits; UTF-8 continuation bytes) */
-int32_t ast_span(struct ast *t, const uint8_t *a, const uint8_t *b, int n, int lo, int hi);
-int32_t ast_cp(struct ast *t, uint32_t cp);       /* one codepoint, as UTF-8 */
-int grammar_utf8_encode(uint32_t cp, uint8_t *b); /* bytes written (1..4) */
+int32_t tdm_ast_span(struct ast *t, const uint8_t *a, const uint8_t *b, int n, int lo, int hi);
+int32_t tdm_ast_cp(struct ast *t, uint32_t cp);       /* one codepoint, as UTF-8 */
+int tdm_grammar_utf8_encode(uint32_t cp, uint8_t *b); /* bytes written (1..4) */
 /* One codepoint from p[0, left): its length, or 0 when malformed or cut */
-int grammar_utf8_decode(const uint8_t *p, size_t left, uint32_t *cp);
+int tdm_grammar_utf8_decode(const uint8_t *p, size_t left, uint32_t *cp);
 /* The UTF-8 encodings of a set's codepoints; excluded bytes (< 0x80) taken out. */
-int32_t ast_cpset(struct ast *t, const struct cpset *s, const struct byteset *exclude);
+int32_t tdm_ast_cpset(struct ast *t, const struct cpset *s, const struct byteset *exclude);
 
 /* ---- NFA: Thompson's construction ---- */
 enum { NFA_EPS = 0, NFA_SET, NFA_MATCH };
@@ -111,17 +111,17 @@ struct nfa {
     int32_t start;
 };
 /* Builds the NFA of AST node root (which consumes t's sets). */
-tdm_status nfa_build(struct ast *t, int32_t root, struct nfa *out);
-void nfa_free(struct nfa *n);
+tdm_status tdm_nfa_build(struct ast *t, int32_t root, struct nfa *out);
+void tdm_nfa_free(struct nfa *n);
 
 /* ---- front ends (each returns the root node, or records an error in t) ---- */
 /* A regular expression; in_json_string: the bytes '"', '\\' and controls are taken out of
  * every set, so the language fits inside a JSON string unescaped. */
-int32_t regex_to_ast(struct ast *t, const char *src, size_t len, bool in_json_string);
-int32_t schema_to_ast(struct ast *t, const char *src, size_t len);
-int32_t json_value_ast(struct ast *t, int depth, bool object_only);
-int32_t choice_to_ast(struct ast *t, const char *src, size_t len);
-int32_t gbnf_to_ast(struct ast *t, const char *src, size_t len);
-int32_t tool_calls_to_ast(struct ast *t, const char *src, size_t len);
+int32_t tdm_regex_to_ast(struct ast *t, const char *src, size_t len, bool in_json_string);
+int32_t tdm_schema_to_ast(struct ast *t, const char *src, size_t len);
+int32_t tdm_json_value_ast(struct ast *t, int depth, bool object_only);
+int32_t tdm_choice_to_ast(struct ast *t, const char *src, size_t len);
+int32_t tdm_gbnf_to_ast(struct ast *t, const char *src, size_t len);
+int32_t tdm_tool_calls_to_ast(struct ast *t, const char *src, size_t len);
 
 #endif /* TANDEM_GRAMMAR_INT_H */

@@ -38,7 +38,7 @@ static bool at_end(const struct rx *r)
 static int32_t next_cp(struct rx *r)
 {
     uint32_t c;
-    int len = grammar_utf8_decode((const uint8_t *)r->s + r->i, r->n - r->i, &c);
+    int len = tdm_grammar_utf8_decode((const uint8_t *)r->s + r->i, r->n - r->i, &c);
     if (!len) return -1;
     r->i += (size_t)len;
     return (int32_t)c;
@@ -84,18 +84,18 @@ static bool add_class(struct cpset *s, char cls)
     bool ok = true;
     switch (cls) {
     case 'd':
-        return cpset_add(s, '0', '9');
+        return tdm_cpset_add(s, '0', '9');
     case 'w':
-        ok = cpset_add(s, '0', '9') && cpset_add(s, 'A', 'Z') && cpset_add(s, 'a', 'z') &&
-             cpset_add(s, '_', '_');
+        ok = tdm_cpset_add(s, '0', '9') && tdm_cpset_add(s, 'A', 'Z') &&
+             tdm_cpset_add(s, 'a', 'z') && tdm_cpset_add(s, '_', '_');
         return ok;
     case 's':
         /* ECMA's white space and line terminators */
-        ok = cpset_add(s, '\t', '\r') && cpset_add(s, ' ', ' ') && cpset_add(s, 0xA0, 0xA0) &&
-             cpset_add(s, 0x1680, 0x1680) && cpset_add(s, 0x2000, 0x200A) &&
-             cpset_add(s, 0x2028, 0x2029) && cpset_add(s, 0x202F, 0x202F) &&
-             cpset_add(s, 0x205F, 0x205F) && cpset_add(s, 0x3000, 0x3000) &&
-             cpset_add(s, 0xFEFF, 0xFEFF);
+        ok = tdm_cpset_add(s, '\t', '\r') && tdm_cpset_add(s, ' ', ' ') &&
+             tdm_cpset_add(s, 0xA0, 0xA0) && tdm_cpset_add(s, 0x1680, 0x1680) &&
+             tdm_cpset_add(s, 0x2000, 0x200A) && tdm_cpset_add(s, 0x2028, 0x2029) &&
+             tdm_cpset_add(s, 0x202F, 0x202F) && tdm_cpset_add(s, 0x205F, 0x205F) &&
+             tdm_cpset_add(s, 0x3000, 0x3000) && tdm_cpset_add(s, 0xFEFF, 0xFEFF);
         return ok;
     }
     return false;
@@ -106,7 +106,7 @@ static bool add_class(struct cpset *s, char cls)
 static int32_t parse_escape(struct rx *r, struct cpset *set, bool in_class)
 {
     if (at_end(r)) {
-        ast_fail(r->t, TDM_EINVAL, "regex ends with a lone backslash");
+        tdm_ast_fail(r->t, TDM_EINVAL, "regex ends with a lone backslash");
         return -1;
     }
     char c = r->s[r->i++];
@@ -123,10 +123,10 @@ static int32_t parse_escape(struct rx *r, struct cpset *set, bool in_class)
             return -2;
         }
         struct cpset neg = {0};
-        bool ok = add_class(&neg, lower) && cpset_negate(&neg);
+        bool ok = add_class(&neg, lower) && tdm_cpset_negate(&neg);
         for (int k = 0; ok && k < neg.n; k++)
-            ok = cpset_add(set, neg.r[k][0], neg.r[k][1]);
-        cpset_free(&neg);
+            ok = tdm_cpset_add(set, neg.r[k][0], neg.r[k][1]);
+        tdm_cpset_free(&neg);
         if (!ok) goto oom;
         return -2;
     }
@@ -144,53 +144,55 @@ static int32_t parse_escape(struct rx *r, struct cpset *set, bool in_class)
         return 0;
     case 'x': {
         int32_t v = read_hex(r, 2);
-        if (v < 0) ast_fail(r->t, TDM_EINVAL, "regex: \\x needs two hex digits");
+        if (v < 0) tdm_ast_fail(r->t, TDM_EINVAL, "regex: \\x needs two hex digits");
         return v;
     }
     case 'u': {
         bool brace = !at_end(r) && r->s[r->i] == '{';
         int32_t v = read_hex(r, brace ? 0 : 4);
-        if (v < 0) ast_fail(r->t, TDM_EINVAL, "regex: \\u needs four hex digits or {hex}");
+        if (v < 0) tdm_ast_fail(r->t, TDM_EINVAL, "regex: \\u needs four hex digits or {hex}");
         return v;
     }
     case 'b':
         if (in_class) return '\b';
-        ast_fail(r->t, TDM_EUNSUPPORTED, "regex feature not supported: word boundary \\b");
+        tdm_ast_fail(r->t, TDM_EUNSUPPORTED, "regex feature not supported: word boundary \\b");
         return -1;
     case 'B':
-        ast_fail(r->t, TDM_EUNSUPPORTED, "regex feature not supported: \\B");
+        tdm_ast_fail(r->t, TDM_EUNSUPPORTED, "regex feature not supported: \\B");
         return -1;
     case 'k':
-        ast_fail(r->t, TDM_EUNSUPPORTED, "regex feature not supported: named backreference \\k");
+        tdm_ast_fail(r->t, TDM_EUNSUPPORTED,
+                     "regex feature not supported: named backreference \\k");
         return -1;
     case 'p':
     case 'P':
-        ast_fail(r->t, TDM_EUNSUPPORTED,
-                 "regex feature not supported: Unicode property escapes \\p and \\P");
+        tdm_ast_fail(r->t, TDM_EUNSUPPORTED,
+                     "regex feature not supported: Unicode property escapes \\p and \\P");
         return -1;
     default:
         if (c >= '1' && c <= '9') {
-            ast_fail(r->t, TDM_EUNSUPPORTED, "regex feature not supported: backreference \\%c", c);
+            tdm_ast_fail(r->t, TDM_EUNSUPPORTED, "regex feature not supported: backreference \\%c",
+                         c);
             return -1;
         }
         if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) {
-            ast_fail(r->t, TDM_EINVAL, "regex: unknown escape \\%c", c);
+            tdm_ast_fail(r->t, TDM_EINVAL, "regex: unknown escape \\%c", c);
             return -1;
         }
         r->i--; /* an escaped punctuation or any other character stands for itself */
         int32_t cp = next_cp(r);
-        if (cp < 0) ast_fail(r->t, TDM_EINVAL, "regex is not valid UTF-8");
+        if (cp < 0) tdm_ast_fail(r->t, TDM_EINVAL, "regex is not valid UTF-8");
         return cp;
     }
 oom:
-    ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
+    tdm_ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
     return -1;
 }
 
 static int32_t set_node(struct rx *r, struct cpset *s)
 {
-    cpset_normalize(s);
-    return ast_cpset(r->t, s, r->has_exclude ? &r->exclude : NULL);
+    tdm_cpset_normalize(s);
+    return tdm_ast_cpset(r->t, s, r->has_exclude ? &r->exclude : NULL);
 }
 
 static int32_t parse_class(struct rx *r)
@@ -201,8 +203,8 @@ static int32_t parse_class(struct rx *r)
     bool first = true;
     for (;;) {
         if (at_end(r)) {
-            cpset_free(&s);
-            return ast_fail(r->t, TDM_EINVAL, "regex: '[' without its ']'");
+            tdm_cpset_free(&s);
+            return tdm_ast_fail(r->t, TDM_EINVAL, "regex: '[' without its ']'");
         }
         if (r->s[r->i] == ']' && !first) {
             r->i++;
@@ -216,10 +218,10 @@ static int32_t parse_class(struct rx *r)
             if (lo == -2) continue;
         } else {
             lo = next_cp(r);
-            if (lo < 0) ast_fail(r->t, TDM_EINVAL, "regex is not valid UTF-8");
+            if (lo < 0) tdm_ast_fail(r->t, TDM_EINVAL, "regex is not valid UTF-8");
         }
         if (lo < 0) {
-            cpset_free(&s);
+            tdm_cpset_free(&s);
             return 0;
         }
         int32_t hi = lo;
@@ -229,28 +231,28 @@ static int32_t parse_class(struct rx *r)
                 r->i++;
                 hi = parse_escape(r, &s, true);
                 if (hi == -2) {
-                    cpset_free(&s);
-                    return ast_fail(r->t, TDM_EINVAL, "regex: a range cannot end in a class");
+                    tdm_cpset_free(&s);
+                    return tdm_ast_fail(r->t, TDM_EINVAL, "regex: a range cannot end in a class");
                 }
             } else {
                 hi = next_cp(r);
             }
             if (hi < 0 || hi < lo) {
-                cpset_free(&s);
-                return ast_fail(r->t, TDM_EINVAL, "regex: bad range in a character class");
+                tdm_cpset_free(&s);
+                return tdm_ast_fail(r->t, TDM_EINVAL, "regex: bad range in a character class");
             }
         }
-        if (!cpset_add(&s, (uint32_t)lo, (uint32_t)hi)) {
-            cpset_free(&s);
-            return ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
+        if (!tdm_cpset_add(&s, (uint32_t)lo, (uint32_t)hi)) {
+            tdm_cpset_free(&s);
+            return tdm_ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
         }
     }
-    if (neg && !cpset_negate(&s)) {
-        cpset_free(&s);
-        return ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
+    if (neg && !tdm_cpset_negate(&s)) {
+        tdm_cpset_free(&s);
+        return tdm_ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
     }
     int32_t node = set_node(r, &s);
-    cpset_free(&s);
+    tdm_cpset_free(&s);
     return node;
 }
 
@@ -263,7 +265,7 @@ static int32_t parse_atom(struct rx *r)
     case '(': {
         r->i++;
         if (++r->depth > MAX_NESTING)
-            return ast_fail(r->t, TDM_ERANGE, "regex nests groups deeper than %d", MAX_NESTING);
+            return tdm_ast_fail(r->t, TDM_ERANGE, "regex nests groups deeper than %d", MAX_NESTING);
         if (!at_end(r) && r->s[r->i] == '?') {
             if (r->i + 1 < r->n && r->s[r->i + 1] == ':') {
                 r->i += 2;
@@ -271,16 +273,16 @@ static int32_t parse_atom(struct rx *r)
                        r->s[r->i + 2] != '=' && r->s[r->i + 2] != '!') {
                 /* a named group: the name is skipped, the group is plain */
                 const char *e = memchr(r->s + r->i, '>', r->n - r->i);
-                if (!e) return ast_fail(r->t, TDM_EINVAL, "regex: unterminated group name");
+                if (!e) return tdm_ast_fail(r->t, TDM_EINVAL, "regex: unterminated group name");
                 r->i = (size_t)(e - r->s) + 1;
             } else {
-                return ast_fail(r->t, TDM_EUNSUPPORTED,
-                                "regex feature not supported: lookaround or group flags '(?'");
+                return tdm_ast_fail(r->t, TDM_EUNSUPPORTED,
+                                    "regex feature not supported: lookaround or group flags '(?'");
             }
         }
         node = parse_alt(r);
         if (at_end(r) || r->s[r->i] != ')')
-            return ast_fail(r->t, TDM_EINVAL, "regex: '(' without its ')'");
+            return tdm_ast_fail(r->t, TDM_EINVAL, "regex: '(' without its ')'");
         r->i++;
         r->depth--;
         return node;
@@ -290,43 +292,43 @@ static int32_t parse_atom(struct rx *r)
         return parse_class(r);
     case '.':
         r->i++;
-        if (!cpset_add(&s, '\n', '\n') || !cpset_add(&s, '\r', '\r') ||
-            !cpset_add(&s, 0x2028, 0x2029) || !cpset_negate(&s)) {
-            cpset_free(&s);
-            return ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
+        if (!tdm_cpset_add(&s, '\n', '\n') || !tdm_cpset_add(&s, '\r', '\r') ||
+            !tdm_cpset_add(&s, 0x2028, 0x2029) || !tdm_cpset_negate(&s)) {
+            tdm_cpset_free(&s);
+            return tdm_ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
         }
         node = set_node(r, &s);
-        cpset_free(&s);
+        tdm_cpset_free(&s);
         return node;
     case '\\': {
         r->i++;
         int32_t cp = parse_escape(r, &s, false);
         if (cp == -1) {
-            cpset_free(&s);
+            tdm_cpset_free(&s);
             return 0;
         }
-        if (cp >= 0 && !cpset_add(&s, (uint32_t)cp, (uint32_t)cp)) {
-            cpset_free(&s);
-            return ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
+        if (cp >= 0 && !tdm_cpset_add(&s, (uint32_t)cp, (uint32_t)cp)) {
+            tdm_cpset_free(&s);
+            return tdm_ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
         }
         node = set_node(r, &s);
-        cpset_free(&s);
+        tdm_cpset_free(&s);
         return node;
     }
     case '*':
     case '+':
     case '?':
     case '{':
-        return ast_fail(r->t, TDM_EINVAL, "regex: quantifier '%c' with nothing to repeat", c);
+        return tdm_ast_fail(r->t, TDM_EINVAL, "regex: quantifier '%c' with nothing to repeat", c);
     default: {
         int32_t cp = next_cp(r);
-        if (cp < 0) return ast_fail(r->t, TDM_EINVAL, "regex is not valid UTF-8");
-        if (!cpset_add(&s, (uint32_t)cp, (uint32_t)cp)) {
-            cpset_free(&s);
-            return ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
+        if (cp < 0) return tdm_ast_fail(r->t, TDM_EINVAL, "regex is not valid UTF-8");
+        if (!tdm_cpset_add(&s, (uint32_t)cp, (uint32_t)cp)) {
+            tdm_cpset_free(&s);
+            return tdm_ast_fail(r->t, TDM_ENOMEM, "out of memory compiling a regex");
         }
         node = set_node(r, &s);
-        cpset_free(&s);
+        tdm_cpset_free(&s);
         return node;
     }
     }
@@ -373,23 +375,23 @@ static int32_t parse_repeat(struct rx *r)
                 break;
             }
             if (hi >= 0 && hi < lo)
-                return ast_fail(r->t, TDM_EINVAL, "regex: {%d,%d} is out of order", lo, hi);
+                return tdm_ast_fail(r->t, TDM_EINVAL, "regex: {%d,%d} is out of order", lo, hi);
         } else {
             break;
         }
         r->i++;
         if (!at_end(r) && r->s[r->i] == '?') r->i++; /* lazy: the same language */
         if (!at_end(r) && r->s[r->i] == '+')
-            return ast_fail(r->t, TDM_EUNSUPPORTED,
-                            "regex feature not supported: possessive quantifiers");
-        node = ast_rep(r->t, node, lo, hi);
+            return tdm_ast_fail(r->t, TDM_EUNSUPPORTED,
+                                "regex feature not supported: possessive quantifiers");
+        node = tdm_ast_rep(r->t, node, lo, hi);
     }
     return node;
 }
 
 static int32_t parse_cat(struct rx *r)
 {
-    int32_t node = ast_empty(r->t);
+    int32_t node = tdm_ast_empty(r->t);
     while (!at_end(r) && ast_ok(r->t)) {
         char c = r->s[r->i];
         if (c == '|' || c == ')') break;
@@ -398,13 +400,13 @@ static int32_t parse_cat(struct rx *r)
             bool ok = c == '^' ? r->i == 0 || r->s[r->i - 1] == '(' || r->s[r->i - 1] == '|'
                                : r->i + 1 == r->n || r->s[r->i + 1] == ')' || r->s[r->i + 1] == '|';
             if (!ok)
-                return ast_fail(r->t, TDM_EUNSUPPORTED,
-                                "regex feature not supported: an anchor '%c' inside the pattern",
-                                c);
+                return tdm_ast_fail(
+                    r->t, TDM_EUNSUPPORTED,
+                    "regex feature not supported: an anchor '%c' inside the pattern", c);
             r->i++;
             continue;
         }
-        node = ast_cat(r->t, node, parse_repeat(r));
+        node = tdm_ast_cat(r->t, node, parse_repeat(r));
     }
     return node;
 }
@@ -414,12 +416,12 @@ static int32_t parse_alt(struct rx *r)
     int32_t node = parse_cat(r);
     while (!at_end(r) && r->s[r->i] == '|' && ast_ok(r->t)) {
         r->i++;
-        node = ast_alt(r->t, node, parse_cat(r));
+        node = tdm_ast_alt(r->t, node, parse_cat(r));
     }
     return node;
 }
 
-int32_t regex_to_ast(struct ast *t, const char *src, size_t len, bool in_json_string)
+int32_t tdm_regex_to_ast(struct ast *t, const char *src, size_t len, bool in_json_string)
 {
     struct rx r = {.t = t, .s = src, .n = len};
     if (in_json_string) {
@@ -430,6 +432,6 @@ int32_t regex_to_ast(struct ast *t, const char *src, size_t len, bool in_json_st
     }
     int32_t node = parse_alt(&r);
     if (ast_ok(t) && !at_end(&r))
-        return ast_fail(t, TDM_EINVAL, "regex: unbalanced ')' at offset %zu", r.i);
+        return tdm_ast_fail(t, TDM_EINVAL, "regex: unbalanced ')' at offset %zu", r.i);
     return node;
 }

@@ -603,7 +603,9 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         uint64_t http[6];
         for (int i = 0; i < 6; i++)
             http[i] = atomic_load(&s->http[i]);
-        char *text = tdm_metrics_render(&m, http, s->model_name);
+        struct api_grammar_metrics gm = {.on = s->api.gvocab != NULL};
+        if (gm.on) tdm_gvocab_cache_stats(s->api.gvocab, &gm.entries, &gm.hits, &gm.misses);
+        char *text = tdm_metrics_render(&m, &gm, http, s->model_name);
         if (text && s->extra_metrics) {
             char *more = s->extra_metrics(s->extra_metrics_ctx);
             char *both = NULL;

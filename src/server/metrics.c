@@ -64,7 +64,8 @@ static void scalar(struct tdm_sbuf *b, const char *name, const char *type, const
     tdm_prom_scalar(b, name, type, help, labels, v);
 }
 
-char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint64_t *http_by_class,
+char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m,
+                         const struct api_grammar_metrics *gm, const uint64_t *http_by_class,
                          const char *model_name)
 {
     struct tdm_sbuf b = {0};
@@ -146,6 +147,15 @@ char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint6
         scalar(&b, "tandem_prefix_cache_evicted_pages_total", "counter",
                "Pages evicted from the prefix cache to make room.", lab,
                (double)m->prefix.evicted_pages);
+    }
+    if (gm && gm->on) {
+        scalar(&b, "tandem_grammar_cache_entries", "gauge",
+               "Compiled structured-output grammars kept (schemas, regexes, ...).", lab,
+               (double)gm->entries);
+        scalar(&b, "tandem_grammar_cache_hits_total", "counter",
+               "Requests whose grammar was found compiled.", lab, (double)gm->hits);
+        scalar(&b, "tandem_grammar_cache_misses_total", "counter",
+               "Requests whose grammar was compiled for them.", lab, (double)gm->misses);
     }
     tdm_sbuf_printf(&b, "# HELP tandem_requests_finished_total Requests finished, by reason.\n"
                         "# TYPE tandem_requests_finished_total counter\n");

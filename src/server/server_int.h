@@ -187,7 +187,14 @@ char *tdm_api_detokenize(const struct api_ctx *c, const char *body, size_t len,
 char *tdm_utf8_sanitize(const char *s, size_t n, size_t *out_len);
 
 /* Prometheus text exposition of a metrics snapshot, plus HTTP status counters. */
-char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m, const uint64_t *http_by_class,
+/* The structured-output grammar cache's counters (tdm_gvocab_cache_stats); on: it exists */
+struct api_grammar_metrics {
+    bool on;
+    int entries;
+    uint64_t hits, misses;
+};
+char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m,
+                         const struct api_grammar_metrics *gm, const uint64_t *http_by_class,
                          const char *model_name);
 
 #endif

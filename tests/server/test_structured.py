@@ -134,15 +134,33 @@ def test_grammar_with_logprobs_and_bias(server):
     assert all(x <= 0 for x in lp)
 
 
+def grammar_counters(server):
+    from lib.rawhttp import raw_http
+    st, _, raw = raw_http(server.port, "GET", "/metrics", b"")
+    assert st == 200
+    got = {}
+    for ln in raw.decode().splitlines():
+        for k in ("tandem_grammar_cache_hits_total", "tandem_grammar_cache_misses_total"):
+            if ln.startswith(k + "{"):
+                got[k] = float(ln.rsplit(" ", 1)[1])
+    return got
+
+
 def test_pool_and_cache_after_many(server):
-    """the same schema many times compiles once (the cache), and nothing leaks (the fixture
-    checks the pool is back at baseline after each test)"""
-    for i in range(3 if SANITIZED else 6):
+    """the same schema many times compiles once (the cache: one miss, then hits), and nothing
+    leaks (the fixture checks the pool is back at baseline after each test)"""
+    before = grammar_counters(server)
+    n = 3 if SANITIZED else 6
+    for i in range(n):
         st, body = server.post("/v1/completions", {
             "prompt": f"Item {i}:", "response_format": rf("tuple"), "max_tokens": 60,
             "temperature": 1.0, "seed": i})
         assert st == 200, body
         validate("tuple", body["choices"][0]["text"])
+    after = grammar_counters(server)
+    hits = after["tandem_grammar_cache_hits_total"] - before["tandem_grammar_cache_hits_total"]
+    misses = after["tandem_grammar_cache_misses_total"] - before["tandem_grammar_cache_misses_total"]
+    assert hits + misses == n and misses <= 1  # compiled at most once (an earlier test may have)
 
 
 # ---- speculation under a grammar: the same tokens as without it ----

@@ -142,10 +142,10 @@ def check_calls(calls, allowed):
 
 
 def test_required_calls_follow_the_schemas(client):
-    for seed in range(2 if SANITIZED else 4):
+    for seed in range(1 if SANITIZED else 2):
         r = client.chat.completions.create(
             model="smol", messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
-            tools=TOOLS, tool_choice="required", temperature=0.9, seed=seed, max_tokens=200)
+            tools=TOOLS, tool_choice="required", temperature=0.9, seed=seed, max_tokens=120)
         ch = r.choices[0]
         # parallel calls may run into max_tokens; every call that closed is valid
         assert ch.finish_reason in ("tool_calls", "length"), ch
