@@ -373,6 +373,11 @@ struct tdm_sched_draft {
     int n_pages;
     struct tdm_sampler *smp; /* its sampler: draws keyed like the target's (a drafter that
                               * accepts into it must unaccept before returning) */
+    /* structured output: the request's grammar and its state after the committed tokens (NULL:
+     * none). A chain drafter's row at depth j takes the mask of the state after its drafts
+     * 0..j-1 (tdm_spec_set_row), so it proposes only what the target may accept. */
+    tdm_grammar_t *grammar;
+    int32_t gstate;
     struct tdm_draft_stats *stats;
     void *state;  /* the drafter's own state for this request (state_bytes), or NULL */
     int k;        /* in: the most it may propose (its cap, the budget, the context); the drafter

@@ -619,6 +619,8 @@ bool tdm_sched_plan_build(struct tdm_sched *s)
                                          .pages = r->kv.pages,
                                          .n_pages = r->kv.n_pages,
                                          .smp = &r->smp,
+                                         .grammar = r->grammar,
+                                         .gstate = r->gstate,
                                          .stats = &r->draft_stats,
                                          .state = r->dstate,
                                          .k = k,

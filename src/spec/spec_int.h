@@ -55,12 +55,19 @@ struct tdm_spec_draws {
     int vocab;
     bool rejection, one_hot;
 };
-/* Pass entry p's row: request x (index i) choosing position pos, draft depth j. */
+/* Pass entry p's row: request x (index i) choosing position pos, draft depth j. Under a
+ * grammar the row is masked as the target's row for it will be: at the state after drafts
+ * 0..j-1 (a mask lost to memory leaves the draft free; the target's row still checks it). */
 static inline void tdm_spec_set_row(const struct tdm_spec_draws *w, struct tdm_sched_draft *x,
                                     int i, int j, int p, uint32_t pos)
 {
     float *dist = w->rejection ? w->q + ((size_t)i * TDM_SPEC_MAX_K + (size_t)j) * w->vocab : NULL;
     tdm_spec_draft_row(&w->rows[p], x, pos, dist, w->one_hot);
+    if (!x->grammar) return;
+    int32_t st = x->gstate;
+    for (int d = 0; d < j && st >= 0; d++)
+        st = tdm_grammar_next(x->grammar, st, x->out[d]);
+    if (st >= 0) w->rows[p].allow = tdm_grammar_mask(x->grammar, st);
 }
 /* Request i's draft from its row (pass entry p): the row's token, drawn by its sampling
  * (exact: the request's draw; rejection: PROPOSE, which also left q in place). */
