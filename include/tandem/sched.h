@@ -375,7 +375,8 @@ struct tdm_sched_draft {
                               * accepts into it must unaccept before returning) */
     /* structured output: the request's grammar and its state after the committed tokens (NULL:
      * none). A chain drafter's row at depth j takes the mask of the state after its drafts
-     * 0..j-1 (tdm_spec_set_row), so it proposes only what the target may accept. */
+     * 0..j-1 (tdm_spec_set_row), and a tree drafter keeps only the children the grammar allows
+     * after their parent's path, so drafts are only what the target may accept. */
     tdm_grammar_t *grammar;
     int32_t gstate;
     struct tdm_draft_stats *stats;

@@ -61,6 +61,7 @@ struct node {
     int16_t head;   /* its node in the head's tree once expanded; -1 */
     int16_t frow;   /* its row in its depth's frontier (where its head feature is) */
     int16_t out;    /* its index in the proposal once kept; -1 */
+    int32_t gst;    /* structured output: the grammar's state after its path (unused without) */
 };
 
 struct ereq {           /* one request's step */
@@ -112,23 +113,28 @@ static void top_row(struct eagle_drafter *ed, struct tdm_sample_row *row)
         .smp = &ed->greedy, .n_top = ed->topk, .mode = TDM_SAMPLE_DRAW, .token = -1};
 }
 
-/* The children of node `parent` (-1: the root) from a row's top tokens. */
+/* The children of node `parent` (-1: the root) from a row's top tokens; under a grammar, only
+ * those it allows after the parent's path (the target would refuse the others). */
 static void add_children(struct eagle_drafter *ed, struct ereq *q, int parent,
-                         const struct tdm_sample_row *row)
+                         const struct tdm_sample_row *row, const struct tdm_sched_draft *x)
 {
     const float base = parent < 0 ? 0.0f : q->nodes[parent].cum;
     const int depth = parent < 0 ? 1 : q->nodes[parent].depth + 1;
+    const int32_t pst = parent < 0 ? x->gstate : q->nodes[parent].gst;
     for (int c = 0; c < ed->topk && q->n_nodes < ed->cap_nodes; c++) {
         const float lp = row->top_lps[c];
         const int32_t t = row->top_ids[c];
         if (!isfinite(lp) || t < 0 || t >= ed->vocab) continue; /* outside a reduced vocab */
+        const int32_t gst = x->grammar ? tdm_grammar_next(x->grammar, pst, t) : 0;
+        if (gst < 0) continue;
         q->nodes[q->n_nodes++] = (struct node){.token = t,
                                                .parent = (int16_t)parent,
                                                .depth = (int16_t)depth,
                                                .cum = base + lp,
                                                .head = -1,
                                                .frow = -1,
-                                               .out = -1};
+                                               .out = -1,
+                                               .gst = gst};
     }
 }
 
@@ -186,9 +192,8 @@ static void root_take(void *ctx, struct tdm_sched_draft *x, int i, const struct 
 {
     struct eagle_drafter *ed = ctx;
     struct ereq *q = &ed->req[i];
-    (void)x;
     q->live = true;
-    add_children(ed, q, -1, row);
+    add_children(ed, q, -1, row, x);
     memcpy(q->g_root, g, (size_t)ed->d * sizeof(float));
 }
 
@@ -267,8 +272,9 @@ static bool expand(struct eagle_drafter *ed, struct tdm_spec *sp, struct tdm_sch
         for (int r = 0; r < t;) {
             struct ereq *q = &ed->req[ed->row_req[r]];
             memcpy(q->feat[j & 1], ed->fout + (size_t)r * ed->d, (size_t)q->n_front * row_bytes);
+            const struct tdm_sched_draft *x = &d[ed->row_req[r]];
             for (int f = 0; f < q->n_front; f++, r++)
-                add_children(ed, q, q->front[f], &ed->rows[r]);
+                add_children(ed, q, q->front[f], &ed->rows[r], x);
         }
     }
     return true;
