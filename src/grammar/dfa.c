@@ -375,7 +375,7 @@ static tdm_status grammar_new(tdm_gvocab_t *v, enum tdm_grammar_kind kind, const
         root = tdm_schema_to_ast(&t, src, len);
         break;
     case TDM_GRAMMAR_JSON_OBJECT:
-        root = tdm_json_value_ast(&t, TDM_GRAMMAR_MAX_DEPTH, true);
+        root = tdm_json_object_ast(&t);
         break;
     case TDM_GRAMMAR_CHOICE:
         root = tdm_choice_to_ast(&t, src, len);

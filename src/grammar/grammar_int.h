@@ -119,7 +119,7 @@ void tdm_nfa_free(struct nfa *n);
  * every set, so the language fits inside a JSON string unescaped. */
 int32_t tdm_regex_to_ast(struct ast *t, const char *src, size_t len, bool in_json_string);
 int32_t tdm_schema_to_ast(struct ast *t, const char *src, size_t len);
-int32_t tdm_json_value_ast(struct ast *t, int depth, bool object_only);
+int32_t tdm_json_object_ast(struct ast *t); /* any JSON object, nesting unrolled */
 int32_t tdm_choice_to_ast(struct ast *t, const char *src, size_t len);
 int32_t tdm_gbnf_to_ast(struct ast *t, const char *src, size_t len);
 int32_t tdm_tool_calls_to_ast(struct ast *t, const char *src, size_t len);

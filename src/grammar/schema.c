@@ -657,13 +657,11 @@ int32_t tdm_schema_to_ast(struct ast *t, const char *src, size_t len)
     return r;
 }
 
-int32_t tdm_json_value_ast(struct ast *t, int depth, bool object_only)
+int32_t tdm_json_object_ast(struct ast *t)
 {
     struct sc c;
     sc_init(&c, t);
-    c.depth = TDM_GRAMMAR_MAX_DEPTH - depth;
-    if (!object_only) return any_value(&c);
-    c.depth++;
+    c.depth = 1; /* the object's own level */
     int32_t v = any_value(&c);
     int32_t kv = tdm_ast_cat(t, any_string(&c, 0, -1), tdm_ast_cat(t, c.colon, v));
     return open_close(&c, "{", tdm_ast_list(t, kv, c.sep, 0), "}");

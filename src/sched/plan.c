@@ -335,8 +335,8 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
             sr->n_top = r->p_top;
             continue;
         }
-        const int d = i - n_score; /* the sampling rows: the target's, then one per draft */
-        if (r->grammar) {
+        const int d = i - n_score;    /* the sampling rows: the target's, then one per draft */
+        if (r->grammar && !r->tree) { /* a tree's rows: plan_tree, by path */
             /* row d chooses after drafts 0..d-1; past a draft the grammar refuses, the rows
              * are never reached and keep the last live mask */
             s->srows[row].allow = grammar_mask(s, r, gst);

@@ -750,6 +750,11 @@ static bool parse_logit_bias(const struct api_ctx *c, json_t *v, struct api_req 
     return true;
 }
 
+/* The request fields that carry a constraint (parse_structured reads them) */
+static const char *const STRUCTURED_FIELDS[] = {
+    "response_format",    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "structured_outputs", "regex",       "json_schema",  "grammar"};
+
 /* ---- structured output ----
  * A request carries at most one constraint, in any of the spellings clients use:
  *   response_format {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
@@ -1205,16 +1210,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                                           "logit_bias",
                                           "suffix",
                                           "skip_special_tokens",
-                                          "spec_k",
-                                          "response_format",
-                                          "guided_json",
-                                          "guided_regex",
-                                          "guided_choice",
-                                          "guided_grammar",
-                                          "structured_outputs",
-                                          "regex",
-                                          "json_schema",
-                                          "grammar"};
+                                          "spec_k"};
     static const char *const known_chat[] = {"model",
                                              "messages",
                                              "max_tokens",
@@ -1238,7 +1234,6 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                                              "user",
                                              "n",
                                              "logit_bias",
-                                             "response_format",
                                              "tools",
                                              "tool_choice",
                                              "functions",
@@ -1252,15 +1247,7 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
                                              "prediction",
                                              "reasoning_effort",
                                              "skip_special_tokens",
-                                             "spec_k",
-                                             "guided_json",
-                                             "guided_regex",
-                                             "guided_choice",
-                                             "guided_grammar",
-                                             "structured_outputs",
-                                             "regex",
-                                             "json_schema",
-                                             "grammar"};
+                                             "spec_k"};
     const char *const *known = chat ? known_chat : known_c;
     size_t n_known =
         chat ? sizeof known_chat / sizeof *known_chat : sizeof known_c / sizeof *known_c;
@@ -1271,6 +1258,8 @@ bool tdm_api_parse(const struct api_ctx *c, bool chat, const char *body, size_t 
         bool found = false;
         for (size_t i = 0; i < n_known && !found; i++)
             found = !strcmp(key, known[i]);
+        for (size_t i = 0; i < sizeof STRUCTURED_FIELDS / sizeof *STRUCTURED_FIELDS && !found; i++)
+            found = !strcmp(key, STRUCTURED_FIELDS[i]); /* both routes take these */
         if (!found) {
             tdm_api_err_set(err, 400, key, "unknown field '%s'", key);
             goto out;
