@@ -67,9 +67,11 @@ struct tdm_step {
  * and a tree costs what a chain of as many tokens costs. */
 
 /* One layer of the paged KV pool (kv.h), HND: [n_pages][2][n_kv_heads][page_size][head_dim]
- * fp32, K then V. */
+ * elements of dtype (f32, bf16 or f16), K then V. Ops compute in fp32: rope_kv_append rounds
+ * to dtype as it stores (round to nearest even), attention and kv_copy read dtype. */
 struct tdm_kv_layer {
-    float *base;
+    void *base;
+    enum tdm_dtype dtype;
     int n_kv_heads;
     int head_dim;
     int page_size;
@@ -172,12 +174,12 @@ struct tdm_backend_i {
     void (*scatter_cols)(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
                          int width, float *out);
     /* Copies the K and V rows of n slots (every KV head) in n_layers layers of one region:
-     * layer l starts at kv->base + l * layer_floats, and slot dst[i] gets what slot src[i]
-     * holds, the pairs applied in order (a later pair may overwrite an earlier one's source,
+     * layer l starts layer_bytes after layer l - 1 (at kv->base), and slot dst[i] gets what slot
+     * src[i] holds, the pairs applied in order (a later pair may overwrite an earlier one's source,
      * or read what an earlier one wrote). src, dst: host arrays (a tree's accepted path moved
      * into its positions, kv.h). */
     void (*kv_copy)(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
-                    size_t layer_floats, const int32_t *src, const int32_t *dst, int n);
+                    size_t layer_bytes, const int32_t *src, const int32_t *dst, int n);
     /* Publishes "layer `layer` has finished its attention output projection" (DESIGN.md
      * §1.1): stores layer + 1 into *counter once the work before it has completed. */
     void (*layer_done)(tdm_backend_t *b, int layer, _Atomic int32_t *counter);
@@ -243,9 +245,9 @@ enum tdm_backend_kind { TDM_BACKEND_CPU = 0, TDM_BACKEND_CUDA = 1 };
 /* ---- the CUDA backend (src/backend/cuda; DESIGN.md §8 and that folder's files) ----
  * Weights are bf16 on the device (quantised GGUF weights are dequantised at load; vectors stay
  * fp32); GEMMs run through cuBLASLt with bf16 operands and fp32 accumulation and output, the
- * fp32 activations being rounded to bf16 on the way in. Activations and the KV cache are fp32.
- * Decode steps run as CUDA graphs, one per batch-size bucket. Logit rows are sampled on the
- * device (the `sample` hook: vocabularies up to 2^18 tokens), so only tokens and
+ * fp32 activations being rounded to bf16 on the way in. Activations are fp32; the KV cache is bf16
+ * by default (--kv-dtype). Decode steps run as CUDA graphs, one per batch-size bucket. Logit rows
+ * are sampled on the device (the `sample` hook: vocabularies up to 2^18 tokens), so only tokens and
  * log-probabilities come back to the host. Not batch-invariant: cuBLASLt
  * picks its algorithm by shape, so a row's logits may differ in the last bits between batch
  * sizes. A CUDA error inside an op (which cannot return one) is fatal: logged, then abort().

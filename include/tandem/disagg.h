@@ -184,6 +184,7 @@ struct tdm_disagg_prefill_msg {
     uint32_t slot, epoch;
     uint32_t n_tokens, chunk;
     uint32_t n_layers, n_kv_heads, head_dim, page_size, elem_bytes;
+    uint32_t kv_dtype; /* enum tdm_dtype: f32, bf16 or f16 (elem_bytes its size) */
     uint32_t kv_head_begin, kv_head_end; /* the decoder's head range */
     uint64_t dst_layer_stride;           /* bytes between layers in the decoder's pool */
     struct tdm_xfer_rmem kv, ctx;

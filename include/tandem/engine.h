@@ -36,6 +36,12 @@ extern "C" {
 
 typedef struct tdm_engine tdm_engine_t;
 
+/* The KV pool's element type (tdm_engine_opts.kv_dtype). AUTO: bf16 on CUDA, f32 on the CPU
+ * (which keeps the CPU's fidelity to the fp32 reference). */
+enum tdm_kv_dtype { TDM_KV_DTYPE_AUTO = 0, TDM_KV_DTYPE_F32, TDM_KV_DTYPE_BF16, TDM_KV_DTYPE_F16 };
+/* "auto", "f32", "bf16", "f16" to the enum; false for anything else. */
+bool tdm_kv_dtype_parse(const char *s, enum tdm_kv_dtype *out);
+
 struct tdm_engine_opts {
     int n_threads;        /* CPU threads; <= 0: one per core */
     bool batch_invariant; /* see backend.h */
@@ -46,6 +52,7 @@ struct tdm_engine_opts {
     int max_batch_tokens; /* tokens per forward call; 0: 512 */
     int max_logit_rows;   /* logit rows per forward call; 0: max(max_seqs, 64) */
     int max_seqs;         /* sequences per forward call; 0: 64 */
+    int kv_dtype;         /* enum tdm_kv_dtype; a borrowed pool (kv_shared) keeps its own */
     /* The forward pass stores layer+1 in the engine's layer counter after each layer's
      * attention output projection (DESIGN.md §1.1), and 0 when a forward call begins. Off by
      * default: on a GPU each store is one more kernel per layer. */

@@ -2,9 +2,11 @@
  * tandem kv: the paged KV cache pool (DESIGN.md §3).
  *
  * Memory: one backend buffer per pool holding every layer's region,
- *   [n_layers][n_pages][2][n_kv_heads][page_size][head_dim] of the pool's element type (fp32
- *   today), HND, K then V, where the backend keeps its buffers (tdm_kv_pool_geometry says
- *   where, and gives the strides).
+ *   [n_layers][n_pages][2][n_kv_heads][page_size][head_dim] of the pool's element type (f32,
+ *   bf16 or f16: --kv-dtype), HND, K then V, where the backend keeps its buffers
+ *   (tdm_kv_pool_geometry says where, and gives the strides). The backends compute in fp32:
+ *   rope_kv_append rounds K and V to the element type as it stores them (round to nearest
+ *   even), and attention widens them back as it reads them, exactly.
  * A page id names the same page in every layer, so a sequence has one page table for all layers
  * (and every layer group: a draft model's layers have a region of their own geometry, and the
  * same page ids, so speculation shares the allocator and the page tables).
@@ -60,9 +62,11 @@ struct tdm_kv_config {
      * group 0's; tdm_kv_pool_geometry describes group 0. */
     int n_extra;
     struct tdm_kv_group extra[TDM_KV_MAX_EXTRA_GROUPS];
-    enum tdm_dtype dtype; /* element type; TDM_DTYPE_F32 (0) is the one the backends compute in
-                           * today: a pool of another type is refused at creation */
+    enum tdm_dtype dtype; /* element type: TDM_DTYPE_F32 (0), TDM_DTYPE_BF16 or TDM_DTYPE_F16;
+                           * another is refused at creation */
 };
+/* Whether t is an element type a KV pool takes (f32, bf16, f16). */
+bool tdm_kv_dtype_ok(enum tdm_dtype t);
 
 /* The pool's memory as transfers see it: where it is, its element type, and the HND strides.
  * Layer l's pages start at base + l * layer_bytes, page p of a layer at p * page_bytes; in a

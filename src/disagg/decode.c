@@ -422,6 +422,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
                                          .head_dim = (uint32_t)d->head_dim,
                                          .page_size = (uint32_t)d->page_size,
                                          .elem_bytes = (uint32_t)d->ep.kv.elem_bytes,
+                                         .kv_dtype = (uint32_t)d->ep.kv.dtype,
                                          .kv_head_begin = 0,
                                          .kv_head_end = (uint32_t)d->n_kv_heads,
                                          .dst_layer_stride = d->ep.kv.layer_bytes,

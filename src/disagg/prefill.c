@@ -462,9 +462,13 @@ static tdm_status validate(struct tdm_disagg_prefill *p, const struct tdm_disagg
                  p->head_dim, p->page_size);
         return TDM_EINVAL;
     }
-    if (m->elem_bytes != p->ep.kv.elem_bytes) {
-        snprintf(why, cap, "KV elements differ (decoder: %u bytes; here: %zu)", m->elem_bytes,
-                 p->ep.kv.elem_bytes);
+    if (m->kv_dtype != (uint32_t)p->ep.kv.dtype || m->elem_bytes != p->ep.kv.elem_bytes) {
+        snprintf(why, cap,
+                 "KV element types differ (decoder: %s, %u bytes; here: %s, %zu bytes; give "
+                 "both nodes the same --kv-dtype)",
+                 tdm_dtype_known((int)m->kv_dtype) ? tdm_dtype_name((enum tdm_dtype)m->kv_dtype)
+                                                   : "unknown",
+                 m->elem_bytes, tdm_dtype_name(p->ep.kv.dtype), p->ep.kv.elem_bytes);
         return TDM_EINVAL;
     }
     if (m->kv_head_begin != 0 || m->kv_head_end != m->n_kv_heads) {

@@ -6,7 +6,8 @@
  *   header: "TDMD" u8 version(1) u8 type u16 reserved
  *   PREFILL: u64 req_id, u32 slot, epoch, n_tokens, chunk, n_layers, n_kv_heads, head_dim,
  *            page_size, elem_bytes, kv_head_begin, kv_head_end, d_model, vocab, n_pages,
- *            u32 reserved, u8 want_logits, u8 flags, u8[2] pad, u64 dst_layer_stride,
+ *            kv_dtype (GGML's type id: 0 f32, 30 bf16, 1 f16; this was a reserved 0 before 2-byte
+ *            pools, and f32 is still 0), u8 want_logits, u8 flags, u8[2] pad, u64 dst_layer_stride,
  *            ctx_offset, rmem kv[96], rmem ctx[96],
  *            [flags & HEAD: u64 head_fingerprint, u32 head_n_layers, head_n_heads,
  *             head_n_kv_heads, head_head_dim, head_d_ff, u32 reserved,
@@ -111,7 +112,7 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
                               f->vocab,      f->n_pages};
         for (size_t i = 0; i < sizeof u / sizeof *u; i++, p += 4)
             put32(p, u[i]);
-        put32(p, 0); /* the 15th u32 slot is reserved */
+        put32(p, f->kv_dtype);
         p += 4;
         p[0] = f->want_logits;
         p[1] = f->want_head ? FLAG_HEAD : 0;
@@ -216,8 +217,9 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
     f->d_model = u[11];
     f->vocab = u[12];
     f->n_pages = u[13];
+    f->kv_dtype = u[14];
     f->want_logits = p[0];
-    if (u[14] || (p[1] & ~FLAG_HEAD) || p[2] || p[3] || f->want_logits > 1)
+    if ((p[1] & ~FLAG_HEAD) || p[2] || p[3] || f->want_logits > 1)
         return tdm_err_set(TDM_EFORMAT, "disagg: reserved bytes set in a prefill request");
     f->want_head = (p[1] & FLAG_HEAD) != 0;
     p += 4;
@@ -266,7 +268,11 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
                            "this node's limits (%u / %u)",
                            f->n_tokens, f->n_pages, tokens_cap, pages_cap);
     if (!f->page_size || !f->chunk || f->chunk % f->page_size || !f->n_layers || !f->n_kv_heads ||
-        !f->head_dim || (f->elem_bytes != 2 && f->elem_bytes != 4) ||
+        !f->head_dim ||
+        !(f->kv_dtype == TDM_DTYPE_F32
+              ? f->elem_bytes == 4
+              : (f->kv_dtype == TDM_DTYPE_BF16 || f->kv_dtype == TDM_DTYPE_F16) &&
+                    f->elem_bytes == 2) ||
         f->kv_head_begin >= f->kv_head_end || f->kv_head_end > f->n_kv_heads)
         return tdm_err_set(TDM_EFORMAT, "disagg: inconsistent geometry in a prefill request");
     if (f->n_pages != (f->n_tokens + f->page_size - 1) / f->page_size)

@@ -236,6 +236,32 @@ static size_t co_model_bytes(tdm_backend_t *b, const struct tdm_model *m, size_t
     return bytes;
 }
 
+bool tdm_kv_dtype_parse(const char *s, enum tdm_kv_dtype *out)
+{
+    static const char *const names[] = {"auto", "f32", "bf16", "f16"};
+    for (int i = 0; i < 4; i++)
+        if (s && !strcmp(s, names[i])) {
+            *out = (enum tdm_kv_dtype)i;
+            return true;
+        }
+    return false;
+}
+
+/* The pool's element type for these options on this backend. */
+static enum tdm_dtype kv_elem_type(int kv_dtype, const tdm_backend_t *b)
+{
+    switch (kv_dtype) {
+    case TDM_KV_DTYPE_F32:
+        return TDM_DTYPE_F32;
+    case TDM_KV_DTYPE_BF16:
+        return TDM_DTYPE_BF16;
+    case TDM_KV_DTYPE_F16:
+        return TDM_DTYPE_F16;
+    default:
+        return tdm_backend_is_cuda(b) ? TDM_DTYPE_BF16 : TDM_DTYPE_F32;
+    }
+}
+
 void tdm_engine_fill_defaults(const struct tdm_model_config *cfg, struct tdm_engine_opts *o)
 {
     if (o->page_size <= 0) o->page_size = DEFAULT_PAGE_SIZE;
@@ -260,6 +286,10 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     if (c->head_dim <= 0 || c->head_dim % 2 || c->head_dim > TDM_MAX_HEAD_DIM) {
         st = tdm_err_set(TDM_EUNSUPPORTED, "engine: head_dim %d (must be even, at most %d)",
                          c->head_dim, TDM_MAX_HEAD_DIM);
+        goto out_free;
+    }
+    if (o->kv_dtype < TDM_KV_DTYPE_AUTO || o->kv_dtype > TDM_KV_DTYPE_F16) {
+        st = tdm_err_set(TDM_EINVAL, "engine: unknown KV element type %d", o->kv_dtype);
         goto out_free;
     }
     if (o->page_size > 1024 || o->max_batch_tokens > (1 << 20) || o->max_seqs > (1 << 16) ||
@@ -397,7 +427,8 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
                                .head_dim = c->head_dim,
                                .page_size = o->page_size,
                                .n_pages = o->kv_pages,
-                               .n_extra = o->n_kv_extra};
+                               .n_extra = o->n_kv_extra,
+                               .dtype = kv_elem_type(o->kv_dtype, e->backend)};
     if (o->n_kv_extra < 0 || o->n_kv_extra > TDM_KV_MAX_EXTRA_GROUPS) {
         st = tdm_err_set(TDM_EINVAL, "engine: %d extra KV layer groups", o->n_kv_extra);
         goto out_scratch;

@@ -27,11 +27,11 @@ struct tdm_kv_pool {
     /* [n_layers][n_pages][2][n_kv_heads][page_size][head_dim]: a typed buffer of the backend
      * (buf), and the view the layers index (mem) */
     struct tdm_buf buf;
-    float *mem;
-    size_t layer_floats;                          /* floats per layer region */
+    uint8_t *mem;
+    size_t layer_bytes;                           /* bytes per layer region */
     struct tdm_buf gbuf[TDM_KV_MAX_EXTRA_GROUPS]; /* the extra groups' regions, laid out alike */
-    float *gmem[TDM_KV_MAX_EXTRA_GROUPS];
-    size_t g_layer_floats[TDM_KV_MAX_EXTRA_GROUPS];
+    uint8_t *gmem[TDM_KV_MAX_EXTRA_GROUPS];
+    size_t g_layer_bytes[TDM_KV_MAX_EXTRA_GROUPS];
     pthread_mutex_t mu;
     int32_t *free_ids; /* [n_pages] stack */
     int64_t n_free;
@@ -48,6 +48,11 @@ struct tdm_kv_pool {
 static bool evictable(const struct tdm_kv_pool *p, int32_t id)
 {
     return p->cached[id] && p->owner_refs[id] == 1 && p->holds[id] == 0;
+}
+
+bool tdm_kv_dtype_ok(enum tdm_dtype t)
+{
+    return t == TDM_DTYPE_F32 || t == TDM_DTYPE_BF16 || t == TDM_DTYPE_F16;
 }
 
 static size_t elem_bytes(enum tdm_dtype t)
@@ -85,19 +90,19 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     if (cfg->n_layers <= 0 || cfg->n_kv_heads <= 0 || cfg->head_dim <= 0 || cfg->page_size <= 0 ||
         cfg->n_pages <= 0)
         return tdm_err_set(TDM_EINVAL, "kv pool: every dimension must be positive");
-    if (cfg->dtype != TDM_DTYPE_F32)
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "kv pool: element type %s is not computed by any backend yet (f32)",
+    if (!tdm_kv_dtype_ok(cfg->dtype))
+        return tdm_err_set(TDM_EUNSUPPORTED, "kv pool: element type %s (f32, bf16 or f16)",
                            tdm_dtype_name(cfg->dtype));
     if (cfg->page_size > TDM_KV_MAX_PAGE_SIZE)
         return tdm_err_set(TDM_ERANGE, "kv pool: page size %d over %d", cfg->page_size,
                            TDM_KV_MAX_PAGE_SIZE);
     if (cfg->n_pages > INT32_MAX / cfg->page_size)
         return tdm_err_set(TDM_ERANGE, "kv pool: %lld pages is too many", (long long)cfg->n_pages);
-    size_t page_floats = tdm_kv_page_bytes(cfg) / sizeof(float);
-    size_t layer_floats = page_floats * (size_t)cfg->n_pages;
-    size_t total_bytes = layer_floats * (size_t)cfg->n_layers * sizeof(float);
-    if (total_bytes / cfg->n_layers / sizeof(float) != layer_floats)
+    size_t page_bytes = tdm_kv_page_bytes(cfg);
+    size_t layer_bytes = page_bytes * (size_t)cfg->n_pages;
+    size_t total_bytes = layer_bytes * (size_t)cfg->n_layers;
+    if (layer_bytes / (size_t)cfg->n_pages != page_bytes ||
+        total_bytes / (size_t)cfg->n_layers != layer_bytes)
         return tdm_err_set(TDM_ERANGE, "kv pool: size overflows");
     if (cfg->n_extra < 0 || cfg->n_extra > TDM_KV_MAX_EXTRA_GROUPS)
         return tdm_err_set(TDM_EINVAL, "kv pool: %d extra layer groups (at most %d)", cfg->n_extra,
@@ -113,7 +118,7 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     if (!p) return tdm_err_set(TDM_ENOMEM, "kv pool: out of memory");
     p->cfg = *cfg;
     p->backend = backend;
-    p->layer_floats = layer_floats;
+    p->layer_bytes = layer_bytes;
     p->free_ids = malloc((size_t)cfg->n_pages * sizeof *p->free_ids);
     p->owner_refs = calloc((size_t)cfg->n_pages, sizeof *p->owner_refs);
     p->holds = calloc((size_t)cfg->n_pages, sizeof *p->holds);
@@ -124,8 +129,8 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     p->mem = p->buf.ptr;
     for (int g = 0; g < cfg->n_extra; g++) {
         const struct tdm_kv_group *x = &cfg->extra[g];
-        p->g_layer_floats[g] = group_page_bytes(cfg, x) / sizeof(float) * (size_t)cfg->n_pages;
-        size_t bytes = p->g_layer_floats[g] * (size_t)x->n_layers * sizeof(float);
+        p->g_layer_bytes[g] = group_page_bytes(cfg, x) * (size_t)cfg->n_pages;
+        size_t bytes = p->g_layer_bytes[g] * (size_t)x->n_layers;
         if (tdm_backend_buf_new(backend, bytes, "a KV layer group", &p->gbuf[g]) != TDM_OK) {
             for (int h = 0; h < g; h++)
                 tdm_backend_buf_release(backend, &p->gbuf[h]);
@@ -190,7 +195,8 @@ struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer)
 {
     TDM_ASSERT(layer >= 0 && layer < pool->cfg.n_layers);
     return (struct tdm_kv_layer){
-        .base = pool->mem + (size_t)layer * pool->layer_floats,
+        .base = pool->mem + (size_t)layer * pool->layer_bytes,
+        .dtype = pool->cfg.dtype,
         .n_kv_heads = pool->cfg.n_kv_heads,
         .head_dim = pool->cfg.head_dim,
         .page_size = pool->cfg.page_size,
@@ -205,7 +211,8 @@ struct tdm_kv_layer tdm_kv_pool_group_layer(const tdm_kv_pool_t *pool, int group
     const struct tdm_kv_group *x = &pool->cfg.extra[group - 1];
     TDM_ASSERT(layer >= 0 && layer < x->n_layers);
     return (struct tdm_kv_layer){
-        .base = pool->gmem[group - 1] + (size_t)layer * pool->g_layer_floats[group - 1],
+        .base = pool->gmem[group - 1] + (size_t)layer * pool->g_layer_bytes[group - 1],
+        .dtype = pool->cfg.dtype,
         .n_kv_heads = x->n_kv_heads,
         .head_dim = x->head_dim,
         .page_size = pool->cfg.page_size,
@@ -237,8 +244,8 @@ void tdm_kv_pool_copy_slots(tdm_kv_pool_t *pool, const int32_t *src, const int32
     for (int g = 0; g <= pool->cfg.n_extra; g++) {
         struct tdm_kv_layer l0 = tdm_kv_pool_group_layer(pool, g, 0);
         int n_layers = g ? pool->cfg.extra[g - 1].n_layers : pool->cfg.n_layers;
-        size_t layer_floats = g ? pool->g_layer_floats[g - 1] : pool->layer_floats;
-        ops->kv_copy(pool->backend, &l0, n_layers, layer_floats, src, dst, n);
+        size_t layer_bytes = g ? pool->g_layer_bytes[g - 1] : pool->layer_bytes;
+        ops->kv_copy(pool->backend, &l0, n_layers, layer_bytes, src, dst, n);
     }
 }
 

@@ -157,7 +157,8 @@ static void gpu_usage(FILE *f)
 {
     fprintf(f, "usage: tandem bench model --backend cuda [--shape llama-3.1-8b|llama-3.2-1b | "
                "--model PATH] [--prompt-len N] [--gen N] [--context N]\n"
-               "       [--gpu-memory-fraction F] [--no-graphs] [--batches 1,8,64,256]\n");
+               "       [--gpu-memory-fraction F] [--no-graphs] [--batches 1,8,64,256]\n"
+               "       [--kv-dtype f32|bf16|f16]\n");
 }
 
 int tdm_cmd_bench_model_cuda(int argc, char **argv)
@@ -167,6 +168,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     double frac = 0.9;
     bool no_graphs = false;
     int backend_kind = TDM_BACKEND_CUDA; /* why we are here */
+    int kv_dtype = TDM_KV_DTYPE_AUTO;
     g_batches.n = 4;
     const struct tdm_opt own[] = {
         TDM_OPT_S("model", &model_path),
@@ -178,6 +180,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         TDM_OPT_F("gpu-memory-fraction", &frac, 0.05, 1.0),
         TDM_OPT_B("no-graphs", &no_graphs),
         TDM_OPT_P("batches", opt_batches, &g_batches),
+        TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &kv_dtype),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {own, NULL};
@@ -230,6 +233,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
                                  .max_seqs = max_b,
                                  .max_logit_rows = max_b,
                                  .max_batch_tokens = (int)TDM_MAX(prompt_len, max_b),
+                                 .kv_dtype = kv_dtype,
                                  .backend = b};
     if (ctx_needed > cf->max_ctx && !random) {
         fprintf(stderr, "tandem: the benchmark needs %lld positions, the model has %d\n",
@@ -252,15 +256,16 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         tdm_tool_fail("roofline");
         goto out;
     }
-    const double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * sizeof(float);
+    const struct tdm_kv_geometry kg = tdm_kv_pool_geometry(tdm_engine_kv(e));
+    const double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * kg.elem_bytes;
     printf("tandem bench model --backend cuda: %s%s\n", random ? sh->name : m->path,
            random ? " shape, random bf16 weights made on the device" : "");
     printf("  device: %s, %.1f GiB; graphs %s\n", dev_name, dev_mem / 1073741824.0,
            no_graphs ? "off" : "on");
     printf("  copy bandwidth (cudaMemcpy D2D, read + written): %.0f GB/s\n", copy_bw / 1e9);
     printf("  bf16 GEMM peak (cuBLASLt, 8192^3, fp32 accumulate): %.0f TFLOP/s\n", gemm / 1e12);
-    printf("  weights read per decode step: %.2f GB; KV (fp32) %.0f KiB per position\n",
-           step_weight_bytes(m, 1) / 1e9, kv_per_pos / 1024);
+    printf("  weights read per decode step: %.2f GB; KV (%s) %.0f KiB per position\n",
+           step_weight_bytes(m, 1) / 1e9, tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
 
     /* ---- prefill: one prompt of prompt_len tokens in one forward call ---- */
     uint64_t rng = 12345;

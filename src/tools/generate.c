@@ -31,6 +31,7 @@ struct gen_opts {
     int64_t max_tokens;
     int64_t threads;
     int backend_kind;
+    int kv_dtype; /* enum tdm_kv_dtype */
     double gpu_frac;
     int64_t page_size;
     int64_t ctx;
@@ -90,7 +91,7 @@ static void usage(FILE *f, bool chat)
         "  --backend cpu|cuda      where the model runs (default: cpu)\n"
         "  --gpu-memory-fraction F CUDA: share of GPU memory to use (default: 0.9)\n"
         "  --batch-invariant       never use OpenBLAS (bit-identical across batch shapes)\n"
-        "  --page-size N           KV page size in tokens (default 16)\n"
+        "  --page-size N           KV page size in tokens (default 16)\n" TDM_TOOL_KV_DTYPE_USAGE
         "  --ctx N                 context length (default: the model's)\n"
         "  --max-batch-tokens N    prefill chunk size (default 512)\n"
         "  --stats                 print timing to stderr\n",
@@ -156,6 +157,7 @@ static int parse_opts(int argc, char **argv, bool chat, struct gen_opts *o)
         TDM_OPT_I("threads", &o->threads, 1, 1024),
         TDM_OPT_B("batch-invariant", &o->batch_invariant),
         TDM_OPT_I("page-size", &o->page_size, 1, 1024),
+        TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &o->kv_dtype),
         TDM_OPT_I("ctx", &o->ctx, 1, 1 << 24),
         TDM_OPT_I("max-batch-tokens", &o->max_batch_tokens, 1, 1 << 16),
         TDM_OPT_B("stats", &o->stats),
@@ -207,6 +209,7 @@ static tdm_status gen_init(struct gen *g, const struct tdm_model *m, struct gen_
         .max_seqs = 1,
         .max_logit_rows = 1 + (o->spec_on ? TDM_SPEC_MAX_K : 0), /* a verified span's rows */
         .backend_kind = o->backend_kind,
+        .kv_dtype = o->kv_dtype,
         .gpu_memory_fraction = o->gpu_frac,
     };
     if (!eo.max_ctx && m->cfg.max_ctx > 0) eo.max_ctx = m->cfg.max_ctx;

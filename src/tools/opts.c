@@ -183,6 +183,17 @@ bool tdm_tool_opt_backend(const char *arg, void *dst)
     return false;
 }
 
+bool tdm_tool_opt_kv_dtype(const char *arg, void *dst)
+{
+    enum tdm_kv_dtype t;
+    if (tdm_kv_dtype_parse(arg, &t) && t != TDM_KV_DTYPE_AUTO) {
+        *(int *)dst = (int)t;
+        return true;
+    }
+    fprintf(stderr, "--kv-dtype: '%s' is not f32, bf16 or f16\n", arg);
+    return false;
+}
+
 /* ---- speculation ---- */
 void tdm_tool_spec_usage(FILE *f)
 {

@@ -38,7 +38,7 @@ static void usage(FILE *f)
         "  --max-waiting N         waiting-queue capacity; beyond it requests get 503 (1024)\n"
         "  --watchdog-ms N         a step running longer stalls the server: its requests fail,\n"
         "                          /health answers 503 until it comes back (60000; 0: off)\n"
-        "  --page-size N           tokens per KV page (default 16)\n"
+        "  --page-size N           tokens per KV page (default 16)\n" TDM_TOOL_KV_DTYPE_USAGE
         "  --kv-pages N            KV pool size in pages, or\n"
         "  --kv-memory SIZE        KV pool size in bytes (suffixes K, M, G, KiB, MiB, GiB)\n"
         "  --max-ctx N             context length (default: the model's)\n"
@@ -241,7 +241,7 @@ int tdm_cmd_serve(int argc, char **argv)
     const char *addr_file = NULL, *fabric_key_file = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
     int64_t watchdog = 60000, http_threads = 4;
-    int backend_kind = TDM_BACKEND_CPU;
+    int backend_kind = TDM_BACKEND_CPU, kv_dtype = TDM_KV_DTYPE_AUTO;
     double gpu_frac = 0.9;
     struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
     tdm_tool_http_table(&h, http);
@@ -258,6 +258,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("watchdog-ms", &watchdog, 0, 86400000),
         TDM_OPT_I("http-threads", &http_threads, 1, 256),
         TDM_OPT_I("page-size", &page, 1, 1024),
+        TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &kv_dtype),
         TDM_OPT_I("kv-pages", &pages, 1, INT32_MAX),
         TDM_OPT_P("kv-memory", opt_kv_memory, &kv_bytes),
         TDM_OPT_I("max-ctx", &ctx, 2, 1 << 24),
@@ -400,6 +401,7 @@ int tdm_cmd_serve(int argc, char **argv)
         .max_ctx = (int)ctx,
         .max_batch_tokens = (int)mbt,
         .max_seqs = (int)seqs,
+        .kv_dtype = kv_dtype,
         /* a verified span has a row per draft, plus one */
         .max_logit_rows =
             spec_on && !is_prefill ? (int)TDM_MIN(mbt, seqs * (1 + TDM_SPEC_AUTO_K)) : (int)seqs,
@@ -450,8 +452,9 @@ int tdm_cmd_serve(int argc, char **argv)
             goto out_sched;
         }
     }
-    if (prefix_caching) { /* salted with the model and the pool's geometry */
-        uint64_t salt = 1469598103934665603ull ^ (uint64_t)page;
+    if (prefix_caching) { /* salted with the model and the pool's geometry and element type */
+        uint64_t salt = 1469598103934665603ull ^ (uint64_t)page ^
+                        ((uint64_t)tdm_kv_pool_config(tdm_engine_kv(e))->dtype << 32);
         for (const char *p = model ? model : TDM_DEFAULT_MODEL_FILE; *p; p++)
             salt = (salt ^ (unsigned char)*p) * 1099511628211ull;
         if (tdm_sched_enable_prefix_cache(sched, salt) != TDM_OK) {
@@ -517,9 +520,10 @@ int tdm_cmd_serve(int argc, char **argv)
     const struct tdm_engine_opts *ef = tdm_engine_opts(e);
     struct tdm_kv_stats ks = tdm_kv_pool_stats(tdm_engine_kv(e));
     fprintf(stderr,
-            "tandem serve: model %s; context %d; KV %lld pages of %d tokens; batch %d tokens, "
-            "%d seqs\n",
-            name, ef->max_ctx, (long long)ks.total, ef->page_size, ef->max_batch_tokens,
+            "tandem serve: model %s; context %d; KV %lld pages of %d tokens, %s; batch %d "
+            "tokens, %d seqs\n",
+            name, ef->max_ctx, (long long)ks.total, ef->page_size,
+            tdm_dtype_name(tdm_kv_pool_config(tdm_engine_kv(e))->dtype), ef->max_batch_tokens,
             ef->max_seqs);
     if (spec) { /* what speculation holds, reserved before the KV pool was sized */
         const struct tdm_kv_config *kc = tdm_kv_pool_config(tdm_engine_kv(e));

@@ -130,6 +130,11 @@ bool tdm_tool_http_tls(const char *cmd, const struct tdm_tool_http *h, char **ce
 void tdm_tool_http_tls_free(char *cert, char *key); /* wipes the key */
 /* --backend cpu|cuda into an int (enum tdm_backend_kind). */
 bool tdm_tool_opt_backend(const char *arg, void *dst);
+/* --kv-dtype f32|bf16|f16 into an int (enum tdm_kv_dtype; left at AUTO when not given). */
+bool tdm_tool_opt_kv_dtype(const char *arg, void *dst);
+#define TDM_TOOL_KV_DTYPE_USAGE                                                                    \
+    "  --kv-dtype T            KV cache element type: f32, bf16 or f16 (default: bf16 on\n"        \
+    "                          cuda, f32 on the cpu)\n"
 /* The speculation options that generate, serve and bench share: --spec, --spec-draft,
  * --spec-self-layers, --spec-k, --spec-accept, and eagle's --spec-tree-budget, -topk, -depth. */
 struct tdm_tool_spec {

@@ -960,40 +960,209 @@ static void test_tree_attention(void **state)
                                 shapes[sh].nodes);
 }
 
+/* ---- KV of 2-byte element types (bf16, f16) ----
+ * rope_kv_append stores each K and V element rounded to nearest even: V (appended as is) bit
+ * for bit what tdm_f32_to_bf16 / tdm_f32_to_f16 (core/util.c) make of it; K (rotated in fp32)
+ * within the op's elem tolerance plus the type's unit roundoff (2^-8 for bf16, 2^-11 for
+ * f16, relative) of the double reference. Attention over a 2-byte pool gives, bit for bit, what it
+ * gives over an fp32 pool that holds the same values widened (widening is exact, and the arithmetic
+ * after it is the fp32 path's), and meets the fp32 tolerance against the double reference over
+ * those values. Every backend, every case (test_kv_copy moves 2-byte rows). */
+static uint16_t narrow(enum tdm_dtype dt, float f)
+{
+    return dt == TDM_DTYPE_BF16 ? tdm_f32_to_bf16(f) : tdm_f32_to_f16(f);
+}
+static float widen(enum tdm_dtype dt, uint16_t h)
+{
+    return dt == TDM_DTYPE_BF16 ? tdm_bf16_to_f32(h) : tdm_f16_to_f32(h);
+}
+static void *put_bytes(const struct be *e, const void *host, size_t bytes)
+{
+    void *d = e->b->iface->buf_alloc(e->b, bytes + 64);
+    assert_non_null(d);
+    e->b->iface->upload(e->b, d, host, bytes);
+    return d;
+}
+static void *get_bytes(const struct be *e, const void *d, size_t bytes)
+{
+    void *h = malloc(bytes + 4);
+    assert_non_null(h);
+    e->b->iface->download(e->b, h, d, bytes);
+    e->b->iface->sync(e->b);
+    return h;
+}
+
+static void kv16_append_case(enum tdm_dtype dt, int hd, int ps)
+{
+    const int n_heads = 6, nkv = 2;
+    const struct seq_spec seqs[] = {{12, 12}, {33, 2}, {40, 1}};
+    struct paged_step p;
+    build_step(seqs, 3, ps, &p);
+    const int T = p.st.n_tokens;
+    const size_t kvn = (size_t)p.n_pages * 2 * nkv * ps * hd;
+    uint16_t *sentinel = malloc(kvn * sizeof(uint16_t));
+    for (size_t i = 0; i < kvn; i++)
+        sentinel[i] = 0x7bcd; /* a finite value in both types, never a rounded input here */
+    float *inv = malloc((size_t)hd / 2 * sizeof(float));
+    for (int i = 0; i < hd / 2; i++)
+        inv[i] = (float)pow(10000.0, -2.0 * i / hd);
+    struct tdm_rope rope = {.head_dim = hd, .neox = true, .inv_freq = inv};
+    const size_t nq = (size_t)T * n_heads * hd, nk = (size_t)T * nkv * hd;
+    float *q = rand_vec(nq, -1, 1), *k = rand_vec(nk, -1, 1), *v = rand_vec(nk, -1, 1);
+    double *rk = malloc(nk * sizeof(double));
+    for (int t = 0; t < T; t++)
+        for (int g = 0; g < nkv; g++)
+            for (int i = 0; i < hd / 2; i++) {
+                const float *src = k + ((size_t)t * nkv + g) * hd;
+                double *dst = rk + ((size_t)t * nkv + g) * hd;
+                const double ang = (double)((float)p.st.positions[t] * inv[i]);
+                dst[i] = src[i] * cos(ang) - src[i + hd / 2] * sin(ang);
+                dst[i + hd / 2] = src[i] * sin(ang) + src[i + hd / 2] * cos(ang);
+            }
+    const double half_ulp = dt == TDM_DTYPE_BF16 ? 1.0 / 256 : 1.0 / 2048; /* unit roundoff */
+    for (int b = 0; b < n_bes; b++) {
+        const struct be *e = &bes[b];
+        float *dq = put(e, q, nq), *dk = put(e, k, nk), *dv = put(e, v, nk);
+        void *dkv = put_bytes(e, sentinel, kvn * sizeof(uint16_t));
+        struct tdm_kv_layer kv = {.base = dkv,
+                                  .dtype = dt,
+                                  .n_kv_heads = nkv,
+                                  .head_dim = hd,
+                                  .page_size = ps,
+                                  .n_pages = p.n_pages};
+        e->b->iface->rope_kv_append(e->b, dq, dk, dv, n_heads, &p.st, &rope, &kv);
+        uint16_t *h = get_bytes(e, dkv, kvn * sizeof(uint16_t));
+        size_t touched = 0;
+        for (size_t i = 0; i < kvn; i++)
+            touched += h[i] != 0x7bcd;
+        for (int t = 0; t < T; t++)
+            for (int g = 0; g < nkv; g++)
+                for (int i = 0; i < hd; i++) {
+                    const int slot = p.st.slots[t];
+                    const float got = widen(dt, h[kv_off(nkv, ps, hd, slot, 0, g) + i]);
+                    const double want = rk[((size_t)t * nkv + g) * hd + i];
+                    if (!(fabs(got - want) <= (e->elem + half_ulp) * fmax(fabs(want), 1e-3)))
+                        fail_msg("%s: %s K of token %d head %d [%d] = %.9g, ref %.9g", e->name,
+                                 tdm_dtype_name(dt), t, g, i, got, want);
+                    const uint16_t vv = h[kv_off(nkv, ps, hd, slot, 1, g) + i];
+                    const uint16_t wv = narrow(dt, v[((size_t)t * nkv + g) * hd + i]);
+                    if (vv != wv)
+                        fail_msg("%s: %s V of token %d head %d [%d] = %04x, not %04x", e->name,
+                                 tdm_dtype_name(dt), t, g, i, vv, wv);
+                }
+        if (touched > (size_t)T * 2 * nkv * hd)
+            fail_msg("%s: %s: %zu KV elements written, more than %zu", e->name, tdm_dtype_name(dt),
+                     touched, (size_t)T * 2 * nkv * hd);
+        free(h);
+        drop(e, dq), drop(e, dk), drop(e, dv), drop(e, dkv);
+    }
+    free(rk), free(q), free(k), free(v), free(inv), free(sentinel), free(p.buf);
+}
+
+static void kv16_attention_case(enum tdm_dtype dt, int nh, int nkv, int hd, int ps,
+                                const struct seq_spec *ss, int n)
+{
+    struct paged_step p;
+    build_step(ss, n, ps, &p);
+    const int T = p.st.n_tokens;
+    const size_t kvn = (size_t)p.n_pages * 2 * nkv * ps * hd, nq = (size_t)T * nh * hd;
+    uint16_t *kv16 = malloc(kvn * sizeof(uint16_t));
+    float *kv32 = malloc(kvn * sizeof(float));
+    for (size_t i = 0; i < kvn; i++)
+        kv16[i] = narrow(dt, rng_f(-1, 1)), kv32[i] = widen(dt, kv16[i]);
+    float *q = rand_vec(nq, -4, 4);
+    const float scale = 1.0f / sqrtf((float)hd);
+    double *ref = malloc(nq * sizeof(double));
+    for (int t = 0; t < T; t++)
+        ref_attention(q, nh, &p.st, kv32, nkv, hd, scale, t, ref + (size_t)t * nh * hd);
+    bool prefill = false;
+    for (int i = 0; i < n; i++)
+        prefill |= ss[i].n_new > 1;
+    for (int b = 0; b < n_bes; b++) {
+        const struct be *e = &bes[b];
+        float *dq = put(e, q, nq), *d32 = put(e, kv32, kvn), *o32 = poisoned(e, nq),
+              *o16 = poisoned(e, nq);
+        void *d16 = put_bytes(e, kv16, kvn * sizeof(uint16_t));
+        struct tdm_kv_layer L32 = {
+            .base = d32, .n_kv_heads = nkv, .head_dim = hd, .page_size = ps, .n_pages = p.n_pages};
+        struct tdm_kv_layer L16 = L32;
+        L16.base = d16, L16.dtype = dt;
+        e->b->iface->attention(e->b, dq, nh, &p.st, &L32, scale, o32);
+        e->b->iface->attention(e->b, dq, nh, &p.st, &L16, scale, o16);
+        float *g32 = get(e, o32, nq), *g16 = get(e, o16, nq);
+        char what[96];
+        snprintf(what, sizeof what, "attention %s nh=%d nkv=%d hd=%d ps=%d", tdm_dtype_name(dt), nh,
+                 nkv, hd, ps);
+        check_rel(e->name, what, g16, ref, nq,
+                  prefill && (hd == 64 || hd == 128) ? e->att_tc : e->att, 1.0);
+        if (memcmp(g16, g32, nq * sizeof(float)))
+            fail_msg("%s: %s differs from the fp32 pool holding the same values", e->name, what);
+        free(g32), free(g16);
+        drop(e, dq), drop(e, d32), drop(e, o32), drop(e, o16), drop(e, d16);
+    }
+    free(ref), free(q), free(kv16), free(kv32), free(p.buf);
+}
+
+static void test_kv_dtypes(void **state)
+{
+    (void)state;
+    const enum tdm_dtype dts[] = {TDM_DTYPE_BF16, TDM_DTYPE_F16};
+    const struct seq_spec mixed[] = {{10, 10}, {97, 1}, {23, 3}, {300, 1}};
+    const struct seq_spec prefill[] = {{45, 45}, {70, 30}};
+    for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++) {
+        kv16_append_case(dts[d], 64, 16);
+        kv16_append_case(dts[d], 18, 5);
+        kv16_attention_case(dts[d], 6, 2, 16, 16, mixed, (int)TDM_ARRAY_LEN(mixed));
+        kv16_attention_case(dts[d], 4, 4, 20, 5, mixed, (int)TDM_ARRAY_LEN(mixed));
+        kv16_attention_case(dts[d], 9, 3, 64, 16, mixed, (int)TDM_ARRAY_LEN(mixed));
+        kv16_attention_case(dts[d], 9, 3, 64, 16, prefill, (int)TDM_ARRAY_LEN(prefill));
+        kv16_attention_case(dts[d], 16, 2, 128, 16, prefill, (int)TDM_ARRAY_LEN(prefill));
+    }
+}
+
 /* kv_copy: the pairs in order (a later pair reading what an earlier one wrote, and
- * overwriting what an earlier one read), every KV head of every layer, nothing else. */
+ * overwriting what an earlier one read), every KV head of every layer, nothing else; rows of
+ * each element type (f32, bf16, f16: the bytes move, whatever they hold). */
 static void test_kv_copy(void **state)
 {
     (void)state;
+    const enum tdm_dtype dts[] = {TDM_DTYPE_F32, TDM_DTYPE_BF16, TDM_DTYPE_F16};
     const int nkv = 3, hd = 24, ps = 5, n_pages = 7, n_layers = 2;
     const size_t layer = (size_t)n_pages * 2 * nkv * ps * hd, n = layer * n_layers;
-    float *kv = rand_vec(n, -1, 1), *want = malloc(n * sizeof(float));
-    /* a path compaction: 7 -> 1, 9 -> 2 (1 and 2 are read first by nobody); then 2 -> 3: reads
-     * what the pair before wrote; and 12 -> 7: overwrites the first pair's source */
-    const int32_t src[] = {7, 9, 2, 12}, dst[] = {1, 2, 3, 7};
-    memcpy(want, kv, n * sizeof(float));
-    for (int l = 0; l < n_layers; l++)
-        for (int i = 0; i < 4; i++)
-            for (int which = 0; which < 2; which++)
-                for (int g = 0; g < nkv; g++)
-                    memmove(&want[l * layer + kv_off(nkv, ps, hd, dst[i], which, g)],
-                            &want[l * layer + kv_off(nkv, ps, hd, src[i], which, g)],
-                            (size_t)hd * sizeof(float));
-    for (int b = 0; b < n_bes; b++) {
-        const struct be *e = &bes[b];
-        float *d = put(e, kv, n);
-        struct tdm_kv_layer L = {
-            .base = d, .n_kv_heads = nkv, .head_dim = hd, .page_size = ps, .n_pages = n_pages};
-        e->b->iface->kv_copy(e->b, &L, n_layers, layer, src, dst, 4);
-        float *got = get(e, d, n);
-        if (memcmp(got, want, n * sizeof(float))) {
-            print_error("%s: kv_copy\n", e->name);
-            fail();
+    for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++) {
+        const size_t eb = dts[d] == TDM_DTYPE_F32 ? 4 : 2;
+        uint8_t *kv = malloc(n * eb), *want = malloc(n * eb);
+        for (size_t i = 0; i < n * eb; i++)
+            kv[i] = (uint8_t)rng_u64();
+        /* a path compaction: 7 -> 1, 9 -> 2 (1 and 2 are read first by nobody); then 2 -> 3:
+         * reads what the pair before wrote; and 12 -> 7: overwrites the first pair's source */
+        const int32_t src[] = {7, 9, 2, 12}, dst[] = {1, 2, 3, 7};
+        memcpy(want, kv, n * eb);
+        for (int l = 0; l < n_layers; l++)
+            for (int i = 0; i < 4; i++)
+                for (int which = 0; which < 2; which++)
+                    for (int g = 0; g < nkv; g++)
+                        memmove(&want[(l * layer + kv_off(nkv, ps, hd, dst[i], which, g)) * eb],
+                                &want[(l * layer + kv_off(nkv, ps, hd, src[i], which, g)) * eb],
+                                (size_t)hd * eb);
+        for (int b = 0; b < n_bes; b++) {
+            const struct be *e = &bes[b];
+            void *dk = put_bytes(e, kv, n * eb);
+            struct tdm_kv_layer L = {.base = dk,
+                                     .dtype = dts[d],
+                                     .n_kv_heads = nkv,
+                                     .head_dim = hd,
+                                     .page_size = ps,
+                                     .n_pages = n_pages};
+            e->b->iface->kv_copy(e->b, &L, n_layers, layer * eb, src, dst, 4);
+            uint8_t *got = get_bytes(e, dk, n * eb);
+            if (memcmp(got, want, n * eb))
+                fail_msg("%s: kv_copy of %s rows", e->name, tdm_dtype_name(dts[d]));
+            free(got);
+            drop(e, dk);
         }
-        free(got);
-        drop(e, d);
+        free(kv), free(want);
     }
-    free(kv), free(want);
 }
 
 /* layer_done stores layer + 1 once the work before it is done: into the backend's own counter
@@ -1064,6 +1233,7 @@ int main(void)
         cmocka_unit_test(test_rope_kv_append), cmocka_unit_test(test_attention),
         cmocka_unit_test(test_layer_done),     cmocka_unit_test(test_typed_buffers),
         cmocka_unit_test(test_tree_attention), cmocka_unit_test(test_kv_copy),
+        cmocka_unit_test(test_kv_dtypes),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = 0; i < n_bes; i++)

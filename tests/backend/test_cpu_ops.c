@@ -551,12 +551,64 @@ static void test_isa_selection(void **state)
     }
 }
 
+/* The KV element conversions of every ISA give the portable ones' bits: every 16-bit pattern
+ * widened, and narrowed from floats of every class (zeros, subnormals of both types, ties,
+ * values that round to the largest finite and past it, infinities, NaNs with payloads), plus
+ * random bit patterns. Tails (lengths that are not multiples of 8) included. */
+static void test_kv_convert_isas(void **state)
+{
+    (void)state;
+    if (tdm_cpu_isa_detect() < TDM_CPU_ISA_AVX2) {
+        printf("SKIP: test_kv_convert_isas: no AVX2 on this machine\n");
+        return;
+    }
+    enum { N = 65536 + 5 };
+    uint16_t *h = malloc(N * sizeof *h), *a = malloc(N * sizeof *a), *b = malloc(N * sizeof *b);
+    float *f = malloc(N * sizeof *f), *x = malloc(N * sizeof *x), *y = malloc(N * sizeof *y);
+    assert_true(h && a && b && f && x && y);
+    for (int i = 0; i < N; i++)
+        h[i] = (uint16_t)i;
+    const enum tdm_dtype dts[] = {TDM_DTYPE_BF16, TDM_DTYPE_F16};
+    for (int d = 0; d < 2; d++) {
+        tdm_cpu_kv_widen_portable(dts[d], h, x, N);
+        tdm_cpu_kv_widen_avx2(dts[d], h, y, N);
+        assert_memory_equal(x, y, N * sizeof *x);
+    }
+    const uint32_t special[] = {0x00000000u, 0x80000000u, 0x00000001u, 0x807fffffu, 0x33800000u,
+                                0x33000001u, 0x387fc000u, 0x38800000u, 0x477fe000u, 0x477ff000u,
+                                0x477fefffu, 0x7f7fffffu, 0xff7fffffu, 0x7f800000u, 0xff800000u,
+                                0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x7fbfffffu, 0x3f808000u,
+                                0x3f818000u, 0x3f80ffffu, 0xc0490fdbu};
+    uint64_t r = 0x9E3779B97F4A7C15ull;
+    for (int i = 0; i < N; i++) {
+        uint32_t u;
+        if (i < (int)(sizeof special / sizeof *special)) {
+            u = special[i];
+        } else {
+            r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+            u = (uint32_t)(r >> 16);
+            if (i % 3 == 0) u = (u & 0x807fffffu) | ((uint32_t)(100 + (u >> 24) % 60) << 23);
+        }
+        memcpy(&f[i], &u, 4);
+    }
+    for (int d = 0; d < 2; d++)
+        for (int n = N - 7; n <= N; n += 7) {
+            tdm_cpu_kv_narrow_portable(dts[d], f, a, n);
+            tdm_cpu_kv_narrow_avx2(dts[d], f, b, n);
+            for (int i = 0; i < n; i++)
+                if (a[i] != b[i])
+                    fail_msg("%s narrow of %08x: portable %04x, avx2 %04x", tdm_dtype_name(dts[d]),
+                             *(uint32_t *)&f[i], a[i], b[i]);
+        }
+    free(h), free(a), free(b), free(f), free(x), free(y);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matmul_invariance), cmocka_unit_test(test_matmul_fused),
         cmocka_unit_test(test_attention_paged),   cmocka_unit_test(test_misc),
-        cmocka_unit_test(test_isa_selection),
+        cmocka_unit_test(test_isa_selection),     cmocka_unit_test(test_kv_convert_isas),
     };
     fprintf(stderr, "cpu backend: best ISA here is %s\n", tdm_cpu_isa_name(tdm_cpu_isa_detect()));
     if (getenv("TDM_TEST_FILTER")) cmocka_set_test_filter(getenv("TDM_TEST_FILTER"));

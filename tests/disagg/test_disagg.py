@@ -515,3 +515,43 @@ def test_restarted_prefill_node_is_picked_up(colocated, default_model):
         if d:
             d.stop()
         p.stop()
+
+
+def test_two_byte_kv_pages(default_model):
+    """--kv-dtype bf16 on both nodes: the pages that cross are bf16, and the answers are the
+    colocated bf16 server's token for token (log-probabilities included). A prefill node whose
+    pool is f32 refuses a bf16 decoder's request, naming both types; the decoder prefills it
+    itself, with the same answer."""
+    bf16 = ["--kv-dtype", "bf16"]
+    col = Server(THREADS + bf16)
+    p = p32 = d = None
+    try:
+        p = prefill_node(bf16)
+        d = decode_node([p], bf16)
+        ps = prompts(4 if SANITIZED else 10, 21, [2, 17, 33, 65, 100])
+        want = [run(col, x) for x in ps]
+        m0 = d.metrics()
+        got = [run(d, x) for x in ps]
+        assert got == want, "bf16 pages: disaggregated output differs from colocated bf16"
+        m1 = decode_idle(d)
+        assert m1[("tandem_disagg_remote_prefills_total", ())] - \
+            m0[("tandem_disagg_remote_prefills_total", ())] == len(ps)
+        assert m1[("tandem_disagg_local_fallbacks_total", ())] == 0
+        prefill_idle(p)
+        assert ", bf16;" in p.logs() and ", bf16;" in d.logs()
+        d.stop()
+        d = None
+        # an f32 prefill node: refused, and served locally
+        p32 = prefill_node()
+        d = decode_node([p32], bf16 + ["--remote-attempts", "1"])
+        assert run(d, ps[1]) == want[1]
+        m = decode_idle(d)
+        assert m[("tandem_disagg_local_fallbacks_total", ())] >= 1
+        assert m[("tandem_disagg_remote_prefills_total", ())] == 0
+        log = d.logs()
+        assert "KV element types differ (decoder: bf16, 2 bytes; here: f32, 4 bytes" in log, log
+        prefill_idle(p32)
+    finally:
+        for s in (d, p, p32, col):
+            if s:
+                s.stop()

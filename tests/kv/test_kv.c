@@ -141,7 +141,8 @@ static void test_layout(void **state)
     assert_int_equal(tdm_kv_page_bytes(&c), 2 * 2 * 4 * 8 * sizeof(float));
     size_t layer_floats = 5 * 2 * 2 * 4 * 8;
     struct tdm_kv_layer l0 = tdm_kv_pool_layer(p, 0), l2 = tdm_kv_pool_layer(p, 2);
-    assert_ptr_equal(l2.base, l0.base + 2 * layer_floats);
+    assert_ptr_equal(l2.base, (uint8_t *)l0.base + 2 * layer_floats * sizeof(float));
+    assert_int_equal(l0.dtype, TDM_DTYPE_F32);
     assert_int_equal(l0.n_pages, 5);
     assert_int_equal(l0.page_size, 4);
     assert_int_equal(tdm_kv_pages_for_bytes(&c, 3 * tdm_kv_page_bytes(&c) * 7 + 1), 7);
@@ -160,11 +161,27 @@ static void test_layout(void **state)
     /* the whole region is writable (ASan checks the bounds) */
     memset(l0.base, 0, layer_floats * 3 * sizeof(float));
     tdm_kv_pool_destroy(p);
-    /* an element type no backend computes in is refused, with a reason */
-    c.dtype = TDM_DTYPE_BF16;
-    assert_int_equal(tdm_kv_page_bytes(&c), 2 * 2 * 4 * 8 * 2);
+    /* 2-byte pools: half the bytes, the same strides in elements */
+    const enum tdm_dtype two[] = {TDM_DTYPE_BF16, TDM_DTYPE_F16};
+    for (int i = 0; i < 2; i++) {
+        c.dtype = two[i];
+        assert_int_equal(tdm_kv_page_bytes(&c), 2 * 2 * 4 * 8 * 2);
+        assert_int_equal(tdm_kv_pool_create(&c, backend, &p), TDM_OK);
+        g = tdm_kv_pool_geometry(p);
+        l0 = tdm_kv_pool_layer(p, 0), l2 = tdm_kv_pool_layer(p, 2);
+        assert_int_equal(g.dtype, two[i]);
+        assert_int_equal(l2.dtype, two[i]);
+        assert_int_equal(g.elem_bytes, 2);
+        assert_int_equal(g.head_bytes, 4 * 8 * 2);
+        assert_int_equal(g.layer_bytes, layer_floats * 2);
+        assert_ptr_equal(l2.base, (uint8_t *)l0.base + 2 * g.layer_bytes);
+        memset(l0.base, 0, g.bytes);
+        tdm_kv_pool_destroy(p);
+    }
+    /* an element type no backend stores KV in is refused, with a reason */
+    c.dtype = TDM_DTYPE_Q8_0;
     assert_int_equal(tdm_kv_pool_create(&c, backend, &p), TDM_EUNSUPPORTED);
-    assert_non_null(strstr(tdm_err_msg(), "bf16"));
+    assert_non_null(strstr(tdm_err_msg(), "q8_0"));
 }
 
 static void test_bad_config(void **state)

@@ -325,11 +325,30 @@ def apply_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool)
     return out
 
 
+def kv_rounding(kv_dtype: str | None):
+    """What a KV cache of element type kv_dtype does to the values stored in it: None or
+    "f32" keeps float64 (the reference's own precision); "bf16" and "f16" round each value to
+    float32 and then to that type, to nearest even (numpy's float16 cast; bf16 by its bits),
+    as an engine that computes K and V in float32 and stores them narrowed does."""
+    if kv_dtype in (None, "f32"):
+        return None
+    if kv_dtype == "f16":
+        return lambda a: np.asarray(a, dtype=np.float32).astype(np.float16).astype(np.float64)
+    if kv_dtype == "bf16":
+        def bf16(a):
+            u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            r = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)
+            return r.view(np.float32).astype(np.float64)
+        return bf16
+    raise ValueError(f"unknown KV element type {kv_dtype!r}")
+
+
 def layer_step(m: Model, L: Layer, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
-               K: np.ndarray, V: np.ndarray):
+               K: np.ndarray, V: np.ndarray, kv_round=None):
     """One decoder layer over x [T, d] at positions pos, appending to the layer's cache K, V
     [S, nkv, hd]; mask [T, S + T] is True where a query must not look. A layer without an
-    input norm (an EAGLE head's) projects x itself. Returns (x, K, V)."""
+    input norm (an EAGLE head's) projects x itself. kv_round (kv_rounding's): what storing k
+    and v in the cache does to them. Returns (x, K, V)."""
     T, hd = x.shape[0], m.head_dim
     nh, nkv = L.wq.shape[0] // hd, L.wk.shape[0] // hd  # a head's layer may differ
     group = nh // nkv
@@ -348,6 +367,8 @@ def layer_step(m: Model, L: Layer, x: np.ndarray, pos: np.ndarray, mask: np.ndar
         k = rmsnorm(k, L.k_norm, m.rms_eps)
     q = apply_rope(q, pos, m.inv_freq, m.rope_neox)
     k = apply_rope(k, pos, m.inv_freq, m.rope_neox)
+    if kv_round is not None:
+        k, v = kv_round(k), kv_round(v)
     K = np.concatenate([K, k], axis=0)  # [S, nkv, hd]
     V = np.concatenate([V, v], axis=0)
     qg = q.reshape(T, nkv, group, hd)
@@ -367,8 +388,9 @@ class Session:
     """Incremental evaluation: step(tokens) appends tokens at the next positions and returns
     their logits [T, vocab], attending to everything before through a per-layer KV cache."""
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, kv_dtype: str | None = None):
         self.m = model
+        self.kv_round = kv_rounding(kv_dtype)
         self.n_past = 0
         self.k = [np.zeros((0, model.n_kv_heads, model.head_dim)) for _ in model.layers]
         self.v = [np.zeros((0, model.n_kv_heads, model.head_dim)) for _ in model.layers]
@@ -387,15 +409,17 @@ class Session:
 
         x = m.embed[tokens]  # [T, d]
         for li, L in enumerate(m.layers):
-            x, self.k[li], self.v[li] = layer_step(m, L, x, pos, mask, self.k[li], self.v[li])
+            x, self.k[li], self.v[li] = layer_step(m, L, x, pos, mask, self.k[li], self.v[li],
+                                                   self.kv_round)
         self.n_past += T
         self.features = rmsnorm(x, m.out_norm, m.rms_eps)  # [T, d]: what the LM head reads
         return self.features @ m.lm_head.T
 
 
-def forward(model: Model, tokens) -> np.ndarray:
-    """Logits [T, vocab] (float64) for every position of `tokens`, from an empty cache."""
-    return Session(model).step(tokens)
+def forward(model: Model, tokens, kv_dtype: str | None = None) -> np.ndarray:
+    """Logits [T, vocab] (float64) for every position of `tokens`, from an empty cache (of
+    element type kv_dtype: see kv_rounding)."""
+    return Session(model, kv_dtype).step(tokens)
 
 
 @dataclasses.dataclass
@@ -441,10 +465,11 @@ def top2_margin(logits: np.ndarray) -> float:
     return float(part[-1] - part[-2])
 
 
-def greedy(model: Model, prompt, n: int, return_margins: bool = False):
+def greedy(model: Model, prompt, n: int, return_margins: bool = False,
+           kv_dtype: str | None = None):
     """n tokens by argmax (ties to the lowest id), no stop at EOS. With return_margins, also
     each step's top-1 minus top-2 logit gap divided by max|logits| (small: a near tie)."""
-    s = Session(model)
+    s = Session(model, kv_dtype)
     logits = s.step(prompt)[-1]
     out, margins = [], []
     for i in range(n):
@@ -462,5 +487,5 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
-__all__ = ["Model", "Layer", "Head", "Session", "load", "layer_step", "head_forward", "forward", "greedy", "rel_err", "top2_margin",
+__all__ = ["Model", "Layer", "Head", "Session", "load", "kv_rounding", "layer_step", "head_forward", "forward", "greedy", "rel_err", "top2_margin",
            "rope_inv_freq", "apply_rope", "rmsnorm", "silu"]

@@ -35,6 +35,11 @@
  * found changes, so the values are bit for bit those of the chain token that sees the same
  * KV (what makes tree verification exact), and the prefix part costs what it always did.
  *
+ * KV element types: the pool's K and V rows are fp32, bf16 or f16. A chunk of 2-byte rows is
+ * widened to fp32 first (exactly, by the ISA's kv_widen) into the item's stack scratch, and
+ * the step runs on those rows as on fp32 ones: the arithmetic is the fp32 path's on the
+ * rounded values.
+ *
  * Threading: work items are (token, KV head) pairs, dealt round-robin to the pool's threads
  * (later tokens of a prefill attend to more positions, so a contiguous split would be
  * lopsided). One item handles all query heads of its group (TDM_CPU_ATTN_GROUP at a time), so
@@ -156,9 +161,13 @@ static void segment_state(const struct att_job *job, int t, const struct att_tok
     const struct tdm_kv_layer *kv = job->kv;
     const int hd = kv->head_dim, nkv = kv->n_kv_heads, ps = kv->page_size;
     const int group = job->n_heads / nkv;
-    const size_t head_stride = (size_t)ps * hd; /* one head of one page, K or V */
+    const size_t head_stride = (size_t)ps * hd; /* one head of one page, K or V (elements) */
     const size_t page_stride = 2 * (size_t)nkv * head_stride;
+    const bool f32 = kv->dtype == TDM_DTYPE_F32;
     const float *kr[TDM_CPU_ATTN_CHUNK], *vr[TDM_CPU_ATTN_CHUNK];
+    /* 2-byte rows widened (touched only for those types) */
+    float kw[TDM_CPU_ATTN_CHUNK * TDM_CPU_MAX_HEAD_DIM],
+        vw[TDM_CPU_ATTN_CHUNK * TDM_CPU_MAX_HEAD_DIM];
     for (int hh = 0; hh < gs; hh++) {
         m[hh] = -INFINITY;
         sum[hh] = 0.0f;
@@ -190,10 +199,19 @@ static void segment_state(const struct att_job *job, int t, const struct att_tok
                 off = slot % ps;
             }
             TDM_ASSERT(page >= 0 && page < kv->n_pages);
-            const float *kp =
-                kv->base + (size_t)page * page_stride + (size_t)g * head_stride + (size_t)off * hd;
-            kr[jj] = kp;
-            vr[jj] = kp + (size_t)nkv * head_stride;
+            const size_t at =
+                (size_t)page * page_stride + (size_t)g * head_stride + (size_t)off * hd;
+            if (f32) {
+                kr[jj] = (const float *)kv->base + at;
+                vr[jj] = kr[jj] + (size_t)nkv * head_stride;
+            } else {
+                const uint16_t *kp = (const uint16_t *)kv->base + at;
+                float *kd = kw + (size_t)jj * hd, *vd = vw + (size_t)jj * hd;
+                job->k->kv_widen(kv->dtype, kp, kd, hd);
+                job->k->kv_widen(kv->dtype, kp + (size_t)nkv * head_stride, vd, hd);
+                kr[jj] = kd;
+                vr[jj] = vd;
+            }
         }
         job->k->attn_step(&step);
     }
@@ -365,6 +383,7 @@ void tdm_cpu_attention(tdm_backend_t *b, const float *q, int n_heads, const stru
     TDM_ASSERT(kv->n_kv_heads > 0 && n_heads % kv->n_kv_heads == 0);
     TDM_ASSERT(kv->head_dim > 0 && kv->head_dim <= TDM_CPU_MAX_HEAD_DIM);
     TDM_ASSERT(st->page_size == kv->page_size && kv->page_size > 0);
+    TDM_ASSERT(tdm_cpu_kv_dtype_ok(kv->dtype));
     if (st->n_tokens <= 0) return;
     int64_t work = 0;
     for (int t = 0; t < st->n_tokens; t++)
@@ -383,20 +402,24 @@ void tdm_cpu_attention(tdm_backend_t *b, const float *q, int n_heads, const stru
 }
 
 void tdm_cpu_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
-                     size_t layer_floats, const int32_t *src, const int32_t *dst, int n)
+                     size_t layer_bytes, const int32_t *src, const int32_t *dst, int n)
 {
     (void)b;
+    TDM_ASSERT(tdm_cpu_kv_dtype_ok(kv->dtype));
+    const size_t eb = kv->dtype == TDM_DTYPE_F32 ? 4 : 2;
     const int ps = kv->page_size, hd = kv->head_dim, nkv = kv->n_kv_heads;
-    const size_t head_stride = (size_t)ps * hd, page_stride = 2 * (size_t)nkv * head_stride;
-    const size_t row_bytes = (size_t)hd * sizeof(float);
+    /* in bytes */
+    const size_t head_stride = (size_t)ps * hd * eb, page_stride = 2 * (size_t)nkv * head_stride;
+    const size_t row_bytes = (size_t)hd * eb;
     for (int l = 0; l < n_layers; l++) {
-        float *base = kv->base + (size_t)l * layer_floats;
+        uint8_t *base = (uint8_t *)kv->base + (size_t)l * layer_bytes;
         for (int i = 0; i < n; i++) {
             TDM_ASSERT(src[i] >= 0 && dst[i] >= 0 && src[i] / ps < kv->n_pages &&
                        dst[i] / ps < kv->n_pages);
-            const float *from =
-                base + (size_t)(src[i] / ps) * page_stride + (size_t)(src[i] % ps) * hd;
-            float *to = base + (size_t)(dst[i] / ps) * page_stride + (size_t)(dst[i] % ps) * hd;
+            const uint8_t *from =
+                base + (size_t)(src[i] / ps) * page_stride + (size_t)(src[i] % ps) * row_bytes;
+            uint8_t *to =
+                base + (size_t)(dst[i] / ps) * page_stride + (size_t)(dst[i] % ps) * row_bytes;
             for (int kvh = 0; kvh < 2 * nkv; kvh++) /* K heads, then V heads */
                 memcpy(to + (size_t)kvh * head_stride, from + (size_t)kvh * head_stride, row_bytes);
         }

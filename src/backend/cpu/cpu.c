@@ -53,6 +53,8 @@ static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT] = {
             .prefill_r = {1, 1, 1, 1, 1},
             .prefill_c = 4,
             .attn_step = tdm_cpu_attn_step_portable,
+            .kv_widen = tdm_cpu_kv_widen_portable,
+            .kv_narrow = tdm_cpu_kv_narrow_portable,
         },
     [TDM_CPU_ISA_AVX2] =
         {
@@ -63,6 +65,8 @@ static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT] = {
             .prefill_r = PREFILL_R_VEC,
             .prefill_c = 4,
             .attn_step = tdm_cpu_attn_step_avx2,
+            .kv_widen = tdm_cpu_kv_widen_avx2,
+            .kv_narrow = tdm_cpu_kv_narrow_avx2,
         },
     [TDM_CPU_ISA_AVX512] =
         {
@@ -73,6 +77,8 @@ static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT] = {
             .prefill_r = PREFILL_R_VEC,
             .prefill_c = 4,
             .attn_step = tdm_cpu_attn_step_avx2,
+            .kv_widen = tdm_cpu_kv_widen_avx2,
+            .kv_narrow = tdm_cpu_kv_narrow_avx2,
         },
 };
 

@@ -88,6 +88,19 @@ typedef void (*tdm_cpu_attn_fn)(const struct tdm_cpu_attn_step *s);
 void tdm_cpu_attn_step_portable(const struct tdm_cpu_attn_step *s);
 void tdm_cpu_attn_step_avx2(const struct tdm_cpu_attn_step *s); /* AVX2 + FMA CPUs only */
 
+/* KV rows of 2-byte element types (kv.h) to fp32 (exact) and from it (round to nearest even,
+ * NaN kept a NaN, overflow to infinity for f16): n elements. Every ISA gives the same bits. */
+static inline bool tdm_cpu_kv_dtype_ok(enum tdm_dtype t)
+{
+    return t == TDM_DTYPE_F32 || t == TDM_DTYPE_BF16 || t == TDM_DTYPE_F16;
+}
+typedef void (*tdm_cpu_kv_widen_fn)(enum tdm_dtype dt, const uint16_t *src, float *dst, int n);
+typedef void (*tdm_cpu_kv_narrow_fn)(enum tdm_dtype dt, const float *src, uint16_t *dst, int n);
+void tdm_cpu_kv_widen_portable(enum tdm_dtype dt, const uint16_t *src, float *dst, int n);
+void tdm_cpu_kv_narrow_portable(enum tdm_dtype dt, const float *src, uint16_t *dst, int n);
+void tdm_cpu_kv_widen_avx2(enum tdm_dtype dt, const uint16_t *src, float *dst, int n);
+void tdm_cpu_kv_narrow_avx2(enum tdm_dtype dt, const float *src, uint16_t *dst, int n);
+
 struct tdm_cpu_kernels {
     enum tdm_cpu_isa isa;
     const char *name;
@@ -96,6 +109,8 @@ struct tdm_cpu_kernels {
     int prefill_r[TDM_CPU_W_COUNT]; /* tile shape when n > 1 */
     int prefill_c;
     tdm_cpu_attn_fn attn_step;
+    tdm_cpu_kv_widen_fn kv_widen;
+    tdm_cpu_kv_narrow_fn kv_narrow;
 };
 
 struct tdm_cpu {
@@ -152,7 +167,7 @@ void tdm_cpu_silu_mul(tdm_backend_t *b, const float *gate, const float *up, int 
                       float *out);
 void tdm_cpu_add(tdm_backend_t *b, float *x, const float *y, size_t n);
 void tdm_cpu_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
-                     size_t layer_floats, const int32_t *src, const int32_t *dst, int n);
+                     size_t layer_bytes, const int32_t *src, const int32_t *dst, int n);
 void tdm_cpu_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
                           int width, float *out);
 void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,

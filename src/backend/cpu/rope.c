@@ -9,8 +9,10 @@
  * A pair (a, b) becomes (a cos - b sin, a sin + b cos), each product rounded separately.
  * Pairs: neox (i, i + hd/2); otherwise (2i, 2i + 1); pair i uses inv_freq[i].
  *
- * KV layout (HND, kv.h): layer base [n_pages][2][n_kv_heads][page_size][head_dim] fp32, K then
- * V; token t goes to page slots[t] / page_size, offset slots[t] % page_size.
+ * KV layout (HND, kv.h): layer base [n_pages][2][n_kv_heads][page_size][head_dim] of the
+ * layer's element type, K then V; token t goes to page slots[t] / page_size, offset
+ * slots[t] % page_size. A 2-byte type gets the rotated k and v rounded to nearest even (the
+ * ISA's kv_narrow); the rotation itself is fp32 whatever the type.
  *
  * Threading: tokens are split over the pool; a token's q rows and its KV slot are written only
  * by the thread that owns the token (the engine gives each token its own slot).
@@ -21,6 +23,7 @@
 #include <string.h>
 
 struct rope_job {
+    const struct tdm_cpu_kernels *k_isa;
     float *q;
     const float *k;
     const float *v;
@@ -48,6 +51,8 @@ static void rope_worker(void *ctx, int ith, int nth)
     const struct tdm_kv_layer *kv = job->kv;
     const int hd = job->rope->head_dim, half = hd / 2, nkv = kv->n_kv_heads;
     const size_t head_bytes = (size_t)hd * sizeof(float);
+    const bool f32 = kv->dtype == TDM_DTYPE_F32;
+    const size_t eb = f32 ? sizeof(float) : sizeof(uint16_t);
     float cs[TDM_CPU_MAX_HEAD_DIM / 2], sn[TDM_CPU_MAX_HEAD_DIM / 2];
     float krot[TDM_CPU_MAX_HEAD_DIM];
     int64_t t0, t1;
@@ -67,16 +72,21 @@ static void rope_worker(void *ctx, int ith, int nth)
         TDM_ASSERT(slot >= 0);
         const int64_t page = slot / kv->page_size, off = slot % kv->page_size;
         TDM_ASSERT(page < kv->n_pages);
-        float *kpage = kv->base + (size_t)page * 2 * nkv * kv->page_size * hd;
-        float *vpage = kpage + (size_t)nkv * kv->page_size * hd;
+        uint8_t *kpage = (uint8_t *)kv->base + (size_t)page * 2 * nkv * kv->page_size * hd * eb;
+        uint8_t *vpage = kpage + (size_t)nkv * kv->page_size * hd * eb;
         const float *k = job->k + (size_t)t * nkv * hd;
         const float *v = job->v + (size_t)t * nkv * hd;
         for (int g = 0; g < nkv; g++) {
-            const size_t dst = ((size_t)g * kv->page_size + (size_t)off) * hd;
+            const size_t dst = ((size_t)g * kv->page_size + (size_t)off) * hd * eb;
             memcpy(krot, k + (size_t)g * hd, head_bytes);
             rotate(krot, cs, sn, hd, job->rope->neox);
-            memcpy(kpage + dst, krot, head_bytes);
-            memcpy(vpage + dst, v + (size_t)g * hd, head_bytes);
+            if (f32) {
+                memcpy(kpage + dst, krot, head_bytes);
+                memcpy(vpage + dst, v + (size_t)g * hd, head_bytes);
+            } else {
+                job->k_isa->kv_narrow(kv->dtype, krot, (uint16_t *)(kpage + dst), hd);
+                job->k_isa->kv_narrow(kv->dtype, v + (size_t)g * hd, (uint16_t *)(vpage + dst), hd);
+            }
         }
     }
 }
@@ -89,8 +99,15 @@ void tdm_cpu_rope_kv_append(tdm_backend_t *b, float *q, const float *k, const fl
                rope->head_dim <= TDM_CPU_MAX_HEAD_DIM);
     TDM_ASSERT(st->page_size == kv->page_size && kv->page_size > 0);
     if (st->n_tokens <= 0) return;
-    struct rope_job job = {
-        .q = q, .k = k, .v = v, .n_heads = n_heads, .st = st, .rope = rope, .kv = kv};
+    TDM_ASSERT(tdm_cpu_kv_dtype_ok(kv->dtype));
+    struct rope_job job = {.k_isa = tdm_cpu_of(b)->k,
+                           .q = q,
+                           .k = k,
+                           .v = v,
+                           .n_heads = n_heads,
+                           .st = st,
+                           .rope = rope,
+                           .kv = kv};
     const int64_t work = (int64_t)st->n_tokens * (n_heads + 2 * kv->n_kv_heads) * rope->head_dim;
     tdm_cpu_run(tdm_cpu_of(b), work, rope_worker, &job);
 }

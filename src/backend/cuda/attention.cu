@@ -29,8 +29,11 @@
  * causal kernel's, and a tree of T tokens costs what a chain of T tokens costs.
  *
  * Numerics: fp32 throughout; q is pre-multiplied by the softmax scale; expf is the precise one.
+ * KV elements of a 2-byte type (bf16, f16) are widened exactly as they are gathered
+ * (kv_elem.cuh), so the arithmetic after the gather is the fp32 path's.
  */
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/kv_elem.cuh"
 #include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
@@ -49,7 +52,8 @@ struct attn_args {
     float *out;
     uint16_t *out_bf16;
     float *part;
-    const float *kv_base;
+    const void *kv_base;
+    int kv_t; /* enum tdm_cu_kv */
     int n_heads, nkv, hd, gs, page_size, n_splits, n_tokens;
     float scale;
     const int32_t *positions, *seq_kv_len, *seq_page_start, *page_ids, *tiles;
@@ -78,11 +82,10 @@ __device__ __forceinline__ seq_kv seq_kv_of(const attn_args &a, int seq)
     return t;
 }
 
-/* Where KV head g's K row of column p is (V is v_off floats further): a position through the
- * page table, or a tree's node through its slot. */
-__device__ __forceinline__ const float *kv_row(const attn_args &a, const int32_t *pages,
-                                               const seq_kv &sk, int p, int g, size_t page_floats,
-                                               int hd)
+/* Where KV head g's K row of column p is, in elements from kv_base (V is v_off elements
+ * further): a position through the page table, or a tree's node through its slot. */
+__device__ __forceinline__ size_t kv_row(const attn_args &a, const int32_t *pages, const seq_kv &sk,
+                                         int p, int g, size_t page_floats, int hd)
 {
     const int ps = a.page_size;
     int page, off;
@@ -94,7 +97,7 @@ __device__ __forceinline__ const float *kv_row(const attn_args &a, const int32_t
         page = slot / ps;
         off = slot % ps;
     }
-    return a.kv_base + (size_t)page * page_floats + ((size_t)g * ps + off) * hd;
+    return (size_t)page * page_floats + ((size_t)g * ps + off) * hd;
 }
 
 /* Whether a row sees column p: a chain row up to its position (lim), a tree row (lim = tp - 1)
@@ -119,7 +122,7 @@ template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_ke
     float *Qs = sm;                     /* [ROWS][HDP] */
     float *Ks = Qs + ROWS * HDP;        /* [CHUNK][HDP + 1] */
     float *Vs = Ks + CHUNK * (HDP + 1); /* [CHUNK][HDP] */
-    __shared__ const float *krow[CHUNK];
+    __shared__ size_t krow[CHUNK];      /* element offsets; SIZE_MAX past the range */
 
     const int tile = blockIdx.x, g = blockIdx.y, split = blockIdx.z;
     const int seq = a.tiles[3 * tile], tok0 = a.tiles[3 * tile + 1], ntok = a.tiles[3 * tile + 2];
@@ -168,18 +171,40 @@ template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_ke
         __syncthreads();
         if (threadIdx.x < CHUNK) {
             const int p = c0 + threadIdx.x;
-            krow[threadIdx.x] = p < hi ? kv_row(a, pages, sk, p, g, page_floats, hd) : nullptr;
+            krow[threadIdx.x] = p < hi ? kv_row(a, pages, sk, p, g, page_floats, hd) : SIZE_MAX;
         }
         __syncthreads();
-        if (hd % 4 == 0) { /* 16-byte loads */
+        if (a.kv_t != TDM_CU_KV_F32 && hd % 8 == 0) { /* 16-byte loads of 8 elements */
+            constexpr int HD8 = HDP / 8;
+            for (int idx = threadIdx.x; idx < CHUNK * HD8; idx += blockDim.x) {
+                const int i = idx / HD8, d = (idx % HD8) * 8;
+                const size_t kr = krow[i];
+                uint4 kw = make_uint4(0u, 0u, 0u, 0u), vw = kw; /* 0 is 0.0 in both types */
+                if (kr != SIZE_MAX && d < hd) {
+                    kw = tdm_kv_ld8_raw(a.kv_base, kr + d);
+                    vw = tdm_kv_ld8_raw(a.kv_base, kr + v_off + d);
+                }
+                const uint32_t kk[4] = {kw.x, kw.y, kw.z, kw.w}, vv[4] = {vw.x, vw.y, vw.z, vw.w};
+                float *ks = Ks + i * (HDP + 1) + d;
+                float *vs = Vs + i * HDP + d;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float2 k2 = tdm_kv_widen2(kk[j], a.kv_t),
+                                 v2 = tdm_kv_widen2(vv[j], a.kv_t);
+                    ks[2 * j] = k2.x;
+                    ks[2 * j + 1] = k2.y;
+                    *reinterpret_cast<float2 *>(vs + 2 * j) = v2;
+                }
+            }
+        } else if (hd % 4 == 0) { /* 16-byte loads */
             constexpr int HD4 = HDP / 4;
             for (int idx = threadIdx.x; idx < CHUNK * HD4; idx += blockDim.x) {
                 const int i = idx / HD4, d = (idx % HD4) * 4;
-                const float *kr = krow[i];
+                const size_t kr = krow[i];
                 float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
-                if (kr && d < hd) {
-                    kv = *reinterpret_cast<const float4 *>(kr + d);
-                    vv = *reinterpret_cast<const float4 *>(kr + v_off + d);
+                if (kr != SIZE_MAX && d < hd) {
+                    kv = tdm_kv_ld4(a.kv_base, kr + d, a.kv_t);
+                    vv = tdm_kv_ld4(a.kv_base, kr + v_off + d, a.kv_t);
                 }
                 float *ks = Ks + i * (HDP + 1) + d;
                 ks[0] = kv.x;
@@ -191,11 +216,11 @@ template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_ke
         } else {
             for (int idx = threadIdx.x; idx < CHUNK * HDP; idx += blockDim.x) {
                 const int i = idx / HDP, d = idx % HDP;
-                const float *kr = krow[i];
+                const size_t kr = krow[i];
                 float kv = 0.0f, vv = 0.0f;
-                if (kr && d < hd) {
-                    kv = kr[d];
-                    vv = kr[v_off + d];
+                if (kr != SIZE_MAX && d < hd) {
+                    kv = tdm_kv_ld(a.kv_base, kr + d, a.kv_t);
+                    vv = tdm_kv_ld(a.kv_base, kr + v_off + d, a.kv_t);
                 }
                 Ks[i * (HDP + 1) + d] = kv;
                 Vs[i * HDP + d] = vv;
@@ -322,7 +347,10 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t &r0, uint32_t &r1, const 
                  : "r"(a));
 }
 
-template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
+/* KT: the KV element type (enum tdm_cu_kv), fixed at compile time here: fp32 rows are loaded
+ * as float4s and rounded to bf16 for the tensor cores, 2-byte rows as 16-byte words (8
+ * elements), bf16 ones stored as they are, f16 ones converted through fp32. */
+template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
 {
     tdm_pdl_wait();
     constexpr int BN = 64, KS = D + 8;
@@ -370,21 +398,48 @@ template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(
     const int32_t *pages = a.page_ids + a.seq_page_start[seq];
     const size_t page_floats = (size_t)2 * a.nkv * ps * D, v_off = (size_t)a.nkv * ps * D;
 
-    /* each thread moves LD float4s of K and of V per chunk; the next chunk's loads are issued
-     * before the current chunk's math, so their latency hides behind it */
-    constexpr int LD = BN * D / 4 / (MWARPS * 32);
-    float4 pk[LD], pv[LD];
+    /* each thread moves LD 16-byte words of K and of V per chunk (float4s of fp32, or 8 2-byte
+     * elements); the next chunk's loads are issued before the current chunk's math, so their
+     * latency hides behind it */
+    constexpr int EPW = KT == TDM_CU_KV_F32 ? 4 : 8; /* elements per word */
+    constexpr int LD = BN * D / EPW / (MWARPS * 32);
+    uint4 pk[LD], pv[LD];
     auto fetch = [&](int c0) {
 #pragma unroll
         for (int u = 0; u < LD; u++) {
             const int idx = threadIdx.x + u * MWARPS * 32;
-            const int i = idx / (D / 4), d = (idx % (D / 4)) * 4, p = c0 + i;
-            pk[u] = pv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            const int i = idx / (D / EPW), d = (idx % (D / EPW)) * EPW, p = c0 + i;
+            pk[u] = pv[u] = make_uint4(0u, 0u, 0u, 0u);
             if (p < kv_end) {
-                const float *kr = kv_row(a, pages, sk, p, g, page_floats, D) + d;
-                pk[u] = *reinterpret_cast<const float4 *>(kr);
-                pv[u] = *reinterpret_cast<const float4 *>(kr + v_off);
+                const size_t kr = kv_row(a, pages, sk, p, g, page_floats, D) + d;
+                if (KT == TDM_CU_KV_F32) {
+                    const float *kb = static_cast<const float *>(a.kv_base);
+                    pk[u] = *reinterpret_cast<const uint4 *>(kb + kr);
+                    pv[u] = *reinterpret_cast<const uint4 *>(kb + kr + v_off);
+                } else {
+                    pk[u] = tdm_kv_ld8_raw(a.kv_base, kr);
+                    pv[u] = tdm_kv_ld8_raw(a.kv_base, kr + v_off);
+                }
             }
+        }
+    };
+    /* a fetched word as bf16 pairs for shared memory */
+    auto to_smem = [&](const uint4 w, uint16_t *dst) {
+        if (KT == TDM_CU_KV_F32) {
+            *reinterpret_cast<uint2 *>(dst) =
+                make_uint2(pack_bf16(__uint_as_float(w.x), __uint_as_float(w.y)),
+                           pack_bf16(__uint_as_float(w.z), __uint_as_float(w.w)));
+        } else if (KT == TDM_CU_KV_BF16) {
+            *reinterpret_cast<uint4 *>(dst) = w;
+        } else {
+            const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+            uint32_t o[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float2 f = tdm_kv_widen2(ws[j], TDM_CU_KV_F16);
+                o[j] = pack_bf16(f.x, f.y);
+            }
+            *reinterpret_cast<uint4 *>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
         }
     };
     fetch(0);
@@ -393,11 +448,9 @@ template <int D> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(
 #pragma unroll
         for (int u = 0; u < LD; u++) {
             const int idx = threadIdx.x + u * MWARPS * 32;
-            const int i = idx / (D / 4), d = (idx % (D / 4)) * 4;
-            *reinterpret_cast<uint2 *>(Ks + i * KS + d) =
-                make_uint2(pack_bf16(pk[u].x, pk[u].y), pack_bf16(pk[u].z, pk[u].w));
-            *reinterpret_cast<uint2 *>(Vs + i * KS + d) =
-                make_uint2(pack_bf16(pv[u].x, pv[u].y), pack_bf16(pv[u].z, pv[u].w));
+            const int i = idx / (D / EPW), d = (idx % (D / EPW)) * EPW;
+            to_smem(pk[u], Ks + i * KS + d);
+            to_smem(pv[u], Vs + i * KS + d);
         }
         __syncthreads();
         if (c0 + BN < kv_end) fetch(c0 + BN);
@@ -586,9 +639,9 @@ template <int NJ> bool launch_rpw(cudaStream_t s, const attn_args &a, int n_tile
 } // namespace
 
 extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, int n_kv_heads,
-                                 int hd, const struct tdm_cu_step *st, const float *kv_base,
-                                 float scale, float *out, uint16_t *out_bf16, int n_splits,
-                                 float *part)
+                                 int hd, const struct tdm_cu_step *st, const void *kv_base,
+                                 int kv_type, float scale, float *out, uint16_t *out_bf16,
+                                 int n_splits, float *part)
 {
     if (st->n_tokens <= 0 || st->n_tiles <= 0) return true;
     if (hd <= 0 || hd > 512 || n_kv_heads <= 0 || n_heads % n_kv_heads) return false;
@@ -606,6 +659,7 @@ extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, in
                    n_splits > 1 ? nullptr : out_bf16,
                    part,
                    kv_base,
+                   kv_type,
                    n_heads,
                    n_kv_heads,
                    hd,
@@ -627,10 +681,24 @@ extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, in
     /* prefill-shaped steps (tiles of several tokens) on the tensor cores */
     if (mma && n_splits == 1) {
         dim3 grid(st->n_tiles, n_kv_heads);
-        if (hd == 64)
-            tdm_pdl_launch(attn_mma_kernel<64>, grid, MWARPS * 32, 0, s, a);
-        else
-            tdm_pdl_launch(attn_mma_kernel<128>, grid, MWARPS * 32, 0, s, a);
+#define TDM_MMA(D, KT) tdm_pdl_launch(attn_mma_kernel<D, KT>, grid, MWARPS * 32, 0, s, a)
+        if (kv_type == TDM_CU_KV_BF16) {
+            if (hd == 64)
+                TDM_MMA(64, TDM_CU_KV_BF16);
+            else
+                TDM_MMA(128, TDM_CU_KV_BF16);
+        } else if (kv_type == TDM_CU_KV_F16) {
+            if (hd == 64)
+                TDM_MMA(64, TDM_CU_KV_F16);
+            else
+                TDM_MMA(128, TDM_CU_KV_F16);
+        } else {
+            if (hd == 64)
+                TDM_MMA(64, TDM_CU_KV_F32);
+            else
+                TDM_MMA(128, TDM_CU_KV_F32);
+        }
+#undef TDM_MMA
         return true;
     }
     if (nj <= 1)
@@ -659,24 +727,27 @@ struct kv_pairs {
 /* One block per layer and K or V head, the pairs in order: a thread handles the same elements
  * of every pair, so a pair that reads what an earlier one wrote (or overwrites what it read)
  * sees it in program order, without a barrier. */
-__global__ void kv_copy_kernel(float *base, size_t layer_floats, int hd, int ps, int nkv, int n,
+/* Rows move as 16-bit units (a row of hd elements is hd * elem_bytes / 2 of them), whatever
+ * the element type. */
+__global__ void kv_copy_kernel(uint16_t *base, size_t layer_units, int row, int ps, int nkv, int n,
                                kv_pairs pr)
 {
     tdm_pdl_wait();
-    const size_t head = (size_t)ps * hd, page = 2 * (size_t)nkv * head;
-    float *layer = base + (size_t)blockIdx.x * layer_floats + (size_t)blockIdx.y * head;
+    const size_t head = (size_t)ps * row, page = 2 * (size_t)nkv * head;
+    uint16_t *layer = base + (size_t)blockIdx.x * layer_units + (size_t)blockIdx.y * head;
     for (int i = 0; i < n; i++) {
-        const float *from = layer + (size_t)(pr.src[i] / ps) * page + (size_t)(pr.src[i] % ps) * hd;
-        float *to = layer + (size_t)(pr.dst[i] / ps) * page + (size_t)(pr.dst[i] % ps) * hd;
-        for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        const uint16_t *from =
+            layer + (size_t)(pr.src[i] / ps) * page + (size_t)(pr.src[i] % ps) * row;
+        uint16_t *to = layer + (size_t)(pr.dst[i] / ps) * page + (size_t)(pr.dst[i] % ps) * row;
+        for (int d = threadIdx.x; d < row; d += blockDim.x)
             to[d] = from[d];
     }
 }
 } // namespace
 
-extern "C" void tdm_cu_kv_copy(cudaStream_t s, float *base, int n_layers, size_t layer_floats,
-                               int n_kv_heads, int hd, int page_size, const int32_t *src,
-                               const int32_t *dst, int n)
+extern "C" void tdm_cu_kv_copy(cudaStream_t s, void *base, int kv_type, int n_layers,
+                               size_t layer_bytes, int n_kv_heads, int hd, int page_size,
+                               const int32_t *src, const int32_t *dst, int n)
 {
     if (n <= 0 || n_layers <= 0) return;
     kv_pairs pr = {};
@@ -685,9 +756,10 @@ extern "C" void tdm_cu_kv_copy(cudaStream_t s, float *base, int n_layers, size_t
         pr.src[i] = src[i];
         pr.dst[i] = dst[i];
     }
-    dim3 grid(n_layers, 2 * n_kv_heads); /* (layer, K head then V head) */
-    tdm_pdl_launch(kv_copy_kernel, grid, 128, 0, s, base, layer_floats, hd, page_size, n_kv_heads,
-                   n, pr);
+    dim3 grid(n_layers, 2 * n_kv_heads);                    /* (layer, K head then V head) */
+    const int row = kv_type == TDM_CU_KV_F32 ? 2 * hd : hd; /* 16-bit units */
+    tdm_pdl_launch(kv_copy_kernel, grid, 128, 0, s, static_cast<uint16_t *>(base),
+                   layer_bytes / sizeof(uint16_t), row, page_size, n_kv_heads, n, pr);
 }
 
 extern "C" int tdm_cu_attention_rows_cap(int hd)

@@ -241,7 +241,15 @@ void tdm_cuda_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols
 void tdm_cuda_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                           float *out);
 void tdm_cuda_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
-                      size_t layer_floats, const int32_t *src, const int32_t *dst, int n);
+                      size_t layer_bytes, const int32_t *src, const int32_t *dst, int n);
+/* A KV pool's element type as the kernels name it (enum tdm_cu_kv); aborts on another. */
+static inline int tdm_cuda_kv_type(enum tdm_dtype t)
+{
+    TDM_ASSERT(t == TDM_DTYPE_F32 || t == TDM_DTYPE_BF16 || t == TDM_DTYPE_F16);
+    return t == TDM_DTYPE_BF16  ? TDM_CU_KV_BF16
+           : t == TDM_DTYPE_F16 ? TDM_CU_KV_F16
+                                : TDM_CU_KV_F32;
+}
 int32_t *tdm_cuda_counter_dev(struct tdm_cuda *cu, _Atomic int32_t *counter);
 void tdm_cuda_layer_done(tdm_backend_t *b, int layer, _Atomic int32_t *counter);
 void tdm_cuda_sync(tdm_backend_t *b);

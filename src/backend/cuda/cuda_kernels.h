@@ -56,23 +56,27 @@ void tdm_cu_scatter_cols(cudaStream_t s, const float *x, const int32_t *cols, in
                          int width, float *out);
 void tdm_cu_gather_rows(cudaStream_t s, const float *x, const int32_t *rows, int n, int dim,
                         float *out);
+/* The KV cache's element types as the kernels know them (kv.h: f32, bf16, f16). Kernels
+ * compute in fp32: stores round to nearest even, loads widen exactly. */
+enum tdm_cu_kv { TDM_CU_KV_F32 = 0, TDM_CU_KV_BF16 = 1, TDM_CU_KV_F16 = 2 };
 /* Copies K and V rows of n slots (every KV head) in n_layers layers of one region (layer l at
- * base + l * layer_floats): slot dst[i] gets slot src[i]'s, the pairs in order. src, dst: host
+ * base + l * layer_bytes): slot dst[i] gets slot src[i]'s, the pairs in order. src, dst: host
  * arrays, at most TDM_CU_KV_COPY_MAX pairs a call (they travel as kernel arguments). */
 #define TDM_CU_KV_COPY_MAX 64
-void tdm_cu_kv_copy(cudaStream_t s, float *base, int n_layers, size_t layer_floats, int n_kv_heads,
-                    int hd, int page_size, const int32_t *src, const int32_t *dst, int n);
-/* RoPE of q (in place) and k, k and v written to the KV cache at each token's slot (slot < 0:
- * a padding token, nothing written). inv_freq: [hd/2] device. */
+void tdm_cu_kv_copy(cudaStream_t s, void *base, int kv_type, int n_layers, size_t layer_bytes,
+                    int n_kv_heads, int hd, int page_size, const int32_t *src, const int32_t *dst,
+                    int n);
+/* RoPE of q (in place) and k, k and v written to the KV cache (elements of kv_type) at each
+ * token's slot (slot < 0: a padding token, nothing written). inv_freq: [hd/2] device. */
 void tdm_cu_rope_kv_append(cudaStream_t s, float *q, const float *k, const float *v, int n_heads,
                            int n_kv_heads, int hd, bool neox, const float *inv_freq,
-                           const struct tdm_cu_step *st, float *kv_base);
+                           const struct tdm_cu_step *st, void *kv_base, int kv_type);
 /* Attention. part: scratch of n_splits * n_tokens * n_heads * (hd + 2) floats when n_splits >
  * 1. Returns false when the shape is not supported (head_dim > 512 or more than 64 query heads
  * per KV head). */
 bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, int n_kv_heads, int hd,
-                      const struct tdm_cu_step *st, const float *kv_base, float scale, float *out,
-                      uint16_t *out_bf16, int n_splits, float *part);
+                      const struct tdm_cu_step *st, const void *kv_base, int kv_type, float scale,
+                      float *out, uint16_t *out_bf16, int n_splits, float *part);
 /* Small-batch matrix-vector products (decode): out_p[j][r] = x[j] . W_p[r] (+ bias_p[r]) for
  * up to 4 weights of k columns sharing the input x [n][k] bf16, n <= TDM_CU_GEMV_MAX_N:
  * for 3..8 tokens, tensor cores over 16 weight rows per block when rows % 16 == 0 and

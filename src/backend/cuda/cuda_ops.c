@@ -213,7 +213,7 @@ static void cu_rope_kv_append_impl(tdm_backend_t *b, float *q, const float *k, c
     const struct tdm_cu_step *ds = tdm_cuda_dev_step(cu, st, 0, kv->head_dim);
     const float *inv = inv_freq_dev(cu, rope);
     tdm_cu_rope_kv_append(cu->stream, q, k, v, n_heads, kv->n_kv_heads, rope->head_dim, rope->neox,
-                          inv, ds, kv->base);
+                          inv, ds, kv->base, tdm_cuda_kv_type(kv->dtype));
     check_launch();
 }
 
@@ -244,8 +244,8 @@ static void cu_attention_impl(tdm_backend_t *b, const float *q, int n_heads,
         splits = TDM_MAX(splits, 1);
     }
     uint16_t *sh = shadow_for(cu, out, (size_t)st->n_tokens * n_heads * hd);
-    if (!tdm_cu_attention(cu->stream, q, n_heads, kv->n_kv_heads, hd, ds, kv->base, scale, out, sh,
-                          splits, cu->part))
+    if (!tdm_cu_attention(cu->stream, q, n_heads, kv->n_kv_heads, hd, ds, kv->base,
+                          tdm_cuda_kv_type(kv->dtype), scale, out, sh, splits, cu->part))
         tdm_cu_fatal("attention", "unsupported shape (head_dim > 512 or > 64 heads per KV head)",
                      __FILE__, __LINE__);
     check_launch();
@@ -446,13 +446,14 @@ void tdm_cuda_sync(tdm_backend_t *b)
 }
 
 void tdm_cuda_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
-                      size_t layer_floats, const int32_t *src, const int32_t *dst, int n)
+                      size_t layer_bytes, const int32_t *src, const int32_t *dst, int n)
 {
     struct tdm_cuda *cu = tdm_cu_of(b);
     tdm_cuda_bind(cu);
     for (int i = 0; i < n; i += TDM_CU_KV_COPY_MAX) { /* pairs travel as kernel arguments */
-        tdm_cu_kv_copy(cu->stream, kv->base, n_layers, layer_floats, kv->n_kv_heads, kv->head_dim,
-                       kv->page_size, src + i, dst + i, TDM_MIN(n - i, TDM_CU_KV_COPY_MAX));
+        tdm_cu_kv_copy(cu->stream, kv->base, tdm_cuda_kv_type(kv->dtype), n_layers, layer_bytes,
+                       kv->n_kv_heads, kv->head_dim, kv->page_size, src + i, dst + i,
+                       TDM_MIN(n - i, TDM_CU_KV_COPY_MAX));
         check_launch();
     }
 }

@@ -16,6 +16,7 @@
  * one block (or one warp), so results do not depend on the batch.
  */
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/kv_elem.cuh"
 #include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
@@ -176,7 +177,7 @@ __device__ __forceinline__ void rotate_pair(float *x, int ia, int ib, float c, f
  * k is rotated and k, v are stored at the token's KV slot. */
 __global__ void rope_kv_kernel(float *q, const float *k, const float *v, int n_heads, int nkv,
                                int hd, bool neox, const float *inv_freq, const int32_t *positions,
-                               const int32_t *slots, int page_size, float *kv_base)
+                               const int32_t *slots, int page_size, void *kv_base, int kv_t)
 {
     tdm_pdl_wait();
     extern __shared__ float sm[];
@@ -198,20 +199,21 @@ __global__ void rope_kv_kernel(float *q, const float *k, const float *v, int n_h
     const int slot = slots[t];
     if (slot < 0) return;
     const int64_t page = slot / page_size, off = slot % page_size;
-    float *kpage = kv_base + (size_t)page * 2 * nkv * page_size * hd;
-    float *vpage = kpage + (size_t)nkv * page_size * hd;
+    /* element offsets of the page's K and V */
+    const size_t kpage = (size_t)page * 2 * nkv * page_size * hd;
+    const size_t vpage = kpage + (size_t)nkv * page_size * hd;
     const float *kt = k + (size_t)t * nkv * hd, *vt = v + (size_t)t * nkv * hd;
     for (int it = threadIdx.x; it < nkv * half; it += blockDim.x) {
         const int g = it / half, i = it % half;
         const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
         const float a = kt[(size_t)g * hd + ia], b = kt[(size_t)g * hd + ib];
-        float *dst = kpage + ((size_t)g * page_size + off) * hd;
-        dst[ia] = a * cs[i] - b * sn[i];
-        dst[ib] = a * sn[i] + b * cs[i];
+        const size_t dst = kpage + ((size_t)g * page_size + off) * hd;
+        tdm_kv_st(kv_base, dst + ia, kv_t, a * cs[i] - b * sn[i]);
+        tdm_kv_st(kv_base, dst + ib, kv_t, a * sn[i] + b * cs[i]);
     }
     for (int it = threadIdx.x; it < nkv * hd; it += blockDim.x) {
         const int g = it / hd, d = it % hd;
-        vpage[((size_t)g * page_size + off) * hd + d] = vt[it];
+        tdm_kv_st(kv_base, vpage + ((size_t)g * page_size + off) * hd + d, kv_t, vt[it]);
     }
 }
 
@@ -319,14 +321,14 @@ void tdm_cu_scatter_cols(cudaStream_t s, const float *x, const int32_t *cols, in
 
 void tdm_cu_rope_kv_append(cudaStream_t s, float *q, const float *k, const float *v, int n_heads,
                            int n_kv_heads, int hd, bool neox, const float *inv_freq,
-                           const struct tdm_cu_step *st, float *kv_base)
+                           const struct tdm_cu_step *st, void *kv_base, int kv_type)
 {
     if (st->n_tokens <= 0) return;
     /* few tokens (decode): wide blocks, as for the norms */
     const int threads = st->n_tokens <= 64 ? 1024 : 256;
     tdm_pdl_launch(rope_kv_kernel, st->n_tokens, threads, (size_t)hd * sizeof(float), s, q, k, v,
                    n_heads, n_kv_heads, hd, neox, inv_freq, st->positions, st->slots, st->page_size,
-                   kv_base);
+                   kv_base, kv_type);
 }
 
 void tdm_cu_store_counter(cudaStream_t s, int32_t *counter, int32_t value)
