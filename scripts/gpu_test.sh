@@ -7,6 +7,10 @@
 #   3. compute-sanitizer memcheck on the op test (on a second GPU when there is one, alongside)
 #   4. tandem bench model --backend cuda    for the llama-3.1-8b and llama-3.2-1b shapes
 #   5. with TANDEM_GPU_TEST_MODEL=PATH: greedy `tandem generate` on CPU and GPU, 8 prompts
+#   disagg: scripts/gpu_test.sh disagg [PREBUILT_DIR] [MODEL] runs only the disaggregation check
+#   (bench/gpu_disagg_check.py): a prefill node on GPU 0 and a decode node on GPU 1 (both on GPU
+#   0 when there is one), their answers against a colocated CUDA server's, then the failure cases.
+#   MODEL: default $TANDEM_GPU_TEST_MODEL, else a tiny random GGUF made with the test tools.
 # Usage: scripts/gpu_test.sh [PREBUILT_DIR]
 #   PREBUILT_DIR holds bin/ (tandem, test_backend_ops, test_cuda_engine, test_cuda_sample) and lib/ (shared libraries
 #   the binaries need that the GPU machine lacks), for machines without the build dependencies;
@@ -18,6 +22,11 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 LOGS=${OUT:-$PWD/gpu-test-logs}
 mkdir -p "$LOGS"
+MODE=all
+if [ "${1:-}" = disagg ]; then
+    MODE=disagg
+    shift
+fi
 if [ $# -ge 1 ]; then
     BIN=$1/bin
     export LD_LIBRARY_PATH="$(cd "$1" && pwd)/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -42,6 +51,24 @@ cat "$LOGS/gpus.txt"
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 status=0
 summary=""
+
+if [ "$MODE" = disagg ]; then
+    MODEL=${2:-${TANDEM_GPU_TEST_MODEL:-}}
+    if [ -z "$MODEL" ]; then # a small random llama; needs the test tools' Python packages
+        MODEL=$LOGS/disagg.gguf
+        (cd tests && ../.venv/bin/python -c "
+from lib.checkpoints import make_gguf_checkpoint
+make_gguf_checkpoint('$MODEL', 'llama', wtype='F16', seed=31, hidden_size=256,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                     intermediate_size=512, num_hidden_layers=4, max_position_embeddings=4096)
+") || { echo "cannot make the test model: give MODEL or TANDEM_GPU_TEST_MODEL"; exit 1; }
+    fi
+    DEC=0
+    [ "$NGPU" -ge 2 ] && DEC=1
+    python3 bench/gpu_disagg_check.py "$TANDEM" "$MODEL" --prefill-gpu 0 --decode-gpu "$DEC" \
+        2>&1 | tee "$LOGS/disagg.log"
+    exit "${PIPESTATUS[0]}"
+fi
 
 # memcheck runs on the last GPU, in the background, when there are two or more
 SAN_PID=""

@@ -300,6 +300,11 @@ tdm_status tdm_xfer_ipc_create(const struct tdm_xfer_ipc_config *cfg, tdm_xfer_i
  * through it must be deregistered first. NULL is a no-op. */
 void tdm_xfer_ipc_destroy(tdm_xfer_ipc_t *t);
 struct tdm_xfer_transport tdm_xfer_ipc_transport(tdm_xfer_ipc_t *t);
+/* `peer` is gone (dead, or restarted elsewhere): the destinations last written for it are
+ * closed (at once, or when their writes in flight complete). An exporter's device memory is
+ * freed only once every process that opened it has closed it, so a writer that kept a dead
+ * decoder's pool open would hold that memory for as long as it runs. NULL is a no-op. */
+void tdm_xfer_ipc_forget_peer(tdm_xfer_ipc_t *t, uint32_t peer);
 
 /* ---- immediate counters (also fed by the CUDA IPC transport) ---- */
 struct tdm_xfer_counter_stats {

@@ -661,9 +661,9 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     if ((st = tdm_disagg_endpoint_open(&d->ep, &eopts)) != TDM_OK) goto out_free;
     for (; d->n_slots > (int)d->ep.caps.max_slot + 1; d->n_slots--) /* the immediates name fewer */
         free(d->slots[d->n_slots - 1].pages);
-    d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.kv_reg, &d->kv_rmem);
+    d->ep.kv_tp.iface->mr_remote(d->ep.kv_tp.t, &d->ep.kv_reg, &d->kv_rmem);
     d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.ctx_reg, &d->ctx_rmem);
-    if (d->ep.head.on) d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.head_reg, &d->head_rmem);
+    if (d->ep.head.on) d->ep.kv_tp.iface->mr_remote(d->ep.kv_tp.t, &d->ep.head_reg, &d->head_rmem);
 
     for (int i = 0; i < o->n_peers; i++) {
         struct dpeer *p = &d->peers[d->n_peers];
@@ -705,7 +705,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
 out_ep:
     for (int i = 0; i < d->n_peers; i++)
         free(d->peers[i].file);
-    tdm_xfer_destroy(d->ep.x);
+    tdm_disagg_endpoint_stop(&d->ep);
     tdm_disagg_endpoint_release(&d->ep);
 out_free:
     for (int i = 0; d->slots && i < d->n_slots; i++)
@@ -735,7 +735,7 @@ void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d)
     for (int i = 0; i < d->n_peers; i++)
         free(d->peers[i].file);
     /* the scheduler is stopped: nothing pending can land any more */
-    tdm_xfer_destroy(d->ep.x); /* fires armed counters with TDM_ECANCELED */
+    tdm_disagg_endpoint_stop(&d->ep); /* fires armed counters with TDM_ECANCELED */
     pthread_mutex_lock(&d->mu);
     for (int i = 0; i < d->n_slots; i++)
         if (d->slots[i].state == SLOT_FENCED) unfence_locked(d, &d->slots[i]);

@@ -24,7 +24,12 @@ struct disagg_head {
 };
 struct disagg_endpoint {
     tdm_xfer_t *x;                /* the control channel: peers, messages, counters */
-    struct tdm_xfer_transport tp; /* the data plane: every write and send goes through it */
+    struct tdm_xfer_transport tp; /* the data plane: sends and the context's writes */
+    /* The KV pages' data plane (the pool's and the head's): tp for a host pool, or a device
+     * pool on a provider that registers GPU memory (FI_HMEM); CUDA IPC for a device pool
+     * otherwise (ipc: that transport, owned), which reaches the decoders of this host. */
+    struct tdm_xfer_transport kv_tp;
+    tdm_xfer_ipc_t *ipc;
     struct tdm_xfer_region kv_reg, ctx_reg, head_reg; /* head_reg: with a head only */
     struct tdm_xfer_caps caps;
     struct tdm_kv_geometry kv; /* the pool's place, element type and strides */
@@ -47,8 +52,16 @@ struct disagg_endpoint_opts {
  * On failure nothing is left open. */
 tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
                                     const struct disagg_endpoint_opts *o);
-/* Deregisters the regions; call after tdm_xfer_destroy(ep->x). */
+/* Ends the data plane: a CUDA IPC transport waits for its writes in flight and runs their
+ * callbacks (which may send over the engine, so it goes first; no lock they take may be held),
+ * then the engine is destroyed (tdm_xfer_destroy: pending operations end with TDM_ECANCELED). */
+void tdm_disagg_endpoint_stop(struct disagg_endpoint *ep);
+/* Deregisters the regions; call after tdm_disagg_endpoint_stop. */
 void tdm_disagg_endpoint_release(struct disagg_endpoint *ep);
+/* Whether this side's KV data plane can write into (or be written from) a peer region of
+ * kind `kind`: host pools pair with host regions; device pools with CUDA IPC regions, or with
+ * either over a provider that registers GPU memory. */
+bool tdm_disagg_endpoint_kv_pairs(const struct disagg_endpoint *ep, uint32_t kind);
 /* A head's identity and geometry in words, for messages: "0123456789abcdef (1 layer, 9 heads,
  * 3 kv heads of 64, d_ff 1536)". */
 void tdm_disagg_head_describe(const struct tdm_disagg_head_req *h, char *buf, size_t cap);

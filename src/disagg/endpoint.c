@@ -66,39 +66,76 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     xc.on_peer = o->on_peer;
     xc.on_peer_ctx = o->ctx;
     if ((st = tdm_xfer_create(&xc, &ep->x)) != TDM_OK) return st;
-    /* host pages travel by the fabric's RMA; device pages will take CUDA IPC or host staging
-     * through the same table (the issue of GPU disaggregation) */
+    /* context buffers (host) travel by the fabric's RMA; KV pages by the fabric too when they
+     * are in host memory (or the provider registers GPU memory), else by CUDA IPC */
     ep->tp = tdm_xfer_fabric_transport(ep->x);
     const struct tdm_xfer_transport_i *tp = ep->tp.iface;
     tp->get_caps(ep->tp.t, &ep->caps);
-    enum tdm_xfer_mem_kind kind =
-        ep->kv.place.kind == TDM_MEM_DEVICE ? TDM_XFER_MEM_CUDA : TDM_XFER_MEM_HOST;
-    if ((st = tp->mr_reg(ep->tp.t, ep->kv.base, ep->kv.bytes, kind, &ep->kv_reg)) != TDM_OK)
-        goto out_xfer;
+    const bool dev = ep->kv.place.kind == TDM_MEM_DEVICE;
+    enum tdm_xfer_mem_kind kind = dev ? TDM_XFER_MEM_CUDA : TDM_XFER_MEM_HOST;
+    ep->kv_tp = ep->tp;
+    if (dev && !ep->caps.hmem_cuda) {
+        struct tdm_xfer_ipc_config ic = {.device = ep->kv.place.device, .control = ep->x};
+        if ((st = tdm_xfer_ipc_create(&ic, &ep->ipc)) != TDM_OK) {
+            tdm_err_set(st,
+                        "disagg: the KV pool is on GPU %d and the fabric (%s) cannot "
+                        "register GPU memory, so pages move by CUDA IPC, which failed: %s",
+                        ep->kv.place.device, ep->caps.provider, tdm_err_msg());
+            goto out_xfer;
+        }
+        ep->kv_tp = tdm_xfer_ipc_transport(ep->ipc);
+        TDM_INFO("disagg: KV pages on GPU %d move by CUDA IPC (nodes of this host; %s cannot "
+                 "register GPU memory)",
+                 ep->kv.place.device, ep->caps.provider);
+    }
+    const struct tdm_xfer_transport_i *ktp = ep->kv_tp.iface;
+    if ((st = ktp->mr_reg(ep->kv_tp.t, ep->kv.base, ep->kv.bytes, kind, &ep->kv_reg)) != TDM_OK)
+        goto out_ipc;
     if ((st = tp->mr_reg(ep->tp.t, o->ctx_mem, o->ctx_bytes, TDM_XFER_MEM_HOST, &ep->ctx_reg)) !=
         TDM_OK)
         goto out_kv;
-    if (ep->head.on &&
-        (st = tp->mr_reg(ep->tp.t, ep->head.base, ep->head.bytes, kind, &ep->head_reg)) != TDM_OK)
+    if (ep->head.on && (st = ktp->mr_reg(ep->kv_tp.t, ep->head.base, ep->head.bytes, kind,
+                                         &ep->head_reg)) != TDM_OK)
         goto out_ctx;
     return TDM_OK;
 
 out_ctx:
     tp->mr_dereg(ep->tp.t, &ep->ctx_reg);
 out_kv:
-    tp->mr_dereg(ep->tp.t, &ep->kv_reg);
+    ktp->mr_dereg(ep->kv_tp.t, &ep->kv_reg);
+out_ipc:
+    tdm_xfer_ipc_destroy(ep->ipc);
 out_xfer:
     tdm_xfer_destroy(ep->x);
     *ep = (struct disagg_endpoint){0};
     return st;
 }
 
+bool tdm_disagg_endpoint_kv_pairs(const struct disagg_endpoint *ep, uint32_t kind)
+{
+    if (ep->kv.place.kind != TDM_MEM_DEVICE) return kind == TDM_XFER_MEM_HOST;
+    return ep->ipc ? kind == TDM_XFER_MEM_CUDA
+                   : kind == TDM_XFER_MEM_CUDA || kind == TDM_XFER_MEM_HOST;
+}
+
+void tdm_disagg_endpoint_stop(struct disagg_endpoint *ep)
+{
+    if (ep->ipc) { /* its regions first (its contract), then its writes in flight */
+        ep->kv_tp.iface->mr_dereg(ep->kv_tp.t, &ep->head_reg);
+        ep->kv_tp.iface->mr_dereg(ep->kv_tp.t, &ep->kv_reg);
+        tdm_xfer_ipc_destroy(ep->ipc);
+        ep->ipc = NULL;
+    }
+    tdm_xfer_destroy(ep->x);
+}
+
 void tdm_disagg_endpoint_release(struct disagg_endpoint *ep)
 {
     if (!ep->tp.iface) return;
-    ep->tp.iface->mr_dereg(ep->tp.t, &ep->head_reg); /* zeroed without a head: a no-op */
+    /* zeroed regions (no head, or deregistered by stop) are no-ops */
+    ep->kv_tp.iface->mr_dereg(ep->kv_tp.t, &ep->head_reg);
     ep->tp.iface->mr_dereg(ep->tp.t, &ep->ctx_reg);
-    ep->tp.iface->mr_dereg(ep->tp.t, &ep->kv_reg);
+    ep->kv_tp.iface->mr_dereg(ep->kv_tp.t, &ep->kv_reg);
 }
 
 void tdm_disagg_endpoint_metrics(struct disagg_endpoint *ep, struct tdm_sbuf *b)

@@ -229,8 +229,8 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
                 .dst_offset =
                     (uint64_t)layer * (head ? j->m.head.dst_layer_stride : j->m.dst_layer_stride)};
             tdm_kv_pool_hold(p->kv, n, w->pages);
-            st = p->ep.tp.iface->write_pages(
-                p->ep.tp.t, j->xpeer, head ? &p->ep.head_reg : &p->ep.kv_reg,
+            st = p->ep.kv_tp.iface->write_pages(
+                p->ep.kv_tp.t, j->xpeer, head ? &p->ep.head_reg : &p->ep.kv_reg,
                 head ? &j->m.head.kv : &j->m.kv, &pg, &imm, 0, on_write_done, w);
             if (st != TDM_OK) tdm_kv_pool_unhold(p->kv, n, w->pages);
         } else {
@@ -471,6 +471,15 @@ static tdm_status validate(struct tdm_disagg_prefill *p, const struct tdm_disagg
                  m->elem_bytes, tdm_dtype_name(p->ep.kv.dtype), p->ep.kv.elem_bytes);
         return TDM_EINVAL;
     }
+    if (!tdm_disagg_endpoint_kv_pairs(&p->ep, m->kv.kind) ||
+        (m->want_head && !tdm_disagg_endpoint_kv_pairs(&p->ep, m->head.kv.kind))) {
+        snprintf(why, cap,
+                 "KV pages: the decoder's in %s memory, ours in %s memory; no transport pairs "
+                 "them (CUDA IPC: GPU pools of one host; host staging: not built)",
+                 m->kv.kind == TDM_XFER_MEM_CUDA ? "GPU" : "host",
+                 p->ep.kv.place.kind == TDM_MEM_DEVICE ? "GPU" : "host");
+        return TDM_EUNSUPPORTED;
+    }
     if (m->kv_head_begin != 0 || m->kv_head_end != m->n_kv_heads) {
         snprintf(why, cap, "sharded decoders (kv heads %u..%u) are not supported by this node",
                  m->kv_head_begin, m->kv_head_end);
@@ -612,6 +621,8 @@ static void on_peer(void *ctx, uint32_t xpeer, bool up)
 {
     struct tdm_disagg_prefill *p = ctx;
     if (up) return;
+    /* its GPU pool, opened by CUDA IPC, is closed here, or it could never be freed */
+    tdm_xfer_ipc_forget_peer(p->ep.ipc, xpeer);
     pthread_mutex_lock(&p->mu);
     for (struct job *j = p->jobs; j; j = j->next)
         if (j->xpeer == xpeer && j->state != JOB_DROPPED) {
@@ -833,7 +844,7 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
     return TDM_OK;
 
 out_mr:
-    tdm_xfer_destroy(p->ep.x);
+    tdm_disagg_endpoint_stop(&p->ep);
     tdm_disagg_endpoint_release(&p->ep);
 out_free:
     tdm_spec_head_kv_destroy(p->head_kv);
@@ -854,7 +865,7 @@ void tdm_disagg_prefill_destroy(tdm_disagg_prefill_t *p)
 {
     if (!p) return;
     /* the scheduler is stopped (every job's request has finished) */
-    tdm_xfer_destroy(p->ep.x); /* completes pending writes with TDM_ECANCELED */
+    tdm_disagg_endpoint_stop(&p->ep); /* completes pending writes with TDM_ECANCELED */
     pthread_mutex_lock(&p->mu);
     p->stop = true;
     pthread_cond_signal(&p->cv);

@@ -303,14 +303,6 @@ int tdm_cmd_serve(int argc, char **argv)
                 role);
         return 2;
     }
-    if ((is_prefill || is_decode) && backend_kind == TDM_BACKEND_CUDA) {
-        fprintf(stderr,
-                "tandem serve: --role %s with --backend cuda is not supported yet: the KV "
-                "messenger moves host-memory pages (GPU pages need the CUDA IPC transport "
-                "or host staging)\n",
-                role);
-        return 2;
-    }
     /* a head's methods: a chain (mtp) or trees (eagle) of the same head */
     const bool head_method = spec_o.method == TDM_SPEC_MTP || spec_o.method == TDM_SPEC_EAGLE;
     if (is_prefill && spec_on && !head_method) {

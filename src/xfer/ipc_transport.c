@@ -5,7 +5,10 @@
  * Data. A region is device memory, exported with an IPC handle (tdm_xfer_cuda_export); its
  * remote descriptor carries the handle, the region's offset in its allocation (addr) and its
  * length. A writer opens a destination's handle once and keeps the mapping (a small cache keyed
- * by the handle's bytes, closed at destroy; an entry with writes in flight is never evicted).
+ * by the handle's bytes, closed at destroy, or when the peer it was written for is gone
+ * (tdm_xfer_ipc_forget_peer: an exporter's memory is freed only once every importer has closed
+ * it); an entry with writes in flight is never evicted, and a forgotten one is closed when its
+ * last write completes).
  * A destination registered in this same process (another transport of the process, or this
  * one) is written through its own pointer: CUDA refuses to open a handle in the process that
  * exported it. Bounds come from the mapping's true allocation size, never from the peer's
@@ -43,6 +46,8 @@ struct ipc_mapping {
     size_t bytes;   /* its true size */
     int in_flight;  /* writes into it not yet completed */
     uint64_t stamp; /* last use, for eviction */
+    uint32_t peer;  /* the peer it was last written for */
+    bool forget;    /* its peer is gone: close it once in_flight is 0 */
 };
 
 /* A region registered by some transport of this process. */
@@ -167,6 +172,7 @@ static tdm_status resolve_dst(struct tdm_xfer_ipc *t, const struct tdm_xfer_rmem
             m = victim;
         }
         m->stamp = ++t->clock;
+        m->forget = false;
         base = m->base;
         alloc = m->bytes;
         *map = m;
@@ -195,7 +201,10 @@ static void on_kernel_done(void *ctx, tdm_status st)
         t->done_head = op;
     t->done_tail = op;
     t->pending--;
-    if (op->map) op->map->in_flight--;
+    if (op->map && --op->map->in_flight == 0 && op->map->forget) {
+        tdm_xfer_cuda_close(op->map->base);
+        *op->map = (struct ipc_mapping){0};
+    }
 }
 
 /* No lock held: forward the immediate, then the caller's done. */
@@ -334,7 +343,10 @@ static tdm_status ipc_write_pages(void *tp, uint32_t peer, const struct tdm_xfer
     }
     if (st == TDM_OK) {
         t->pending++;
-        if (op->map) op->map->in_flight++;
+        if (op->map) {
+            op->map->in_flight++;
+            op->map->peer = peer;
+        }
         pthread_cond_signal(&t->cv);
     }
     pthread_mutex_unlock(&t->mu);
@@ -409,6 +421,23 @@ static const struct tdm_xfer_transport_i IPC_TRANSPORT = {
     .poll = ipc_poll,
     .get_caps = ipc_get_caps,
 };
+
+void tdm_xfer_ipc_forget_peer(tdm_xfer_ipc_t *t, uint32_t peer)
+{
+    if (!t) return;
+    pthread_mutex_lock(&t->mu);
+    for (int i = 0; i < IPC_CACHE; i++) {
+        struct ipc_mapping *m = &t->cache[i];
+        if (!m->base || m->peer != peer) continue;
+        if (m->in_flight) {
+            m->forget = true; /* on_kernel_done closes it */
+        } else {
+            tdm_xfer_cuda_close(m->base);
+            *m = (struct ipc_mapping){0};
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+}
 
 tdm_status tdm_xfer_ipc_create(const struct tdm_xfer_ipc_config *cfg, tdm_xfer_ipc_t **out)
 {

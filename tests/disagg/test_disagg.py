@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from lib.server import Server
+from lib.server import Server, build_dir
 
 SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
 THREADS = ["--threads", "1"]
@@ -555,3 +555,30 @@ def test_two_byte_kv_pages(default_model):
         for s in (d, p, p32, col):
             if s:
                 s.stop()
+
+
+def test_gpu_pages_refused_by_a_host_pool(default_model):
+    """A decoder whose PREFILL says its KV pool is GPU memory, sent to a prefill node whose pool
+    is in host memory, is refused, naming both sides, and nothing is written into its region;
+    the same request describing host memory is served (the control: the check can fail)."""
+    p = prefill_node()
+    try:
+        addr = open(p.addr_file).read().strip()
+        tool = os.path.join(str(build_dir()), "tests", "tools", "xfer_peer")
+        res = {}
+        for kind in ("cuda", "host"):
+            cp = subprocess.run([tool, "--role", "flood", "--peer", addr, "--flood-ms", "100",
+                                 "--linger-ms", "3000" if not SANITIZED else "15000",
+                                 "--prefill-geometry", "30,3,64,16,576,49152",
+                                 "--prefill-kv-kind", kind],
+                                capture_output=True, text=True, timeout=120)
+            line = [x for x in cp.stdout.splitlines() if x.startswith("FLOOD ")]
+            assert line, cp.stdout + cp.stderr
+            res[kind] = {k: int(v) for k, v in (f.split("=") for f in line[0].split()[1:])}
+        assert res["cuda"]["written"] == 0, res
+        assert res["host"]["written"] > 0, res
+        log = open(p.log_path, errors="replace").read()  # whole: the flood's junk fills the tail
+        assert "KV pages: the decoder's in GPU memory, ours in host memory" in log, log[-3000:]
+        prefill_idle(p)
+    finally:
+        p.stop()

@@ -17,7 +17,8 @@
  *               (with --fabric-key FILE or without), prints "PEER up=<0|1>" (with --no-wait it
  *               does not wait for the handshake, and sends while it is unanswered), then with
  *               --prefill-geometry L,H,D,PS,DM,V sends a PREFILL for a 16-token prompt whose KV
- *               and context are to land in a region of its own (free compute), and for
+ *               and context are to land in a region of its own (free compute; with
+ *               --prefill-kv-kind cuda the request claims that region is GPU memory), and for
  *               --flood-ms sends immediates with random slots, epochs and indices (half of them
  *               in the first 8 slots with epochs under 16, where guessing once worked) and, every
  *               64th, a control message of random bytes. After --linger-ms it prints
@@ -42,6 +43,7 @@
 
 static struct {
     const char *role, *provider, *node, *peer_addr, *faults, *dump, *key_file, *geometry;
+    bool kv_cuda; /* --prefill-kv-kind cuda: the PREFILL says its KV region is GPU memory */
     int flood_ms;
     bool no_wait;
     int writes, pages_per_write, expect, stale, interval_ms, linger_ms, counter_timeout_ms;
@@ -408,6 +410,7 @@ static int run_flood(void)
                                               .pages = pages};
         tdm_xfer_mr_remote(mr, &pm->kv);
         pm->ctx = pm->kv;
+        if (opt.kv_cuda) pm->kv.kind = TDM_XFER_MEM_CUDA; /* a lie: it is host memory */
         uint8_t buf[4096];
         size_t n = tdm_disagg_msg_encode(&m, buf, sizeof buf);
         if (n && tdm_xfer_send(engine, peer, buf, n, 0, NULL, NULL) == TDM_OK)
@@ -480,6 +483,7 @@ int main(int argc, char **argv)
                                        {"run-timeout-ms", 1, 0, 'R'},
                                        {"fabric-key", 1, 0, 'K'},
                                        {"prefill-geometry", 1, 0, 'G'},
+                                       {"prefill-kv-kind", 1, 0, 'J'},
                                        {"flood-ms", 1, 0, 'F'},
                                        {"no-wait", 0, 0, 'W'},
                                        {0, 0, 0, 0}};
@@ -554,6 +558,13 @@ int main(int argc, char **argv)
             break;
         case 'G':
             opt.geometry = optarg;
+            break;
+        case 'J':
+            if (strcmp(optarg, "host") && strcmp(optarg, "cuda")) {
+                fprintf(stderr, "xfer_peer: --prefill-kv-kind host|cuda\n");
+                return 2;
+            }
+            opt.kv_cuda = !strcmp(optarg, "cuda");
             break;
         case 'F':
             opt.flood_ms = atoi(optarg);
