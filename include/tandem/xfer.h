@@ -382,6 +382,9 @@ tdm_status tdm_xfer_cuda_open(const struct tdm_xfer_rmem *r, void **dptr);
  * size, whatever a peer's descriptor claims). */
 tdm_status tdm_xfer_cuda_alloc_size(const void *dptr, size_t *bytes);
 void tdm_xfer_cuda_close(void *dptr);
+/* The device ordinal of device memory at dptr (what a provider's GPU memory registration
+ * names). */
+tdm_status tdm_xfer_cuda_device_of(const void *dptr, int *device);
 /* Launches one kernel copying every page of `pages` from src (device pointer, offsets as in
  * tdm_xfer_write_pages) to dst (a local or opened device pointer of dst_bytes). When it has
  * finished, tdm_xfer_cuda_poll hands `imm` (if any) to `counters` and calls done. */

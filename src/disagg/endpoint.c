@@ -74,7 +74,15 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     const bool dev = ep->kv.place.kind == TDM_MEM_DEVICE;
     enum tdm_xfer_mem_kind kind = dev ? TDM_XFER_MEM_CUDA : TDM_XFER_MEM_HOST;
     ep->kv_tp = ep->tp;
-    if (dev && !ep->caps.hmem_cuda) {
+    /* device pages: by the fabric where it registers GPU memory (GPUDirect RDMA), else CUDA IPC */
+    st = !dev || ep->caps.hmem_cuda
+             ? tp->mr_reg(ep->tp.t, ep->kv.base, ep->kv.bytes, kind, &ep->kv_reg)
+             : TDM_EUNSUPPORTED;
+    if (dev && st == TDM_OK)
+        TDM_INFO("disagg: KV pages on GPU %d move by %s RMA straight from GPU memory",
+                 ep->kv.place.device, ep->caps.provider);
+    if (dev && st != TDM_OK) {
+        if (ep->caps.hmem_cuda) TDM_WARN("disagg: %s; KV pages take CUDA IPC", tdm_err_msg());
         struct tdm_xfer_ipc_config ic = {.device = ep->kv.place.device, .control = ep->x};
         if ((st = tdm_xfer_ipc_create(&ic, &ep->ipc)) != TDM_OK) {
             tdm_err_set(st,
@@ -87,10 +95,10 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
         TDM_INFO("disagg: KV pages on GPU %d move by CUDA IPC (nodes of this host; %s cannot "
                  "register GPU memory)",
                  ep->kv.place.device, ep->caps.provider);
+        st = ep->kv_tp.iface->mr_reg(ep->kv_tp.t, ep->kv.base, ep->kv.bytes, kind, &ep->kv_reg);
     }
     const struct tdm_xfer_transport_i *ktp = ep->kv_tp.iface;
-    if ((st = ktp->mr_reg(ep->kv_tp.t, ep->kv.base, ep->kv.bytes, kind, &ep->kv_reg)) != TDM_OK)
-        goto out_ipc;
+    if (st != TDM_OK) goto out_ipc;
     if ((st = tp->mr_reg(ep->tp.t, o->ctx_mem, o->ctx_bytes, TDM_XFER_MEM_HOST, &ep->ctx_reg)) !=
         TDM_OK)
         goto out_kv;

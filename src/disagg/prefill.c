@@ -104,6 +104,7 @@ struct tdm_disagg_prefill {
     _Atomic int32_t *layer_counter;
     struct disagg_endpoint ep;
     size_t layer_bytes, page_bytes, ctx_bytes; /* from the pool's geometry */
+    uint8_t told[256]; /* decoder peers told in the log how their pages move (xfer's thread) */
     float *ctx_mem;
     int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, max_ctx, max_chunk;
 
@@ -574,6 +575,13 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
         nack(p, xpeer, m.prefill.slot, m.prefill.epoch, vst, why);
         goto out;
     }
+    if (xpeer < sizeof p->told && !p->told[xpeer]) { /* once per peer: the transport it gets */
+        p->told[xpeer] = 1;
+        TDM_INFO("disagg: decoder peer %u: KV pages by %s, from %s memory here to %s memory there",
+                 xpeer, p->ep.kv_tp.iface->name,
+                 p->ep.kv.place.kind == TDM_MEM_DEVICE ? "GPU" : "host",
+                 m.prefill.kv.kind == TDM_XFER_MEM_CUDA ? "GPU" : "host");
+    }
     struct job *j = calloc(1, sizeof *j);
     if (!j) {
         nack(p, xpeer, m.prefill.slot, m.prefill.epoch, TDM_ENOMEM, "out of memory");
@@ -623,6 +631,7 @@ static void on_peer(void *ctx, uint32_t xpeer, bool up)
     if (up) return;
     /* its GPU pool, opened by CUDA IPC, is closed here, or it could never be freed */
     tdm_xfer_ipc_forget_peer(p->ep.ipc, xpeer);
+    if (xpeer < sizeof p->told) p->told[xpeer] = 0; /* a new process may take its index */
     pthread_mutex_lock(&p->mu);
     for (struct job *j = p->jobs; j; j = j->next)
         if (j->xpeer == xpeer && j->state != JOB_DROPPED) {

@@ -413,6 +413,10 @@ tdm_status tdm_xfer_cuda_alloc_size(const void *dptr, size_t *bytes)
 {
     return no_cuda();
 }
+tdm_status tdm_xfer_cuda_device_of(const void *dptr, int *device)
+{
+    return no_cuda();
+}
 tdm_status tdm_xfer_cuda_write_pages(tdm_xfer_cuda_t *c, const void *src, size_t src_bytes,
                                      void *dst, size_t dst_bytes,
                                      const struct tdm_xfer_pages *pages,

@@ -213,6 +213,17 @@ extern "C" tdm_status tdm_xfer_cuda_alloc_size(const void *dptr, size_t *bytes)
     return TDM_OK;
 }
 
+extern "C" tdm_status tdm_xfer_cuda_device_of(const void *dptr, int *device)
+{
+    cudaPointerAttributes a;
+    cudaError_t e = cudaPointerGetAttributes(&a, dptr);
+    if (e != cudaSuccess) return cuda_fail(e, "cudaPointerGetAttributes");
+    if (a.type != cudaMemoryTypeDevice)
+        return tdm_err_set(TDM_EINVAL, "xfer cuda: %p is not device memory", dptr);
+    *device = a.device;
+    return TDM_OK;
+}
+
 extern "C" tdm_status tdm_xfer_cuda_open(const struct tdm_xfer_rmem *r, void **dptr)
 {
     if (r->kind != TDM_XFER_MEM_CUDA)

@@ -539,6 +539,9 @@ def test_two_byte_kv_pages(default_model):
         assert m1[("tandem_disagg_local_fallbacks_total", ())] == 0
         prefill_idle(p)
         assert ", bf16;" in p.logs() and ", bf16;" in d.logs()
+        # which transport each decoder peer gets, said once
+        assert p.logs().count("KV pages by libfabric, from host memory here to host memory "
+                              "there") == 1, p.logs()
         d.stop()
         d = None
         # an f32 prefill node: refused, and served locally

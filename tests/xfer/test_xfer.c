@@ -391,6 +391,22 @@ static void test_engine_loopback_shm(void **state)
     assert_int_equal(tdm_xfer_mr_reg(a, src, NP * PAGE, TDM_XFER_MEM_HOST, &ms), TDM_OK);
     assert_int_equal(tdm_xfer_mr_reg(b, dst, NP * PAGE, TDM_XFER_MEM_HOST, &md), TDM_OK);
     assert_int_equal(tdm_xfer_mr_reg(a, src, NP * PAGE, TDM_XFER_MEM_CUDA, &ms), TDM_EUNSUPPORTED);
+    {
+        /* asked for GPU memory registration (FI_HMEM), Debian's shm may claim it; a
+         * registration it cannot do is still TDM_EUNSUPPORTED (the caller's cue for CUDA IPC),
+         * never a crash, and host regions work as before */
+        setenv("TANDEM_XFER_HMEM", "1", 1);
+        tdm_xfer_t *h;
+        tdm_status hs = tdm_xfer_create(&cfg, &h);
+        unsetenv("TANDEM_XFER_HMEM");
+        assert_int_equal(hs, TDM_OK);
+        tdm_xfer_mr_t *hm;
+        assert_int_equal(tdm_xfer_mr_reg(h, src, NP * PAGE, TDM_XFER_MEM_CUDA, &hm),
+                         TDM_EUNSUPPORTED);
+        assert_int_equal(tdm_xfer_mr_reg(h, src, NP * PAGE, TDM_XFER_MEM_HOST, &hm), TDM_OK);
+        tdm_xfer_mr_dereg(hm);
+        tdm_xfer_destroy(h);
+    }
     char addr[TDM_XFER_ADDR_MAX];
     assert_int_equal(tdm_xfer_addr(b, addr, sizeof(addr)), TDM_OK);
     uint32_t peer;

@@ -34,32 +34,44 @@ static tdm_status open_fabric(tdm_xfer_t *x)
 {
     struct fi_info *hints = fi_allocinfo();
     if (!hints) return tdm_err_set(TDM_ENOMEM, "xfer: fi_allocinfo failed");
-    hints->caps = FI_MSG | FI_RMA;
     hints->ep_attr->type = FI_EP_RDM;
     hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
-    hints->domain_attr->mr_mode =
-        FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
     hints->domain_attr->threading = FI_THREAD_SAFE;
     hints->fabric_attr->prov_name = strdup(x->provider_name);
     const char *node = x->node[0] ? x->node : NULL;
     uint64_t flags = node ? FI_SOURCE : 0;
-    int rc;
-    /* Writes must be visible before the immediate that follows them. A provider that orders
-     * write data (FI_ORDER_WAW without a size limit, e.g. tcp;ofi_rxm over one stream) gives that
-     * for free; otherwise ask for delivery-complete writes (the immediate write is then posted
-     * after the others complete), falling back to the provider's default. */
-    hints->tx_attr->op_flags = 0;
-    rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
-    x->ordered_writes = rc == 0 && (x->info->tx_attr->msg_order & FI_ORDER_WAW) &&
-                        x->info->ep_attr->max_order_waw_size >= (1ull << 30);
-    if (rc == 0 && !x->ordered_writes) {
-        fi_freeinfo(x->info);
-        x->info = NULL;
-        hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+    int rc = -FI_ENODATA;
+    /* GPU memory registration (FI_HMEM: GPUDirect RDMA) is asked for first from the RDMA
+     * providers (verbs, efa), so device pages need no staging where the provider can; one
+     * without it answers the plain request. Not from shm and tcp: Debian's build of them claims
+     * FI_HMEM with no CUDA behind it, and their host data path is what we measured. A claim is
+     * only a claim: a registration of GPU memory that fails is TDM_EUNSUPPORTED, and the caller
+     * moves device pages another way. $TANDEM_XFER_HMEM=1 asks any provider, =0 none. */
+    const char *hm = getenv("TANDEM_XFER_HMEM");
+    const bool rdma = strstr(x->provider_name, "verbs") || strstr(x->provider_name, "efa");
+    const bool ask = hm && *hm ? !strcmp(hm, "1") : rdma;
+    for (int hmem = ask; hmem >= 0 && rc; hmem--) {
+        hints->caps = FI_MSG | FI_RMA | (hmem ? FI_HMEM : 0);
+        hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
+                                      FI_MR_PROV_KEY | FI_MR_ENDPOINT | (hmem ? FI_MR_HMEM : 0);
+        /* Writes must be visible before the immediate that follows them. A provider that
+         * orders write data (FI_ORDER_WAW without a size limit, e.g. tcp;ofi_rxm over one
+         * stream) gives that for free; otherwise ask for delivery-complete writes (the
+         * immediate write is then posted after the others complete), falling back to the
+         * provider's default. */
+        hints->tx_attr->op_flags = 0;
         rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
-        if (rc) {
-            hints->tx_attr->op_flags = 0;
+        x->ordered_writes = rc == 0 && (x->info->tx_attr->msg_order & FI_ORDER_WAW) &&
+                            x->info->ep_attr->max_order_waw_size >= (1ull << 30);
+        if (rc == 0 && !x->ordered_writes) {
+            fi_freeinfo(x->info);
+            x->info = NULL;
+            hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
             rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
+            if (rc) {
+                hints->tx_attr->op_flags = 0;
+                rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
+            }
         }
     }
     fi_freeinfo(hints);
@@ -108,9 +120,17 @@ static tdm_status open_fabric(tdm_xfer_t *x)
     return TDM_OK;
 }
 
-static tdm_status reg_raw(tdm_xfer_t *x, void *base, size_t bytes, struct fid_mr **mr,
-                          uint64_t *key, void **desc)
+/* Registers [base, base + bytes): host memory, or GPU memory (kind CUDA, on a provider with
+ * FI_HMEM) through fi_mr_regattr naming the CUDA interface and the device that holds it. */
+static tdm_status reg_raw(tdm_xfer_t *x, void *base, size_t bytes, enum tdm_xfer_mem_kind kind,
+                          struct fid_mr **mr, uint64_t *key, void **desc)
 {
+    int device = 0;
+    if (kind == TDM_XFER_MEM_CUDA) {
+        if (tdm_xfer_cuda_device_of(base, &device) != TDM_OK)
+            return tdm_err_set(TDM_EUNSUPPORTED, "xfer: GPU memory registration: %s",
+                               tdm_err_msg());
+    }
     uint64_t access = FI_SEND | FI_RECV | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
     /* a key we choose is random (a guessed key is a way in; the provider's own keys, under
      * FI_MR_PROV_KEY, are the provider's business), within the provider's key size; a
@@ -126,7 +146,23 @@ static tdm_status reg_raw(tdm_xfer_t *x, void *base, size_t bytes, struct fid_mr
             pthread_mutex_unlock(&x->mu);
         }
         requested &= mask;
-        rc = fi_mr_reg(x->domain, base, bytes, access, 0, requested, 0, mr, NULL);
+        if (kind == TDM_XFER_MEM_CUDA) {
+            struct iovec iov = {.iov_base = base, .iov_len = bytes};
+            struct fi_mr_attr attr = {.mr_iov = &iov,
+                                      .iov_count = 1,
+                                      .access = access,
+                                      .requested_key = requested,
+                                      .iface = FI_HMEM_CUDA};
+            attr.device.cuda = device;
+            rc = fi_mr_regattr(x->domain, &attr, 0, mr);
+            if (rc && rc != -FI_ENOKEY)
+                return tdm_err_set(TDM_EUNSUPPORTED,
+                                   "xfer: provider %s claims FI_HMEM but cannot register GPU "
+                                   "memory: %s",
+                                   x->caps.provider, fi_msg(rc));
+        } else {
+            rc = fi_mr_reg(x->domain, base, bytes, access, 0, requested, 0, mr, NULL);
+        }
     }
     if (rc) return tdm_err_set(TDM_EIO, "xfer: fi_mr_reg of %zu bytes: %s", bytes, fi_msg(rc));
     if (x->info->domain_attr->mr_mode & FI_MR_ENDPOINT) {
@@ -227,8 +263,8 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
     if ((st = tdm_xfer_counters_create(slots, x->caps.max_index + 1, &x->counters)) != TDM_OK)
         goto out_destroy;
     uint64_t key_unused;
-    if ((st = reg_raw(x, x->bufs, x->buf_bytes * (size_t)(N_TX_BUFS + n_rx), &x->bufs_mr,
-                      &key_unused, &x->bufs_desc)) != TDM_OK)
+    if ((st = reg_raw(x, x->bufs, x->buf_bytes * (size_t)(N_TX_BUFS + n_rx), TDM_XFER_MEM_HOST,
+                      &x->bufs_mr, &key_unused, &x->bufs_desc)) != TDM_OK)
         goto out_destroy;
     for (int i = 0; i < n_rx; i++) {
         int o = cfg.max_ops + i;
@@ -332,7 +368,7 @@ tdm_status tdm_xfer_mr_reg(tdm_xfer_t *x, void *base, size_t bytes, enum tdm_xfe
     }
     tdm_xfer_mr_t *mr = calloc(1, sizeof(*mr));
     if (!mr) return tdm_err_set(TDM_ENOMEM, "xfer: out of memory");
-    tdm_status st = reg_raw(x, base, bytes, &mr->mr, &mr->key, &mr->desc);
+    tdm_status st = reg_raw(x, base, bytes, kind, &mr->mr, &mr->key, &mr->desc);
     if (st != TDM_OK) {
         free(mr);
         return st;
