@@ -107,12 +107,23 @@ static tdm_status open_fabric(tdm_xfer_t *x)
         .format = FI_CQ_FORMAT_DATA, .size = (size_t)(x->n_ops + 64), .wait_obj = FI_WAIT_NONE};
     if ((rc = fi_cq_open(x->domain, &cq_attr, &x->cq, NULL)))
         return tdm_err_set(TDM_EIO, "xfer: fi_cq_open: %s", fi_msg(rc));
-    if ((rc = fi_endpoint(x->domain, info, &x->ep, NULL)))
-        return tdm_err_set(TDM_EIO, "xfer: fi_endpoint: %s", fi_msg(rc));
-    if ((rc = fi_ep_bind(x->ep, &x->av->fid, 0)) ||
-        (rc = fi_ep_bind(x->ep, &x->cq->fid, FI_TRANSMIT | FI_RECV)))
-        return tdm_err_set(TDM_EIO, "xfer: fi_ep_bind: %s", fi_msg(rc));
-    if ((rc = fi_enable(x->ep))) return tdm_err_set(TDM_EIO, "xfer: fi_enable: %s", fi_msg(rc));
+    /* shm names an endpoint's region after the process and a per-process endpoint count, and a
+     * name still held (a region another endpoint has not yet released) makes fi_enable answer
+     * EBUSY: a new endpoint takes the next name, so try a few */
+    for (int attempt = 0;; attempt++) {
+        if ((rc = fi_endpoint(x->domain, info, &x->ep, NULL)))
+            return tdm_err_set(TDM_EIO, "xfer: fi_endpoint: %s", fi_msg(rc));
+        if ((rc = fi_ep_bind(x->ep, &x->av->fid, 0)) ||
+            (rc = fi_ep_bind(x->ep, &x->cq->fid, FI_TRANSMIT | FI_RECV)))
+            return tdm_err_set(TDM_EIO, "xfer: fi_ep_bind: %s", fi_msg(rc));
+        if (!(rc = fi_enable(x->ep))) break;
+        if (rc != -FI_EBUSY || attempt == 4)
+            return tdm_err_set(TDM_EIO, "xfer: fi_enable: %s", fi_msg(rc));
+        fi_close(&x->ep->fid);
+        x->ep = NULL;
+        struct timespec ts = {0, 20 * 1000000};
+        nanosleep(&ts, NULL);
+    }
     size_t len = sizeof(x->my_addr);
     if ((rc = fi_getname(&x->ep->fid, x->my_addr, &len)))
         return tdm_err_set(TDM_EIO, "xfer: fi_getname: %s", fi_msg(rc));
