@@ -92,7 +92,7 @@ struct bench_seq {
 static void bench_model_usage(FILE *f)
 {
     fprintf(f, "usage: tandem bench model [--model PATH] [--threads N] [--prompt-len N] [--gen N] "
-               "[--context N] [--batch-invariant]\n"
+               "[--context N] [--batch-invariant] [--kv-dtype f32|bf16|f16]\n"
                "       tandem bench model --backend cuda --help   (the GPU benchmark)\n");
 }
 
@@ -123,7 +123,7 @@ int tdm_cmd_bench(int argc, char **argv)
     const char *model = NULL;
     int64_t threads = 0, prompt_len = 512, gen = 64, context = 32;
     bool batch_inv = false;
-    int backend_kind = TDM_BACKEND_CPU;
+    int backend_kind = TDM_BACKEND_CPU, kv_dtype = TDM_KV_DTYPE_AUTO;
     const struct tdm_opt own[] = {
         TDM_OPT_S("model", &model),
         TDM_OPT_I("threads", &threads, 1, 1024),
@@ -132,6 +132,7 @@ int tdm_cmd_bench(int argc, char **argv)
         TDM_OPT_I("context", &context, 1, 1 << 20),
         TDM_OPT_B("batch-invariant", &batch_inv),
         TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind), /* cpu here */
+        TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &kv_dtype),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {own, NULL};
@@ -149,7 +150,8 @@ int tdm_cmd_bench(int argc, char **argv)
                                  .max_ctx = (int)TDM_MIN(ctx_needed, (int64_t)cf->max_ctx),
                                  .max_seqs = MAX_B,
                                  .max_logit_rows = MAX_B,
-                                 .max_batch_tokens = 512};
+                                 .max_batch_tokens = 512,
+                                 .kv_dtype = kv_dtype};
     if (ctx_needed > cf->max_ctx) {
         fprintf(stderr, "tandem: the benchmark needs %lld positions, the model has %d\n",
                 (long long)ctx_needed, cf->max_ctx);
@@ -175,7 +177,9 @@ int tdm_cmd_bench(int argc, char **argv)
     printf("  %d threads, CPU kernels: %s\n", n_threads, tdm_backend_cpu_isa());
     double bw = measure_copy_bandwidth(n_threads);
     double wbytes = weight_bytes_per_step(m);
-    double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * sizeof(float);
+    const struct tdm_kv_geometry kg = tdm_kv_pool_geometry(kv);
+    double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * kg.elem_bytes;
+    printf("  KV cache: %s, %.0f KiB a position\n", tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
     printf("  memory bandwidth (STREAM copy, same run): %.2f GB/s\n", bw / 1e9);
     printf("  weight bytes read per decode step: %.2f MB\n", wbytes / 1e6);
 
@@ -225,18 +229,28 @@ int tdm_cmd_bench(int argc, char **argv)
                 tdm_tool_fail("kv");
                 goto out;
             }
-            bs[s] = (struct tdm_batch_seq){.tokens = seqs[s].tokens,
-                                           .n_tokens = (int)context,
-                                           .pos0 = 0,
-                                           .pages = seqs[s].kv.pages,
-                                           .n_pages = seqs[s].kv.n_pages,
-                                           .n_logits = 1};
+            /* the context in chunks of at most 512 tokens (the engine's batch), the last one
+             * giving this sequence's logits row */
+            for (int64_t done = 0; done < context;) {
+                const int chunk = (int)TDM_MIN(context - done, 512);
+                struct tdm_batch_seq one = {.tokens = seqs[s].tokens + done,
+                                            .n_tokens = chunk,
+                                            .pos0 = (int)done,
+                                            .pages = seqs[s].kv.pages,
+                                            .n_pages = seqs[s].kv.n_pages,
+                                            .n_logits = done + chunk == context};
+                struct tdm_batch b1 = {&one, 1};
+                if (tdm_engine_forward(e, &b1, logits + (size_t)s * cf->vocab_size, NULL) !=
+                    TDM_OK) {
+                    tdm_tool_fail("decode prompt");
+                    goto out;
+                }
+                done += chunk;
+            }
+            bs[s] = (struct tdm_batch_seq){
+                .pages = seqs[s].kv.pages, .n_pages = seqs[s].kv.n_pages, .n_logits = 1};
         }
         struct tdm_batch b = {bs, B};
-        if (tdm_engine_forward(e, &b, logits, NULL) != TDM_OK) {
-            tdm_tool_fail("decode prompt");
-            goto out;
-        }
         double kv_read = 0.0;
         t0 = tdm_now_s();
         for (int64_t step = 0; step < gen; step++) {

@@ -1,0 +1,32 @@
+"""`tandem bench model` on the CPU: it runs on a tiny random checkpoint, with a decode context
+longer than one forward call's batch (the context is filled in chunks), on each KV element type,
+and refuses a bad one."""
+import re
+
+import pytest
+
+from conftest import run_tandem
+from lib.checkpoints import make_gguf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_gguf_checkpoint(tmp_path_factory.mktemp("bench-model") / "tiny.gguf", "llama",
+                                seed=41, num_hidden_layers=2, max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize("kv", ["f32", "bf16", "f16"])
+def test_bench_model_long_context(tiny, kv):
+    # 8 sequences of 600 positions: 4,800 tokens, nine times the engine's 512-token batch
+    cp = run_tandem(["bench", "model", "--model", tiny, "--threads", "1", "--prompt-len", "16",
+                     "--gen", "2", "--context", "600", "--kv-dtype", kv])
+    assert f"KV cache: {kv}," in cp.stdout, cp.stdout
+    rows = re.findall(r"^\s+batch (\d+)\s+([\d.]+)", cp.stdout, re.M)
+    assert [b for b, _ in rows] == ["1", "8"], cp.stdout
+    assert all(float(r) > 0 for _, r in rows), cp.stdout
+
+
+def test_bench_model_bad_kv_dtype(tiny):
+    cp = run_tandem(["bench", "model", "--model", tiny, "--kv-dtype", "q8"], check=False)
+    assert cp.returncode == 2
+    assert "--kv-dtype: 'q8' is not f32, bf16 or f16" in cp.stderr
