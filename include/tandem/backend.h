@@ -66,6 +66,13 @@ struct tdm_step {
  * path). Backends run the prefix part as the causal kernel does: the mask never reaches it,
  * and a tree costs what a chain of as many tokens costs. */
 
+/* Bytes of one KV element of type t: 4 (f32), 2 (bf16, f16), and 0 for a type no KV cache
+ * takes: the one statement of which types those are. */
+static inline size_t tdm_kv_elem_bytes(enum tdm_dtype t)
+{
+    return t == TDM_DTYPE_F32 ? 4 : t == TDM_DTYPE_BF16 || t == TDM_DTYPE_F16 ? 2 : 0;
+}
+
 /* One layer of the paged KV pool (kv.h), HND: [n_pages][2][n_kv_heads][page_size][head_dim]
  * elements of dtype (f32, bf16 or f16), K then V. Ops compute in fp32: rope_kv_append rounds
  * to dtype as it stores (round to nearest even), attention and kv_copy read dtype. */

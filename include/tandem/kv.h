@@ -62,11 +62,9 @@ struct tdm_kv_config {
      * group 0's; tdm_kv_pool_geometry describes group 0. */
     int n_extra;
     struct tdm_kv_group extra[TDM_KV_MAX_EXTRA_GROUPS];
-    enum tdm_dtype dtype; /* element type: TDM_DTYPE_F32 (0), TDM_DTYPE_BF16 or TDM_DTYPE_F16;
-                           * another is refused at creation */
+    enum tdm_dtype dtype; /* element type: TDM_DTYPE_F32 (0), TDM_DTYPE_BF16 or TDM_DTYPE_F16
+                           * (tdm_kv_elem_bytes); another is refused at creation */
 };
-/* Whether t is an element type a KV pool takes (f32, bf16, f16). */
-bool tdm_kv_dtype_ok(enum tdm_dtype t);
 
 /* The pool's memory as transfers see it: where it is, its element type, and the HND strides.
  * Layer l's pages start at base + l * layer_bytes, page p of a layer at p * page_bytes; in a

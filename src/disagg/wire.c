@@ -268,11 +268,9 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
                            "this node's limits (%u / %u)",
                            f->n_tokens, f->n_pages, tokens_cap, pages_cap);
     if (!f->page_size || !f->chunk || f->chunk % f->page_size || !f->n_layers || !f->n_kv_heads ||
-        !f->head_dim ||
-        !(f->kv_dtype == TDM_DTYPE_F32
-              ? f->elem_bytes == 4
-              : (f->kv_dtype == TDM_DTYPE_BF16 || f->kv_dtype == TDM_DTYPE_F16) &&
-                    f->elem_bytes == 2) ||
+        !f->head_dim || f->kv_dtype >= TDM_DTYPE_COUNT ||
+        !tdm_kv_elem_bytes((enum tdm_dtype)f->kv_dtype) ||
+        tdm_kv_elem_bytes((enum tdm_dtype)f->kv_dtype) != f->elem_bytes ||
         f->kv_head_begin >= f->kv_head_end || f->kv_head_end > f->n_kv_heads)
         return tdm_err_set(TDM_EFORMAT, "disagg: inconsistent geometry in a prefill request");
     if (f->n_pages != (f->n_tokens + f->page_size - 1) / f->page_size)

@@ -50,24 +50,15 @@ static bool evictable(const struct tdm_kv_pool *p, int32_t id)
     return p->cached[id] && p->owner_refs[id] == 1 && p->holds[id] == 0;
 }
 
-bool tdm_kv_dtype_ok(enum tdm_dtype t)
-{
-    return t == TDM_DTYPE_F32 || t == TDM_DTYPE_BF16 || t == TDM_DTYPE_F16;
-}
-
-static size_t elem_bytes(enum tdm_dtype t)
-{
-    return t == TDM_DTYPE_F16 || t == TDM_DTYPE_BF16 ? 2 : 4;
-}
-
 size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg)
 {
-    return (size_t)2 * cfg->n_kv_heads * cfg->page_size * cfg->head_dim * elem_bytes(cfg->dtype);
+    return (size_t)2 * cfg->n_kv_heads * cfg->page_size * cfg->head_dim *
+           tdm_kv_elem_bytes(cfg->dtype);
 }
 
 static size_t group_page_bytes(const struct tdm_kv_config *cfg, const struct tdm_kv_group *g)
 {
-    return (size_t)2 * g->n_kv_heads * cfg->page_size * g->head_dim * elem_bytes(cfg->dtype);
+    return (size_t)2 * g->n_kv_heads * cfg->page_size * g->head_dim * tdm_kv_elem_bytes(cfg->dtype);
 }
 
 size_t tdm_kv_page_bytes_all(const struct tdm_kv_config *cfg)
@@ -90,7 +81,7 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     if (cfg->n_layers <= 0 || cfg->n_kv_heads <= 0 || cfg->head_dim <= 0 || cfg->page_size <= 0 ||
         cfg->n_pages <= 0)
         return tdm_err_set(TDM_EINVAL, "kv pool: every dimension must be positive");
-    if (!tdm_kv_dtype_ok(cfg->dtype))
+    if (!tdm_kv_elem_bytes(cfg->dtype))
         return tdm_err_set(TDM_EUNSUPPORTED, "kv pool: element type %s (f32, bf16 or f16)",
                            tdm_dtype_name(cfg->dtype));
     if (cfg->page_size > TDM_KV_MAX_PAGE_SIZE)
@@ -178,7 +169,7 @@ const struct tdm_kv_config *tdm_kv_pool_config(const tdm_kv_pool_t *pool)
 struct tdm_kv_geometry tdm_kv_pool_geometry(const tdm_kv_pool_t *pool)
 {
     const struct tdm_kv_config *c = &pool->cfg;
-    size_t eb = elem_bytes(c->dtype), head = (size_t)c->page_size * c->head_dim * eb;
+    size_t eb = tdm_kv_elem_bytes(c->dtype), head = (size_t)c->page_size * c->head_dim * eb;
     size_t page = tdm_kv_page_bytes(c), layer = page * (size_t)c->n_pages;
     return (struct tdm_kv_geometry){.dtype = c->dtype,
                                     .elem_bytes = eb,

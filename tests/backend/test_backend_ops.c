@@ -1131,7 +1131,7 @@ static void test_kv_copy(void **state)
     const int nkv = 3, hd = 24, ps = 5, n_pages = 7, n_layers = 2;
     const size_t layer = (size_t)n_pages * 2 * nkv * ps * hd, n = layer * n_layers;
     for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++) {
-        const size_t eb = dts[d] == TDM_DTYPE_F32 ? 4 : 2;
+        const size_t eb = tdm_kv_elem_bytes(dts[d]);
         uint8_t *kv = malloc(n * eb), *want = malloc(n * eb);
         for (size_t i = 0; i < n * eb; i++)
             kv[i] = (uint8_t)rng_u64();

@@ -103,12 +103,12 @@ def prompt_for(model: ref.Model, length: int, salt: int = 0) -> list:
     return [int(t) for t in rng.integers(0, model.vocab_size, size=length)]
 
 
-def tie_free_prompt(model: ref.Model, length: int, n: int) -> list:
-    """The first random prompt of `length` whose reference greedy run of n tokens has no near
-    tie, so that the greedy sequences must be identical."""
+def tie_free_prompt(model: ref.Model, length: int, n: int, kv_dtype: str | None = None) -> list:
+    """The first random prompt of `length` whose reference greedy run of n tokens (with its cache
+    rounded to kv_dtype) has no near tie, so that the greedy sequences must be identical."""
     for salt in range(50):
         prompt = prompt_for(model, length, salt)
-        if min(ref.greedy(model, prompt, n, return_margins=True)[1]) >= TIE:
+        if min(ref.greedy(model, prompt, n, return_margins=True, kv_dtype=kv_dtype)[1]) >= TIE:
             return prompt
     raise AssertionError(f"no tie-free prompt of length {length}")
 
@@ -276,13 +276,7 @@ KV_VARIANTS = ["hf-llama-f32", "hf-qwen3-f32", "gguf-llama-Q4_1"]
 def test_kv_dtype_fidelity(variant, length, kv_dtype, checkpoint, tandem_bin, tmp_path):
     path = checkpoint(variant)
     m = ref_model(str(path))
-    prompt = None
-    for salt in range(50):  # tie-free under the rounded cache
-        p = prompt_for(m, length, salt)
-        if min(ref.greedy(m, p, N_GREEDY, return_margins=True, kv_dtype=kv_dtype)[1]) >= TIE:
-            prompt = p
-            break
-    assert prompt is not None
+    prompt = tie_free_prompt(m, length, N_GREEDY, kv_dtype)
     tokens, logits = tandem_generate(path, prompt, N_GREEDY, tmp_path, kv_dtype=kv_dtype)
     what = f"{variant} --kv-dtype {kv_dtype} prompt[{length}]"
     check_fidelity(m, prompt, logits, tokens, what, kv_dtype=kv_dtype, tol=KV_TOL[kv_dtype])

@@ -383,7 +383,7 @@ void tdm_cpu_attention(tdm_backend_t *b, const float *q, int n_heads, const stru
     TDM_ASSERT(kv->n_kv_heads > 0 && n_heads % kv->n_kv_heads == 0);
     TDM_ASSERT(kv->head_dim > 0 && kv->head_dim <= TDM_CPU_MAX_HEAD_DIM);
     TDM_ASSERT(st->page_size == kv->page_size && kv->page_size > 0);
-    TDM_ASSERT(tdm_cpu_kv_dtype_ok(kv->dtype));
+    TDM_ASSERT(tdm_kv_elem_bytes(kv->dtype));
     if (st->n_tokens <= 0) return;
     int64_t work = 0;
     for (int t = 0; t < st->n_tokens; t++)
@@ -405,8 +405,8 @@ void tdm_cpu_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_laye
                      size_t layer_bytes, const int32_t *src, const int32_t *dst, int n)
 {
     (void)b;
-    TDM_ASSERT(tdm_cpu_kv_dtype_ok(kv->dtype));
-    const size_t eb = kv->dtype == TDM_DTYPE_F32 ? 4 : 2;
+    const size_t eb = tdm_kv_elem_bytes(kv->dtype);
+    TDM_ASSERT(eb);
     const int ps = kv->page_size, hd = kv->head_dim, nkv = kv->n_kv_heads;
     /* in bytes */
     const size_t head_stride = (size_t)ps * hd * eb, page_stride = 2 * (size_t)nkv * head_stride;

@@ -90,10 +90,6 @@ void tdm_cpu_attn_step_avx2(const struct tdm_cpu_attn_step *s); /* AVX2 + FMA CP
 
 /* KV rows of 2-byte element types (kv.h) to fp32 (exact) and from it (round to nearest even,
  * NaN kept a NaN, overflow to infinity for f16): n elements. Every ISA gives the same bits. */
-static inline bool tdm_cpu_kv_dtype_ok(enum tdm_dtype t)
-{
-    return t == TDM_DTYPE_F32 || t == TDM_DTYPE_BF16 || t == TDM_DTYPE_F16;
-}
 typedef void (*tdm_cpu_kv_widen_fn)(enum tdm_dtype dt, const uint16_t *src, float *dst, int n);
 typedef void (*tdm_cpu_kv_narrow_fn)(enum tdm_dtype dt, const float *src, uint16_t *dst, int n);
 void tdm_cpu_kv_widen_portable(enum tdm_dtype dt, const uint16_t *src, float *dst, int n);

@@ -51,8 +51,8 @@ static void rope_worker(void *ctx, int ith, int nth)
     const struct tdm_kv_layer *kv = job->kv;
     const int hd = job->rope->head_dim, half = hd / 2, nkv = kv->n_kv_heads;
     const size_t head_bytes = (size_t)hd * sizeof(float);
-    const bool f32 = kv->dtype == TDM_DTYPE_F32;
-    const size_t eb = f32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t eb = tdm_kv_elem_bytes(kv->dtype);
+    const bool f32 = eb == sizeof(float);
     float cs[TDM_CPU_MAX_HEAD_DIM / 2], sn[TDM_CPU_MAX_HEAD_DIM / 2];
     float krot[TDM_CPU_MAX_HEAD_DIM];
     int64_t t0, t1;
@@ -99,7 +99,7 @@ void tdm_cpu_rope_kv_append(tdm_backend_t *b, float *q, const float *k, const fl
                rope->head_dim <= TDM_CPU_MAX_HEAD_DIM);
     TDM_ASSERT(st->page_size == kv->page_size && kv->page_size > 0);
     if (st->n_tokens <= 0) return;
-    TDM_ASSERT(tdm_cpu_kv_dtype_ok(kv->dtype));
+    TDM_ASSERT(tdm_kv_elem_bytes(kv->dtype));
     struct rope_job job = {.k_isa = tdm_cpu_of(b)->k,
                            .q = q,
                            .k = k,

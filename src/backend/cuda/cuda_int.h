@@ -245,7 +245,7 @@ void tdm_cuda_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_lay
 /* A KV pool's element type as the kernels name it (enum tdm_cu_kv); aborts on another. */
 static inline int tdm_cuda_kv_type(enum tdm_dtype t)
 {
-    TDM_ASSERT(t == TDM_DTYPE_F32 || t == TDM_DTYPE_BF16 || t == TDM_DTYPE_F16);
+    TDM_ASSERT(tdm_kv_elem_bytes(t));
     return t == TDM_DTYPE_BF16  ? TDM_CU_KV_BF16
            : t == TDM_DTYPE_F16 ? TDM_CU_KV_F16
                                 : TDM_CU_KV_F32;
