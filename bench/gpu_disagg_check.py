@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Disaggregation on GPUs, end to end (issue 16; `scripts/gpu_test.sh disagg` runs it): a prefill
 node and a decode node, both `tandem serve --backend cuda`, their KV pages in GPU memory and moved
-by CUDA IPC (the two nodes share a host), against a colocated CUDA server.
+by CUDA IPC (the two nodes share a host), against a colocated CUDA server; then the same pair
+with every page through host staging (`--kv-staging always`: the path between hosts whose fabric
+cannot register GPU memory), and a CPU prefill node beside a GPU decoder (refused CUDA IPC, then
+landing pages).
 
     bench/gpu_disagg_check.py TANDEM MODEL [--decode-gpu N] [--prefill-gpu N] [--kv-dtype T]
 
@@ -213,6 +216,16 @@ check(during > 0, f"KV writes that landed while the forward pass ran: {during:.0
 check("CUDA IPC" in open(pf.log).read(), "the prefill node moves its pages by CUDA IPC")
 check(dn.idle() and pf.idle(), "pools at baseline")
 
+
+def landed_ms(m0, m1):
+    n = m1.get("tandem_disagg_kv_landed_seconds_count", 0) - m0.get("tandem_disagg_kv_landed_seconds_count", 0)
+    t = m1.get("tandem_disagg_kv_landed_seconds_sum", 0) - m0.get("tandem_disagg_kv_landed_seconds_sum", 0)
+    return 1e3 * t / n if n else float("nan")
+
+
+ipc_landed = landed_ms(m0, m1)
+print(f"  CUDA IPC: request sent to KV in the pool, mean {ipc_landed:.2f} ms", flush=True)
+
 # every fault mode on the decoder's side (immediates dropped, delayed, duplicated, reordered)
 dn.stop()
 for faults in ["drop_imm=0.2,seed=3", "delay_imm_ms=30,seed=4", "dup_imm=0.3,seed=5",
@@ -249,6 +262,93 @@ m1 = dn.metrics()
 remote = m1.get("tandem_disagg_remote_prefills_total", 0) - m0.get("tandem_disagg_remote_prefills_total", 0)
 check(got8 == got[:8] and remote == 8, f"restarted prefill node used again: {remote:.0f}/8 remote")
 check(dn.idle() and pf.idle(), "pools at baseline at the end")
+dn.stop()
+pf.stop()
+
+# ---- host staging: the path between two GPU hosts whose fabric cannot register GPU memory,
+# forced here (--kv-staging always) on one host: a copy kernel into the pinned staging ring, an
+# RDMA write (tcp;ofi_rxm) into the decoder's pinned landing pages, a copy kernel into its pool.
+# The data plane copies bytes, so the answers are the CUDA IPC path's bit for bit.
+STAGE = ["--kv-staging", "always"]
+
+
+def staged_idle(pf, dn):
+    end = time.time() + 60
+    while time.time() < end:
+        mp, md = pf.metrics(), dn.metrics()
+        if (mp.get("tandem_disagg_staging_ring_used_bytes", 1) == 0
+                and md.get("tandem_disagg_landing_pages_used", 1) == 0):
+            return pf.idle() and dn.idle()
+        time.sleep(0.1)
+    return False
+
+
+def fresh_addr():
+    if os.path.exists(addr):
+        os.unlink(addr)
+
+
+fresh_addr()
+pf = Node("prefill", args.prefill_gpu, ["--role", "prefill", "--xfer-addr-file", addr] + STAGE)
+dn = Node("decode", args.decode_gpu, ["--role", "decode", "--prefill-peers", "@" + addr,
+                                      "--peer-timeout-ms", "1500"] + STAGE)
+m0 = dn.metrics()
+got_s = [answer(dn, p) for p in prompts]
+m1 = dn.metrics()
+staged = m1.get("tandem_disagg_staged_prefills_total", 0) - m0.get("tandem_disagg_staged_prefills_total", 0)
+check(got_s == got, f"staged GPU pages: answers are the CUDA IPC path's bit for bit "
+      f"({sum(a == b for a, b in zip(got_s, got))}/{len(prompts)})")
+check(staged == len(prompts), f"prefilled remotely through host staging: {staged:.0f}/{len(prompts)}")
+plog = open(pf.log).read()
+check("KV pages by pinned host staging, from GPU memory here to host memory there" in plog and
+      "copies by cuda" in plog, "the prefill node stages GPU pages with the CUDA copier")
+print(f"  host staging: request sent to KV in the pool, mean {landed_ms(m0, m1):.2f} ms "
+      f"(CUDA IPC: {ipc_landed:.2f} ms)", flush=True)
+mp = pf.metrics()
+print(f"  staging ring: {mp.get('tandem_disagg_staging_ring_high_bytes', 0) / 2**20:.1f} MiB at "
+      f"most of {mp.get('tandem_disagg_staging_ring_bytes', 0) / 2**20:.0f}; "
+      f"{mp.get('tandem_disagg_staged_bytes_total', 0) / 2**20:.1f} MiB staged, copies "
+      f"{mp.get('tandem_disagg_staging_copy_seconds_total', 0) * 1e3:.1f} ms in all", flush=True)
+check(staged_idle(pf, dn), "staged: pools, ring and landing pages at baseline")
+dn.stop()
+for faults, side in [("drop_imm=0.2,seed=13", "decode"), ("fail_write=0.1,seed=17", "prefill")]:
+    env = {"TANDEM_XFER_FAULTS": faults}
+    if side == "prefill":
+        pf.stop()
+        fresh_addr()
+        pf = Node("prefill", args.prefill_gpu,
+                  ["--role", "prefill", "--xfer-addr-file", addr] + STAGE, env)
+    dn = Node("decode", args.decode_gpu, ["--role", "decode", "--prefill-peers", "@" + addr,
+                                          "--peer-timeout-ms", "1500", "--remote-timeout-ms",
+                                          "3000"] + STAGE, env if side == "decode" else None)
+    got8 = [answer(dn, p) for p in prompts[:8]]
+    check(as_colocated(got8, want[:8]), f"staged, faults {faults} ({side}): answers as colocated")
+    check(staged_idle(pf, dn), f"staged, faults {faults}: pools, ring, landing at baseline")
+    dn.stop()
+pf.stop()
+
+# ---- a CPU prefill node (host pool) beside a GPU decode node left on auto: the decoder offers
+# its pool by CUDA IPC, the prefill node cannot reach it (TDM_EUNREACHABLE), and from then on
+# the decoder lends it host landing pages, which its CUDA copier moves into the pool. The CPU
+# prefill computes other bits than the GPU, so answers are reported, not held to colocated.
+fresh_addr()
+FRAC["prefill-cpu"] = "0.3"
+pf = Node("prefill-cpu", args.prefill_gpu, ["--role", "prefill", "--xfer-addr-file", addr,
+                                            "--backend", "cpu"])
+dn = Node("decode", args.decode_gpu, ["--role", "decode", "--prefill-peers", "@" + addr,
+                                      "--peer-timeout-ms", "1500"])
+m0 = dn.metrics()
+got_c = [answer(dn, p) for p in prompts[:8]]
+m1 = dn.metrics()
+staged = m1.get("tandem_disagg_staged_prefills_total", 0) - m0.get("tandem_disagg_staged_prefills_total", 0)
+dlog = open(dn.log).read()
+check("cannot write our KV pool" in dlog and m1.get("tandem_disagg_peer_staged", 0) == 1,
+      "GPU decoder, CPU prefill node: refused CUDA IPC, the peer switched to landing pages")
+check(staged == 8 and m1.get("tandem_disagg_local_fallbacks_total", 0) == 0,
+      f"GPU decoder, CPU prefill node: {staged:.0f}/8 prefilled there through landing pages")
+print(f"  CPU-prefilled answers with the colocated GPU tokens: "
+      f"{sum(g[0] == w[0] for g, w in zip(got_c, want[:8]))}/8", flush=True)
+check(dn.idle() and pf.idle(), "GPU decoder, CPU prefill node: pools at baseline")
 dn.stop()
 pf.stop()
 print(f"{held} held, {failed} failed")

@@ -39,6 +39,7 @@ typedef enum tdm_status {
     TDM_ECANCELED = -10,
     TDM_EPEER = -11, /* the remote side failed or went away */
     TDM_EINTERNAL = -12,
+    TDM_EUNREACHABLE = -13, /* a peer's memory cannot be reached from here (another host) */
 } tdm_status;
 
 const char *tdm_status_str(tdm_status st);

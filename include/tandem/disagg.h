@@ -44,6 +44,16 @@
  * asked without the head from then on (until it has been down): those requests decode
  * without drafts, and prefill stays disaggregated.
  *
+ * How pages cross (struct disagg_route in disagg_int.h). Host pools: libfabric RMA. GPU pools:
+ * RMA straight from GPU memory where the provider registers it (FI_HMEM), else CUDA IPC to
+ * nodes of the same host, else host staging: the prefill node copies a finished layer's pages
+ * into a pinned, registered staging ring (a bounded ring: a full one pushes back on the
+ * messenger) and writes them from there into host landing pages that the decoder lends in the
+ * request; when every immediate has landed, the decoder copies them into its pool, and the
+ * request runs. A decoder whose GPU pool the prefill node cannot open (another host) is told so
+ * with a NACK of TDM_EUNREACHABLE, and asks that peer with landing pages from then on. The
+ * immediates, counters, fencing and NACKs are the same whatever the route (--kv-staging).
+ *
  * Fencing: immediates name (slot, epoch); a slot's epoch changes every use (a random value),
  * so a late write of an abandoned attempt is never counted. The pages of an abandoned attempt are
  * held (IN_FLIGHT in the pool) until the prefiller acknowledges the cancel, or its connection
@@ -90,8 +100,25 @@ extern "C" {
 
 #define TDM_DISAGG_MAX_PEERS 16
 
+/* Host staging (--kv-staging): how KV pages cross when the fabric cannot register the memory
+ * they live in (a GPU pool between hosts, on a provider without FI_HMEM). AUTO: staged only
+ * then; a decoder's GPU pool tries CUDA IPC first, and a prefill peer on another host answers
+ * TDM_EUNREACHABLE, after which its pages come through this node's host landing pages. ALWAYS:
+ * every page is staged, host pools included (host memory then stands in for device memory: how
+ * CI runs the staged path, and a way to measure it). OFF: never; a peer that cannot be reached
+ * otherwise is refused. */
+enum tdm_disagg_staging {
+    TDM_DISAGG_STAGING_AUTO = 0,
+    TDM_DISAGG_STAGING_ALWAYS,
+    TDM_DISAGG_STAGING_OFF,
+};
+
 struct tdm_disagg_xfer_opts {
-    const char *provider;   /* "tcp;ofi_rxm" (default), "shm", ... */
+    const char *provider; /* "tcp;ofi_rxm" (default), "shm", ... */
+    enum tdm_disagg_staging staging;
+    /* prefill node: its staging ring (0: 64 MiB); decode node: its landing pages (0: four full
+     * contexts, at most the pool) */
+    size_t staging_bytes;
     const char *node;       /* local address to bind; NULL: provider default */
     int peer_timeout_ms;    /* a silent peer is dead after this; 0: 2000 */
     const void *fabric_key; /* the cluster secret (16 to 256 bytes); NULL: none (SECURITY.md) */

@@ -16,10 +16,11 @@
  *   - CUDA IPC inside a node (tdm_xfer_cuda_*, and as a transport: tdm_xfer_ipc_*): device
  *     memory exported with an IPC handle, opened by the peer, and one gather/scatter kernel per
  *     paged write. Its immediates reach the same counters (over the control engine).
- *   GPU pages between nodes go through registered pinned host staging buffers, because Debian's
- *   libfabric has no FI_HMEM. A region has a kind (host | cuda) and tdm_xfer_caps says whether the
- *   provider takes cuda regions directly (hmem_cuda), so a GPUDirect provider drops the staging
- *   without an API change.
+ *   - host staging (tdm_xfer_staged_*): GPU pages between hosts go through a registered pinned
+ *     host ring (a copier's gather kernel, then an RMA write from the ring), because Debian's
+ *     libfabric has no FI_HMEM. A region has a kind (host | cuda) and tdm_xfer_caps says whether
+ *     the provider takes cuda regions directly (hmem_cuda), so a GPUDirect provider drops the
+ *     staging without an API change.
  *
  * Immediate data and the "one paged write = one immediate" rule. A paged write is merged into as
  * few fabric writes as possible (contiguous runs); only the LAST of them carries the immediate.
@@ -300,11 +301,88 @@ tdm_status tdm_xfer_ipc_create(const struct tdm_xfer_ipc_config *cfg, tdm_xfer_i
  * through it must be deregistered first. NULL is a no-op. */
 void tdm_xfer_ipc_destroy(tdm_xfer_ipc_t *t);
 struct tdm_xfer_transport tdm_xfer_ipc_transport(tdm_xfer_ipc_t *t);
+/* Whether `dst`, a peer's CUDA region, can be written from here: its handle opens in this
+ * process (the mapping is kept for the writes, and closed with the peer). TDM_OK, or why not:
+ * a handle exported on another host, or by a GPU this one cannot map, does not open. */
+tdm_status tdm_xfer_ipc_reach(tdm_xfer_ipc_t *t, const struct tdm_xfer_rmem *dst, uint32_t peer);
 /* `peer` is gone (dead, or restarted elsewhere): the destinations last written for it are
  * closed (at once, or when their writes in flight complete). An exporter's device memory is
  * freed only once every process that opened it has closed it, so a writer that kept a dead
  * decoder's pool open would hold that memory for as long as it runs. NULL is a no-op. */
 void tdm_xfer_ipc_forget_peer(tdm_xfer_ipc_t *t, uint32_t peer);
+
+/* ---- host staging: GPU pages through registered pinned host memory (src/xfer/staged.c) ----
+ * Between hosts whose fabric cannot register GPU memory (Debian's libfabric: no FI_HMEM), a
+ * page travels device -> pinned host staging (a copy on the sender's GPU) -> RDMA write with
+ * immediate into the decoder's pinned host landing pages -> device (a copy on the decoder's
+ * GPU once every write of the request has landed).
+ *
+ * A copier moves pages between memory the fabric cannot register and host memory it can: one
+ * gather/scatter kernel per copy on a stream of its own (CUDA), or memcpy on a thread of its own
+ * (host memory standing in for device memory: CI, and host pools with --kv-staging always).
+ * Copies are accepted whatever the load (callers bound what they submit: the staging ring, the
+ * landing pages) and complete in order; done runs on the copier's thread, with no lock of the
+ * copier held, and may submit again. */
+#define TDM_XFER_COPY_MAX_PAGES 16384 /* pages in one copy (the CUDA writer's page list) */
+struct tdm_xfer_copier_i {
+    const char *name;
+    /* host memory the copier reaches (pinned, device-visible for CUDA), page aligned, or NULL */
+    void *(*host_alloc)(void *c, size_t bytes);
+    void (*host_free)(void *c, void *p, size_t bytes);
+    /* copies pages (offsets as in tdm_xfer_write_pages) from src to dst; TDM_EINVAL or
+     * TDM_ERANGE (never calls done) when a page lies outside either */
+    tdm_status (*copy_pages)(void *c, const void *src, size_t src_bytes, void *dst,
+                             size_t dst_bytes, const struct tdm_xfer_pages *pages,
+                             tdm_xfer_done_fn done, void *ctx);
+    /* waits until every copy accepted so far has completed (its done has run) */
+    void (*drain)(void *c);
+    /* drains, then frees; a zeroed copier is a no-op */
+    void (*destroy)(void *c);
+};
+struct tdm_xfer_copier {
+    const struct tdm_xfer_copier_i *iface;
+    void *c;
+};
+/* memcpy on a thread of its own; host memory from the heap */
+tdm_status tdm_xfer_copier_host(struct tdm_xfer_copier *out);
+/* one kernel per copy on a stream of `device`; host memory from cudaHostAlloc (pinned, mapped);
+ * TDM_EUNSUPPORTED without CUDA */
+tdm_status tdm_xfer_copier_cuda(int device, struct tdm_xfer_copier *out);
+void tdm_xfer_copier_destroy(struct tdm_xfer_copier *c); /* a zeroed copier is a no-op */
+
+/* The staged writer as a transport. A source region is any memory the copier reads (it is not
+ * registered with the fabric); destinations are host regions of the fabric (a decoder's
+ * landing pages). A paged write takes space in the staging ring (pinned host memory of
+ * ring_bytes, registered with the fabric once), the copier gathers its pages there, and one
+ * fabric paged write carries them from the ring to the destination pages with the immediate;
+ * its space is returned when that write completes. The ring is the back-pressure: a write that
+ * finds no room for its first piece is refused with TDM_EAGAIN (the caller retries, as it does
+ * when the fabric's queue is full). A write larger than a quarter of the ring travels in
+ * pieces, in order, and only the last carries the immediate, posted once the others have
+ * completed, so an immediate still means "every byte of this paged write is in place".
+ * Sends, immediates and liveness are the fabric's. A worker thread of its own advances pieces;
+ * done callbacks run on it with no lock held. */
+struct tdm_xfer_staged_config {
+    struct tdm_xfer_transport fabric; /* moves host memory; borrowed, outlives the transport */
+    struct tdm_xfer_copier copier;    /* borrowed, outlives the transport */
+    size_t ring_bytes;                /* 0: 64 MiB */
+};
+struct tdm_xfer_staged_stats {
+    uint64_t writes, bytes, pieces; /* paged writes completed OK, their bytes, fabric pieces */
+    uint64_t failed;                /* paged writes that ended with an error */
+    uint64_t ring_full;             /* writes refused with TDM_EAGAIN: no room in the ring */
+    uint64_t ring_bytes, ring_used, ring_high; /* size, in use now, most ever in use */
+    uint64_t copy_ns; /* time spent in copies (submitted to done), summed */
+};
+typedef struct tdm_xfer_staged tdm_xfer_staged_t;
+tdm_status tdm_xfer_staged_create(const struct tdm_xfer_staged_config *cfg,
+                                  tdm_xfer_staged_t **out);
+/* Completes every write (pieces already copied or on the wire finish; queued ones end with
+ * TDM_ECANCELED), then frees the ring. Regions registered through it must be deregistered
+ * first. NULL is a no-op. */
+void tdm_xfer_staged_destroy(tdm_xfer_staged_t *s);
+struct tdm_xfer_transport tdm_xfer_staged_transport(tdm_xfer_staged_t *s);
+void tdm_xfer_staged_get_stats(tdm_xfer_staged_t *s, struct tdm_xfer_staged_stats *out);
 
 /* ---- immediate counters (also fed by the CUDA IPC transport) ---- */
 struct tdm_xfer_counter_stats {
@@ -395,6 +473,10 @@ tdm_status tdm_xfer_cuda_write_pages(tdm_xfer_cuda_t *c, const void *src, size_t
                                      tdm_xfer_done_fn done, void *ctx);
 /* Completes finished writes in order; returns how many completed. */
 int tdm_xfer_cuda_poll(tdm_xfer_cuda_t *c);
+/* Pinned host memory that kernels of every device read and write (cudaHostAlloc, portable and
+ * mapped), or NULL; freed with tdm_xfer_cuda_host_free. */
+void *tdm_xfer_cuda_host_alloc(size_t bytes);
+void tdm_xfer_cuda_host_free(void *p);
 /* Polls until every write completed or timeout_ms passed (TDM_ETIMEDOUT). */
 tdm_status tdm_xfer_cuda_drain(tdm_xfer_cuda_t *c, int timeout_ms);
 

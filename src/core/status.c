@@ -55,6 +55,8 @@ const char *tdm_status_str(tdm_status st)
         return "peer error";
     case TDM_EINTERNAL:
         return "internal error";
+    case TDM_EUNREACHABLE:
+        return "unreachable";
     }
     return "unknown status";
 }

@@ -32,11 +32,14 @@
 
 /* A slot's life (d->mu held for every transition; a new random epoch at each admit):
  *
- *          admit                 on_counter (all writes landed)
+ *          admit                 on_counter (all writes landed; into the pool itself)
  *   FREE ----------> PENDING -------------------------------------> FREE
- *     ^                 |  on_counter (timeout, dead peer, NACK, send error, the request
- *     |                 v  finished: finished() cancels the counter)
- *     +------------- FENCED  (pages held IN_FLIGHT; a CANCEL goes to the prefiller)
+ *     ^   ^             |  \  on_counter (all landed, into landing pages)      ^
+ *     |   |             |   +-----------------------------------> LANDING ----+
+ *     |   |             |      (copies into the pool; the pool pages held)  last copy ended
+ *     |   |             |  on_counter (timeout, dead peer, NACK, send error, the request
+ *     |   |             v  finished: finished() cancels the counter)
+ *     |   +--------- FENCED  (pages held IN_FLIGHT, and landing pages kept; a CANCEL goes out)
  *      unfence_locked: CANCEL_ACK or NACK (on_msg), the peer's connection failed (on_peer),
  *      its process found gone (the reviver's probe), destroy. Silence alone never unfences: a
  *      stopped prefill node's queued writes land when it resumes.
@@ -44,19 +47,44 @@
  *   transition         function                         thread
  *   FREE -> PENDING    admit                            scheduler
  *   PENDING -> FREE    on_counter, TDM_OK               xfer progress
+ *   PENDING -> LANDING on_counter, TDM_OK, staged       xfer progress
+ *   LANDING -> FREE    on_landed (the last copy)        the copier's (or xfer progress when
+ *                                                       no copy could start)
  *   PENDING -> FENCED  on_counter, an error             xfer progress, or the scheduler
  *                                                       (finished -> counter cancel)
  *   FENCED -> FREE     unfence_locked                   xfer progress (on_msg, on_peer), the
  *                                                       reviver, or the destroying thread
- * A request the connector hears has finished while PENDING is detached from its slot first
- * (slot.req = NULL), so on_counter never touches it again; its pages are held by the fencing
- * before the scheduler drops its references (tdm_sched_finish calls finished() first). */
-enum slot_state { SLOT_FREE, SLOT_PENDING, SLOT_FENCED };
-enum { ERR_TIMEOUT, ERR_PEER, ERR_NACK, ERR_SEND, ERR_CANCELLED, ERR_HEAD, ERR_OTHER, N_ERR };
-static const char *const err_names[N_ERR] = {"timeout",   "peer", "nack", "send",
-                                             "cancelled", "head", "other"};
+ * A request the connector hears has finished while PENDING or LANDING is detached from its
+ * slot first (slot.req = NULL), so on_counter and on_landed never touch it again; its pages are
+ * held by the fencing, or by the landing copies, before the scheduler drops its references
+ * (tdm_sched_finish calls finished() first).
+ *
+ * Host staging (landing pages). A peer marked staged gets, in place of the pool's region and
+ * page ids, the landing region and as many landing pages as the request has pool pages (taken
+ * at admit, all or nothing: too few and the request is prefilled here, counted as
+ * landing_full). When every immediate has landed the copier scatters them into the pool, one
+ * page list per layer group; the landing pages go back when the copies end, or when a fenced
+ * attempt is unfenced (a stopped prefiller may still write into them). A peer becomes staged
+ * when it answers a request for the pool itself with TDM_EUNREACHABLE (it cannot open our GPU
+ * memory: another host), without counting that attempt; every peer is staged from the start
+ * with --kv-staging always, or when the pool cannot be offered at all. */
+enum slot_state { SLOT_FREE, SLOT_PENDING, SLOT_LANDING, SLOT_FENCED };
+enum {
+    ERR_TIMEOUT,
+    ERR_PEER,
+    ERR_NACK,
+    ERR_SEND,
+    ERR_CANCELLED,
+    ERR_HEAD,
+    ERR_UNREACHABLE,
+    ERR_OTHER,
+    N_ERR
+};
+static const char *const err_names[N_ERR] = {"timeout",   "peer", "nack",        "send",
+                                             "cancelled", "head", "unreachable", "other"};
 
 struct dslot {
+    struct tdm_disagg_decode *d; /* for the copier's callbacks */
     enum slot_state state;
     uint32_t epoch;
     tdm_req_t *req; /* NULL once detached (the request finished while pending) */
@@ -64,9 +92,14 @@ struct dslot {
     int peer;       /* index in d->peers */
     int32_t *pages; /* [cap] copy, for fencing */
     int n_pages, n_tokens;
-    bool acked;     /* the prefiller said nothing more will land */
-    bool head;      /* the attempt asked for the head's KV and feature */
-    bool head_nack; /* the peer refused the head (TDM_EUNSUPPORTED) */
+    bool acked;            /* the prefiller said nothing more will land */
+    bool head;             /* the attempt asked for the head's KV and feature */
+    bool head_nack;        /* the peer refused the head (TDM_EUNSUPPORTED) */
+    bool unreachable_nack; /* the peer cannot write the pool: asked again with landing pages */
+    bool staged;           /* the pages land in host landing pages (land), then are copied in */
+    int32_t *land;         /* [cap] the landing page of each pool page (staged) */
+    int copies;            /* LANDING: copies into the pool not yet completed */
+    bool copy_failed;
     int64_t t_sent;
 };
 
@@ -76,6 +109,7 @@ struct dpeer {
     uint32_t xid;
     bool alive;
     bool head_refused;   /* it cannot make our head's KV: ask it without (until it comes back) */
+    bool staged;         /* it cannot reach the pool: lend it landing pages (until it comes back) */
     int64_t next_try_ns; /* while down: the next handshake attempt */
     int backoff_ms;
     int64_t outstanding_tokens;
@@ -99,6 +133,7 @@ struct tdm_disagg_decode {
     size_t ctx_bytes;
     int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, chunk;
     int head_layers; /* the head's KV layers (0: no head) */
+    bool stage_all;  /* every peer writes into landing pages (--kv-staging always, or no IPC) */
 
     pthread_mutex_t mu;
     struct dslot *slots;
@@ -114,7 +149,9 @@ struct tdm_disagg_decode {
     /* metrics */
     struct tdm_hist landed_s;
     uint64_t errors[N_ERR], remote_ok, local_fallbacks, fenced_now;
-    uint64_t head_ok; /* remote prefills that brought the head's KV */
+    uint64_t head_ok;                 /* remote prefills that brought the head's KV */
+    uint64_t staged_ok, landing_full; /* through landing pages; admits that found too few */
+    uint32_t *copy_src, *copy_dst;    /* [TDM_XFER_COPY_MAX_PAGES] landing copies' page lists */
 };
 
 /* ---- tried-peers table: which peers a request has used (by request id) ---- */
@@ -136,6 +173,7 @@ static struct tried *tried_get(struct tdm_disagg_decode *d, uint64_t id, bool cr
 static void unfence_locked(struct tdm_disagg_decode *d, struct dslot *sl)
 {
     tdm_kv_pool_unhold(d->kv, sl->n_pages, sl->pages);
+    if (sl->staged) tdm_disagg_landing_give(&d->ep.land, sl->n_pages, sl->land);
     d->fenced_now -= (uint64_t)sl->n_pages;
     sl->state = SLOT_FREE;
     sl->req = NULL;
@@ -166,6 +204,112 @@ static void send_cancel(struct tdm_disagg_decode *d, uint32_t xpeer, uint32_t sl
                  slot, tdm_err_msg());
 }
 
+/* Every write of the slot's attempt is in the pool: the request runs (its head's feature with
+ * it). The slot is free again. d->mu held. */
+static void deliver_locked(struct tdm_disagg_decode *d, struct dslot *sl)
+{
+    struct dpeer *p = &d->peers[sl->peer];
+    int64_t now = (int64_t)tdm_now_ns();
+    size_t slot = (size_t)(sl - d->slots);
+    p->landed++;
+    d->remote_ok++;
+    tdm_hist_observe(&d->landed_s, (double)(now - sl->t_sent) * 1e-9);
+    TDM_DEBUG("disagg: request %llu: KV landed from %s in %.3f ms (slot %zu epoch %u%s)",
+              (unsigned long long)sl->req_id, p->addr, (double)(now - sl->t_sent) * 1e-6, slot,
+              sl->epoch, sl->staged ? ", through landing pages" : "");
+    tdm_req_t *r = sl->req;
+    sl->state = SLOT_FREE;
+    sl->req = NULL;
+    if (r && sl->head) {
+        /* the head's KV of [0, n - 1) landed, and the feature of n - 1 (n prefilled) */
+        size_t feature_at;
+        tdm_disagg_ctx_layout((uint32_t)d->d_model, (uint32_t)d->vocab, true, d->o.want_logits,
+                              &feature_at, NULL);
+        const float *ctx_buf = d->ctx_mem + slot * (d->ctx_bytes / sizeof(float));
+        d->head_ok++;
+        tdm_req_remote_done_feed(r, ctx_buf + feature_at, sl->n_tokens - 1);
+    } else if (r) {
+        tdm_req_remote_done(r, TDM_OK);
+    }
+}
+
+/* The landing copies of a slot are done. d->mu held. */
+static void finish_landing_locked(struct tdm_disagg_decode *d, struct dslot *sl)
+{
+    tdm_kv_pool_unhold(d->kv, sl->n_pages, sl->pages);
+    tdm_disagg_landing_give(&d->ep.land, sl->n_pages, sl->land);
+    if (!sl->copy_failed) {
+        d->staged_ok++;
+        deliver_locked(d, sl);
+        return;
+    }
+    d->errors[ERR_OTHER]++;
+    d->peers[sl->peer].failed++;
+    TDM_WARN("disagg: request %llu: copying its KV from the landing pages into the pool failed; "
+             "%s",
+             (unsigned long long)sl->req_id, sl->req ? "retrying" : "request gone");
+    tdm_req_t *r = sl->req;
+    sl->state = SLOT_FREE;
+    sl->req = NULL;
+    if (r) tdm_req_remote_done(r, TDM_EIO);
+}
+
+/* One landing copy ended (the copier's thread). */
+static void on_landed(void *ctx, tdm_status st)
+{
+    struct dslot *sl = ctx;
+    struct tdm_disagg_decode *d = sl->d;
+    pthread_mutex_lock(&d->mu);
+    if (st != TDM_OK) sl->copy_failed = true;
+    if (--sl->copies == 0) finish_landing_locked(d, sl);
+    pthread_mutex_unlock(&d->mu);
+}
+
+/* Every write of a staged attempt is in the landing pages: the copier scatters them into the
+ * pool's pages (one page list per group of layers, cut at the copier's cap), and the request
+ * runs when the last copy ends. The pool pages are held meanwhile, so a request that finishes
+ * first cannot have them reused under the copy. d->mu held. */
+static void start_landing_locked(struct tdm_disagg_decode *d, struct dslot *sl)
+{
+    const struct disagg_landing *l = &d->ep.land;
+    const struct tdm_xfer_copier *c = &d->ep.copier;
+    sl->state = SLOT_LANDING;
+    sl->copies = 1; /* ours, until every copy is submitted */
+    sl->copy_failed = false;
+    tdm_kv_pool_hold(d->kv, sl->n_pages, sl->pages);
+    size_t pool_pages = d->ep.kv.layer_bytes / d->ep.kv.page_bytes;
+    for (int g = 0; g < (sl->head ? 2 : 1); g++) {
+        int layers = g ? d->head_layers : d->n_layers;
+        size_t page_bytes = g ? d->ep.head.page_bytes : d->ep.kv.page_bytes;
+        uint8_t *pool = g ? d->ep.head.base : d->ep.kv.base;
+        size_t pool_bytes = g ? d->ep.head.bytes : d->ep.kv.bytes;
+        const uint8_t *land = l->base + (g ? l->head_at : 0);
+        size_t land_bytes = g ? l->bytes - l->head_at : l->head_at;
+        uint32_t n = 0;
+        for (int layer = 0; layer < layers; layer++)
+            for (int i = 0; i < sl->n_pages; i++) {
+                d->copy_src[n] =
+                    (uint32_t)((size_t)layer * (size_t)l->n_pages + (size_t)sl->land[i]);
+                d->copy_dst[n] = (uint32_t)((size_t)layer * pool_pages + (size_t)sl->pages[i]);
+                bool last = layer == layers - 1 && i == sl->n_pages - 1;
+                if (++n < TDM_XFER_COPY_MAX_PAGES && !last) continue;
+                struct tdm_xfer_pages pg = {.src_pages = d->copy_src,
+                                            .dst_pages = d->copy_dst,
+                                            .n_pages = n,
+                                            .page_bytes = page_bytes,
+                                            .src_stride = page_bytes,
+                                            .dst_stride = page_bytes};
+                if (c->iface->copy_pages(c->c, land, land_bytes, pool, pool_bytes, &pg, on_landed,
+                                         sl) == TDM_OK)
+                    sl->copies++;
+                else
+                    sl->copy_failed = true;
+                n = 0;
+            }
+    }
+    if (--sl->copies == 0) finish_landing_locked(d, sl);
+}
+
 /* The counter of (slot, epoch) ended. Runs on the progress thread, or on the thread that
  * cancelled it. */
 static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
@@ -179,34 +323,21 @@ static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
     }
     struct dpeer *p = &d->peers[sl->peer];
     p->outstanding_tokens -= sl->n_tokens;
-    int64_t now = (int64_t)tdm_now_ns();
+    if (st == TDM_OK && sl->staged) { /* into the landing pages: now into the pool's */
+        start_landing_locked(d, sl);
+        pthread_mutex_unlock(&d->mu);
+        return;
+    }
     if (st == TDM_OK) {
-        p->landed++;
-        d->remote_ok++;
-        tdm_hist_observe(&d->landed_s, (double)(now - sl->t_sent) * 1e-9);
-        TDM_DEBUG("disagg: request %llu: KV landed from %s in %.3f ms (slot %u epoch %u)",
-                  (unsigned long long)sl->req_id, p->addr, (double)(now - sl->t_sent) * 1e-6, slot,
-                  epoch);
-        tdm_req_t *r = sl->req;
-        sl->state = SLOT_FREE;
-        sl->req = NULL;
-        if (r && sl->head) {
-            /* the head's KV of [0, n - 1) landed, and the feature of n - 1 (n prefilled) */
-            size_t feature_at;
-            tdm_disagg_ctx_layout((uint32_t)d->d_model, (uint32_t)d->vocab, true, d->o.want_logits,
-                                  &feature_at, NULL);
-            const float *ctx_buf = d->ctx_mem + (size_t)slot * (d->ctx_bytes / sizeof(float));
-            d->head_ok++;
-            tdm_req_remote_done_feed(r, ctx_buf + feature_at, sl->n_tokens - 1);
-        } else if (r) {
-            tdm_req_remote_done(r, TDM_OK);
-        }
+        deliver_locked(d, sl);
         pthread_mutex_unlock(&d->mu);
         return;
     }
     /* failure: fence the pages, tell the prefiller, hand the request back */
-    int kind =
-        sl->acked && st == TDM_ECANCELED ? (sl->head_nack ? ERR_HEAD : ERR_NACK) : err_kind(st);
+    int kind = sl->acked && st == TDM_ECANCELED ? (sl->head_nack          ? ERR_HEAD
+                                                   : sl->unreachable_nack ? ERR_UNREACHABLE
+                                                                          : ERR_NACK)
+                                                : err_kind(st);
     d->errors[kind]++;
     p->failed++;
     TDM_WARN("disagg: request %llu: remote prefill on %s failed (%s: %s); %s",
@@ -272,6 +403,21 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
             t->mask &= ~(1u << sl->peer);
             if (t->attempts) t->attempts--;
         }
+    } else if (m.type == TDM_DMSG_NACK && m.status == TDM_EUNREACHABLE && !sl->staged &&
+               d->ep.land.on) {
+        /* it cannot write our pool (another host): the request goes back to it with landing
+         * pages, and so do the next ones (not counted against this request) */
+        if (!p->staged)
+            TDM_WARN("disagg: prefill peer %s cannot write our KV pool (%s); its prefills come "
+                     "through host landing pages from now on",
+                     p->addr, m.error);
+        p->staged = true;
+        sl->unreachable_nack = true;
+        struct tried *t = tried_get(d, sl->req_id, false);
+        if (t) {
+            t->mask &= ~(1u << sl->peer);
+            if (t->attempts) t->attempts--;
+        }
     } else if (m.type == TDM_DMSG_NACK) {
         TDM_WARN("disagg: prefill peer %s refused request %llu: %s", p->addr,
                  (unsigned long long)sl->req_id, m.error);
@@ -315,7 +461,10 @@ static void on_peer(void *ctx, uint32_t xpeer, bool up)
         if (d->peers[i].alive != up)
             TDM_INFO("disagg: prefill peer %s is %s", d->peers[i].addr, up ? "up" : "down");
         /* a peer back from being down may have restarted with the right head */
-        if (up && !d->peers[i].alive) d->peers[i].head_refused = false;
+        if (up && !d->peers[i].alive) {
+            d->peers[i].head_refused = false;
+            d->peers[i].staged = d->stage_all; /* and may now be a node of this host */
+        }
         d->peers[i].alive = up;
         if (up) {
             d->peers[i].backoff_ms = d->o.revive_ms;
@@ -383,6 +532,13 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
         pthread_mutex_unlock(&d->mu);
         return false;
     }
+    bool staged = d->peers[best].staged;
+    if (staged && !tdm_disagg_landing_take(&d->ep.land, need_pages, d->slots[slot].land)) {
+        d->landing_full++; /* every landing page lent: prefilled here */
+        if (t->attempts) d->local_fallbacks++;
+        pthread_mutex_unlock(&d->mu);
+        return false;
+    }
     t->attempts++;
     t->mask |= 1u << best;
     head = head && !d->peers[best].head_refused;
@@ -400,6 +556,8 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     sl->acked = false;
     sl->head = head;
     sl->head_nack = false;
+    sl->unreachable_nack = false;
+    sl->staged = staged;
     sl->t_sent = (int64_t)tdm_now_ns();
     memcpy(sl->pages, pages, (size_t)need_pages * sizeof *pages);
     struct dpeer *p = &d->peers[best];
@@ -441,6 +599,15 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
         f->head.dst_layer_stride = d->ep.head.layer_bytes;
         f->head.kv = d->head_rmem;
     }
+    if (staged) { /* the prefiller writes into our landing pages, laid out like the pool */
+        f->kv = d->ep.land.rmem;
+        f->dst_layer_stride = d->ep.land.layer_bytes;
+        f->pages = (const uint32_t *)sl->land;
+        if (head) {
+            f->head.kv = d->ep.land.head_rmem;
+            f->head.dst_layer_stride = d->ep.land.head_layer_bytes;
+        }
+    }
     size_t size = tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages, head);
     uint8_t *buf = malloc(size);
     struct send_ctx *sc = malloc(sizeof *sc);
@@ -468,6 +635,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     free(sc);
     /* never armed: undo the slot */
     pthread_mutex_lock(&d->mu);
+    if (staged) tdm_disagg_landing_give(&d->ep.land, need_pages, sl->land);
     sl->state = SLOT_FREE;
     sl->req = NULL;
     p->outstanding_tokens -= n_tokens;
@@ -484,12 +652,16 @@ static void finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
     uint32_t epoch = 0;
     pthread_mutex_lock(&d->mu);
     uint64_t id = tdm_req_id(r);
-    for (int i = 0; i < d->n_slots; i++)
-        if (d->slots[i].state == SLOT_PENDING && d->slots[i].req == r) {
+    for (int i = 0; i < d->n_slots; i++) {
+        if (d->slots[i].req != r) continue;
+        if (d->slots[i].state == SLOT_LANDING) { /* its copies end on their own */
+            d->slots[i].req = NULL;
+        } else if (d->slots[i].state == SLOT_PENDING) {
             d->slots[i].req = NULL; /* detached: on_counter will not touch r again */
             slot = i;
             epoch = d->slots[i].epoch;
         }
+    }
     struct tried *t = tried_get(d, id, false);
     if (t) t->req_id = 0;
     pthread_mutex_unlock(&d->mu);
@@ -643,11 +815,20 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
         st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
         goto out_free;
     }
-    for (int i = 0; i < d->n_slots; i++)
-        if (!(d->slots[i].pages = malloc((size_t)max_pages * sizeof(int32_t)))) {
+    for (int i = 0; i < d->n_slots; i++) {
+        d->slots[i].d = d;
+        if (!(d->slots[i].pages = malloc((size_t)max_pages * sizeof(int32_t))) ||
+            !(d->slots[i].land = malloc((size_t)max_pages * sizeof(int32_t)))) {
             st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
             goto out_free;
         }
+    }
+    d->copy_src = malloc(TDM_XFER_COPY_MAX_PAGES * sizeof *d->copy_src);
+    d->copy_dst = malloc(TDM_XFER_COPY_MAX_PAGES * sizeof *d->copy_dst);
+    if (!d->copy_src || !d->copy_dst) {
+        st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
+        goto out_free;
+    }
     struct disagg_endpoint_opts eopts = {.xfer = &o->xfer,
                                          .max_ctx = eo->max_ctx,
                                          .page_size = d->page_size,
@@ -655,20 +836,29 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
                                          .ctx_mem = d->ctx_mem,
                                          .ctx_bytes = d->ctx_bytes * (size_t)d->n_slots,
                                          .head = o->head,
+                                         .landing = true,
                                          .on_msg = on_msg,
                                          .on_peer = on_peer,
                                          .ctx = d};
     if ((st = tdm_disagg_endpoint_open(&d->ep, &eopts)) != TDM_OK) goto out_free;
-    for (; d->n_slots > (int)d->ep.caps.max_slot + 1; d->n_slots--) /* the immediates name fewer */
+    for (; d->n_slots > (int)d->ep.caps.max_slot + 1;
+         d->n_slots--) { /* the immediates name fewer */
         free(d->slots[d->n_slots - 1].pages);
-    d->ep.kv_tp.iface->mr_remote(d->ep.kv_tp.t, &d->ep.kv_reg, &d->kv_rmem);
+        free(d->slots[d->n_slots - 1].land);
+    }
+    /* landing pages for every peer: forced, or the pool cannot be written by any */
+    d->stage_all =
+        d->ep.land.on && (o->xfer.staging == TDM_DISAGG_STAGING_ALWAYS || !d->ep.kv_direct);
+    if (d->ep.kv_direct) d->ep.kv_tp.iface->mr_remote(d->ep.kv_tp.t, &d->ep.kv_reg, &d->kv_rmem);
     d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.ctx_reg, &d->ctx_rmem);
-    if (d->ep.head.on) d->ep.kv_tp.iface->mr_remote(d->ep.kv_tp.t, &d->ep.head_reg, &d->head_rmem);
+    if (d->ep.head.on && d->ep.kv_direct)
+        d->ep.kv_tp.iface->mr_remote(d->ep.kv_tp.t, &d->ep.head_reg, &d->head_rmem);
 
     for (int i = 0; i < o->n_peers; i++) {
         struct dpeer *p = &d->peers[d->n_peers];
         snprintf(p->addr, sizeof p->addr, "%s", o->peers[i]);
         p->backoff_ms = d->o.revive_ms;
+        p->staged = d->stage_all;
         p->next_try_ns = (int64_t)tdm_now_ns() + (int64_t)p->backoff_ms * 1000000;
         if (o->peer_files[i] && !(p->file = strdup(o->peer_files[i]))) {
             st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
@@ -708,9 +898,13 @@ out_ep:
     tdm_disagg_endpoint_stop(&d->ep);
     tdm_disagg_endpoint_release(&d->ep);
 out_free:
-    for (int i = 0; d->slots && i < d->n_slots; i++)
+    for (int i = 0; d->slots && i < d->n_slots; i++) {
         free(d->slots[i].pages);
+        free(d->slots[i].land);
+    }
     free(d->slots);
+    free(d->copy_src);
+    free(d->copy_dst);
     free(d->tried);
     free(d->ctx_mem);
     pthread_mutex_destroy(&d->mu);
@@ -741,9 +935,13 @@ void tdm_disagg_decode_destroy(tdm_disagg_decode_t *d)
         if (d->slots[i].state == SLOT_FENCED) unfence_locked(d, &d->slots[i]);
     pthread_mutex_unlock(&d->mu);
     tdm_disagg_endpoint_release(&d->ep);
-    for (int i = 0; i < d->n_slots; i++)
+    for (int i = 0; i < d->n_slots; i++) {
         free(d->slots[i].pages);
+        free(d->slots[i].land);
+    }
     free(d->slots);
+    free(d->copy_src);
+    free(d->copy_dst);
     free(d->tried);
     free(d->ctx_mem);
     pthread_mutex_destroy(&d->mu);
@@ -777,6 +975,27 @@ char *tdm_disagg_decode_metrics(void *ctx)
     tdm_prom_scalar(&b, "tandem_disagg_fenced_pages", "gauge",
                     "KV pages held until a prefiller confirms a cancel.", NULL,
                     (double)d->fenced_now);
+    if (d->ep.land.on) {
+        tdm_prom_scalar(&b, "tandem_disagg_landing_pages", "gauge",
+                        "Host landing pages (host staging) that prefill nodes of other hosts "
+                        "write into.",
+                        NULL, (double)d->ep.land.n_pages);
+        tdm_prom_scalar(&b, "tandem_disagg_landing_pages_used", "gauge",
+                        "Landing pages lent to remote prefills, or held by fenced ones.", NULL,
+                        (double)(d->ep.land.n_pages - d->ep.land.n_free));
+        tdm_prom_scalar(&b, "tandem_disagg_staged_prefills_total", "counter",
+                        "Remote prefills whose KV came through landing pages.", NULL,
+                        (double)d->staged_ok);
+        tdm_prom_scalar(&b, "tandem_disagg_landing_full_total", "counter",
+                        "Requests prefilled here because every landing page was lent.", NULL,
+                        (double)d->landing_full);
+        tdm_prom_family(&b, "tandem_disagg_peer_staged", "gauge",
+                        "Whether a prefill peer writes into landing pages (1) or the pool itself.");
+        for (int i = 0; i < d->n_peers; i++) {
+            snprintf(lab, sizeof lab, "peer=\"%d\"", i);
+            tdm_prom_sample(&b, "tandem_disagg_peer_staged", lab, d->peers[i].staged ? 1 : 0);
+        }
+    }
     tdm_prom_family(&b, "tandem_disagg_peer_outstanding_tokens", "gauge",
                     "Prefill tokens sent to a peer and not landed (its queue depth seen from "
                     "here).");

@@ -22,6 +22,20 @@ struct disagg_head {
     void *base;                    /* [n_layers][n_pages][2][n_kv_heads][page_size][head_dim] */
     size_t bytes, layer_bytes, page_bytes;
 };
+/* Host landing pages (decode side, host staging): pinned host memory registered with the
+ * fabric, laid out like the pool with fewer pages ([n_layers][n_pages][page_bytes], then the
+ * head's layers), into which a prefiller on another host writes a request's pages; once they
+ * have all landed the copier scatters them into the pool's pages. A staged request lends one
+ * landing page per pool page, from a free stack (under the decoder's mutex). */
+struct disagg_landing {
+    bool on;
+    uint8_t *base;
+    size_t bytes, layer_bytes, head_at, head_layer_bytes;
+    int n_pages, n_free;
+    int32_t *free_ids; /* [n_pages] stack of free landing pages */
+    struct tdm_xfer_region reg;
+    struct tdm_xfer_rmem rmem, head_rmem;
+};
 struct disagg_endpoint {
     tdm_xfer_t *x;                /* the control channel: peers, messages, counters */
     struct tdm_xfer_transport tp; /* the data plane: sends and the context's writes */
@@ -31,6 +45,16 @@ struct disagg_endpoint {
     struct tdm_xfer_transport kv_tp;
     tdm_xfer_ipc_t *ipc;
     struct tdm_xfer_region kv_reg, ctx_reg, head_reg; /* head_reg: with a head only */
+    bool kv_direct; /* kv_reg is registered: pages cross without staging (some peers) */
+    /* Host staging (tdm_disagg_xfer_opts.staging): the copier (the pool's GPU, or memcpy for a
+     * host pool), and on a prefill node the staged writer, with the pool's (and head's) memory
+     * as its source regions; on a decode node the landing pages. */
+    enum tdm_disagg_staging staging;
+    struct tdm_xfer_copier copier;
+    tdm_xfer_staged_t *staged;
+    struct tdm_xfer_transport stage_tp;
+    struct tdm_xfer_region kv_sreg, head_sreg;
+    struct disagg_landing land;
     struct tdm_xfer_caps caps;
     struct tdm_kv_geometry kv; /* the pool's place, element type and strides */
     struct disagg_head head;
@@ -43,6 +67,7 @@ struct disagg_endpoint_opts {
     void *ctx_mem; /* host context buffers, registered too */
     size_t ctx_bytes;
     const struct tdm_model *head; /* a speculation head: its KV group is registered too */
+    bool landing;                 /* a decode node: host staging lends landing pages */
     tdm_xfer_msg_fn on_msg;
     tdm_xfer_peer_fn on_peer;
     void *ctx; /* for both callbacks */
@@ -54,18 +79,33 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
                                     const struct disagg_endpoint_opts *o);
 /* Ends the data plane: a CUDA IPC transport waits for its writes in flight and runs their
  * callbacks (which may send over the engine, so it goes first; no lock they take may be held),
- * then the engine is destroyed (tdm_xfer_destroy: pending operations end with TDM_ECANCELED). */
+ * the staged writer completes its writes, the copier its copies (their callbacks run), then
+ * the engine is destroyed (tdm_xfer_destroy: pending operations end with TDM_ECANCELED). */
 void tdm_disagg_endpoint_stop(struct disagg_endpoint *ep);
-/* Deregisters the regions; call after tdm_disagg_endpoint_stop. */
+/* Deregisters the regions and frees the landing pages and the copier; call after
+ * tdm_disagg_endpoint_stop. */
 void tdm_disagg_endpoint_release(struct disagg_endpoint *ep);
-/* Whether this side's KV data plane can write into (or be written from) a peer region of
- * kind `kind`: host pools pair with host regions; device pools with CUDA IPC regions, or with
- * either over a provider that registers GPU memory. */
-bool tdm_disagg_endpoint_kv_pairs(const struct disagg_endpoint *ep, uint32_t kind);
+/* How this (prefill) side's KV pages reach a decoder's region of `kind`: the transport and
+ * the pool's and head's regions on it, and in words for the log. Host destinations: by the
+ * fabric from a host pool (or a GPU pool it registers), else staged (and always staged with
+ * --kv-staging always); GPU destinations: by CUDA IPC, or the fabric where it registers GPU
+ * memory. false: no transport pairs them. */
+struct disagg_route {
+    struct tdm_xfer_transport tp;
+    const struct tdm_xfer_region *kv, *head;
+    const char *how;
+};
+bool tdm_disagg_endpoint_kv_route(const struct disagg_endpoint *ep, uint32_t kind,
+                                  struct disagg_route *out);
 /* A head's identity and geometry in words, for messages: "0123456789abcdef (1 layer, 9 heads,
  * 3 kv heads of 64, d_ff 1536)". */
 void tdm_disagg_head_describe(const struct tdm_disagg_head_req *h, char *buf, size_t cap);
-/* The fabric's authentication and immediate counters, as Prometheus text. */
+/* Landing pages (decode side; the caller holds its mutex): n from the free stack into ids, all
+ * or nothing; and back. */
+bool tdm_disagg_landing_take(struct disagg_landing *l, int n, int32_t *ids);
+void tdm_disagg_landing_give(struct disagg_landing *l, int n, const int32_t *ids);
+/* The fabric's authentication and immediate counters, and host staging's ring and landing
+ * pages, as Prometheus text. */
 void tdm_disagg_endpoint_metrics(struct disagg_endpoint *ep, struct tdm_sbuf *b);
 
 /* What a control-message send's completion needs to undo. */

@@ -8,6 +8,7 @@
  * side.
  */
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "disagg/disagg_int.h"
 #include "tandem/spec.h"
@@ -43,10 +44,130 @@ void tdm_disagg_head_describe(const struct tdm_disagg_head_req *h, char *buf, si
              h->n_heads, h->n_kv_heads, h->head_dim, h->d_ff);
 }
 
+/* ---- host staging ---- */
+
+static tdm_status landing_open(struct disagg_endpoint *ep, const struct disagg_endpoint_opts *o)
+{
+    struct disagg_landing *l = &ep->land;
+    size_t n_layers = ep->kv.bytes / ep->kv.layer_bytes;
+    size_t head_layers = ep->head.on ? ep->head.id.n_layers : 0;
+    size_t per_page = n_layers * ep->kv.page_bytes + head_layers * ep->head.page_bytes;
+    size_t pool_pages = ep->kv.layer_bytes / ep->kv.page_bytes;
+    size_t ctx_pages = ((size_t)o->max_ctx + (size_t)o->page_size - 1) / (size_t)o->page_size;
+    size_t n = o->xfer->staging_bytes ? o->xfer->staging_bytes / per_page : 4 * ctx_pages;
+    if (n > pool_pages) n = pool_pages;
+    if (n < 1 || n > INT32_MAX)
+        return tdm_err_set(TDM_ERANGE,
+                           "disagg: %zu bytes of host staging hold no landing page (a page of "
+                           "every layer is %zu bytes)",
+                           o->xfer->staging_bytes, per_page);
+    if (n < ctx_pages)
+        TDM_WARN("disagg: the host landing pages hold %zu tokens, less than a context of %d: "
+                 "longer prompts staged from other hosts are prefilled here",
+                 n * (size_t)o->page_size, o->max_ctx);
+    l->n_pages = (int)n;
+    l->layer_bytes = n * ep->kv.page_bytes;
+    l->head_at = n_layers * l->layer_bytes;
+    l->head_layer_bytes = n * ep->head.page_bytes;
+    l->bytes = l->head_at + head_layers * l->head_layer_bytes;
+    l->free_ids = malloc(n * sizeof *l->free_ids);
+    l->base = ep->copier.iface->host_alloc(ep->copier.c, l->bytes);
+    if (!l->free_ids || !l->base) {
+        free(l->free_ids);
+        if (l->base) ep->copier.iface->host_free(ep->copier.c, l->base, l->bytes);
+        *l = (struct disagg_landing){0};
+        return tdm_err_set(TDM_ENOMEM, "disagg: cannot allocate %zu MiB of host landing pages",
+                           (size_t)(per_page * n) >> 20);
+    }
+    tdm_status st = ep->tp.iface->mr_reg(ep->tp.t, l->base, l->bytes, TDM_XFER_MEM_HOST, &l->reg);
+    if (st != TDM_OK) {
+        free(l->free_ids);
+        ep->copier.iface->host_free(ep->copier.c, l->base, l->bytes);
+        *l = (struct disagg_landing){0};
+        return st;
+    }
+    for (int i = 0; i < l->n_pages; i++) /* popped from the top: page 0 first */
+        l->free_ids[i] = l->n_pages - 1 - i;
+    l->n_free = l->n_pages;
+    ep->tp.iface->mr_remote(ep->tp.t, &l->reg, &l->rmem);
+    l->head_rmem = l->rmem;
+    l->rmem.bytes = l->head_at; /* the target's layers; the head's follow */
+    l->head_rmem.addr += l->head_at;
+    l->head_rmem.bytes -= l->head_at;
+    l->on = true;
+    TDM_INFO("disagg: %d host landing pages (%zu MiB, pinned, copied into the pool by %s) for "
+             "prefill peers that cannot write the pool itself",
+             l->n_pages, l->bytes >> 20, ep->copier.iface->name);
+    return TDM_OK;
+}
+
+bool tdm_disagg_landing_take(struct disagg_landing *l, int n, int32_t *ids)
+{
+    if (!l->on || n > l->n_free) return false;
+    for (int i = 0; i < n; i++)
+        ids[i] = l->free_ids[--l->n_free];
+    return true;
+}
+
+void tdm_disagg_landing_give(struct disagg_landing *l, int n, const int32_t *ids)
+{
+    for (int i = 0; i < n && l->n_free < l->n_pages; i++)
+        l->free_ids[l->n_free++] = ids[i];
+}
+
+/* Everything host staging opened; safe on a partly opened or closed endpoint. */
+static void staging_close(struct disagg_endpoint *ep)
+{
+    tdm_xfer_staged_destroy(ep->staged);
+    ep->staged = NULL;
+    ep->kv_sreg = ep->head_sreg = (struct tdm_xfer_region){0};
+    if (ep->copier.iface) ep->copier.iface->drain(ep->copier.c); /* copies out of landing pages */
+    if (ep->land.on) {
+        ep->tp.iface->mr_dereg(ep->tp.t, &ep->land.reg);
+        ep->copier.iface->host_free(ep->copier.c, ep->land.base, ep->land.bytes);
+        free(ep->land.free_ids);
+    }
+    ep->land = (struct disagg_landing){0};
+    tdm_xfer_copier_destroy(&ep->copier);
+}
+
+static tdm_status staging_open(struct disagg_endpoint *ep, const struct disagg_endpoint_opts *o,
+                               bool dev)
+{
+    tdm_status st = dev ? tdm_xfer_copier_cuda(ep->kv.place.device, &ep->copier)
+                        : tdm_xfer_copier_host(&ep->copier);
+    if (st != TDM_OK) return st;
+    if (o->landing) {
+        st = landing_open(ep, o);
+    } else {
+        struct tdm_xfer_staged_config sc = {
+            .fabric = ep->tp, .copier = ep->copier, .ring_bytes = o->xfer->staging_bytes};
+        enum tdm_xfer_mem_kind kind = dev ? TDM_XFER_MEM_CUDA : TDM_XFER_MEM_HOST;
+        if ((st = tdm_xfer_staged_create(&sc, &ep->staged)) == TDM_OK) {
+            ep->stage_tp = tdm_xfer_staged_transport(ep->staged);
+            st = ep->stage_tp.iface->mr_reg(ep->stage_tp.t, ep->kv.base, ep->kv.bytes, kind,
+                                            &ep->kv_sreg);
+            if (st == TDM_OK && ep->head.on)
+                st = ep->stage_tp.iface->mr_reg(ep->stage_tp.t, ep->head.base, ep->head.bytes, kind,
+                                                &ep->head_sreg);
+        }
+        if (st == TDM_OK) {
+            struct tdm_xfer_staged_stats ss;
+            tdm_xfer_staged_get_stats(ep->staged, &ss);
+            TDM_INFO("disagg: KV pages to decoders that lend host landing pages go through a "
+                     "%llu KiB pinned staging ring (copies by %s, writes by %s)",
+                     (unsigned long long)(ss.ring_bytes >> 10), ep->copier.iface->name,
+                     ep->caps.provider);
+        }
+    }
+    if (st != TDM_OK) staging_close(ep);
+    return st;
+}
+
 tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
                                     const struct disagg_endpoint_opts *o)
 {
-    *ep = (struct disagg_endpoint){.kv = tdm_kv_pool_geometry(o->kv)};
+    *ep = (struct disagg_endpoint){.kv = tdm_kv_pool_geometry(o->kv), .staging = o->xfer->staging};
     struct tdm_xfer_config xc;
     tdm_xfer_config_default(&xc);
     if (o->xfer->provider) xc.provider = o->xfer->provider;
@@ -67,11 +188,13 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     xc.on_peer_ctx = o->ctx;
     if ((st = tdm_xfer_create(&xc, &ep->x)) != TDM_OK) return st;
     /* context buffers (host) travel by the fabric's RMA; KV pages by the fabric too when they
-     * are in host memory (or the provider registers GPU memory), else by CUDA IPC */
+     * are in host memory (or the provider registers GPU memory), else by CUDA IPC to nodes of
+     * this host and through host staging to others */
     ep->tp = tdm_xfer_fabric_transport(ep->x);
     const struct tdm_xfer_transport_i *tp = ep->tp.iface;
     tp->get_caps(ep->tp.t, &ep->caps);
     const bool dev = ep->kv.place.kind == TDM_MEM_DEVICE;
+    const bool stage_ok = ep->staging != TDM_DISAGG_STAGING_OFF;
     enum tdm_xfer_mem_kind kind = dev ? TDM_XFER_MEM_CUDA : TDM_XFER_MEM_HOST;
     ep->kv_tp = ep->tp;
     /* device pages: by the fabric where it registers GPU memory (GPUDirect RDMA), else CUDA IPC */
@@ -81,34 +204,62 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     if (dev && st == TDM_OK)
         TDM_INFO("disagg: KV pages on GPU %d move by %s RMA straight from GPU memory",
                  ep->kv.place.device, ep->caps.provider);
+    if (!dev && st != TDM_OK) goto out_xfer;
     if (dev && st != TDM_OK) {
         if (ep->caps.hmem_cuda) TDM_WARN("disagg: %s; KV pages take CUDA IPC", tdm_err_msg());
         struct tdm_xfer_ipc_config ic = {.device = ep->kv.place.device, .control = ep->x};
-        if ((st = tdm_xfer_ipc_create(&ic, &ep->ipc)) != TDM_OK) {
-            tdm_err_set(st,
-                        "disagg: the KV pool is on GPU %d and the fabric (%s) cannot "
-                        "register GPU memory, so pages move by CUDA IPC, which failed: %s",
-                        ep->kv.place.device, ep->caps.provider, tdm_err_msg());
-            goto out_xfer;
+        if ((st = tdm_xfer_ipc_create(&ic, &ep->ipc)) == TDM_OK) {
+            ep->kv_tp = tdm_xfer_ipc_transport(ep->ipc);
+            TDM_INFO("disagg: KV pages on GPU %d move by CUDA IPC to nodes of this host (%s "
+                     "cannot register GPU memory)%s",
+                     ep->kv.place.device, ep->caps.provider,
+                     stage_ok ? ", and through pinned host staging to other hosts" : "");
+            st = ep->kv_tp.iface->mr_reg(ep->kv_tp.t, ep->kv.base, ep->kv.bytes, kind, &ep->kv_reg);
         }
-        ep->kv_tp = tdm_xfer_ipc_transport(ep->ipc);
-        TDM_INFO("disagg: KV pages on GPU %d move by CUDA IPC (nodes of this host; %s cannot "
-                 "register GPU memory)",
-                 ep->kv.place.device, ep->caps.provider);
-        st = ep->kv_tp.iface->mr_reg(ep->kv_tp.t, ep->kv.base, ep->kv.bytes, kind, &ep->kv_reg);
+        if (st != TDM_OK && !stage_ok) {
+            tdm_err_set(st,
+                        "disagg: the KV pool is on GPU %d and the fabric (%s) cannot register "
+                        "GPU memory, so pages move by CUDA IPC, which failed: %s (and "
+                        "--kv-staging off forbids host staging)",
+                        ep->kv.place.device, ep->caps.provider, tdm_err_msg());
+            goto out_ipc;
+        }
+        if (st != TDM_OK) {
+            TDM_WARN("disagg: CUDA IPC is not available (%s); KV pages cross through host "
+                     "staging only",
+                     tdm_err_msg());
+            tdm_xfer_ipc_destroy(ep->ipc);
+            ep->ipc = NULL;
+            ep->kv_tp = ep->tp;
+        }
     }
+    ep->kv_direct = st == TDM_OK;
     const struct tdm_xfer_transport_i *ktp = ep->kv_tp.iface;
-    if (st != TDM_OK) goto out_ipc;
+    /* host staging: forced, or for a GPU pool the fabric cannot register */
+    bool want_staging = ep->staging == TDM_DISAGG_STAGING_ALWAYS ||
+                        (stage_ok && dev && (ep->ipc || !ep->kv_direct));
+    if (want_staging && (st = staging_open(ep, o, dev)) != TDM_OK) {
+        if (ep->staging == TDM_DISAGG_STAGING_ALWAYS || !ep->kv_direct) {
+            tdm_err_set(st, "disagg: host staging: %s", tdm_err_msg());
+            goto out_kv;
+        }
+        TDM_WARN("disagg: no host staging (%s): only nodes of this host can exchange KV pages "
+                 "with this one",
+                 tdm_err_msg());
+    }
     if ((st = tp->mr_reg(ep->tp.t, o->ctx_mem, o->ctx_bytes, TDM_XFER_MEM_HOST, &ep->ctx_reg)) !=
         TDM_OK)
-        goto out_kv;
-    if (ep->head.on && (st = ktp->mr_reg(ep->kv_tp.t, ep->head.base, ep->head.bytes, kind,
-                                         &ep->head_reg)) != TDM_OK)
+        goto out_staging;
+    if (ep->head.on && ep->kv_direct &&
+        (st = ktp->mr_reg(ep->kv_tp.t, ep->head.base, ep->head.bytes, kind, &ep->head_reg)) !=
+            TDM_OK)
         goto out_ctx;
     return TDM_OK;
 
 out_ctx:
     tp->mr_dereg(ep->tp.t, &ep->ctx_reg);
+out_staging:
+    staging_close(ep);
 out_kv:
     ktp->mr_dereg(ep->kv_tp.t, &ep->kv_reg);
 out_ipc:
@@ -119,11 +270,26 @@ out_xfer:
     return st;
 }
 
-bool tdm_disagg_endpoint_kv_pairs(const struct disagg_endpoint *ep, uint32_t kind)
+bool tdm_disagg_endpoint_kv_route(const struct disagg_endpoint *ep, uint32_t kind,
+                                  struct disagg_route *out)
 {
-    if (ep->kv.place.kind != TDM_MEM_DEVICE) return kind == TDM_XFER_MEM_HOST;
-    return ep->ipc ? kind == TDM_XFER_MEM_CUDA
-                   : kind == TDM_XFER_MEM_CUDA || kind == TDM_XFER_MEM_HOST;
+    const bool dev = ep->kv.place.kind == TDM_MEM_DEVICE;
+    if (kind == TDM_XFER_MEM_CUDA) { /* CUDA IPC, or a fabric that registers GPU memory */
+        if (!dev || !ep->kv_direct) return false;
+        *out = (struct disagg_route){ep->kv_tp, &ep->kv_reg, &ep->head_reg, ep->kv_tp.iface->name};
+        return true;
+    }
+    if (kind != TDM_XFER_MEM_HOST) return false;
+    /* the fabric reaches host destinations from a host pool, or a GPU pool it registered */
+    bool direct = ep->kv_direct && !ep->ipc;
+    if (ep->staged && (!direct || ep->staging == TDM_DISAGG_STAGING_ALWAYS)) {
+        *out = (struct disagg_route){ep->stage_tp, &ep->kv_sreg, &ep->head_sreg,
+                                     "pinned host staging"};
+        return true;
+    }
+    if (!direct) return false;
+    *out = (struct disagg_route){ep->kv_tp, &ep->kv_reg, &ep->head_reg, ep->kv_tp.iface->name};
+    return true;
 }
 
 void tdm_disagg_endpoint_stop(struct disagg_endpoint *ep)
@@ -134,6 +300,10 @@ void tdm_disagg_endpoint_stop(struct disagg_endpoint *ep)
         tdm_xfer_ipc_destroy(ep->ipc);
         ep->ipc = NULL;
     }
+    /* the staged writer's pieces complete on the engine's thread: before the engine goes */
+    tdm_xfer_staged_destroy(ep->staged);
+    ep->staged = NULL;
+    if (ep->copier.iface) ep->copier.iface->drain(ep->copier.c); /* landing copies */
     tdm_xfer_destroy(ep->x);
 }
 
@@ -144,6 +314,7 @@ void tdm_disagg_endpoint_release(struct disagg_endpoint *ep)
     ep->kv_tp.iface->mr_dereg(ep->kv_tp.t, &ep->head_reg);
     ep->tp.iface->mr_dereg(ep->tp.t, &ep->ctx_reg);
     ep->kv_tp.iface->mr_dereg(ep->kv_tp.t, &ep->kv_reg);
+    staging_close(ep);
 }
 
 void tdm_disagg_endpoint_metrics(struct disagg_endpoint *ep, struct tdm_sbuf *b)
@@ -168,4 +339,32 @@ void tdm_disagg_endpoint_metrics(struct disagg_endpoint *ep, struct tdm_sbuf *b)
         snprintf(lab, sizeof lab, "kind=\"%s\"", kinds[i]);
         tdm_prom_sample(b, "tandem_fabric_immediates_total", lab, (double)v[i]);
     }
+    if (!ep->staged) return;
+    struct tdm_xfer_staged_stats ss;
+    tdm_xfer_staged_get_stats(ep->staged, &ss);
+    tdm_prom_scalar(b, "tandem_disagg_staging_ring_bytes", "gauge",
+                    "Size of the pinned host staging ring (KV pages to other hosts).", NULL,
+                    (double)ss.ring_bytes);
+    tdm_prom_scalar(b, "tandem_disagg_staging_ring_used_bytes", "gauge",
+                    "Staging ring bytes held by writes being copied or on the wire.", NULL,
+                    (double)ss.ring_used);
+    tdm_prom_scalar(b, "tandem_disagg_staging_ring_high_bytes", "gauge",
+                    "The most staging ring bytes ever held at once.", NULL, (double)ss.ring_high);
+    tdm_prom_scalar(b, "tandem_disagg_staging_ring_full_total", "counter",
+                    "Staged writes refused for want of ring space (back-pressure; retried).", NULL,
+                    (double)ss.ring_full);
+    tdm_prom_family(b, "tandem_disagg_staged_writes_total", "counter",
+                    "Paged writes through host staging, by result.");
+    tdm_prom_sample(b, "tandem_disagg_staged_writes_total", "result=\"ok\"", (double)ss.writes);
+    tdm_prom_sample(b, "tandem_disagg_staged_writes_total", "result=\"failed\"", (double)ss.failed);
+    tdm_prom_scalar(b, "tandem_disagg_staged_pieces_total", "counter",
+                    "Fabric writes out of the staging ring (a paged write larger than a quarter "
+                    "of the ring takes several).",
+                    NULL, (double)ss.pieces);
+    tdm_prom_scalar(b, "tandem_disagg_staged_bytes_total", "counter",
+                    "Bytes of paged writes completed through host staging.", NULL,
+                    (double)ss.bytes);
+    tdm_prom_scalar(b, "tandem_disagg_staging_copy_seconds_total", "counter",
+                    "Time copies into the staging ring took, summed.", NULL,
+                    (double)ss.copy_ns * 1e-9);
 }

@@ -64,6 +64,7 @@ struct job {
     enum job_state state;
     uint32_t xpeer;
     struct tdm_disagg_prefill_msg m; /* tokens/pages point at the copies below */
+    struct disagg_route route;       /* how its pages reach the decoder's memory */
     int32_t *tokens;
     uint32_t *dst_pages;
     tdm_req_t *req;
@@ -209,13 +210,19 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
     struct tdm_xfer_imm imm = {.slot = j->m.slot, .epoch = j->m.epoch, .index = index};
     tdm_status st;
     int64_t deadline = (int64_t)tdm_now_ns() + 10 * 1000000000LL;
+    /* the source pages are held from here to the write's end (or its refusal): a retry below
+     * drops p->mu, and the scheduler may finish the request meanwhile */
+    if (kind != W_CTX) {
+        for (int i = 0; i < n; i++)
+            w->pages[i] = src_pages[p0 + i];
+        tdm_kv_pool_hold(p->kv, n, w->pages);
+    }
     for (;;) {
         if (kind != W_CTX) {
             bool head = kind == W_HEAD;
             size_t page_bytes = head ? p->ep.head.page_bytes : p->page_bytes;
             for (int i = 0; i < n; i++) {
-                w->pages[i] = src_pages[p0 + i];
-                p->src_tmp[i] = (uint32_t)src_pages[p0 + i];
+                p->src_tmp[i] = (uint32_t)w->pages[i];
                 p->dst_tmp[i] = j->dst_pages[p0 + i];
             }
             w->bytes = (uint64_t)n * page_bytes;
@@ -229,11 +236,9 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
                 .src_offset = (uint64_t)layer * (head ? p->ep.head.layer_bytes : p->layer_bytes),
                 .dst_offset =
                     (uint64_t)layer * (head ? j->m.head.dst_layer_stride : j->m.dst_layer_stride)};
-            tdm_kv_pool_hold(p->kv, n, w->pages);
-            st = p->ep.kv_tp.iface->write_pages(
-                p->ep.kv_tp.t, j->xpeer, head ? &p->ep.head_reg : &p->ep.kv_reg,
+            st = j->route.tp.iface->write_pages(
+                j->route.tp.t, j->xpeer, head ? j->route.head : j->route.kv,
                 head ? &j->m.head.kv : &j->m.kv, &pg, &imm, 0, on_write_done, w);
-            if (st != TDM_OK) tdm_kv_pool_unhold(p->kv, n, w->pages);
         } else {
             size_t bytes = tdm_disagg_ctx_layout(j->m.d_model, j->m.vocab, j->m.want_head,
                                                  j->m.want_logits, NULL, NULL) *
@@ -250,11 +255,13 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
         nanosleep(&ts, NULL);
         pthread_mutex_lock(&p->mu);
         if (j->failed || j->cancel) {
+            if (kind != W_CTX) tdm_kv_pool_unhold(p->kv, n, w->pages);
             free(w);
             return;
         }
     }
     if (st != TDM_OK) {
+        if (kind != W_CTX) tdm_kv_pool_unhold(p->kv, n, w->pages);
         free(w);
         p->errors[st == TDM_EPEER ? PERR_PEER : PERR_WRITE]++;
         job_fail_locked(j, "cannot post a KV write: %s", tdm_err_msg());
@@ -450,7 +457,8 @@ static tdm_status validate_head(struct tdm_disagg_prefill *p, const struct tdm_d
 }
 
 /* A prefill request this node can serve: TDM_OK, else the status for the NACK and why. */
-static tdm_status validate(struct tdm_disagg_prefill *p, const struct tdm_disagg_prefill_msg *m,
+static tdm_status validate(struct tdm_disagg_prefill *p, uint32_t xpeer,
+                           const struct tdm_disagg_prefill_msg *m, struct disagg_route *route,
                            char *why, size_t cap)
 {
     if (m->n_layers != (uint32_t)p->n_layers || m->n_kv_heads != (uint32_t)p->n_kv_heads ||
@@ -472,14 +480,27 @@ static tdm_status validate(struct tdm_disagg_prefill *p, const struct tdm_disagg
                  m->elem_bytes, tdm_dtype_name(p->ep.kv.dtype), p->ep.kv.elem_bytes);
         return TDM_EINVAL;
     }
-    if (!tdm_disagg_endpoint_kv_pairs(&p->ep, m->kv.kind) ||
-        (m->want_head && !tdm_disagg_endpoint_kv_pairs(&p->ep, m->head.kv.kind))) {
+    /* TDM_EUNREACHABLE: a decoder that can lend host landing pages asks again with them */
+    if (!tdm_disagg_endpoint_kv_route(&p->ep, m->kv.kind, route) ||
+        (m->want_head && m->head.kv.kind != m->kv.kind)) {
         snprintf(why, cap,
                  "KV pages: the decoder's in %s memory, ours in %s memory; no transport pairs "
-                 "them (CUDA IPC: GPU pools of one host; host staging: not built)",
+                 "them (CUDA IPC: GPU pools of one host; host staging: host landing pages%s)",
                  m->kv.kind == TDM_XFER_MEM_CUDA ? "GPU" : "host",
-                 p->ep.kv.place.kind == TDM_MEM_DEVICE ? "GPU" : "host");
-        return TDM_EUNSUPPORTED;
+                 p->ep.kv.place.kind == TDM_MEM_DEVICE ? "GPU" : "host",
+                 p->ep.staging == TDM_DISAGG_STAGING_OFF ? ", off here" : "");
+        return TDM_EUNREACHABLE;
+    }
+    if (route->tp.iface == p->ep.kv_tp.iface && p->ep.ipc) {
+        tdm_status st = tdm_xfer_ipc_reach(p->ep.ipc, &m->kv, xpeer);
+        if (st == TDM_OK && m->want_head) st = tdm_xfer_ipc_reach(p->ep.ipc, &m->head.kv, xpeer);
+        if (st != TDM_OK) {
+            snprintf(why, cap,
+                     "KV pages: the decoder's GPU memory cannot be opened here (%s): not a node "
+                     "of this host?",
+                     tdm_err_msg());
+            return TDM_EUNREACHABLE;
+        }
     }
     if (m->kv_head_begin != 0 || m->kv_head_end != m->n_kv_heads) {
         snprintf(why, cap, "sharded decoders (kv heads %u..%u) are not supported by this node",
@@ -566,7 +587,8 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     }
     if (m.type != TDM_DMSG_PREFILL) goto out;
     char why[TDM_DMSG_MAX_ERROR];
-    tdm_status vst = validate(p, &m.prefill, why, sizeof why);
+    struct disagg_route route;
+    tdm_status vst = validate(p, xpeer, &m.prefill, &route, why, sizeof why);
     if (vst != TDM_OK) {
         pthread_mutex_lock(&p->mu);
         p->errors[PERR_REFUSED]++;
@@ -578,8 +600,7 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     if (xpeer < sizeof p->told && !p->told[xpeer]) { /* once per peer: the transport it gets */
         p->told[xpeer] = 1;
         TDM_INFO("disagg: decoder peer %u: KV pages by %s, from %s memory here to %s memory there",
-                 xpeer, p->ep.kv_tp.iface->name,
-                 p->ep.kv.place.kind == TDM_MEM_DEVICE ? "GPU" : "host",
+                 xpeer, route.how, p->ep.kv.place.kind == TDM_MEM_DEVICE ? "GPU" : "host",
                  m.prefill.kv.kind == TDM_XFER_MEM_CUDA ? "GPU" : "host");
     }
     struct job *j = calloc(1, sizeof *j);
@@ -589,6 +610,7 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     }
     j->xpeer = xpeer;
     j->m = m.prefill;
+    j->route = route;
     j->tokens = tokens;
     j->dst_pages = pages;
     j->m.tokens = tokens;

@@ -71,6 +71,12 @@ static void usage(FILE *f)
         "  --remote-timeout-ms N   decode: one remote prefill's deadline (default 30000)\n"
         "  --remote-attempts N     decode: peers tried per request before prefilling here (2)\n"
         "  --peer-timeout-ms N     a silent fabric peer is declared dead after this (2000)\n"
+        "  --kv-staging auto|always|off  KV pages through pinned host memory, for GPU pools\n"
+        "                          between hosts whose fabric cannot register GPU memory.\n"
+        "                          auto (default): when needed (a decoder tries CUDA IPC\n"
+        "                          first); always: every page, host pools too; off: never\n"
+        "  --staging-memory SIZE   prefill: the staging ring (default 64M); decode: the host\n"
+        "                          landing pages (default: four contexts, at most the pool)\n"
         "  --spec mtp [--spec-draft HEAD]  on a decode node: prefill nodes also send the head's\n"
         "                          KV, and requests draft from their first step; on a prefill\n"
         "                          node: the head it runs for its decoders (the same file)\n");
@@ -159,6 +165,27 @@ static bool opt_kv_memory(const char *arg, void *dst)
     return false;
 }
 
+static bool opt_staging_memory(const char *arg, void *dst)
+{
+    if (parse_size(arg, dst)) return true;
+    fprintf(stderr, "--staging-memory: '%s' is not a size like 256M or 1GiB\n", arg);
+    return false;
+}
+
+static bool opt_staging(const char *arg, void *dst)
+{
+    static const char *const names[] = {"auto", "always", "off"};
+    static const enum tdm_disagg_staging vals[] = {
+        TDM_DISAGG_STAGING_AUTO, TDM_DISAGG_STAGING_ALWAYS, TDM_DISAGG_STAGING_OFF};
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(arg, names[i])) {
+            *(enum tdm_disagg_staging *)dst = vals[i];
+            return true;
+        }
+    fprintf(stderr, "--kv-staging: '%s' is not auto, always or off\n", arg);
+    return false;
+}
+
 static bool opt_role(const char *arg, void *dst)
 {
     if (!strcmp(arg, "both") || !strcmp(arg, "prefill") || !strcmp(arg, "decode")) {
@@ -235,7 +262,8 @@ int tdm_cmd_serve(int argc, char **argv)
                               .drain_s = 30};
     int64_t mbt = 512, seqs = 64, chunk = 0, waiting = 1024, page = 16, pages = 0;
     int64_t ctx = 0, threads = 0;
-    size_t kv_bytes = 0;
+    size_t kv_bytes = 0, staging_bytes = 0;
+    enum tdm_disagg_staging staging = TDM_DISAGG_STAGING_AUTO;
     bool inv = false, prefix_caching = false;
     const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
     const char *addr_file = NULL, *fabric_key_file = NULL;
@@ -277,6 +305,8 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("remote-timeout-ms", &rtimeout, 100, 3600000),
         TDM_OPT_I("remote-attempts", &rattempts, 0, 16),
         TDM_OPT_I("peer-timeout-ms", &peer_timeout, 100, 600000),
+        TDM_OPT_P("kv-staging", opt_staging, &staging),
+        TDM_OPT_P("staging-memory", opt_staging_memory, &staging_bytes),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {http, own, spec_t, NULL};
@@ -319,6 +349,11 @@ int tdm_cmd_serve(int argc, char **argv)
         fprintf(stderr, "tandem serve: --xfer-addr-file is for --role prefill or decode\n");
         return 2;
     }
+    if (!is_prefill && !is_decode && (staging != TDM_DISAGG_STAGING_AUTO || staging_bytes)) {
+        fprintf(stderr, "tandem serve: --kv-staging and --staging-memory are for --role prefill "
+                        "or decode\n");
+        return 2;
+    }
     uint8_t fkey[256];
     size_t fkey_bytes = 0;
     if (fabric_key_file) {
@@ -329,6 +364,8 @@ int tdm_cmd_serve(int argc, char **argv)
         if (!read_fabric_key(fabric_key_file, fkey, &fkey_bytes)) return 2;
     }
     struct tdm_disagg_decode_opts dopt = {.xfer = {.provider = provider,
+                                                   .staging = staging,
+                                                   .staging_bytes = staging_bytes,
                                                    .node = xnode,
                                                    .peer_timeout_ms = (int)peer_timeout,
                                                    .fabric_key = fkey_bytes ? fkey : NULL,
@@ -426,6 +463,8 @@ int tdm_cmd_serve(int argc, char **argv)
     }
     if (is_prefill) {
         struct tdm_disagg_prefill_opts po = {.xfer = {.provider = provider,
+                                                      .staging = staging,
+                                                      .staging_bytes = staging_bytes,
                                                       .node = xnode,
                                                       .peer_timeout_ms = (int)peer_timeout,
                                                       .fabric_key = fkey_bytes ? fkey : NULL,

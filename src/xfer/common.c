@@ -433,4 +433,9 @@ tdm_status tdm_xfer_cuda_drain(tdm_xfer_cuda_t *c, int timeout_ms)
 {
     return no_cuda();
 }
+void *tdm_xfer_cuda_host_alloc(size_t bytes)
+{
+    return NULL;
+}
+void tdm_xfer_cuda_host_free(void *p) {}
 #endif

@@ -327,3 +327,18 @@ extern "C" tdm_status tdm_xfer_cuda_drain(tdm_xfer_cuda_t *c, int timeout_ms)
     }
     return TDM_OK;
 }
+
+extern "C" void *tdm_xfer_cuda_host_alloc(size_t bytes)
+{
+    void *p = nullptr;
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped) != cudaSuccess) {
+        cudaGetLastError(); /* not sticky: clear it */
+        return nullptr;
+    }
+    return p;
+}
+
+extern "C" void tdm_xfer_cuda_host_free(void *p)
+{
+    if (p) cudaFreeHost(p);
+}

@@ -422,6 +422,19 @@ static const struct tdm_xfer_transport_i IPC_TRANSPORT = {
     .get_caps = ipc_get_caps,
 };
 
+tdm_status tdm_xfer_ipc_reach(tdm_xfer_ipc_t *t, const struct tdm_xfer_rmem *dst, uint32_t peer)
+{
+    if (!t) return tdm_err_set(TDM_EUNSUPPORTED, "xfer ipc: no CUDA IPC here");
+    pthread_mutex_lock(&t->mu);
+    uint8_t *p = NULL;
+    size_t bytes = 0;
+    struct ipc_mapping *map = NULL;
+    tdm_status st = resolve_dst(t, dst, &p, &bytes, &map);
+    if (st == TDM_OK && map) map->peer = peer; /* closed with the peer (forget_peer) */
+    pthread_mutex_unlock(&t->mu);
+    return st;
+}
+
 void tdm_xfer_ipc_forget_peer(tdm_xfer_ipc_t *t, uint32_t peer)
 {
     if (!t) return;

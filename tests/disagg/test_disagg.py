@@ -274,15 +274,17 @@ def test_decoder_spreads_over_two_prefill_nodes(colocated, default_model):
                 s.stop()
 
 
-def test_prefill_killed_mid_transfer(colocated, default_model):
-    """SIGKILL the prefill node while it streams a long prompt's KV: the decoder notices (peer
-    timeout), fences the pages, prefills locally, and the client gets the normal answer."""
-    prompt = prompts(1, 16, [200 if SANITIZED else 1200])[0]
+def kill_mid_transfer(colocated, seed, extra=()):
+    """Starts a pair (`extra` on both nodes), SIGKILLs the prefill node while it streams a long
+    prompt's KV, and checks the client still gets the colocated answer. Returns the decoder,
+    still running, and the prefill node, stopped; the caller stops both."""
+    prompt = prompts(1, seed, [200 if SANITIZED else 1200])[0]
     want = run(colocated, prompt, max_tokens=4)
-    p = prefill_node()
+    p = prefill_node(extra)
     d = None
     try:
-        d = decode_node([p], ["--peer-timeout-ms", "1000", "--remote-timeout-ms", "60000"])
+        d = decode_node([p], list(extra) + ["--peer-timeout-ms", "1000", "--remote-timeout-ms",
+                                            "60000"])
         with cf.ThreadPoolExecutor(1) as ex:
             fut = ex.submit(run, d, prompt, 4)
             deadline = time.time() + 120
@@ -291,14 +293,26 @@ def test_prefill_killed_mid_transfer(colocated, default_model):
                 time.sleep(0.01)
             p.proc.kill()
             assert fut.result(timeout=300) == want
+        return d, p
+    except BaseException:
+        if d:
+            d.stop()
+        p.stop()
+        raise
+
+
+def test_prefill_killed_mid_transfer(colocated, default_model):
+    """SIGKILL the prefill node while it streams a long prompt's KV: the decoder notices (peer
+    timeout), fences the pages, prefills locally, and the client gets the normal answer."""
+    d, p = kill_mid_transfer(colocated, 16)
+    try:
         m = decode_idle(d)
         errs = sum(v for (name, lab), v in m.items()
                    if name == "tandem_disagg_transfer_errors_total")
         assert errs >= 1 and m[("tandem_disagg_local_fallbacks_total", ())] >= 1
         assert m[("tandem_disagg_peer_up", (("peer", "0"),))] == 0
     finally:
-        if d:
-            d.stop()
+        d.stop()
         p.stop()
 
 
@@ -316,29 +330,39 @@ if SANITIZED:  # the messenger's failure paths once: a timeout, and failed write
 
 
 
-@pytest.mark.parametrize("side,spec", FAULTS, ids=[f"{a}-{b.split(',')[0]}" for a, b in FAULTS])
-def test_fault_injection_never_hangs(colocated, default_model, side, spec):
-    """Every fault mode ends in a completed request (remote, or local after the remote attempt
-    failed) within the timeout, with the colocated output; pools back to baseline."""
+def faults_never_hang(colocated, side, spec, seed, extra=(), idle=None):
+    """Four concurrent requests through a pair (`extra` on both nodes) with TANDEM_XFER_FAULTS
+    `spec` on one side: every answer is the colocated one, within far less than the test's
+    time, and then idle(p, d) holds (default: both pools at baseline)."""
     env = {"TANDEM_XFER_FAULTS": spec}
-    ps = prompts(4, 17, [40, 70, 2, 20] if SANITIZED else [40, 70, 150, 2])
+    ps = prompts(4, seed, [40, 70, 2, 20] if SANITIZED else [40, 70, 150, 2])
     want = [run(colocated, x) for x in ps]
-    p = prefill_node(env=env if side == "prefill" else None)
+    p = prefill_node(extra, env=env if side == "prefill" else None)
     d = None
     try:
-        d = decode_node([p], ["--remote-timeout-ms", "3000"],
+        d = decode_node([p], list(extra) + ["--remote-timeout-ms", "3000"],
                         env=env if side == "decode" else None)
         t0 = time.time()
         with cf.ThreadPoolExecutor(4) as ex:
             got = list(ex.map(lambda x: run(d, x), ps))
         assert got == want
         assert time.time() - t0 < 240, "a fault made a request take far longer than its timeout"
-        decode_idle(d)
-        prefill_idle(p)
+        if idle:
+            idle(p, d)
+        else:
+            decode_idle(d)
+            prefill_idle(p)
     finally:
         if d:
             d.stop()
         p.stop()
+
+
+@pytest.mark.parametrize("side,spec", FAULTS, ids=[f"{a}-{b.split(',')[0]}" for a, b in FAULTS])
+def test_fault_injection_never_hangs(colocated, default_model, side, spec):
+    """Every fault mode ends in a completed request (remote, or local after the remote attempt
+    failed) within the timeout, with the colocated output; pools back to baseline."""
+    faults_never_hang(colocated, side, spec, 17)
 
 
 # ---- across a real network stack: two namespaces joined by a veth pair ----

@@ -282,3 +282,32 @@ def test_refused_head(plain, heads, prefill_head):
 def test_prefill_node_takes_mtp_only(default_model):
     cp = run_tandem(["serve", "--role", "prefill", "--spec", "self", "--port", "0"], check=False)
     assert cp.returncode == 2 and "--spec mtp" in cp.stderr, cp.stderr
+
+
+def test_head_kv_through_host_staging(heads, plain):
+    """Both nodes with --kv-staging always: the head's KV layer crosses through the staging
+    ring and the landing pages like the target's (its own layer group, copied in after the
+    target's). The decoder drafts and keeps exactly what a colocated server that made the head's
+    KV itself does, and its tokens are the plain server's."""
+    stage = ["--kv-staging", "always"]
+    p = prefill_node(INV + spec(heads["cycle"]) + stage)
+    d = ref = None
+    try:
+        d = decode_node([p], INV + spec(heads["cycle"]) + stage)
+        ref = serve(spec(heads["cycle"]) + ["--prefill-chunk", "16"])
+        for i, n in enumerate([17, 81] if SANITIZED else [17, 33, 81, 129]):
+            x = cycle_prompt(n, 100 + i)
+            r0, d0 = counters(ref), counters(d)
+            got = complete(d, x, 12)
+            assert got == complete(ref, x, 12) == complete(plain, x, 12)
+            assert delta(d0, counters(d)) == delta(r0, counters(ref)), f"{n}-token prompt"
+        m = decode_idle(d)
+        assert m[("tandem_disagg_staged_prefills_total", ())] == \
+            m[("tandem_disagg_head_kv_landed_total", ())] > 0
+        assert m[("tandem_disagg_landing_pages_used", ())] == 0
+        pm = prefill_idle(p)
+        assert pm[("tandem_disagg_staging_ring_used_bytes", ())] == 0
+    finally:
+        for s in (ref, d, p):
+            if s:
+                s.stop_clean()

@@ -96,6 +96,11 @@ BAD_ARGS = [
     (["generate", "--bogus"], 2, "unknown"),
     (["chat", "--prompt-tokens", "1"], 2, "text"),
     (["frobnicate"], 2, "unknown command"),
+    (["serve", "--role", "prefill", "--kv-staging", "sometimes"], 2,
+     "--kv-staging: 'sometimes' is not auto, always or off"),
+    (["serve", "--role", "prefill", "--staging-memory", "lots"], 2,
+     "--staging-memory: 'lots' is not a size"),
+    (["serve", "--kv-staging", "always"], 2, "are for --role prefill or decode"),
 ]
 
 

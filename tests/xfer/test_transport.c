@@ -2,7 +2,10 @@
  *   - libfabric (shm) between two engines of this process, host memory;
  *   - CUDA IPC between two processes (the real IPC path: the writer opens the owner's handle,
  *     and the immediate crosses to the owner's engine over the control channel);
- *   - CUDA IPC inside one process (the destination written through its own pointer).
+ *   - CUDA IPC inside one process (the destination written through its own pointer);
+ *   - host staging (the staged writer over shm, with host memory, then GPU memory through the
+ *     CUDA copier), and the staging ring's pieces, back-pressure and failures, driven by a
+ *     copier whose copies end when the test says.
  * Each registers a source and a destination, posts a paged write (three scattered pages) and a
  * single write, each with an immediate, and checks that the owner's counter fired once with
  * TDM_OK and that every byte landed where the page lists say, and nowhere else. The CUDA cases
@@ -16,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -228,6 +232,301 @@ static void test_fabric(void **state)
     tdm_xfer_destroy(b);
 }
 
+/* ---- host staging: the staged writer over the fabric (shm), host memory standing in for
+ * device memory ---- */
+static void test_staged(void **state)
+{
+    (void)state;
+    tdm_xfer_t *a = open_engine(), *b = open_engine();
+    assert_non_null(a);
+    assert_non_null(b);
+    struct tdm_xfer_copier cp;
+    assert_int_equal(tdm_xfer_copier_host(&cp), TDM_OK);
+    struct tdm_xfer_staged_config sc = {.fabric = tdm_xfer_fabric_transport(a), .copier = cp};
+    tdm_xfer_staged_t *st = NULL;
+    assert_int_equal(tdm_xfer_staged_create(&sc, &st), TDM_OK);
+    struct tdm_xfer_transport ta = tdm_xfer_staged_transport(st), tb = tdm_xfer_fabric_transport(b);
+    assert_string_equal(ta.iface->name, "staged");
+    uint32_t peer = connect_engines(a, b);
+    struct owner o;
+    owner_open(&o, tb, b, &HOST_MEM);
+    /* a GPU destination is refused: staging writes into host landing pages */
+    struct tdm_xfer_rmem gpu = o.rmem;
+    gpu.kind = TDM_XFER_MEM_CUDA;
+    uint8_t src[PAGE];
+    struct tdm_xfer_region rs;
+    assert_int_equal(ta.iface->mr_reg(ta.t, src, sizeof src, TDM_XFER_MEM_HOST, &rs), TDM_OK);
+    assert_int_equal(ta.iface->write(ta.t, peer, &rs, 0, &gpu, 0, PAGE, NULL, 0, NULL, NULL),
+                     TDM_EINVAL);
+    ta.iface->mr_dereg(ta.t, &rs);
+    write_side(ta, &HOST_MEM, peer, &o.rmem);
+    assert_int_equal(owner_check(&o, tb, &HOST_MEM), 0);
+    struct tdm_xfer_staged_stats ss;
+    tdm_xfer_staged_get_stats(st, &ss);
+    assert_int_equal(ss.writes, 2);
+    assert_int_equal(ss.bytes, 4 * PAGE);
+    assert_int_equal(ss.ring_used, 0);
+    assert_int_equal(ss.failed, 0);
+    tdm_xfer_staged_destroy(st);
+    tdm_xfer_copier_destroy(&cp);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+}
+
+/* A copier whose copies finish only when the test opens its gate (memcpy then). */
+struct gated {
+    pthread_mutex_t mu;
+    int n_held;
+    struct held {
+        const void *src;
+        void *dst;
+        struct tdm_xfer_pages p;
+        uint32_t ids[64];
+        tdm_xfer_done_fn done;
+        void *ctx;
+    } held[64];
+};
+static void *gated_alloc(void *c, size_t bytes)
+{
+    (void)c;
+    return calloc(1, bytes);
+}
+static void gated_free(void *c, void *p, size_t bytes)
+{
+    (void)c, (void)bytes;
+    free(p);
+}
+static tdm_status gated_copy(void *c, const void *src, size_t src_bytes, void *dst,
+                             size_t dst_bytes, const struct tdm_xfer_pages *p,
+                             tdm_xfer_done_fn done, void *ctx)
+{
+    (void)src_bytes, (void)dst_bytes;
+    struct gated *g = c;
+    pthread_mutex_lock(&g->mu);
+    assert_true(g->n_held < 64 && p->n_pages <= 32);
+    struct held *h = &g->held[g->n_held++];
+    *h = (struct held){.src = src, .dst = dst, .p = *p, .done = done, .ctx = ctx};
+    memcpy(h->ids, p->src_pages, 4 * p->n_pages);
+    memcpy(h->ids + 32, p->dst_pages, 4 * p->n_pages);
+    h->p.src_pages = h->ids;
+    h->p.dst_pages = h->ids + 32;
+    pthread_mutex_unlock(&g->mu);
+    return TDM_OK;
+}
+/* Completes every held copy (with st; memcpy when TDM_OK). */
+static int gated_open(struct gated *g, tdm_status st)
+{
+    pthread_mutex_lock(&g->mu);
+    int n = g->n_held;
+    struct held h[64];
+    memcpy(h, g->held, sizeof(struct held) * (size_t)n);
+    g->n_held = 0;
+    pthread_mutex_unlock(&g->mu);
+    for (int k = 0; k < n; k++) {
+        for (uint32_t i = 0; st == TDM_OK && i < h[k].p.n_pages; i++)
+            memcpy((uint8_t *)h[k].dst + h[k].p.dst_offset +
+                       (uint64_t)h[k].ids[32 + i] * h[k].p.dst_stride,
+                   (const uint8_t *)h[k].src + h[k].p.src_offset +
+                       (uint64_t)h[k].ids[i] * h[k].p.src_stride,
+                   h[k].p.page_bytes);
+        h[k].done(h[k].ctx, st);
+    }
+    return n;
+}
+static void gated_noop(void *c)
+{
+    (void)c;
+}
+static const struct tdm_xfer_copier_i GATED = {"gated",    gated_alloc, gated_free,
+                                               gated_copy, gated_noop,  gated_noop};
+
+static int held_now(struct gated *g)
+{
+    pthread_mutex_lock(&g->mu);
+    int n = g->n_held;
+    pthread_mutex_unlock(&g->mu);
+    return n;
+}
+
+/* A 16-page write through a 16 KiB ring (pieces of a quarter: 4 pages of 1 KiB): four pieces,
+ * the immediate on the last one only, once the others are in place. While its copies are held,
+ * the ring is full and a second write is refused (back-pressure), then goes through. */
+static void test_staged_pieces_and_backpressure(void **state)
+{
+    (void)state;
+    enum { KP = 1024, N = 16 };
+    tdm_xfer_t *a = open_engine(), *b = open_engine();
+    assert_non_null(a);
+    assert_non_null(b);
+    struct gated g = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    struct tdm_xfer_staged_config sc = {
+        .fabric = tdm_xfer_fabric_transport(a), .copier = {&GATED, &g}, .ring_bytes = 16 * KP};
+    tdm_xfer_staged_t *st = NULL;
+    assert_int_equal(tdm_xfer_staged_create(&sc, &st), TDM_OK);
+    struct tdm_xfer_transport ta = tdm_xfer_staged_transport(st), tb = tdm_xfer_fabric_transport(b);
+    uint32_t peer = connect_engines(a, b);
+    uint8_t *src = malloc(N * KP), *dst = calloc(1, 2 * N * KP);
+    for (int i = 0; i < N * KP; i++)
+        src[i] = (uint8_t)(i * 7 + 3);
+    struct tdm_xfer_region rs, rd;
+    assert_int_equal(ta.iface->mr_reg(ta.t, src, N * KP, TDM_XFER_MEM_HOST, &rs), TDM_OK);
+    assert_int_equal(tb.iface->mr_reg(tb.t, dst, 2 * N * KP, TDM_XFER_MEM_HOST, &rd), TDM_OK);
+    struct tdm_xfer_rmem rm;
+    tb.iface->mr_remote(tb.t, &rd, &rm);
+    struct fire_log fl = {0};
+    assert_int_equal(tdm_xfer_counters_arm(tdm_xfer_get_counters(b), SLOT, EPOCH, 2,
+                                           TDM_XFER_ANY_PEER, 10000, on_fire, &fl),
+                     TDM_OK);
+    uint32_t sp[N], dp[N], dp2[N];
+    for (int i = 0; i < N; i++) /* reversed pages: nothing merges by accident */
+        sp[i] = (uint32_t)i, dp[i] = (uint32_t)(N - 1 - i), dp2[i] = (uint32_t)(2 * N - 1 - i);
+    struct tdm_xfer_pages pg = {sp, dp, N, KP, KP, KP, 0, 0}, pg2 = {sp, dp2, N, KP, KP, KP, 0, 0};
+    /* a page larger than a quarter of the ring cannot be staged */
+    struct tdm_xfer_pages big = {sp, dp, 1, 5 * KP, 5 * KP, 5 * KP, 0, 0};
+    assert_int_equal(ta.iface->write_pages(ta.t, peer, &rs, &rm, &big, NULL, 0, NULL, NULL),
+                     TDM_ERANGE);
+    struct tdm_xfer_imm i0 = {SLOT, EPOCH, 0}, i1 = {SLOT, EPOCH, 1};
+    struct tdm_xfer_sync s;
+    tdm_xfer_sync_init(&s);
+    tdm_xfer_sync_add(&s, 1);
+    assert_int_equal(
+        ta.iface->write_pages(ta.t, peer, &rs, &rm, &pg, &i0, 0, tdm_xfer_sync_done, &s), TDM_OK);
+    for (int i = 0; i < 500 && held_now(&g) < 4; i++) /* the worker takes the other pieces */
+        usleep(2000);
+    assert_int_equal(held_now(&g), 4);
+    struct tdm_xfer_staged_stats ss;
+    tdm_xfer_staged_get_stats(st, &ss);
+    assert_int_equal(ss.ring_used, 16 * KP);
+    assert_int_equal(
+        ta.iface->write_pages(ta.t, peer, &rs, &rm, &pg2, &i1, 0, tdm_xfer_sync_done, &s),
+        TDM_EAGAIN);
+    /* nothing landed before its copy: the immediate waits for every piece */
+    assert_int_equal(__atomic_load_n(&fl.n, __ATOMIC_SEQ_CST), 0);
+    assert_int_equal(gated_open(&g, TDM_OK), 4);
+    assert_int_equal(tdm_xfer_sync_wait(&s, 10000), TDM_OK);
+    tdm_xfer_sync_add(&s, 1);
+    tdm_status rc;
+    while ((rc = ta.iface->write_pages(ta.t, peer, &rs, &rm, &pg2, &i1, 0, tdm_xfer_sync_done,
+                                       &s)) == TDM_EAGAIN) /* the ring drains as writes end */
+        usleep(1000);
+    assert_int_equal(rc, TDM_OK);
+    for (int i = 0; i < 2000 && tdm_xfer_sync_wait(&s, 1) != TDM_OK; i++)
+        gated_open(&g, TDM_OK);
+    assert_int_equal(wait_fired(&fl, 10000), 1);
+    assert_int_equal(fl.last, TDM_OK);
+    for (int i = 0; i < N; i++)
+        for (int k = 0; k < KP; k++) {
+            assert_int_equal(dst[(N - 1 - i) * KP + k], src[i * KP + k]);
+            assert_int_equal(dst[(2 * N - 1 - i) * KP + k], src[i * KP + k]);
+        }
+    tdm_xfer_staged_get_stats(st, &ss);
+    assert_int_equal(ss.writes, 2);
+    assert_int_equal(ss.pieces, 8);
+    assert_true(ss.ring_full >= 1);
+    assert_int_equal(ss.ring_used, 0);
+    assert_int_equal(ss.ring_high, 16 * KP);
+    tdm_xfer_sync_destroy(&s);
+    ta.iface->mr_dereg(ta.t, &rs);
+    tb.iface->mr_dereg(tb.t, &rd);
+    tdm_xfer_staged_destroy(st);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+    free(src);
+    free(dst);
+}
+
+struct one_done {
+    int n;
+    tdm_status st;
+};
+static void one_done_fn(void *ctx, tdm_status st)
+{
+    struct one_done *d = ctx;
+    d->st = st;
+    __atomic_add_fetch(&d->n, 1, __ATOMIC_SEQ_CST);
+}
+static void wait_done(struct one_done *d)
+{
+    for (int i = 0; i < 5000 && !__atomic_load_n(&d->n, __ATOMIC_SEQ_CST); i++)
+        usleep(2000);
+}
+
+/* One page written through the staged writer; its copy held until delay_us after it started,
+ * then ended with copy_st. Returns how the write ended. */
+static struct one_done staged_one(struct tdm_xfer_transport ta, uint32_t peer,
+                                  const struct tdm_xfer_region *rs, const struct tdm_xfer_rmem *rm,
+                                  struct gated *g, int timeout_ms, int delay_us, tdm_status copy_st)
+{
+    struct one_done d = {0};
+    assert_int_equal(
+        ta.iface->write(ta.t, peer, rs, 0, rm, 0, PAGE, NULL, timeout_ms, one_done_fn, &d), TDM_OK);
+    while (held_now(g) < 1)
+        usleep(1000);
+    usleep((useconds_t)delay_us);
+    gated_open(g, copy_st);
+    wait_done(&d);
+    return d;
+}
+
+/* Failures end a staged write exactly once, with the ring given back: a failed copy, a fabric
+ * write that fails (the engine's fault injection), a write that waits past its deadline, and
+ * writes still held when the transport is destroyed. */
+static void test_staged_failures(void **state)
+{
+    (void)state;
+    struct tdm_xfer_config cfg;
+    tdm_xfer_config_default(&cfg);
+    cfg.provider = "shm";
+    cfg.faults = "fail_write=1.0,seed=3";
+    tdm_xfer_t *a = NULL, *b = open_engine();
+    assert_int_equal(tdm_xfer_create(&cfg, &a), TDM_OK);
+    assert_non_null(b);
+    struct gated g = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    struct tdm_xfer_staged_config sc = {
+        .fabric = tdm_xfer_fabric_transport(a), .copier = {&GATED, &g}, .ring_bytes = 64 * 1024};
+    tdm_xfer_staged_t *st = NULL;
+    assert_int_equal(tdm_xfer_staged_create(&sc, &st), TDM_OK);
+    struct tdm_xfer_transport ta = tdm_xfer_staged_transport(st), tb = tdm_xfer_fabric_transport(b);
+    uint32_t peer = connect_engines(a, b);
+    uint8_t src[4 * PAGE], dst[4 * PAGE];
+    struct tdm_xfer_region rs, rd;
+    assert_int_equal(ta.iface->mr_reg(ta.t, src, sizeof src, TDM_XFER_MEM_HOST, &rs), TDM_OK);
+    assert_int_equal(tb.iface->mr_reg(tb.t, dst, sizeof dst, TDM_XFER_MEM_HOST, &rd), TDM_OK);
+    struct tdm_xfer_rmem rm;
+    tb.iface->mr_remote(tb.t, &rd, &rm);
+    struct tdm_xfer_staged_stats ss;
+    /* a failed copy */
+    struct one_done d = staged_one(ta, peer, &rs, &rm, &g, 0, 0, TDM_EIO);
+    assert_int_equal(d.n, 1);
+    assert_int_equal(d.st, TDM_EIO);
+    /* a fabric write that fails */
+    d = staged_one(ta, peer, &rs, &rm, &g, 0, 0, TDM_OK);
+    assert_int_equal(d.n, 1);
+    assert_int_equal(d.st, TDM_EIO);
+    /* a write whose copy does not end before its deadline of 50 ms: it ends when the copy
+     * does, with TDM_ETIMEDOUT, and is never posted */
+    d = staged_one(ta, peer, &rs, &rm, &g, 50, 200000, TDM_OK);
+    assert_int_equal(d.n, 1);
+    assert_int_equal(d.st, TDM_ETIMEDOUT);
+    /* held at destroy: the copy ends (the gate opens from here), the write is cancelled */
+    struct one_done d4 = {0};
+    assert_int_equal(ta.iface->write(ta.t, peer, &rs, 0, &rm, 0, PAGE, NULL, 0, one_done_fn, &d4),
+                     TDM_OK);
+    while (held_now(&g) < 1)
+        usleep(1000);
+    tdm_xfer_staged_get_stats(st, &ss);
+    assert_int_equal(ss.failed, 3);
+    assert_int_equal(ss.ring_used, PAGE);
+    gated_open(&g, TDM_OK);
+    tdm_xfer_staged_destroy(st);
+    assert_int_equal(d4.n, 1);
+    assert_true(d4.st == TDM_ECANCELED || d4.st == TDM_EIO);
+    ta.iface->mr_dereg(ta.t, &rs);
+    tb.iface->mr_dereg(tb.t, &rd);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+}
+
 #ifdef TDM_HAVE_CUDA
 /* Decided without touching CUDA, so that a fork can still follow. */
 static bool have_gpu(void)
@@ -362,7 +661,42 @@ static void test_cuda_ipc_one_process(void **state)
     tdm_xfer_destroy(a);
     tdm_xfer_destroy(b);
 }
+/* GPU pages through the CUDA copier: device memory -> pinned ring -> fabric -> host pages. */
+static void test_staged_cuda(void **state)
+{
+    (void)state;
+    int n = 0;
+    if (!have_gpu() || cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        fprintf(stderr, "skipped: no NVIDIA GPU here, the CUDA copier runs on GPU machines\n");
+        skip();
+    }
+    tdm_xfer_t *a = open_engine(), *b = open_engine();
+    assert_non_null(a);
+    assert_non_null(b);
+    struct tdm_xfer_copier cp;
+    assert_int_equal(tdm_xfer_copier_cuda(0, &cp), TDM_OK);
+    assert_string_equal(cp.iface->name, "cuda");
+    struct tdm_xfer_staged_config sc = {.fabric = tdm_xfer_fabric_transport(a), .copier = cp};
+    tdm_xfer_staged_t *st = NULL;
+    assert_int_equal(tdm_xfer_staged_create(&sc, &st), TDM_OK);
+    struct tdm_xfer_transport ta = tdm_xfer_staged_transport(st), tb = tdm_xfer_fabric_transport(b);
+    uint32_t peer = connect_engines(a, b);
+    struct owner o;
+    owner_open(&o, tb, b, &HOST_MEM);
+    write_side(ta, &DEV_MEM, peer, &o.rmem);
+    assert_int_equal(owner_check(&o, tb, &HOST_MEM), 0);
+    tdm_xfer_staged_destroy(st);
+    tdm_xfer_copier_destroy(&cp);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+}
 #else
+static void test_staged_cuda(void **state)
+{
+    (void)state;
+    fprintf(stderr, "skipped: built without CUDA\n");
+    skip();
+}
 static void test_cuda_ipc_two_processes(void **state)
 {
     (void)state;
@@ -383,6 +717,10 @@ int main(void)
         cmocka_unit_test(test_cuda_ipc_two_processes), /* first: it forks before CUDA starts */
         cmocka_unit_test(test_fabric),
         cmocka_unit_test(test_cuda_ipc_one_process),
+        cmocka_unit_test(test_staged),
+        cmocka_unit_test(test_staged_pieces_and_backpressure),
+        cmocka_unit_test(test_staged_failures),
+        cmocka_unit_test(test_staged_cuda),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
