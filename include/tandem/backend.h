@@ -175,6 +175,13 @@ struct tdm_backend_i {
     /* out[i] = x[rows[i]], copying rows of dim floats */
     void (*gather_rows)(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                         float *out);
+    /* Mixture of experts (NULL on a backend that does not run expert layers): x[0, n) = 0; and
+     * out[rows[i]] += weights[i] * x[i] for i < n (x: [n][dim]; rows distinct; rows and
+     * weights are host arrays). The engine adds a row's experts one call after another, in
+     * expert order, so a row's sum never depends on the other rows. */
+    void (*zero)(tdm_backend_t *b, float *x, size_t n);
+    void (*rows_scale_add)(tdm_backend_t *b, const float *x, const int32_t *rows,
+                           const float *weights, int n, int dim, float *out);
     /* out[i][cols[c]] = x[i][c] for c < n_cols, and -inf in every other column of out's
      * width-long rows: a reduced draft vocabulary's logits in the whole vocabulary's places.
      * x: [n][n_cols]; cols: [n_cols] distinct, < width, in backend memory; out: [n][width]. */

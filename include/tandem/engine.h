@@ -179,6 +179,10 @@ tdm_backend_t *tdm_engine_backend(tdm_engine_t *e);
  * runs; NULL when the engine was created without count_layers. The engine owns it: on the
  * CUDA backend it is the backend's mapped pinned counter, so it also moves inside graphs. */
 _Atomic int32_t *tdm_engine_layer_counter(tdm_engine_t *e);
+/* Mixture of experts: token-expert assignments each expert has run since creation, summed
+ * over the sparse layers (imbalance shows as uneven counts). Writes min(n_experts, cap) counts
+ * and returns the model's expert count (0 for a dense model). Any thread. */
+int tdm_engine_expert_tokens(const tdm_engine_t *e, uint64_t *out, int cap);
 
 /* The RoPE inverse frequencies [head_dim/2] for a config (base theta, linear or llama3 scaling,
  * or per-dimension factors from a GGUF rope_freqs tensor when not NULL). */

@@ -187,7 +187,21 @@ struct tdm_model_config {
     /* generation_config.json defaults (NaN / -1 when absent) */
     float gen_temperature, gen_top_p;
     int gen_top_k;
+    /* Mixture of experts (qwen3_moe, mixtral; GGUF qwen3moe and llama with experts): 0 experts
+     * for a dense model. A sparse layer's FFN is a router (softmax over the experts' logits,
+     * the top n_experts_used kept, renormalised to sum 1 when moe_norm_topk) and that many
+     * SwiGLU experts of width d_ff_expert, their outputs summed with the router's weights. A
+     * layer is sparse unless moe_dense_layers has its bit (Qwen's decoder_sparse_step and
+     * mlp_only_layers); dense layers are the plain FFN of width d_ff. */
+    int n_experts, n_experts_used, d_ff_expert;
+    bool moe_norm_topk;
+    uint64_t moe_dense_layers[16]; /* bit l: layer l is dense (n_layers <= 1024) */
 };
+/* Whether layer l of a model with this config has experts. */
+static inline bool tdm_config_layer_sparse(const struct tdm_model_config *c, int l)
+{
+    return c->n_experts > 0 && l >= 0 && l < 1024 && !(c->moe_dense_layers[l / 64] >> (l % 64) & 1);
+}
 
 /* Reads the config of a GGUF model (general.architecture and <arch>.* keys). */
 tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cfg);
@@ -222,9 +236,15 @@ struct tdm_layer_weights {
     struct tdm_weight q_norm, k_norm; /* qwen3 [head_dim], data NULL otherwise */
     struct tdm_weight wo;             /* [d_model][n_heads*head_dim] */
     struct tdm_weight ffn_norm;       /* [d_model] */
-    struct tdm_weight w_gate;         /* [d_ff][d_model] */
+    struct tdm_weight w_gate;         /* [d_ff][d_model] (dense layers) */
     struct tdm_weight w_up;           /* [d_ff][d_model] */
     struct tdm_weight w_down;         /* [d_model][d_ff] */
+    /* a sparse layer (tdm_config_layer_sparse): the router and its experts, in place of the
+     * three matrices above (data NULL then) */
+    int n_experts;              /* 0: dense */
+    struct tdm_weight router;   /* [n_experts][d_model] */
+    struct tdm_weight *experts; /* [n_experts][3]: gate [d_ff_expert][d_model], up (same),
+                                 * down [d_model][d_ff_expert] */
 };
 
 /* A speculation head (spec.h: mtp, eagle): a one-layer draft fed with the target's hidden

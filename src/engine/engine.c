@@ -13,6 +13,13 @@
  *   x += (silu(h Wgate) * (h Wup)) Wdown ; h = rmsnorm(x, next layer's attn_norm or output_norm)
  *                                                  (the bracket is one matmul_swiglu)
  *
+ * A sparse layer (mixture of experts, model.h) replaces the bracket: the router's logits h Wr
+ * come to the host, each row keeps its top n_experts_used experts by softmax probability
+ * (renormalised when the config says so), and then, expert by expert in id order, the rows
+ * routed to it are gathered, run through its SwiGLU FFN, and added into the layer's output
+ * scaled by their weights. So one pass over each active expert's weights per step, and a row's
+ * sum is made in the same order whatever else shares the batch.
+ *
  * Logits are computed only for the rows that asked for them (gathered after the final norm).
  *
  * A speculation head (model.h, struct tdm_head) replaces the embedding with its input stage:
@@ -66,7 +73,7 @@ struct tdm_engine {
     bool is_head;
     float *inv_freq; /* [head_dim/2], host */
     /* activation scratch: typed buffers of the backend (act), and the views the ops take */
-    struct tdm_buf act[13];
+    struct tdm_buf act[16];
     int n_act;
     float *x;      /* [max_tokens][d_model] residual stream */
     float *h;      /* [max_tokens][d_model] normed input of the next matmul */
@@ -80,6 +87,13 @@ struct tdm_engine {
     float *logits; /* [max_logit_rows][vocab] */
     float *hin;    /* a head: [max_tokens][d_model] the hidden states it was given */
     float *hin2;   /* a head: [max_tokens][d_model] scratch of its input stage */
+    /* experts: the router's logits [max_tokens][n_experts], an expert's gathered input rows
+     * and output rows [max_tokens][d_model]; host: the logits, each row's choices, and the
+     * rows by expert (counting sort) */
+    float *moe_logits, *moe_in, *moe_out;
+    float *moe_host_logits, *moe_selw, *moe_wts;
+    int32_t *moe_sel, *moe_rows, *moe_off;
+    _Atomic uint64_t *expert_tokens; /* [n_experts] assignments run, all layers */
     /* a head with a reduced draft vocabulary: its logits [max_logit_rows][n_draft], placed in
      * the vocabulary's columns (draft_cols: [n_draft] target ids, backend memory) */
     float *draft_logits;
@@ -116,7 +130,102 @@ static void free_scratch(tdm_engine_t *e)
     for (int i = 0; i < e->n_act; i++)
         tdm_backend_buf_release(e->backend, &e->act[i]);
     e->n_act = 0;
+    free(e->moe_host_logits);
+    free(e->moe_selw);
+    free(e->moe_wts);
+    free(e->moe_sel);
+    free(e->moe_rows);
+    free(e->moe_off);
+    free((void *)e->expert_tokens);
+    e->expert_tokens = NULL;
+    e->moe_host_logits = e->moe_selw = e->moe_wts = NULL;
+    e->moe_sel = e->moe_rows = e->moe_off = NULL;
     tdm_backend_buf_release(e->backend, &e->draft_cols);
+}
+
+/* The engine's layer array and its experts' arrays (safe on a partly built one). */
+static void free_layers(tdm_engine_t *e)
+{
+    for (int l = 0; e->layers && l < e->cfg.n_layers; l++)
+        free(e->layers[l].experts);
+    free(e->layers);
+    e->layers = NULL;
+}
+
+/* A sparse layer's routing, on the host: for each of T rows of E router logits, the top k
+ * experts by softmax probability (ties to the lower id; a NaN logit never wins), their
+ * probabilities renormalised to sum 1 when norm is set. sel, selw: [T][k]. */
+static void moe_route(const float *logits, int T, int E, int k, bool norm, int32_t *sel,
+                      float *selw)
+{
+    for (int t = 0; t < T; t++) {
+        const float *z = logits + (size_t)t * E;
+        float mx = -INFINITY;
+        for (int i = 0; i < E; i++)
+            if (z[i] > mx) mx = z[i];
+        double sum = 0;
+        for (int i = 0; i < E; i++)
+            sum += z[i] == z[i] && isfinite(mx) ? exp((double)z[i] - mx) : 0.0;
+        int32_t *s = sel + (size_t)t * k;
+        float *w = selw + (size_t)t * k;
+        double kept = 0;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int i = 0; i < E; i++) {
+                bool taken = false;
+                for (int q = 0; q < j && !taken; q++)
+                    taken = s[q] == i;
+                if (taken) continue;
+                if (best < 0 || z[i] > z[best] || (z[best] != z[best] && z[i] == z[i])) best = i;
+            }
+            s[j] = best;
+            double p = sum > 0 && z[best] == z[best] ? exp((double)z[best] - mx) / sum : 0.0;
+            w[j] = (float)p;
+            kept += (float)p;
+        }
+        if (norm && kept > 0)
+            for (int j = 0; j < k; j++)
+                w[j] = (float)(w[j] / kept);
+    }
+}
+
+/* A sparse layer's FFN: h [T][d] (normed) -> o [T][d]. */
+static void moe_ffn(tdm_engine_t *e, const struct tdm_layer_weights *w, int T)
+{
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    const struct tdm_model_config *c = &e->cfg;
+    int E = w->n_experts, k = c->n_experts_used, d = c->d_model;
+    ops->matmul(b, &w->router, e->h, T, NULL, e->moe_logits);
+    ops->download(b, e->moe_host_logits, e->moe_logits, (size_t)T * E * sizeof(float));
+    moe_route(e->moe_host_logits, T, E, k, c->moe_norm_topk, e->moe_sel, e->moe_selw);
+    /* rows by expert, in row order (a counting sort) */
+    int32_t *off = e->moe_off;
+    memset(off, 0, sizeof(int32_t) * (size_t)(E + 1));
+    for (int i = 0; i < T * k; i++)
+        off[e->moe_sel[i] + 1]++;
+    for (int x = 0; x < E; x++)
+        off[x + 1] += off[x];
+    for (int x = 0; x < E; x++) /* off[x] advances as rows are placed; restored below */
+        for (int i = 0; i < T * k; i++)
+            if (e->moe_sel[i] == x) {
+                e->moe_rows[off[x]] = i / k;
+                e->moe_wts[off[x]++] = e->moe_selw[i];
+            }
+    for (int x = E; x > 0; x--) /* off[x - 1] now ends expert x - 1: shift back */
+        off[x] = off[x - 1];
+    off[0] = 0;
+    ops->zero(b, e->o, (size_t)T * d);
+    for (int x = 0; x < E; x++) {
+        int n = off[x + 1] - off[x];
+        if (!n) continue;
+        atomic_fetch_add_explicit(&e->expert_tokens[x], (uint64_t)n, memory_order_relaxed);
+        const struct tdm_weight *ew = &w->experts[3 * x];
+        ops->gather_rows(b, e->h, e->moe_rows + off[x], n, d, e->moe_in);
+        ops->matmul_swiglu(b, &ew[0], &ew[1], e->moe_in, n, e->gate);
+        ops->matmul(b, &ew[2], e->gate, n, NULL, e->moe_out);
+        ops->rows_scale_add(b, e->moe_out, e->moe_rows + off[x], e->moe_wts + off[x], n, d, e->o);
+    }
 }
 
 void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_freqs, float *out)
@@ -164,6 +273,21 @@ static tdm_status prep(tdm_engine_t *e, const struct tdm_weight *w, struct tdm_w
     return e->backend->iface->weight_prepare(e->backend, w, out);
 }
 
+/* A sparse layer's router and experts, as the backend holds them (dst->experts: the engine's
+ * own array, freed at destroy). */
+static tdm_status prepare_experts(tdm_engine_t *e, const struct tdm_layer_weights *src,
+                                  struct tdm_layer_weights *dst)
+{
+    if (!src->n_experts) return TDM_OK;
+    if (!(dst->experts = calloc((size_t)src->n_experts * 3, sizeof *dst->experts)))
+        return tdm_err_set(TDM_ENOMEM, "engine: out of memory");
+    dst->n_experts = src->n_experts;
+    tdm_status st = prep(e, &src->router, &dst->router);
+    for (int i = 0; i < 3 * src->n_experts && st == TDM_OK; i++)
+        st = prep(e, &src->experts[i], &dst->experts[i]);
+    return st;
+}
+
 static tdm_status prepare_weights(tdm_engine_t *e)
 {
     const struct tdm_model *m = e->model;
@@ -197,6 +321,7 @@ static tdm_status prepare_weights(tdm_engine_t *e)
                                   &dst->w_up,      &dst->w_down};
         for (size_t i = 0; i < TDM_ARRAY_LEN(s); i++)
             if ((st = prep(e, s[i], d[i])) != TDM_OK) return st;
+        if ((st = prepare_experts(e, &m->layers[l], dst)) != TDM_OK) return st;
     }
     return TDM_OK;
 }
@@ -208,9 +333,10 @@ static size_t scratch_bytes(const struct tdm_model *m, size_t T, size_t R)
     const struct tdm_model_config *c = &m->cfg;
     size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
     size_t draft = m->head && m->head->d2t ? R * (size_t)m->head->n_draft + m->head->n_draft : 0;
-    return sizeof(float) *
-           (T * (size_t)c->d_model * (m->head ? 5 : 3) + T * qd * 2 + T * kvd * 2 +
-            T * (size_t)c->d_ff + R * (size_t)c->d_model + R * (size_t)c->vocab_size + draft);
+    size_t moe = c->n_experts ? T * ((size_t)c->n_experts + 2 * (size_t)c->d_model) : 0;
+    return sizeof(float) * (T * (size_t)c->d_model * (m->head ? 5 : 3) + T * qd * 2 + T * kvd * 2 +
+                            T * (size_t)TDM_MAX(c->d_ff, c->d_ff_expert) + R * (size_t)c->d_model +
+                            R * (size_t)c->vocab_size + draft + moe);
 }
 
 /* What a co-model (a draft) will take of backend b: its weights as b stores them (tied
@@ -232,6 +358,9 @@ static size_t co_model_bytes(tdm_backend_t *b, const struct tdm_model *m, size_t
         layer_weights(&m->layers[l], w);
         for (int i = 0; i < LAYER_WEIGHTS; i++)
             bytes += wb(b, w[i]);
+        if (m->layers[l].n_experts) bytes += wb(b, &m->layers[l].router);
+        for (int i = 0; i < 3 * m->layers[l].n_experts; i++)
+            bytes += wb(b, &m->layers[l].experts[i]);
     }
     return bytes;
 }
@@ -302,7 +431,9 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     if (o->backend) {
         e->backend = o->backend;
     } else if (o->backend_kind == TDM_BACKEND_CUDA) {
-        struct tdm_backend_cuda_opts bo = {.gpu_memory_fraction = o->gpu_memory_fraction};
+        /* expert layers route on the host between ops: no graph can hold them */
+        struct tdm_backend_cuda_opts bo = {.gpu_memory_fraction = o->gpu_memory_fraction,
+                                           .no_graphs = c->n_experts > 0};
         if ((st = tdm_backend_cuda_create(&bo, &e->backend)) != TDM_OK) goto out_free;
         e->owns_backend = true;
     } else if (o->backend_kind == TDM_BACKEND_CPU) {
@@ -315,6 +446,18 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         goto out_free;
     }
 
+    if (c->n_experts && o->backend && tdm_backend_is_cuda(o->backend)) {
+        st = tdm_err_set(TDM_EUNSUPPORTED, "engine: a mixture-of-experts model on a shared CUDA "
+                                           "backend (its decode graphs cannot route experts)");
+        goto out_free;
+    }
+    if (c->n_experts && (!e->backend->iface->rows_scale_add || !e->backend->iface->zero)) {
+        st = tdm_err_set(TDM_EUNSUPPORTED,
+                         "engine: this model has mixture-of-experts layers (%d experts, %d a "
+                         "token), which the %s backend does not run yet (--backend cpu does)",
+                         c->n_experts, c->n_experts_used, e->backend->iface->name);
+        goto out_backend;
+    }
     e->layers = calloc((size_t)c->n_layers, sizeof *e->layers);
     e->inv_freq = malloc((size_t)(c->head_dim / 2) * sizeof(float));
     if (!e->layers || !e->inv_freq) {
@@ -333,7 +476,23 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     e->v = balloc(e, T * kvd * f, &st);
     e->att = balloc(e, T * qd * f, &st);
     e->o = balloc(e, T * c->d_model * f, &st);
-    e->gate = balloc(e, T * c->d_ff * f, &st);
+    e->gate = balloc(e, T * (size_t)TDM_MAX(c->d_ff, c->d_ff_expert) * f, &st);
+    if (c->n_experts) {
+        size_t E = (size_t)c->n_experts, K = (size_t)c->n_experts_used;
+        e->moe_logits = balloc(e, T * E * f, &st);
+        e->moe_in = balloc(e, T * c->d_model * f, &st);
+        e->moe_out = balloc(e, T * c->d_model * f, &st);
+        e->moe_host_logits = malloc(T * E * f);
+        e->moe_selw = malloc(T * K * f);
+        e->moe_wts = malloc(T * K * f);
+        e->moe_sel = malloc(T * K * sizeof(int32_t));
+        e->moe_rows = malloc(T * K * sizeof(int32_t));
+        e->moe_off = malloc((E + 1) * sizeof(int32_t));
+        e->expert_tokens = calloc(E, sizeof *e->expert_tokens);
+        if (st == TDM_OK && (!e->moe_host_logits || !e->moe_selw || !e->moe_wts || !e->moe_sel ||
+                             !e->moe_rows || !e->moe_off || !e->expert_tokens))
+            st = tdm_err_set(TDM_ENOMEM, "engine: out of memory");
+    }
     e->rows = balloc(e, R * c->d_model * f, &st);
     e->logits = balloc(e, R * c->vocab_size * f, &st);
     if (model->head) {
@@ -480,7 +639,7 @@ out_scratch:
     tdm_sampler_free(&e->greedy);
 out_backend:
     if (e->owns_backend) tdm_backend_destroy(e->backend);
-    free(e->layers);
+    free_layers(e);
     free(e->inv_freq);
 out_free:
     free(e);
@@ -500,9 +659,17 @@ void tdm_engine_destroy(tdm_engine_t *e)
     tdm_sampler_free(&e->greedy);
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     tdm_arena_free(&e->arena);
-    free(e->layers);
+    free_layers(e);
     free(e->inv_freq);
     free(e);
+}
+
+int tdm_engine_expert_tokens(const tdm_engine_t *e, uint64_t *out, int cap)
+{
+    int n = e->expert_tokens ? e->cfg.n_experts : 0;
+    for (int i = 0; i < n && i < cap; i++)
+        out[i] = atomic_load_explicit(&e->expert_tokens[i], memory_order_relaxed);
+    return n;
 }
 
 const struct tdm_model *tdm_engine_model(const tdm_engine_t *e)
@@ -897,8 +1064,12 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
             ops->matmul(b, &w->wo, e->att, T, NULL, e->o);
             if (counter) ops->layer_done(b, l, counter);
             ops->add_rmsnorm(b, e->x, e->o, w->ffn_norm.data, c->rms_eps, T, d, e->h);
-            ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
-            ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
+            if (w->n_experts) {
+                moe_ffn(e, w, T);
+            } else {
+                ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
+                ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
+            }
             const float *next_norm =
                 l + 1 < n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
             if (next_norm)

@@ -6,8 +6,10 @@
  * file and a HF folder are held to the same limits: positive sizes under sane caps, heads
  * divisible by kv heads, an even head_dim, finite positive epsilons and rope bases, and token
  * ids inside the vocabulary. The caller's struct is written only on success. Features we do
- * not run (MoE, partial rotary, attention output bias, yarn and other rope scalings, non-SiLU
- * activations) are refused with TDM_EUNSUPPORTED rather than silently mis-run.
+ * not run (shared experts, MLA, partial rotary, attention output bias, yarn and other rope
+ * scalings, non-SiLU activations) are refused with TDM_EUNSUPPORTED rather than silently
+ * mis-run. Mixture of experts with a softmax top-k router (qwen3_moe, mixtral; GGUF qwen3moe
+ * and llama with experts) is read into the n_experts fields.
  *
  * Conventions: GGUF llama files come from llama.cpp's converter, which permutes the Q/K rows
  * so that rope rotates adjacent pairs (rope_neox = false); qwen2/qwen3 GGUF files and every HF
@@ -35,6 +37,7 @@
 #define CFG_MAX_D_FF     (1 << 20)
 #define CFG_MAX_VOCAB    (1 << 22)
 #define CFG_MAX_CTX      (1 << 28)
+#define CFG_MAX_EXPERTS  1024
 
 const char *tdm_arch_name(enum tdm_arch a)
 {
@@ -118,6 +121,12 @@ static tdm_status config_check(const struct tdm_model_config *c, const char *src
                                (double)c->rope_high_freq_factor);
         if ((rc = check_int(src, "original_max_position_embeddings", c->rope_original_max_ctx, 1,
                             CFG_MAX_CTX)))
+            return rc;
+    }
+    if (c->n_experts) {
+        if ((rc = check_int(src, "number of experts", c->n_experts, 1, CFG_MAX_EXPERTS)) ||
+            (rc = check_int(src, "experts per token", c->n_experts_used, 1, c->n_experts)) ||
+            (rc = check_int(src, "expert FFN width", c->d_ff_expert, 1, CFG_MAX_D_FF)))
             return rc;
     }
     if (c->bos_id < -1 || c->bos_id >= c->vocab_size)
@@ -221,28 +230,45 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
         c.arch = TDM_ARCH_QWEN2, arch = "qwen2";
     } else if (str_eq(as, "qwen3")) {
         c.arch = TDM_ARCH_QWEN3, arch = "qwen3";
+    } else if (str_eq(as, "qwen3moe")) {
+        c.arch = TDM_ARCH_QWEN3, arch = "qwen3moe";
     } else {
         return tdm_err_set(TDM_EUNSUPPORTED,
-                           "gguf: architecture \"%.*s\" is not supported (llama, qwen2, qwen3)",
+                           "gguf: architecture \"%.*s\" is not supported (llama, qwen2, qwen3, "
+                           "qwen3moe)",
                            (int)TDM_MIN(as.len, 64), as.ptr);
     }
 
-    int experts = 0, rope_dims = 0, value_len = 0;
+    int experts = 0, shared = 0, rope_dims = 0, value_len = 0;
     if ((rc = g_int(g, arch, "block_count", true, 0, &c.n_layers)) ||
         (rc = g_int(g, arch, "embedding_length", true, 0, &c.d_model)) ||
-        (rc = g_int(g, arch, "feed_forward_length", true, 0, &c.d_ff)) ||
         (rc = g_int(g, arch, "attention.head_count", true, 0, &c.n_heads)) ||
         (rc = g_int(g, arch, "attention.head_count_kv", false, c.n_heads, &c.n_kv_heads)) ||
         (rc = g_int(g, arch, "context_length", true, 0, &c.max_ctx)) ||
         (rc = g_f32(g, arch, "attention.layer_norm_rms_epsilon", true, 0, &c.rms_eps)) ||
         (rc = g_f32(g, arch, "rope.freq_base", false, 10000.0f, &c.rope_theta)) ||
-        (rc = g_int(g, arch, "expert_count", false, 0, &experts)))
+        (rc = g_int(g, arch, "expert_count", false, 0, &experts)) ||
+        (rc = g_int(g, arch, "expert_shared_count", false, 0, &shared)))
         return rc;
-    if (experts > 0)
+    if (shared > 0)
         return tdm_err_set(TDM_EUNSUPPORTED,
-                           "gguf: mixture-of-experts models (%s.expert_count = "
-                           "%d) are not supported",
-                           arch, experts);
+                           "gguf: shared experts (%s.expert_shared_count = %d) "
+                           "are not supported",
+                           arch, shared);
+    if (experts < 0) return tdm_err_set(TDM_ERANGE, "gguf: %s.expert_count = %d", arch, experts);
+    if (experts > 0) {
+        /* llama.cpp's softmax top-k experts, renormalised (Mixtral as llama, qwen3moe) */
+        c.n_experts = experts;
+        c.moe_norm_topk = true;
+        if ((rc = g_int(g, arch, "expert_used_count", true, 0, &c.n_experts_used)) ||
+            (rc = g_int(g, arch, "expert_feed_forward_length", !strcmp(arch, "qwen3moe"), 0,
+                        &c.d_ff_expert)) ||
+            (rc = g_int(g, arch, "feed_forward_length", !c.d_ff_expert, c.d_ff_expert, &c.d_ff)))
+            return rc;
+        if (!c.d_ff_expert) c.d_ff_expert = c.d_ff;
+    } else if ((rc = g_int(g, arch, "feed_forward_length", true, 0, &c.d_ff))) {
+        return rc;
+    }
     if (c.n_heads <= 0 || c.d_model <= 0)
         return tdm_err_set(TDM_ERANGE, "gguf: head_count %d / embedding_length %d must be > 0",
                            c.n_heads, c.d_model);
@@ -459,23 +485,76 @@ static tdm_status hf_rope_scaling(const json_t *rs, const char *file, struct tdm
                        file, type);
 }
 
+/* Experts: mixtral (num_local_experts, every layer sparse, renormalised top-k) and qwen3_moe
+ * (num_experts, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers). */
+static tdm_status hf_parse_moe(const json_t *root, const char *file, const char *mt,
+                               struct tdm_model_config *c)
+{
+    tdm_status rc;
+    if (!strcmp(mt, "mixtral")) {
+        c->moe_norm_topk = true;
+        if ((rc = j_int(root, file, "num_local_experts", true, 0, &c->n_experts)) ||
+            (rc = j_int(root, file, "num_experts_per_tok", true, 0, &c->n_experts_used)) ||
+            (rc = j_int(root, file, "intermediate_size", true, 0, &c->d_ff_expert)))
+            return rc;
+        if (c->n_experts < 1)
+            return tdm_err_set(TDM_ERANGE, "%s: num_local_experts %d must be >= 1", file,
+                               c->n_experts);
+        return TDM_OK;
+    }
+    if (strcmp(mt, "qwen3_moe")) return TDM_OK;
+    int step = 1;
+    if ((rc = j_int(root, file, "num_experts", true, 0, &c->n_experts)) ||
+        (rc = j_int(root, file, "num_experts_per_tok", true, 0, &c->n_experts_used)) ||
+        (rc = j_int(root, file, "moe_intermediate_size", true, 0, &c->d_ff_expert)) ||
+        (rc = j_bool(root, file, "norm_topk_prob", false, &c->moe_norm_topk)) ||
+        (rc = j_int(root, file, "decoder_sparse_step", false, 1, &step)))
+        return rc;
+    if (c->n_experts < 1)
+        return tdm_err_set(TDM_ERANGE, "%s: num_experts %d must be >= 1", file, c->n_experts);
+    if (step < 1)
+        return tdm_err_set(TDM_ERANGE, "%s: decoder_sparse_step %d must be >= 1", file, step);
+    int n_layers = 0;
+    if ((rc = j_int(root, file, "num_hidden_layers", true, 0, &n_layers))) return rc;
+    for (int l = 0; l < n_layers && l < 1024; l++) /* transformers: sparse when (l+1) % step == 0 */
+        if ((l + 1) % step) c->moe_dense_layers[l / 64] |= 1ull << (l % 64);
+    const json_t *only = json_object_get(root, "mlp_only_layers");
+    if (only && !json_is_null(only)) {
+        if (!json_is_array(only))
+            return tdm_err_set(TDM_EFORMAT, "%s: \"mlp_only_layers\" is not a list", file);
+        size_t i;
+        const json_t *e;
+        json_array_foreach(only, i, e)
+        {
+            json_int_t l = json_is_integer(e) ? json_integer_value(e) : -1;
+            if (l < 0 || l >= n_layers || l >= 1024)
+                return tdm_err_set(TDM_EFORMAT,
+                                   "%s: mlp_only_layers[%zu] is not a layer index below %d", file,
+                                   i, n_layers);
+            c->moe_dense_layers[l / 64] |= 1ull << (l % 64);
+        }
+    }
+    return TDM_OK;
+}
+
 static tdm_status hf_parse_config(const json_t *root, const char *file, struct tdm_model_config *c)
 {
     const char *mt = NULL, *act = NULL;
     tdm_status rc = j_str(root, file, "model_type", &mt);
     if (rc) return rc;
     if (!mt) return tdm_err_set(TDM_EFORMAT, "%s: \"model_type\" is missing", file);
-    if (!strcmp(mt, "llama") || !strcmp(mt, "mistral"))
+    if (!strcmp(mt, "llama") || !strcmp(mt, "mistral") || !strcmp(mt, "mixtral"))
         c->arch = TDM_ARCH_LLAMA;
     else if (!strcmp(mt, "qwen2"))
         c->arch = TDM_ARCH_QWEN2;
-    else if (!strcmp(mt, "qwen3"))
+    else if (!strcmp(mt, "qwen3") || !strcmp(mt, "qwen3_moe"))
         c->arch = TDM_ARCH_QWEN3;
     else
         return tdm_err_set(TDM_EUNSUPPORTED,
-                           "%s: model_type \"%.64s\" is not supported (llama, mistral, qwen2, "
-                           "qwen3)",
+                           "%s: model_type \"%.64s\" is not supported (llama, mistral, mixtral, "
+                           "qwen2, qwen3, qwen3_moe)",
                            file, mt);
+    if ((rc = hf_parse_moe(root, file, mt, c))) return rc;
 
     if ((rc = j_int(root, file, "num_hidden_layers", true, 0, &c->n_layers)) ||
         (rc = j_int(root, file, "hidden_size", true, 0, &c->d_model)) ||

@@ -200,6 +200,90 @@ static tdm_status load_vector(struct loader *L, const char *name, int64_t n, str
     return prepare(L, t, 1, n, t->dtype == TDM_DTYPE_F32, w);
 }
 
+/* A 3-D GGUF tensor of n matrices of rows x cols (ne = [cols, rows, n]), checked. */
+static tdm_status find_stacked(struct loader *L, const char *name, int64_t n, int64_t rows,
+                               int64_t cols, const struct tdm_tensor_info **out)
+{
+    const struct tdm_tensor_info *t = find_tensor(L, name);
+    if (!t) return tdm_err_set(TDM_ENOTFOUND, "%s: tensor missing from %s", name, L->m->path);
+    if (t->n_dims != 3 || t->ne[0] != cols || t->ne[1] != rows || t->ne[2] != n || t->ne[3] != 1) {
+        char got[128];
+        shape_str(t, got, sizeof(got));
+        return tdm_err_set(TDM_EFORMAT, "%s: expected [%lld, %lld, %lld], got %s", name,
+                           (long long)n, (long long)rows, (long long)cols, got);
+    }
+    tdm_status rc = check_dtype(L, t);
+    if (rc) return rc;
+    size_t row_bytes = tdm_dtype_row_bytes(t->dtype, cols);
+    if (row_bytes == 0 || t->nbytes != row_bytes * (size_t)rows * (size_t)n || !t->data)
+        return tdm_err_set(TDM_EFORMAT, "%s: %zu bytes stored for %lld x %lld x %lld %s", name,
+                           t->nbytes, (long long)n, (long long)rows, (long long)cols,
+                           tdm_dtype_name(t->dtype));
+    *out = t;
+    return TDM_OK;
+}
+
+/* A sparse layer's router and experts: HF per-expert tensors (qwen3_moe's mlp.experts.N.
+ * {gate,up,down}_proj, mixtral's block_sparse_moe.experts.N.w1/w3/w2), or GGUF's stacked
+ * ffn_{gate,up,down}_exps (one matrix per expert, sliced out of the 3-D tensor). */
+static tdm_status load_experts(struct loader *L, int i, struct tdm_layer_weights *lw)
+{
+    const struct tdm_model_config *c = &L->m->cfg;
+    int64_t d = c->d_model, ff = c->d_ff_expert, n = c->n_experts;
+    bool mixtral =
+        !L->m->is_gguf && find_tensor(L, lname(L, NULL, "block_sparse_moe.gate.weight", i));
+    tdm_status rc;
+    void *mem;
+    if ((rc = own_alloc(L->m, sizeof(struct tdm_weight) * 3 * (size_t)n, &mem))) return rc;
+    lw->experts = mem;
+    lw->n_experts = (int)n;
+    if ((rc = load_matrix(L,
+                          lname(L, "blk.%d.ffn_gate_inp.weight",
+                                mixtral ? "block_sparse_moe.gate.weight" : "mlp.gate.weight", i),
+                          n, d, &lw->router)))
+        return rc;
+    if (L->m->is_gguf) {
+        static const char *const names[3] = {"blk.%d.ffn_gate_exps.weight",
+                                             "blk.%d.ffn_up_exps.weight",
+                                             "blk.%d.ffn_down_exps.weight"};
+        for (int k = 0; k < 3; k++) {
+            int64_t rows = k == 2 ? d : ff, cols = k == 2 ? ff : d;
+            const struct tdm_tensor_info *t = NULL;
+            if ((rc = find_stacked(L, tname(L, names[k], NULL, i), n, rows, cols, &t))) return rc;
+            size_t one = tdm_dtype_row_bytes(t->dtype, cols) * (size_t)rows;
+            for (int64_t e = 0; e < n; e++) {
+                struct tdm_tensor_info slice = *t; /* expert e's matrix */
+                slice.n_dims = 2;
+                slice.ne[2] = 1;
+                slice.data = (const uint8_t *)t->data + (size_t)e * one;
+                slice.nbytes = one;
+                if ((rc = prepare(L, &slice, rows, cols, true, &lw->experts[3 * e + k]))) return rc;
+            }
+        }
+        return TDM_OK;
+    }
+    for (int64_t e = 0; e < n; e++) {
+        char gate[96], up[96], down[96];
+        snprintf(gate, sizeof gate,
+                 mixtral ? "block_sparse_moe.experts.%lld.w1.weight"
+                         : "mlp.experts.%lld.gate_proj.weight",
+                 (long long)e);
+        snprintf(up, sizeof up,
+                 mixtral ? "block_sparse_moe.experts.%lld.w3.weight"
+                         : "mlp.experts.%lld.up_proj.weight",
+                 (long long)e);
+        snprintf(down, sizeof down,
+                 mixtral ? "block_sparse_moe.experts.%lld.w2.weight"
+                         : "mlp.experts.%lld.down_proj.weight",
+                 (long long)e);
+        if ((rc = load_matrix(L, lname(L, NULL, gate, i), ff, d, &lw->experts[3 * e])) ||
+            (rc = load_matrix(L, lname(L, NULL, up, i), ff, d, &lw->experts[3 * e + 1])) ||
+            (rc = load_matrix(L, lname(L, NULL, down, i), d, ff, &lw->experts[3 * e + 2])))
+            return rc;
+    }
+    return TDM_OK;
+}
+
 /* Layer i's weights into layers[slot] (a head's one layer is slot 0 whatever its name). */
 static tdm_status load_layer_at(struct loader *L, int i, int slot)
 {
@@ -216,11 +300,15 @@ static tdm_status load_layer_at(struct loader *L, int i, int slot)
         (rc = load_matrix(L, lname(L, "blk.%d.attn_k.weight", "self_attn.k_proj.weight", i), kv, d, &lw->wk)) ||
         (rc = load_matrix(L, lname(L, "blk.%d.attn_v.weight", "self_attn.v_proj.weight", i), kv, d, &lw->wv)) ||
         (rc = load_matrix(L, lname(L, "blk.%d.attn_output.weight", "self_attn.o_proj.weight", i), d, q, &lw->wo)) ||
-        (rc = load_vector(L, lname(L, "blk.%d.ffn_norm.weight", "post_attention_layernorm.weight", i), d, &lw->ffn_norm)) ||
-        (rc = load_matrix(L, lname(L, "blk.%d.ffn_gate.weight", "mlp.gate_proj.weight", i), ff, d, &lw->w_gate)) ||
-        (rc = load_matrix(L, lname(L, "blk.%d.ffn_up.weight", "mlp.up_proj.weight", i), ff, d, &lw->w_up)) ||
-        (rc = load_matrix(L, lname(L, "blk.%d.ffn_down.weight", "mlp.down_proj.weight", i), d, ff, &lw->w_down)))
+        (rc = load_vector(L, lname(L, "blk.%d.ffn_norm.weight", "post_attention_layernorm.weight", i), d, &lw->ffn_norm)))
         return rc;
+    if (L->m->head == NULL && tdm_config_layer_sparse(c, i)) {
+        if ((rc = load_experts(L, i, lw))) return rc;
+    } else if ((rc = load_matrix(L, lname(L, "blk.%d.ffn_gate.weight", "mlp.gate_proj.weight", i), ff, d, &lw->w_gate)) ||
+               (rc = load_matrix(L, lname(L, "blk.%d.ffn_up.weight", "mlp.up_proj.weight", i), ff, d, &lw->w_up)) ||
+               (rc = load_matrix(L, lname(L, "blk.%d.ffn_down.weight", "mlp.down_proj.weight", i), d, ff, &lw->w_down))) {
+        return rc;
+    }
     /* clang-format on */
     const char *bq = lname(L, "blk.%d.attn_q.bias", "self_attn.q_proj.bias", i);
     if (c->qkv_bias) {
@@ -631,6 +719,7 @@ static tdm_status load_head(struct loader *L, const struct tdm_model *target)
                            m->path, lp, (long long)hd);
     m->cfg = *tc;
     m->cfg.n_layers = 1;
+    m->cfg.n_experts = m->cfg.n_experts_used = m->cfg.d_ff_expert = 0; /* a dense layer */
     m->cfg.n_heads = (int)(q_rows / hd);
     m->cfg.n_kv_heads = (int)(k_rows / hd);
     m->cfg.d_ff = (int)ff;

@@ -58,6 +58,15 @@ int tdm_cmd_info(int argc, char **argv)
                                                 : "raw";
 
     int rc = 0;
+    /* experts: how many layers have them, and what their weights take */
+    int sparse = 0;
+    uint64_t expert_bytes = 0;
+    for (int l = 0; l < cf->n_layers; l++) {
+        const struct tdm_layer_weights *lw = &m->layers[l];
+        sparse += lw->n_experts > 0;
+        for (int i = 0; i < 3 * lw->n_experts; i++)
+            expert_bytes += (uint64_t)lw->experts[i].row_bytes * (uint64_t)lw->experts[i].rows;
+    }
     if (json) {
         json_t *types = json_object();
         for (int t = 0; t < TDM_DTYPE_COUNT; t++)
@@ -79,6 +88,14 @@ int tdm_cmd_info(int argc, char **argv)
             : tdm_tok_kind(tok) == TDM_TOK_SPM ? "spm"
                                                : "bpe",
             "tensor_types", types);
+        if (obj && cf->n_experts) {
+            json_object_set_new(obj, "n_experts", json_integer(cf->n_experts));
+            json_object_set_new(obj, "n_experts_used", json_integer(cf->n_experts_used));
+            json_object_set_new(obj, "d_ff_expert", json_integer(cf->d_ff_expert));
+            json_object_set_new(obj, "moe_norm_topk", json_boolean(cf->moe_norm_topk));
+            json_object_set_new(obj, "sparse_layers", json_integer(sparse));
+            json_object_set_new(obj, "expert_weight_bytes", json_integer((json_int_t)expert_bytes));
+        }
         /* json_pack fails only on invalid UTF-8 (a path with such bytes) or out of memory */
         char *text = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
         if (text)
@@ -96,6 +113,12 @@ int tdm_cmd_info(int argc, char **argv)
         printf("heads        %d query, %d kv, head_dim %d\n", cf->n_heads, cf->n_kv_heads,
                cf->head_dim);
         printf("d_ff         %d\n", cf->d_ff);
+        if (cf->n_experts)
+            printf("experts      %d, %d a token, width %d, %s; %d of %d layers; %.1f MiB of "
+                   "expert weights\n",
+                   cf->n_experts, cf->n_experts_used, cf->d_ff_expert,
+                   cf->moe_norm_topk ? "renormalised" : "not renormalised", sparse, cf->n_layers,
+                   expert_bytes / 1048576.0);
         printf("vocab        %d\n", cf->vocab_size);
         printf("context      %d\n", cf->max_ctx);
         printf("rms_eps      %g\n", cf->rms_eps);

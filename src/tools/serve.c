@@ -201,6 +201,7 @@ struct extra_metrics_ctx {
     tdm_disagg_prefill_t *pre;
     tdm_disagg_decode_t *dec;
     tdm_spec_t *spec;
+    tdm_engine_t *engine;
 };
 static char *extra_metrics(void *ctx)
 {
@@ -213,6 +214,18 @@ static char *extra_metrics(void *ctx)
     for (int i = 0; i < 2; i++) {
         if (parts[i]) tdm_sbuf_printf(&b, "%s", parts[i]);
         free(parts[i]);
+    }
+    uint64_t tokens[1024];
+    int n = tdm_engine_expert_tokens(x->engine, tokens, 1024);
+    if (n) {
+        tdm_prom_family(&b, "tandem_moe_expert_tokens_total", "counter",
+                        "Tokens each expert ran, summed over the sparse layers (imbalance shows "
+                        "as uneven counts).");
+        for (int i = 0; i < n && i < 1024; i++) {
+            char lab[32];
+            snprintf(lab, sizeof lab, "expert=\"%d\"", i);
+            tdm_prom_sample(&b, "tandem_moe_expert_tokens_total", lab, (double)tokens[i]);
+        }
     }
     char *out = tdm_sbuf_take(&b);
     return out ? out : calloc(1, 1);
@@ -503,7 +516,7 @@ int tdm_cmd_serve(int argc, char **argv)
         const char *slash = strrchr(name, '/');
         if (slash && slash[1]) name = slash + 1;
     }
-    struct extra_metrics_ctx xm = {.pre = pre, .dec = dec, .spec = spec};
+    struct extra_metrics_ctx xm = {.pre = pre, .dec = dec, .spec = spec, .engine = e};
     struct tdm_server_opts sv = {.host = host,
                                  .port = (int)port,
                                  .api_key = api_key,

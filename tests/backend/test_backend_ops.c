@@ -441,6 +441,26 @@ static void test_norms_elementwise(void **state)
             h = get(e, dg, (size_t)5 * dim);
             check_rel(e->name, "gather_rows", h, r_gather, (size_t)5 * dim, 0, 0);
             free(h);
+            /* zero, then rows_scale_add of 4 rows (an expert's) into 13, twice (two experts) */
+            if (o->zero && o->rows_scale_add) {
+                const int32_t to[4] = {12, 0, 7, 3}, to2[2] = {7, 5};
+                const float wts[4] = {0.25f, -1.5f, 0.75f, 2.0f}, wts2[2] = {0.5f, 1.0f};
+                double *r_sa = calloc(N, sizeof(double));
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < dim; c++)
+                        r_sa[(size_t)to[i] * dim + c] += (double)wts[i] * x[(size_t)i * dim + c];
+                for (int i = 0; i < 2; i++)
+                    for (int c = 0; c < dim; c++)
+                        r_sa[(size_t)to2[i] * dim + c] += (double)wts2[i] * y[(size_t)i * dim + c];
+                float *ds = poisoned(e, N);
+                o->zero(e->b, ds, N);
+                o->rows_scale_add(e->b, dx, to, wts, 4, dim, ds);
+                o->rows_scale_add(e->b, dy, to2, wts2, 2, dim, ds);
+                h = get(e, ds, N);
+                check_rel(e->name, "zero + rows_scale_add", h, r_sa, N, e->elem, 1.0);
+                free(h);
+                free(r_sa);
+            }
             /* scatter_cols: x's 13 rows of min(dim, 40) columns into rows of dim + 7 */
             const int nc = dim < 40 ? dim : 40, wide = dim + 7;
             int32_t *cols = malloc((size_t)nc * sizeof *cols);

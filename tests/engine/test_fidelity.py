@@ -69,6 +69,18 @@ VARIANTS = {
     "gguf-llama-rope-freqs": ("gguf", "llama", dict(seed=17, wtype="F32", rope_freqs=True)),
     "gguf-qwen2-Q8_0": ("gguf", "qwen2", dict(seed=18, wtype="Q8_0", tied=False)),
     "gguf-qwen3-F32": ("gguf", "qwen3", dict(seed=19, wtype="F32")),
+    # mixture of experts: a dense layer among sparse ones, probabilities kept as they are
+    # (norm_topk_prob false), and llama.cpp's stacked experts, quantised
+    "hf-qwen3moe-f32": ("hf", "qwen3_moe", dict(seed=40, num_hidden_layers=3,
+                                                mlp_only_layers=(1,), norm_topk_prob=False)),
+    "hf-qwen3moe-bf16-sharded": ("hf", "qwen3_moe", dict(seed=41, dtype="bfloat16",
+                                                         sharded=True, num_experts=6,
+                                                         num_experts_per_tok=3)),
+    "hf-mixtral-f32": ("hf", "mixtral", dict(seed=42)),
+    "gguf-qwen3moe-F32": ("gguf", "qwen3_moe", dict(seed=43, wtype="F32")),
+    "gguf-qwen3moe-Q8_0": ("gguf", "qwen3_moe", dict(seed=44, wtype="Q8_0",
+                                                     moe_intermediate_size=64)),
+    "gguf-mixtral-Q4_0": ("gguf", "mixtral", dict(seed=45, wtype="Q4_0", tied=False)),
 }
 
 
@@ -168,13 +180,13 @@ def check_fidelity(model: ref.Model, prompt: list, ours_logits: np.ndarray, ours
 TOKS = [5, 17, 3, 100, 200, 7, 9, 250, 1, 0, 44, 31, 31, 31, 2, 128]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_reference_hf_and_gguf_agree(arch, tmp_path):
     """One seed written both ways is one model: catches wrong tensor names, a wrong llama Q/K
     permutation, or rope pairing that does not match it."""
     hf = ref.load(make_hf_checkpoint(tmp_path / "hf", arch, seed=21))
     gg = ref.load(make_gguf_checkpoint(tmp_path / "m.gguf", arch, seed=21, tied=False))
-    assert hf.rope_neox and gg.rope_neox == (arch != "llama")
+    assert hf.rope_neox and gg.rope_neox == (arch not in ("llama", "mixtral"))
     assert ref.rel_err(ref.forward(gg, TOKS), ref.forward(hf, TOKS)) < 1e-9
 
 
@@ -216,6 +228,17 @@ def test_reference_is_sensitive(tmp_path):
     }
     for what, mut in mutants.items():
         assert ref.rel_err(ref.forward(mut, TOKS[:7]), want) > 10 * TOL, what
+
+
+def test_reference_moe_routing_is_sensitive(tmp_path):
+    """The experts' routing shows in the logits: one expert a token instead of two, or the
+    kept probabilities renormalised or not, moves them far past the tolerance; so a fidelity
+    check of a mixture-of-experts model cannot pass with the routing wrong."""
+    m = ref.load(make_hf_checkpoint(tmp_path / "hf", "qwen3_moe", seed=46, norm_topk_prob=False))
+    base = ref.forward(m, TOKS)
+    for change in (dict(experts_used=1), dict(norm_topk=True)):
+        other = ref.forward(dataclasses.replace(m, **change), TOKS)
+        assert ref.rel_err(other, base) > 100 * TOL, change
 
 
 def test_q6_k_packing_decodes_with_gguf():

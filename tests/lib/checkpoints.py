@@ -28,7 +28,12 @@ import pathlib
 
 import numpy as np
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# mixture-of-experts arches: their attention is their base's
+BASE = {"qwen3_moe": "qwen3", "mixtral": "llama"}
+# their experts (overridable like any shape key; ignored by dense arches)
+MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                 decoder_sparse_step=1, mlp_only_layers=(), norm_topk_prob=True)
 
 # Default shapes; any of these can be overridden through **shape.
 DEFAULT_SHAPE = dict(
@@ -56,13 +61,14 @@ LINEAR_FACTOR = 2.0
 def resolve_shape(arch: str, shape: dict) -> dict:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}")
-    s = dict(DEFAULT_SHAPE)
+    s = dict(DEFAULT_SHAPE, **MOE_SHAPE)
+    arch = BASE.get(arch, arch)
     if arch == "qwen3":
         s["head_dim"] = 32
         s["rms_norm_eps"] = 5e-4
     if arch == "qwen2":
         s["rms_norm_eps"] = 2e-3
-    unknown = set(shape) - set(DEFAULT_SHAPE)
+    unknown = set(shape) - set(DEFAULT_SHAPE) - set(MOE_SHAPE)
     if unknown:
         raise ValueError(f"unknown shape keys {sorted(unknown)}")
     s.update(shape)
@@ -73,9 +79,22 @@ def resolve_shape(arch: str, shape: dict) -> dict:
     return s
 
 
+def sparse_layer(arch: str, s: dict, i: int) -> bool:
+    """Whether layer i has experts (transformers' rule for qwen3_moe; every layer of mixtral)."""
+    if arch == "mixtral":
+        return True
+    return (arch == "qwen3_moe" and i not in s["mlp_only_layers"]
+            and (i + 1) % s["decoder_sparse_step"] == 0)
+
+
+def expert_width(arch: str, s: dict) -> int:
+    return s["intermediate_size"] if arch == "mixtral" else s["moe_intermediate_size"]
+
+
 def random_weights(arch: str, seed: int, s: dict, tied: bool) -> dict[str, np.ndarray]:
     """HF-named float64 weights, [out_features, in_features] for matrices; fixed draw order."""
     rng = np.random.default_rng(seed)
+    moe_arch, arch = arch, BASE.get(arch, arch)
     d, hd, ff, v = s["hidden_size"], s["head_dim"], s["intermediate_size"], s["vocab_size"]
     nq, nkv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
 
@@ -101,9 +120,20 @@ def random_weights(arch: str, seed: int, s: dict, tied: bool) -> dict[str, np.nd
             w[p + "self_attn.k_norm.weight"] = norm(hd)
         w[p + "self_attn.o_proj.weight"] = mat(d, nq)
         w[p + "post_attention_layernorm.weight"] = norm(d)
-        w[p + "mlp.gate_proj.weight"] = mat(ff, d)
-        w[p + "mlp.up_proj.weight"] = mat(ff, d)
-        w[p + "mlp.down_proj.weight"] = mat(d, ff)
+        if not sparse_layer(moe_arch, s, i):
+            w[p + "mlp.gate_proj.weight"] = mat(ff, d)
+            w[p + "mlp.up_proj.weight"] = mat(ff, d)
+            w[p + "mlp.down_proj.weight"] = mat(d, ff)
+            continue
+        fe, n = expert_width(moe_arch, s), s["num_experts"]
+        q = p + ("block_sparse_moe." if moe_arch == "mixtral" else "mlp.")
+        names = ("w1", "w3", "w2") if moe_arch == "mixtral" else ("gate_proj", "up_proj",
+                                                                    "down_proj")
+        w[q + "gate.weight"] = mat(n, d, 3.0)  # spread logits: no near-tied routing
+        for e in range(n):
+            w[f"{q}experts.{e}.{names[0]}.weight"] = mat(fe, d)
+            w[f"{q}experts.{e}.{names[1]}.weight"] = mat(fe, d)
+            w[f"{q}experts.{e}.{names[2]}.weight"] = mat(d, fe, 1.5)
     w["model.norm.weight"] = norm(d)
     if not tied:
         w["lm_head.weight"] = mat(v, d, 2.0)
@@ -178,7 +208,8 @@ def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = F
 
     cfg = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+                           "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                           "mixtral": "MixtralForCausalLM"}[arch]],
         "model_type": arch,
         "hidden_size": s["hidden_size"],
         "intermediate_size": s["intermediate_size"],
@@ -199,6 +230,19 @@ def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = F
     if arch == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, head_dim=s["head_dim"],
                    pretraining_tp=1)
+    if arch == "mixtral":
+        cfg.update(num_local_experts=s["num_experts"],
+                   num_experts_per_tok=s["num_experts_per_tok"], sliding_window=None,
+                   router_aux_loss_coef=0.02, output_router_logits=False)
+    if arch == "qwen3_moe":
+        cfg.update(head_dim=s["head_dim"], attention_bias=False, use_sliding_window=False,
+                   sliding_window=None, max_window_layers=s["num_hidden_layers"],
+                   attention_dropout=0.0, num_experts=s["num_experts"],
+                   num_experts_per_tok=s["num_experts_per_tok"],
+                   moe_intermediate_size=s["moe_intermediate_size"],
+                   norm_topk_prob=s["norm_topk_prob"],
+                   decoder_sparse_step=s["decoder_sparse_step"],
+                   mlp_only_layers=list(s["mlp_only_layers"]), router_aux_loss_coef=0.001)
     if arch == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=s["max_position_embeddings"],
                    max_window_layers=s["num_hidden_layers"], attention_dropout=0.0)
@@ -358,8 +402,14 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
     s = resolve_shape(arch, shape)
     w = random_weights(arch, seed, s, tied)
     nh, nkv, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    moe_arch = arch
+    if arch == "qwen3_moe" and (s["mlp_only_layers"] or s["decoder_sparse_step"] != 1 or
+                                not s["norm_topk_prob"]):
+        raise ValueError("llama.cpp's qwen3moe has experts in every layer, renormalised")
+    garch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(arch, arch)
+    arch = BASE.get(arch, arch)
 
-    wr = gguf.GGUFWriter(str(path), arch)
+    wr = gguf.GGUFWriter(str(path), garch)
     wr.add_name(f"tiny-{arch}-{wtype}")
     wr.add_block_count(s["num_hidden_layers"])
     wr.add_context_length(s["max_position_embeddings"])
@@ -374,6 +424,11 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
     wr.add_rope_freq_base(s["rope_theta"])
     wr.add_rope_dimension_count(hd)
     wr.add_vocab_size(s["vocab_size"])
+    if moe_arch in BASE:
+        wr.add_expert_count(s["num_experts"])
+        wr.add_expert_used_count(s["num_experts_per_tok"])
+        if moe_arch == "qwen3_moe":
+            wr.add_expert_feed_forward_length(s["moe_intermediate_size"])
     wr.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q6_K": 18}[wtype])
     wr.add_quantization_version(2)
     tokens, types, merges, bos, eos = gguf_vocab(s["vocab_size"], extra_tokens)
@@ -415,6 +470,15 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
             vec(b + "attn_k_norm.weight", w[p + "self_attn.k_norm.weight"])
         mat(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
         vec(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        if sparse_layer(moe_arch, s, i):  # llama.cpp's stacked [n_experts, rows, cols]
+            q = p + ("block_sparse_moe." if moe_arch == "mixtral" else "mlp.")
+            names = (("w1", "w3", "w2") if moe_arch == "mixtral"
+                     else ("gate_proj", "up_proj", "down_proj"))
+            mat(b + "ffn_gate_inp.weight", w[q + "gate.weight"])
+            for k, name in zip(("gate", "up", "down"), names):
+                mat(f"{b}ffn_{k}_exps.weight", np.stack(
+                    [w[f"{q}experts.{e}.{name}.weight"] for e in range(s["num_experts"])]))
+            continue
         mat(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"])
         mat(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"])
         mat(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"])

@@ -23,6 +23,9 @@ Model, one layer (x: [T, d_model], positions p):
     x = x + a Wo^T
     h = rmsnorm(x, ffn_norm)
     x = x + (silu(h Wgate^T) * (h Wup^T)) Wdown^T
+      or, in a mixture-of-experts layer (qwen3_moe, mixtral; GGUF qwen3moe, llama with experts):
+    p = softmax(h Wr^T) over the experts; keep each row's k largest (renormalised to sum 1 when
+    norm_topk_prob, always for mixtral and GGUF); x = x + sum over kept e of p_e FFN_e(h)
 then logits = rmsnorm(x, output_norm) Wout^T, Wout = token embedding when tied.
 
 Rope: inv_freq_i = theta^(-2i/head_dim), angle = p * inv_freq_i, with llama3 or linear scaling
@@ -46,6 +49,9 @@ import pathlib
 import numpy as np
 
 ARCHS = ("llama", "qwen2", "qwen3")
+HF_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+            "mixtral": "llama", "qwen3_moe": "qwen3"}
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3"}
 
 
 def _limit_blas_threads(n: int) -> bool:
@@ -87,6 +93,8 @@ class Layer:
     bv: np.ndarray | None = None
     q_norm: np.ndarray | None = None  # qwen3 [head_dim]
     k_norm: np.ndarray | None = None
+    router: np.ndarray | None = None  # experts: [n_experts, d_model]; w_gate etc. None then
+    experts: list | None = None  # [(gate [ff, d], up [ff, d], down [d, ff])] per expert
 
 
 @dataclasses.dataclass
@@ -111,6 +119,8 @@ class Model:
     bos_id: int | None = None
     eos_id: int | None = None
     source: str = ""
+    experts_used: int = 0  # experts a token takes (mixture of experts)
+    norm_topk: bool = False  # renormalise the kept probabilities to sum 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,9 +181,10 @@ def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 def _load_hf(folder: pathlib.Path) -> Model:
     cfg = json.loads((folder / "config.json").read_text())
-    arch = cfg.get("model_type")
-    if arch not in ARCHS:
-        raise NotImplementedError(f"model_type {arch!r}")
+    model_type = cfg.get("model_type")
+    if model_type not in HF_TYPES:
+        raise NotImplementedError(f"model_type {model_type!r}")
+    arch = HF_TYPES[model_type]
     index = folder / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -195,16 +206,38 @@ def _load_hf(folder: pathlib.Path) -> Model:
         theta = float(cfg.get("rope_theta", 10000.0))
         scaling = cfg.get("rope_scaling")
     tied = bool(cfg.get("tie_word_embeddings", False))
+    n_experts = cfg.get("num_local_experts" if model_type == "mixtral" else "num_experts", 0)
+    used = cfg.get("num_experts_per_tok", 0)
+    norm_topk = model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False))
+    step = cfg.get("decoder_sparse_step", 1)
+    only = set(cfg.get("mlp_only_layers") or [])
+
+    def ffn(p, i):
+        """(w_gate, w_up, w_down, router, experts) of layer i (HF modeling files' rule for
+        which layers are sparse)."""
+        if not n_experts or i in only or (i + 1) % step:
+            return (w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                    w[p + "mlp.down_proj.weight"], None, None)
+        if model_type == "mixtral":
+            q = p + "block_sparse_moe."
+            return (None, None, None, w[q + "gate.weight"],
+                    [(w[f"{q}experts.{e}.w1.weight"], w[f"{q}experts.{e}.w3.weight"],
+                      w[f"{q}experts.{e}.w2.weight"]) for e in range(n_experts)])
+        q = p + "mlp."
+        return (None, None, None, w[q + "gate.weight"],
+                [(w[f"{q}experts.{e}.gate_proj.weight"], w[f"{q}experts.{e}.up_proj.weight"],
+                  w[f"{q}experts.{e}.down_proj.weight"]) for e in range(n_experts)])
+
     layers = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        g, u, dn, router, experts = ffn(p, i)
         layers.append(Layer(
             attn_norm=w[p + "input_layernorm.weight"],
             wq=w[p + "self_attn.q_proj.weight"], wk=w[p + "self_attn.k_proj.weight"],
             wv=w[p + "self_attn.v_proj.weight"], wo=w[p + "self_attn.o_proj.weight"],
             ffn_norm=w[p + "post_attention_layernorm.weight"],
-            w_gate=w[p + "mlp.gate_proj.weight"], w_up=w[p + "mlp.up_proj.weight"],
-            w_down=w[p + "mlp.down_proj.weight"],
+            w_gate=g, w_up=u, w_down=dn, router=router, experts=experts,
             bq=w.get(p + "self_attn.q_proj.bias"), bk=w.get(p + "self_attn.k_proj.bias"),
             bv=w.get(p + "self_attn.v_proj.bias"),
             q_norm=w.get(p + "self_attn.q_norm.weight"),
@@ -222,7 +255,8 @@ def _load_hf(folder: pathlib.Path) -> Model:
                  inv_freq=rope_inv_freq(theta, hd, scaling), rope_neox=True, embed=embed,
                  layers=layers, out_norm=w["model.norm.weight"], lm_head=lm_head, tied=tied,
                  bos_id=cfg.get("bos_token_id"),
-                 eos_id=eos[0] if isinstance(eos, list) else eos, source=str(folder))
+                 eos_id=eos[0] if isinstance(eos, list) else eos, source=str(folder),
+                 experts_used=used if n_experts else 0, norm_topk=norm_topk)
 
 
 def _load_gguf(path: pathlib.Path) -> Model:
@@ -235,9 +269,10 @@ def _load_gguf(path: pathlib.Path) -> Model:
         f = r.fields.get(key)
         return default if f is None else f.contents()
 
-    arch = kv("general.architecture")
-    if arch not in ARCHS:
-        raise NotImplementedError(f"architecture {arch!r}")
+    garch = kv("general.architecture")
+    if garch not in GGUF_ARCHS:
+        raise NotImplementedError(f"architecture {garch!r}")
+    arch = GGUF_ARCHS[garch]
     tensors = {}
     for t in r.tensors:
         a = dequantize(t.data, t.tensor_type)
@@ -245,31 +280,38 @@ def _load_gguf(path: pathlib.Path) -> Model:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         tensors[t.name] = _f64(a.reshape(shape))
 
-    d = int(kv(f"{arch}.embedding_length"))
-    nh = int(kv(f"{arch}.attention.head_count"))
-    nkv = int(kv(f"{arch}.attention.head_count_kv", nh))
-    hd = int(kv(f"{arch}.attention.key_length", d // nh))
-    n_rot = int(kv(f"{arch}.rope.dimension_count", hd))
+    d = int(kv(f"{garch}.embedding_length"))
+    nh = int(kv(f"{garch}.attention.head_count"))
+    nkv = int(kv(f"{garch}.attention.head_count_kv", nh))
+    hd = int(kv(f"{garch}.attention.key_length", d // nh))
+    n_rot = int(kv(f"{garch}.rope.dimension_count", hd))
     if n_rot != hd:
         raise NotImplementedError("partial rope")
-    theta = float(kv(f"{arch}.rope.freq_base", 10000.0))
+    theta = float(kv(f"{garch}.rope.freq_base", 10000.0))
     scaling = None
-    if kv(f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": kv(f"{arch}.rope.scaling.factor")}
+    if kv(f"{garch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": kv(f"{garch}.rope.scaling.factor")}
     inv_freq = rope_inv_freq(theta, hd, scaling)
     if "rope_freqs.weight" in tensors:
         inv_freq = inv_freq / tensors["rope_freqs.weight"].reshape(-1)
-    n_layers = int(kv(f"{arch}.block_count"))
+    n_layers = int(kv(f"{garch}.block_count"))
+    n_experts = int(kv(f"{garch}.expert_count", 0))
     layers = []
     for i in range(n_layers):
         b = f"blk.{i}."
+        dense = b + "ffn_gate.weight" in tensors
+        experts = None
+        if not dense:  # stacked [n_experts, rows, cols]: llama.cpp's ffn_*_exps
+            g, u, dn = (tensors[b + f"ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
+            experts = [(g[e], u[e], dn[e]) for e in range(n_experts)]
         layers.append(Layer(
             attn_norm=tensors[b + "attn_norm.weight"],
             wq=tensors[b + "attn_q.weight"], wk=tensors[b + "attn_k.weight"],
             wv=tensors[b + "attn_v.weight"], wo=tensors[b + "attn_output.weight"],
             ffn_norm=tensors[b + "ffn_norm.weight"],
-            w_gate=tensors[b + "ffn_gate.weight"], w_up=tensors[b + "ffn_up.weight"],
-            w_down=tensors[b + "ffn_down.weight"],
+            w_gate=tensors.get(b + "ffn_gate.weight"), w_up=tensors.get(b + "ffn_up.weight"),
+            w_down=tensors.get(b + "ffn_down.weight"),
+            router=None if dense else tensors[b + "ffn_gate_inp.weight"], experts=experts,
             bq=tensors.get(b + "attn_q.bias"), bk=tensors.get(b + "attn_k.bias"),
             bv=tensors.get(b + "attn_v.bias"),
             q_norm=tensors.get(b + "attn_q_norm.weight"),
@@ -278,14 +320,16 @@ def _load_gguf(path: pathlib.Path) -> Model:
     tied = "output.weight" not in tensors
     vocab = embed.shape[0]
     bos, eos = kv("tokenizer.ggml.bos_token_id"), kv("tokenizer.ggml.eos_token_id")
+    ff = kv(f"{garch}.feed_forward_length", kv(f"{garch}.expert_feed_forward_length"))
     return Model(arch=arch, n_layers=n_layers, d_model=d, n_heads=nh, n_kv_heads=nkv,
-                 head_dim=hd, d_ff=int(kv(f"{arch}.feed_forward_length")), vocab_size=vocab,
-                 rms_eps=float(kv(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+                 head_dim=hd, d_ff=int(ff), vocab_size=vocab,
+                 rms_eps=float(kv(f"{garch}.attention.layer_norm_rms_epsilon", 1e-5)),
                  rope_theta=theta, inv_freq=inv_freq, rope_neox=(arch != "llama"),
                  embed=embed, layers=layers, out_norm=tensors["output_norm.weight"],
                  lm_head=embed if tied else tensors["output.weight"], tied=tied,
                  bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
-                 source=str(path))
+                 source=str(path), experts_used=int(kv(f"{garch}.expert_used_count", 0)),
+                 norm_topk=True)
 
 
 def load(path) -> Model:
@@ -380,8 +424,19 @@ def layer_step(m: Model, L: Layer, x: np.ndarray, pos: np.ndarray, mask: np.ndar
     a = np.einsum("kgts,skd->tkgd", p, V).reshape(T, nh * hd)
     x = x + a @ L.wo.T
     h = rmsnorm(x, L.ffn_norm, m.rms_eps)
-    x = x + (silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
-    return x, K, V
+    if L.router is None:
+        return x + (silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T, K, V
+    z = h @ L.router.T  # [T, n_experts]
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(x)
+    for t in range(T):
+        kept = np.argsort(-p[t], kind="stable")[:m.experts_used]
+        w = p[t, kept] / (p[t, kept].sum() if m.norm_topk else 1.0)
+        for e, we in zip(kept, w):
+            g, u, dn = L.experts[e]
+            out[t] += we * ((silu(h[t] @ g.T) * (h[t] @ u.T)) @ dn.T)
+    return x + out, K, V
 
 
 class Session:

@@ -166,6 +166,9 @@ void tdm_cpu_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_laye
                      size_t layer_bytes, const int32_t *src, const int32_t *dst, int n);
 void tdm_cpu_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
                           int width, float *out);
+void tdm_cpu_zero(tdm_backend_t *b, float *x, size_t n);
+void tdm_cpu_rows_scale_add(tdm_backend_t *b, const float *x, const int32_t *rows,
+                            const float *weights, int n, int dim, float *out);
 void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                          float *out);
 

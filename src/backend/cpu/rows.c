@@ -1,7 +1,9 @@
 /*
  * Row ops: embed (token rows of the embedding table, dequantised to fp32), gather_rows
  * (copies selected activation rows, e.g. the last token of each sequence before the LM head)
- * and scatter_cols (a reduced draft vocabulary's logits into the whole vocabulary's columns).
+ * and scatter_cols (a reduced draft vocabulary's logits into the whole vocabulary's columns);
+ * zero and rows_scale_add (an expert's output rows, weighted, into a mixture-of-experts layer's
+ * output: a few rows at a time, on the calling thread).
  *
  * Embedding rows are dequantised with tdm_cpu_weight_row (matmul.c), which yields the same
  * floats as the reference dequantiser. Token ids and row indices are the engine's to validate
@@ -70,6 +72,27 @@ void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, 
     if (n <= 0 || dim <= 0) return;
     struct gather_job job = {.x = x, .rows = rows, .n = n, .dim = dim, .out = out};
     tdm_cpu_run(tdm_cpu_of(b), (int64_t)n * dim, gather_worker, &job);
+}
+
+void tdm_cpu_zero(tdm_backend_t *b, float *x, size_t n)
+{
+    (void)b;
+    memset(x, 0, n * sizeof *x);
+}
+
+void tdm_cpu_rows_scale_add(tdm_backend_t *b, const float *x, const int32_t *rows,
+                            const float *weights, int n, int dim, float *out)
+{
+    (void)b;
+    /* a few rows of one expert: not worth the pool */
+    for (int i = 0; i < n; i++) {
+        TDM_ASSERT(rows[i] >= 0);
+        float *o = out + (size_t)rows[i] * dim;
+        const float *xi = x + (size_t)i * dim;
+        const float w = weights[i];
+        for (int c = 0; c < dim; c++)
+            o[c] += w * xi[c];
+    }
 }
 
 struct scatter_job {

@@ -75,8 +75,8 @@ static void cu_destroy(tdm_backend_t *b)
     free(cu->owned);
     for (int i = 0; i < cu->n_counters; i++)
         if (cu->counters[i].host_page) cudaHostUnregister(cu->counters[i].host_page);
-    void *dev[] = {cu->xb,         cu->shb[0], cu->shb[1], cu->up,   cu->part,
-                   cu->d_inv_freq, cu->d_rows, cu->d_meta, cu->lt_ws};
+    void *dev[] = {cu->xb,         cu->shb[0], cu->shb[1], cu->up,    cu->part,
+                   cu->d_inv_freq, cu->d_rows, cu->d_meta, cu->lt_ws, cu->d_moe};
     for (size_t i = 0; i < TDM_ARRAY_LEN(dev); i++)
         if (dev[i]) cudaFree(dev[i]);
     if (cu->h_meta) cudaFreeHost(cu->h_meta);
@@ -116,6 +116,8 @@ static const struct tdm_backend_i CUDA_IFACE = {
     .silu_mul = tdm_cuda_silu_mul,
     .add = tdm_cuda_add,
     .gather_rows = tdm_cuda_gather_rows,
+    .zero = tdm_cuda_zero,
+    .rows_scale_add = tdm_cuda_rows_scale_add,
     .scatter_cols = tdm_cuda_scatter_cols,
     .kv_copy = tdm_cuda_kv_copy,
     .layer_done = tdm_cuda_layer_done,

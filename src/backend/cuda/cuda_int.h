@@ -112,6 +112,8 @@ struct tdm_cuda {
     int32_t *d_rows; /* gather_rows indices of calls that are not the current step's */
     int32_t *h_rows;
     size_t rows_cap;
+    void *d_moe; /* rows_scale_add: [n] row indices, then [n] weights */
+    size_t moe_cap;
     bool reserved;
     size_t workspace_bytes;
 
@@ -238,6 +240,9 @@ void tdm_cuda_attention(tdm_backend_t *b, const float *q, int n_heads, const str
                         const struct tdm_kv_layer *kv, float scale, float *out);
 void tdm_cuda_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
                            int width, float *out);
+void tdm_cuda_zero(tdm_backend_t *b, float *x, size_t n);
+void tdm_cuda_rows_scale_add(tdm_backend_t *b, const float *x, const int32_t *rows,
+                             const float *weights, int n, int dim, float *out);
 void tdm_cuda_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                           float *out);
 void tdm_cuda_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,

@@ -56,6 +56,9 @@ void tdm_cu_scatter_cols(cudaStream_t s, const float *x, const int32_t *cols, in
                          int width, float *out);
 void tdm_cu_gather_rows(cudaStream_t s, const float *x, const int32_t *rows, int n, int dim,
                         float *out);
+/* out[rows[i]] += w[i] * x[i] (rows, w: device arrays; rows distinct) */
+void tdm_cu_rows_scale_add(cudaStream_t s, const float *x, const int32_t *rows, const float *w,
+                           int n, int dim, float *out);
 /* The KV cache's element types as the kernels know them (kv.h: f32, bf16, f16). Kernels
  * compute in fp32: stores round to nearest even, loads widen exactly. */
 enum tdm_cu_kv { TDM_CU_KV_F32 = 0, TDM_CU_KV_BF16 = 1, TDM_CU_KV_F16 = 2 };

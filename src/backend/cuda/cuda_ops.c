@@ -381,6 +381,36 @@ void tdm_cuda_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols
     tdm_cuda_prof_end(cu);
 }
 
+void tdm_cuda_zero(tdm_backend_t *b, float *x, size_t n)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    shadow_clear(cu);
+    TDM_CU_CHECK(cudaMemsetAsync(x, 0, n * sizeof(float), cu->stream));
+}
+
+/* The row list and weights go up through one device buffer; the copy is ordered after the
+ * kernels before it and waited for, so the host arrays may change as soon as this returns
+ * (mixture-of-experts layers run op by op: never inside a graph). */
+void tdm_cuda_rows_scale_add(tdm_backend_t *b, const float *x, const int32_t *rows,
+                             const float *weights, int n, int dim, float *out)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    tdm_cuda_prof_begin(cu, P_GATHER);
+    shadow_clear(cu);
+    if (n > 0) {
+        tdm_cuda_grow(cu, &cu->d_moe, &cu->moe_cap, (size_t)n * 8);
+        int32_t *dr = cu->d_moe;
+        float *dw = (float *)(dr + n);
+        TDM_CU_CHECK(cudaMemcpyAsync(dr, rows, (size_t)n * 4, cudaMemcpyHostToDevice, cu->stream));
+        TDM_CU_CHECK(
+            cudaMemcpyAsync(dw, weights, (size_t)n * 4, cudaMemcpyHostToDevice, cu->stream));
+        TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+        tdm_cu_rows_scale_add(cu->stream, x, dr, dw, n, dim, out);
+        check_launch();
+    }
+    tdm_cuda_prof_end(cu);
+}
+
 void tdm_cuda_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                           float *out)
 {

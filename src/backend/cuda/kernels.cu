@@ -153,6 +153,18 @@ __global__ void gather_kernel(const float *x, const int32_t *rows, int dim, floa
         dst[j] = src[j];
 }
 
+/* out[rows[i]] += w[i] * x[i]: block i, rows distinct (a mixture-of-experts layer's expert) */
+__global__ void rows_scale_add_kernel(const float *x, const int32_t *rows, const float *w, int dim,
+                                      float *out)
+{
+    tdm_pdl_wait();
+    const float *src = x + (size_t)blockIdx.x * dim;
+    float *dst = out + (size_t)rows[blockIdx.x] * dim;
+    const float wi = w[blockIdx.x];
+    for (int j = threadIdx.x; j < dim; j += blockDim.x)
+        dst[j] += wi * src[j];
+}
+
 __global__ void scatter_cols_kernel(const float *x, const int32_t *cols, int n_cols, int width,
                                     float *out)
 {
@@ -310,6 +322,13 @@ void tdm_cu_gather_rows(cudaStream_t s, const float *x, const int32_t *rows, int
 {
     if (n <= 0 || dim <= 0) return;
     tdm_pdl_launch(gather_kernel, n, 256, 0, s, x, rows, dim, out);
+}
+
+void tdm_cu_rows_scale_add(cudaStream_t s, const float *x, const int32_t *rows, const float *w,
+                           int n, int dim, float *out)
+{
+    if (n <= 0 || dim <= 0) return;
+    tdm_pdl_launch(rows_scale_add_kernel, n, 256, 0, s, x, rows, w, dim, out);
 }
 
 void tdm_cu_scatter_cols(cudaStream_t s, const float *x, const int32_t *cols, int n, int n_cols,

@@ -1,0 +1,131 @@
+"""Mixture-of-experts models (issue 18, item 1): what the fidelity tests (test_fidelity.py, the
+hf-qwen3moe-*, hf-mixtral-*, gguf-qwen3moe-* and gguf-mixtral-* variants against the numpy
+reference) do not cover: configs that must be refused with a clear message, the model's
+description, batch invariance of the routed FFN under concurrent requests, and the
+tokens-per-expert metric."""
+import concurrent.futures as cf
+import json
+
+import pytest
+
+from conftest import run_tandem
+from lib.checkpoints import make_gguf_checkpoint, make_hf_checkpoint
+from lib.server import Server
+
+
+def info(path):
+    return json.loads(run_tandem(["info", "--model", str(path), "--json"]).stdout)
+
+
+def refused(path):
+    cp = run_tandem(["info", "--model", str(path)], check=False)
+    assert cp.returncode != 0, cp.stdout
+    return cp.stderr
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_describes_experts(tmp_path):
+    hf = make_hf_checkpoint(tmp_path / "q", "qwen3_moe", seed=50, num_hidden_layers=4,
+                            decoder_sparse_step=2, norm_topk_prob=False)
+    d = info(hf)
+    # transformers' rule: layer l is sparse when (l + 1) % decoder_sparse_step == 0
+    assert (d["n_experts"], d["n_experts_used"], d["d_ff_expert"], d["sparse_layers"]) == \
+        (4, 2, 48, 2)
+    assert d["moe_norm_topk"] is False
+    # gate, up and down of every expert of the two sparse layers, f32
+    assert d["expert_weight_bytes"] == 2 * 4 * 3 * 48 * 64 * 4
+    g = info(make_gguf_checkpoint(tmp_path / "m.gguf", "mixtral", seed=51))
+    assert g["arch"] == "llama" and g["n_experts"] == 4 and g["moe_norm_topk"] is True
+    assert g["sparse_layers"] == 2 and g["d_ff_expert"] == 128
+    assert "n_experts" not in info(make_hf_checkpoint(tmp_path / "dense", "qwen3", seed=52))
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(num_experts=0), "num_experts 0 must be >= 1"),
+    (dict(num_experts_per_tok=5), "experts per token = 5 outside [1, 4]"),
+    (dict(num_experts_per_tok=0), "experts per token = 0 outside [1, 4]"),
+    (dict(moe_intermediate_size=0), "expert FFN width = 0"),
+    (dict(mlp_only_layers=[7]), "mlp_only_layers[0] is not a layer index below 2"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step 0 must be >= 1"),
+    (dict(model_type="qwen2_moe"), 'model_type "qwen2_moe" is not supported'),
+    (dict(moe_intermediate_size=40), "expected [40, 64], got [48, 64]"),
+])
+def test_bad_configs_refused(tmp_path, changes, needle):
+    path = make_hf_checkpoint(tmp_path / "q", "qwen3_moe", seed=53)
+    edit_config(path, **changes)
+    err = refused(path)
+    assert needle in err, err
+
+
+def test_missing_expert_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    path = make_hf_checkpoint(tmp_path / "q", "qwen3_moe", seed=54)
+    w = load_file(str(path / "model.safetensors"))
+    del w["model.layers.1.mlp.experts.3.down_proj.weight"]
+    save_file(w, str(path / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight: tensor missing" in refused(path)
+
+
+def test_gguf_bad_expert_count(tmp_path):
+    import gguf
+    path = make_gguf_checkpoint(tmp_path / "m.gguf", "qwen3_moe", seed=55)
+    # the same tensors, with more experts a token than there are
+    r = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "qwen3moe")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        if f.name == "qwen3moe.expert_used_count":
+            w.add_uint32(f.name, 9)
+            continue
+        v = f.contents()
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_array(f.name, v)
+        else:
+            w.add_key_value(f.name, v, vt)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert "experts per token = 9 outside [1, 4]" in refused(tmp_path / "bad.gguf")
+
+
+def test_routed_rows_are_batch_invariant(tmp_path):
+    """Four requests at once give the tokens and log-probabilities each gets alone: a row's
+    experts run on whatever rows share them, and its result must not depend on them
+    (--batch-invariant: our kernels, not OpenBLAS). Every token a forward step ran went through
+    k experts in each sparse layer, which the metric counts."""
+    path = make_gguf_checkpoint(tmp_path / "q.gguf", "qwen3_moe", seed=56, num_hidden_layers=2,
+                                num_experts=8, num_experts_per_tok=2)
+    s = Server(["--model", str(path), "--threads", "2", "--batch-invariant"])
+    try:
+        prompts = [[(7 * i + 13 * j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(4)]
+
+        def run(p):
+            st, r = s.post("/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0,
+                                               "ignore_eos": True, "logprobs": 0})
+            assert st == 200, r
+            lp = r["choices"][0]["logprobs"]
+            return lp["tokens"], lp["token_logprobs"]
+
+        alone = [run(p) for p in prompts]
+        with cf.ThreadPoolExecutor(4) as ex:
+            together = list(ex.map(run, prompts))
+        assert together == alone
+        m = s.metrics()
+        counts = [v for (name, _), v in m.items() if name == "tandem_moe_expert_tokens_total"]
+        assert len(counts) == 8
+        total = sum(counts)
+        # 2 sparse layers x 2 experts a token, and at least every prompt token twice
+        assert total % 4 == 0 and total >= 4 * 2 * sum(len(p) for p in prompts)
+        assert sum(1 for c in counts if c) >= 4  # the router spreads tokens
+    finally:
+        s.stop()
