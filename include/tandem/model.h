@@ -195,6 +195,9 @@ struct tdm_model_config {
      * mlp_only_layers); dense layers are the plain FFN of width d_ff. */
     int n_experts, n_experts_used, d_ff_expert;
     bool moe_norm_topk;
+    /* a shared expert every token takes (qwen2_moe): a SwiGLU FFN of width d_ff_shared added
+     * to the routed sum, scaled by sigmoid(h . shared gate); 0: none */
+    int d_ff_shared;
     uint64_t moe_dense_layers[16]; /* bit l: layer l is dense (n_layers <= 1024) */
 };
 /* Whether layer l of a model with this config has experts. */
@@ -245,6 +248,9 @@ struct tdm_layer_weights {
     struct tdm_weight router;   /* [n_experts][d_model] */
     struct tdm_weight *experts; /* [n_experts][3]: gate [d_ff_expert][d_model], up (same),
                                  * down [d_model][d_ff_expert] */
+    /* the shared expert (cfg.d_ff_shared): gate, up, down like an expert's at its width, and
+     * its gate [1][d_model]; data NULL without */
+    struct tdm_weight sh_gate, sh_up, sh_down, sh_score;
 };
 
 /* A speculation head (spec.h: mtp, eagle): a one-layer draft fed with the target's hidden

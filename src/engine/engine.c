@@ -18,7 +18,8 @@
  * (renormalised when the config says so), and then, expert by expert in id order, the rows
  * routed to it are gathered, run through its SwiGLU FFN, and added into the layer's output
  * scaled by their weights. So one pass over each active expert's weights per step, and a row's
- * sum is made in the same order whatever else shares the batch.
+ * sum is made in the same order whatever else shares the batch. A shared expert (qwen2_moe)
+ * then runs on every row, scaled by sigmoid(h . its gate).
  *
  * Logits are computed only for the rows that asked for them (gathered after the final norm).
  *
@@ -226,6 +227,18 @@ static void moe_ffn(tdm_engine_t *e, const struct tdm_layer_weights *w, int T)
         ops->matmul(b, &ew[2], e->gate, n, NULL, e->moe_out);
         ops->rows_scale_add(b, e->moe_out, e->moe_rows + off[x], e->moe_wts + off[x], n, d, e->o);
     }
+    if (!w->sh_gate.data) return;
+    /* the shared expert, every row, scaled by sigmoid(h . its gate) (after the routed sum, as
+     * qwen2_moe adds it) */
+    ops->matmul_swiglu(b, &w->sh_gate, &w->sh_up, e->h, T, e->gate);
+    ops->matmul(b, &w->sh_down, e->gate, T, NULL, e->moe_out);
+    ops->matmul(b, &w->sh_score, e->h, T, NULL, e->moe_logits);
+    ops->download(b, e->moe_host_logits, e->moe_logits, (size_t)T * sizeof(float));
+    for (int t = 0; t < T; t++) {
+        e->moe_rows[t] = t;
+        e->moe_wts[t] = (float)(1.0 / (1.0 + exp(-(double)e->moe_host_logits[t])));
+    }
+    ops->rows_scale_add(b, e->moe_out, e->moe_rows, e->moe_wts, T, d, e->o);
 }
 
 void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_freqs, float *out)
@@ -285,6 +298,10 @@ static tdm_status prepare_experts(tdm_engine_t *e, const struct tdm_layer_weight
     tdm_status st = prep(e, &src->router, &dst->router);
     for (int i = 0; i < 3 * src->n_experts && st == TDM_OK; i++)
         st = prep(e, &src->experts[i], &dst->experts[i]);
+    const struct tdm_weight *s[] = {&src->sh_gate, &src->sh_up, &src->sh_down, &src->sh_score};
+    struct tdm_weight *d[] = {&dst->sh_gate, &dst->sh_up, &dst->sh_down, &dst->sh_score};
+    for (int i = 0; i < 4 && st == TDM_OK; i++)
+        st = prep(e, s[i], d[i]);
     return st;
 }
 
@@ -335,8 +352,8 @@ static size_t scratch_bytes(const struct tdm_model *m, size_t T, size_t R)
     size_t draft = m->head && m->head->d2t ? R * (size_t)m->head->n_draft + m->head->n_draft : 0;
     size_t moe = c->n_experts ? T * ((size_t)c->n_experts + 2 * (size_t)c->d_model) : 0;
     return sizeof(float) * (T * (size_t)c->d_model * (m->head ? 5 : 3) + T * qd * 2 + T * kvd * 2 +
-                            T * (size_t)TDM_MAX(c->d_ff, c->d_ff_expert) + R * (size_t)c->d_model +
-                            R * (size_t)c->vocab_size + draft + moe);
+                            T * (size_t)TDM_MAX(c->d_ff, TDM_MAX(c->d_ff_expert, c->d_ff_shared)) +
+                            R * (size_t)c->d_model + R * (size_t)c->vocab_size + draft + moe);
 }
 
 /* What a co-model (a draft) will take of backend b: its weights as b stores them (tied
@@ -358,7 +375,10 @@ static size_t co_model_bytes(tdm_backend_t *b, const struct tdm_model *m, size_t
         layer_weights(&m->layers[l], w);
         for (int i = 0; i < LAYER_WEIGHTS; i++)
             bytes += wb(b, w[i]);
-        if (m->layers[l].n_experts) bytes += wb(b, &m->layers[l].router);
+        const struct tdm_layer_weights *lw = &m->layers[l];
+        if (lw->n_experts)
+            bytes += wb(b, &lw->router) + wb(b, &lw->sh_gate) + wb(b, &lw->sh_up) +
+                     wb(b, &lw->sh_down) + wb(b, &lw->sh_score);
         for (int i = 0; i < 3 * m->layers[l].n_experts; i++)
             bytes += wb(b, &m->layers[l].experts[i]);
     }
@@ -476,7 +496,8 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     e->v = balloc(e, T * kvd * f, &st);
     e->att = balloc(e, T * qd * f, &st);
     e->o = balloc(e, T * c->d_model * f, &st);
-    e->gate = balloc(e, T * (size_t)TDM_MAX(c->d_ff, c->d_ff_expert) * f, &st);
+    e->gate =
+        balloc(e, T * (size_t)TDM_MAX(c->d_ff, TDM_MAX(c->d_ff_expert, c->d_ff_shared)) * f, &st);
     if (c->n_experts) {
         size_t E = (size_t)c->n_experts, K = (size_t)c->n_experts_used;
         e->moe_logits = balloc(e, T * E * f, &st);

@@ -126,7 +126,8 @@ static tdm_status config_check(const struct tdm_model_config *c, const char *src
     if (c->n_experts) {
         if ((rc = check_int(src, "number of experts", c->n_experts, 1, CFG_MAX_EXPERTS)) ||
             (rc = check_int(src, "experts per token", c->n_experts_used, 1, c->n_experts)) ||
-            (rc = check_int(src, "expert FFN width", c->d_ff_expert, 1, CFG_MAX_D_FF)))
+            (rc = check_int(src, "expert FFN width", c->d_ff_expert, 1, CFG_MAX_D_FF)) ||
+            (rc = check_int(src, "shared expert FFN width", c->d_ff_shared, 0, CFG_MAX_D_FF)))
             return rc;
     }
     if (c->bos_id < -1 || c->bos_id >= c->vocab_size)
@@ -232,10 +233,12 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
         c.arch = TDM_ARCH_QWEN3, arch = "qwen3";
     } else if (str_eq(as, "qwen3moe")) {
         c.arch = TDM_ARCH_QWEN3, arch = "qwen3moe";
+    } else if (str_eq(as, "qwen2moe")) {
+        c.arch = TDM_ARCH_QWEN2, arch = "qwen2moe";
     } else {
         return tdm_err_set(TDM_EUNSUPPORTED,
                            "gguf: architecture \"%.*s\" is not supported (llama, qwen2, qwen3, "
-                           "qwen3moe)",
+                           "qwen2moe, qwen3moe)",
                            (int)TDM_MIN(as.len, 64), as.ptr);
     }
 
@@ -248,12 +251,14 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
         (rc = g_f32(g, arch, "attention.layer_norm_rms_epsilon", true, 0, &c.rms_eps)) ||
         (rc = g_f32(g, arch, "rope.freq_base", false, 10000.0f, &c.rope_theta)) ||
         (rc = g_int(g, arch, "expert_count", false, 0, &experts)) ||
-        (rc = g_int(g, arch, "expert_shared_count", false, 0, &shared)))
+        (rc = g_int(g, arch, "expert_shared_count", false, 0, &shared)) ||
+        (rc = g_int(g, arch, "expert_shared_feed_forward_length", false, 0, &c.d_ff_shared)))
         return rc;
-    if (shared > 0)
+    /* qwen2moe's one shared expert is named by its width; several (DeepSeek's) are not run */
+    if (shared > 1 || (shared == 1 && !c.d_ff_shared))
         return tdm_err_set(TDM_EUNSUPPORTED,
-                           "gguf: shared experts (%s.expert_shared_count = %d) "
-                           "are not supported",
+                           "gguf: shared experts (%s.expert_shared_count = %d) other than "
+                           "qwen2moe's are not supported",
                            arch, shared);
     if (experts < 0) return tdm_err_set(TDM_ERANGE, "gguf: %s.expert_count = %d", arch, experts);
     if (experts > 0) {
@@ -261,7 +266,7 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
         c.n_experts = experts;
         c.moe_norm_topk = true;
         if ((rc = g_int(g, arch, "expert_used_count", true, 0, &c.n_experts_used)) ||
-            (rc = g_int(g, arch, "expert_feed_forward_length", !strcmp(arch, "qwen3moe"), 0,
+            (rc = g_int(g, arch, "expert_feed_forward_length", strcmp(arch, "llama") != 0, 0,
                         &c.d_ff_expert)) ||
             (rc = g_int(g, arch, "feed_forward_length", !c.d_ff_expert, c.d_ff_expert, &c.d_ff)))
             return rc;
@@ -485,8 +490,9 @@ static tdm_status hf_rope_scaling(const json_t *rs, const char *file, struct tdm
                        file, type);
 }
 
-/* Experts: mixtral (num_local_experts, every layer sparse, renormalised top-k) and qwen3_moe
- * (num_experts, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers). */
+/* Experts: mixtral (num_local_experts, every layer sparse, renormalised top-k), qwen3_moe
+ * (num_experts, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers)
+ * and qwen2_moe (the same, and a gated shared expert of shared_expert_intermediate_size). */
 static tdm_status hf_parse_moe(const json_t *root, const char *file, const char *mt,
                                struct tdm_model_config *c)
 {
@@ -502,8 +508,11 @@ static tdm_status hf_parse_moe(const json_t *root, const char *file, const char 
                                c->n_experts);
         return TDM_OK;
     }
-    if (strcmp(mt, "qwen3_moe")) return TDM_OK;
+    if (strcmp(mt, "qwen3_moe") && strcmp(mt, "qwen2_moe")) return TDM_OK;
     int step = 1;
+    if (!strcmp(mt, "qwen2_moe") &&
+        (rc = j_int(root, file, "shared_expert_intermediate_size", true, 0, &c->d_ff_shared)))
+        return rc;
     if ((rc = j_int(root, file, "num_experts", true, 0, &c->n_experts)) ||
         (rc = j_int(root, file, "num_experts_per_tok", true, 0, &c->n_experts_used)) ||
         (rc = j_int(root, file, "moe_intermediate_size", true, 0, &c->d_ff_expert)) ||
@@ -545,14 +554,14 @@ static tdm_status hf_parse_config(const json_t *root, const char *file, struct t
     if (!mt) return tdm_err_set(TDM_EFORMAT, "%s: \"model_type\" is missing", file);
     if (!strcmp(mt, "llama") || !strcmp(mt, "mistral") || !strcmp(mt, "mixtral"))
         c->arch = TDM_ARCH_LLAMA;
-    else if (!strcmp(mt, "qwen2"))
+    else if (!strcmp(mt, "qwen2") || !strcmp(mt, "qwen2_moe"))
         c->arch = TDM_ARCH_QWEN2;
     else if (!strcmp(mt, "qwen3") || !strcmp(mt, "qwen3_moe"))
         c->arch = TDM_ARCH_QWEN3;
     else
         return tdm_err_set(TDM_EUNSUPPORTED,
                            "%s: model_type \"%.64s\" is not supported (llama, mistral, mixtral, "
-                           "qwen2, qwen3, qwen3_moe)",
+                           "qwen2, qwen2_moe, qwen3, qwen3_moe)",
                            file, mt);
     if ((rc = hf_parse_moe(root, file, mt, c))) return rc;
 

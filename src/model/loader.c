@@ -237,6 +237,25 @@ static tdm_status load_experts(struct loader *L, int i, struct tdm_layer_weights
     if ((rc = own_alloc(L->m, sizeof(struct tdm_weight) * 3 * (size_t)n, &mem))) return rc;
     lw->experts = mem;
     lw->n_experts = (int)n;
+    if (c->d_ff_shared) { /* qwen2_moe's shared expert and its gate (a [d] vector in GGUF) */
+        int64_t fs = c->d_ff_shared;
+        const char *score =
+            lname(L, "blk.%d.ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight", i);
+        if ((rc = L->m->is_gguf ? load_vector(L, score, d, &lw->sh_score)
+                                : load_matrix(L, score, 1, d, &lw->sh_score)) ||
+            (rc = load_matrix(
+                 L,
+                 lname(L, "blk.%d.ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight", i),
+                 fs, d, &lw->sh_gate)) ||
+            (rc = load_matrix(
+                 L, lname(L, "blk.%d.ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight", i),
+                 fs, d, &lw->sh_up)) ||
+            (rc = load_matrix(
+                 L,
+                 lname(L, "blk.%d.ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight", i),
+                 d, fs, &lw->sh_down)))
+            return rc;
+    }
     if ((rc = load_matrix(L,
                           lname(L, "blk.%d.ffn_gate_inp.weight",
                                 mixtral ? "block_sparse_moe.gate.weight" : "mlp.gate.weight", i),

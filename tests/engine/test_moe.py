@@ -1,6 +1,5 @@
 """Mixture-of-experts models (issue 18, item 1): what the fidelity tests (test_fidelity.py, the
-hf-qwen3moe-*, hf-mixtral-*, gguf-qwen3moe-* and gguf-mixtral-* variants against the numpy
-reference) do not cover: configs that must be refused with a clear message, the model's
+*qwen3moe*, *qwen2moe* and *mixtral* variants against the numpy reference) do not cover: configs that must be refused with a clear message, the model's
 description, batch invariance of the routed FFN under concurrent requests, and the
 tokens-per-expert metric."""
 import concurrent.futures as cf
@@ -52,7 +51,7 @@ def test_describes_experts(tmp_path):
     (dict(moe_intermediate_size=0), "expert FFN width = 0"),
     (dict(mlp_only_layers=[7]), "mlp_only_layers[0] is not a layer index below 2"),
     (dict(decoder_sparse_step=0), "decoder_sparse_step 0 must be >= 1"),
-    (dict(model_type="qwen2_moe"), 'model_type "qwen2_moe" is not supported'),
+    (dict(model_type="deepseek_v2"), 'model_type "deepseek_v2" is not supported'),
     (dict(moe_intermediate_size=40), "expected [40, 64], got [48, 64]"),
 ])
 def test_bad_configs_refused(tmp_path, changes, needle):
@@ -96,6 +95,16 @@ def test_gguf_bad_expert_count(tmp_path):
     w.write_tensors_to_file()
     w.close()
     assert "experts per token = 9 outside [1, 4]" in refused(tmp_path / "bad.gguf")
+
+
+def test_qwen2moe_needs_its_shared_expert(tmp_path):
+    path = make_hf_checkpoint(tmp_path / "q", "qwen2_moe", seed=57)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["shared_expert_intermediate_size"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert '"shared_expert_intermediate_size" is missing' in refused(path)
+    d = info(make_hf_checkpoint(tmp_path / "ok", "qwen2_moe", seed=57))
+    assert d["arch"] == "qwen2" and d["qkv_bias"] is True and d["n_experts"] == 4
 
 
 def test_routed_rows_are_batch_invariant(tmp_path):

@@ -28,12 +28,13 @@ import pathlib
 
 import numpy as np
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 # mixture-of-experts arches: their attention is their base's
-BASE = {"qwen3_moe": "qwen3", "mixtral": "llama"}
+BASE = {"qwen3_moe": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2"}
 # their experts (overridable like any shape key; ignored by dense arches)
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                 decoder_sparse_step=1, mlp_only_layers=(), norm_topk_prob=True)
+                 decoder_sparse_step=1, mlp_only_layers=(), norm_topk_prob=True,
+                 shared_expert_intermediate_size=40)
 
 # Default shapes; any of these can be overridden through **shape.
 DEFAULT_SHAPE = dict(
@@ -83,7 +84,7 @@ def sparse_layer(arch: str, s: dict, i: int) -> bool:
     """Whether layer i has experts (transformers' rule for qwen3_moe; every layer of mixtral)."""
     if arch == "mixtral":
         return True
-    return (arch == "qwen3_moe" and i not in s["mlp_only_layers"]
+    return (arch in ("qwen3_moe", "qwen2_moe") and i not in s["mlp_only_layers"]
             and (i + 1) % s["decoder_sparse_step"] == 0)
 
 
@@ -134,6 +135,12 @@ def random_weights(arch: str, seed: int, s: dict, tied: bool) -> dict[str, np.nd
             w[f"{q}experts.{e}.{names[0]}.weight"] = mat(fe, d)
             w[f"{q}experts.{e}.{names[1]}.weight"] = mat(fe, d)
             w[f"{q}experts.{e}.{names[2]}.weight"] = mat(d, fe, 1.5)
+        if moe_arch == "qwen2_moe":
+            fs = s["shared_expert_intermediate_size"]
+            w[q + "shared_expert.gate_proj.weight"] = mat(fs, d)
+            w[q + "shared_expert.up_proj.weight"] = mat(fs, d)
+            w[q + "shared_expert.down_proj.weight"] = mat(d, fs, 1.5)
+            w[q + "shared_expert_gate.weight"] = mat(1, d, 2.0)
     w["model.norm.weight"] = norm(d)
     if not tied:
         w["lm_head.weight"] = mat(v, d, 2.0)
@@ -209,7 +216,8 @@ def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = F
     cfg = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                           "mixtral": "MixtralForCausalLM"}[arch]],
+                           "mixtral": "MixtralForCausalLM",
+                           "qwen2_moe": "Qwen2MoeForCausalLM"}[arch]],
         "model_type": arch,
         "hidden_size": s["hidden_size"],
         "intermediate_size": s["intermediate_size"],
@@ -234,6 +242,15 @@ def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = F
         cfg.update(num_local_experts=s["num_experts"],
                    num_experts_per_tok=s["num_experts_per_tok"], sliding_window=None,
                    router_aux_loss_coef=0.02, output_router_logits=False)
+    if arch == "qwen2_moe":
+        cfg.update(use_sliding_window=False, sliding_window=s["max_position_embeddings"],
+                   max_window_layers=s["num_hidden_layers"], attention_dropout=0.0,
+                   num_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
+                   moe_intermediate_size=s["moe_intermediate_size"],
+                   shared_expert_intermediate_size=s["shared_expert_intermediate_size"],
+                   norm_topk_prob=s["norm_topk_prob"],
+                   decoder_sparse_step=s["decoder_sparse_step"],
+                   mlp_only_layers=list(s["mlp_only_layers"]), router_aux_loss_coef=0.001)
     if arch == "qwen3_moe":
         cfg.update(head_dim=s["head_dim"], attention_bias=False, use_sliding_window=False,
                    sliding_window=None, max_window_layers=s["num_hidden_layers"],
@@ -403,10 +420,13 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
     w = random_weights(arch, seed, s, tied)
     nh, nkv, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
     moe_arch = arch
-    if arch == "qwen3_moe" and (s["mlp_only_layers"] or s["decoder_sparse_step"] != 1 or
-                                not s["norm_topk_prob"]):
-        raise ValueError("llama.cpp's qwen3moe has experts in every layer, renormalised")
-    garch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(arch, arch)
+    if arch in ("qwen3_moe", "qwen2_moe") and (s["mlp_only_layers"] or
+                                               s["decoder_sparse_step"] != 1 or
+                                               not s["norm_topk_prob"]):
+        raise ValueError("llama.cpp's qwen3moe and qwen2moe have experts in every layer, "
+                         "renormalised")
+    garch = {"qwen3_moe": "qwen3moe", "mixtral": "llama",
+             "qwen2_moe": "qwen2moe"}.get(arch, arch)
     arch = BASE.get(arch, arch)
 
     wr = gguf.GGUFWriter(str(path), garch)
@@ -427,8 +447,10 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
     if moe_arch in BASE:
         wr.add_expert_count(s["num_experts"])
         wr.add_expert_used_count(s["num_experts_per_tok"])
-        if moe_arch == "qwen3_moe":
+        if moe_arch in ("qwen3_moe", "qwen2_moe"):
             wr.add_expert_feed_forward_length(s["moe_intermediate_size"])
+        if moe_arch == "qwen2_moe":
+            wr.add_expert_shared_feed_forward_length(s["shared_expert_intermediate_size"])
     wr.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q6_K": 18}[wtype])
     wr.add_quantization_version(2)
     tokens, types, merges, bos, eos = gguf_vocab(s["vocab_size"], extra_tokens)
@@ -478,6 +500,10 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
             for k, name in zip(("gate", "up", "down"), names):
                 mat(f"{b}ffn_{k}_exps.weight", np.stack(
                     [w[f"{q}experts.{e}.{name}.weight"] for e in range(s["num_experts"])]))
+            if moe_arch == "qwen2_moe":
+                for k in ("gate", "up", "down"):
+                    mat(f"{b}ffn_{k}_shexp.weight", w[f"{q}shared_expert.{k}_proj.weight"])
+                vec(b + "ffn_gate_inp_shexp.weight", w[q + "shared_expert_gate.weight"][0])
             continue
         mat(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"])
         mat(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"])

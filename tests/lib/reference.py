@@ -26,6 +26,7 @@ Model, one layer (x: [T, d_model], positions p):
       or, in a mixture-of-experts layer (qwen3_moe, mixtral; GGUF qwen3moe, llama with experts):
     p = softmax(h Wr^T) over the experts; keep each row's k largest (renormalised to sum 1 when
     norm_topk_prob, always for mixtral and GGUF); x = x + sum over kept e of p_e FFN_e(h)
+    (+ sigmoid(h . score) FFN_shared(h) with qwen2_moe's shared expert)
 then logits = rmsnorm(x, output_norm) Wout^T, Wout = token embedding when tied.
 
 Rope: inv_freq_i = theta^(-2i/head_dim), angle = p * inv_freq_i, with llama3 or linear scaling
@@ -50,8 +51,9 @@ import numpy as np
 
 ARCHS = ("llama", "qwen2", "qwen3")
 HF_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "mixtral": "llama", "qwen3_moe": "qwen3"}
-GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3"}
+            "mixtral": "llama", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3",
+              "qwen2moe": "qwen2"}
 
 
 def _limit_blas_threads(n: int) -> bool:
@@ -95,6 +97,7 @@ class Layer:
     k_norm: np.ndarray | None = None
     router: np.ndarray | None = None  # experts: [n_experts, d_model]; w_gate etc. None then
     experts: list | None = None  # [(gate [ff, d], up [ff, d], down [d, ff])] per expert
+    shared: tuple | None = None  # qwen2_moe: (gate, up, down, score [d]) of the shared expert
 
 
 @dataclasses.dataclass
@@ -228,6 +231,13 @@ def _load_hf(folder: pathlib.Path) -> Model:
                 [(w[f"{q}experts.{e}.gate_proj.weight"], w[f"{q}experts.{e}.up_proj.weight"],
                   w[f"{q}experts.{e}.down_proj.weight"]) for e in range(n_experts)])
 
+    def shared(p, experts):
+        q = p + "mlp.shared_expert"
+        if experts is None or q + ".gate_proj.weight" not in w:
+            return None
+        return (w[q + ".gate_proj.weight"], w[q + ".up_proj.weight"], w[q + ".down_proj.weight"],
+                w[q + "_gate.weight"].reshape(-1))
+
     layers = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -238,6 +248,7 @@ def _load_hf(folder: pathlib.Path) -> Model:
             wv=w[p + "self_attn.v_proj.weight"], wo=w[p + "self_attn.o_proj.weight"],
             ffn_norm=w[p + "post_attention_layernorm.weight"],
             w_gate=g, w_up=u, w_down=dn, router=router, experts=experts,
+            shared=shared(p, experts),
             bq=w.get(p + "self_attn.q_proj.bias"), bk=w.get(p + "self_attn.k_proj.bias"),
             bv=w.get(p + "self_attn.v_proj.bias"),
             q_norm=w.get(p + "self_attn.q_norm.weight"),
@@ -312,6 +323,10 @@ def _load_gguf(path: pathlib.Path) -> Model:
             w_gate=tensors.get(b + "ffn_gate.weight"), w_up=tensors.get(b + "ffn_up.weight"),
             w_down=tensors.get(b + "ffn_down.weight"),
             router=None if dense else tensors[b + "ffn_gate_inp.weight"], experts=experts,
+            shared=None if b + "ffn_gate_shexp.weight" not in tensors else tuple(
+                tensors[b + f"ffn_{k}.weight"].reshape(-1) if k == "gate_inp_shexp" else
+                tensors[b + f"ffn_{k}.weight"]
+                for k in ("gate_shexp", "up_shexp", "down_shexp", "gate_inp_shexp")),
             bq=tensors.get(b + "attn_q.bias"), bk=tensors.get(b + "attn_k.bias"),
             bv=tensors.get(b + "attn_v.bias"),
             q_norm=tensors.get(b + "attn_q_norm.weight"),
@@ -436,6 +451,10 @@ def layer_step(m: Model, L: Layer, x: np.ndarray, pos: np.ndarray, mask: np.ndar
         for e, we in zip(kept, w):
             g, u, dn = L.experts[e]
             out[t] += we * ((silu(h[t] @ g.T) * (h[t] @ u.T)) @ dn.T)
+    if L.shared is not None:
+        g, u, dn, score = L.shared
+        gate = 1.0 / (1.0 + np.exp(-(h @ score)))  # [T]
+        out += gate[:, None] * ((silu(h @ g.T) * (h @ u.T)) @ dn.T)
     return x + out, K, V
 
 
