@@ -460,6 +460,7 @@ static void test_norms_elementwise(void **state)
                 check_rel(e->name, "zero + rows_scale_add", h, r_sa, N, e->elem, 1.0);
                 free(h);
                 free(r_sa);
+                drop(e, ds);
             }
             /* scatter_cols: x's 13 rows of min(dim, 40) columns into rows of dim + 7 */
             const int nc = dim < 40 ? dim : 40, wide = dim + 7;
