@@ -183,6 +183,9 @@ _Atomic int32_t *tdm_engine_layer_counter(tdm_engine_t *e);
  * over the sparse layers (imbalance shows as uneven counts). Writes min(n_experts, cap) counts
  * and returns the model's expert count (0 for a dense model). Any thread. */
 int tdm_engine_expert_tokens(const tdm_engine_t *e, uint64_t *out, int cap);
+/* Expert FFN passes run since creation (an active expert of a sparse layer in a step: one pass
+ * over its weights), for rooflines of the bytes a step really reads. Any thread. */
+uint64_t tdm_engine_expert_passes(const tdm_engine_t *e);
 
 /* The RoPE inverse frequencies [head_dim/2] for a config (base theta, linear or llama3 scaling,
  * or per-dimension factors from a GGUF rope_freqs tensor when not NULL). */

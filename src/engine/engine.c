@@ -95,6 +95,7 @@ struct tdm_engine {
     float *moe_host_logits, *moe_selw, *moe_wts;
     int32_t *moe_sel, *moe_rows, *moe_off;
     _Atomic uint64_t *expert_tokens; /* [n_experts] assignments run, all layers */
+    _Atomic uint64_t expert_passes;  /* active experts run, all layers and steps */
     /* a head with a reduced draft vocabulary: its logits [max_logit_rows][n_draft], placed in
      * the vocabulary's columns (draft_cols: [n_draft] target ids, backend memory) */
     float *draft_logits;
@@ -221,6 +222,7 @@ static void moe_ffn(tdm_engine_t *e, const struct tdm_layer_weights *w, int T)
         int n = off[x + 1] - off[x];
         if (!n) continue;
         atomic_fetch_add_explicit(&e->expert_tokens[x], (uint64_t)n, memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->expert_passes, 1, memory_order_relaxed);
         const struct tdm_weight *ew = &w->experts[3 * x];
         ops->gather_rows(b, e->h, e->moe_rows + off[x], n, d, e->moe_in);
         ops->matmul_swiglu(b, &ew[0], &ew[1], e->moe_in, n, e->gate);
@@ -691,6 +693,11 @@ int tdm_engine_expert_tokens(const tdm_engine_t *e, uint64_t *out, int cap)
     for (int i = 0; i < n && i < cap; i++)
         out[i] = atomic_load_explicit(&e->expert_tokens[i], memory_order_relaxed);
     return n;
+}
+
+uint64_t tdm_engine_expert_passes(const tdm_engine_t *e)
+{
+    return atomic_load_explicit(&e->expert_passes, memory_order_relaxed);
 }
 
 const struct tdm_model *tdm_engine_model(const tdm_engine_t *e)

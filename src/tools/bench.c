@@ -5,6 +5,9 @@
  * Roofline: decode at batch B reads every weight once per step plus the KV of B sequences
  * (DESIGN.md §6). The memory bandwidth comes from a STREAM-style copy over the same thread
  * count, so the bound is   rate <= B * bandwidth / (weight_bytes + B * kv_bytes_per_seq).
+ * Mixture of experts: weight_bytes counts the dense weights (attention, routers, shared
+ * experts) and, of the experts, only those the steps really ran (the engine counts expert
+ * passes), so the roofline follows the routing instead of assuming every expert is read.
  * A checksum of the greedy tokens is printed so a fast wrong answer is visible.
  */
 #include <stdio.h>
@@ -73,8 +76,31 @@ static double weight_bytes_per_step(const struct tdm_model *m)
                                           &w->ffn_norm,  &w->w_gate, &w->w_up,   &w->w_down};
         for (size_t i = 0; i < TDM_ARRAY_LEN(all); i++)
             total += (double)weight_bytes(all[i]);
+        const struct tdm_weight *moe[] = {&w->router, &w->sh_gate, &w->sh_up, &w->sh_down,
+                                          &w->sh_score};
+        for (size_t i = 0; w->n_experts && i < TDM_ARRAY_LEN(moe); i++)
+            total += (double)weight_bytes(moe[i]);
     }
     return total;
+}
+
+static int sparse_layers(const struct tdm_model *m)
+{
+    int n = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        n += m->layers[l].n_experts > 0;
+    return n;
+}
+
+/* Bytes of one expert's three matrices (every expert of a model has the same), or 0. */
+static double expert_bytes(const struct tdm_model *m)
+{
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (m->layers[l].n_experts)
+            return (double)weight_bytes(&m->layers[l].experts[0]) +
+                   (double)weight_bytes(&m->layers[l].experts[1]) +
+                   (double)weight_bytes(&m->layers[l].experts[2]);
+    return 0.0;
 }
 
 static uint64_t mix(uint64_t h, uint64_t v)
@@ -181,7 +207,13 @@ int tdm_cmd_bench(int argc, char **argv)
     double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * kg.elem_bytes;
     printf("  KV cache: %s, %.0f KiB a position\n", tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
     printf("  memory bandwidth (STREAM copy, same run): %.2f GB/s\n", bw / 1e9);
-    printf("  weight bytes read per decode step: %.2f MB\n", wbytes / 1e6);
+    const double ebytes = expert_bytes(m);
+    if (ebytes > 0)
+        printf("  weight bytes read per decode step: %.2f MB, and %.2f MB per expert pass "
+               "(%d of %d experts a token, %d sparse layers)\n",
+               wbytes / 1e6, ebytes / 1e6, cf->n_experts_used, cf->n_experts, sparse_layers(m));
+    else
+        printf("  weight bytes read per decode step: %.2f MB\n", wbytes / 1e6);
 
     /* prefill: one prompt of prompt_len random tokens */
     uint64_t rng = 12345;
@@ -252,6 +284,7 @@ int tdm_cmd_bench(int argc, char **argv)
         }
         struct tdm_batch b = {bs, B};
         double kv_read = 0.0;
+        const uint64_t passes0 = tdm_engine_expert_passes(e);
         t0 = tdm_now_s();
         for (int64_t step = 0; step < gen; step++) {
             for (int s = 0; s < B; s++) {
@@ -271,9 +304,14 @@ int tdm_cmd_bench(int argc, char **argv)
         }
         double dt = tdm_now_s() - t0;
         double rate = (double)B * gen / dt;
-        double bytes_per_step = wbytes + kv_read / gen;
+        const double passes = (double)(tdm_engine_expert_passes(e) - passes0) / (double)gen;
+        double bytes_per_step = wbytes + passes * ebytes + kv_read / gen;
         double roof = (double)B * bw / bytes_per_step;
-        printf("  batch %-2d %12.1f %14.1f %9.0f%%\n", B, rate, roof, 100.0 * rate / roof);
+        printf("  batch %-2d %12.1f %14.1f %9.0f%%", B, rate, roof, 100.0 * rate / roof);
+        if (ebytes > 0)
+            printf("   (%.1f expert passes a step: %.2f MB read a step)", passes,
+                   bytes_per_step / 1e6);
+        printf("\n");
         for (int s = 0; s < B; s++)
             tdm_kv_seq_release(kv, &seqs[s].kv);
     }
