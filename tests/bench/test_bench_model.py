@@ -30,3 +30,18 @@ def test_bench_model_bad_kv_dtype(tiny):
     cp = run_tandem(["bench", "model", "--model", tiny, "--kv-dtype", "q8"], check=False)
     assert cp.returncode == 2
     assert "--kv-dtype: 'q8' is not f32, bf16 or f16" in cp.stderr
+
+
+def test_bench_model_counts_expert_passes(tmp_path):
+    """A mixture-of-experts model: the roofline counts the experts the steps ran. At batch 1 a
+    token runs exactly k experts in each sparse layer; at batch 8 at least that many and at
+    most every expert of every sparse layer."""
+    path = make_gguf_checkpoint(tmp_path / "moe.gguf", "qwen3_moe", seed=42, num_hidden_layers=3,
+                                num_experts=6, num_experts_per_tok=2)
+    cp = run_tandem(["bench", "model", "--model", path, "--threads", "1", "--prompt-len", "8",
+                     "--gen", "4", "--context", "16"])
+    assert "(2 of 6 experts a token, 3 sparse layers)" in cp.stdout, cp.stdout
+    passes = dict(re.findall(r"^\s+batch (\d+) .*\(([\d.]+) expert passes a step", cp.stdout,
+                             re.M))
+    assert float(passes["1"]) == 2 * 3, cp.stdout
+    assert 2 * 3 <= float(passes["8"]) <= 6 * 3, cp.stdout
