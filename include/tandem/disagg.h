@@ -135,6 +135,12 @@ struct tdm_disagg_decode_opts {
      * new address is picked up without restarting this one */
     const char *peer_files[TDM_DISAGG_MAX_PEERS];
     int n_peers;
+    /* Reads a peer's address from its source (peer_files[i]: a file, or whatever this reads,
+     * e.g. a prefill node's HTTP address); false when it cannot now. NULL: sources are files
+     * (tdm_disagg_read_addr_file). A peer whose address is "" could not be read at start: it
+     * is read again, with backoff, until it can. Called on the reviver's thread. */
+    bool (*read_peer)(void *ctx, const char *source, char *out, size_t cap);
+    void *read_peer_ctx;
     int revive_ms;    /* first retry of a dead peer after this, doubling to 10 s; 0: 500 */
     int chunk;        /* prefill chunk in tokens (rounded up to pages); 0: 256 */
     int timeout_ms;   /* one attempt's deadline, send to KV landed; 0: 30000 */

@@ -57,6 +57,11 @@ struct tdm_server_opts {
     /* More Prometheus text appended to /metrics (malloc'd by the callback; NULL: none). */
     char *(*extra_metrics)(void *ctx);
     void *extra_metrics_ctx;
+    /* A prefill or decode node: its fabric address (copied), which GET /disagg/address
+     * answers, so decoders can find a prefill node from its HTTP address alone
+     * (--prefill-peers http://HOST:PORT); NULL: that route answers 404. */
+    const char *fabric_address;
+    const char *disagg_role; /* "prefill" or "decode", for the same answer */
 };
 
 struct tdm_server_model {

@@ -718,10 +718,18 @@ static void *reviver_main(void *arg)
             p->next_try_ns = now + (int64_t)p->backoff_ms * 1000000;
             p->backoff_ms = TDM_MIN(p->backoff_ms * 2, 10000);
             pthread_mutex_unlock(&d->mu);
-            if (file && tdm_disagg_read_addr_file(file, fresh, sizeof fresh) &&
-                strcmp(fresh, addr)) {
-                TDM_INFO("disagg: prefill peer %d moved: %s now holds %s", i, file, fresh);
+            bool (*rd)(void *, const char *, char *, size_t) = d->o.read_peer;
+            if (file &&
+                (rd ? rd(d->o.read_peer_ctx, file, fresh, sizeof fresh)
+                    : tdm_disagg_read_addr_file(file, fresh, sizeof fresh)) &&
+                fresh[0] && strcmp(fresh, addr)) {
+                TDM_INFO("disagg: prefill peer %d %s: %s now gives %s", i,
+                         addr[0] ? "moved" : "found", file, fresh);
                 snprintf(addr, sizeof addr, "%s", fresh);
+            }
+            if (!addr[0]) { /* still no address */
+                pthread_mutex_lock(&d->mu);
+                continue;
             }
             uint32_t xid = 0;
             tdm_status st = tdm_xfer_peer_add(d->ep.x, addr, &xid);
@@ -749,6 +757,7 @@ static void *reviver_main(void *arg)
                 TDM_INFO("disagg: prefill peer %s is up", p->addr);
                 p->alive = true;
                 p->head_refused = false;
+                p->staged = d->stage_all; /* it may be a node of this host now */
                 p->backoff_ms = d->o.revive_ms;
                 struct recancel rc[64];
                 int n = collect_fenced(d, i, rc, (int)TDM_ARRAY_LEN(rc));
@@ -863,6 +872,15 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
         if (o->peer_files[i] && !(p->file = strdup(o->peer_files[i]))) {
             st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
             goto out_ep;
+        }
+        if (!p->addr[0] && p->file) { /* not readable yet: the reviver reads it again */
+            p->xid = UINT32_MAX;
+            p->next_try_ns = (int64_t)tdm_now_ns();
+            d->n_peers++;
+            TDM_WARN("disagg: prefill peer %d (%s) has no address yet; it is asked again until "
+                     "it has one",
+                     i, p->file);
+            continue;
         }
         if ((st = tdm_xfer_peer_add(d->ep.x, p->addr, &p->xid)) != TDM_OK) {
             free(p->file);

@@ -68,6 +68,8 @@ struct tdm_server {
     _Atomic int active; /* generation requests whose response is not finished */
     char *(*extra_metrics)(void *ctx);
     void *extra_metrics_ctx;
+    char *fabric_address; /* GET /disagg/address (owned); NULL: 404 */
+    char disagg_role[16];
 };
 
 /* One candidate of a generation: its request, its reader (text and stop strings), the reader's
@@ -596,6 +598,17 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                              : "{\"status\":\"not ready\"}"),
             "application/json");
     }
+    /* where this node's fabric endpoint listens (a decoder's --prefill-peers http://...) */
+    if (!strcmp(url, "/disagg/address")) {
+        if (!get) return tdm_reply_errf(c, s->http, 405, "use GET %s", url);
+        if (!s->fabric_address)
+            return tdm_reply_errf(c, s->http, 404, "not a prefill or decode node");
+        json_t *o =
+            json_pack("{s:s, s:s}", "role", s->disagg_role, "fabric_address", s->fabric_address);
+        char *body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        json_decref(o);
+        return tdm_reply_send(c, s->http, 200, body, "application/json");
+    }
     if (!strcmp(url, "/metrics")) {
         if (!get) return tdm_reply_errf(c, s->http, 405, "use GET /metrics");
         struct tdm_sched_metrics_snapshot m;
@@ -692,6 +705,8 @@ tdm_status tdm_server_start(const struct tdm_server_opts *o, tdm_sched_t *sched,
     s->no_generate = o->no_generate;
     s->extra_metrics = o->extra_metrics;
     s->extra_metrics_ctx = o->extra_metrics_ctx;
+    s->fabric_address = o->fabric_address ? strdup(o->fabric_address) : NULL;
+    snprintf(s->disagg_role, sizeof s->disagg_role, "%s", o->disagg_role ? o->disagg_role : "");
     s->api = (struct api_ctx){.tok = m->tok,
                               .chat = m->chat,
                               .add_bos = m->add_bos,
@@ -748,6 +763,7 @@ out_free:
     tdm_gvocab_free(s->api.gvocab);
     free(s->model_name);
     free(s->api_key);
+    free(s->fabric_address);
     free(s);
     return st;
 }
@@ -790,5 +806,6 @@ void tdm_server_stop(tdm_server_t *s)
     tdm_gvocab_free(s->api.gvocab); /* after the scheduler let go of every request's grammar */
     free(s->model_name);
     free(s->api_key);
+    free(s->fabric_address);
     free(s);
 }

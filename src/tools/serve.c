@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 #include <errno.h>
+#include <jansson.h>
 #include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +19,7 @@
 #include "tandem/disagg.h"
 #include "tandem/sched.h"
 #include "tandem/server.h"
+#include "server/httpc.h"
 #include "tools/tools_int.h"
 
 static void usage(FILE *f)
@@ -59,8 +61,9 @@ static void usage(FILE *f)
         "                          requests from decode nodes over the fabric (no public API\n"
         "                          besides /health and /metrics). decode: the public API,\n"
         "                          prefilling on --prefill-peers\n"
-        "  --prefill-peers LIST    comma-separated fabric addresses of prefill nodes, each\n"
-        "                          as printed by the prefill node, or @FILE to read it\n"
+        "  --prefill-peers LIST    comma-separated prefill nodes: each a fabric address, @FILE\n"
+        "                          holding one, or http://HOST:PORT of the node (asked for its\n"
+        "                          address at GET /disagg/address, and again if it moves)\n"
         "  --xfer-provider P       libfabric provider: tcp;ofi_rxm (default), shm, verbs;ofi_rxm, "
         "efa\n"
         "  --xfer-node ADDR        local address the fabric endpoint binds to\n"
@@ -110,14 +113,76 @@ static bool parse_size(const char *s, size_t *out)
     return true;
 }
 
+static bool is_url(const char *s)
+{
+    return !strncmp(s, "http://", 7) || !strncmp(s, "https://", 8);
+}
+
+struct addr_body {
+    char buf[4096];
+    size_t n;
+    int status;
+};
+static bool addr_head(void *ctx, int status, const char *content_type)
+{
+    (void)content_type;
+    ((struct addr_body *)ctx)->status = status;
+    return status == 200;
+}
+static bool addr_chunk(void *ctx, const char *data, size_t n)
+{
+    struct addr_body *b = ctx;
+    if (n > sizeof b->buf - 1 - b->n) return false; /* an address is short */
+    memcpy(b->buf + b->n, data, n);
+    b->n += n;
+    return true;
+}
+
+/* A prefill peer's address from its source: GET URL/disagg/address (within 2 s; the node must
+ * say it is a prefill node), or the first line of a file. */
+static bool read_peer(void *ctx, const char *source, char *out, size_t cap)
+{
+    (void)ctx;
+    if (!is_url(source)) return tdm_disagg_read_addr_file(source, out, cap);
+    struct tdm_bh_target t;
+    if (tdm_bh_target_init(source, NULL, &t) != TDM_OK) {
+        TDM_WARN("--prefill-peers %s: %s", source, tdm_err_msg());
+        return false;
+    }
+    struct addr_body b = {.n = 0};
+    struct tdm_bh_request rq = {.method = "GET",
+                                .path = "/disagg/address",
+                                .deadline_ns = tdm_now_ns() + 2000000000ull,
+                                .connect_timeout_ms = 2000};
+    struct tdm_bh_handler h = {.on_head = addr_head, .on_body = addr_chunk, .ctx = &b};
+    enum tdm_bh_fail f = tdm_bh_request(&t, &rq, &h);
+    tdm_bh_target_free(&t);
+    if (f != TDM_BH_OK) {
+        TDM_DEBUG("--prefill-peers %s: %s (HTTP %d)", source, tdm_bh_fail_str(f), b.status);
+        return false;
+    }
+    b.buf[b.n] = 0;
+    json_t *o = json_loads(b.buf, 0, NULL);
+    const char *role = json_string_value(json_object_get(o, "role"));
+    const char *addr = json_string_value(json_object_get(o, "fabric_address"));
+    bool ok = role && !strcmp(role, "prefill") && addr && strlen(addr) < cap && addr[0];
+    if (ok)
+        snprintf(out, cap, "%s", addr);
+    else
+        TDM_WARN("--prefill-peers %s: not a prefill node's answer", source);
+    json_decref(o);
+    return ok;
+}
+
 static void free_peers(char **bufs)
 {
     for (int i = 0; i < 2 * TDM_DISAGG_MAX_PEERS; i++)
         free(bufs[i]);
 }
 
-/* "addr,@file,..." into o->peers and o->peer_files (strings kept in bufs: [0, MAX) the
- * addresses, [MAX, 2 MAX) the @FILE items). */
+/* "addr,@file,http://host:port,..." into o->peers and o->peer_files (strings kept in bufs:
+ * [0, MAX) the addresses, [MAX, 2 MAX) the sources). A URL's node is asked for its address
+ * (read_peer); one that does not answer yet is asked again later. */
 static bool parse_peers(const char *arg, struct tdm_disagg_decode_opts *o, char **bufs)
 {
     const char *p = arg;
@@ -130,6 +195,22 @@ static bool parse_peers(const char *arg, struct tdm_disagg_decode_opts *o, char 
         }
         char *item = strndup(p, n);
         if (!item) return false;
+        if (is_url(item)) {
+            char line[TDM_XFER_ADDR_MAX] = "";
+            if (!read_peer(NULL, item, line, sizeof line))
+                fprintf(stderr,
+                        "tandem serve: --prefill-peers %s does not answer yet; it is asked again "
+                        "until it does\n",
+                        item);
+            o->peer_files[o->n_peers] = item;
+            bufs[TDM_DISAGG_MAX_PEERS + o->n_peers] = item;
+            if (!(item = strdup(line))) return false;
+            bufs[o->n_peers] = item;
+            o->peers[o->n_peers++] = item;
+            p += n;
+            if (*p == ',') p++;
+            continue;
+        }
         if (item[0] == '@') {
             char line[TDM_XFER_ADDR_MAX];
             if (!tdm_disagg_read_addr_file(item + 1, line, sizeof line)) {
@@ -376,7 +457,8 @@ int tdm_cmd_serve(int argc, char **argv)
         }
         if (!read_fabric_key(fabric_key_file, fkey, &fkey_bytes)) return 2;
     }
-    struct tdm_disagg_decode_opts dopt = {.xfer = {.provider = provider,
+    struct tdm_disagg_decode_opts dopt = {.read_peer = read_peer,
+                                          .xfer = {.provider = provider,
                                                    .staging = staging,
                                                    .staging_bytes = staging_bytes,
                                                    .node = xnode,
@@ -517,6 +599,13 @@ int tdm_cmd_serve(int argc, char **argv)
         if (slash && slash[1]) name = slash + 1;
     }
     struct extra_metrics_ctx xm = {.pre = pre, .dec = dec, .spec = spec, .engine = e};
+    char fabric_addr[TDM_XFER_ADDR_MAX] = "";
+    if ((is_prefill || is_decode) &&
+        (is_prefill ? tdm_disagg_prefill_addr(pre, fabric_addr, sizeof fabric_addr)
+                    : tdm_disagg_decode_addr(dec, fabric_addr, sizeof fabric_addr)) != TDM_OK) {
+        tdm_tool_fail("fabric address");
+        goto out_disagg;
+    }
     struct tdm_server_opts sv = {.host = host,
                                  .port = (int)port,
                                  .api_key = api_key,
@@ -532,7 +621,11 @@ int tdm_cmd_serve(int argc, char **argv)
                                  .allowed_origins = h.allowed_origins,
                                  .no_generate = is_prefill,
                                  .extra_metrics = extra_metrics,
-                                 .extra_metrics_ctx = &xm};
+                                 .extra_metrics_ctx = &xm,
+                                 .fabric_address = fabric_addr[0] ? fabric_addr : NULL,
+                                 .disagg_role = is_prefill  ? "prefill"
+                                                : is_decode ? "decode"
+                                                            : NULL};
     struct tdm_server_model smod = {
         .tok = tok, .chat = have_chat ? &tmpl : NULL, .add_bos = tdm_tok_adds_bos(tok)};
     tdm_status sst = tdm_server_start(&sv, sched, &smod, &srv);
@@ -544,12 +637,7 @@ int tdm_cmd_serve(int argc, char **argv)
         goto out_disagg;
     }
     if (is_prefill || is_decode) {
-        char addr[TDM_XFER_ADDR_MAX];
-        if ((is_prefill ? tdm_disagg_prefill_addr(pre, addr, sizeof addr)
-                        : tdm_disagg_decode_addr(dec, addr, sizeof addr)) != TDM_OK) {
-            tdm_tool_fail("fabric address");
-            goto out_server;
-        }
+        const char *addr = fabric_addr;
         fprintf(stderr, "tandem serve: %s node; fabric address %s\n",
                 is_prefill ? "prefill" : "decode", addr);
         if (draft && head_method && (is_prefill || spec))

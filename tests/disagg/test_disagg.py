@@ -6,6 +6,7 @@ The reference for every output is a colocated server (`--role both`) running the
 requests: disaggregation must be invisible in the tokens and their log-probabilities. After
 every scenario both page pools are back to baseline."""
 import concurrent.futures as cf
+import json
 import os
 import random
 import shutil
@@ -539,6 +540,48 @@ def test_restarted_prefill_node_is_picked_up(colocated, default_model):
         if d:
             d.stop()
         p.stop()
+
+
+def free_port():
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def test_prefill_peer_by_http_address(colocated, default_model):
+    """--prefill-peers http://HOST:PORT (how a Kubernetes Service names a prefill pod): the
+    decoder asks the node for its fabric address at GET /disagg/address. A decoder started
+    before its prefill node waits for it, finds it when it comes up, and prefills there; the
+    route answers the node's role and address, and 404 on a node without a fabric."""
+    port = free_port()
+    d = Server(THREADS + ["--role", "decode", "--prefill-peers", f"http://127.0.0.1:{port}",
+                          "--remote-chunk", str(CHUNK)] + DECODE_SLACK)
+    p = None
+    try:
+        assert "does not answer yet" in d.logs()
+        assert peer_up(d) == 0
+        p = prefill_node(["--port", str(port)])
+        st, raw, _ = p.request("GET", "/disagg/address")
+        assert st == 200, raw
+        info = json.loads(raw)
+        assert info["role"] == "prefill"
+        assert info["fabric_address"] == open(p.addr_file).read().strip()
+        wait_peer(d, 1, 60)
+        assert "found: http://127.0.0.1" in d.logs(), d.logs()
+        ps = prompts(3, 23, [5, 40, 70])
+        assert [run(d, x) for x in ps] == [run(colocated, x) for x in ps]
+        m = decode_idle(d)
+        assert m[("tandem_disagg_remote_prefills_total", ())] == len(ps)
+        st, raw, _ = d.request("GET", "/disagg/address")
+        assert st == 200 and json.loads(raw)["role"] == "decode"
+        st, raw, _ = colocated.request("GET", "/disagg/address")
+        assert st == 404, raw
+        prefill_idle(p)
+    finally:
+        d.stop()
+        if p:
+            p.stop()
 
 
 def test_two_byte_kv_pages(default_model):
