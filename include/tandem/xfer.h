@@ -377,9 +377,9 @@ struct tdm_xfer_staged_stats {
 typedef struct tdm_xfer_staged tdm_xfer_staged_t;
 tdm_status tdm_xfer_staged_create(const struct tdm_xfer_staged_config *cfg,
                                   tdm_xfer_staged_t **out);
-/* Completes every write (pieces already copied or on the wire finish; queued ones end with
- * TDM_ECANCELED), then frees the ring. Regions registered through it must be deregistered
- * first. NULL is a no-op. */
+/* Completes every write (pieces on the wire finish; writes with pieces not yet posted end with
+ * TDM_ECANCELED once their copies are done), then frees the ring. Regions registered through it
+ * must be deregistered first. NULL is a no-op. */
 void tdm_xfer_staged_destroy(tdm_xfer_staged_t *s);
 struct tdm_xfer_transport tdm_xfer_staged_transport(tdm_xfer_staged_t *s);
 void tdm_xfer_staged_get_stats(tdm_xfer_staged_t *s, struct tdm_xfer_staged_stats *out);

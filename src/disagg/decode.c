@@ -55,9 +55,11 @@
  *   FENCED -> FREE     unfence_locked                   xfer progress (on_msg, on_peer), the
  *                                                       reviver, or the destroying thread
  * A request the connector hears has finished while PENDING or LANDING is detached from its
- * slot first (slot.req = NULL), so on_counter and on_landed never touch it again; its pages are
- * held by the fencing, or by the landing copies, before the scheduler drops its references
- * (tdm_sched_finish calls finished() first).
+ * slot first (slot.req = NULL), so on_counter and on_landed never touch it again. Its pages are
+ * held before the scheduler drops its references (tdm_sched_finish calls finished() first): by
+ * finished() itself for a PENDING slot (slot.held; the counter may already have fired, its
+ * callback waiting for d->mu), by the landing copies for a LANDING one. on_counter then frees
+ * them (all landed), or keeps that hold as the fence.
  *
  * Host staging (landing pages). A peer marked staged gets, in place of the pool's region and
  * page ids, the landing region and as many landing pages as the request has pool pages (taken
@@ -96,9 +98,11 @@ struct dslot {
     bool head;             /* the attempt asked for the head's KV and feature */
     bool head_nack;        /* the peer refused the head (TDM_EUNSUPPORTED) */
     bool unreachable_nack; /* the peer cannot write the pool: asked again with landing pages */
-    bool staged;           /* the pages land in host landing pages (land), then are copied in */
-    int32_t *land;         /* [cap] the landing page of each pool page (staged) */
-    int copies;            /* LANDING: copies into the pool not yet completed */
+    bool held;     /* its pool pages are held: the request finished while pending (finished()
+                    * holds them before the scheduler lets go), or the attempt is fenced */
+    bool staged;   /* the pages land in host landing pages (land), then are copied in */
+    int32_t *land; /* [cap] the landing page of each pool page (staged) */
+    int copies;    /* LANDING: copies into the pool not yet completed */
     bool copy_failed;
     int64_t t_sent;
 };
@@ -173,6 +177,7 @@ static struct tried *tried_get(struct tdm_disagg_decode *d, uint64_t id, bool cr
 static void unfence_locked(struct tdm_disagg_decode *d, struct dslot *sl)
 {
     tdm_kv_pool_unhold(d->kv, sl->n_pages, sl->pages);
+    sl->held = false;
     if (sl->staged) tdm_disagg_landing_give(&d->ep.land, sl->n_pages, sl->land);
     d->fenced_now -= (uint64_t)sl->n_pages;
     sl->state = SLOT_FREE;
@@ -323,13 +328,25 @@ static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
     }
     struct dpeer *p = &d->peers[sl->peer];
     p->outstanding_tokens -= sl->n_tokens;
-    if (st == TDM_OK && sl->staged) { /* into the landing pages: now into the pool's */
+    if (st == TDM_OK && sl->staged && sl->req) { /* into the landing pages: now the pool's */
         start_landing_locked(d, sl);
         pthread_mutex_unlock(&d->mu);
         return;
     }
     if (st == TDM_OK) {
-        deliver_locked(d, sl);
+        /* a request that finished meanwhile: its pages were held by finished(); nothing
+         * more lands (every write is in), so they go, and a staged attempt's landing pages
+         * are not copied anywhere */
+        if (sl->held) {
+            tdm_kv_pool_unhold(d->kv, sl->n_pages, sl->pages);
+            sl->held = false;
+        }
+        if (sl->staged && !sl->req) {
+            tdm_disagg_landing_give(&d->ep.land, sl->n_pages, sl->land);
+            sl->state = SLOT_FREE;
+        } else {
+            deliver_locked(d, sl);
+        }
         pthread_mutex_unlock(&d->mu);
         return;
     }
@@ -345,7 +362,9 @@ static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
              sl->req ? "retrying" : "request gone");
     tdm_req_t *r = sl->req;
     sl->req = NULL;
-    tdm_kv_pool_hold(d->kv, sl->n_pages, sl->pages);
+    if (!sl->held) /* the request is alive (its references keep the pages): hold them */
+        tdm_kv_pool_hold(d->kv, sl->n_pages, sl->pages);
+    sl->held = true;
     d->fenced_now += (uint64_t)sl->n_pages;
     sl->state = SLOT_FENCED;
     bool cancel = false;
@@ -557,6 +576,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     sl->head = head;
     sl->head_nack = false;
     sl->unreachable_nack = false;
+    sl->held = false;
     sl->staged = staged;
     sl->t_sent = (int64_t)tdm_now_ns();
     memcpy(sl->pages, pages, (size_t)need_pages * sizeof *pages);
@@ -657,16 +677,22 @@ static void finished(void *ctx, tdm_req_t *r, void *user, enum tdm_finish why)
         if (d->slots[i].state == SLOT_LANDING) { /* its copies end on their own */
             d->slots[i].req = NULL;
         } else if (d->slots[i].state == SLOT_PENDING) {
-            d->slots[i].req = NULL; /* detached: on_counter will not touch r again */
+            struct dslot *sl = &d->slots[i];
+            sl->req = NULL; /* detached: on_counter will not touch r again */
+            /* its writes may still land in its pages, and the counter may have fired
+             * already (its callback waiting for d->mu): hold them now, before the scheduler
+             * lets go of them, for on_counter to release or fence */
+            tdm_kv_pool_hold(d->kv, sl->n_pages, sl->pages);
+            sl->held = true;
             slot = i;
-            epoch = d->slots[i].epoch;
+            epoch = sl->epoch;
         }
     }
     struct tried *t = tried_get(d, id, false);
     if (t) t->req_id = 0;
     pthread_mutex_unlock(&d->mu);
-    /* a request that ends while its KV is in flight: fence its pages (on_counter holds them
-     * before the scheduler releases its references, since this runs first) */
+    /* a request that ends while its KV is in flight: its pages are held (above); the counter's
+     * end (this cancel, or its firing) fences or frees them */
     if (slot >= 0) tdm_xfer_counters_cancel(tdm_xfer_get_counters(d->ep.x), (uint32_t)slot, epoch);
 }
 

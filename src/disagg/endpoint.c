@@ -304,6 +304,8 @@ void tdm_disagg_endpoint_stop(struct disagg_endpoint *ep)
     tdm_xfer_staged_destroy(ep->staged);
     ep->staged = NULL;
     if (ep->copier.iface) ep->copier.iface->drain(ep->copier.c); /* landing copies */
+    /* the landing pages' registration goes while the domain is open (release frees them) */
+    if (ep->land.on) ep->tp.iface->mr_dereg(ep->tp.t, &ep->land.reg);
     tdm_xfer_destroy(ep->x);
 }
 

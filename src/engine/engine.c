@@ -94,6 +94,7 @@ struct tdm_engine {
     float *moe_logits, *moe_in, *moe_out;
     float *moe_host_logits, *moe_selw, *moe_wts;
     int32_t *moe_sel, *moe_rows, *moe_off;
+    uint8_t *moe_taken;              /* [n_experts] one row's chosen experts, while routing */
     _Atomic uint64_t *expert_tokens; /* [n_experts] assignments run, all layers */
     _Atomic uint64_t expert_passes;  /* active experts run, all layers and steps */
     /* a head with a reduced draft vocabulary: its logits [max_logit_rows][n_draft], placed in
@@ -138,6 +139,8 @@ static void free_scratch(tdm_engine_t *e)
     free(e->moe_sel);
     free(e->moe_rows);
     free(e->moe_off);
+    free(e->moe_taken);
+    e->moe_taken = NULL;
     free((void *)e->expert_tokens);
     e->expert_tokens = NULL;
     e->moe_host_logits = e->moe_selw = e->moe_wts = NULL;
@@ -158,7 +161,7 @@ static void free_layers(tdm_engine_t *e)
  * experts by softmax probability (ties to the lower id; a NaN logit never wins), their
  * probabilities renormalised to sum 1 when norm is set. sel, selw: [T][k]. */
 static void moe_route(const float *logits, int T, int E, int k, bool norm, int32_t *sel,
-                      float *selw)
+                      float *selw, uint8_t *taken)
 {
     for (int t = 0; t < T; t++) {
         const float *z = logits + (size_t)t * E;
@@ -171,15 +174,14 @@ static void moe_route(const float *logits, int T, int E, int k, bool norm, int32
         int32_t *s = sel + (size_t)t * k;
         float *w = selw + (size_t)t * k;
         double kept = 0;
+        memset(taken, 0, (size_t)E); /* k passes over E: k is small (at most 8 or so) */
         for (int j = 0; j < k; j++) {
             int best = -1;
             for (int i = 0; i < E; i++) {
-                bool taken = false;
-                for (int q = 0; q < j && !taken; q++)
-                    taken = s[q] == i;
-                if (taken) continue;
+                if (taken[i]) continue;
                 if (best < 0 || z[i] > z[best] || (z[best] != z[best] && z[i] == z[i])) best = i;
             }
+            taken[best] = 1;
             s[j] = best;
             double p = sum > 0 && z[best] == z[best] ? exp((double)z[best] - mx) / sum : 0.0;
             w[j] = (float)p;
@@ -200,7 +202,7 @@ static void moe_ffn(tdm_engine_t *e, const struct tdm_layer_weights *w, int T)
     int E = w->n_experts, k = c->n_experts_used, d = c->d_model;
     ops->matmul(b, &w->router, e->h, T, NULL, e->moe_logits);
     ops->download(b, e->moe_host_logits, e->moe_logits, (size_t)T * E * sizeof(float));
-    moe_route(e->moe_host_logits, T, E, k, c->moe_norm_topk, e->moe_sel, e->moe_selw);
+    moe_route(e->moe_host_logits, T, E, k, c->moe_norm_topk, e->moe_sel, e->moe_selw, e->moe_taken);
     /* rows by expert, in row order (a counting sort) */
     int32_t *off = e->moe_off;
     memset(off, 0, sizeof(int32_t) * (size_t)(E + 1));
@@ -208,12 +210,11 @@ static void moe_ffn(tdm_engine_t *e, const struct tdm_layer_weights *w, int T)
         off[e->moe_sel[i] + 1]++;
     for (int x = 0; x < E; x++)
         off[x + 1] += off[x];
-    for (int x = 0; x < E; x++) /* off[x] advances as rows are placed; restored below */
-        for (int i = 0; i < T * k; i++)
-            if (e->moe_sel[i] == x) {
-                e->moe_rows[off[x]] = i / k;
-                e->moe_wts[off[x]++] = e->moe_selw[i];
-            }
+    for (int i = 0; i < T * k; i++) { /* one pass: off[x] advances; restored below */
+        int x = e->moe_sel[i];
+        e->moe_rows[off[x]] = i / k;
+        e->moe_wts[off[x]++] = e->moe_selw[i];
+    }
     for (int x = E; x > 0; x--) /* off[x - 1] now ends expert x - 1: shift back */
         off[x] = off[x - 1];
     off[0] = 0;
@@ -512,8 +513,9 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         e->moe_rows = malloc(T * K * sizeof(int32_t));
         e->moe_off = malloc((E + 1) * sizeof(int32_t));
         e->expert_tokens = calloc(E, sizeof *e->expert_tokens);
+        e->moe_taken = malloc(E);
         if (st == TDM_OK && (!e->moe_host_logits || !e->moe_selw || !e->moe_wts || !e->moe_sel ||
-                             !e->moe_rows || !e->moe_off || !e->expert_tokens))
+                             !e->moe_rows || !e->moe_off || !e->expert_tokens || !e->moe_taken))
             st = tdm_err_set(TDM_ENOMEM, "engine: out of memory");
     }
     e->rows = balloc(e, R * c->d_model * f, &st);

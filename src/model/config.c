@@ -262,15 +262,23 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
                            arch, shared);
     if (experts < 0) return tdm_err_set(TDM_ERANGE, "gguf: %s.expert_count = %d", arch, experts);
     if (experts > 0) {
-        /* llama.cpp's softmax top-k experts, renormalised (Mixtral as llama, qwen3moe) */
+        /* llama.cpp's softmax top-k experts: renormalised for Mixtral (as llama) and
+         * qwen3moe, not for qwen2moe (as its HF configs' norm_topk_prob), unless the file
+         * says (expert_weights_norm) */
         c.n_experts = experts;
-        c.moe_norm_topk = true;
+        c.moe_norm_topk = strcmp(arch, "qwen2moe") != 0;
+        char key[128];
+        snprintf(key, sizeof key, "%s.expert_weights_norm", arch);
+        rc = tdm_gguf_get_bool(g, key, &c.moe_norm_topk);
+        if (rc != TDM_OK && rc != TDM_ENOTFOUND) return rc;
         if ((rc = g_int(g, arch, "expert_used_count", true, 0, &c.n_experts_used)) ||
             (rc = g_int(g, arch, "expert_feed_forward_length", strcmp(arch, "llama") != 0, 0,
                         &c.d_ff_expert)) ||
             (rc = g_int(g, arch, "feed_forward_length", !c.d_ff_expert, c.d_ff_expert, &c.d_ff)))
             return rc;
         if (!c.d_ff_expert) c.d_ff_expert = c.d_ff;
+        /* qwen2moe's shared expert is as wide as feed_forward_length unless said (llama.cpp) */
+        if (!strcmp(arch, "qwen2moe") && !c.d_ff_shared) c.d_ff_shared = c.d_ff;
     } else if ((rc = g_int(g, arch, "feed_forward_length", true, 0, &c.d_ff))) {
         return rc;
     }

@@ -275,7 +275,12 @@ static void *worker_main(void *arg)
         struct sop *finished = NULL, **link = &s->ops;
         while (*link) {
             struct sop *op = *link;
-            if (op->st == TDM_OK && now > op->deadline_ns && op->completed < op->n_pieces)
+            /* the deadline bounds the wait for ring room, copies and the fabric's queue; a
+             * piece on the wire is the fabric's to time out */
+            bool waiting = op->started < op->n_pieces;
+            for (uint32_t k = 0; k < op->started && !waiting; k++)
+                waiting = op->pieces[k].state == P_COPYING || op->pieces[k].state == P_COPIED;
+            if (op->st == TDM_OK && now > op->deadline_ns && waiting)
                 op_fail(op, TDM_ETIMEDOUT,
                         "xfer staged: a paged write waited past its deadline for staging room "
                         "or the fabric");

@@ -82,7 +82,7 @@ VARIANTS = {
                                                      moe_intermediate_size=64)),
     "gguf-mixtral-Q4_0": ("gguf", "mixtral", dict(seed=45, wtype="Q4_0", tied=False)),
     # a gated shared expert beside the routed ones (and qwen2's q/k/v biases)
-    "hf-qwen2moe-f32": ("hf", "qwen2_moe", dict(seed=47, norm_topk_prob=False)),
+    "hf-qwen2moe-f32": ("hf", "qwen2_moe", dict(seed=47, norm_topk_prob=True)),
     "gguf-qwen2moe-Q8_0": ("gguf", "qwen2_moe", dict(seed=48, wtype="Q8_0",
                                                      moe_intermediate_size=64,
                                                      shared_expert_intermediate_size=64)),

@@ -33,7 +33,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 BASE = {"qwen3_moe": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2"}
 # their experts (overridable like any shape key; ignored by dense arches)
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                 decoder_sparse_step=1, mlp_only_layers=(), norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=(), norm_topk_prob=None,
                  shared_expert_intermediate_size=40)
 
 # Default shapes; any of these can be overridden through **shape.
@@ -63,7 +63,7 @@ def resolve_shape(arch: str, shape: dict) -> dict:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}")
     s = dict(DEFAULT_SHAPE, **MOE_SHAPE)
-    arch = BASE.get(arch, arch)
+    moe, arch = arch, BASE.get(arch, arch)
     if arch == "qwen3":
         s["head_dim"] = 32
         s["rms_norm_eps"] = 5e-4
@@ -73,6 +73,8 @@ def resolve_shape(arch: str, shape: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown shape keys {sorted(unknown)}")
     s.update(shape)
+    if s["norm_topk_prob"] is None:  # the released configs': qwen2_moe's are not renormalised
+        s["norm_topk_prob"] = moe != "qwen2_moe"
     if arch in ("llama", "qwen2") and "head_dim" not in shape:
         s["head_dim"] = s["hidden_size"] // s["num_attention_heads"]
     if s["num_attention_heads"] % s["num_key_value_heads"]:
@@ -422,9 +424,9 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
     moe_arch = arch
     if arch in ("qwen3_moe", "qwen2_moe") and (s["mlp_only_layers"] or
                                                s["decoder_sparse_step"] != 1 or
-                                               not s["norm_topk_prob"]):
+                                               s["norm_topk_prob"] != (arch == "qwen3_moe")):
         raise ValueError("llama.cpp's qwen3moe and qwen2moe have experts in every layer, "
-                         "renormalised")
+                         "renormalised for qwen3moe, not for qwen2moe")
     garch = {"qwen3_moe": "qwen3moe", "mixtral": "llama",
              "qwen2_moe": "qwen2moe"}.get(arch, arch)
     arch = BASE.get(arch, arch)

@@ -25,7 +25,8 @@ Model, one layer (x: [T, d_model], positions p):
     x = x + (silu(h Wgate^T) * (h Wup^T)) Wdown^T
       or, in a mixture-of-experts layer (qwen3_moe, mixtral; GGUF qwen3moe, llama with experts):
     p = softmax(h Wr^T) over the experts; keep each row's k largest (renormalised to sum 1 when
-    norm_topk_prob, always for mixtral and GGUF); x = x + sum over kept e of p_e FFN_e(h)
+    norm_topk_prob, always for mixtral, and in GGUF files but qwen2moe's unless they say
+    expert_weights_norm); x = x + sum over kept e of p_e FFN_e(h)
     (+ sigmoid(h . score) FFN_shared(h) with qwen2_moe's shared expert)
 then logits = rmsnorm(x, output_norm) Wout^T, Wout = token embedding when tied.
 
@@ -344,7 +345,7 @@ def _load_gguf(path: pathlib.Path) -> Model:
                  lm_head=embed if tied else tensors["output.weight"], tied=tied,
                  bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
                  source=str(path), experts_used=int(kv(f"{garch}.expert_used_count", 0)),
-                 norm_topk=True)
+                 norm_topk=bool(kv(f"{garch}.expert_weights_norm", garch != "qwen2moe")))
 
 
 def load(path) -> Model:
