@@ -172,6 +172,17 @@ static struct tried *tried_get(struct tdm_disagg_decode *d, uint64_t id, bool cr
     return free_e;
 }
 
+/* The slot's attempt does not count against its request, and its peer may be tried again
+ * (a refusal that the next attempt, on the same peer, answers differently). d->mu held. */
+static void uncount_attempt_locked(struct tdm_disagg_decode *d, const struct dslot *sl)
+{
+    struct tried *t = tried_get(d, sl->req_id, false);
+    if (t) {
+        t->mask &= ~(1u << sl->peer);
+        if (t->attempts) t->attempts--;
+    }
+}
+
 /* ---- fencing ---- */
 
 static void unfence_locked(struct tdm_disagg_decode *d, struct dslot *sl)
@@ -417,11 +428,7 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
                      p->addr, m.error);
         p->head_refused = true;
         sl->head_nack = true;
-        struct tried *t = tried_get(d, sl->req_id, false);
-        if (t) {
-            t->mask &= ~(1u << sl->peer);
-            if (t->attempts) t->attempts--;
-        }
+        uncount_attempt_locked(d, sl);
     } else if (m.type == TDM_DMSG_NACK && m.status == TDM_EUNREACHABLE && !sl->staged &&
                d->ep.land.on) {
         /* it cannot write our pool (another host): the request goes back to it with landing
@@ -432,11 +439,7 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
                      p->addr, m.error);
         p->staged = true;
         sl->unreachable_nack = true;
-        struct tried *t = tried_get(d, sl->req_id, false);
-        if (t) {
-            t->mask &= ~(1u << sl->peer);
-            if (t->attempts) t->attempts--;
-        }
+        uncount_attempt_locked(d, sl);
     } else if (m.type == TDM_DMSG_NACK) {
         TDM_WARN("disagg: prefill peer %s refused request %llu: %s", p->addr,
                  (unsigned long long)sl->req_id, m.error);

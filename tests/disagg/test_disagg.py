@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from lib.server import Server, build_dir
+from lib.server import Server, build_dir, free_port
 
 SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
 THREADS = ["--threads", "1"]
@@ -540,13 +540,6 @@ def test_restarted_prefill_node_is_picked_up(colocated, default_model):
         if d:
             d.stop()
         p.stop()
-
-
-def free_port():
-    import socket
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
 
 
 def test_prefill_peer_by_http_address(colocated, default_model):

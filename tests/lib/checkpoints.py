@@ -244,31 +244,22 @@ def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = F
         cfg.update(num_local_experts=s["num_experts"],
                    num_experts_per_tok=s["num_experts_per_tok"], sliding_window=None,
                    router_aux_loss_coef=0.02, output_router_logits=False)
-    if arch == "qwen2_moe":
-        cfg.update(use_sliding_window=False, sliding_window=s["max_position_embeddings"],
-                   max_window_layers=s["num_hidden_layers"], attention_dropout=0.0,
-                   num_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
-                   moe_intermediate_size=s["moe_intermediate_size"],
-                   shared_expert_intermediate_size=s["shared_expert_intermediate_size"],
-                   norm_topk_prob=s["norm_topk_prob"],
-                   decoder_sparse_step=s["decoder_sparse_step"],
-                   mlp_only_layers=list(s["mlp_only_layers"]), router_aux_loss_coef=0.001)
-    if arch == "qwen3_moe":
-        cfg.update(head_dim=s["head_dim"], attention_bias=False, use_sliding_window=False,
-                   sliding_window=None, max_window_layers=s["num_hidden_layers"],
-                   attention_dropout=0.0, num_experts=s["num_experts"],
-                   num_experts_per_tok=s["num_experts_per_tok"],
-                   moe_intermediate_size=s["moe_intermediate_size"],
-                   norm_topk_prob=s["norm_topk_prob"],
-                   decoder_sparse_step=s["decoder_sparse_step"],
-                   mlp_only_layers=list(s["mlp_only_layers"]), router_aux_loss_coef=0.001)
-    if arch == "qwen2":
+    base = BASE.get(arch, arch)  # qwen MoE configs: their base's fields, then the experts'
+    if base == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=s["max_position_embeddings"],
                    max_window_layers=s["num_hidden_layers"], attention_dropout=0.0)
-    if arch == "qwen3":
+    if base == "qwen3":
         cfg.update(head_dim=s["head_dim"], attention_bias=False, use_sliding_window=False,
                    sliding_window=None, max_window_layers=s["num_hidden_layers"],
                    attention_dropout=0.0)
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        cfg.update(num_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
+                   moe_intermediate_size=s["moe_intermediate_size"],
+                   norm_topk_prob=s["norm_topk_prob"],
+                   decoder_sparse_step=s["decoder_sparse_step"],
+                   mlp_only_layers=list(s["mlp_only_layers"]), router_aux_loss_coef=0.001)
+    if arch == "qwen2_moe":
+        cfg.update(shared_expert_intermediate_size=s["shared_expert_intermediate_size"])
     cfg.update(_hf_rope_config(rope, s["rope_theta"]))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
