@@ -83,12 +83,20 @@ struct tdm_kv_layer {
     int head_dim;
     int page_size;
     int64_t n_pages;
+    /* 0: pages hold K then V. > 0: a latent layer (MLA, kv.h): pages hold K rows only,
+     * [n_pages][n_kv_heads][page_size][head_dim], and the values are each K row's first v_dim
+     * elements (attention's output is then v_dim wide per query head). */
+    int v_dim;
 };
 
 struct tdm_rope {
     int head_dim;
     bool neox;             /* see tdm_model_config.rope_neox */
-    const float *inv_freq; /* [head_dim / 2], scaling already applied; host memory */
+    const float *inv_freq; /* [rot_dim / 2], scaling already applied; host memory */
+    /* the dimensions rotated: each row's last rot_dim (0: all head_dim of them); and a factor
+     * on cos and sin (0 or 1: none) */
+    int rot_dim;
+    float mscale;
 };
 
 /* One product of matmul_multi: out = x W (+ bias). */
@@ -159,12 +167,15 @@ struct tdm_backend_i {
     void (*head_rmsnorm)(tdm_backend_t *b, float *x, const float *w, float eps, int n_rows,
                          int head_dim);
     /* Rotates q [n_tokens][n_heads][hd] in place, rotates k [n_tokens][n_kv_heads][hd] and
-     * writes k and v [n_tokens][n_kv_heads][hd] into kv at each token's slot. */
+     * writes k and v [n_tokens][n_kv_heads][hd] into kv at each token's slot. The rotation
+     * takes each row's last rope->rot_dim elements. A latent layer (kv->v_dim > 0, one KV
+     * head): k [n_tokens][hd - rot_dim] is the latent, stored as it is, and v
+     * [n_tokens][rot_dim] the rope key, rotated and stored after it in the row. */
     void (*rope_kv_append)(tdm_backend_t *b, float *q, const float *k, const float *v, int n_heads,
                            const struct tdm_step *st, const struct tdm_rope *rope,
                            const struct tdm_kv_layer *kv);
     /* Causal GQA attention over the paged KV. q: [n_tokens][n_heads][hd];
-     * out: [n_tokens][n_heads][hd]. */
+     * out: [n_tokens][n_heads][hd] (a latent layer's: [n_tokens][n_heads][kv->v_dim]). */
     void (*attention)(tdm_backend_t *b, const float *q, int n_heads, const struct tdm_step *st,
                       const struct tdm_kv_layer *kv, float scale, float *out);
     /* out = silu(gate) * up. gate, up, out: [n][dim]; out may be gate. */
@@ -182,6 +193,14 @@ struct tdm_backend_i {
     void (*zero)(tdm_backend_t *b, float *x, size_t n);
     void (*rows_scale_add)(tdm_backend_t *b, const float *x, const int32_t *rows,
                            const float *weights, int n, int dim, float *out);
+    /* Per-head products (MLA's absorbed projections; NULL on a backend that does not run
+     * them): for row i < n and head j < n_heads, with R = w->rows / n_heads and C = w->cols,
+     *   out[i * out_stride + j * out_hstride + r] = sum_c W[j * R + r][c] *
+     *                                               x[i * x_stride + j * x_hstride + c]
+     * for r < R (strides in floats; w: F32). Each value depends on its own row only. */
+    void (*head_matmul)(tdm_backend_t *b, const struct tdm_weight *w, int n_heads, const float *x,
+                        int n, size_t x_stride, size_t x_hstride, float *out, size_t out_stride,
+                        size_t out_hstride);
     /* out[i][cols[c]] = x[i][c] for c < n_cols, and -inf in every other column of out's
      * width-long rows: a reduced draft vocabulary's logits in the whole vocabulary's places.
      * x: [n][n_cols]; cols: [n_cols] distinct, < width, in backend memory; out: [n][width]. */

@@ -64,6 +64,10 @@ struct tdm_kv_config {
     struct tdm_kv_group extra[TDM_KV_MAX_EXTRA_GROUPS];
     enum tdm_dtype dtype; /* element type: TDM_DTYPE_F32 (0), TDM_DTYPE_BF16 or TDM_DTYPE_F16
                            * (tdm_kv_elem_bytes); another is refused at creation */
+    /* > 0: group 0's layers are latent (MLA): one KV head whose pages hold K rows only, the
+     * values being each row's first latent_v_dim elements (backend.h, tdm_kv_layer.v_dim);
+     * a page is then [1][page_size][head_dim] and v_offset is 0. */
+    int latent_v_dim;
 };
 
 /* The pool's memory as transfers see it: where it is, its element type, and the HND strides.

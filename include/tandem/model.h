@@ -149,12 +149,15 @@ tdm_status tdm_st_write(const char *path, const struct tdm_st_out *t, int n,
                         const char *const *meta, int n_meta);
 
 /* ---- model configuration ---- */
-enum tdm_arch { TDM_ARCH_LLAMA = 0, TDM_ARCH_QWEN2, TDM_ARCH_QWEN3 };
+enum tdm_arch { TDM_ARCH_LLAMA = 0, TDM_ARCH_QWEN2, TDM_ARCH_QWEN3, TDM_ARCH_DEEPSEEK2 };
 enum tdm_rope_scaling {
     TDM_ROPE_SCALING_NONE = 0,
     TDM_ROPE_SCALING_LINEAR,
-    TDM_ROPE_SCALING_LLAMA3
+    TDM_ROPE_SCALING_LLAMA3,
+    TDM_ROPE_SCALING_YARN /* DeepSeek's: rope_factor, rope_original_max_ctx, beta_fast/slow */
 };
+/* How a router turns its logits into expert scores. */
+enum tdm_moe_scoring { TDM_MOE_SOFTMAX = 0, TDM_MOE_SIGMOID };
 
 #define TDM_MAX_EOS 8
 
@@ -195,11 +198,43 @@ struct tdm_model_config {
      * mlp_only_layers); dense layers are the plain FFN of width d_ff. */
     int n_experts, n_experts_used, d_ff_expert;
     bool moe_norm_topk;
-    /* a shared expert every token takes (qwen2_moe): a SwiGLU FFN of width d_ff_shared added
-     * to the routed sum, scaled by sigmoid(h . shared gate); 0: none */
+    /* a shared expert every token takes (qwen2_moe, deepseek2): a SwiGLU FFN of width
+     * d_ff_shared added to the routed sum, scaled by sigmoid(h . shared gate) where the layer
+     * has one (qwen2_moe); 0: none */
     int d_ff_shared;
     uint64_t moe_dense_layers[16]; /* bit l: layer l is dense (n_layers <= 1024) */
+    /* DeepSeek's routers (deepseek_v2, deepseek_v3): scores by softmax or sigmoid; experts
+     * chosen by score plus the layer's correction bias (router_bias, V3) within the
+     * moe_topk_group best of moe_n_group groups (a group's worth: its best score, or with
+     * moe_group_top2 the sum of its two best (V3)); the chosen scores (without the bias)
+     * renormalised when moe_norm_topk, then multiplied by moe_routed_scale. Shared experts
+     * (d_ff_shared wide, n_shared_experts of them fused) have no gate. */
+    enum tdm_moe_scoring moe_scoring;
+    int moe_n_group, moe_topk_group; /* 0: no groups */
+    bool moe_group_top2;
+    float moe_routed_scale; /* 1 unless said */
+    /* Multi-head latent attention (deepseek2; kv_lora_rank > 0): q = h Wq or, with a q LoRA,
+     * q_b(rmsnorm(h q_a)); each head's q is qk_nope + qk_rope wide. The KV cache holds one row
+     * per token, the compressed latent (kv_lora_rank) then the rope key (qk_rope), which is
+     * head_dim = kv_lora_rank + qk_rope_dim with n_kv_heads = 1; values are v_head_dim wide per
+     * head after the up-projection. */
+    int q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim;
+    /* YaRN: rope_factor, rope_original_max_ctx, and these; cos and sin are multiplied by
+     * rope_mscale (1 unless the config's mscale and mscale_all_dim differ) */
+    float rope_beta_fast, rope_beta_slow, rope_mscale;
+    /* the softmax scale: attn_scale / sqrt(qk head dim) (1: none; YaRN's mscale_all_dim^2) */
+    float attn_scale;
 };
+
+static inline bool tdm_config_mla(const struct tdm_model_config *c)
+{
+    return c->kv_lora_rank > 0;
+}
+/* The dimensions each head rotates: all of head_dim, or MLA's rope part. */
+static inline int tdm_config_rope_dim(const struct tdm_model_config *c)
+{
+    return tdm_config_mla(c) ? c->qk_rope_dim : c->head_dim;
+}
 /* Whether layer l of a model with this config has experts. */
 static inline bool tdm_config_layer_sparse(const struct tdm_model_config *c, int l)
 {
@@ -251,6 +286,15 @@ struct tdm_layer_weights {
     /* the shared expert (cfg.d_ff_shared): gate, up, down like an expert's at its width, and
      * its gate [1][d_model]; data NULL without */
     struct tdm_weight sh_gate, sh_up, sh_down, sh_score;
+    struct tdm_weight router_bias; /* [n_experts] F32: DeepSeek-V3's e_score_correction_bias */
+    /* MLA (cfg.kv_lora_rank > 0; wq, wk, wv and the biases unused, wq data NULL with a q
+     * LoRA): wq_a [q_lora][d_model], q_a_norm [q_lora], wq_b [n_heads * (nope + rope)][q_lora];
+     * kv_a's two row blocks: wkv_c [kv_lora][d_model] (the latent), wkv_r [rope][d_model] (the
+     * rope key); kv_a_norm [kv_lora]; and from kv_b, made at load (F32): absorb [n_heads *
+     * (kv_lora + rope)][nope + rope], per head the transpose of kv_b's key rows (q_nope to the
+     * latent space) beside the identity over the rope part, and uv [n_heads * v][kv_lora], per
+     * head kv_b's value rows. wo is [d_model][n_heads * v]. */
+    struct tdm_weight wq_a, q_a_norm, wq_b, wkv_c, wkv_r, kv_a_norm, mla_absorb, mla_uv;
 };
 
 /* A speculation head (spec.h: mtp, eagle): a one-layer draft fed with the target's hidden
@@ -288,7 +332,7 @@ struct tdm_model {
     struct tdm_weight output_norm;    /* [d_model] */
     struct tdm_weight output;         /* [vocab][d_model]; same data as tok_embd when tied */
     struct tdm_layer_weights *layers; /* [n_layers] */
-    const float *rope_freqs;          /* GGUF rope_freqs.weight [head_dim/2] factors, or NULL */
+    const float *rope_freqs;          /* GGUF rope_freqs.weight [rope dim/2] factors, or NULL */
     char *path;                       /* what was loaded */
     bool is_gguf;
     tdm_gguf_t *gguf;    /* the GGUF source, or NULL */

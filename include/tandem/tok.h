@@ -145,9 +145,8 @@ tdm_status tdm_chat_render(const struct tdm_chat_template *t, const struct tdm_c
  * <tool_call> blocks, results as <tool_response> blocks in a user turn); Llama 3 as Llama
  * 3.1's template does with custom tools (in the first user message, JSON calls with
  * "parameters", results in an ipython turn). TDM_EINVAL for a tool that is not JSON. */
-tdm_status tdm_chat_render_tools(const struct tdm_chat_template *t,
-                                 const struct tdm_chat_msg *msgs, size_t n,
-                                 const char *const *tools, int n_tools,
+tdm_status tdm_chat_render_tools(const struct tdm_chat_template *t, const struct tdm_chat_msg *msgs,
+                                 size_t n, const char *const *tools, int n_tools,
                                  bool add_generation_prompt, char **out);
 
 #ifdef __cplusplus

@@ -19,7 +19,18 @@
  * routed to it are gathered, run through its SwiGLU FFN, and added into the layer's output
  * scaled by their weights. So one pass over each active expert's weights per step, and a row's
  * sum is made in the same order whatever else shares the batch. A shared expert (qwen2_moe)
- * then runs on every row, scaled by sigmoid(h . its gate).
+ * then runs on every row, scaled by sigmoid(h . its gate) (DeepSeek's: unscaled). DeepSeek's
+ * routers (sigmoid scores, a correction bias, expert groups, a scaling factor) choose the same
+ * way on the host (moe_route).
+ *
+ * Multi-head latent attention (DeepSeek; mla_attention) replaces q/k/v, rope, attention and
+ * the output projection:
+ *   q = h Wq, or rmsnorm(h Wq_a) Wq_b      [T][H][nope + rope]
+ *   c = rmsnorm(h Wkv_c) ; kr = h Wkv_r     (one matmul_multi)
+ *   qa = head_matmul(absorb, q)             [T][H][kv_lora + rope]: q_nope in the latent space
+ *   rope(qa's rope part, kr); append the row [c ; kr] (a latent layer: K rows only)
+ *   a = attention(qa, rows; values = each row's c)   [T][H][kv_lora]
+ *   o = head_matmul(uv, a) Wo               -> layer counter = layer + 1
  *
  * Logits are computed only for the rows that asked for them (gathered after the final norm).
  *
@@ -74,7 +85,7 @@ struct tdm_engine {
     bool is_head;
     float *inv_freq; /* [head_dim/2], host */
     /* activation scratch: typed buffers of the backend (act), and the views the ops take */
-    struct tdm_buf act[16];
+    struct tdm_buf act[24];
     int n_act;
     float *x;      /* [max_tokens][d_model] residual stream */
     float *h;      /* [max_tokens][d_model] normed input of the next matmul */
@@ -93,7 +104,12 @@ struct tdm_engine {
      * rows by expert (counting sort) */
     float *moe_logits, *moe_in, *moe_out;
     float *moe_host_logits, *moe_selw, *moe_wts;
+    float *moe_score, *moe_gscore; /* host [n_experts]: one row's scores and group scores */
     int32_t *moe_sel, *moe_rows, *moe_off;
+    /* MLA: the absorbed queries [max_tokens][n_heads][head_dim], the normed latent
+     * [max_tokens][kv_lora], the q LoRA's output and its norm [max_tokens][q_lora], the
+     * heads' values [max_tokens][n_heads * v_head_dim] */
+    float *mla_q, *mla_c, *mla_qa, *mla_qn, *mla_v;
     uint8_t *moe_taken;              /* [n_experts] one row's chosen experts, while routing */
     _Atomic uint64_t *expert_tokens; /* [n_experts] assignments run, all layers */
     _Atomic uint64_t expert_passes;  /* active experts run, all layers and steps */
@@ -140,6 +156,9 @@ static void free_scratch(tdm_engine_t *e)
     free(e->moe_rows);
     free(e->moe_off);
     free(e->moe_taken);
+    free(e->moe_score);
+    free(e->moe_gscore);
+    e->moe_score = e->moe_gscore = NULL;
     e->moe_taken = NULL;
     free((void *)e->expert_tokens);
     e->expert_tokens = NULL;
@@ -157,52 +176,115 @@ static void free_layers(tdm_engine_t *e)
     e->layers = NULL;
 }
 
-/* A sparse layer's routing, on the host: for each of T rows of E router logits, the top k
- * experts by softmax probability (ties to the lower id; a NaN logit never wins), their
- * probabilities renormalised to sum 1 when norm is set. sel, selw: [T][k]. */
-static void moe_route(const float *logits, int T, int E, int k, bool norm, int32_t *sel,
-                      float *selw, uint8_t *taken)
+/* The best of n values not yet taken (ties to the lower index; a NaN never beats a number). */
+static int best_untaken(const float *v, int n, const uint8_t *taken)
 {
+    int best = -1;
+    for (int i = 0; i < n; i++) {
+        if (taken[i]) continue;
+        if (best < 0 || v[i] > v[best] || (v[best] != v[best] && v[i] == v[i])) best = i;
+    }
+    return best;
+}
+
+/* A sparse layer's routing, on the host, for each of T rows of E router logits (model.h):
+ *   scores: softmax over the row (in double; a NaN logit scores 0), or sigmoid per expert;
+ *   choice: the top k by score + bias (bias: the layer's correction, or NULL), among the
+ *           moe_topk_group best groups when the config has groups (a group's worth: its best
+ *           value, or the sum of its best two); ties to the lower id, a NaN never wins;
+ *   weights: the chosen scores, renormalised to sum 1 when moe_norm_topk, times
+ *            moe_routed_scale.
+ * sel, selw: [T][k]. taken: [E], score, gscore: [E] scratch. */
+static void moe_route(const struct tdm_model_config *c, const float *logits, const float *bias,
+                      int T, int E, int32_t *sel, float *selw, uint8_t *taken, float *score,
+                      float *gscore)
+{
+    const int k = c->n_experts_used, ng = c->moe_n_group;
+    const bool sigmoid = c->moe_scoring == TDM_MOE_SIGMOID;
     for (int t = 0; t < T; t++) {
         const float *z = logits + (size_t)t * E;
         float mx = -INFINITY;
-        for (int i = 0; i < E; i++)
-            if (z[i] > mx) mx = z[i];
         double sum = 0;
-        for (int i = 0; i < E; i++)
-            sum += z[i] == z[i] && isfinite(mx) ? exp((double)z[i] - mx) : 0.0;
+        if (!sigmoid) {
+            for (int i = 0; i < E; i++)
+                if (z[i] > mx) mx = z[i];
+            for (int i = 0; i < E; i++)
+                sum += z[i] == z[i] && isfinite(mx) ? exp((double)z[i] - mx) : 0.0;
+        }
+        /* what the choice compares: the logits themselves where that is the same order
+         * (softmax, no bias), else score + bias */
+        const float *v = z;
+        if (sigmoid || bias) {
+            for (int i = 0; i < E; i++) {
+                double p = sigmoid                   ? 1.0 / (1.0 + exp(-(double)z[i]))
+                           : sum > 0 && z[i] == z[i] ? exp((double)z[i] - mx) / sum
+                                                     : 0.0;
+                score[i] = z[i] == z[i] ? (float)p + (bias ? bias[i] : 0.0f) : NAN;
+            }
+            v = score;
+        }
+        memset(taken, 0, (size_t)E);
+        if (ng > 0) { /* keep the best groups: the others' experts count as taken */
+            const int gs = E / ng;
+            for (int g = 0; g < ng; g++) {
+                const float *gv = v + (size_t)g * gs;
+                int b1 = best_untaken(gv, gs, taken + (size_t)g * gs);
+                float worth = gv[b1];
+                if (c->moe_group_top2) {
+                    taken[g * gs + b1] = 1;
+                    worth += gv[best_untaken(gv, gs, taken + (size_t)g * gs)];
+                    taken[g * gs + b1] = 0;
+                }
+                gscore[g] = worth;
+            }
+            uint8_t *gtaken = taken + E - ng; /* borrowed: reset below */
+            uint8_t keep[1024];
+            memset(keep, 0, (size_t)ng);
+            memset(gtaken, 0, (size_t)ng);
+            for (int j = 0; j < c->moe_topk_group; j++) {
+                int g = best_untaken(gscore, ng, gtaken);
+                gtaken[g] = 1;
+                keep[g] = 1;
+            }
+            for (int i = 0; i < E; i++)
+                taken[i] = !keep[i / gs];
+        }
         int32_t *s = sel + (size_t)t * k;
         float *w = selw + (size_t)t * k;
         double kept = 0;
-        memset(taken, 0, (size_t)E); /* k passes over E: k is small (at most 8 or so) */
-        for (int j = 0; j < k; j++) {
-            int best = -1;
-            for (int i = 0; i < E; i++) {
-                if (taken[i]) continue;
-                if (best < 0 || z[i] > z[best] || (z[best] != z[best] && z[i] == z[i])) best = i;
-            }
+        for (int j = 0; j < k; j++) { /* k passes over E: k is small (at most 8 or so) */
+            int best = best_untaken(v, E, taken);
             taken[best] = 1;
             s[j] = best;
-            double p = sum > 0 && z[best] == z[best] ? exp((double)z[best] - mx) / sum : 0.0;
+            double p = sigmoid                         ? 1.0 / (1.0 + exp(-(double)z[best]))
+                       : sum > 0 && z[best] == z[best] ? exp((double)z[best] - mx) / sum
+                                                       : 0.0;
+            if (p != p) p = 0.0;
             w[j] = (float)p;
             kept += (float)p;
         }
-        if (norm && kept > 0)
+        if (c->moe_norm_topk && kept > 0)
             for (int j = 0; j < k; j++)
                 w[j] = (float)(w[j] / kept);
+        if (c->moe_routed_scale != 1.0f)
+            for (int j = 0; j < k; j++)
+                w[j] *= c->moe_routed_scale;
     }
 }
 
 /* A sparse layer's FFN: h [T][d] (normed) -> o [T][d]. */
-static void moe_ffn(tdm_engine_t *e, const struct tdm_layer_weights *w, int T)
+static void moe_ffn(tdm_engine_t *e, int l, int T)
 {
+    const struct tdm_layer_weights *w = &e->layers[l];
     tdm_backend_t *b = e->backend;
     const struct tdm_backend_i *ops = b->iface;
     const struct tdm_model_config *c = &e->cfg;
     int E = w->n_experts, k = c->n_experts_used, d = c->d_model;
     ops->matmul(b, &w->router, e->h, T, NULL, e->moe_logits);
     ops->download(b, e->moe_host_logits, e->moe_logits, (size_t)T * E * sizeof(float));
-    moe_route(e->moe_host_logits, T, E, k, c->moe_norm_topk, e->moe_sel, e->moe_selw, e->moe_taken);
+    const float *bias = e->model->layers[l].router_bias.data; /* host memory: the model's */
+    moe_route(c, e->moe_host_logits, bias, T, E, e->moe_sel, e->moe_selw, e->moe_taken,
+              e->moe_score, e->moe_gscore);
     /* rows by expert, in row order (a counting sort) */
     int32_t *off = e->moe_off;
     memset(off, 0, sizeof(int32_t) * (size_t)(E + 1));
@@ -231,10 +313,14 @@ static void moe_ffn(tdm_engine_t *e, const struct tdm_layer_weights *w, int T)
         ops->rows_scale_add(b, e->moe_out, e->moe_rows + off[x], e->moe_wts + off[x], n, d, e->o);
     }
     if (!w->sh_gate.data) return;
-    /* the shared expert, every row, scaled by sigmoid(h . its gate) (after the routed sum, as
-     * qwen2_moe adds it) */
+    /* the shared expert, every row, after the routed sum: scaled by sigmoid(h . its gate)
+     * where it has one (qwen2_moe), else as it is (DeepSeek) */
     ops->matmul_swiglu(b, &w->sh_gate, &w->sh_up, e->h, T, e->gate);
     ops->matmul(b, &w->sh_down, e->gate, T, NULL, e->moe_out);
+    if (!w->sh_score.data) {
+        ops->add(b, e->o, e->moe_out, (size_t)T * d);
+        return;
+    }
     ops->matmul(b, &w->sh_score, e->h, T, NULL, e->moe_logits);
     ops->download(b, e->moe_host_logits, e->moe_logits, (size_t)T * sizeof(float));
     for (int t = 0; t < T; t++) {
@@ -244,12 +330,63 @@ static void moe_ffn(tdm_engine_t *e, const struct tdm_layer_weights *w, int T)
     ops->rows_scale_add(b, e->moe_out, e->moe_rows, e->moe_wts, T, d, e->o);
 }
 
+/* YaRN's correction dimension for a number of rotations (DeepSeek's yarn_find_correction_dim). */
+static double yarn_dim(double rotations, int dim, double base, int max_pos)
+{
+    return dim * log(max_pos / (rotations * 2.0 * M_PI)) / (2.0 * log(base));
+}
+
+/* MLA's attention (model.h), absorbed: the queries taken to the latent space per head, the
+ * latent and the rope key appended as one cached row, attention over those rows (values: the
+ * latents), the heads' values by their up-projection, then the output projection into e->o. */
+static void mla_attention(tdm_engine_t *e, const struct tdm_layer_weights *w,
+                          const struct tdm_step *st, const struct tdm_rope *rope,
+                          const struct tdm_kv_layer *kv, float scale, int T, int qh)
+{
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    const struct tdm_model_config *c = &e->cfg;
+    const size_t H = (size_t)c->n_heads, dk = (size_t)c->head_dim, lora = (size_t)c->kv_lora_rank;
+    const size_t v = (size_t)c->v_head_dim;
+    struct tdm_matmul_part parts[3] = {{&w->wkv_c, NULL, e->k}, {&w->wkv_r, NULL, e->v}};
+    int n_parts = 2;
+    if (w->wq_a.data) { /* q through its LoRA */
+        ops->matmul(b, &w->wq_a, e->h, T, NULL, e->mla_qa);
+        ops->rmsnorm(b, e->mla_qa, w->q_a_norm.data, c->rms_eps, T, c->q_lora_rank, e->mla_qn);
+        ops->matmul(b, &w->wq_b, e->mla_qn, T, NULL, e->q);
+    } else {
+        parts[n_parts++] = (struct tdm_matmul_part){&w->wq, NULL, e->q};
+    }
+    ops->matmul_multi(b, e->h, T, parts, n_parts);
+    ops->rmsnorm(b, e->k, w->kv_a_norm.data, c->rms_eps, T, (int)lora, e->mla_c);
+    ops->head_matmul(b, &w->mla_absorb, (int)H, e->q, T, H * (size_t)qh, (size_t)qh, e->mla_q,
+                     H * dk, dk);
+    ops->rope_kv_append(b, e->mla_q, e->mla_c, e->v, (int)H, st, rope, kv);
+    ops->attention(b, e->mla_q, (int)H, st, kv, scale, e->att);
+    ops->head_matmul(b, &w->mla_uv, (int)H, e->att, T, H * lora, lora, e->mla_v, H * v, v);
+    ops->matmul(b, &w->wo, e->mla_v, T, NULL, e->o);
+}
+
 void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_freqs, float *out)
 {
-    int half = cfg->head_dim / 2;
+    const int dim = tdm_config_rope_dim(cfg), half = dim / 2;
+    /* YaRN: frequencies between the correction dimensions low and high blend the
+     * interpolated (f / factor) and the original ones along a linear ramp */
+    double lo = 0, hi = 0;
+    if (cfg->rope_scaling == TDM_ROPE_SCALING_YARN) {
+        lo = floor(yarn_dim(cfg->rope_beta_fast, dim, cfg->rope_theta, cfg->rope_original_max_ctx));
+        hi = ceil(yarn_dim(cfg->rope_beta_slow, dim, cfg->rope_theta, cfg->rope_original_max_ctx));
+        lo = TDM_MAX(lo, 0.0);
+        hi = TDM_MIN(hi, dim - 1.0);
+        if (lo == hi) hi += 0.001;
+    }
     for (int i = 0; i < half; i++) {
-        double f = 1.0 / pow((double)cfg->rope_theta, (double)(2 * i) / cfg->head_dim);
-        if (rope_freqs) {
+        double f = 1.0 / pow((double)cfg->rope_theta, (double)(2 * i) / dim);
+        if (cfg->rope_scaling == TDM_ROPE_SCALING_YARN) {
+            double ramp = TDM_MIN(TDM_MAX((i - lo) / (hi - lo), 0.0), 1.0);
+            double extra = 1.0 - ramp; /* 1: keep the original frequency */
+            f = f / cfg->rope_factor * (1.0 - extra) + f * extra;
+        } else if (rope_freqs) {
             f /= rope_freqs[i];
         } else if (cfg->rope_scaling == TDM_ROPE_SCALING_LINEAR) {
             f /= cfg->rope_factor;
@@ -271,12 +408,14 @@ void tdm_rope_inv_freq(const struct tdm_model_config *cfg, const float *rope_fre
 }
 
 /* A layer's weights, in one order (prepare_weights pairs them with the engine's copies). */
-enum { LAYER_WEIGHTS = 14 };
+enum { LAYER_WEIGHTS = 22 };
 static void layer_weights(const struct tdm_layer_weights *w, const struct tdm_weight **out)
 {
     const struct tdm_weight *l[LAYER_WEIGHTS] = {
-        &w->attn_norm, &w->wq,     &w->wk, &w->wv,       &w->bq,     &w->bk,   &w->bv,
-        &w->q_norm,    &w->k_norm, &w->wo, &w->ffn_norm, &w->w_gate, &w->w_up, &w->w_down};
+        &w->attn_norm, &w->wq,        &w->wk,         &w->wv,       &w->bq,       &w->bk,
+        &w->bv,        &w->q_norm,    &w->k_norm,     &w->wo,       &w->ffn_norm, &w->w_gate,
+        &w->w_up,      &w->w_down,    &w->wq_a,       &w->q_a_norm, &w->wq_b,     &w->wkv_c,
+        &w->wkv_r,     &w->kv_a_norm, &w->mla_absorb, &w->mla_uv};
     memcpy(out, l, sizeof l);
 }
 
@@ -335,15 +474,26 @@ static tdm_status prepare_weights(tdm_engine_t *e)
         struct tdm_layer_weights *dst = &e->layers[l];
         const struct tdm_weight *s[LAYER_WEIGHTS];
         layer_weights(&m->layers[l], s);
-        struct tdm_weight *d[] = {&dst->attn_norm, &dst->wq,    &dst->wk,       &dst->wv,
-                                  &dst->bq,        &dst->bk,    &dst->bv,       &dst->q_norm,
-                                  &dst->k_norm,    &dst->wo,    &dst->ffn_norm, &dst->w_gate,
-                                  &dst->w_up,      &dst->w_down};
+        struct tdm_weight *d[] = {&dst->attn_norm,  &dst->wq,     &dst->wk,       &dst->wv,
+                                  &dst->bq,         &dst->bk,     &dst->bv,       &dst->q_norm,
+                                  &dst->k_norm,     &dst->wo,     &dst->ffn_norm, &dst->w_gate,
+                                  &dst->w_up,       &dst->w_down, &dst->wq_a,     &dst->q_a_norm,
+                                  &dst->wq_b,       &dst->wkv_c,  &dst->wkv_r,    &dst->kv_a_norm,
+                                  &dst->mla_absorb, &dst->mla_uv};
+        _Static_assert(sizeof d / sizeof d[0] == LAYER_WEIGHTS, "one list");
         for (size_t i = 0; i < TDM_ARRAY_LEN(s); i++)
             if ((st = prep(e, s[i], d[i])) != TDM_OK) return st;
         if ((st = prepare_experts(e, &m->layers[l], dst)) != TDM_OK) return st;
     }
     return TDM_OK;
+}
+
+/* MLA's own scratch at T tokens, in floats (mla_q, mla_c, mla_qa, mla_qn, mla_v). */
+static size_t mla_scratch_floats(const struct tdm_model_config *c, size_t T)
+{
+    if (!tdm_config_mla(c)) return 0;
+    return T * ((size_t)c->n_heads * c->head_dim + (size_t)c->kv_lora_rank +
+                2 * (size_t)c->q_lora_rank + (size_t)c->n_heads * c->v_head_dim);
 }
 
 /* The engine scratch for a model at T batch tokens and R logit rows (the balloc calls of
@@ -354,6 +504,8 @@ static size_t scratch_bytes(const struct tdm_model *m, size_t T, size_t R)
     size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
     size_t draft = m->head && m->head->d2t ? R * (size_t)m->head->n_draft + m->head->n_draft : 0;
     size_t moe = c->n_experts ? T * ((size_t)c->n_experts + 2 * (size_t)c->d_model) : 0;
+    moe += mla_scratch_floats(c, T);
+    qd = TDM_MAX(qd, (size_t)c->n_heads * (size_t)(c->qk_nope_dim + c->qk_rope_dim));
     return sizeof(float) * (T * (size_t)c->d_model * (m->head ? 5 : 3) + T * qd * 2 + T * kvd * 2 +
                             T * (size_t)TDM_MAX(c->d_ff, TDM_MAX(c->d_ff_expert, c->d_ff_shared)) +
                             R * (size_t)c->d_model + R * (size_t)c->vocab_size + draft + moe);
@@ -435,7 +587,8 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     tdm_engine_fill_defaults(&e->cfg, &e->opts);
     const struct tdm_model_config *c = &e->cfg;
     struct tdm_engine_opts *o = &e->opts;
-    if (c->head_dim <= 0 || c->head_dim % 2 || c->head_dim > TDM_MAX_HEAD_DIM) {
+    if (tdm_config_mla(c) ? c->head_dim > 1024
+                          : c->head_dim <= 0 || c->head_dim % 2 || c->head_dim > TDM_MAX_HEAD_DIM) {
         st = tdm_err_set(TDM_EUNSUPPORTED, "engine: head_dim %d (must be even, at most %d)",
                          c->head_dim, TDM_MAX_HEAD_DIM);
         goto out_free;
@@ -474,6 +627,13 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
                                            "backend (its decode graphs cannot route experts)");
         goto out_free;
     }
+    if (tdm_config_mla(c) && !e->backend->iface->head_matmul) {
+        st = tdm_err_set(TDM_EUNSUPPORTED,
+                         "engine: this model uses multi-head latent attention (kv_lora_rank %d), "
+                         "which the %s backend does not run yet (--backend cpu does)",
+                         c->kv_lora_rank, e->backend->iface->name);
+        goto out_backend;
+    }
     if (c->n_experts && (!e->backend->iface->rows_scale_add || !e->backend->iface->zero)) {
         st = tdm_err_set(TDM_EUNSUPPORTED,
                          "engine: this model has mixture-of-experts layers (%d experts, %d a "
@@ -482,7 +642,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         goto out_backend;
     }
     e->layers = calloc((size_t)c->n_layers, sizeof *e->layers);
-    e->inv_freq = malloc((size_t)(c->head_dim / 2) * sizeof(float));
+    e->inv_freq = malloc((size_t)(tdm_config_rope_dim(c) / 2 + 1) * sizeof(float));
     if (!e->layers || !e->inv_freq) {
         st = tdm_err_set(TDM_ENOMEM, "engine: out of memory");
         goto out_backend;
@@ -492,6 +652,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
 
     size_t T = (size_t)o->max_batch_tokens, R = (size_t)o->max_logit_rows, f = sizeof(float);
     size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    qd = TDM_MAX(qd, (size_t)c->n_heads * (size_t)(c->qk_nope_dim + c->qk_rope_dim));
     e->x = balloc(e, T * c->d_model * f, &st);
     e->h = balloc(e, T * c->d_model * f, &st);
     e->q = balloc(e, T * qd * f, &st);
@@ -514,9 +675,21 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         e->moe_off = malloc((E + 1) * sizeof(int32_t));
         e->expert_tokens = calloc(E, sizeof *e->expert_tokens);
         e->moe_taken = malloc(E);
-        if (st == TDM_OK && (!e->moe_host_logits || !e->moe_selw || !e->moe_wts || !e->moe_sel ||
-                             !e->moe_rows || !e->moe_off || !e->expert_tokens || !e->moe_taken))
+        e->moe_score = malloc(E * f);
+        e->moe_gscore = malloc(E * f);
+        if (st == TDM_OK &&
+            (!e->moe_host_logits || !e->moe_selw || !e->moe_wts || !e->moe_sel || !e->moe_rows ||
+             !e->moe_off || !e->expert_tokens || !e->moe_taken || !e->moe_score || !e->moe_gscore))
             st = tdm_err_set(TDM_ENOMEM, "engine: out of memory");
+    }
+    if (tdm_config_mla(c)) {
+        e->mla_q = balloc(e, T * c->n_heads * c->head_dim * f, &st);
+        e->mla_c = balloc(e, T * c->kv_lora_rank * f, &st);
+        if (c->q_lora_rank) {
+            e->mla_qa = balloc(e, T * c->q_lora_rank * f, &st);
+            e->mla_qn = balloc(e, T * c->q_lora_rank * f, &st);
+        }
+        e->mla_v = balloc(e, T * c->n_heads * c->v_head_dim * f, &st);
     }
     e->rows = balloc(e, R * c->d_model * f, &st);
     e->logits = balloc(e, R * c->vocab_size * f, &st);
@@ -612,7 +785,8 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
                                .page_size = o->page_size,
                                .n_pages = o->kv_pages,
                                .n_extra = o->n_kv_extra,
-                               .dtype = kv_elem_type(o->kv_dtype, e->backend)};
+                               .dtype = kv_elem_type(o->kv_dtype, e->backend),
+                               .latent_v_dim = c->kv_lora_rank};
     if (o->n_kv_extra < 0 || o->n_kv_extra > TDM_KV_MAX_EXTRA_GROUPS) {
         st = tdm_err_set(TDM_EINVAL, "engine: %d extra KV layer groups", o->n_kv_extra);
         goto out_scratch;
@@ -1035,8 +1209,14 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
     const struct tdm_backend_i *ops = b->iface;
     const struct tdm_model_config *c = &e->cfg;
     int d = c->d_model, hd = c->head_dim;
-    float scale = 1.0f / sqrtf((float)hd);
-    struct tdm_rope rope = {.head_dim = hd, .neox = c->rope_neox, .inv_freq = e->inv_freq};
+    const bool mla = tdm_config_mla(c);
+    const int qh = c->qk_nope_dim + c->qk_rope_dim; /* MLA: a head's q before the absorb */
+    float scale = c->attn_scale / sqrtf((float)(mla ? qh : hd));
+    struct tdm_rope rope = {.head_dim = hd,
+                            .neox = c->rope_neox,
+                            .inv_freq = e->inv_freq,
+                            .rot_dim = mla ? c->qk_rope_dim : 0,
+                            .mscale = c->rope_mscale};
     _Atomic int32_t *counter = e->counter;
     if (counter) atomic_store_explicit(counter, 0, memory_order_release);
     if (e->is_head) /* the hidden states, in step order (before a graph may replay) */
@@ -1081,6 +1261,10 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
         for (int l = 0; l < n_layers; l++) {
             const struct tdm_layer_weights *w = &e->layers[l];
             struct tdm_kv_layer kv = tdm_kv_pool_group_layer(e->kv, e->kv_group, l);
+            if (mla) {
+                mla_attention(e, w, &step, &rope, &kv, scale, T, qh);
+                goto attended;
+            }
             const struct tdm_matmul_part qkv[] = {
                 {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
             /* a head's layer without an input norm (EAGLE) projects x itself */
@@ -1092,10 +1276,11 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
             ops->rope_kv_append(b, e->q, e->k, e->v, c->n_heads, &step, &rope, &kv);
             ops->attention(b, e->q, c->n_heads, &step, &kv, scale, e->att);
             ops->matmul(b, &w->wo, e->att, T, NULL, e->o);
+        attended:
             if (counter) ops->layer_done(b, l, counter);
             ops->add_rmsnorm(b, e->x, e->o, w->ffn_norm.data, c->rms_eps, T, d, e->h);
             if (w->n_experts) {
-                moe_ffn(e, w, T);
+                moe_ffn(e, l, T);
             } else {
                 ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
                 ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);

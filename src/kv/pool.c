@@ -52,8 +52,8 @@ static bool evictable(const struct tdm_kv_pool *p, int32_t id)
 
 size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg)
 {
-    return (size_t)2 * cfg->n_kv_heads * cfg->page_size * cfg->head_dim *
-           tdm_kv_elem_bytes(cfg->dtype);
+    return (size_t)(cfg->latent_v_dim > 0 ? 1 : 2) * cfg->n_kv_heads * cfg->page_size *
+           cfg->head_dim * tdm_kv_elem_bytes(cfg->dtype);
 }
 
 static size_t group_page_bytes(const struct tdm_kv_config *cfg, const struct tdm_kv_group *g)
@@ -98,6 +98,10 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     if (cfg->n_extra < 0 || cfg->n_extra > TDM_KV_MAX_EXTRA_GROUPS)
         return tdm_err_set(TDM_EINVAL, "kv pool: %d extra layer groups (at most %d)", cfg->n_extra,
                            TDM_KV_MAX_EXTRA_GROUPS);
+    if (cfg->latent_v_dim < 0 || cfg->latent_v_dim > cfg->head_dim ||
+        (cfg->latent_v_dim > 0 && cfg->n_kv_heads != 1))
+        return tdm_err_set(TDM_EINVAL, "kv pool: a latent V of %d in rows of %d (%d kv heads)",
+                           cfg->latent_v_dim, cfg->head_dim, cfg->n_kv_heads);
     for (int g = 0; g < cfg->n_extra; g++) {
         const struct tdm_kv_group *x = &cfg->extra[g];
         if (x->n_layers <= 0 || x->n_kv_heads <= 0 || x->head_dim <= 0 || x->n_layers > 4096 ||
@@ -178,7 +182,8 @@ struct tdm_kv_geometry tdm_kv_pool_geometry(const tdm_kv_pool_t *pool)
                                     .bytes = layer * (size_t)c->n_layers,
                                     .layer_bytes = layer,
                                     .page_bytes = page,
-                                    .v_offset = head * (size_t)c->n_kv_heads,
+                                    /* a latent page has no V half: "V" is K's rows */
+                                    .v_offset = c->latent_v_dim ? 0 : head * (size_t)c->n_kv_heads,
                                     .head_bytes = head};
 }
 
@@ -192,6 +197,7 @@ struct tdm_kv_layer tdm_kv_pool_layer(const tdm_kv_pool_t *pool, int layer)
         .head_dim = pool->cfg.head_dim,
         .page_size = pool->cfg.page_size,
         .n_pages = pool->cfg.n_pages,
+        .v_dim = pool->cfg.latent_v_dim,
     };
 }
 

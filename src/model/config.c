@@ -6,10 +6,12 @@
  * file and a HF folder are held to the same limits: positive sizes under sane caps, heads
  * divisible by kv heads, an even head_dim, finite positive epsilons and rope bases, and token
  * ids inside the vocabulary. The caller's struct is written only on success. Features we do
- * not run (shared experts, MLA, partial rotary, attention output bias, yarn and other rope
- * scalings, non-SiLU activations) are refused with TDM_EUNSUPPORTED rather than silently
- * mis-run. Mixture of experts with a softmax top-k router (qwen3_moe, mixtral; GGUF qwen3moe
- * and llama with experts) is read into the n_experts fields.
+ * not run (partial rotary outside MLA, attention output bias, rope scalings other than linear,
+ * llama3 and DeepSeek's yarn, non-SiLU activations) are refused with TDM_EUNSUPPORTED rather
+ * than silently mis-run. Mixture of experts (qwen3_moe, qwen2_moe, mixtral, deepseek_v2/v3;
+ * GGUF qwen3moe, qwen2moe, deepseek2 and llama with experts) is read into the n_experts and
+ * moe_* fields; DeepSeek's multi-head latent attention into the MLA fields, with head_dim the
+ * width of a cached latent row and one KV head.
  *
  * Conventions: GGUF llama files come from llama.cpp's converter, which permutes the Q/K rows
  * so that rope rotates adjacent pairs (rope_neox = false); qwen2/qwen3 GGUF files and every HF
@@ -48,6 +50,8 @@ const char *tdm_arch_name(enum tdm_arch a)
         return "qwen2";
     case TDM_ARCH_QWEN3:
         return "qwen3";
+    case TDM_ARCH_DEEPSEEK2:
+        return "deepseek2";
     }
     return "unknown";
 }
@@ -57,6 +61,9 @@ static void config_defaults(struct tdm_model_config *c)
     memset(c, 0, sizeof(*c));
     c->rope_theta = 10000.0f;
     c->rope_factor = 1.0f;
+    c->rope_mscale = 1.0f;
+    c->attn_scale = 1.0f;
+    c->moe_routed_scale = 1.0f;
     c->bos_id = -1;
     c->gen_temperature = NAN;
     c->gen_top_p = NAN;
@@ -85,6 +92,22 @@ static tdm_status check_int(const char *src, const char *what, int v, int lo, in
 static tdm_status config_check(const struct tdm_model_config *c, const char *src)
 {
     tdm_status rc;
+    if (tdm_config_mla(c)) {
+        if ((rc = check_int(src, "kv_lora_rank", c->kv_lora_rank, 1, CFG_MAX_HEAD_DIM)) ||
+            (rc = check_int(src, "q_lora_rank", c->q_lora_rank, 0, CFG_MAX_D_MODEL)) ||
+            (rc = check_int(src, "qk_rope_head_dim", c->qk_rope_dim, 2, CFG_MAX_HEAD_DIM)) ||
+            (rc = check_int(src, "qk_nope_head_dim", c->qk_nope_dim, 1, CFG_MAX_HEAD_DIM)) ||
+            (rc = check_int(src, "v_head_dim", c->v_head_dim, 1, CFG_MAX_HEAD_DIM)))
+            return rc;
+        if (c->qk_rope_dim % 2)
+            return tdm_err_set(TDM_EFORMAT, "%s: qk_rope_head_dim %d is odd (rope needs pairs)",
+                               src, c->qk_rope_dim);
+        if (c->kv_lora_rank + c->qk_rope_dim > CFG_MAX_HEAD_DIM)
+            return tdm_err_set(TDM_ERANGE,
+                               "%s: kv_lora_rank %d + qk_rope_head_dim %d (a cached row) is over "
+                               "%d",
+                               src, c->kv_lora_rank, c->qk_rope_dim, CFG_MAX_HEAD_DIM);
+    }
     if ((rc = check_int(src, "n_layers", c->n_layers, 1, CFG_MAX_LAYERS)) ||
         (rc = check_int(src, "d_model", c->d_model, 1, CFG_MAX_D_MODEL)) ||
         (rc = check_int(src, "n_heads", c->n_heads, 1, CFG_MAX_HEADS)) ||
@@ -97,7 +120,7 @@ static tdm_status config_check(const struct tdm_model_config *c, const char *src
     if (c->n_heads % c->n_kv_heads)
         return tdm_err_set(TDM_EFORMAT, "%s: n_heads %d is not a multiple of n_kv_heads %d", src,
                            c->n_heads, c->n_kv_heads);
-    if (c->head_dim % 2)
+    if (c->head_dim % 2 && !tdm_config_mla(c)) /* MLA's rows: the rope part must be even */
         return tdm_err_set(TDM_EFORMAT, "%s: head_dim %d is odd (rope needs pairs)", src,
                            c->head_dim);
     if (!(c->rms_eps > 0.0f && c->rms_eps < 1.0f))
@@ -123,12 +146,46 @@ static tdm_status config_check(const struct tdm_model_config *c, const char *src
                             CFG_MAX_CTX)))
             return rc;
     }
+    if (c->rope_scaling == TDM_ROPE_SCALING_YARN) {
+        if (!(c->rope_beta_fast > 0.0f && c->rope_beta_slow > 0.0f && isfinite(c->rope_beta_fast) &&
+              isfinite(c->rope_beta_slow)))
+            return tdm_err_set(TDM_ERANGE, "%s: yarn beta_fast %g / beta_slow %g must be > 0", src,
+                               (double)c->rope_beta_fast, (double)c->rope_beta_slow);
+        if ((rc = check_int(src, "original_max_position_embeddings", c->rope_original_max_ctx, 1,
+                            CFG_MAX_CTX)))
+            return rc;
+    }
+    if (!(c->rope_mscale > 0.0f && isfinite(c->rope_mscale) && c->attn_scale > 0.0f &&
+          isfinite(c->attn_scale)))
+        return tdm_err_set(TDM_ERANGE, "%s: yarn mscale %g / attention scale %g must be > 0", src,
+                           (double)c->rope_mscale, (double)c->attn_scale);
     if (c->n_experts) {
         if ((rc = check_int(src, "number of experts", c->n_experts, 1, CFG_MAX_EXPERTS)) ||
             (rc = check_int(src, "experts per token", c->n_experts_used, 1, c->n_experts)) ||
             (rc = check_int(src, "expert FFN width", c->d_ff_expert, 1, CFG_MAX_D_FF)) ||
             (rc = check_int(src, "shared expert FFN width", c->d_ff_shared, 0, CFG_MAX_D_FF)))
             return rc;
+        if (!(c->moe_routed_scale > 0.0f && isfinite(c->moe_routed_scale)))
+            return tdm_err_set(TDM_ERANGE, "%s: routed_scaling_factor %g must be > 0", src,
+                               (double)c->moe_routed_scale);
+        if (c->moe_n_group) {
+            if ((rc = check_int(src, "expert groups", c->moe_n_group, 1, c->n_experts)) ||
+                (rc = check_int(src, "expert groups a token takes", c->moe_topk_group, 1,
+                                c->moe_n_group)))
+                return rc;
+            if (c->n_experts % c->moe_n_group)
+                return tdm_err_set(TDM_EFORMAT, "%s: %d experts do not split into %d groups", src,
+                                   c->n_experts, c->moe_n_group);
+            int in_groups = c->n_experts / c->moe_n_group * c->moe_topk_group;
+            if (c->n_experts_used > in_groups)
+                return tdm_err_set(TDM_ERANGE,
+                                   "%s: %d experts a token, but its %d groups hold only %d", src,
+                                   c->n_experts_used, c->moe_topk_group, in_groups);
+            if (c->moe_group_top2 && c->n_experts / c->moe_n_group < 2)
+                return tdm_err_set(TDM_EFORMAT,
+                                   "%s: groups of one expert cannot be scored by their best two",
+                                   src);
+        }
     }
     if (c->bos_id < -1 || c->bos_id >= c->vocab_size)
         return tdm_err_set(TDM_ERANGE, "%s: bos token id %d outside the vocabulary (%d)", src,
@@ -215,6 +272,101 @@ static tdm_status gguf_extra_eos(const tdm_gguf_t *g, struct tdm_model_config *c
     return TDM_OK;
 }
 
+/* GGUF rope scaling of type yarn: factor, original context, betas, and the attention scale
+ * from yarn_log_multiplier (llama.cpp: kq_scale = (1 + log_mul ln factor)^2 / sqrt(head);
+ * the rotation itself is not scaled). */
+static tdm_status gguf_yarn(const tdm_gguf_t *g, const char *arch, struct tdm_model_config *c)
+{
+    float log_mul = 0.0f;
+    tdm_status rc;
+    c->rope_scaling = TDM_ROPE_SCALING_YARN;
+    if ((rc = g_f32(g, arch, "rope.scaling.factor", true, 1.0f, &c->rope_factor)) ||
+        (rc = g_int(g, arch, "rope.scaling.original_context_length", true, 0,
+                    &c->rope_original_max_ctx)) ||
+        (rc = g_f32(g, arch, "rope.scaling.yarn_beta_fast", false, 32.0f, &c->rope_beta_fast)) ||
+        (rc = g_f32(g, arch, "rope.scaling.yarn_beta_slow", false, 1.0f, &c->rope_beta_slow)) ||
+        (rc = g_f32(g, arch, "rope.scaling.yarn_log_multiplier", false, 0.0f, &log_mul)))
+        return rc;
+    if (!(c->rope_factor > 0.0f && isfinite(log_mul)))
+        return tdm_err_set(TDM_ERANGE, "gguf: yarn factor %g / log multiplier %g",
+                           (double)c->rope_factor, (double)log_mul);
+    if (c->rope_factor > 1.0f) {
+        double m = 1.0 + log_mul * log((double)c->rope_factor);
+        c->attn_scale = (float)(m * m);
+    }
+    return TDM_OK;
+}
+
+/* llama.cpp's deepseek2: MLA (attention.q_lora_rank, kv_lora_rank; key_length and
+ * value_length are the per-head q/k and v widths, or with the k_b/v_b split the latent's and
+ * key_length_mla / value_length_mla the heads'), rope.dimension_count the rope part, and
+ * DeepSeek's experts (expert_gating_func 1 softmax, 2 sigmoid; expert_group_count and
+ * expert_group_used_count, a group scored by its two best as llama.cpp does;
+ * expert_weights_scale, expert_weights_norm; leading_dense_block_count dense layers;
+ * expert_shared_count shared experts of expert_feed_forward_length each). */
+static tdm_status gguf_deepseek2(const tdm_gguf_t *g, struct tdm_model_config *c)
+{
+    const char *a = "deepseek2";
+    int qk = 0, v = 0, qk_mla = 0, v_mla = 0, shared = 0, dense = 0, gating = 1;
+    tdm_status rc;
+    if ((rc = g_int(g, a, "attention.q_lora_rank", false, 0, &c->q_lora_rank)) ||
+        (rc = g_int(g, a, "attention.kv_lora_rank", true, 0, &c->kv_lora_rank)) ||
+        (rc = g_int(g, a, "attention.key_length", true, 0, &qk)) ||
+        (rc = g_int(g, a, "attention.value_length", true, 0, &v)) ||
+        (rc = g_int(g, a, "attention.key_length_mla", false, 0, &qk_mla)) ||
+        (rc = g_int(g, a, "attention.value_length_mla", false, 0, &v_mla)) ||
+        (rc = g_int(g, a, "rope.dimension_count", true, 0, &c->qk_rope_dim)) ||
+        (rc = g_int(g, a, "feed_forward_length", true, 0, &c->d_ff)) ||
+        (rc = g_int(g, a, "expert_count", false, 0, &c->n_experts)) ||
+        (rc = g_int(g, a, "leading_dense_block_count", false, 0, &dense)))
+        return rc;
+    if (c->kv_lora_rank <= 0)
+        return tdm_err_set(TDM_ERANGE, "gguf: deepseek2.attention.kv_lora_rank = %d",
+                           c->kv_lora_rank);
+    if (qk_mla) { /* the k_b / v_b layout */
+        qk = qk_mla;
+        v = v_mla;
+    }
+    c->qk_nope_dim = qk - c->qk_rope_dim;
+    c->v_head_dim = v;
+    c->head_dim = c->kv_lora_rank + c->qk_rope_dim;
+    c->n_kv_heads = 1;
+    c->rope_neox = false;
+    if (c->n_experts) {
+        if ((rc = g_int(g, a, "expert_used_count", true, 0, &c->n_experts_used)) ||
+            (rc = g_int(g, a, "expert_feed_forward_length", true, 0, &c->d_ff_expert)) ||
+            (rc = g_int(g, a, "expert_shared_count", false, 0, &shared)) ||
+            (rc = g_int(g, a, "expert_gating_func", false, 1, &gating)) ||
+            (rc = g_int(g, a, "expert_group_count", false, 0, &c->moe_n_group)) ||
+            (rc = g_int(g, a, "expert_group_used_count", false, 0, &c->moe_topk_group)) ||
+            (rc = g_f32(g, a, "expert_weights_scale", false, 1.0f, &c->moe_routed_scale)))
+            return rc;
+        rc = tdm_gguf_get_bool(g, "deepseek2.expert_weights_norm", &c->moe_norm_topk);
+        if (rc != TDM_OK && rc != TDM_ENOTFOUND) return rc;
+        if (gating != 1 && gating != 2)
+            return tdm_err_set(TDM_EUNSUPPORTED, "gguf: deepseek2.expert_gating_func %d (1, 2)",
+                               gating);
+        c->moe_scoring = gating == 2 ? TDM_MOE_SIGMOID : TDM_MOE_SOFTMAX;
+        if (c->moe_n_group == 1) c->moe_n_group = c->moe_topk_group = 0; /* one group: none */
+        c->moe_group_top2 = c->moe_n_group > 0;
+        if (shared < 0 || shared > 64)
+            return tdm_err_set(TDM_ERANGE, "gguf: deepseek2.expert_shared_count = %d", shared);
+        c->d_ff_shared = shared * c->d_ff_expert;
+        if (dense < 0 || dense > c->n_layers)
+            return tdm_err_set(TDM_ERANGE, "gguf: deepseek2.leading_dense_block_count = %d", dense);
+        for (int l = 0; l < dense && l < 1024; l++)
+            c->moe_dense_layers[l / 64] |= 1ull << (l % 64);
+    }
+    struct tdm_str stype;
+    rc = tdm_gguf_get_str(g, "deepseek2.rope.scaling.type", &stype);
+    if (rc && rc != TDM_ENOTFOUND) return rc;
+    if (!rc && str_eq(stype, "yarn")) return gguf_yarn(g, a, c);
+    if (!rc && !str_eq(stype, "none"))
+        return tdm_err_set(TDM_EUNSUPPORTED, "gguf: rope scaling \"%.*s\" is not supported (yarn)",
+                           (int)TDM_MIN(stype.len, 64), stype.ptr);
+    return TDM_OK;
+}
+
 tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cfg)
 {
     if (!g || !cfg) return tdm_err_set(TDM_EINVAL, "tdm_config_from_gguf: bad args");
@@ -235,10 +387,12 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
         c.arch = TDM_ARCH_QWEN3, arch = "qwen3moe";
     } else if (str_eq(as, "qwen2moe")) {
         c.arch = TDM_ARCH_QWEN2, arch = "qwen2moe";
+    } else if (str_eq(as, "deepseek2")) {
+        c.arch = TDM_ARCH_DEEPSEEK2, arch = "deepseek2";
     } else {
         return tdm_err_set(TDM_EUNSUPPORTED,
                            "gguf: architecture \"%.*s\" is not supported (llama, qwen2, qwen3, "
-                           "qwen2moe, qwen3moe)",
+                           "qwen2moe, qwen3moe, deepseek2)",
                            (int)TDM_MIN(as.len, 64), as.ptr);
     }
 
@@ -249,8 +403,14 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
         (rc = g_int(g, arch, "attention.head_count_kv", false, c.n_heads, &c.n_kv_heads)) ||
         (rc = g_int(g, arch, "context_length", true, 0, &c.max_ctx)) ||
         (rc = g_f32(g, arch, "attention.layer_norm_rms_epsilon", true, 0, &c.rms_eps)) ||
-        (rc = g_f32(g, arch, "rope.freq_base", false, 10000.0f, &c.rope_theta)) ||
-        (rc = g_int(g, arch, "expert_count", false, 0, &experts)) ||
+        (rc = g_f32(g, arch, "rope.freq_base", false, 10000.0f, &c.rope_theta)))
+        return rc;
+    char key[128];
+    if (c.arch == TDM_ARCH_DEEPSEEK2) {
+        if ((rc = gguf_deepseek2(g, &c))) return rc;
+        goto vocab;
+    }
+    if ((rc = g_int(g, arch, "expert_count", false, 0, &experts)) ||
         (rc = g_int(g, arch, "expert_shared_count", false, 0, &shared)) ||
         (rc = g_int(g, arch, "expert_shared_feed_forward_length", false, 0, &c.d_ff_shared)))
         return rc;
@@ -267,7 +427,6 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
          * says (expert_weights_norm) */
         c.n_experts = experts;
         c.moe_norm_topk = strcmp(arch, "qwen2moe") != 0;
-        char key[128];
         snprintf(key, sizeof key, "%s.expert_weights_norm", arch);
         rc = tdm_gguf_get_bool(g, key, &c.moe_norm_topk);
         if (rc != TDM_OK && rc != TDM_ENOTFOUND) return rc;
@@ -285,7 +444,6 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
     if (c.n_heads <= 0 || c.d_model <= 0)
         return tdm_err_set(TDM_ERANGE, "gguf: head_count %d / embedding_length %d must be > 0",
                            c.n_heads, c.d_model);
-    char key[128];
     snprintf(key, sizeof(key), "%s.attention.key_length", arch);
     if (tdm_gguf_find(g, key) < 0 && c.d_model % c.n_heads)
         return tdm_err_set(TDM_EFORMAT,
@@ -324,6 +482,7 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
         }
     }
 
+vocab:
     /* vocabulary: <arch>.vocab_size, else the token list, else the embedding's rows */
     snprintf(key, sizeof(key), "%s.vocab_size", arch);
     enum tdm_gguf_type et;
@@ -342,7 +501,7 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
     c.tied_embeddings = tdm_gguf_find_tensor(g, "output.weight") == NULL;
     c.qkv_bias = c.arch == TDM_ARCH_QWEN2 || tdm_gguf_find_tensor(g, "blk.0.attn_q.bias");
     c.qk_norm = c.arch == TDM_ARCH_QWEN3 || tdm_gguf_find_tensor(g, "blk.0.attn_q_norm.weight");
-    c.rope_neox = c.arch != TDM_ARCH_LLAMA;
+    c.rope_neox = c.arch != TDM_ARCH_LLAMA && c.arch != TDM_ARCH_DEEPSEEK2;
 
     int eos = -1, eot = -1;
     if ((rc = g_int(g, NULL, "tokenizer.ggml.bos_token_id", false, -1, &c.bos_id)) ||
@@ -482,6 +641,30 @@ static tdm_status hf_rope_scaling(const json_t *rs, const char *file, struct tdm
         c->rope_scaling = TDM_ROPE_SCALING_LINEAR;
         return j_num(rs, file, "factor", true, 1.0f, &c->rope_factor);
     }
+    if (!strcmp(type, "yarn")) {
+        /* DeepSeek's YaRN (its modeling files): the rotation's magnitude is
+         * mscale(factor, mscale) / mscale(factor, mscale_all_dim), the softmax scale is
+         * multiplied by mscale(factor, mscale_all_dim)^2, mscale(f, m) = 0.1 m ln f + 1 */
+        float ms = 1.0f, ms_all = 0.0f;
+        if (c->arch != TDM_ARCH_DEEPSEEK2)
+            return tdm_err_set(TDM_EUNSUPPORTED,
+                               "%s: yarn rope scaling is supported for deepseek_v2/v3 only", file);
+        c->rope_scaling = TDM_ROPE_SCALING_YARN;
+        if ((rc = j_num(rs, file, "factor", true, 1.0f, &c->rope_factor)) ||
+            (rc = j_int(rs, file, "original_max_position_embeddings", true, 0,
+                        &c->rope_original_max_ctx)) ||
+            (rc = j_num(rs, file, "beta_fast", false, 32.0f, &c->rope_beta_fast)) ||
+            (rc = j_num(rs, file, "beta_slow", false, 1.0f, &c->rope_beta_slow)) ||
+            (rc = j_num(rs, file, "mscale", false, 1.0f, &ms)) ||
+            (rc = j_num(rs, file, "mscale_all_dim", false, 0.0f, &ms_all)))
+            return rc;
+        double f = c->rope_factor;
+        double m = f <= 1.0 ? 1.0 : 0.1 * ms * log(f) + 1.0;
+        double m_all = f <= 1.0 ? 1.0 : 0.1 * ms_all * log(f) + 1.0;
+        c->rope_mscale = (float)(m / m_all);
+        if (ms_all != 0.0f) c->attn_scale = (float)(m_all * m_all);
+        return TDM_OK;
+    }
     if (!strcmp(type, "llama3")) {
         c->rope_scaling = TDM_ROPE_SCALING_LLAMA3;
         if ((rc = j_num(rs, file, "factor", true, 1.0f, &c->rope_factor)) ||
@@ -494,7 +677,7 @@ static tdm_status hf_rope_scaling(const json_t *rs, const char *file, struct tdm
     }
     return tdm_err_set(TDM_EUNSUPPORTED,
                        "%s: rope scaling type \"%.64s\" is not supported "
-                       "(linear, llama3)",
+                       "(linear, llama3, yarn)",
                        file, type);
 }
 
@@ -554,6 +737,81 @@ static tdm_status hf_parse_moe(const json_t *root, const char *file, const char 
     return TDM_OK;
 }
 
+/* DeepSeek-V2/V3 (deepseek_v2, deepseek_v3): MLA's ranks and head widths, and the experts:
+ * n_routed_experts (null: dense), a layer sparse from first_k_dense_replace on where
+ * l % moe_layer_freq == 0; scoring_func softmax (V2) or sigmoid (V3); topk_method greedy (no
+ * groups), group_limited_greedy (V2: a group's best score) or noaux_tc (V3: its two best, with
+ * e_score_correction_bias); routed_scaling_factor, which V2's modeling applies only to weights
+ * it does not renormalise; n_shared_experts of moe_intermediate_size fused into one. */
+static tdm_status hf_parse_deepseek(const json_t *root, const char *file, const char *mt,
+                                    struct tdm_model_config *c)
+{
+    tdm_status rc;
+    bool v3 = !strcmp(mt, "deepseek_v3");
+    int n_layers = 0, shared = 0, first_dense = 0, freq = 1;
+    const char *scoring = NULL, *method = NULL;
+    if ((rc = j_int(root, file, "q_lora_rank", false, 0, &c->q_lora_rank)) ||
+        (rc = j_int(root, file, "kv_lora_rank", true, 0, &c->kv_lora_rank)) ||
+        (rc = j_int(root, file, "qk_nope_head_dim", true, 0, &c->qk_nope_dim)) ||
+        (rc = j_int(root, file, "qk_rope_head_dim", true, 0, &c->qk_rope_dim)) ||
+        (rc = j_int(root, file, "v_head_dim", true, 0, &c->v_head_dim)) ||
+        (rc = j_int(root, file, "num_hidden_layers", true, 0, &n_layers)) ||
+        (rc = j_int(root, file, "n_routed_experts", false, -1, &c->n_experts)))
+        return rc;
+    if (c->kv_lora_rank <= 0)
+        return tdm_err_set(TDM_ERANGE, "%s: kv_lora_rank %d must be >= 1", file, c->kv_lora_rank);
+    if (c->n_experts == -1) { /* null or absent: a dense model */
+        c->n_experts = 0;
+        return TDM_OK;
+    }
+    if ((rc = j_int(root, file, "num_experts_per_tok", true, 0, &c->n_experts_used)) ||
+        (rc = j_int(root, file, "moe_intermediate_size", true, 0, &c->d_ff_expert)) ||
+        (rc = j_int(root, file, "n_shared_experts", false, 0, &shared)) ||
+        (rc = j_int(root, file, "first_k_dense_replace", false, 0, &first_dense)) ||
+        (rc = j_int(root, file, "moe_layer_freq", false, 1, &freq)) ||
+        (rc = j_bool(root, file, "norm_topk_prob", false, &c->moe_norm_topk)) ||
+        (rc = j_num(root, file, "routed_scaling_factor", false, 1.0f, &c->moe_routed_scale)) ||
+        (rc = j_str(root, file, "scoring_func", &scoring)) ||
+        (rc = j_str(root, file, "topk_method", &method)) ||
+        (rc = j_int(root, file, "n_group", false, 0, &c->moe_n_group)) ||
+        (rc = j_int(root, file, "topk_group", false, 0, &c->moe_topk_group)))
+        return rc;
+    if (c->n_experts < 1)
+        return tdm_err_set(TDM_ERANGE, "%s: n_routed_experts %d must be >= 1", file, c->n_experts);
+    if (!scoring) scoring = v3 ? "sigmoid" : "softmax";
+    if (!method) method = v3 ? "noaux_tc" : "greedy";
+    if (!strcmp(scoring, "sigmoid"))
+        c->moe_scoring = TDM_MOE_SIGMOID;
+    else if (strcmp(scoring, "softmax"))
+        return tdm_err_set(TDM_EUNSUPPORTED, "%s: scoring_func \"%.64s\" (softmax, sigmoid)", file,
+                           scoring);
+    if (!strcmp(method, "greedy")) {
+        c->moe_n_group = c->moe_topk_group = 0;
+    } else if (!strcmp(method, "group_limited_greedy") || !strcmp(method, "noaux_tc")) {
+        c->moe_group_top2 = !strcmp(method, "noaux_tc");
+        if (c->moe_n_group < 1)
+            return tdm_err_set(TDM_ERANGE, "%s: topk_method %s needs n_group >= 1 (got %d)", file,
+                               method, c->moe_n_group);
+        if (c->moe_n_group == 1 && c->moe_topk_group >= 1) /* one group: every expert */
+            c->moe_n_group = c->moe_topk_group = 0;
+    } else {
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "%s: topk_method \"%.64s\" (greedy, group_limited_greedy, noaux_tc)",
+                           file, method);
+    }
+    if (!v3 && c->moe_norm_topk) c->moe_routed_scale = 1.0f; /* V2 scales unnormalised only */
+    if (shared < 0 || shared > 64)
+        return tdm_err_set(TDM_ERANGE, "%s: n_shared_experts %d outside [0, 64]", file, shared);
+    c->d_ff_shared = shared * c->d_ff_expert;
+    if (freq < 1) return tdm_err_set(TDM_ERANGE, "%s: moe_layer_freq %d must be >= 1", file, freq);
+    if (first_dense < 0)
+        return tdm_err_set(TDM_ERANGE, "%s: first_k_dense_replace %d is negative", file,
+                           first_dense);
+    for (int l = 0; l < n_layers && l < 1024; l++)
+        if (l < first_dense || l % freq) c->moe_dense_layers[l / 64] |= 1ull << (l % 64);
+    return TDM_OK;
+}
+
 static tdm_status hf_parse_config(const json_t *root, const char *file, struct tdm_model_config *c)
 {
     const char *mt = NULL, *act = NULL;
@@ -566,12 +824,16 @@ static tdm_status hf_parse_config(const json_t *root, const char *file, struct t
         c->arch = TDM_ARCH_QWEN2;
     else if (!strcmp(mt, "qwen3") || !strcmp(mt, "qwen3_moe"))
         c->arch = TDM_ARCH_QWEN3;
+    else if (!strcmp(mt, "deepseek_v2") || !strcmp(mt, "deepseek_v3"))
+        c->arch = TDM_ARCH_DEEPSEEK2;
     else
         return tdm_err_set(TDM_EUNSUPPORTED,
                            "%s: model_type \"%.64s\" is not supported (llama, mistral, mixtral, "
-                           "qwen2, qwen2_moe, qwen3, qwen3_moe)",
+                           "qwen2, qwen2_moe, qwen3, qwen3_moe, deepseek_v2, deepseek_v3)",
                            file, mt);
-    if ((rc = hf_parse_moe(root, file, mt, c))) return rc;
+    const bool deepseek = c->arch == TDM_ARCH_DEEPSEEK2;
+    if ((rc = deepseek ? hf_parse_deepseek(root, file, mt, c) : hf_parse_moe(root, file, mt, c)))
+        return rc;
 
     if ((rc = j_int(root, file, "num_hidden_layers", true, 0, &c->n_layers)) ||
         (rc = j_int(root, file, "hidden_size", true, 0, &c->d_model)) ||
@@ -589,7 +851,10 @@ static tdm_status hf_parse_config(const json_t *root, const char *file, struct t
     if (c->n_heads <= 0)
         return tdm_err_set(TDM_ERANGE, "%s: num_attention_heads %d must be > 0", file, c->n_heads);
     const json_t *hd = json_object_get(root, "head_dim");
-    if (hd && !json_is_null(hd)) {
+    if (deepseek) { /* the cached latent row, one "head" shared by every query head */
+        c->head_dim = c->kv_lora_rank + c->qk_rope_dim;
+        c->n_kv_heads = 1;
+    } else if (hd && !json_is_null(hd)) {
         if ((rc = j_int(root, file, "head_dim", true, 0, &c->head_dim))) return rc;
     } else {
         if (c->d_model % c->n_heads)
@@ -620,7 +885,7 @@ static tdm_status hf_parse_config(const json_t *root, const char *file, struct t
         return tdm_err_set(TDM_EUNSUPPORTED, "%s: partial_rotary_factor %g is not supported", file,
                            (double)partial);
     c->qk_norm = c->arch == TDM_ARCH_QWEN3;
-    c->rope_neox = true;
+    c->rope_neox = !deepseek; /* DeepSeek rotates interleaved pairs */
 
     /* rope: rope_parameters (transformers >= 5) or rope_theta + rope_scaling */
     const json_t *rp = json_object_get(root, "rope_parameters");

@@ -14,6 +14,12 @@
  * matrix row is whole blocks. Checkpoint features we would silently mis-run (an attention
  * output bias, biases the config does not announce) are refused.
  *
+ * Experts: one tensor per expert (HF), transformers' fused experts.gate_up_proj and
+ * experts.down_proj (3-D: each expert's matrices are row blocks of them), or GGUF's stacked
+ * ffn_*_exps; a row block of any dtype is the same bytes, so none is copied. MLA (load_mla):
+ * kv_a's rows split into the latent's and the rope key's weights, and kv_b (whole, or GGUF's
+ * k_b/v_b) rearranged at load into the absorbed form's F32 matrices (model.h).
+ *
  * RoPE: GGUF llama3 files carry the scaling as rope_freqs.weight, per-frequency divisors of
  * the rotation angle; m->rope_freqs points at it (cfg.rope_scaling is then NONE). HF
  * checkpoints describe the scaling in cfg instead.
@@ -223,6 +229,47 @@ static tdm_status find_stacked(struct loader *L, const char *name, int64_t n, in
     return TDM_OK;
 }
 
+/* Rows [row0, row0 + n) of a checked tensor t (cols wide), as F32 into dst. */
+static tdm_status rows_f32(const struct tdm_tensor_info *t, int64_t row0, int64_t n, int64_t cols,
+                           float *dst)
+{
+    size_t rb = tdm_dtype_row_bytes(t->dtype, cols);
+    for (int64_t r = 0; r < n; r++) {
+        tdm_status rc = tdm_dequantize(t->dtype, (const uint8_t *)t->data + (size_t)(row0 + r) * rb,
+                                       dst + (size_t)r * (size_t)cols, cols);
+        if (rc)
+            return tdm_err_set(rc, "%s: cannot convert %s to f32: %s", t->name,
+                               tdm_dtype_name(t->dtype), tdm_err_msg());
+    }
+    return TDM_OK;
+}
+
+/* An F32 weight of rows x cols in memory the model owns (zeroed). */
+static tdm_status owned_f32(struct loader *L, int64_t rows, int64_t cols, struct tdm_weight *w)
+{
+    void *buf;
+    size_t bytes = (size_t)rows * (size_t)cols * sizeof(float);
+    tdm_status rc = own_alloc(L->m, bytes, &buf);
+    if (rc) return rc;
+    memset(buf, 0, bytes);
+    *w = (struct tdm_weight){TDM_DTYPE_F32, rows, cols, (size_t)cols * sizeof(float), buf};
+    L->m->weight_bytes += bytes;
+    return TDM_OK;
+}
+
+/* Rows [row0, row0 + rows) of a checked matrix t as a weight of their own (t's rows are
+ * whole blocks, so a row range of any type is the same bytes). */
+static tdm_status row_block(struct loader *L, const struct tdm_tensor_info *t, int64_t row0,
+                            int64_t rows, int64_t cols, struct tdm_weight *w)
+{
+    struct tdm_tensor_info part = *t;
+    size_t rb = tdm_dtype_row_bytes(t->dtype, cols);
+    part.ne[1] = rows;
+    part.data = (const uint8_t *)t->data + (size_t)row0 * rb;
+    part.nbytes = rb * (size_t)rows;
+    return prepare(L, &part, rows, cols, true, w);
+}
+
 /* A sparse layer's router and experts: HF per-expert tensors (qwen3_moe's mlp.experts.N.
  * {gate,up,down}_proj, mixtral's block_sparse_moe.experts.N.w1/w3/w2), or GGUF's stacked
  * ffn_{gate,up,down}_exps (one matrix per expert, sliced out of the 3-D tensor). */
@@ -237,23 +284,29 @@ static tdm_status load_experts(struct loader *L, int i, struct tdm_layer_weights
     if ((rc = own_alloc(L->m, sizeof(struct tdm_weight) * 3 * (size_t)n, &mem))) return rc;
     lw->experts = mem;
     lw->n_experts = (int)n;
-    if (c->d_ff_shared) { /* qwen2_moe's shared expert and its gate (a [d] vector in GGUF) */
+    const bool deepseek = c->arch == TDM_ARCH_DEEPSEEK2;
+    if (c->d_ff_shared) {
+        /* qwen2_moe's shared expert and its gate (a [d] vector in GGUF); DeepSeek's shared
+         * experts (one fused matrix each, no gate) */
         int64_t fs = c->d_ff_shared;
         const char *score =
             lname(L, "blk.%d.ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight", i);
-        if ((rc = L->m->is_gguf ? load_vector(L, score, d, &lw->sh_score)
-                                : load_matrix(L, score, 1, d, &lw->sh_score)) ||
-            (rc = load_matrix(
-                 L,
-                 lname(L, "blk.%d.ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight", i),
-                 fs, d, &lw->sh_gate)) ||
-            (rc = load_matrix(
-                 L, lname(L, "blk.%d.ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight", i),
-                 fs, d, &lw->sh_up)) ||
-            (rc = load_matrix(
-                 L,
-                 lname(L, "blk.%d.ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight", i),
-                 d, fs, &lw->sh_down)))
+        if (!deepseek && (rc = L->m->is_gguf ? load_vector(L, score, d, &lw->sh_score)
+                                             : load_matrix(L, score, 1, d, &lw->sh_score)))
+            return rc;
+        /* clang-format off */
+        if ((rc = load_matrix(L, lname(L, "blk.%d.ffn_gate_shexp.weight", deepseek ? "mlp.shared_experts.gate_proj.weight" : "mlp.shared_expert.gate_proj.weight", i), fs, d, &lw->sh_gate)) ||
+            (rc = load_matrix(L, lname(L, "blk.%d.ffn_up_shexp.weight", deepseek ? "mlp.shared_experts.up_proj.weight" : "mlp.shared_expert.up_proj.weight", i), fs, d, &lw->sh_up)) ||
+            (rc = load_matrix(L, lname(L, "blk.%d.ffn_down_shexp.weight", deepseek ? "mlp.shared_experts.down_proj.weight" : "mlp.shared_expert.down_proj.weight", i), d, fs, &lw->sh_down)))
+            return rc;
+        /* clang-format on */
+    }
+    /* DeepSeek-V3's selection bias (llama.cpp: exp_probs_b), read where the file has it */
+    const char *bias = lname(L, "blk.%d.exp_probs_b.bias", "mlp.gate.e_score_correction_bias", i);
+    if (deepseek && find_tensor(L, bias)) {
+        const struct tdm_tensor_info *t;
+        if ((rc = find_shaped(L, bias, 1, n, true, &t)) ||
+            (rc = prepare(L, t, 1, n, false, &lw->router_bias)))
             return rc;
     }
     if ((rc = load_matrix(L,
@@ -281,6 +334,27 @@ static tdm_status load_experts(struct loader *L, int i, struct tdm_layer_weights
         }
         return TDM_OK;
     }
+    /* transformers' fused 3-D layout: experts.gate_up_proj [n][2 ff][d] (gate rows, then up
+     * rows) and experts.down_proj [n][d][ff] */
+    const char *fused = lname(
+        L, NULL, mixtral ? "block_sparse_moe.experts.gate_up_proj" : "mlp.experts.gate_up_proj", i);
+    if (find_tensor(L, fused)) {
+        const struct tdm_tensor_info *gu = NULL, *dn = NULL;
+        if ((rc = find_stacked(L, fused, n, 2 * ff, d, &gu))) return rc;
+        if ((rc = find_stacked(
+                 L,
+                 lname(L, NULL,
+                       mixtral ? "block_sparse_moe.experts.down_proj" : "mlp.experts.down_proj", i),
+                 n, d, ff, &dn)))
+            return rc;
+        for (int64_t e = 0; e < n && !rc; e++) {
+            if ((rc = row_block(L, gu, e * 2 * ff, ff, d, &lw->experts[3 * e])) ||
+                (rc = row_block(L, gu, e * 2 * ff + ff, ff, d, &lw->experts[3 * e + 1])))
+                break;
+            rc = row_block(L, dn, e * d, d, ff, &lw->experts[3 * e + 2]);
+        }
+        return rc;
+    }
     for (int64_t e = 0; e < n; e++) {
         char gate[96], up[96], down[96];
         snprintf(gate, sizeof gate,
@@ -303,6 +377,73 @@ static tdm_status load_experts(struct loader *L, int i, struct tdm_layer_weights
     return TDM_OK;
 }
 
+/* MLA's attention weights (model.h): q (direct or through its LoRA), kv_a split into the
+ * latent's and the rope key's rows, the norms, the output, and kv_b's key and value rows
+ * rearranged into the absorbed form: HF and older GGUF files hold kv_b [H (nope + v)][kv_lora];
+ * newer GGUF files hold it split, k_b [H][kv_lora][nope] (already transposed) and v_b
+ * [H][v][kv_lora]. */
+static tdm_status load_mla(struct loader *L, int i, struct tdm_layer_weights *lw)
+{
+    const struct tdm_model_config *c = &L->m->cfg;
+    const int64_t d = c->d_model, H = c->n_heads, lora = c->kv_lora_rank, rope = c->qk_rope_dim;
+    const int64_t nope = c->qk_nope_dim, v = c->v_head_dim, qh = nope + rope, dk = lora + rope;
+    const struct tdm_tensor_info *t;
+    tdm_status rc;
+    /* clang-format off */
+    if (c->q_lora_rank) {
+        if ((rc = load_matrix(L, lname(L, "blk.%d.attn_q_a.weight", "self_attn.q_a_proj.weight", i), c->q_lora_rank, d, &lw->wq_a)) ||
+            (rc = load_vector(L, lname(L, "blk.%d.attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight", i), c->q_lora_rank, &lw->q_a_norm)) ||
+            (rc = load_matrix(L, lname(L, "blk.%d.attn_q_b.weight", "self_attn.q_b_proj.weight", i), H * qh, c->q_lora_rank, &lw->wq_b)))
+            return rc;
+    } else if ((rc = load_matrix(L, lname(L, "blk.%d.attn_q.weight", "self_attn.q_proj.weight", i), H * qh, d, &lw->wq))) {
+        return rc;
+    }
+    if ((rc = find_shaped(L, lname(L, "blk.%d.attn_kv_a_mqa.weight", "self_attn.kv_a_proj_with_mqa.weight", i), dk, d, false, &t)) ||
+        (rc = row_block(L, t, 0, lora, d, &lw->wkv_c)) ||
+        (rc = row_block(L, t, lora, rope, d, &lw->wkv_r)) ||
+        (rc = load_vector(L, lname(L, "blk.%d.attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight", i), lora, &lw->kv_a_norm)) ||
+        (rc = load_matrix(L, lname(L, "blk.%d.attn_output.weight", "self_attn.o_proj.weight", i), d, H * v, &lw->wo)))
+        return rc;
+    /* clang-format on */
+    if ((rc = owned_f32(L, H * dk, qh, &lw->mla_absorb)) ||
+        (rc = owned_f32(L, H * v, lora, &lw->mla_uv)))
+        return rc;
+    float *ab = (float *)lw->mla_absorb.data, *uv = (float *)lw->mla_uv.data;
+    for (int64_t h = 0; h < H; h++) /* the rope part passes through */
+        for (int64_t r = 0; r < rope; r++)
+            ab[(size_t)(h * dk + lora + r) * (size_t)qh + (size_t)(nope + r)] = 1.0f;
+    const char *kvb = lname(L, "blk.%d.attn_kv_b.weight", "self_attn.kv_b_proj.weight", i);
+    float *row = malloc((size_t)TDM_MAX(lora, nope) * sizeof(float));
+    if (!row) return tdm_err_set(TDM_ENOMEM, "model: out of memory");
+    rc = TDM_OK;
+    if (!L->m->is_gguf || find_tensor(L, kvb)) {
+        if ((rc = find_shaped(L, kvb, H * (nope + v), lora, false, &t))) goto out;
+        for (int64_t h = 0; h < H && !rc; h++) {
+            for (int64_t j = 0; j < nope && !rc; j++) { /* key row j: column j of the absorb */
+                if ((rc = rows_f32(t, h * (nope + v) + j, 1, lora, row))) break;
+                for (int64_t r = 0; r < lora; r++)
+                    ab[(size_t)(h * dk + r) * (size_t)qh + (size_t)j] = row[r];
+            }
+            if (!rc) rc = rows_f32(t, h * (nope + v) + nope, v, lora, uv + (size_t)(h * v * lora));
+        }
+        if (!rc) L->m->n_params += (uint64_t)(H * (nope + v) * lora);
+        goto out;
+    }
+    const struct tdm_tensor_info *kb = NULL, *vb = NULL;
+    if ((rc = find_stacked(L, tname(L, "blk.%d.attn_k_b.weight", NULL, i), H, lora, nope, &kb)) ||
+        (rc = find_stacked(L, tname(L, "blk.%d.attn_v_b.weight", NULL, i), H, v, lora, &vb)))
+        goto out;
+    for (int64_t h = 0; h < H && !rc; h++) {
+        for (int64_t r = 0; r < lora && !rc; r++)
+            rc = rows_f32(kb, h * lora + r, 1, nope, ab + (size_t)(h * dk + r) * (size_t)qh);
+        if (!rc) rc = rows_f32(vb, h * v, v, lora, uv + (size_t)(h * v * lora));
+    }
+    if (!rc) L->m->n_params += (uint64_t)(H * (nope + v) * lora);
+out:
+    free(row);
+    return rc;
+}
+
 /* Layer i's weights into layers[slot] (a head's one layer is slot 0 whatever its name). */
 static tdm_status load_layer_at(struct loader *L, int i, int slot)
 {
@@ -315,12 +456,17 @@ static tdm_status load_layer_at(struct loader *L, int i, int slot)
     const char *an = lname(L, "blk.%d.attn_norm.weight", "input_layernorm.weight", i);
     if ((!L->attn_norm_optional || find_tensor(L, an)) && (rc = load_vector(L, an, d, &lw->attn_norm)))
         return rc;
-    if ((rc = load_matrix(L, lname(L, "blk.%d.attn_q.weight", "self_attn.q_proj.weight", i), q, d, &lw->wq)) ||
+    if (tdm_config_mla(c)) {
+        if ((rc = load_mla(L, i, lw)) ||
+            (rc = load_vector(L, lname(L, "blk.%d.ffn_norm.weight", "post_attention_layernorm.weight", i), d, &lw->ffn_norm)))
+            return rc;
+    } else if ((rc = load_matrix(L, lname(L, "blk.%d.attn_q.weight", "self_attn.q_proj.weight", i), q, d, &lw->wq)) ||
         (rc = load_matrix(L, lname(L, "blk.%d.attn_k.weight", "self_attn.k_proj.weight", i), kv, d, &lw->wk)) ||
         (rc = load_matrix(L, lname(L, "blk.%d.attn_v.weight", "self_attn.v_proj.weight", i), kv, d, &lw->wv)) ||
         (rc = load_matrix(L, lname(L, "blk.%d.attn_output.weight", "self_attn.o_proj.weight", i), d, q, &lw->wo)) ||
-        (rc = load_vector(L, lname(L, "blk.%d.ffn_norm.weight", "post_attention_layernorm.weight", i), d, &lw->ffn_norm)))
+        (rc = load_vector(L, lname(L, "blk.%d.ffn_norm.weight", "post_attention_layernorm.weight", i), d, &lw->ffn_norm))) {
         return rc;
+    }
     if (L->m->head == NULL && tdm_config_layer_sparse(c, i)) {
         if ((rc = load_experts(L, i, lw))) return rc;
     } else if ((rc = load_matrix(L, lname(L, "blk.%d.ffn_gate.weight", "mlp.gate_proj.weight", i), ff, d, &lw->w_gate)) ||
@@ -382,10 +528,11 @@ static tdm_status load_globals(struct loader *L)
     if (m->is_gguf && find_tensor(L, "rope_freqs.weight")) {
         const struct tdm_tensor_info *t;
         struct tdm_weight w;
-        if ((rc = find_shaped(L, "rope_freqs.weight", 1, c->head_dim / 2, true, &t)) ||
-            (rc = prepare(L, t, 1, c->head_dim / 2, false, &w)))
+        const int half = tdm_config_rope_dim(c) / 2;
+        if ((rc = find_shaped(L, "rope_freqs.weight", 1, half, true, &t)) ||
+            (rc = prepare(L, t, 1, half, false, &w)))
             return rc;
-        m->n_params -= (uint64_t)(c->head_dim / 2); /* a constant, not a parameter */
+        m->n_params -= (uint64_t)half; /* a constant, not a parameter */
         m->rope_freqs = w.data;
     }
     return TDM_OK;

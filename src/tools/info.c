@@ -19,6 +19,8 @@ static const char *scaling_name(enum tdm_rope_scaling s)
         return "linear";
     case TDM_ROPE_SCALING_LLAMA3:
         return "llama3";
+    case TDM_ROPE_SCALING_YARN:
+        return "yarn";
     }
     return "?";
 }
@@ -95,6 +97,20 @@ int tdm_cmd_info(int argc, char **argv)
             json_object_set_new(obj, "moe_norm_topk", json_boolean(cf->moe_norm_topk));
             json_object_set_new(obj, "sparse_layers", json_integer(sparse));
             json_object_set_new(obj, "expert_weight_bytes", json_integer((json_int_t)expert_bytes));
+            json_object_set_new(
+                obj, "moe_scoring",
+                json_string(cf->moe_scoring == TDM_MOE_SIGMOID ? "sigmoid" : "softmax"));
+            json_object_set_new(obj, "moe_groups", json_integer(cf->moe_n_group));
+            json_object_set_new(obj, "moe_groups_used", json_integer(cf->moe_topk_group));
+            json_object_set_new(obj, "moe_routed_scale", json_real(cf->moe_routed_scale));
+            json_object_set_new(obj, "d_ff_shared", json_integer(cf->d_ff_shared));
+        }
+        if (obj && tdm_config_mla(cf)) {
+            json_t *mla =
+                json_pack("{s:i, s:i, s:i, s:i, s:i}", "q_lora_rank", cf->q_lora_rank,
+                          "kv_lora_rank", cf->kv_lora_rank, "qk_nope_head_dim", cf->qk_nope_dim,
+                          "qk_rope_head_dim", cf->qk_rope_dim, "v_head_dim", cf->v_head_dim);
+            json_object_set_new(obj, "mla", mla);
         }
         /* json_pack fails only on invalid UTF-8 (a path with such bytes) or out of memory */
         char *text = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
@@ -112,6 +128,11 @@ int tdm_cmd_info(int argc, char **argv)
         printf("d_model      %d\n", cf->d_model);
         printf("heads        %d query, %d kv, head_dim %d\n", cf->n_heads, cf->n_kv_heads,
                cf->head_dim);
+        if (tdm_config_mla(cf))
+            printf("mla          q_lora %d, kv_lora %d, heads of %d + %d (rope), values %d; a "
+                   "cached row of %d\n",
+                   cf->q_lora_rank, cf->kv_lora_rank, cf->qk_nope_dim, cf->qk_rope_dim,
+                   cf->v_head_dim, cf->head_dim);
         printf("d_ff         %d\n", cf->d_ff);
         if (cf->n_experts)
             printf("experts      %d, %d a token, width %d, %s; %d of %d layers; %.1f MiB of "

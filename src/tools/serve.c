@@ -651,11 +651,12 @@ int tdm_cmd_serve(int argc, char **argv)
     }
     const struct tdm_engine_opts *ef = tdm_engine_opts(e);
     struct tdm_kv_stats ks = tdm_kv_pool_stats(tdm_engine_kv(e));
+    const struct tdm_kv_config *kvc = tdm_kv_pool_config(tdm_engine_kv(e));
     fprintf(stderr,
-            "tandem serve: model %s; context %d; KV %lld pages of %d tokens, %s; batch %d "
-            "tokens, %d seqs\n",
-            name, ef->max_ctx, (long long)ks.total, ef->page_size,
-            tdm_dtype_name(tdm_kv_pool_config(tdm_engine_kv(e))->dtype), ef->max_batch_tokens,
+            "tandem serve: model %s; context %d; KV %lld pages of %d tokens, %s, %zu bytes a "
+            "page and layer%s; batch %d tokens, %d seqs\n",
+            name, ef->max_ctx, (long long)ks.total, ef->page_size, tdm_dtype_name(kvc->dtype),
+            tdm_kv_page_bytes(kvc), kvc->latent_v_dim ? " (latent rows)" : "", ef->max_batch_tokens,
             ef->max_seqs);
     if (spec) { /* what speculation holds, reserved before the KV pool was sized */
         const struct tdm_kv_config *kc = tdm_kv_pool_config(tdm_engine_kv(e));

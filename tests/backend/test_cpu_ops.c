@@ -479,6 +479,165 @@ static void test_attention_paged(void **state)
     run_attention_case(2, 1, 64, 1);  /* one position per page */
 }
 
+/* ---- MLA: latent pages, partial rope, per-head products ---- */
+
+/* A latent layer (one KV head, K rows only, V = each row's first vd elements): rope_kv_append
+ * stores [latent ; rotated rope key] and rotates only q's last rd dimensions; attention reads
+ * the rows as keys and their prefixes as values. Both against a double-precision reference
+ * written here, and each ISA's bits the same whatever the thread count. */
+static void test_latent_attention(void **state)
+{
+    (void)state;
+    const int H = 5, lora = 24, rd = 8, hd = lora + rd, ps = 4;
+    const struct seq_spec seqs[] = {{9, 9}, {150, 1}, {40, 2}};
+    const int n_seqs = 3;
+    int64_t n_pages = 8;
+    for (int s = 0; s < n_seqs; s++)
+        n_pages += (seqs[s].len + ps - 1) / ps;
+    struct paged_step st;
+    build_step(seqs, n_seqs, ps, n_pages, &st);
+    const size_t kv_floats = (size_t)n_pages * ps * hd; /* no V half */
+    float *base = malloc(kv_floats * sizeof(float));
+    for (size_t i = 0; i < kv_floats; i++)
+        base[i] = NAN;
+    struct tdm_kv_layer kv = {.base = base,
+                              .n_kv_heads = 1,
+                              .head_dim = hd,
+                              .page_size = ps,
+                              .n_pages = n_pages,
+                              .v_dim = lora};
+    float inv_freq[4];
+    for (int i = 0; i < rd / 2; i++)
+        inv_freq[i] = powf(500.0f, -2.0f * i / rd);
+    struct tdm_rope rope = {
+        .head_dim = hd, .neox = false, .inv_freq = inv_freq, .rot_dim = rd, .mscale = 0.75f};
+    /* every position's row: each sequence's earlier positions written by an append of their
+     * own (a step of all positions), then this step's */
+    const int T = st.st.n_tokens;
+    tdm_backend_t *b = make_backend(TDM_CPU_ISA_PORTABLE, 1, false);
+    double *rows = calloc((size_t)n_pages * ps * hd, sizeof(double)); /* reference rows by slot */
+    for (int s = 0; s < n_seqs; s++) {
+        const struct seq_spec whole = {seqs[s].len, seqs[s].len};
+        struct paged_step one;
+        build_step(&whole, 1, ps, n_pages, &one);
+        /* the same pages as in the step */
+        for (int j = 0; j < (seqs[s].len + ps - 1) / ps; j++)
+            one.page_ids[j] = st.page_ids[st.seq_page_start[s] + j];
+        for (int t = 0; t < one.st.n_tokens; t++)
+            one.slots[t] = one.page_ids[one.positions[t] / ps] * ps + one.positions[t] % ps;
+        const int n = one.st.n_tokens;
+        float *c = rand_vec((size_t)n * lora, -1, 1), *kr = rand_vec((size_t)n * rd, -1, 1);
+        float *q = rand_vec((size_t)n * H * hd, -1, 1), *q0 = malloc((size_t)n * H * hd * 4);
+        memcpy(q0, q, (size_t)n * H * hd * 4);
+        b->iface->rope_kv_append(b, q, c, kr, H, &one.st, &rope, &kv);
+        for (int t = 0; t < n; t++) {
+            const int pos = one.positions[t];
+            double *row = rows + (size_t)one.slots[t] * hd;
+            for (int i = 0; i < lora; i++)
+                row[i] = c[(size_t)t * lora + i];
+            for (int i = 0; i < rd / 2; i++) {
+                const double a = (double)(float)((float)pos * inv_freq[i]);
+                const double cs = cos(a) * 0.75, sn = sin(a) * 0.75;
+                const double x = kr[(size_t)t * rd + 2 * i], y = kr[(size_t)t * rd + 2 * i + 1];
+                row[lora + 2 * i] = x * cs - y * sn;
+                row[lora + 2 * i + 1] = x * sn + y * cs;
+                for (int h = 0; h < H; h++) { /* q: the latent part kept, the rope part turned */
+                    const float *qi = q0 + ((size_t)t * H + h) * hd;
+                    const float *qo = q + ((size_t)t * H + h) * hd;
+                    assert_true(fabs(qo[lora + 2 * i] -
+                                     (qi[lora + 2 * i] * cs - qi[lora + 2 * i + 1] * sn)) < 1e-5);
+                    assert_true(fabs(qo[lora + 2 * i + 1] -
+                                     (qi[lora + 2 * i] * sn + qi[lora + 2 * i + 1] * cs)) < 1e-5);
+                }
+            }
+            for (int h = 0; h < H; h++)
+                assert_memory_equal(q + ((size_t)t * H + h) * hd, q0 + ((size_t)t * H + h) * hd,
+                                    (size_t)lora * sizeof(float));
+            const int32_t page = one.slots[t] / ps;
+            const float *stored = base + ((size_t)page * ps + one.slots[t] % ps) * hd;
+            for (int i = 0; i < hd; i++)
+                assert_true(fabs(stored[i] - row[i]) < 1e-6);
+        }
+        free(c), free(kr), free(q), free(q0);
+        free_step(&one);
+    }
+    /* attention over the rows: scores over all hd, values the first lora */
+    const float scale = 0.3f;
+    float *q = rand_vec((size_t)T * H * hd, -2, 2);
+    float *out = malloc((size_t)T * H * lora * sizeof(float));
+    float *out2 = malloc((size_t)T * H * lora * sizeof(float));
+    b->iface->attention(b, q, H, &st.st, &kv, scale, out);
+    for (int t = 0; t < T; t++) {
+        const int s = st.token_seq[t], n = st.positions[t] + 1;
+        for (int h = 0; h < H; h++) {
+            const float *qh = q + ((size_t)t * H + h) * hd;
+            double *w = malloc((size_t)n * sizeof(double)), mx = -INFINITY, sum = 0;
+            for (int j = 0; j < n; j++) {
+                const int32_t slot = st.page_ids[st.seq_page_start[s] + j / ps] * ps + j % ps;
+                const double *row = rows + (size_t)slot * hd;
+                double d = 0;
+                for (int i = 0; i < hd; i++)
+                    d += qh[i] * row[i];
+                w[j] = d * scale;
+                mx = fmax(mx, w[j]);
+            }
+            for (int j = 0; j < n; j++)
+                sum += (w[j] = exp(w[j] - mx));
+            for (int i = 0; i < lora; i++) {
+                double acc = 0;
+                for (int j = 0; j < n; j++) {
+                    const int32_t slot = st.page_ids[st.seq_page_start[s] + j / ps] * ps + j % ps;
+                    acc += w[j] * rows[(size_t)slot * hd + i];
+                }
+                assert_true(fabs(out[((size_t)t * H + h) * lora + i] - acc / sum) < 1e-5);
+            }
+            free(w);
+        }
+    }
+    float *first = malloc((size_t)T * H * lora * sizeof(float));
+    for (int isa = 0; isa < n_isas(); isa++) /* each ISA its own bits, whatever the threads */
+        for (int th = 1; th <= 3; th++) {
+            tdm_backend_t *bk = make_backend((enum tdm_cpu_isa)isa, th, false);
+            bk->iface->attention(bk, q, H, &st.st, &kv, scale, th == 1 ? first : out2);
+            if (th > 1) assert_memory_equal(first, out2, (size_t)T * H * lora * sizeof(float));
+            for (size_t i = 0; i < (size_t)T * H * lora; i++) /* and near the reference */
+                assert_true(fabsf(first[i] - out[i]) < 1e-5f);
+            tdm_backend_destroy(bk);
+        }
+    free(first);
+    tdm_backend_destroy(b);
+    free(out), free(out2), free(q), free(rows), free(base);
+    free_step(&st);
+}
+
+/* head_matmul: each (row, head) block against a double-precision product, strided in and out,
+ * and a row's values the same whatever rows share the call. */
+static void test_head_matmul(void **state)
+{
+    (void)state;
+    const int H = 3, R = 5, C = 19, n = 7;
+    const size_t xs = (size_t)H * 24 + 3, xh = 24, os = (size_t)H * 8 + 1, oh = 8;
+    float *W = rand_vec((size_t)H * R * C, -1, 1), *x = rand_vec((size_t)n * xs, -1, 1);
+    float *out = calloc((size_t)n * os, sizeof(float)), *one = calloc(os, sizeof(float));
+    struct tdm_weight w = {TDM_DTYPE_F32, (int64_t)H * R, C, (size_t)C * 4, W};
+    tdm_backend_t *b = make_backend(TDM_CPU_ISA_PORTABLE, 3, false);
+    b->iface->head_matmul(b, &w, H, x, n, xs, xh, out, os, oh);
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < H; j++)
+            for (int r = 0; r < R; r++) {
+                double d = 0;
+                for (int c = 0; c < C; c++)
+                    d += (double)W[((size_t)j * R + r) * C + c] * x[i * xs + j * xh + c];
+                assert_true(fabs(out[i * os + j * oh + r] - d) < 1e-5);
+            }
+        b->iface->head_matmul(b, &w, H, x + i * xs, 1, xs, xh, one, os, oh);
+        for (int j = 0; j < H; j++)
+            assert_memory_equal(one + j * oh, out + i * os + j * oh, (size_t)R * sizeof(float));
+    }
+    tdm_backend_destroy(b);
+    free(W), free(x), free(out), free(one);
+}
+
 /* ---- interface plumbing ---- */
 
 static void test_misc(void **state)
@@ -609,6 +768,7 @@ int main(void)
         cmocka_unit_test(test_matmul_invariance), cmocka_unit_test(test_matmul_fused),
         cmocka_unit_test(test_attention_paged),   cmocka_unit_test(test_misc),
         cmocka_unit_test(test_isa_selection),     cmocka_unit_test(test_kv_convert_isas),
+        cmocka_unit_test(test_latent_attention),  cmocka_unit_test(test_head_matmul),
     };
     fprintf(stderr, "cpu backend: best ISA here is %s\n", tdm_cpu_isa_name(tdm_cpu_isa_detect()));
     if (getenv("TDM_TEST_FILTER")) cmocka_set_test_filter(getenv("TDM_TEST_FILTER"));

@@ -90,6 +90,16 @@ def decode_idle(d, timeout=30):
         time.sleep(0.05)
 
 
+def assert_all_remote(d, m0, n):
+    """The decoder, once idle, prefilled n more requests remotely since metrics m0, and none
+    locally; returns its metrics."""
+    m1 = decode_idle(d)
+    assert m1[("tandem_disagg_remote_prefills_total", ())] - \
+        m0[("tandem_disagg_remote_prefills_total", ())] == n
+    assert m1[("tandem_disagg_local_fallbacks_total", ())] == 0
+    return m1
+
+
 @pytest.fixture(scope="module")
 def colocated(default_model):
     s = Server(THREADS)
@@ -593,12 +603,9 @@ def test_two_byte_kv_pages(default_model):
         m0 = d.metrics()
         got = [run(d, x) for x in ps]
         assert got == want, "bf16 pages: disaggregated output differs from colocated bf16"
-        m1 = decode_idle(d)
-        assert m1[("tandem_disagg_remote_prefills_total", ())] - \
-            m0[("tandem_disagg_remote_prefills_total", ())] == len(ps)
-        assert m1[("tandem_disagg_local_fallbacks_total", ())] == 0
+        assert_all_remote(d, m0, len(ps))
         prefill_idle(p)
-        assert ", bf16;" in p.logs() and ", bf16;" in d.logs()
+        assert "tokens, bf16, " in p.logs() and "tokens, bf16, " in d.logs()
         # which transport each decoder peer gets, said once
         assert p.logs().count("KV pages by libfabric, from host memory here to host memory "
                               "there") == 1, p.logs()

@@ -36,8 +36,8 @@ import pytest
 
 from conftest import run_tandem
 from lib import reference as ref
-from lib.checkpoints import (f32_to_bf16_bits, make_gguf_checkpoint, make_hf_checkpoint,
-                             quantize_q6_k)
+from lib.checkpoints import (YARN_SCALING, f32_to_bf16_bits, make_gguf_checkpoint,
+                             make_hf_checkpoint, quantize_q6_k)
 
 TOL = 1e-4  # max|ours - ref| / max|ref|
 TIE = 1e-3  # top-2 gap below TIE * max|logits| is a near tie
@@ -77,6 +77,10 @@ VARIANTS = {
                                                          sharded=True, num_experts=6,
                                                          num_experts_per_tok=3)),
     "hf-mixtral-f32": ("hf", "mixtral", dict(seed=42)),
+    # transformers' fused 3-D expert tensors
+    "hf-qwen3moe-fused-bf16": ("hf", "qwen3_moe", dict(seed=49, dtype="bfloat16",
+                                                       fused_experts=True)),
+    "hf-mixtral-fused-f32": ("hf", "mixtral", dict(seed=50, fused_experts=True, sharded=True)),
     "gguf-qwen3moe-F32": ("gguf", "qwen3_moe", dict(seed=43, wtype="F32")),
     "gguf-qwen3moe-Q8_0": ("gguf", "qwen3_moe", dict(seed=44, wtype="Q8_0",
                                                      moe_intermediate_size=64)),
@@ -86,6 +90,23 @@ VARIANTS = {
     "gguf-qwen2moe-Q8_0": ("gguf", "qwen2_moe", dict(seed=48, wtype="Q8_0",
                                                      moe_intermediate_size=64,
                                                      shared_expert_intermediate_size=64)),
+    # DeepSeek: MLA (q direct for V2, through its LoRA for V3), a dense first layer, shared
+    # experts; V2's softmax router (greedy, then group-limited), V3's sigmoid with its bias and
+    # groups scored by their best two; YaRN past its original context; llama.cpp's deepseek2
+    # with kv_b whole or split into k_b / v_b, quantised
+    "hf-deepseek-v2-f32": ("hf", "deepseek_v2", dict(seed=60, num_hidden_layers=3)),
+    "hf-deepseek-v2-groups-yarn-bf16": ("hf", "deepseek_v2", dict(
+        seed=61, dtype="bfloat16", num_experts=8, n_group=4, topk_group=2,
+        topk_method="group_limited_greedy", rope_scaling=dict(YARN_SCALING, factor=8.0,
+                                                              mscale=1.0, mscale_all_dim=0.5))),
+    "hf-deepseek-v3-f32": ("hf", "deepseek_v3", dict(seed=62, num_hidden_layers=3,
+                                                     rope_scaling=YARN_SCALING)),
+    "gguf-deepseek-v3-F32-split": ("gguf", "deepseek_v3", dict(seed=63, wtype="F32",
+                                                               tied=False, kv_b_split=True)),
+    "gguf-deepseek-v2-Q8_0": ("gguf", "deepseek_v2", dict(
+        seed=64, wtype="Q8_0", tied=False, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=32, v_head_dim=32, moe_intermediate_size=64,
+        rope_scaling=YARN_SCALING)),
 }
 
 
@@ -186,16 +207,30 @@ TOKS = [5, 17, 3, 100, 200, 7, 9, 250, 1, 0, 44, 31, 31, 31, 2, 128]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-                                  "qwen2_moe"])
+                                  "qwen2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v3-split"])
 def test_reference_hf_and_gguf_agree(arch, tmp_path):
     """One seed written both ways is one model: catches wrong tensor names, a wrong llama Q/K
-    permutation, or rope pairing that does not match it."""
-    hf = ref.load(make_hf_checkpoint(tmp_path / "hf", arch, seed=21))
-    gg = ref.load(make_gguf_checkpoint(tmp_path / "m.gguf", arch, seed=21, tied=False))
-    assert hf.rope_neox and gg.rope_neox == (arch not in ("llama", "mixtral"))
+    permutation, or rope pairing that does not match it (DeepSeek: kv_b whole or split, YaRN
+    from config.json or from the GGUF keys)."""
+    arch, split = arch.split("-")[0], arch.endswith("-split")
+    extra = dict(rope_scaling=YARN_SCALING) if arch.startswith("deepseek") else {}
+    hf = ref.load(make_hf_checkpoint(tmp_path / "hf", arch, seed=21, **extra))
+    gg = ref.load(make_gguf_checkpoint(tmp_path / "m.gguf", arch, seed=21, tied=False,
+                                       kv_b_split=split, **extra))
+    deepseek = arch.startswith("deepseek")
+    assert hf.rope_neox != deepseek and gg.rope_neox == (arch not in ("llama", "mixtral")
+                                                         and not deepseek)
     # float64 throughout: what is left is BLAS's rounding (~1e-16 an op), which a random model's
     # gains amplify to ~1e-9; a wrong name or permutation is off by O(1)
     assert ref.rel_err(ref.forward(gg, TOKS), ref.forward(hf, TOKS)) < 1e-8
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_reference_fused_experts_are_the_same_model(arch, tmp_path):
+    """transformers' fused expert tensors hold the per-expert ones (gate rows before up)."""
+    one = ref.load(make_hf_checkpoint(tmp_path / "a", arch, seed=26))
+    fused = ref.load(make_hf_checkpoint(tmp_path / "b", arch, seed=26, fused_experts=True))
+    assert ref.rel_err(ref.forward(fused, TOKS), ref.forward(one, TOKS)) == 0.0
 
 
 def test_reference_llama3_rope_freqs_equals_hf_llama3(tmp_path):
@@ -249,6 +284,30 @@ def test_reference_moe_routing_is_sensitive(tmp_path):
         assert ref.rel_err(other, base) > 100 * TOL, change
 
 
+def test_reference_deepseek_is_sensitive(tmp_path):
+    """DeepSeek's own parts show in the logits: its routing (the bias, the groups, the scaling
+    factor, sigmoid or softmax) and YaRN's frequencies, magnitude and softmax scale."""
+    m = ref.load(make_hf_checkpoint(tmp_path / "v3", "deepseek_v3", seed=65,
+                                    rope_scaling=dict(YARN_SCALING, mscale=1.0)))
+    toks = [(7 * i) % 250 + 3 for i in range(80)]  # past yarn's original 64 positions
+    base = ref.forward(m, toks)
+    L = m.layers[1]
+    mutants = {
+        "no correction bias": dataclasses.replace(
+            m, layers=[m.layers[0], dataclasses.replace(L, router_bias=None)]),
+        "no groups": dataclasses.replace(m, n_group=0, topk_group=0),
+        "group by its best": dataclasses.replace(m, group_top2=False),
+        "no routed scale": dataclasses.replace(m, routed_scale=1.0),
+        "softmax scores": dataclasses.replace(m, sigmoid=False),
+        "yarn off": dataclasses.replace(m, inv_freq=ref.rope_inv_freq(m.rope_theta, 8)),
+        "no rope magnitude": dataclasses.replace(m, rope_mscale=1.0),
+        "no attention scale": dataclasses.replace(m, attn_scale=1.0),
+    }
+    assert m.rope_mscale != 1.0 and m.attn_scale != 1.0
+    for what, mut in mutants.items():
+        assert ref.rel_err(ref.forward(mut, toks), base) > 10 * TOL, what
+
+
 def test_q6_k_packing_decodes_with_gguf():
     import gguf
 
@@ -298,7 +357,7 @@ KV_TOL = {"bf16": 5e-4, "f16": 1.5e-4}
 # type's rounding (2^-8 = 3.9e-3 for bf16, 2^-11 = 4.9e-4 for f16) of the f32 ones: measured up
 # to 6.3e-3 and 5.4e-4 over the 36 prompts; the tolerances leave three times that.
 KV_VS_F32 = {"bf16": 2e-2, "f16": 2e-3}
-KV_VARIANTS = ["hf-llama-f32", "hf-qwen3-f32", "gguf-llama-Q4_1"]
+KV_VARIANTS = ["hf-llama-f32", "hf-qwen3-f32", "gguf-llama-Q4_1", "hf-deepseek-v3-f32"]
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "f16"])

@@ -51,7 +51,7 @@ def test_describes_experts(tmp_path):
     (dict(moe_intermediate_size=0), "expert FFN width = 0"),
     (dict(mlp_only_layers=[7]), "mlp_only_layers[0] is not a layer index below 2"),
     (dict(decoder_sparse_step=0), "decoder_sparse_step 0 must be >= 1"),
-    (dict(model_type="deepseek_v2"), 'model_type "deepseek_v2" is not supported'),
+    (dict(model_type="mamba"), 'model_type "mamba" is not supported'),
     (dict(moe_intermediate_size=40), "expected [40, 64], got [48, 64]"),
 ])
 def test_bad_configs_refused(tmp_path, changes, needle):
@@ -107,13 +107,16 @@ def test_qwen2moe_needs_its_shared_expert(tmp_path):
     assert d["arch"] == "qwen2" and d["qkv_bias"] is True and d["n_experts"] == 4
 
 
-def test_routed_rows_are_batch_invariant(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_routed_rows_are_batch_invariant(tmp_path, arch):
     """Four requests at once give the tokens and log-probabilities each gets alone: a row's
     experts run on whatever rows share them, and its result must not depend on them
-    (--batch-invariant: our kernels, not OpenBLAS). Every token a forward step ran went through
-    k experts in each sparse layer, which the metric counts."""
-    path = make_gguf_checkpoint(tmp_path / "q.gguf", "qwen3_moe", seed=56, num_hidden_layers=2,
-                                num_experts=8, num_experts_per_tok=2)
+    (--batch-invariant: our kernels, not OpenBLAS; DeepSeek: its grouped sigmoid routing and
+    the latent attention too). Every token a forward step ran went through k experts in each
+    sparse layer, which the metric counts."""
+    extra = dict(first_k_dense_replace=0, kv_b_split=True) if arch == "deepseek_v3" else {}
+    path = make_gguf_checkpoint(tmp_path / "q.gguf", arch, seed=56, num_hidden_layers=2,
+                                num_experts=8, num_experts_per_tok=2, **extra)
     s = Server(["--model", str(path), "--threads", "2", "--batch-invariant"])
     try:
         prompts = [[(7 * i + 13 * j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(4)]
@@ -138,3 +141,52 @@ def test_routed_rows_are_batch_invariant(tmp_path):
         assert sum(1 for c in counts if c) >= 4  # the router spreads tokens
     finally:
         s.stop()
+
+
+def test_describes_deepseek(tmp_path):
+    d = info(make_hf_checkpoint(tmp_path / "v3", "deepseek_v3", seed=70, num_hidden_layers=3))
+    assert d["arch"] == "deepseek2" and d["n_kv_heads"] == 1 and d["head_dim"] == 32 + 8
+    assert d["mla"] == dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                            qk_rope_head_dim=8, v_head_dim=16)
+    assert (d["n_experts"], d["sparse_layers"], d["moe_scoring"], d["moe_groups"],
+            d["moe_groups_used"], d["d_ff_shared"]) == (8, 2, "sigmoid", 4, 2, 48)
+    assert d["moe_routed_scale"] == 2.5 and d["rope_neox"] is False
+    g = info(make_gguf_checkpoint(tmp_path / "v2.gguf", "deepseek_v2", seed=71,
+                                  kv_b_split=True))
+    assert g["arch"] == "deepseek2" and g["mla"]["q_lora_rank"] == 0
+    assert (g["moe_scoring"], g["moe_groups"], g["moe_routed_scale"]) == ("softmax", 0, 1.5)
+    text = run_tandem(["info", "--model", str(tmp_path / "v2.gguf")]).stdout
+    assert "mla          q_lora 0, kv_lora 32, heads of 16 + 8 (rope), values 16" in text
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(n_routed_experts=0), "n_routed_experts 0 must be >= 1"),
+    (dict(num_experts_per_tok=9), "experts per token = 9 outside [1, 8]"),
+    (dict(topk_group=5), "expert groups a token takes = 5 outside [1, 4]"),
+    (dict(n_group=3), "8 experts do not split into 3 groups"),
+    (dict(num_experts_per_tok=5, topk_group=2), "5 experts a token, but its 2 groups hold only 4"),
+    (dict(n_group=8, topk_group=4), "groups of one expert cannot be scored by their best two"),
+    (dict(kv_lora_rank=0), "kv_lora_rank 0 must be >= 1"),
+    (dict(qk_rope_head_dim=7), "qk_rope_head_dim 7 is odd"),
+    (dict(kv_lora_rank=2000), "kv_lora_rank = 2000 outside [1, 1024]"),
+    (dict(scoring_func="tanh"), 'scoring_func "tanh" (softmax, sigmoid)'),
+    (dict(topk_method="random"), 'topk_method "random"'),
+    (dict(routed_scaling_factor=-1.0), "routed_scaling_factor -1 must be > 0"),
+    (dict(v_head_dim=20), "self_attn.o_proj.weight: expected [64, 80], got [64, 64]"),
+    (dict(q_lora_rank=None), "model.layers.0.self_attn.q_proj.weight: tensor missing"),
+])
+def test_bad_deepseek_configs_refused(tmp_path, changes, needle):
+    path = make_hf_checkpoint(tmp_path / "v3", "deepseek_v3", seed=72)
+    edit_config(path, **changes)
+    err = refused(path)
+    assert needle in err, err
+
+
+def test_mla_on_cuda_is_refused_clearly(tmp_path):
+    """The CUDA backend has no latent-attention kernels yet: a clear refusal, not wrong
+    output (on a machine without a GPU the backend itself is refused first)."""
+    path = make_hf_checkpoint(tmp_path / "v2", "deepseek_v2", seed=73)
+    cp = run_tandem(["generate", "--model", str(path), "--backend", "cuda", "--prompt-tokens",
+                     "3,4,5", "--max-tokens", "1"], check=False)
+    assert cp.returncode != 0
+    assert ("multi-head latent attention" in cp.stderr or "cuda" in cp.stderr.lower()), cp.stderr

@@ -28,13 +28,24 @@ import pathlib
 
 import numpy as np
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2",
+         "deepseek_v3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 # mixture-of-experts arches: their attention is their base's
 BASE = {"qwen3_moe": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2"}
 # their experts (overridable like any shape key; ignored by dense arches)
 MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                  decoder_sparse_step=1, mlp_only_layers=(), norm_topk_prob=None,
                  shared_expert_intermediate_size=40)
+
+# DeepSeek-V2/V3 (MLA, and experts from layer first_k_dense_replace on); None: the arch's own
+# default (resolve_shape). rope_scaling: None, or the keys of a yarn rope_scaling.
+DEEPSEEK_SHAPE = dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=16, n_shared_experts=1, first_k_dense_replace=1,
+                      moe_layer_freq=1, n_group=None, topk_group=None, topk_method=None,
+                      routed_scaling_factor=None, scoring_func=None, rope_scaling=None)
+YARN_SCALING = dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                    beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
 
 # Default shapes; any of these can be overridden through **shape.
 DEFAULT_SHAPE = dict(
@@ -62,19 +73,26 @@ LINEAR_FACTOR = 2.0
 def resolve_shape(arch: str, shape: dict) -> dict:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}")
-    s = dict(DEFAULT_SHAPE, **MOE_SHAPE)
+    s = dict(DEFAULT_SHAPE, **MOE_SHAPE, **DEEPSEEK_SHAPE)
     moe, arch = arch, BASE.get(arch, arch)
+    if moe in DEEPSEEK:
+        v3 = moe == "deepseek_v3"
+        s.update(num_key_value_heads=s["num_attention_heads"], rms_norm_eps=1.5e-3,
+                 q_lora_rank=48 if v3 else None, n_group=4 if v3 else 1,
+                 topk_group=2 if v3 else 1, topk_method="noaux_tc" if v3 else "greedy",
+                 routed_scaling_factor=2.5 if v3 else 1.5,
+                 scoring_func="sigmoid" if v3 else "softmax", num_experts=8 if v3 else 4)
     if arch == "qwen3":
         s["head_dim"] = 32
         s["rms_norm_eps"] = 5e-4
     if arch == "qwen2":
         s["rms_norm_eps"] = 2e-3
-    unknown = set(shape) - set(DEFAULT_SHAPE) - set(MOE_SHAPE)
+    unknown = set(shape) - set(DEFAULT_SHAPE) - set(MOE_SHAPE) - set(DEEPSEEK_SHAPE)
     if unknown:
         raise ValueError(f"unknown shape keys {sorted(unknown)}")
     s.update(shape)
     if s["norm_topk_prob"] is None:  # the released configs': qwen2_moe's are not renormalised
-        s["norm_topk_prob"] = moe != "qwen2_moe"
+        s["norm_topk_prob"] = moe not in ("qwen2_moe", "deepseek_v2")
     if arch in ("llama", "qwen2") and "head_dim" not in shape:
         s["head_dim"] = s["hidden_size"] // s["num_attention_heads"]
     if s["num_attention_heads"] % s["num_key_value_heads"]:
@@ -86,6 +104,8 @@ def sparse_layer(arch: str, s: dict, i: int) -> bool:
     """Whether layer i has experts (transformers' rule for qwen3_moe; every layer of mixtral)."""
     if arch == "mixtral":
         return True
+    if arch in DEEPSEEK:
+        return i >= s["first_k_dense_replace"] and i % s["moe_layer_freq"] == 0
     return (arch in ("qwen3_moe", "qwen2_moe") and i not in s["mlp_only_layers"]
             and (i + 1) % s["decoder_sparse_step"] == 0)
 
@@ -108,6 +128,8 @@ def random_weights(arch: str, seed: int, s: dict, tied: bool) -> dict[str, np.nd
         return 1.0 + 0.1 * rng.standard_normal(n)
 
     w = {"model.embed_tokens.weight": 0.4 * rng.standard_normal((v, d))}
+    if moe_arch in DEEPSEEK:
+        return _deepseek_weights(moe_arch, s, tied, w, mat, norm, rng)
     for i in range(s["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(d)
@@ -147,6 +169,92 @@ def random_weights(arch: str, seed: int, s: dict, tied: bool) -> dict[str, np.nd
     if not tied:
         w["lm_head.weight"] = mat(v, d, 2.0)
     return w
+
+
+def fuse_experts(w: dict, n: int) -> dict:
+    """Per-expert tensors (mlp.experts.N.{gate,up,down}_proj.weight, or mixtral's
+    block_sparse_moe.experts.N.w1/w3/w2) to transformers' fused 3-D pair per layer."""
+    out, done = {}, set()
+    for name in w:
+        for pre, (g, u, dn) in (("mlp.experts.", ("gate_proj", "up_proj", "down_proj")),
+                                ("block_sparse_moe.experts.", ("w1", "w3", "w2"))):
+            at = name.find(pre)
+            if at < 0 or not name.endswith(".weight"):
+                continue
+            base = name[:at + len(pre)]
+            if base not in done:
+                done.add(base)
+                out[base + "gate_up_proj"] = np.stack([np.concatenate(
+                    [w[f"{base}{e}.{g}.weight"], w[f"{base}{e}.{u}.weight"]]) for e in range(n)])
+                out[base + "down_proj"] = np.stack([w[f"{base}{e}.{dn}.weight"]
+                                                    for e in range(n)])
+            break
+        else:
+            out[name] = w[name]
+    return out
+
+
+def _deepseek_weights(arch, s, tied, w, mat, norm, rng):
+    """DeepSeek-V2/V3's HF names: MLA (q directly or through its LoRA, kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj), dense layers before first_k_dense_replace, then experts with
+    shared ones (and V3's e_score_correction_bias)."""
+    d, v, H = s["hidden_size"], s["vocab_size"], s["num_attention_heads"]
+    nope, rope, lora = s["qk_nope_head_dim"], s["qk_rope_head_dim"], s["kv_lora_rank"]
+    vd, ql = s["v_head_dim"], s["q_lora_rank"]
+    for i in range(s["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        w[p + "input_layernorm.weight"] = norm(d)
+        if ql:
+            w[a + "q_a_proj.weight"] = mat(ql, d)
+            w[a + "q_a_layernorm.weight"] = norm(ql)
+            w[a + "q_b_proj.weight"] = mat(H * (nope + rope), ql, 1.5)
+        else:
+            w[a + "q_proj.weight"] = mat(H * (nope + rope), d, 1.5)
+        w[a + "kv_a_proj_with_mqa.weight"] = mat(lora + rope, d)
+        w[a + "kv_a_layernorm.weight"] = norm(lora)
+        w[a + "kv_b_proj.weight"] = mat(H * (nope + vd), lora)
+        w[a + "o_proj.weight"] = mat(d, H * vd)
+        w[p + "post_attention_layernorm.weight"] = norm(d)
+        q = p + "mlp."
+        if not sparse_layer(arch, s, i):
+            ff = s["intermediate_size"]
+            w[q + "gate_proj.weight"] = mat(ff, d)
+            w[q + "up_proj.weight"] = mat(ff, d)
+            w[q + "down_proj.weight"] = mat(d, ff)
+            continue
+        fe, n = s["moe_intermediate_size"], s["num_experts"]
+        w[q + "gate.weight"] = mat(n, d, 3.0)
+        if arch == "deepseek_v3":
+            w[q + "gate.e_score_correction_bias"] = 0.05 * rng.standard_normal(n)
+        for e in range(n):
+            w[f"{q}experts.{e}.gate_proj.weight"] = mat(fe, d)
+            w[f"{q}experts.{e}.up_proj.weight"] = mat(fe, d)
+            w[f"{q}experts.{e}.down_proj.weight"] = mat(d, fe, 1.5)
+        if s["n_shared_experts"]:
+            fs = fe * s["n_shared_experts"]
+            w[q + "shared_experts.gate_proj.weight"] = mat(fs, d)
+            w[q + "shared_experts.up_proj.weight"] = mat(fs, d)
+            w[q + "shared_experts.down_proj.weight"] = mat(d, fs, 1.5)
+    w["model.norm.weight"] = norm(d)
+    if not tied:
+        w["lm_head.weight"] = mat(v, d, 2.0)
+    return w
+
+
+def _deepseek_config(arch: str, s: dict) -> dict:
+    return dict(
+        moe_intermediate_size=s["moe_intermediate_size"], n_shared_experts=s["n_shared_experts"],
+        n_routed_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
+        routed_scaling_factor=s["routed_scaling_factor"], topk_method=s["topk_method"],
+        n_group=s["n_group"], topk_group=s["topk_group"], scoring_func=s["scoring_func"],
+        norm_topk_prob=s["norm_topk_prob"], first_k_dense_replace=s["first_k_dense_replace"],
+        moe_layer_freq=s["moe_layer_freq"], q_lora_rank=s["q_lora_rank"],
+        kv_lora_rank=s["kv_lora_rank"], qk_nope_head_dim=s["qk_nope_head_dim"],
+        qk_rope_head_dim=s["qk_rope_head_dim"], v_head_dim=s["v_head_dim"],
+        attention_bias=False, attention_dropout=0.0, aux_loss_alpha=0.001, ep_size=1,
+        seq_aux=True, num_nextn_predict_layers=0 if arch == "deepseek_v3" else None,
+        rope_scaling=s["rope_scaling"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,13 +306,15 @@ def _hf_rope_config(rope: str, theta: float) -> dict:
 
 def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = False,
                        sharded: bool = False, seed: int = 0, rope: str = "theta",
-                       **shape) -> pathlib.Path:
+                       fused_experts: bool = False, **shape) -> pathlib.Path:
     """Writes a tiny random HF checkpoint folder and returns its path.
 
     dtype: float32 | bfloat16 | float16. rope: theta (top-level rope_theta) | parameters
     (rope_parameters, default type) | llama3 (rope_theta + rope_scaling llama3) |
     llama3_parameters (rope_parameters with llama3) | linear. sharded: three shards plus
-    model.safetensors.index.json. No tokenizer files are written.
+    model.safetensors.index.json. fused_experts: transformers' fused 3-D expert tensors,
+    experts.gate_up_proj [n, 2 ff, d] (gate rows, then up) and experts.down_proj [n, d, ff], in
+    place of one tensor per expert. No tokenizer files are written.
     """
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unknown dtype {dtype!r}")
@@ -212,6 +322,8 @@ def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = F
     out.mkdir(parents=True, exist_ok=True)
     s = resolve_shape(arch, shape)
     w = random_weights(arch, seed, s, tied)
+    if fused_experts:
+        w = fuse_experts(w, s["num_experts"])
     v = s["vocab_size"]
     bos, eos = v - 2, v - 1
 
@@ -219,7 +331,9 @@ def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = F
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                            "mixtral": "MixtralForCausalLM",
-                           "qwen2_moe": "Qwen2MoeForCausalLM"}[arch]],
+                           "qwen2_moe": "Qwen2MoeForCausalLM",
+                           "deepseek_v2": "DeepseekV2ForCausalLM",
+                           "deepseek_v3": "DeepseekV3ForCausalLM"}[arch]],
         "model_type": arch,
         "hidden_size": s["hidden_size"],
         "intermediate_size": s["intermediate_size"],
@@ -261,6 +375,8 @@ def make_hf_checkpoint(dir, arch: str, *, dtype: str = "float32", tied: bool = F
     if arch == "qwen2_moe":
         cfg.update(shared_expert_intermediate_size=s["shared_expert_intermediate_size"])
     cfg.update(_hf_rope_config(rope, s["rope_theta"]))
+    if arch in DEEPSEEK:
+        cfg.update(_deepseek_config(arch, s))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos, "eos_token_id": eos, "do_sample": True, "temperature": 0.7,
@@ -394,7 +510,8 @@ def _gguf_matrix(arr: np.ndarray, wtype: str):
 
 
 def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, tied: bool = True,
-                         rope_freqs: bool = False, extra_tokens=(), **shape) -> pathlib.Path:
+                         rope_freqs: bool = False, extra_tokens=(), kv_b_split: bool = False,
+                         **shape) -> pathlib.Path:
     """Writes a tiny random GGUF model (llama.cpp conventions) and returns its path.
 
     2-D matrices (embedding included) are stored as `wtype`; norms and biases F32. llama's Q/K
@@ -419,25 +536,34 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
         raise ValueError("llama.cpp's qwen3moe and qwen2moe have experts in every layer, "
                          "renormalised for qwen3moe, not for qwen2moe")
     garch = {"qwen3_moe": "qwen3moe", "mixtral": "llama",
-             "qwen2_moe": "qwen2moe"}.get(arch, arch)
+             "qwen2_moe": "qwen2moe", "deepseek_v2": "deepseek2",
+             "deepseek_v3": "deepseek2"}.get(arch, arch)
     arch = BASE.get(arch, arch)
 
     wr = gguf.GGUFWriter(str(path), garch)
+    if moe_arch in DEEPSEEK:
+        if s["topk_method"] == "group_limited_greedy":
+            raise ValueError("llama.cpp scores expert groups by their best two (V3's rule)")
+        _gguf_deepseek_keys(wr, s, kv_b_split)
     wr.add_name(f"tiny-{arch}-{wtype}")
     wr.add_block_count(s["num_hidden_layers"])
     wr.add_context_length(s["max_position_embeddings"])
     wr.add_embedding_length(s["hidden_size"])
     wr.add_feed_forward_length(s["intermediate_size"])
     wr.add_head_count(nh)
-    wr.add_head_count_kv(nkv)
-    if arch == "qwen3" or hd != s["hidden_size"] // nh:
+    if moe_arch not in DEEPSEEK:
+        wr.add_head_count_kv(nkv)
+    if moe_arch in DEEPSEEK:
+        pass
+    elif arch == "qwen3" or hd != s["hidden_size"] // nh:
         wr.add_key_length(hd)
         wr.add_value_length(hd)
     wr.add_layer_norm_rms_eps(s["rms_norm_eps"])
     wr.add_rope_freq_base(s["rope_theta"])
-    wr.add_rope_dimension_count(hd)
+    if moe_arch not in DEEPSEEK:
+        wr.add_rope_dimension_count(hd)
     wr.add_vocab_size(s["vocab_size"])
-    if moe_arch in BASE:
+    if moe_arch in BASE and moe_arch not in DEEPSEEK:
         wr.add_expert_count(s["num_experts"])
         wr.add_expert_used_count(s["num_experts_per_tok"])
         if moe_arch in ("qwen3_moe", "qwen2_moe"):
@@ -464,9 +590,11 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
         wr.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
 
     mat("token_embd.weight", w["model.embed_tokens.weight"])
+    if moe_arch in DEEPSEEK:
+        _gguf_deepseek_tensors(s, w, moe_arch, mat, vec, kv_b_split)
     if rope_freqs:
         vec("rope_freqs.weight", llama3_rope_factors(s["rope_theta"], hd))
-    for i in range(s["num_hidden_layers"]):
+    for i in range(0 if moe_arch in DEEPSEEK else s["num_hidden_layers"]):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         q = w[p + "self_attn.q_proj.weight"]
         k = w[p + "self_attn.k_proj.weight"]
@@ -512,6 +640,88 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
     return path
 
 
+def _gguf_deepseek_keys(wr, s, kv_b_split):
+    """llama.cpp's deepseek2 metadata for a DeepSeek shape."""
+    import gguf
+
+    nope, rope, lora, vd = (s["qk_nope_head_dim"], s["qk_rope_head_dim"], s["kv_lora_rank"],
+                            s["v_head_dim"])
+    if s["q_lora_rank"]:
+        wr.add_q_lora_rank(s["q_lora_rank"])
+    wr.add_kv_lora_rank(lora)
+    if kv_b_split:  # the latent is the one head; the heads' widths in the _mla keys
+        wr.add_head_count_kv(1)
+        wr.add_key_length(lora + rope)
+        wr.add_value_length(lora)
+        wr.add_key_length_mla(nope + rope)
+        wr.add_value_length_mla(vd)
+    else:
+        wr.add_head_count_kv(s["num_attention_heads"])
+        wr.add_key_length(nope + rope)
+        wr.add_value_length(vd)
+    wr.add_rope_dimension_count(rope)
+    wr.add_leading_dense_block_count(s["first_k_dense_replace"])
+    wr.add_expert_count(s["num_experts"])
+    wr.add_expert_used_count(s["num_experts_per_tok"])
+    wr.add_expert_feed_forward_length(s["moe_intermediate_size"])
+    wr.add_expert_shared_count(s["n_shared_experts"])
+    wr.add_expert_weights_scale(float(s["routed_scaling_factor"]))
+    wr.add_expert_weights_norm(bool(s["norm_topk_prob"]))
+    wr.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if s["scoring_func"] == "sigmoid"
+                              else gguf.ExpertGatingFuncType.SOFTMAX)
+    if s["topk_method"] == "noaux_tc":
+        wr.add_expert_group_count(s["n_group"])
+        wr.add_expert_group_used_count(s["topk_group"])
+    y = s["rope_scaling"]
+    if y:
+        if y["mscale"] != y["mscale_all_dim"]:
+            raise ValueError("llama.cpp's deepseek2 has no yarn rotation magnitude")
+        wr.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        wr.add_rope_scaling_factor(y["factor"])
+        wr.add_rope_scaling_orig_ctx_len(y["original_max_position_embeddings"])
+        wr.add_rope_scaling_yarn_log_mul(0.1 * y["mscale_all_dim"])
+
+
+def _gguf_deepseek_tensors(s, w, arch, mat, vec, kv_b_split):
+    """deepseek2's tensors (llama.cpp's names; no Q/K permutation: its rope is interleaved)."""
+    H, nope, vd, lora = (s["num_attention_heads"], s["qk_nope_head_dim"], s["v_head_dim"],
+                         s["kv_lora_rank"])
+    for i in range(s["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        a = p + "self_attn."
+        vec(b + "attn_norm.weight", w[p + "input_layernorm.weight"])
+        if s["q_lora_rank"]:
+            mat(b + "attn_q_a.weight", w[a + "q_a_proj.weight"])
+            vec(b + "attn_q_a_norm.weight", w[a + "q_a_layernorm.weight"])
+            mat(b + "attn_q_b.weight", w[a + "q_b_proj.weight"])
+        else:
+            mat(b + "attn_q.weight", w[a + "q_proj.weight"])
+        mat(b + "attn_kv_a_mqa.weight", w[a + "kv_a_proj_with_mqa.weight"])
+        vec(b + "attn_kv_a_norm.weight", w[a + "kv_a_layernorm.weight"])
+        kvb = w[a + "kv_b_proj.weight"]
+        if kv_b_split:  # convert_hf_to_gguf: k_b [H, lora, nope] (transposed), v_b [H, v, lora]
+            kvb3 = kvb.reshape(H, nope + vd, lora)
+            mat(b + "attn_k_b.weight", np.ascontiguousarray(kvb3[:, :nope, :].transpose(0, 2, 1)))
+            mat(b + "attn_v_b.weight", np.ascontiguousarray(kvb3[:, nope:, :]))
+        else:
+            mat(b + "attn_kv_b.weight", kvb)
+        mat(b + "attn_output.weight", w[a + "o_proj.weight"])
+        vec(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        q = p + "mlp."
+        if not sparse_layer(arch, s, i):
+            for k in ("gate", "up", "down"):
+                mat(f"{b}ffn_{k}.weight", w[f"{q}{k}_proj.weight"])
+            continue
+        mat(b + "ffn_gate_inp.weight", w[q + "gate.weight"])
+        if q + "gate.e_score_correction_bias" in w:
+            vec(b + "exp_probs_b.bias", w[q + "gate.e_score_correction_bias"])
+        for k in ("gate", "up", "down"):
+            mat(f"{b}ffn_{k}_exps.weight", np.stack(
+                [w[f"{q}experts.{e}.{k}_proj.weight"] for e in range(s["num_experts"])]))
+            if s["n_shared_experts"]:
+                mat(f"{b}ffn_{k}_shexp.weight", w[f"{q}shared_experts.{k}_proj.weight"])
+
+
 def llama3_rope_factors(theta: float, head_dim: int, scaling: dict = LLAMA3_SCALING) -> np.ndarray:
     """llama.cpp's rope_freqs tensor for llama3 scaling: the divisor of each frequency."""
     inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -530,7 +740,7 @@ def llama3_rope_factors(theta: float, head_dim: int, scaling: dict = LLAMA3_SCAL
     return out.astype(np.float32)
 
 
-__all__ = ["make_hf_checkpoint", "make_gguf_checkpoint", "random_weights", "resolve_shape",
+__all__ = ["fuse_experts", "make_hf_checkpoint", "make_gguf_checkpoint", "random_weights", "resolve_shape",
            "llama_permute", "quantize_q6_k", "gguf_vocab", "byte_to_unicode", "f32_to_bf16_bits",
            "llama3_rope_factors", "LLAMA3_SCALING", "LINEAR_FACTOR", "GGUF_WTYPES", "ARCHS"]
 

@@ -30,6 +30,23 @@ Model, one layer (x: [T, d_model], positions p):
     (+ sigmoid(h . score) FFN_shared(h) with qwen2_moe's shared expert)
 then logits = rmsnorm(x, output_norm) Wout^T, Wout = token embedding when tied.
 
+DeepSeek-V2/V3 (HF deepseek_v2/deepseek_v3, GGUF deepseek2), written from their modeling
+files in the naive (not absorbed) form:
+    q = h Wq^T, or (rmsnorm(h Wq_a^T, q_a_norm)) Wq_b^T;  per head [q_nope | q_rope]
+    [c | k_rope] = h Wkv_a^T ; c = rmsnorm(c, kv_a_norm)  (one k_rope shared by every head)
+    [k_nope | v] = c Wkv_b^T per head ; q_rope, k_rope rotated (interleaved pairs)
+    a = softmax([q_nope|q_rope] . [k_nope|k_rope] * scale) v ; x += a Wo^T
+  scale = 1/sqrt(nope + rope), times mscale(factor, mscale_all_dim)^2 under YaRN, whose
+  frequencies blend f and f/factor along a linear ramp between two correction dimensions
+  and whose cos and sin are multiplied by mscale(factor, mscale)/mscale(factor, mscale_all_dim),
+  mscale(f, m) = 0.1 m ln f + 1. The cache keeps c and the rotated k_rope per position.
+  Experts: scores softmax(z) or sigmoid(z); choice by score (+ e_score_correction_bias) among
+  the topk_group best of n_group groups (a group's worth: its best, or for V3 the sum of its
+  best two; llama.cpp: always the best two), the others excluded; weights = chosen scores,
+  renormalised when norm_topk_prob, times routed_scaling_factor (V2's modeling: only when it
+  does not renormalise); shared experts added unscaled. Layers before first_k_dense_replace
+  (and those off moe_layer_freq) are dense.
+
 Rope: inv_freq_i = theta^(-2i/head_dim), angle = p * inv_freq_i, with llama3 or linear scaling
 from config.json, or divided by GGUF's rope_freqs.weight when present. HF checkpoints and
 qwen2/qwen3 GGUF rotate pairs (i, i + head_dim/2) (rotate_half); llama GGUF rotates adjacent
@@ -52,9 +69,10 @@ import numpy as np
 
 ARCHS = ("llama", "qwen2", "qwen3")
 HF_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "mixtral": "llama", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
+            "mixtral": "llama", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2",
+            "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3",
-              "qwen2moe": "qwen2"}
+              "qwen2moe": "qwen2", "deepseek2": "deepseek2"}
 
 
 def _limit_blas_threads(n: int) -> bool:
@@ -98,7 +116,16 @@ class Layer:
     k_norm: np.ndarray | None = None
     router: np.ndarray | None = None  # experts: [n_experts, d_model]; w_gate etc. None then
     experts: list | None = None  # [(gate [ff, d], up [ff, d], down [d, ff])] per expert
-    shared: tuple | None = None  # qwen2_moe: (gate, up, down, score [d]) of the shared expert
+    shared: tuple | None = None  # (gate, up, down, score [d] or None) of the shared expert
+    # MLA (DeepSeek): q_a / q_a_norm / q_b or wq; kv_a [lora + rope, d]; kv_a_norm; kv_b
+    # [H (nope + v), lora]; router_bias [n_experts] (V3)
+    wq_a: np.ndarray | None = None
+    q_a_norm: np.ndarray | None = None
+    wq_b: np.ndarray | None = None
+    wkv_a: np.ndarray | None = None
+    kv_a_norm: np.ndarray | None = None
+    wkv_b: np.ndarray | None = None
+    router_bias: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -125,6 +152,14 @@ class Model:
     source: str = ""
     experts_used: int = 0  # experts a token takes (mixture of experts)
     norm_topk: bool = False  # renormalise the kept probabilities to sum 1
+    sigmoid: bool = False  # DeepSeek-V3's scores
+    n_group: int = 0  # expert groups (0: none)
+    topk_group: int = 0
+    group_top2: bool = False  # a group's worth: its best two (else its best)
+    routed_scale: float = 1.0
+    mla: tuple | None = None  # (q_lora, kv_lora, nope, rope, v) of DeepSeek's attention
+    rope_mscale: float = 1.0  # cos and sin times this (YaRN)
+    attn_scale: float = 1.0  # the softmax scale's factor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,6 +176,19 @@ def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None = None) -> n
         return inv
     if kind == "linear":
         return inv / float(scaling["factor"])
+    if kind == "yarn":  # DeepSeek's yarn_find_correction_range and linear ramp
+        factor = float(scaling["factor"])
+        old = float(scaling["original_max_position_embeddings"])
+
+        def dim_of(rot):
+            return head_dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(theta))
+        lo = max(math.floor(dim_of(float(scaling.get("beta_fast", 32)))), 0)
+        hi = min(math.ceil(dim_of(float(scaling.get("beta_slow", 1)))), head_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
+        keep = 1.0 - ramp
+        return inv / factor * (1 - keep) + inv * keep
     if kind == "llama3":
         factor = float(scaling["factor"])
         lo = float(scaling["low_freq_factor"])
@@ -198,6 +246,8 @@ def _load_hf(folder: pathlib.Path) -> Model:
     for f in files:
         w.update(_read_safetensors(folder / f))
 
+    if arch == "deepseek2":
+        return _load_hf_deepseek(folder, cfg, w)
     d = cfg["hidden_size"]
     nh = cfg["num_attention_heads"]
     nkv = cfg.get("num_key_value_heads", nh)
@@ -222,6 +272,12 @@ def _load_hf(folder: pathlib.Path) -> Model:
         if not n_experts or i in only or (i + 1) % step:
             return (w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
                     w[p + "mlp.down_proj.weight"], None, None)
+        q = p + ("block_sparse_moe." if model_type == "mixtral" else "mlp.")
+        if q + "experts.gate_up_proj" in w:  # transformers' fused [n, 2 ff, d] and [n, d, ff]
+            gu, dn = w[q + "experts.gate_up_proj"], w[q + "experts.down_proj"]
+            ff = gu.shape[1] // 2
+            return (None, None, None, w[q + "gate.weight"],
+                    [(gu[e, :ff], gu[e, ff:], dn[e]) for e in range(n_experts)])
         if model_type == "mixtral":
             q = p + "block_sparse_moe."
             return (None, None, None, w[q + "gate.weight"],
@@ -271,6 +327,142 @@ def _load_hf(folder: pathlib.Path) -> Model:
                  experts_used=used if n_experts else 0, norm_topk=norm_topk)
 
 
+def _yarn_mscale(factor: float, m: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def _load_hf_deepseek(folder, cfg, w) -> Model:
+    d, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    v3 = cfg["model_type"] == "deepseek_v3"
+    mla = (cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
+           cfg["qk_rope_head_dim"], cfg["v_head_dim"])
+    theta = float(cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling")
+    mscale, attn = 1.0, 1.0
+    if scaling and scaling.get("type", scaling.get("rope_type")) == "yarn":
+        f = float(scaling["factor"])
+        m_all = float(scaling.get("mscale_all_dim", 0) or 0)
+        mscale = _yarn_mscale(f, float(scaling.get("mscale", 1))) / _yarn_mscale(f, m_all)
+        if m_all:
+            attn = _yarn_mscale(f, m_all) ** 2
+    n_experts = cfg.get("n_routed_experts") or 0
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    norm_topk = bool(cfg.get("norm_topk_prob", False))
+    scale = float(cfg.get("routed_scaling_factor", 1.0))
+    if not v3 and norm_topk:
+        scale = 1.0
+    layers = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        q = p + "mlp."
+        sparse = (n_experts and i >= cfg.get("first_k_dense_replace", 0)
+                  and i % cfg.get("moe_layer_freq", 1) == 0)
+        L = Layer(attn_norm=w[p + "input_layernorm.weight"], wq=w.get(a + "q_proj.weight"),
+                  wk=None, wv=None, wo=w[a + "o_proj.weight"],
+                  ffn_norm=w[p + "post_attention_layernorm.weight"], w_gate=None, w_up=None,
+                  w_down=None, wq_a=w.get(a + "q_a_proj.weight"),
+                  q_a_norm=w.get(a + "q_a_layernorm.weight"), wq_b=w.get(a + "q_b_proj.weight"),
+                  wkv_a=w[a + "kv_a_proj_with_mqa.weight"],
+                  kv_a_norm=w[a + "kv_a_layernorm.weight"], wkv_b=w[a + "kv_b_proj.weight"])
+        if not sparse:
+            L.w_gate, L.w_up, L.w_down = (w[q + "gate_proj.weight"], w[q + "up_proj.weight"],
+                                          w[q + "down_proj.weight"])
+        else:
+            L.router = w[q + "gate.weight"]
+            L.router_bias = w.get(q + "gate.e_score_correction_bias")
+            L.experts = [(w[f"{q}experts.{e}.gate_proj.weight"], w[f"{q}experts.{e}.up_proj.weight"],
+                          w[f"{q}experts.{e}.down_proj.weight"]) for e in range(n_experts)]
+            if q + "shared_experts.gate_proj.weight" in w:
+                L.shared = tuple(w[f"{q}shared_experts.{k}_proj.weight"]
+                                 for k in ("gate", "up", "down")) + (None,)
+        layers.append(L)
+    embed = w["model.embed_tokens.weight"]
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    eos = cfg.get("eos_token_id")
+    groups = method != "greedy" and (cfg.get("n_group") or 1) > 1
+    return Model(arch="deepseek2", n_layers=len(layers), d_model=d, n_heads=nh, n_kv_heads=1,
+                 head_dim=mla[1] + mla[3], d_ff=cfg["intermediate_size"],
+                 vocab_size=cfg["vocab_size"], rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                 rope_theta=theta, inv_freq=rope_inv_freq(theta, mla[3], scaling),
+                 rope_neox=False, embed=embed, layers=layers, out_norm=w["model.norm.weight"],
+                 lm_head=embed if tied else w["lm_head.weight"], tied=tied,
+                 bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
+                 source=str(folder), experts_used=cfg.get("num_experts_per_tok", 0) if n_experts
+                 else 0, norm_topk=norm_topk, sigmoid=cfg.get("scoring_func", "sigmoid" if v3
+                                                               else "softmax") == "sigmoid",
+                 n_group=cfg["n_group"] if groups else 0,
+                 topk_group=cfg["topk_group"] if groups else 0,
+                 group_top2=method == "noaux_tc", routed_scale=scale, mla=mla,
+                 rope_mscale=mscale, attn_scale=attn)
+
+
+def _load_gguf_deepseek(path, r, kv, tensors) -> Model:
+    g = "deepseek2"
+    d, nh = int(kv(f"{g}.embedding_length")), int(kv(f"{g}.attention.head_count"))
+    rope = int(kv(f"{g}.rope.dimension_count"))
+    lora = int(kv(f"{g}.attention.kv_lora_rank"))
+    qk = int(kv(f"{g}.attention.key_length_mla", kv(f"{g}.attention.key_length")))
+    vd = int(kv(f"{g}.attention.value_length_mla", kv(f"{g}.attention.value_length")))
+    nope = qk - rope
+    mla = (int(kv(f"{g}.attention.q_lora_rank", 0)), lora, nope, rope, vd)
+    theta = float(kv(f"{g}.rope.freq_base", 10000.0))
+    scaling, attn = None, 1.0
+    if kv(f"{g}.rope.scaling.type") == "yarn":
+        f = float(kv(f"{g}.rope.scaling.factor"))
+        scaling = {"type": "yarn", "factor": f,
+                   "original_max_position_embeddings": kv(f"{g}.rope.scaling.original_context_length"),
+                   "beta_fast": kv(f"{g}.rope.scaling.yarn_beta_fast", 32.0),
+                   "beta_slow": kv(f"{g}.rope.scaling.yarn_beta_slow", 1.0)}
+        lm = float(kv(f"{g}.rope.scaling.yarn_log_multiplier", 0.0))
+        attn = (1.0 + lm * math.log(f)) ** 2 if f > 1 else 1.0
+    n_experts = int(kv(f"{g}.expert_count", 0))
+    dense = int(kv(f"{g}.leading_dense_block_count", 0))
+    layers = []
+    for i in range(int(kv(f"{g}.block_count"))):
+        b = f"blk.{i}."
+        kvb = tensors.get(b + "attn_kv_b.weight")
+        if kvb is None:  # k_b [H, lora, nope] and v_b [H, v, lora] back to kv_b's rows
+            kb, vb = tensors[b + "attn_k_b.weight"], tensors[b + "attn_v_b.weight"]
+            kvb = np.concatenate([kb.transpose(0, 2, 1), vb], axis=1).reshape(-1, lora)
+        L = Layer(attn_norm=tensors[b + "attn_norm.weight"], wq=tensors.get(b + "attn_q.weight"),
+                  wk=None, wv=None, wo=tensors[b + "attn_output.weight"],
+                  ffn_norm=tensors[b + "ffn_norm.weight"], w_gate=tensors.get(b + "ffn_gate.weight"),
+                  w_up=tensors.get(b + "ffn_up.weight"), w_down=tensors.get(b + "ffn_down.weight"),
+                  wq_a=tensors.get(b + "attn_q_a.weight"),
+                  q_a_norm=tensors.get(b + "attn_q_a_norm.weight"),
+                  wq_b=tensors.get(b + "attn_q_b.weight"), wkv_a=tensors[b + "attn_kv_a_mqa.weight"],
+                  kv_a_norm=tensors[b + "attn_kv_a_norm.weight"], wkv_b=kvb)
+        if n_experts and i >= dense:
+            gt, ut, dt = (tensors[b + f"ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
+            L.router = tensors[b + "ffn_gate_inp.weight"]
+            L.router_bias = tensors.get(b + "exp_probs_b.bias")
+            L.experts = [(gt[e], ut[e], dt[e]) for e in range(n_experts)]
+            if b + "ffn_gate_shexp.weight" in tensors:
+                L.shared = tuple(tensors[b + f"ffn_{k}_shexp.weight"]
+                                 for k in ("gate", "up", "down")) + (None,)
+        layers.append(L)
+    embed = tensors["token_embd.weight"]
+    tied = "output.weight" not in tensors
+    bos, eos = kv("tokenizer.ggml.bos_token_id"), kv("tokenizer.ggml.eos_token_id")
+    ng = int(kv(f"{g}.expert_group_count", 0))
+    return Model(arch="deepseek2", n_layers=len(layers), d_model=d, n_heads=nh, n_kv_heads=1,
+                 head_dim=lora + rope, d_ff=int(kv(f"{g}.feed_forward_length")),
+                 vocab_size=embed.shape[0],
+                 rms_eps=float(kv(f"{g}.attention.layer_norm_rms_epsilon", 1e-5)),
+                 rope_theta=theta, inv_freq=rope_inv_freq(theta, rope, scaling), rope_neox=False,
+                 embed=embed, layers=layers, out_norm=tensors["output_norm.weight"],
+                 lm_head=embed if tied else tensors["output.weight"], tied=tied,
+                 bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
+                 source=str(path), experts_used=int(kv(f"{g}.expert_used_count", 0)),
+                 norm_topk=bool(kv(f"{g}.expert_weights_norm", False)),
+                 sigmoid=int(kv(f"{g}.expert_gating_func", 1)) == 2,
+                 n_group=ng if ng > 1 else 0,
+                 topk_group=int(kv(f"{g}.expert_group_used_count", 0)) if ng > 1 else 0,
+                 group_top2=True, routed_scale=float(kv(f"{g}.expert_weights_scale", 1.0)),
+                 mla=mla, attn_scale=attn)
+
+
 def _load_gguf(path: pathlib.Path) -> Model:
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -292,6 +484,8 @@ def _load_gguf(path: pathlib.Path) -> Model:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         tensors[t.name] = _f64(a.reshape(shape))
 
+    if garch == "deepseek2":
+        return _load_gguf_deepseek(path, r, kv, tensors)
     d = int(kv(f"{garch}.embedding_length"))
     nh = int(kv(f"{garch}.attention.head_count"))
     nkv = int(kv(f"{garch}.attention.head_count_kv", nh))
@@ -370,10 +564,12 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def apply_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool) -> np.ndarray:
-    """x [T, heads, hd] rotated by angle pos[t] * inv_freq[i] on pair i."""
+def apply_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, neox: bool,
+               mscale: float = 1.0) -> np.ndarray:
+    """x [T, heads, hd] rotated by angle pos[t] * inv_freq[i] on pair i (cos and sin times
+    mscale: YaRN's magnitude)."""
     ang = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    c, s = np.cos(ang)[:, None, :] * mscale, np.sin(ang)[:, None, :] * mscale
     if neox:
         half = x.shape[-1] // 2
         a, b = x[..., :half], x[..., half:]
@@ -403,6 +599,63 @@ def kv_rounding(kv_dtype: str | None):
     raise ValueError(f"unknown KV element type {kv_dtype!r}")
 
 
+def mla_attention(m: Model, L: Layer, h: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+                  K: np.ndarray, kv_round=None):
+    """DeepSeek's attention of h [T, d] (naive form); K [S, 1, lora + rope] caches each
+    position's normed latent and rotated rope key. Returns (output [T, d], K)."""
+    ql, lora, nope, rope, vd = m.mla
+    T, nh = h.shape[0], m.n_heads
+    if L.wq_a is not None:
+        q = rmsnorm(h @ L.wq_a.T, L.q_a_norm, m.rms_eps) @ L.wq_b.T
+    else:
+        q = h @ L.wq.T
+    q = q.reshape(T, nh, nope + rope)
+    q_nope = q[..., :nope]
+    q_pe = apply_rope(q[..., nope:], pos, m.inv_freq, False, m.rope_mscale)
+    kva = h @ L.wkv_a.T
+    c = rmsnorm(kva[:, :lora], L.kv_a_norm, m.rms_eps)
+    k_pe = apply_rope(kva[:, None, lora:], pos, m.inv_freq, False, m.rope_mscale)[:, 0]
+    row = np.concatenate([c, k_pe], axis=-1)
+    if kv_round is not None:
+        row = kv_round(row)
+    K = np.concatenate([K, row[:, None, :]], axis=0)
+    kv = (K[:, 0, :lora] @ L.wkv_b.T).reshape(K.shape[0], nh, nope + vd)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    scale = m.attn_scale / math.sqrt(nope + rope)
+    scores = (np.einsum("thd,shd->hts", q_nope, k_nope)
+              + np.einsum("thd,sd->hts", q_pe, K[:, 0, lora:])) * scale
+    scores = np.where(mask[None], -np.inf, scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    a = np.einsum("hts,shd->thd", p, v).reshape(T, nh * vd)
+    return a @ L.wo.T, K
+
+
+def route(m: Model, L: Layer, z: np.ndarray):
+    """(experts, weights) of one row's router logits z [n_experts] (the module docstring)."""
+    if m.sigmoid:
+        sc = 1.0 / (1.0 + np.exp(-z))
+    else:
+        sc = np.exp(z - z.max())
+        sc /= sc.sum()
+    choice = sc + (L.router_bias if L.router_bias is not None else 0.0)
+    E = z.size
+    if m.n_group:
+        gs = E // m.n_group
+        g = choice.reshape(m.n_group, gs)
+        worth = np.sort(g, axis=1)[:, -2:].sum(axis=1) if m.group_top2 else g.max(axis=1)
+        allowed = np.zeros(E, dtype=bool)
+        for k in np.argsort(-worth, kind="stable")[:m.topk_group]:
+            allowed[k * gs:(k + 1) * gs] = True
+        choice = np.where(allowed, choice, -np.inf)
+    kept = np.argsort(-choice, kind="stable")[:m.experts_used]
+    w = sc[kept]
+    if m.norm_topk:
+        w = w / w.sum()
+    return kept, w * m.routed_scale
+
+
 def layer_step(m: Model, L: Layer, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
                K: np.ndarray, V: np.ndarray, kv_round=None):
     """One decoder layer over x [T, d] at positions pos, appending to the layer's cache K, V
@@ -410,10 +663,13 @@ def layer_step(m: Model, L: Layer, x: np.ndarray, pos: np.ndarray, mask: np.ndar
     input norm (an EAGLE head's) projects x itself. kv_round (kv_rounding's): what storing k
     and v in the cache does to them. Returns (x, K, V)."""
     T, hd = x.shape[0], m.head_dim
+    h = rmsnorm(x, L.attn_norm, m.rms_eps) if L.attn_norm is not None else x
+    if m.mla is not None:
+        o, K = mla_attention(m, L, h, pos, mask, K, kv_round)
+        return ffn_step(m, L, x + o), K, V
     nh, nkv = L.wq.shape[0] // hd, L.wk.shape[0] // hd  # a head's layer may differ
     group = nh // nkv
     scale = 1.0 / math.sqrt(hd)
-    h = rmsnorm(x, L.attn_norm, m.rms_eps) if L.attn_norm is not None else x
     q = h @ L.wq.T
     k = h @ L.wk.T
     v = h @ L.wv.T
@@ -438,25 +694,27 @@ def layer_step(m: Model, L: Layer, x: np.ndarray, pos: np.ndarray, mask: np.ndar
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
     a = np.einsum("kgts,skd->tkgd", p, V).reshape(T, nh * hd)
-    x = x + a @ L.wo.T
+    return ffn_step(m, L, x + a @ L.wo.T), K, V
+
+
+def ffn_step(m: Model, L: Layer, x: np.ndarray) -> np.ndarray:
+    """x plus the layer's FFN (dense, or experts) of rmsnorm(x, ffn_norm)."""
     h = rmsnorm(x, L.ffn_norm, m.rms_eps)
     if L.router is None:
-        return x + (silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T, K, V
+        return x + (silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
     z = h @ L.router.T  # [T, n_experts]
-    p = np.exp(z - z.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
     out = np.zeros_like(x)
-    for t in range(T):
-        kept = np.argsort(-p[t], kind="stable")[:m.experts_used]
-        w = p[t, kept] / (p[t, kept].sum() if m.norm_topk else 1.0)
-        for e, we in zip(kept, w):
+    for t in range(x.shape[0]):
+        for e, we in zip(*route(m, L, z[t])):
             g, u, dn = L.experts[e]
             out[t] += we * ((silu(h[t] @ g.T) * (h[t] @ u.T)) @ dn.T)
     if L.shared is not None:
         g, u, dn, score = L.shared
-        gate = 1.0 / (1.0 + np.exp(-(h @ score)))  # [T]
-        out += gate[:, None] * ((silu(h @ g.T) * (h @ u.T)) @ dn.T)
-    return x + out, K, V
+        y = (silu(h @ g.T) * (h @ u.T)) @ dn.T
+        if score is not None:  # qwen2_moe's gate
+            y = (1.0 / (1.0 + np.exp(-(h @ score))))[:, None] * y
+        out += y
+    return x + out
 
 
 class Session:
@@ -563,4 +821,4 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 __all__ = ["Model", "Layer", "Head", "Session", "load", "kv_rounding", "layer_step", "head_forward", "forward", "greedy", "rel_err", "top2_margin",
-           "rope_inv_freq", "apply_rope", "rmsnorm", "silu"]
+           "rope_inv_freq", "apply_rope", "rmsnorm", "silu", "route", "mla_attention"]

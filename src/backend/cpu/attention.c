@@ -67,36 +67,22 @@ struct att_job {
     float *out;
 };
 
-static inline float dot(const float *a, const float *b, int n)
-{
-    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++)
-            l[k] += a[i + k] * b[i + k];
-    const float x0 = l[0] + l[4], x1 = l[1] + l[5], x2 = l[2] + l[6], x3 = l[3] + l[7];
-    float s = (x0 + x2) + (x1 + x3);
-    for (; i < n; i++)
-        s += a[i] * b[i];
-    return s;
-}
-
 void tdm_cpu_attn_step_portable(const struct tdm_cpu_attn_step *s)
 {
     float w[TDM_CPU_ATTN_GROUP][TDM_CPU_ATTN_CHUNK];
-    const int hd = s->hd, cn = s->cn;
+    const int hd = s->hd, vd = s->vd, cn = s->cn;
     for (int h = 0; h < s->gs; h++) {
         const float *q = s->q + (size_t)h * hd;
         float *acc = s->acc + (size_t)h * TDM_CPU_MAX_HEAD_DIM;
         float cmax = s->m[h];
         for (int j = 0; j < cn; j++) {
-            w[h][j] = dot(q, s->k[j], hd) * s->scale;
+            w[h][j] = tdm_cpu_dot8(q, s->k[j], hd) * s->scale;
             if (w[h][j] > cmax) cmax = w[h][j];
         }
         if (cmax > s->m[h]) {
             const float alpha = expf(s->m[h] - cmax); /* 0 on the first step */
             s->sum[h] *= alpha;
-            for (int d = 0; d < hd; d++)
+            for (int d = 0; d < vd; d++)
                 acc[d] *= alpha;
             s->m[h] = cmax;
         }
@@ -110,10 +96,16 @@ void tdm_cpu_attn_step_portable(const struct tdm_cpu_attn_step *s)
         for (int h = 0; h < s->gs; h++) {
             const float e = w[h][j];
             float *acc = s->acc + (size_t)h * TDM_CPU_MAX_HEAD_DIM;
-            for (int d = 0; d < hd; d++)
+            for (int d = 0; d < vd; d++)
                 acc[d] += e * v[d];
         }
     }
+}
+
+/* The width of a head's output: V's (a latent layer's v_dim, else head_dim). */
+static inline int out_dim(const struct tdm_kv_layer *kv)
+{
+    return kv->v_dim > 0 ? kv->v_dim : kv->head_dim;
 }
 
 /* What one token needs to find its KV. */
@@ -160,9 +152,10 @@ static void segment_state(const struct att_job *job, int t, const struct att_tok
 {
     const struct tdm_kv_layer *kv = job->kv;
     const int hd = kv->head_dim, nkv = kv->n_kv_heads, ps = kv->page_size;
-    const int group = job->n_heads / nkv;
+    const int group = job->n_heads / nkv, vd = out_dim(kv);
+    const bool latent = kv->v_dim > 0;          /* V is K's first vd elements */
     const size_t head_stride = (size_t)ps * hd; /* one head of one page, K or V (elements) */
-    const size_t page_stride = 2 * (size_t)nkv * head_stride;
+    const size_t page_stride = (latent ? 1 : 2) * (size_t)nkv * head_stride;
     const bool f32 = kv->dtype == TDM_DTYPE_F32;
     const float *kr[TDM_CPU_ATTN_CHUNK], *vr[TDM_CPU_ATTN_CHUNK];
     /* 2-byte rows widened (touched only for those types) */
@@ -171,13 +164,14 @@ static void segment_state(const struct att_job *job, int t, const struct att_tok
     for (int hh = 0; hh < gs; hh++) {
         m[hh] = -INFINITY;
         sum[hh] = 0.0f;
-        for (int d = 0; d < hd; d++)
+        for (int d = 0; d < vd; d++)
             acc[(size_t)hh * TDM_CPU_MAX_HEAD_DIM + d] = 0.0f;
     }
     struct tdm_cpu_attn_step step = {
         .q = job->q + ((size_t)t * job->n_heads + (size_t)g * group + h0) * hd,
         .gs = gs,
         .hd = hd,
+        .vd = vd,
         .k = kr,
         .v = vr,
         .scale = job->scale,
@@ -203,14 +197,14 @@ static void segment_state(const struct att_job *job, int t, const struct att_tok
                 (size_t)page * page_stride + (size_t)g * head_stride + (size_t)off * hd;
             if (f32) {
                 kr[jj] = (const float *)kv->base + at;
-                vr[jj] = kr[jj] + (size_t)nkv * head_stride;
+                vr[jj] = latent ? kr[jj] : kr[jj] + (size_t)nkv * head_stride;
             } else {
                 const uint16_t *kp = (const uint16_t *)kv->base + at;
-                float *kd = kw + (size_t)jj * hd, *vd = vw + (size_t)jj * hd;
+                float *kd = kw + (size_t)jj * hd, *vdst = vw + (size_t)jj * hd;
                 job->k->kv_widen(kv->dtype, kp, kd, hd);
-                job->k->kv_widen(kv->dtype, kp + (size_t)nkv * head_stride, vd, hd);
+                if (!latent) job->k->kv_widen(kv->dtype, kp + (size_t)nkv * head_stride, vdst, hd);
                 kr[jj] = kd;
-                vr[jj] = vd;
+                vr[jj] = latent ? kd : vdst;
             }
         }
         job->k->attn_step(&step);
@@ -238,7 +232,7 @@ static void finish_head(const float *acc, float sum, int hd, float *out)
  * running state as soon as it is done. */
 static void attend(const struct att_job *job, int t, int g)
 {
-    const int hd = job->kv->head_dim, group = job->n_heads / job->kv->n_kv_heads;
+    const int hd = out_dim(job->kv), group = job->n_heads / job->kv->n_kv_heads;
     const struct att_tok tk = att_tok(job, t);
     const int n_seg = n_segments(tk.n_pos);
     float acc[TDM_CPU_ATTN_GROUP][TDM_CPU_MAX_HEAD_DIM];
@@ -282,14 +276,14 @@ struct split_job {
 static size_t state_floats(const struct att_job *job)
 {
     const int group = job->n_heads / job->kv->n_kv_heads;
-    return (size_t)group * ((size_t)job->kv->head_dim + 2);
+    return (size_t)group * ((size_t)out_dim(job->kv) + 2);
 }
 
 static void split_segments_worker(void *ctx, int ith, int nth)
 {
     const struct split_job *sj = ctx;
     const struct att_job *job = sj->job;
-    const int hd = job->kv->head_dim, nkv = job->kv->n_kv_heads, group = job->n_heads / nkv;
+    const int hd = out_dim(job->kv), nkv = job->kv->n_kv_heads, group = job->n_heads / nkv;
     float acc[TDM_CPU_ATTN_GROUP][TDM_CPU_MAX_HEAD_DIM];
     float m[TDM_CPU_ATTN_GROUP], sum[TDM_CPU_ATTN_GROUP];
     int t = 0;
@@ -318,7 +312,7 @@ static void split_merge_worker(void *ctx, int ith, int nth)
 {
     const struct split_job *sj = ctx;
     const struct att_job *job = sj->job;
-    const int hd = job->kv->head_dim, nkv = job->kv->n_kv_heads, group = job->n_heads / nkv;
+    const int hd = out_dim(job->kv), nkv = job->kv->n_kv_heads, group = job->n_heads / nkv;
     const size_t sf = state_floats(job);
     float acc[TDM_CPU_MAX_HEAD_DIM];
     const int64_t items = (int64_t)job->st->n_tokens * nkv;
@@ -409,7 +403,8 @@ void tdm_cpu_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_laye
     TDM_ASSERT(eb);
     const int ps = kv->page_size, hd = kv->head_dim, nkv = kv->n_kv_heads;
     /* in bytes */
-    const size_t head_stride = (size_t)ps * hd * eb, page_stride = 2 * (size_t)nkv * head_stride;
+    const int n_runs = (kv->v_dim > 0 ? 1 : 2) * nkv; /* K heads, then V heads (none: latent) */
+    const size_t head_stride = (size_t)ps * hd * eb, page_stride = (size_t)n_runs * head_stride;
     const size_t row_bytes = (size_t)hd * eb;
     for (int l = 0; l < n_layers; l++) {
         uint8_t *base = (uint8_t *)kv->base + (size_t)l * layer_bytes;
@@ -420,7 +415,7 @@ void tdm_cpu_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_laye
                 base + (size_t)(src[i] / ps) * page_stride + (size_t)(src[i] % ps) * row_bytes;
             uint8_t *to =
                 base + (size_t)(dst[i] / ps) * page_stride + (size_t)(dst[i] % ps) * row_bytes;
-            for (int kvh = 0; kvh < 2 * nkv; kvh++) /* K heads, then V heads */
+            for (int kvh = 0; kvh < n_runs; kvh++)
                 memcpy(to + (size_t)kvh * head_stride, from + (size_t)kvh * head_stride, row_bytes);
         }
     }

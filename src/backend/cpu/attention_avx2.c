@@ -54,11 +54,11 @@ AI __m256 exp_neg(__m256 x)
 
 void tdm_cpu_attn_step_avx2(const struct tdm_cpu_attn_step *s)
 {
-    if (s->hd % 8 != 0) {
+    if (s->hd % 8 != 0 || s->vd % 8 != 0) {
         tdm_cpu_attn_step_portable(s);
         return;
     }
-    const int hd = s->hd, cn = s->cn, gs = s->gs;
+    const int hd = s->hd, vd = s->vd, cn = s->cn, gs = s->gs;
     float w[TDM_CPU_ATTN_GROUP][TDM_CPU_ATTN_CHUNK] __attribute__((aligned(32)));
 
     for (int h = 0; h < gs; h++) {
@@ -77,7 +77,7 @@ void tdm_cpu_attn_step_avx2(const struct tdm_cpu_attn_step *s)
             const float alpha = expf(s->m[h] - cmax); /* 0 on the first step */
             s->sum[h] *= alpha;
             const __m256 va = _mm256_set1_ps(alpha);
-            for (int d = 0; d < hd; d += 8)
+            for (int d = 0; d < vd; d += 8)
                 _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), va));
             s->m[h] = cmax;
         }
@@ -93,7 +93,7 @@ void tdm_cpu_attn_step_avx2(const struct tdm_cpu_attn_step *s)
     }
     for (int h = 0; h < gs; h++) {
         float *acc = s->acc + (size_t)h * TDM_CPU_MAX_HEAD_DIM;
-        for (int d = 0; d < hd; d += 8) {
+        for (int d = 0; d < vd; d += 8) {
             __m256 a = _mm256_loadu_ps(acc + d);
             for (int j = 0; j < cn; j++)
                 a = _mm256_fmadd_ps(_mm256_set1_ps(w[h][j]), _mm256_loadu_ps(s->v[j] + d), a);

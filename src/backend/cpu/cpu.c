@@ -249,6 +249,7 @@ static const struct tdm_backend_i CPU_IFACE = {
     .gather_rows = tdm_cpu_gather_rows,
     .zero = tdm_cpu_zero,
     .rows_scale_add = tdm_cpu_rows_scale_add,
+    .head_matmul = tdm_cpu_head_matmul,
     .scatter_cols = tdm_cpu_scatter_cols,
     .kv_copy = tdm_cpu_kv_copy,
     .layer_done = cpu_layer_done,

@@ -26,7 +26,8 @@
 #include <math.h>
 
 /* Largest head_dim the attention and RoPE kernels accept (stack scratch is sized by it). */
-#define TDM_CPU_MAX_HEAD_DIM TDM_MAX_HEAD_DIM
+/* A K row's width at most: a head's (TDM_MAX_HEAD_DIM), or an MLA layer's latent row */
+#define TDM_CPU_MAX_HEAD_DIM 1024
 /* Largest tile side of the matmul kernels. */
 #define TDM_CPU_TILE_MAX 4
 
@@ -74,15 +75,32 @@ extern const tdm_cpu_tile_table tdm_cpu_tiles_avx512;
  * chunk's weights exp(score - m) to sum and weight * V to acc, positions in order. */
 #define TDM_CPU_ATTN_CHUNK 32 /* positions per step */
 #define TDM_CPU_ATTN_GROUP 8  /* query heads per step */
+/* The portable dot product: lane l sums elements 8i + l in order, the lanes fold
+ * ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), tail elements after. Its order depends on n alone. */
+static inline float tdm_cpu_dot8(const float *a, const float *b, int n)
+{
+    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++)
+            l[k] += a[i + k] * b[i + k];
+    const float x0 = l[0] + l[4], x1 = l[1] + l[5], x2 = l[2] + l[6], x3 = l[3] + l[7];
+    float s = (x0 + x2) + (x1 + x3);
+    for (; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+}
+
 struct tdm_cpu_attn_step {
     const float *q; /* [gs][hd] */
     int gs, hd, cn;
+    int vd;                /* V's width (hd, or a latent layer's v_dim) */
     const float *const *k; /* [cn] K rows of hd floats */
-    const float *const *v; /* [cn] V rows */
+    const float *const *v; /* [cn] V rows of vd floats */
     float scale;
     float *m;   /* [gs] running max (-inf before the first step) */
     float *sum; /* [gs] running sum of weights */
-    float *acc; /* [gs][TDM_CPU_MAX_HEAD_DIM] running weighted sum of V */
+    float *acc; /* [gs][TDM_CPU_MAX_HEAD_DIM] running weighted sum of V (vd used) */
 };
 typedef void (*tdm_cpu_attn_fn)(const struct tdm_cpu_attn_step *s);
 void tdm_cpu_attn_step_portable(const struct tdm_cpu_attn_step *s);
@@ -167,6 +185,9 @@ void tdm_cpu_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_laye
 void tdm_cpu_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols, int n, int n_cols,
                           int width, float *out);
 void tdm_cpu_zero(tdm_backend_t *b, float *x, size_t n);
+void tdm_cpu_head_matmul(tdm_backend_t *b, const struct tdm_weight *w, int n_heads, const float *x,
+                         int n, size_t x_stride, size_t x_hstride, float *out, size_t out_stride,
+                         size_t out_hstride);
 void tdm_cpu_rows_scale_add(tdm_backend_t *b, const float *x, const int32_t *rows,
                             const float *weights, int n, int dim, float *out);
 void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,

@@ -7,7 +7,12 @@
  * times float32 inv_freq); taking the product in double would be more exact but would differ
  * from such references by up to an ulp of the angle, which at position 10^4 is ~1e-3 radians.
  * A pair (a, b) becomes (a cos - b sin, a sin + b cos), each product rounded separately.
- * Pairs: neox (i, i + hd/2); otherwise (2i, 2i + 1); pair i uses inv_freq[i].
+ * Pairs: neox (i, i + hd/2); otherwise (2i, 2i + 1); pair i uses inv_freq[i]. Only a row's
+ * last rot_dim elements turn (hd counts those), and cos and sin are multiplied by mscale when
+ * it is not 1 (YaRN).
+ *
+ * A latent layer (MLA, kv->v_dim > 0): the cached row is the latent k (stored as it is) then
+ * the rope key v, rotated; nothing goes to a V half, which such pages do not have.
  *
  * KV layout (HND, kv.h): layer base [n_pages][2][n_kv_heads][page_size][head_dim] of the
  * layer's element type, K then V; token t goes to page slots[t] / page_size, offset
@@ -49,7 +54,10 @@ static void rope_worker(void *ctx, int ith, int nth)
     const struct rope_job *job = ctx;
     const struct tdm_step *st = job->st;
     const struct tdm_kv_layer *kv = job->kv;
-    const int hd = job->rope->head_dim, half = hd / 2, nkv = kv->n_kv_heads;
+    const int hd = job->rope->head_dim, nkv = kv->n_kv_heads;
+    const int rd = job->rope->rot_dim > 0 ? job->rope->rot_dim : hd, half = rd / 2;
+    const float ms = job->rope->mscale;
+    const bool scaled = ms != 0.0f && ms != 1.0f, latent = kv->v_dim > 0;
     const size_t head_bytes = (size_t)hd * sizeof(float);
     const size_t eb = tdm_kv_elem_bytes(kv->dtype);
     const bool f32 = eb == sizeof(float);
@@ -63,23 +71,39 @@ static void rope_worker(void *ctx, int ith, int nth)
             const float ang = pos * job->rope->inv_freq[i];
             cs[i] = cosf(ang);
             sn[i] = sinf(ang);
+            if (scaled) {
+                cs[i] *= ms;
+                sn[i] *= ms;
+            }
         }
         float *q = job->q + (size_t)t * job->n_heads * hd;
         for (int h = 0; h < job->n_heads; h++)
-            rotate(q + (size_t)h * hd, cs, sn, hd, job->rope->neox);
+            rotate(q + (size_t)h * hd + (hd - rd), cs, sn, rd, job->rope->neox);
 
         const int32_t slot = st->slots[t];
         TDM_ASSERT(slot >= 0);
         const int64_t page = slot / kv->page_size, off = slot % kv->page_size;
         TDM_ASSERT(page < kv->n_pages);
-        uint8_t *kpage = (uint8_t *)kv->base + (size_t)page * 2 * nkv * kv->page_size * hd * eb;
-        uint8_t *vpage = kpage + (size_t)nkv * kv->page_size * hd * eb;
+        const size_t half_page = (size_t)nkv * kv->page_size * hd * eb; /* K (or V) of a page */
+        uint8_t *kpage = (uint8_t *)kv->base + (size_t)page * (latent ? 1 : 2) * half_page;
+        uint8_t *vpage = kpage + half_page;
+        if (latent) { /* one row: the latent, then the rotated rope key */
+            const size_t dst = (size_t)off * hd * eb;
+            memcpy(krot, job->k + (size_t)t * (hd - rd), (size_t)(hd - rd) * sizeof(float));
+            memcpy(krot + (hd - rd), job->v + (size_t)t * rd, (size_t)rd * sizeof(float));
+            rotate(krot + (hd - rd), cs, sn, rd, job->rope->neox);
+            if (f32)
+                memcpy(kpage + dst, krot, head_bytes);
+            else
+                job->k_isa->kv_narrow(kv->dtype, krot, (uint16_t *)(kpage + dst), hd);
+            continue;
+        }
         const float *k = job->k + (size_t)t * nkv * hd;
         const float *v = job->v + (size_t)t * nkv * hd;
         for (int g = 0; g < nkv; g++) {
             const size_t dst = ((size_t)g * kv->page_size + (size_t)off) * hd * eb;
             memcpy(krot, k + (size_t)g * hd, head_bytes);
-            rotate(krot, cs, sn, hd, job->rope->neox);
+            rotate(krot + (hd - rd), cs, sn, rd, job->rope->neox);
             if (f32) {
                 memcpy(kpage + dst, krot, head_bytes);
                 memcpy(vpage + dst, v + (size_t)g * hd, head_bytes);
@@ -95,8 +119,11 @@ void tdm_cpu_rope_kv_append(tdm_backend_t *b, float *q, const float *k, const fl
                             const struct tdm_step *st, const struct tdm_rope *rope,
                             const struct tdm_kv_layer *kv)
 {
-    TDM_ASSERT(rope->head_dim == kv->head_dim && rope->head_dim % 2 == 0 && rope->head_dim > 0 &&
-               rope->head_dim <= TDM_CPU_MAX_HEAD_DIM);
+    TDM_ASSERT(rope->head_dim == kv->head_dim && rope->head_dim > 0 &&
+               rope->head_dim <= TDM_CPU_MAX_HEAD_DIM && rope->rot_dim >= 0 &&
+               rope->rot_dim <= rope->head_dim && rope->rot_dim % 2 == 0 &&
+               (rope->rot_dim || rope->head_dim % 2 == 0));
+    TDM_ASSERT(kv->v_dim == 0 || (kv->n_kv_heads == 1 && rope->rot_dim > 0));
     TDM_ASSERT(st->page_size == kv->page_size && kv->page_size > 0);
     if (st->n_tokens <= 0) return;
     TDM_ASSERT(tdm_kv_elem_bytes(kv->dtype));

@@ -3,7 +3,9 @@
  * (copies selected activation rows, e.g. the last token of each sequence before the LM head)
  * and scatter_cols (a reduced draft vocabulary's logits into the whole vocabulary's columns);
  * zero and rows_scale_add (an expert's output rows, weighted, into a mixture-of-experts layer's
- * output: a few rows at a time, on the calling thread).
+ * output: a few rows at a time, on the calling thread); head_matmul (MLA's per-head products:
+ * each output value one dot product over 8 lanes in a fixed order, so a row's values never
+ * depend on the others).
  *
  * Embedding rows are dequantised with tdm_cpu_weight_row (matmul.c), which yields the same
  * floats as the reference dequantiser. Token ids and row indices are the engine's to validate
@@ -126,4 +128,48 @@ void tdm_cpu_scatter_cols(tdm_backend_t *b, const float *x, const int32_t *cols,
     struct scatter_job job = {
         .x = x, .cols = cols, .n = n, .n_cols = n_cols, .width = width, .out = out};
     tdm_cpu_run(tdm_cpu_of(b), (int64_t)n * width, scatter_worker, &job);
+}
+
+struct head_mm_job {
+    const struct tdm_weight *w;
+    int n_heads, n;
+    const float *x;
+    size_t xs, xh;
+    float *out;
+    size_t os, oh;
+};
+
+static void head_mm_worker(void *ctx, int ith, int nth)
+{
+    const struct head_mm_job *job = ctx;
+    const int64_t R = job->w->rows / job->n_heads, C = job->w->cols;
+    const float *W = job->w->data;
+    int64_t i0, i1;
+    tdm_split_range((int64_t)job->n * job->n_heads, ith, nth, 1, &i0, &i1);
+    for (int64_t it = i0; it < i1; it++) { /* (row, head) items */
+        const int64_t i = it / job->n_heads, j = it % job->n_heads;
+        const float *x = job->x + (size_t)i * job->xs + (size_t)j * job->xh;
+        float *o = job->out + (size_t)i * job->os + (size_t)j * job->oh;
+        const float *wj = W + (size_t)(j * R) * (size_t)C;
+        for (int64_t r = 0; r < R; r++)
+            o[r] = tdm_cpu_dot8(wj + (size_t)r * (size_t)C, x, (int)C);
+    }
+}
+
+void tdm_cpu_head_matmul(tdm_backend_t *b, const struct tdm_weight *w, int n_heads, const float *x,
+                         int n, size_t x_stride, size_t x_hstride, float *out, size_t out_stride,
+                         size_t out_hstride)
+{
+    TDM_ASSERT(w->dtype == TDM_DTYPE_F32 && n_heads > 0 && w->rows % n_heads == 0);
+    if (n <= 0) return;
+    struct head_mm_job job = {.w = w,
+                              .n_heads = n_heads,
+                              .n = n,
+                              .x = x,
+                              .xs = x_stride,
+                              .xh = x_hstride,
+                              .out = out,
+                              .os = out_stride,
+                              .oh = out_hstride};
+    tdm_cpu_run(tdm_cpu_of(b), (int64_t)n * w->rows * w->cols, head_mm_worker, &job);
 }
