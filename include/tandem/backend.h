@@ -197,7 +197,8 @@ struct tdm_backend_i {
      * them): for row i < n and head j < n_heads, with R = w->rows / n_heads and C = w->cols,
      *   out[i * out_stride + j * out_hstride + r] = sum_c W[j * R + r][c] *
      *                                               x[i * x_stride + j * x_hstride + c]
-     * for r < R (strides in floats; w: F32). Each value depends on its own row only. */
+     * for r < R (strides in floats; w: what weight_prepare made of an F32 host matrix: the
+     * CPU's F32, CUDA's bf16). Each value depends on its own row only. */
     void (*head_matmul)(tdm_backend_t *b, const struct tdm_weight *w, int n_heads, const float *x,
                         int n, size_t x_stride, size_t x_hstride, float *out, size_t out_stride,
                         size_t out_hstride);

@@ -47,6 +47,7 @@ struct tdm_kv_group {
     int n_layers;
     int n_kv_heads;
     int head_dim;
+    int latent_v_dim; /* > 0: latent layers (MLA; tdm_kv_config.latent_v_dim) */
 };
 
 #define TDM_KV_MAX_PAGE_SIZE 1024 /* tokens a page */
@@ -102,6 +103,8 @@ void tdm_kv_pool_destroy(tdm_kv_pool_t *pool);
 
 /* Bytes of one page in one layer (of group 0). */
 size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg);
+/* Bytes of one page in one layer of group g (a latent group's have no V half). */
+size_t tdm_kv_group_page_bytes(const struct tdm_kv_config *cfg, const struct tdm_kv_group *g);
 /* Bytes of one page across every layer of every group. */
 size_t tdm_kv_page_bytes_all(const struct tdm_kv_config *cfg);
 /* Pages that fit in `bytes` of KV memory (every group counted). */

@@ -224,6 +224,10 @@ struct tdm_model_config {
     float rope_beta_fast, rope_beta_slow, rope_mscale;
     /* the softmax scale: attn_scale / sqrt(qk head dim) (1: none; YaRN's mscale_all_dim^2) */
     float attn_scale;
+    /* DeepSeek-V3's multi-token prediction layers, stored after the model's own in its files
+     * (num_nextn_predict_layers): the first is a speculation head (tdm_head_load of the
+     * model's own folder) */
+    int n_mtp_layers;
 };
 
 static inline bool tdm_config_mla(const struct tdm_model_config *c)

@@ -14,16 +14,16 @@
 #include "tandem/spec.h"
 
 /* The head's KV group in the pool, and its identity. */
-static tdm_status head_open(struct disagg_head *h, tdm_kv_pool_t *kv, const struct tdm_model *m,
-                            size_t elem_bytes)
+static tdm_status head_open(struct disagg_head *h, tdm_kv_pool_t *kv, const struct tdm_model *m)
 {
     struct tdm_kv_group g;
     const struct tdm_kv_config *kc = tdm_kv_pool_config(kv);
     if (!tdm_kv_pool_group(kv, 1, &g) || g.n_layers != m->cfg.n_layers ||
-        g.n_kv_heads != m->cfg.n_kv_heads || g.head_dim != m->cfg.head_dim)
+        g.n_kv_heads != m->cfg.n_kv_heads || g.head_dim != m->cfg.head_dim ||
+        g.latent_v_dim != m->cfg.kv_lora_rank)
         return tdm_err_set(TDM_EINVAL, "disagg: the KV pool has no layer group for the "
                                        "speculation head (load it before the engine)");
-    h->page_bytes = (size_t)2 * g.n_kv_heads * kc->page_size * g.head_dim * elem_bytes;
+    h->page_bytes = tdm_kv_group_page_bytes(kc, &g);
     h->layer_bytes = h->page_bytes * (size_t)kc->n_pages;
     h->bytes = h->layer_bytes * (size_t)g.n_layers;
     h->base = tdm_kv_pool_group_layer(kv, 1, 0).base;
@@ -176,8 +176,7 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     xc.fabric_key = o->xfer->fabric_key;
     xc.fabric_key_bytes = o->xfer->fabric_key_bytes;
     tdm_status st;
-    if (o->head && (st = head_open(&ep->head, o->kv, o->head, ep->kv.elem_bytes)) != TDM_OK)
-        return st;
+    if (o->head && (st = head_open(&ep->head, o->kv, o->head)) != TDM_OK) return st;
     int max_pages = (o->max_ctx + o->page_size - 1) / o->page_size;
     size_t msg = tdm_disagg_prefill_msg_size((uint32_t)o->max_ctx, (uint32_t)max_pages, true);
     if ((size_t)xc.ctrl_bytes < msg) xc.ctrl_bytes = (int)msg;

@@ -713,7 +713,8 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         const struct tdm_kv_config *pc = tdm_kv_pool_config(o->kv_shared);
         struct tdm_kv_group g;
         if (!tdm_kv_pool_group(o->kv_shared, o->kv_group, &g) || g.n_layers != c->n_layers ||
-            g.n_kv_heads != c->n_kv_heads || g.head_dim != c->head_dim) {
+            g.n_kv_heads != c->n_kv_heads || g.head_dim != c->head_dim ||
+            g.latent_v_dim != c->kv_lora_rank) {
             st = tdm_err_set(TDM_EINVAL,
                              "engine: KV layer group %d of the shared pool does not fit this "
                              "model (%d layers, %d kv heads of %d)",

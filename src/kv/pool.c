@@ -56,16 +56,17 @@ size_t tdm_kv_page_bytes(const struct tdm_kv_config *cfg)
            cfg->head_dim * tdm_kv_elem_bytes(cfg->dtype);
 }
 
-static size_t group_page_bytes(const struct tdm_kv_config *cfg, const struct tdm_kv_group *g)
+size_t tdm_kv_group_page_bytes(const struct tdm_kv_config *cfg, const struct tdm_kv_group *g)
 {
-    return (size_t)2 * g->n_kv_heads * cfg->page_size * g->head_dim * tdm_kv_elem_bytes(cfg->dtype);
+    return (size_t)(g->latent_v_dim > 0 ? 1 : 2) * g->n_kv_heads * cfg->page_size * g->head_dim *
+           tdm_kv_elem_bytes(cfg->dtype);
 }
 
 size_t tdm_kv_page_bytes_all(const struct tdm_kv_config *cfg)
 {
     size_t per_page = tdm_kv_page_bytes(cfg) * (size_t)cfg->n_layers;
     for (int g = 0; g < cfg->n_extra && g < TDM_KV_MAX_EXTRA_GROUPS; g++)
-        per_page += group_page_bytes(cfg, &cfg->extra[g]) * (size_t)cfg->extra[g].n_layers;
+        per_page += tdm_kv_group_page_bytes(cfg, &cfg->extra[g]) * (size_t)cfg->extra[g].n_layers;
     return per_page;
 }
 
@@ -105,7 +106,8 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     for (int g = 0; g < cfg->n_extra; g++) {
         const struct tdm_kv_group *x = &cfg->extra[g];
         if (x->n_layers <= 0 || x->n_kv_heads <= 0 || x->head_dim <= 0 || x->n_layers > 4096 ||
-            x->n_kv_heads > 4096 || x->head_dim > 4096)
+            x->n_kv_heads > 4096 || x->head_dim > 4096 || x->latent_v_dim < 0 ||
+            x->latent_v_dim > x->head_dim || (x->latent_v_dim > 0 && x->n_kv_heads != 1))
             return tdm_err_set(TDM_EINVAL, "kv pool: layer group %d has a bad geometry", g + 1);
     }
 
@@ -124,7 +126,7 @@ tdm_status tdm_kv_pool_create(const struct tdm_kv_config *cfg, tdm_backend_t *ba
     p->mem = p->buf.ptr;
     for (int g = 0; g < cfg->n_extra; g++) {
         const struct tdm_kv_group *x = &cfg->extra[g];
-        p->g_layer_bytes[g] = group_page_bytes(cfg, x) * (size_t)cfg->n_pages;
+        p->g_layer_bytes[g] = tdm_kv_group_page_bytes(cfg, x) * (size_t)cfg->n_pages;
         size_t bytes = p->g_layer_bytes[g] * (size_t)x->n_layers;
         if (tdm_backend_buf_new(backend, bytes, "a KV layer group", &p->gbuf[g]) != TDM_OK) {
             for (int h = 0; h < g; h++)
@@ -214,6 +216,7 @@ struct tdm_kv_layer tdm_kv_pool_group_layer(const tdm_kv_pool_t *pool, int group
         .head_dim = x->head_dim,
         .page_size = pool->cfg.page_size,
         .n_pages = pool->cfg.n_pages,
+        .v_dim = x->latent_v_dim,
     };
 }
 
@@ -222,7 +225,8 @@ bool tdm_kv_pool_group(const tdm_kv_pool_t *pool, int group, struct tdm_kv_group
     if (group == 0) {
         *out = (struct tdm_kv_group){.n_layers = pool->cfg.n_layers,
                                      .n_kv_heads = pool->cfg.n_kv_heads,
-                                     .head_dim = pool->cfg.head_dim};
+                                     .head_dim = pool->cfg.head_dim,
+                                     .latent_v_dim = pool->cfg.latent_v_dim};
         return true;
     }
     if (group < 0 || group > pool->cfg.n_extra) return false;

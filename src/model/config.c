@@ -756,8 +756,12 @@ static tdm_status hf_parse_deepseek(const json_t *root, const char *file, const 
         (rc = j_int(root, file, "qk_rope_head_dim", true, 0, &c->qk_rope_dim)) ||
         (rc = j_int(root, file, "v_head_dim", true, 0, &c->v_head_dim)) ||
         (rc = j_int(root, file, "num_hidden_layers", true, 0, &n_layers)) ||
-        (rc = j_int(root, file, "n_routed_experts", false, -1, &c->n_experts)))
+        (rc = j_int(root, file, "n_routed_experts", false, -1, &c->n_experts)) ||
+        (rc = j_int(root, file, "num_nextn_predict_layers", false, 0, &c->n_mtp_layers)))
         return rc;
+    if (c->n_mtp_layers < 0 || c->n_mtp_layers > 16)
+        return tdm_err_set(TDM_ERANGE, "%s: num_nextn_predict_layers %d outside [0, 16]", file,
+                           c->n_mtp_layers);
     if (c->kv_lora_rank <= 0)
         return tdm_err_set(TDM_ERANGE, "%s: kv_lora_rank %d must be >= 1", file, c->kv_lora_rank);
     if (c->n_experts == -1) { /* null or absent: a dense model */

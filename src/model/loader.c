@@ -467,7 +467,7 @@ static tdm_status load_layer_at(struct loader *L, int i, int slot)
         (rc = load_vector(L, lname(L, "blk.%d.ffn_norm.weight", "post_attention_layernorm.weight", i), d, &lw->ffn_norm))) {
         return rc;
     }
-    if (L->m->head == NULL && tdm_config_layer_sparse(c, i)) {
+    if (tdm_config_layer_sparse(c, slot)) { /* a head's: its config says (load_head) */
         if ((rc = load_experts(L, i, lw))) return rc;
     } else if ((rc = load_matrix(L, lname(L, "blk.%d.ffn_gate.weight", "mlp.gate_proj.weight", i), ff, d, &lw->w_gate)) ||
                (rc = load_matrix(L, lname(L, "blk.%d.ffn_up.weight", "mlp.up_proj.weight", i), ff, d, &lw->w_up)) ||
@@ -852,18 +852,23 @@ static tdm_status load_head(struct loader *L, const struct tdm_model *target)
     }
     const char *lp = h->layout == TDM_HEAD_DEEPSEEK_MTP ? prefix : "layers.0.";
 #define HNAME(suffix) (snprintf(name, sizeof name, "%s%s", lp, suffix), name)
-    if (find_tensor(L, HNAME("self_attn.q_a_proj.weight")) ||
-        find_tensor(L, HNAME("self_attn.kv_a_proj_with_mqa.weight")))
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "%s: the head's layer uses MLA attention, which "
-                           "tandem does not run yet",
-                           m->path);
-    if (find_tensor(L, HNAME("mlp.gate.weight")) ||
-        find_tensor(L, HNAME("mlp.experts.0.gate_proj.weight")))
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "%s: the head's layer is a mixture of experts, "
-                           "which tandem does not run yet",
-                           m->path);
+    /* the head's layer is of its target's architecture: MLA for an MLA target, experts where
+     * the target has them (DeepSeek-V3's own MTP layer is both) */
+    const bool mla = find_tensor(L, HNAME("self_attn.kv_a_proj_with_mqa.weight")) != NULL;
+    const bool sparse = find_tensor(L, HNAME("mlp.gate.weight")) ||
+                        find_tensor(L, HNAME("mlp.experts.0.gate_proj.weight")) ||
+                        find_tensor(L, HNAME("mlp.experts.gate_up_proj"));
+    if (mla != tdm_config_mla(tc))
+        return tdm_err_set(TDM_EINVAL,
+                           "%s: the head's layer %s MLA attention and its target %s %s: a head "
+                           "must be trained for its target",
+                           m->path, mla ? "uses" : "does not use", target->path,
+                           tdm_config_mla(tc) ? "does" : "does not");
+    if (sparse && !tc->n_experts)
+        return tdm_err_set(TDM_EINVAL,
+                           "%s: the head's layer is a mixture of experts and its target %s has "
+                           "none: a head must be trained for its target",
+                           m->path, target->path);
     /* the input projection decides the width: it must be the target's */
     const char *fc = h->layout == TDM_HEAD_DEEPSEEK_MTP ? HNAME("eh_proj.weight") : "fc.weight";
     char fc_name[160];
@@ -874,23 +879,33 @@ static tdm_status load_head(struct loader *L, const struct tdm_model *target)
                            "%s: the head is %lld wide (%s), the target %s is %lld wide: a head "
                            "must be trained for its target",
                            m->path, (long long)fc_rows, fc_name, target->path, (long long)d);
-    int64_t q_rows = tensor_rows(L, HNAME("self_attn.q_proj.weight"));
-    int64_t k_rows = tensor_rows(L, HNAME("self_attn.k_proj.weight"));
-    int64_t ff = tensor_rows(L, HNAME("mlp.gate_proj.weight"));
-    if (q_rows <= 0 || k_rows <= 0 || ff <= 0 || q_rows % hd || k_rows % hd ||
-        (q_rows / hd) % (k_rows / hd))
-        return tdm_err_set(TDM_EFORMAT,
-                           "%s: the head's layer (%sself_attn.q_proj, k_proj, mlp.gate_proj) is "
-                           "missing or does not split into the target's %lld-wide heads",
-                           m->path, lp, (long long)hd);
     m->cfg = *tc;
     m->cfg.n_layers = 1;
-    m->cfg.n_experts = m->cfg.n_experts_used = m->cfg.d_ff_expert = 0; /* a dense layer */
-    m->cfg.n_heads = (int)(q_rows / hd);
-    m->cfg.n_kv_heads = (int)(k_rows / hd);
-    m->cfg.d_ff = (int)ff;
-    m->cfg.qkv_bias = find_tensor(L, HNAME("self_attn.q_proj.bias")) != NULL;
-    m->cfg.qk_norm = find_tensor(L, HNAME("self_attn.q_norm.weight")) != NULL;
+    m->cfg.n_mtp_layers = 0;
+    memset(m->cfg.moe_dense_layers, 0, sizeof m->cfg.moe_dense_layers);
+    if (!sparse) m->cfg.n_experts = m->cfg.n_experts_used = m->cfg.d_ff_expert = 0;
+    if (!mla) { /* a GQA layer of its own geometry (the target's head size) */
+        int64_t q_rows = tensor_rows(L, HNAME("self_attn.q_proj.weight"));
+        int64_t k_rows = tensor_rows(L, HNAME("self_attn.k_proj.weight"));
+        int64_t ff = sparse ? tc->d_ff : tensor_rows(L, HNAME("mlp.gate_proj.weight"));
+        if (q_rows <= 0 || k_rows <= 0 || ff <= 0 || q_rows % hd || k_rows % hd ||
+            (q_rows / hd) % (k_rows / hd))
+            return tdm_err_set(TDM_EFORMAT,
+                               "%s: the head's layer (%sself_attn.q_proj, k_proj, mlp.gate_proj) "
+                               "is missing or does not split into the target's %lld-wide heads",
+                               m->path, lp, (long long)hd);
+        m->cfg.n_heads = (int)(q_rows / hd);
+        m->cfg.n_kv_heads = (int)(k_rows / hd);
+        m->cfg.d_ff = (int)ff;
+        m->cfg.qkv_bias = find_tensor(L, HNAME("self_attn.q_proj.bias")) != NULL;
+        m->cfg.qk_norm = find_tensor(L, HNAME("self_attn.q_norm.weight")) != NULL;
+    } else if (!sparse) {
+        int64_t ff = tensor_rows(L, HNAME("mlp.gate_proj.weight"));
+        if (ff <= 0)
+            return tdm_err_set(TDM_EFORMAT, "%s: the head's layer has no %smlp.gate_proj", m->path,
+                               lp);
+        m->cfg.d_ff = (int)ff;
+    }
     if (!(m->layers = calloc(1, sizeof *m->layers)))
         return tdm_err_set(TDM_ENOMEM, "model: out of memory");
     L->hf_layer = h->layout == TDM_HEAD_DEEPSEEK_MTP ? "model.layers.%d." : "layers.%d.";

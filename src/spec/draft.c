@@ -17,11 +17,14 @@
  */
 #include "spec/spec_int.h"
 
+#include <string.h>
+
 void tdm_spec_kv_group(const struct tdm_model *draft, struct tdm_kv_group *out)
 {
     *out = (struct tdm_kv_group){.n_layers = draft->cfg.n_layers,
                                  .n_kv_heads = draft->cfg.n_kv_heads,
-                                 .head_dim = draft->cfg.head_dim};
+                                 .head_dim = draft->cfg.head_dim,
+                                 .latent_v_dim = draft->cfg.kv_lora_rank};
 }
 
 size_t tdm_spec_q_bytes(const struct tdm_engine_opts *target_opts, int vocab)
@@ -85,8 +88,7 @@ tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *d
     tdm_kv_pool_t *kv = tdm_engine_kv(target);
     struct tdm_kv_group want, have;
     tdm_spec_kv_group(draft, &want);
-    if (!tdm_kv_pool_group(kv, 1, &have) || have.n_layers != want.n_layers ||
-        have.n_kv_heads != want.n_kv_heads || have.head_dim != want.head_dim)
+    if (!tdm_kv_pool_group(kv, 1, &have) || memcmp(&have, &want, sizeof have))
         return tdm_err_set(TDM_EINVAL, "spec draft: the target's KV pool has no layer group "
                                        "for this draft (create the target engine with "
                                        "tdm_spec_kv_group's group in kv_extra)");

@@ -336,8 +336,7 @@ static tdm_status head_fits(tdm_engine_t *target, const struct tdm_model *head, 
                            tc->head_dim, tc->vocab_size);
     struct tdm_kv_group want, have;
     tdm_spec_kv_group(head, &want);
-    if (!tdm_kv_pool_group(tdm_engine_kv(target), 1, &have) || have.n_layers != want.n_layers ||
-        have.n_kv_heads != want.n_kv_heads || have.head_dim != want.head_dim)
+    if (!tdm_kv_pool_group(tdm_engine_kv(target), 1, &have) || memcmp(&have, &want, sizeof have))
         return tdm_err_set(TDM_EINVAL,
                            "%s: the target's KV pool has no layer group for the head "
                            "(create the target engine with tdm_spec_engine_opts)",

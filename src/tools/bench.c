@@ -9,6 +9,11 @@
  * experts) and, of the experts, only those the steps really ran (the engine counts expert
  * passes), so the roofline follows the routing instead of assuming every expert is read.
  * A checksum of the greedy tokens is printed so a fast wrong answer is visible.
+ *
+ * Model: --model PATH, or --shape NAME (bench_shapes.c: Qwen3-30B-A3B or DeepSeek-V2-Lite at
+ * their real widths with random bf16 weights, --layers and --experts fewer than the real
+ * model's so that it fits; a decode token reads its k experts whatever their count). MLA's KV
+ * per position is its latent row (the pool's page bytes), not 2 x heads x head_dim.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,9 +76,11 @@ static double weight_bytes_per_step(const struct tdm_model *m)
                    (double)m->tok_embd.row_bytes;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const struct tdm_layer_weights *w = &m->layers[l];
-        const struct tdm_weight *all[] = {&w->attn_norm, &w->wq,     &w->wk,     &w->wv,     &w->bq,
-                                          &w->bk,        &w->bv,     &w->q_norm, &w->k_norm, &w->wo,
-                                          &w->ffn_norm,  &w->w_gate, &w->w_up,   &w->w_down};
+        const struct tdm_weight *all[] = {
+            &w->attn_norm, &w->wq,        &w->wk,         &w->wv,       &w->bq,       &w->bk,
+            &w->bv,        &w->q_norm,    &w->k_norm,     &w->wo,       &w->ffn_norm, &w->w_gate,
+            &w->w_up,      &w->w_down,    &w->wq_a,       &w->q_a_norm, &w->wq_b,     &w->wkv_c,
+            &w->wkv_r,     &w->kv_a_norm, &w->mla_absorb, &w->mla_uv};
         for (size_t i = 0; i < TDM_ARRAY_LEN(all); i++)
             total += (double)weight_bytes(all[i]);
         const struct tdm_weight *moe[] = {&w->router, &w->sh_gate, &w->sh_up, &w->sh_down,
@@ -117,7 +124,8 @@ struct bench_seq {
 
 static void bench_model_usage(FILE *f)
 {
-    fprintf(f, "usage: tandem bench model [--model PATH] [--threads N] [--prompt-len N] [--gen N] "
+    fprintf(f, "usage: tandem bench model [--model PATH | --shape qwen3-30b-a3b|deepseek-v2-lite "
+               "[--layers N] [--experts N]] [--threads N] [--prompt-len N] [--gen N] "
                "[--context N] [--batch-invariant] [--kv-dtype f32|bf16|f16]\n"
                "       tandem bench model --backend cuda --help   (the GPU benchmark)\n");
 }
@@ -146,12 +154,15 @@ int tdm_cmd_bench(int argc, char **argv)
             fprintf(stderr, "tandem: --backend is cpu or cuda\n");
             return 2;
         }
-    const char *model = NULL;
-    int64_t threads = 0, prompt_len = 512, gen = 64, context = 32;
+    const char *model = NULL, *shape = NULL;
+    int64_t threads = 0, prompt_len = 512, gen = 64, context = 32, layers = 0, experts = 0;
     bool batch_inv = false;
     int backend_kind = TDM_BACKEND_CPU, kv_dtype = TDM_KV_DTYPE_AUTO;
     const struct tdm_opt own[] = {
         TDM_OPT_S("model", &model),
+        TDM_OPT_S("shape", &shape),
+        TDM_OPT_I("layers", &layers, 1, 1024),
+        TDM_OPT_I("experts", &experts, 1, 1024),
         TDM_OPT_I("threads", &threads, 1, 1024),
         TDM_OPT_I("prompt-len", &prompt_len, 1, 1 << 20),
         TDM_OPT_I("gen", &gen, 1, 1 << 20),
@@ -164,10 +175,19 @@ int tdm_cmd_bench(int argc, char **argv)
     const struct tdm_opt *const tables[] = {own, NULL};
     int prc = tdm_tool_parse("bench model", argc - 1, argv + 1, tables, bench_model_usage);
     if (prc) return prc == 1 ? 0 : 2;
-    struct tdm_model *m = tdm_tool_load_model(model);
-    if (!m) return 1;
-    const struct tdm_model_config *cf = &m->cfg;
+    if (shape && model) {
+        fprintf(stderr, "tandem: give --model or --shape, not both\n");
+        return 2;
+    }
+    if (!shape && (layers || experts)) {
+        fprintf(stderr, "tandem: --layers and --experts go with --shape\n");
+        return 2;
+    }
     int n_threads = threads > 0 ? (int)threads : tdm_cpu_count();
+    struct tdm_model *m = shape ? tdm_bench_shape_model(shape, (int)layers, (int)experts, n_threads)
+                                : tdm_tool_load_model(model);
+    if (!m) return shape ? 2 : 1;
+    const struct tdm_model_config *cf = &m->cfg;
     enum { MAX_B = 8 };
     int rc = 1;
     int64_t ctx_needed = TDM_MAX(prompt_len, context + gen) + 1;
@@ -204,7 +224,7 @@ int tdm_cmd_bench(int argc, char **argv)
     double bw = measure_copy_bandwidth(n_threads);
     double wbytes = weight_bytes_per_step(m);
     const struct tdm_kv_geometry kg = tdm_kv_pool_geometry(kv);
-    double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * kg.elem_bytes;
+    double kv_per_pos = (double)kg.page_bytes / tdm_engine_opts(e)->page_size * cf->n_layers;
     printf("  KV cache: %s, %.0f KiB a position\n", tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
     printf("  memory bandwidth (STREAM copy, same run): %.2f GB/s\n", bw / 1e9);
     const double ebytes = expert_bytes(m);

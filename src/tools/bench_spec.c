@@ -373,14 +373,6 @@ static void print_json(const struct bench_opts *o, const char *desc, int n_promp
 
 enum { ATT_HEADS = 9, ATT_KV_HEADS = 3, ATT_HEAD_DIM = 64, ATT_PAGE = 16, ATT_ARITY = 4 };
 
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 struct att_case {
     int prefix, tokens, depth;
     double chain_us, tree_us, chain_sum, tree_sum, max_err;
@@ -550,9 +542,9 @@ static bool bench_attention(const struct bench_opts *o)
                 ok = false;
             }
             for (size_t i = 0; ok && i < kv_floats; i++)
-                kv[i] = (float)((double)(splitmix64(&rng) >> 11) / 9007199254740992.0 * 2 - 1);
+                kv[i] = (float)((double)(tdm_tool_splitmix64(&rng) >> 11) / 9007199254740992.0 * 2 - 1);
             for (size_t i = 0; ok && i < q_floats; i++)
-                q[i] = (float)((double)(splitmix64(&rng) >> 11) / 9007199254740992.0 * 4 - 2);
+                q[i] = (float)((double)(tdm_tool_splitmix64(&rng) >> 11) / 9007199254740992.0 * 4 - 2);
             for (int i = 0; ok && i < n_pages; i++)
                 pages[i] = i;
             if (ok) {

@@ -244,14 +244,6 @@ static int list_tensors(const struct ck_shape *s, struct ck_tensor *t)
 
 /* ---- values ---- */
 
-static uint64_t splitmix64(uint64_t *state)
-{
-    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 struct ck_gen_job {
     const struct ck_tensor *t;
     int tensor_index;
@@ -285,9 +277,9 @@ static void gen_range(const struct ck_gen_job *j, int64_t b, int64_t e)
             uint64_t g = (j->first + (uint64_t)blk) / CK_BLOCK;
             uint64_t k = j->seed ^ ((uint64_t)j->tensor_index << 40) ^ g;
             uint64_t state =
-                splitmix64(&k) ^ (0xD1B54A32D192ED03ull * (uint64_t)(j->tensor_index + 1));
+                tdm_tool_splitmix64(&k) ^ (0xD1B54A32D192ED03ull * (uint64_t)(j->tensor_index + 1));
             for (int i = 0; i < n; i++) {
-                uint64_t r = splitmix64(&state);
+                uint64_t r = tdm_tool_splitmix64(&state);
                 float sum = (float)(r & 0xffff) + (float)((r >> 16) & 0xffff) +
                             (float)((r >> 32) & 0xffff) + (float)(r >> 48);
                 v[i] = (sum - center) * scale;

@@ -197,26 +197,26 @@ bool tdm_tool_opt_kv_dtype(const char *arg, void *dst)
 /* ---- speculation ---- */
 void tdm_tool_spec_usage(FILE *f)
 {
-    fprintf(
-        f,
-        "speculative decoding:\n"
-        "  --spec none|draft|self|mtp|eagle  the drafter (default none)\n"
-        "  --spec-draft PATH       the draft checkpoint (draft) or head (mtp, eagle;\n"
-        "                          default: the target's head beside it, MODEL.mtp.safetensors)\n"
-        "  --spec-self-layers N    self: the target's first N layers draft (default: a "
-        "quarter;\n"
-        "                          all of them is the model drafting for itself)\n"
-        "  --spec-k auto|K         drafts per step: auto (adaptive, at most %d) or exactly "
-        "K; 0 is off\n"
-        "  --spec-accept exact|rejection  exact keeps the output bit-identical (default);\n"
-        "                          rejection: speculative sampling (eagle: multi-draft)\n"
-        "  --spec-tree-budget N    eagle: drafted tokens a tree keeps (1 .. %d, default %d)\n"
-        "  --spec-tree-topk K      eagle: children per node, nodes expanded per depth\n"
-        "                          (1 .. %d, default %d)\n"
-        "  --spec-tree-depth D     eagle: the deepest drafts (1 .. %d, default %d; with\n"
-        "                          --spec-k K fixed, at most K, and drafting every step)\n",
-        TDM_SPEC_AUTO_K, TDM_TREE_MAX_NODES, TDM_SPEC_TREE_BUDGET, TDM_SAMPLE_MAX_CAND,
-        TDM_SPEC_TREE_TOPK, TDM_SPEC_MAX_K, TDM_SPEC_TREE_DEPTH);
+    fprintf(f,
+            "speculative decoding:\n"
+            "  --spec none|draft|self|mtp|eagle  the drafter (default none)\n"
+            "  --spec-draft PATH       the draft checkpoint (draft) or head (mtp, eagle;\n"
+            "                          default: the model's own MTP layer (DeepSeek-V3), else\n"
+            "                          the target's head beside it, MODEL.mtp.safetensors)\n"
+            "  --spec-self-layers N    self: the target's first N layers draft (default: a "
+            "quarter;\n"
+            "                          all of them is the model drafting for itself)\n"
+            "  --spec-k auto|K         drafts per step: auto (adaptive, at most %d) or exactly "
+            "K; 0 is off\n"
+            "  --spec-accept exact|rejection  exact keeps the output bit-identical (default);\n"
+            "                          rejection: speculative sampling (eagle: multi-draft)\n"
+            "  --spec-tree-budget N    eagle: drafted tokens a tree keeps (1 .. %d, default %d)\n"
+            "  --spec-tree-topk K      eagle: children per node, nodes expanded per depth\n"
+            "                          (1 .. %d, default %d)\n"
+            "  --spec-tree-depth D     eagle: the deepest drafts (1 .. %d, default %d; with\n"
+            "                          --spec-k K fixed, at most K, and drafting every step)\n",
+            TDM_SPEC_AUTO_K, TDM_TREE_MAX_NODES, TDM_SPEC_TREE_BUDGET, TDM_SAMPLE_MAX_CAND,
+            TDM_SPEC_TREE_TOPK, TDM_SPEC_MAX_K, TDM_SPEC_TREE_DEPTH);
 }
 void tdm_tool_spec_table(struct tdm_tool_spec *c, struct tdm_opt out[TDM_TOOL_SPEC_OPTS])
 {
@@ -311,7 +311,9 @@ bool tdm_tool_spec_load_draft(const char *who, struct tdm_spec_opts *o,
     if (o->method == TDM_SPEC_MTP || o->method == TDM_SPEC_EAGLE) {
         char def[4096];
         const char *path = o->draft_path;
-        if (!path) {
+        if (!path && target->cfg.n_mtp_layers > 0 && !target->is_gguf) {
+            path = target->path; /* DeepSeek-V3's own MTP layer, in the model's files */
+        } else if (!path) {
             if (!tdm_default_head_path(target->path, def, sizeof def)) {
                 fprintf(stderr, "%s: --spec %s: no head path for %s; give --spec-draft\n", who,
                         tdm_spec_method_name(o->method), target->path);
@@ -323,9 +325,10 @@ bool tdm_tool_spec_load_draft(const char *who, struct tdm_spec_opts *o,
         if (tdm_head_load(path, target, &h) != TDM_OK) {
             fprintf(stderr, "%s: --spec %s: %s%s\n", who, tdm_spec_method_name(o->method),
                     tdm_err_msg(),
-                    o->draft_path ? ""
-                                  : " (the target's default head; train one with tandem "
-                                    "train-mtp, or give --spec-draft)");
+                    o->draft_path || path == target->path
+                        ? ""
+                        : " (the target's default head; train one with tandem "
+                          "train-mtp, or give --spec-draft)");
             return false;
         }
         o->draft_model = h;

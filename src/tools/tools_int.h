@@ -169,4 +169,18 @@ sigset_t tdm_tool_block_shutdown_signals(void);
 bool tdm_tool_write_file_atomic(const char *path,
                                 const char *text); /* prints "tandem: what: <tdm_err_msg()>" */
 
+/* splitmix64: the next value of the stream *state (random weights of checkpoint and shapes). */
+static inline uint64_t tdm_tool_splitmix64(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* A random-weight model of a named real shape (bench_shapes.c), n_layers and n_experts
+ * reduced when > 0; NULL (with a message) for an unknown name or no memory. */
+struct tdm_model *tdm_bench_shape_model(const char *name, int n_layers, int n_experts,
+                                        int n_threads);
+
 #endif

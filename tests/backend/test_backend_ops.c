@@ -32,7 +32,8 @@
  * What stays backend-specific: the CPU's invariance across batch sizes and thread counts and
  * its ISA selection (tests/backend/test_cpu_ops.c), and the CUDA engine's graphs
  * (tests/backend_cuda/test_cuda_engine.c). Without a GPU the CUDA entry is skipped with a
- * message.
+ * message. MLA's ops (head_matmul, a latent layer's rope, attention and kv_copy) are held to
+ * the matmul and attention tolerances.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -1187,6 +1188,152 @@ static void test_kv_copy(void **state)
     }
 }
 
+/* ---- MLA: head_matmul, latent rows (rope and attention), kv_copy of K-only pages ---- */
+
+static void test_head_matmul(void **state)
+{
+    (void)state;
+    const int H = 3, R = 40, C = 64, n = 5;
+    const size_t xs = (size_t)H * 70 + 3, xh = 70, os = (size_t)H * 48 + 1, oh = 48;
+    struct tdm_weight host = {TDM_DTYPE_F32, (int64_t)H * R, C, (size_t)C * 4,
+                              rand_vec((size_t)H * R * C, -1, 1)};
+    float *x = rand_vec((size_t)n * xs, -1, 1);
+    const float *W = host.data;
+    for (int b = 0; b < n_bes; b++) {
+        const struct be *e = &bes[b];
+        struct tdm_weight w;
+        assert_int_equal(e->b->iface->weight_prepare(e->b, &host, &w), TDM_OK);
+        float *dx = put(e, x, (size_t)n * xs), *dout = poisoned(e, (size_t)n * os);
+        e->b->iface->head_matmul(e->b, &w, H, dx, n, xs, xh, dout, os, oh);
+        float *out = get(e, dout, (size_t)n * os);
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < H; j++)
+                for (int r = 0; r < R; r++) {
+                    double ref = 0, mag = 0;
+                    for (int c = 0; c < C; c++) {
+                        const double t = (double)W[((size_t)j * R + r) * C + c] *
+                                         x[(size_t)i * xs + (size_t)j * xh + c];
+                        ref += t, mag += fabs(t);
+                    }
+                    const float got = out[(size_t)i * os + (size_t)j * oh + r];
+                    if (!(fabs(got - ref) <= e->mm * mag + 1e-6))
+                        fail_msg("%s: head_matmul [%d][%d][%d] = %.9g, ref %.9g", e->name, i, j, r,
+                                 got, ref);
+                }
+        free(out);
+        drop(e, dx), drop(e, dout); /* w: the backend's until it is destroyed */
+    }
+    free((void *)host.data), free(x);
+}
+
+/* A latent layer (one KV head, K-only pages; V = a row's first vd elements): rope_kv_append
+ * stores [latent ; rope key turned, times mscale] and turns q's last rd elements; attention
+ * over the rows the backend stored, against double references. */
+static void test_latent_rows(void **state)
+{
+    (void)state;
+    const int H = 5, lora = 48, rd = 16, hd = lora + rd, ps = 16;
+    const struct seq_spec seqs[] = {{20, 20}, {150, 1}, {37, 3}};
+    struct paged_step p;
+    build_step(seqs, 3, ps, &p);
+    const int T = p.st.n_tokens;
+    const size_t kvn = (size_t)p.n_pages * ps * hd;
+    float *pool = rand_vec(kvn, -1, 1); /* every row: earlier positions' rows stand in place */
+    float inv[8];
+    for (int i = 0; i < rd / 2; i++)
+        inv[i] = (float)pow(10000.0, -2.0 * i / rd);
+    const float ms = 0.8f;
+    struct tdm_rope rope = {
+        .head_dim = hd, .neox = false, .inv_freq = inv, .rot_dim = rd, .mscale = ms};
+    const size_t nq = (size_t)T * H * hd;
+    float *q = rand_vec(nq, -1, 1), *lat = rand_vec((size_t)T * lora, -1, 1);
+    float *kr = rand_vec((size_t)T * rd, -1, 1);
+    double *rq = malloc(nq * sizeof(double)), *rrow = malloc((size_t)T * hd * sizeof(double));
+    for (int t = 0; t < T; t++) {
+        for (int h = 0; h < H; h++)
+            for (int i = 0; i < hd; i++)
+                rq[((size_t)t * H + h) * hd + i] = q[((size_t)t * H + h) * hd + i];
+        for (int i = 0; i < lora; i++)
+            rrow[(size_t)t * hd + i] = lat[(size_t)t * lora + i];
+        for (int i = 0; i < rd / 2; i++) {
+            const double ang = (double)((float)p.st.positions[t] * inv[i]);
+            const double c = cos(ang) * ms, sn = sin(ang) * ms;
+            for (int h = 0; h <= H; h++) { /* H: the rope key */
+                const float *src =
+                    h < H ? q + ((size_t)t * H + h) * hd + lora : kr + (size_t)t * rd;
+                double *dst =
+                    h < H ? rq + ((size_t)t * H + h) * hd + lora : rrow + (size_t)t * hd + lora;
+                dst[2 * i] = src[2 * i] * c - src[2 * i + 1] * sn;
+                dst[2 * i + 1] = src[2 * i] * sn + src[2 * i + 1] * c;
+            }
+        }
+    }
+    const float scale = 0.2f;
+    for (int b = 0; b < n_bes; b++) {
+        const struct be *e = &bes[b];
+        float *dq = put(e, q, nq), *dl = put(e, lat, (size_t)T * lora);
+        float *dr = put(e, kr, (size_t)T * rd), *dkv = put(e, pool, kvn);
+        struct tdm_kv_layer kv = {.base = dkv,
+                                  .n_kv_heads = 1,
+                                  .head_dim = hd,
+                                  .page_size = ps,
+                                  .n_pages = p.n_pages,
+                                  .v_dim = lora};
+        e->b->iface->rope_kv_append(e->b, dq, dl, dr, H, &p.st, &rope, &kv);
+        float *hq = get(e, dq, nq), *hkv = get(e, dkv, kvn);
+        check_rel(e->name, "latent rope q", hq, rq, nq, e->elem, 1.0);
+        for (int t = 0; t < T; t++)
+            check_rel(e->name, "latent row", hkv + (size_t)p.st.slots[t] * hd,
+                      rrow + (size_t)t * hd, (size_t)hd, e->elem, 1.0);
+        /* attention over what was stored */
+        float *dout = poisoned(e, (size_t)T * H * lora);
+        e->b->iface->attention(e->b, dq, H, &p.st, &kv, scale, dout);
+        float *out = get(e, dout, (size_t)T * H * lora);
+        for (int t = 0; t < T; t++) {
+            const int s = p.st.token_seq[t], n = p.st.positions[t] + 1;
+            const int32_t *pages = p.st.page_ids + p.st.seq_page_start[s];
+            for (int h = 0; h < H; h++) {
+                const float *qh = hq + ((size_t)t * H + h) * hd;
+                double *w = malloc((size_t)n * sizeof(double)), mx = -INFINITY, sum = 0;
+                for (int j = 0; j < n; j++) {
+                    const float *row = hkv + ((size_t)pages[j / ps] * ps + j % ps) * hd;
+                    double d = 0;
+                    for (int i = 0; i < hd; i++)
+                        d += (double)qh[i] * row[i];
+                    w[j] = d * scale;
+                    mx = fmax(mx, w[j]);
+                }
+                for (int j = 0; j < n; j++)
+                    sum += (w[j] = exp(w[j] - mx));
+                double ref[64];
+                for (int i = 0; i < lora; i++) {
+                    ref[i] = 0;
+                    for (int j = 0; j < n; j++)
+                        ref[i] += w[j] * hkv[((size_t)pages[j / ps] * ps + j % ps) * hd + i];
+                    ref[i] /= sum;
+                }
+                check_rel(e->name, "latent attention", out + ((size_t)t * H + h) * lora, ref,
+                          (size_t)lora, e->att, 1.0);
+                free(w);
+            }
+        }
+        /* kv_copy moves K rows only: no V half to move */
+        const int32_t src[] = {p.st.slots[0], p.st.slots[T - 1]}, dst[] = {p.st.slots[1], 3};
+        e->b->iface->kv_copy(e->b, &kv, 1, kvn * sizeof(float), src, dst, 2);
+        float *moved = get(e, dkv, kvn);
+        for (int i = 0; i < 2; i++)
+            assert_memory_equal(moved + (size_t)dst[i] * hd, hkv + (size_t)src[i] * hd,
+                                (size_t)hd * sizeof(float));
+        size_t changed = 0;
+        for (size_t i = 0; i < kvn; i++)
+            changed += moved[i] != hkv[i];
+        assert_true(changed <= 2 * (size_t)hd);
+        free(moved), free(out), free(hq), free(hkv);
+        drop(e, dq), drop(e, dl), drop(e, dr), drop(e, dkv), drop(e, dout);
+    }
+    free(pool), free(q), free(lat), free(kr), free(rq), free(rrow), free(p.buf);
+}
+
 /* layer_done stores layer + 1 once the work before it is done: into the backend's own counter
  * (CUDA: mapped pinned memory) and into ordinary host memory */
 static void test_layer_done(void **state)
@@ -1255,7 +1402,8 @@ int main(void)
         cmocka_unit_test(test_rope_kv_append), cmocka_unit_test(test_attention),
         cmocka_unit_test(test_layer_done),     cmocka_unit_test(test_typed_buffers),
         cmocka_unit_test(test_tree_attention), cmocka_unit_test(test_kv_copy),
-        cmocka_unit_test(test_kv_dtypes),
+        cmocka_unit_test(test_kv_dtypes),      cmocka_unit_test(test_head_matmul),
+        cmocka_unit_test(test_latent_rows),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = 0; i < n_bes; i++)

@@ -45,3 +45,35 @@ def test_bench_model_counts_expert_passes(tmp_path):
                              re.M))
     assert float(passes["1"]) == 2 * 3, cp.stdout
     assert 2 * 3 <= float(passes["8"]) <= 6 * 3, cp.stdout
+
+
+@pytest.mark.parametrize("shape,layers,experts,want", [
+    # Qwen3-30B-A3B: every layer sparse, 8 experts a token
+    ("qwen3-30b-a3b", 1, 12, "(8 of 12 experts a token, 1 sparse layers)"),
+    # DeepSeek-V2-Lite: the first layer dense, 6 experts a token, a latent row a position
+    ("deepseek-v2-lite", 2, 8, "(6 of 8 experts a token, 1 sparse layers)"),
+])
+def test_bench_model_shapes(shape, layers, experts, want):
+    """--shape builds the real widths with random weights (fewer layers and experts), runs,
+    and counts the experts a batch-1 token takes in each sparse layer."""
+    cp = run_tandem(["bench", "model", "--shape", shape, "--layers", str(layers), "--experts",
+                     str(experts), "--threads", "2", "--prompt-len", "8", "--gen", "2",
+                     "--context", "4"])
+    assert f"random {shape} shape ({layers} of " in cp.stdout, cp.stdout
+    assert want in cp.stdout, cp.stdout
+    passes = dict(re.findall(r"^\s+batch (\d+) .*\(([\d.]+) expert passes a step", cp.stdout,
+                             re.M))
+    assert float(passes["1"]) == (8 if shape.startswith("qwen3") else 6), cp.stdout
+    assert "kv pages after the run: 0 used" in cp.stdout
+    if shape == "deepseek-v2-lite":  # one latent row of 512 + 64 f32 a layer and position
+        assert "KV cache: f32, 4 KiB a position" in cp.stdout, cp.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--shape", "llama-9000"], "unknown --shape 'llama-9000'"),
+    (["--shape", "qwen3-30b-a3b", "--model", "x.gguf"], "give --model or --shape, not both"),
+    (["--layers", "2"], "--layers and --experts go with --shape"),
+])
+def test_bench_model_shape_errors(args, needle):
+    cp = run_tandem(["bench", "model"] + args, check=False)
+    assert cp.returncode == 2 and needle in cp.stderr, cp.stderr

@@ -1,7 +1,9 @@
 """Disaggregated serving of a multi-head latent attention model (DeepSeek-V3 shaped, issue 18):
 the KV pages that cross hold one latent row per token (the H = 1, fully replicated case of
 DESIGN.md section 5), and the decoder's answers are the colocated server's, token for token
-with their log-probabilities, for f32 and bf16 pages. Both pools return to baseline."""
+with their log-probabilities, for f32 and bf16 pages; and with --spec mtp on the model's own
+MTP layer, whose latent KV the prefill node computes and streams as one more layer. Both pools
+return to baseline."""
 import pytest
 
 from disagg.test_disagg import (SANITIZED, THREADS, assert_all_remote, decode_node,
@@ -36,5 +38,34 @@ def test_mla_greedy_identical_to_colocated(tmp_path, kv):
             assert f", {kv}, {page} bytes a page and layer (latent rows);" in s.logs(), s.logs()
     finally:
         for s in (d, p, col):
+            if s:
+                s.stop()
+
+
+def test_mla_speculation_across_disaggregation(tmp_path):
+    """Both nodes run DeepSeek-V3's own MTP layer (--spec mtp, no --spec-draft): the decoder
+    drafts from its first step on the head's latent KV that the prefill node sent, and its
+    answers are the colocated speculating server's and the plain one's."""
+    from lib.checkpoints import make_hf_checkpoint, write_hf_tokenizer
+    model = make_hf_checkpoint(tmp_path / "v3", "deepseek_v3", seed=81, num_nextn_predict_layers=1)
+    write_hf_tokenizer(model, 272)
+    base = ["--model", str(model), "--batch-invariant"]
+    mtp = ["--spec", "mtp", "--spec-k", "2"]
+    plain, col = Server(THREADS + base), Server(THREADS + base + mtp)
+    p = d = None
+    try:
+        p = prefill_node(base + mtp)
+        d = decode_node([p], base + mtp)
+        lens = [3, 40, 90] if not SANITIZED else [3, 40]
+        ps = [[(11 * i + 5 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)]
+        want = [run(plain, x) for x in ps]
+        assert [run(col, x) for x in ps] == want
+        m0 = d.metrics()
+        assert [run(d, x) for x in ps] == want, "disaggregated --spec mtp differs"
+        assert_all_remote(d, m0, len(ps))
+        prefill_idle(p)
+        assert "speculation head" in p.logs() and "speculation head" in d.logs()
+    finally:
+        for s in (d, p, col, plain):
             if s:
                 s.stop()

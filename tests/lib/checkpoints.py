@@ -43,7 +43,8 @@ MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
 DEEPSEEK_SHAPE = dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, n_shared_experts=1, first_k_dense_replace=1,
                       moe_layer_freq=1, n_group=None, topk_group=None, topk_method=None,
-                      routed_scaling_factor=None, scoring_func=None, rope_scaling=None)
+                      routed_scaling_factor=None, scoring_func=None, rope_scaling=None,
+                      num_nextn_predict_layers=0)
 YARN_SCALING = dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
                     beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
 
@@ -197,11 +198,15 @@ def fuse_experts(w: dict, n: int) -> dict:
 def _deepseek_weights(arch, s, tied, w, mat, norm, rng):
     """DeepSeek-V2/V3's HF names: MLA (q directly or through its LoRA, kv_a_proj_with_mqa,
     kv_a_layernorm, kv_b_proj), dense layers before first_k_dense_replace, then experts with
-    shared ones (and V3's e_score_correction_bias)."""
+    shared ones (and V3's e_score_correction_bias). V3's num_nextn_predict_layers MTP layers
+    follow the model's: a decoder layer each, with enorm, hnorm, eh_proj [d, 2d],
+    shared_head.norm, and copies of the embedding and the LM head (embed_tokens,
+    shared_head.head), as DeepSeek ships them."""
     d, v, H = s["hidden_size"], s["vocab_size"], s["num_attention_heads"]
     nope, rope, lora = s["qk_nope_head_dim"], s["qk_rope_head_dim"], s["kv_lora_rank"]
     vd, ql = s["v_head_dim"], s["q_lora_rank"]
-    for i in range(s["num_hidden_layers"]):
+    n_main = s["num_hidden_layers"]
+    for i in range(n_main + s["num_nextn_predict_layers"]):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         w[p + "input_layernorm.weight"] = norm(d)
@@ -239,6 +244,15 @@ def _deepseek_weights(arch, s, tied, w, mat, norm, rng):
     w["model.norm.weight"] = norm(d)
     if not tied:
         w["lm_head.weight"] = mat(v, d, 2.0)
+    for i in range(n_main, n_main + s["num_nextn_predict_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "enorm.weight"] = norm(d)
+        w[p + "hnorm.weight"] = norm(d)
+        w[p + "eh_proj.weight"] = mat(d, 2 * d)
+        w[p + "shared_head.norm.weight"] = norm(d)
+        w[p + "embed_tokens.weight"] = w["model.embed_tokens.weight"]
+        w[p + "shared_head.head.weight"] = w["model.embed_tokens.weight" if tied
+                                             else "lm_head.weight"]
     return w
 
 
@@ -253,7 +267,8 @@ def _deepseek_config(arch: str, s: dict) -> dict:
         kv_lora_rank=s["kv_lora_rank"], qk_nope_head_dim=s["qk_nope_head_dim"],
         qk_rope_head_dim=s["qk_rope_head_dim"], v_head_dim=s["v_head_dim"],
         attention_bias=False, attention_dropout=0.0, aux_loss_alpha=0.001, ep_size=1,
-        seq_aux=True, num_nextn_predict_layers=0 if arch == "deepseek_v3" else None,
+        seq_aux=True,
+        num_nextn_predict_layers=s["num_nextn_predict_layers"] if arch == "deepseek_v3" else None,
         rope_scaling=s["rope_scaling"])
 
 
@@ -438,6 +453,23 @@ def gguf_vocab(vocab_size: int, extra=()):
     tokens += list(extra) + ["<|bos|>", "<|eos|>"]
     types = [1] * (256 + n_merges) + [3] * (len(extra) + 2)  # NORMAL, CONTROL
     return tokens, types, merges, vocab_size - 2, vocab_size - 1
+
+
+def write_hf_tokenizer(folder, vocab_size: int) -> pathlib.Path:
+    """tokenizer.json for a tiny HF checkpoint: gguf_vocab's byte-level BPE, built and saved by
+    HF `tokenizers` (so serving a folder has a tokenizer, as a real checkpoint does)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, types, merges, _, _ = gguf_vocab(vocab_size)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens) if types[i] == 1},
+                               merges=[tuple(m.split(" ", 1)) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for i, t in enumerate(tokens) if types[i] == 3])
+    out = pathlib.Path(folder) / "tokenizer.json"
+    tok.save(str(out))
+    return out
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -740,7 +772,7 @@ def llama3_rope_factors(theta: float, head_dim: int, scaling: dict = LLAMA3_SCAL
     return out.astype(np.float32)
 
 
-__all__ = ["fuse_experts", "make_hf_checkpoint", "make_gguf_checkpoint", "random_weights", "resolve_shape",
+__all__ = ["write_hf_tokenizer", "fuse_experts", "make_hf_checkpoint", "make_gguf_checkpoint", "random_weights", "resolve_shape",
            "llama_permute", "quantize_q6_k", "gguf_vocab", "byte_to_unicode", "f32_to_bf16_bits",
            "llama3_rope_factors", "LLAMA3_SCALING", "LINEAR_FACTOR", "GGUF_WTYPES", "ARCHS"]
 

@@ -331,6 +331,54 @@ def _yarn_mscale(factor: float, m: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
+def _deepseek_layer(w, cfg, i, n_experts) -> Layer:
+    """Layer i of a DeepSeek folder (a model layer, or an MTP layer after them)."""
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    q = p + "mlp."
+    sparse = (n_experts and i >= cfg.get("first_k_dense_replace", 0)
+              and i % cfg.get("moe_layer_freq", 1) == 0)
+    L = Layer(attn_norm=w[p + "input_layernorm.weight"], wq=w.get(a + "q_proj.weight"),
+              wk=None, wv=None, wo=w[a + "o_proj.weight"],
+              ffn_norm=w[p + "post_attention_layernorm.weight"], w_gate=None, w_up=None,
+              w_down=None, wq_a=w.get(a + "q_a_proj.weight"),
+              q_a_norm=w.get(a + "q_a_layernorm.weight"), wq_b=w.get(a + "q_b_proj.weight"),
+              wkv_a=w[a + "kv_a_proj_with_mqa.weight"],
+              kv_a_norm=w[a + "kv_a_layernorm.weight"], wkv_b=w[a + "kv_b_proj.weight"])
+    if not sparse:
+        L.w_gate, L.w_up, L.w_down = (w[q + "gate_proj.weight"], w[q + "up_proj.weight"],
+                                      w[q + "down_proj.weight"])
+        return L
+    L.router = w[q + "gate.weight"]
+    L.router_bias = w.get(q + "gate.e_score_correction_bias")
+    L.experts = [(w[f"{q}experts.{e}.gate_proj.weight"], w[f"{q}experts.{e}.up_proj.weight"],
+                  w[f"{q}experts.{e}.down_proj.weight"]) for e in range(n_experts)]
+    if q + "shared_experts.gate_proj.weight" in w:
+        L.shared = tuple(w[f"{q}shared_experts.{k}_proj.weight"]
+                         for k in ("gate", "up", "down")) + (None,)
+    return L
+
+
+def load_mtp_head(folder) -> "Head":
+    """DeepSeek-V3's first MTP layer, stored after the model's layers in its folder, as a Head
+    over the model (model = load(folder)): eh_proj over [enorm(embed), hnorm(h)], the layer,
+    shared_head.norm; the LM head is the model's."""
+    folder = pathlib.Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    index = folder / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
+             if index.exists() else ["model.safetensors"])
+    w: dict[str, np.ndarray] = {}
+    for f in files:
+        w.update(_read_safetensors(folder / f))
+    i = cfg["num_hidden_layers"]
+    p = f"model.layers.{i}."
+    return Head(fc=w[p + "eh_proj.weight"],
+                layer=_deepseek_layer(w, cfg, i, cfg.get("n_routed_experts") or 0),
+                enorm=w[p + "enorm.weight"], hnorm=w[p + "hnorm.weight"],
+                norm=w[p + "shared_head.norm.weight"])
+
+
 def _load_hf_deepseek(folder, cfg, w) -> Model:
     d, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     v3 = cfg["model_type"] == "deepseek_v3"
@@ -351,32 +399,7 @@ def _load_hf_deepseek(folder, cfg, w) -> Model:
     scale = float(cfg.get("routed_scaling_factor", 1.0))
     if not v3 and norm_topk:
         scale = 1.0
-    layers = []
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        q = p + "mlp."
-        sparse = (n_experts and i >= cfg.get("first_k_dense_replace", 0)
-                  and i % cfg.get("moe_layer_freq", 1) == 0)
-        L = Layer(attn_norm=w[p + "input_layernorm.weight"], wq=w.get(a + "q_proj.weight"),
-                  wk=None, wv=None, wo=w[a + "o_proj.weight"],
-                  ffn_norm=w[p + "post_attention_layernorm.weight"], w_gate=None, w_up=None,
-                  w_down=None, wq_a=w.get(a + "q_a_proj.weight"),
-                  q_a_norm=w.get(a + "q_a_layernorm.weight"), wq_b=w.get(a + "q_b_proj.weight"),
-                  wkv_a=w[a + "kv_a_proj_with_mqa.weight"],
-                  kv_a_norm=w[a + "kv_a_layernorm.weight"], wkv_b=w[a + "kv_b_proj.weight"])
-        if not sparse:
-            L.w_gate, L.w_up, L.w_down = (w[q + "gate_proj.weight"], w[q + "up_proj.weight"],
-                                          w[q + "down_proj.weight"])
-        else:
-            L.router = w[q + "gate.weight"]
-            L.router_bias = w.get(q + "gate.e_score_correction_bias")
-            L.experts = [(w[f"{q}experts.{e}.gate_proj.weight"], w[f"{q}experts.{e}.up_proj.weight"],
-                          w[f"{q}experts.{e}.down_proj.weight"]) for e in range(n_experts)]
-            if q + "shared_experts.gate_proj.weight" in w:
-                L.shared = tuple(w[f"{q}shared_experts.{k}_proj.weight"]
-                                 for k in ("gate", "up", "down")) + (None,)
-        layers.append(L)
+    layers = [_deepseek_layer(w, cfg, i, n_experts) for i in range(cfg["num_hidden_layers"])]
     embed = w["model.embed_tokens.weight"]
     tied = bool(cfg.get("tie_word_embeddings", False))
     eos = cfg.get("eos_token_id")
@@ -785,7 +808,7 @@ def head_forward(model: Model, head: Head, tokens, feats) -> tuple[np.ndarray, n
     pos = np.arange(T)
     mask = np.arange(T)[None, :] > pos[:, None]
     hd = m.head_dim
-    nkv = head.layer.wk.shape[0] // hd
+    nkv = 1 if m.mla is not None else head.layer.wk.shape[0] // hd
     empty = np.zeros((0, nkv, hd))
     x, _, _ = layer_step(m, head.layer, x, pos, mask, empty, empty)
     f = rmsnorm(x, head.norm, m.rms_eps) if head.norm is not None else x
@@ -821,4 +844,5 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 __all__ = ["Model", "Layer", "Head", "Session", "load", "kv_rounding", "layer_step", "head_forward", "forward", "greedy", "rel_err", "top2_margin",
-           "rope_inv_freq", "apply_rope", "rmsnorm", "silu", "route", "mla_attention"]
+           "rope_inv_freq", "apply_rope", "rmsnorm", "silu", "route", "mla_attention",
+           "load_mtp_head"]

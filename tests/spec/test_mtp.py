@@ -5,8 +5,11 @@
   within the fidelity contract's 1e-4, for each layout tandem loads (tandem, EAGLE,
   DeepSeek-V3's MTP names), with a different layer geometry (GQA, qwen2 biases, qwen3 q/k
   norms), and in bf16; the target's features match the reference's final-normed states.
-- A head that does not fit its target, an EAGLE-3 head, MLA or expert layers, and files that
-  are not heads are refused with a message naming the problem.
+- A head that does not fit its target (MLA or expert layers for a target without), an
+  EAGLE-3 head, and files that are not heads are refused with a message naming the problem.
+- DeepSeek-V3's own MTP layer (latent attention and experts, in the model's folder) is a head
+  that matches the reference, and `--spec mtp` / `--spec eagle` take it when no --spec-draft is
+  given, lossless.
 - `tandem generate --spec mtp --spec-draft HEAD` prints the same token ids as without
   speculation (exact acceptance), greedy and sampled, with a random head and with an echo head
   (lib.heads) that is accepted on a repetitive continuation (so the accepted path, the rewind
@@ -89,6 +92,53 @@ def test_head_forward_matches_reference(tiny, tmp_path, case):
     assert ref.rel_err(hfeat, want_feat) <= TOL, "the head's features"
 
 
+@pytest.fixture(scope="module")
+def v3_mtp(tmp_path_factory):
+    """A DeepSeek-V3 folder with its own MTP layer (MLA and experts) after its layers."""
+    path = make_hf_checkpoint(tmp_path_factory.mktemp("v3") / "v3", "deepseek_v3", seed=31,
+                              num_nextn_predict_layers=1)
+    return path, ref.load(path), ref.load_mtp_head(path)
+
+
+def test_deepseek_v3_own_mtp_layer_matches_reference(v3_mtp, tmp_path):
+    """DeepSeek-V3's MTP layer, read from the model's own folder, is a head whose layer has the
+    target's latent attention and experts (its own KV group of latent rows)."""
+    path, model, head = v3_mtp
+    tokens = np.random.default_rng(6).integers(0, model.vocab_size, 41).tolist()
+    cp = head_dump(path, path, tmp_path / "out", tokens)
+    assert cp.returncode == 0, cp.stderr
+    assert json.loads(cp.stdout)["layout"] == "deepseek-mtp"
+    P, V, d = len(tokens), model.vocab_size, model.d_model
+    s = ref.Session(model)
+    s.step(tokens)
+    feat = np.fromfile(tmp_path / "out.feat", dtype=np.float32).reshape(P, d)
+    assert ref.rel_err(feat, s.features) <= TOL, "the target's features"
+    logits = np.fromfile(tmp_path / "out.logits", dtype=np.float32).reshape(P - 1, V)
+    want, want_feat = ref.head_forward(model, head, tokens[1:], s.features[:-1])
+    for p in range(P - 1):
+        assert ref.rel_err(logits[p], want[p]) <= TOL, f"head logits, row {p}"
+    hfeat = np.fromfile(tmp_path / "out.hfeat", dtype=np.float32).reshape(P - 1, d)
+    assert ref.rel_err(hfeat, want_feat) <= TOL, "the head's features"
+
+
+@pytest.mark.parametrize("spec", [["--spec", "mtp", "--spec-k", "3"],
+                                  ["--spec", "eagle", "--spec-tree-budget", "8"]])
+@pytest.mark.parametrize("temp", ["0", "0.8"])
+def test_deepseek_v3_speculates_with_its_own_layer(v3_mtp, spec, temp):
+    """--spec mtp and eagle with no --spec-draft take the model's own MTP layer, and give the
+    tokens of no speculation (exact acceptance), greedy and sampled."""
+    path = v3_mtp[0]
+    base = ["generate", "--model", str(path), "--prompt-tokens",
+            ",".join(str(t) for t in range(3, 60)), "--max-tokens", "20", "--temperature", temp,
+            "--seed", "11", "--print-token-ids", "--threads", "2"]
+    plain = run_tandem(base).stdout.split()
+    cp = run_tandem(base + spec + ["--spec-stats"])
+    assert cp.stdout.split() == plain
+    assert "deepseek-mtp layout" in cp.stderr, cp.stderr
+    stats = json.loads(cp.stderr.strip().splitlines()[-1])
+    assert stats["drafted"] > 0
+
+
 def test_the_comparison_catches_a_shift(tiny, tmp_path):
     """The reference with the tokens not shifted (t(p) with h(p)) must not match: the check is
     sensitive to the one-token shift it exists to guard."""
@@ -137,10 +187,12 @@ def test_deepseek_head_for_another_vocabulary_is_refused(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("what,extra,needle", [
-    ("mla", {"model.layers.3.self_attn.kv_a_proj_with_mqa.weight": np.zeros((4, 4))}, "MLA"),
-    ("moe", {"model.layers.3.mlp.experts.0.gate_proj.weight": np.zeros((4, 4))}, "experts"),
+    ("mla", {"model.layers.3.self_attn.kv_a_proj_with_mqa.weight": np.zeros((4, 4))},
+     "uses MLA attention and its target"),
+    ("moe", {"model.layers.3.mlp.experts.0.gate_proj.weight": np.zeros((4, 4))},
+     "is a mixture of experts and its target"),
 ])
-def test_deepseek_layers_tandem_cannot_run_are_refused(tiny, tmp_path, what, extra, needle):
+def test_deepseek_layers_unlike_the_target_are_refused(tiny, tmp_path, what, extra, needle):
     assert needle in refused(tiny, tmp_path, layout="deepseek-mtp", extra=extra)
 
 

@@ -730,10 +730,10 @@ struct kv_pairs {
 /* Rows move as 16-bit units (a row of hd elements is hd * elem_bytes / 2 of them), whatever
  * the element type. */
 __global__ void kv_copy_kernel(uint16_t *base, size_t layer_units, int row, int ps, int nkv, int n,
-                               kv_pairs pr)
+                               int halves, kv_pairs pr)
 {
     tdm_pdl_wait();
-    const size_t head = (size_t)ps * row, page = 2 * (size_t)nkv * head;
+    const size_t head = (size_t)ps * row, page = (size_t)halves * nkv * head;
     uint16_t *layer = base + (size_t)blockIdx.x * layer_units + (size_t)blockIdx.y * head;
     for (int i = 0; i < n; i++) {
         const uint16_t *from =
@@ -747,7 +747,7 @@ __global__ void kv_copy_kernel(uint16_t *base, size_t layer_units, int row, int 
 
 extern "C" void tdm_cu_kv_copy(cudaStream_t s, void *base, int kv_type, int n_layers,
                                size_t layer_bytes, int n_kv_heads, int hd, int page_size,
-                               const int32_t *src, const int32_t *dst, int n)
+                               bool latent, const int32_t *src, const int32_t *dst, int n)
 {
     if (n <= 0 || n_layers <= 0) return;
     kv_pairs pr = {};
@@ -756,10 +756,11 @@ extern "C" void tdm_cu_kv_copy(cudaStream_t s, void *base, int kv_type, int n_la
         pr.src[i] = src[i];
         pr.dst[i] = dst[i];
     }
-    dim3 grid(n_layers, 2 * n_kv_heads);                    /* (layer, K head then V head) */
+    const int halves = latent ? 1 : 2;                      /* a latent page: K rows only */
+    dim3 grid(n_layers, halves * n_kv_heads);               /* (layer, K head then V head) */
     const int row = kv_type == TDM_CU_KV_F32 ? 2 * hd : hd; /* 16-bit units */
     tdm_pdl_launch(kv_copy_kernel, grid, 128, 0, s, static_cast<uint16_t *>(base),
-                   layer_bytes / sizeof(uint16_t), row, page_size, n_kv_heads, n, pr);
+                   layer_bytes / sizeof(uint16_t), row, page_size, n_kv_heads, n, halves, pr);
 }
 
 extern "C" int tdm_cu_attention_rows_cap(int hd)

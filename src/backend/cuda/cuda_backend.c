@@ -118,6 +118,7 @@ static const struct tdm_backend_i CUDA_IFACE = {
     .gather_rows = tdm_cuda_gather_rows,
     .zero = tdm_cuda_zero,
     .rows_scale_add = tdm_cuda_rows_scale_add,
+    .head_matmul = tdm_cuda_head_matmul,
     .scatter_cols = tdm_cuda_scatter_cols,
     .kv_copy = tdm_cuda_kv_copy,
     .layer_done = tdm_cuda_layer_done,

@@ -245,6 +245,9 @@ void tdm_cuda_rows_scale_add(tdm_backend_t *b, const float *x, const int32_t *ro
                              const float *weights, int n, int dim, float *out);
 void tdm_cuda_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, int n, int dim,
                           float *out);
+void tdm_cuda_head_matmul(tdm_backend_t *b, const struct tdm_weight *w, int n_heads, const float *x,
+                          int n, size_t x_stride, size_t x_hstride, float *out, size_t out_stride,
+                          size_t out_hstride);
 void tdm_cuda_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,
                       size_t layer_bytes, const int32_t *src, const int32_t *dst, int n);
 /* A KV pool's element type as the kernels name it (enum tdm_cu_kv); aborts on another. */

@@ -67,8 +67,21 @@ enum tdm_cu_kv { TDM_CU_KV_F32 = 0, TDM_CU_KV_BF16 = 1, TDM_CU_KV_F16 = 2 };
  * arrays, at most TDM_CU_KV_COPY_MAX pairs a call (they travel as kernel arguments). */
 #define TDM_CU_KV_COPY_MAX 64
 void tdm_cu_kv_copy(cudaStream_t s, void *base, int kv_type, int n_layers, size_t layer_bytes,
-                    int n_kv_heads, int hd, int page_size, const int32_t *src, const int32_t *dst,
-                    int n);
+                    int n_kv_heads, int hd, int page_size, bool latent, const int32_t *src,
+                    const int32_t *dst, int n);
+/* MLA (mla.cu; backend.h's latent layers and head_matmul): the rope of q's last rot_dim
+ * elements a head, and the cached row [lat ; turned kr] at each token's slot of a K-only page;
+ * the per-head products of a bf16 weight [n_heads * rows][cols]; attention over latent rows
+ * (values: each row's first vd elements), false for a shape it does not take (vd > 1024). */
+void tdm_cu_mla_rope(cudaStream_t s, float *q, const float *lat, const float *kr, int n_heads,
+                     int hd, int rot_dim, bool neox, float mscale, const float *inv_freq,
+                     const struct tdm_cu_step *st, void *kv_base, int kv_type);
+void tdm_cu_head_matmul(cudaStream_t s, const uint16_t *w, int n_heads, int rows, int cols,
+                        const float *x, int n, size_t x_stride, size_t x_hstride, float *out,
+                        size_t out_stride, size_t out_hstride);
+bool tdm_cu_mla_attention(cudaStream_t s, const float *q, int n_heads, int hd, int vd,
+                          const struct tdm_cu_step *st, const void *kv_base, int kv_type,
+                          float scale, float *out);
 /* RoPE of q (in place) and k, k and v written to the KV cache (elements of kv_type) at each
  * token's slot (slot < 0: a padding token, nothing written). inv_freq: [hd/2] device. */
 void tdm_cu_rope_kv_append(cudaStream_t s, float *q, const float *k, const float *v, int n_heads,

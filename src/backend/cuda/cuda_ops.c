@@ -186,7 +186,7 @@ static void cu_head_rmsnorm_impl(tdm_backend_t *b, float *x, const float *w, flo
 
 static const float *inv_freq_dev(struct tdm_cuda *cu, const struct tdm_rope *rope)
 {
-    const int half = rope->head_dim / 2;
+    const int half = (rope->rot_dim > 0 ? rope->rot_dim : rope->head_dim) / 2;
     TDM_ASSERT(half > 0 && half <= INV_FREQ_MAX);
     if (cu->inv_n != half || memcmp(cu->h_inv_freq, rope->inv_freq, (size_t)half * 4) != 0) {
         /* inside a capture this copy becomes a graph node reading the pinned copy, which
@@ -212,6 +212,16 @@ static void cu_rope_kv_append_impl(tdm_backend_t *b, float *q, const float *k, c
     TDM_ASSERT(rope->head_dim == kv->head_dim && st->page_size == kv->page_size);
     const struct tdm_cu_step *ds = tdm_cuda_dev_step(cu, st, 0, kv->head_dim);
     const float *inv = inv_freq_dev(cu, rope);
+    const float ms = rope->mscale != 0.0f ? rope->mscale : 1.0f;
+    if (kv->v_dim > 0) { /* a latent row: k the latent, v the rope key */
+        TDM_ASSERT(kv->n_kv_heads == 1 && rope->rot_dim > 0);
+        tdm_cu_mla_rope(cu->stream, q, k, v, n_heads, kv->head_dim, rope->rot_dim, rope->neox, ms,
+                        inv, ds, kv->base, tdm_cuda_kv_type(kv->dtype));
+        check_launch();
+        return;
+    }
+    /* rotating part of a row, or a magnitude, is MLA's (YaRN is DeepSeek's only) */
+    TDM_ASSERT((rope->rot_dim == 0 || rope->rot_dim == rope->head_dim) && ms == 1.0f);
     tdm_cu_rope_kv_append(cu->stream, q, k, v, n_heads, kv->n_kv_heads, rope->head_dim, rope->neox,
                           inv, ds, kv->base, tdm_cuda_kv_type(kv->dtype));
     check_launch();
@@ -224,6 +234,15 @@ static void cu_attention_impl(tdm_backend_t *b, const float *q, int n_heads,
     struct tdm_cuda *cu = tdm_cu_of(b);
     shadow_clear(cu);
     TDM_ASSERT(kv->n_kv_heads > 0 && n_heads % kv->n_kv_heads == 0);
+    if (kv->v_dim > 0) { /* latent rows (MLA) */
+        const struct tdm_cu_step *ls = tdm_cuda_dev_step(cu, st, 0, kv->head_dim);
+        if (!tdm_cu_mla_attention(cu->stream, q, n_heads, kv->head_dim, kv->v_dim, ls, kv->base,
+                                  tdm_cuda_kv_type(kv->dtype), scale, out))
+            tdm_cu_fatal("attention", "unsupported latent shape (v_dim > 1024)", __FILE__,
+                         __LINE__);
+        check_launch();
+        return;
+    }
     const int gs = n_heads / kv->n_kv_heads, hd = kv->head_dim;
     const struct tdm_cu_step *ds = tdm_cuda_dev_step(cu, st, gs, hd);
     /* split-KV when the (tile, KV head) blocks would not fill the GPU twice over */
@@ -482,8 +501,20 @@ void tdm_cuda_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_lay
     tdm_cuda_bind(cu);
     for (int i = 0; i < n; i += TDM_CU_KV_COPY_MAX) { /* pairs travel as kernel arguments */
         tdm_cu_kv_copy(cu->stream, kv->base, tdm_cuda_kv_type(kv->dtype), n_layers, layer_bytes,
-                       kv->n_kv_heads, kv->head_dim, kv->page_size, src + i, dst + i,
+                       kv->n_kv_heads, kv->head_dim, kv->page_size, kv->v_dim > 0, src + i, dst + i,
                        TDM_MIN(n - i, TDM_CU_KV_COPY_MAX));
         check_launch();
     }
+}
+
+void tdm_cuda_head_matmul(tdm_backend_t *b, const struct tdm_weight *w, int n_heads, const float *x,
+                          int n, size_t x_stride, size_t x_hstride, float *out, size_t out_stride,
+                          size_t out_hstride)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    shadow_clear(cu);
+    TDM_ASSERT(w->dtype == TDM_DTYPE_BF16 && n_heads > 0 && w->rows % n_heads == 0);
+    tdm_cu_head_matmul(cu->stream, w->data, n_heads, (int)(w->rows / n_heads), (int)w->cols, x, n,
+                       x_stride, x_hstride, out, out_stride, out_hstride);
+    check_launch();
 }
