@@ -153,6 +153,14 @@ struct tdm_disagg_decode_opts {
      * or another one: it says which) is asked without the head from then on, until it comes
      * back from being down; those requests decode without drafts. */
     const struct tdm_model *head;
+    /* A request naming its prefill node (tdm_req_kv_peer: HOST:PORT, its HTTP address, as
+     * llm-d's P/D sidecar does in x-prefiller-host-port) is sent there when that peer is one of
+     * this decoder's (its source http://HOST:PORT) and up; otherwise the usual choice. With
+     * add_named_peers, a name that is no peer yet becomes one (asked for its fabric address
+     * and connected in the background, while this request goes the usual way), up to
+     * TDM_DISAGG_MAX_PEERS in all; without, the name is only a preference among the
+     * configured peers (a header may not make this node connect anywhere). */
+    bool add_named_peers;
 };
 typedef struct tdm_disagg_decode tdm_disagg_decode_t;
 /* Creates the transfer engine, registers the KV pool and the context buffers, connects the

@@ -105,6 +105,7 @@ struct tdm_sched_opts {
 };
 
 #define TDM_MAX_TOP_LOGPROBS TDM_TOP_LOGPROBS_MAX
+#define TDM_REQ_KV_PEER_MAX  128
 #define TDM_MAX_STOP_IDS     16
 
 struct tdm_req_params {
@@ -149,6 +150,10 @@ struct tdm_req_params {
      * < 0 none for this request. */
     int spec_k;
     void *user; /* opaque; handed back to the connector */
+    /* The KV connector's peer for this request, or NULL: its own choice. A decoder takes it as
+     * a prefill node's HTTP host:port (llm-d's x-prefiller-host-port). Copied at submit; at
+     * most TDM_REQ_KV_PEER_MAX - 1 bytes. */
+    const char *kv_peer;
     /* Called when the request has news (an output, its finish), by the scheduler's thread (or
      * its watchdog) with the request's lock held: it must only wake someone up (no call into
      * the scheduler). Never called after tdm_req_release returns. NULL: readers poll with
@@ -498,6 +503,8 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
 tdm_status tdm_sched_submit_group(tdm_sched_t *s, const struct tdm_req_params *ps, int n,
                                   tdm_req_t **out);
 uint64_t tdm_req_id(const tdm_req_t *r);
+/* The request's params.kv_peer, or NULL. */
+const char *tdm_req_kv_peer(const tdm_req_t *r);
 /* Cancels the request (idempotent; a finished request is unaffected). */
 void tdm_req_cancel(tdm_req_t *r);
 /* Ends the request as stopped (TDM_FINISH_STOP), as a cancel does: its reader matched a stop

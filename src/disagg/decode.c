@@ -155,7 +155,10 @@ struct tdm_disagg_decode {
     uint64_t errors[N_ERR], remote_ok, local_fallbacks, fenced_now;
     uint64_t head_ok;                 /* remote prefills that brought the head's KV */
     uint64_t staged_ok, landing_full; /* through landing pages; admits that found too few */
-    uint32_t *copy_src, *copy_dst;    /* [TDM_XFER_COPY_MAX_PAGES] landing copies' page lists */
+    /* requests that named their prefill node: sent there; it was down or already tried; no
+     * such peer; added as a new peer */
+    uint64_t named_used, named_down, named_unknown, named_added;
+    uint32_t *copy_src, *copy_dst; /* [TDM_XFER_COPY_MAX_PAGES] landing copies' page lists */
 };
 
 /* ---- tried-peers table: which peers a request has used (by request id) ---- */
@@ -511,11 +514,64 @@ static void on_peer(void *ctx, uint32_t xpeer, bool up)
 
 /* ---- the KV connector (scheduler thread) ---- */
 
+/* Whether peer p is the prefill node named HOST:PORT (its source http(s)://HOST:PORT, with or
+ * without a trailing slash). */
+static bool peer_named(const struct dpeer *p, const char *name)
+{
+    if (!p->file) return false;
+    const char *u = p->file;
+    if (!strncmp(u, "http://", 7))
+        u += 7;
+    else if (!strncmp(u, "https://", 8))
+        u += 8;
+    else
+        return false;
+    size_t n = strlen(name);
+    return !strncmp(u, name, n) && (!u[n] || (u[n] == '/' && !u[n + 1]));
+}
+
+/* The peer a request names (tdm_disagg_decode_opts.add_named_peers), with d->mu held: its
+ * index when it can take this request now, else -1 (the usual choice follows); an unknown
+ * name becomes a new peer when allowed (the reviver resolves and connects it). */
+static int named_peer_locked(struct tdm_disagg_decode *d, const char *name, uint32_t tried)
+{
+    for (int i = 0; i < d->n_peers; i++) {
+        if (!peer_named(&d->peers[i], name)) continue;
+        if (d->peers[i].alive && !(tried >> i & 1)) {
+            d->named_used++;
+            return i;
+        }
+        d->named_down++;
+        return -1;
+    }
+    if (!d->o.add_named_peers || d->n_peers == TDM_DISAGG_MAX_PEERS) {
+        d->named_unknown++;
+        return -1;
+    }
+    struct dpeer *p = &d->peers[d->n_peers];
+    char *src = malloc(strlen(name) + 8);
+    if (!src) {
+        d->named_unknown++;
+        return -1;
+    }
+    sprintf(src, "http://%s", name);
+    *p = (struct dpeer){.file = src,
+                        .xid = UINT32_MAX,
+                        .staged = d->stage_all,
+                        .backoff_ms = d->o.revive_ms,
+                        .next_try_ns = (int64_t)tdm_now_ns()};
+    TDM_INFO("disagg: prefill peer %d: %s, named by a request; connecting", d->n_peers, src);
+    d->n_peers++;
+    d->named_added++;
+    pthread_cond_signal(&d->rcv);
+    return -1;
+}
+
 static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
                   const int32_t *pages, int n_pages)
 {
     struct tdm_disagg_decode *d = ctx;
-    if (d->o.max_attempts < 0 || !d->n_peers) return false;
+    if (d->o.max_attempts < 0) return false;
     uint32_t expected =
         tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)d->chunk, (uint32_t)d->n_layers);
     if (expected - 1 > d->ep.caps.max_index) return false; /* too many chunks for the immediates */
@@ -531,8 +587,9 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
         pthread_mutex_unlock(&d->mu);
         return false;
     }
-    int best = -1;
-    for (int i = 0; i < d->n_peers; i++) {
+    const char *name = tdm_req_kv_peer(r);
+    int best = name ? named_peer_locked(d, name, t->mask) : -1;
+    for (int i = 0; i < d->n_peers && (!name || best < 0); i++) {
         struct dpeer *p = &d->peers[i];
         if (!p->alive || (t->mask >> i & 1)) continue;
         if (best < 0 || p->outstanding_tokens < d->peers[best].outstanding_tokens) best = i;
@@ -1042,6 +1099,15 @@ char *tdm_disagg_decode_metrics(void *ctx)
             snprintf(lab, sizeof lab, "peer=\"%d\"", i);
             tdm_prom_sample(&b, "tandem_disagg_peer_staged", lab, d->peers[i].staged ? 1 : 0);
         }
+    }
+    tdm_prom_family(&b, "tandem_disagg_named_prefill_total", "counter",
+                    "Requests that named their prefill node (x-prefiller-host-port), by what came "
+                    "of it.");
+    const char *named[] = {"used", "down", "unknown", "added"};
+    const uint64_t named_n[] = {d->named_used, d->named_down, d->named_unknown, d->named_added};
+    for (int i = 0; i < 4; i++) {
+        snprintf(lab, sizeof lab, "result=\"%s\"", named[i]);
+        tdm_prom_sample(&b, "tandem_disagg_named_prefill_total", lab, (double)named_n[i]);
     }
     tdm_prom_family(&b, "tandem_disagg_peer_outstanding_tokens", "gauge",
                     "Prefill tokens sent to a peer and not landed (its queue depth seen from "

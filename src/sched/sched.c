@@ -319,6 +319,9 @@ bool tdm_sched_row_outputs(struct tdm_sched *s)
 static tdm_status req_new(struct tdm_sched *s, const struct tdm_req_params *p, struct tdm_req **out)
 {
     if (!p->prompt || p->n_prompt < 1) return tdm_err_set(TDM_EINVAL, "the prompt is empty");
+    if (p->kv_peer && strlen(p->kv_peer) >= TDM_REQ_KV_PEER_MAX)
+        return tdm_err_set(TDM_EINVAL, "the KV peer name is over %d bytes",
+                           TDM_REQ_KV_PEER_MAX - 1);
     if (p->n_prompt >= s->max_ctx)
         return tdm_err_set(TDM_ERANGE,
                            "the prompt has %d tokens; this model's context is %d tokens (at "
@@ -421,6 +424,7 @@ static tdm_status req_new(struct tdm_sched *s, const struct tdm_req_params *p, s
     for (int i = 0; i < p->n_prompt; i++)
         tdm_sampler_accept(&r->smp, p->prompt[i], true);
     r->n_prompt = r->n_tokens = p->n_prompt;
+    if (p->kv_peer) snprintf(r->kv_peer, sizeof r->kv_peer, "%s", p->kv_peer);
     r->max_tokens = p->max_tokens;
     r->min_tokens = p->min_tokens;
     r->top_k_lp = p->top_logprobs;
@@ -537,6 +541,11 @@ tdm_status tdm_sched_submit(tdm_sched_t *s, const struct tdm_req_params *p, tdm_
 uint64_t tdm_req_id(const tdm_req_t *r)
 {
     return r->id;
+}
+
+const char *tdm_req_kv_peer(const tdm_req_t *r)
+{
+    return r->kv_peer[0] ? r->kv_peer : NULL;
 }
 
 void tdm_req_cancel(tdm_req_t *r)

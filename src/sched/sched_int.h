@@ -45,6 +45,7 @@ struct tdm_req {
     int fixed_chunk;
     int spec_k; /* as submitted: 0 the scheduler's cap, > 0 a lower cap, < 0 none */
     void *user;
+    char kv_peer[TDM_REQ_KV_PEER_MAX]; /* params.kv_peer, "" for none */
     struct tdm_sched *sched;
     _Atomic int remote; /* REMOTE_* */
     /* tdm_req_remote_done_feed's mailbox, written before `remote` turns REMOTE_OK (so after

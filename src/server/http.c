@@ -28,6 +28,7 @@
  * (tokens whose text is still held back for a possible stop string are folded into the next
  * event), then the finish event, the usage event when asked, and "data: [DONE]".
  */
+#include <ctype.h>
 #include <errno.h>
 #include <pthread.h>
 #include <microhttpd.h>
@@ -40,6 +41,8 @@
 #include "server/front.h"
 #include "server/reply.h"
 #include "server/server_int.h"
+
+#include <ctype.h>
 
 struct waiter {
     struct tdm_server *srv;
@@ -91,6 +94,7 @@ struct cand {
 struct gen {
     struct tdm_server *srv;
     struct api_req ar;
+    char kv_peer[TDM_REQ_KV_PEER_MAX]; /* x-prefiller-host-port, "" for none */
     char id[48];
     long created;
     struct waiter w;
@@ -459,6 +463,7 @@ static tdm_status gen_submit(struct tdm_server *s, struct gen *g)
     for (int i = 0; i < ar->n_prompts && st == TDM_OK; i++) {
         for (int j = 0; j < B; j++) {
             tdm_api_candidate(ar, i, j, &ps[j]);
+            ps[j].kv_peer = g->kv_peer[0] ? g->kv_peer : NULL;
             ps[j].notify = waiter_notify;
             ps[j].notify_ctx = &g->w;
         }
@@ -475,11 +480,30 @@ static tdm_status gen_submit(struct tdm_server *s, struct gen *g)
     return st;
 }
 
+/* llm-d's P/D sidecar names the prefill node of a request in this header (HOST:PORT, its HTTP
+ * address): a host name or address and a port, nothing else. */
+#define PREFILLER_HEADER "x-prefiller-host-port"
+static bool prefiller_ok(const char *v)
+{
+    size_t n = strlen(v);
+    if (!n || n >= TDM_REQ_KV_PEER_MAX) return false;
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)v[i]) && !strchr(".-_:[]", v[i])) return false;
+    const char *colon = strrchr(v, ':');
+    return colon && colon > v && colon[1];
+}
+
 static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, bool chat,
                                 struct tdm_front_body *cc)
 {
     if (atomic_load(&s->draining))
         return tdm_reply_errf(c, s->http, 503, "the server is shutting down");
+    const char *prefiller = MHD_lookup_connection_value(c, MHD_HEADER_KIND, PREFILLER_HEADER);
+    if (prefiller && !prefiller_ok(prefiller))
+        return tdm_reply_errf(c, s->http, 400,
+                              "%s: '%.64s' is not HOST:PORT (a host name or address and a port, "
+                              "under %d bytes)",
+                              PREFILLER_HEADER, prefiller, TDM_REQ_KV_PEER_MAX);
     struct api_req ar;
     struct api_err e;
     if (!tdm_api_parse(&s->api, chat, cc->body ? cc->body : "", cc->len, &ar, &e))
@@ -507,6 +531,7 @@ static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, 
     g->srv = s;
     g->ar = ar;
     g->n_cand = n_cand;
+    if (prefiller) snprintf(g->kv_peer, sizeof g->kv_peer, "%s", prefiller);
     atomic_fetch_add(&s->active, 1);
     waiter_init(&g->w, s, c);
     tdm_status st = gen_submit(s, g);

@@ -73,6 +73,9 @@ static void usage(FILE *f)
         "  --remote-chunk N        decode: prefill chunk asked of peers (default 256 tokens)\n"
         "  --remote-timeout-ms N   decode: one remote prefill's deadline (default 30000)\n"
         "  --remote-attempts N     decode: peers tried per request before prefilling here (2)\n"
+        "  --add-named-prefill-peers  decode: a request's x-prefiller-host-port (llm-d) may\n"
+        "                          name a prefill node not in --prefill-peers: it is added\n"
+        "                          (without this, the header only picks among them)\n"
         "  --peer-timeout-ms N     a silent fabric peer is declared dead after this (2000)\n"
         "  --kv-staging auto|always|off  KV pages through pinned host memory, for GPU pools\n"
         "                          between hosts whose fabric cannot register GPU memory.\n"
@@ -358,7 +361,7 @@ int tdm_cmd_serve(int argc, char **argv)
     int64_t ctx = 0, threads = 0;
     size_t kv_bytes = 0, staging_bytes = 0;
     enum tdm_disagg_staging staging = TDM_DISAGG_STAGING_AUTO;
-    bool inv = false, prefix_caching = false;
+    bool inv = false, prefix_caching = false, add_named = false;
     const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
     const char *addr_file = NULL, *fabric_key_file = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
@@ -398,6 +401,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("remote-chunk", &rchunk, 1, 1 << 20),
         TDM_OPT_I("remote-timeout-ms", &rtimeout, 100, 3600000),
         TDM_OPT_I("remote-attempts", &rattempts, 0, 16),
+        TDM_OPT_B("add-named-prefill-peers", &add_named),
         TDM_OPT_I("peer-timeout-ms", &peer_timeout, 100, 600000),
         TDM_OPT_P("kv-staging", opt_staging, &staging),
         TDM_OPT_P("staging-memory", opt_staging_memory, &staging_bytes),
@@ -414,6 +418,10 @@ int tdm_cmd_serve(int argc, char **argv)
     bool is_prefill = !strcmp(role, "prefill"), is_decode = !strcmp(role, "decode");
     if (is_decode && !peers_arg) {
         fprintf(stderr, "tandem serve: --role decode needs --prefill-peers\n");
+        return 2;
+    }
+    if (!is_decode && add_named) {
+        fprintf(stderr, "tandem serve: --add-named-prefill-peers is for --role decode\n");
         return 2;
     }
     if (!is_decode && peers_arg) {
@@ -467,7 +475,8 @@ int tdm_cmd_serve(int argc, char **argv)
                                                    .fabric_key_bytes = fkey_bytes},
                                           .chunk = (int)rchunk,
                                           .timeout_ms = (int)rtimeout,
-                                          .max_attempts = rattempts ? (int)rattempts : -1};
+                                          .max_attempts = rattempts ? (int)rattempts : -1,
+                                          .add_named_peers = add_named};
     char *peer_bufs[2 * TDM_DISAGG_MAX_PEERS] = {0}; /* addresses, then the @FILE items */
     if (is_decode && !parse_peers(peers_arg, &dopt, peer_bufs)) {
         free_peers(peer_bufs);

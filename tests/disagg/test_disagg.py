@@ -587,6 +587,77 @@ def test_prefill_peer_by_http_address(colocated, default_model):
             p.stop()
 
 
+def run_named(server, prompt, name):
+    st, r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                            "ignore_eos": True, "logprobs": 0},
+                        headers={"x-prefiller-host-port": name},
+                        timeout=600 if SANITIZED else 120)
+    assert st == 200, r
+    return r["choices"][0]["logprobs"]["tokens"], r["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def named(d, result):
+    return d.metrics()[("tandem_disagg_named_prefill_total", (("result", result),))]
+
+
+def served(p):
+    return p.metrics()[("tandem_disagg_prefills_total", ())]
+
+
+def wait_peers_up(d, n, timeout=60):
+    deadline = time.time() + timeout
+    while sum(v for (k, _), v in d.metrics().items() if k == "tandem_disagg_peer_up") < n:
+        assert time.time() < deadline, f"{n} prefill peers did not come up"
+        time.sleep(0.1)
+
+
+def test_request_names_its_prefill_node(colocated, default_model):
+    """llm-d's P/D sidecar names each request's prefill node in x-prefiller-host-port (its HTTP
+    HOST:PORT). A decoder with both nodes as http:// peers sends every named request to the
+    one named, with the colocated answers; a name that is no peer is served the usual way (and
+    counted), a malformed one is a 400; with --add-named-prefill-peers a new name becomes a
+    peer (connected in the background) and later requests naming it go there."""
+    p1, p2 = prefill_node(), prefill_node()
+    d = d2 = None
+    try:
+        n1, n2 = f"127.0.0.1:{p1.port}", f"127.0.0.1:{p2.port}"
+        d = Server(THREADS + ["--role", "decode", "--prefill-peers",
+                              f"http://{n1},http://{n2}", "--remote-chunk", str(CHUNK)] +
+                   DECODE_SLACK)
+        wait_peers_up(d, 2)
+        ps = prompts(4, 31, [5, 40, 70, 17])
+        want = [run(colocated, x) for x in ps]
+        assert [run_named(d, x, n2) for x in ps] == want
+        decode_idle(d)
+        assert (served(p1), served(p2)) == (0, len(ps))
+        assert named(d, "used") == len(ps)
+        # a name that is no peer: the usual choice
+        assert run_named(d, ps[0], "127.0.0.1:9") == want[0]
+        assert named(d, "unknown") == 1
+        assert served(p1) + served(p2) == len(ps) + 1
+        st, r = d.post("/v1/completions", {"prompt": "hi", "max_tokens": 1},
+                       headers={"x-prefiller-host-port": "evil/../path"})
+        assert st == 400 and "x-prefiller-host-port" in r["error"]["message"], r
+        # a decoder that knows only p1 adds p2 when a request names it
+        d2 = Server(THREADS + ["--role", "decode", "--prefill-peers", f"http://{n1}",
+                               "--add-named-prefill-peers", "--remote-chunk", str(CHUNK)] +
+                    DECODE_SLACK)
+        wait_peers_up(d2, 1)
+        before = served(p2)
+        assert run_named(d2, ps[1], n2) == want[1]  # goes to p1 while p2 connects
+        assert named(d2, "added") == 1
+        wait_peers_up(d2, 2)
+        assert run_named(d2, ps[2], n2) == want[2]
+        decode_idle(d2)
+        assert served(p2) == before + 1 and named(d2, "used") == 1
+        prefill_idle(p1)
+        prefill_idle(p2)
+    finally:
+        for s in (d2, d, p2, p1):
+            if s:
+                s.stop()
+
+
 def test_two_byte_kv_pages(default_model):
     """--kv-dtype bf16 on both nodes: the pages that cross are bf16, and the answers are the
     colocated bf16 server's token for token (log-probabilities included). A prefill node whose
