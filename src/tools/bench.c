@@ -91,25 +91,6 @@ static double weight_bytes_per_step(const struct tdm_model *m)
     return total;
 }
 
-static int sparse_layers(const struct tdm_model *m)
-{
-    int n = 0;
-    for (int l = 0; l < m->cfg.n_layers; l++)
-        n += m->layers[l].n_experts > 0;
-    return n;
-}
-
-/* Bytes of one expert's three matrices (every expert of a model has the same), or 0. */
-static double expert_bytes(const struct tdm_model *m)
-{
-    for (int l = 0; l < m->cfg.n_layers; l++)
-        if (m->layers[l].n_experts)
-            return (double)weight_bytes(&m->layers[l].experts[0]) +
-                   (double)weight_bytes(&m->layers[l].experts[1]) +
-                   (double)weight_bytes(&m->layers[l].experts[2]);
-    return 0.0;
-}
-
 static uint64_t mix(uint64_t h, uint64_t v)
 {
     h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
@@ -227,11 +208,14 @@ int tdm_cmd_bench(int argc, char **argv)
     double kv_per_pos = (double)kg.page_bytes / tdm_engine_opts(e)->page_size * cf->n_layers;
     printf("  KV cache: %s, %.0f KiB a position\n", tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
     printf("  memory bandwidth (STREAM copy, same run): %.2f GB/s\n", bw / 1e9);
-    const double ebytes = expert_bytes(m);
+    int n_sparse = 0;
+    uint64_t one_expert = 0;
+    tdm_tool_expert_bytes(m, &n_sparse, &one_expert);
+    const double ebytes = (double)one_expert;
     if (ebytes > 0)
         printf("  weight bytes read per decode step: %.2f MB, and %.2f MB per expert pass "
                "(%d of %d experts a token, %d sparse layers)\n",
-               wbytes / 1e6, ebytes / 1e6, cf->n_experts_used, cf->n_experts, sparse_layers(m));
+               wbytes / 1e6, ebytes / 1e6, cf->n_experts_used, cf->n_experts, n_sparse);
     else
         printf("  weight bytes read per decode step: %.2f MB\n", wbytes / 1e6);
 

@@ -542,9 +542,11 @@ static bool bench_attention(const struct bench_opts *o)
                 ok = false;
             }
             for (size_t i = 0; ok && i < kv_floats; i++)
-                kv[i] = (float)((double)(tdm_tool_splitmix64(&rng) >> 11) / 9007199254740992.0 * 2 - 1);
+                kv[i] =
+                    (float)((double)(tdm_tool_splitmix64(&rng) >> 11) / 9007199254740992.0 * 2 - 1);
             for (size_t i = 0; ok && i < q_floats; i++)
-                q[i] = (float)((double)(tdm_tool_splitmix64(&rng) >> 11) / 9007199254740992.0 * 4 - 2);
+                q[i] =
+                    (float)((double)(tdm_tool_splitmix64(&rng) >> 11) / 9007199254740992.0 * 4 - 2);
             for (int i = 0; ok && i < n_pages; i++)
                 pages[i] = i;
             if (ok) {

@@ -31,6 +31,26 @@ static void progress_bar(void *ctx, double fraction)
     fflush(stderr);
 }
 
+uint64_t tdm_tool_expert_bytes(const struct tdm_model *m, int *sparse, uint64_t *one)
+{
+    uint64_t all = 0;
+    *sparse = 0;
+    *one = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const struct tdm_layer_weights *lw = &m->layers[l];
+        if (!lw->n_experts) continue;
+        uint64_t first = 0;
+        for (int i = 0; i < 3 * lw->n_experts; i++) {
+            uint64_t b = (uint64_t)lw->experts[i].row_bytes * (uint64_t)lw->experts[i].rows;
+            all += b;
+            if (i < 3) first += b;
+        }
+        if (!*sparse) *one = first; /* every expert of a model has the same */
+        ++*sparse;
+    }
+    return all;
+}
+
 struct tdm_model *tdm_tool_load_model(const char *path)
 {
     char def[4096];

@@ -62,13 +62,8 @@ int tdm_cmd_info(int argc, char **argv)
     int rc = 0;
     /* experts: how many layers have them, and what their weights take */
     int sparse = 0;
-    uint64_t expert_bytes = 0;
-    for (int l = 0; l < cf->n_layers; l++) {
-        const struct tdm_layer_weights *lw = &m->layers[l];
-        sparse += lw->n_experts > 0;
-        for (int i = 0; i < 3 * lw->n_experts; i++)
-            expert_bytes += (uint64_t)lw->experts[i].row_bytes * (uint64_t)lw->experts[i].rows;
-    }
+    uint64_t one_expert = 0;
+    const uint64_t expert_bytes = tdm_tool_expert_bytes(m, &sparse, &one_expert);
     if (json) {
         json_t *types = json_object();
         for (int t = 0; t < TDM_DTYPE_COUNT; t++)

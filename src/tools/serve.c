@@ -667,6 +667,16 @@ int tdm_cmd_serve(int argc, char **argv)
             name, ef->max_ctx, (long long)ks.total, ef->page_size, tdm_dtype_name(kvc->dtype),
             tdm_kv_page_bytes(kvc), kvc->latent_v_dim ? " (latent rows)" : "", ef->max_batch_tokens,
             ef->max_seqs);
+    if (m->cfg.n_experts) { /* the experts in the memory plan: what is held, what is read */
+        int sparse = 0;
+        uint64_t one = 0, all = tdm_tool_expert_bytes(m, &sparse, &one);
+        fprintf(stderr,
+                "tandem serve: experts: %d in each of %d sparse layers, %d a token: %.1f MiB of "
+                "the %.1f MiB of weights; a token reads %.1f MiB of them\n",
+                m->cfg.n_experts, sparse, m->cfg.n_experts_used, all / 1048576.0,
+                m->weight_bytes / 1048576.0,
+                (double)one * sparse * m->cfg.n_experts_used / 1048576.0);
+    }
     if (spec) { /* what speculation holds, reserved before the KV pool was sized */
         const struct tdm_kv_config *kc = tdm_kv_pool_config(tdm_engine_kv(e));
         double all = (double)tdm_kv_page_bytes_all(kc),

@@ -35,6 +35,9 @@ int tdm_cmd_train_mtp(int argc, char **argv);  /* train_mtp.c: train a speculati
 /* Loads --model (or the default model), drawing a progress bar on stderr when it is a terminal.
  * On failure prints the reason and returns NULL. */
 struct tdm_model *tdm_tool_load_model(const char *path);
+/* Bytes of every expert's weights (routed experts of the sparse layers, as held in memory);
+ * *sparse: the sparse layers; *one: one expert's three matrices (0 without experts). */
+uint64_t tdm_tool_expert_bytes(const struct tdm_model *m, int *sparse, uint64_t *one);
 /* Loads the model's tokenizer: GGUF metadata, or tokenizer.json in the checkpoint folder.
  * Returns NULL (after printing why, unless quiet) when there is none. */
 tdm_tok_t *tdm_tool_load_tokenizer(const struct tdm_model *m, bool quiet);

@@ -128,6 +128,8 @@ def test_routed_rows_are_batch_invariant(tmp_path, arch):
             lp = r["choices"][0]["logprobs"]
             return lp["tokens"], lp["token_logprobs"]
 
+        # the memory plan's line: the experts held, and what a token reads of them
+        assert "experts: 8 in each of 2 sparse layers, 2 a token:" in s.logs(), s.logs()
         alone = [run(p) for p in prompts]
         with cf.ThreadPoolExecutor(4) as ex:
             together = list(ex.map(run, prompts))
