@@ -126,6 +126,12 @@ struct tdm_router_opts {
     /* https:// backends are verified against the CA certificates in this PEM file (and their
      * host name or IP address against the certificate); NULL: the system's trust store. */
     const char *backend_ca_file;
+    /* Choosing a backend: LEAST_LOADED (default), the fewest requests in flight; PREFIX, the
+     * least cost in_flight + prefix_weight * (the share of the prompt's blocks it has not been
+     * sent before): a prompt goes where its prefix was sent, unless that backend is busier by
+     * more than prefix_weight requests (server/affinity.c; at most 32 backends). */
+    enum tdm_route { TDM_ROUTE_LEAST_LOADED = 0, TDM_ROUTE_PREFIX } route;
+    double prefix_weight; /* 0: 2 */
 };
 
 /* Checks every backend once, then listens. Fails on a malformed backend URL or a busy port. */

@@ -7,7 +7,10 @@
  *
  * Choosing a backend: the healthy backend with the fewest requests the router has in flight to
  * it; ties go round robin (a cursor that moves past each pick). In-flight counts cover a request
- * from the pick until its response is fully relayed or abandoned.
+ * from the pick until its response is fully relayed or abandoned. With --route prefix the cost
+ * is in_flight + prefix_weight * (the share of the prompt's blocks the backend was not sent
+ * before: server/affinity.c), so a prompt follows its prefix to the backend that has probably
+ * cached it, unless that one is busier by more than prefix_weight requests.
  *
  * Health: each backend is up or down.
  *
@@ -62,8 +65,9 @@
 #include "server/pump.h"
 #include "server/server_int.h"
 
-#define RELAY_BLOCK_BYTES 16384
-#define MAX_BEARER_BYTES  512
+#define RELAY_BLOCK_BYTES   16384
+#define TDM_ROUTER_MAX_KEYS 512 /* prompt blocks a prefix pick looks at (64 KiB of text) */
+#define MAX_BEARER_BYTES    512
 
 /* Why a forward failed, for tandem_router_proxy_errors_total{kind}. */
 enum proxy_err {
@@ -110,6 +114,10 @@ struct tdm_router {
     bool health_running;
     int port;
     struct tdm_pump *pump; /* waits on backends for the suspended connections */
+    /* --route prefix: where prompts' blocks were sent (under mu), and how the picks matched */
+    struct tdm_affinity *aff;
+    double prefix_weight;
+    _Atomic uint64_t prefix_matched, prefix_missed; /* blocks of the chosen backends */
 };
 
 /* Per client request: the body being received. */
@@ -151,19 +159,29 @@ static bool stream_done(const struct relay *rl)
 
 /* ---- backend state ---- */
 
-static int pick(struct tdm_router *r, int exclude)
+/* The backend for a request whose prompt has these block keys (none: least loaded). */
+static int pick(struct tdm_router *r, int exclude, const uint64_t *keys, int n_keys)
 {
+    int matched[TDM_ROUTER_MAX_BACKENDS] = {0};
     pthread_mutex_lock(&r->mu);
-    int best = -1, best_load = 0;
+    if (r->aff && n_keys) tdm_affinity_match(r->aff, keys, n_keys, r->n_backends, matched);
+    int best = -1;
+    double best_cost = 0;
     for (int k = 0; k < r->n_backends; k++) {
         int i = (r->rr + k) % r->n_backends;
         if (i == exclude || !atomic_load(&r->b[i].up)) continue;
-        int load = atomic_load(&r->b[i].in_flight);
-        if (best < 0 || load < best_load) best = i, best_load = load;
+        double cost = atomic_load(&r->b[i].in_flight);
+        if (r->aff && n_keys) cost += r->prefix_weight * (n_keys - matched[i]) / n_keys;
+        if (best < 0 || cost < best_cost) best = i, best_cost = cost;
     }
     if (best >= 0) {
         atomic_fetch_add(&r->b[best].in_flight, 1);
         r->rr = (best + 1) % r->n_backends;
+        if (r->aff && n_keys) {
+            tdm_affinity_insert(r->aff, best, keys, n_keys);
+            atomic_fetch_add(&r->prefix_matched, (uint64_t)matched[best]);
+            atomic_fetch_add(&r->prefix_missed, (uint64_t)(n_keys - matched[best]));
+        }
     }
     pthread_mutex_unlock(&r->mu);
     return best;
@@ -178,8 +196,14 @@ static void release(struct tdm_router *r, int be)
 
 static void mark_down(struct tdm_router *r, int be, const char *why)
 {
-    if (atomic_exchange(&r->b[be].up, false))
+    if (atomic_exchange(&r->b[be].up, false)) {
         TDM_WARN("router: backend %s is down (%s)", r->b[be].url, why);
+        if (r->aff) { /* what it had cached is not to be counted on when it is back */
+            pthread_mutex_lock(&r->mu);
+            tdm_affinity_forget(r->aff, be);
+            pthread_mutex_unlock(&r->mu);
+        }
+    }
 }
 
 static bool is_connection_error(enum tdm_bh_fail f)
@@ -375,6 +399,8 @@ struct fwd {
     struct tdm_park *park;
     struct tdm_bh_request rq; /* borrows the connection's headers and body */
     int attempts, tried, be;
+    uint64_t keys[TDM_ROUTER_MAX_KEYS]; /* the prompt's block keys (--route prefix) */
+    int n_keys;
     tdm_bh_conn_t *bc;
     enum tdm_bh_fail last;
     char last_msg[400];
@@ -415,7 +441,7 @@ static enum MHD_Result fwd_step(struct tdm_router *r, struct MHD_Connection *c, 
 {
     for (;;) {
         if (!w->bc) {
-            int be = w->attempts < 2 ? pick(r, w->tried) : -1;
+            int be = w->attempts < 2 ? pick(r, w->tried, w->keys, w->n_keys) : -1;
             if (be < 0) break;
             if (w->attempts++ > 0) atomic_fetch_add(&r->retries, 1);
             w->be = be;
@@ -489,6 +515,8 @@ static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, c
                              .body_len = post ? cc->len : 0,
                              .connect_timeout_ms = r->connect_timeout_ms},
                       .tried = -1};
+    if (r->aff && post && cc->body)
+        w->n_keys = tdm_affinity_keys(cc->body, cc->len, w->keys, TDM_ROUTER_MAX_KEYS);
     cc->app = w;
     cc->app_free = fwd_free;
     return fwd_step(r, c, w);
@@ -553,6 +581,15 @@ static char *metrics_text(struct tdm_router *r)
     tdm_prom_scalar(&b, "tandem_router_retries_total", "counter",
                     "Requests retried on another backend after a connection error.", NULL,
                     (double)atomic_load(&r->retries));
+    if (r->aff) {
+        tdm_prom_family(&b, "tandem_router_prefix_blocks_total", "counter",
+                        "Prompt blocks of routed requests (--route prefix): sent before to the "
+                        "chosen backend (matched) or not (missed).");
+        tdm_prom_sample(&b, "tandem_router_prefix_blocks_total", "result=\"matched\"",
+                        (double)atomic_load(&r->prefix_matched));
+        tdm_prom_sample(&b, "tandem_router_prefix_blocks_total", "result=\"missed\"",
+                        (double)atomic_load(&r->prefix_missed));
+    }
     return tdm_sbuf_take(&b);
 }
 
@@ -646,6 +683,7 @@ static void router_free(struct tdm_router *r)
     free(r->b);
     free(r->api_key);
     free(r->backend_api_key);
+    tdm_affinity_free(r->aff);
     pthread_mutex_destroy(&r->mu);
     pthread_mutex_destroy(&r->health_mu);
     pthread_cond_destroy(&r->health_cv);
@@ -680,6 +718,15 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
     r->timeout_ns = (o->timeout_s > 0 ? (uint64_t)o->timeout_s : 600) * 1000000000ull;
     r->health_interval_ms = o->health_interval_ms > 0 ? (uint64_t)o->health_interval_ms : 1000;
     r->health_timeout_ms = o->health_timeout_ms > 0 ? (uint64_t)o->health_timeout_ms : 1000;
+    r->prefix_weight = o->prefix_weight > 0 ? o->prefix_weight : 2.0;
+    if (o->route == TDM_ROUTE_PREFIX && o->n_backends > 32) {
+        router_free(r);
+        return tdm_err_set(TDM_ERANGE, "router: --route prefix takes at most 32 backends");
+    }
+    if (o->route == TDM_ROUTE_PREFIX && tdm_affinity_new((size_t)1 << 20, &r->aff) != TDM_OK) {
+        router_free(r);
+        return tdm_err_set(TDM_ENOMEM, "router: out of memory for the prefix index");
+    }
 
     tdm_status st;
     r->api_key = o->api_key && *o->api_key ? strdup(o->api_key) : NULL;

@@ -197,4 +197,21 @@ char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m,
                          const struct api_grammar_metrics *gm, const uint64_t *http_by_class,
                          const char *model_name);
 
+/* ---- prefix affinity (affinity.c): the router's guess of which backend has a prompt's prefix
+ * cached, from where it sent earlier prompts ---- */
+#define TDM_AFFINITY_BLOCK 128 /* bytes of prompt text a key covers */
+struct tdm_affinity;
+tdm_status tdm_affinity_new(size_t capacity, struct tdm_affinity **out);
+void tdm_affinity_free(struct tdm_affinity *a);
+/* The chained keys of a request body's whole prompt blocks (at most max); 0 for a body that
+ * is not a generation request's JSON. */
+int tdm_affinity_keys(const char *body, size_t len, uint64_t *keys, int max);
+/* matched[b] (b < n_backends <= 32): how many leading keys backend b was sent. */
+void tdm_affinity_match(struct tdm_affinity *a, const uint64_t *keys, int n, int n_backends,
+                        int *matched);
+/* Backend b was sent these keys (now its most recent). */
+void tdm_affinity_insert(struct tdm_affinity *a, int backend, const uint64_t *keys, int n);
+/* Backend b holds nothing any more (it went down). */
+void tdm_affinity_forget(struct tdm_affinity *a, int backend);
+
 #endif

@@ -16,6 +16,16 @@
 #include "tandem/server.h"
 #include "tools/tools_int.h"
 
+static bool opt_route(const char *arg, void *dst)
+{
+    if (!strcmp(arg, "least-loaded") || !strcmp(arg, "prefix")) {
+        *(enum tdm_route *)dst = !strcmp(arg, "prefix") ? TDM_ROUTE_PREFIX : TDM_ROUTE_LEAST_LOADED;
+        return true;
+    }
+    fprintf(stderr, "--route: '%s' is not least-loaded or prefix\n", arg);
+    return false;
+}
+
 static void usage(FILE *f)
 {
     fprintf(
@@ -37,7 +47,13 @@ static void usage(FILE *f)
            "  --http-threads N        threads of the HTTP event loop (default 4); relayed streams\n"
            "                          wait in one more thread, not one each\n"
            "  --max-body BYTES        request body limit (default 4194304)\n" TDM_TOOL_HTTP_USAGE
-           "  --drain-timeout S       seconds to let responses finish on SIGTERM (default 30)\n");
+           "  --drain-timeout S       seconds to let responses finish on SIGTERM (default 30)\n"
+           "  --route least-loaded|prefix  least-loaded (default): the fewest requests in\n"
+           "                          flight; prefix: a prompt goes where its prefix went\n"
+           "                          before (the backend has probably cached it), unless that\n"
+           "                          backend is busier by more than --prefix-weight requests\n"
+           "  --prefix-weight W       prefix: what a whole-prompt match is worth, in requests\n"
+           "                          in flight (default 2)\n");
 }
 
 /* Splits "a,b,c" into a malloc'd array of malloc'd strings; false on an empty item. */
@@ -77,6 +93,8 @@ int tdm_cmd_router(int argc, char **argv)
                               .max_connections = 10000};
     int64_t interval = 1000, health_timeout = 1000, connect_timeout = 2000, timeout = 600,
             http_threads = 4;
+    enum tdm_route route = TDM_ROUTE_LEAST_LOADED;
+    double prefix_weight = 2.0;
     struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
     tdm_tool_http_table(&h, http);
     const struct tdm_opt own[] = {
@@ -88,6 +106,8 @@ int tdm_cmd_router(int argc, char **argv)
         TDM_OPT_I("connect-timeout-ms", &connect_timeout, 10, 600 * 1000),
         TDM_OPT_I("timeout", &timeout, 1, 24 * 3600),
         TDM_OPT_I("http-threads", &http_threads, 1, 256),
+        TDM_OPT_P("route", opt_route, &route),
+        TDM_OPT_F("prefix-weight", &prefix_weight, 0.001, 1e6),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {http, own, NULL};
@@ -128,6 +148,8 @@ int tdm_cmd_router(int argc, char **argv)
                                  .timeout_s = (int)timeout,
                                  .max_body = (size_t)max_body,
                                  .max_connections = (int)h.max_connections,
+                                 .route = route,
+                                 .prefix_weight = prefix_weight,
                                  .http_threads = (int)http_threads,
                                  .idle_timeout_s = (int)h.idle_timeout_s,
                                  .header_timeout_ms = (int)h.header_timeout_ms,

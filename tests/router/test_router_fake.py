@@ -496,3 +496,92 @@ def test_sigterm_drains_then_exits(start):
         go.set()
         s.close()
     assert router.proc.wait(20) == 0
+
+
+def which(fakes):
+    """Indices of the fakes that got each request, in arrival order of the bodies."""
+    got = {}
+    for i, f in enumerate(fakes):
+        for r in f.requests:
+            got[json.loads(r["body"])["id"]] = i
+    return got
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "tokens"])
+def test_prefix_route_follows_the_prompt_prefix(start, api):
+    """--route prefix: requests sent one at a time (nothing in flight, so load never decides)
+    that share a long prefix go to the backend its first request went to; three prefixes spread
+    over both backends (their first requests go by load: round robin when all are idle). The
+    router counts the blocks of its picks that matched. Least-loaded routing of the same
+    sequence alternates instead (three prefixes over two backends in turn)."""
+    fakes = [start(FakeBackend, echo) for _ in range(2)]
+    prefixed = start(Router, [f.url for f in fakes], ["--route", "prefix"])
+    plain = start(Router, [f.url for f in fakes])
+
+    def body(p, k):
+        text = f"system prompt {p} " * 40  # ~700 bytes: five 128-byte blocks
+        if api == "chat":
+            return {"id": f"{p}-{k}", "messages": [{"role": "system", "content": text},
+                                                    {"role": "user", "content": f"question {k}"}]}
+        if api == "tokens":
+            return {"id": f"{p}-{k}", "prompt": [[ord(c) for c in text] + [k]]}
+        return {"id": f"{p}-{k}", "prompt": text + f"question {k}"}
+
+    order = [(p, k) for k in range(5) for p in range(3)]
+    for p, k in order:
+        st, raw, _ = post(prefixed, "/v1/chat/completions" if api == "chat" else
+                          "/v1/completions", body(p, k))
+        assert st == 200, raw
+    got = which(fakes)
+    homes = {p: got[f"{p}-0"] for p in range(3)}
+    for p, k in order:
+        assert got[f"{p}-{k}"] == homes[p], (p, k, got)
+    assert set(homes.values()) == {0, 1}  # the first requests went by load: both used
+    m = prefixed.metrics()
+    matched = m[("tandem_router_prefix_blocks_total", (("result", "matched"),))]
+    missed = m[("tandem_router_prefix_blocks_total", (("result", "missed"),))]
+    assert matched >= 12 * 5 and missed >= 3 * 5, (matched, missed)  # 12 repeats, 3 first sends
+    for f in fakes:
+        f.requests.clear()
+    for p, k in order:
+        assert post(plain, body=body(p, k))[0] == 200
+    got = which(fakes)
+    assert sum(got[f"{p}-{k}"] != homes[p] for p, k in order) >= 6  # no affinity: spread
+    assert ("tandem_router_prefix_blocks_total", (("result", "matched"),)) not in plain.metrics()
+
+
+def test_prefix_route_yields_to_load(start):
+    """A prefix's backend busier by more than --prefix-weight requests loses the request."""
+    release = threading.Event()
+
+    def slow(conn, req):
+        if json.loads(req["body"]).get("hold"):
+            release.wait(30)
+        echo(conn, req)
+
+    fakes = [start(FakeBackend, slow) for _ in range(2)]
+    r = start(Router, [f.url for f in fakes], ["--route", "prefix", "--prefix-weight", "1.5"])
+    text = "shared prefix " * 60
+    assert post(r, body={"id": "a", "prompt": text + "x"})[0] == 200
+    home = which(fakes)["a"]
+    # two held requests of the prefix both go home (costs 0 then 1 there, 1.5 elsewhere); a
+    # third finds home at 2 in flight, dearer than the idle other backend's 1.5
+    threads = [threading.Thread(target=post, args=(r,), kwargs={
+        "body": {"id": f"h{i}", "prompt": text + f"h{i}", "hold": True}}) for i in range(2)]
+    for t in threads:
+        t.start()
+        r.wait_for(lambda m, n=threads.index(t) + 1: sum(
+            v for k, v in m.items() if k[0] == "tandem_router_backend_in_flight") == n, "held")
+    assert post(r, body={"id": "b", "prompt": text + "y"})[0] == 200
+    release.set()
+    for t in threads:
+        t.join()
+    got = which(fakes)
+    assert got["h0"] == home and got["h1"] == home and got["b"] != home, got
+
+
+def test_route_flag_errors(start):
+    fake = start(FakeBackend, echo)
+    cp = subprocess.run([str(build_dir() / "tandem"), "router", "--backends", fake.url,
+                         "--route", "nearest"], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 2 and "--route: 'nearest' is not least-loaded or prefix" in cp.stderr
