@@ -51,12 +51,16 @@ def wait_up(url, timeout=120):
 
 
 def metrics(url):
+    """name{labels} -> value, and name -> the sum over its labels."""
     out = {}
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
             if line and not line.startswith("#"):
                 k, _, v = line.rpartition(" ")
                 out[k] = float(v)
+                if "{" in k:
+                    name = k.split("{", 1)[0]
+                    out[name] = out.get(name, 0.0) + float(v)
     return out
 
 
@@ -98,16 +102,18 @@ def run(args, route, prompts):
         with cf.ThreadPoolExecutor(args.clients) as ex:
             ttfts = list(ex.map(lambda b: ttft(router, b), prompts))
         wall = time.time() - t0
-        hit = queried = 0.0
+        hit = queried = evicted = 0.0
         for b in backends:
             m = metrics(b)
             hit += m.get("tandem_prefix_cache_hit_tokens_total", 0)
             queried += m.get("tandem_prefix_cache_queried_tokens_total", 0)
+            evicted += m.get("tandem_prefix_cache_evicted_pages_total", 0)
         rm = metrics(router)
         matched = rm.get('tandem_router_prefix_blocks_total{result="matched"}')
         missed = rm.get('tandem_router_prefix_blocks_total{result="missed"}')
         ttfts.sort()
         return {"route": route, "hit_rate": hit / queried if queried else 0.0,
+                "evicted_pages": evicted,
                 "ttft_mean_s": sum(ttfts) / len(ttfts), "ttft_p90_s": ttfts[int(0.9 * len(ttfts))],
                 "wall_s": wall, "router_matched_share":
                     matched / (matched + missed) if matched is not None and matched + missed

@@ -128,8 +128,9 @@ struct tdm_router_opts {
     const char *backend_ca_file;
     /* Choosing a backend: LEAST_LOADED (default), the fewest requests in flight; PREFIX, the
      * least cost in_flight + prefix_weight * (the share of the prompt's blocks it has not been
-     * sent before): a prompt goes where its prefix was sent, unless that backend is busier by
-     * more than prefix_weight requests (server/affinity.c; at most 32 backends). */
+     * sent before + half its share of every block sent): a prompt goes where its prefix was
+     * sent, unless that backend is busier by about prefix_weight requests, and a new prefix
+     * where less is held (server/affinity.c; at most 32 backends). */
     enum tdm_route { TDM_ROUTE_LEAST_LOADED = 0, TDM_ROUTE_PREFIX } route;
     double prefix_weight; /* 0: 2 */
 };

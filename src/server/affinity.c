@@ -13,7 +13,9 @@
  * The index: an open-addressing table of keys, each with a bit per backend (the backends it was
  * sent to) and a stamp (its last use). Inserting into a full probe window replaces the oldest
  * entry there, so the index forgets what the backends have most probably evicted too. A
- * backend's match for a request: how many of its leading keys carry its bit.
+ * backend's match for a request: how many of its leading keys carry its bit; its share: the
+ * fraction of the index's (entry, backend) pairs that are its own, how much of the prompts'
+ * text it probably holds, so that new prefixes can go where less is held.
  *
  * Threading: the router's pick holds its mutex around match and insert; this module has no
  * locking of its own.
@@ -37,7 +39,15 @@ struct tdm_affinity {
     struct aff_entry *t;
     size_t mask; /* capacity - 1 */
     uint64_t clock;
+    uint64_t held[32]; /* entries with each backend's bit */
 };
+
+/* Clears an entry's bits from the per-backend counts. */
+static void unheld(struct tdm_affinity *a, uint32_t backends)
+{
+    for (int b = 0; b < 32; b++)
+        if (backends >> b & 1) a->held[b]--;
+}
 
 tdm_status tdm_affinity_new(size_t capacity, struct tdm_affinity **out)
 {
@@ -184,9 +194,11 @@ void tdm_affinity_insert(struct tdm_affinity *a, int backend, const uint64_t *ke
         }
         if (!slot) { /* a full window: forget its oldest */
             slot = oldest;
+            unheld(a, slot->backends);
             slot->key = 0;
         }
         if (slot->key != key) *slot = (struct aff_entry){.key = key};
+        if (!(slot->backends >> backend & 1)) a->held[backend]++;
         slot->backends |= 1u << backend;
         slot->stamp = ++a->clock;
     }
@@ -197,4 +209,13 @@ void tdm_affinity_forget(struct tdm_affinity *a, int backend)
     if (backend < 0 || backend >= 32) return;
     for (size_t i = 0; i <= a->mask; i++)
         a->t[i].backends &= ~(1u << backend);
+    a->held[backend] = 0;
+}
+
+double tdm_affinity_share(const struct tdm_affinity *a, int backend, int n_backends)
+{
+    uint64_t all = 0;
+    for (int b = 0; b < n_backends && b < 32; b++)
+        all += a->held[b];
+    return backend >= 0 && backend < 32 && all ? (double)a->held[backend] / (double)all : 0.0;
 }

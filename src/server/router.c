@@ -9,8 +9,9 @@
  * it; ties go round robin (a cursor that moves past each pick). In-flight counts cover a request
  * from the pick until its response is fully relayed or abandoned. With --route prefix the cost
  * is in_flight + prefix_weight * (the share of the prompt's blocks the backend was not sent
- * before: server/affinity.c), so a prompt follows its prefix to the backend that has probably
- * cached it, unless that one is busier by more than prefix_weight requests.
+ * before + half its share of all the blocks sent: server/affinity.c), so a prompt follows its
+ * prefix to the backend that has probably cached it, unless that one is busier by more than
+ * about prefix_weight requests, and a new prefix goes where less is cached.
  *
  * Health: each backend is up or down.
  *
@@ -171,7 +172,9 @@ static int pick(struct tdm_router *r, int exclude, const uint64_t *keys, int n_k
         int i = (r->rr + k) % r->n_backends;
         if (i == exclude || !atomic_load(&r->b[i].up)) continue;
         double cost = atomic_load(&r->b[i].in_flight);
-        if (r->aff && n_keys) cost += r->prefix_weight * (n_keys - matched[i]) / n_keys;
+        if (r->aff && n_keys) /* the prompt's unmatched share, and what the backend holds */
+            cost += r->prefix_weight * ((double)(n_keys - matched[i]) / n_keys +
+                                        0.5 * tdm_affinity_share(r->aff, i, r->n_backends));
         if (best < 0 || cost < best_cost) best = i, best_cost = cost;
     }
     if (best >= 0) {

@@ -211,6 +211,8 @@ void tdm_affinity_match(struct tdm_affinity *a, const uint64_t *keys, int n, int
                         int *matched);
 /* Backend b was sent these keys (now its most recent). */
 void tdm_affinity_insert(struct tdm_affinity *a, int backend, const uint64_t *keys, int n);
+/* Of what the index says the backends hold, backend b's fraction (0 when nothing is held). */
+double tdm_affinity_share(const struct tdm_affinity *a, int backend, int n_backends);
 /* Backend b holds nothing any more (it went down). */
 void tdm_affinity_forget(struct tdm_affinity *a, int backend);
 

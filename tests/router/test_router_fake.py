@@ -551,7 +551,9 @@ def test_prefix_route_follows_the_prompt_prefix(start, api):
 
 
 def test_prefix_route_yields_to_load(start):
-    """A prefix's backend busier by more than --prefix-weight requests loses the request."""
+    """A prefix's backend busier by about --prefix-weight requests loses the request. With
+    weight 3 and every block held by the home backend (share 1): costs at home are in flight +
+    1.5, elsewhere 3, so home takes two held requests (1.5, 2.5) and loses the third (3.5)."""
     release = threading.Event()
 
     def slow(conn, req):
@@ -560,12 +562,10 @@ def test_prefix_route_yields_to_load(start):
         echo(conn, req)
 
     fakes = [start(FakeBackend, slow) for _ in range(2)]
-    r = start(Router, [f.url for f in fakes], ["--route", "prefix", "--prefix-weight", "1.5"])
+    r = start(Router, [f.url for f in fakes], ["--route", "prefix", "--prefix-weight", "3"])
     text = "shared prefix " * 60
     assert post(r, body={"id": "a", "prompt": text + "x"})[0] == 200
     home = which(fakes)["a"]
-    # two held requests of the prefix both go home (costs 0 then 1 there, 1.5 elsewhere); a
-    # third finds home at 2 in flight, dearer than the idle other backend's 1.5
     threads = [threading.Thread(target=post, args=(r,), kwargs={
         "body": {"id": f"h{i}", "prompt": text + f"h{i}", "hold": True}}) for i in range(2)]
     for t in threads:
