@@ -13,6 +13,7 @@ APT_PACKAGES=(
     clang libclang-rt-14-dev            # libFuzzer targets
     libfabric-dev libmicrohttpd-dev libjansson-dev libpcre2-dev libhwloc-dev
     libgnutls28-dev                     # HMAC-SHA256, random bytes, the HTTPS client
+    libzmq3-dev                         # KV cache events (vLLM's ZMQ stream)
     openssl                             # tests make their own TLS certificates
     libopenblas-dev libcmocka-dev
     iproute2 iperf3 curl

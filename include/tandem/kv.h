@@ -209,6 +209,17 @@ int64_t tdm_prefix_cache_evictable(tdm_prefix_cache_t *c);
 /* Drops every entry (pages others hold stay theirs). Returns how many. */
 int tdm_prefix_cache_flush(tdm_prefix_cache_t *c);
 struct tdm_prefix_stats tdm_prefix_cache_stats(const tdm_prefix_cache_t *c);
+/* What the cache does, told as it happens (KV cache events: serve --kv-events), on the cache's
+ * thread, which the listener must not block: a full page entered the cache (its key, its
+ * parent's key or 0 for a prompt's first page, its page_size tokens); a page left it (evicted);
+ * every page left it (a flush). NULL (or a NULL member): not told. */
+struct tdm_prefix_listener {
+    void (*stored)(void *ctx, uint64_t key, uint64_t parent, const int32_t *tokens, int n);
+    void (*removed)(void *ctx, uint64_t key);
+    void (*cleared)(void *ctx);
+    void *ctx;
+};
+void tdm_prefix_cache_set_listener(tdm_prefix_cache_t *c, const struct tdm_prefix_listener *l);
 
 #ifdef __cplusplus
 }

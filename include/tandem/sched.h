@@ -324,6 +324,10 @@ void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
  * (disaggregation: the KV of a cached prefix would not be sent) or a drafter that reads the
  * target's features (a reused prefix would be a gap in them). TDM_ENOMEM. */
 tdm_status tdm_sched_enable_prefix_cache(tdm_sched_t *s, uint64_t salt);
+/* Tells l what the prefix cache stores and drops (kv.h: tdm_prefix_listener; its calls come on
+ * the scheduler's thread). Before tdm_sched_start, after tdm_sched_enable_prefix_cache;
+ * TDM_EINVAL otherwise. */
+tdm_status tdm_sched_set_prefix_listener(tdm_sched_t *s, const struct tdm_prefix_listener *l);
 /* Drops every cache entry, on the scheduler thread at its next turn (pages requests hold stay
  * theirs). Any thread; returns at once. */
 void tdm_sched_flush_prefix_cache(tdm_sched_t *s);

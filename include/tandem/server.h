@@ -26,6 +26,7 @@
 #define TANDEM_SERVER_H
 
 #include "tandem/core.h"
+#include "tandem/kv.h"
 #include "tandem/sched.h"
 #include "tandem/tok.h"
 
@@ -144,6 +145,24 @@ void tdm_router_drain(tdm_router_t *r);
 int tdm_router_in_flight(tdm_router_t *r);
 /* Stops listening, cuts relayed responses, waits for every thread, frees. NULL is a no-op. */
 void tdm_router_stop(tdm_router_t *r);
+
+/* ---- KV cache events (server/kv_events.c): the prefix cache's stores and evictions, published
+ * on a ZMQ PUB socket in vLLM's KVEventBatch form (BlockStored, BlockRemoved,
+ * AllBlocksCleared), for KV-aware routers ---- */
+typedef struct tdm_kv_events tdm_kv_events_t;
+struct tdm_kv_events_opts {
+    const char *endpoint; /* ZMQ bind address, e.g. "tcp://0.0.0.0:5557" */
+    const char *topic;    /* the first frame of each message; NULL: "" */
+    int block_size;       /* tokens a block (the KV page size) */
+    bool on_gpu;          /* medium "GPU", else "CPU" */
+};
+tdm_status tdm_kv_events_start(const struct tdm_kv_events_opts *o, tdm_kv_events_t **out);
+/* Sends what is pending, then closes the socket. NULL is a no-op. */
+void tdm_kv_events_stop(tdm_kv_events_t *ev);
+/* The listener to give the prefix cache (tdm_sched_set_prefix_listener). */
+struct tdm_prefix_listener tdm_kv_events_listener(tdm_kv_events_t *ev);
+/* Prometheus text of what was published and dropped; malloc'd. */
+char *tdm_kv_events_metrics(tdm_kv_events_t *ev);
 
 /* ---- the Prometheus text format (0.0.4): one writer for every /metrics block (server/metrics.c;
  * the scheduler's, the disaggregation sides', the router's). Labels are "k=\"v\",..." with the

@@ -39,7 +39,13 @@ struct tdm_prefix_cache {
     int64_t cap, n;
     int32_t lru, mru; /* least and most recent entries, -1 when empty */
     struct tdm_prefix_stats st;
+    struct tdm_prefix_listener ls; /* zeroed: none */
 };
+
+void tdm_prefix_cache_set_listener(tdm_prefix_cache_t *c, const struct tdm_prefix_listener *l)
+{
+    c->ls = l ? *l : (struct tdm_prefix_listener){0};
+}
 
 static uint64_t mix(uint64_t h, uint64_t v)
 {
@@ -226,6 +232,8 @@ void tdm_prefix_cache_insert(tdm_prefix_cache_t *c, const int32_t *tokens,
             lru_push(c, (int32_t)i);
             c->n++;
             c->st.stored_pages++;
+            if (c->ls.stored)
+                c->ls.stored(c->ls.ctx, key, parent == c->salt ? 0 : parent, t, c->ps);
         }
         chain[n_chain++] = (int32_t)i;
         parent = key;
@@ -265,6 +273,7 @@ int tdm_prefix_cache_evict(tdm_prefix_cache_t *c, int want)
         /* the deletion may move the next entry to another slot: find it again by its key */
         const uint64_t nkey = next >= 0 ? c->e[next].key : 0;
         const int32_t npage = next >= 0 ? c->e[next].page : -1;
+        if (c->ls.removed) c->ls.removed(c->ls.ctx, c->e[i].key);
         drop(c, i);
         c->st.evicted_pages++;
         freed++;
@@ -285,6 +294,7 @@ int tdm_prefix_cache_flush(tdm_prefix_cache_t *c)
         drop(c, c->lru);
         n++;
     }
+    if (n && c->ls.cleared) c->ls.cleared(c->ls.ctx);
     return n;
 }
 

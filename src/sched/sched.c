@@ -155,6 +155,15 @@ tdm_status tdm_sched_enable_prefix_cache(tdm_sched_t *s, uint64_t salt)
     return TDM_OK;
 }
 
+tdm_status tdm_sched_set_prefix_listener(tdm_sched_t *s, const struct tdm_prefix_listener *l)
+{
+    if (s->started || !s->prefix)
+        return tdm_err_set(TDM_EINVAL, "a prefix cache listener is set after the cache is on, "
+                                       "before the start");
+    tdm_prefix_cache_set_listener(s->prefix, l);
+    return TDM_OK;
+}
+
 void tdm_sched_flush_prefix_cache(tdm_sched_t *s)
 {
     if (!s->prefix) return;

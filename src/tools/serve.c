@@ -48,6 +48,10 @@ static void usage(FILE *f)
         "  --backend cpu|cuda      compute backend (default cpu)\n"
         "  --gpu-memory-fraction F CUDA: share of GPU memory for weights, workspace and KV (0.9)\n"
         "  --batch-invariant       never use OpenBLAS (see docs/DESIGN.md)\n"
+        "  --kv-events ENDPOINT    with --prefix-caching: publish the cache's stored and\n"
+        "                          evicted pages on a ZMQ PUB socket bound here (e.g.\n"
+        "                          tcp://0.0.0.0:5557), as vLLM's KV events (KV-aware routers)\n"
+        "  --kv-events-topic T     the topic frame of each message (default empty)\n"
         "  --prefix-caching        reuse the KV of prompts' cached prefixes (whole pages), kept\n"
         "                          until memory is needed; POST /reset_prefix_cache drops them\n"
         "                          (not with --role prefill|decode, --spec mtp|eagle yet)\n"
@@ -282,6 +286,7 @@ static bool opt_role(const char *arg, void *dst)
 
 /* /metrics blocks beyond the scheduler's: the disaggregation side's and speculation's. */
 struct extra_metrics_ctx {
+    tdm_kv_events_t *events;
     tdm_disagg_prefill_t *pre;
     tdm_disagg_decode_t *dec;
     tdm_spec_t *spec;
@@ -290,12 +295,13 @@ struct extra_metrics_ctx {
 static char *extra_metrics(void *ctx)
 {
     struct extra_metrics_ctx *x = ctx;
-    char *parts[2] = {x->pre   ? tdm_disagg_prefill_metrics(x->pre)
+    char *parts[3] = {x->pre   ? tdm_disagg_prefill_metrics(x->pre)
                       : x->dec ? tdm_disagg_decode_metrics(x->dec)
                                : NULL,
-                      x->spec ? tdm_spec_metrics(x->spec) : NULL};
+                      x->spec ? tdm_spec_metrics(x->spec) : NULL,
+                      x->events ? tdm_kv_events_metrics(x->events) : NULL};
     struct tdm_sbuf b = {0};
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         if (parts[i]) tdm_sbuf_printf(&b, "%s", parts[i]);
         free(parts[i]);
     }
@@ -351,7 +357,7 @@ static bool read_fabric_key(const char *path, uint8_t out[256], size_t *n)
 
 int tdm_cmd_serve(int argc, char **argv)
 {
-    const char *model = NULL, *name = NULL;
+    const char *model = NULL, *name = NULL, *events_ep = NULL, *events_topic = NULL;
     struct tdm_tool_http h = {.host = "127.0.0.1",
                               .api_key = getenv("TANDEM_API_KEY"),
                               .port = 8000,
@@ -390,6 +396,8 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("threads", &threads, 1, 1024),
         TDM_OPT_B("batch-invariant", &inv),
         TDM_OPT_B("prefix-caching", &prefix_caching),
+        TDM_OPT_S("kv-events", &events_ep),
+        TDM_OPT_S("kv-events-topic", &events_topic),
         TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind),
         TDM_OPT_F("gpu-memory-fraction", &gpu_frac, 0.05, 1.0),
         TDM_OPT_P("role", opt_role, &role),
@@ -426,6 +434,15 @@ int tdm_cmd_serve(int argc, char **argv)
     }
     if (!is_decode && peers_arg) {
         fprintf(stderr, "tandem serve: --prefill-peers is for --role decode\n");
+        return 2;
+    }
+    if ((events_ep || events_topic) && !prefix_caching) {
+        fprintf(stderr, "tandem serve: --kv-events publishes the prefix cache's events: it needs "
+                        "--prefix-caching\n");
+        return 2;
+    }
+    if (events_topic && !events_ep) {
+        fprintf(stderr, "tandem serve: --kv-events-topic goes with --kv-events\n");
         return 2;
     }
     if ((is_prefill || is_decode) && prefix_caching) {
@@ -510,6 +527,7 @@ int tdm_cmd_serve(int argc, char **argv)
     tdm_sched_t *sched = NULL;
     tdm_spec_t *spec = NULL;
     struct tdm_model *draft = NULL;
+    tdm_kv_events_t *kv_events = NULL;
     tdm_server_t *srv = NULL;
     struct tdm_chat_template tmpl = {0};
     bool have_chat = false;
@@ -598,6 +616,22 @@ int tdm_cmd_serve(int argc, char **argv)
             goto out_disagg;
         }
     }
+    if (events_ep) { /* the cache's stores and evictions, for KV-aware routers */
+        struct tdm_kv_events_opts ko = {.endpoint = events_ep,
+                                        .topic = events_topic,
+                                        .block_size = page,
+                                        .on_gpu = backend_kind == TDM_BACKEND_CUDA};
+        struct tdm_prefix_listener ls;
+        if (tdm_kv_events_start(&ko, &kv_events) != TDM_OK ||
+            (ls = tdm_kv_events_listener(kv_events),
+             tdm_sched_set_prefix_listener(sched, &ls) != TDM_OK)) {
+            fprintf(stderr, "tandem serve: --kv-events: %s\n", tdm_err_msg());
+            rc = 2;
+            goto out_disagg;
+        }
+        fprintf(stderr, "tandem serve: KV cache events on %s (topic \"%s\")\n", events_ep,
+                events_topic ? events_topic : "");
+    }
     if (tdm_sched_start(sched) != TDM_OK) {
         tdm_tool_fail("scheduler");
         goto out_disagg;
@@ -607,7 +641,8 @@ int tdm_cmd_serve(int argc, char **argv)
         const char *slash = strrchr(name, '/');
         if (slash && slash[1]) name = slash + 1;
     }
-    struct extra_metrics_ctx xm = {.pre = pre, .dec = dec, .spec = spec, .engine = e};
+    struct extra_metrics_ctx xm = {
+        .events = kv_events, .pre = pre, .dec = dec, .spec = spec, .engine = e};
     char fabric_addr[TDM_XFER_ADDR_MAX] = "";
     if ((is_prefill || is_decode) &&
         (is_prefill ? tdm_disagg_prefill_addr(pre, fabric_addr, sizeof fabric_addr)
@@ -727,6 +762,7 @@ out_disagg:
     tdm_disagg_decode_destroy(dec);
 out_sched:
     tdm_sched_destroy(sched);
+    tdm_kv_events_stop(kv_events); /* after the cache's last flush is told */
     tdm_spec_destroy(spec);
 out_engine:
     tdm_engine_destroy(e);
