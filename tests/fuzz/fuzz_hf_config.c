@@ -3,8 +3,9 @@
  * config.json and (if the separator is present) a generation_config.json, parsed with
  * tdm_config_from_hf_text. One input in 32 is also written to a private temp folder and read
  * with tdm_config_from_hf, which must give the same answer. Accepted configs must satisfy the
- * documented invariants (positive sizes, heads divisible by kv heads, an even head_dim, token
- * ids inside the vocabulary); anything else must be an error, never a crash or a leak.
+ * documented invariants (positive sizes, heads divisible by kv heads, an even head_dim or, for
+ * MLA, an even rope part of a latent row, token ids inside the vocabulary); anything else must
+ * be an error, never a crash or a leak.
  *
  * Seed corpus: tests/fuzz/corpus/hf_config/ (real-world config.json shapes).
  */
@@ -48,8 +49,14 @@ static void write_file(const char *path, const uint8_t *p, size_t n)
 static void check(const struct tdm_model_config *c)
 {
     if (c->n_layers <= 0 || c->d_model <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 ||
-        c->d_ff <= 0 || c->vocab_size <= 0 || c->head_dim <= 0 || c->head_dim % 2 ||
-        c->n_heads % c->n_kv_heads || c->bos_id >= c->vocab_size || c->n_eos > TDM_MAX_EOS)
+        c->d_ff <= 0 || c->vocab_size <= 0 || c->head_dim <= 0 || c->n_heads % c->n_kv_heads ||
+        c->bos_id >= c->vocab_size || c->n_eos > TDM_MAX_EOS)
+        abort();
+    /* rope turns pairs: the whole head, or MLA's rope part of a cached latent row (one KV
+     * head, the latent then the rope key) */
+    if (tdm_config_mla(c) ? c->qk_rope_dim <= 0 || c->qk_rope_dim % 2 || c->n_kv_heads != 1 ||
+                                c->head_dim != c->kv_lora_rank + c->qk_rope_dim
+                          : c->head_dim % 2)
         abort();
     for (int i = 0; i < c->n_eos; i++)
         if (c->eos_ids[i] < 0 || c->eos_ids[i] >= c->vocab_size) abort();
