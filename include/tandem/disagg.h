@@ -158,8 +158,10 @@ struct tdm_disagg_decode_opts {
      * this decoder's (its source http://HOST:PORT) and up; otherwise the usual choice. With
      * add_named_peers, a name that is no peer yet becomes one (asked for its fabric address
      * and connected in the background, while this request goes the usual way), up to
-     * TDM_DISAGG_MAX_PEERS in all; without, the name is only a preference among the
-     * configured peers (a header may not make this node connect anywhere). */
+     * TDM_DISAGG_MAX_PEERS in all (kept until the decoder stops: for a trusted sidecar, not
+     * for headers from the open internet); without, the name is only a preference among the
+     * configured peers (a header may not make this node connect anywhere). Names compare
+     * without case. */
     bool add_named_peers;
 };
 typedef struct tdm_disagg_decode tdm_disagg_decode_t;

@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "disagg/disagg_int.h"
 
@@ -526,8 +527,8 @@ static bool peer_named(const struct dpeer *p, const char *name)
         u += 8;
     else
         return false;
-    size_t n = strlen(name);
-    return !strncmp(u, name, n) && (!u[n] || (u[n] == '/' && !u[n + 1]));
+    size_t n = strlen(name); /* host names are not case-sensitive */
+    return !strncasecmp(u, name, n) && (!u[n] || (u[n] == '/' && !u[n + 1]));
 }
 
 /* The peer a request names (tdm_disagg_decode_opts.add_named_peers), with d->mu held: its
@@ -537,10 +538,7 @@ static int named_peer_locked(struct tdm_disagg_decode *d, const char *name, uint
 {
     for (int i = 0; i < d->n_peers; i++) {
         if (!peer_named(&d->peers[i], name)) continue;
-        if (d->peers[i].alive && !(tried >> i & 1)) {
-            d->named_used++;
-            return i;
-        }
+        if (d->peers[i].alive && !(tried >> i & 1)) return i; /* counted once it is sent */
         d->named_down++;
         return -1;
     }
@@ -588,7 +586,8 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
         return false;
     }
     const char *name = tdm_req_kv_peer(r);
-    int best = name ? named_peer_locked(d, name, t->mask) : -1;
+    const int named = name ? named_peer_locked(d, name, t->mask) : -1;
+    int best = named;
     for (int i = 0; i < d->n_peers && (!name || best < 0); i++) {
         struct dpeer *p = &d->peers[i];
         if (!p->alive || (t->mask >> i & 1)) continue;
@@ -620,6 +619,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     }
     t->attempts++;
     t->mask |= 1u << best;
+    if (named >= 0) d->named_used++;
     head = head && !d->peers[best].head_refused;
     if (head) expected = expected_head;
     struct dslot *sl = &d->slots[slot];

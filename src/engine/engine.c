@@ -201,6 +201,7 @@ static void moe_route(const struct tdm_model_config *c, const float *logits, con
 {
     const int k = c->n_experts_used, ng = c->moe_n_group;
     const bool sigmoid = c->moe_scoring == TDM_MOE_SIGMOID;
+    if (E <= 0 || k <= 0 || k > E) return; /* the config checks rule these out */
     for (int t = 0; t < T; t++) {
         const float *z = logits + (size_t)t * E;
         float mx = -INFINITY;
@@ -212,9 +213,9 @@ static void moe_route(const struct tdm_model_config *c, const float *logits, con
                 sum += z[i] == z[i] && isfinite(mx) ? exp((double)z[i] - mx) : 0.0;
         }
         /* what the choice compares: the logits themselves where that is the same order
-         * (softmax, no bias), else score + bias */
+         * (softmax, no bias, no group summing its best two), else score + bias */
         const float *v = z;
-        if (sigmoid || bias) {
+        if (sigmoid || bias || (ng > 0 && c->moe_group_top2)) {
             for (int i = 0; i < E; i++) {
                 double p = sigmoid                   ? 1.0 / (1.0 + exp(-(double)z[i]))
                            : sum > 0 && z[i] == z[i] ? exp((double)z[i] - mx) / sum
@@ -339,7 +340,7 @@ static double yarn_dim(double rotations, int dim, double base, int max_pos)
 /* MLA's attention (model.h), absorbed: the queries taken to the latent space per head, the
  * latent and the rope key appended as one cached row, attention over those rows (values: the
  * latents), the heads' values by their up-projection, then the output projection into e->o. */
-static void mla_attention(tdm_engine_t *e, const struct tdm_layer_weights *w,
+static void mla_attention(tdm_engine_t *e, const struct tdm_layer_weights *w, const float *in,
                           const struct tdm_step *st, const struct tdm_rope *rope,
                           const struct tdm_kv_layer *kv, float scale, int T, int qh)
 {
@@ -351,13 +352,13 @@ static void mla_attention(tdm_engine_t *e, const struct tdm_layer_weights *w,
     struct tdm_matmul_part parts[3] = {{&w->wkv_c, NULL, e->k}, {&w->wkv_r, NULL, e->v}};
     int n_parts = 2;
     if (w->wq_a.data) { /* q through its LoRA */
-        ops->matmul(b, &w->wq_a, e->h, T, NULL, e->mla_qa);
+        ops->matmul(b, &w->wq_a, in, T, NULL, e->mla_qa);
         ops->rmsnorm(b, e->mla_qa, w->q_a_norm.data, c->rms_eps, T, c->q_lora_rank, e->mla_qn);
         ops->matmul(b, &w->wq_b, e->mla_qn, T, NULL, e->q);
     } else {
         parts[n_parts++] = (struct tdm_matmul_part){&w->wq, NULL, e->q};
     }
-    ops->matmul_multi(b, e->h, T, parts, n_parts);
+    ops->matmul_multi(b, in, T, parts, n_parts);
     ops->rmsnorm(b, e->k, w->kv_a_norm.data, c->rms_eps, T, (int)lora, e->mla_c);
     ops->head_matmul(b, &w->mla_absorb, (int)H, e->q, T, H * (size_t)qh, (size_t)qh, e->mla_q,
                      H * dk, dk);
@@ -589,7 +590,9 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     struct tdm_engine_opts *o = &e->opts;
     if (tdm_config_mla(c) ? c->head_dim > 1024
                           : c->head_dim <= 0 || c->head_dim % 2 || c->head_dim > TDM_MAX_HEAD_DIM) {
-        st = tdm_err_set(TDM_EUNSUPPORTED, "engine: head_dim %d (must be even, at most %d)",
+        st = tdm_err_set(TDM_EUNSUPPORTED,
+                         "engine: head_dim %d (must be even, at most %d; an MLA "
+                         "latent row at most 1024)",
                          c->head_dim, TDM_MAX_HEAD_DIM);
         goto out_free;
     }
@@ -626,6 +629,14 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         st = tdm_err_set(TDM_EUNSUPPORTED, "engine: a mixture-of-experts model on a shared CUDA "
                                            "backend (its decode graphs cannot route experts)");
         goto out_free;
+    }
+    if (tdm_config_mla(c) && tdm_backend_is_cuda(e->backend)) {
+        st = tdm_err_set(TDM_EUNSUPPORTED,
+                         "engine: this model uses multi-head latent attention (kv_lora_rank %d): "
+                         "the CUDA backend's MLA kernels (mla.cu) have not been checked on a GPU "
+                         "yet; --backend cpu runs it",
+                         c->kv_lora_rank);
+        goto out_backend;
     }
     if (tdm_config_mla(c) && !e->backend->iface->head_matmul) {
         st = tdm_err_set(TDM_EUNSUPPORTED,
@@ -1262,8 +1273,9 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
         for (int l = 0; l < n_layers; l++) {
             const struct tdm_layer_weights *w = &e->layers[l];
             struct tdm_kv_layer kv = tdm_kv_pool_group_layer(e->kv, e->kv_group, l);
-            if (mla) {
-                mla_attention(e, w, &step, &rope, &kv, scale, T, qh);
+            if (mla) { /* a head's layer without an input norm (EAGLE) projects x itself */
+                mla_attention(e, w, l == 0 && !w->attn_norm.data ? e->x : e->h, &step, &rope, &kv,
+                              scale, T, qh);
                 goto attended;
             }
             const struct tdm_matmul_part qkv[] = {

@@ -126,6 +126,9 @@ int tdm_affinity_keys(const char *body, size_t len, uint64_t *keys, int max)
         }
     } else if (json_is_string(prompt)) {
         put(&t, json_string_value(prompt), json_string_length(prompt));
+    } else if (json_is_string(json_array_get(prompt, 0))) { /* a list of prompts: the first */
+        const json_t *first = json_array_get(prompt, 0);
+        put(&t, json_string_value(first), json_string_length(first));
     } else if (json_is_array(prompt)) { /* token ids (a list of prompts: the first) */
         const json_t *first = json_array_get(prompt, 0);
         const json_t *ids = json_is_array(first) ? first : prompt;

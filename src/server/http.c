@@ -490,7 +490,10 @@ static bool prefiller_ok(const char *v)
     for (size_t i = 0; i < n; i++)
         if (!isalnum((unsigned char)v[i]) && !strchr(".-_:[]", v[i])) return false;
     const char *colon = strrchr(v, ':');
-    return colon && colon > v && colon[1];
+    if (!colon || colon == v || !colon[1] || strlen(colon + 1) > 5) return false;
+    for (const char *p = colon + 1; *p; p++) /* a port: digits */
+        if (!isdigit((unsigned char)*p)) return false;
+    return true;
 }
 
 static enum MHD_Result generate(struct tdm_server *s, struct MHD_Connection *c, bool chat,

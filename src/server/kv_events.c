@@ -136,8 +136,9 @@ struct tdm_kv_events {
     _Atomic uint64_t stored, removed, cleared, dropped, batches, send_errors;
 };
 
-/* Appends one encoded event (built in e) to the pending batch, or drops it. */
-static void enqueue(struct tdm_kv_events *ev, struct mp *e)
+/* Appends one encoded event (built in e) to the pending batch, or drops it; counts it in
+ * *published when it is in the batch. */
+static void enqueue(struct tdm_kv_events *ev, struct mp *e, _Atomic uint64_t *published)
 {
     pthread_mutex_lock(&ev->mu);
     if (e->oom || ev->pending.n + e->n > TDM_KV_EVENTS_MAX_PENDING) {
@@ -145,11 +146,13 @@ static void enqueue(struct tdm_kv_events *ev, struct mp *e)
     } else {
         mp_raw(&ev->pending, e->p, e->n);
         if (ev->pending.oom) { /* the buffer could not grow: start over, the batch lost */
+            free(ev->pending.p);
             ev->pending = (struct mp){0};
             atomic_fetch_add(&ev->dropped, ev->n_pending + 1);
             ev->n_pending = 0;
         } else {
             ev->n_pending++;
+            atomic_fetch_add(published, 1);
         }
     }
     pthread_mutex_unlock(&ev->mu);
@@ -174,8 +177,7 @@ static void on_stored(void *ctx, uint64_t key, uint64_t parent, const int32_t *t
     mp_uint(&e, (uint64_t)ev->block_size);
     mp_nil(&e);
     mp_str(&e, ev->medium);
-    atomic_fetch_add(&ev->stored, 1);
-    enqueue(ev, &e);
+    enqueue(ev, &e, &ev->stored);
 }
 
 static void on_removed(void *ctx, uint64_t key)
@@ -187,8 +189,7 @@ static void on_removed(void *ctx, uint64_t key)
     mp_array(&e, 1);
     mp_uint(&e, key);
     mp_str(&e, ev->medium);
-    atomic_fetch_add(&ev->removed, 1);
-    enqueue(ev, &e);
+    enqueue(ev, &e, &ev->removed);
 }
 
 static void on_cleared(void *ctx)
@@ -197,8 +198,7 @@ static void on_cleared(void *ctx)
     struct mp e = {0};
     mp_array(&e, 1);
     mp_str(&e, "AllBlocksCleared");
-    atomic_fetch_add(&ev->cleared, 1);
-    enqueue(ev, &e);
+    enqueue(ev, &e, &ev->cleared);
 }
 
 /* Sends one batch: topic, sequence, [ts, [events]]. */
@@ -316,7 +316,7 @@ char *tdm_kv_events_metrics(tdm_kv_events_t *ev)
 {
     struct tdm_sbuf b = {0};
     tdm_prom_family(&b, "tandem_kv_events_total", "counter",
-                    "KV cache events published (--kv-events), by kind.");
+                    "KV cache events put in a batch to publish (--kv-events), by kind.");
     const char *kinds[] = {"BlockStored", "BlockRemoved", "AllBlocksCleared"};
     const uint64_t n[] = {atomic_load(&ev->stored), atomic_load(&ev->removed),
                           atomic_load(&ev->cleared)};

@@ -635,9 +635,10 @@ def test_request_names_its_prefill_node(colocated, default_model):
         assert run_named(d, ps[0], "127.0.0.1:9") == want[0]
         assert named(d, "unknown") == 1
         assert served(p1) + served(p2) == len(ps) + 1
-        st, r = d.post("/v1/completions", {"prompt": "hi", "max_tokens": 1},
-                       headers={"x-prefiller-host-port": "evil/../path"})
-        assert st == 400 and "x-prefiller-host-port" in r["error"]["message"], r
+        for bad in ("evil/../path", "host:abc", "host:123456", ":80"):
+            st, r = d.post("/v1/completions", {"prompt": "hi", "max_tokens": 1},
+                           headers={"x-prefiller-host-port": bad})
+            assert st == 400 and "x-prefiller-host-port" in r["error"]["message"], (bad, r)
         # a decoder that knows only p1 adds p2 when a request names it
         d2 = Server(THREADS + ["--role", "decode", "--prefill-peers", f"http://{n1}",
                                "--add-named-prefill-peers", "--remote-chunk", str(CHUNK)] +

@@ -103,6 +103,11 @@ VARIANTS = {
                                                      rope_scaling=YARN_SCALING)),
     "gguf-deepseek-v3-F32-split": ("gguf", "deepseek_v3", dict(seed=63, wtype="F32",
                                                                tied=False, kv_b_split=True)),
+    # softmax scores with groups worth their best two (a deepseek2 GGUF with expert groups):
+    # the sum of two probabilities, not of two logits
+    "gguf-deepseek-v2-softmax-groups-F32": ("gguf", "deepseek_v2", dict(
+        seed=66, wtype="F32", tied=False, num_experts=8, n_group=4, topk_group=2,
+        topk_method="noaux_tc")),
     "gguf-deepseek-v2-Q8_0": ("gguf", "deepseek_v2", dict(
         seed=64, wtype="Q8_0", tied=False, kv_lora_rank=64, qk_nope_head_dim=32,
         qk_rope_head_dim=32, v_head_dim=32, moe_intermediate_size=64,

@@ -507,7 +507,7 @@ def which(fakes):
     return got
 
 
-@pytest.mark.parametrize("api", ["chat", "completions", "tokens"])
+@pytest.mark.parametrize("api", ["chat", "completions", "tokens", "batch"])
 def test_prefix_route_follows_the_prompt_prefix(start, api):
     """--route prefix: requests sent one at a time (nothing in flight, so load never decides)
     that share a long prefix go to the backend its first request went to; three prefixes spread
@@ -525,6 +525,8 @@ def test_prefix_route_follows_the_prompt_prefix(start, api):
                                                     {"role": "user", "content": f"question {k}"}]}
         if api == "tokens":
             return {"id": f"{p}-{k}", "prompt": [[ord(c) for c in text] + [k]]}
+        if api == "batch":  # a list of prompts: keyed by the first
+            return {"id": f"{p}-{k}", "prompt": [text + f"question {k}", "another"]}
         return {"id": f"{p}-{k}", "prompt": text + f"question {k}"}
 
     order = [(p, k) for k in range(5) for p in range(3)]
