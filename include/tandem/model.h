@@ -245,6 +245,9 @@ static inline bool tdm_config_layer_sparse(const struct tdm_model_config *c, int
     return c->n_experts > 0 && l >= 0 && l < 1024 && !(c->moe_dense_layers[l / 64] >> (l % 64) & 1);
 }
 
+/* A config's defaults before any source is read: every field 0 but the neutral factors (rope,
+ * attention and routing scales 1), rope theta 10000, no BOS, and no generation defaults. */
+void tdm_config_defaults(struct tdm_model_config *c);
 /* Reads the config of a GGUF model (general.architecture and <arch>.* keys). */
 tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cfg);
 /* Reads config.json (and generation_config.json if present) of a HF checkpoint folder.

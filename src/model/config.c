@@ -56,7 +56,7 @@ const char *tdm_arch_name(enum tdm_arch a)
     return "unknown";
 }
 
-static void config_defaults(struct tdm_model_config *c)
+void tdm_config_defaults(struct tdm_model_config *c)
 {
     memset(c, 0, sizeof(*c));
     c->rope_theta = 10000.0f;
@@ -371,7 +371,7 @@ tdm_status tdm_config_from_gguf(const tdm_gguf_t *g, struct tdm_model_config *cf
 {
     if (!g || !cfg) return tdm_err_set(TDM_EINVAL, "tdm_config_from_gguf: bad args");
     struct tdm_model_config c;
-    config_defaults(&c);
+    tdm_config_defaults(&c);
     struct tdm_str as;
     tdm_status rc = tdm_gguf_get_str(g, "general.architecture", &as);
     if (rc == TDM_ENOTFOUND) return tdm_err_set(rc, "gguf: no general.architecture");
@@ -948,7 +948,7 @@ tdm_status tdm_config_from_hf_text(const char *config, size_t config_len, const 
         return tdm_err_set(TDM_EFORMAT, "%s: a config over %u bytes", where,
                            TDM_HF_MAX_CONFIG_BYTES);
     struct tdm_model_config c;
-    config_defaults(&c);
+    tdm_config_defaults(&c);
     char file[512];
     snprintf(file, sizeof file, "%s/config.json", where);
     json_t *root = NULL;

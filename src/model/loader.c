@@ -144,6 +144,21 @@ static bool runs_directly(enum tdm_dtype d)
            d == TDM_DTYPE_Q4_0 || d == TDM_DTYPE_Q4_1;
 }
 
+/* Rows [row0, row0 + n) of a checked tensor t (cols wide), as F32 into dst. */
+static tdm_status rows_f32(const struct tdm_tensor_info *t, int64_t row0, int64_t n, int64_t cols,
+                           float *dst)
+{
+    size_t rb = tdm_dtype_row_bytes(t->dtype, cols);
+    for (int64_t r = 0; r < n; r++) {
+        tdm_status rc = tdm_dequantize(t->dtype, (const uint8_t *)t->data + (size_t)(row0 + r) * rb,
+                                       dst + (size_t)r * (size_t)cols, cols);
+        if (rc)
+            return tdm_err_set(rc, "%s: cannot convert %s to f32: %s", t->name,
+                               tdm_dtype_name(t->dtype), tdm_err_msg());
+    }
+    return TDM_OK;
+}
+
 /* Produces a weight from a checked tensor: zero-copy when `keep` allows its dtype, else F32. */
 static tdm_status prepare(struct loader *L, const struct tdm_tensor_info *t, int64_t rows,
                           int64_t cols, bool keep, struct tdm_weight *w)
@@ -171,13 +186,9 @@ static tdm_status prepare(struct loader *L, const struct tdm_tensor_info *t, int
             memcpy(tmp, src, t->nbytes);
             src = tmp;
         }
-        for (int64_t r = 0; r < rows; r++) {
-            rc = tdm_dequantize(t->dtype, src + (size_t)r * row_bytes,
-                                (float *)buf + (size_t)r * (size_t)cols, cols);
-            if (rc)
-                return tdm_err_set(rc, "%s: cannot convert %s to f32: %s", t->name,
-                                   tdm_dtype_name(t->dtype), tdm_err_msg());
-        }
+        struct tdm_tensor_info aligned = *t;
+        aligned.data = src;
+        if ((rc = rows_f32(&aligned, 0, rows, cols, buf))) return rc;
         if (tmp) { /* the realigned copy is no longer needed */
             tdm_free_aligned(tmp);
             m->owned[--m->n_owned] = NULL;
@@ -226,21 +237,6 @@ static tdm_status find_stacked(struct loader *L, const char *name, int64_t n, in
                            t->nbytes, (long long)n, (long long)rows, (long long)cols,
                            tdm_dtype_name(t->dtype));
     *out = t;
-    return TDM_OK;
-}
-
-/* Rows [row0, row0 + n) of a checked tensor t (cols wide), as F32 into dst. */
-static tdm_status rows_f32(const struct tdm_tensor_info *t, int64_t row0, int64_t n, int64_t cols,
-                           float *dst)
-{
-    size_t rb = tdm_dtype_row_bytes(t->dtype, cols);
-    for (int64_t r = 0; r < n; r++) {
-        tdm_status rc = tdm_dequantize(t->dtype, (const uint8_t *)t->data + (size_t)(row0 + r) * rb,
-                                       dst + (size_t)r * (size_t)cols, cols);
-        if (rc)
-            return tdm_err_set(rc, "%s: cannot convert %s to f32: %s", t->name,
-                               tdm_dtype_name(t->dtype), tdm_err_msg());
-    }
     return TDM_OK;
 }
 

@@ -114,11 +114,7 @@ static struct tdm_weight f32(struct builder *B, int64_t rows, int64_t cols, bool
 
 static bool shape_config(const char *name, struct tdm_model_config *c)
 {
-    memset(c, 0, sizeof *c);
-    c->rope_factor = c->rope_mscale = c->attn_scale = c->moe_routed_scale = 1.0f;
-    c->bos_id = -1;
-    c->gen_temperature = c->gen_top_p = NAN;
-    c->gen_top_k = -1;
+    tdm_config_defaults(c);
     c->rms_eps = 1e-6f;
     c->d_model = 2048;
     if (!strcmp(name, "qwen3-30b-a3b")) {
