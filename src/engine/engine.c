@@ -612,7 +612,8 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     } else if (o->backend_kind == TDM_BACKEND_CUDA) {
         /* expert layers route on the host between ops: no graph can hold them */
         struct tdm_backend_cuda_opts bo = {.gpu_memory_fraction = o->gpu_memory_fraction,
-                                           .no_graphs = c->n_experts > 0};
+                                           .no_graphs = c->n_experts > 0,
+                                           .bf16_weights = o->gpu_bf16_weights};
         if ((st = tdm_backend_cuda_create(&bo, &e->backend)) != TDM_OK) goto out_free;
         e->owns_backend = true;
     } else if (o->backend_kind == TDM_BACKEND_CPU) {
@@ -629,14 +630,6 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         st = tdm_err_set(TDM_EUNSUPPORTED, "engine: a mixture-of-experts model on a shared CUDA "
                                            "backend (its decode graphs cannot route experts)");
         goto out_free;
-    }
-    if (tdm_config_mla(c) && tdm_backend_is_cuda(e->backend)) {
-        st = tdm_err_set(TDM_EUNSUPPORTED,
-                         "engine: this model uses multi-head latent attention (kv_lora_rank %d): "
-                         "the CUDA backend's MLA kernels (mla.cu) have not been checked on a GPU "
-                         "yet; --backend cpu runs it",
-                         c->kv_lora_rank);
-        goto out_backend;
     }
     if (tdm_config_mla(c) && !e->backend->iface->head_matmul) {
         st = tdm_err_set(TDM_EUNSUPPORTED,
