@@ -5,7 +5,8 @@
 #   2. tests/backend_cuda/test_cuda_engine  engine logits CUDA vs CPU, graphs vs op by op
 #   2b. tests/backend_cuda/test_cuda_sample sampling on the GPU vs the host sampler
 #   3. compute-sanitizer memcheck on the op test (on a second GPU when there is one, alongside)
-#   4. tandem bench model --backend cuda    for the llama-3.1-8b and llama-3.2-1b shapes
+#   4. tandem bench model --backend cuda    for the llama-3.1-8b and llama-3.2-1b shapes, then the
+#      8B shape with Q4_K and Q8_0 blocks, with --verify 4, and with --batch-invariant
 #   5. with TANDEM_GPU_TEST_MODEL=PATH: greedy `tandem generate` on CPU and GPU, 8 prompts
 #   disagg: scripts/gpu_test.sh disagg [PREBUILT_DIR] [MODEL] runs only the disaggregation check
 #   (bench/gpu_disagg_check.py): a prefill node on GPU 0 and a decode node on GPU 1 (both on GPU
@@ -101,6 +102,15 @@ for shape in llama-3.1-8b llama-3.2-1b; do
     rc=$?
     [ $rc -ne 0 ] && status=1
     cat "$LOGS/bench-$shape.log"
+done
+# GGUF blocks on the device, the cost of verifying 5 tokens, and --batch-invariant
+for extra in "--weights q4_k" "--weights q8_0" "--verify 4" "--batch-invariant --verify 4"; do
+    name=$(echo "$extra" | tr -d ' -')
+    CUDA_VISIBLE_DEVICES=0 timeout 300 "$TANDEM" bench model --backend cuda --shape llama-3.1-8b \
+        --batches 1,8,64 $extra >"$LOGS/bench-8b-$name.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    cat "$LOGS/bench-8b-$name.log"
 done
 
 # a real checkpoint end to end (tokenizer, quantised weights dequantised at load, sampler):

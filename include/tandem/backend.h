@@ -291,6 +291,10 @@ struct tdm_backend_cuda_opts {
     double gpu_memory_fraction; /* share of the device's memory this process may fill (weights,
                                  * workspace, KV pool); <= 0: 0.9 */
     bool no_graphs;             /* run decode steps op by op instead of as CUDA graphs */
+    bool bf16_weights; /* dequantise every GGUF matrix to bf16 at load; by default Q8_0, Q4_0,
+                        * Q4_1, Q4_K and Q6_K matrices stay in their blocks on the device */
+    bool batch_invariant; /* each row's result independent of the rows beside it (kernels
+                           * chosen by shape alone; see src/backend/cuda/cuda_ops.c) */
 };
 tdm_status tdm_backend_cuda_create(const struct tdm_backend_cuda_opts *opts, tdm_backend_t **out);
 bool tdm_backend_is_cuda(const tdm_backend_t *b);
@@ -301,11 +305,17 @@ tdm_status tdm_backend_cuda_info(tdm_backend_t *b, char *name, size_t cap, size_
 tdm_status tdm_backend_cuda_measure(tdm_backend_t *b, double *copy_bytes_per_s,
                                     double *gemm_flops_per_s);
 /* A weight made on the device, values uniform in [lo, hi) from `seed` (benchmarks with random
- * weights need no host copy): dtype TDM_DTYPE_BF16 (matrix) or TDM_DTYPE_F32 (vector). The
- * backend owns it; weight_prepare passes such device weights through. */
+ * weights need no host copy): dtype TDM_DTYPE_BF16 (matrix) or TDM_DTYPE_F32 (vector), or a
+ * matrix in GGUF blocks the device keeps (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) with random integers and
+ * scales, values within about the same range. The backend owns it; weight_prepare passes such
+ * device weights through. */
 tdm_status tdm_backend_cuda_random_weight(tdm_backend_t *b, enum tdm_dtype dtype, int64_t rows,
                                           int64_t cols, uint64_t seed, float lo, float hi,
                                           struct tdm_weight *out);
+/* The device bytes weight w (host or device) occupies once on CUDA backend b, as a step reads
+ * it: a matrix kept in GGUF blocks its rearranged blocks, another matrix two bytes an element
+ * (bf16), a vector four (f32). */
+size_t tdm_backend_cuda_held_bytes(tdm_backend_t *b, const struct tdm_weight *w);
 /* Pinned host memory (fast device-to-host copies, e.g. logits); NULL on failure. */
 void *tdm_backend_cuda_host_alloc(tdm_backend_t *b, size_t bytes);
 void tdm_backend_cuda_host_free(tdm_backend_t *b, void *p);

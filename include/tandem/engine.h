@@ -77,6 +77,7 @@ struct tdm_engine_opts {
     double gpu_memory_fraction; /* CUDA: share of device memory for weights, workspace and the
                                  * KV pool, which gets what is left (when kv_pages and kv_bytes
                                  * are 0); <= 0: 0.9 */
+    bool gpu_bf16_weights;      /* CUDA: dequantise GGUF blocks to bf16 (tdm_backend_cuda_opts) */
 };
 
 struct tdm_batch_seq {

@@ -357,6 +357,15 @@ typedef void (*tdm_progress_fn)(void *ctx, double fraction);
  * are prepared. On success the caller owns *out and frees it with tdm_model_free. */
 tdm_status tdm_model_load(const char *path, tdm_progress_fn progress, void *progress_ctx,
                           struct tdm_model **out);
+/* What a loader keeps as the file has it. By default GGUF matrices of the types the CPU kernels
+ * run (F32, BF16, Q8_0, Q4_0, Q4_1) are used in place and every other type becomes F32. */
+struct tdm_load_opts {
+    bool keep_k_blocks; /* Q4_K and Q6_K matrices stay in their blocks too (for the CUDA backend,
+                         * which runs them there; the CPU backend does not take them) */
+};
+tdm_status tdm_model_load_opts(const char *path, const struct tdm_load_opts *opts,
+                               tdm_progress_fn progress, void *progress_ctx,
+                               struct tdm_model **out);
 void tdm_model_free(struct tdm_model *m);
 /* Loads a speculation head for `target` from a safetensors file (or a folder holding
  * model.safetensors) in any tdm_head_layout, telling the layout by its tensor names. A head

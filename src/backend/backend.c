@@ -101,6 +101,12 @@ tdm_status tdm_backend_cuda_random_weight(tdm_backend_t *b, enum tdm_dtype dtype
     return no_cuda();
 }
 
+size_t tdm_backend_cuda_held_bytes(tdm_backend_t *b, const struct tdm_weight *w)
+{
+    (void)b, (void)w;
+    return 0;
+}
+
 tdm_status tdm_cuda_gemm_create(int device, tdm_cuda_gemm_t **out)
 {
     (void)device;

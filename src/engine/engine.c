@@ -613,7 +613,8 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         /* expert layers route on the host between ops: no graph can hold them */
         struct tdm_backend_cuda_opts bo = {.gpu_memory_fraction = o->gpu_memory_fraction,
                                            .no_graphs = c->n_experts > 0,
-                                           .bf16_weights = o->gpu_bf16_weights};
+                                           .bf16_weights = o->gpu_bf16_weights,
+                                           .batch_invariant = o->batch_invariant};
         if ((st = tdm_backend_cuda_create(&bo, &e->backend)) != TDM_OK) goto out_free;
         e->owns_backend = true;
     } else if (o->backend_kind == TDM_BACKEND_CPU) {

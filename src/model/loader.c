@@ -45,6 +45,7 @@ struct loader {
     const char
         *hf_layer; /* HF layer names: this prefix (one %d: the layer); NULL: model.layers.%d. */
     bool attn_norm_optional; /* a head's layer may lack its input norm (EAGLE) */
+    bool keep_k_blocks;      /* tdm_load_opts: Q4_K and Q6_K matrices stay in their blocks */
 };
 
 static const struct tdm_tensor_info *find_tensor(struct loader *L, const char *name)
@@ -138,10 +139,11 @@ static tdm_status find_shaped(struct loader *L, const char *name, int64_t rows, 
     return TDM_OK;
 }
 
-static bool runs_directly(enum tdm_dtype d)
+static bool runs_directly(const struct loader *L, enum tdm_dtype d)
 {
     return d == TDM_DTYPE_F32 || d == TDM_DTYPE_BF16 || d == TDM_DTYPE_Q8_0 ||
-           d == TDM_DTYPE_Q4_0 || d == TDM_DTYPE_Q4_1;
+           d == TDM_DTYPE_Q4_0 || d == TDM_DTYPE_Q4_1 ||
+           (L->keep_k_blocks && (d == TDM_DTYPE_Q4_K || d == TDM_DTYPE_Q6_K));
 }
 
 /* Rows [row0, row0 + n) of a checked tensor t (cols wide), as F32 into dst. */
@@ -167,7 +169,7 @@ static tdm_status prepare(struct loader *L, const struct tdm_tensor_info *t, int
     size_t align = t->dtype == TDM_DTYPE_F32 ? 4 : 2;
     size_t row_bytes = tdm_dtype_row_bytes(t->dtype, cols);
     tdm_status rc;
-    if (keep && runs_directly(t->dtype)) {
+    if (keep && runs_directly(L, t->dtype)) {
         const void *data = t->data;
         if ((uintptr_t)data % align) { /* the kernels read whole elements: realign */
             void *copy;
@@ -641,6 +643,12 @@ static tdm_status open_source(struct tdm_model *m, const char *path)
 tdm_status tdm_model_load(const char *path, tdm_progress_fn progress, void *progress_ctx,
                           struct tdm_model **out)
 {
+    return tdm_model_load_opts(path, NULL, progress, progress_ctx, out);
+}
+
+tdm_status tdm_model_load_opts(const char *path, const struct tdm_load_opts *opts,
+                               tdm_progress_fn progress, void *progress_ctx, struct tdm_model **out)
+{
     if (!path || !out) return tdm_err_set(TDM_EINVAL, "tdm_model_load: bad args");
     struct tdm_model *m = calloc(1, sizeof(*m));
     if (!m) return tdm_err_set(TDM_ENOMEM, "model: out of memory");
@@ -656,7 +664,7 @@ tdm_status tdm_model_load(const char *path, tdm_progress_fn progress, void *prog
         rc = tdm_err_set(TDM_ENOMEM, "model: out of memory");
         goto out_free;
     }
-    struct loader L = {.m = m};
+    struct loader L = {.m = m, .keep_k_blocks = opts && opts->keep_k_blocks};
     if ((rc = load_globals(&L))) goto out_free;
     if (progress) progress(progress_ctx, 0.0);
     for (int i = 0; i < m->cfg.n_layers; i++) {

@@ -14,6 +14,9 @@
  *   prefill of T tokens: T * gemm_peak / FLOPs, gemm_peak from a cuBLASLt bf16 8192^3 GEMM and
  *     FLOPs = 2 * (matrix parameters per token) * T + 4 * n_layers * n_heads * head_dim *
  *     T (T + 1) / 2 (causal attention scores and weighted sum), LM head for one row.
+ * --verify K (issue 23, item 5): after each batch's decode steps, as many verification steps of
+ * the same sequences, each a chain of K + 1 tokens with a logit row per token (what speculation
+ * verifies), timed the same way; printed as its time against the one-token step's.
  * Decode steps run at context `--context` (1,024): the KV pages of positions [0, context) are
  * zero-filled rather than prefilled (timings do not depend on KV values; prefilling 256 x 1,024
  * tokens would cost minutes of device time). A step's time is its tdm_engine_forward call: the
@@ -40,8 +43,10 @@ static const struct shape SHAPES[] = {
     {"llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, 500000.0f, 32.0f, 8192, true},
 };
 
-/* A model of `sh` with random device weights owned by the backend. */
-static tdm_status random_model(tdm_backend_t *b, const struct shape *sh, struct tdm_model *m)
+/* A model of `sh` with random device weights owned by the backend: matrices of type mt (bf16,
+ * or GGUF blocks the device keeps), vectors f32. */
+static tdm_status random_model(tdm_backend_t *b, const struct shape *sh, enum tdm_dtype mt,
+                               struct tdm_model *m)
 {
     memset(m, 0, sizeof *m);
     m->cfg = (struct tdm_model_config){.arch = TDM_ARCH_LLAMA,
@@ -72,24 +77,24 @@ static tdm_status random_model(tdm_backend_t *b, const struct shape *sh, struct 
         return st;
     const int D = sh->d_model, qd = sh->n_heads * sh->head_dim, kvd = sh->n_kv_heads * sh->head_dim;
     const float a = 1.0f / sqrtf((float)D), af = 1.0f / sqrtf((float)sh->d_ff);
-    RW(m->tok_embd, TDM_DTYPE_BF16, sh->vocab, D, -1.0f, 1.0f);
+    RW(m->tok_embd, mt, sh->vocab, D, -1.0f, 1.0f);
     RW(m->output_norm, TDM_DTYPE_F32, 1, D, 0.9f, 1.1f);
     if (sh->tied) {
         m->output = m->tok_embd;
     } else {
-        RW(m->output, TDM_DTYPE_BF16, sh->vocab, D, -a, a);
+        RW(m->output, mt, sh->vocab, D, -a, a);
     }
     for (int l = 0; l < sh->n_layers; l++) {
         struct tdm_layer_weights *w = &m->layers[l];
         RW(w->attn_norm, TDM_DTYPE_F32, 1, D, 0.9f, 1.1f);
         RW(w->ffn_norm, TDM_DTYPE_F32, 1, D, 0.9f, 1.1f);
-        RW(w->wq, TDM_DTYPE_BF16, qd, D, -a, a);
-        RW(w->wk, TDM_DTYPE_BF16, kvd, D, -a, a);
-        RW(w->wv, TDM_DTYPE_BF16, kvd, D, -a, a);
-        RW(w->wo, TDM_DTYPE_BF16, D, qd, -a, a);
-        RW(w->w_gate, TDM_DTYPE_BF16, sh->d_ff, D, -a, a);
-        RW(w->w_up, TDM_DTYPE_BF16, sh->d_ff, D, -a, a);
-        RW(w->w_down, TDM_DTYPE_BF16, D, sh->d_ff, -af, af);
+        RW(w->wq, mt, qd, D, -a, a);
+        RW(w->wk, mt, kvd, D, -a, a);
+        RW(w->wv, mt, kvd, D, -a, a);
+        RW(w->wo, mt, D, qd, -a, a);
+        RW(w->w_gate, mt, sh->d_ff, D, -a, a);
+        RW(w->w_up, mt, sh->d_ff, D, -a, a);
+        RW(w->w_down, mt, D, sh->d_ff, -af, af);
     }
 #undef RW
     m->path = strdup(sh->name);
@@ -102,21 +107,36 @@ static double wbytes(const struct tdm_weight *w)
 }
 
 /* bytes one decode step of B tokens reads from the weights (as the backend holds them) */
-static double step_weight_bytes(const struct tdm_model *m, int B)
+static double step_weight_bytes(tdm_backend_t *b, const struct tdm_model *m, int B)
 {
-    const double bf16 = 2.0;
-    double t = (double)m->cfg.d_model * bf16 * B; /* embedding rows */
-    t += (double)m->output.rows * m->output.cols * bf16 + m->cfg.d_model * 4.0;
+    double t = tdm_backend_cuda_held_bytes(b, &m->tok_embd) / (double)m->tok_embd.rows * B;
+    t += (double)tdm_backend_cuda_held_bytes(b, &m->output) + m->cfg.d_model * 4.0;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const struct tdm_layer_weights *w = &m->layers[l];
         const struct tdm_weight *mats[] = {&w->wq,     &w->wk,   &w->wv,    &w->wo,
                                            &w->w_gate, &w->w_up, &w->w_down};
         for (size_t i = 0; i < TDM_ARRAY_LEN(mats); i++)
-            t += (double)mats[i]->rows * mats[i]->cols * bf16;
+            t += (double)tdm_backend_cuda_held_bytes(b, mats[i]);
         t += wbytes(&w->attn_norm) + wbytes(&w->ffn_norm) + wbytes(&w->bq) + wbytes(&w->bk) +
              wbytes(&w->bv) + wbytes(&w->q_norm) + wbytes(&w->k_norm);
     }
     return t;
+}
+
+static bool opt_weights(const char *arg, void *dst)
+{
+    const struct {
+        const char *name;
+        enum tdm_dtype t;
+    } k[] = {{"bf16", TDM_DTYPE_BF16}, {"q8_0", TDM_DTYPE_Q8_0}, {"q4_0", TDM_DTYPE_Q4_0},
+             {"q4_1", TDM_DTYPE_Q4_1}, {"q4_k", TDM_DTYPE_Q4_K}, {"q6_k", TDM_DTYPE_Q6_K}};
+    for (size_t i = 0; i < TDM_ARRAY_LEN(k); i++)
+        if (!strcmp(arg, k[i].name)) {
+            *(enum tdm_dtype *)dst = k[i].t;
+            return true;
+        }
+    fprintf(stderr, "--weights: '%s' is not bf16, q8_0, q4_0, q4_1, q4_k or q6_k\n", arg);
+    return false;
 }
 
 /* matrix parameters one token multiplies by (all layers; not the embedding or the LM head) */
@@ -158,7 +178,10 @@ static void gpu_usage(FILE *f)
     fprintf(f, "usage: tandem bench model --backend cuda [--shape llama-3.1-8b|llama-3.2-1b | "
                "--model PATH] [--prompt-len N] [--gen N] [--context N]\n"
                "       [--gpu-memory-fraction F] [--no-graphs] [--batches 1,8,64,256]\n"
-               "       [--kv-dtype f32|bf16|f16]\n");
+               "       [--kv-dtype f32|bf16|f16] [--weights bf16|q8_0|q4_0|q4_1|q4_k|q6_k]\n"
+               "       [--gpu-weights native|bf16] [--verify K] [--batch-invariant]\n"
+               "  --weights T: the random shape's matrices (default bf16; the others stay in\n"
+               "  their GGUF blocks on the device unless --gpu-weights bf16)\n");
 }
 
 int tdm_cmd_bench_model_cuda(int argc, char **argv)
@@ -169,6 +192,9 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     bool no_graphs = false;
     int backend_kind = TDM_BACKEND_CUDA; /* why we are here */
     int kv_dtype = TDM_KV_DTYPE_AUTO;
+    enum tdm_dtype wtype = TDM_DTYPE_BF16;
+    int64_t verify_k = 0;
+    bool gpu_bf16 = false, invariant = false;
     g_batches.n = 4;
     const struct tdm_opt own[] = {
         TDM_OPT_S("model", &model_path),
@@ -181,6 +207,10 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         TDM_OPT_B("no-graphs", &no_graphs),
         TDM_OPT_P("batches", opt_batches, &g_batches),
         TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &kv_dtype),
+        TDM_OPT_P("weights", opt_weights, &wtype),
+        TDM_OPT_I("verify", &verify_k, 0, 16),
+        TDM_OPT_B("batch-invariant", &invariant),
+        TDM_OPT_P("gpu-weights", tdm_tool_opt_gpu_weights, &gpu_bf16),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {own, NULL};
@@ -205,11 +235,15 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     tdm_engine_t *e = NULL;
     float *logits = NULL;
     struct tdm_kv_seq *seqs = calloc((size_t)max_b, sizeof *seqs);
-    int32_t *toks = malloc((size_t)TDM_MAX(prompt_len, max_b) * sizeof(int32_t));
+    const int vk = (int)verify_k + 1; /* tokens a sequence verifies at once */
+    int32_t *toks = malloc((size_t)TDM_MAX(prompt_len, max_b * (vk + 1)) * sizeof(int32_t));
     struct tdm_batch_seq *bs = calloc((size_t)max_b, sizeof *bs);
     if (!seqs || !toks || !bs) goto out;
 
-    struct tdm_backend_cuda_opts co = {.gpu_memory_fraction = frac, .no_graphs = no_graphs};
+    struct tdm_backend_cuda_opts co = {.gpu_memory_fraction = frac,
+                                       .no_graphs = no_graphs,
+                                       .bf16_weights = gpu_bf16,
+                                       .batch_invariant = invariant};
     if (tdm_backend_cuda_create(&co, &b) != TDM_OK) {
         tdm_tool_fail("bench");
         goto out;
@@ -218,21 +252,22 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     size_t dev_mem = 0;
     tdm_backend_cuda_info(b, dev_name, sizeof dev_name, &dev_mem);
     if (random) {
-        if (random_model(b, sh, &rm) != TDM_OK) {
+        if (random_model(b, sh, wtype, &rm) != TDM_OK) {
             tdm_tool_fail("random weights");
             goto out;
         }
         m = &rm;
     } else {
-        m = tdm_tool_load_model(model_path);
+        const struct tdm_load_opts lo = tdm_tool_load_opts(TDM_BACKEND_CUDA, gpu_bf16);
+        m = tdm_tool_load_model_opts(model_path, &lo);
         if (!m) goto out;
     }
     const struct tdm_model_config *cf = &m->cfg;
-    const int64_t ctx_needed = TDM_MAX(prompt_len, context + gen + 8) + 1;
+    const int64_t ctx_needed = TDM_MAX(prompt_len, context + gen + vk + 8) + 1;
     struct tdm_engine_opts eo = {.max_ctx = (int)ctx_needed,
                                  .max_seqs = max_b,
-                                 .max_logit_rows = max_b,
-                                 .max_batch_tokens = (int)TDM_MAX(prompt_len, max_b),
+                                 .max_logit_rows = max_b * vk,
+                                 .max_batch_tokens = (int)TDM_MAX(prompt_len, max_b * vk),
                                  .kv_dtype = kv_dtype,
                                  .backend = b};
     if (ctx_needed > cf->max_ctx && !random) {
@@ -244,7 +279,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         tdm_tool_fail("engine");
         goto out;
     }
-    logits = tdm_backend_cuda_host_alloc(b, (size_t)max_b * cf->vocab_size * sizeof(float));
+    logits = tdm_backend_cuda_host_alloc(b, (size_t)max_b * vk * cf->vocab_size * sizeof(float));
     if (!logits) {
         tdm_tool_fail("pinned logits");
         goto out;
@@ -258,14 +293,15 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     }
     const struct tdm_kv_geometry kg = tdm_kv_pool_geometry(tdm_engine_kv(e));
     const double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * kg.elem_bytes;
-    printf("tandem bench model --backend cuda: %s%s\n", random ? sh->name : m->path,
-           random ? " shape, random bf16 weights made on the device" : "");
-    printf("  device: %s, %.1f GiB; graphs %s\n", dev_name, dev_mem / 1073741824.0,
-           no_graphs ? "off" : "on");
+    printf("tandem bench model --backend cuda: %s%s%s%s\n", random ? sh->name : m->path,
+           random ? " shape, random " : "", random ? tdm_dtype_name(wtype) : "",
+           random ? " weights made on the device" : "");
+    printf("  device: %s, %.1f GiB; graphs %s%s\n", dev_name, dev_mem / 1073741824.0,
+           no_graphs ? "off" : "on", invariant ? "; batch-invariant" : "");
     printf("  copy bandwidth (cudaMemcpy D2D, read + written): %.0f GB/s\n", copy_bw / 1e9);
     printf("  bf16 GEMM peak (cuBLASLt, 8192^3, fp32 accumulate): %.0f TFLOP/s\n", gemm / 1e12);
     printf("  weights read per decode step: %.2f GB; KV (%s) %.0f KiB per position\n",
-           step_weight_bytes(m, 1) / 1e9, tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
+           step_weight_bytes(b, m, 1) / 1e9, tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
 
     /* ---- prefill: one prompt of prompt_len tokens in one forward call ---- */
     uint64_t rng = 12345;
@@ -311,7 +347,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     for (int bi = 0; bi < n_batches; bi++) {
         const int B = batches[bi];
         for (int s = 0; s < B; s++) {
-            if (tdm_kv_seq_reserve(kv, &seqs[s], context + gen + 4) != TDM_OK) {
+            if (tdm_kv_seq_reserve(kv, &seqs[s], context + gen + vk + 4) != TDM_OK) {
                 tdm_tool_fail("kv (lower the batch or raise --gpu-memory-fraction)");
                 goto out;
             }
@@ -348,11 +384,37 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         }
         all_finite &= isfinite(logits[0]);
         const double rate = (double)B * gen / dt;
-        const double bytes_per_step = step_weight_bytes(m, B) + kv_bytes / gen;
+        const double bytes_per_step = step_weight_bytes(b, m, B) + kv_bytes / gen;
         const double roof = (double)B * copy_bw / bytes_per_step;
         printf("  %-9s %6d %8lld %12.0f %15.0f %6.1f%%  (%.2f ms/step)\n", "decode", B,
                (long long)context, rate, roof, 100.0 * rate / roof, 1e3 * dt / gen);
         fflush(stdout);
+        if (vk > 1) { /* verification steps: K + 1 chained tokens a sequence, every row's logits */
+            double vt = 0;
+            for (int step = 0; step < warm + gen; step++) {
+                for (int s = 0; s < B; s++) {
+                    for (int j = 0; j < vk; j++)
+                        toks[B + s * vk + j] = (int32_t)((s * 131 + j * 7 + step) % cf->vocab_size);
+                    bs[s] = (struct tdm_batch_seq){.tokens = &toks[B + s * vk],
+                                                   .n_tokens = vk,
+                                                   .pos0 = (int)context + gen,
+                                                   .pages = seqs[s].pages,
+                                                   .n_pages = seqs[s].n_pages,
+                                                   .n_logits = vk};
+                }
+                struct tdm_batch bt = {bs, B};
+                const double t0 = tdm_now_s();
+                if (tdm_engine_forward(e, &bt, logits, NULL) != TDM_OK) {
+                    tdm_tool_fail("verify");
+                    goto out;
+                }
+                if (step >= warm) vt += tdm_now_s() - t0;
+            }
+            all_finite &= isfinite(logits[0]);
+            printf("  %-9s %6d %8lld %12s %15s %7s  (%.2f ms/step, %.2fx the 1-token step)\n",
+                   "verify", B, (long long)context, "", "", "", 1e3 * vt / gen, vt / dt);
+            fflush(stdout);
+        }
         for (int s = 0; s < B; s++)
             tdm_kv_seq_release(kv, &seqs[s]);
     }

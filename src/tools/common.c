@@ -53,6 +53,11 @@ uint64_t tdm_tool_expert_bytes(const struct tdm_model *m, int *sparse, uint64_t 
 
 struct tdm_model *tdm_tool_load_model(const char *path)
 {
+    return tdm_tool_load_model_opts(path, NULL);
+}
+
+struct tdm_model *tdm_tool_load_model_opts(const char *path, const struct tdm_load_opts *opts)
+{
     char def[4096];
     if (!path) {
         if (!tdm_default_model_path(def, sizeof def)) {
@@ -71,7 +76,7 @@ struct tdm_model *tdm_tool_load_model(const char *path)
     int last = -1;
     bool tty = isatty(STDERR_FILENO);
     struct tdm_model *m = NULL;
-    tdm_status st = tdm_model_load(path, tty ? progress_bar : NULL, &last, &m);
+    tdm_status st = tdm_model_load_opts(path, opts, tty ? progress_bar : NULL, &last, &m);
     if (tty && last >= 0 && last < 100) fputc('\n', stderr);
     if (st != TDM_OK) {
         fprintf(stderr, "tandem: cannot load model %s: %s\n", path, tdm_err_msg());

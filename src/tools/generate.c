@@ -33,6 +33,7 @@ struct gen_opts {
     int backend_kind;
     int kv_dtype; /* enum tdm_kv_dtype */
     double gpu_frac;
+    bool gpu_bf16;
     int64_t page_size;
     int64_t ctx;
     int64_t max_batch_tokens;
@@ -89,7 +90,8 @@ static void usage(FILE *f, bool chat)
         "  --dump-logits FILE      write the last prompt position's logits (float32 LE)\n"
         "  --threads N             CPU threads (default: all cores)\n"
         "  --backend cpu|cuda      where the model runs (default: cpu)\n"
-        "  --gpu-memory-fraction F CUDA: share of GPU memory to use (default: 0.9)\n"
+        "  --gpu-memory-fraction F CUDA: share of GPU memory to use (default: "
+        "0.9)\n" TDM_TOOL_GPU_WEIGHTS_USAGE
         "  --batch-invariant       never use OpenBLAS (bit-identical across batch shapes)\n"
         "  --page-size N           KV page size in tokens (default 16)\n" TDM_TOOL_KV_DTYPE_USAGE
         "  --ctx N                 context length (default: the model's)\n"
@@ -163,6 +165,7 @@ static int parse_opts(int argc, char **argv, bool chat, struct gen_opts *o)
         TDM_OPT_B("stats", &o->stats),
         TDM_OPT_P("backend", tdm_tool_opt_backend, &o->backend_kind),
         TDM_OPT_F("gpu-memory-fraction", &o->gpu_frac, 0.05, 1.0),
+        TDM_OPT_P("gpu-weights", tdm_tool_opt_gpu_weights, &o->gpu_bf16),
         TDM_OPT_B("spec-stats", &o->spec_stats),
         TDM_OPT_END,
     };
@@ -211,6 +214,7 @@ static tdm_status gen_init(struct gen *g, const struct tdm_model *m, struct gen_
         .backend_kind = o->backend_kind,
         .kv_dtype = o->kv_dtype,
         .gpu_memory_fraction = o->gpu_frac,
+        .gpu_bf16_weights = o->gpu_bf16,
     };
     if (!eo.max_ctx && m->cfg.max_ctx > 0) eo.max_ctx = m->cfg.max_ctx;
     if (o->spec_on &&
@@ -536,7 +540,8 @@ int tdm_cmd_generate(int argc, char **argv)
     struct gen_opts o;
     int rc = parse_opts(argc, argv, false, &o);
     if (rc) return rc - 100;
-    struct tdm_model *m = tdm_tool_load_model(o.model);
+    const struct tdm_load_opts lo = tdm_tool_load_opts(o.backend_kind, o.gpu_bf16);
+    struct tdm_model *m = tdm_tool_load_model_opts(o.model, &lo);
     if (!m) return 1;
     struct gen g;
     int32_t *ids = NULL;
@@ -641,7 +646,8 @@ int tdm_cmd_chat(int argc, char **argv)
     struct gen_opts o;
     int rc = parse_opts(argc, argv, true, &o);
     if (rc) return rc - 100;
-    struct tdm_model *m = tdm_tool_load_model(o.model);
+    const struct tdm_load_opts lo = tdm_tool_load_opts(o.backend_kind, o.gpu_bf16);
+    struct tdm_model *m = tdm_tool_load_model_opts(o.model, &lo);
     if (!m) return 1;
     struct tdm_chat_template tmpl = {0};
     struct gen g;

@@ -183,6 +183,16 @@ bool tdm_tool_opt_backend(const char *arg, void *dst)
     return false;
 }
 
+bool tdm_tool_opt_gpu_weights(const char *arg, void *dst)
+{
+    if (!strcmp(arg, "native") || !strcmp(arg, "bf16")) {
+        *(bool *)dst = !strcmp(arg, "bf16");
+        return true;
+    }
+    fprintf(stderr, "--gpu-weights: '%s' is not native or bf16\n", arg);
+    return false;
+}
+
 bool tdm_tool_opt_kv_dtype(const char *arg, void *dst)
 {
     enum tdm_kv_dtype t;

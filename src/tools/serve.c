@@ -46,7 +46,8 @@ static void usage(FILE *f)
         "  --max-ctx N             context length (default: the model's)\n"
         "  --threads N             CPU threads (default: one per core)\n"
         "  --backend cpu|cuda      compute backend (default cpu)\n"
-        "  --gpu-memory-fraction F CUDA: share of GPU memory for weights, workspace and KV (0.9)\n"
+        "  --gpu-memory-fraction F CUDA: share of GPU memory for weights, workspace and KV "
+        "(0.9)\n" TDM_TOOL_GPU_WEIGHTS_USAGE
         "  --batch-invariant       never use OpenBLAS (see docs/DESIGN.md)\n"
         "  --kv-events ENDPOINT    with --prefix-caching: publish the cache's stored and\n"
         "                          evicted pages on a ZMQ PUB socket bound here (e.g.\n"
@@ -374,6 +375,7 @@ int tdm_cmd_serve(int argc, char **argv)
     int64_t watchdog = 60000, http_threads = 4;
     int backend_kind = TDM_BACKEND_CPU, kv_dtype = TDM_KV_DTYPE_AUTO;
     double gpu_frac = 0.9;
+    bool gpu_bf16 = false;
     struct tdm_opt http[TDM_TOOL_HTTP_OPTS];
     tdm_tool_http_table(&h, http);
     struct tdm_tool_spec spec_cli = {0};
@@ -400,6 +402,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_S("kv-events-topic", &events_topic),
         TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind),
         TDM_OPT_F("gpu-memory-fraction", &gpu_frac, 0.05, 1.0),
+        TDM_OPT_P("gpu-weights", tdm_tool_opt_gpu_weights, &gpu_bf16),
         TDM_OPT_P("role", opt_role, &role),
         TDM_OPT_S("prefill-peers", &peers_arg),
         TDM_OPT_S("xfer-provider", &provider),
@@ -516,7 +519,8 @@ int tdm_cmd_serve(int argc, char **argv)
     int rc = 1;
     tdm_disagg_prefill_t *pre = NULL;
     tdm_disagg_decode_t *dec = NULL;
-    struct tdm_model *m = tdm_tool_load_model(model);
+    const struct tdm_load_opts lo = tdm_tool_load_opts(backend_kind, gpu_bf16);
+    struct tdm_model *m = tdm_tool_load_model_opts(model, &lo);
     if (!m) {
         free_peers(peer_bufs);
         tdm_tool_http_tls_free(tls_cert, tls_key);
@@ -558,7 +562,8 @@ int tdm_cmd_serve(int argc, char **argv)
             spec_on && !is_prefill ? (int)TDM_MIN(mbt, seqs * (1 + TDM_SPEC_AUTO_K)) : (int)seqs,
         .count_layers = is_prefill,
         .backend_kind = backend_kind,
-        .gpu_memory_fraction = gpu_frac};
+        .gpu_memory_fraction = gpu_frac,
+        .gpu_bf16_weights = gpu_bf16};
     struct tdm_kv_group draft_group;
     if (spec_on &&
         !tdm_tool_spec_load_draft("tandem serve", &spec_o, m, &eo, &draft_group, &draft)) {

@@ -35,6 +35,13 @@ int tdm_cmd_train_mtp(int argc, char **argv);  /* train_mtp.c: train a speculati
 /* Loads --model (or the default model), drawing a progress bar on stderr when it is a terminal.
  * On failure prints the reason and returns NULL. */
 struct tdm_model *tdm_tool_load_model(const char *path);
+struct tdm_model *tdm_tool_load_model_opts(const char *path, const struct tdm_load_opts *opts);
+/* The load options for a model that runs on backend_kind: on CUDA (unless every matrix is to
+ * be dequantised to bf16) the K-quants stay in their blocks. */
+static inline struct tdm_load_opts tdm_tool_load_opts(int backend_kind, bool gpu_bf16)
+{
+    return (struct tdm_load_opts){.keep_k_blocks = backend_kind == TDM_BACKEND_CUDA && !gpu_bf16};
+}
 /* Bytes of every expert's weights (routed experts of the sparse layers, as held in memory);
  * *sparse: the sparse layers; *one: one expert's three matrices (0 without experts). */
 uint64_t tdm_tool_expert_bytes(const struct tdm_model *m, int *sparse, uint64_t *one);
@@ -135,6 +142,11 @@ void tdm_tool_http_tls_free(char *cert, char *key); /* wipes the key */
 bool tdm_tool_opt_backend(const char *arg, void *dst);
 /* --kv-dtype f32|bf16|f16 into an int (enum tdm_kv_dtype; left at AUTO when not given). */
 bool tdm_tool_opt_kv_dtype(const char *arg, void *dst);
+/* --gpu-weights native|bf16 into a bool (true: bf16) */
+bool tdm_tool_opt_gpu_weights(const char *arg, void *dst);
+#define TDM_TOOL_GPU_WEIGHTS_USAGE                                                                 \
+    "  --gpu-weights native|bf16 CUDA: keep Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks\n"   \
+    "                          (native, the default) or dequantise them to bf16 at load\n"
 #define TDM_TOOL_KV_DTYPE_USAGE                                                                    \
     "  --kv-dtype T            KV cache element type: f32, bf16 or f16 (default: bf16 on\n"        \
     "                          cuda, f32 on the cpu)\n"

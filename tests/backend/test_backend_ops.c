@@ -60,7 +60,9 @@ struct be {
     char name[48];
     tdm_backend_t *b;
     bool cuda;
-    bool tails; /* weights of any width (not only multiples of 32) for F32 and BF16 */
+    bool invariant; /* CUDA --batch-invariant: a token's row the same bits at any batch */
+    bool blocks;    /* CUDA keeping GGUF blocks (not --gpu-weights bf16): their kernel is too */
+    bool tails;     /* weights of any width (not only multiples of 32) for F32 and BF16 */
     double mm, emb, elem, att, att_tc;
 };
 static struct be bes[8];
@@ -82,9 +84,27 @@ static void open_backends(void)
     struct be *e = &bes[n_bes];
     if (tdm_backend_cuda_create(NULL, &e->b) == TDM_OK) {
         snprintf(e->name, sizeof e->name, "cuda");
-        e->cuda = true;
+        e->cuda = e->blocks = true;
         e->mm = 1e-2, e->emb = 1.0 / 256, e->elem = 1e-5, e->att = 1e-4, e->att_tc = 2e-2;
         n_bes++;
+        /* the same device with every GGUF matrix dequantised to bf16 at load (the path of
+         * types the block kernels do not take) */
+        const struct tdm_backend_cuda_opts bo = {.bf16_weights = true};
+        e = &bes[n_bes];
+        if (tdm_backend_cuda_create(&bo, &e->b) == TDM_OK) {
+            snprintf(e->name, sizeof e->name, "cuda bf16-weights");
+            e->cuda = true;
+            e->mm = 1e-2, e->emb = 1.0 / 256, e->elem = 1e-5, e->att = 1e-4, e->att_tc = 2e-2;
+            n_bes++;
+        }
+        const struct tdm_backend_cuda_opts bi = {.batch_invariant = true};
+        e = &bes[n_bes];
+        if (tdm_backend_cuda_create(&bi, &e->b) == TDM_OK) {
+            snprintf(e->name, sizeof e->name, "cuda batch_invariant");
+            e->cuda = e->invariant = e->blocks = true;
+            e->mm = 1e-2, e->emb = 1.0 / 256, e->elem = 1e-5, e->att = 1e-4, e->att_tc = 2e-2;
+            n_bes++;
+        }
     } else {
         printf("SKIP: test_backend_ops: the cuda backend: %s\n", tdm_err_msg());
     }
@@ -162,6 +182,13 @@ static struct tdm_weight prepared(const struct be *e, const struct tdm_test_weig
     return w;
 }
 
+/* whether the CPU backend runs weights of type t as they are (the loader turns the others,
+ * such as the K-quants, into F32 before a CPU engine sees them; CUDA keeps them in blocks) */
+static bool cpu_runs(enum tdm_dtype t)
+{
+    return t != TDM_DTYPE_Q4_K && t != TDM_DTYPE_Q6_K;
+}
+
 static const enum tdm_dtype DTYPES[] = {TDM_DTYPE_F32, TDM_DTYPE_BF16, TDM_DTYPE_Q8_0,
                                         TDM_DTYPE_Q4_0, TDM_DTYPE_Q4_1};
 
@@ -233,6 +260,20 @@ static void test_matmul(void **state)
                 e->b->iface->matmul(e->b, &w, dx, sh.n, db, dout);
                 float *out = get(e, dout, n_out);
                 check_matmul(e, &tw, x, sh.n, bias, out, "matmul");
+                for (int i = 0; e->invariant && sh.n > 1 && i < sh.n; i += 1 + sh.n / 3) {
+                    float *d1 = poisoned(e, (size_t)sh.rows);
+                    e->b->iface->matmul(e->b, &w, dx + (size_t)i * sh.cols, 1, db, d1);
+                    float *o1 = get(e, d1, (size_t)sh.rows);
+                    if (memcmp(o1, out + (size_t)i * sh.rows, (size_t)sh.rows * 4)) {
+                        print_error("%s: matmul %s %lldx%lld: token %d of %d differs from "
+                                    "itself alone\n",
+                                    e->name, tdm_dtype_name(DTYPES[d]), (long long)sh.rows,
+                                    (long long)sh.cols, i, sh.n);
+                        fail();
+                    }
+                    free(o1);
+                    drop(e, d1);
+                }
                 free(out);
                 drop(e, dout), drop(e, dx);
                 if (db) drop(e, db);
@@ -242,6 +283,74 @@ static void test_matmul(void **state)
             tdm_test_weight_free(&tw);
         }
     }
+}
+
+/* matmul_multi of three weights (q, k, v; bias on q) and matmul_swiglu on backend e at n rows:
+ * against the references, and bit for bit against the plain ops they fuse. */
+static void fused_check(const struct be *e, const struct tdm_test_weight *tw, const int64_t *rows,
+                        const struct tdm_test_weight *gatew, const struct tdm_test_weight *upw,
+                        int64_t D, int64_t F, const float *x, const float *bq, int n)
+{
+    const struct tdm_test_weight gate = *gatew, up = *upw;
+    const float *bias[3] = {bq, NULL, NULL};
+    const struct tdm_backend_i *o = e->b->iface;
+    struct tdm_weight w[3], wg = prepared(e, &gate), wu = prepared(e, &up);
+    float *dx = put(e, x, (size_t)n * D), *dbq = put(e, bq, (size_t)rows[0]);
+    float *fused[3], *alone[3];
+    struct tdm_matmul_part parts[3];
+    for (int j = 0; j < 3; j++) {
+        w[j] = prepared(e, &tw[j]);
+        fused[j] = poisoned(e, (size_t)n * rows[j]);
+        alone[j] = poisoned(e, (size_t)n * rows[j]);
+        parts[j] = (struct tdm_matmul_part){&w[j], j == 0 ? dbq : NULL, fused[j]};
+    }
+    o->matmul_multi(e->b, dx, n, parts, 3);
+    for (int j = 0; j < 3; j++) {
+        o->matmul(e->b, &w[j], dx, n, j == 0 ? dbq : NULL, alone[j]);
+        float *hf = get(e, fused[j], (size_t)n * rows[j]);
+        float *ha = get(e, alone[j], (size_t)n * rows[j]);
+        check_matmul(e, &tw[j], x, n, bias[j], hf, "matmul_multi");
+        if (memcmp(hf, ha, (size_t)n * rows[j] * sizeof(float))) {
+            print_error("%s: matmul_multi part %d (%s, n=%d) differs from matmul\n", e->name, j,
+                        tdm_dtype_name(tw[j].w.dtype), n);
+            fail();
+        }
+        free(hf), free(ha);
+        drop(e, fused[j]), drop(e, alone[j]);
+    }
+    float *sw = poisoned(e, (size_t)n * F), *g = poisoned(e, (size_t)n * F),
+          *u = poisoned(e, (size_t)n * F), *su = poisoned(e, (size_t)n * F);
+    o->matmul_swiglu(e->b, &wg, &wu, dx, n, sw);
+    o->matmul(e->b, &wg, dx, n, NULL, g);
+    o->matmul(e->b, &wu, dx, n, NULL, u);
+    o->silu_mul(e->b, g, u, n, (int)F, su);
+    float *hs = get(e, sw, (size_t)n * F), *hsu = get(e, su, (size_t)n * F);
+    if (memcmp(hs, hsu, (size_t)n * F * sizeof(float))) {
+        print_error("%s: matmul_swiglu (n=%d) differs from matmul, matmul, silu_mul\n", e->name, n);
+        fail();
+    }
+    /* and the reference: silu(x Wg) * (x Wu), with both products' error propagated
+     * (|d silu(g) u| <= 1.1 |dg| |u| + |silu(g)| |du|) */
+    for (int i = 0; i < n; i++)
+        for (int64_t r = 0; r < F; r++) {
+            double sg = 0, su_ = 0, mg = 0, mu = 0;
+            for (int64_t c = 0; c < D; c++) {
+                const double a = (double)gate.deq[r * D + c] * x[i * D + c];
+                const double b = (double)up.deq[r * D + c] * x[i * D + c];
+                sg += a, su_ += b, mg += fabs(a), mu += fabs(b);
+            }
+            const double ref = sg / (1 + exp(-sg)) * su_;
+            const double tol =
+                1.1 * e->mm * mg * (fabs(su_) + e->mm * mu) + fabs(sg) * e->mm * mu + 1e-6;
+            const double got = hs[(size_t)i * F + r];
+            if (!(fabs(got - ref) <= tol)) {
+                print_error("%s: swiglu [%d][%lld] = %.9g, ref %.9g (tol %.3g)\n", e->name, i,
+                            (long long)r, got, ref, tol);
+                fail();
+            }
+        }
+    free(hs), free(hsu);
+    drop(e, sw), drop(e, g), drop(e, u), drop(e, su), drop(e, dx), drop(e, dbq);
 }
 
 /* matmul_multi (q, k, v of mixed types) and matmul_swiglu, at 1, 5, 9 and 70 rows (on CUDA: the
@@ -263,69 +372,87 @@ static void test_matmul_fused(void **state)
         for (size_t ni = 0; ni < TDM_ARRAY_LEN(ns); ni++) {
             const int n = ns[ni];
             float *x = rand_vec((size_t)n * D, -1, 1), *bq = rand_vec((size_t)rows[0], -1, 1);
-            const float *bias[3] = {bq, NULL, NULL};
+            for (int k = 0; k < n_bes; k++)
+                fused_check(&bes[k], tw, rows, &gate, &up, D, F, x, bq, n);
+            free(x), free(bq);
+        }
+        for (int j = 0; j < 3; j++)
+            tdm_test_weight_free(&tw[j]);
+        tdm_test_weight_free(&gate), tdm_test_weight_free(&up);
+    }
+}
+
+/* Matrices in GGUF blocks at the widths every kind takes (the K-quants' 256 columns), at batch
+ * sizes that cover CUDA's paths for matrices kept in blocks (tensor-core tiles of 8, 16 and 32
+ * tokens up to TDM_CU_QGEMV_MAX_N, then dequantised chunks through cuBLASLt): matmul against
+ * the reference; matmul_multi and matmul_swiglu of one kind bit for bit against the ops they
+ * fuse; and on CUDA, where the block kernels do not depend on the batch, each token's row at
+ * every batch up to 64 bit for bit its row alone. */
+static void test_matmul_blocks(void **state)
+{
+    (void)state;
+    const enum tdm_dtype dts[] = {TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0, TDM_DTYPE_Q4_1, TDM_DTYPE_Q4_K,
+                                  TDM_DTYPE_Q6_K};
+    const struct mm_shape shapes[] = {
+        {48, 256, 1, true},  {37, 512, 3, false},  {64, 1536, 8, true},  {40, 768, 9, false},
+        {16, 256, 16, true}, {33, 512, 17, false}, {96, 1024, 32, true}, {24, 256, 40, false},
+        {80, 512, 64, true}, {48, 768, 65, false}, {32, 256, 130, true}};
+    for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++)
+        for (size_t s = 0; s < TDM_ARRAY_LEN(shapes); s++) {
+            const struct mm_shape sh = shapes[s];
+            struct tdm_test_weight tw;
+            tdm_test_weight_make(&rng_state, dts[d], sh.rows, sh.cols, &tw);
+            float *x = rand_vec((size_t)sh.n * sh.cols, -1, 1);
+            float *bias = sh.bias ? rand_vec((size_t)sh.rows, -1, 1) : NULL;
+            const size_t n_out = (size_t)sh.n * sh.rows;
             for (int k = 0; k < n_bes; k++) {
                 const struct be *e = &bes[k];
-                const struct tdm_backend_i *o = e->b->iface;
-                struct tdm_weight w[3], wg = prepared(e, &gate), wu = prepared(e, &up);
-                float *dx = put(e, x, (size_t)n * D), *dbq = put(e, bq, (size_t)rows[0]);
-                float *fused[3], *alone[3];
-                struct tdm_matmul_part parts[3];
-                for (int j = 0; j < 3; j++) {
-                    w[j] = prepared(e, &tw[j]);
-                    fused[j] = poisoned(e, (size_t)n * rows[j]);
-                    alone[j] = poisoned(e, (size_t)n * rows[j]);
-                    parts[j] = (struct tdm_matmul_part){&w[j], j == 0 ? dbq : NULL, fused[j]};
-                }
-                o->matmul_multi(e->b, dx, n, parts, 3);
-                for (int j = 0; j < 3; j++) {
-                    o->matmul(e->b, &w[j], dx, n, j == 0 ? dbq : NULL, alone[j]);
-                    float *hf = get(e, fused[j], (size_t)n * rows[j]);
-                    float *ha = get(e, alone[j], (size_t)n * rows[j]);
-                    check_matmul(e, &tw[j], x, n, bias[j], hf, "matmul_multi");
-                    if (memcmp(hf, ha, (size_t)n * rows[j] * sizeof(float))) {
-                        print_error("%s: matmul_multi part %d (%s, n=%d) differs from matmul\n",
-                                    e->name, j, tdm_dtype_name(tw[j].w.dtype), n);
-                        fail();
-                    }
-                    free(hf), free(ha);
-                    drop(e, fused[j]), drop(e, alone[j]);
-                }
-                float *sw = poisoned(e, (size_t)n * F), *g = poisoned(e, (size_t)n * F),
-                      *u = poisoned(e, (size_t)n * F), *su = poisoned(e, (size_t)n * F);
-                o->matmul_swiglu(e->b, &wg, &wu, dx, n, sw);
-                o->matmul(e->b, &wg, dx, n, NULL, g);
-                o->matmul(e->b, &wu, dx, n, NULL, u);
-                o->silu_mul(e->b, g, u, n, (int)F, su);
-                float *hs = get(e, sw, (size_t)n * F), *hsu = get(e, su, (size_t)n * F);
-                if (memcmp(hs, hsu, (size_t)n * F * sizeof(float))) {
-                    print_error("%s: matmul_swiglu (n=%d) differs from matmul, matmul, silu_mul\n",
-                                e->name, n);
-                    fail();
-                }
-                /* and the reference: silu(x Wg) * (x Wu), with both products' error propagated
-                 * (|d silu(g) u| <= 1.1 |dg| |u| + |silu(g)| |du|) */
-                for (int i = 0; i < n; i++)
-                    for (int64_t r = 0; r < F; r++) {
-                        double sg = 0, su_ = 0, mg = 0, mu = 0;
-                        for (int64_t c = 0; c < D; c++) {
-                            const double a = (double)gate.deq[r * D + c] * x[i * D + c];
-                            const double b = (double)up.deq[r * D + c] * x[i * D + c];
-                            sg += a, su_ += b, mg += fabs(a), mu += fabs(b);
-                        }
-                        const double ref = sg / (1 + exp(-sg)) * su_;
-                        const double tol = 1.1 * e->mm * mg * (fabs(su_) + e->mm * mu) +
-                                           fabs(sg) * e->mm * mu + 1e-6;
-                        const double got = hs[(size_t)i * F + r];
-                        if (!(fabs(got - ref) <= tol)) {
-                            print_error("%s: swiglu [%d][%lld] = %.9g, ref %.9g (tol %.3g)\n",
-                                        e->name, i, (long long)r, got, ref, tol);
+                if (!e->cuda && !cpu_runs(dts[d])) continue;
+                struct tdm_weight w = prepared(e, &tw);
+                float *dx = put(e, x, (size_t)sh.n * sh.cols);
+                float *db = bias ? put(e, bias, (size_t)sh.rows) : NULL;
+                float *dout = poisoned(e, n_out);
+                e->b->iface->matmul(e->b, &w, dx, sh.n, db, dout);
+                float *out = get(e, dout, n_out);
+                check_matmul(e, &tw, x, sh.n, bias, out, "matmul in blocks");
+                if (e->blocks && (sh.n <= 64 || e->invariant))
+                    for (int i = 0; i < sh.n; i += TDM_MAX(1, sh.n / 4)) { /* alone */
+                        float *d1 = poisoned(e, (size_t)sh.rows);
+                        e->b->iface->matmul(e->b, &w, dx + (size_t)i * sh.cols, 1, db, d1);
+                        float *o1 = get(e, d1, (size_t)sh.rows);
+                        if (memcmp(o1, out + (size_t)i * sh.rows, (size_t)sh.rows * 4)) {
+                            print_error("%s: %s %lldx%lld: token %d of %d differs from itself "
+                                        "alone\n",
+                                        e->name, tdm_dtype_name(dts[d]), (long long)sh.rows,
+                                        (long long)sh.cols, i, sh.n);
                             fail();
                         }
+                        free(o1);
+                        drop(e, d1);
                     }
-                free(hs), free(hsu);
-                drop(e, sw), drop(e, g), drop(e, u), drop(e, su), drop(e, dx), drop(e, dbq);
+                free(out);
+                drop(e, dout), drop(e, dx);
+                if (db) drop(e, db);
             }
+            free(bias);
+            free(x);
+            tdm_test_weight_free(&tw);
+        }
+    /* the fused ops with every part of one kind */
+    const int ns[] = {1, 5, 9, 40, 70};
+    const int64_t D = 512, F = 96, rows[3] = {128, 64, 64};
+    for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++) {
+        struct tdm_test_weight tw[3], gate, up;
+        for (int j = 0; j < 3; j++)
+            tdm_test_weight_make(&rng_state, dts[d], rows[j], D, &tw[j]);
+        tdm_test_weight_make(&rng_state, dts[d], F, D, &gate);
+        tdm_test_weight_make(&rng_state, dts[d], F, D, &up);
+        for (size_t ni = 0; ni < TDM_ARRAY_LEN(ns); ni++) {
+            const int n = ns[ni];
+            float *x = rand_vec((size_t)n * D, -1, 1), *bq = rand_vec((size_t)rows[0], -1, 1);
+            for (int k = 0; k < n_bes; k++)
+                if (bes[k].cuda || cpu_runs(dts[d]))
+                    fused_check(&bes[k], tw, rows, &gate, &up, D, F, x, bq, n);
             free(x), free(bq);
         }
         for (int j = 0; j < 3; j++)
@@ -338,12 +465,16 @@ static void test_embed(void **state)
 {
     (void)state;
     const int V = 300, n = 37;
-    const int64_t dims[] = {96, 64};
-    for (size_t d = 0; d < TDM_ARRAY_LEN(DTYPES); d++)
+    const int64_t dims[] = {96, 64, 256};
+    /* the K-quants at 256 columns: CUDA embeds rows of a table kept in blocks */
+    const enum tdm_dtype dts[] = {TDM_DTYPE_F32,  TDM_DTYPE_BF16, TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0,
+                                  TDM_DTYPE_Q4_1, TDM_DTYPE_Q4_K, TDM_DTYPE_Q6_K};
+    for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++)
         for (size_t di = 0; di < TDM_ARRAY_LEN(dims); di++) {
             const int64_t D = dims[di];
+            if (tdm_dtype_block_elems(dts[d]) > 32 && D % 256) continue;
             struct tdm_test_weight tw;
-            tdm_test_weight_make(&rng_state, DTYPES[d], V, D, &tw);
+            tdm_test_weight_make(&rng_state, dts[d], V, D, &tw);
             int32_t tok[37];
             for (int i = 0; i < n; i++)
                 tok[i] = (int32_t)(rng_u64() % V);
@@ -354,6 +485,7 @@ static void test_embed(void **state)
                     ref[i * D + c] = tw.deq[tok[i] * D + c];
             for (int k = 0; k < n_bes; k++) {
                 const struct be *e = &bes[k];
+                if (!e->cuda && !cpu_runs(dts[d])) continue;
                 struct tdm_weight w = prepared(e, &tw);
                 float *dout = poisoned(e, (size_t)n * D);
                 e->b->iface->embed(e->b, &w, tok, n, dout);
@@ -1402,8 +1534,8 @@ int main(void)
         cmocka_unit_test(test_rope_kv_append), cmocka_unit_test(test_attention),
         cmocka_unit_test(test_layer_done),     cmocka_unit_test(test_typed_buffers),
         cmocka_unit_test(test_tree_attention), cmocka_unit_test(test_kv_copy),
-        cmocka_unit_test(test_kv_dtypes),      cmocka_unit_test(test_head_matmul),
-        cmocka_unit_test(test_latent_rows),
+        cmocka_unit_test(test_kv_dtypes),      cmocka_unit_test(test_matmul_blocks),
+        cmocka_unit_test(test_head_matmul),    cmocka_unit_test(test_latent_rows),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = 0; i < n_bes; i++)

@@ -73,11 +73,12 @@ struct run {
     struct tdm_kv_seq kv[NSEQ];
 };
 
-static void run_open(struct run *r, const struct tdm_model *m, int kind, tdm_backend_t *backend)
+static void run_open_bi(struct run *r, const struct tdm_model *m, int kind, tdm_backend_t *backend,
+                        bool bi)
 {
     memset(r, 0, sizeof *r);
     struct tdm_engine_opts o = {.n_threads = 2,
-                                .batch_invariant = true,
+                                .batch_invariant = bi,
                                 .page_size = 16,
                                 .kv_pages = 2048,
                                 .max_batch_tokens = 4096,
@@ -87,6 +88,12 @@ static void run_open(struct run *r, const struct tdm_model *m, int kind, tdm_bac
                                 .backend = backend,
                                 .backend_kind = kind};
     assert_int_equal(tdm_engine_create(m, &o, &r->e), TDM_OK);
+}
+
+/* the CPU batch-invariant (the fidelity references), CUDA in its default mode */
+static void run_open(struct run *r, const struct tdm_model *m, int kind, tdm_backend_t *backend)
+{
+    run_open_bi(r, m, kind, backend, kind == TDM_BACKEND_CPU);
 }
 
 static void run_close(struct run *r)
@@ -270,6 +277,110 @@ static void test_qwen3_f32(void **state)
     cpu_vs_cuda(TDM_DTYPE_F32, TDM_ARCH_QWEN3);
 }
 
+/* --batch-invariant on CUDA (engine-owned backends, graphs on): every sequence's logits are the
+ * same bits alone as among the others, at prefill (one prompt a forward call against all at
+ * once) and at decode (alone against the whole batch, a graph's bucket); and a chain of K
+ * tokens verified in one step gives each token the bits of its own one-token step, which is
+ * what makes exact speculation lossless on the GPU. Matrices bf16 and in Q8_0 blocks. */
+static void bi_case(enum tdm_dtype dt)
+{
+    struct tdm_model m;
+    make_model(&m, dt, TDM_ARCH_LLAMA);
+    enum { S = 8, K = 4 };
+    struct run alone, together, chain;
+    run_open_bi(&alone, &m, TDM_BACKEND_CUDA, NULL, true);
+    run_open_bi(&together, &m, TDM_BACKEND_CUDA, NULL, true);
+    run_open_bi(&chain, &m, TDM_BACKEND_CUDA, NULL, true);
+    static int32_t toks[S][200 + K];
+    int len[S];
+    for (int s = 0; s < S; s++) {
+        len[s] = 1 + (int)(rng_u64() % 150);
+        for (int i = 0; i < len[s] + K; i++)
+            toks[s][i] = (int32_t)(rng_u64() % VOCAB);
+        struct run *rs[] = {&alone, &together, &chain};
+        for (int r = 0; r < 3; r++)
+            assert_int_equal(
+                tdm_kv_seq_reserve(tdm_engine_kv(rs[r]->e), &rs[r]->kv[s], len[s] + K + 1), TDM_OK);
+    }
+    float *la = malloc((size_t)S * (K + 1) * VOCAB * sizeof(float));
+    float *lt = malloc((size_t)S * VOCAB * sizeof(float));
+    float *lc = malloc((size_t)S * K * VOCAB * sizeof(float));
+    int differ = 0;
+    /* alone: each prompt, then K decode steps, one sequence a call */
+    for (int s = 0; s < S; s++)
+        for (int step = 0; step <= K; step++) {
+            struct tdm_batch_seq bs = {.tokens = step ? &toks[s][len[s] + step - 1] : toks[s],
+                                       .n_tokens = step ? 1 : len[s],
+                                       .pos0 = step ? len[s] + step - 1 : 0,
+                                       .pages = alone.kv[s].pages,
+                                       .n_pages = alone.kv[s].n_pages,
+                                       .n_logits = 1};
+            struct tdm_batch b = {&bs, 1};
+            assert_int_equal(
+                tdm_engine_forward(alone.e, &b, la + ((size_t)s * (K + 1) + step) * VOCAB, NULL),
+                TDM_OK);
+        }
+    /* together: all prompts in one call, then all sequences a step */
+    for (int step = 0; step <= K; step++) {
+        struct tdm_batch_seq bs[S];
+        for (int s = 0; s < S; s++)
+            bs[s] = (struct tdm_batch_seq){.tokens = step ? &toks[s][len[s] + step - 1] : toks[s],
+                                           .n_tokens = step ? 1 : len[s],
+                                           .pos0 = step ? len[s] + step - 1 : 0,
+                                           .pages = together.kv[s].pages,
+                                           .n_pages = together.kv[s].n_pages,
+                                           .n_logits = 1};
+        struct tdm_batch b = {bs, S};
+        assert_int_equal(tdm_engine_forward(together.e, &b, lt, NULL), TDM_OK);
+        for (int s = 0; s < S; s++)
+            differ += memcmp(lt + (size_t)s * VOCAB, la + ((size_t)s * (K + 1) + step) * VOCAB,
+                             VOCAB * sizeof(float)) != 0;
+    }
+    /* chain: all prompts, then the K tokens of every sequence verified in one step */
+    struct tdm_batch_seq bs[S];
+    for (int s = 0; s < S; s++)
+        bs[s] = (struct tdm_batch_seq){.tokens = toks[s],
+                                       .n_tokens = len[s],
+                                       .pages = chain.kv[s].pages,
+                                       .n_pages = chain.kv[s].n_pages,
+                                       .n_logits = 1};
+    struct tdm_batch b = {bs, S};
+    assert_int_equal(tdm_engine_forward(chain.e, &b, lt, NULL), TDM_OK);
+    for (int s = 0; s < S; s++)
+        bs[s] = (struct tdm_batch_seq){.tokens = &toks[s][len[s]],
+                                       .n_tokens = K,
+                                       .pos0 = len[s],
+                                       .pages = chain.kv[s].pages,
+                                       .n_pages = chain.kv[s].n_pages,
+                                       .n_logits = K};
+    assert_int_equal(tdm_engine_forward(chain.e, &b, lc, NULL), TDM_OK);
+    int chain_differ = 0;
+    for (int s = 0; s < S; s++)
+        for (int j = 0; j < K; j++)
+            chain_differ +=
+                memcmp(lc + ((size_t)s * K + j) * VOCAB, la + ((size_t)s * (K + 1) + j + 1) * VOCAB,
+                       VOCAB * sizeof(float)) != 0;
+    printf("cuda --batch-invariant, llama %s: %d of %d rows differ alone vs together, %d of %d "
+           "verified chain rows differ from their one-token steps\n",
+           tdm_dtype_name(dt), differ, S * (K + 1), chain_differ, S * K);
+    free(la), free(lt), free(lc);
+    run_close(&alone), run_close(&together), run_close(&chain);
+    free_model();
+    assert_int_equal(differ, 0);
+    assert_int_equal(chain_differ, 0);
+}
+
+static void test_batch_invariant(void **state)
+{
+    (void)state;
+    if (!have_gpu) {
+        print_message("SKIP: %s\n", skip_reason);
+        skip();
+    }
+    bi_case(TDM_DTYPE_BF16);
+    bi_case(TDM_DTYPE_Q8_0);
+}
+
 /* Early-exit passes (tdm_engine_out.n_layers, a self drafter's) through CUDA graphs: decode
  * steps alternate 1 layer and all NL, and the graph run must match op by op each time (a graph
  * recorded for one layer count and replayed for the other would be far off). */
@@ -436,6 +547,7 @@ int main(void)
         cmocka_unit_test(test_create_error),      cmocka_unit_test(test_llama_q8),
         cmocka_unit_test(test_qwen2_bf16),        cmocka_unit_test(test_qwen3_f32),
         cmocka_unit_test(test_early_exit_graphs), cmocka_unit_test(test_engines_come_and_go),
+        cmocka_unit_test(test_batch_invariant),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

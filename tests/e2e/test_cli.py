@@ -101,6 +101,11 @@ BAD_ARGS = [
     (["serve", "--role", "prefill", "--staging-memory", "lots"], 2,
      "--staging-memory: 'lots' is not a size"),
     (["serve", "--kv-staging", "always"], 2, "are for --role prefill or decode"),
+    (["generate", "--prompt", "x", "--gpu-weights", "int4"], 2,
+     "--gpu-weights: 'int4' is not native or bf16"),
+    (["serve", "--gpu-weights", "fp8"], 2, "--gpu-weights: 'fp8' is not native or bf16"),
+    (["bench", "model", "--backend", "cuda", "--weights", "q5_k"], 2,
+     "--weights: 'q5_k' is not bf16, q8_0, q4_0, q4_1, q4_k or q6_k"),
 ]
 
 

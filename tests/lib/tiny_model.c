@@ -175,6 +175,21 @@ void tdm_test_weight_make(uint64_t *state, enum tdm_dtype dt, int64_t rows, int6
             for (int j = 0; j < 16; j++)
                 blk[offsetof(struct block_q4_0, qs) + j] = (uint8_t)tdm_test_splitmix64(state);
         }
+        for (int64_t b = 0; dt == TDM_DTYPE_Q4_K && b < cols / 256; b++) {
+            uint8_t *blk = row + b * sizeof(struct block_q4_K);
+            put_f16(blk + offsetof(struct block_q4_K, d), tdm_test_uniform(state, 0.0005f, 0.004f));
+            put_f16(blk + offsetof(struct block_q4_K, dmin),
+                    tdm_test_uniform(state, 0.0005f, 0.02f));
+            for (size_t j = offsetof(struct block_q4_K, scales); j < sizeof(struct block_q4_K); j++)
+                blk[j] = (uint8_t)tdm_test_splitmix64(state); /* 6-bit scales, mins; nibbles */
+        }
+        for (int64_t b = 0; dt == TDM_DTYPE_Q6_K && b < cols / 256; b++) {
+            uint8_t *blk = row + b * sizeof(struct block_q6_K);
+            for (size_t j = 0; j < offsetof(struct block_q6_K, d); j++)
+                blk[j] = (uint8_t)tdm_test_splitmix64(state); /* ql, qh, int8 scales */
+            put_f16(blk + offsetof(struct block_q6_K, d),
+                    tdm_test_uniform(state, -0.0005f, 0.0005f));
+        }
         for (int64_t b = 0; dt == TDM_DTYPE_Q4_1 && b < cols / 32; b++) {
             uint8_t *blk = row + b * sizeof(struct block_q4_1);
             put_f16(blk + offsetof(struct block_q4_1, d), tdm_test_uniform(state, 0.01f, 0.2f));

@@ -90,9 +90,9 @@ def n_params(weights):
     return sum(a.size for a in weights.values())
 
 
-def run_dump(path, names, tmp_path):
+def run_dump(path, names, tmp_path, keep_k_blocks=False):
     """Loads `path`; returns (config dict, {name: float32 array})."""
-    args = [str(model_dump_bin()), str(path)]
+    args = [str(model_dump_bin())] + (["--keep-k-blocks"] if keep_k_blocks else []) + [str(path)]
     for n in names:
         args += [n, str(tmp_path / f"{n}.f32")]
     cp = subprocess.run(args, capture_output=True, text=True, timeout=120)
@@ -418,6 +418,15 @@ def test_gguf_llama_quant_types(tmp_path):
         check_values(got[n], expect[n], exact=False)
     # bytes held: quantised types at their block size, everything else as f32
     size = {QT.Q8_0: 34 / 32, QT.Q4_0: 18 / 32, QT.Q4_1: 20 / 32, QT.BF16: 2}
+    want_bytes = sum(a.size * size.get(types.get(n, QT.F32), 4) for n, a in w.items())
+    assert cfg["weight_bytes"] == int(want_bytes) + 4 * freqs.size
+    # for the CUDA backend the K-quants stay in their blocks, with the same values
+    cfg, got = run_dump(path, names, tmp_path, keep_k_blocks=True)
+    held[QT.Q6_K] = "q6_K"
+    for n in names:
+        assert cfg["weights"][n]["dtype"] == held[types.get(n, QT.F32)], n
+        check_values(got[n], expect[n], exact=False)
+    size[QT.Q6_K] = 210 / 256
     want_bytes = sum(a.size * size.get(types.get(n, QT.F32), 4) for n, a in w.items())
     assert cfg["weight_bytes"] == int(want_bytes) + 4 * freqs.size
 

@@ -2,8 +2,9 @@
  * model_dump: a helper for tests/model/test_loader.py, which checks the loader against
  * checkpoints written by the Python gguf and safetensors packages.
  *
- *   model_dump MODEL [WEIGHT OUT.f32]...
- *       Loads MODEL (a .gguf file or a HF folder) with tdm_model_load and prints its config,
+ *   model_dump [--keep-k-blocks] MODEL [WEIGHT OUT.f32]...
+ *       Loads MODEL (a .gguf file or a HF folder) with tdm_model_load_opts (keep_k_blocks when
+ *       asked) and prints its config,
  *       counts and the chosen weights' geometry as one JSON object on stdout. Each WEIGHT
  *       (tok_embd, output, output_norm, rope_freqs, layers.N.<field> with <field> a member of
  *       struct tdm_layer_weights) is written to OUT.f32 as float32 [rows][cols], dequantised
@@ -79,11 +80,11 @@ static void on_progress(void *ctx, double f)
     json_array_append_new((json_t *)ctx, json_real(f));
 }
 
-static int dump_model(int argc, char **argv)
+static int dump_model(int argc, char **argv, const struct tdm_load_opts *lo)
 {
     json_t *progress = json_array();
     struct tdm_model *m = NULL;
-    tdm_status st = tdm_model_load(argv[1], on_progress, progress, &m);
+    tdm_status st = tdm_model_load_opts(argv[1], lo, on_progress, progress, &m);
     if (st) return fail(st);
     const struct tdm_model_config *c = &m->cfg;
     static const char *scaling[] = {"none", "linear", "llama3"};
@@ -211,10 +212,15 @@ static int dump_st(int argc, char **argv)
 int main(int argc, char **argv)
 {
     if (argc >= 3 && !strcmp(argv[1], "--st")) return dump_st(argc, argv);
+    struct tdm_load_opts lo = {0};
+    if (argc >= 2 && !strcmp(argv[1], "--keep-k-blocks")) {
+        lo.keep_k_blocks = true;
+        argc--, argv++;
+    }
     if (argc < 2 || argv[1][0] == '-') {
-        fprintf(stderr, "usage: model_dump MODEL [WEIGHT OUT.f32]...\n"
+        fprintf(stderr, "usage: model_dump [--keep-k-blocks] MODEL [WEIGHT OUT.f32]...\n"
                         "       model_dump --st PATH [TENSOR OUT.bin]...\n");
         return 2;
     }
-    return dump_model(argc, argv);
+    return dump_model(argc, argv, &lo);
 }

@@ -44,6 +44,7 @@
  * Threading: one thread drives an instance; all work is on one non-blocking stream.
  */
 #include "backend/cuda/cuda_int.h"
+#include "backend/cuda/qweight.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -75,8 +76,8 @@ static void cu_destroy(tdm_backend_t *b)
     free(cu->owned);
     for (int i = 0; i < cu->n_counters; i++)
         if (cu->counters[i].host_page) cudaHostUnregister(cu->counters[i].host_page);
-    void *dev[] = {cu->xb,         cu->shb[0], cu->shb[1], cu->up,    cu->part,
-                   cu->d_inv_freq, cu->d_rows, cu->d_meta, cu->lt_ws, cu->d_moe};
+    void *dev[] = {cu->xb,     cu->shb[0], cu->shb[1], cu->up,    cu->part, cu->d_inv_freq,
+                   cu->d_rows, cu->d_meta, cu->lt_ws,  cu->d_moe, cu->deq};
     for (size_t i = 0; i < TDM_ARRAY_LEN(dev); i++)
         if (dev[i]) cudaFree(dev[i]);
     if (cu->h_meta) cudaFreeHost(cu->h_meta);
@@ -162,6 +163,8 @@ tdm_status tdm_backend_cuda_create(const struct tdm_backend_cuda_opts *opts, tdm
     cu->base.impl = cu;
     cu->device = o.device;
     cu->mem_fraction = o.gpu_memory_fraction > 0 ? o.gpu_memory_fraction : 0.9;
+    cu->bf16_weights = o.bf16_weights;
+    cu->batch_invariant = o.batch_invariant;
     cu->prof = getenv("TANDEM_CUDA_PROFILE") && *getenv("TANDEM_CUDA_PROFILE") == '1';
     /* $TANDEM_CUDA_PROFILE_MAX_TOKENS=N: only steps of at most N tokens (decode alone) */
     const char *pmt = getenv("TANDEM_CUDA_PROFILE_MAX_TOKENS");
@@ -249,12 +252,79 @@ _Atomic int32_t *tdm_backend_cuda_counter(tdm_backend_t *b)
     return (_Atomic int32_t *)tdm_cu_of(b)->h_counter;
 }
 
+/* A matrix kept in GGUF blocks (qweight.h) with random integers and scales that keep its values
+ * within about [-a, a], a = max(|lo|, |hi|). */
+static tdm_status random_blocks(struct tdm_cuda *cu, const struct tdm_cu_qlayout *L,
+                                enum tdm_dtype dtype, uint64_t seed, float lo, float hi,
+                                struct tdm_weight *out)
+{
+    void *dev = NULL;
+    if (cudaMalloc(&dev, L->bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return tdm_err_set(TDM_ENOMEM, "cuda backend: cannot allocate %zu bytes", L->bytes);
+    }
+    uint8_t *base = dev;
+    const size_t R = (size_t)L->rows, C = (size_t)L->cols;
+    const float a = fmaxf(fabsf(lo), fabsf(hi));
+    tdm_cu_fill_bytes(cu->stream, base + L->q_off, R * (L->kind == TDM_CU_Q8_0 ? C : C / 2), seed);
+    if (L->qh_off) tdm_cu_fill_bytes(cu->stream, base + L->qh_off, R * C / 4, seed + 1);
+    switch (L->kind) {
+    case TDM_CU_Q8_0:
+    case TDM_CU_Q4_0:
+        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->s_off), R * C / 32, seed + 2,
+                                0.0f, a / (L->kind == TDM_CU_Q8_0 ? 64.0f : 4.0f));
+        break;
+    case TDM_CU_Q4_1: /* d and m */
+        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->s_off), 2 * R * C / 32, seed + 2,
+                                0.0f, a / 8.0f);
+        break;
+    case TDM_CU_Q4_K: /* 8-bit scales and mins, then d and dmin */
+        tdm_cu_fill_bytes(cu->stream, base + L->s_off, 2 * R * C / 32, seed + 2);
+        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->dd_off), 2 * R * C / 256,
+                                seed + 3, 0.0f, a / (128.0f * 15.0f));
+        break;
+    case TDM_CU_Q6_K:
+        tdm_cu_fill_bytes(cu->stream, base + L->s_off, R * C / 16, seed + 2);
+        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->dd_off), R * C / 256, seed + 3,
+                                0.0f, a / (64.0f * 32.0f));
+        break;
+    }
+    TDM_CU_CHECK(cudaGetLastError());
+    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+    *out = (struct tdm_weight){.dtype = dtype,
+                               .rows = L->rows,
+                               .cols = L->cols,
+                               .row_bytes = tdm_dtype_row_bytes(dtype, L->cols),
+                               .data = dev};
+    tdm_status st = tdm_cuda_own(cu, dev, out);
+    if (st != TDM_OK) {
+        cudaFree(dev);
+        return st;
+    }
+    cu->weight_bytes += L->bytes;
+    cu->max_cols = TDM_MAX(cu->max_cols, L->cols);
+    return tdm_cuda_deq_reserve(cu, L->rows, L->cols);
+}
+
+size_t tdm_backend_cuda_held_bytes(tdm_backend_t *b, const struct tdm_weight *w)
+{
+    struct tdm_cu_qlayout L;
+    if (!w->data || !tdm_backend_is_cuda(b)) return 0;
+    if (w->rows == 1) return (size_t)w->cols * sizeof(float);
+    if (!tdm_cu_of(b)->bf16_weights && tdm_cu_qlayout(w->dtype, w->rows, w->cols, &L))
+        return L.bytes;
+    return (size_t)w->rows * (size_t)w->cols * 2;
+}
+
 tdm_status tdm_backend_cuda_random_weight(tdm_backend_t *b, enum tdm_dtype dtype, int64_t rows,
                                           int64_t cols, uint64_t seed, float lo, float hi,
                                           struct tdm_weight *out)
 {
     if (!tdm_backend_is_cuda(b)) return tdm_err_set(TDM_EINVAL, "not a CUDA backend");
     struct tdm_cuda *cu = tdm_cu_of(b);
+    struct tdm_cu_qlayout L;
+    if (rows > 1 && !cu->bf16_weights && tdm_cu_qlayout(dtype, rows, cols, &L))
+        return random_blocks(cu, &L, dtype, seed, lo, hi, out);
     if (rows < 1 || cols < 1 || (dtype != TDM_DTYPE_BF16 && dtype != TDM_DTYPE_F32))
         return tdm_err_set(TDM_EINVAL, "cuda backend: random weight %lld x %lld of %s",
                            (long long)rows, (long long)cols, tdm_dtype_name(dtype));

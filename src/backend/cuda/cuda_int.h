@@ -36,7 +36,7 @@ _Noreturn void tdm_cu_fatal(const char *what, const char *why, const char *file,
 #define TDM_CU_MAX_COUNTERS 8
 
 struct tdm_cu_gemm_plan {
-    int m, n, k;
+    int m, n, k, ldd;
     uint64_t used; /* last use, for eviction */
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a, b, d;
@@ -90,6 +90,12 @@ struct tdm_cuda {
     struct tdm_cu_owned *owned;
     int n_owned, cap_owned;
     size_t weight_bytes;
+    bool bf16_weights;    /* GGUF blocks dequantised to bf16 at load, not kept (qweight.h) */
+    bool batch_invariant; /* kernels chosen by shape alone, never by the batch (cuda_ops.c) */
+    /* bf16 rows of a quantised matrix for cuBLASLt (batches past TDM_CU_QGEMV_MAX_N): sized by
+     * weight_prepare for the widest quantised matrix, a chunk of rows at a time */
+    uint16_t *deq;
+    size_t deq_cap;
     int64_t max_cols; /* widest matrix seen (sizes the bf16 input buffer) */
 
     /* workspace (grown on demand before reserve; fixed after it) */
@@ -174,6 +180,18 @@ static inline struct tdm_cuda *tdm_cu_of(tdm_backend_t *b)
 /* d[n][m] (fp32, row-major) = x[n][k] (bf16) . W[m][k]^T (bf16), fp32 accumulation. */
 void tdm_cu_gemm(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const uint16_t *x, int n,
                  float *d);
+/* The same with the output rows ldd floats apart (d: the first of m columns of a wider output). */
+void tdm_cu_gemm_ld(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const uint16_t *x, int n,
+                    float *d, int ldd);
+/* A quantised device matrix (weight_prepare's, dtype a GGUF block type kept in blocks) as the
+ * kernels take it; false for a weight held as bf16 or f32. */
+struct tdm_cu_qlayout;
+bool tdm_cuda_qpart(const struct tdm_weight *w, struct tdm_cu_qgemv_part *p, int *kind);
+/* Rows a chunk of the bf16 dequantisation buffer holds for a matrix of k columns. */
+int64_t tdm_cuda_deq_rows(int64_t rows, int64_t k);
+/* Grows the dequantisation buffer for a quantised matrix of rows x cols (outside any capture:
+ * called as weights are made, never during a step). */
+tdm_status tdm_cuda_deq_reserve(struct tdm_cuda *cu, int64_t rows, int64_t cols);
 void tdm_cu_gemm_destroy(struct tdm_cuda *cu);
 /* The backend's `sample` hook (cuda_sample.c) and the buffers it owns. */
 tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int vocab,
@@ -190,6 +208,7 @@ int tdm_cu_attention_rows_cap(int hd);
 #define STAGING_BYTES      ((size_t)32 << 20)
 #define PART_FLOATS        ((size_t)16 << 20) /* 64 MiB of split-KV states */
 #define MAX_SPLITS         32
+#define BI_SPLITS          16 /* split-KV parts of every token when batch-invariant */
 #define INV_FREQ_MAX       (TDM_MAX_HEAD_DIM / 2)
 
 void tdm_cuda_bind(struct tdm_cuda *cu);

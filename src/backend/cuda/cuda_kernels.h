@@ -20,6 +20,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "backend/cuda/qkind.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -44,7 +46,7 @@ void tdm_cu_embed(cudaStream_t s, const uint16_t *emb, int64_t cols, const int32
 /* if add: res += add (stored back); out = res / rms(res) * w; out_bf16 (may be NULL) too.
  * Rows of dim floats. out may equal res when add is NULL. */
 void tdm_cu_rmsnorm(cudaStream_t s, float *res, const float *add, const float *w, float eps, int n,
-                    int dim, float *out, uint16_t *out_bf16);
+                    int dim, float *out, uint16_t *out_bf16, bool invariant);
 void tdm_cu_f32_to_bf16(cudaStream_t s, const float *x, size_t n, uint16_t *out);
 /* out[i][r] += bias[r] */
 void tdm_cu_add_bias(cudaStream_t s, float *out, const float *bias, int n, int rows);
@@ -99,7 +101,10 @@ bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, int n_kv_head
  * k % 32 == 0, else one warp per row on the CUDA cores; 16-byte weight loads, fp32 accumulation in
  * an order that does not depend on n. swiglu: exactly two parts (gate, up) of equal rows; writes
  * silu(gate) * up into part 0's out (and out_bf16 when not NULL). Returns false when the shape
- * does not suit (k % 8, alignment, n), and the caller uses cuBLASLt. */
+ * does not suit (k % 8, alignment, n), and the caller uses cuBLASLt. invariant: any n, the
+ * kernel chosen by the shape alone (tensor cores in tiles of up to 32 tokens when rows % 16 == 0
+ * and k % 32 == 0, else the CUDA-core kernel 8 tokens a launch), so that a token's row does not
+ * depend on n. */
 #define TDM_CU_GEMV_MAX_N 8
 struct tdm_cu_gemv_part {
     const uint16_t *w;
@@ -108,7 +113,30 @@ struct tdm_cu_gemv_part {
     int m;
 };
 bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts, int n_parts, int k,
-                 const uint16_t *x, int n, bool swiglu, uint16_t *out_bf16);
+                 const uint16_t *x, int n, bool swiglu, uint16_t *out_bf16, bool invariant);
+
+/* Quantised weights (qgemv.cu; the layout is qweight.h's): a part is one matrix's arrays (q,
+ * qh, s, dd: NULL where its kind has none), its bias, output [n][m] and rows m. tdm_cu_qgemv:
+ * out_p[j][r] = x[j] . W_p[r] (+ bias_p[r]) for up to 4 matrices of one kind sharing x [n][k]
+ * (bf16, 8-byte aligned), k % 64 == 0; swiglu as tdm_cu_gemv's (two parts of one kind). A row's
+ * result does not depend on n. Any n works (tiles of 32 tokens, each re-reading the weights,
+ * mostly from L2); the backend uses it up to TDM_CU_QGEMV_MAX_N, or always when batch-invariant.
+ * False when the shape does not suit.
+ * tdm_cu_qdequant: rows [r0, r0 + n_rows) as bf16 [n_rows][k]. tdm_cu_qembed: out[i] = row
+ * tokens[i] (a device array) as fp32. */
+#define TDM_CU_QGEMV_MAX_N 64
+struct tdm_cu_qgemv_part {
+    const uint8_t *q, *qh, *s, *dd;
+    const float *bias;
+    float *out;
+    int m;
+};
+bool tdm_cu_qgemv(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *parts, int n_parts,
+                  int k, const uint16_t *x, int n, bool swiglu, uint16_t *out_bf16);
+void tdm_cu_qdequant(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *p, int k, int r0,
+                     int n_rows, uint16_t *out);
+void tdm_cu_qembed(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *p, int k,
+                   const int32_t *tokens, int n, float *out);
 
 /* Sampling (sample.cu): one block per logit row, the host sampler's choice for the same
  * logits (sample.h), in the row's mode (a draw, a drafter's proposal, or a draft's
@@ -168,6 +196,10 @@ void tdm_cu_fill_uniform_bf16(cudaStream_t s, uint16_t *out, size_t n, uint64_t 
                               float hi);
 void tdm_cu_fill_uniform_f32(cudaStream_t s, float *out, size_t n, uint64_t seed, float lo,
                              float hi);
+void tdm_cu_fill_uniform_f16(cudaStream_t s, uint16_t *out, size_t n, uint64_t seed, float lo,
+                             float hi);
+/* n bytes, each uniform in 0..255 */
+void tdm_cu_fill_bytes(cudaStream_t s, void *out, size_t n, uint64_t seed);
 
 #ifdef __cplusplus
 }

@@ -1,9 +1,12 @@
 /*
  * Device memory and weights of the CUDA backend: buffers, uploads and downloads, grown scratch,
- * and weight conversion (GGUF blocks dequantised on the host, matrices made bf16 on the device).
- * One thread drives an instance (cuda_backend.c has the contract).
+ * and weight conversion: a matrix in GGUF blocks of a kind the kernels know (qweight.h: Q8_0,
+ * Q4_0, Q4_1, Q4_K, Q6_K, at a width they take) is kept in its blocks, rearranged; any other
+ * matrix is dequantised on the host and held as bf16 (so are all, with bf16_weights); vectors
+ * are fp32. One thread drives an instance (cuda_backend.c has the contract).
  */
 #include "backend/cuda/cuda_int.h"
+#include "backend/cuda/qweight.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -91,20 +94,105 @@ tdm_status tdm_cuda_own(struct tdm_cuda *cu, void *dev, const struct tdm_weight 
     return TDM_OK;
 }
 
-/* The device bytes of a host weight as tdm_cuda_weight_prepare holds it: a matrix as bf16, a
- * vector as fp32 followed by a bf16 copy. */
-static size_t prepared_bytes(const struct tdm_weight *host)
+/* Whether a host matrix stays in its blocks on this instance (and its layout then). */
+static bool kept_quantised(const struct tdm_cuda *cu, const struct tdm_weight *host,
+                           struct tdm_cu_qlayout *L)
+{
+    return !cu->bf16_weights && host->rows > 1 &&
+           tdm_cu_qlayout(host->dtype, host->rows, host->cols, L);
+}
+
+/* The device bytes of a host weight as tdm_cuda_weight_prepare holds it: a matrix in its blocks
+ * (qweight.h) or as bf16, a vector as fp32 followed by a bf16 copy. */
+static size_t prepared_bytes(const struct tdm_cuda *cu, const struct tdm_weight *host)
 {
     const size_t cols = (size_t)host->cols;
+    struct tdm_cu_qlayout L;
+    if (kept_quantised(cu, host, &L)) return L.bytes;
     return host->rows == 1 ? cols * sizeof(float) + cols * 2
                            : cols * sizeof(uint16_t) * (size_t)host->rows;
 }
 
 size_t tdm_cuda_weight_bytes(tdm_backend_t *b, const struct tdm_weight *host)
 {
-    (void)b;
     if (!host->data || host->rows < 1 || host->cols < 1 || is_device_ptr(host->data)) return 0;
-    return prepared_bytes(host);
+    return prepared_bytes(tdm_cu_of(b), host);
+}
+
+#define DEQ_BYTES ((size_t)64 << 20) /* the bf16 dequantisation buffer, at most */
+
+int64_t tdm_cuda_deq_rows(int64_t rows, int64_t k)
+{
+    const int64_t fit = (int64_t)(DEQ_BYTES / ((size_t)k * 2)) & ~(int64_t)15;
+    return TDM_MIN(rows, TDM_MAX(16, fit));
+}
+
+tdm_status tdm_cuda_deq_reserve(struct tdm_cuda *cu, int64_t rows, int64_t cols)
+{
+    const size_t deq = (size_t)tdm_cuda_deq_rows(rows, cols) * (size_t)cols * 2;
+    if (deq <= cu->deq_cap) return TDM_OK;
+    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+    tdm_cuda_drop_graphs(cu);
+    if (cu->deq) cudaFree(cu->deq);
+    cu->deq = NULL;
+    cu->deq_cap = 0;
+    if (cudaMalloc((void **)&cu->deq, deq) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return tdm_err_set(TDM_ENOMEM, "cuda backend: cannot allocate %zu bytes to dequantise",
+                           deq);
+    }
+    cu->deq_cap = deq;
+    return TDM_OK;
+}
+
+bool tdm_cuda_qpart(const struct tdm_weight *w, struct tdm_cu_qgemv_part *p, int *kind)
+{
+    struct tdm_cu_qlayout L;
+    if (w->rows < 2 || !tdm_cu_qlayout(w->dtype, w->rows, w->cols, &L)) return false;
+    const uint8_t *base = w->data;
+    *p = (struct tdm_cu_qgemv_part){.q = base + L.q_off,
+                                    .qh = L.qh_off ? base + L.qh_off : NULL,
+                                    .s = base + L.s_off,
+                                    .dd = L.dd_off ? base + L.dd_off : NULL,
+                                    .m = (int)w->rows};
+    *kind = L.kind;
+    return true;
+}
+
+/* A matrix kept in its blocks: packed on the host, uploaded once. */
+static tdm_status prepare_quantised(struct tdm_cuda *cu, const struct tdm_weight *host,
+                                    const struct tdm_cu_qlayout *L, struct tdm_weight *out)
+{
+    void *dev = NULL, *packed = calloc(1, L->bytes);
+    if (!packed) return tdm_err_set(TDM_ENOMEM, "cuda backend: out of host memory");
+    tdm_cu_qpack_rows(L, host->data, host->row_bytes, 0, host->rows, packed);
+    tdm_status st = TDM_OK;
+    if (cudaMalloc(&dev, L->bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        free(packed);
+        return tdm_err_set(TDM_ENOMEM, "cuda backend: cannot allocate %zu bytes for a weight",
+                           L->bytes);
+    }
+    if (cudaMemcpy(dev, packed, L->bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+        (void)cudaGetLastError();
+        st = tdm_err_set(TDM_EIO, "cuda backend: weight upload failed");
+        goto fail;
+    }
+    if ((st = tdm_cuda_deq_reserve(cu, host->rows, host->cols)) != TDM_OK) goto fail;
+    *out = (struct tdm_weight){.dtype = host->dtype,
+                               .rows = host->rows,
+                               .cols = host->cols,
+                               .row_bytes = host->row_bytes,
+                               .data = dev};
+    if ((st = tdm_cuda_own(cu, dev, out)) != TDM_OK) goto fail;
+    cu->weight_bytes += L->bytes;
+    cu->max_cols = TDM_MAX(cu->max_cols, host->cols);
+    free(packed);
+    return TDM_OK;
+fail:
+    cudaFree(dev);
+    free(packed);
+    return st;
 }
 
 tdm_status tdm_cuda_weight_prepare(tdm_backend_t *b, const struct tdm_weight *host,
@@ -120,7 +208,12 @@ tdm_status tdm_cuda_weight_prepare(tdm_backend_t *b, const struct tdm_weight *ho
         return tdm_err_set(TDM_EINVAL, "cuda backend: weight of %lld x %lld", (long long)host->rows,
                            (long long)host->cols);
     const bool vec = host->rows == 1;
+    struct tdm_cu_qlayout L;
     if (is_device_ptr(host->data)) {
+        if (!vec && tdm_cu_qlayout(host->dtype, host->rows, host->cols, &L)) { /* ours, again */
+            *out = *host;
+            return TDM_OK;
+        }
         if (host->dtype != (vec ? TDM_DTYPE_F32 : TDM_DTYPE_BF16))
             return tdm_err_set(TDM_EUNSUPPORTED, "cuda backend: a device weight must be %s, not %s",
                                vec ? "f32" : "bf16", tdm_dtype_name(host->dtype));
@@ -133,10 +226,11 @@ tdm_status tdm_cuda_weight_prepare(tdm_backend_t *b, const struct tdm_weight *ho
         return tdm_err_set(TDM_EINVAL,
                            "cuda backend: %s weight with %lld columns has row_bytes %zu",
                            tdm_dtype_name(host->dtype), (long long)host->cols, host->row_bytes);
+    if (kept_quantised(cu, host, &L)) return prepare_quantised(cu, host, &L, out);
     /* a vector is held as fp32 followed by a bf16 copy (used if it is ever a 1-row matrix) */
     const size_t esz = vec ? sizeof(float) : sizeof(uint16_t);
     const size_t row_out = (size_t)host->cols * esz;
-    const size_t bytes = prepared_bytes(host);
+    const size_t bytes = prepared_bytes(cu, host);
     void *dev = NULL;
     if (cudaMalloc(&dev, bytes) != cudaSuccess) {
         (void)cudaGetLastError();

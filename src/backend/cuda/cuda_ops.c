@@ -60,7 +60,10 @@ static void cu_embed_impl(tdm_backend_t *b, const struct tdm_weight *emb, const 
     struct tdm_cuda *cu = tdm_cu_of(b);
     shadow_clear(cu);
     if (n <= 0) return;
-    TDM_ASSERT(emb->dtype == TDM_DTYPE_BF16);
+    struct tdm_cu_qgemv_part qp;
+    int kind;
+    const bool quantised = tdm_cuda_qpart(emb, &qp, &kind);
+    TDM_ASSERT(quantised || emb->dtype == TDM_DTYPE_BF16);
     const int32_t *dt;
     if (cu->cur_st && tokens == cu->cur_st->tokens) {
         dt = cu->dstep.tokens;
@@ -71,7 +74,10 @@ static void cu_embed_impl(tdm_backend_t *b, const struct tdm_weight *emb, const 
         TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
         dt = cu->d_rows;
     }
-    tdm_cu_embed(cu->stream, emb->data, emb->cols, dt, n, out, NULL);
+    if (quantised)
+        tdm_cu_qembed(cu->stream, kind, &qp, (int)emb->cols, dt, n, out);
+    else
+        tdm_cu_embed(cu->stream, emb->data, emb->cols, dt, n, out, NULL);
     check_launch();
 }
 
@@ -81,7 +87,7 @@ static void cu_rmsnorm_impl(tdm_backend_t *b, const float *x, const float *w, fl
     struct tdm_cuda *cu = tdm_cu_of(b);
     shadow_clear(cu);
     uint16_t *sh = shadow_for(cu, out, (size_t)n * dim);
-    tdm_cu_rmsnorm(cu->stream, (float *)x, NULL, w, eps, n, dim, out, sh);
+    tdm_cu_rmsnorm(cu->stream, (float *)x, NULL, w, eps, n, dim, out, sh, cu->batch_invariant);
     check_launch();
 }
 
@@ -91,7 +97,7 @@ static void cu_add_rmsnorm_impl(tdm_backend_t *b, float *residual, const float *
     struct tdm_cuda *cu = tdm_cu_of(b);
     shadow_clear(cu);
     uint16_t *sh = shadow_for(cu, out, (size_t)n * dim);
-    tdm_cu_rmsnorm(cu->stream, residual, x, w, eps, n, dim, out, sh);
+    tdm_cu_rmsnorm(cu->stream, residual, x, w, eps, n, dim, out, sh, cu->batch_invariant);
     check_launch();
 }
 
@@ -103,13 +109,44 @@ static const uint16_t *bf16_matrix(const struct tdm_weight *w)
     return (const uint16_t *)((const float *)w->data + w->cols);
 }
 
+/* A matrix kept in its blocks times n > TDM_CU_QGEMV_MAX_N rows: chunks of its rows
+ * dequantised to bf16, each multiplied by cuBLASLt into its columns of out. */
+static void qmatmul_gemm(struct tdm_cuda *cu, const struct tdm_weight *w,
+                         const struct tdm_cu_qgemv_part *qp, int kind, const uint16_t *xb, int n,
+                         const float *bias, float *out)
+{
+    const int m = (int)w->rows, k = (int)w->cols;
+    const int chunk = (int)tdm_cuda_deq_rows(w->rows, w->cols);
+    TDM_ASSERT((size_t)chunk * (size_t)k * 2 <= cu->deq_cap);
+    for (int r0 = 0; r0 < m; r0 += chunk) {
+        const int nr = TDM_MIN(chunk, m - r0);
+        tdm_cu_qdequant(cu->stream, kind, qp, k, r0, nr, cu->deq);
+        tdm_cu_gemm_ld(cu, cu->deq, nr, k, xb, n, out + r0, m);
+    }
+    if (bias) tdm_cu_add_bias(cu->stream, out, bias, n, m);
+    check_launch();
+}
+
 static void matmul_into(struct tdm_cuda *cu, const struct tdm_weight *w, const uint16_t *xb, int n,
                         const float *bias, float *out)
 {
     if (out == cu->sh_ptr) shadow_clear(cu);
+    struct tdm_cu_qgemv_part qp;
+    int kind;
+    if (tdm_cuda_qpart(w, &qp, &kind)) {
+        qp.bias = bias;
+        qp.out = out;
+        if ((n <= TDM_CU_QGEMV_MAX_N || cu->batch_invariant) &&
+            tdm_cu_qgemv(cu->stream, kind, &qp, 1, (int)w->cols, xb, n, false, NULL)) {
+            check_launch();
+            return;
+        }
+        qmatmul_gemm(cu, w, &qp, kind, xb, n, bias, out);
+        return;
+    }
     const struct tdm_cu_gemv_part p = {bf16_matrix(w), bias, out, (int)w->rows};
-    if (n <= TDM_CU_GEMV_MAX_N &&
-        tdm_cu_gemv(cu->stream, &p, 1, (int)w->cols, xb, n, false, NULL)) {
+    if ((n <= TDM_CU_GEMV_MAX_N || cu->batch_invariant) &&
+        tdm_cu_gemv(cu->stream, &p, 1, (int)w->cols, xb, n, false, NULL, cu->batch_invariant)) {
         check_launch();
         return;
     }
@@ -133,14 +170,40 @@ static void cu_matmul_multi_impl(tdm_backend_t *b, const float *x, int n,
     struct tdm_cuda *cu = tdm_cu_of(b);
     if (n <= 0 || n_parts <= 0) return;
     const uint16_t *xb = bf16_input(cu, x, n, parts[0].w->cols);
-    if (n <= TDM_CU_GEMV_MAX_N && n_parts <= 4) { /* one launch for all parts */
+    struct tdm_cu_qgemv_part qp[4];
+    int kinds[4] = {0}, n_q = 0; /* parts in blocks */
+    bool one_kind = n_parts <= 4;
+    for (int i = 0; i < n_parts; i++) {
+        struct tdm_cu_qgemv_part p;
+        int kind;
+        if (!tdm_cuda_qpart(parts[i].w, &p, &kind)) continue;
+        n_q++;
+        if (i >= 4) continue;
+        p.bias = parts[i].bias;
+        p.out = parts[i].out;
+        qp[i] = p;
+        kinds[i] = kind;
+        one_kind &= kind == kinds[0];
+    }
+    if (n_q == n_parts && one_kind && (n <= TDM_CU_QGEMV_MAX_N || cu->batch_invariant)) {
+        for (int i = 0; i < n_parts; i++)
+            if (parts[i].out == cu->sh_ptr) shadow_clear(cu);
+        if (tdm_cu_qgemv(cu->stream, kinds[0], qp, n_parts, (int)parts[0].w->cols, xb, n, false,
+                         NULL)) {
+            check_launch();
+            return;
+        }
+    }
+    if ((n <= TDM_CU_GEMV_MAX_N || cu->batch_invariant) && n_parts <= 4 && n_q == 0) {
+        /* one launch for all parts */
         struct tdm_cu_gemv_part gp[4];
         for (int i = 0; i < n_parts; i++) {
             if (parts[i].out == cu->sh_ptr) shadow_clear(cu);
             gp[i] = (struct tdm_cu_gemv_part){bf16_matrix(parts[i].w), parts[i].bias, parts[i].out,
                                               (int)parts[i].w->rows};
         }
-        if (tdm_cu_gemv(cu->stream, gp, n_parts, (int)parts[0].w->cols, xb, n, false, NULL)) {
+        if (tdm_cu_gemv(cu->stream, gp, n_parts, (int)parts[0].w->cols, xb, n, false, NULL,
+                        cu->batch_invariant)) {
             check_launch();
             return;
         }
@@ -156,12 +219,27 @@ static void cu_matmul_swiglu_impl(tdm_backend_t *b, const struct tdm_weight *w_g
     if (n <= 0) return;
     const size_t elems = (size_t)n * (size_t)w_gate->rows;
     const uint16_t *xb = bf16_input(cu, x, n, w_gate->cols);
-    if (n <= TDM_CU_GEMV_MAX_N) { /* gate, up and silu * mul in one launch */
+    struct tdm_cu_qgemv_part qp[2];
+    int kg, ku;
+    const bool qg = tdm_cuda_qpart(w_gate, &qp[0], &kg), qu = tdm_cuda_qpart(w_up, &qp[1], &ku);
+    if (qg && qu && kg == ku && (n <= TDM_CU_QGEMV_MAX_N || cu->batch_invariant)) {
+        if (out == cu->sh_ptr) shadow_clear(cu);
+        qp[0].out = out;
+        uint16_t *sh = shadow_for(cu, out, elems);
+        if (tdm_cu_qgemv(cu->stream, kg, qp, 2, (int)w_gate->cols, xb, n, true, sh)) {
+            check_launch();
+            return;
+        }
+        shadow_clear(cu);
+    }
+    if ((n <= TDM_CU_GEMV_MAX_N || cu->batch_invariant) && !qg && !qu) {
+        /* gate, up and silu * mul in one launch */
         if (out == cu->sh_ptr) shadow_clear(cu);
         const struct tdm_cu_gemv_part gp[2] = {{bf16_matrix(w_gate), NULL, out, (int)w_gate->rows},
                                                {bf16_matrix(w_up), NULL, NULL, (int)w_up->rows}};
         uint16_t *sh = shadow_for(cu, out, elems);
-        if (tdm_cu_gemv(cu->stream, gp, 2, (int)w_gate->cols, xb, n, true, sh)) {
+        if (tdm_cu_gemv(cu->stream, gp, 2, (int)w_gate->cols, xb, n, true, sh,
+                        cu->batch_invariant)) {
             check_launch();
             return;
         }
@@ -180,7 +258,7 @@ static void cu_head_rmsnorm_impl(tdm_backend_t *b, float *x, const float *w, flo
 {
     struct tdm_cuda *cu = tdm_cu_of(b);
     shadow_clear(cu);
-    tdm_cu_rmsnorm(cu->stream, x, NULL, w, eps, n_rows, head_dim, x, NULL);
+    tdm_cu_rmsnorm(cu->stream, x, NULL, w, eps, n_rows, head_dim, x, NULL, cu->batch_invariant);
     check_launch();
 }
 
@@ -245,10 +323,20 @@ static void cu_attention_impl(tdm_backend_t *b, const float *q, int n_heads,
     }
     const int gs = n_heads / kv->n_kv_heads, hd = kv->head_dim;
     const struct tdm_cu_step *ds = tdm_cuda_dev_step(cu, st, gs, hd);
-    /* split-KV when the (tile, KV head) blocks would not fill the GPU twice over */
+    /* split-KV when the (tile, KV head) blocks would not fill the GPU twice over; a
+     * batch-invariant instance always cuts a token's KV into BI_SPLITS parts (reserve sized the
+     * states for its largest step), so the split depends on the token alone */
     const int blocks = ds->n_tiles * kv->n_kv_heads;
     int splits = 1;
-    if (blocks < 2 * cu->n_sms) {
+    if (cu->batch_invariant) {
+        splits = BI_SPLITS;
+        const size_t per = (size_t)ds->n_tokens * n_heads * (hd + 2);
+        if ((size_t)splits * per > cu->part_cap / sizeof(float)) {
+            TDM_ASSERT(!cu->capturing);
+            tdm_cuda_grow(cu, (void **)&cu->part, &cu->part_cap,
+                          (size_t)splits * per * sizeof(float));
+        }
+    } else if (blocks < 2 * cu->n_sms) {
         splits = TDM_MIN(MAX_SPLITS, (2 * cu->n_sms + blocks - 1) / blocks);
         if (!cu->dstep_graph) splits = TDM_MIN(splits, (cu->dstep_max_kv + 31) / 32);
         const size_t per = (size_t)ds->n_tokens * n_heads * (hd + 2);

@@ -80,9 +80,12 @@ static void meta_reserve(struct tdm_cuda *cu, int t, int s, int p, int r)
     cu->meta_cap = off[M_N];
 }
 
-/* Tokens per attention tile for a GQA group of gs heads (0: unknown, one token per tile). */
-static int tile_tokens_for(int gs, int hd)
+/* Tokens per attention tile for a GQA group of gs heads (0: unknown, one token per tile). A
+ * batch-invariant instance gives every token a tile of its own: its row then goes through the
+ * same kernel, with the same split of its KV, whatever else the step holds. */
+static int tile_tokens_for(const struct tdm_cuda *cu, int gs, int hd)
 {
+    if (cu->batch_invariant) return 1;
     return gs > 0 ? TDM_MAX(1, tdm_cu_attention_rows_cap(hd) / gs) : 1;
 }
 
@@ -182,14 +185,14 @@ const struct tdm_cu_step *tdm_cuda_dev_step(struct tdm_cuda *cu, const struct td
                                             int hd)
 {
     if (st == cu->cur_st) {
-        if (gs <= 0 || cu->dstep_graph || cu->dstep_tiling == tile_tokens_for(gs, hd))
+        if (gs <= 0 || cu->dstep_graph || cu->dstep_tiling == tile_tokens_for(cu, gs, hd))
             return &cu->dstep;
-        upload_step(cu, st, cu->cur_rows, cu->cur_n_rows, 0, false, tile_tokens_for(gs, hd));
+        upload_step(cu, st, cu->cur_rows, cu->cur_n_rows, 0, false, tile_tokens_for(cu, gs, hd));
         return &cu->dstep;
     }
     cu->cur_st = NULL;
     cu->cur_rows = NULL;
-    upload_step(cu, st, NULL, 0, 0, false, tile_tokens_for(gs, hd));
+    upload_step(cu, st, NULL, 0, 0, false, tile_tokens_for(cu, gs, hd));
     return &cu->dstep;
 }
 
@@ -201,6 +204,12 @@ void tdm_cuda_drop_graphs(struct tdm_cuda *cu)
         cudaGraphExecDestroy(cu->graphs[i].exec);
     cu->n_graphs = 0;
 }
+
+#define GRAPH_SPAN 17 /* tokens of one sequence a graph step may hold: 1 + 16 drafts */
+/* the most tokens of a graph step with spans of several tokens: past it, one-token attention
+ * tiles cost more than the launches a graph saves (H200, 8B shape, 64 sequences verifying 5
+ * tokens each: 46 ms a step as a graph, 28 ms op by op; bench/RESULTS.md, 2026-12-05) */
+#define GRAPH_SPAN_TOKENS 64
 
 static int bucket_for(int t)
 {
@@ -218,9 +227,15 @@ tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int3
     struct tdm_cuda *cu = tdm_cu_of(b);
     tdm_cuda_bind(cu);
     *replayed = false;
-    /* a step with a token tree runs op by op (a graph records one step's shape, not masks) */
-    bool decode =
-        cu->graphs_enabled && cu->reserved && st->n_tokens == st->n_seqs && !st->tree_mask;
+    /* decode steps, and verification steps (chains of up to GRAPH_SPAN tokens a sequence), run
+     * as graphs: a graph step gives every token an attention tile of its own, so what it records
+     * depends on the padded token count alone. A step with a token tree runs op by op (a graph
+     * records one step's shape, not masks), and so do prefill-sized spans, whose attention takes
+     * the tensor cores in tiles of many tokens. */
+    bool decode = cu->graphs_enabled && cu->reserved && !st->tree_mask;
+    for (int s = 0; decode && s < st->n_seqs && st->n_tokens > st->n_seqs; s++)
+        decode = st->seq_token_start[s + 1] - st->seq_token_start[s] <= GRAPH_SPAN &&
+                 st->n_tokens <= GRAPH_SPAN_TOKENS;
     int bucket = 0;
     if (decode) {
         bucket = bucket_for(st->n_tokens);
@@ -231,7 +246,7 @@ tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int3
     cu->cur_rows = rows;
     cu->cur_n_rows = n_rows;
     if (!decode) {
-        upload_step(cu, st, rows, n_rows, 0, false, tile_tokens_for(cu->gs_hint, cu->hd_hint));
+        upload_step(cu, st, rows, n_rows, 0, false, tile_tokens_for(cu, cu->gs_hint, cu->hd_hint));
         return TDM_OK;
     }
     upload_step(cu, st, rows, n_rows, bucket, true, 1);
@@ -319,7 +334,8 @@ tdm_status tdm_cuda_reserve(tdm_backend_t *b, const struct tdm_backend_limits *l
     tdm_cuda_grow(cu, (void **)&cu->shb[1], &cu->shb_cap[1], T * wide * sizeof(uint16_t));
     tdm_cuda_grow(cu, (void **)&cu->up, &cu->up_cap, T * (size_t)lim->d_ff * sizeof(float));
     const size_t per_tok = (size_t)lim->n_heads * (lim->head_dim + 2);
-    const size_t part = TDM_MIN(PART_FLOATS, per_tok * (T * MAX_SPLITS));
+    size_t part = TDM_MIN(PART_FLOATS, per_tok * (T * MAX_SPLITS));
+    if (cu->batch_invariant) part = TDM_MAX(part, per_tok * T * BI_SPLITS);
     tdm_cuda_grow(cu, (void **)&cu->part, &cu->part_cap, TDM_MAX(part, per_tok) * sizeof(float));
     tdm_cuda_grow(cu, (void **)&cu->d_rows, &cu->rows_cap,
                   (size_t)TDM_MAX(lim->max_rows, lim->max_tokens) * sizeof(int32_t));
@@ -333,7 +349,7 @@ tdm_status tdm_cuda_reserve(tdm_backend_t *b, const struct tdm_backend_limits *l
     cu->hd_hint = lim->head_dim;
     cu->workspace_bytes = cu->xb_cap + cu->shb_cap[0] + cu->shb_cap[1] + cu->up_cap + cu->part_cap +
                           cu->rows_cap + cu->meta_cap * 4 + cu->lt_ws_bytes + cu->samp_cap +
-                          cu->sout_cap + cu->sscratch_cap;
+                          cu->sout_cap + cu->sscratch_cap + cu->deq_cap;
 
     size_t free_b = 0, total_b = 0;
     TDM_CU_CHECK(cudaMemGetInfo(&free_b, &total_b));

@@ -12,6 +12,7 @@
  * order, then the 32 lanes fold by xor-shuffle. Nothing depends on n or on the other rows.
  */
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
@@ -37,12 +38,6 @@ __device__ __forceinline__ void dot8(const uint4 &w, const uint4 &x, float &acc)
         acc = fmaf(__uint_as_float(wv[i] << 16), __uint_as_float(xv[i] << 16), acc);
         acc = fmaf(__uint_as_float(wv[i] & 0xffff0000u), __uint_as_float(xv[i] & 0xffff0000u), acc);
     }
-}
-
-__device__ __forceinline__ uint16_t to_bf16(float f)
-{
-    __nv_bfloat16 b = __float2bfloat16_rn(f);
-    return *reinterpret_cast<uint16_t *>(&b);
 }
 
 constexpr int UNROLL = 8;
@@ -119,7 +114,7 @@ template <int N, bool SWIGLU> __global__ void __launch_bounds__(256) gemv_kernel
             y = acc[j] + (a.p[part].bias ? a.p[part].bias[r] : 0.0f);
         }
         out[(size_t)j * m + r] = y;
-        if (SWIGLU && a.out_bf16) a.out_bf16[(size_t)j * m + r] = to_bf16(y);
+        if (SWIGLU && a.out_bf16) a.out_bf16[(size_t)j * m + r] = tdm_to_bf16(y);
     }
 }
 
@@ -131,19 +126,11 @@ template <int N, bool SWIGLU> __global__ void __launch_bounds__(256) gemv_kernel
  * the fragments' k slots are mapped onto those contiguous runs (the same map for weights and
  * tokens), so no shuffling or shared memory is needed. Tokens past n read as zeros and are not
  * written. */
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 template <int NT, bool SWIGLU>
 __global__ void __launch_bounds__(256) gemv_mma_kernel(gemv_args a, int n)
 {
     tdm_pdl_wait();
+    const int tok0 = blockIdx.y * 8 * NT;         /* the block's tile of tokens */
     constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1); /* accumulator values per lane */
     __shared__ float red[8][NV][32];
     const int row0 = blockIdx.x * 16; /* the block's 16 rows; its 8 warps split k */
@@ -158,7 +145,7 @@ __global__ void __launch_bounds__(256) gemv_mma_kernel(gemv_args a, int n)
     const uint16_t *xr[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
-        xr[nt] = nt * 8 + rr < n ? a.x + (size_t)(nt * 8 + rr) * k + q * 8 : nullptr;
+        xr[nt] = tok0 + nt * 8 + rr < n ? a.x + (size_t)(tok0 + nt * 8 + rr) * k + q * 8 : nullptr;
     float c[NT][4], cu[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -178,11 +165,11 @@ __global__ void __launch_bounds__(256) gemv_mma_kernel(gemv_args a, int n)
         for (int nt = 0; nt < NT; nt++) {
             const uint4 X = xr[nt] ? __ldg(reinterpret_cast<const uint4 *>(xr[nt] + kk))
                                    : make_uint4(0, 0, 0, 0);
-            mma16816(c[nt], A0.x, A1.x, A0.y, A1.y, X.x, X.y);
-            mma16816(c[nt], A0.z, A1.z, A0.w, A1.w, X.z, X.w);
+            tdm_mma16816(c[nt], A0.x, A1.x, A0.y, A1.y, X.x, X.y);
+            tdm_mma16816(c[nt], A0.z, A1.z, A0.w, A1.w, X.z, X.w);
             if (SWIGLU) {
-                mma16816(cu[nt], U0.x, U1.x, U0.y, U1.y, X.x, X.y);
-                mma16816(cu[nt], U0.z, U1.z, U0.w, U1.w, X.z, X.w);
+                tdm_mma16816(cu[nt], U0.x, U1.x, U0.y, U1.y, X.x, X.y);
+                tdm_mma16816(cu[nt], U0.z, U1.z, U0.w, U1.w, X.z, X.w);
             }
         }
     }
@@ -214,7 +201,7 @@ __global__ void __launch_bounds__(256) gemv_mma_kernel(gemv_args a, int n)
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const int tok = nt * 8 + q * 2 + (e & 1), row = r + rr + (e >> 1) * 8;
+            const int tok = tok0 + nt * 8 + q * 2 + (e & 1), row = r + rr + (e >> 1) * 8;
             if (tok >= n) continue;
             float y;
             if (SWIGLU) {
@@ -224,7 +211,7 @@ __global__ void __launch_bounds__(256) gemv_mma_kernel(gemv_args a, int n)
                 y = c[nt][e] + (bias ? bias[row] : 0.0f);
             }
             out[(size_t)tok * m + row] = y;
-            if (SWIGLU && a.out_bf16) a.out_bf16[(size_t)tok * m + row] = to_bf16(y);
+            if (SWIGLU && a.out_bf16) a.out_bf16[(size_t)tok * m + row] = tdm_to_bf16(y);
         }
 }
 
@@ -255,11 +242,22 @@ bool getenv_flag(const char *name)
 
 } // namespace
 
-extern "C" bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts, int n_parts,
-                            int k, const uint16_t *x, int n, bool swiglu, uint16_t *out_bf16)
+template <int NT>
+void launch_mma(cudaStream_t s, const gemv_args &a, int n, bool swiglu, unsigned blocks)
 {
-    if (n < 1 || n > TDM_CU_GEMV_MAX_N || n_parts < 1 || n_parts > 4 || k % 8 || k <= 0 ||
-        (uintptr_t)x % 16)
+    const dim3 grid(blocks, (unsigned)((n + 8 * NT - 1) / (8 * NT)));
+    if (swiglu)
+        tdm_pdl_launch(gemv_mma_kernel<NT, true>, grid, 256, 0, s, a, n);
+    else
+        tdm_pdl_launch(gemv_mma_kernel<NT, false>, grid, 256, 0, s, a, n);
+}
+
+extern "C" bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts, int n_parts,
+                            int k, const uint16_t *x, int n, bool swiglu, uint16_t *out_bf16,
+                            bool invariant)
+{
+    if (n < 1 || (n > TDM_CU_GEMV_MAX_N && !invariant) || n_parts < 1 || n_parts > 4 || k % 8 ||
+        k <= 0 || (uintptr_t)x % 16)
         return false;
     if (swiglu && (n_parts != 2 || parts[0].m != parts[1].m)) return false;
     gemv_args a = {};
@@ -278,22 +276,36 @@ extern "C" bool tdm_cu_gemv(cudaStream_t s, const struct tdm_cu_gemv_part *parts
     /* measured on an H200 (bench/RESULTS.md, 2026-11-30): the CUDA-core kernel is faster for
      * one or two tokens (8B shape, batch 1: 5.6 vs 6.1 ms a step), the tensor-core one from three
      * (batch 8: 7.4 vs 11.9 ms); past 8 tokens cuBLASLt wins (batch 16: 8.7 vs 9.7 ms). */
-    bool mma = k % 32 == 0 && n >= 3 && n <= 8;
+    bool mma_shape = k % 32 == 0;
     for (int i = 0; i < n_parts; i++)
-        mma &= parts[i].m % 16 == 0;
+        mma_shape &= parts[i].m % 16 == 0;
+    /* batch-invariant: the kernel is chosen by the shape alone, and both kernels give a token's
+     * row independently of the tokens beside it (the tensor-core one in tiles of up to 32
+     * tokens, the CUDA-core one 8 at a time) */
+    const bool mma = mma_shape && (invariant || (n >= 3 && n <= 8));
     if (mma && !getenv_flag("TANDEM_CUDA_GEMV_SIMT")) {
         const unsigned blocks = (unsigned)(a.row_start[a.n_parts] / 16);
-        if (swiglu)
-            tdm_pdl_launch(gemv_mma_kernel<1, true>, blocks, 256, 0, s, a, n);
+        if (n <= 8)
+            launch_mma<1>(s, a, n, swiglu, blocks);
+        else if (n <= 16)
+            launch_mma<2>(s, a, n, swiglu, blocks);
         else
-            tdm_pdl_launch(gemv_mma_kernel<1, false>, blocks, 256, 0, s, a, n);
+            launch_mma<4>(s, a, n, swiglu, blocks);
         return true;
     }
-    if (n > 8) return false;
+    if (n > 8 && !invariant) return false;
     const unsigned blocks = (unsigned)((a.row_start[a.n_parts] + 7) / 8);
-    if (swiglu)
-        launch<true>(s, a, n, blocks);
-    else
-        launch<false>(s, a, n, blocks);
+    for (int j0 = 0; j0 < n; j0 += 8) { /* 8 tokens a launch */
+        gemv_args g = a;
+        g.x = x + (size_t)j0 * k;
+        const int nj = n - j0 < 8 ? n - j0 : 8;
+        for (int i = 0; i < g.n_parts + (swiglu ? 1 : 0); i++)
+            if (g.p[i].out) g.p[i].out += (size_t)j0 * g.p[i].m;
+        if (g.out_bf16) g.out_bf16 += (size_t)j0 * parts[0].m;
+        if (swiglu)
+            launch<true>(s, g, nj, blocks);
+        else
+            launch<false>(s, g, nj, blocks);
+    }
     return true;
 }

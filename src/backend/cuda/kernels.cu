@@ -20,6 +20,7 @@
 #include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 namespace
 {
@@ -256,6 +257,22 @@ __global__ void fill_bf16_kernel(uint16_t *out, size_t n, uint64_t seed, float l
         out[i] = f32_to_bf16(lo + (hi - lo) * hash_uniform(seed, i));
 }
 
+__global__ void fill_f16_kernel(uint16_t *out, size_t n, uint64_t seed, float lo, float hi)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        __half h = __float2half_rn(lo + (hi - lo) * hash_uniform(seed, i));
+        out[i] = *reinterpret_cast<uint16_t *>(&h);
+    }
+}
+
+__global__ void fill_bytes_kernel(uint8_t *out, size_t n, uint64_t seed)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        out[i] = (uint8_t)(hash_uniform(seed, i) * 256.0f);
+}
+
 __global__ void fill_f32_kernel(float *out, size_t n, uint64_t seed, float lo, float hi)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
@@ -275,14 +292,15 @@ void tdm_cu_embed(cudaStream_t s, const uint16_t *emb, int64_t cols, const int32
 }
 
 void tdm_cu_rmsnorm(cudaStream_t s, float *res, const float *add, const float *w, float eps, int n,
-                    int dim, float *out, uint16_t *out_bf16)
+                    int dim, float *out, uint16_t *out_bf16, bool invariant)
 {
     if (n <= 0 || dim <= 0) return;
     /* a decode step has a few long rows: a wide block per row shortens each thread's serial
-     * loop (the kernel is latency-bound there); many rows get narrower blocks */
+     * loop (the kernel is latency-bound there); many rows get narrower blocks. The block width
+     * sets the order of a row's sum, so batch-invariant runs take it from dim alone. */
     if (dim <= 512)
         tdm_pdl_launch(rmsnorm_kernel<32>, n, 32, 0, s, res, add, w, eps, dim, out, out_bf16);
-    else if (n <= 64 && dim >= 2048)
+    else if ((n <= 64 || invariant) && dim >= 2048)
         tdm_pdl_launch(rmsnorm_kernel<1024>, n, 1024, 0, s, res, add, w, eps, dim, out, out_bf16);
     else
         tdm_pdl_launch(rmsnorm_kernel<256>, n, 256, 0, s, res, add, w, eps, dim, out, out_bf16);
@@ -359,6 +377,17 @@ void tdm_cu_fill_uniform_bf16(cudaStream_t s, uint16_t *out, size_t n, uint64_t 
                               float hi)
 {
     if (n) fill_bf16_kernel<<<grid_for(n, 256), 256, 0, s>>>(out, n, seed, lo, hi);
+}
+
+void tdm_cu_fill_uniform_f16(cudaStream_t s, uint16_t *out, size_t n, uint64_t seed, float lo,
+                             float hi)
+{
+    if (n) fill_f16_kernel<<<grid_for(n, 256), 256, 0, s>>>(out, n, seed, lo, hi);
+}
+
+void tdm_cu_fill_bytes(cudaStream_t s, void *out, size_t n, uint64_t seed)
+{
+    if (n) fill_bytes_kernel<<<grid_for(n, 256), 256, 0, s>>>((uint8_t *)out, n, seed);
 }
 
 void tdm_cu_fill_uniform_f32(cudaStream_t s, float *out, size_t n, uint64_t seed, float lo,
