@@ -225,6 +225,39 @@ struct mm_shape {
     bool bias;
 };
 
+/* matmul of weight tw by x [sh->n][cols] (+ bias) on backend e against the reference; with
+ * alone_every > 0, also every alone_every-th token's row alone, which must be the same bits as
+ * its row in the batch (the backend's kernel then does not depend on the batch). */
+static void matmul_check(const struct be *e, const struct tdm_test_weight *tw,
+                         const struct mm_shape *sh, const float *x, const float *bias,
+                         int alone_every, const char *what)
+{
+    const size_t n_out = (size_t)sh->n * sh->rows;
+    struct tdm_weight w = prepared(e, tw);
+    float *dx = put(e, x, (size_t)sh->n * sh->cols);
+    float *db = bias ? put(e, bias, (size_t)sh->rows) : NULL;
+    float *dout = poisoned(e, n_out);
+    e->b->iface->matmul(e->b, &w, dx, sh->n, db, dout);
+    float *out = get(e, dout, n_out);
+    check_matmul(e, tw, x, sh->n, bias, out, what);
+    for (int i = 0; alone_every > 0 && i < sh->n; i += alone_every) {
+        float *d1 = poisoned(e, (size_t)sh->rows);
+        e->b->iface->matmul(e->b, &w, dx + (size_t)i * sh->cols, 1, db, d1);
+        float *o1 = get(e, d1, (size_t)sh->rows);
+        if (memcmp(o1, out + (size_t)i * sh->rows, (size_t)sh->rows * 4)) {
+            print_error("%s: %s %s %lldx%lld: token %d of %d differs from itself alone\n", e->name,
+                        what, tdm_dtype_name(tw->w.dtype), (long long)sh->rows, (long long)sh->cols,
+                        i, sh->n);
+            fail();
+        }
+        free(o1);
+        drop(e, d1);
+    }
+    free(out);
+    drop(e, dout), drop(e, dx);
+    if (db) drop(e, db);
+}
+
 static void test_matmul(void **state)
 {
     (void)state;
@@ -249,34 +282,11 @@ static void test_matmul(void **state)
             tdm_test_weight_make(&rng_state, DTYPES[d], sh.rows, sh.cols, &tw);
             float *x = rand_vec((size_t)sh.n * sh.cols, -1, 1);
             float *bias = sh.bias ? rand_vec((size_t)sh.rows, -1, 1) : NULL;
-            const size_t n_out = (size_t)sh.n * sh.rows;
             for (int k = 0; k < n_bes; k++) {
                 const struct be *e = &bes[k];
                 if (s >= n_main && !e->tails) continue;
-                struct tdm_weight w = prepared(e, &tw);
-                float *dx = put(e, x, (size_t)sh.n * sh.cols);
-                float *db = bias ? put(e, bias, (size_t)sh.rows) : NULL;
-                float *dout = poisoned(e, n_out);
-                e->b->iface->matmul(e->b, &w, dx, sh.n, db, dout);
-                float *out = get(e, dout, n_out);
-                check_matmul(e, &tw, x, sh.n, bias, out, "matmul");
-                for (int i = 0; e->invariant && sh.n > 1 && i < sh.n; i += 1 + sh.n / 3) {
-                    float *d1 = poisoned(e, (size_t)sh.rows);
-                    e->b->iface->matmul(e->b, &w, dx + (size_t)i * sh.cols, 1, db, d1);
-                    float *o1 = get(e, d1, (size_t)sh.rows);
-                    if (memcmp(o1, out + (size_t)i * sh.rows, (size_t)sh.rows * 4)) {
-                        print_error("%s: matmul %s %lldx%lld: token %d of %d differs from "
-                                    "itself alone\n",
-                                    e->name, tdm_dtype_name(DTYPES[d]), (long long)sh.rows,
-                                    (long long)sh.cols, i, sh.n);
-                        fail();
-                    }
-                    free(o1);
-                    drop(e, d1);
-                }
-                free(out);
-                drop(e, dout), drop(e, dx);
-                if (db) drop(e, db);
+                matmul_check(e, &tw, &sh, x, bias, e->invariant && sh.n > 1 ? 1 + sh.n / 3 : 0,
+                             "matmul");
             }
             free(bias);
             free(x);
@@ -404,35 +414,12 @@ static void test_matmul_blocks(void **state)
             tdm_test_weight_make(&rng_state, dts[d], sh.rows, sh.cols, &tw);
             float *x = rand_vec((size_t)sh.n * sh.cols, -1, 1);
             float *bias = sh.bias ? rand_vec((size_t)sh.rows, -1, 1) : NULL;
-            const size_t n_out = (size_t)sh.n * sh.rows;
             for (int k = 0; k < n_bes; k++) {
                 const struct be *e = &bes[k];
                 if (!e->cuda && !cpu_runs(dts[d])) continue;
-                struct tdm_weight w = prepared(e, &tw);
-                float *dx = put(e, x, (size_t)sh.n * sh.cols);
-                float *db = bias ? put(e, bias, (size_t)sh.rows) : NULL;
-                float *dout = poisoned(e, n_out);
-                e->b->iface->matmul(e->b, &w, dx, sh.n, db, dout);
-                float *out = get(e, dout, n_out);
-                check_matmul(e, &tw, x, sh.n, bias, out, "matmul in blocks");
-                if (e->blocks && (sh.n <= 64 || e->invariant))
-                    for (int i = 0; i < sh.n; i += TDM_MAX(1, sh.n / 4)) { /* alone */
-                        float *d1 = poisoned(e, (size_t)sh.rows);
-                        e->b->iface->matmul(e->b, &w, dx + (size_t)i * sh.cols, 1, db, d1);
-                        float *o1 = get(e, d1, (size_t)sh.rows);
-                        if (memcmp(o1, out + (size_t)i * sh.rows, (size_t)sh.rows * 4)) {
-                            print_error("%s: %s %lldx%lld: token %d of %d differs from itself "
-                                        "alone\n",
-                                        e->name, tdm_dtype_name(dts[d]), (long long)sh.rows,
-                                        (long long)sh.cols, i, sh.n);
-                            fail();
-                        }
-                        free(o1);
-                        drop(e, d1);
-                    }
-                free(out);
-                drop(e, dout), drop(e, dx);
-                if (db) drop(e, db);
+                const bool alone = e->blocks && (sh.n <= 64 || e->invariant);
+                matmul_check(e, &tw, &sh, x, bias, alone ? TDM_MAX(1, sh.n / 4) : 0,
+                             "matmul in blocks");
             }
             free(bias);
             free(x);

@@ -282,6 +282,18 @@ static void test_qwen3_f32(void **state)
  * once) and at decode (alone against the whole batch, a graph's bucket); and a chain of K
  * tokens verified in one step gives each token the bits of its own one-token step, which is
  * what makes exact speculation lossless on the GPU. Matrices bf16 and in Q8_0 blocks. */
+/* Step `step` of a sequence of bi_case's: its prompt (step 0), then one token a step. */
+static struct tdm_batch_seq bi_span(const int32_t *toks, int len, int step,
+                                    const struct tdm_kv_seq *kv)
+{
+    return (struct tdm_batch_seq){.tokens = step ? &toks[len + step - 1] : toks,
+                                  .n_tokens = step ? 1 : len,
+                                  .pos0 = step ? len + step - 1 : 0,
+                                  .pages = kv->pages,
+                                  .n_pages = kv->n_pages,
+                                  .n_logits = 1};
+}
+
 static void bi_case(enum tdm_dtype dt)
 {
     struct tdm_model m;
@@ -309,12 +321,7 @@ static void bi_case(enum tdm_dtype dt)
     /* alone: each prompt, then K decode steps, one sequence a call */
     for (int s = 0; s < S; s++)
         for (int step = 0; step <= K; step++) {
-            struct tdm_batch_seq bs = {.tokens = step ? &toks[s][len[s] + step - 1] : toks[s],
-                                       .n_tokens = step ? 1 : len[s],
-                                       .pos0 = step ? len[s] + step - 1 : 0,
-                                       .pages = alone.kv[s].pages,
-                                       .n_pages = alone.kv[s].n_pages,
-                                       .n_logits = 1};
+            struct tdm_batch_seq bs = bi_span(toks[s], len[s], step, &alone.kv[s]);
             struct tdm_batch b = {&bs, 1};
             assert_int_equal(
                 tdm_engine_forward(alone.e, &b, la + ((size_t)s * (K + 1) + step) * VOCAB, NULL),
@@ -324,12 +331,7 @@ static void bi_case(enum tdm_dtype dt)
     for (int step = 0; step <= K; step++) {
         struct tdm_batch_seq bs[S];
         for (int s = 0; s < S; s++)
-            bs[s] = (struct tdm_batch_seq){.tokens = step ? &toks[s][len[s] + step - 1] : toks[s],
-                                           .n_tokens = step ? 1 : len[s],
-                                           .pos0 = step ? len[s] + step - 1 : 0,
-                                           .pages = together.kv[s].pages,
-                                           .n_pages = together.kv[s].n_pages,
-                                           .n_logits = 1};
+            bs[s] = bi_span(toks[s], len[s], step, &together.kv[s]);
         struct tdm_batch b = {bs, S};
         assert_int_equal(tdm_engine_forward(together.e, &b, lt, NULL), TDM_OK);
         for (int s = 0; s < S; s++)

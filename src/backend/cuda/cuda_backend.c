@@ -291,29 +291,9 @@ static tdm_status random_blocks(struct tdm_cuda *cu, const struct tdm_cu_qlayout
     }
     TDM_CU_CHECK(cudaGetLastError());
     TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
-    *out = (struct tdm_weight){.dtype = dtype,
-                               .rows = L->rows,
-                               .cols = L->cols,
-                               .row_bytes = tdm_dtype_row_bytes(dtype, L->cols),
-                               .data = dev};
-    tdm_status st = tdm_cuda_own(cu, dev, out);
-    if (st != TDM_OK) {
-        cudaFree(dev);
-        return st;
-    }
-    cu->weight_bytes += L->bytes;
-    cu->max_cols = TDM_MAX(cu->max_cols, L->cols);
-    return tdm_cuda_deq_reserve(cu, L->rows, L->cols);
-}
-
-size_t tdm_backend_cuda_held_bytes(tdm_backend_t *b, const struct tdm_weight *w)
-{
-    struct tdm_cu_qlayout L;
-    if (!w->data || !tdm_backend_is_cuda(b)) return 0;
-    if (w->rows == 1) return (size_t)w->cols * sizeof(float);
-    if (!tdm_cu_of(b)->bf16_weights && tdm_cu_qlayout(w->dtype, w->rows, w->cols, &L))
-        return L.bytes;
-    return (size_t)w->rows * (size_t)w->cols * 2;
+    tdm_status st = tdm_cuda_own_blocks(cu, dev, L, dtype, out);
+    if (st != TDM_OK) cudaFree(dev);
+    return st;
 }
 
 tdm_status tdm_backend_cuda_random_weight(tdm_backend_t *b, enum tdm_dtype dtype, int64_t rows,

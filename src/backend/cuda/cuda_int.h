@@ -185,13 +185,18 @@ void tdm_cu_gemm_ld(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const 
                     float *d, int ldd);
 /* A quantised device matrix (weight_prepare's, dtype a GGUF block type kept in blocks) as the
  * kernels take it; false for a weight held as bf16 or f32. */
-struct tdm_cu_qlayout;
 bool tdm_cuda_qpart(const struct tdm_weight *w, struct tdm_cu_qgemv_part *p, int *kind);
 /* Rows a chunk of the bf16 dequantisation buffer holds for a matrix of k columns. */
 int64_t tdm_cuda_deq_rows(int64_t rows, int64_t k);
 /* Grows the dequantisation buffer for a quantised matrix of rows x cols (outside any capture:
  * called as weights are made, never during a step). */
 tdm_status tdm_cuda_deq_reserve(struct tdm_cuda *cu, int64_t rows, int64_t cols);
+/* Takes dev, a device matrix of layout L (qweight.h) in blocks of dtype, as an owned weight:
+ * *out, the instance's weight bytes and widest matrix, and room to dequantise it. On failure
+ * dev stays the caller's. */
+struct tdm_cu_qlayout;
+tdm_status tdm_cuda_own_blocks(struct tdm_cuda *cu, void *dev, const struct tdm_cu_qlayout *L,
+                               enum tdm_dtype dtype, struct tdm_weight *out);
 void tdm_cu_gemm_destroy(struct tdm_cuda *cu);
 /* The backend's `sample` hook (cuda_sample.c) and the buffers it owns. */
 tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int vocab,

@@ -119,6 +119,13 @@ size_t tdm_cuda_weight_bytes(tdm_backend_t *b, const struct tdm_weight *host)
     return prepared_bytes(tdm_cu_of(b), host);
 }
 
+size_t tdm_backend_cuda_held_bytes(tdm_backend_t *b, const struct tdm_weight *w)
+{
+    if (!w->data || !tdm_backend_is_cuda(b)) return 0;
+    if (w->rows == 1) return (size_t)w->cols * sizeof(float); /* what a step reads of a vector */
+    return prepared_bytes(tdm_cu_of(b), w);
+}
+
 #define DEQ_BYTES ((size_t)64 << 20) /* the bf16 dequantisation buffer, at most */
 
 int64_t tdm_cuda_deq_rows(int64_t rows, int64_t k)
@@ -159,6 +166,22 @@ bool tdm_cuda_qpart(const struct tdm_weight *w, struct tdm_cu_qgemv_part *p, int
     return true;
 }
 
+tdm_status tdm_cuda_own_blocks(struct tdm_cuda *cu, void *dev, const struct tdm_cu_qlayout *L,
+                               enum tdm_dtype dtype, struct tdm_weight *out)
+{
+    tdm_status st = tdm_cuda_deq_reserve(cu, L->rows, L->cols);
+    if (st != TDM_OK) return st;
+    *out = (struct tdm_weight){.dtype = dtype,
+                               .rows = L->rows,
+                               .cols = L->cols,
+                               .row_bytes = tdm_dtype_row_bytes(dtype, L->cols),
+                               .data = dev};
+    if ((st = tdm_cuda_own(cu, dev, out)) != TDM_OK) return st;
+    cu->weight_bytes += L->bytes;
+    cu->max_cols = TDM_MAX(cu->max_cols, L->cols);
+    return TDM_OK;
+}
+
 /* A matrix kept in its blocks: packed on the host, uploaded once. */
 static tdm_status prepare_quantised(struct tdm_cuda *cu, const struct tdm_weight *host,
                                     const struct tdm_cu_qlayout *L, struct tdm_weight *out)
@@ -178,15 +201,7 @@ static tdm_status prepare_quantised(struct tdm_cuda *cu, const struct tdm_weight
         st = tdm_err_set(TDM_EIO, "cuda backend: weight upload failed");
         goto fail;
     }
-    if ((st = tdm_cuda_deq_reserve(cu, host->rows, host->cols)) != TDM_OK) goto fail;
-    *out = (struct tdm_weight){.dtype = host->dtype,
-                               .rows = host->rows,
-                               .cols = host->cols,
-                               .row_bytes = host->row_bytes,
-                               .data = dev};
-    if ((st = tdm_cuda_own(cu, dev, out)) != TDM_OK) goto fail;
-    cu->weight_bytes += L->bytes;
-    cu->max_cols = TDM_MAX(cu->max_cols, host->cols);
+    if ((st = tdm_cuda_own_blocks(cu, dev, L, host->dtype, out)) != TDM_OK) goto fail;
     free(packed);
     return TDM_OK;
 fail:

@@ -109,6 +109,17 @@ static const uint16_t *bf16_matrix(const struct tdm_weight *w)
     return (const uint16_t *)((const float *)w->data + w->cols);
 }
 
+/* Whether n rows go to the matrix-vector kernels (bf16 matrices; matrices in blocks) rather
+ * than cuBLASLt: small batches, or any batch when the instance is batch-invariant. */
+static inline bool gemv_takes(const struct tdm_cuda *cu, int n)
+{
+    return n <= TDM_CU_GEMV_MAX_N || cu->batch_invariant;
+}
+static inline bool qgemv_takes(const struct tdm_cuda *cu, int n)
+{
+    return n <= TDM_CU_QGEMV_MAX_N || cu->batch_invariant;
+}
+
 /* A matrix kept in its blocks times n > TDM_CU_QGEMV_MAX_N rows: chunks of its rows
  * dequantised to bf16, each multiplied by cuBLASLt into its columns of out. */
 static void qmatmul_gemm(struct tdm_cuda *cu, const struct tdm_weight *w,
@@ -136,7 +147,7 @@ static void matmul_into(struct tdm_cuda *cu, const struct tdm_weight *w, const u
     if (tdm_cuda_qpart(w, &qp, &kind)) {
         qp.bias = bias;
         qp.out = out;
-        if ((n <= TDM_CU_QGEMV_MAX_N || cu->batch_invariant) &&
+        if (qgemv_takes(cu, n) &&
             tdm_cu_qgemv(cu->stream, kind, &qp, 1, (int)w->cols, xb, n, false, NULL)) {
             check_launch();
             return;
@@ -145,7 +156,7 @@ static void matmul_into(struct tdm_cuda *cu, const struct tdm_weight *w, const u
         return;
     }
     const struct tdm_cu_gemv_part p = {bf16_matrix(w), bias, out, (int)w->rows};
-    if ((n <= TDM_CU_GEMV_MAX_N || cu->batch_invariant) &&
+    if (gemv_takes(cu, n) &&
         tdm_cu_gemv(cu->stream, &p, 1, (int)w->cols, xb, n, false, NULL, cu->batch_invariant)) {
         check_launch();
         return;
@@ -185,7 +196,7 @@ static void cu_matmul_multi_impl(tdm_backend_t *b, const float *x, int n,
         kinds[i] = kind;
         one_kind &= kind == kinds[0];
     }
-    if (n_q == n_parts && one_kind && (n <= TDM_CU_QGEMV_MAX_N || cu->batch_invariant)) {
+    if (n_q == n_parts && one_kind && qgemv_takes(cu, n)) {
         for (int i = 0; i < n_parts; i++)
             if (parts[i].out == cu->sh_ptr) shadow_clear(cu);
         if (tdm_cu_qgemv(cu->stream, kinds[0], qp, n_parts, (int)parts[0].w->cols, xb, n, false,
@@ -194,7 +205,7 @@ static void cu_matmul_multi_impl(tdm_backend_t *b, const float *x, int n,
             return;
         }
     }
-    if ((n <= TDM_CU_GEMV_MAX_N || cu->batch_invariant) && n_parts <= 4 && n_q == 0) {
+    if (gemv_takes(cu, n) && n_parts <= 4 && n_q == 0) {
         /* one launch for all parts */
         struct tdm_cu_gemv_part gp[4];
         for (int i = 0; i < n_parts; i++) {
@@ -222,7 +233,7 @@ static void cu_matmul_swiglu_impl(tdm_backend_t *b, const struct tdm_weight *w_g
     struct tdm_cu_qgemv_part qp[2];
     int kg, ku;
     const bool qg = tdm_cuda_qpart(w_gate, &qp[0], &kg), qu = tdm_cuda_qpart(w_up, &qp[1], &ku);
-    if (qg && qu && kg == ku && (n <= TDM_CU_QGEMV_MAX_N || cu->batch_invariant)) {
+    if (qg && qu && kg == ku && qgemv_takes(cu, n)) {
         if (out == cu->sh_ptr) shadow_clear(cu);
         qp[0].out = out;
         uint16_t *sh = shadow_for(cu, out, elems);
@@ -232,7 +243,7 @@ static void cu_matmul_swiglu_impl(tdm_backend_t *b, const struct tdm_weight *w_g
         }
         shadow_clear(cu);
     }
-    if ((n <= TDM_CU_GEMV_MAX_N || cu->batch_invariant) && !qg && !qu) {
+    if (gemv_takes(cu, n) && !qg && !qu) {
         /* gate, up and silu * mul in one launch */
         if (out == cu->sh_ptr) shadow_clear(cu);
         const struct tdm_cu_gemv_part gp[2] = {{bf16_matrix(w_gate), NULL, out, (int)w_gate->rows},

@@ -233,9 +233,11 @@ tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int3
      * records one step's shape, not masks), and so do prefill-sized spans, whose attention takes
      * the tensor cores in tiles of many tokens. */
     bool decode = cu->graphs_enabled && cu->reserved && !st->tree_mask;
-    for (int s = 0; decode && s < st->n_seqs && st->n_tokens > st->n_seqs; s++)
-        decode = st->seq_token_start[s + 1] - st->seq_token_start[s] <= GRAPH_SPAN &&
-                 st->n_tokens <= GRAPH_SPAN_TOKENS;
+    if (decode && st->n_tokens > st->n_seqs) { /* spans of several tokens */
+        decode = st->n_tokens <= GRAPH_SPAN_TOKENS;
+        for (int s = 0; decode && s < st->n_seqs; s++)
+            decode = st->seq_token_start[s + 1] - st->seq_token_start[s] <= GRAPH_SPAN;
+    }
     int bucket = 0;
     if (decode) {
         bucket = bucket_for(st->n_tokens);

@@ -410,6 +410,34 @@ template <int KIND> void launch_kind(cudaStream_t s, const qargs &a, bool swiglu
         launch_nt<KIND, 4>(s, a, swiglu, blocks);
 }
 
+/* Calls f with the kind as a compile-time constant (std::integral_constant-like), for the kernels
+ * templated on it; false for a kind with no kernel. */
+template <int K> struct kind_c {
+    static constexpr int value = K;
+};
+template <class F> bool with_kind(int kind, F f)
+{
+    switch (kind) {
+    case TDM_CU_Q8_0:
+        f(kind_c<TDM_CU_Q8_0>());
+        return true;
+    case TDM_CU_Q4_0:
+        f(kind_c<TDM_CU_Q4_0>());
+        return true;
+    case TDM_CU_Q4_1:
+        f(kind_c<TDM_CU_Q4_1>());
+        return true;
+    case TDM_CU_Q4_K:
+        f(kind_c<TDM_CU_Q4_K>());
+        return true;
+    case TDM_CU_Q6_K:
+        f(kind_c<TDM_CU_Q6_K>());
+        return true;
+    default:
+        return false;
+    }
+}
+
 } // namespace
 
 extern "C" bool tdm_cu_qgemv(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *parts,
@@ -432,26 +460,8 @@ extern "C" bool tdm_cu_qgemv(cudaStream_t s, int kind, const struct tdm_cu_qgemv
     for (int i = 0; i < a.n_parts; i++)
         a.blk_start[i + 1] = a.blk_start[i] + (parts[i].m + 15) / 16;
     const unsigned blocks = (unsigned)a.blk_start[a.n_parts];
-    switch (kind) {
-    case TDM_CU_Q8_0:
-        launch_kind<TDM_CU_Q8_0>(s, a, swiglu, blocks);
-        break;
-    case TDM_CU_Q4_0:
-        launch_kind<TDM_CU_Q4_0>(s, a, swiglu, blocks);
-        break;
-    case TDM_CU_Q4_1:
-        launch_kind<TDM_CU_Q4_1>(s, a, swiglu, blocks);
-        break;
-    case TDM_CU_Q4_K:
-        launch_kind<TDM_CU_Q4_K>(s, a, swiglu, blocks);
-        break;
-    case TDM_CU_Q6_K:
-        launch_kind<TDM_CU_Q6_K>(s, a, swiglu, blocks);
-        break;
-    default:
-        return false;
-    }
-    return true;
+    return with_kind(kind,
+                     [&](auto kc) { launch_kind<decltype(kc)::value>(s, a, swiglu, blocks); });
 }
 
 extern "C" void tdm_cu_qdequant(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *p, int k,
@@ -460,44 +470,16 @@ extern "C" void tdm_cu_qdequant(cudaStream_t s, int kind, const struct tdm_cu_qg
     const size_t n = (size_t)n_rows * k;
     const unsigned blocks = (unsigned)((n + 255) / 256);
     if (!n) return;
-    switch (kind) {
-    case TDM_CU_Q8_0:
-        qdequant_kernel<TDM_CU_Q8_0><<<blocks, 256, 0, s>>>(*p, k, r0, n_rows, out);
-        break;
-    case TDM_CU_Q4_0:
-        qdequant_kernel<TDM_CU_Q4_0><<<blocks, 256, 0, s>>>(*p, k, r0, n_rows, out);
-        break;
-    case TDM_CU_Q4_1:
-        qdequant_kernel<TDM_CU_Q4_1><<<blocks, 256, 0, s>>>(*p, k, r0, n_rows, out);
-        break;
-    case TDM_CU_Q4_K:
-        qdequant_kernel<TDM_CU_Q4_K><<<blocks, 256, 0, s>>>(*p, k, r0, n_rows, out);
-        break;
-    case TDM_CU_Q6_K:
-        qdequant_kernel<TDM_CU_Q6_K><<<blocks, 256, 0, s>>>(*p, k, r0, n_rows, out);
-        break;
-    }
+    with_kind(kind, [&](auto kc) {
+        qdequant_kernel<decltype(kc)::value><<<blocks, 256, 0, s>>>(*p, k, r0, n_rows, out);
+    });
 }
 
 extern "C" void tdm_cu_qembed(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *p, int k,
                               const int32_t *tokens, int n, float *out)
 {
     if (n <= 0) return;
-    switch (kind) {
-    case TDM_CU_Q8_0:
-        qembed_kernel<TDM_CU_Q8_0><<<n, 256, 0, s>>>(*p, k, tokens, out);
-        break;
-    case TDM_CU_Q4_0:
-        qembed_kernel<TDM_CU_Q4_0><<<n, 256, 0, s>>>(*p, k, tokens, out);
-        break;
-    case TDM_CU_Q4_1:
-        qembed_kernel<TDM_CU_Q4_1><<<n, 256, 0, s>>>(*p, k, tokens, out);
-        break;
-    case TDM_CU_Q4_K:
-        qembed_kernel<TDM_CU_Q4_K><<<n, 256, 0, s>>>(*p, k, tokens, out);
-        break;
-    case TDM_CU_Q6_K:
-        qembed_kernel<TDM_CU_Q6_K><<<n, 256, 0, s>>>(*p, k, tokens, out);
-        break;
-    }
+    with_kind(kind, [&](auto kc) {
+        qembed_kernel<decltype(kc)::value><<<n, 256, 0, s>>>(*p, k, tokens, out);
+    });
 }

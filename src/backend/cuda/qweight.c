@@ -122,14 +122,13 @@ static uint16_t get16(const uint8_t *p)
     return v;
 }
 
-/* Writes one row from its stored integers u[cols] (Q8_0: the int8 bits; 4-bit kinds: 0..15;
- * Q6_K: 0..63) in the chunked element order. */
-static void put_row(const struct tdm_cu_qlayout *L, const uint8_t *u, int64_t row, uint8_t *dst)
+/* Writes nc columns of a row from their stored integers u[nc] (Q8_0: the int8 bits; 4-bit
+ * kinds: 0..15; Q6_K: 0..63) in the chunked element order: q, the row's first byte of those
+ * columns in the q array, qh its first in the qh array (Q6_K; NULL otherwise). */
+static void put_cols(int kind, const uint8_t *u, int64_t nc, uint8_t *q, uint8_t *qh)
 {
-    const int64_t C = L->cols;
-    if (L->kind == TDM_CU_Q8_0) {
-        uint8_t *q = dst + L->q_off + (size_t)row * (size_t)C;
-        for (int64_t c = 0; c < C / 64; c++)
+    if (kind == TDM_CU_Q8_0) {
+        for (int64_t c = 0; c < nc / 64; c++)
             for (int t = 0; t < 4; t++)
                 for (int gi = 0; gi < 2; gi++)
                     for (int h = 0; h < 2; h++)
@@ -137,9 +136,7 @@ static void put_row(const struct tdm_cu_qlayout *L, const uint8_t *u, int64_t ro
                                u + 64 * c + 32 * gi + 16 * h + 4 * t, 4);
         return;
     }
-    uint8_t *q = dst + L->q_off + (size_t)row * (size_t)(C / 2);
-    uint8_t *qh = L->kind == TDM_CU_Q6_K ? dst + L->qh_off + (size_t)row * (size_t)(C / 4) : NULL;
-    for (int64_t c = 0; c < C / 64; c++)
+    for (int64_t c = 0; c < nc / 64; c++)
         for (int t = 0; t < 4; t++) {
             uint32_t hbits = 0;
             for (int gi = 0; gi < 2; gi++)
@@ -172,7 +169,6 @@ void tdm_cu_qpack_rows(const struct tdm_cu_qlayout *L, const void *src, size_t s
         /* a row goes through u[] 4,096 columns at a time (a multiple of every block) */
         for (int64_t c0 = 0; c0 < C; c0 += (int64_t)sizeof u) {
             const int64_t nc = C - c0 < (int64_t)sizeof u ? C - c0 : (int64_t)sizeof u;
-            struct tdm_cu_qlayout part = *L;
             switch (L->kind) {
             case TDM_CU_Q8_0:
                 for (int64_t g = c0 / 32; g < (c0 + nc) / 32; g++) {
@@ -240,16 +236,13 @@ void tdm_cu_qpack_rows(const struct tdm_cu_qlayout *L, const void *src, size_t s
                 }
                 break;
             }
-            /* the columns [c0, c0 + nc) of this row: a layout of nc columns, shifted */
-            part.cols = nc;
-            uint8_t *base = dst;
-            if (L->kind == TDM_CU_Q8_0) {
-                part.q_off = L->q_off + (size_t)row * (size_t)C + (size_t)c0;
-            } else {
-                part.q_off = L->q_off + (size_t)row * (size_t)(C / 2) + (size_t)(c0 / 2);
-                part.qh_off = L->qh_off + (size_t)row * (size_t)(C / 4) + (size_t)(c0 / 4);
-            }
-            put_row(&part, u, 0, base);
+            /* the columns [c0, c0 + nc) of this row */
+            const bool q8 = L->kind == TDM_CU_Q8_0;
+            put_cols(L->kind, u, nc,
+                     dst + L->q_off + (size_t)row * (size_t)(q8 ? C : C / 2) +
+                         (size_t)(q8 ? c0 : c0 / 2),
+                     L->qh_off ? dst + L->qh_off + (size_t)row * (size_t)(C / 4) + (size_t)(c0 / 4)
+                               : NULL);
         }
     }
 }
