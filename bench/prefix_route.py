@@ -2,7 +2,8 @@
 """Prefix-aware routing against least-loaded routing (issue 19), on this machine's CPU.
 
 Two `tandem serve --prefix-caching` nodes behind `tandem router`, once with `--route
-least-loaded` and once with `--route prefix`, each time fresh. The workload: P distinct system
+least-loaded`, once with `--route prefix` (the router's guess from the text it sent where), and
+once with `--route kv` (the nodes' KV cache events, `--kv-events`), each time fresh. The workload: P distinct system
 prompts of about L tokens each (chat), R requests a prompt with a short question of their own,
 in a shuffled order (seeded), C clients at a time. Each node's KV pool is cut (--kv-memory) so
 that it holds about half of the prefixes: least-loaded routing sends every prefix to both nodes
@@ -14,54 +15,20 @@ the router's matched-block share. Standard library only.
 
 Usage: bench/prefix_route.py [--tandem build/tandem] [--model PATH] [--prefixes 8]
        [--prefix-tokens 400] [--requests-per-prefix 6] [--clients 4] [--kv-memory 96MiB]
-       [--threads 1] [--seed 1]
+       [--threads 1] [--seed 1] [--routes least-loaded,prefix,kv]
 """
 import argparse
 import concurrent.futures as cf
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def wait_up(url, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not come up")
-
-
-def metrics(url):
-    """name{labels} -> value, and name -> the sum over its labels."""
-    out = {}
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line and not line.startswith("#"):
-                k, _, v = line.rpartition(" ")
-                out[k] = float(v)
-                if "{" in k:
-                    name = k.split("{", 1)[0]
-                    out[name] = out.get(name, 0.0) + float(v)
-    return out
+from nodes import free_port, metrics, stop_all, wait_up
 
 
 def ttft(url, body):
@@ -80,11 +47,14 @@ def ttft(url, body):
 def run(args, route, prompts):
     procs, log = [], tempfile.mkdtemp(prefix="tandem-prefix-route-")
     try:
-        backends = []
+        backends, events = [], []
         for i in range(2):
             port = free_port()
             cmd = [args.tandem, "serve", "--port", str(port), "--prefix-caching", "--threads",
                    str(args.threads), "--kv-memory", args.kv_memory]
+            if route == "kv":
+                events.append(f"tcp://127.0.0.1:{free_port()}")
+                cmd += ["--kv-events", events[-1]]
             if args.model:
                 cmd += ["--model", args.model]
             procs.append(subprocess.Popen(cmd, stdout=open(f"{log}/serve{i}.log", "w"),
@@ -93,11 +63,16 @@ def run(args, route, prompts):
         for b in backends:
             wait_up(b)
         rport = free_port()
-        procs.append(subprocess.Popen(
-            [args.tandem, "router", "--port", str(rport), "--backends", ",".join(backends),
-             "--route", route], stdout=open(f"{log}/router.log", "w"), stderr=subprocess.STDOUT))
+        rcmd = [args.tandem, "router", "--port", str(rport), "--backends", ",".join(backends),
+                "--route", route]
+        if route == "kv":
+            rcmd += ["--kv-events", ",".join(events)] + (["--model", args.model] if args.model
+                                                         else [])
+        procs.append(subprocess.Popen(rcmd, stdout=open(f"{log}/router.log", "w"),
+                                      stderr=subprocess.STDOUT))
         router = f"http://127.0.0.1:{rport}"
         wait_up(router)
+        time.sleep(0.5 if route == "kv" else 0)  # the subscriptions reach the publishers
         t0 = time.time()
         with cf.ThreadPoolExecutor(args.clients) as ex:
             ttfts = list(ex.map(lambda b: ttft(router, b), prompts))
@@ -119,13 +94,7 @@ def run(args, route, prompts):
                     matched / (matched + missed) if matched is not None and matched + missed
                     else None}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def main():
@@ -140,6 +109,7 @@ def main():
     ap.add_argument("--kv-memory", default="96MiB")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--routes", default="least-loaded,prefix,kv")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
@@ -156,7 +126,7 @@ def main():
     print(f"prefix_route: {args.prefixes} prefixes of ~{args.prefix_tokens} tokens, "
           f"{len(prompts)} requests, {args.clients} clients, 2 nodes of --kv-memory "
           f"{args.kv_memory}, {args.threads} thread(s) each", flush=True)
-    for route in ("least-loaded", "prefix"):
+    for route in args.routes.split(","):
         r = run(args, route, prompts)
         print(json.dumps(r), flush=True)
 

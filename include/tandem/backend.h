@@ -257,6 +257,10 @@ struct tdm_backend {
 struct tdm_backend_cpu_opts {
     int n_threads;        /* <= 0: one per online core */
     bool batch_invariant; /* never use OpenBLAS (see the determinism contract above) */
+    /* Q8_0, Q4_0 and Q4_1 weights multiply activations quantised to 16-bit integers (two int8
+     * planes a block of 32), with integer dot products (src/backend/cpu/qdot.c; still
+     * batch-invariant); false: fp32 activations, within 1e-4 of an fp32 reference */
+    bool quant_activations;
 };
 tdm_status tdm_backend_cpu_create(const struct tdm_backend_cpu_opts *opts, tdm_backend_t **out);
 void tdm_backend_destroy(tdm_backend_t *b); /* NULL is a no-op */
@@ -291,8 +295,8 @@ struct tdm_backend_cuda_opts {
     double gpu_memory_fraction; /* share of the device's memory this process may fill (weights,
                                  * workspace, KV pool); <= 0: 0.9 */
     bool no_graphs;             /* run decode steps op by op instead of as CUDA graphs */
-    bool bf16_weights; /* dequantise every GGUF matrix to bf16 at load; by default Q8_0, Q4_0,
-                        * Q4_1, Q4_K and Q6_K matrices stay in their blocks on the device */
+    bool bf16_weights;    /* dequantise every GGUF matrix to bf16 at load; by default Q8_0, Q4_0,
+                           * Q4_1, Q4_K and Q6_K matrices stay in their blocks on the device */
     bool batch_invariant; /* each row's result independent of the rows beside it (kernels
                            * chosen by shape alone; see src/backend/cuda/cuda_ops.c) */
 };

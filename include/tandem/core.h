@@ -138,6 +138,18 @@ void tdm_pool_run(tdm_pool_t *pool, tdm_pool_fn fn, void *ctx);
 void tdm_split_range(int64_t n, int ith, int nth, int64_t align, int64_t *begin, int64_t *end);
 int tdm_cpu_count(void);
 
+/* ---- hashing: one 64-bit value folded into a running hash (boost's combine, then a
+ * splitmix-style finaliser), for chained keys of token blocks (the prefix cache's page keys,
+ * the router's KV index) ---- */
+static inline uint64_t tdm_hash_mix(uint64_t h, uint64_t v)
+{
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 29;
+    return h;
+}
+
 /* ---- counter-based RNG (Philox4x32-10) ----
  * A draw depends only on (seed, request id, absolute position, draw index), never on batch
  * composition or call order, so the same seed gives the same tokens with or without

@@ -31,6 +31,17 @@
  * twice. Sharding: both sides hold all KV heads (TP = 1); the request carries the decoder's
  * head range so a sharded peer can be refused clearly.
  *
+ * Prefix caching on both sides (--prefix-caching). A decoder whose request reuses a cached
+ * prefix of c tokens (whole pages) asks only for the rest: the request says c, names the pages
+ * of positions [c, n) only, and the chunks are counted from c (chunk k covers
+ * [c + k C, c + (k + 1) C)), so expected = ceil((n - c) / C) * S + 1. The prefill node
+ * reuses its own cache too: its request's spans end on the decoder's grid (chunk_phase =
+ * c mod C), a span wholly before c is computed but not sent, and a chunk wholly inside its own
+ * cached prefix (past c) is sent from the cached pages when the job first runs, all its layers
+ * at once. A request that asks for the head's KV does not reuse the prefill node's cache (the
+ * head needs the target's features of every position); the decoder's cached pages hold the
+ * head's KV of their positions (the scheduler offers a page once the drafter's KV covers it).
+ *
  * Speculation across disaggregation. A decoder that drafts with an mtp head (opts.head) asks
  * for the head's KV too (want_head, struct tdm_disagg_head_req: the head's fingerprint and
  * geometry, its KV region). The prefill node, holding the same head (its opts.head; another
@@ -236,6 +247,10 @@ struct tdm_disagg_prefill_msg {
     uint8_t want_logits;
     uint8_t want_head; /* 1: head below is set, the head's KV and feature are asked for */
     struct tdm_disagg_head_req head;
+    /* the decoder holds the KV of tokens [0, cached_tokens) (a multiple of page_size, less
+     * than n_tokens; 0: none): pages name the pages of positions from there on, and chunks
+     * are counted from there */
+    uint32_t cached_tokens;
     uint32_t n_pages;
     const int32_t *tokens; /* [n_tokens], pointing into the message (decode) */
     const uint32_t *pages; /* [n_pages] */
@@ -247,8 +262,9 @@ struct tdm_disagg_msg {
     int32_t status;                        /* NACK */
     char error[TDM_DMSG_MAX_ERROR + 1];    /* NACK */
 };
-/* Bytes a PREFILL message with these counts takes (with the head block when head). */
-size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head);
+/* Bytes a PREFILL message with these counts takes (with the head block when head, the cached
+ * block when cached). */
+size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head, bool cached);
 /* Encodes into buf (cap bytes); returns the size, 0 if it does not fit. */
 size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_t cap);
 /* Decodes and validates; PREFILL's tokens and pages point into `buf` (aligned copies are the
@@ -256,10 +272,12 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
 tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disagg_msg *out,
                                  int32_t *tokens_out, uint32_t tokens_cap, uint32_t *pages_out,
                                  uint32_t pages_cap);
-/* The number of immediates a decoder expects for n prefilled tokens: n_chunks * n_layers + 1,
+/* The number of immediates a decoder expects for n prefilled tokens of which the first
+ * `cached` are its own: n_chunks * n_layers + 1, n_chunks = ceil((n_tokens - cached) / chunk),
  * where n_layers counts the target's layers plus the head's when the request asks for the
  * head's KV. */
-uint32_t tdm_disagg_expected_writes(uint32_t n_tokens, uint32_t chunk, uint32_t n_layers);
+uint32_t tdm_disagg_expected_writes(uint32_t n_tokens, uint32_t cached, uint32_t chunk,
+                                    uint32_t n_layers);
 /* Where the context of a request lies in a context buffer, in floats: the hidden state
  * (d_model: the residual after the last layer), then with want_head the feature (d_model: the
  * final-normed state, what a head reads), then with want_logits the logits (vocab). Returns

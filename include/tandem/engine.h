@@ -45,6 +45,9 @@ bool tdm_kv_dtype_parse(const char *s, enum tdm_kv_dtype *out);
 struct tdm_engine_opts {
     int n_threads;        /* CPU threads; <= 0: one per core */
     bool batch_invariant; /* see backend.h */
+    /* CPU: Q8_0/Q4_0/Q4_1 matrices take fp32 activations (within 1e-4 of an fp32 reference)
+     * instead of the default quantised ones (tdm_backend_cpu_opts.quant_activations) */
+    bool exact_activations;
     int page_size;        /* tokens per KV page; 0: 16 */
     int64_t kv_pages;     /* 0: from kv_bytes */
     size_t kv_bytes;      /* 0 (with kv_pages 0): room for max_seqs full contexts, capped */
@@ -78,6 +81,17 @@ struct tdm_engine_opts {
                                  * KV pool, which gets what is left (when kv_pages and kv_bytes
                                  * are 0); <= 0: 0.9 */
     bool gpu_bf16_weights;      /* CUDA: dequantise GGUF blocks to bf16 (tdm_backend_cuda_opts) */
+    /* Tensor parallelism inside this process (tp.h, DESIGN.md §5); 0 or 1: none. N > 1: N
+     * ranks, each with its shard of the weights (KV heads with their query heads, MLP columns),
+     * its KV heads' pool and a CPU backend of n_threads / N threads (at least 1). The caller's
+     * thread is rank 0, the leader: it alone samples and returns outputs; ranks 1 .. N-1 are
+     * threads of the engine. The plan's step is built once, by the leader, and handed to every
+     * rank; partial output projections are summed after attention and after the MLP
+     * (tdm_tp_allreduce); the LM head is split by vocabulary, each rank writing its rows of the
+     * leader's logits. tdm_engine_kv is the leader's pool: it allocates
+     * page ids for every rank's pool (one page table, one page count: the one TP = 1 would
+     * have). CPU backend and dense attention models only (TDM_EUNSUPPORTED names the rest). */
+    int tp;
 };
 
 struct tdm_batch_seq {

@@ -126,6 +126,14 @@ bool tdm_kv_pool_group(const tdm_kv_pool_t *pool, int group, struct tdm_kv_group
  * to the positions they now hold (the rest is trimmed). The caller's thread drives the pool's
  * backend (the scheduler's); asynchronous on a device, ordered before later work there. */
 void tdm_kv_pool_copy_slots(tdm_kv_pool_t *pool, const int32_t *src, const int32_t *dst, int n);
+/* Tensor parallelism (tp.h): `shard` is another rank's pool, holding its KV heads at the same
+ * page ids (as many pages of the same size), which `pool` allocates for both: from now on
+ * tdm_kv_pool_copy_slots on pool copies those slots in shard too, through shard's backend
+ * (its rank idle then, between steps). shard's own page accounting is never used. At most
+ * TDM_KV_MAX_SHARDS; shard must outlive pool. TDM_EINVAL for a pool of another page count or
+ * page size. */
+#define TDM_KV_MAX_SHARDS 63
+tdm_status tdm_kv_pool_add_shard(tdm_kv_pool_t *pool, tdm_kv_pool_t *shard);
 
 /* Allocates n pages, all or nothing: TDM_ENOMEM (and no change) if fewer are free. Each page
  * starts with one owner reference. ids: [n], written only on success. */

@@ -366,6 +366,11 @@ struct tdm_load_opts {
 tdm_status tdm_model_load_opts(const char *path, const struct tdm_load_opts *opts,
                                tdm_progress_fn progress, void *progress_ctx,
                                struct tdm_model **out);
+/* Opens a checkpoint for its text side only: its config, chat template, and what a tokenizer
+ * reads (the GGUF file's metadata, the HF folder's path); no weights are loaded (layers is
+ * NULL). For a process that tokenizes as a server would without running the model (the
+ * router's KV-aware routing). Free with tdm_model_free. */
+tdm_status tdm_model_open_text(const char *path, struct tdm_model **out);
 void tdm_model_free(struct tdm_model *m);
 /* Loads a speculation head for `target` from a safetensors file (or a folder holding
  * model.safetensors) in any tdm_head_layout, telling the layout by its tensor names. A head

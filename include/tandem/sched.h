@@ -139,9 +139,14 @@ struct tdm_req_params {
      * and nothing is sampled (max_tokens is ignored); it finishes (TDM_FINISH_STOP, no outputs)
      * after its last span. fixed_chunk > 0: prefill spans are exactly this many tokens (the
      * last may be shorter) and are never cut by the step budget, so the decoder can tell in
-     * advance how many spans, and so how many layer writes, there will be. */
+     * advance how many spans, and so how many layer writes, there will be. chunk_phase: the
+     * spans' ends fall on positions congruent to it modulo fixed_chunk (0: multiples of the
+     * chunk), so a span that starts past a cached prefix still ends on the decoder's grid. A
+     * prefill-only request reuses the prefix cache like any other unless it speculates
+     * (spec_k >= 0: a head runs over its spans' features, which a cached prefix lacks), and
+     * offers its pages when it ends. */
     bool prefill_only;
-    int fixed_chunk;
+    int fixed_chunk, chunk_phase;
     /* The output rows of its last span also bring back their logits / hidden state (a
      * connector's step_end reads them); needs row outputs (tdm_sched_reserve_rows or
      * tdm_sched_opts.row_outputs). */
@@ -269,11 +274,14 @@ struct tdm_sched_exec {
 /* ---- the KV connector: how disaggregation (src/disagg: the decode side and the prefill
  * side) plugs into the scheduler. All calls are on the scheduler thread and must not block. */
 struct tdm_kv_connector_i {
-    /* Admission of a request with n_prompt >= 2, its pages reserved for the whole prompt.
-     * Return true to fill the KV of prompt[:-1] (tokens[0, n_tokens)) elsewhere: the request
-     * is then WAITING_REMOTE_KV (out of plans, never preempted) until tdm_req_remote_done. */
+    /* Admission of a request with at least two prompt tokens past its cached prefix, its
+     * pages reserved for the whole prompt. n_cached: the tokens [0, n_cached) whose KV it
+     * already holds from the prefix cache (whole pages; 0 without a cache), which stay here.
+     * Return true to fill the KV of tokens [n_cached, n_tokens) of prompt[:-1]
+     * (tokens[0, n_tokens)) elsewhere: the request is then WAITING_REMOTE_KV (out of plans,
+     * never preempted) until tdm_req_remote_done. */
     bool (*admit)(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
-                  const int32_t *pages, int n_pages);
+                  int n_cached, const int32_t *pages, int n_pages);
     /* Around each run of a plan; step_end sees the rows' logits and hidden states. */
     void (*step_begin)(void *ctx, const struct tdm_sched_plan *plan);
     void (*step_end)(void *ctx, const struct tdm_sched_plan *plan, tdm_status st);
@@ -319,10 +327,15 @@ void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
  * the full pages of every request whose KV is final are offered to the cache after each
  * commit, and when it is preempted or ends; the pool's allocations evict pages only the cache
  * holds, least recently used first, before anything is preempted. Rejected drafts never enter
- * (their positions are past the committed end). After tdm_sched_set_drafter and
- * tdm_sched_set_connector, before tdm_sched_start: TDM_EUNSUPPORTED with a connector
- * (disaggregation: the KV of a cached prefix would not be sent) or a drafter that reads the
- * target's features (a reused prefix would be a gap in them). TDM_ENOMEM. */
+ * (their positions are past the committed end). With a connector (disaggregation), a decode
+ * node's request asks for the KV past its cached prefix only (the connector's admit gets
+ * n_cached), and a prefill node's requests reuse and fill that node's own cache. With a
+ * drafter that has KV of its own (kv_len), a page is offered once that KV covers it, and a
+ * hit sets the request's draft cursor to the prefix's end: the drafter's KV of a cached page
+ * is the one its first owner made (its last row, which reads the next page's first token, as
+ * that owner had it: the drafts' quality, never the output). After tdm_sched_set_drafter and
+ * tdm_sched_set_connector, before tdm_sched_start: TDM_EUNSUPPORTED with a drafter that reads
+ * the target's features and says nothing of its KV (no kv_len). TDM_ENOMEM. */
 tdm_status tdm_sched_enable_prefix_cache(tdm_sched_t *s, uint64_t salt);
 /* Tells l what the prefix cache stores and drops (kv.h: tdm_prefix_listener; its calls come on
  * the scheduler's thread). Before tdm_sched_start, after tdm_sched_enable_prefix_cache;
@@ -460,6 +473,14 @@ struct tdm_sched_drafter_i {
      * its k proposals' (its own tree's nodes), reserved with them. */
     bool tree;
     int kv_scratch;
+    /* Optional, for a drafter with KV of its own in the request's pages: how many positions
+     * [0, n) of it are final (made from the committed tokens and, for a feature drafter, the
+     * target's features), given its state. With a prefix cache, a page is offered only once
+     * this covers it (a request that does not speculate, spec_k < 0, makes none and offers
+     * nothing), and a request that reuses a cached prefix starts with its cursor at the
+     * prefix's end (a feature drafter then takes that KV as its own). Without it, a drafter
+     * that reads features is refused with a prefix cache. */
+    int (*kv_len)(void *ctx, const void *state);
 };
 /* Sets the drafter (before tdm_sched_start); k_max caps every proposal (at most
  * TDM_SPEC_MAX_K; a tree drafter's, nodes: at most TDM_TREE_MAX_NODES). Verification needs no

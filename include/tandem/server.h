@@ -132,8 +132,15 @@ struct tdm_router_opts {
      * sent before + half its share of every block sent): a prompt goes where its prefix was
      * sent, unless that backend is busier by about prefix_weight requests, and a new prefix
      * where less is held (server/affinity.c; at most 32 backends). */
-    enum tdm_route { TDM_ROUTE_LEAST_LOADED = 0, TDM_ROUTE_PREFIX } route;
+    enum tdm_route { TDM_ROUTE_LEAST_LOADED = 0, TDM_ROUTE_PREFIX, TDM_ROUTE_KV } route;
     double prefix_weight; /* 0: 2 */
+    /* KV: the same cost, with the prompt tokenized as the backends do (model: its tokenizer
+     * and chat template, borrowed) and its whole blocks matched against what each backend's
+     * prefix cache holds by the KV events it publishes (kv_events[b]: backend b's ZMQ PUB
+     * endpoint, its `tandem serve --kv-events`; NULL or "": none), as Dynamo's KV router
+     * weighs overlap against load (server/kv_index.c). */
+    const char *const *kv_events;
+    const struct tdm_server_model *model;
 };
 
 /* Checks every backend once, then listens. Fails on a malformed backend URL or a busy port. */

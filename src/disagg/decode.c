@@ -92,12 +92,12 @@ struct dslot {
     uint32_t epoch;
     tdm_req_t *req; /* NULL once detached (the request finished while pending) */
     uint64_t req_id;
-    int peer;       /* index in d->peers */
-    int32_t *pages; /* [cap] copy, for fencing */
-    int n_pages, n_tokens;
-    bool acked;            /* the prefiller said nothing more will land */
-    bool head;             /* the attempt asked for the head's KV and feature */
-    bool head_nack;        /* the peer refused the head (TDM_EUNSUPPORTED) */
+    int peer;                        /* index in d->peers */
+    int32_t *pages;                  /* [cap] copy, for fencing */
+    int n_pages, n_tokens, n_cached; /* n_tokens: prompt[:-1]; its first n_cached were ours */
+    bool acked;                      /* the prefiller said nothing more will land */
+    bool head;                       /* the attempt asked for the head's KV and feature */
+    bool head_nack;                  /* the peer refused the head (TDM_EUNSUPPORTED) */
     bool unreachable_nack; /* the peer cannot write the pool: asked again with landing pages */
     bool held;     /* its pool pages are held: the request finished while pending (finished()
                     * holds them before the scheduler lets go), or the attempt is fenced */
@@ -154,8 +154,9 @@ struct tdm_disagg_decode {
     /* metrics */
     struct tdm_hist landed_s;
     uint64_t errors[N_ERR], remote_ok, local_fallbacks, fenced_now;
-    uint64_t head_ok;                 /* remote prefills that brought the head's KV */
-    uint64_t staged_ok, landing_full; /* through landing pages; admits that found too few */
+    uint64_t cached_requests, cached_tokens; /* remote prefills that skipped a cached prefix */
+    uint64_t head_ok;                        /* remote prefills that brought the head's KV */
+    uint64_t staged_ok, landing_full;        /* through landing pages; admits that found too few */
     /* requests that named their prefill node: sent there; it was down or already tried; no
      * such peer; added as a new peer */
     uint64_t named_used, named_down, named_unknown, named_added;
@@ -342,7 +343,7 @@ static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
         return;
     }
     struct dpeer *p = &d->peers[sl->peer];
-    p->outstanding_tokens -= sl->n_tokens;
+    p->outstanding_tokens -= sl->n_tokens - sl->n_cached;
     if (st == TDM_OK && sl->staged && sl->req) { /* into the landing pages: now the pool's */
         start_landing_locked(d, sl);
         pthread_mutex_unlock(&d->mu);
@@ -566,18 +567,24 @@ static int named_peer_locked(struct tdm_disagg_decode *d, const char *name, uint
 }
 
 static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
-                  const int32_t *pages, int n_pages)
+                  int n_cached, const int32_t *pages, int n_pages)
 {
     struct tdm_disagg_decode *d = ctx;
-    if (d->o.max_attempts < 0) return false;
-    uint32_t expected =
-        tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)d->chunk, (uint32_t)d->n_layers);
+    if (d->o.max_attempts < 0 || n_cached < 0 || n_cached % d->page_size || n_cached >= n_tokens)
+        return false;
+    uint32_t expected = tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)n_cached,
+                                                   (uint32_t)d->chunk, (uint32_t)d->n_layers);
     if (expected - 1 > d->ep.caps.max_index) return false; /* too many chunks for the immediates */
     /* the head's KV is one more layer per chunk, when the immediates can name it */
-    uint32_t expected_head = tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)d->chunk,
-                                                        (uint32_t)(d->n_layers + d->head_layers));
+    uint32_t expected_head =
+        tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)n_cached, (uint32_t)d->chunk,
+                                   (uint32_t)(d->n_layers + d->head_layers));
     bool head = d->head_layers > 0 && expected_head - 1 <= d->ep.caps.max_index;
-    int need_pages = (n_tokens + d->page_size - 1) / d->page_size;
+    /* the pages past the cached prefix: the prefill node fills those only */
+    const int first_page = n_cached / d->page_size;
+    int need_pages = (n_tokens + d->page_size - 1) / d->page_size - first_page;
+    if (first_page + need_pages > n_pages) return false;
+    pages += first_page;
     pthread_mutex_lock(&d->mu);
     struct tried *t = tried_get(d, tdm_req_id(r), true);
     if (!t || t->attempts >= d->o.max_attempts) {
@@ -632,6 +639,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     sl->peer = best;
     sl->n_pages = need_pages;
     sl->n_tokens = n_tokens;
+    sl->n_cached = n_cached;
     sl->acked = false;
     sl->head = head;
     sl->head_nack = false;
@@ -641,11 +649,14 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     sl->t_sent = (int64_t)tdm_now_ns();
     memcpy(sl->pages, pages, (size_t)need_pages * sizeof *pages);
     struct dpeer *p = &d->peers[best];
-    p->outstanding_tokens += n_tokens;
+    p->outstanding_tokens += n_tokens - n_cached;
     p->sent++;
+    if (n_cached) {
+        d->cached_requests++;
+        d->cached_tokens += (uint64_t)n_cached;
+    }
     uint32_t epoch = sl->epoch, xpeer = p->xid;
     pthread_mutex_unlock(&d->mu);
-    (void)n_pages;
 
     /* the message */
     struct tdm_disagg_msg m = {.type = TDM_DMSG_PREFILL};
@@ -671,6 +682,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
                                          .vocab = (uint32_t)d->vocab,
                                          .want_logits = d->o.want_logits,
                                          .want_head = head,
+                                         .cached_tokens = (uint32_t)n_cached,
                                          .n_pages = (uint32_t)need_pages,
                                          .tokens = tokens,
                                          .pages = (const uint32_t *)pages};
@@ -688,7 +700,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
             f->head.dst_layer_stride = d->ep.land.head_layer_bytes;
         }
     }
-    size_t size = tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages, head);
+    size_t size = tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages, head, n_cached > 0);
     uint8_t *buf = malloc(size);
     struct send_ctx *sc = malloc(sizeof *sc);
     tdm_xfer_counters_t *ctr = tdm_xfer_get_counters(d->ep.x);
@@ -718,7 +730,7 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     if (staged) tdm_disagg_landing_give(&d->ep.land, need_pages, sl->land);
     sl->state = SLOT_FREE;
     sl->req = NULL;
-    p->outstanding_tokens -= n_tokens;
+    p->outstanding_tokens -= n_tokens - n_cached;
     d->errors[ERR_OTHER]++;
     pthread_mutex_unlock(&d->mu);
     TDM_WARN("disagg: cannot start a remote prefill: %s", tdm_err_msg());
@@ -1067,6 +1079,13 @@ char *tdm_disagg_decode_metrics(void *ctx)
                     "Remote prefills that also brought the speculation head's KV and feature "
                     "(those requests draft from their first step).",
                     NULL, (double)d->head_ok);
+    tdm_prom_scalar(&b, "tandem_disagg_cached_prefix_requests_total", "counter",
+                    "Remote prefills asked for the part past a prefix this node had cached.", NULL,
+                    (double)d->cached_requests);
+    tdm_prom_scalar(&b, "tandem_disagg_cached_prefix_tokens_total", "counter",
+                    "Prompt tokens whose KV a remote prefill did not send: this node's cached "
+                    "prefixes.",
+                    NULL, (double)d->cached_tokens);
     tdm_prom_scalar(&b, "tandem_disagg_local_fallbacks_total", "counter",
                     "Requests prefilled here after remote attempts failed.", NULL,
                     (double)d->local_fallbacks);

@@ -178,7 +178,7 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     tdm_status st;
     if (o->head && (st = head_open(&ep->head, o->kv, o->head)) != TDM_OK) return st;
     int max_pages = (o->max_ctx + o->page_size - 1) / o->page_size;
-    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)o->max_ctx, (uint32_t)max_pages, true);
+    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)o->max_ctx, (uint32_t)max_pages, true, true);
     if ((size_t)xc.ctrl_bytes < msg) xc.ctrl_bytes = (int)msg;
     if (xc.max_jobs < o->min_jobs) xc.max_jobs = o->min_jobs;
     xc.on_msg = o->on_msg;

@@ -72,6 +72,8 @@ struct job {
     int outstanding; /* writes posted and not completed */
     enum tdm_finish why;
     bool failed, cancel, ctx_posted;
+    bool cached_posted; /* the chunks inside this node's cached prefix went (at the first span) */
+    int reused_chunks;  /* decoder chunks sent from this node's prefix cache, not computed */
     char error[TDM_DMSG_MAX_ERROR + 1];
     uint64_t bytes, pages_written, writes;
     int64_t t_recv, t_first_done, t_last_done;
@@ -132,6 +134,7 @@ struct tdm_disagg_prefill {
     struct tdm_hist transfer_s, layer_lag_s, bytes_h;
     uint64_t errors[N_PERR], jobs_ok, writes_total, bytes_total, landed_during_forward;
     uint64_t head_jobs_ok, head_rows;
+    uint64_t decoder_cached_jobs, reused_chunks;
 };
 
 /* The layers a job streams per chunk: the target's, and the head's when it asked. */
@@ -221,9 +224,11 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
         if (kind != W_CTX) {
             bool head = kind == W_HEAD;
             size_t page_bytes = head ? p->ep.head.page_bytes : p->page_bytes;
+            /* the decoder named its pages from its cached prefix on */
+            const int d0 = p0 - (int)(j->m.cached_tokens / (uint32_t)p->page_size);
             for (int i = 0; i < n; i++) {
                 p->src_tmp[i] = (uint32_t)w->pages[i];
-                p->dst_tmp[i] = j->dst_pages[p0 + i];
+                p->dst_tmp[i] = j->dst_pages[d0 + i];
             }
             w->bytes = (uint64_t)n * page_bytes;
             struct tdm_xfer_pages pg = {
@@ -270,17 +275,47 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
     j->outstanding++;
 }
 
-/* Posts layer `layer` of a span (W_KV: the target's; W_HEAD: the head's). p->mu held. */
+/* Posts layer `layer` of a span (W_KV: the target's; W_HEAD: the head's): the pages of its
+ * chunk from the chunk's start (which a span that began past this node's own cached prefix
+ * does not reach) to its end. Nothing for a span wholly inside the decoder's cached prefix.
+ * p->mu held. */
 static void post_span_layer_locked(struct tdm_disagg_prefill *p, const struct step_span *sp,
                                    enum wkind kind, int layer, int64_t t_layer)
 {
     struct job *j = sp->job;
-    int p0 = sp->pos0 / p->page_size;
+    const int c = (int)j->m.cached_tokens, C = (int)j->m.chunk;
+    if (sp->pos0 < c) return; /* spans end on the decoder's grid: this one ends by c */
+    uint32_t chunk_idx = (uint32_t)((sp->pos0 - c) / C);
+    int p0 = (c + (int)chunk_idx * C) / p->page_size;
     int p1 = (sp->pos0 + sp->n_tokens + p->page_size - 1) / p->page_size;
-    uint32_t chunk_idx = (uint32_t)sp->pos0 / j->m.chunk;
     uint32_t index = chunk_idx * (uint32_t)stream_layers(p, j) +
                      (uint32_t)(kind == W_HEAD ? p->n_layers + layer : layer);
     post_locked(p, j, kind, sp->pages, p0, p1 - p0, layer, index, t_layer);
+}
+
+/* A job's first span may start past the decoder's cached prefix c, inside this node's own
+ * (the scheduler reused its cache): the decoder's chunks wholly before the span are made
+ * already, and go now, every layer (a job with the head never reuses this node's cache).
+ * p->mu held. */
+static void post_cached_chunks_locked(struct tdm_disagg_prefill *p, const struct step_span *sp)
+{
+    struct job *j = sp->job;
+    if (j->cached_posted) return;
+    j->cached_posted = true;
+    const int c = (int)j->m.cached_tokens, C = (int)j->m.chunk;
+    if (sp->pos0 < c + C) return;
+    if (j->m.want_head) {
+        job_fail_locked(j, "%s", "a job with the head's KV started past its first chunk");
+        return;
+    }
+    const int64_t now = (int64_t)tdm_now_ns();
+    const int S = stream_layers(p, j);
+    for (int k = 0; c + (k + 1) * C <= sp->pos0; k++) {
+        int p0 = (c + k * C) / p->page_size, p1 = (c + (k + 1) * C) / p->page_size;
+        for (int l = 0; l < p->n_layers; l++)
+            post_locked(p, j, W_KV, sp->pages, p0, p1 - p0, l, (uint32_t)(k * S + l), now);
+        j->reused_chunks++;
+    }
 }
 
 /* Posts layer `layer` of every span of the current step. p->mu held. */
@@ -342,13 +377,15 @@ static void step_begin(void *ctx, const struct tdm_sched_plan *plan)
     p->n_spans = 0;
     for (int i = 0; i < plan->n_seqs; i++) {
         const struct tdm_plan_seq *q = &plan->seqs[i];
-        if (q->user)
-            p->spans[p->n_spans++] = (struct step_span){.job = q->user,
-                                                        .pos0 = q->pos0,
-                                                        .n_tokens = q->n_tokens,
-                                                        .pages = q->pages,
-                                                        .n_pages = q->n_pages,
-                                                        .features = q->features};
+        if (!q->user) continue;
+        struct step_span *sp = &p->spans[p->n_spans++];
+        *sp = (struct step_span){.job = q->user,
+                                 .pos0 = q->pos0,
+                                 .n_tokens = q->n_tokens,
+                                 .pages = q->pages,
+                                 .n_pages = q->n_pages,
+                                 .features = q->features};
+        post_cached_chunks_locked(p, sp);
     }
     atomic_store(p->layer_counter, 0);
     p->step_seq++;
@@ -390,7 +427,7 @@ static void step_end(void *ctx, const struct tdm_sched_plan *plan, tdm_status st
             if (j->m.want_logits)
                 memcpy(dst + logits_at, plan->logits + (size_t)row * p->vocab,
                        (size_t)p->vocab * sizeof(float));
-            uint32_t n_chunks = (j->m.n_tokens + j->m.chunk - 1) / j->m.chunk;
+            uint32_t n_chunks = (j->m.n_tokens - j->m.cached_tokens + j->m.chunk - 1) / j->m.chunk;
             post_locked(p, j, W_CTX, NULL, 0, 0, -1, n_chunks * (uint32_t)stream_layers(p, j), 0);
             j->ctx_posted = true;
         }
@@ -519,7 +556,7 @@ static tdm_status validate(struct tdm_disagg_prefill *p, uint32_t xpeer,
     }
     tdm_status st;
     if (m->want_head && (st = validate_head(p, &m->head, why, cap)) != TDM_OK) return st;
-    uint32_t n_chunks = (m->n_tokens + m->chunk - 1) / m->chunk;
+    uint32_t n_chunks = (m->n_tokens - m->cached_tokens + m->chunk - 1) / m->chunk;
     uint64_t layers = (uint64_t)p->n_layers + (m->want_head ? (uint64_t)p->head_layers : 0);
     if ((uint64_t)n_chunks * layers > p->ep.caps.max_index) {
         snprintf(why, cap, "too many writes for the immediate layout");
@@ -683,6 +720,7 @@ static void service_jobs_locked(struct tdm_disagg_prefill *p)
                                             .top_logprobs = -1,
                                             .prefill_only = true,
                                             .fixed_chunk = (int)j->m.chunk,
+                                            .chunk_phase = (int)(j->m.cached_tokens % j->m.chunk),
                                             .want_hidden = true,
                                             .want_logits = j->m.want_logits != 0,
                                             /* with a head it speculates, on the decoder: the
@@ -713,6 +751,8 @@ static void service_jobs_locked(struct tdm_disagg_prefill *p)
             if (ok) {
                 p->jobs_ok++;
                 if (j->m.want_head) p->head_jobs_ok++;
+                if (j->m.cached_tokens) p->decoder_cached_jobs++;
+                p->reused_chunks += (uint64_t)j->reused_chunks;
                 tdm_hist_observe(&p->transfer_s, (double)(j->t_last_done - j->t_first_done) * 1e-9);
                 tdm_hist_observe(&p->bytes_h, (double)j->bytes);
                 TDM_DEBUG("disagg: prefill %llu for peer %u: %u tokens, %llu writes, %llu pages, "
@@ -954,6 +994,12 @@ char *tdm_disagg_prefill_metrics(void *ctx)
                     (double)p->head_jobs_ok);
     tdm_prom_scalar(&b, "tandem_disagg_head_rows_total", "counter",
                     "Rows the speculation head ran for decoders.", NULL, (double)p->head_rows);
+    tdm_prom_scalar(&b, "tandem_disagg_decoder_cached_prefills_total", "counter",
+                    "Prefill requests for the part past a prefix the decoder had cached.", NULL,
+                    (double)p->decoder_cached_jobs);
+    tdm_prom_scalar(&b, "tandem_disagg_reused_chunks_total", "counter",
+                    "Decoder chunks sent from this node's prefix cache without computing them.",
+                    NULL, (double)p->reused_chunks);
     tdm_prom_scalar(&b, "tandem_disagg_writes_landed_during_forward_total", "counter",
                     "Writes that landed while the forward pass that produced them was still "
                     "running (layer streaming).",

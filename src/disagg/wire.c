@@ -12,10 +12,13 @@
  *            [flags & HEAD: u64 head_fingerprint, u32 head_n_layers, head_n_heads,
  *             head_n_kv_heads, head_head_dim, head_d_ff, u32 reserved,
  *             u64 head_dst_layer_stride, rmem head_kv[96]],
+ *            [flags & CACHED: u32 cached_tokens, u32 reserved],
  *            i32 tokens[n_tokens], u32 pages[n_pages]
- *            flags: bit 0 HEAD (want_head); the other bits are reserved. Without HEAD the
- *            message is byte for byte what it was before heads existed, and a node that
- *            predates them refuses a HEAD request (its reserved bytes are set).
+ *            flags: bit 0 HEAD (want_head), bit 1 CACHED (cached_tokens > 0); the other bits
+ *            are reserved. Without them the message is byte for byte what it was before heads
+ *            and prefix caching existed, and a node that predates them refuses such a request
+ *            (its reserved bytes are set). With CACHED, pages name the pages from
+ *            cached_tokens / page_size on.
  *   NACK:    u32 slot, epoch, i32 status, u16 len, char error[len]
  *   CANCEL, CANCEL_ACK: u32 slot, epoch
  */
@@ -26,7 +29,9 @@
 #define HDR           8
 #define PREFILL_FIXED (8 + 15 * 4 + 4 + 8 + 8 + 2 * TDM_XFER_RMEM_WIRE)
 #define HEAD_BLOCK    (8 + 6 * 4 + 8 + TDM_XFER_RMEM_WIRE)
+#define CACHED_BLOCK  8
 #define FLAG_HEAD     0x01
+#define FLAG_CACHED   0x02
 #define MAX_TOKENS    (1u << 24)
 #define MAX_GEOMETRY  (1u << 20) /* kv heads, head size, d_ff: sanity bounds on a peer's values */
 
@@ -55,10 +60,10 @@ static uint64_t get64(const uint8_t *p)
     return v;
 }
 
-size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head)
+size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head, bool cached)
 {
-    return HDR + PREFILL_FIXED + (head ? HEAD_BLOCK : 0) + 4 * (size_t)n_tokens +
-           4 * (size_t)n_pages;
+    return HDR + PREFILL_FIXED + (head ? HEAD_BLOCK : 0) + (cached ? CACHED_BLOCK : 0) +
+           4 * (size_t)n_tokens + 4 * (size_t)n_pages;
 }
 
 size_t tdm_disagg_ctx_layout(uint32_t d_model, uint32_t vocab, bool want_head, bool want_logits,
@@ -72,10 +77,11 @@ size_t tdm_disagg_ctx_layout(uint32_t d_model, uint32_t vocab, bool want_head, b
     return at;
 }
 
-uint32_t tdm_disagg_expected_writes(uint32_t n_tokens, uint32_t chunk, uint32_t n_layers)
+uint32_t tdm_disagg_expected_writes(uint32_t n_tokens, uint32_t cached, uint32_t chunk,
+                                    uint32_t n_layers)
 {
-    if (!chunk) return 0;
-    return (n_tokens + chunk - 1) / chunk * n_layers + 1;
+    if (!chunk || cached >= n_tokens) return 0;
+    return (n_tokens - cached + chunk - 1) / chunk * n_layers + 1;
 }
 
 size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_t cap)
@@ -84,7 +90,7 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
     switch (m->type) {
     case TDM_DMSG_PREFILL:
         need = tdm_disagg_prefill_msg_size(m->prefill.n_tokens, m->prefill.n_pages,
-                                           m->prefill.want_head);
+                                           m->prefill.want_head, m->prefill.cached_tokens > 0);
         break;
     case TDM_DMSG_NACK:
         need = HDR + 14 + strnlen(m->error, TDM_DMSG_MAX_ERROR);
@@ -115,7 +121,7 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
         put32(p, f->kv_dtype);
         p += 4;
         p[0] = f->want_logits;
-        p[1] = f->want_head ? FLAG_HEAD : 0;
+        p[1] = (uint8_t)((f->want_head ? FLAG_HEAD : 0) | (f->cached_tokens ? FLAG_CACHED : 0));
         p[2] = p[3] = 0;
         p += 4;
         put64(p, f->dst_layer_stride);
@@ -137,6 +143,11 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
             p += 8;
             tdm_xfer_rmem_pack(&h->kv, p);
             p += TDM_XFER_RMEM_WIRE;
+        }
+        if (f->cached_tokens) {
+            put32(p, f->cached_tokens);
+            put32(p + 4, 0);
+            p += CACHED_BLOCK;
         }
         for (uint32_t i = 0; i < f->n_tokens; i++, p += 4)
             put32(p, (uint32_t)f->tokens[i]);
@@ -219,9 +230,10 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
     f->n_pages = u[13];
     f->kv_dtype = u[14];
     f->want_logits = p[0];
-    if ((p[1] & ~FLAG_HEAD) || p[2] || p[3] || f->want_logits > 1)
+    if ((p[1] & ~(FLAG_HEAD | FLAG_CACHED)) || p[2] || p[3] || f->want_logits > 1)
         return tdm_err_set(TDM_EFORMAT, "disagg: reserved bytes set in a prefill request");
     f->want_head = (p[1] & FLAG_HEAD) != 0;
+    const bool cached = (p[1] & FLAG_CACHED) != 0;
     p += 4;
     f->dst_layer_stride = get64(p);
     p += 8;
@@ -232,7 +244,7 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
     p += TDM_XFER_RMEM_WIRE;
     if ((st = tdm_xfer_rmem_unpack(p, TDM_XFER_RMEM_WIRE, &f->ctx)) != TDM_OK) return st;
     p += TDM_XFER_RMEM_WIRE;
-    size_t fixed = PREFILL_FIXED + (f->want_head ? HEAD_BLOCK : 0);
+    size_t fixed = PREFILL_FIXED + (f->want_head ? HEAD_BLOCK : 0) + (cached ? CACHED_BLOCK : 0);
     if (body < fixed) return tdm_err_set(TDM_EFORMAT, "disagg: short prefill request");
     if (f->want_head) {
         struct tdm_disagg_head_req *h = &f->head;
@@ -257,6 +269,14 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
             return tdm_err_set(TDM_EFORMAT, "disagg: inconsistent head geometry in a prefill "
                                             "request");
     }
+    if (cached) {
+        f->cached_tokens = get32(p);
+        if (get32(p + 4))
+            return tdm_err_set(TDM_EFORMAT, "disagg: reserved bytes set in a cached block");
+        p += CACHED_BLOCK;
+        if (!f->cached_tokens)
+            return tdm_err_set(TDM_EFORMAT, "disagg: a cached block of 0 tokens");
+    }
     if (!f->n_tokens || f->n_tokens > MAX_TOKENS || !f->n_pages || f->n_pages > MAX_TOKENS)
         return tdm_err_set(TDM_EFORMAT, "disagg: prefill request with %u tokens and %u pages",
                            f->n_tokens, f->n_pages);
@@ -273,9 +293,15 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
         tdm_kv_elem_bytes((enum tdm_dtype)f->kv_dtype) != f->elem_bytes ||
         f->kv_head_begin >= f->kv_head_end || f->kv_head_end > f->n_kv_heads)
         return tdm_err_set(TDM_EFORMAT, "disagg: inconsistent geometry in a prefill request");
-    if (f->n_pages != (f->n_tokens + f->page_size - 1) / f->page_size)
-        return tdm_err_set(TDM_EFORMAT, "disagg: %u pages for %u tokens of page size %u",
-                           f->n_pages, f->n_tokens, f->page_size);
+    if (f->cached_tokens % f->page_size || f->cached_tokens >= f->n_tokens)
+        return tdm_err_set(TDM_EFORMAT,
+                           "disagg: %u cached tokens of %u (page size %u): not whole pages short "
+                           "of the prompt",
+                           f->cached_tokens, f->n_tokens, f->page_size);
+    if (f->n_pages !=
+        (f->n_tokens + f->page_size - 1) / f->page_size - f->cached_tokens / f->page_size)
+        return tdm_err_set(TDM_EFORMAT, "disagg: %u pages for tokens %u..%u of page size %u",
+                           f->n_pages, f->cached_tokens, f->n_tokens, f->page_size);
     for (uint32_t i = 0; i < f->n_tokens; i++, p += 4)
         tokens_out[i] = (int32_t)get32(p);
     for (uint32_t i = 0; i < f->n_pages; i++, p += 4)

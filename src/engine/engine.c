@@ -56,13 +56,41 @@
  * replays the recorded layer loop or starts recording it); step_end closes a recording. The
  * logits part (gather, LM head, download) always runs op by op.
  *
- * Threading: one thread calls tdm_engine_forward at a time.
+ * Tensor parallelism (opts.tp = N > 1; tp.h, DESIGN.md §5): the engine the caller holds is
+ * rank 0's, the leader, and it owns N - 1 more rank engines, each created like any engine over
+ * its rank's view of the model (shard.c: its query and KV heads, its MLP columns) with its own
+ * CPU backend and its own KV pool of the same page count. Every rank runs the same layer loop
+ * (run_layers) on its shapes; after the output projection and after the down projection the
+ * ranks sum their partial products (tdm_tp_allreduce), so every rank holds the whole residual
+ * stream. A step goes like this:
+ *
+ *   leader (caller's thread)               rank r > 0 (its own thread)
+ *   build_step (validates; arena)          waits at the start barrier
+ *   hands &step to tp->step, barrier  -->  copies the step header (arrays: the leader's arena)
+ *   run_layers  <- all-reduce x 2 a layer -> run_layers
+ *   lm_head: its vocabulary rows      <--> lm_head: its vocabulary rows, into the leader's
+ *   (barrier: every rank's rows are in)    logits; barrier; back to the start barrier
+ *   sampling, downloads
+ *
+ * Every step ends at a barrier (lm_head's, or one of its own when no row wants logits): the
+ * step's arrays are read by the ranks only before it, and after it no rank touches its
+ * backend until the next step, so the caller may use them (tdm_kv_pool_copy_slots). The page
+ * accounting is the leader's pool's; the other pools hold their heads at the same page ids
+ * (tdm_kv_pool_add_shard: slot copies reach them). The embedding stays whole: every rank embeds
+ * (row lookups in the shared table). The LM head is sharded by vocabulary: no sum, so each logit is
+ * the one a whole LM head computes from the same final-normed row; only the leader samples.
+ *
+ * Threading: one thread calls tdm_engine_forward at a time (a sharded engine's rank 0).
  */
 #include "tandem/engine.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "engine/engine_int.h"
+#include "tandem/tp.h"
 
 #define DEFAULT_PAGE_SIZE        16
 #define DEFAULT_MAX_BATCH_TOKENS 512
@@ -130,6 +158,37 @@ struct tdm_engine {
     struct tdm_sample_row *dev_rows; /* [max_logit_rows] */
     _Atomic int32_t own_counter;     /* the layer counter where the backend has none */
     _Atomic int32_t *counter;        /* count_layers: own_counter or the backend's */
+    /* tensor parallelism: this engine is rank `rank` of the group tp (NULL: not sharded);
+     * tpx is shared by the ranks and owned by the leader (rank 0) */
+    tdm_tp_group_t *tp;
+    int rank;
+    struct engine_tp *tpx;
+};
+
+/* A sharded engine's ranks (the leader's; see the top of this file). */
+struct engine_tp {
+    int n_ranks;
+    tdm_tp_group_t *group;
+    struct tdm_model *views[TDM_TP_MAX_RANKS]; /* each rank's model view (shard.c) */
+    tdm_engine_t *ranks[TDM_TP_MAX_RANKS];     /* [0]: the leader itself */
+    pthread_t threads[TDM_TP_MAX_RANKS];       /* [r]: rank r's, r >= 1, if started */
+    bool started[TDM_TP_MAX_RANKS];
+    /* the step handed over at the start barrier (the leader writes, the ranks read after it) */
+    const struct tdm_step *step;
+    int n_layers;
+    const int32_t *rows; /* the step's logit rows (token indices), and whether any is wanted */
+    int n_rows;
+    bool lm_head;
+    bool stop; /* the ranks leave at the next start barrier */
+    /* the LM head by vocabulary: rank r's rows start at vocab0[r]; the leader's part of a
+     * step of several rows goes through lm_part ([max_logit_rows][its rows], its backend's) */
+    int64_t vocab0[TDM_TP_MAX_RANKS];
+    struct tdm_buf lm_part;
+    /* a rank thread waits here until every rank has started (launched) or creation failed
+     * (stop), so that a failed start never leaves a rank at a barrier short of ranks */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool launched;
 };
 
 /* One activation buffer of the backend, kept typed in e->act; NULL once *st is an error. */
@@ -567,6 +626,15 @@ static enum tdm_dtype kv_elem_type(int kv_dtype, const tdm_backend_t *b)
     }
 }
 
+/* The KV memory an engine takes when no size is given: room for max_seqs whole contexts,
+ * capped. */
+static size_t kv_bytes_default(const struct tdm_kv_config *kc, const struct tdm_engine_opts *o)
+{
+    size_t full = tdm_kv_page_bytes_all(kc) *
+                  (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) * (size_t)o->max_seqs;
+    return TDM_MIN(full, DEFAULT_KV_CAP_BYTES);
+}
+
 void tdm_engine_fill_defaults(const struct tdm_model_config *cfg, struct tdm_engine_opts *o)
 {
     if (o->page_size <= 0) o->page_size = DEFAULT_PAGE_SIZE;
@@ -576,9 +644,14 @@ void tdm_engine_fill_defaults(const struct tdm_model_config *cfg, struct tdm_eng
     if (o->max_logit_rows <= 0) o->max_logit_rows = TDM_MAX(o->max_seqs, 64);
 }
 
+static tdm_status create_sharded(const struct tdm_model *model, const struct tdm_engine_opts *opts,
+                                 tdm_engine_t **out);
+static void *rank_main(void *arg);
+
 tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_engine_opts *opts,
                              tdm_engine_t **out)
 {
+    if (opts && opts->tp > 1) return create_sharded(model, opts, out);
     tdm_status st = TDM_OK;
     struct tdm_engine *e = calloc(1, sizeof *e);
     if (!e) return tdm_err_set(TDM_ENOMEM, "engine: out of memory");
@@ -619,7 +692,8 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         e->owns_backend = true;
     } else if (o->backend_kind == TDM_BACKEND_CPU) {
         struct tdm_backend_cpu_opts bo = {.n_threads = o->n_threads,
-                                          .batch_invariant = o->batch_invariant};
+                                          .batch_invariant = o->batch_invariant,
+                                          .quant_activations = !o->exact_activations};
         if ((st = tdm_backend_cpu_create(&bo, &e->backend)) != TDM_OK) goto out_free;
         e->owns_backend = true;
     } else {
@@ -807,10 +881,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
         if (!bytes && backend_kv_bytes) {
             bytes = backend_kv_bytes; /* the backend's memory plan (CUDA) */
         } else if (!bytes) {
-            size_t full = tdm_kv_page_bytes_all(&kc) *
-                          (size_t)((o->max_ctx + o->page_size - 1) / o->page_size) *
-                          (size_t)o->max_seqs;
-            bytes = TDM_MIN(full, DEFAULT_KV_CAP_BYTES);
+            bytes = kv_bytes_default(&kc, o);
         }
         kc.n_pages = tdm_kv_pages_for_bytes(&kc, bytes);
         if (kc.n_pages <= 0) {
@@ -851,9 +922,38 @@ out_free:
     return st;
 }
 
+/* Stops the ranks of a sharded engine and frees them, their views and the group (the
+ * leader's own engine is left to the caller). Safe on a partly built one. */
+static void destroy_ranks(struct engine_tp *x)
+{
+    if (!x) return;
+    pthread_mutex_lock(&x->mu);
+    x->stop = true;
+    pthread_cond_broadcast(&x->cv);
+    const bool launched = x->launched;
+    pthread_mutex_unlock(&x->mu);
+    if (launched) tdm_tp_barrier(x->group); /* every rank waits at the start barrier */
+    for (int r = 1; r < x->n_ranks; r++)
+        if (x->started[r]) pthread_join(x->threads[r], NULL);
+    pthread_mutex_destroy(&x->mu);
+    pthread_cond_destroy(&x->cv);
+    if (x->ranks[0]) tdm_backend_buf_release(x->ranks[0]->backend, &x->lm_part);
+    for (int r = 1; r < x->n_ranks; r++)
+        tdm_engine_destroy(x->ranks[r]);
+    for (int r = 0; r < x->n_ranks; r++)
+        tdm_engine_shard_model_free(x->views[r]);
+    tdm_tp_group_destroy(x->group);
+    free(x);
+}
+
 void tdm_engine_destroy(tdm_engine_t *e)
 {
     if (!e) return;
+    if (e->tpx && e->rank == 0) {
+        struct engine_tp *x = e->tpx;
+        e->tpx = NULL;
+        destroy_ranks(x);
+    }
     const struct tdm_backend_i *ops = e->backend ? e->backend->iface : NULL;
     if (ops && !e->owns_backend && ops->step_forget) ops->step_forget(e->backend, e);
     if (e->owns_kv) tdm_kv_pool_destroy(e->kv);
@@ -867,6 +967,124 @@ void tdm_engine_destroy(tdm_engine_t *e)
     free_layers(e);
     free(e->inv_freq);
     free(e);
+}
+
+/* Tensor parallelism (tdm_engine_opts.tp; the top of this file): checks what a sharded engine
+ * can run, builds each rank's model view and engine, attaches the ranks' pools to the leader's,
+ * and starts ranks 1 .. N-1. */
+static tdm_status create_sharded(const struct tdm_model *model, const struct tdm_engine_opts *opts,
+                                 tdm_engine_t **out)
+{
+    const struct tdm_model_config *c = &model->cfg;
+    const int N = opts->tp;
+    if (N > TDM_TP_MAX_RANKS)
+        return tdm_err_set(TDM_ERANGE, "engine: --tp %d (at most %d)", N, TDM_TP_MAX_RANKS);
+    if (opts->backend_kind != TDM_BACKEND_CPU ||
+        (opts->backend && tdm_backend_is_cuda(opts->backend)))
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "engine: --tp %d runs on the CPU backend only (CUDA ranks need NCCL, "
+                           "not built yet)",
+                           N);
+    if (opts->backend || opts->kv_shared)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "engine: --tp %d makes each rank's backend and pool; a borrowed "
+                           "backend or pool cannot be sharded",
+                           N);
+    if (model->head) /* a head's engine runs whole on the leader's backend (spec.h) */
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "engine: --tp %d: a speculation head is not sharded; it runs whole "
+                           "beside the leader rank",
+                           N);
+    if (tdm_config_mla(c))
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "engine: --tp %d with multi-head latent attention (kv_lora_rank %d) "
+                           "is not supported yet",
+                           N, c->kv_lora_rank);
+    if (c->n_experts)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "engine: --tp %d with a mixture-of-experts model (%d experts) is not "
+                           "supported yet",
+                           N, c->n_experts);
+    struct tdm_engine_opts o = *opts;
+    tdm_engine_fill_defaults(c, &o);
+    if (o.kv_pages <= 0) { /* the page count TP = 1 would have, whole heads counted */
+        struct tdm_kv_config kc = {.n_layers = c->n_layers,
+                                   .n_kv_heads = c->n_kv_heads,
+                                   .head_dim = c->head_dim,
+                                   .page_size = o.page_size,
+                                   .n_extra = TDM_MAX(o.n_kv_extra, 0),
+                                   .dtype = o.kv_dtype == TDM_KV_DTYPE_AUTO
+                                                ? TDM_DTYPE_F32 /* the CPU's */
+                                                : kv_elem_type(o.kv_dtype, NULL)};
+        for (int g = 0; g < o.n_kv_extra && g < TDM_KV_MAX_EXTRA_GROUPS; g++)
+            kc.extra[g] = o.kv_extra[g];
+        size_t bytes = o.kv_bytes ? o.kv_bytes : kv_bytes_default(&kc, &o);
+        if ((o.kv_pages = tdm_kv_pages_for_bytes(&kc, bytes)) <= 0)
+            return tdm_err_set(TDM_EINVAL, "engine: %zu bytes of KV memory hold no page", bytes);
+    }
+    const int threads = o.n_threads > 0 ? o.n_threads : tdm_cpu_count();
+    int64_t ff_align = 1; /* the MLP split in whole blocks of every layer's down projection */
+    for (int l = 0; l < c->n_layers; l++)
+        if (model->layers[l].w_down.data)
+            ff_align = TDM_MAX(ff_align, tdm_dtype_block_elems(model->layers[l].w_down.dtype));
+    struct engine_tp *x = calloc(1, sizeof *x);
+    if (!x) return tdm_err_set(TDM_ENOMEM, "engine: out of memory");
+    x->n_ranks = N;
+    pthread_mutex_init(&x->mu, NULL);
+    pthread_cond_init(&x->cv, NULL);
+    tdm_status st = tdm_tp_group_create(N, (size_t)o.max_batch_tokens * c->d_model, &x->group);
+    for (int r = 0; r < N && st == TDM_OK; r++) {
+        struct tdm_tp_shard sh;
+        if ((st = tdm_tp_shard_of(c, N, r, ff_align, &sh)) != TDM_OK ||
+            (st = tdm_engine_shard_model(model, &sh, &x->views[r])) != TDM_OK)
+            break;
+        struct tdm_engine_opts ro = o;
+        ro.tp = 0;
+        ro.n_threads = TDM_MAX(1, threads / N);
+        ro.backend_kind = TDM_BACKEND_CPU;
+        if (r > 0) { /* the layer counter, a draft's KV: the leader's alone */
+            ro.count_layers = false;
+            ro.kv_extra = NULL;
+            ro.n_kv_extra = 0;
+        }
+        if ((st = tdm_engine_create(x->views[r], &ro, &x->ranks[r])) != TDM_OK) break;
+        tdm_engine_t *re = x->ranks[r];
+        x->vocab0[r] = sh.vocab0;
+        if (r == 0)
+            st = tdm_backend_buf_new(re->backend,
+                                     (size_t)ro.max_logit_rows * (size_t)sh.n_vocab * sizeof(float),
+                                     "the leader's LM-head rows", &x->lm_part);
+        re->tp = x->group;
+        re->rank = r;
+        re->tpx = x;
+        if (r > 0 && st == TDM_OK) st = tdm_kv_pool_add_shard(x->ranks[0]->kv, re->kv);
+    }
+    for (int r = 1; r < N && st == TDM_OK; r++) {
+        if (pthread_create(&x->threads[r], NULL, rank_main, x->ranks[r]) != 0) {
+            st = tdm_err_set(TDM_ENOMEM, "engine: cannot start the thread of rank %d", r);
+            break;
+        }
+        x->started[r] = true;
+    }
+    if (st == TDM_OK) {
+        pthread_mutex_lock(&x->mu);
+        x->launched = true;
+        pthread_cond_broadcast(&x->cv);
+        pthread_mutex_unlock(&x->mu);
+        tdm_engine_t *e = x->ranks[0];
+        e->model = model; /* what callers see: the whole model; the weights are the view's */
+        e->opts.tp = N;
+        e->opts.n_threads = threads;
+        TDM_INFO("engine: --tp %d: %d ranks of %d thread(s) (%s)", N, N, TDM_MAX(1, threads / N),
+                 tdm_backend_cpu_isa());
+        *out = e;
+        return TDM_OK;
+    }
+    tdm_engine_t *leader = x->ranks[0];
+    if (leader) leader->tpx = NULL;
+    destroy_ranks(x);
+    tdm_engine_destroy(leader);
+    return st;
 }
 
 int tdm_engine_expert_tokens(const tdm_engine_t *e, uint64_t *out, int cap)
@@ -1178,6 +1396,146 @@ static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, 
     return TDM_OK;
 }
 
+/* The layer loop for a step of T = st->n_tokens tokens (the embedding, or a head's input
+ * stage, to the last layer's add_rmsnorm), n_layers of them. A rank of a sharded engine sums
+ * its partial output projections with the other ranks' after attention and after the MLP, so
+ * each rank leaves with the whole residual stream. */
+static void run_layers(tdm_engine_t *e, const struct tdm_step *st, int n_layers)
+{
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    const struct tdm_model_config *c = &e->cfg;
+    const int d = c->d_model, hd = c->head_dim, T = st->n_tokens;
+    const bool mla = tdm_config_mla(c);
+    const int qh = c->qk_nope_dim + c->qk_rope_dim; /* MLA: a head's q before the absorb */
+    const float scale = c->attn_scale / sqrtf((float)(mla ? qh : hd));
+    const struct tdm_rope rope = {.head_dim = hd,
+                                  .neox = c->rope_neox,
+                                  .inv_freq = e->inv_freq,
+                                  .rot_dim = mla ? c->qk_rope_dim : 0,
+                                  .mscale = c->rope_mscale};
+    _Atomic int32_t *counter = e->counter;
+    const struct tdm_head *hw = &e->head;
+    if (e->is_head) {
+        /* x = enorm(embed) fc_e + hnorm(hidden) fc_h (+ bias) */
+        ops->embed(b, &e->tok_embd, st->tokens, T, e->o);
+        const float *ein = e->o;
+        float *hin = e->hin, *hout = e->hin2;
+        if (hw->enorm.data) {
+            ops->rmsnorm(b, e->o, hw->enorm.data, c->rms_eps, T, d, e->h);
+            ein = e->h;
+        }
+        if (hw->hnorm.data) {
+            ops->rmsnorm(b, e->hin, hw->hnorm.data, c->rms_eps, T, d, e->hin2);
+            hin = e->hin2;
+            hout = e->hin;
+        }
+        ops->matmul(b, &hw->fc_e, ein, T, hw->fc_bias.data, e->x);
+        ops->matmul(b, &hw->fc_h, hin, T, NULL, hout);
+        ops->add(b, e->x, hout, (size_t)T * d);
+    } else {
+        ops->embed(b, &e->tok_embd, st->tokens, T, e->x);
+    }
+    if (e->layers[0].attn_norm.data)
+        ops->rmsnorm(b, e->x, e->layers[0].attn_norm.data, c->rms_eps, T, d, e->h);
+    for (int l = 0; l < n_layers; l++) {
+        const struct tdm_layer_weights *w = &e->layers[l];
+        struct tdm_kv_layer kv = tdm_kv_pool_group_layer(e->kv, e->kv_group, l);
+        if (mla) { /* a head's layer without an input norm (EAGLE) projects x itself */
+            mla_attention(e, w, l == 0 && !w->attn_norm.data ? e->x : e->h, st, &rope, &kv, scale,
+                          T, qh);
+            goto attended;
+        }
+        const struct tdm_matmul_part qkv[] = {
+            {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
+        /* a head's layer without an input norm (EAGLE) projects x itself */
+        ops->matmul_multi(b, l == 0 && !w->attn_norm.data ? e->x : e->h, T, qkv, 3);
+        if (c->qk_norm) {
+            ops->head_rmsnorm(b, e->q, w->q_norm.data, c->rms_eps, T * c->n_heads, hd);
+            ops->head_rmsnorm(b, e->k, w->k_norm.data, c->rms_eps, T * c->n_kv_heads, hd);
+        }
+        ops->rope_kv_append(b, e->q, e->k, e->v, c->n_heads, st, &rope, &kv);
+        ops->attention(b, e->q, c->n_heads, st, &kv, scale, e->att);
+        ops->matmul(b, &w->wo, e->att, T, NULL, e->o);
+        if (e->tp) tdm_tp_allreduce(e->tp, e->rank, e->o, (size_t)T * d);
+    attended:
+        if (counter) ops->layer_done(b, l, counter);
+        ops->add_rmsnorm(b, e->x, e->o, w->ffn_norm.data, c->rms_eps, T, d, e->h);
+        if (w->n_experts) {
+            moe_ffn(e, l, T);
+        } else {
+            ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
+            ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
+            if (e->tp) tdm_tp_allreduce(e->tp, e->rank, e->o, (size_t)T * d);
+        }
+        const float *next_norm =
+            l + 1 < n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
+        if (next_norm)
+            ops->add_rmsnorm(b, e->x, e->o, next_norm, c->rms_eps, T, d, e->h);
+        else /* a head without a final norm */
+            ops->add(b, e->x, e->o, (size_t)T * d);
+    }
+}
+
+/* The logits of the n_rows rows of the step's tokens `rows` into e->logits ([n_rows][vocab]),
+ * from the final norm's output (or the residual, for a head without one). A rank of a sharded
+ * engine computes its vocabulary rows [vocab0, vocab0 + n_vocab) and writes them into the
+ * leader's logits, then waits for the other ranks' (one barrier), so the leader samples
+ * whole rows. */
+static void lm_head(tdm_engine_t *e, const int32_t *rows, int n_rows)
+{
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    const int d = e->cfg.d_model, vocab = e->cfg.vocab_size;
+    ops->gather_rows(b, e->output_norm.data ? e->h : e->x, rows, n_rows, d, e->rows);
+    if (e->n_draft) { /* a reduced draft vocabulary: its rows, then placed */
+        ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->draft_logits);
+        ops->scatter_cols(b, e->draft_logits, e->draft_cols.ptr, n_rows, e->n_draft, vocab,
+                          e->logits);
+        return;
+    }
+    if (!e->tp) {
+        ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
+        return;
+    }
+    /* host memory (a sharded engine is on the CPU): the leader's rows, written in place */
+    struct engine_tp *x = e->tpx;
+    const int64_t v0 = x->vocab0[e->rank], nv = e->output.rows;
+    float *dst = x->ranks[0]->logits;
+    if (n_rows == 1) {
+        ops->matmul(b, &e->output, e->rows, 1, NULL, dst + v0);
+    } else {
+        float *part = e->rank ? e->logits : x->lm_part.ptr; /* [n_rows][nv] */
+        ops->matmul(b, &e->output, e->rows, n_rows, NULL, part);
+        for (int i = 0; i < n_rows; i++)
+            memcpy(dst + (size_t)i * vocab + v0, part + (size_t)i * nv, (size_t)nv * sizeof(float));
+    }
+    tdm_tp_barrier(e->tp);
+}
+
+/* A rank r > 0 of a sharded engine: each step the leader hands over, until told to stop. */
+static void *rank_main(void *arg)
+{
+    tdm_engine_t *e = arg;
+    struct engine_tp *x = e->tpx;
+    pthread_mutex_lock(&x->mu);
+    while (!x->launched && !x->stop)
+        pthread_cond_wait(&x->cv, &x->mu);
+    bool go = x->launched;
+    pthread_mutex_unlock(&x->mu);
+    if (!go) return NULL;
+    for (;;) {
+        tdm_tp_barrier(x->group);
+        if (x->stop) return NULL;
+        const struct tdm_step st = *x->step;
+        run_layers(e, &st, x->n_layers);
+        if (x->lm_head) /* ends with the step's last barrier */
+            lm_head(e, x->rows, x->n_rows);
+        else /* the step's end: no rank touches its backend until the next step */
+            tdm_tp_barrier(x->group);
+    }
+}
+
 tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
                           const struct tdm_engine_out *out)
 {
@@ -1214,15 +1572,7 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
     tdm_backend_t *b = e->backend;
     const struct tdm_backend_i *ops = b->iface;
     const struct tdm_model_config *c = &e->cfg;
-    int d = c->d_model, hd = c->head_dim;
-    const bool mla = tdm_config_mla(c);
-    const int qh = c->qk_nope_dim + c->qk_rope_dim; /* MLA: a head's q before the absorb */
-    float scale = c->attn_scale / sqrtf((float)(mla ? qh : hd));
-    struct tdm_rope rope = {.head_dim = hd,
-                            .neox = c->rope_neox,
-                            .inv_freq = e->inv_freq,
-                            .rot_dim = mla ? c->qk_rope_dim : 0,
-                            .mscale = c->rope_mscale};
+    const int d = c->d_model;
     _Atomic int32_t *counter = e->counter;
     if (counter) atomic_store_explicit(counter, 0, memory_order_release);
     if (e->is_head) /* the hidden states, in step order (before a graph may replay) */
@@ -1236,69 +1586,22 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
         ops->sync(b);
         return st;
     }
-    int T = step.n_tokens;
-    const struct tdm_head *hw = &e->head;
     /* the LM head's input: the final norm's output, or the residual itself (a head without) */
     const bool final_norm = e->output_norm.data != NULL;
     float *lm_in = final_norm ? e->h : e->x;
     if (!replayed) {
-        if (e->is_head) {
-            /* x = enorm(embed) fc_e + hnorm(hidden) fc_h (+ bias) */
-            ops->embed(b, &e->tok_embd, step.tokens, T, e->o);
-            const float *ein = e->o;
-            float *hin = e->hin, *hout = e->hin2;
-            if (hw->enorm.data) {
-                ops->rmsnorm(b, e->o, hw->enorm.data, c->rms_eps, T, d, e->h);
-                ein = e->h;
-            }
-            if (hw->hnorm.data) {
-                ops->rmsnorm(b, e->hin, hw->hnorm.data, c->rms_eps, T, d, e->hin2);
-                hin = e->hin2;
-                hout = e->hin;
-            }
-            ops->matmul(b, &hw->fc_e, ein, T, hw->fc_bias.data, e->x);
-            ops->matmul(b, &hw->fc_h, hin, T, NULL, hout);
-            ops->add(b, e->x, hout, (size_t)T * d);
-        } else {
-            ops->embed(b, &e->tok_embd, step.tokens, T, e->x);
+        if (e->tpx) { /* the step, built once, to every rank */
+            e->tpx->step = &step;
+            e->tpx->n_layers = n_layers;
+            e->tpx->rows = rows;
+            e->tpx->n_rows = n_rows;
+            e->tpx->lm_head = any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE);
+            tdm_tp_barrier(e->tp);
         }
-        if (e->layers[0].attn_norm.data)
-            ops->rmsnorm(b, e->x, e->layers[0].attn_norm.data, c->rms_eps, T, d, e->h);
-        for (int l = 0; l < n_layers; l++) {
-            const struct tdm_layer_weights *w = &e->layers[l];
-            struct tdm_kv_layer kv = tdm_kv_pool_group_layer(e->kv, e->kv_group, l);
-            if (mla) { /* a head's layer without an input norm (EAGLE) projects x itself */
-                mla_attention(e, w, l == 0 && !w->attn_norm.data ? e->x : e->h, &step, &rope, &kv,
-                              scale, T, qh);
-                goto attended;
-            }
-            const struct tdm_matmul_part qkv[] = {
-                {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
-            /* a head's layer without an input norm (EAGLE) projects x itself */
-            ops->matmul_multi(b, l == 0 && !w->attn_norm.data ? e->x : e->h, T, qkv, 3);
-            if (c->qk_norm) {
-                ops->head_rmsnorm(b, e->q, w->q_norm.data, c->rms_eps, T * c->n_heads, hd);
-                ops->head_rmsnorm(b, e->k, w->k_norm.data, c->rms_eps, T * c->n_kv_heads, hd);
-            }
-            ops->rope_kv_append(b, e->q, e->k, e->v, c->n_heads, &step, &rope, &kv);
-            ops->attention(b, e->q, c->n_heads, &step, &kv, scale, e->att);
-            ops->matmul(b, &w->wo, e->att, T, NULL, e->o);
-        attended:
-            if (counter) ops->layer_done(b, l, counter);
-            ops->add_rmsnorm(b, e->x, e->o, w->ffn_norm.data, c->rms_eps, T, d, e->h);
-            if (w->n_experts) {
-                moe_ffn(e, l, T);
-            } else {
-                ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
-                ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
-            }
-            const float *next_norm =
-                l + 1 < n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
-            if (next_norm)
-                ops->add_rmsnorm(b, e->x, e->o, next_norm, c->rms_eps, T, d, e->h);
-            else /* a head without a final norm */
-                ops->add(b, e->x, e->o, (size_t)T * d);
-        }
+        run_layers(e, &step, n_layers);
+        /* a sharded step ends at a barrier (lm_head's, or this one): the caller may then use
+         * every rank's backend and pool (tdm_kv_pool_copy_slots) while the ranks wait */
+        if (e->tpx && !(any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE))) tdm_tp_barrier(e->tp);
         if (ops->step_end && (st = ops->step_end(b)) != TDM_OK) {
             ops->sync(b);
             return st;
@@ -1312,16 +1615,7 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
         if (batch->seqs[s].features)
             ops->download(b, batch->seqs[s].features, lm_in + (size_t)step.seq_token_start[s] * d,
                           (size_t)batch->seqs[s].n_tokens * d * sizeof(float));
-    if (any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE)) {
-        ops->gather_rows(b, lm_in, rows, n_rows, d, e->rows);
-        if (e->n_draft) { /* a reduced draft vocabulary: its rows, then placed */
-            ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->draft_logits);
-            ops->scatter_cols(b, e->draft_logits, e->draft_cols.ptr, n_rows, e->n_draft,
-                              c->vocab_size, e->logits);
-        } else {
-            ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
-        }
-    }
+    if (any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE)) lm_head(e, rows, n_rows);
     /* logits before sampling, which may overwrite them */
     if (any & TDM_ROW_LOGITS)
         download_rows(e, out->logits, e->logits, want, n_rows, c->vocab_size, TDM_ROW_LOGITS);

@@ -42,6 +42,8 @@ struct tdm_kv_pool {
     void *reclaim_ctx;
     uint8_t *cached;               /* [n_pages] named by a prefix cache */
     int64_t n_cached, n_evictable; /* of them, held by the cache alone (one reference, no hold) */
+    tdm_kv_pool_t *shards[TDM_KV_MAX_SHARDS]; /* other ranks' pools (tdm_kv_pool_add_shard) */
+    int n_shards;
 };
 
 /* Mutex held: page id is one a cache could evict now. */
@@ -248,6 +250,19 @@ void tdm_kv_pool_copy_slots(tdm_kv_pool_t *pool, const int32_t *src, const int32
         size_t layer_bytes = g ? pool->g_layer_bytes[g - 1] : pool->layer_bytes;
         ops->kv_copy(pool->backend, &l0, n_layers, layer_bytes, src, dst, n);
     }
+    for (int i = 0; i < pool->n_shards; i++)
+        tdm_kv_pool_copy_slots(pool->shards[i], src, dst, n);
+}
+
+tdm_status tdm_kv_pool_add_shard(tdm_kv_pool_t *pool, tdm_kv_pool_t *shard)
+{
+    if (shard == pool || shard->cfg.n_pages != pool->cfg.n_pages ||
+        shard->cfg.page_size != pool->cfg.page_size)
+        return tdm_err_set(TDM_EINVAL, "kv: a shard pool needs the pool's page count and size");
+    if (pool->n_shards == TDM_KV_MAX_SHARDS)
+        return tdm_err_set(TDM_ERANGE, "kv: more than %d shard pools", TDM_KV_MAX_SHARDS);
+    pool->shards[pool->n_shards++] = shard;
+    return TDM_OK;
 }
 
 static void check_id(const tdm_kv_pool_t *pool, int32_t id)

@@ -47,20 +47,11 @@ void tdm_prefix_cache_set_listener(tdm_prefix_cache_t *c, const struct tdm_prefi
     c->ls = l ? *l : (struct tdm_prefix_listener){0};
 }
 
-static uint64_t mix(uint64_t h, uint64_t v)
-{
-    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-    h ^= h >> 31;
-    h *= 0xbf58476d1ce4e5b9ull;
-    h ^= h >> 29;
-    return h;
-}
-
 static uint64_t page_key(uint64_t parent, const int32_t *tokens, int ps)
 {
-    uint64_t h = mix(parent, (uint64_t)ps);
+    uint64_t h = tdm_hash_mix(parent, (uint64_t)ps);
     for (int i = 0; i < ps; i++)
-        h = mix(h, (uint64_t)(uint32_t)tokens[i]);
+        h = tdm_hash_mix(h, (uint64_t)(uint32_t)tokens[i]);
     return h ? h : 1;
 }
 
@@ -71,7 +62,7 @@ tdm_status tdm_prefix_cache_create(tdm_kv_pool_t *pool, uint64_t salt, tdm_prefi
     if (!c) return tdm_err_set(TDM_ENOMEM, "prefix cache: out of memory");
     c->pool = pool;
     c->ps = cfg->page_size;
-    c->salt = mix(salt, 0x7072656669780a01ull);
+    c->salt = tdm_hash_mix(salt, 0x7072656669780a01ull);
     c->cap = 16;
     while (c->cap < 2 * cfg->n_pages)
         c->cap *= 2;

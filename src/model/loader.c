@@ -681,6 +681,24 @@ out_free:
     return rc;
 }
 
+tdm_status tdm_model_open_text(const char *path, struct tdm_model **out)
+{
+    if (!path || !out) return tdm_err_set(TDM_EINVAL, "tdm_model_open_text: bad args");
+    struct tdm_model *m = calloc(1, sizeof(*m));
+    if (!m) return tdm_err_set(TDM_ENOMEM, "model: out of memory");
+    tdm_status rc = TDM_OK;
+    if (!(m->path = strdup(path)))
+        rc = tdm_err_set(TDM_ENOMEM, "model: out of memory");
+    else
+        rc = open_source(m, path);
+    if (rc) {
+        tdm_model_free(m);
+        return rc;
+    }
+    *out = m;
+    return TDM_OK;
+}
+
 void tdm_model_free(struct tdm_model *m)
 {
     if (!m) return;

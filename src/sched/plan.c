@@ -54,8 +54,14 @@ int tdm_sched_running_index(struct tdm_sched *s, const struct tdm_req *r)
 
 void tdm_sched_offer_prefix(struct tdm_sched *s, struct tdm_req *r)
 {
-    if (!s->prefix || r->prefill_only || atomic_load(&r->hung)) return;
-    int full = TDM_MIN(r->n_cached / s->page_size, r->kv.n_pages);
+    if (!s->prefix || atomic_load(&r->hung)) return;
+    int done = r->n_cached;
+    /* a drafter's own KV in the same pages must be final too (what a hit's cursor trusts); a
+     * request that does not speculate never made it, so its pages are not offered */
+    if (s->drafter && s->drafter->kv_len)
+        done = TDM_MIN(
+            done, r->dstate && r->spec_k >= 0 ? s->drafter->kv_len(s->drafter_ctx, r->dstate) : 0);
+    int full = TDM_MIN(done / s->page_size, r->kv.n_pages);
     if (full <= r->prefix_pages) return;
     tdm_prefix_cache_insert(s->prefix, r->tokens, &r->kv, full);
     r->prefix_pages = full;
@@ -166,12 +172,15 @@ static bool scoring(const struct tdm_req *r)
 
 /* The span a request runs next: all that is left, capped by the budget and the chunk size (and
  * a scoring request's by the output rows the plan has left, one a token). A fixed-chunk
- * request takes exactly its chunk (or what is left) or nothing. 0: it waits. */
+ * request takes exactly the rest of its chunk (the chunks end on positions congruent to its
+ * chunk_phase; a request starting past a cached prefix may start inside one), or what is
+ * left, or nothing. 0: it waits. */
 static int next_span(struct tdm_sched *s, struct tdm_req *r, int budget)
 {
     int left = r->n_tokens - r->n_cached;
     if (r->fixed_chunk > 0) {
-        int span = TDM_MIN(left, r->fixed_chunk);
+        int c = r->fixed_chunk, into = ((r->n_cached - r->chunk_phase) % c + c) % c;
+        int span = TDM_MIN(left, c - into);
         return span <= budget ? span : 0;
     }
     int span = TDM_MIN(TDM_MIN(left, budget), s->o.prefill_chunk);
@@ -508,6 +517,7 @@ static void unadmit(struct tdm_sched *s, struct tdm_req *r)
 {
     tdm_kv_seq_release(s->kv, &r->kv);
     r->n_cached = 0;
+    r->draft_stats.cursor = 0;
 }
 
 /* Admits waiting requests FCFS while the budget, the sequence and row caps and the free pages
@@ -524,12 +534,17 @@ static int admit(struct tdm_sched *s, int budget)
         pthread_mutex_unlock(&s->mu);
         if (!r) break;
         /* the longest cached prefix, leaving its last token to run (not for a request that
-         * scores every prompt position) */
+         * scores every prompt position, nor a prefill node's request whose spans feed a head,
+         * which needs the target's features of every position) */
         int hit = 0;
-        if (s->prefix && !r->prefill_only && !r->score && !r->kv.n_pages)
+        if (s->prefix && !r->score && !r->kv.n_pages && !(r->prefill_only && r->spec_k >= 0))
             hit = tdm_prefix_cache_match(s->prefix, r->tokens, r->n_tokens,
                                          (r->n_tokens - 1) / s->page_size, &r->kv);
         r->n_cached = hit * s->page_size;
+        /* a drafter with KV of its own finds it in the cached pages (offered only once it was
+         * final there) */
+        if (hit && s->drafter && s->drafter->kv_len && r->dstate && r->spec_k >= 0)
+            r->draft_stats.cursor = r->n_cached;
         int64_t need = (r->n_tokens + 1 + s->page_size - 1) / s->page_size - hit;
         int64_t free_pages = tdm_kv_pool_stats(s->kv).free;
         int64_t mark = s->n_running ? s->o.watermark_pages : 0;
@@ -540,9 +555,9 @@ static int admit(struct tdm_sched *s, int budget)
             break;
         }
         /* a scoring request prefills here: its prompt's rows are sampled where its KV is made */
-        bool remote =
-            s->conn && s->conn->admit && !r->prefill_only && !r->score && r->n_tokens >= 2;
-        int span = remote ? r->n_tokens : next_span(s, r, budget);
+        bool remote = s->conn && s->conn->admit && !r->prefill_only && !r->score &&
+                      r->n_tokens - r->n_cached >= 2;
+        int span = remote ? r->n_tokens - r->n_cached : next_span(s, r, budget);
         if (!span || tdm_kv_seq_reserve(s->kv, &r->kv, r->n_cached + span) != TDM_OK) {
             unadmit(s, r);
             break;
@@ -557,8 +572,8 @@ static int admit(struct tdm_sched *s, int budget)
         count_prompt(s, r);
         if (remote) {
             tdm_sched_set_state(r, TDM_REQ_WAITING_REMOTE_KV);
-            if (s->conn->admit(s->conn_ctx, r, r->user, r->tokens, r->n_tokens - 1, r->kv.pages,
-                               r->kv.n_pages))
+            if (s->conn->admit(s->conn_ctx, r, r->user, r->tokens, r->n_tokens - 1, r->n_cached,
+                               r->kv.pages, r->kv.n_pages))
                 continue;
             /* prefill here after all */
             tdm_sched_set_state(r, TDM_REQ_RUNNING);

@@ -138,14 +138,11 @@ tdm_status tdm_sched_enable_prefix_cache(tdm_sched_t *s, uint64_t salt)
 {
     if (s->started || s->prefix)
         return tdm_err_set(TDM_EINVAL, "prefix caching is turned on once, before the start");
-    if (s->conn)
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "prefix caching does not work with disaggregation yet: the KV of a "
-                           "cached prefix would not be sent to the decoder");
-    if (s->drafter && s->drafter->feed)
+    if (s->drafter && s->drafter->feed && !s->drafter->kv_len)
         return tdm_err_set(TDM_EUNSUPPORTED,
                            "prefix caching does not work with a drafter that reads the target's "
-                           "features (mtp, eagle) yet: a reused prefix would be a gap in them");
+                           "features and does not say how far its own KV goes: a reused prefix "
+                           "would be a gap in them");
     tdm_status st = tdm_prefix_cache_create(s->kv, salt, &s->prefix);
     if (st != TDM_OK) return st;
     tdm_kv_pool_set_reclaim(s->kv, tdm_prefix_cache_reclaim, s->prefix);
@@ -361,6 +358,8 @@ static tdm_status req_new(struct tdm_sched *s, const struct tdm_req_params *p, s
     if (p->fixed_chunk < 0 || p->fixed_chunk > s->o.max_batch_tokens)
         return tdm_err_set(TDM_EINVAL, "fixed_chunk must be between 0 and %d (tokens per step)",
                            s->o.max_batch_tokens);
+    if (p->fixed_chunk > 0 && (p->chunk_phase < 0 || p->chunk_phase >= p->fixed_chunk))
+        return tdm_err_set(TDM_EINVAL, "chunk_phase must be between 0 and fixed_chunk - 1");
     if (p->grammar && tdm_grammar_vocab_size(p->grammar) != s->vocab)
         return tdm_err_set(TDM_EINVAL, "the grammar was made for %d tokens; the model has %d",
                            tdm_grammar_vocab_size(p->grammar), s->vocab);
@@ -448,6 +447,7 @@ static tdm_status req_new(struct tdm_sched *s, const struct tdm_req_params *p, s
     r->n_stop_ids = p->n_stop_ids;
     r->prefill_only = p->prefill_only;
     r->fixed_chunk = p->fixed_chunk;
+    r->chunk_phase = p->fixed_chunk > 0 ? p->chunk_phase : 0;
     r->spec_k = p->spec_k;
     r->penalties = r->smp.out_count != NULL;
     r->want =

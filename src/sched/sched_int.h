@@ -42,7 +42,7 @@ struct tdm_req {
     uint8_t want; /* tdm_row_want bits of its output rows */
     int32_t stop_ids[TDM_MAX_STOP_IDS];
     int n_stop_ids;
-    int fixed_chunk;
+    int fixed_chunk, chunk_phase;
     int spec_k; /* as submitted: 0 the scheduler's cap, > 0 a lower cap, < 0 none */
     void *user;
     char kv_peer[TDM_REQ_KV_PEER_MAX]; /* params.kv_peer, "" for none */

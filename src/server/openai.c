@@ -1943,6 +1943,36 @@ out:
     return out;
 }
 
+bool tdm_api_prompt_ids(const struct api_ctx *c, bool chat, const char *body, size_t len,
+                        int32_t **ids, int *n)
+{
+    *ids = NULL;
+    *n = 0;
+    struct api_err err = {0};
+    json_t *root = load_body(body, len, &err);
+    if (!root) return false;
+    struct api_req r = {0};
+    bool ok;
+    if (chat) {
+        json_t *msgs = json_object_get(root, "messages");
+        ok =
+            msgs && parse_tools(c, root, &r, &err) && parse_messages(c, msgs, true, true, &r, &err);
+    } else {
+        json_t *prompt = json_object_get(root, "prompt"), *suffix = json_object_get(root, "suffix");
+        if (prompt && prompt_list_size(prompt) > 1) prompt = json_array_get(prompt, 0);
+        /* a fill-in-the-middle prompt is rearranged around its suffix: not a prefix to route */
+        ok = prompt && (!suffix || json_is_null(suffix)) && parse_prompt(c, prompt, true, &r, &err);
+    }
+    if (ok) {
+        *ids = r.prompt;
+        *n = r.n_prompt;
+        r.prompt = NULL;
+    }
+    tdm_api_req_free(&r);
+    json_decref(root);
+    return ok;
+}
+
 char *tdm_api_detokenize(const struct api_ctx *c, const char *body, size_t len, struct api_err *err)
 {
     static const char *const known[] = {"model", "tokens", NULL};

@@ -11,7 +11,13 @@
  * is in_flight + prefix_weight * (the share of the prompt's blocks the backend was not sent
  * before + half its share of all the blocks sent: server/affinity.c), so a prompt follows its
  * prefix to the backend that has probably cached it, unless that one is busier by more than
- * about prefix_weight requests, and a new prefix goes where less is cached.
+ * about prefix_weight requests, and a new prefix goes where less is cached. With --route kv
+ * the same cost reads what each backend has really cached: the prompt is tokenized as the
+ * backends do (the model's tokenizer and chat template, tdm_api_prompt_ids) and its whole
+ * blocks are matched against an index fed by the backends' KV cache events (server/kv_sub.c,
+ * kv_index.c), a block held or in flight there worth 1, one only sent there before (evicted
+ * since, or its event not in) worth half, so a prefix stays where it went after an eviction
+ * rather than moving by load; a body the router cannot make a prompt of goes least loaded.
  *
  * Health: each backend is up or down.
  *
@@ -117,6 +123,11 @@ struct tdm_router {
     struct tdm_pump *pump; /* waits on backends for the suspended connections */
     /* --route prefix: where prompts' blocks were sent (under mu), and how the picks matched */
     struct tdm_affinity *aff;
+    /* --route kv: the backends' caches from their KV events, and the tokenizer that makes a
+     * request's prompt as they would */
+    struct tdm_kv_sub *kv;
+    struct tdm_affinity *sent; /* where prompts' token blocks were sent (under mu) */
+    struct api_ctx api;
     double prefix_weight;
     _Atomic uint64_t prefix_matched, prefix_missed; /* blocks of the chosen backends */
 };
@@ -160,30 +171,70 @@ static bool stream_done(const struct relay *rl)
 
 /* ---- backend state ---- */
 
-/* The backend for a request whose prompt has these block keys (none: least loaded). */
-static int pick(struct tdm_router *r, int exclude, const uint64_t *keys, int n_keys)
+/* What a pick knows of a request's prompt: its block keys (--route prefix), or how many
+ * leading blocks each backend holds by its KV events and its share of what they hold (--route
+ * kv). n_keys 0: least loaded. */
+struct prompt_blocks {
+    uint64_t keys[TDM_ROUTER_MAX_KEYS];
+    int n_keys;
+    int matched[TDM_ROUTER_MAX_BACKENDS];
+    double share[TDM_ROUTER_MAX_BACKENDS];
+    int pended; /* --route kv: the backend its keys are in flight to (-1: none) */
+};
+
+/* --route kv: the request's blocks are no longer in flight to the backend it was sent to. */
+static void unpend(struct tdm_router *r, struct prompt_blocks *pb)
 {
-    int matched[TDM_ROUTER_MAX_BACKENDS] = {0};
+    if (r->kv && pb->pended >= 0) tdm_kv_sub_pend(r->kv, pb->pended, pb->keys, pb->n_keys, -1);
+    pb->pended = -1;
+}
+
+/* The backend for a request with these prompt blocks. */
+static int pick(struct tdm_router *r, int exclude, struct prompt_blocks *pb)
+{
+    const int n_keys = pb->n_keys;
     pthread_mutex_lock(&r->mu);
-    if (r->aff && n_keys) tdm_affinity_match(r->aff, keys, n_keys, r->n_backends, matched);
+    if (r->aff && n_keys) {
+        tdm_affinity_match(r->aff, pb->keys, n_keys, r->n_backends, pb->matched);
+        for (int i = 0; i < r->n_backends; i++)
+            pb->share[i] = tdm_affinity_share(r->aff, i, r->n_backends);
+    }
+    /* what a block is worth: 1 where held (for kv, by the events or in flight there); for kv,
+     * half where only sent before (evicted since, or its event not in yet): a prefix stays
+     * with its backend rather than going by load after an eviction */
+    double worth[TDM_ROUTER_MAX_BACKENDS];
+    if (r->kv && n_keys) {
+        int sent[TDM_ROUTER_MAX_BACKENDS];
+        tdm_kv_sub_match(r->kv, pb->keys, n_keys, r->n_backends, pb->matched, pb->share);
+        tdm_affinity_match(r->sent, pb->keys, n_keys, r->n_backends, sent);
+        for (int i = 0; i < r->n_backends; i++)
+            worth[i] = pb->matched[i] + 0.5 * TDM_MAX(sent[i] - pb->matched[i], 0);
+    } else {
+        for (int i = 0; i < r->n_backends; i++)
+            worth[i] = n_keys ? pb->matched[i] : 0;
+    }
     int best = -1;
     double best_cost = 0;
     for (int k = 0; k < r->n_backends; k++) {
         int i = (r->rr + k) % r->n_backends;
         if (i == exclude || !atomic_load(&r->b[i].up)) continue;
         double cost = atomic_load(&r->b[i].in_flight);
-        if (r->aff && n_keys) /* the prompt's unmatched share, and what the backend holds */
-            cost += r->prefix_weight * ((double)(n_keys - matched[i]) / n_keys +
-                                        0.5 * tdm_affinity_share(r->aff, i, r->n_backends));
+        if (n_keys) /* the prompt's unmatched share, and what the backend holds */
+            cost += r->prefix_weight * ((n_keys - worth[i]) / n_keys + 0.5 * pb->share[i]);
         if (best < 0 || cost < best_cost) best = i, best_cost = cost;
     }
     if (best >= 0) {
         atomic_fetch_add(&r->b[best].in_flight, 1);
         r->rr = (best + 1) % r->n_backends;
-        if (r->aff && n_keys) {
-            tdm_affinity_insert(r->aff, best, keys, n_keys);
-            atomic_fetch_add(&r->prefix_matched, (uint64_t)matched[best]);
-            atomic_fetch_add(&r->prefix_missed, (uint64_t)(n_keys - matched[best]));
+        if (n_keys) {
+            if (r->aff) tdm_affinity_insert(r->aff, best, pb->keys, n_keys);
+            if (r->sent) tdm_affinity_insert(r->sent, best, pb->keys, n_keys);
+            if (r->kv) { /* in flight there until it ends (unpend) */
+                tdm_kv_sub_pend(r->kv, best, pb->keys, n_keys, +1);
+                pb->pended = best;
+            }
+            atomic_fetch_add(&r->prefix_matched, (uint64_t)pb->matched[best]);
+            atomic_fetch_add(&r->prefix_missed, (uint64_t)(n_keys - pb->matched[best]));
         }
     }
     pthread_mutex_unlock(&r->mu);
@@ -201,9 +252,10 @@ static void mark_down(struct tdm_router *r, int be, const char *why)
 {
     if (atomic_exchange(&r->b[be].up, false)) {
         TDM_WARN("router: backend %s is down (%s)", r->b[be].url, why);
-        if (r->aff) { /* what it had cached is not to be counted on when it is back */
+        if (r->aff || r->sent) { /* what it had cached is not to be counted on when back */
             pthread_mutex_lock(&r->mu);
-            tdm_affinity_forget(r->aff, be);
+            if (r->aff) tdm_affinity_forget(r->aff, be);
+            if (r->sent) tdm_affinity_forget(r->sent, be);
             pthread_mutex_unlock(&r->mu);
         }
     }
@@ -402,8 +454,7 @@ struct fwd {
     struct tdm_park *park;
     struct tdm_bh_request rq; /* borrows the connection's headers and body */
     int attempts, tried, be;
-    uint64_t keys[TDM_ROUTER_MAX_KEYS]; /* the prompt's block keys (--route prefix) */
-    int n_keys;
+    struct prompt_blocks pb; /* --route prefix or kv */
     tdm_bh_conn_t *bc;
     enum tdm_bh_fail last;
     char last_msg[400];
@@ -412,6 +463,7 @@ struct fwd {
 static void fwd_free(void *app)
 {
     struct fwd *w = app;
+    unpend(w->r, &w->pb);
     if (w->bc) {
         tdm_bh_close(w->bc);
         release(w->r, w->be);
@@ -429,6 +481,7 @@ static bool fwd_failed(struct fwd *w, enum tdm_bh_fail f, const char *msg)
     tdm_bh_close(w->bc);
     w->bc = NULL;
     release(r, w->be);
+    unpend(r, &w->pb);
     count_error(r, err_kind(f));
     w->last = f;
     if (!is_connection_error(f)) return false;
@@ -444,7 +497,7 @@ static enum MHD_Result fwd_step(struct tdm_router *r, struct MHD_Connection *c, 
 {
     for (;;) {
         if (!w->bc) {
-            int be = w->attempts < 2 ? pick(r, w->tried, w->keys, w->n_keys) : -1;
+            int be = w->attempts < 2 ? pick(r, w->tried, &w->pb) : -1;
             if (be < 0) break;
             if (w->attempts++ > 0) atomic_fetch_add(&r->retries, 1);
             w->be = be;
@@ -517,9 +570,18 @@ static enum MHD_Result forward(struct tdm_router *r, struct MHD_Connection *c, c
                              .body = post ? (cc->body ? cc->body : "") : NULL,
                              .body_len = post ? cc->len : 0,
                              .connect_timeout_ms = r->connect_timeout_ms},
-                      .tried = -1};
+                      .tried = -1,
+                      .pb = {.pended = -1}};
     if (r->aff && post && cc->body)
-        w->n_keys = tdm_affinity_keys(cc->body, cc->len, w->keys, TDM_ROUTER_MAX_KEYS);
+        w->pb.n_keys = tdm_affinity_keys(cc->body, cc->len, w->pb.keys, TDM_ROUTER_MAX_KEYS);
+    bool chat = !strcmp(url, "/v1/chat/completions");
+    if (r->kv && post && cc->body && (chat || !strcmp(url, "/v1/completions"))) {
+        int32_t *ids = NULL;
+        int n = 0; /* the prompt as the backends will run it (a body they refuse: least loaded) */
+        if (tdm_api_prompt_ids(&r->api, chat, cc->body, cc->len, &ids, &n))
+            w->pb.n_keys = tdm_kv_sub_keys(r->kv, ids, n, w->pb.keys, TDM_ROUTER_MAX_KEYS);
+        free(ids);
+    }
     cc->app = w;
     cc->app_free = fwd_free;
     return fwd_step(r, c, w);
@@ -584,10 +646,17 @@ static char *metrics_text(struct tdm_router *r)
     tdm_prom_scalar(&b, "tandem_router_retries_total", "counter",
                     "Requests retried on another backend after a connection error.", NULL,
                     (double)atomic_load(&r->retries));
-    if (r->aff) {
+    if (r->kv) {
+        const char *labels[TDM_ROUTER_MAX_BACKENDS];
+        for (int i = 0; i < r->n_backends; i++)
+            labels[i] = r->b[i].label;
+        tdm_kv_sub_metrics(r->kv, &b, labels);
+    }
+    if (r->aff || r->kv) {
         tdm_prom_family(&b, "tandem_router_prefix_blocks_total", "counter",
-                        "Prompt blocks of routed requests (--route prefix): sent before to the "
-                        "chosen backend (matched) or not (missed).");
+                        "Prompt blocks of routed requests (--route prefix: sent before to the "
+                        "chosen backend; --route kv: in its cache by its KV events): matched "
+                        "or missed.");
         tdm_prom_sample(&b, "tandem_router_prefix_blocks_total", "result=\"matched\"",
                         (double)atomic_load(&r->prefix_matched));
         tdm_prom_sample(&b, "tandem_router_prefix_blocks_total", "result=\"missed\"",
@@ -687,6 +756,8 @@ static void router_free(struct tdm_router *r)
     free(r->api_key);
     free(r->backend_api_key);
     tdm_affinity_free(r->aff);
+    tdm_affinity_free(r->sent);
+    tdm_kv_sub_stop(r->kv);
     pthread_mutex_destroy(&r->mu);
     pthread_mutex_destroy(&r->health_mu);
     pthread_cond_destroy(&r->health_cv);
@@ -729,6 +800,29 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
     if (o->route == TDM_ROUTE_PREFIX && tdm_affinity_new((size_t)1 << 20, &r->aff) != TDM_OK) {
         router_free(r);
         return tdm_err_set(TDM_ENOMEM, "router: out of memory for the prefix index");
+    }
+    if (o->route == TDM_ROUTE_KV) {
+        if (!o->kv_events || !o->model || !o->model->tok) {
+            router_free(r);
+            return tdm_err_set(TDM_EINVAL, "router: --route kv needs the backends' KV event "
+                                           "endpoints and the model's tokenizer");
+        }
+        r->api = (struct api_ctx){.tok = o->model->tok,
+                                  .chat = o->model->chat,
+                                  .add_bos = o->model->add_bos,
+                                  .model_name = "",
+                                  .max_ctx = 1 << 24,
+                                  .vocab = tdm_tok_vocab_size(o->model->tok)};
+        if (o->n_backends > 32) {
+            router_free(r);
+            return tdm_err_set(TDM_ERANGE, "router: --route kv takes at most 32 backends");
+        }
+        tdm_status kst = tdm_affinity_new((size_t)1 << 20, &r->sent);
+        if (kst == TDM_OK) kst = tdm_kv_sub_start(o->kv_events, o->n_backends, &r->kv);
+        if (kst != TDM_OK) {
+            router_free(r);
+            return kst;
+        }
     }
 
     tdm_status st;

@@ -180,6 +180,13 @@ char *tdm_api_render_model(const struct api_ctx *c, long created);
  * add_generation_prompt, return_token_strs) and POST /detokenize ({"tokens": [...]}): the
  * answer's JSON, or NULL with err filled. */
 char *tdm_api_tokenize(const struct api_ctx *c, const char *body, size_t len, struct api_err *err);
+/* The prompt a generation request's body would run (its first, for a list of prompts), as
+ * token ids (malloc'd), the way tdm_api_parse makes it: a chat's messages and tools through
+ * the template, a completion's text with BOS where the model adds one. Nothing else of the body
+ * is checked. false (nothing allocated) for a body it cannot make a prompt of, or a
+ * fill-in-the-middle one. For the router's KV-aware routing. */
+bool tdm_api_prompt_ids(const struct api_ctx *c, bool chat, const char *body, size_t len,
+                        int32_t **ids, int *n);
 char *tdm_api_detokenize(const struct api_ctx *c, const char *body, size_t len,
                          struct api_err *err);
 
@@ -196,6 +203,59 @@ struct api_grammar_metrics {
 char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m,
                          const struct api_grammar_metrics *gm, const uint64_t *http_by_class,
                          const char *model_name);
+
+/* ---- the KV index (kv_index.c): the router's view of its backends' prefix caches, from their
+ * KV cache events (--route kv) ---- */
+struct tdm_kv_index;
+struct tdm_kv_index_stats {
+    uint64_t stored, removed, cleared; /* blocks stored and removed, caches cleared */
+    uint64_t orphans; /* blocks stored under a parent the index does not know: not indexed */
+    uint64_t refused; /* blocks of another block size than the first seen: not indexed */
+    uint64_t full;    /* blocks not indexed: the tables were full */
+    uint64_t bad;     /* malformed batches (events read whole before one went wrong stay) */
+};
+/* An index for about `capacity` blocks over all backends. */
+tdm_status tdm_kv_index_new(size_t capacity, struct tdm_kv_index **out);
+void tdm_kv_index_free(struct tdm_kv_index *x);
+/* Applies one KV event batch (the msgpack payload frame) that backend b (< 64) published.
+ * TDM_EFORMAT on bytes that are not one; the events before the bad one are applied. */
+tdm_status tdm_kv_index_apply(struct tdm_kv_index *x, int b, const void *payload, size_t len);
+/* The block size of the stored blocks (the first one seen; 0 before any). */
+int tdm_kv_index_block_size(const struct tdm_kv_index *x);
+/* The chained keys of the whole blocks of a prompt's token ids (at most max; 0 before the
+ * block size is known). */
+int tdm_kv_index_keys(const struct tdm_kv_index *x, const int32_t *ids, int n, uint64_t *keys,
+                      int max);
+/* Requests routed to backend b with these prompt keys: delta +1 when one is sent, -1 when it
+ * ends. A backend holds the blocks of its requests in flight, for matching. */
+void tdm_kv_index_pend(struct tdm_kv_index *x, int b, const uint64_t *keys, int n, int delta);
+/* matched[b] (b < n_backends): how many leading keys backend b holds (or has in flight). */
+void tdm_kv_index_match(const struct tdm_kv_index *x, const uint64_t *keys, int n, int n_backends,
+                        int *matched);
+/* Backend b's share of the blocks the index holds (0 when empty), and its count. */
+double tdm_kv_index_share(const struct tdm_kv_index *x, int b, int n_backends);
+int64_t tdm_kv_index_held(const struct tdm_kv_index *x, int b);
+/* Everything backend b held is gone (its cache was cleared, or it restarted). */
+void tdm_kv_index_forget(struct tdm_kv_index *x, int b);
+struct tdm_kv_index_stats tdm_kv_index_stats(const struct tdm_kv_index *x);
+
+/* ---- the subscriber (kv_sub.c): a thread that feeds the index from the backends' KV event
+ * sockets ---- */
+#define TDM_KV_SUB_MAX_KEYS 4096 /* prompt blocks a KV pick looks at */
+struct tdm_kv_sub;
+/* Subscribes to endpoints[b] for backend b (NULL or "": none), and starts the thread. */
+tdm_status tdm_kv_sub_start(const char *const *endpoints, int n, struct tdm_kv_sub **out);
+void tdm_kv_sub_stop(struct tdm_kv_sub *s); /* NULL is a no-op */
+/* A prompt's token ids as index keys (at most max; 0 before any block size is known). */
+int tdm_kv_sub_keys(struct tdm_kv_sub *s, const int32_t *ids, int n_ids, uint64_t *keys, int max);
+/* For a prompt's keys: matched[b], the leading blocks backend b holds or has in flight, and
+ * share[b], its share of all indexed blocks (b < n_backends). */
+void tdm_kv_sub_match(struct tdm_kv_sub *s, const uint64_t *keys, int n, int n_backends,
+                      int *matched, double *share);
+/* tdm_kv_index_pend under the subscriber's lock. */
+void tdm_kv_sub_pend(struct tdm_kv_sub *s, int b, const uint64_t *keys, int n, int delta);
+/* Prometheus text: batches and blocks per backend (labels[b]), errors by kind. */
+void tdm_kv_sub_metrics(struct tdm_kv_sub *s, struct tdm_sbuf *b, const char *const *labels);
 
 /* ---- prefix affinity (affinity.c): the router's guess of which backend has a prompt's prefix
  * cached, from where it sent earlier prompts ---- */

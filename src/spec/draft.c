@@ -64,6 +64,7 @@ void tdm_spec_beside_opts(tdm_engine_t *target, struct tdm_engine_opts *eo)
     int n = TDM_MIN(to->max_seqs, to->max_logit_rows);
     *eo = (struct tdm_engine_opts){.n_threads = to->n_threads,
                                    .batch_invariant = to->batch_invariant,
+                                   .exact_activations = to->exact_activations,
                                    .max_ctx = to->max_ctx,
                                    .max_batch_tokens = to->max_batch_tokens,
                                    .max_seqs = n,

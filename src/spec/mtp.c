@@ -30,7 +30,10 @@
  * the context brought h(N - 2): the scheduler then sets stats->cursor to N - 2 and feeds that
  * one feature at N - 2, so head_len = N - 2, pend = [h(N - 2)] and the request drafts at its
  * first step (prompt[-1], whose row verifies draft 1 = the first output token). Any other gap
- * leaves the request without drafts until its pages go back (dead).
+ * leaves the request without drafts until its pages go back (dead). A prefix from the prefix
+ * cache is such a gap too, covered the same way: the scheduler offers a page only once head_len
+ * covers it (tdm_spec_mtp_kv_len), and sets the cursor of a request that reuses it to the
+ * prefix's end, so the head's KV of the cached pages becomes its own.
  *
  * Draws are the chain's: the request's keyed draw (exact) or PROPOSE rows with q (rejection).
  *
@@ -168,6 +171,13 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
         memcpy(st->pend, f[i].features + (size_t)(f[i].n - 1) * md->d, row);
         st->n_pend = 1;
     }
+}
+
+int tdm_spec_mtp_kv_len(void *ctx, const void *state)
+{
+    (void)ctx;
+    const struct mtp_req *st = state;
+    return st->dead ? 0 : st->head_len;
 }
 
 bool tdm_spec_mtp_catch_up(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *d, int n,
@@ -404,7 +414,8 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
                                      .feature_dim = md->d,
                                      .state_bytes = sizeof(struct mtp_req) +
                                                     (size_t)PEND_CAP * dd * sizeof(float),
-                                     .feed = mtp_feed};
+                                     .feed = mtp_feed,
+                                     .kv_len = tdm_spec_mtp_kv_len};
     return TDM_OK;
 }
 

@@ -158,6 +158,12 @@ static void on_feed(void *ctx, const struct tdm_sched_feed *f, int n)
     sp->dr.feed(sp->dr.ctx, sp, f, n);
 }
 
+static int on_kv_len(void *ctx, const void *state)
+{
+    struct tdm_spec *sp = ctx;
+    return sp->dr.kv_len(sp->dr.ctx, state);
+}
+
 void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns)
 {
     tdm_spec_cost_observe(&sp->ctl.draft, n_seqs, (double)ns);
@@ -223,7 +229,8 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
                                              .feed = sp->dr.feed ? on_feed : NULL,
                                              .state_bytes = sp->dr.state_bytes,
                                              .tree = sp->dr.tree,
-                                             .kv_scratch = sp->dr.kv_scratch};
+                                             .kv_scratch = sp->dr.kv_scratch,
+                                             .kv_len = sp->dr.kv_len ? on_kv_len : NULL};
     if (st != TDM_OK) {
         tdm_spec_destroy(sp);
         return st;

@@ -28,6 +28,9 @@ struct tdm_spec_drafter {
     int feature_dim;
     size_t state_bytes;
     void (*feed)(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed *f, int n);
+    /* optional: positions of its own KV that are final, given a request's state
+     * (tdm_sched_drafter_i's kv_len) */
+    int (*kv_len)(void *ctx, const void *state);
     /* a tree drafter (tdm_sched_drafter_i's tree and kv_scratch): k is its trees' node
      * budget, and the controller's per-position choice does not apply (the gate does) */
     bool tree;
@@ -119,6 +122,9 @@ struct tdm_spec_mtp_last {
                  const float *g);
     void *ctx;
 };
+/* The mtp drafter's kv_len (eagle's too, whose per-request state is mtp's): positions of the
+ * head's KV made from the target's features, 0 for a request with a gap (dead). */
+int tdm_spec_mtp_kv_len(void *ctx, const void *state);
 bool tdm_spec_mtp_catch_up(void *mtp, struct tdm_spec *sp, struct tdm_sched_draft *d, int n,
                            const struct tdm_spec_mtp_last *last);
 tdm_engine_t *tdm_spec_mtp_engine(void *mtp); /* the head's engine (group 1 of the pool) */

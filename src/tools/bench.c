@@ -107,85 +107,21 @@ static void bench_model_usage(FILE *f)
 {
     fprintf(f, "usage: tandem bench model [--model PATH | --shape qwen3-30b-a3b|deepseek-v2-lite "
                "[--layers N] [--experts N]] [--threads N] [--prompt-len N] [--gen N] "
-               "[--context N] [--batch-invariant] [--kv-dtype f32|bf16|f16]\n"
+               "[--context N] [--batch-invariant] [--exact-activations] [--kv-dtype f32|bf16|f16] "
+               "[--tp N]\n"
+               "       (--tp N: N tensor-parallel ranks, measured after --tp 1 in the same run)\n"
                "       tandem bench model --backend cuda --help   (the GPU benchmark)\n");
 }
 
-int tdm_cmd_bench(int argc, char **argv)
+/* One engine's prefill and decode figures (the body of bench model): eo's engine over m, the
+ * rooflines from bw. Returns the exit code. */
+static int bench_engine(struct tdm_model *m, const struct tdm_engine_opts *eo_in, double bw,
+                        int64_t prompt_len, int64_t gen, int64_t context, int64_t ctx_needed)
 {
-    if (argc >= 2 && !strcmp(argv[1], "xfer")) return tdm_cmd_bench_xfer(argc - 1, argv + 1);
-    if (argc >= 2 && !strcmp(argv[1], "serve")) return tdm_cmd_bench_serve(argc - 1, argv + 1);
-    if (argc >= 2 && !strcmp(argv[1], "spec")) return tdm_cmd_bench_spec(argc - 1, argv + 1);
-    if (argc >= 2 && !strcmp(argv[1], "grammar")) return tdm_cmd_bench_grammar(argc - 1, argv + 1);
-    if (argc < 2 || strcmp(argv[1], "model") != 0) {
-        fprintf(stderr,
-                "usage: tandem bench model [--model PATH] [--threads N] "
-                "[--prompt-len N] [--gen N] [--context N]\n"
-                "       tandem bench model --backend cuda [--shape llama-3.1-8b|llama-3.2-1b "
-                "| --model PATH] [--gpu-memory-fraction F] [--batches 1,8,64,256]\n"
-                "       tandem bench serve --help\n"
-                "       tandem bench grammar --help\n"
-                "       tandem bench xfer --help\n");
-        return 2;
-    }
-    for (int i = 2; i + 1 < argc; i++) /* the GPU benchmark has its own table and rooflines */
-        if (!strcmp(argv[i], "--backend") && !strcmp(argv[i + 1], "cuda"))
-            return tdm_cmd_bench_model_cuda(argc, argv);
-        else if (!strcmp(argv[i], "--backend") && strcmp(argv[i + 1], "cpu")) {
-            fprintf(stderr, "tandem: --backend is cpu or cuda\n");
-            return 2;
-        }
-    const char *model = NULL, *shape = NULL;
-    int64_t threads = 0, prompt_len = 512, gen = 64, context = 32, layers = 0, experts = 0;
-    bool batch_inv = false;
-    int backend_kind = TDM_BACKEND_CPU, kv_dtype = TDM_KV_DTYPE_AUTO;
-    const struct tdm_opt own[] = {
-        TDM_OPT_S("model", &model),
-        TDM_OPT_S("shape", &shape),
-        TDM_OPT_I("layers", &layers, 1, 1024),
-        TDM_OPT_I("experts", &experts, 1, 1024),
-        TDM_OPT_I("threads", &threads, 1, 1024),
-        TDM_OPT_I("prompt-len", &prompt_len, 1, 1 << 20),
-        TDM_OPT_I("gen", &gen, 1, 1 << 20),
-        TDM_OPT_I("context", &context, 1, 1 << 20),
-        TDM_OPT_B("batch-invariant", &batch_inv),
-        TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind), /* cpu here */
-        TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &kv_dtype),
-        TDM_OPT_END,
-    };
-    const struct tdm_opt *const tables[] = {own, NULL};
-    int prc = tdm_tool_parse("bench model", argc - 1, argv + 1, tables, bench_model_usage);
-    if (prc) return prc == 1 ? 0 : 2;
-    if (shape && model) {
-        fprintf(stderr, "tandem: give --model or --shape, not both\n");
-        return 2;
-    }
-    if (!shape && (layers || experts)) {
-        fprintf(stderr, "tandem: --layers and --experts go with --shape\n");
-        return 2;
-    }
-    int n_threads = threads > 0 ? (int)threads : tdm_cpu_count();
-    struct tdm_model *m = shape ? tdm_bench_shape_model(shape, (int)layers, (int)experts, n_threads)
-                                : tdm_tool_load_model(model);
-    if (!m) return shape ? 2 : 1;
     const struct tdm_model_config *cf = &m->cfg;
     enum { MAX_B = 8 };
     int rc = 1;
-    int64_t ctx_needed = TDM_MAX(prompt_len, context + gen) + 1;
-    struct tdm_engine_opts eo = {.n_threads = n_threads,
-                                 .batch_invariant = batch_inv,
-                                 .max_ctx = (int)TDM_MIN(ctx_needed, (int64_t)cf->max_ctx),
-                                 .max_seqs = MAX_B,
-                                 .max_logit_rows = MAX_B,
-                                 .max_batch_tokens = 512,
-                                 .kv_dtype = kv_dtype};
-    if (ctx_needed > cf->max_ctx) {
-        fprintf(stderr, "tandem: the benchmark needs %lld positions, the model has %d\n",
-                (long long)ctx_needed, cf->max_ctx);
-        tdm_model_free(m);
-        return 2;
-    }
-    eo.kv_pages = (int64_t)MAX_B * ((ctx_needed + 15) / 16) + 8;
+    struct tdm_engine_opts eo = *eo_in;
     tdm_engine_t *e = NULL;
     float *logits = malloc((size_t)MAX_B * cf->vocab_size * sizeof(float));
     struct bench_seq seqs[MAX_B];
@@ -200,14 +136,14 @@ int tdm_cmd_bench(int argc, char **argv)
         if (!seqs[s].tokens) goto out;
     }
 
-    printf("tandem bench model: %s\n", m->path);
-    printf("  %d threads, CPU kernels: %s\n", n_threads, tdm_backend_cpu_isa());
-    double bw = measure_copy_bandwidth(n_threads);
     double wbytes = weight_bytes_per_step(m);
     const struct tdm_kv_geometry kg = tdm_kv_pool_geometry(kv);
-    double kv_per_pos = (double)kg.page_bytes / tdm_engine_opts(e)->page_size * cf->n_layers;
+    /* the whole model's KV a position (a sharded engine's leader pool holds its heads only) */
+    double kv_per_pos = (double)kg.page_bytes / tdm_engine_opts(e)->page_size * cf->n_layers *
+                        cf->n_kv_heads / tdm_kv_pool_config(kv)->n_kv_heads;
     printf("  KV cache: %s, %.0f KiB a position\n", tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
-    printf("  memory bandwidth (STREAM copy, same run): %.2f GB/s\n", bw / 1e9);
+    printf("  activations of Q8_0/Q4_0/Q4_1 matrices: %s\n",
+           eo.exact_activations ? "fp32 (--exact-activations)" : "quantised (16-bit)");
     int n_sparse = 0;
     uint64_t one_expert = 0;
     tdm_tool_expert_bytes(m, &n_sparse, &one_expert);
@@ -331,6 +267,105 @@ out:
     }
     tdm_engine_destroy(e);
     free(logits);
+    return rc;
+}
+
+int tdm_cmd_bench(int argc, char **argv)
+{
+    if (argc >= 2 && !strcmp(argv[1], "xfer")) return tdm_cmd_bench_xfer(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "serve")) return tdm_cmd_bench_serve(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "spec")) return tdm_cmd_bench_spec(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "grammar")) return tdm_cmd_bench_grammar(argc - 1, argv + 1);
+    if (argc < 2 || strcmp(argv[1], "model") != 0) {
+        fprintf(stderr,
+                "usage: tandem bench model [--model PATH] [--threads N] "
+                "[--prompt-len N] [--gen N] [--context N]\n"
+                "       tandem bench model --backend cuda [--shape llama-3.1-8b|llama-3.2-1b "
+                "| --model PATH] [--gpu-memory-fraction F] [--batches 1,8,64,256]\n"
+                "       tandem bench serve --help\n"
+                "       tandem bench grammar --help\n"
+                "       tandem bench xfer --help\n");
+        return 2;
+    }
+    for (int i = 2; i + 1 < argc; i++) /* the GPU benchmark has its own table and rooflines */
+        if (!strcmp(argv[i], "--backend") && !strcmp(argv[i + 1], "cuda")) {
+            for (int j = 2; j + 1 < argc; j++)
+                if (!strcmp(argv[j], "--tp") &&
+                    !tdm_tool_tp_check("tandem bench model", atoll(argv[j + 1]), TDM_BACKEND_CUDA))
+                    return 2;
+            return tdm_cmd_bench_model_cuda(argc, argv);
+        } else if (!strcmp(argv[i], "--backend") && strcmp(argv[i + 1], "cpu")) {
+            fprintf(stderr, "tandem: --backend is cpu or cuda\n");
+            return 2;
+        }
+    const char *model = NULL, *shape = NULL;
+    int64_t threads = 0, prompt_len = 512, gen = 64, context = 32, layers = 0, experts = 0;
+    int64_t tp = 1;
+    bool batch_inv = false, exact_act = false;
+    int backend_kind = TDM_BACKEND_CPU, kv_dtype = TDM_KV_DTYPE_AUTO;
+    const struct tdm_opt own[] = {
+        TDM_OPT_S("model", &model),
+        TDM_OPT_S("shape", &shape),
+        TDM_OPT_I("layers", &layers, 1, 1024),
+        TDM_OPT_I("experts", &experts, 1, 1024),
+        TDM_OPT_I("threads", &threads, 1, 1024),
+        TDM_OPT_I("tp", &tp, 1, TDM_TP_MAX_RANKS),
+        TDM_OPT_I("prompt-len", &prompt_len, 1, 1 << 20),
+        TDM_OPT_I("gen", &gen, 1, 1 << 20),
+        TDM_OPT_I("context", &context, 1, 1 << 20),
+        TDM_OPT_B("batch-invariant", &batch_inv),
+        TDM_OPT_B("exact-activations", &exact_act),
+        TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind), /* cpu here */
+        TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &kv_dtype),
+        TDM_OPT_END,
+    };
+    const struct tdm_opt *const tables[] = {own, NULL};
+    int prc = tdm_tool_parse("bench model", argc - 1, argv + 1, tables, bench_model_usage);
+    if (prc) return prc == 1 ? 0 : 2;
+    if (shape && model) {
+        fprintf(stderr, "tandem: give --model or --shape, not both\n");
+        return 2;
+    }
+    if (!shape && (layers || experts)) {
+        fprintf(stderr, "tandem: --layers and --experts go with --shape\n");
+        return 2;
+    }
+    int n_threads = threads > 0 ? (int)threads : tdm_cpu_count();
+    struct tdm_model *m = shape ? tdm_bench_shape_model(shape, (int)layers, (int)experts, n_threads)
+                                : tdm_tool_load_model(model);
+    if (!m) return shape ? 2 : 1;
+    const struct tdm_model_config *cf = &m->cfg;
+    enum { MAX_B = 8 };
+    int rc = 0;
+    int64_t ctx_needed = TDM_MAX(prompt_len, context + gen) + 1;
+    struct tdm_engine_opts eo = {.n_threads = n_threads,
+                                 .batch_invariant = batch_inv,
+                                 .exact_activations = exact_act,
+                                 .max_ctx = (int)TDM_MIN(ctx_needed, (int64_t)cf->max_ctx),
+                                 .max_seqs = MAX_B,
+                                 .max_logit_rows = MAX_B,
+                                 .max_batch_tokens = 512,
+                                 .kv_dtype = kv_dtype};
+    if (ctx_needed > cf->max_ctx) {
+        fprintf(stderr, "tandem: the benchmark needs %lld positions, the model has %d\n",
+                (long long)ctx_needed, cf->max_ctx);
+        tdm_model_free(m);
+        return 2;
+    }
+    eo.kv_pages = (int64_t)MAX_B * ((ctx_needed + 15) / 16) + 8;
+    printf("tandem bench model: %s\n", m->path);
+    printf("  %d threads, CPU kernels: %s\n", n_threads, tdm_backend_cpu_isa());
+    double bw = measure_copy_bandwidth(n_threads);
+    printf("  memory bandwidth (STREAM copy, same run): %.2f GB/s\n", bw / 1e9);
+    if (tp > 1) { /* the reference: the same model unsharded, in the same run */
+        printf("  --tp 1 (the reference):\n");
+        rc = bench_engine(m, &eo, bw, prompt_len, gen, context, ctx_needed);
+        eo.tp = (int)tp;
+        if (rc == 0)
+            printf("  --tp %lld (%lld ranks of %d thread(s)):\n", (long long)tp, (long long)tp,
+                   TDM_MAX(1, n_threads / (int)tp));
+    }
+    if (rc == 0) rc = bench_engine(m, &eo, bw, prompt_len, gen, context, ctx_needed);
     tdm_model_free(m);
     return rc;
 }

@@ -30,6 +30,7 @@ struct gen_opts {
     int n_stops;
     int64_t max_tokens;
     int64_t threads;
+    int64_t tp;
     int backend_kind;
     int kv_dtype; /* enum tdm_kv_dtype */
     double gpu_frac;
@@ -42,6 +43,7 @@ struct gen_opts {
     bool stop_at_eos;
     bool ignore_eos;
     bool batch_invariant;
+    bool exact_activations;
     bool stats;
     bool spec_stats;
     struct tdm_sampling_params sp;
@@ -88,10 +90,10 @@ static void usage(FILE *f, bool chat)
         "  --ignore-eos            with text: do not stop at end-of-sequence tokens\n"
         "  --print-token-ids       print only the generated token ids on one line\n"
         "  --dump-logits FILE      write the last prompt position's logits (float32 LE)\n"
-        "  --threads N             CPU threads (default: all cores)\n"
+        "  --threads N             CPU threads (default: all cores)\n" TDM_TOOL_TP_USAGE
         "  --backend cpu|cuda      where the model runs (default: cpu)\n"
         "  --gpu-memory-fraction F CUDA: share of GPU memory to use (default: "
-        "0.9)\n" TDM_TOOL_GPU_WEIGHTS_USAGE
+        "0.9)\n" TDM_TOOL_GPU_WEIGHTS_USAGE TDM_TOOL_EXACT_ACTIVATIONS_USAGE
         "  --batch-invariant       never use OpenBLAS (bit-identical across batch shapes)\n"
         "  --page-size N           KV page size in tokens (default 16)\n" TDM_TOOL_KV_DTYPE_USAGE
         "  --ctx N                 context length (default: the model's)\n"
@@ -157,7 +159,9 @@ static int parse_opts(int argc, char **argv, bool chat, struct gen_opts *o)
         TDM_OPT_B("print-token-ids", &o->print_ids),
         TDM_OPT_S("dump-logits", &o->dump_logits),
         TDM_OPT_I("threads", &o->threads, 1, 1024),
+        TDM_OPT_I("tp", &o->tp, 1, TDM_TP_MAX_RANKS),
         TDM_OPT_B("batch-invariant", &o->batch_invariant),
+        TDM_OPT_B("exact-activations", &o->exact_activations),
         TDM_OPT_I("page-size", &o->page_size, 1, 1024),
         TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &o->kv_dtype),
         TDM_OPT_I("ctx", &o->ctx, 1, 1 << 24),
@@ -184,6 +188,8 @@ static int parse_opts(int argc, char **argv, bool chat, struct gen_opts *o)
     o->sp.top_k = (int)top_k;
     o->sp.seed = (uint64_t)seed;
     if (!chat && !tdm_tool_spec_opts(&o->spec_cli, &o->spec, &o->spec_on)) return 102;
+    if (!tdm_tool_tp_check(chat ? "tandem chat" : "tandem generate", o->tp, o->backend_kind))
+        return 102;
     if (chat && o->spec_stats) {
         fprintf(stderr, "tandem: --spec-stats is for generate\n");
         return 102;
@@ -206,6 +212,7 @@ static tdm_status gen_init(struct gen *g, const struct tdm_model *m, struct gen_
     struct tdm_engine_opts eo = {
         .n_threads = (int)o->threads,
         .batch_invariant = o->batch_invariant,
+        .exact_activations = o->exact_activations,
         .page_size = (int)o->page_size,
         .max_ctx = (int)o->ctx,
         .max_batch_tokens = (int)o->max_batch_tokens,
@@ -215,6 +222,7 @@ static tdm_status gen_init(struct gen *g, const struct tdm_model *m, struct gen_
         .kv_dtype = o->kv_dtype,
         .gpu_memory_fraction = o->gpu_frac,
         .gpu_bf16_weights = o->gpu_bf16,
+        .tp = (int)o->tp,
     };
     if (!eo.max_ctx && m->cfg.max_ctx > 0) eo.max_ctx = m->cfg.max_ctx;
     if (o->spec_on &&

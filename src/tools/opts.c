@@ -365,3 +365,12 @@ bool tdm_tool_spec_load_draft(const char *who, struct tdm_spec_opts *o,
     *draft = d;
     return true;
 }
+
+bool tdm_tool_tp_check(const char *who, int64_t tp, int backend_kind)
+{
+    if (tp <= 1 || backend_kind == TDM_BACKEND_CPU) return true;
+    fprintf(stderr,
+            "%s: --tp %lld runs on --backend cpu only (CUDA ranks need NCCL, not built yet)\n", who,
+            (long long)tp);
+    return false;
+}

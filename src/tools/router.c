@@ -18,11 +18,18 @@
 
 static bool opt_route(const char *arg, void *dst)
 {
-    if (!strcmp(arg, "least-loaded") || !strcmp(arg, "prefix")) {
-        *(enum tdm_route *)dst = !strcmp(arg, "prefix") ? TDM_ROUTE_PREFIX : TDM_ROUTE_LEAST_LOADED;
-        return true;
-    }
-    fprintf(stderr, "--route: '%s' is not least-loaded or prefix\n", arg);
+    static const struct {
+        const char *name;
+        enum tdm_route route;
+    } routes[] = {{"least-loaded", TDM_ROUTE_LEAST_LOADED},
+                  {"prefix", TDM_ROUTE_PREFIX},
+                  {"kv", TDM_ROUTE_KV}};
+    for (size_t i = 0; i < sizeof routes / sizeof *routes; i++)
+        if (!strcmp(arg, routes[i].name)) {
+            *(enum tdm_route *)dst = routes[i].route;
+            return true;
+        }
+    fprintf(stderr, "--route: '%s' is not least-loaded, prefix or kv\n", arg);
     return false;
 }
 
@@ -48,12 +55,20 @@ static void usage(FILE *f)
            "                          wait in one more thread, not one each\n"
            "  --max-body BYTES        request body limit (default 4194304)\n" TDM_TOOL_HTTP_USAGE
            "  --drain-timeout S       seconds to let responses finish on SIGTERM (default 30)\n"
-           "  --route least-loaded|prefix  least-loaded (default): the fewest requests in\n"
+           "  --route least-loaded|prefix|kv  least-loaded (default): the fewest requests in\n"
            "                          flight; prefix: a prompt goes where its prefix went\n"
            "                          before (the backend has probably cached it), unless that\n"
-           "                          backend is busier by more than --prefix-weight requests\n"
-           "  --prefix-weight W       prefix: what a whole-prompt match is worth, in requests\n"
-           "                          in flight (default 2)\n");
+           "                          backend is busier by more than --prefix-weight requests;\n"
+           "                          kv: the same, matching the prompt's tokens against what\n"
+           "                          each backend's cache holds by its KV events\n"
+           "  --prefix-weight W       prefix, kv: what a whole-prompt match is worth, in\n"
+           "                          requests in flight (default 2)\n"
+           "  --kv-events ENDPOINTS   kv: each backend's KV events endpoint (its `tandem serve\n"
+           "                          --kv-events`, e.g. tcp://10.0.0.5:5557), comma-separated,\n"
+           "                          in the order of --backends\n"
+           "  --model PATH            kv: the model whose tokenizer and chat template the\n"
+           "                          backends use (default: the default model; weights are not\n"
+           "                          loaded)\n");
 }
 
 /* Splits "a,b,c" into a malloc'd array of malloc'd strings; false on an empty item. */
@@ -84,7 +99,8 @@ out_free:
 
 int tdm_cmd_router(int argc, char **argv)
 {
-    const char *backends = NULL, *backend_key = NULL, *backend_ca = NULL;
+    const char *backends = NULL, *backend_key = NULL, *backend_ca = NULL, *kv_events = NULL,
+               *model_path = NULL;
     struct tdm_tool_http h = {.host = "127.0.0.1",
                               .api_key = getenv("TANDEM_API_KEY"),
                               .port = 8080,
@@ -108,6 +124,8 @@ int tdm_cmd_router(int argc, char **argv)
         TDM_OPT_I("http-threads", &http_threads, 1, 256),
         TDM_OPT_P("route", opt_route, &route),
         TDM_OPT_F("prefix-weight", &prefix_weight, 0.001, 1e6),
+        TDM_OPT_S("kv-events", &kv_events),
+        TDM_OPT_S("model", &model_path),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {http, own, NULL};
@@ -132,6 +150,36 @@ int tdm_cmd_router(int argc, char **argv)
 
     int rc = 2;
     char *tls_cert = NULL, *tls_key = NULL;
+    char **events = NULL;
+    int n_events = 0;
+    struct tdm_model *text = NULL;
+    tdm_tok_t *tok = NULL;
+    struct tdm_chat_template tmpl = {0};
+    struct tdm_server_model sm = {0};
+    if ((kv_events || model_path) && route != TDM_ROUTE_KV) {
+        fprintf(stderr, "tandem router: --kv-events and --model go with --route kv\n");
+        goto out_urls;
+    }
+    if (route == TDM_ROUTE_KV) {
+        if (!kv_events || !split_backends(kv_events, &events, &n_events) || n_events != n_urls) {
+            fprintf(stderr,
+                    "tandem router: --route kv needs --kv-events with one endpoint for each of "
+                    "the %d backends, comma-separated\n",
+                    n_urls);
+            goto out_urls;
+        }
+        char def[4096];
+        if (!model_path && tdm_default_model_path(def, sizeof def)) model_path = def;
+        if (!model_path || tdm_model_open_text(model_path, &text) != TDM_OK) {
+            fprintf(stderr, "tandem router: --model %s: %s\n", model_path ? model_path : "(none)",
+                    tdm_err_msg());
+            goto out_urls;
+        }
+        if (!(tok = tdm_tool_load_tokenizer(text, false))) goto out_urls;
+        sm = (struct tdm_server_model){.tok = tok, .add_bos = tdm_tok_adds_bos(tok)};
+        if (text->chat_template && tdm_chat_template_detect(text->chat_template, &tmpl) == TDM_OK)
+            sm.chat = &tmpl; /* without: chat requests go least loaded */
+    }
     if (!tdm_tool_http_tls("router", &h, &tls_cert, &tls_key)) goto out_urls;
     sigset_t sigs = tdm_tool_block_shutdown_signals();
 
@@ -157,7 +205,9 @@ int tdm_cmd_router(int argc, char **argv)
                                  .tls_cert_pem = tls_cert,
                                  .tls_key_pem = tls_key,
                                  .allowed_origins = h.allowed_origins,
-                                 .backend_ca_file = backend_ca};
+                                 .backend_ca_file = backend_ca,
+                                 .kv_events = (const char *const *)events,
+                                 .model = route == TDM_ROUTE_KV ? &sm : NULL};
     tdm_router_t *r = NULL;
     tdm_status st = tdm_router_start(&ro, &r);
     tdm_tool_http_tls_free(tls_cert, tls_key); /* the router holds its own copy */
@@ -191,5 +241,11 @@ out_urls:
     for (int i = 0; i < n_urls; i++)
         free(urls[i]);
     free(urls);
+    for (int i = 0; i < n_events; i++)
+        free(events[i]);
+    free(events);
+    tdm_chat_template_clear(&tmpl);
+    tdm_tok_free(tok);
+    tdm_model_free(text);
     return rc;
 }

@@ -44,18 +44,20 @@ static void usage(FILE *f)
         "  --kv-pages N            KV pool size in pages, or\n"
         "  --kv-memory SIZE        KV pool size in bytes (suffixes K, M, G, KiB, MiB, GiB)\n"
         "  --max-ctx N             context length (default: the model's)\n"
-        "  --threads N             CPU threads (default: one per core)\n"
+        "  --threads N             CPU threads (default: one per core)\n" TDM_TOOL_TP_USAGE
+        "                          (not with --role prefill|decode yet)\n"
         "  --backend cpu|cuda      compute backend (default cpu)\n"
         "  --gpu-memory-fraction F CUDA: share of GPU memory for weights, workspace and KV "
-        "(0.9)\n" TDM_TOOL_GPU_WEIGHTS_USAGE
+        "(0.9)\n" TDM_TOOL_GPU_WEIGHTS_USAGE TDM_TOOL_EXACT_ACTIVATIONS_USAGE
         "  --batch-invariant       never use OpenBLAS (see docs/DESIGN.md)\n"
         "  --kv-events ENDPOINT    with --prefix-caching: publish the cache's stored and\n"
         "                          evicted pages on a ZMQ PUB socket bound here (e.g.\n"
         "                          tcp://0.0.0.0:5557), as vLLM's KV events (KV-aware routers)\n"
         "  --kv-events-topic T     the topic frame of each message (default empty)\n"
         "  --prefix-caching        reuse the KV of prompts' cached prefixes (whole pages), kept\n"
-        "                          until memory is needed; POST /reset_prefix_cache drops them\n"
-        "                          (not with --role prefill|decode, --spec mtp|eagle yet)\n"
+        "                          until memory is needed; POST /reset_prefix_cache drops them;\n"
+        "                          a decode node asks its prefill node for the rest only, and a\n"
+        "                          prefill node reuses its own\n"
         "  --max-body BYTES        request body limit (default 4194304)\n"
         "  --drain-timeout S       seconds to let requests finish on SIGTERM (default "
         "30)\n" TDM_TOOL_HTTP_USAGE
@@ -365,10 +367,11 @@ int tdm_cmd_serve(int argc, char **argv)
                               .max_body = TDM_SERVER_DEFAULT_MAX_BODY,
                               .drain_s = 30};
     int64_t mbt = 512, seqs = 64, chunk = 0, waiting = 1024, page = 16, pages = 0;
-    int64_t ctx = 0, threads = 0;
+    int64_t ctx = 0, threads = 0, tp = 1;
     size_t kv_bytes = 0, staging_bytes = 0;
     enum tdm_disagg_staging staging = TDM_DISAGG_STAGING_AUTO;
     bool inv = false, prefix_caching = false, add_named = false;
+    bool exact_act = false;
     const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
     const char *addr_file = NULL, *fabric_key_file = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
@@ -396,7 +399,9 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_P("kv-memory", opt_kv_memory, &kv_bytes),
         TDM_OPT_I("max-ctx", &ctx, 2, 1 << 24),
         TDM_OPT_I("threads", &threads, 1, 1024),
+        TDM_OPT_I("tp", &tp, 1, TDM_TP_MAX_RANKS),
         TDM_OPT_B("batch-invariant", &inv),
+        TDM_OPT_B("exact-activations", &exact_act),
         TDM_OPT_B("prefix-caching", &prefix_caching),
         TDM_OPT_S("kv-events", &events_ep),
         TDM_OPT_S("kv-events-topic", &events_topic),
@@ -448,11 +453,12 @@ int tdm_cmd_serve(int argc, char **argv)
         fprintf(stderr, "tandem serve: --kv-events-topic goes with --kv-events\n");
         return 2;
     }
-    if ((is_prefill || is_decode) && prefix_caching) {
+    if (!tdm_tool_tp_check("tandem serve", tp, backend_kind)) return 2;
+    if ((is_prefill || is_decode) && tp > 1) {
         fprintf(stderr,
-                "tandem serve: --prefix-caching does not work with disaggregation "
-                "(--role %s) yet: the KV of a cached prefix would not be sent\n",
-                role);
+                "tandem serve: --tp %lld does not work with disaggregation (--role %s) yet: "
+                "sharded KV transfers are not built\n",
+                (long long)tp, role);
         return 2;
     }
     /* a head's methods: a chain (mtp) or trees (eagle) of the same head */
@@ -550,6 +556,7 @@ int tdm_cmd_serve(int argc, char **argv)
     struct tdm_engine_opts eo = {
         .n_threads = (int)threads,
         .batch_invariant = inv,
+        .exact_activations = exact_act,
         .page_size = (int)page,
         .kv_pages = pages,
         .kv_bytes = kv_bytes,
@@ -563,7 +570,8 @@ int tdm_cmd_serve(int argc, char **argv)
         .count_layers = is_prefill,
         .backend_kind = backend_kind,
         .gpu_memory_fraction = gpu_frac,
-        .gpu_bf16_weights = gpu_bf16};
+        .gpu_bf16_weights = gpu_bf16,
+        .tp = (int)tp};
     struct tdm_kv_group draft_group;
     if (spec_on &&
         !tdm_tool_spec_load_draft("tandem serve", &spec_o, m, &eo, &draft_group, &draft)) {

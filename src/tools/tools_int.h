@@ -17,6 +17,7 @@
 #include "tandem/sched.h"
 #include "tandem/spec.h"
 #include "tandem/tok.h"
+#include "tandem/tp.h"
 
 int tdm_cmd_generate(int argc, char **argv);
 int tdm_cmd_chat(int argc, char **argv);
@@ -140,6 +141,13 @@ bool tdm_tool_http_tls(const char *cmd, const struct tdm_tool_http *h, char **ce
 void tdm_tool_http_tls_free(char *cert, char *key); /* wipes the key */
 /* --backend cpu|cuda into an int (enum tdm_backend_kind). */
 bool tdm_tool_opt_backend(const char *arg, void *dst);
+/* --tp N (tensor-parallel ranks in this process, tdm_engine_opts.tp): the usage line, and the
+ * check of what this build refuses before the model is loaded (another backend than the CPU);
+ * prints why under `who` and returns false. */
+#define TDM_TOOL_TP_USAGE                                                                          \
+    "  --tp N                  tensor parallelism: N ranks in this process, each a thread\n"       \
+    "                          group with its shard of the heads and MLP (cpu; default 1)\n"
+bool tdm_tool_tp_check(const char *who, int64_t tp, int backend_kind);
 /* --kv-dtype f32|bf16|f16 into an int (enum tdm_kv_dtype; left at AUTO when not given). */
 bool tdm_tool_opt_kv_dtype(const char *arg, void *dst);
 /* --gpu-weights native|bf16 into a bool (true: bf16) */
@@ -147,6 +155,9 @@ bool tdm_tool_opt_gpu_weights(const char *arg, void *dst);
 #define TDM_TOOL_GPU_WEIGHTS_USAGE                                                                 \
     "  --gpu-weights native|bf16 CUDA: keep Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks\n"   \
     "                          (native, the default) or dequantise them to bf16 at load\n"
+#define TDM_TOOL_EXACT_ACTIVATIONS_USAGE                                                           \
+    "  --exact-activations     cpu: Q8_0/Q4_0/Q4_1 matrices take fp32 activations (within 1e-4\n"  \
+    "                          of an fp32 reference) instead of 16-bit integers (the default)\n"
 #define TDM_TOOL_KV_DTYPE_USAGE                                                                    \
     "  --kv-dtype T            KV cache element type: f32, bf16 or f16 (default: bf16 on\n"        \
     "                          cuda, f32 on the cpu)\n"

@@ -64,6 +64,35 @@ static int n_isas(void)
     return (int)tdm_cpu_isa_detect() + 1;
 }
 
+/* The kernel variants this machine runs: each ISA level, and its VNNI variant where present. */
+struct variant {
+    enum tdm_cpu_isa isa;
+    bool vnni;
+    char name[32];
+};
+static int variants(struct variant v[2 * TDM_CPU_ISA_COUNT])
+{
+    int n = 0;
+    for (int isa = 0; isa < n_isas(); isa++)
+        for (int vnni = 0; vnni <= (int)tdm_cpu_isa_vnni((enum tdm_cpu_isa)isa); vnni++) {
+            v[n] = (struct variant){.isa = (enum tdm_cpu_isa)isa, .vnni = vnni};
+            snprintf(v[n].name, sizeof v[n].name, "%s%s", tdm_cpu_isa_name((enum tdm_cpu_isa)isa),
+                     vnni ? "+vnni" : "");
+            n++;
+        }
+    return n;
+}
+
+/* A backend of one variant on quantised activations. */
+static tdm_backend_t *make_qbackend(const struct variant *v, int n_threads)
+{
+    struct tdm_backend_cpu_opts o = {
+        .n_threads = n_threads, .batch_invariant = true, .quant_activations = true};
+    tdm_backend_t *b = NULL;
+    assert_int_equal(tdm_backend_cpu_create_variant(&o, v->isa, v->vnni, &b), TDM_OK);
+    return b;
+}
+
 /* ---- matmul ---- */
 
 static void check_matmul_ref(const struct tdm_test_weight *tw, const float *x, int n,
@@ -121,15 +150,22 @@ static void assert_same_bits(const float *a, const float *b, size_t n, const cha
 
 /* Row i of an n = 13 (and n = 70, past one prefill block) matmul is bit-identical to the n = 1
  * result and to the same row inside a sub-batch that starts elsewhere; 1, 2 and 3 threads
- * agree bit for bit. */
+ * agree bit for bit. On fp32 activations at every ISA level, and on quantised ones in every
+ * kernel variant (VNNI included). */
 static void test_matmul_invariance(void **state)
 {
     const int ns[] = {13, 70};
     const int64_t rows = 45, cols = 320; /* 45: not a multiple of any tile or split size */
-    for (int isa = 0; isa < n_isas(); isa++) {
+    struct variant vs[2 * TDM_CPU_ISA_COUNT];
+    const int n_vs = variants(vs);
+    /* each ISA on fp32 activations, then each variant on quantised ones */
+    for (int iv = 0; iv < n_isas() + n_vs; iv++) {
+        const bool quant = iv >= n_isas();
+        const enum tdm_cpu_isa isa = quant ? vs[iv - n_isas()].isa : (enum tdm_cpu_isa)iv;
         tdm_backend_t *bk[3];
         for (int t = 0; t < 3; t++)
-            bk[t] = make_backend((enum tdm_cpu_isa)isa, t + 1, true);
+            bk[t] =
+                quant ? make_qbackend(&vs[iv - n_isas()], t + 1) : make_backend(isa, t + 1, true);
         for (size_t d = 0; d < TDM_ARRAY_LEN(DTYPES); d++) {
             struct tdm_test_weight tw;
             tdm_test_weight_make(&rng_state, DTYPES[d], rows, cols, &tw);
@@ -184,10 +220,17 @@ static void test_matmul_fused(void **state)
     const int ns[] = {1, 5, 70};
     const int64_t cols = 96;                            /* 3 blocks: an odd count */
     const int64_t part_rows[3] = {45, 17, 33}, ff = 37; /* not multiples of tiles or splits */
-    for (int isa = 0; isa < n_isas(); isa++) {
-        const char *isa_name = tdm_cpu_isa_name((enum tdm_cpu_isa)isa);
+    struct variant vs[2 * TDM_CPU_ISA_COUNT];
+    const int n_vs = variants(vs);
+    /* each ISA on fp32 activations, then each variant on quantised ones (the float64 checks
+     * are for fp32 activations: test_qdot bounds the quantised ones' error) */
+    for (int iv = 0; iv < n_isas() + n_vs; iv++) {
+        const bool quant = iv >= n_isas();
+        const enum tdm_cpu_isa isa = quant ? vs[iv - n_isas()].isa : (enum tdm_cpu_isa)iv;
+        const char *isa_name = quant ? vs[iv - n_isas()].name : tdm_cpu_isa_name(isa);
         for (int t = 1; t <= 3; t++) {
-            tdm_backend_t *b = make_backend((enum tdm_cpu_isa)isa, t, true);
+            tdm_backend_t *b = quant ? make_qbackend(&vs[iv - n_isas()], t)
+                                     : make_backend((enum tdm_cpu_isa)isa, t, true);
             tdm_backend_t *fast = make_backend((enum tdm_cpu_isa)isa, t, false);
             for (size_t d = 0; d < TDM_ARRAY_LEN(DTYPES); d++) {
                 struct tdm_test_weight tw[3], gate, up;
@@ -235,7 +278,7 @@ static void test_matmul_fused(void **state)
                                      tdm_dtype_name(up.w.dtype), n);
                     /* and against float64: silu(x Wgate) * (x Wup) from the dequantised
                      * weights (|silu'| < 1.1 bounds how the products' rounding propagates) */
-                    for (int i = 0; i < n; i++) {
+                    for (int i = 0; i < n && !quant; i++) {
                         for (int64_t r = 0; r < ff; r++) {
                             double gs = 0, gm = 0, us = 0, um = 0;
                             for (int64_t c = 0; c < cols; c++) {
@@ -687,6 +730,247 @@ static void test_misc(void **state)
     tdm_backend_destroy(NULL);
 }
 
+/* ---- quantised activations (src/backend/cpu/qdot.c) ---- */
+
+/* The specification of an activation block (qdot.c), written out here on its own: step =
+ * amax / 127 (a zero block below 2^-100, past FLT_MAX or with a NaN), hi = rint(x / step) and
+ * lo = rint((x - step hi) * 256 / step) (through 1 / step and one fma), each clamped to
+ * [-127, 127]; d = step / 256, s = sum (256 hi + lo), ds = d * s. */
+static void spec_quantise(const float *x, struct tdm_cpu_xblock *o)
+{
+    float amax = 0;
+    bool nan = false;
+    for (int j = 0; j < 32; j++) {
+        amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+        nan = nan || x[j] != x[j];
+    }
+    memset(o, 0, sizeof *o);
+    const float step = amax / 127.0f;
+    if (nan || step < 0x1p-100f || step > 3.4028235e38f) return;
+    const float id = 1.0f / step;
+    for (int j = 0; j < 32; j++) {
+        float h = rintf(x[j] * id);
+        h = h > 127 ? 127 : h < -127 ? -127 : h;
+        float l = rintf(fmaf(-step, h, x[j]) * (id * 256.0f));
+        l = l > 127 ? 127 : l < -127 ? -127 : l;
+        o->hi[j] = (int8_t)h;
+        o->lo[j] = (int8_t)l;
+        o->s += 256 * (int)h + (int)l;
+    }
+    o->d = step / 256.0f;
+    o->ds = o->d * (float)o->s;
+}
+
+/* The exact integer sum of a weight block against an activation block, in int64 from the
+ * block's bytes as quant_int.h lays them out (Q4_0's values are nibble - 8). */
+static int64_t spec_isum(enum tdm_dtype dt, const uint8_t *blk, const struct tdm_cpu_xblock *x)
+{
+    int64_t sum = 0;
+    for (int j = 0; j < 32; j++) {
+        int64_t wq;
+        if (dt == TDM_DTYPE_Q8_0) {
+            wq = ((const int8_t *)blk)[offsetof(struct block_q8_0, qs) + j];
+        } else {
+            const size_t off = dt == TDM_DTYPE_Q4_0 ? offsetof(struct block_q4_0, qs)
+                                                    : offsetof(struct block_q4_1, qs);
+            const uint8_t byte = blk[off + (j & 15)];
+            wq = j < 16 ? (byte & 0x0F) : (byte >> 4);
+            if (dt == TDM_DTYPE_Q4_0) wq -= 8;
+        }
+        sum += wq * (256 * x->hi[j] + x->lo[j]);
+    }
+    return sum;
+}
+
+static float f16_at(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return tdm_f16_to_f32(h);
+}
+
+/* qdot.c's value of one (weight row, activation row) pair, from the specification. */
+static float spec_pair(const struct tdm_weight *w, int64_t r, const struct tdm_cpu_xblock *x)
+{
+    const int64_t nb = w->cols / 32;
+    const size_t bsz = w->row_bytes / (size_t)nb;
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->row_bytes;
+    float acc = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (size_t)b * bsz;
+        const int64_t isum = spec_isum(w->dtype, blk, &x[b]);
+        assert_true(isum > -(1 << 28) && isum < (1 << 28)); /* an int32, a float past 2^24 */
+        const float dd = f16_at(blk) * x[b].d;
+        if (w->dtype == TDM_DTYPE_Q4_1)
+            acc = acc + fmaf(dd, (float)isum, f16_at(blk + 2) * x[b].ds);
+        else
+            acc = fmaf(dd, (float)isum, acc);
+    }
+    return acc;
+}
+
+/* The activation quantisers of every ISA give the specification's bytes, on random blocks and
+ * on edge cases: an all-zero block, exact halves (ties to even), one huge element among tiny
+ * ones, subnormals, a NaN, an infinity, equal magnitudes of both signs. And each value is
+ * within half a unit d of x (one where the clamp of lo takes the other half). */
+static void test_quantise(void **state)
+{
+    (void)state;
+    enum { NB = 64 };
+    float *x = rand_vec(NB * 32, -3, 3);
+    for (int j = 0; j < 32; j++) {
+        x[j] = 0;                                         /* block 0: zeros */
+        x[32 + j] = (float)(j - 16) * 0.5f;               /* block 1: amax 8 */
+        x[64 + j] = j == 7 ? 1e30f : 1e-3f;               /* block 2: one huge element */
+        x[96 + j] = (j % 2 ? -1 : 1) * 1e-40f;            /* block 3: subnormals: zeros */
+        x[128 + j] = j % 3 ? 127.0f : -127.0f;            /* block 4: step 1 exactly */
+        x[160 + j] = j ? (float)(j - 16) + 0.5f : 127.0f; /* block 5: step 1, exact halves */
+        x[192 + j] = j == 3 ? NAN : 1.0f;                 /* block 6: a NaN: zeros */
+        x[224 + j] = j == 9 ? -INFINITY : 1.0f;           /* block 7: an infinity: zeros */
+        x[256 + j] = (float)j * (1.0f / 256.0f) + 3.0f;   /* block 8: lo holds the fraction */
+    }
+    struct tdm_cpu_xblock spec[NB], got[NB];
+    for (int b = 0; b < NB; b++) {
+        spec_quantise(x + 32 * b, &spec[b]);
+        if (b == 2 || b == 3 || b == 6 || b == 7) continue; /* lo cannot hold 1e-3 of 1e30 */
+        /* 256 hi + lo is x in units of d, within half a unit, or one where hi was a tie (its
+         * rest is half a step: lo = +-128, clamped to +-127) */
+        for (int j = 0; j < 32; j++) {
+            const double v = 256.0 * spec[b].hi[j] + spec[b].lo[j];
+            const double unit = abs(spec[b].lo[j]) == 127 ? 1.01 : 0.51;
+            if (!(fabs(x[32 * b + j] - spec[b].d * v) <= unit * spec[b].d + 1e-30))
+                fail_msg("block %d [%d]: %g quantised to %g * %g", b, j, x[32 * b + j], v,
+                         spec[b].d);
+        }
+    }
+    for (int b = 0; b < NB; b++)
+        if (b == 0 || b == 3 || b == 6 || b == 7) {
+            assert_true(spec[b].d == 0.0f && spec[b].s == 0);
+        } else {
+            assert_true(spec[b].d > 0.0f);
+        }
+    /* step 1: hi ties to even (0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -0.5 -> 0, -1.5 -> -2), and lo
+     * holds the rest exactly (the halves: +-128 units clamp to +-127) */
+    assert_true(spec[5].d == 1.0f / 256);
+    assert_int_equal(spec[5].hi[16], 0);
+    assert_int_equal(spec[5].hi[17], 2);
+    assert_int_equal(spec[5].hi[18], 2);
+    assert_int_equal(spec[5].hi[15], 0);
+    assert_int_equal(spec[5].hi[14], -2);
+    assert_int_equal(spec[5].lo[16], 127);
+    assert_int_equal(spec[5].lo[17], -127);
+    /* block 8: x = 3 + j / 256, amax 3 + 31 / 256: each value is hi steps plus lo units */
+    for (int j = 0; j < 32; j++) {
+        const double v = 256.0 * spec[8].hi[j] + spec[8].lo[j];
+        assert_true(fabs(spec[8].d * v - x[256 + j]) <= 0.5 * spec[8].d);
+    }
+    tdm_cpu_quantise_portable(x, NB, got);
+    assert_memory_equal(spec, got, sizeof spec);
+    if (tdm_cpu_isa_detect() >= TDM_CPU_ISA_AVX2) {
+        memset(got, 0x55, sizeof got);
+        tdm_cpu_quantise_avx2(x, NB, got);
+        assert_memory_equal(spec, got, sizeof spec);
+    } else {
+        printf("SKIP: the AVX2 quantiser: no AVX2 on this machine\n");
+    }
+    free(x);
+}
+
+static void test_qdot(void **state)
+{
+    (void)state;
+    const enum tdm_dtype qts[] = {TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0, TDM_DTYPE_Q4_1};
+    const int64_t rows = 23, cols = 256;
+    const int nb = (int)(cols / 32);
+    struct variant vs[2 * TDM_CPU_ISA_COUNT];
+    const int n_vs = variants(vs);
+    for (size_t d = 0; d < TDM_ARRAY_LEN(qts); d++) {
+        struct tdm_test_weight tw;
+        tdm_test_weight_make(&rng_state, qts[d], rows, cols, &tw);
+        /* row 0 block 0 and row 1 block 1: the extremes of the integers */
+        for (int r = 0; r < 2; r++) {
+            uint8_t *blk = (uint8_t *)tw.w.data + (size_t)r * tw.w.row_bytes +
+                           (size_t)r * (tw.w.row_bytes / (size_t)nb);
+            if (qts[d] == TDM_DTYPE_Q8_0)
+                memset(blk + offsetof(struct block_q8_0, qs), r ? 0x7F : 0x80, 32);
+            else
+                memset(blk + (qts[d] == TDM_DTYPE_Q4_0 ? offsetof(struct block_q4_0, qs)
+                                                       : offsetof(struct block_q4_1, qs)),
+                       r ? 0xFF : 0x00, 16);
+            tdm_cpu_weight_row(&tw.w, r, tw.deq + (size_t)r * cols);
+        }
+        enum { NMAX = 6 };
+        float *x = rand_vec((size_t)NMAX * cols, -2, 2);
+        for (int j = 0; j < 64; j++) /* row 0, blocks 0 and 1: +-amax, so hi = +-127 */
+            x[j] = j % 5 ? -2.0f : 2.0f;
+        for (int j = 0; j < 32; j++) /* row 1, block 0: all 2: hi = 127, s = 32 * 256 * 127 */
+            x[cols + j] = 2.0f;
+        for (int j = 0; j < 32; j++) /* row 2, block 0: step 1, +-63.5: hi +-64, lo -+127 */
+            x[2 * cols + j] = j ? (j % 2 ? 63.5f : -63.5f) : 127.0f;
+        float *bias = rand_vec((size_t)rows, -1, 1);
+        struct tdm_cpu_xblock *xq = malloc((size_t)NMAX * nb * sizeof *xq);
+        float *want = malloc((size_t)NMAX * rows * sizeof(float));
+        float *pair = malloc((size_t)NMAX * rows * sizeof(float));
+        for (int i = 0; i < NMAX; i++) {
+            for (int b = 0; b < nb; b++)
+                spec_quantise(x + (size_t)i * cols + 32 * b, &xq[i * nb + b]);
+            for (int64_t r = 0; r < rows; r++) {
+                pair[i * rows + r] = spec_pair(&tw.w, r, xq + i * nb);
+                want[i * rows + r] = pair[i * rows + r] + bias[r];
+                /* the quantised product against float64 */
+                double ref = bias[r], bound = 0, mag = 0;
+                for (int b = 0; b < nb; b++) {
+                    double wabs = 0;
+                    for (int j = 0; j < 32; j++) {
+                        const double wv = tw.deq[r * cols + 32 * b + j];
+                        const double xv = x[(size_t)i * cols + 32 * b + j];
+                        ref += wv * xv;
+                        wabs += fabs(wv);
+                        mag += fabs(wv * xv);
+                    }
+                    bound += 0.5 * xq[i * nb + b].d * wabs * (1 + 1e-6);
+                }
+                bound += 1e-5 * (mag + bound) + 1e-6 * fabs(bias[r]);
+                const double err = fabs(want[i * rows + r] - ref);
+                if (!(err <= bound))
+                    fail_msg("%s row %lld act %d: quantised %.9g vs float64 %.9g, bound %.3g",
+                             tdm_dtype_name(qts[d]), (long long)r, i, want[i * rows + r], ref,
+                             bound);
+            }
+        }
+        float *got = malloc((size_t)NMAX * rows * sizeof(float));
+        float *g2 = malloc((size_t)NMAX * rows * sizeof(float));
+        for (int v = 0; v < n_vs; v++) {
+            for (int th = 1; th <= 2; th++) {
+                tdm_backend_t *b = make_qbackend(&vs[v], th);
+                const int ns[] = {1, NMAX};
+                for (int k = 0; k < 2; k++) {
+                    memset(got, 0, (size_t)NMAX * rows * sizeof(float));
+                    b->iface->matmul(b, &tw.w, x, ns[k], bias, got);
+                    assert_same_bits(got, want, (size_t)ns[k] * rows,
+                                     "qdot %s %s n=%d %d threads vs specification", vs[v].name,
+                                     tdm_dtype_name(qts[d]), ns[k], th);
+                }
+                /* swiglu: silu(gate) * up of the same weight, from the specification's values */
+                b->iface->matmul_swiglu(b, &tw.w, &tw.w, x, NMAX, got);
+                for (int i = 0; i < NMAX * rows; i++)
+                    g2[i] = tdm_cpu_silu_mul1(pair[i], pair[i]);
+                assert_same_bits(got, g2, (size_t)NMAX * rows, "qdot %s %s swiglu vs specification",
+                                 vs[v].name, tdm_dtype_name(qts[d]));
+                tdm_backend_destroy(b);
+            }
+        }
+        free(g2);
+        free(got);
+        free(pair);
+        free(want);
+        free(xq);
+        free(bias);
+        free(x);
+        tdm_test_weight_free(&tw);
+    }
+}
+
 static void test_isa_selection(void **state)
 {
     const char *best = tdm_cpu_isa_name(tdm_cpu_isa_detect());
@@ -769,6 +1053,7 @@ int main(void)
         cmocka_unit_test(test_attention_paged),   cmocka_unit_test(test_misc),
         cmocka_unit_test(test_isa_selection),     cmocka_unit_test(test_kv_convert_isas),
         cmocka_unit_test(test_latent_attention),  cmocka_unit_test(test_head_matmul),
+        cmocka_unit_test(test_quantise),          cmocka_unit_test(test_qdot),
     };
     fprintf(stderr, "cpu backend: best ISA here is %s\n", tdm_cpu_isa_name(tdm_cpu_isa_detect()));
     if (getenv("TDM_TEST_FILTER")) cmocka_set_test_filter(getenv("TDM_TEST_FILTER"));

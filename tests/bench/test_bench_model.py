@@ -26,6 +26,24 @@ def test_bench_model_long_context(tiny, kv):
     assert all(float(r) > 0 for _, r in rows), cp.stdout
 
 
+def test_bench_model_exact_activations(tmp_path):
+    """--exact-activations: the CPU's fp32 activations for quantised matrices, said in the
+    header; without it, the default quantised ones (src/backend/cpu/qdot.c). Greedy decoding on
+    a random model: the two paths' token checksums may differ; each is the same run to run."""
+    path = make_gguf_checkpoint(tmp_path / "q4.gguf", "llama", seed=43, wtype="Q4_1",
+                                num_hidden_layers=2)
+    args = ["bench", "model", "--model", path, "--threads", "2", "--prompt-len", "8", "--gen",
+            "4", "--context", "8"]
+    runs = {}
+    for exact in (False, True, False):
+        cp = run_tandem(args + (["--exact-activations"] if exact else []))
+        want = "fp32 (--exact-activations)" if exact else "quantised (16-bit)"
+        assert f"activations of Q8_0/Q4_0/Q4_1 matrices: {want}" in cp.stdout, cp.stdout
+        runs.setdefault(exact, []).append(re.search(r"checksum of greedy tokens: (\w+)",
+                                                    cp.stdout).group(1))
+    assert runs[False][0] == runs[False][1], runs
+
+
 def test_bench_model_bad_kv_dtype(tiny):
     cp = run_tandem(["bench", "model", "--model", tiny, "--kv-dtype", "q8"], check=False)
     assert cp.returncode == 2

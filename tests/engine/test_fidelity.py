@@ -156,11 +156,16 @@ def tie_free_prompt(model: ref.Model, length: int, n: int, kv_dtype: str | None 
     raise AssertionError(f"no tie-free prompt of length {length}")
 
 
-def tandem_generate(model_path, prompt, n, tmp_path, threads=None, tag="logits", kv_dtype=None):
-    """(generated token ids, float32 logits of the last prompt position)."""
+def tandem_generate(model_path, prompt, n, tmp_path, threads=None, tag="logits", kv_dtype=None,
+                    exact=True):
+    """(generated token ids, float32 logits of the last prompt position). exact: with
+    --exact-activations, the path the 1e-4 contract is for (the CPU's default multiplies
+    Q8_0/Q4_0/Q4_1 matrices by int8-quantised activations: test_quantised_activations)."""
     dump = tmp_path / f"{tag}.f32"
     args = ["generate", "--model", model_path, "--prompt-tokens", ",".join(map(str, prompt)),
             "--max-tokens", n, "--temperature", 0, "--print-token-ids", "--dump-logits", dump]
+    if exact:
+        args += ["--exact-activations"]
     if threads is not None:
         args += ["--threads", threads]
     if kv_dtype is not None:
@@ -398,6 +403,40 @@ def test_threads_give_identical_output(tandem_bin, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# The CPU's default for Q8_0/Q4_0/Q4_1 matrices: activations quantised per block of 32 to 16-bit
+# integers held in two int8 planes (src/backend/cpu/qdot.c), integer dot products. Each
+# activation is rounded to 1/65000 or so of its block's largest, which puts the logits a little
+# further from the float64 reference than --exact-activations: measured (2026-12-05) 4.5e-5 to
+# 9.5e-5 on these tiny variants and 1.3e-4 to 1.9e-4 on the default model's four prompts
+# (--exact-activations: within 1e-4 on both). The tolerances leave 2.5 times the worst. One int8
+# plane (llama.cpp's Q8 activations) was off by far more and is what these would catch, like
+# any kernel that drops or misweights a plane. The check is also sensitive the other way: the
+# same prompt with --exact-activations must be within TOL, and the quantised logits must differ
+# from those (the option must change the path). Greedy agreement with the exact path over 100
+# prompts of the default model is bench/cpu_activations.py's (bench/RESULTS.md).
+QUANT_MEASURED = {"tiny": 9.5e-5, "default": 1.92e-4}
+QUANT_TOL = {k: 2.5 * v for k, v in QUANT_MEASURED.items()}
+QUANT_VARIANTS = ["gguf-llama-Q8_0", "gguf-llama-Q4_0", "gguf-llama-Q4_1", "gguf-qwen2-Q8_0"]
+
+
+@pytest.mark.parametrize("length", [7, 53])
+@pytest.mark.parametrize("variant", QUANT_VARIANTS)
+def test_quantised_activations(variant, length, checkpoint, tandem_bin, tmp_path):
+    path = checkpoint(variant)
+    m = ref_model(str(path))
+    prompt = tie_free_prompt(m, length, 1)
+    _, quant = tandem_generate(path, prompt, 1, tmp_path, tag="quant", exact=False)
+    _, exact = tandem_generate(path, prompt, 1, tmp_path, tag="exact")
+    want = ref.forward(m, prompt)[-1]
+    what = f"{variant} prompt[{length}] quantised activations"
+    check_logits(exact, want, f"{variant} prompt[{length}] --exact-activations")
+    err = ref.rel_err(quant, want)
+    print(f"{what}: {err:.3g} from the reference")
+    assert err <= QUANT_TOL["tiny"], f"{what}: {err:.3g} relative from the reference"
+    assert ref.rel_err(quant, exact) > 0, f"{what}: the same logits as --exact-activations"
+
+
+# ---------------------------------------------------------------------------------------------
 # tandem against the reference: the default model (SmolLM2-135M-Instruct, Q4_1)
 
 DEFAULT_PROMPTS = [
@@ -439,3 +478,9 @@ def test_default_model_fidelity(text, default_model, default_ref, tandem_bin, tm
     ours_tokens, ours_logits = tandem_generate(default_model, prompt, N_DEFAULT, tmp_path)
     check_fidelity(default_ref, prompt, ours_logits, ours_tokens,
                    f"default model, {text[:24]!r}")
+    # the CPU's default path (quantised activations; see test_quantised_activations)
+    _, quant = tandem_generate(default_model, prompt, 1, tmp_path, tag="quant", exact=False)
+    err = ref.rel_err(quant, ref.forward(default_ref, prompt)[-1])
+    print(f"default model {text[:24]!r} quantised activations: {err:.3g} from the reference")
+    assert err <= QUANT_TOL["default"], f"default model, quantised activations: {err:.3g}"
+    assert ref.rel_err(quant, ours_logits) > 0, "quantised: the same logits as exact ones"

@@ -26,8 +26,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (m.type == TDM_DMSG_PREFILL) {
         const struct tdm_disagg_prefill_msg *f = &m.prefill;
         if (!f->n_tokens || f->n_tokens > CAP || f->n_pages > CAP || !f->page_size ||
-            f->chunk % f->page_size ||
-            f->n_pages != (f->n_tokens + f->page_size - 1) / f->page_size ||
+            f->chunk % f->page_size || f->cached_tokens % f->page_size ||
+            f->cached_tokens >= f->n_tokens ||
+            f->n_pages !=
+                (f->n_tokens + f->page_size - 1) / f->page_size - f->cached_tokens / f->page_size ||
             f->kv_head_end > f->n_kv_heads || f->kv_head_begin >= f->kv_head_end)
             abort();
         if (f->want_head > 1) abort();
@@ -40,7 +42,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             static const struct tdm_disagg_head_req none;
             if (memcmp(&f->head, &none, sizeof none)) abort(); /* nothing read without HEAD */
         }
-        if (tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages, f->want_head) != size) abort();
+        if (tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages, f->want_head,
+                                        f->cached_tokens > 0) != size)
+            abort();
     }
     if (m.type == TDM_DMSG_NACK)
         for (const char *c = m.error; *c; c++)

@@ -586,4 +586,4 @@ def test_route_flag_errors(start):
     fake = start(FakeBackend, echo)
     cp = subprocess.run([str(build_dir() / "tandem"), "router", "--backends", fake.url,
                          "--route", "nearest"], capture_output=True, text=True, timeout=30)
-    assert cp.returncode == 2 and "--route: 'nearest' is not least-loaded or prefix" in cp.stderr
+    assert cp.returncode == 2 and "--route: 'nearest' is not least-loaded, prefix or kv" in cp.stderr

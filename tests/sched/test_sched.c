@@ -444,8 +444,9 @@ struct fake_conn {
     tdm_req_t *pending[8];
     const int32_t *pending_tokens[8];
     const int32_t *pending_pages[8];
-    int pending_n[8];
+    int pending_n[8], pending_cached[8];
     int n_pending;
+    int last_cached;     /* the n_cached of the last admit */
     bool hold_on_finish; /* finished() holds the pages (a transfer in flight) */
     int32_t held[64];
     int n_held;
@@ -454,23 +455,28 @@ struct fake_conn {
 };
 
 static bool conn_admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, int n_tokens,
-                       const int32_t *pages, int n_pages)
+                       int n_cached, const int32_t *pages, int n_pages)
 {
     struct fake_conn *c = ctx;
     (void)user;
     c->admits++;
+    c->last_cached = n_cached;
     assert_int_equal(tdm_req_state(r), TDM_REQ_WAITING_REMOTE_KV);
     assert_true(n_pages * PS >= n_tokens + 1);
+    /* a cached prefix is whole pages, and leaves at least one token to fill */
+    assert_true(n_cached >= 0 && n_cached % PS == 0 && n_cached < n_tokens);
     if (!c->take) return false;
     c->pending[c->n_pending] = r;
     c->pending_tokens[c->n_pending] = tokens;
     c->pending_pages[c->n_pending] = pages;
     c->pending_n[c->n_pending] = n_tokens;
+    c->pending_cached[c->n_pending] = n_cached;
     c->n_pending++;
     return true;
 }
 
-/* The "remote" fills: the KV of prompt[:-1] lands in the request's pages, then done. */
+/* The "remote" fills: the KV of prompt[:-1] past the cached prefix lands in the request's
+ * pages, then done. */
 static void conn_land(struct fake_conn *c)
 {
     struct fake_exec *x = &c->f->x;
@@ -481,7 +487,7 @@ static void conn_land(struct fake_conn *c)
             tdm_req_remote_done(r, TDM_EPEER);
             continue;
         }
-        for (int pos = 0; pos < c->pending_n[i]; pos++) {
+        for (int pos = c->pending_cached[i]; pos < c->pending_n[i]; pos++) {
             int slot = c->pending_pages[i][pos / PS] * PS + pos % PS;
             kv_put(x, slot, c->pending_tokens[i][pos], tdm_req_id(r));
         }
@@ -1238,11 +1244,41 @@ static void test_prefix_cache(void **state)
     assert_true(m.prefix.evicted_pages > 0);
     fix_close(&f); /* destroying the scheduler drops the cache: the pool at its baseline */
 
-    /* not with a connector (disaggregation) */
-    fix_open(&f, 16, NULL, 64, 8);
-    struct fake_conn c = {.f = &f};
+    /* with a connector (a decode node): a request that reuses a cached prefix asks for the
+     * rest only, and one whose prompt[:-1] is all cached is not asked for at all */
+    fix_open(&f, 64, NULL, 64, 8);
+    struct fake_conn c = {.f = &f, .take = true};
     tdm_sched_set_connector(f.s, &fake_conn_i, &c);
-    assert_int_equal(tdm_sched_enable_prefix_cache(f.s, 1), TDM_EUNSUPPORTED);
+    assert_int_equal(tdm_sched_enable_prefix_cache(f.s, 1), TDM_OK);
+    ra = submit(&f, a, 22, 5, NULL);
+    tdm_sched_step(f.s);
+    assert_int_equal(c.last_cached, 0);
+    conn_land(&c);
+    run_until_done(&f, &ra, 1);
+    expect_output(ra, a, 22, 5, TDM_FINISH_LENGTH);
+    rb = submit(&f, b, 30, 4, NULL);                /* shares a's first 20 tokens (five pages) */
+    f.x.leader_of[tdm_req_id(rb)] = tdm_req_id(ra); /* whose KV it reads below 20 */
+    tdm_sched_step(f.s);
+    assert_int_equal(c.admits, 2);
+    assert_int_equal(c.last_cached, 20);
+    assert_int_equal(tdm_req_state(rb), TDM_REQ_WAITING_REMOTE_KV);
+    conn_land(&c);
+    run_until_done(&f, &rb, 1);
+    expect_output(rb, b, 30, 4, TDM_FINISH_LENGTH);
+    int32_t d[21]; /* a's first 20 tokens and one more: prompt[:-1] all cached */
+    memcpy(d, a, 20 * sizeof *d);
+    d[20] = 7;
+    tdm_req_t *rd = submit(&f, d, 21, 3, NULL);
+    f.x.leader_of[tdm_req_id(rd)] = tdm_req_id(ra);
+    run_until_done(&f, &rd, 1);
+    assert_int_equal(c.admits, 2); /* run here */
+    expect_output(rd, d, 21, 3, TDM_FINISH_LENGTH);
+    tdm_req_release(ra);
+    tdm_req_release(rb);
+    tdm_req_release(rd);
+    tdm_sched_flush_prefix_cache(f.s);
+    tdm_sched_step(f.s);
+    expect_baseline(&f);
     fix_close(&f);
 }
 

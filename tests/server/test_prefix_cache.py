@@ -6,7 +6,8 @@ same server's without the cache (the CPU path is batch invariant), alone, in a m
 and among concurrent requests sharing a system prompt; usage.prompt_tokens_details.cached_tokens
 says how many prompt tokens were reused, and the forward pass ran that many fewer
 (tandem_batch_tokens' sum, counted exactly); the hit and store counters move; POST
-/reset_prefix_cache gives every page back; the flag is refused where it does not work yet.
+/reset_prefix_cache gives every page back; the mtp and eagle drafters reuse the head's KV of a
+cached prefix (tests/disagg/test_disagg_prefix.py has the cache with disaggregation).
 """
 import concurrent.futures as cf
 import json
@@ -108,11 +109,32 @@ def test_concurrent_requests_sharing_a_system_prompt(cached, server):
     flush(cached)
 
 
-def test_refused_where_it_does_not_work_yet(default_model):
-    for extra, words in ((["--role", "decode", "--prefill-peers", "127.0.0.1:1"],
-                          "disaggregation"),
-                         (["--spec", "mtp"], "features")):
-        cp = run_tandem(["serve", "--model", default_model, "--port", "0", "--prefix-caching",
-                         *extra], check=False, timeout=120)
-        assert cp.returncode == 2 and "--prefix-caching" in cp.stderr and words in cp.stderr, \
-            cp.stderr[-2000:]
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_feature_drafters_reuse_the_heads_kv(server, method):
+    """A drafter fed with the target's features (the shipped head) under the cache: a page is
+    offered once the head's KV covers it, and a request that reuses it takes that KV as its
+    own. The answers are the plain server's, and the drafts are those of the same drafter
+    without the cache, draft for draft (the same count drafted and kept over the run): the
+    head's KV of a cached prefix is what the request would have made itself."""
+    questions = ["What did the keeper do at dusk?", "Why the fog horn?", "How many stairs?"]
+    bodies = [{"messages": [{"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": q}],
+               "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+              for q in questions] * 2
+    want = [post(server, b, "/v1/chat/completions")["choices"] for b in bodies]
+    counts = []
+    for extra in ([], ["--prefix-caching"]):
+        s = Server(["--threads", "2", "--spec", method, "--spec-k", "3", *extra])
+        try:
+            got = [post(s, b, "/v1/chat/completions") for b in bodies]
+            assert [g["choices"] for g in got] == want
+            m = s.metrics()
+            counts.append((m[("tandem_spec_drafted_tokens_total", ())],
+                           m[("tandem_spec_accepted_tokens_total", ())]))
+            if extra:
+                assert all(g["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * PS
+                           for g in got[1:])
+                assert flush(s)[("tandem_prefix_cache_pages", ())] == 0
+        finally:
+            s.stop()
+    assert counts[0] == counts[1] and counts[0][1] > 0, counts

@@ -8,8 +8,10 @@
  * L3), each shape is replicated into enough copies to exceed 256 MB and the copies are used in
  * turn. Each line prints a checksum of the outputs so that a fast wrong kernel shows.
  *
- * Usage: bench_matvec [n_threads (default: all cores)] [seconds per case (default 0.5)]
- * Honours TANDEM_CPU_ISA like the backend.
+ * Usage: bench_matvec [n_threads (default: all cores)] [seconds per case (default 0.5)] [quant]
+ * Honours TANDEM_CPU_ISA and TANDEM_CPU_VNNI like the backend. "quant": Q8_0/Q4_0/Q4_1 on
+ * int8 activations (the backend's quant_activations; the activation row's quantisation is in
+ * the time).
  */
 #include "backend/cpu/cpu_int.h"
 #include "model/quant_int.h"
@@ -100,7 +102,8 @@ int main(int argc, char **argv)
 {
     const int n_threads = argc > 1 ? atoi(argv[1]) : 0;
     const double secs = argc > 2 ? atof(argv[2]) : 0.5;
-    struct tdm_backend_cpu_opts opts = {.n_threads = n_threads};
+    struct tdm_backend_cpu_opts opts = {.n_threads = n_threads,
+                                        .quant_activations = argc > 3 && !strcmp(argv[3], "quant")};
     tdm_backend_t *b = NULL;
     if (tdm_backend_cpu_create(&opts, &b) != TDM_OK) {
         fprintf(stderr, "backend: %s\n", tdm_err_msg());

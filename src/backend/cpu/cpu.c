@@ -10,8 +10,11 @@
  * ISA dispatch: at create time the instance picks the best kernel table the CPU supports
  * (__builtin_cpu_supports), lowered by $TANDEM_CPU_ISA=portable|avx2|avx512 when set. A
  * request above what the machine supports falls back to the best supported level with a
- * warning. No kernel uses AVX512_BF16: its dot product takes bf16 activations, which would
- * quantise them, so "avx512bf16" is never reported.
+ * warning. The quantised-activation tiles (qdot*.c) are 256-bit at both vector levels (the
+ * avx512 level's 512-bit form measured slower); each level has a VNNI variant (AVX-VNNI for
+ * avx2, AVX512-VNNI's EVEX form for avx512), taken where the CPU has the instruction unless
+ * $TANDEM_CPU_VNNI=0; it changes no result, only how the integer sums are computed. No kernel
+ * uses AVX512_BF16: its dot product takes bf16 activations, so "avx512bf16" is never reported.
  *
  * OpenBLAS: F32 weights times several rows go to cblas_sgemm, split over our own pool by
  * weight rows; OpenBLAS's own threads are therefore turned off (openblas_set_num_threads(1),
@@ -43,43 +46,35 @@
         [TDM_CPU_W_F32] = 3, [TDM_CPU_W_BF16] = 3, [TDM_CPU_W_Q8_0] = 3, [TDM_CPU_W_Q4_0] = 2,     \
         [TDM_CPU_W_Q4_1] = 2                                                                       \
     }
-static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT] = {
-    [TDM_CPU_ISA_PORTABLE] =
-        {
-            .isa = TDM_CPU_ISA_PORTABLE,
-            .name = "portable",
-            .tile = tdm_cpu_tiles_portable,
-            .decode_r = 2,
-            .prefill_r = {1, 1, 1, 1, 1},
-            .prefill_c = 4,
-            .attn_step = tdm_cpu_attn_step_portable,
-            .kv_widen = tdm_cpu_kv_widen_portable,
-            .kv_narrow = tdm_cpu_kv_narrow_portable,
-        },
-    [TDM_CPU_ISA_AVX2] =
-        {
-            .isa = TDM_CPU_ISA_AVX2,
-            .name = "avx2",
-            .tile = tdm_cpu_tiles_avx2,
-            .decode_r = 4,
-            .prefill_r = PREFILL_R_VEC,
-            .prefill_c = 4,
-            .attn_step = tdm_cpu_attn_step_avx2,
-            .kv_widen = tdm_cpu_kv_widen_avx2,
-            .kv_narrow = tdm_cpu_kv_narrow_avx2,
-        },
-    [TDM_CPU_ISA_AVX512] =
-        {
-            .isa = TDM_CPU_ISA_AVX512,
-            .name = "avx512",
-            .tile = tdm_cpu_tiles_avx512,
-            .decode_r = 4,
-            .prefill_r = PREFILL_R_VEC,
-            .prefill_c = 4,
-            .attn_step = tdm_cpu_attn_step_avx2,
-            .kv_widen = tdm_cpu_kv_widen_avx2,
-            .kv_narrow = tdm_cpu_kv_narrow_avx2,
-        },
+/* The kernels of one level; the quantised tiles (qdot*.c) given apart, since each vector level
+ * has a VNNI variant. */
+#define LEVEL_PORTABLE(QT)                                                                         \
+    {                                                                                              \
+        .isa = TDM_CPU_ISA_PORTABLE, .name = "portable", .tile = tdm_cpu_tiles_portable,           \
+        .decode_r = 2, .prefill_r = {1, 1, 1, 1, 1}, .prefill_c = 4,                               \
+        .attn_step = tdm_cpu_attn_step_portable, .kv_widen = tdm_cpu_kv_widen_portable,            \
+        .kv_narrow = tdm_cpu_kv_narrow_portable, .qtile = QT,                                      \
+        .quantise = tdm_cpu_quantise_portable, .vnni = false                                       \
+    }
+#define LEVEL_VEC(ISA, NAME, TILES, QT, VNNI)                                                      \
+    {                                                                                              \
+        .isa = ISA, .name = NAME, .tile = TILES, .decode_r = 4, .prefill_r = PREFILL_R_VEC,        \
+        .prefill_c = 4, .attn_step = tdm_cpu_attn_step_avx2, .kv_widen = tdm_cpu_kv_widen_avx2,    \
+        .kv_narrow = tdm_cpu_kv_narrow_avx2, .qtile = QT, .quantise = tdm_cpu_quantise_avx2,       \
+        .vnni = VNNI                                                                               \
+    }
+/* [level][vnni]; the portable level has no VNNI variant (both entries are the same) */
+static const struct tdm_cpu_kernels KERNELS[TDM_CPU_ISA_COUNT][2] = {
+    [TDM_CPU_ISA_PORTABLE] = {LEVEL_PORTABLE(tdm_cpu_qtiles_portable),
+                              LEVEL_PORTABLE(tdm_cpu_qtiles_portable)},
+    [TDM_CPU_ISA_AVX2] = {LEVEL_VEC(TDM_CPU_ISA_AVX2, "avx2", tdm_cpu_tiles_avx2,
+                                    tdm_cpu_qtiles_avx2, false),
+                          LEVEL_VEC(TDM_CPU_ISA_AVX2, "avx2+vnni", tdm_cpu_tiles_avx2,
+                                    tdm_cpu_qtiles_avx2_vnni, true)},
+    [TDM_CPU_ISA_AVX512] = {LEVEL_VEC(TDM_CPU_ISA_AVX512, "avx512", tdm_cpu_tiles_avx512,
+                                      tdm_cpu_qtiles_avx2, false),
+                            LEVEL_VEC(TDM_CPU_ISA_AVX512, "avx512+vnni", tdm_cpu_tiles_avx512,
+                                      tdm_cpu_qtiles_avx512_vnni, true)},
 };
 
 enum tdm_cpu_isa tdm_cpu_isa_detect(void)
@@ -97,6 +92,19 @@ enum tdm_cpu_isa tdm_cpu_isa_detect(void)
     if (avx2) return TDM_CPU_ISA_AVX2;
 #endif
     return TDM_CPU_ISA_PORTABLE;
+}
+
+bool tdm_cpu_isa_vnni(enum tdm_cpu_isa isa)
+{
+#if defined(__x86_64__)
+    if (isa > tdm_cpu_isa_detect()) return false;
+    /* CPUID leaf 7: AVX-VNNI is subleaf 1's EAX bit 4, AVX512-VNNI subleaf 0's ECX bit 11 (read
+     * directly: clang 14's __builtin_cpu_supports does not know "avxvnni") */
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (isa == TDM_CPU_ISA_AVX2) return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+    if (isa == TDM_CPU_ISA_AVX512) return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c >> 11 & 1);
+#endif
+    return false;
 }
 
 const char *tdm_cpu_isa_name(enum tdm_cpu_isa isa)
@@ -224,6 +232,7 @@ static void cpu_destroy(tdm_backend_t *b)
     struct tdm_cpu *cpu = tdm_cpu_of(b);
     tdm_pool_destroy(cpu->pool);
     tdm_free_aligned(cpu->attn_scratch);
+    tdm_free_aligned(cpu->xq);
     free(cpu);
 }
 
@@ -256,13 +265,16 @@ static const struct tdm_backend_i CPU_IFACE = {
     .sync = cpu_sync,
 };
 
-tdm_status tdm_backend_cpu_create_isa(const struct tdm_backend_cpu_opts *opts, enum tdm_cpu_isa isa,
-                                      tdm_backend_t **out)
+tdm_status tdm_backend_cpu_create_variant(const struct tdm_backend_cpu_opts *opts,
+                                          enum tdm_cpu_isa isa, bool vnni, tdm_backend_t **out)
 {
     if ((int)isa < 0 || isa >= TDM_CPU_ISA_COUNT)
         return tdm_err_set(TDM_EINVAL, "cpu backend: bad ISA level %d", (int)isa);
     if (isa > tdm_cpu_isa_detect())
         return tdm_err_set(TDM_EUNSUPPORTED, "cpu backend: this CPU lacks %s",
+                           tdm_cpu_isa_name(isa));
+    if (vnni && !tdm_cpu_isa_vnni(isa))
+        return tdm_err_set(TDM_EUNSUPPORTED, "cpu backend: this CPU lacks VNNI for %s",
                            tdm_cpu_isa_name(isa));
     struct tdm_cpu *cpu = calloc(1, sizeof *cpu);
     if (!cpu) return tdm_err_set(TDM_ENOMEM, "cpu backend: out of memory");
@@ -270,7 +282,8 @@ tdm_status tdm_backend_cpu_create_isa(const struct tdm_backend_cpu_opts *opts, e
     if (st != TDM_OK) goto out_free_cpu;
     cpu->n_threads = tdm_pool_size(cpu->pool);
     cpu->batch_invariant = opts ? opts->batch_invariant : false;
-    cpu->k = &KERNELS[isa];
+    cpu->quant_activations = opts ? opts->quant_activations : false;
+    cpu->k = &KERNELS[isa][vnni];
     cpu->base.iface = &CPU_IFACE;
     cpu->base.impl = cpu;
     openblas_set_num_threads(1);
@@ -281,12 +294,21 @@ out_free_cpu:
     return st;
 }
 
+tdm_status tdm_backend_cpu_create_isa(const struct tdm_backend_cpu_opts *opts, enum tdm_cpu_isa isa,
+                                      tdm_backend_t **out)
+{
+    return tdm_backend_cpu_create_variant(opts, isa, tdm_cpu_isa_vnni(isa), out);
+}
+
 tdm_status tdm_backend_cpu_create(const struct tdm_backend_cpu_opts *opts, tdm_backend_t **out)
 {
     const enum tdm_cpu_isa isa = isa_from_env(true);
-    tdm_status st = tdm_backend_cpu_create_isa(opts, isa, out);
+    const char *vnni_env = getenv("TANDEM_CPU_VNNI");
+    const bool vnni = tdm_cpu_isa_vnni(isa) && !(vnni_env && strcmp(vnni_env, "0") == 0);
+    tdm_status st = tdm_backend_cpu_create_variant(opts, isa, vnni, out);
     if (st == TDM_OK)
-        TDM_DEBUG("cpu backend: %s kernels, %d threads", tdm_cpu_isa_name(isa),
-                  tdm_cpu_of(*out)->n_threads);
+        TDM_DEBUG("cpu backend: %s kernels, %d threads, %s activations", tdm_cpu_of(*out)->k->name,
+                  tdm_cpu_of(*out)->n_threads,
+                  tdm_cpu_of(*out)->quant_activations ? "int8" : "fp32");
     return st;
 }

@@ -23,6 +23,7 @@
 
 #include "tandem/backend.h"
 
+#include <assert.h>
 #include <math.h>
 
 /* Largest head_dim the attention and RoPE kernels accept (stack scratch is sized by it). */
@@ -68,6 +69,51 @@ typedef tdm_cpu_tile_fn tdm_cpu_tile_table[TDM_CPU_W_COUNT][TDM_CPU_TILE_MAX][TD
 extern const tdm_cpu_tile_table tdm_cpu_tiles_portable;
 extern const tdm_cpu_tile_table tdm_cpu_tiles_avx2;
 extern const tdm_cpu_tile_table tdm_cpu_tiles_avx512;
+
+/* ---- quantised activations (qdot.c explains the scheme) ---- */
+
+/* One block of 32 activations quantised to two int8 planes (qdot.c): x[j] ~ d * v[j] with
+ * v[j] = 256 * hi[j] + lo[j], lo the rounding left by hi. */
+struct tdm_cpu_xblock {
+    int8_t hi[32]; /* rint(x[j] / (256 d)), in [-127, 127] */
+    int8_t lo[32]; /* rint((x[j] - 256 d hi[j]) / d), in [-127, 127] */
+    float d;       /* max |x[j]| / 127 / 256; 0 for a block of zeros (or of |x| < 2^-93) */
+    float ds;      /* d * s: what a Q4_1 block's minimum multiplies */
+    int32_t s;     /* sum of v[j]: what folds Q4_0's offset of 8 into the integer sum */
+    int32_t pad;
+};
+static_assert(sizeof(struct tdm_cpu_xblock) == 80, "an xblock is 80 bytes");
+
+/* A block whose step (max |x| / 127) is below this quantises to zeros (qdot.c). */
+#define TDM_CPU_XQ_MIN_STEP 0x1p-100f
+
+/* The weight dtypes the quantised path takes, as a dense index (TDM_CPU_W_* - TDM_CPU_W_Q8_0). */
+#define TDM_CPU_QW_COUNT 3
+
+/* One quantised tile: out[c * ldo + i] = dot(W row i, x row c) (+ bias[i]) for i < R, c < C,
+ * where x row c is the nb blocks at x + c * ldx. Same conventions as struct tdm_cpu_tile. */
+struct tdm_cpu_qtile {
+    const uint8_t *w;
+    size_t row_bytes;
+    int64_t nb; /* blocks of 32 per row */
+    const struct tdm_cpu_xblock *x;
+    int64_t ldx; /* blocks */
+    float *out;
+    int64_t ldo;
+    const float *bias;
+};
+typedef void (*tdm_cpu_qtile_fn)(const struct tdm_cpu_qtile *t);
+typedef tdm_cpu_qtile_fn tdm_cpu_qtile_table[TDM_CPU_QW_COUNT][TDM_CPU_TILE_MAX][TDM_CPU_TILE_MAX];
+/* [wtype - Q8_0][R - 1][C - 1]; every table gives the portable one's bits (qdot.c) */
+extern const tdm_cpu_qtile_table tdm_cpu_qtiles_portable;
+extern const tdm_cpu_qtile_table tdm_cpu_qtiles_avx2;
+extern const tdm_cpu_qtile_table tdm_cpu_qtiles_avx2_vnni;   /* AVX-VNNI CPUs only */
+extern const tdm_cpu_qtile_table tdm_cpu_qtiles_avx512_vnni; /* AVX512-VNNI CPUs only */
+
+/* Quantises nb blocks of x (nb * 32 floats) into out; every ISA gives the same bits. */
+typedef void (*tdm_cpu_quantise_fn)(const float *x, int64_t nb, struct tdm_cpu_xblock *out);
+void tdm_cpu_quantise_portable(const float *x, int64_t nb, struct tdm_cpu_xblock *out);
+void tdm_cpu_quantise_avx2(const float *x, int64_t nb, struct tdm_cpu_xblock *out);
 
 /* Attention: one online-softmax step of `gs` query heads of one KV group over `cn` consecutive
  * KV positions (attention.c explains the scheme). The step raises the running max m to the
@@ -125,6 +171,9 @@ struct tdm_cpu_kernels {
     tdm_cpu_attn_fn attn_step;
     tdm_cpu_kv_widen_fn kv_widen;
     tdm_cpu_kv_narrow_fn kv_narrow;
+    const tdm_cpu_qtile_fn (*qtile)[TDM_CPU_TILE_MAX][TDM_CPU_TILE_MAX]; /* a tdm_cpu_qtiles_* */
+    tdm_cpu_quantise_fn quantise;
+    bool vnni; /* qtile uses VPDPBUSD */
 };
 
 struct tdm_cpu {
@@ -132,9 +181,12 @@ struct tdm_cpu {
     tdm_pool_t *pool;
     int n_threads;
     bool batch_invariant;
+    bool quant_activations; /* Q8_0/Q4_0/Q4_1 products on int8 activations (qdot.c) */
     const struct tdm_cpu_kernels *k;
     float *attn_scratch; /* attention split-mode states (attention.c); grown on demand */
     size_t attn_scratch_floats;
+    struct tdm_cpu_xblock *xq; /* [n][cols / 32] a matmul's quantised input; grown on demand */
+    size_t xq_blocks;
 };
 
 static inline struct tdm_cpu *tdm_cpu_of(tdm_backend_t *b)
@@ -145,10 +197,16 @@ static inline struct tdm_cpu *tdm_cpu_of(tdm_backend_t *b)
 /* Best level this machine supports (ignores $TANDEM_CPU_ISA). */
 enum tdm_cpu_isa tdm_cpu_isa_detect(void);
 const char *tdm_cpu_isa_name(enum tdm_cpu_isa isa);
-/* Creates a backend on an explicit level; TDM_EUNSUPPORTED if this machine lacks it. For tests
- * that run every level in one process. */
+/* Creates a backend on an explicit level (with VNNI where the CPU has it for that level);
+ * TDM_EUNSUPPORTED if this machine lacks it. For tests that run every level in one process. */
 tdm_status tdm_backend_cpu_create_isa(const struct tdm_backend_cpu_opts *opts, enum tdm_cpu_isa isa,
                                       tdm_backend_t **out);
+/* Whether this CPU has the VNNI dot product of a level (avx2: AVX-VNNI; avx512: AVX512-VNNI). */
+bool tdm_cpu_isa_vnni(enum tdm_cpu_isa isa);
+/* As create_isa, with the VNNI kernels of the level on or off (TDM_EUNSUPPORTED: vnni on a CPU
+ * without it). */
+tdm_status tdm_backend_cpu_create_variant(const struct tdm_backend_cpu_opts *opts,
+                                          enum tdm_cpu_isa isa, bool vnni, tdm_backend_t **out);
 /* The wtype index of a dtype, or -1 if the kernels do not run it. */
 int tdm_cpu_wtype_of(enum tdm_dtype t);
 
@@ -219,6 +277,32 @@ void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, 
 #define TDM_CPU_TILE_TABLE(W)                                                                      \
     [TDM_CPU_W_##W] = {TDM_CPU_TILE_ROW_(W, 1), TDM_CPU_TILE_ROW_(W, 2), TDM_CPU_TILE_ROW_(W, 3),  \
                        TDM_CPU_TILE_ROW_(W, 4)}
+
+/* Quantised tile tables (qdot*.c): TDM_CPU_DEF_QTILES(P, ATTR, W, KERNEL) defines
+ * `static ATTR void P_<W>_<R>_<C>(const struct tdm_cpu_qtile *)` for 1 <= R, C <= 4 (ATTR may
+ * be empty or a target attribute), TDM_CPU_QTILE_TABLE(P, W) fills a table's row of W. */
+#define TDM_CPU_DEF_QTILE_(P, ATTR, W, R, C, KERNEL)                                               \
+    static ATTR void P##_##W##_##R##_##C(const struct tdm_cpu_qtile *t)                            \
+    {                                                                                              \
+        KERNEL(t, TDM_CPU_W_##W, R, C);                                                            \
+    }
+#define TDM_CPU_DEF_QTILE_ROW_(P, ATTR, W, R, KERNEL)                                              \
+    TDM_CPU_DEF_QTILE_(P, ATTR, W, R, 1, KERNEL)                                                   \
+    TDM_CPU_DEF_QTILE_(P, ATTR, W, R, 2, KERNEL)                                                   \
+    TDM_CPU_DEF_QTILE_(P, ATTR, W, R, 3, KERNEL)                                                   \
+    TDM_CPU_DEF_QTILE_(P, ATTR, W, R, 4, KERNEL)
+#define TDM_CPU_DEF_QTILES(P, ATTR, W, KERNEL)                                                     \
+    TDM_CPU_DEF_QTILE_ROW_(P, ATTR, W, 1, KERNEL)                                                  \
+    TDM_CPU_DEF_QTILE_ROW_(P, ATTR, W, 2, KERNEL)                                                  \
+    TDM_CPU_DEF_QTILE_ROW_(P, ATTR, W, 3, KERNEL)                                                  \
+    TDM_CPU_DEF_QTILE_ROW_(P, ATTR, W, 4, KERNEL)
+#define TDM_CPU_QTILE_ROW_(P, W, R)                                                                \
+    {                                                                                              \
+        P##_##W##_##R##_1, P##_##W##_##R##_2, P##_##W##_##R##_3, P##_##W##_##R##_4                 \
+    }
+#define TDM_CPU_QTILE_TABLE(P, W)                                                                  \
+    [TDM_CPU_W_##W - TDM_CPU_W_Q8_0] = {TDM_CPU_QTILE_ROW_(P, W, 1), TDM_CPU_QTILE_ROW_(P, W, 2),  \
+                                        TDM_CPU_QTILE_ROW_(P, W, 3), TDM_CPU_QTILE_ROW_(P, W, 4)}
 
 /* silu(g) * u, the one definition that silu_mul and matmul_swiglu share (libm's expf; see
  * elementwise.c), so that the fused op matches the separate ones bit for bit. */

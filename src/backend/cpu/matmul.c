@@ -1,12 +1,16 @@
 /*
  * Matmul: out[i][r] = sum_c x[i][c] * W[r][c] (+ bias[r]), with W in F32, BF16, Q8_0, Q4_0 or
- * Q4_1 and the activations x in fp32. Also the portable kernels and the one-row dequantiser
- * that embed uses.
+ * Q4_1 and the activations x in fp32. Also the portable fp32 kernels and the one-row
+ * dequantiser that embed uses.
  *
- * Why no activation quantisation: the CPU backend must stay within 1e-4 relative of an fp32
- * reference, so weights are expanded to fp32 in registers (exactly: each dequantised weight is
- * the same float the reference dequantiser yields, up to one rounding for q4_1) and multiplied
- * with fp32 activations.
+ * Two paths for quantised weights. Exact (fp32 activations): weights are expanded to fp32 in
+ * registers (exactly: each dequantised weight is the same float the reference dequantiser
+ * yields, up to one rounding for q4_1) and multiplied with fp32 activations, which keeps the
+ * backend within 1e-4 relative of an fp32 reference. Quantised (an instance created with
+ * quant_activations): Q8_0, Q4_0 and Q4_1 parts take the input quantised to 16-bit integers
+ * (two int8 planes a block of 32), once per op (mm_quantise: the parts of a matmul_multi and a
+ * matmul_swiglu share it), and run qdot.c's integer tiles; F32 and BF16 parts of the same op keep
+ * fp32 x.
  *
  * Work split: the weight rows are divided over the pool's threads (tdm_split_range, chunks of
  * 16 rows so that no two threads write one cache line of out). matmul_multi (q, k and v of one
@@ -20,12 +24,13 @@
  * hot in cache and runs it against IB activation rows, dequantising each weight vector once
  * per C activation rows.
  *
- * Determinism: every tile shape performs the same operations, in the same order, for each
- * (weight row, activation row) pair, so a value never depends on n, on the thread count or on
- * where a tile boundary fell, nor on whether the product ran alone, in a matmul_multi or in
- * a matmul_swiglu. The exception is F32 weights with n > 1, which go to OpenBLAS sgemm
- * (blocking depends on n) unless the instance was created with batch_invariant; matmul_swiglu
- * never uses OpenBLAS (its tiles are fused), so there it matches the batch_invariant matmul.
+ * Determinism: every tile shape (fp32 or quantised) performs the same operations, in the same
+ * order, for each (weight row, activation row) pair, and each activation row is quantised alone, so
+ * a value never depends on n, on the thread count or on where a tile boundary fell, nor on whether
+ * the product ran alone, in a matmul_multi or in a matmul_swiglu. The exception is F32 weights with
+ * n > 1, which go to OpenBLAS sgemm (blocking depends on n) unless the instance was created with
+ * batch_invariant; matmul_swiglu never uses OpenBLAS (its tiles are fused), so there it matches the
+ * batch_invariant matmul.
  *
  * Portable kernel order, per pair: 8 lanes; lane l sums the products of elements 8j + l in
  * increasing j (products and sums rounded separately: ISO C11 does not contract to FMA), then
@@ -192,6 +197,7 @@ struct mm_part {
     const struct tdm_weight *w;
     int wtype;
     bool blas; /* F32 times several rows on an instance without batch_invariant */
+    bool q;    /* on the quantised activations (qdot.c) */
     const float *bias;
     float *out;
 };
@@ -204,6 +210,7 @@ struct mm_job {
     int n;
     int n_parts;
     bool swiglu;
+    const struct tdm_cpu_xblock *xq; /* [n][cols / 32] x quantised, when a part is q */
     struct mm_part parts[TDM_MATMUL_MULTI_MAX];
 };
 
@@ -213,6 +220,21 @@ static void run_tile(const struct mm_job *job, const struct mm_part *p, int64_t 
                      int C, float *out, int64_t ldo)
 {
     const struct tdm_weight *w = p->w;
+    if (p->q) {
+        const int64_t nb = w->cols / 32;
+        const struct tdm_cpu_qtile t = {
+            .w = (const uint8_t *)w->data + (size_t)r * w->row_bytes,
+            .row_bytes = w->row_bytes,
+            .nb = nb,
+            .x = job->xq + (size_t)i * (size_t)nb,
+            .ldx = nb,
+            .out = out,
+            .ldo = ldo,
+            .bias = p->bias ? p->bias + r : NULL,
+        };
+        job->k->qtile[p->wtype - TDM_CPU_W_Q8_0][R - 1][C - 1](&t);
+        return;
+    }
     const struct tdm_cpu_tile t = {
         .w = (const uint8_t *)w->data + (size_t)r * w->row_bytes,
         .row_bytes = w->row_bytes,
@@ -249,13 +271,19 @@ static void swiglu_tile(const struct mm_job *job, int64_t r, int i, int R, int C
             out[c * rows + j] = tdm_cpu_silu_mul1(out[c * rows + j], u[c * R + j]);
 }
 
+/* Weight rows per prefill tile: the quantised tiles hold a row per lane of a 4-lane register. */
+static int prefill_rows(const struct tdm_cpu_kernels *k, const struct mm_part *p)
+{
+    return p->q && k->isa != TDM_CPU_ISA_PORTABLE ? TDM_CPU_TILE_MAX : k->prefill_r[p->wtype];
+}
+
 /* Weight rows [r0, r1) of part p (or of the SwiGLU pair when p is NULL) against all
  * activation rows, in tiles (the top comment gives the walk). */
 static void mm_rows(const struct mm_job *job, const struct mm_part *p, int64_t r0, int64_t r1)
 {
-    const int *pr = job->k->prefill_r;
     const int R_prefill =
-        p ? pr[p->wtype] : TDM_MIN(pr[job->parts[0].wtype], pr[job->parts[1].wtype]);
+        p ? prefill_rows(job->k, p)
+          : TDM_MIN(prefill_rows(job->k, &job->parts[0]), prefill_rows(job->k, &job->parts[1]));
     if (job->n == 1) {
         const int R = job->k->decode_r;
         for (int64_t r = r0; r < r1; r += R) {
@@ -326,7 +354,56 @@ static struct mm_part make_part(const struct tdm_cpu *cpu, const struct tdm_weig
     TDM_ASSERT(wtype >= 0 && w->row_bytes == tdm_dtype_row_bytes(w->dtype, w->cols));
     const bool blas = wtype == TDM_CPU_W_F32 && n > 1 && !cpu->batch_invariant &&
                       w->row_bytes == (size_t)w->cols * sizeof(float);
-    return (struct mm_part){.w = w, .wtype = wtype, .blas = blas, .bias = bias, .out = out};
+    const bool q = cpu->quant_activations && wtype >= TDM_CPU_W_Q8_0 && wtype <= TDM_CPU_W_Q4_1;
+    return (struct mm_part){.w = w, .wtype = wtype, .blas = blas, .q = q, .bias = bias, .out = out};
+}
+
+#define QUANT_POOL_ROWS 16 /* activation rows from which quantising them is a pool job */
+
+struct quant_job {
+    const struct tdm_cpu_kernels *k;
+    const float *x;
+    int n;
+    int64_t nb;
+    struct tdm_cpu_xblock *out;
+};
+
+static void quant_worker(void *ctx, int ith, int nth)
+{
+    const struct quant_job *q = ctx;
+    int64_t i0, i1;
+    tdm_split_range(q->n, ith, nth, 1, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++)
+        q->k->quantise(q->x + (size_t)i * (size_t)q->nb * 32, q->nb, q->out + (size_t)i * q->nb);
+}
+
+/* Quantises x once for every part on the quantised path (they share it). Without room for it
+ * (the scratch could not grow) every part falls back to fp32 activations, with a warning. */
+static void mm_quantise(struct tdm_cpu *cpu, struct mm_job *job)
+{
+    bool any = false;
+    for (int j = 0; j < job->n_parts; j++)
+        any |= job->parts[j].q;
+    if (!any) return;
+    const int64_t nb = job->parts[0].w->cols / 32;
+    const size_t need = (size_t)job->n * (size_t)nb;
+    if (need > cpu->xq_blocks) {
+        /* grows geometrically, like attention's scratch: a few times per process */
+        struct tdm_cpu_xblock *p = tdm_alloc_aligned(2 * need * sizeof *p);
+        if (!p) {
+            TDM_WARN("cpu backend: no memory to quantise activations; using fp32 ones");
+            for (int j = 0; j < job->n_parts; j++)
+                job->parts[j].q = false;
+            return;
+        }
+        tdm_free_aligned(cpu->xq);
+        cpu->xq = p;
+        cpu->xq_blocks = 2 * need;
+    }
+    struct quant_job qj = {.k = cpu->k, .x = job->x, .n = job->n, .nb = nb, .out = cpu->xq};
+    /* a decode step's few rows on this thread; a prefill's over the pool (each row alone) */
+    tdm_cpu_run(cpu, job->n >= QUANT_POOL_ROWS ? (int64_t)job->n * nb * 32 : 0, quant_worker, &qj);
+    job->xq = cpu->xq;
 }
 
 /* Runs a prepared job (parts' outputs at row 0) over the pool. */
@@ -335,6 +412,7 @@ static void mm_run(struct tdm_cpu *cpu, struct mm_job *job)
     int64_t work = 0;
     for (int j = 0; j < job->n_parts; j++)
         work += job->parts[j].w->rows * job->parts[j].w->cols * (int64_t)job->n;
+    mm_quantise(cpu, job);
     tdm_cpu_run(cpu, work, mm_worker, job);
 }
 

@@ -1,0 +1,43 @@
+/*
+ * Quantised tiles for AVX-512 CPUs with AVX512-VNNI: qdot_x86.h's 256-bit tile with the EVEX
+ * form of VPDPBUSD on ymm registers (AVX512-VNNI + AVX512VL; functions with a target attribute,
+ * run only on CPUs that have it; a CPU with AVX-512 but no VNNI runs the AVX2 tiles).
+ * qdot.c gives the arithmetic every variant reproduces bit for bit.
+ *
+ * Why not 512 bits: a form that put two weight rows in the halves of one zmm register (one
+ * VPDPBUSD for two rows, the halves split again for the reduction) measured slower than the
+ * 256-bit tile on this project's 2-core Xeon VM at every shape of `tandem bench model`
+ * (prefill 141 against 193 tokens/s, batch-8 decode 101 against 142, bench/RESULTS.md): the
+ * inserts and extracts cost more than the multiply-adds they saved, and the products are not
+ * where a quantised tile's time goes (the per-block reduction and scales are).
+ */
+#include "backend/cpu/qdot_x86.h"
+
+#define VNNI __attribute__((target("avx512vnni")))
+
+/* the high plane's sums, times 256, accumulate the low plane's */
+QAI VNNI __m128i dot4_avx512_vnni(const __m256i *u, const __m256i *h, const __m256i *l)
+{
+    __m256i p[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        p[i] = _mm256_dpbusd_epi32(
+            _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u[i], h[i]), 8), u[i],
+            l[i]);
+    return qdot_reduce4(p[0], p[1], p[2], p[3]);
+}
+
+#define QDOT_KERNEL  qtile_avx512_vnni
+#define QDOT_DOT4    dot4_avx512_vnni
+#define QDOT_FN_ATTR VNNI
+#include "backend/cpu/qdot_x86.h"
+
+TDM_CPU_DEF_QTILES(qv, VNNI, Q8_0, qtile_avx512_vnni)
+TDM_CPU_DEF_QTILES(qv, VNNI, Q4_0, qtile_avx512_vnni)
+TDM_CPU_DEF_QTILES(qv, VNNI, Q4_1, qtile_avx512_vnni)
+
+const tdm_cpu_qtile_table tdm_cpu_qtiles_avx512_vnni = {
+    TDM_CPU_QTILE_TABLE(qv, Q8_0),
+    TDM_CPU_QTILE_TABLE(qv, Q4_0),
+    TDM_CPU_QTILE_TABLE(qv, Q4_1),
+};
