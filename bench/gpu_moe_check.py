@@ -5,7 +5,8 @@ output the fidelity tests hold to the numpy reference (tests/engine/test_fidelit
     bench/gpu_moe_check.py TANDEM MODEL...
 
 For each model (tiny random checkpoints: tests/lib/checkpoints.py writes them) and prompt:
-`tandem generate --backend cuda` and `--backend cpu`, greedy, 12 tokens, the last prompt
+`tandem generate --backend cuda` and `--backend cpu --exact-activations` (the fp32 path, which
+the fidelity tests hold to the numpy reference), greedy, 12 tokens, the last prompt
 position's logits dumped. The CUDA backend runs bf16 weights and activations, so logits differ
 by bf16's rounding: they must agree within LOGIT_TOL relative (max |cuda - cpu| / max |cpu|),
 and the first greedy token must be the CPU's unless its top-2 gap is within twice the error
@@ -36,7 +37,8 @@ def generate(model, prompt, backend):
     dump = f"{tmp}/{backend}.f32"
     cp = subprocess.run([tandem, "generate", "--model", model, "--backend", backend,
                          "--prompt-tokens", ",".join(map(str, prompt)), "--max-tokens", "12",
-                         "--temperature", "0", "--print-token-ids", "--dump-logits", dump],
+                         "--temperature", "0", "--print-token-ids", "--dump-logits", dump] +
+                        (["--exact-activations"] if backend == "cpu" else []),
                         capture_output=True, text=True, timeout=300)
     if cp.returncode:
         return None, None, cp.stderr.strip().splitlines()[-1:]

@@ -35,7 +35,7 @@ def post(port, body, path="/v1/completions"):
 def tok(port, text):
     return post(port, {"prompt": text, "add_special_tokens": False}, "/tokenize")["tokens"]
 cuda = start(18200, ["--backend", "cuda", "--prefix-caching"])
-cpu = start(18201, ["--threads", "8"])
+cpu = start(18201, ["--threads", "8", "--exact-activations"])
 worst = 0.0
 def score(ids):  # CPU teacher forcing: each token's log-probability given the ones before
     r = post(18201, {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0})

@@ -120,7 +120,7 @@ if [ -n "${TANDEM_GPU_TEST_MODEL:-}" ]; then
     total=0
     while IFS= read -r prompt; do
         a=$("$TANDEM" generate --model "$TANDEM_GPU_TEST_MODEL" --prompt "$prompt" --max-tokens 32 \
-            --temperature 0 --print-token-ids 2>/dev/null | tail -1)
+            --temperature 0 --print-token-ids --exact-activations 2>/dev/null | tail -1)
         b=$(CUDA_VISIBLE_DEVICES=0 "$TANDEM" generate --backend cuda --model "$TANDEM_GPU_TEST_MODEL" \
             --prompt "$prompt" --max-tokens 32 --temperature 0 --print-token-ids 2>/dev/null | tail -1)
         total=$((total + 1))
