@@ -366,6 +366,10 @@ struct tdm_load_opts {
 tdm_status tdm_model_load_opts(const char *path, const struct tdm_load_opts *opts,
                                tdm_progress_fn progress, void *progress_ctx,
                                struct tdm_model **out);
+/* Aligned memory that m owns from now on (freed by tdm_model_free): for whoever builds a model
+ * or a view of one (the loader, a tensor-parallel shard, a benchmark's random model).
+ * TDM_ENOMEM with a message. */
+tdm_status tdm_model_alloc_owned(struct tdm_model *m, size_t bytes, void **out);
 /* Opens a checkpoint for its text side only: its config, chat template, and what a tokenizer
  * reads (the GGUF file's metadata, the HF folder's path); no weights are loaded (layers is
  * NULL). For a process that tokenizes as a server would without running the model (the

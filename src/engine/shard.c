@@ -26,22 +26,6 @@
 
 #include "engine/engine_int.h"
 
-static tdm_status own(struct tdm_model *v, size_t bytes, void **out)
-{
-    if (v->n_owned == v->cap_owned) {
-        int cap = v->cap_owned ? v->cap_owned * 2 : 64;
-        void **o = realloc(v->owned, sizeof(*o) * (size_t)cap);
-        if (!o) return tdm_err_set(TDM_ENOMEM, "tp: out of memory");
-        v->owned = o;
-        v->cap_owned = cap;
-    }
-    void *p = tdm_alloc_aligned(bytes ? bytes : 1);
-    if (!p) return tdm_err_set(TDM_ENOMEM, "tp: out of memory for %zu bytes", bytes);
-    v->owned[v->n_owned++] = p;
-    *out = p;
-    return TDM_OK;
-}
-
 /* Rows [r0, r0 + n) of w (a matrix, or a vector's elements when w has one row). */
 static struct tdm_weight slice_rows(const struct tdm_weight *w, int64_t r0, int64_t n)
 {
@@ -75,7 +59,7 @@ static tdm_status slice_cols(struct tdm_model *v, const struct tdm_weight *w, in
     tdm_status st;
     if (c0 % be == 0 && n % be == 0) { /* whole blocks */
         const size_t rb = (size_t)(n / be) * bb, off = (size_t)(c0 / be) * bb;
-        if ((st = own(v, rb * (size_t)w->rows, &buf)) != TDM_OK) return st;
+        if ((st = tdm_model_alloc_owned(v, rb * (size_t)w->rows, &buf)) != TDM_OK) return st;
         for (int64_t r = 0; r < w->rows; r++)
             memcpy((uint8_t *)buf + (size_t)r * rb,
                    (const uint8_t *)w->data + (size_t)r * w->row_bytes + off, rb);
@@ -84,7 +68,9 @@ static tdm_status slice_cols(struct tdm_model *v, const struct tdm_weight *w, in
     }
     float *row = malloc((size_t)w->cols * sizeof(float));
     if (!row) return tdm_err_set(TDM_ENOMEM, "tp: out of memory");
-    if ((st = own(v, (size_t)n * (size_t)w->rows * sizeof(float), &buf)) != TDM_OK) goto out;
+    if ((st = tdm_model_alloc_owned(v, (size_t)n * (size_t)w->rows * sizeof(float), &buf)) !=
+        TDM_OK)
+        goto out;
     for (int64_t r = 0; r < w->rows; r++) {
         if ((st = tdm_dequantize(w->dtype, (const uint8_t *)w->data + (size_t)r * w->row_bytes, row,
                                  w->cols)) != TDM_OK)

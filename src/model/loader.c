@@ -72,7 +72,7 @@ static const char *lname(struct loader *L, const char *gguf_fmt, const char *hf_
     return L->name;
 }
 
-static tdm_status own_alloc(struct tdm_model *m, size_t bytes, void **out)
+tdm_status tdm_model_alloc_owned(struct tdm_model *m, size_t bytes, void **out)
 {
     if (m->n_owned == m->cap_owned) {
         int cap = m->cap_owned ? m->cap_owned * 2 : 64;
@@ -173,18 +173,19 @@ static tdm_status prepare(struct loader *L, const struct tdm_tensor_info *t, int
         const void *data = t->data;
         if ((uintptr_t)data % align) { /* the kernels read whole elements: realign */
             void *copy;
-            if ((rc = own_alloc(m, t->nbytes, &copy))) return rc;
+            if ((rc = tdm_model_alloc_owned(m, t->nbytes, &copy))) return rc;
             memcpy(copy, t->data, t->nbytes);
             data = copy;
         }
         *w = (struct tdm_weight){t->dtype, rows, cols, row_bytes, data};
     } else {
         void *buf;
-        if ((rc = own_alloc(m, (size_t)rows * (size_t)cols * sizeof(float), &buf))) return rc;
+        if ((rc = tdm_model_alloc_owned(m, (size_t)rows * (size_t)cols * sizeof(float), &buf)))
+            return rc;
         const uint8_t *src = t->data;
         void *tmp = NULL;
         if ((uintptr_t)src % align) {
-            if ((rc = own_alloc(m, t->nbytes, &tmp))) return rc;
+            if ((rc = tdm_model_alloc_owned(m, t->nbytes, &tmp))) return rc;
             memcpy(tmp, src, t->nbytes);
             src = tmp;
         }
@@ -247,7 +248,7 @@ static tdm_status owned_f32(struct loader *L, int64_t rows, int64_t cols, struct
 {
     void *buf;
     size_t bytes = (size_t)rows * (size_t)cols * sizeof(float);
-    tdm_status rc = own_alloc(L->m, bytes, &buf);
+    tdm_status rc = tdm_model_alloc_owned(L->m, bytes, &buf);
     if (rc) return rc;
     memset(buf, 0, bytes);
     *w = (struct tdm_weight){TDM_DTYPE_F32, rows, cols, (size_t)cols * sizeof(float), buf};
@@ -279,7 +280,8 @@ static tdm_status load_experts(struct loader *L, int i, struct tdm_layer_weights
         !L->m->is_gguf && find_tensor(L, lname(L, NULL, "block_sparse_moe.gate.weight", i));
     tdm_status rc;
     void *mem;
-    if ((rc = own_alloc(L->m, sizeof(struct tdm_weight) * 3 * (size_t)n, &mem))) return rc;
+    if ((rc = tdm_model_alloc_owned(L->m, sizeof(struct tdm_weight) * 3 * (size_t)n, &mem)))
+        return rc;
     lw->experts = mem;
     lw->n_experts = (int)n;
     const bool deepseek = c->arch == TDM_ARCH_DEEPSEEK2;
@@ -771,10 +773,10 @@ static tdm_status load_fc(struct loader *L, const char *name, int64_t d, struct 
     if (rc) return rc;
     size_t rb = tdm_dtype_row_bytes(t->dtype, 2 * d);
     void *e, *hh, *row, *raw;
-    if ((rc = own_alloc(L->m, (size_t)(d * d) * sizeof(float), &e)) ||
-        (rc = own_alloc(L->m, (size_t)(d * d) * sizeof(float), &hh)) ||
-        (rc = own_alloc(L->m, (size_t)(2 * d) * sizeof(float), &row)) ||
-        (rc = own_alloc(L->m, rb, &raw)))
+    if ((rc = tdm_model_alloc_owned(L->m, (size_t)(d * d) * sizeof(float), &e)) ||
+        (rc = tdm_model_alloc_owned(L->m, (size_t)(d * d) * sizeof(float), &hh)) ||
+        (rc = tdm_model_alloc_owned(L->m, (size_t)(2 * d) * sizeof(float), &row)) ||
+        (rc = tdm_model_alloc_owned(L->m, rb, &raw)))
         return rc;
     for (int64_t r = 0; r < d; r++) {
         memcpy(raw, (const uint8_t *)t->data + (size_t)r * rb, rb); /* aligned for the reader */
@@ -822,7 +824,7 @@ static tdm_status load_d2t(struct loader *L, const struct tdm_model *target)
     int32_t *ids;
     void *rows, *p;
     tdm_status rc;
-    if ((rc = own_alloc(m, (size_t)n * sizeof *ids, &p))) return rc;
+    if ((rc = tdm_model_alloc_owned(m, (size_t)n * sizeof *ids, &p))) return rc;
     ids = p;
     for (int64_t i = 0; i < n; i++) {
         int64_t off;
@@ -836,7 +838,7 @@ static tdm_status load_d2t(struct loader *L, const struct tdm_model *target)
         ids[i] = (int32_t)id;
     }
     const struct tdm_weight *o = &target->output;
-    if ((rc = own_alloc(m, (size_t)n * o->row_bytes, &rows))) return rc;
+    if ((rc = tdm_model_alloc_owned(m, (size_t)n * o->row_bytes, &rows))) return rc;
     for (int64_t i = 0; i < n; i++)
         memcpy((uint8_t *)rows + (size_t)i * o->row_bytes,
                (const uint8_t *)o->data + (size_t)ids[i] * o->row_bytes, o->row_bytes);

@@ -52,6 +52,13 @@ int tdm_sched_running_index(struct tdm_sched *s, const struct tdm_req *r)
     return -1;
 }
 
+/* r speculates with a drafter that keeps KV of its own in r's pages (and says how far it is
+ * final): what the prefix cache must cover too. */
+static bool has_drafter_kv(const struct tdm_sched *s, const struct tdm_req *r)
+{
+    return s->drafter && s->drafter->kv_len && r->dstate && r->spec_k >= 0;
+}
+
 void tdm_sched_offer_prefix(struct tdm_sched *s, struct tdm_req *r)
 {
     if (!s->prefix || atomic_load(&r->hung)) return;
@@ -59,8 +66,8 @@ void tdm_sched_offer_prefix(struct tdm_sched *s, struct tdm_req *r)
     /* a drafter's own KV in the same pages must be final too (what a hit's cursor trusts); a
      * request that does not speculate never made it, so its pages are not offered */
     if (s->drafter && s->drafter->kv_len)
-        done = TDM_MIN(
-            done, r->dstate && r->spec_k >= 0 ? s->drafter->kv_len(s->drafter_ctx, r->dstate) : 0);
+        done =
+            TDM_MIN(done, has_drafter_kv(s, r) ? s->drafter->kv_len(s->drafter_ctx, r->dstate) : 0);
     int full = TDM_MIN(done / s->page_size, r->kv.n_pages);
     if (full <= r->prefix_pages) return;
     tdm_prefix_cache_insert(s->prefix, r->tokens, &r->kv, full);
@@ -543,8 +550,7 @@ static int admit(struct tdm_sched *s, int budget)
         r->n_cached = hit * s->page_size;
         /* a drafter with KV of its own finds it in the cached pages (offered only once it was
          * final there) */
-        if (hit && s->drafter && s->drafter->kv_len && r->dstate && r->spec_k >= 0)
-            r->draft_stats.cursor = r->n_cached;
+        if (hit && has_drafter_kv(s, r)) r->draft_stats.cursor = r->n_cached;
         int64_t need = (r->n_tokens + 1 + s->page_size - 1) / s->page_size - hit;
         int64_t free_pages = tdm_kv_pool_stats(s->kv).free;
         int64_t mark = s->n_running ? s->o.watermark_pages : 0;

@@ -245,13 +245,13 @@ struct hsh {
     uint64_t id;  /* tdm_hash_mix(backend, hash); 0: empty */
     uint64_t key; /* the block's router key */
     int32_t backend;
-    uint32_t pad;
+    uint32_t n; /* pending: requests in flight with the block (0 in hashes) */
 };
 
 struct tdm_kv_index {
     struct blk *blk;
     struct hsh *hsh;
-    struct hsh *pnd; /* (backend, key) -> requests in flight there with that block (pad) */
+    struct hsh *pnd; /* (backend, key) -> requests in flight there with that block (n) */
     size_t mask, n_blk, n_hsh, n_pnd;
     int block_size; /* 0 until the first stored block */
     int64_t held[MAX_BACKENDS];
@@ -284,7 +284,7 @@ static struct hsh *hsh_find(const struct tdm_kv_index *x, uint64_t id)
     return hsh_find_in(x->hsh, x->mask, id);
 }
 
-/* Backward-shift deletion of entry i (its key field at offset 0 of an entry of `size`). */
+/* Backward-shift deletion of entry i of table tab, whose entries are keyed by field keyf. */
 #define DELETE_AT(tab, i, keyf)                                                                    \
     do {                                                                                           \
         size_t hole_ = (i);                                                                        \
@@ -550,15 +550,15 @@ void tdm_kv_index_pend(struct tdm_kv_index *x, int b, const uint64_t *keys, int 
         struct hsh *e = hsh_find_in(x->pnd, x->mask, id);
         if (delta > 0) {
             if (e) {
-                e->pad++;
+                e->n++;
             } else if (room(x, x->n_pnd)) {
                 size_t j = slot(id, x->mask);
                 while (x->pnd[j].id)
                     j = (j + 1) & x->mask;
-                x->pnd[j] = (struct hsh){.id = id, .key = keys[i], .backend = b, .pad = 1};
+                x->pnd[j] = (struct hsh){.id = id, .key = keys[i], .backend = b, .n = 1};
                 x->n_pnd++;
             }
-        } else if (e && --e->pad == 0) {
+        } else if (e && --e->n == 0) {
             size_t j = (size_t)(e - x->pnd);
             DELETE_AT(x->pnd, j, id);
             x->n_pnd--;

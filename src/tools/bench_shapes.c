@@ -61,24 +61,8 @@ struct builder {
 
 static void *owned(struct builder *B, size_t bytes)
 {
-    struct tdm_model *m = B->m;
-    if (B->failed) return NULL;
-    if (m->n_owned == m->cap_owned) {
-        int cap = m->cap_owned ? 2 * m->cap_owned : 256;
-        void **o = realloc(m->owned, sizeof *o * (size_t)cap);
-        if (!o) {
-            B->failed = true;
-            return NULL;
-        }
-        m->owned = o;
-        m->cap_owned = cap;
-    }
-    void *p = tdm_alloc_aligned(bytes ? bytes : 1);
-    if (!p) {
-        B->failed = true;
-        return NULL;
-    }
-    m->owned[m->n_owned++] = p;
+    void *p = NULL;
+    if (!B->failed && tdm_model_alloc_owned(B->m, bytes, &p) != TDM_OK) B->failed = true;
     return p;
 }
 

@@ -303,6 +303,14 @@ void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, 
 #define TDM_CPU_QTILE_TABLE(P, W)                                                                  \
     [TDM_CPU_W_##W - TDM_CPU_W_Q8_0] = {TDM_CPU_QTILE_ROW_(P, W, 1), TDM_CPU_QTILE_ROW_(P, W, 2),  \
                                         TDM_CPU_QTILE_ROW_(P, W, 3), TDM_CPU_QTILE_ROW_(P, W, 4)}
+/* A whole table NAME of one KERNEL: its tiles for the three quantised kinds (functions named
+ * P_<kind>_R_C, with attribute ATTR), and the table of them. */
+#define TDM_CPU_DEF_QTILE_TABLE(NAME, P, ATTR, KERNEL)                                             \
+    TDM_CPU_DEF_QTILES(P, ATTR, Q8_0, KERNEL)                                                      \
+    TDM_CPU_DEF_QTILES(P, ATTR, Q4_0, KERNEL)                                                      \
+    TDM_CPU_DEF_QTILES(P, ATTR, Q4_1, KERNEL)                                                      \
+    const tdm_cpu_qtile_table NAME = {TDM_CPU_QTILE_TABLE(P, Q8_0), TDM_CPU_QTILE_TABLE(P, Q4_0),  \
+                                      TDM_CPU_QTILE_TABLE(P, Q4_1)};
 
 /* silu(g) * u, the one definition that silu_mul and matmul_swiglu share (libm's expf; see
  * elementwise.c), so that the fused op matches the separate ones bit for bit. */

@@ -150,12 +150,4 @@ static_assert(offsetof(struct block_q8_0, d) == 0 && offsetof(struct block_q4_0,
                   offsetof(struct block_q4_1, d) == 0,
               "every block's scale first");
 
-TDM_CPU_DEF_QTILES(qt, , Q8_0, qtile_portable)
-TDM_CPU_DEF_QTILES(qt, , Q4_0, qtile_portable)
-TDM_CPU_DEF_QTILES(qt, , Q4_1, qtile_portable)
-
-const tdm_cpu_qtile_table tdm_cpu_qtiles_portable = {
-    TDM_CPU_QTILE_TABLE(qt, Q8_0),
-    TDM_CPU_QTILE_TABLE(qt, Q4_0),
-    TDM_CPU_QTILE_TABLE(qt, Q4_1),
-};
+TDM_CPU_DEF_QTILE_TABLE(tdm_cpu_qtiles_portable, qt, , qtile_portable)

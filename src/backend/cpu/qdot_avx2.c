@@ -27,15 +27,7 @@ QAI __m128i dot4_avx2(const __m256i *u, const __m256i *h, const __m256i *l)
 #define QDOT_DOT4   dot4_avx2
 #include "backend/cpu/qdot_x86.h"
 
-TDM_CPU_DEF_QTILES(qt, , Q8_0, qtile_avx2)
-TDM_CPU_DEF_QTILES(qt, , Q4_0, qtile_avx2)
-TDM_CPU_DEF_QTILES(qt, , Q4_1, qtile_avx2)
-
-const tdm_cpu_qtile_table tdm_cpu_qtiles_avx2 = {
-    TDM_CPU_QTILE_TABLE(qt, Q8_0),
-    TDM_CPU_QTILE_TABLE(qt, Q4_0),
-    TDM_CPU_QTILE_TABLE(qt, Q4_1),
-};
+TDM_CPU_DEF_QTILE_TABLE(tdm_cpu_qtiles_avx2, qt, , qtile_avx2)
 
 #define VNNI __attribute__((target("avxvnni")))
 
@@ -56,15 +48,7 @@ QAI VNNI __m128i dot4_avx2_vnni(const __m256i *u, const __m256i *h, const __m256
 #define QDOT_FN_ATTR VNNI
 #include "backend/cpu/qdot_x86.h"
 
-TDM_CPU_DEF_QTILES(qv, VNNI, Q8_0, qtile_avx2_vnni)
-TDM_CPU_DEF_QTILES(qv, VNNI, Q4_0, qtile_avx2_vnni)
-TDM_CPU_DEF_QTILES(qv, VNNI, Q4_1, qtile_avx2_vnni)
-
-const tdm_cpu_qtile_table tdm_cpu_qtiles_avx2_vnni = {
-    TDM_CPU_QTILE_TABLE(qv, Q8_0),
-    TDM_CPU_QTILE_TABLE(qv, Q4_0),
-    TDM_CPU_QTILE_TABLE(qv, Q4_1),
-};
+TDM_CPU_DEF_QTILE_TABLE(tdm_cpu_qtiles_avx2_vnni, qv, VNNI, qtile_avx2_vnni)
 
 /* int32 x 32 (four vectors of 8, in order) to int8 x 32 in order: the packs interleave 128-bit
  * lanes, the permute undoes it. Every value is in [-127, 127]. */

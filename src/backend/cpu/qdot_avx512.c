@@ -32,12 +32,4 @@ QAI VNNI __m128i dot4_avx512_vnni(const __m256i *u, const __m256i *h, const __m2
 #define QDOT_FN_ATTR VNNI
 #include "backend/cpu/qdot_x86.h"
 
-TDM_CPU_DEF_QTILES(qv, VNNI, Q8_0, qtile_avx512_vnni)
-TDM_CPU_DEF_QTILES(qv, VNNI, Q4_0, qtile_avx512_vnni)
-TDM_CPU_DEF_QTILES(qv, VNNI, Q4_1, qtile_avx512_vnni)
-
-const tdm_cpu_qtile_table tdm_cpu_qtiles_avx512_vnni = {
-    TDM_CPU_QTILE_TABLE(qv, Q8_0),
-    TDM_CPU_QTILE_TABLE(qv, Q4_0),
-    TDM_CPU_QTILE_TABLE(qv, Q4_1),
-};
+TDM_CPU_DEF_QTILE_TABLE(tdm_cpu_qtiles_avx512_vnni, qv, VNNI, qtile_avx512_vnni)
