@@ -230,8 +230,10 @@ def test_real_backends(start, default_model):
     nodes = [Server(["--threads", "1", "--prefix-caching", "--kv-events",
                      f"tcp://127.0.0.1:{p}"]) for p in ports]
     try:
+        # a health check slow under a loaded suite must not mark a node down: the requests
+        # would then go to the other for the wrong reason
         r = start(Router, [n.url for n in nodes],
-                  ["--route", "kv", "--kv-events",
+                  ["--route", "kv", "--health-timeout-ms", "10000", "--kv-events",
                    ",".join(f"tcp://127.0.0.1:{p}" for p in ports)])
         time.sleep(1.0)  # the subscriptions reach the publishers
         system = ("You are the guide of a small railway museum. Answer briefly and kindly, and "
@@ -249,6 +251,8 @@ def test_real_backends(start, default_model):
         for b in bodies[1:] * 2:
             st, raw, _ = post(r, "/v1/chat/completions", b)
             assert st == 200, raw
+        m = r.metrics()
+        assert all(m[("tandem_router_backend_up", (("backend", n.url),))] == 1 for n in nodes)
         hits = [n.metrics()[("tandem_prefix_cache_hit_tokens_total", ())] for n in nodes]
         assert sorted(hits)[0] == 0 and sorted(hits)[1] > 0, hits  # one node had them all
         m = r.metrics()
