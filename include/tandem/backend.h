@@ -304,6 +304,9 @@ tdm_status tdm_backend_cuda_create(const struct tdm_backend_cuda_opts *opts, tdm
 bool tdm_backend_is_cuda(const tdm_backend_t *b);
 /* Device name and memory (for banners). */
 tdm_status tdm_backend_cuda_info(tdm_backend_t *b, char *name, size_t cap, size_t *total_bytes);
+/* The PCI bus id ("0000:18:00.0", lower case) of CUDA device ordinal `device`, for placement
+ * (topo.h); needs no backend. TDM_EUNSUPPORTED without CUDA or without that device. */
+tdm_status tdm_cuda_device_pci(int device, char *busid, size_t cap);
 /* Rooflines measured on the device now: cudaMemcpy device-to-device bandwidth (bytes read +
  * written per second) and the cuBLASLt bf16 GEMM rate (FLOP/s, 8192^3, fp32 accumulation). */
 tdm_status tdm_backend_cuda_measure(tdm_backend_t *b, double *copy_bytes_per_s,

@@ -28,8 +28,11 @@
  * layer's pages of each chunk as one paged write (immediate index chunk * S + layer, S the
  * layers streamed per chunk), then the context of the last prefilled position (index
  * n_chunks * S). Expected = n_chunks * S + 1. Chunks are page aligned, so no page is written
- * twice. Sharding: both sides hold all KV heads (TP = 1); the request carries the decoder's
- * head range so a sharded peer can be refused clearly.
+ * twice. Sharding (either side --tp, below: "sharded KV transfers"): the request carries both
+ * schemes, and a chunk's layer takes the plan's writes (one per head slice, two where K and V
+ * lie apart) instead of one, so expected = n_chunks * (n_layers * writes + head layers) + 1.
+ * The decoder learns a peer's TP from its first request (the peer answers TDM_DMSG_SCHEME
+ * when the request counted on another: asked again, not counted as an attempt).
  *
  * Prefix caching on both sides (--prefix-caching). A decoder whose request reuses a cached
  * prefix of c tokens (whole pages) asks only for the rest: the request says c, names the pages
@@ -103,6 +106,7 @@
 #include "tandem/core.h"
 #include "tandem/engine.h"
 #include "tandem/sched.h"
+#include "tandem/tp.h"
 #include "tandem/xfer.h"
 
 #ifdef __cplusplus
@@ -134,6 +138,8 @@ struct tdm_disagg_xfer_opts {
     int peer_timeout_ms;    /* a silent peer is dead after this; 0: 2000 */
     const void *fabric_key; /* the cluster secret (16 to 256 bytes); NULL: none (SECURITY.md) */
     size_t fabric_key_bytes;
+    bool busy_poll; /* the transfer engine's progress thread spins, never sleeps (a core each;
+                     * latency-critical deployments) */
 };
 
 /* ---- decode side ---- */
@@ -217,6 +223,10 @@ enum tdm_disagg_msg_type {
     TDM_DMSG_NACK = 2,       /* prefiller -> decoder: refused or failed; nothing more lands */
     TDM_DMSG_CANCEL = 3,     /* decoder -> prefiller: abandon (slot, epoch) */
     TDM_DMSG_CANCEL_ACK = 4, /* prefiller -> decoder: nothing more lands for (slot, epoch) */
+    /* prefiller -> decoder: the request named another prefill sharding than this node's; it
+     * says its own (ranks, KV heads) and nothing lands: ask again. Sent only to decoders whose
+     * request carried the SHARDED block (older ones get a NACK). */
+    TDM_DMSG_SCHEME = 5,
 };
 #define TDM_DMSG_MAX_ERROR 200
 
@@ -232,6 +242,13 @@ struct tdm_disagg_head_req {
     struct tdm_xfer_rmem kv;                                /* the decoder's head KV region */
 };
 #define TDM_DISAGG_HEAD_MAX_LAYERS 16 /* a head has one layer; a bound for peers' values */
+
+/* A destination rank's KV pool in a sharded request: where its layers are. */
+struct tdm_disagg_rank_dst {
+    uint64_t dst_layer_stride; /* bytes between layers in this rank's pool */
+    struct tdm_xfer_rmem kv;   /* this rank's pool region (its KV heads only) */
+};
+#define TDM_DISAGG_MAX_RANKS TDM_TP_MAX_RANKS
 
 struct tdm_disagg_prefill_msg {
     uint64_t req_id;
@@ -251,20 +268,33 @@ struct tdm_disagg_prefill_msg {
      * than n_tokens; 0: none): pages name the pages of positions from there on, and chunks
      * are counted from there */
     uint32_t cached_tokens;
+    /* Sharding (DESIGN.md §5; the SHARDED block, sent by every decoder that knows sharded
+     * transfers; sharded 0: an older decoder, both sides TP = 1). dst_ranks (d) and src_ranks
+     * (p: the prefill node's TP as the decoder believes it; a node of another TP answers
+     * TDM_DMSG_SCHEME) over n_kv_heads (H) KV heads, with their replica sets
+     * (tdm_tp_kv_shard_of: checked); shard_seed draws each destination replica set's source
+     * set (tdm_disagg_shard_plan). ranks[r] is destination rank r's pool, [0] being
+     * dst_layer_stride and kv above (decode fills it in; encode reads ranks 1 .. d - 1). */
+    uint8_t sharded;
+    uint32_t dst_ranks, src_ranks, dst_sets, src_sets;
+    uint64_t shard_seed;
+    struct tdm_disagg_rank_dst ranks[TDM_DISAGG_MAX_RANKS];
     uint32_t n_pages;
     const int32_t *tokens; /* [n_tokens], pointing into the message (decode) */
     const uint32_t *pages; /* [n_pages] */
 };
 struct tdm_disagg_msg {
     enum tdm_disagg_msg_type type;
-    struct tdm_disagg_prefill_msg prefill; /* PREFILL */
-    uint32_t slot, epoch;                  /* NACK, CANCEL, CANCEL_ACK */
-    int32_t status;                        /* NACK */
-    char error[TDM_DMSG_MAX_ERROR + 1];    /* NACK */
+    struct tdm_disagg_prefill_msg prefill;  /* PREFILL */
+    uint32_t slot, epoch;                   /* NACK, CANCEL, CANCEL_ACK, SCHEME */
+    int32_t status;                         /* NACK */
+    char error[TDM_DMSG_MAX_ERROR + 1];     /* NACK */
+    uint32_t scheme_ranks, scheme_kv_heads; /* SCHEME: the prefill node's TP and KV heads */
 };
 /* Bytes a PREFILL message with these counts takes (with the head block when head, the cached
- * block when cached). */
-size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head, bool cached);
+ * block when cached, the sharded block of dst_ranks destination ranks when dst_ranks > 0). */
+size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head, bool cached,
+                                   uint32_t dst_ranks);
 /* Encodes into buf (cap bytes); returns the size, 0 if it does not fit. */
 size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_t cap);
 /* Decodes and validates; PREFILL's tokens and pages point into `buf` (aligned copies are the
@@ -274,10 +304,62 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
                                  uint32_t pages_cap);
 /* The number of immediates a decoder expects for n prefilled tokens of which the first
  * `cached` are its own: n_chunks * n_layers + 1, n_chunks = ceil((n_tokens - cached) / chunk),
- * where n_layers counts the target's layers plus the head's when the request asks for the
- * head's KV. */
+ * where n_layers is the writes of one chunk (tdm_disagg_chunk_writes: the target's layers
+ * times the sharding plan's writes per layer, plus the head's layers when the request asks for
+ * the head's KV). */
 uint32_t tdm_disagg_expected_writes(uint32_t n_tokens, uint32_t cached, uint32_t chunk,
                                     uint32_t n_layers);
+/* ---- sharded KV transfers (shard.c; DESIGN.md §5) ----
+ * A prefill node of p ranks and a decode node of d ranks over H KV heads, each side's ranks
+ * holding KV heads as tdm_tp_kv_shard_of places them (replica sets of S = min(TP, H) ranks when
+ * TP > H). Each destination replica set draws one source replica set (uniformly, from the
+ * request's seed: every set of the prefill node takes its share of sending); then for every
+ * destination rank and every rank of its source set whose head ranges intersect, the
+ * intersection [head0, head0 + n_heads) is one slice: in a page (HND: K [heads][tokens][dim],
+ * then V) it is one contiguous run of K and one of V, so one paged write when the slice is
+ * every head of both ranks' pages (K and V adjacent on both sides), else two (K, then V). The
+ * prefill side then rebuilds nothing: a destination page whose heads come from several source
+ * ranks is assembled by their writes, and a source rank may feed several destinations. H = 1
+ * (MLA, any fully replicated KV) is the case of sets of one rank: a random source rank per
+ * destination rank and request. The number of writes does not depend on the draw, so a
+ * decoder knows it from (H, p, d) alone.
+ *
+ * Immediates of a chunk (S' = n_layers * writes + head layers): target layer l's writes are
+ * chunk * S' + l * writes + w, w the slice's first write (its V the next); head layer h's one
+ * write is chunk * S' + n_layers * writes + h (the head's KV is whole on both leaders). */
+#define TDM_DISAGG_MAX_SLICES (2 * TDM_DISAGG_MAX_RANKS)
+struct tdm_disagg_slice {
+    uint16_t src_rank, dst_rank;
+    uint16_t head0, n_heads; /* KV heads [head0, head0 + n_heads) of the model */
+    uint16_t src_at, dst_at; /* head0 less each rank's first KV head: the slice's place in it */
+    uint16_t src_heads, dst_heads; /* the KV heads each rank's pages hold */
+    uint16_t write0;               /* its first write's number within a layer */
+    uint8_t whole;                 /* 1: every head of both pages, K and V in one write */
+};
+struct tdm_disagg_shard_plan {
+    int n_kv_heads, src_ranks, dst_ranks, src_sets, dst_sets;
+    int src_set_of[TDM_DISAGG_MAX_RANKS]; /* [dst_sets] the source set each destination set drew */
+    int n_slices;
+    struct tdm_disagg_slice slices[TDM_DISAGG_MAX_SLICES];
+    int writes; /* paged writes a layer of a chunk takes (1 or 2 a slice) */
+};
+/* The plan for H KV heads from p source ranks to d destination ranks under seed. TDM_EINVAL or
+ * TDM_EUNSUPPORTED (with a message naming the combination) when either side's TP does not
+ * shard H (tdm_tp_kv_shard_of), or a count is out of range (values may come from a peer). */
+tdm_status tdm_disagg_shard_plan(int n_kv_heads, int src_ranks, int dst_ranks, uint64_t seed,
+                                 struct tdm_disagg_shard_plan *out);
+/* A slice's runs in one page: K (and V) as (offset in the source rank's page, offset in the
+ * destination rank's page, bytes), head_bytes being one KV head's K in a page (page_size *
+ * head_dim elements). Returns 1 (whole: K and V together) or 2. */
+struct tdm_disagg_run {
+    uint64_t src_offset, dst_offset, bytes;
+};
+int tdm_disagg_slice_runs(const struct tdm_disagg_slice *s, uint64_t head_bytes,
+                          struct tdm_disagg_run out[2]);
+/* The writes of one chunk: n_layers * plan->writes + head_layers. */
+uint32_t tdm_disagg_chunk_writes(const struct tdm_disagg_shard_plan *plan, uint32_t n_layers,
+                                 uint32_t head_layers);
+
 /* Where the context of a request lies in a context buffer, in floats: the hidden state
  * (d_model: the residual after the last layer), then with want_head the feature (d_model: the
  * final-normed state, what a head reads), then with want_logits the logits (vocab). Returns

@@ -186,6 +186,12 @@ tdm_status tdm_engine_forward_sample(tdm_engine_t *e, const struct tdm_batch *ba
 
 const struct tdm_model *tdm_engine_model(const tdm_engine_t *e);
 tdm_kv_pool_t *tdm_engine_kv(tdm_engine_t *e);
+/* Tensor parallelism: the ranks of a sharded engine (1 for one that is not), and rank r's KV
+ * pool (r 0: tdm_engine_kv), holding its KV heads (tdm_tp_kv_shard_of over the model's KV
+ * heads) at the leader's page ids; owned by the engine. Sharded KV transfers (disagg.h)
+ * register every rank's pool. NULL for a rank out of range. */
+int tdm_engine_tp_ranks(const tdm_engine_t *e);
+tdm_kv_pool_t *tdm_engine_rank_kv(tdm_engine_t *e, int rank);
 const struct tdm_engine_opts *tdm_engine_opts(const tdm_engine_t *e); /* with defaults filled */
 /* Fills o's zero limits with the defaults tdm_engine_create would use for this model. */
 void tdm_engine_fill_defaults(const struct tdm_model_config *cfg, struct tdm_engine_opts *o);

@@ -361,7 +361,8 @@ tdm_status tdm_model_load(const char *path, tdm_progress_fn progress, void *prog
  * run (F32, BF16, Q8_0, Q4_0, Q4_1) are used in place and every other type becomes F32. */
 struct tdm_load_opts {
     bool keep_k_blocks; /* Q4_K and Q6_K matrices stay in their blocks too (for the CUDA backend,
-                         * which runs them there; the CPU backend does not take them) */
+                         * and the CPU backend's quantised activations, which run them there;
+                         * its fp32 kernels take them only through a slow portable tile) */
 };
 tdm_status tdm_model_load_opts(const char *path, const struct tdm_load_opts *opts,
                                tdm_progress_fn progress, void *progress_ctx,

@@ -57,6 +57,18 @@ struct tdm_tp_shard {
     int64_t vocab0, n_vocab;         /* its LM-head rows (vocabulary ids) */
 };
 
+/* Where rank `rank` of n_ranks keeps its KV heads, for H KV heads: the part of the contract
+ * both sides of a sharded KV transfer compute (disagg.h), so it needs no model. */
+struct tdm_tp_kv_shard {
+    int replica_set, n_replica_sets; /* ranks [set * S, (set + 1) * S) hold one whole copy */
+    int set_size;                    /* S = min(n_ranks, H) */
+    int kv_head0, n_kv_heads;        /* its KV heads [kv_head0, kv_head0 + n_kv_heads) */
+};
+/* TDM_EINVAL for n_ranks outside 1 .. TDM_TP_MAX_RANKS, rank outside [0, n_ranks) or H < 1;
+ * TDM_EUNSUPPORTED with a message when n_ranks exceeds H and is no multiple of it. Values may
+ * come from a peer: nothing is asserted. */
+tdm_status tdm_tp_kv_shard_of(int n_kv_heads, int n_ranks, int rank, struct tdm_tp_kv_shard *out);
+
 /* The shard of `rank` for a dense attention model of config c over n_ranks ranks, the MLP split
  * in whole blocks of ff_align columns (a quantised down projection's block; 1 for F32).
  * TDM_EUNSUPPORTED with a message naming the shape when the model does not split so: more

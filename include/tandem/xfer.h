@@ -24,22 +24,26 @@
  *
  * Immediate data and the "one paged write = one immediate" rule. A paged write is merged into as
  * few fabric writes as possible (contiguous runs); only the LAST of them carries the immediate.
- * On a provider that orders write data (FI_ORDER_WAW, unbounded: tcp;ofi_rxm) it is posted right
- * behind the others; elsewhere the others are delivery-complete writes and the immediate is
- * posted once they have completed. Either way an immediate means "every byte of this paged write
- * is in place", on every provider. The receiver therefore expects one
- * immediate per paged write (or single write), whatever the merging did. An immediate names
- * (slot, epoch, index): index is the write's number inside the request (0..N-1). Counters keep a
- * bitmap of indices, so a duplicated immediate is counted once (immediates are idempotent), an
- * immediate whose epoch does not match the armed one is ignored and counted as stale, and an index
+ * On a provider that orders write data (FI_ORDER_WAW, unbounded, asked for: tcp;ofi_rxm, shm) it
+ * is posted right behind the others; on one with FI_FENCE it is a fenced write; elsewhere the
+ * others are delivery-complete writes and the immediate is posted once they have completed. Either
+ * way an immediate means "every byte of this paged write is in place", on every provider. The
+ * receiver therefore expects one immediate per paged write (or single write), whatever the merging
+ * did. An immediate names (slot, epoch, index): index is the write's number inside the request
+ * (0..N-1). Counters keep a bitmap of indices, so a duplicated immediate is counted once
+ * (immediates are idempotent), an immediate whose epoch does not match the armed one is ignored and
+ * counted as stale, and an index
  * >= N is counted as invalid. Layout: 32-bit cq data = slot:12 epoch:8 index:12; 64-bit (when the
  * provider carries 8 bytes) = slot:24 epoch:16 index:24.
  *
- * Threading. Each engine owns one progress thread, and only it calls into the endpoint and CQ
- * (manual progress for tcp;ofi_rxm is kept moving on both sides by it). Public functions are
- * thread-safe; posting functions only enqueue into a bounded queue (TDM_EAGAIN when full) and
- * return. Callbacks (done, counter, message, peer) run on the progress thread, or on the caller's
- * thread for tdm_xfer_counters_cancel; they must not block, but may post, arm and cancel.
+ * Threading. Each engine owns one progress thread, the only reader of the CQ (manual progress
+ * for tcp;ofi_rxm is kept moving on both sides by it). Public functions are thread-safe. A
+ * write is posted by the thread that submits it where the provider's domain is thread-safe
+ * (FI_THREAD_SAFE), without an allocation and without waking anyone; what the provider pushes
+ * back, sends, and everything on other domains, the progress thread posts. The pools are
+ * bounded (TDM_EAGAIN when full, counted in writes_refused). Callbacks (done, counter, message,
+ * peer) run on the progress thread, or on the caller's thread for tdm_xfer_counters_cancel;
+ * never inside the submitting call. They must not block, but may post, arm and cancel.
  *
  * Failure semantics (nothing hangs). Every operation has a deadline (timeout_ms, or the engine's
  * op_timeout_ms). A posted operation's done callback fires exactly once: TDM_OK, TDM_ETIMEDOUT,
@@ -99,7 +103,13 @@ struct tdm_xfer_config {
     int heartbeat_ms;        /* liveness ping period per peer; default 200; 0 disables */
     int peer_timeout_ms;     /* a silent peer is dead after this; default 2000 */
     int max_jobs;            /* operations queued or in flight; default 1024 */
-    int max_ops;             /* fabric operations in flight; default 256 */
+    int max_ops;             /* fabric operations in flight, at least; default 256 (raised to
+                                fit the window and the provider's tx queue) */
+    int window_writes;       /* paged writes meant to be in flight together; default 16 */
+    int window_pages;        /* pages in each of them; default 64 (the op pool and the run ring
+                                are sized for window_writes x window_pages) */
+    bool busy_poll;          /* the progress thread spins, never sleeps (latency-critical
+                                deployments; a core per engine); default false */
     int ctrl_bytes;          /* largest control message payload; default 8192 */
     int ctrl_rx_depth;       /* preposted receive buffers; default 64 */
     int max_peers;           /* default 64 */
@@ -135,6 +145,8 @@ struct tdm_xfer_stats {
     uint64_t imm_dropped, imm_delayed, imm_duplicated, imm_reordered; /* fault injection */
     uint64_t auth_ok, auth_failed; /* peers that proved the fabric key, and bad proofs */
     uint64_t unauth_dropped;       /* messages and immediates from peers not (yet) proven */
+    uint64_t writes_refused;       /* submissions answered TDM_EAGAIN (jobs or run ring full) */
+    uint64_t caller_posts;         /* writes posted (at least in part) by their submitting thread */
 };
 
 /* ---- engine ---- */
@@ -429,6 +441,8 @@ struct tdm_xfer_sync {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int pending;            /* operations added and not yet done */
+    int waiters;            /* threads in tdm_xfer_sync_wait_below; done wakes only them */
+    int wake_below;         /* and only once pending < wake_below */
     tdm_status first_error; /* first non-OK status seen */
     char first_error_msg[256];
 };
@@ -438,6 +452,8 @@ void tdm_xfer_sync_add(struct tdm_xfer_sync *s, int n);
 void tdm_xfer_sync_done(void *ctx, tdm_status st);
 /* Waits until pending reaches 0 (returns first_error) or timeout_ms passes (TDM_ETIMEDOUT). */
 tdm_status tdm_xfer_sync_wait(struct tdm_xfer_sync *s, int timeout_ms);
+/* Waits until pending < n (a window with room): first_error, or TDM_ETIMEDOUT. */
+tdm_status tdm_xfer_sync_wait_below(struct tdm_xfer_sync *s, int n, int timeout_ms);
 
 /* ---- CUDA IPC transport (built with CUDA; TDM_EUNSUPPORTED otherwise) ----
  * Inside one node a region of device memory is exported as an IPC handle (in a tdm_xfer_rmem of

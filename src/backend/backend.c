@@ -86,6 +86,12 @@ tdm_status tdm_backend_cuda_info(tdm_backend_t *b, char *name, size_t cap, size_
     return no_cuda();
 }
 
+tdm_status tdm_cuda_device_pci(int device, char *busid, size_t cap)
+{
+    (void)device, (void)busid, (void)cap;
+    return no_cuda();
+}
+
 tdm_status tdm_backend_cuda_measure(tdm_backend_t *b, double *copy_bytes_per_s,
                                     double *gemm_flops_per_s)
 {

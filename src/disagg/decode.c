@@ -80,11 +80,12 @@ enum {
     ERR_CANCELLED,
     ERR_HEAD,
     ERR_UNREACHABLE,
+    ERR_SCHEME,
     ERR_OTHER,
     N_ERR
 };
-static const char *const err_names[N_ERR] = {"timeout",   "peer", "nack",        "send",
-                                             "cancelled", "head", "unreachable", "other"};
+static const char *const err_names[N_ERR] = {
+    "timeout", "peer", "nack", "send", "cancelled", "head", "unreachable", "scheme", "other"};
 
 struct dslot {
     struct tdm_disagg_decode *d; /* for the copier's callbacks */
@@ -99,6 +100,9 @@ struct dslot {
     bool head;                       /* the attempt asked for the head's KV and feature */
     bool head_nack;                  /* the peer refused the head (TDM_EUNSUPPORTED) */
     bool unreachable_nack; /* the peer cannot write the pool: asked again with landing pages */
+    bool sharded;          /* the request carried the SHARDED block */
+    bool scheme_nack;      /* the peer is sharded otherwise: asked again with its scheme */
+    uint32_t src_ranks;    /* the prefill sharding the request counted on */
     bool held;     /* its pool pages are held: the request finished while pending (finished()
                     * holds them before the scheduler lets go), or the attempt is fenced */
     bool staged;   /* the pages land in host landing pages (land), then are copied in */
@@ -113,8 +117,13 @@ struct dpeer {
     char *file; /* where addr comes from (re-read before a retry), or NULL */
     uint32_t xid;
     bool alive;
-    bool head_refused;   /* it cannot make our head's KV: ask it without (until it comes back) */
-    bool staged;         /* it cannot reach the pool: lend it landing pages (until it comes back) */
+    bool head_refused; /* it cannot make our head's KV: ask it without (until it comes back) */
+    bool staged;       /* it cannot reach the pool: lend it landing pages (until it comes back) */
+    /* its sharding (--tp: p), as it last said (TDM_DMSG_SCHEME; 1 until then); legacy: it
+     * predates sharded transfers (refused the SHARDED block), asked without it (this node
+     * TP 1) until it comes back */
+    int src_ranks;
+    bool legacy;
     int64_t next_try_ns; /* while down: the next handshake attempt */
     int backoff_ms;
     int64_t outstanding_tokens;
@@ -138,7 +147,12 @@ struct tdm_disagg_decode {
     size_t ctx_bytes;
     int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, chunk;
     int head_layers; /* the head's KV layers (0: no head) */
-    bool stage_all;  /* every peer writes into landing pages (--kv-staging always, or no IPC) */
+    /* tensor parallelism: the engine's ranks (d), each rank's pool as peers write it
+     * (rank_rmem[0] is kv_rmem) and its layer stride */
+    int n_ranks;
+    struct tdm_xfer_rmem rank_rmem[TDM_DISAGG_MAX_RANKS];
+    uint64_t rank_layer_bytes[TDM_DISAGG_MAX_RANKS];
+    bool stage_all; /* every peer writes into landing pages (--kv-staging always, or no IPC) */
 
     pthread_mutex_t mu;
     struct dslot *slots;
@@ -369,13 +383,18 @@ static void on_counter(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
     /* failure: fence the pages, tell the prefiller, hand the request back */
     int kind = sl->acked && st == TDM_ECANCELED ? (sl->head_nack          ? ERR_HEAD
                                                    : sl->unreachable_nack ? ERR_UNREACHABLE
+                                                   : sl->scheme_nack      ? ERR_SCHEME
                                                                           : ERR_NACK)
                                                 : err_kind(st);
     d->errors[kind]++;
     p->failed++;
-    TDM_WARN("disagg: request %llu: remote prefill on %s failed (%s: %s); %s",
-             (unsigned long long)sl->req_id, p->addr, err_names[kind], tdm_status_str(st),
-             sl->req ? "retrying" : "request gone");
+    if (kind == ERR_SCHEME) /* it told us its sharding: asked again, not a failure */
+        TDM_INFO("disagg: request %llu: asked %s again by its sharding",
+                 (unsigned long long)sl->req_id, p->addr);
+    else
+        TDM_WARN("disagg: request %llu: remote prefill on %s failed (%s: %s); %s",
+                 (unsigned long long)sl->req_id, p->addr, err_names[kind], tdm_status_str(st),
+                 sl->req ? "retrying" : "request gone");
     tdm_req_t *r = sl->req;
     sl->req = NULL;
     if (!sl->held) /* the request is alive (its references keep the pages): hold them */
@@ -414,7 +433,8 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
         TDM_WARN("disagg: bad control message from peer %u: %s", xpeer, tdm_err_msg());
         return;
     }
-    if (m.type != TDM_DMSG_NACK && m.type != TDM_DMSG_CANCEL_ACK) return;
+    if (m.type != TDM_DMSG_NACK && m.type != TDM_DMSG_CANCEL_ACK && m.type != TDM_DMSG_SCHEME)
+        return;
     pthread_mutex_lock(&d->mu);
     struct dslot *sl = m.slot < (uint32_t)d->n_slots ? &d->slots[m.slot] : NULL;
     if (!sl || sl->epoch != m.epoch || d->peers[sl->peer].xid != xpeer) {
@@ -424,7 +444,32 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     bool cancel_counter = false;
     sl->acked = true;
     struct dpeer *p = &d->peers[sl->peer];
-    if (m.type == TDM_DMSG_NACK && sl->head && m.status == TDM_EUNSUPPORTED) {
+    if (m.type == TDM_DMSG_SCHEME) {
+        /* it is sharded otherwise than the request counted on (nothing landed): the request
+         * goes back to it with its scheme, and so do the next ones (not counted against this
+         * request, unless it says what we sent: then something else is wrong) */
+        if (m.scheme_kv_heads != (uint32_t)d->n_kv_heads)
+            TDM_WARN("disagg: prefill peer %s holds %u KV heads, this model %d: another model",
+                     p->addr, m.scheme_kv_heads, d->n_kv_heads);
+        if (m.scheme_ranks != sl->src_ranks) {
+            TDM_INFO("disagg: prefill peer %s runs --tp %u (this node --tp %d): its KV heads "
+                     "arrive in slices by that scheme",
+                     p->addr, m.scheme_ranks, d->n_ranks);
+            p->src_ranks = (int)m.scheme_ranks;
+            uncount_attempt_locked(d, sl);
+        }
+        sl->scheme_nack = true;
+    } else if (m.type == TDM_DMSG_NACK && sl->sharded && m.status == TDM_EFORMAT &&
+               d->n_ranks == 1 && sl->src_ranks == 1 && !p->legacy) {
+        /* a node that predates sharded transfers refuses the SHARDED block; both sides of
+         * TP 1 need none: ask it without (not counted against this request) */
+        TDM_WARN("disagg: prefill peer %s predates sharded KV transfers (%s); it is asked "
+                 "without the sharding block",
+                 p->addr, m.error);
+        p->legacy = true;
+        sl->scheme_nack = true;
+        uncount_attempt_locked(d, sl);
+    } else if (m.type == TDM_DMSG_NACK && sl->head && m.status == TDM_EUNSUPPORTED) {
         /* it cannot make our head's KV: the request goes back to it without the head, and
          * so do the next ones (the attempt is not counted against this request) */
         if (!p->head_refused)
@@ -490,6 +535,7 @@ static void on_peer(void *ctx, uint32_t xpeer, bool up)
         /* a peer back from being down may have restarted with the right head */
         if (up && !d->peers[i].alive) {
             d->peers[i].head_refused = false;
+            d->peers[i].legacy = false;        /* or a newer tandem */
             d->peers[i].staged = d->stage_all; /* and may now be a node of this host */
         }
         d->peers[i].alive = up;
@@ -556,6 +602,7 @@ static int named_peer_locked(struct tdm_disagg_decode *d, const char *name, uint
     sprintf(src, "http://%s", name);
     *p = (struct dpeer){.file = src,
                         .xid = UINT32_MAX,
+                        .src_ranks = 1,
                         .staged = d->stage_all,
                         .backoff_ms = d->o.revive_ms,
                         .next_try_ns = (int64_t)tdm_now_ns()};
@@ -572,14 +619,6 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     struct tdm_disagg_decode *d = ctx;
     if (d->o.max_attempts < 0 || n_cached < 0 || n_cached % d->page_size || n_cached >= n_tokens)
         return false;
-    uint32_t expected = tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)n_cached,
-                                                   (uint32_t)d->chunk, (uint32_t)d->n_layers);
-    if (expected - 1 > d->ep.caps.max_index) return false; /* too many chunks for the immediates */
-    /* the head's KV is one more layer per chunk, when the immediates can name it */
-    uint32_t expected_head =
-        tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)n_cached, (uint32_t)d->chunk,
-                                   (uint32_t)(d->n_layers + d->head_layers));
-    bool head = d->head_layers > 0 && expected_head - 1 <= d->ep.caps.max_index;
     /* the pages past the cached prefix: the prefill node fills those only */
     const int first_page = n_cached / d->page_size;
     int need_pages = (n_tokens + d->page_size - 1) / d->page_size - first_page;
@@ -617,6 +656,31 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
         pthread_mutex_unlock(&d->mu);
         return false;
     }
+    /* the writes to expect, from both schemes (disagg.h): the peer's sharding as it last said,
+     * ours, and the seed that draws its replica sets for ours (any draw: the same count) */
+    const bool legacy = d->peers[best].legacy && d->n_ranks == 1;
+    const uint32_t src_ranks = legacy ? 1 : (uint32_t)d->peers[best].src_ranks;
+    uint64_t seed = ((uint64_t)rnd[0] << 32 | rnd[1]) ^ tdm_req_id(r) ^ tdm_now_ns();
+    struct tdm_disagg_shard_plan plan;
+    if (tdm_disagg_shard_plan(d->n_kv_heads, (int)src_ranks, d->n_ranks, seed, &plan) != TDM_OK) {
+        TDM_WARN("disagg: no sharded transfer from prefill peer %s: %s; prefilled here",
+                 d->peers[best].addr, tdm_err_msg());
+        d->errors[ERR_SCHEME]++;
+        pthread_mutex_unlock(&d->mu);
+        return false;
+    }
+    uint32_t expected =
+        tdm_disagg_expected_writes((uint32_t)n_tokens, (uint32_t)n_cached, (uint32_t)d->chunk,
+                                   tdm_disagg_chunk_writes(&plan, (uint32_t)d->n_layers, 0));
+    /* the head's KV is one more layer per chunk, when the immediates can name it */
+    uint32_t expected_head = tdm_disagg_expected_writes(
+        (uint32_t)n_tokens, (uint32_t)n_cached, (uint32_t)d->chunk,
+        tdm_disagg_chunk_writes(&plan, (uint32_t)d->n_layers, (uint32_t)d->head_layers));
+    if (expected - 1 > d->ep.caps.max_index) { /* too many chunks for the immediates */
+        pthread_mutex_unlock(&d->mu);
+        return false;
+    }
+    bool head = d->head_layers > 0 && expected_head - 1 <= d->ep.caps.max_index;
     bool staged = d->peers[best].staged;
     if (staged && !tdm_disagg_landing_take(&d->ep.land, need_pages, d->slots[slot].land)) {
         d->landing_full++; /* every landing page lent: prefilled here */
@@ -644,6 +708,9 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
     sl->head = head;
     sl->head_nack = false;
     sl->unreachable_nack = false;
+    sl->sharded = !legacy;
+    sl->scheme_nack = false;
+    sl->src_ranks = src_ranks;
     sl->held = false;
     sl->staged = staged;
     sl->t_sent = (int64_t)tdm_now_ns();
@@ -691,6 +758,20 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
         f->head.dst_layer_stride = d->ep.head.layer_bytes;
         f->head.kv = d->head_rmem;
     }
+    if (!legacy) { /* both schemes, and where each of our ranks keeps its KV heads */
+        struct tdm_tp_kv_shard ss, ds;
+        (void)tdm_tp_kv_shard_of(d->n_kv_heads, (int)src_ranks, 0, &ss); /* planned above */
+        (void)tdm_tp_kv_shard_of(d->n_kv_heads, d->n_ranks, 0, &ds);
+        f->sharded = 1;
+        f->dst_ranks = (uint32_t)d->n_ranks;
+        f->src_ranks = src_ranks;
+        f->dst_sets = (uint32_t)ds.n_replica_sets;
+        f->src_sets = (uint32_t)ss.n_replica_sets;
+        f->shard_seed = seed;
+        for (int k = 1; k < d->n_ranks; k++)
+            f->ranks[k] = (struct tdm_disagg_rank_dst){.dst_layer_stride = d->rank_layer_bytes[k],
+                                                       .kv = d->rank_rmem[k]};
+    }
     if (staged) { /* the prefiller writes into our landing pages, laid out like the pool */
         f->kv = d->ep.land.rmem;
         f->dst_layer_stride = d->ep.land.layer_bytes;
@@ -700,7 +781,8 @@ static bool admit(void *ctx, tdm_req_t *r, void *user, const int32_t *tokens, in
             f->head.dst_layer_stride = d->ep.land.head_layer_bytes;
         }
     }
-    size_t size = tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages, head, n_cached > 0);
+    size_t size = tdm_disagg_prefill_msg_size(f->n_tokens, f->n_pages, head, n_cached > 0,
+                                              f->sharded ? f->dst_ranks : 0);
     uint8_t *buf = malloc(size);
     struct send_ctx *sc = malloc(sizeof *sc);
     tdm_xfer_counters_t *ctr = tdm_xfer_get_counters(d->ep.x);
@@ -855,6 +937,7 @@ static void *reviver_main(void *arg)
                 TDM_INFO("disagg: prefill peer %s is up", p->addr);
                 p->alive = true;
                 p->head_refused = false;
+                p->legacy = false;
                 p->staged = d->stage_all; /* it may be a node of this host now */
                 p->backoff_ms = d->o.revive_ms;
                 struct recancel rc[64];
@@ -894,6 +977,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     d->d_model = c->d_model;
     d->vocab = c->vocab_size;
     d->page_size = eo->page_size;
+    d->n_ranks = tdm_engine_tp_ranks(e);
     int chunk = o->chunk > 0 ? o->chunk : 256;
     d->chunk = (chunk + d->page_size - 1) / d->page_size * d->page_size;
     pthread_mutex_init(&d->mu, NULL);
@@ -936,8 +1020,13 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
         st = tdm_err_set(TDM_ENOMEM, "disagg: out of memory");
         goto out_free;
     }
+    tdm_kv_pool_t *rank_kv[TDM_DISAGG_MAX_RANKS] = {0};
+    for (int r = 0; r < d->n_ranks && r < TDM_DISAGG_MAX_RANKS; r++)
+        rank_kv[r] = tdm_engine_rank_kv(e, r);
     struct disagg_endpoint_opts eopts = {.xfer = &o->xfer,
                                          .max_ctx = eo->max_ctx,
+                                         .rank_kv = rank_kv,
+                                         .n_ranks = d->n_ranks,
                                          .page_size = d->page_size,
                                          .kv = d->kv,
                                          .ctx_mem = d->ctx_mem,
@@ -957,6 +1046,12 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     d->stage_all =
         d->ep.land.on && (o->xfer.staging == TDM_DISAGG_STAGING_ALWAYS || !d->ep.kv_direct);
     if (d->ep.kv_direct) d->ep.kv_tp.iface->mr_remote(d->ep.kv_tp.t, &d->ep.kv_reg, &d->kv_rmem);
+    d->rank_rmem[0] = d->kv_rmem;
+    d->rank_layer_bytes[0] = d->ep.kv.layer_bytes;
+    for (int r = 1; r < d->n_ranks; r++) { /* host pools by the fabric (the endpoint checked) */
+        d->ep.kv_tp.iface->mr_remote(d->ep.kv_tp.t, &d->ep.rank_reg[r], &d->rank_rmem[r]);
+        d->rank_layer_bytes[r] = d->ep.rank_kv[r].layer_bytes;
+    }
     d->ep.tp.iface->mr_remote(d->ep.tp.t, &d->ep.ctx_reg, &d->ctx_rmem);
     if (d->ep.head.on && d->ep.kv_direct)
         d->ep.kv_tp.iface->mr_remote(d->ep.kv_tp.t, &d->ep.head_reg, &d->head_rmem);
@@ -964,6 +1059,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     for (int i = 0; i < o->n_peers; i++) {
         struct dpeer *p = &d->peers[d->n_peers];
         snprintf(p->addr, sizeof p->addr, "%s", o->peers[i]);
+        p->src_ranks = 1;
         p->backoff_ms = d->o.revive_ms;
         p->staged = d->stage_all;
         p->next_try_ns = (int64_t)tdm_now_ns() + (int64_t)p->backoff_ms * 1000000;

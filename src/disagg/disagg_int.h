@@ -58,12 +58,27 @@ struct disagg_endpoint {
     struct tdm_xfer_caps caps;
     struct tdm_kv_geometry kv; /* the pool's place, element type and strides */
     struct disagg_head head;
+    /* Tensor parallelism (sharded transfers, disagg.h): the engine's ranks, and each rank's
+     * pool (rank_kv[0] is kv) registered with kv_tp (rank_reg[0] unused: kv_reg is rank 0's). */
+    int n_ranks;
+    struct tdm_kv_geometry rank_kv[TDM_DISAGG_MAX_RANKS];
+    struct tdm_xfer_region rank_reg[TDM_DISAGG_MAX_RANKS];
 };
+/* Rank r's registered pool (r 0: kv_reg). */
+static inline const struct tdm_xfer_region *tdm_disagg_rank_region(const struct disagg_endpoint *ep,
+                                                                   int r)
+{
+    return r ? &ep->rank_reg[r] : &ep->kv_reg;
+}
 struct disagg_endpoint_opts {
     const struct tdm_disagg_xfer_opts *xfer;
     int max_ctx, page_size; /* control messages fit a PREFILL of max_ctx tokens */
     int min_jobs;           /* transfer operations to allow at once (0: the default) */
     tdm_kv_pool_t *kv;
+    /* a sharded engine's pools, rank_kv[0] being kv (n_ranks 0 or 1: kv alone): every one is
+     * registered; host pools without --kv-staging always only (TDM_EUNSUPPORTED) */
+    tdm_kv_pool_t *const *rank_kv;
+    int n_ranks;
     void *ctx_mem; /* host context buffers, registered too */
     size_t ctx_bytes;
     const struct tdm_model *head; /* a speculation head: its KV group is registered too */

@@ -175,10 +175,28 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     if (o->xfer->peer_timeout_ms > 0) xc.peer_timeout_ms = o->xfer->peer_timeout_ms;
     xc.fabric_key = o->xfer->fabric_key;
     xc.fabric_key_bytes = o->xfer->fabric_key_bytes;
+    xc.busy_poll = o->xfer->busy_poll;
     tdm_status st;
+    ep->n_ranks = o->n_ranks > 1 ? o->n_ranks : 1;
+    ep->rank_kv[0] = ep->kv;
+    if (ep->n_ranks > 1) {
+        if (ep->n_ranks > TDM_DISAGG_MAX_RANKS)
+            return tdm_err_set(TDM_ERANGE,
+                               "disagg: --tp %d: sharded transfers take at most %d ranks",
+                               ep->n_ranks, TDM_DISAGG_MAX_RANKS);
+        if (ep->kv.place.kind == TDM_MEM_DEVICE || ep->staging == TDM_DISAGG_STAGING_ALWAYS)
+            return tdm_err_set(TDM_EUNSUPPORTED,
+                               "disagg: --tp %d: sharded KV transfers move host pools by the "
+                               "fabric (GPU pools and --kv-staging always are not supported "
+                               "sharded yet)",
+                               ep->n_ranks);
+        for (int r = 1; r < ep->n_ranks; r++)
+            ep->rank_kv[r] = tdm_kv_pool_geometry(o->rank_kv[r]);
+    }
     if (o->head && (st = head_open(&ep->head, o->kv, o->head)) != TDM_OK) return st;
     int max_pages = (o->max_ctx + o->page_size - 1) / o->page_size;
-    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)o->max_ctx, (uint32_t)max_pages, true, true);
+    size_t msg = tdm_disagg_prefill_msg_size((uint32_t)o->max_ctx, (uint32_t)max_pages, true, true,
+                                             TDM_DISAGG_MAX_RANKS);
     if ((size_t)xc.ctrl_bytes < msg) xc.ctrl_bytes = (int)msg;
     if (xc.max_jobs < o->min_jobs) xc.max_jobs = o->min_jobs;
     xc.on_msg = o->on_msg;
@@ -246,9 +264,13 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
                  "with this one",
                  tdm_err_msg());
     }
+    for (int r = 1; r < ep->n_ranks; r++) /* host pools (checked above): by the fabric */
+        if ((st = ktp->mr_reg(ep->kv_tp.t, ep->rank_kv[r].base, ep->rank_kv[r].bytes,
+                              TDM_XFER_MEM_HOST, &ep->rank_reg[r])) != TDM_OK)
+            goto out_ranks;
     if ((st = tp->mr_reg(ep->tp.t, o->ctx_mem, o->ctx_bytes, TDM_XFER_MEM_HOST, &ep->ctx_reg)) !=
         TDM_OK)
-        goto out_staging;
+        goto out_ranks;
     if (ep->head.on && ep->kv_direct &&
         (st = ktp->mr_reg(ep->kv_tp.t, ep->head.base, ep->head.bytes, kind, &ep->head_reg)) !=
             TDM_OK)
@@ -257,7 +279,9 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
 
 out_ctx:
     tp->mr_dereg(ep->tp.t, &ep->ctx_reg);
-out_staging:
+out_ranks:
+    for (int r = 1; r < ep->n_ranks; r++)
+        ktp->mr_dereg(ep->kv_tp.t, &ep->rank_reg[r]); /* a zeroed region is a no-op */
     staging_close(ep);
 out_kv:
     ktp->mr_dereg(ep->kv_tp.t, &ep->kv_reg);
@@ -315,6 +339,8 @@ void tdm_disagg_endpoint_release(struct disagg_endpoint *ep)
     ep->kv_tp.iface->mr_dereg(ep->kv_tp.t, &ep->head_reg);
     ep->tp.iface->mr_dereg(ep->tp.t, &ep->ctx_reg);
     ep->kv_tp.iface->mr_dereg(ep->kv_tp.t, &ep->kv_reg);
+    for (int r = 1; r < ep->n_ranks; r++)
+        ep->kv_tp.iface->mr_dereg(ep->kv_tp.t, &ep->rank_reg[r]);
     staging_close(ep);
 }
 
@@ -340,6 +366,13 @@ void tdm_disagg_endpoint_metrics(struct disagg_endpoint *ep, struct tdm_sbuf *b)
         snprintf(lab, sizeof lab, "kind=\"%s\"", kinds[i]);
         tdm_prom_sample(b, "tandem_fabric_immediates_total", lab, (double)v[i]);
     }
+    tdm_prom_family(b, "tandem_fabric_backpressure_total", "counter",
+                    "Transfer back-pressure: posts the provider refused (-FI_EAGAIN, retried "
+                    "after progress) and writes refused with TDM_EAGAIN (pools full).");
+    tdm_prom_sample(b, "tandem_fabric_backpressure_total", "kind=\"provider_eagain\"",
+                    (double)xs.eagain_retries);
+    tdm_prom_sample(b, "tandem_fabric_backpressure_total", "kind=\"refused\"",
+                    (double)xs.writes_refused);
     if (!ep->staged) return;
     struct tdm_xfer_staged_stats ss;
     tdm_xfer_staged_get_stats(ep->staged, &ss);

@@ -63,8 +63,9 @@ struct job {
     struct job *next; /* p->jobs list */
     enum job_state state;
     uint32_t xpeer;
-    struct tdm_disagg_prefill_msg m; /* tokens/pages point at the copies below */
-    struct disagg_route route;       /* how its pages reach the decoder's memory */
+    struct tdm_disagg_prefill_msg m;   /* tokens/pages point at the copies below */
+    struct disagg_route route;         /* how its pages reach the decoder's memory */
+    struct tdm_disagg_shard_plan plan; /* which rank sends which head slice to which */
     int32_t *tokens;
     uint32_t *dst_pages;
     tdm_req_t *req;
@@ -86,6 +87,7 @@ struct wctx { /* one posted write */
     int64_t t_layer;   /* when its layer was seen complete */
     uint64_t bytes;
     int n;
+    int src_rank;    /* the rank whose pool it reads (a KV slice), or -1 */
     int32_t pages[]; /* source pages held */
 };
 
@@ -110,6 +112,7 @@ struct tdm_disagg_prefill {
     uint8_t told[256]; /* decoder peers told in the log how their pages move (xfer's thread) */
     float *ctx_mem;
     int n_layers, n_kv_heads, head_dim, page_size, d_model, vocab, max_ctx, max_chunk;
+    int n_ranks; /* the engine's TP ranks: this node's sharding (p) */
 
     pthread_t thread;
     pthread_mutex_t mu;
@@ -135,12 +138,15 @@ struct tdm_disagg_prefill {
     uint64_t errors[N_PERR], jobs_ok, writes_total, bytes_total, landed_during_forward;
     uint64_t head_jobs_ok, head_rows;
     uint64_t decoder_cached_jobs, reused_chunks;
+    uint64_t rank_writes[TDM_DISAGG_MAX_RANKS]; /* KV slice writes completed, by source rank */
 };
 
-/* The layers a job streams per chunk: the target's, and the head's when it asked. */
+/* The writes a job's chunk takes: each target layer's slices (its plan), and the head's
+ * layers when it asked (disagg.h: the immediates of a chunk). */
 static int stream_layers(const struct tdm_disagg_prefill *p, const struct job *j)
 {
-    return p->n_layers + (j->m.want_head ? p->head_layers : 0);
+    return (int)tdm_disagg_chunk_writes(&j->plan, (uint32_t)p->n_layers,
+                                        j->m.want_head ? (uint32_t)p->head_layers : 0);
 }
 
 static void send_msg(struct tdm_disagg_prefill *p, uint32_t xpeer, const struct tdm_disagg_msg *m)
@@ -187,6 +193,7 @@ static void on_write_done(void *ctx, tdm_status st)
         p->writes_total++;
         p->bytes_total += w->bytes;
         if (w->t_layer) tdm_hist_observe(&p->layer_lag_s, (double)(now - w->t_layer) * 1e-9);
+        if (w->src_rank >= 0) p->rank_writes[w->src_rank]++;
         if (p->step_active && p->step_seq == w->step_seq) p->landed_during_forward++;
     } else {
         p->errors[st == TDM_EPEER ? PERR_PEER : PERR_WRITE]++;
@@ -197,11 +204,21 @@ static void on_write_done(void *ctx, tdm_status st)
     free(w);
 }
 
-/* Posts one write: pages [p0, p0 + n) of a layer (W_KV: the target's; W_HEAD: the head's), or
- * the context (W_CTX). Called with p->mu held. */
+/* Where one paged write's runs lie: the source rank's region and the destination rank's, the
+ * bytes of a run in each page, the page strides, and the run's offsets (the layer's base plus
+ * the slice's place in a page). */
+struct wtarget {
+    int src_rank;
+    const struct tdm_xfer_region *src;
+    const struct tdm_xfer_rmem *dst;
+    uint64_t page_bytes, src_stride, dst_stride, src_offset, dst_offset;
+};
+
+/* Posts one write: pages [p0, p0 + n) of a layer as wt says (W_KV: a slice of the target's;
+ * W_HEAD: the head's), or the context (W_CTX, wt NULL). Called with p->mu held. */
 static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind kind,
-                        const int32_t *src_pages, int p0, int n, int layer, uint32_t index,
-                        int64_t t_layer)
+                        const int32_t *src_pages, int p0, int n, const struct wtarget *wt,
+                        uint32_t index, int64_t t_layer)
 {
     if (j->failed || j->cancel) return;
     struct wctx *w = malloc(sizeof *w + (size_t)n * sizeof(int32_t));
@@ -209,7 +226,9 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
         job_fail_locked(j, "%s", "out of memory");
         return;
     }
-    *w = (struct wctx){.p = p, .job = j, .step_seq = p->step_seq, .t_layer = t_layer, .n = n};
+    *w = (struct wctx){
+        .p = p, .job = j, .step_seq = p->step_seq, .t_layer = t_layer, .n = n, .src_rank = -1};
+    if (kind == W_KV) w->src_rank = wt->src_rank;
     struct tdm_xfer_imm imm = {.slot = j->m.slot, .epoch = j->m.epoch, .index = index};
     tdm_status st;
     int64_t deadline = (int64_t)tdm_now_ns() + 10 * 1000000000LL;
@@ -222,28 +241,23 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
     }
     for (;;) {
         if (kind != W_CTX) {
-            bool head = kind == W_HEAD;
-            size_t page_bytes = head ? p->ep.head.page_bytes : p->page_bytes;
             /* the decoder named its pages from its cached prefix on */
             const int d0 = p0 - (int)(j->m.cached_tokens / (uint32_t)p->page_size);
             for (int i = 0; i < n; i++) {
                 p->src_tmp[i] = (uint32_t)w->pages[i];
                 p->dst_tmp[i] = j->dst_pages[d0 + i];
             }
-            w->bytes = (uint64_t)n * page_bytes;
-            struct tdm_xfer_pages pg = {
-                .src_pages = p->src_tmp,
-                .dst_pages = p->dst_tmp,
-                .n_pages = (uint32_t)n,
-                .page_bytes = page_bytes,
-                .src_stride = page_bytes,
-                .dst_stride = page_bytes,
-                .src_offset = (uint64_t)layer * (head ? p->ep.head.layer_bytes : p->layer_bytes),
-                .dst_offset =
-                    (uint64_t)layer * (head ? j->m.head.dst_layer_stride : j->m.dst_layer_stride)};
-            st = j->route.tp.iface->write_pages(
-                j->route.tp.t, j->xpeer, head ? j->route.head : j->route.kv,
-                head ? &j->m.head.kv : &j->m.kv, &pg, &imm, 0, on_write_done, w);
+            w->bytes = (uint64_t)n * wt->page_bytes;
+            struct tdm_xfer_pages pg = {.src_pages = p->src_tmp,
+                                        .dst_pages = p->dst_tmp,
+                                        .n_pages = (uint32_t)n,
+                                        .page_bytes = wt->page_bytes,
+                                        .src_stride = wt->src_stride,
+                                        .dst_stride = wt->dst_stride,
+                                        .src_offset = wt->src_offset,
+                                        .dst_offset = wt->dst_offset};
+            st = j->route.tp.iface->write_pages(j->route.tp.t, j->xpeer, wt->src, wt->dst, &pg,
+                                                &imm, 0, on_write_done, w);
         } else {
             size_t bytes = tdm_disagg_ctx_layout(j->m.d_model, j->m.vocab, j->m.want_head,
                                                  j->m.want_logits, NULL, NULL) *
@@ -275,6 +289,53 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
     j->outstanding++;
 }
 
+/* Posts pages [p0, p0 + n) of layer `layer` of chunk chunk_idx (W_KV: the target's, one write
+ * per run of each slice of the job's plan; W_HEAD: the head's, whole, leader to leader). p->mu
+ * held. */
+static void post_layer_pages_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind kind,
+                                    const int32_t *src_pages, int p0, int n, int layer,
+                                    uint32_t chunk_idx, int64_t t_layer)
+{
+    const uint32_t base = chunk_idx * (uint32_t)stream_layers(p, j);
+    if (kind == W_HEAD) {
+        const uint64_t pb = p->ep.head.page_bytes;
+        struct wtarget wt = {.src = j->route.head,
+                             .dst = &j->m.head.kv,
+                             .page_bytes = pb,
+                             .src_stride = pb,
+                             .dst_stride = pb,
+                             .src_offset = (uint64_t)layer * p->ep.head.layer_bytes,
+                             .dst_offset = (uint64_t)layer * j->m.head.dst_layer_stride};
+        post_locked(p, j, W_HEAD, src_pages, p0, n, &wt,
+                    base + (uint32_t)(p->n_layers * j->plan.writes + layer), t_layer);
+        return;
+    }
+    const uint64_t head_bytes = p->ep.kv.head_bytes;
+    for (int i = 0; i < j->plan.n_slices; i++) {
+        const struct tdm_disagg_slice *sl = &j->plan.slices[i];
+        const struct tdm_kv_geometry *src = &p->ep.rank_kv[sl->src_rank];
+        const struct tdm_disagg_rank_dst *dst = &j->m.ranks[sl->dst_rank];
+        /* a whole slice is the page (whatever its layout: a latent pool's has no V half) */
+        const uint64_t dst_page = sl->whole ? src->page_bytes : 2 * sl->dst_heads * head_bytes;
+        struct tdm_disagg_run runs[2];
+        int n_runs = tdm_disagg_slice_runs(sl, head_bytes, runs);
+        if (sl->whole) runs[0].bytes = src->page_bytes;
+        for (int k = 0; k < n_runs; k++) {
+            struct wtarget wt = {
+                .src_rank = sl->src_rank,
+                .src = sl->src_rank ? tdm_disagg_rank_region(&p->ep, sl->src_rank) : j->route.kv,
+                .dst = &dst->kv,
+                .page_bytes = runs[k].bytes,
+                .src_stride = src->page_bytes,
+                .dst_stride = dst_page,
+                .src_offset = (uint64_t)layer * src->layer_bytes + runs[k].src_offset,
+                .dst_offset = (uint64_t)layer * dst->dst_layer_stride + runs[k].dst_offset};
+            post_locked(p, j, W_KV, src_pages, p0, n, &wt,
+                        base + (uint32_t)(layer * j->plan.writes + sl->write0 + k), t_layer);
+        }
+    }
+}
+
 /* Posts layer `layer` of a span (W_KV: the target's; W_HEAD: the head's): the pages of its
  * chunk from the chunk's start (which a span that began past this node's own cached prefix
  * does not reach) to its end. Nothing for a span wholly inside the decoder's cached prefix.
@@ -288,9 +349,7 @@ static void post_span_layer_locked(struct tdm_disagg_prefill *p, const struct st
     uint32_t chunk_idx = (uint32_t)((sp->pos0 - c) / C);
     int p0 = (c + (int)chunk_idx * C) / p->page_size;
     int p1 = (sp->pos0 + sp->n_tokens + p->page_size - 1) / p->page_size;
-    uint32_t index = chunk_idx * (uint32_t)stream_layers(p, j) +
-                     (uint32_t)(kind == W_HEAD ? p->n_layers + layer : layer);
-    post_locked(p, j, kind, sp->pages, p0, p1 - p0, layer, index, t_layer);
+    post_layer_pages_locked(p, j, kind, sp->pages, p0, p1 - p0, layer, chunk_idx, t_layer);
 }
 
 /* A job's first span may start past the decoder's cached prefix c, inside this node's own
@@ -309,11 +368,10 @@ static void post_cached_chunks_locked(struct tdm_disagg_prefill *p, const struct
         return;
     }
     const int64_t now = (int64_t)tdm_now_ns();
-    const int S = stream_layers(p, j);
     for (int k = 0; c + (k + 1) * C <= sp->pos0; k++) {
         int p0 = (c + k * C) / p->page_size, p1 = (c + (k + 1) * C) / p->page_size;
         for (int l = 0; l < p->n_layers; l++)
-            post_locked(p, j, W_KV, sp->pages, p0, p1 - p0, l, (uint32_t)(k * S + l), now);
+            post_layer_pages_locked(p, j, W_KV, sp->pages, p0, p1 - p0, l, (uint32_t)k, now);
         j->reused_chunks++;
     }
 }
@@ -428,7 +486,7 @@ static void step_end(void *ctx, const struct tdm_sched_plan *plan, tdm_status st
                 memcpy(dst + logits_at, plan->logits + (size_t)row * p->vocab,
                        (size_t)p->vocab * sizeof(float));
             uint32_t n_chunks = (j->m.n_tokens - j->m.cached_tokens + j->m.chunk - 1) / j->m.chunk;
-            post_locked(p, j, W_CTX, NULL, 0, 0, -1, n_chunks * (uint32_t)stream_layers(p, j), 0);
+            post_locked(p, j, W_CTX, NULL, 0, 0, NULL, n_chunks * (uint32_t)stream_layers(p, j), 0);
             j->ctx_posted = true;
         }
     }
@@ -496,7 +554,7 @@ static tdm_status validate_head(struct tdm_disagg_prefill *p, const struct tdm_d
 /* A prefill request this node can serve: TDM_OK, else the status for the NACK and why. */
 static tdm_status validate(struct tdm_disagg_prefill *p, uint32_t xpeer,
                            const struct tdm_disagg_prefill_msg *m, struct disagg_route *route,
-                           char *why, size_t cap)
+                           struct tdm_disagg_shard_plan *plan, char *why, size_t cap)
 {
     if (m->n_layers != (uint32_t)p->n_layers || m->n_kv_heads != (uint32_t)p->n_kv_heads ||
         m->head_dim != (uint32_t)p->head_dim || m->page_size != (uint32_t)p->page_size ||
@@ -540,9 +598,34 @@ static tdm_status validate(struct tdm_disagg_prefill *p, uint32_t xpeer,
         }
     }
     if (m->kv_head_begin != 0 || m->kv_head_end != m->n_kv_heads) {
-        snprintf(why, cap, "sharded decoders (kv heads %u..%u) are not supported by this node",
-                 m->kv_head_begin, m->kv_head_end);
+        snprintf(why, cap, "a decoder holding kv heads %u..%u of %u: a decode node holds them all",
+                 m->kv_head_begin, m->kv_head_end, m->n_kv_heads);
         return TDM_EINVAL;
+    }
+    if (!m->sharded && p->n_ranks > 1) {
+        snprintf(why, cap,
+                 "this prefill node is sharded (--tp %d) and the decoder does not know sharded "
+                 "KV transfers (an older tandem): run this node with --tp 1",
+                 p->n_ranks);
+        return TDM_EINVAL; /* not EUNSUPPORTED: an older decoder reads that as "no head" */
+    }
+    tdm_status pst = tdm_disagg_shard_plan((int)m->n_kv_heads, (int)m->src_ranks, (int)m->dst_ranks,
+                                           m->shard_seed, plan);
+    if (pst != TDM_OK) {
+        snprintf(why, cap, "%s", tdm_err_msg());
+        return TDM_EINVAL; /* EUNSUPPORTED would read as "no head" */
+    }
+    if (m->src_ranks > 1 || m->dst_ranks > 1) { /* every rank's pool by the fabric */
+        bool host = route->tp.iface == p->ep.tp.iface && route->kv == &p->ep.kv_reg;
+        for (uint32_t r = 0; r < m->dst_ranks; r++)
+            host = host && m->ranks[r].kv.kind == TDM_XFER_MEM_HOST;
+        if (!host) {
+            snprintf(why, cap,
+                     "sharded KV transfers (--tp %u here, %u there) move host pools by the fabric "
+                     "only (no GPU pools, no host staging)",
+                     m->src_ranks, m->dst_ranks);
+            return TDM_EINVAL; /* not EUNSUPPORTED: a decoder reads that as "no head" */
+        }
     }
     if (m->chunk > (uint32_t)p->max_chunk) {
         snprintf(why, cap, "chunk of %u tokens is more than this node's step of %d", m->chunk,
@@ -557,7 +640,8 @@ static tdm_status validate(struct tdm_disagg_prefill *p, uint32_t xpeer,
     tdm_status st;
     if (m->want_head && (st = validate_head(p, &m->head, why, cap)) != TDM_OK) return st;
     uint32_t n_chunks = (m->n_tokens - m->cached_tokens + m->chunk - 1) / m->chunk;
-    uint64_t layers = (uint64_t)p->n_layers + (m->want_head ? (uint64_t)p->head_layers : 0);
+    uint64_t layers = (uint64_t)p->n_layers * (uint64_t)plan->writes +
+                      (m->want_head ? (uint64_t)p->head_layers : 0);
     if ((uint64_t)n_chunks * layers > p->ep.caps.max_index) {
         snprintf(why, cap, "too many writes for the immediate layout");
         return TDM_EINVAL;
@@ -568,8 +652,18 @@ static tdm_status validate(struct tdm_disagg_prefill *p, uint32_t xpeer,
     size_t ctx_need =
         tdm_disagg_ctx_layout(m->d_model, m->vocab, m->want_head, m->want_logits, NULL, NULL) *
         sizeof(float);
-    if (!region_fits((uint64_t)p->n_layers, m->dst_layer_stride, p->page_bytes, max_page,
-                     m->kv.bytes) ||
+    bool fits = true;
+    for (uint32_t r = 0; r < m->dst_ranks; r++) { /* each destination rank's pool */
+        struct tdm_tp_kv_shard ds;
+        (void)tdm_tp_kv_shard_of((int)m->n_kv_heads, (int)m->dst_ranks, (int)r, &ds); /* planned */
+        /* unsharded: the pool's own page (a latent pool's has no V half) */
+        uint64_t page = m->dst_ranks == 1 && p->n_ranks == 1
+                            ? p->page_bytes
+                            : 2 * (uint64_t)ds.n_kv_heads * p->ep.kv.head_bytes;
+        fits = fits && region_fits((uint64_t)p->n_layers, m->ranks[r].dst_layer_stride, page,
+                                   max_page, m->ranks[r].kv.bytes);
+    }
+    if (!fits ||
         (m->want_head && !region_fits((uint64_t)p->head_layers, m->head.dst_layer_stride,
                                       p->ep.head.page_bytes, max_page, m->head.kv.bytes)) ||
         m->ctx_offset > m->ctx.bytes || ctx_need > m->ctx.bytes - m->ctx_offset) {
@@ -623,9 +717,25 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
         goto out;
     }
     if (m.type != TDM_DMSG_PREFILL) goto out;
+    if (m.prefill.sharded && m.prefill.src_ranks != (uint32_t)p->n_ranks) {
+        /* the decoder counts on another sharding of this node: it learns ours, asks again */
+        pthread_mutex_lock(&p->mu);
+        p->errors[PERR_REFUSED]++;
+        pthread_mutex_unlock(&p->mu);
+        TDM_INFO("disagg: decoder peer %u took this node for --tp %u; told it --tp %d", xpeer,
+                 m.prefill.src_ranks, p->n_ranks);
+        struct tdm_disagg_msg a = {.type = TDM_DMSG_SCHEME,
+                                   .slot = m.prefill.slot,
+                                   .epoch = m.prefill.epoch,
+                                   .scheme_ranks = (uint32_t)p->n_ranks,
+                                   .scheme_kv_heads = (uint32_t)p->n_kv_heads};
+        send_msg(p, xpeer, &a);
+        goto out;
+    }
     char why[TDM_DMSG_MAX_ERROR];
     struct disagg_route route;
-    tdm_status vst = validate(p, xpeer, &m.prefill, &route, why, sizeof why);
+    struct tdm_disagg_shard_plan plan;
+    tdm_status vst = validate(p, xpeer, &m.prefill, &route, &plan, why, sizeof why);
     if (vst != TDM_OK) {
         pthread_mutex_lock(&p->mu);
         p->errors[PERR_REFUSED]++;
@@ -648,6 +758,7 @@ static void on_msg(void *ctx, uint32_t xpeer, const void *data, size_t bytes)
     j->xpeer = xpeer;
     j->m = m.prefill;
     j->route = route;
+    j->plan = plan;
     j->tokens = tokens;
     j->dst_pages = pages;
     j->m.tokens = tokens;
@@ -843,6 +954,7 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
     p->page_size = eo->page_size;
     p->max_ctx = eo->max_ctx;
     p->max_chunk = eo->max_batch_tokens;
+    p->n_ranks = tdm_engine_tp_ranks(e);
     struct tdm_kv_geometry g = tdm_kv_pool_geometry(p->kv);
     p->page_bytes = g.page_bytes;
     p->layer_bytes = g.layer_bytes;
@@ -888,19 +1000,25 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
             (st = tdm_sched_reserve_features(s)) != TDM_OK)
             goto out_free;
     }
-    struct disagg_endpoint_opts eopts = {.xfer = &o->xfer,
-                                         .max_ctx = p->max_ctx,
-                                         .page_size = p->page_size,
-                                         /* a step's writes per span, twice */
-                                         .min_jobs =
-                                             (p->n_layers + p->head_layers + 1) * eo->max_seqs * 2,
-                                         .kv = p->kv,
-                                         .ctx_mem = p->ctx_mem,
-                                         .ctx_bytes = p->ctx_bytes * (size_t)p->o.max_jobs,
-                                         .head = o->head,
-                                         .on_msg = on_msg,
-                                         .on_peer = on_peer,
-                                         .ctx = p};
+    tdm_kv_pool_t *rank_kv[TDM_DISAGG_MAX_RANKS] = {0};
+    for (int r = 0; r < p->n_ranks && r < TDM_DISAGG_MAX_RANKS; r++)
+        rank_kv[r] = tdm_engine_rank_kv(e, r);
+    struct disagg_endpoint_opts eopts = {
+        .xfer = &o->xfer,
+        .max_ctx = p->max_ctx,
+        .rank_kv = rank_kv,
+        .n_ranks = p->n_ranks,
+        .page_size = p->page_size,
+        /* a step's writes per span, twice */
+        .min_jobs =
+            (p->n_layers * (p->n_ranks > 1 ? 4 : 1) + p->head_layers + 1) * eo->max_seqs * 2,
+        .kv = p->kv,
+        .ctx_mem = p->ctx_mem,
+        .ctx_bytes = p->ctx_bytes * (size_t)p->o.max_jobs,
+        .head = o->head,
+        .on_msg = on_msg,
+        .on_peer = on_peer,
+        .ctx = p};
     /* jobs' requests want the hidden state (and logits) of their last row */
     if ((st = tdm_sched_reserve_rows(s)) != TDM_OK) goto out_free;
     if ((st = tdm_disagg_endpoint_open(&p->ep, &eopts)) != TDM_OK) goto out_free;
@@ -1010,6 +1128,13 @@ char *tdm_disagg_prefill_metrics(void *ctx)
         char lab[64];
         snprintf(lab, sizeof lab, "kind=\"%s\"", perr_names[i]);
         tdm_prom_sample(&b, "tandem_disagg_transfer_errors_total", lab, (double)p->errors[i]);
+    }
+    tdm_prom_family(&b, "tandem_disagg_rank_writes_total", "counter",
+                    "KV slice writes completed, by the rank (--tp) whose pool they read.");
+    for (int r = 0; r < p->n_ranks && r < TDM_DISAGG_MAX_RANKS; r++) {
+        char lab[32];
+        snprintf(lab, sizeof lab, "rank=\"%d\"", r);
+        tdm_prom_sample(&b, "tandem_disagg_rank_writes_total", lab, (double)p->rank_writes[r]);
     }
     pthread_mutex_unlock(&p->mu);
     tdm_disagg_endpoint_metrics(&p->ep, &b);

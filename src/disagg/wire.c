@@ -13,14 +13,20 @@
  *             head_n_kv_heads, head_head_dim, head_d_ff, u32 reserved,
  *             u64 head_dst_layer_stride, rmem head_kv[96]],
  *            [flags & CACHED: u32 cached_tokens, u32 reserved],
+ *            [flags & SHARDED: u32 dst_ranks, src_ranks, dst_sets, src_sets, u64 shard_seed,
+ *             (dst_ranks - 1) x {u64 dst_layer_stride, rmem kv[96]} (ranks 1 ..)],
  *            i32 tokens[n_tokens], u32 pages[n_pages]
- *            flags: bit 0 HEAD (want_head), bit 1 CACHED (cached_tokens > 0); the other bits
- *            are reserved. Without them the message is byte for byte what it was before heads
- *            and prefix caching existed, and a node that predates them refuses such a request
- *            (its reserved bytes are set). With CACHED, pages name the pages from
- *            cached_tokens / page_size on.
+ *            flags: bit 0 HEAD (want_head), bit 1 CACHED (cached_tokens > 0), bit 2 SHARDED
+ *            (the decoder knows sharded transfers: both sides' schemes); the other bits are
+ *            reserved. Without them the message is byte for byte what it was before heads,
+ *            prefix caching and sharding existed, and a node that predates them refuses such a
+ *            request (its reserved bytes are set; a decoder of TP 1 then asks it without
+ *            SHARDED). With CACHED, pages name the pages from cached_tokens / page_size on.
+ *            With SHARDED, both ranks counts shard kv_heads (tdm_tp_kv_shard_of) into the
+ *            replica sets named, and the head range is the whole model's.
  *   NACK:    u32 slot, epoch, i32 status, u16 len, char error[len]
  *   CANCEL, CANCEL_ACK: u32 slot, epoch
+ *   SCHEME:  u32 slot, epoch, ranks, kv_heads
  */
 #include <string.h>
 
@@ -30,8 +36,11 @@
 #define PREFILL_FIXED (8 + 15 * 4 + 4 + 8 + 8 + 2 * TDM_XFER_RMEM_WIRE)
 #define HEAD_BLOCK    (8 + 6 * 4 + 8 + TDM_XFER_RMEM_WIRE)
 #define CACHED_BLOCK  8
+#define SHARD_FIXED   24
+#define SHARD_RANK    (8 + TDM_XFER_RMEM_WIRE)
 #define FLAG_HEAD     0x01
 #define FLAG_CACHED   0x02
+#define FLAG_SHARDED  0x04
 #define MAX_TOKENS    (1u << 24)
 #define MAX_GEOMETRY  (1u << 20) /* kv heads, head size, d_ff: sanity bounds on a peer's values */
 
@@ -60,10 +69,16 @@ static uint64_t get64(const uint8_t *p)
     return v;
 }
 
-size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head, bool cached)
+static size_t shard_block(uint32_t dst_ranks)
+{
+    return dst_ranks ? SHARD_FIXED + (size_t)(dst_ranks - 1) * SHARD_RANK : 0;
+}
+
+size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool head, bool cached,
+                                   uint32_t dst_ranks)
 {
     return HDR + PREFILL_FIXED + (head ? HEAD_BLOCK : 0) + (cached ? CACHED_BLOCK : 0) +
-           4 * (size_t)n_tokens + 4 * (size_t)n_pages;
+           shard_block(dst_ranks) + 4 * (size_t)n_tokens + 4 * (size_t)n_pages;
 }
 
 size_t tdm_disagg_ctx_layout(uint32_t d_model, uint32_t vocab, bool want_head, bool want_logits,
@@ -89,8 +104,12 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
     size_t need;
     switch (m->type) {
     case TDM_DMSG_PREFILL:
+        if (m->prefill.sharded &&
+            (!m->prefill.dst_ranks || m->prefill.dst_ranks > TDM_DISAGG_MAX_RANKS))
+            return 0;
         need = tdm_disagg_prefill_msg_size(m->prefill.n_tokens, m->prefill.n_pages,
-                                           m->prefill.want_head, m->prefill.cached_tokens > 0);
+                                           m->prefill.want_head, m->prefill.cached_tokens > 0,
+                                           m->prefill.sharded ? m->prefill.dst_ranks : 0);
         break;
     case TDM_DMSG_NACK:
         need = HDR + 14 + strnlen(m->error, TDM_DMSG_MAX_ERROR);
@@ -98,6 +117,9 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
     case TDM_DMSG_CANCEL:
     case TDM_DMSG_CANCEL_ACK:
         need = HDR + 8;
+        break;
+    case TDM_DMSG_SCHEME:
+        need = HDR + 16;
         break;
     default:
         return 0;
@@ -121,7 +143,8 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
         put32(p, f->kv_dtype);
         p += 4;
         p[0] = f->want_logits;
-        p[1] = (uint8_t)((f->want_head ? FLAG_HEAD : 0) | (f->cached_tokens ? FLAG_CACHED : 0));
+        p[1] = (uint8_t)((f->want_head ? FLAG_HEAD : 0) | (f->cached_tokens ? FLAG_CACHED : 0) |
+                         (f->sharded ? FLAG_SHARDED : 0));
         p[2] = p[3] = 0;
         p += 4;
         put64(p, f->dst_layer_stride);
@@ -149,6 +172,19 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
             put32(p + 4, 0);
             p += CACHED_BLOCK;
         }
+        if (f->sharded) {
+            const uint32_t su[] = {f->dst_ranks, f->src_ranks, f->dst_sets, f->src_sets};
+            for (size_t i = 0; i < sizeof su / sizeof *su; i++, p += 4)
+                put32(p, su[i]);
+            put64(p, f->shard_seed);
+            p += 8;
+            for (uint32_t r = 1; r < f->dst_ranks; r++) {
+                put64(p, f->ranks[r].dst_layer_stride);
+                p += 8;
+                tdm_xfer_rmem_pack(&f->ranks[r].kv, p);
+                p += TDM_XFER_RMEM_WIRE;
+            }
+        }
         for (uint32_t i = 0; i < f->n_tokens; i++, p += 4)
             put32(p, (uint32_t)f->tokens[i]);
         for (uint32_t i = 0; i < f->n_pages; i++, p += 4)
@@ -164,6 +200,10 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
     } else {
         put32(p, m->slot);
         put32(p + 4, m->epoch);
+        if (m->type == TDM_DMSG_SCHEME) {
+            put32(p + 8, m->scheme_ranks);
+            put32(p + 12, m->scheme_kv_heads);
+        }
     }
     return need;
 }
@@ -202,6 +242,17 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
             if ((unsigned char)out->error[i] < 0x20 || out->error[i] == 0x7f) out->error[i] = '?';
         return TDM_OK;
     }
+    case TDM_DMSG_SCHEME:
+        if (body != 16) return tdm_err_set(TDM_EFORMAT, "disagg: scheme message of %zu bytes", len);
+        out->slot = get32(p);
+        out->epoch = get32(p + 4);
+        out->scheme_ranks = get32(p + 8);
+        out->scheme_kv_heads = get32(p + 12);
+        if (!out->scheme_ranks || out->scheme_ranks > TDM_DISAGG_MAX_RANKS ||
+            !out->scheme_kv_heads || out->scheme_kv_heads > MAX_GEOMETRY)
+            return tdm_err_set(TDM_EFORMAT, "disagg: a prefill scheme of %u ranks over %u KV heads",
+                               out->scheme_ranks, out->scheme_kv_heads);
+        return TDM_OK;
     case TDM_DMSG_PREFILL:
         break;
     default:
@@ -230,10 +281,11 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
     f->n_pages = u[13];
     f->kv_dtype = u[14];
     f->want_logits = p[0];
-    if ((p[1] & ~(FLAG_HEAD | FLAG_CACHED)) || p[2] || p[3] || f->want_logits > 1)
+    if ((p[1] & ~(FLAG_HEAD | FLAG_CACHED | FLAG_SHARDED)) || p[2] || p[3] || f->want_logits > 1)
         return tdm_err_set(TDM_EFORMAT, "disagg: reserved bytes set in a prefill request");
     f->want_head = (p[1] & FLAG_HEAD) != 0;
     const bool cached = (p[1] & FLAG_CACHED) != 0;
+    f->sharded = (p[1] & FLAG_SHARDED) != 0;
     p += 4;
     f->dst_layer_stride = get64(p);
     p += 8;
@@ -277,6 +329,30 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
         if (!f->cached_tokens)
             return tdm_err_set(TDM_EFORMAT, "disagg: a cached block of 0 tokens");
     }
+    f->dst_ranks = f->src_ranks = f->dst_sets = f->src_sets = 1;
+    if (f->sharded) {
+        if (body < fixed + SHARD_FIXED)
+            return tdm_err_set(TDM_EFORMAT, "disagg: short prefill request");
+        f->dst_ranks = get32(p);
+        f->src_ranks = get32(p + 4);
+        f->dst_sets = get32(p + 8);
+        f->src_sets = get32(p + 12);
+        f->shard_seed = get64(p + 16);
+        p += SHARD_FIXED;
+        if (!f->dst_ranks || f->dst_ranks > TDM_DISAGG_MAX_RANKS || !f->src_ranks ||
+            f->src_ranks > TDM_DISAGG_MAX_RANKS)
+            return tdm_err_set(TDM_EFORMAT, "disagg: a sharded request of %u to %u ranks",
+                               f->src_ranks, f->dst_ranks);
+        fixed += shard_block(f->dst_ranks);
+        if (body < fixed) return tdm_err_set(TDM_EFORMAT, "disagg: short prefill request");
+        for (uint32_t r = 1; r < f->dst_ranks; r++) {
+            f->ranks[r].dst_layer_stride = get64(p);
+            p += 8;
+            if ((st = tdm_xfer_rmem_unpack(p, TDM_XFER_RMEM_WIRE, &f->ranks[r].kv)) != TDM_OK)
+                return st;
+            p += TDM_XFER_RMEM_WIRE;
+        }
+    }
     if (!f->n_tokens || f->n_tokens > MAX_TOKENS || !f->n_pages || f->n_pages > MAX_TOKENS)
         return tdm_err_set(TDM_EFORMAT, "disagg: prefill request with %u tokens and %u pages",
                            f->n_tokens, f->n_pages);
@@ -293,6 +369,20 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
         tdm_kv_elem_bytes((enum tdm_dtype)f->kv_dtype) != f->elem_bytes ||
         f->kv_head_begin >= f->kv_head_end || f->kv_head_end > f->n_kv_heads)
         return tdm_err_set(TDM_EFORMAT, "disagg: inconsistent geometry in a prefill request");
+    if (f->sharded) { /* both schemes must shard the heads as they say (DESIGN.md §5) */
+        struct tdm_tp_kv_shard ds, ss;
+        if (f->n_kv_heads > UINT16_MAX || f->kv_head_begin || f->kv_head_end != f->n_kv_heads ||
+            tdm_tp_kv_shard_of((int)f->n_kv_heads, (int)f->dst_ranks, 0, &ds) != TDM_OK ||
+            tdm_tp_kv_shard_of((int)f->n_kv_heads, (int)f->src_ranks, 0, &ss) != TDM_OK ||
+            (uint32_t)ds.n_replica_sets != f->dst_sets ||
+            (uint32_t)ss.n_replica_sets != f->src_sets)
+            return tdm_err_set(TDM_EFORMAT,
+                               "disagg: sharding of %u KV heads from %u ranks (%u sets) to %u "
+                               "ranks (%u sets) breaks the sharding contract",
+                               f->n_kv_heads, f->src_ranks, f->src_sets, f->dst_ranks, f->dst_sets);
+    }
+    f->ranks[0] =
+        (struct tdm_disagg_rank_dst){.dst_layer_stride = f->dst_layer_stride, .kv = f->kv};
     if (f->cached_tokens % f->page_size || f->cached_tokens >= f->n_tokens)
         return tdm_err_set(TDM_EFORMAT,
                            "disagg: %u cached tokens of %u (page size %u): not whole pages short "

@@ -1110,6 +1110,17 @@ tdm_kv_pool_t *tdm_engine_kv(tdm_engine_t *e)
     return e->kv;
 }
 
+int tdm_engine_tp_ranks(const tdm_engine_t *e)
+{
+    return e->tpx ? e->tpx->n_ranks : 1;
+}
+
+tdm_kv_pool_t *tdm_engine_rank_kv(tdm_engine_t *e, int rank)
+{
+    if (rank < 0 || rank >= tdm_engine_tp_ranks(e)) return NULL;
+    return e->tpx ? e->tpx->ranks[rank]->kv : e->kv;
+}
+
 const struct tdm_engine_opts *tdm_engine_opts(const tdm_engine_t *e)
 {
     return &e->opts;

@@ -3,11 +3,13 @@
  * struct tdm_model, the read-only weight set the engine runs.
  *
  * Weights stay in the memory-mapped file whenever the CPU kernels can run their dtype directly
- * (F32, BF16, Q8_0, Q4_0, Q4_1): loading a quantised model then costs page-table setup, not a
- * copy. Anything else (F16, Q5_*, K-quants) is dequantised to F32 once, at load, into 64-byte
- * aligned buffers recorded in m->owned; so are vectors (norms, biases) not stored as F32, and
- * the rare tensor whose file offset is not aligned for its element type. Two sources differ
- * only in tensor names, which the name table below maps onto one set of fields.
+ * (F32, BF16, Q8_0, Q4_0, Q4_1, and with tdm_load_opts.keep_k_blocks Q4_K and Q6_K, which the
+ * CUDA kernels and the CPU's quantised-activation tiles run): loading a quantised model then
+ * costs page-table setup, not a copy. Anything else (F16, Q5_*, the other K-quants, and Q4_K and
+ * Q6_K without keep_k_blocks) is dequantised to F32 once, at load, into 64-byte aligned buffers
+ * recorded in m->owned; so are vectors (norms, biases) not stored as F32, and the rare tensor
+ * whose file offset is not aligned for its element type. Two sources differ only in tensor
+ * names, which the name table below maps onto one set of fields.
  *
  * Every tensor is checked against the config before its pointer is kept: presence, shape
  * (messages name the tensor and give expected and actual [rows, cols]), dtype, and that a

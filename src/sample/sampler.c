@@ -177,8 +177,55 @@ void tdm_sampler_unaccept(struct tdm_sampler *s, int32_t token)
         }
 }
 
+/* Whether every one of x[0, n) is finite (no infinity, no NaN): the exponent bits of each, in
+ * blocks of 8 that the compiler turns into vector compares. */
+static bool all_finite(const float *x, int n)
+{
+    uint32_t bad = 0;
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) {
+            uint32_t u;
+            memcpy(&u, &x[i + k], 4);
+            bad |= (u & 0x7f800000u) == 0x7f800000u;
+        }
+    for (; i < n; i++)
+        bad |= !isfinite(x[i]);
+    return !bad;
+}
+
+/* The first index of the largest of x[0, n), every value finite: the maximum by 8 running
+ * lanes (vector max instructions), then the first index that holds it. The scalar scan with
+ * its dependent load was 2% of a batch-1 decode step over a 49k vocabulary. */
+static int32_t argmax_finite(const float *x, int n)
+{
+    if (n < 16) {
+        int32_t best = 0;
+        for (int i = 1; i < n; i++)
+            if (x[i] > x[best]) best = i;
+        return best;
+    }
+    float m[8];
+    for (int k = 0; k < 8; k++)
+        m[k] = x[k];
+    int i = 8;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++)
+            m[k] = x[i + k] > m[k] ? x[i + k] : m[k];
+    float mx = m[0];
+    for (int k = 1; k < 8; k++)
+        mx = m[k] > mx ? m[k] : mx;
+    for (; i < n; i++)
+        mx = x[i] > mx ? x[i] : mx;
+    int32_t best = 0;
+    while (x[best] != mx)
+        best++;
+    return best;
+}
+
 int32_t tdm_argmax(const float *logits, int vocab)
 {
+    if (all_finite(logits, vocab)) return argmax_finite(logits, vocab);
     int32_t best = 0;
     for (int i = 1; i < vocab; i++)
         if (logits[i] > logits[best]) best = i;
@@ -333,18 +380,22 @@ static int32_t kept_set(const struct tdm_sampler *s, float *logits,
     if (tdm_sampler_processes(s)) apply_penalties(s, logits, undo, n_undo);
     /* non-finite logits, from any source (the model included): NaN is never chosen, a +inf wins
      * outright, and a row with nothing finite gives token 0 */
-    int first_pinf = -1;
-    bool any_finite = false;
-    for (int i = 0; i < vocab; i++) {
-        if (isnan(logits[i])) logits[i] = -INFINITY;
-        if (isinf(logits[i])) {
-            if (logits[i] > 0 && first_pinf < 0) first_pinf = i;
-        } else {
-            any_finite = true;
+    if (all_finite(logits, vocab)) { /* the usual case: one vector pass, nothing to fix */
+        if (p->temperature == 0.0f || p->top_k == 1) return argmax_finite(logits, vocab);
+    } else {
+        int first_pinf = -1;
+        bool any_finite = false;
+        for (int i = 0; i < vocab; i++) {
+            if (isnan(logits[i])) logits[i] = -INFINITY;
+            if (isinf(logits[i])) {
+                if (logits[i] > 0 && first_pinf < 0) first_pinf = i;
+            } else {
+                any_finite = true;
+            }
         }
+        if (first_pinf >= 0 || !any_finite) return first_pinf >= 0 ? first_pinf : 0;
+        if (p->temperature == 0.0f || p->top_k == 1) return tdm_argmax(logits, vocab);
     }
-    if (first_pinf >= 0 || !any_finite) return first_pinf >= 0 ? first_pinf : 0;
-    if (p->temperature == 0.0f || p->top_k == 1) return tdm_argmax(logits, vocab);
 
     /* softmax at the temperature */
     float *probs = scratch->probs;

@@ -15,9 +15,11 @@
  * model's so that it fits; a decode token reads its k experts whatever their count). MLA's KV
  * per position is its latent row (the pool's page bytes), not 2 x heads x head_dim.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "tools/tools_int.h"
 
@@ -75,18 +77,10 @@ static double weight_bytes_per_step(const struct tdm_model *m)
     double total = (double)weight_bytes(&m->output) + (double)weight_bytes(&m->output_norm) +
                    (double)m->tok_embd.row_bytes;
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        const struct tdm_layer_weights *w = &m->layers[l];
-        const struct tdm_weight *all[] = {
-            &w->attn_norm, &w->wq,        &w->wk,         &w->wv,       &w->bq,       &w->bk,
-            &w->bv,        &w->q_norm,    &w->k_norm,     &w->wo,       &w->ffn_norm, &w->w_gate,
-            &w->w_up,      &w->w_down,    &w->wq_a,       &w->q_a_norm, &w->wq_b,     &w->wkv_c,
-            &w->wkv_r,     &w->kv_a_norm, &w->mla_absorb, &w->mla_uv};
-        for (size_t i = 0; i < TDM_ARRAY_LEN(all); i++)
-            total += (double)weight_bytes(all[i]);
-        const struct tdm_weight *moe[] = {&w->router, &w->sh_gate, &w->sh_up, &w->sh_down,
-                                          &w->sh_score};
-        for (size_t i = 0; w->n_experts && i < TDM_ARRAY_LEN(moe); i++)
-            total += (double)weight_bytes(moe[i]);
+        const struct tdm_weight *ws[32];
+        const int n = tdm_tool_layer_weights(&m->layers[l], ws);
+        for (int i = 0; i < n; i++)
+            total += (double)weight_bytes(ws[i]);
     }
     return total;
 }
@@ -105,18 +99,24 @@ struct bench_seq {
 
 static void bench_model_usage(FILE *f)
 {
-    fprintf(f, "usage: tandem bench model [--model PATH | --shape qwen3-30b-a3b|deepseek-v2-lite "
-               "[--layers N] [--experts N]] [--threads N] [--prompt-len N] [--gen N] "
-               "[--context N] [--batch-invariant] [--exact-activations] [--kv-dtype f32|bf16|f16] "
-               "[--tp N]\n"
-               "       (--tp N: N tensor-parallel ranks, measured after --tp 1 in the same run)\n"
-               "       tandem bench model --backend cuda --help   (the GPU benchmark)\n");
+    fprintf(f,
+            "usage: tandem bench model [--model PATH | --shape qwen3-30b-a3b|deepseek-v2-lite "
+            "[--layers N] [--experts N]] [--threads N] [--prompt-len N] [--gen N] "
+            "[--context N] [--batch-invariant] [--exact-activations] [--kv-dtype f32|bf16|f16] "
+            "[--tp N] [--compare-llama-cpp PATH [--rounds N]]\n"
+            "       (--tp N: N tensor-parallel ranks, measured after --tp 1 in the same run)\n"
+            "       (--compare-llama-cpp PATH: llama.cpp's llama-bench binary at PATH run on the "
+            "same GGUF,\n"
+            "        interleaved with tandem for --rounds rounds (3), and the ratios of the "
+            "medians)\n"
+            "       tandem bench model --backend cuda --help   (the GPU benchmark)\n");
 }
 
 /* One engine's prefill and decode figures (the body of bench model): eo's engine over m, the
- * rooflines from bw. Returns the exit code. */
+ * rooflines from bw, the figures also into *fig. Returns the exit code. */
 static int bench_engine(struct tdm_model *m, const struct tdm_engine_opts *eo_in, double bw,
-                        int64_t prompt_len, int64_t gen, int64_t context, int64_t ctx_needed)
+                        int64_t prompt_len, int64_t gen, int64_t context, int64_t ctx_needed,
+                        struct tdm_bench_figures *fig)
 {
     const struct tdm_model_config *cf = &m->cfg;
     enum { MAX_B = 8 };
@@ -142,7 +142,7 @@ static int bench_engine(struct tdm_model *m, const struct tdm_engine_opts *eo_in
     double kv_per_pos = (double)kg.page_bytes / tdm_engine_opts(e)->page_size * cf->n_layers *
                         cf->n_kv_heads / tdm_kv_pool_config(kv)->n_kv_heads;
     printf("  KV cache: %s, %.0f KiB a position\n", tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
-    printf("  activations of Q8_0/Q4_0/Q4_1 matrices: %s\n",
+    printf("  activations of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices: %s\n",
            eo.exact_activations ? "fp32 (--exact-activations)" : "quantised (16-bit)");
     int n_sparse = 0;
     uint64_t one_expert = 0;
@@ -186,6 +186,7 @@ static int bench_engine(struct tdm_model *m, const struct tdm_engine_opts *eo_in
     tdm_kv_seq_release(kv, &seqs[0].kv);
     printf("  prefill: %lld tokens in %.3f s = %.1f tokens/s\n", (long long)prompt_len, prefill_s,
            prompt_len / prefill_s);
+    fig->prefill = prompt_len / prefill_s;
 
     printf("  %-8s %12s %14s %10s\n", "decode", "tokens/s", "roofline tok/s", "ratio");
     int batches[] = {1, MAX_B};
@@ -244,6 +245,7 @@ static int bench_engine(struct tdm_model *m, const struct tdm_engine_opts *eo_in
         }
         double dt = tdm_now_s() - t0;
         double rate = (double)B * gen / dt;
+        *(B == 1 ? &fig->decode1 : &fig->decode8) = rate;
         const double passes = (double)(tdm_engine_expert_passes(e) - passes0) / (double)gen;
         double bytes_per_step = wbytes + passes * ebytes + kv_read / gen;
         double roof = (double)B * bw / bytes_per_step;
@@ -268,6 +270,87 @@ out:
     tdm_engine_destroy(e);
     free(logits);
     return rc;
+}
+
+static bool is_regular_file(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+/* bench_engine's arguments, for the comparison's rounds. */
+struct bench_args {
+    struct tdm_model *m;
+    const struct tdm_engine_opts *eo;
+    double bw;
+    int64_t prompt_len, gen, context, ctx_needed;
+};
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median of n figures; NaN when any is NaN (a figure one side does not have). */
+static double median(const double *v, int n)
+{
+    double s[100];
+    for (int i = 0; i < n; i++) {
+        if (isnan(v[i])) return NAN;
+        s[i] = v[i];
+    }
+    qsort(s, (size_t)n, sizeof *s, cmp_double);
+    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+}
+
+/* --compare-llama-cpp: `rounds` rounds of tandem and llama.cpp in turn (tandem first in odd
+ * rounds, llama.cpp first in even ones, so that neither always runs on a machine the other
+ * has just warmed or loaded), then the medians and their ratios. */
+static int compare_llama(const struct bench_args *a, const char *llama, int threads, int rounds)
+{
+    struct tdm_bench_figures ours[100], theirs[100];
+    printf("  compared with llama.cpp: %d rounds, each running both (tandem first in odd "
+           "rounds)\n",
+           rounds);
+    tdm_llama_bench_commands(llama, a->m->path, threads, a->prompt_len, a->gen, a->context);
+    for (int r = 0; r < rounds; r++)
+        for (int k = 0; k < 2; k++) {
+            if ((k == 0) == (r % 2 == 0)) {
+                printf("  round %d, tandem:\n", r + 1);
+                const int rc = bench_engine(a->m, a->eo, a->bw, a->prompt_len, a->gen, a->context,
+                                            a->ctx_needed, &ours[r]);
+                if (rc) return rc;
+            } else {
+                if (tdm_llama_bench_run(llama, a->m->path, threads, a->prompt_len, a->gen,
+                                        a->context, &theirs[r]))
+                    return 1;
+                printf("  round %d, llama.cpp %s: prefill %.1f tokens/s, decode batch 1 %.1f, "
+                       "batch 8 %.1f\n",
+                       r + 1, theirs[r].build, theirs[r].prefill, theirs[r].decode1,
+                       theirs[r].decode8);
+            }
+        }
+    printf("  %-24s %10s %10s %20s\n", "median tokens/s", "tandem", "llama.cpp",
+           "tandem / llama.cpp");
+    char what[3][32];
+    snprintf(what[0], sizeof what[0], "prefill, %lld tokens", (long long)a->prompt_len);
+    snprintf(what[1], sizeof what[1], "decode, batch 1");
+    snprintf(what[2], sizeof what[2], "decode, batch 8");
+    for (int f = 0; f < 3; f++) {
+        double o[100], t[100];
+        for (int r = 0; r < rounds; r++) {
+            o[r] = f == 0 ? ours[r].prefill : f == 1 ? ours[r].decode1 : ours[r].decode8;
+            t[r] = f == 0 ? theirs[r].prefill : f == 1 ? theirs[r].decode1 : theirs[r].decode8;
+        }
+        const double mo = median(o, rounds), mt = median(t, rounds);
+        if (isnan(mt))
+            printf("  %-24s %10.1f %10s %20s\n", what[f], mo, "n/a", "n/a");
+        else
+            printf("  %-24s %10.1f %10.1f %19.2fx\n", what[f], mo, mt, mo / mt);
+    }
+    printf("  llama.cpp build: %s\n", theirs[0].build);
+    return 0;
 }
 
 int tdm_cmd_bench(int argc, char **argv)
@@ -300,7 +383,8 @@ int tdm_cmd_bench(int argc, char **argv)
         }
     const char *model = NULL, *shape = NULL;
     int64_t threads = 0, prompt_len = 512, gen = 64, context = 32, layers = 0, experts = 0;
-    int64_t tp = 1;
+    int64_t tp = 1, rounds = 0;
+    const char *llama = NULL;
     bool batch_inv = false, exact_act = false;
     int backend_kind = TDM_BACKEND_CPU, kv_dtype = TDM_KV_DTYPE_AUTO;
     const struct tdm_opt own[] = {
@@ -317,6 +401,8 @@ int tdm_cmd_bench(int argc, char **argv)
         TDM_OPT_B("exact-activations", &exact_act),
         TDM_OPT_P("backend", tdm_tool_opt_backend, &backend_kind), /* cpu here */
         TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &kv_dtype),
+        TDM_OPT_S("compare-llama-cpp", &llama),
+        TDM_OPT_I("rounds", &rounds, 1, 100),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {own, NULL};
@@ -330,10 +416,28 @@ int tdm_cmd_bench(int argc, char **argv)
         fprintf(stderr, "tandem: --layers and --experts go with --shape\n");
         return 2;
     }
+    if (rounds && !llama) {
+        fprintf(stderr, "tandem: --rounds goes with --compare-llama-cpp\n");
+        return 2;
+    }
+    if (llama && (shape || tp > 1)) {
+        fprintf(stderr, "tandem: --compare-llama-cpp runs one engine on a GGUF file: not with %s\n",
+                shape ? "--shape" : "--tp");
+        return 2;
+    }
+    if (llama && !tdm_llama_bench_check(llama)) return 2;
     int n_threads = threads > 0 ? (int)threads : tdm_cpu_count();
+    const struct tdm_load_opts lo = tdm_tool_load_opts(TDM_BACKEND_CPU, false, exact_act);
     struct tdm_model *m = shape ? tdm_bench_shape_model(shape, (int)layers, (int)experts, n_threads)
-                                : tdm_tool_load_model(model);
+                                : tdm_tool_load_model_opts(model, &lo);
     if (!m) return shape ? 2 : 1;
+    if (llama && !is_regular_file(m->path)) {
+        fprintf(stderr,
+                "tandem: --compare-llama-cpp needs a GGUF file; %s is a checkpoint folder\n",
+                m->path);
+        tdm_model_free(m);
+        return 2;
+    }
     const struct tdm_model_config *cf = &m->cfg;
     enum { MAX_B = 8 };
     int rc = 0;
@@ -357,15 +461,22 @@ int tdm_cmd_bench(int argc, char **argv)
     printf("  %d threads, CPU kernels: %s\n", n_threads, tdm_backend_cpu_isa());
     double bw = measure_copy_bandwidth(n_threads);
     printf("  memory bandwidth (STREAM copy, same run): %.2f GB/s\n", bw / 1e9);
+    struct tdm_bench_figures fig;
+    if (llama) {
+        const struct bench_args a = {m, &eo, bw, prompt_len, gen, context, ctx_needed};
+        rc = compare_llama(&a, llama, n_threads, rounds ? (int)rounds : 3);
+        tdm_model_free(m);
+        return rc;
+    }
     if (tp > 1) { /* the reference: the same model unsharded, in the same run */
         printf("  --tp 1 (the reference):\n");
-        rc = bench_engine(m, &eo, bw, prompt_len, gen, context, ctx_needed);
+        rc = bench_engine(m, &eo, bw, prompt_len, gen, context, ctx_needed, &fig);
         eo.tp = (int)tp;
         if (rc == 0)
             printf("  --tp %lld (%lld ranks of %d thread(s)):\n", (long long)tp, (long long)tp,
                    TDM_MAX(1, n_threads / (int)tp));
     }
-    if (rc == 0) rc = bench_engine(m, &eo, bw, prompt_len, gen, context, ctx_needed);
+    if (rc == 0) rc = bench_engine(m, &eo, bw, prompt_len, gen, context, ctx_needed, &fig);
     tdm_model_free(m);
     return rc;
 }

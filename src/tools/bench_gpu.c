@@ -4,16 +4,21 @@
  *
  * Model: --model PATH loads a checkpoint; otherwise --shape (llama-3.1-8b, the default, or
  * llama-3.2-1b) builds that architecture with random bf16 weights made directly on the device
- * (no host copy, no download; the values do not change the timings).
+ * (no host copy, no download; the values do not change the timings). The mixture-of-experts and
+ * latent-attention shapes (qwen3-30b-a3b, deepseek-v2-lite; --layers, --experts to shrink them)
+ * are built in host memory by bench_shapes.c, bf16, and uploaded by the engine like a loaded
+ * model. A sparse layer's routed experts count in a step's bytes as the engine ran them (its
+ * expert passes), so the roofline follows the routing.
  *
  * Rooflines:
  *   decode at batch B:  B * copy_bw / (weight bytes read per step + B * KV bytes per sequence),
  *     copy_bw from cudaMemcpy device-to-device (bytes read + written per second), the weights
  *     counted once per step (every matrix and vector, one embedding row per token), the KV at
- *     the step's context (fp32 K and V of every layer);
+ *     the step's context (K and V, or MLA's latent rows, of every layer, as the pool stores them);
  *   prefill of T tokens: T * gemm_peak / FLOPs, gemm_peak from a cuBLASLt bf16 8192^3 GEMM and
- *     FLOPs = 2 * (matrix parameters per token) * T + 4 * n_layers * n_heads * head_dim *
- *     T (T + 1) / 2 (causal attention scores and weighted sum), LM head for one row.
+ *     FLOPs = 2 * (matrix parameters per token, k routed experts) * T + (one query-key pair's
+ *     attention FLOPs) * n_layers * T (T + 1) / 2 (causal scores and weighted sum), LM head for
+ *     one row.
  * --verify K (issue 23, item 5): after each batch's decode steps, as many verification steps of
  * the same sequences, each a chain of K + 1 tokens with a logit row per token (what speculation
  * verifies), timed the same way; printed as its time against the one-token step's.
@@ -101,24 +106,17 @@ static tdm_status random_model(tdm_backend_t *b, const struct shape *sh, enum td
     return TDM_OK;
 }
 
-static double wbytes(const struct tdm_weight *w)
-{
-    return w->data ? (double)w->row_bytes * (double)w->rows : 0.0;
-}
-
-/* bytes one decode step of B tokens reads from the weights (as the backend holds them) */
+/* bytes one decode step of B tokens reads from the weights (as the backend holds them), not
+ * counting a sparse layer's routed experts (the caller adds the expert passes it ran) */
 static double step_weight_bytes(tdm_backend_t *b, const struct tdm_model *m, int B)
 {
     double t = tdm_backend_cuda_held_bytes(b, &m->tok_embd) / (double)m->tok_embd.rows * B;
     t += (double)tdm_backend_cuda_held_bytes(b, &m->output) + m->cfg.d_model * 4.0;
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        const struct tdm_layer_weights *w = &m->layers[l];
-        const struct tdm_weight *mats[] = {&w->wq,     &w->wk,   &w->wv,    &w->wo,
-                                           &w->w_gate, &w->w_up, &w->w_down};
-        for (size_t i = 0; i < TDM_ARRAY_LEN(mats); i++)
-            t += (double)tdm_backend_cuda_held_bytes(b, mats[i]);
-        t += wbytes(&w->attn_norm) + wbytes(&w->ffn_norm) + wbytes(&w->bq) + wbytes(&w->bk) +
-             wbytes(&w->bv) + wbytes(&w->q_norm) + wbytes(&w->k_norm);
+        const struct tdm_weight *ws[32];
+        const int n = tdm_tool_layer_weights(&m->layers[l], ws);
+        for (int i = 0; i < n; i++)
+            if (ws[i]->data) t += (double)tdm_backend_cuda_held_bytes(b, ws[i]);
     }
     return t;
 }
@@ -139,12 +137,30 @@ static bool opt_weights(const char *arg, void *dst)
     return false;
 }
 
-/* matrix parameters one token multiplies by (all layers; not the embedding or the LM head) */
-static double layer_matrix_params(const struct tdm_model_config *c)
+/* matrix parameters one token multiplies by (all layers, its routed experts included; not the
+ * embedding or the LM head) */
+static double layer_matrix_params(const struct tdm_model *m)
 {
-    const double D = c->d_model, qd = (double)c->n_heads * c->head_dim,
-                 kvd = (double)c->n_kv_heads * c->head_dim;
-    return c->n_layers * (D * qd * 2 + D * kvd * 2 + 3.0 * D * c->d_ff);
+    const struct tdm_model_config *c = &m->cfg;
+    double p = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        const struct tdm_weight *ws[32];
+        const int n = tdm_tool_layer_weights(&m->layers[l], ws);
+        for (int i = 0; i < n; i++)
+            if (ws[i]->data && ws[i]->rows > 1) p += (double)ws[i]->rows * (double)ws[i]->cols;
+        if (m->layers[l].n_experts)
+            p += 3.0 * c->n_experts_used * (double)c->d_ff_expert * c->d_model;
+    }
+    return p;
+}
+
+/* attention FLOPs of one query against one key, all heads of a layer: scores and weighted sum
+ * (MLA in its absorbed form: scores over the latent and rope rows, values over the latent) */
+static double attn_flops_per_pair(const struct tdm_model_config *c)
+{
+    if (tdm_config_mla(c))
+        return 2.0 * c->n_heads * ((double)c->kv_lora_rank + c->qk_rope_dim + c->kv_lora_rank);
+    return 4.0 * c->n_heads * c->head_dim;
 }
 
 static int cmp_d(const void *a, const void *b)
@@ -176,7 +192,8 @@ static bool opt_batches(const char *arg, void *dst)
 static void gpu_usage(FILE *f)
 {
     fprintf(f, "usage: tandem bench model --backend cuda [--shape llama-3.1-8b|llama-3.2-1b | "
-               "--model PATH] [--prompt-len N] [--gen N] [--context N]\n"
+               "--shape qwen3-30b-a3b|deepseek-v2-lite [--layers N] [--experts N] |\n"
+               "       --model PATH] [--prompt-len N] [--gen N] [--context N]\n"
                "       [--gpu-memory-fraction F] [--no-graphs] [--batches 1,8,64,256]\n"
                "       [--kv-dtype f32|bf16|f16] [--weights bf16|q8_0|q4_0|q4_1|q4_k|q6_k]\n"
                "       [--gpu-weights native|bf16] [--verify K] [--batch-invariant]\n"
@@ -193,8 +210,8 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     int backend_kind = TDM_BACKEND_CUDA; /* why we are here */
     int kv_dtype = TDM_KV_DTYPE_AUTO;
     enum tdm_dtype wtype = TDM_DTYPE_BF16;
-    int64_t verify_k = 0;
-    bool gpu_bf16 = false, invariant = false;
+    int64_t verify_k = 0, layers = 0, experts = 0;
+    bool gpu_bf16 = false, invariant = false, weights_set = false;
     g_batches.n = 4;
     const struct tdm_opt own[] = {
         TDM_OPT_S("model", &model_path),
@@ -208,6 +225,8 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         TDM_OPT_P("batches", opt_batches, &g_batches),
         TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &kv_dtype),
         TDM_OPT_P("weights", opt_weights, &wtype),
+        TDM_OPT_I("layers", &layers, 1, 1024),
+        TDM_OPT_I("experts", &experts, 1, 1024),
         TDM_OPT_I("verify", &verify_k, 0, 16),
         TDM_OPT_B("batch-invariant", &invariant),
         TDM_OPT_P("gpu-weights", tdm_tool_opt_gpu_weights, &gpu_bf16),
@@ -220,9 +239,17 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     const struct shape *sh = NULL;
     for (size_t i = 0; i < TDM_ARRAY_LEN(SHAPES); i++)
         if (!strcmp(shape_name, SHAPES[i].name)) sh = &SHAPES[i];
-    if (!model_path && !sh) {
-        fprintf(stderr, "tandem: unknown --shape '%s' (llama-3.1-8b or llama-3.2-1b)\n",
+    weights_set = wtype != TDM_DTYPE_BF16;
+    /* the MoE and MLA shapes (bench_shapes.c) are built in host memory, bf16, and uploaded */
+    const bool host_shape = !model_path && !sh;
+    if (host_shape && weights_set) {
+        fprintf(stderr, "tandem: --weights goes with the llama shapes; --shape %s is bf16\n",
                 shape_name);
+        return 2;
+    }
+    if ((layers || experts) && !host_shape) {
+        fprintf(stderr, "tandem: --layers and --experts go with --shape qwen3-30b-a3b or "
+                        "deepseek-v2-lite\n");
         return 2;
     }
 
@@ -231,7 +258,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         max_b = TDM_MAX(max_b, batches[i]);
     tdm_backend_t *b = NULL;
     struct tdm_model rm, *m = NULL;
-    bool random = !model_path;
+    bool random = !model_path && sh;
     tdm_engine_t *e = NULL;
     float *logits = NULL;
     struct tdm_kv_seq *seqs = calloc((size_t)max_b, sizeof *seqs);
@@ -251,14 +278,17 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     char dev_name[256];
     size_t dev_mem = 0;
     tdm_backend_cuda_info(b, dev_name, sizeof dev_name, &dev_mem);
-    if (random) {
+    if (host_shape) {
+        m = tdm_bench_shape_model(shape_name, (int)layers, (int)experts, tdm_cpu_count());
+        if (!m) goto out;
+    } else if (random) {
         if (random_model(b, sh, wtype, &rm) != TDM_OK) {
             tdm_tool_fail("random weights");
             goto out;
         }
         m = &rm;
     } else {
-        const struct tdm_load_opts lo = tdm_tool_load_opts(TDM_BACKEND_CUDA, gpu_bf16);
+        const struct tdm_load_opts lo = tdm_tool_load_opts(TDM_BACKEND_CUDA, gpu_bf16, false);
         m = tdm_tool_load_model_opts(model_path, &lo);
         if (!m) goto out;
     }
@@ -270,7 +300,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
                                  .max_batch_tokens = (int)TDM_MAX(prompt_len, max_b * vk),
                                  .kv_dtype = kv_dtype,
                                  .backend = b};
-    if (ctx_needed > cf->max_ctx && !random) {
+    if (ctx_needed > cf->max_ctx && !random && !host_shape) {
         fprintf(stderr, "tandem: the benchmark needs %lld positions, the model has %d\n",
                 (long long)ctx_needed, cf->max_ctx);
         goto out;
@@ -292,7 +322,12 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         goto out;
     }
     const struct tdm_kv_geometry kg = tdm_kv_pool_geometry(tdm_engine_kv(e));
-    const double kv_per_pos = 2.0 * cf->n_layers * cf->n_kv_heads * cf->head_dim * kg.elem_bytes;
+    /* K and V (or MLA's latent rows) of every layer, one position */
+    const double kv_per_pos =
+        (double)kg.page_bytes / tdm_kv_pool_config(kv)->page_size * cf->n_layers;
+    int n_sparse = 0;
+    uint64_t one_expert = 0;
+    tdm_tool_expert_bytes(m, &n_sparse, &one_expert);
     printf("tandem bench model --backend cuda: %s%s%s%s\n", random ? sh->name : m->path,
            random ? " shape, random " : "", random ? tdm_dtype_name(wtype) : "",
            random ? " weights made on the device" : "");
@@ -302,6 +337,10 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     printf("  bf16 GEMM peak (cuBLASLt, 8192^3, fp32 accumulate): %.0f TFLOP/s\n", gemm / 1e12);
     printf("  weights read per decode step: %.2f GB; KV (%s) %.0f KiB per position\n",
            step_weight_bytes(b, m, 1) / 1e9, tdm_dtype_name(kg.dtype), kv_per_pos / 1024);
+    if (n_sparse)
+        printf("  and %.2f MB per expert pass (%d of %d experts a token, %d sparse layers): "
+               "a step's roofline counts the passes it ran\n",
+               one_expert / 1e6, cf->n_experts_used, cf->n_experts, n_sparse);
 
     /* ---- prefill: one prompt of prompt_len tokens in one forward call ---- */
     uint64_t rng = 12345;
@@ -332,8 +371,8 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     tdm_kv_seq_release(kv, &seqs[0]);
     qsort(pt + 1, 3, sizeof pt[0], cmp_d);
     const double T = (double)prompt_len;
-    const double pf_flops = 2.0 * layer_matrix_params(cf) * T + 2.0 * cf->d_model * cf->vocab_size +
-                            4.0 * cf->n_layers * cf->n_heads * cf->head_dim * T * (T + 1) / 2;
+    const double pf_flops = 2.0 * layer_matrix_params(m) * T + 2.0 * cf->d_model * cf->vocab_size +
+                            attn_flops_per_pair(cf) * cf->n_layers * T * (T + 1) / 2;
     const double pf_rate = T / pt[2], pf_roof = T * gemm / pf_flops;
     const bool pf_finite = isfinite(logits[0]) && isfinite(logits[cf->vocab_size - 1]);
 
@@ -363,6 +402,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         }
         double dt = 0, kv_bytes = 0;
         const int warm = 3;
+        uint64_t passes0 = 0;
         for (int step = 0; step < warm + gen; step++) {
             for (int s = 0; s < B; s++)
                 bs[s] = (struct tdm_batch_seq){.tokens = &toks[s],
@@ -379,15 +419,20 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
             }
             if (step >= warm) dt += tdm_now_s() - t0;
             if (step >= warm) kv_bytes += kv_per_pos * (double)B * (double)(context + step + 1);
+            if (step + 1 == warm) passes0 = tdm_engine_expert_passes(e);
             for (int s = 0; s < B; s++)
                 toks[s] = tdm_argmax(logits + (size_t)s * cf->vocab_size, cf->vocab_size);
         }
         all_finite &= isfinite(logits[0]);
         const double rate = (double)B * gen / dt;
-        const double bytes_per_step = step_weight_bytes(b, m, B) + kv_bytes / gen;
+        const double passes = (double)(tdm_engine_expert_passes(e) - passes0) / (double)gen;
+        const double bytes_per_step =
+            step_weight_bytes(b, m, B) + kv_bytes / gen + passes * (double)one_expert;
         const double roof = (double)B * copy_bw / bytes_per_step;
-        printf("  %-9s %6d %8lld %12.0f %15.0f %6.1f%%  (%.2f ms/step)\n", "decode", B,
+        printf("  %-9s %6d %8lld %12.0f %15.0f %6.1f%%  (%.2f ms/step", "decode", B,
                (long long)context, rate, roof, 100.0 * rate / roof, 1e3 * dt / gen);
+        if (n_sparse) printf("; %.1f expert passes a step", passes);
+        printf(")\n");
         fflush(stdout);
         if (vk > 1) { /* verification steps: K + 1 chained tokens a sequence, every row's logits */
             double vt = 0;
@@ -429,7 +474,7 @@ out:
     if (random && m) {
         free(m->layers);
         free(m->path);
-    } else if (m) {
+    } else if (m) { /* a loaded model or a host shape */
         tdm_model_free(m);
     }
     tdm_backend_destroy(b);

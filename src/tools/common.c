@@ -51,6 +51,23 @@ uint64_t tdm_tool_expert_bytes(const struct tdm_model *m, int *sparse, uint64_t 
     return all;
 }
 
+int tdm_tool_layer_weights(const struct tdm_layer_weights *w, const struct tdm_weight **out)
+{
+    const struct tdm_weight *all[] = {
+        &w->attn_norm, &w->wq,        &w->wk,         &w->wv,       &w->bq,       &w->bk,
+        &w->bv,        &w->q_norm,    &w->k_norm,     &w->wo,       &w->ffn_norm, &w->w_gate,
+        &w->w_up,      &w->w_down,    &w->wq_a,       &w->q_a_norm, &w->wq_b,     &w->wkv_c,
+        &w->wkv_r,     &w->kv_a_norm, &w->mla_absorb, &w->mla_uv};
+    const struct tdm_weight *moe[] = {&w->router, &w->sh_gate, &w->sh_up, &w->sh_down,
+                                      &w->sh_score};
+    int n = 0;
+    for (size_t i = 0; i < TDM_ARRAY_LEN(all); i++)
+        out[n++] = all[i];
+    for (size_t i = 0; w->n_experts && i < TDM_ARRAY_LEN(moe); i++)
+        out[n++] = moe[i];
+    return n;
+}
+
 struct tdm_model *tdm_tool_load_model(const char *path)
 {
     return tdm_tool_load_model_opts(path, NULL);

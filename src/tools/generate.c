@@ -548,7 +548,8 @@ int tdm_cmd_generate(int argc, char **argv)
     struct gen_opts o;
     int rc = parse_opts(argc, argv, false, &o);
     if (rc) return rc - 100;
-    const struct tdm_load_opts lo = tdm_tool_load_opts(o.backend_kind, o.gpu_bf16);
+    const struct tdm_load_opts lo =
+        tdm_tool_load_opts(o.backend_kind, o.gpu_bf16, o.exact_activations);
     struct tdm_model *m = tdm_tool_load_model_opts(o.model, &lo);
     if (!m) return 1;
     struct gen g;
@@ -654,7 +655,8 @@ int tdm_cmd_chat(int argc, char **argv)
     struct gen_opts o;
     int rc = parse_opts(argc, argv, true, &o);
     if (rc) return rc - 100;
-    const struct tdm_load_opts lo = tdm_tool_load_opts(o.backend_kind, o.gpu_bf16);
+    const struct tdm_load_opts lo =
+        tdm_tool_load_opts(o.backend_kind, o.gpu_bf16, o.exact_activations);
     struct tdm_model *m = tdm_tool_load_model_opts(o.model, &lo);
     if (!m) return 1;
     struct tdm_chat_template tmpl = {0};

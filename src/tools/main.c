@@ -22,6 +22,7 @@ static void usage(FILE *f)
             "  bench      benchmarks (`tandem bench model|serve|xfer|spec`)\n"
             "  checkpoint write a random-weight HF checkpoint (`--shape llama-3.1-8b --out DIR`)\n"
             "  train-mtp  train a speculation head on the model's own continuations\n"
+            "  topo       where N ranks would run: GPU, NUMA node, cores, nearest NICs\n"
             "\n"
             "Every command takes --model PATH (a .gguf file or a Hugging Face checkpoint folder);\n"
             "without it the default model is used: $TANDEM_MODEL, or\n"
@@ -53,6 +54,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "serve")) return tdm_cmd_serve(argc - 1, argv + 1);
     if (!strcmp(cmd, "router")) return tdm_cmd_router(argc - 1, argv + 1);
     if (!strcmp(cmd, "checkpoint")) return tdm_cmd_checkpoint(argc - 1, argv + 1);
+    if (!strcmp(cmd, "topo")) return tdm_cmd_topo(argc - 1, argv + 1);
     fprintf(stderr, "tandem: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 2;

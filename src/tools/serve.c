@@ -74,6 +74,11 @@ static void usage(FILE *f)
         "  --xfer-provider P       libfabric provider: tcp;ofi_rxm (default), shm, verbs;ofi_rxm, "
         "efa\n"
         "  --xfer-node ADDR        local address the fabric endpoint binds to\n"
+        "  --xfer-busy-poll        prefill, decode: the fabric's progress thread spins instead\n"
+        "                          of sleeping when idle (lowest latency; a core of its own)\n"
+        "  --transfer-cpus LIST    prefill, decode: pin the transfer threads to these cores\n"
+        "                          (default: the cores of the leader rank's NUMA node, found\n"
+        "                          with hwloc beside its GPU and nearest NICs: `tandem topo`)\n"
         "  --xfer-addr-file FILE   prefill, decode: write this node's fabric address to FILE\n"
         "  --fabric-key FILE       the cluster secret (16 to 256 bytes; trailing whitespace is\n"
         "                          dropped): peers must prove they hold it (docs/SECURITY.md)\n"
@@ -294,17 +299,20 @@ struct extra_metrics_ctx {
     tdm_disagg_decode_t *dec;
     tdm_spec_t *spec;
     tdm_engine_t *engine;
+    const struct tdm_placement *placement; /* prefill, decode: each rank's, or NULL */
+    int n_placed;
 };
 static char *extra_metrics(void *ctx)
 {
     struct extra_metrics_ctx *x = ctx;
-    char *parts[3] = {x->pre   ? tdm_disagg_prefill_metrics(x->pre)
+    char *parts[4] = {x->pre   ? tdm_disagg_prefill_metrics(x->pre)
                       : x->dec ? tdm_disagg_decode_metrics(x->dec)
                                : NULL,
                       x->spec ? tdm_spec_metrics(x->spec) : NULL,
-                      x->events ? tdm_kv_events_metrics(x->events) : NULL};
+                      x->events ? tdm_kv_events_metrics(x->events) : NULL,
+                      x->n_placed ? tdm_tool_placement_metrics(x->placement, x->n_placed) : NULL};
     struct tdm_sbuf b = {0};
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         if (parts[i]) tdm_sbuf_printf(&b, "%s", parts[i]);
         free(parts[i]);
     }
@@ -370,10 +378,10 @@ int tdm_cmd_serve(int argc, char **argv)
     int64_t ctx = 0, threads = 0, tp = 1;
     size_t kv_bytes = 0, staging_bytes = 0;
     enum tdm_disagg_staging staging = TDM_DISAGG_STAGING_AUTO;
-    bool inv = false, prefix_caching = false, add_named = false;
+    bool inv = false, prefix_caching = false, add_named = false, busy_poll = false;
     bool exact_act = false;
     const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
-    const char *addr_file = NULL, *fabric_key_file = NULL;
+    const char *addr_file = NULL, *fabric_key_file = NULL, *transfer_cpus = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
     int64_t watchdog = 60000, http_threads = 4;
     int backend_kind = TDM_BACKEND_CPU, kv_dtype = TDM_KV_DTYPE_AUTO;
@@ -412,6 +420,8 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_S("prefill-peers", &peers_arg),
         TDM_OPT_S("xfer-provider", &provider),
         TDM_OPT_S("xfer-node", &xnode),
+        TDM_OPT_S("transfer-cpus", &transfer_cpus),
+        TDM_OPT_B("xfer-busy-poll", &busy_poll),
         TDM_OPT_S("xfer-addr-file", &addr_file),
         TDM_OPT_S("fabric-key", &fabric_key_file),
         TDM_OPT_I("remote-chunk", &rchunk, 1, 1 << 20),
@@ -454,15 +464,23 @@ int tdm_cmd_serve(int argc, char **argv)
         return 2;
     }
     if (!tdm_tool_tp_check("tandem serve", tp, backend_kind)) return 2;
-    if ((is_prefill || is_decode) && tp > 1) {
-        fprintf(stderr,
-                "tandem serve: --tp %lld does not work with disaggregation (--role %s) yet: "
-                "sharded KV transfers are not built\n",
-                (long long)tp, role);
-        return 2;
-    }
     /* a head's methods: a chain (mtp) or trees (eagle) of the same head */
     const bool head_method = spec_o.method == TDM_SPEC_MTP || spec_o.method == TDM_SPEC_EAGLE;
+    if ((is_prefill || is_decode) && tp > 1 && spec_on && head_method) {
+        fprintf(stderr,
+                "tandem serve: --tp %lld with --role %s and --spec %s: a speculation head's KV "
+                "does not cross sharded transfers yet (sharded KV transfers carry the target's "
+                "KV; run the head with --tp 1, or disaggregate without the head)\n",
+                (long long)tp, role, tdm_spec_method_name(spec_o.method));
+        return 2;
+    }
+    if ((is_prefill || is_decode) && tp > 1 && staging == TDM_DISAGG_STAGING_ALWAYS) {
+        fprintf(stderr,
+                "tandem serve: --tp %lld with --kv-staging always: sharded KV transfers move "
+                "every rank's host pool by the fabric; staging is not sharded yet\n",
+                (long long)tp);
+        return 2;
+    }
     if (is_prefill && spec_on && !head_method) {
         fprintf(stderr,
                 "tandem serve: --spec is for the decoding side (--role both or decode; here: "
@@ -482,6 +500,11 @@ int tdm_cmd_serve(int argc, char **argv)
                         "or decode\n");
         return 2;
     }
+    if ((transfer_cpus || busy_poll) && !is_prefill && !is_decode) {
+        fprintf(stderr, "tandem serve: --%s is for --role prefill or decode\n",
+                transfer_cpus ? "transfer-cpus" : "xfer-busy-poll");
+        return 2;
+    }
     uint8_t fkey[256];
     size_t fkey_bytes = 0;
     if (fabric_key_file) {
@@ -498,7 +521,8 @@ int tdm_cmd_serve(int argc, char **argv)
                                                    .node = xnode,
                                                    .peer_timeout_ms = (int)peer_timeout,
                                                    .fabric_key = fkey_bytes ? fkey : NULL,
-                                                   .fabric_key_bytes = fkey_bytes},
+                                                   .fabric_key_bytes = fkey_bytes,
+                                                   .busy_poll = busy_poll},
                                           .chunk = (int)rchunk,
                                           .timeout_ms = (int)rtimeout,
                                           .max_attempts = rattempts ? (int)rattempts : -1,
@@ -525,7 +549,7 @@ int tdm_cmd_serve(int argc, char **argv)
     int rc = 1;
     tdm_disagg_prefill_t *pre = NULL;
     tdm_disagg_decode_t *dec = NULL;
-    const struct tdm_load_opts lo = tdm_tool_load_opts(backend_kind, gpu_bf16);
+    const struct tdm_load_opts lo = tdm_tool_load_opts(backend_kind, gpu_bf16, exact_act);
     struct tdm_model *m = tdm_tool_load_model_opts(model, &lo);
     if (!m) {
         free_peers(peer_bufs);
@@ -596,6 +620,32 @@ int tdm_cmd_serve(int argc, char **argv)
         rc = 2;
         goto out_sched;
     }
+    /* placement: where each rank's transfers run; the threads the prefill or decode side starts
+     * next inherit the leader's cores from this thread, which gets its own set back after */
+    struct tdm_placement placement[TDM_TP_MAX_RANKS];
+    int n_placed = 0;
+    struct tdm_thread_mask own_mask;
+    bool pinned = false;
+    if (is_prefill || is_decode) {
+        char pin[256] = "";
+        if (!tdm_tool_serve_placement((int)tp, backend_kind == TDM_BACKEND_CUDA, 0, transfer_cpus,
+                                      placement, pin, sizeof pin))
+            n_placed = (int)tp;
+        if (pin[0] && tdm_thread_mask_get(&own_mask) == TDM_OK) {
+            if (tdm_thread_pin(pin) == TDM_OK) {
+                pinned = true;
+                fprintf(stderr, "tandem serve: transfer threads on cores %s\n", pin);
+            } else if (transfer_cpus) {
+                fprintf(stderr, "tandem serve: --transfer-cpus %s: %s\n", transfer_cpus,
+                        tdm_err_msg());
+                rc = 2;
+                goto out_sched;
+            } else {
+                fprintf(stderr, "tandem serve: warning: transfer threads not pinned: %s\n",
+                        tdm_err_msg());
+            }
+        }
+    }
     if (is_prefill) {
         struct tdm_disagg_prefill_opts po = {.xfer = {.provider = provider,
                                                       .staging = staging,
@@ -603,10 +653,12 @@ int tdm_cmd_serve(int argc, char **argv)
                                                       .node = xnode,
                                                       .peer_timeout_ms = (int)peer_timeout,
                                                       .fabric_key = fkey_bytes ? fkey : NULL,
-                                                      .fabric_key_bytes = fkey_bytes},
+                                                      .fabric_key_bytes = fkey_bytes,
+                                                      .busy_poll = busy_poll},
                                              .head = draft}; /* --spec mtp: the head */
         if (tdm_disagg_prefill_create(&po, e, sched, &pre) != TDM_OK) {
             tdm_tool_fail("prefill messenger");
+            if (pinned) tdm_thread_mask_set(&own_mask);
             goto out_sched;
         }
     } else if (is_decode) {
@@ -615,9 +667,11 @@ int tdm_cmd_serve(int argc, char **argv)
         dopt.head = spec && head_method ? draft : NULL;
         if (tdm_disagg_decode_create(&dopt, e, sched, &dec) != TDM_OK) {
             tdm_tool_fail("decode messenger");
+            if (pinned) tdm_thread_mask_set(&own_mask);
             goto out_sched;
         }
     }
+    if (pinned) tdm_thread_mask_set(&own_mask); /* the scheduler thread computes: not pinned */
     if (prefix_caching) { /* salted with the model and the pool's geometry and element type */
         uint64_t salt = 1469598103934665603ull ^ (uint64_t)page ^
                         ((uint64_t)tdm_kv_pool_config(tdm_engine_kv(e))->dtype << 32);
@@ -654,8 +708,13 @@ int tdm_cmd_serve(int argc, char **argv)
         const char *slash = strrchr(name, '/');
         if (slash && slash[1]) name = slash + 1;
     }
-    struct extra_metrics_ctx xm = {
-        .events = kv_events, .pre = pre, .dec = dec, .spec = spec, .engine = e};
+    struct extra_metrics_ctx xm = {.events = kv_events,
+                                   .pre = pre,
+                                   .dec = dec,
+                                   .spec = spec,
+                                   .engine = e,
+                                   .placement = placement,
+                                   .n_placed = n_placed};
     char fabric_addr[TDM_XFER_ADDR_MAX] = "";
     if ((is_prefill || is_decode) &&
         (is_prefill ? tdm_disagg_prefill_addr(pre, fabric_addr, sizeof fabric_addr)

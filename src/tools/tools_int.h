@@ -17,6 +17,7 @@
 #include "tandem/sched.h"
 #include "tandem/spec.h"
 #include "tandem/tok.h"
+#include "tandem/topo.h"
 #include "tandem/tp.h"
 
 int tdm_cmd_generate(int argc, char **argv);
@@ -32,20 +33,41 @@ int tdm_cmd_serve(int argc, char **argv);            /* serve.c: the OpenAI-comp
 int tdm_cmd_router(int argc, char **argv);           /* router.c: one endpoint over serve nodes */
 int tdm_cmd_checkpoint(int argc, char **argv); /* checkpoint.c: random-weight HF checkpoints */
 int tdm_cmd_train_mtp(int argc, char **argv);  /* train_mtp.c: train a speculation head */
+int tdm_cmd_topo(int argc, char **argv);       /* topo.c: where ranks would run */
+/* topo.c: places n_ranks ranks on this machine (xml NULL) or an hwloc XML file; gpus: each
+ * rank's GPU bus id or NULL. Prints the error and returns 1 on failure. */
+int tdm_tool_place(const char *xml, int n_ranks, const char *const *gpus, struct tdm_placement *out,
+                   bool *this_system);
+/* topo.c, for serve: places n_ranks ranks (rank r on CUDA device cuda_device + r when cuda),
+ * logs each, and gives the cores its transfer threads are pinned to in pin: `cpus` when given
+ * (--transfer-cpus), else the leader's NUMA node's ("" when the topology is not this
+ * machine's). Returns 1 (a warning printed, pin "") when the topology cannot be read. */
+int tdm_tool_serve_placement(int n_ranks, bool cuda, int cuda_device, const char *cpus,
+                             struct tdm_placement *out, char *pin, size_t pin_cap);
+/* tandem_rank_placement_info, Prometheus text (malloc'd). */
+char *tdm_tool_placement_metrics(const struct tdm_placement *p, int n_ranks);
 
 /* Loads --model (or the default model), drawing a progress bar on stderr when it is a terminal.
  * On failure prints the reason and returns NULL. */
 struct tdm_model *tdm_tool_load_model(const char *path);
 struct tdm_model *tdm_tool_load_model_opts(const char *path, const struct tdm_load_opts *opts);
-/* The load options for a model that runs on backend_kind: on CUDA (unless every matrix is to
- * be dequantised to bf16) the K-quants stay in their blocks. */
-static inline struct tdm_load_opts tdm_tool_load_opts(int backend_kind, bool gpu_bf16)
+/* The load options for a model that runs on backend_kind: the K-quants (Q4_K, Q6_K) stay in
+ * their blocks on CUDA (unless every matrix is to be dequantised to bf16) and on the CPU with
+ * its default quantised activations (its integer tiles run them; with --exact-activations they
+ * become F32, which the fp32 kernels stream). */
+static inline struct tdm_load_opts tdm_tool_load_opts(int backend_kind, bool gpu_bf16,
+                                                      bool exact_activations)
 {
-    return (struct tdm_load_opts){.keep_k_blocks = backend_kind == TDM_BACKEND_CUDA && !gpu_bf16};
+    return (struct tdm_load_opts){
+        .keep_k_blocks = backend_kind == TDM_BACKEND_CUDA ? !gpu_bf16 : !exact_activations};
 }
 /* Bytes of every expert's weights (routed experts of the sparse layers, as held in memory);
  * *sparse: the sparse layers; *one: one expert's three matrices (0 without experts). */
 uint64_t tdm_tool_expert_bytes(const struct tdm_model *m, int *sparse, uint64_t *one);
+/* A layer's weights that every token reads: norms, attention (MLA's included), the dense MLP,
+ * and a sparse layer's router and shared expert, not its routed experts. Pointers into w (those
+ * a model lacks have no data); returns how many, at most 32. */
+int tdm_tool_layer_weights(const struct tdm_layer_weights *w, const struct tdm_weight **out);
 /* Loads the model's tokenizer: GGUF metadata, or tokenizer.json in the checkpoint folder.
  * Returns NULL (after printing why, unless quiet) when there is none. */
 tdm_tok_t *tdm_tool_load_tokenizer(const struct tdm_model *m, bool quiet);
@@ -208,5 +230,21 @@ static inline uint64_t tdm_tool_splitmix64(uint64_t *state)
  * reduced when > 0; NULL (with a message) for an unknown name or no memory. */
 struct tdm_model *tdm_bench_shape_model(const char *name, int n_layers, int n_experts,
                                         int n_threads);
+
+/* One run's figures of `tandem bench model` (tokens/s; NaN where there is none), and for
+ * llama.cpp the build its llama-bench reported. */
+struct tdm_bench_figures {
+    double prefill, decode1, decode8;
+    char build[96];
+};
+/* bench_llama.c: llama.cpp's side of --compare-llama-cpp. check: whether path is an executable
+ * file (false after printing why); commands: prints the commands run gives; run: llama-bench
+ * (prefill, batch 1) and llama-batched-bench when it lies beside it (batch 8) on model, returns
+ * 0, or 1 after printing why. */
+bool tdm_llama_bench_check(const char *path);
+void tdm_llama_bench_commands(const char *bench, const char *model, int threads, int64_t prompt_len,
+                              int64_t gen, int64_t context);
+int tdm_llama_bench_run(const char *bench, const char *model, int threads, int64_t prompt_len,
+                        int64_t gen, int64_t context, struct tdm_bench_figures *out);
 
 #endif

@@ -59,6 +59,29 @@ static void split_even(int64_t n, int part, int parts, int64_t *begin, int64_t *
     *end = *begin + per + (part < extra ? 1 : 0);
 }
 
+tdm_status tdm_tp_kv_shard_of(int n_kv_heads, int n_ranks, int rank, struct tdm_tp_kv_shard *out)
+{
+    const int H = n_kv_heads;
+    if (n_ranks < 1 || n_ranks > TDM_TP_MAX_RANKS || rank < 0 || rank >= n_ranks)
+        return tdm_err_set(TDM_EINVAL, "tp: rank %d of %d (1 .. %d ranks)", rank, n_ranks,
+                           TDM_TP_MAX_RANKS);
+    if (H < 1) return tdm_err_set(TDM_EINVAL, "tp: %d KV heads", H);
+    if (n_ranks > H && n_ranks % H)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "tp: --tp %d over %d KV heads: more ranks than KV heads must be a "
+                           "multiple of them (replica sets of %d)",
+                           n_ranks, H, H);
+    const int S = TDM_MIN(n_ranks, H);
+    int64_t k0, k1;
+    split_even(H, rank % S, S, &k0, &k1);
+    *out = (struct tdm_tp_kv_shard){.replica_set = rank / S,
+                                    .n_replica_sets = n_ranks / S,
+                                    .set_size = S,
+                                    .kv_head0 = (int)k0,
+                                    .n_kv_heads = (int)(k1 - k0)};
+    return TDM_OK;
+}
+
 tdm_status tdm_tp_shard_of(const struct tdm_model_config *c, int n_ranks, int rank,
                            int64_t ff_align, struct tdm_tp_shard *out)
 {
@@ -68,12 +91,10 @@ tdm_status tdm_tp_shard_of(const struct tdm_model_config *c, int n_ranks, int ra
                            TDM_TP_MAX_RANKS);
     if (H < 1 || Q < H || Q % H)
         return tdm_err_set(TDM_EINVAL, "tp: %d query heads over %d KV heads", Q, H);
-    const int g = Q / H, S = TDM_MIN(n_ranks, H), R = n_ranks / S;
-    if (n_ranks > H && n_ranks % H)
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "tp: --tp %d over %d KV heads: more ranks than KV heads must be a "
-                           "multiple of them (replica sets of %d)",
-                           n_ranks, H, H);
+    struct tdm_tp_kv_shard ks;
+    tdm_status kst = tdm_tp_kv_shard_of(H, n_ranks, 0, &ks); /* the same refusals */
+    if (kst != TDM_OK) return kst;
+    const int g = Q / H, S = ks.set_size, R = ks.n_replica_sets;
     if (g % R)
         return tdm_err_set(TDM_EUNSUPPORTED,
                            "tp: --tp %d: each KV head's %d query heads do not split over its %d "
@@ -96,10 +117,9 @@ tdm_status tdm_tp_shard_of(const struct tdm_model_config *c, int n_ranks, int ra
     for (int r = 0; r < n_ranks; r++) {
         struct tdm_tp_shard h = {
             .rank = r, .n_ranks = n_ranks, .replica_set = r / S, .n_replica_sets = R};
-        int64_t k0, k1;
-        split_even(H, r % S, S, &k0, &k1);
-        h.kv_head0 = (int)k0;
-        h.n_kv_heads = (int)(k1 - k0);
+        (void)tdm_tp_kv_shard_of(H, n_ranks, r, &ks); /* valid: checked above */
+        h.kv_head0 = ks.kv_head0;
+        h.n_kv_heads = ks.n_kv_heads;
         if (R == 1) { /* whole KV heads: their query heads with them */
             h.q_head0 = h.kv_head0 * g;
             h.n_q_heads = h.n_kv_heads * g;

@@ -355,18 +355,23 @@ void tdm_xfer_sync_done(void *ctx, tdm_status st)
         snprintf(s->first_error_msg, sizeof(s->first_error_msg), "%s", tdm_err_msg());
     }
     s->pending--;
-    pthread_cond_broadcast(&s->cv);
+    /* only a thread that waits, and only once what it waits for holds: no wake-up per op */
+    if (s->waiters && s->pending < s->wake_below) pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
 }
 
-tdm_status tdm_xfer_sync_wait(struct tdm_xfer_sync *s, int timeout_ms)
+tdm_status tdm_xfer_sync_wait_below(struct tdm_xfer_sync *s, int n, int timeout_ms)
 {
     struct timespec ts = tdm_deadline_ms(CLOCK_MONOTONIC, timeout_ms);
     pthread_mutex_lock(&s->mu);
     int rc = 0;
-    while (s->pending > 0 && rc != ETIMEDOUT)
+    while (s->pending >= n && rc != ETIMEDOUT) {
+        s->waiters++;
+        s->wake_below = s->waiters > 1 ? TDM_MAX(s->wake_below, n) : n;
         rc = pthread_cond_timedwait(&s->cv, &s->mu, &ts);
-    tdm_status st = s->pending > 0 ? TDM_ETIMEDOUT : s->first_error;
+        s->waiters--;
+    }
+    tdm_status st = s->pending >= n ? TDM_ETIMEDOUT : s->first_error;
     int pending = s->pending;
     char msg[256];
     snprintf(msg, sizeof(msg), "%s", s->first_error_msg);
@@ -376,6 +381,11 @@ tdm_status tdm_xfer_sync_wait(struct tdm_xfer_sync *s, int timeout_ms)
                            timeout_ms);
     if (st != TDM_OK) return tdm_err_set(st, "%s", msg);
     return TDM_OK;
+}
+
+tdm_status tdm_xfer_sync_wait(struct tdm_xfer_sync *s, int timeout_ms)
+{
+    return tdm_xfer_sync_wait_below(s, 1, timeout_ms);
 }
 
 struct tdm_xfer_pages tdm_xfer_pages_one(uint64_t src_offset, uint64_t dst_offset, uint64_t bytes)

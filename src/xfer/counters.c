@@ -245,6 +245,11 @@ int tdm_xfer_counters_fail_peer(tdm_xfer_counters_t *c, uint32_t peer, tdm_statu
     return disarm_where(c, pred_peer, peer, st);
 }
 
+uint32_t tdm_xfer_counters_n_armed(tdm_xfer_counters_t *c)
+{
+    return __atomic_load_n(&c->n_armed, __ATOMIC_RELAXED);
+}
+
 void tdm_xfer_counters_get_stats(tdm_xfer_counters_t *c, struct tdm_xfer_counter_stats *out)
 {
     pthread_mutex_lock(&c->mu);

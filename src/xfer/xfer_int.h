@@ -31,6 +31,9 @@ uint32_t tdm_xfer_pages_merge(const struct tdm_xfer_pages *p, uint64_t max_run_b
 /* A single contiguous write as a paged write of one page. */
 struct tdm_xfer_pages tdm_xfer_pages_one(uint64_t src_offset, uint64_t dst_offset, uint64_t bytes);
 
+/* How many counters are armed (read without the table's lock: a hint for the idle policy). */
+uint32_t tdm_xfer_counters_n_armed(tdm_xfer_counters_t *c);
+
 /* ---- fault injection ---- */
 struct tdm_xfer_faults {
     double drop_imm;    /* probability an arriving immediate is never delivered */
@@ -80,8 +83,8 @@ enum tdm_xfer_msg_type {
 #define TDM_XFER_HELLO_KEYED  1u /* the sender has a fabric key and wants a proof */
 #define TDM_XFER_HELLO_ANSWER 2u /* the sender does not know us (yet, or any more): hello back */
 #define TDM_XFER_HELLO_FLAGS  (TDM_XFER_HELLO_KEYED | TDM_XFER_HELLO_ANSWER)
-#define TDM_XFER_CHALLENGE   32
-#define TDM_XFER_PROOF       32
+#define TDM_XFER_CHALLENGE    32
+#define TDM_XFER_PROOF        32
 struct tdm_xfer_wire_hdr {
     uint8_t type;
     uint64_t nonce;
@@ -104,7 +107,6 @@ size_t tdm_xfer_wire_hello_put(uint8_t *buf, size_t cap, int imm_bits, const voi
                                size_t addr_bytes, uint8_t flags,
                                const uint8_t challenge[TDM_XFER_CHALLENGE]);
 tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, struct tdm_xfer_hello *out);
-
 
 #ifdef __cplusplus
 }

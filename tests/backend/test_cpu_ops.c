@@ -716,7 +716,7 @@ static void test_misc(void **state)
     bad.row_bytes += 1;
     assert_int_equal(b->iface->weight_prepare(b, &bad, &prepared), TDM_EINVAL);
     bad = tw.w;
-    bad.dtype = TDM_DTYPE_Q6_K;
+    bad.dtype = TDM_DTYPE_Q5_K;
     assert_int_equal(b->iface->weight_prepare(b, &bad, &prepared), TDM_EUNSUPPORTED);
     bad = tw.w;
     bad.cols = 48; /* not a whole number of blocks */
@@ -735,7 +735,8 @@ static void test_misc(void **state)
 /* The specification of an activation block (qdot.c), written out here on its own: step =
  * amax / 127 (a zero block below 2^-100, past FLT_MAX or with a NaN), hi = rint(x / step) and
  * lo = rint((x - step hi) * 256 / step) (through 1 / step and one fma), each clamped to
- * [-127, 127]; d = step / 256, s = sum (256 hi + lo), ds = d * s. */
+ * [-127, 127]; d = step / 256, s = sum (256 hi + lo), s16 = that sum over the first 16 elements,
+ * ds = d * s. */
 static void spec_quantise(const float *x, struct tdm_cpu_xblock *o)
 {
     float amax = 0;
@@ -756,6 +757,7 @@ static void spec_quantise(const float *x, struct tdm_cpu_xblock *o)
         o->hi[j] = (int8_t)h;
         o->lo[j] = (int8_t)l;
         o->s += 256 * (int)h + (int)l;
+        if (j < 16) o->s16 += 256 * (int)h + (int)l;
     }
     o->d = step / 256.0f;
     o->ds = o->d * (float)o->s;
@@ -789,9 +791,64 @@ static float f16_at(const uint8_t *p)
     return tdm_f16_to_f32(h);
 }
 
+/* Element i (0..255) of a K-quant super-block as quant_int.h describes it: Q4_K's nibble q and
+ * its sub-block i / 32; Q6_K's 6-bit q (value q - 32) and its sub-block i / 16. */
+static int kq_elem(enum tdm_dtype dt, const uint8_t *sblk, int i)
+{
+    if (dt == TDM_DTYPE_Q4_K) {
+        const uint8_t byte = sblk[offsetof(struct block_q4_K, qs) + 32 * (i / 64) + i % 32];
+        return (i % 64) < 32 ? (byte & 0x0F) : (byte >> 4);
+    }
+    const int h = i / 128, r = i % 128;
+    const uint8_t lo = sblk[offsetof(struct block_q6_K, ql) + 64 * h + r % 64];
+    const uint8_t hi = sblk[offsetof(struct block_q6_K, qh) + 32 * h + r % 32];
+    return ((r >= 64 ? lo >> 4 : lo & 0x0F) | (((hi >> (2 * (r / 32))) & 3) << 4));
+}
+
+/* qdot.c's value of a K-quant pair, from the specification: per activation block, Q4_K's
+ * sub-block as a Q4_1 block of scale d * sc and minimum -(dmin * m); Q6_K's two halves, each
+ * an exact integer sum of (q - 32) v, scaled by (d * sc) * d_x. The integers in int64. */
+static float spec_pair_k(const struct tdm_weight *w, int64_t r, const struct tdm_cpu_xblock *x)
+{
+    const int64_t nsb = w->cols / 256;
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->row_bytes;
+    const bool q4 = w->dtype == TDM_DTYPE_Q4_K;
+    float acc = 0;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk =
+            row + (size_t)sb * (q4 ? sizeof(struct block_q4_K) : sizeof(struct block_q6_K));
+        for (int j = 0; j < 8; j++) {
+            const struct tdm_cpu_xblock *xb = &x[sb * 8 + j];
+            int64_t isum[2] = {0, 0};
+            for (int l = 0; l < 32; l++) {
+                const int64_t q = kq_elem(w->dtype, blk, 32 * j + l) - (q4 ? 0 : 32);
+                isum[l / 16] += q * (256 * xb->hi[l] + xb->lo[l]);
+            }
+            if (q4) {
+                uint8_t sc, mn;
+                tdm_k_scale_min(blk + offsetof(struct block_q4_K, scales), j, &sc, &mn);
+                const int64_t is = isum[0] + isum[1];
+                assert_true(is > -(1 << 24) && is < (1 << 24)); /* exact as a float */
+                const float dw = f16_at(blk + offsetof(struct block_q4_K, d)) * (float)sc;
+                const float dm = -(f16_at(blk + offsetof(struct block_q4_K, dmin)) * (float)mn);
+                acc = acc + fmaf(dw * xb->d, (float)is, dm * xb->ds);
+            } else {
+                const float d = f16_at(blk + offsetof(struct block_q6_K, d));
+                const int8_t *sc = (const int8_t *)(blk + offsetof(struct block_q6_K, scales));
+                for (int k = 0; k < 2; k++) {
+                    assert_true(isum[k] >= -(1 << 24) && isum[k] <= (1 << 24));
+                    acc = fmaf((d * (float)sc[2 * j + k]) * xb->d, (float)isum[k], acc);
+                }
+            }
+        }
+    }
+    return acc;
+}
+
 /* qdot.c's value of one (weight row, activation row) pair, from the specification. */
 static float spec_pair(const struct tdm_weight *w, int64_t r, const struct tdm_cpu_xblock *x)
 {
+    if (w->dtype == TDM_DTYPE_Q4_K || w->dtype == TDM_DTYPE_Q6_K) return spec_pair_k(w, r, x);
     const int64_t nb = w->cols / 32;
     const size_t bsz = w->row_bytes / (size_t)nb;
     const uint8_t *row = (const uint8_t *)w->data + (size_t)r * w->row_bytes;
@@ -879,26 +936,47 @@ static void test_quantise(void **state)
 static void test_qdot(void **state)
 {
     (void)state;
-    const enum tdm_dtype qts[] = {TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0, TDM_DTYPE_Q4_1};
-    const int64_t rows = 23, cols = 256;
+    const enum tdm_dtype qts[] = {TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0, TDM_DTYPE_Q4_1, TDM_DTYPE_Q4_K,
+                                  TDM_DTYPE_Q6_K};
+    const int64_t rows = 23, cols = 512;
     const int nb = (int)(cols / 32);
     struct variant vs[2 * TDM_CPU_ISA_COUNT];
     const int n_vs = variants(vs);
     for (size_t d = 0; d < TDM_ARRAY_LEN(qts); d++) {
         struct tdm_test_weight tw;
         tdm_test_weight_make(&rng_state, qts[d], rows, cols, &tw);
-        /* row 0 block 0 and row 1 block 1: the extremes of the integers */
+        /* row 0 block 0 and row 1 block 1 (a K-quant's super-blocks 0 and 1): the extremes of
+         * the integers */
+        const bool kq = qts[d] == TDM_DTYPE_Q4_K || qts[d] == TDM_DTYPE_Q6_K;
+        const int bpr = kq ? nb / 8 : nb; /* weight blocks a row */
         for (int r = 0; r < 2; r++) {
             uint8_t *blk = (uint8_t *)tw.w.data + (size_t)r * tw.w.row_bytes +
-                           (size_t)r * (tw.w.row_bytes / (size_t)nb);
-            if (qts[d] == TDM_DTYPE_Q8_0)
+                           (size_t)r * (tw.w.row_bytes / (size_t)bpr);
+            if (qts[d] == TDM_DTYPE_Q8_0) {
                 memset(blk + offsetof(struct block_q8_0, qs), r ? 0x7F : 0x80, 32);
-            else
+            } else if (qts[d] == TDM_DTYPE_Q4_K) { /* q = 15 or 0 at scale and minimum 63 */
+                memset(blk + offsetof(struct block_q4_K, scales), 0xFF, TDM_K_SCALE_BYTES);
+                memset(blk + offsetof(struct block_q4_K, qs), r ? 0x00 : 0xFF, TDM_QK_K / 2);
+            } else if (qts[d] == TDM_DTYPE_Q6_K) { /* q - 32 = -32 at scale -128, or 31 at 127 */
+                memset(blk, r ? 0xFF : 0x00, offsetof(struct block_q6_K, scales));
+                memset(blk + offsetof(struct block_q6_K, scales), r ? 0x7F : 0x80, TDM_QK_K / 16);
+            } else {
                 memset(blk + (qts[d] == TDM_DTYPE_Q4_0 ? offsetof(struct block_q4_0, qs)
                                                        : offsetof(struct block_q4_1, qs)),
                        r ? 0xFF : 0x00, 16);
-            tdm_cpu_weight_row(&tw.w, r, tw.deq + (size_t)r * cols);
+            }
+            assert_int_equal(tdm_dequantize(qts[d],
+                                            (const uint8_t *)tw.w.data + (size_t)r * tw.w.row_bytes,
+                                            tw.deq + (size_t)r * cols, cols),
+                             TDM_OK);
         }
+        /* the backend's own row dequantiser (embed, fp32 tiles) gives the reference's bits */
+        float *row = malloc((size_t)cols * sizeof(float));
+        for (int64_t r = 0; r < rows; r++) {
+            tdm_cpu_weight_row(&tw.w, r, row);
+            assert_memory_equal(row, tw.deq + (size_t)r * cols, (size_t)cols * sizeof(float));
+        }
+        free(row);
         enum { NMAX = 6 };
         float *x = rand_vec((size_t)NMAX * cols, -2, 2);
         for (int j = 0; j < 64; j++) /* row 0, blocks 0 and 1: +-amax, so hi = +-127 */
@@ -966,6 +1044,49 @@ static void test_qdot(void **state)
         free(want);
         free(xq);
         free(bias);
+        free(x);
+        tdm_test_weight_free(&tw);
+    }
+}
+
+/* The K-quants on fp32 activations (the portable tile at every level: a fallback, since the
+ * loader widens them to F32 unless activations are quantised): within float rounding of the
+ * float64 product of the reference dequantiser's values, and each row the same bits alone, in a
+ * batch and on 1 or 2 threads. */
+static void test_kquant_fp32(void **state)
+{
+    (void)state;
+    const enum tdm_dtype kts[] = {TDM_DTYPE_Q4_K, TDM_DTYPE_Q6_K};
+    const int64_t rows = 19, cols = 512;
+    enum { N = 5 };
+    for (size_t d = 0; d < TDM_ARRAY_LEN(kts); d++) {
+        struct tdm_test_weight tw;
+        tdm_test_weight_make(&rng_state, kts[d], rows, cols, &tw);
+        float *x = rand_vec((size_t)N * cols, -1, 1);
+        float full[N * 19], one[19];
+        for (int iv = 0; iv < n_isas(); iv++)
+            for (int th = 1; th <= 2; th++) {
+                tdm_backend_t *b = make_backend((enum tdm_cpu_isa)iv, th, true);
+                b->iface->matmul(b, &tw.w, x, N, NULL, full);
+                for (int i = 0; i < N; i++) {
+                    b->iface->matmul(b, &tw.w, x + (size_t)i * cols, 1, NULL, one);
+                    assert_same_bits(one, full + i * rows, (size_t)rows, "%s %s row %d alone",
+                                     tdm_cpu_isa_name((enum tdm_cpu_isa)iv), tdm_dtype_name(kts[d]),
+                                     i);
+                    for (int64_t r = 0; r < rows; r++) {
+                        double ref = 0, mag = 0;
+                        for (int64_t c = 0; c < cols; c++) {
+                            ref += (double)tw.deq[r * cols + c] * x[(size_t)i * cols + c];
+                            mag += fabs((double)tw.deq[r * cols + c] * x[(size_t)i * cols + c]);
+                        }
+                        if (!(fabs(full[i * rows + r] - ref) <= 1e-5 * mag + 1e-30))
+                            fail_msg("%s %s [%d][%lld]: %.9g vs float64 %.9g",
+                                     tdm_cpu_isa_name((enum tdm_cpu_isa)iv), tdm_dtype_name(kts[d]),
+                                     i, (long long)r, full[i * rows + r], ref);
+                    }
+                }
+                tdm_backend_destroy(b);
+            }
         free(x);
         tdm_test_weight_free(&tw);
     }
@@ -1054,6 +1175,7 @@ int main(void)
         cmocka_unit_test(test_isa_selection),     cmocka_unit_test(test_kv_convert_isas),
         cmocka_unit_test(test_latent_attention),  cmocka_unit_test(test_head_matmul),
         cmocka_unit_test(test_quantise),          cmocka_unit_test(test_qdot),
+        cmocka_unit_test(test_kquant_fp32),
     };
     fprintf(stderr, "cpu backend: best ISA here is %s\n", tdm_cpu_isa_name(tdm_cpu_isa_detect()));
     if (getenv("TDM_TEST_FILTER")) cmocka_set_test_filter(getenv("TDM_TEST_FILTER"));

@@ -38,7 +38,7 @@ def test_bench_model_exact_activations(tmp_path):
     for exact in (False, True, False):
         cp = run_tandem(args + (["--exact-activations"] if exact else []))
         want = "fp32 (--exact-activations)" if exact else "quantised (16-bit)"
-        assert f"activations of Q8_0/Q4_0/Q4_1 matrices: {want}" in cp.stdout, cp.stdout
+        assert f"activations of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices: {want}" in cp.stdout, cp.stdout
         runs.setdefault(exact, []).append(re.search(r"checksum of greedy tokens: (\w+)",
                                                     cp.stdout).group(1))
     assert runs[False][0] == runs[False][1], runs
@@ -95,3 +95,111 @@ def test_bench_model_shapes(shape, layers, experts, want):
 def test_bench_model_shape_errors(args, needle):
     cp = run_tandem(["bench", "model"] + args, check=False)
     assert cp.returncode == 2 and needle in cp.stderr, cp.stderr
+
+
+# --compare-llama-cpp: the user's llama-bench (and llama-batched-bench beside it) on the same
+# GGUF. Stand-ins here print canned -o json / jsonl and log their arguments, so the test checks
+# the commands tandem runs, the parsing, the interleaving and the ratios of the medians.
+FAKE_BENCH = r"""#!/bin/sh
+echo "$0 $*" >> "$(dirname "$0")/calls.log"
+case " $* " in
+  *" -n 0 "*) ts=$PP ;;
+  *) ts=$TG ;;
+esac
+printf '[{"build_commit": "abc1234", "build_number": 42, "n_threads": 1, "avg_ts": %s}]\n' "$ts"
+"""
+FAKE_BATCHED = r"""#!/bin/sh
+echo "$0 $*" >> "$(dirname "$0")/calls.log"
+echo 'some log line'
+echo '{"pp": 8, "tg": 2, "pl": 1, "n_kv": 10, "speed_tg": 1.5}'
+echo '{"pp": 8, "tg": 2, "pl": 8, "n_kv": 80, "speed_tg": 40.0}'
+"""
+
+
+def _fake(dirpath, name, text):
+    p = dirpath / name
+    p.write_text(text)
+    p.chmod(0o755)
+    return p
+
+
+def test_bench_model_compare_llama_cpp(tiny, tmp_path, monkeypatch):
+    bench = _fake(tmp_path, "llama-bench", FAKE_BENCH)
+    _fake(tmp_path, "llama-batched-bench", FAKE_BATCHED)
+    monkeypatch.setenv("PP", "1000")
+    monkeypatch.setenv("TG", "20")
+    cp = run_tandem(["bench", "model", "--model", tiny, "--threads", "1", "--prompt-len", "16",
+                     "--gen", "2", "--context", "8", "--compare-llama-cpp", bench, "--rounds",
+                     "3"])
+    out = cp.stdout
+    # interleaved: tandem first in rounds 1 and 3, llama.cpp first in round 2
+    order = re.findall(r"^  round (\d), (tandem|llama\.cpp)", out, re.M)
+    assert order == [("1", "tandem"), ("1", "llama.cpp"), ("2", "llama.cpp"), ("2", "tandem"),
+                     ("3", "tandem"), ("3", "llama.cpp")], out
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert len(calls) == 9, calls
+    want = [f"{bench} -m {tiny} -t 1 -r 1 -o json -p 16 -n 0",
+            f"{bench} -m {tiny} -t 1 -r 1 -o json -p 0 -n 2 -d 8",
+            f"{tmp_path}/llama-batched-bench -m {tiny} -t 1 -c 144 -npp 8 -ntg 2 -npl 8 "
+            "--output-format jsonl"]
+    assert calls == want * 3, calls
+    ours = {}
+    for key, pat in (("prefill", r"prefill: 16 tokens in [\d.]+ s = ([\d.]+)"),
+                     ("1", r"^\s+batch 1\s+([\d.]+)"), ("8", r"^\s+batch 8\s+([\d.]+)")):
+        vals = sorted(float(v) for v in re.findall(pat, out, re.M))
+        assert len(vals) == 3, out
+        ours[key] = vals[1]
+    rows = dict((name, (float(a), float(b), float(r))) for name, a, b, r in re.findall(
+        r"^  (prefill, 16 tokens|decode, batch [18])\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$", out,
+        re.M))
+    assert set(rows) == {"prefill, 16 tokens", "decode, batch 1", "decode, batch 8"}, out
+    for name, key, theirs in (("prefill, 16 tokens", "prefill", 1000.0),
+                              ("decode, batch 1", "1", 20.0), ("decode, batch 8", "8", 40.0)):
+        a, b, r = rows[name]
+        assert b == theirs and abs(a - ours[key]) <= 0.051, (name, rows[name], ours)
+        assert abs(r - a / b) <= 0.006 + 0.051 / b, (name, rows[name])
+    assert "llama.cpp build: abc1234 (build 42)" in out
+
+
+def test_bench_model_compare_llama_cpp_without_batched(tiny, tmp_path, monkeypatch):
+    """No llama-batched-bench beside llama-bench: no batch-8 figure for llama.cpp."""
+    bench = _fake(tmp_path, "llama-bench", FAKE_BENCH)
+    monkeypatch.setenv("PP", "1000")
+    monkeypatch.setenv("TG", "20")
+    cp = run_tandem(["bench", "model", "--model", tiny, "--threads", "1", "--prompt-len", "8",
+                     "--gen", "2", "--context", "4", "--compare-llama-cpp", bench, "--rounds",
+                     "1"])
+    assert re.search(r"^  decode, batch 8\s+[\d.]+\s+n/a\s+n/a$", cp.stdout, re.M), cp.stdout
+    assert "no llama-batched-bench beside it" in cp.stdout
+
+
+@pytest.mark.parametrize("case", ["missing", "not-executable", "fails", "bad-json", "shape",
+                                  "rounds-alone"])
+def test_bench_model_compare_llama_cpp_errors(tiny, tmp_path, monkeypatch, case):
+    bench = tmp_path / "llama-bench"
+    args = ["bench", "model", "--model", tiny, "--threads", "1", "--prompt-len", "8", "--gen",
+            "2", "--context", "4", "--compare-llama-cpp", bench]
+    want_rc, want = 2, None
+    if case == "missing":
+        want = f"{bench}: No such file or directory"
+    elif case == "not-executable":
+        bench.write_text("#!/bin/sh\n")
+        want = f"{bench} is not an executable file"
+    elif case == "fails":
+        _fake(tmp_path, "llama-bench", "#!/bin/sh\necho 'error: unknown argument' >&2\nexit 3\n")
+        want_rc, want = 1, "failed (exit status 3)"
+    elif case == "bad-json":
+        _fake(tmp_path, "llama-bench", "#!/bin/sh\necho '| model | size |'\n")
+        want_rc, want = 1, "llama-bench's output is not one test's -o json"
+    elif case == "shape":
+        _fake(tmp_path, "llama-bench", FAKE_BENCH)
+        args = ["bench", "model", "--shape", "qwen3-30b-a3b", "--compare-llama-cpp", bench]
+        want = "--compare-llama-cpp runs one engine on a GGUF file: not with --shape"
+    else:
+        args = ["bench", "model", "--model", tiny, "--rounds", "2"]
+        want = "--rounds goes with --compare-llama-cpp"
+    cp = run_tandem(args, check=False)
+    assert cp.returncode == want_rc, (cp.returncode, cp.stderr)
+    assert want in cp.stderr, cp.stderr
+    if case == "fails":
+        assert "error: unknown argument" in cp.stderr, cp.stderr

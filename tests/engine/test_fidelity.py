@@ -20,7 +20,7 @@ first step where tandem chose a token the reference does not rank first.
 Logits come from `tandem generate --dump-logits FILE` (float32 logits of the last prompt
 position); tokens from `--print-token-ids`. Tiny random checkpoints (tests/lib/checkpoints.py)
 cover every loader path: HF safetensors in f32/bf16/f16, tied and sharded, every rope form;
-GGUF F32/F16/Q8_0/Q4_0/Q4_1/Q6_K with llama.cpp's Q/K permutation; qwen2 biases and qwen3 q/k
+GGUF F32/F16/Q8_0/Q4_0/Q4_1/Q6_K/Q4_K_M with llama.cpp's Q/K permutation; qwen2 biases and qwen3 q/k
 norms. Prompt lengths 1, 2, 7, 40 and 53 (past three 16-token KV pages), then 12 decode steps.
 
 The first tests check the reference and the checkpoint writers themselves (no tandem needed):
@@ -37,7 +37,7 @@ import pytest
 from conftest import run_tandem
 from lib import reference as ref
 from lib.checkpoints import (YARN_SCALING, f32_to_bf16_bits, make_gguf_checkpoint,
-                             make_hf_checkpoint, quantize_q6_k)
+                             make_hf_checkpoint, quantize_q4_k, quantize_q6_k)
 
 TOL = 1e-4  # max|ours - ref| / max|ref|
 TIE = 1e-3  # top-2 gap below TIE * max|logits| is a near tie
@@ -66,6 +66,10 @@ VARIANTS = {
     "gguf-llama-Q6_K": ("gguf", "llama", dict(seed=16, wtype="Q6_K", hidden_size=256,
                                               intermediate_size=512, num_attention_heads=4,
                                               num_key_value_heads=2)),
+    # llama.cpp's Q4_K_M mix: Q4_K matrices, the tied embedding / LM head and ffn_down Q6_K
+    "gguf-llama-Q4_K_M": ("gguf", "llama", dict(seed=20, wtype="Q4_K_M", hidden_size=256,
+                                                intermediate_size=512, num_attention_heads=4,
+                                                num_key_value_heads=2)),
     "gguf-llama-rope-freqs": ("gguf", "llama", dict(seed=17, wtype="F32", rope_freqs=True)),
     "gguf-qwen2-Q8_0": ("gguf", "qwen2", dict(seed=18, wtype="Q8_0", tied=False)),
     "gguf-qwen3-F32": ("gguf", "qwen3", dict(seed=19, wtype="F32")),
@@ -329,6 +333,20 @@ def test_q6_k_packing_decodes_with_gguf():
     assert np.corrcoef(x.ravel(), y.ravel())[0, 1] > 0.999
 
 
+def test_q4_k_packing_decodes_with_gguf():
+    import gguf
+
+    x = np.random.default_rng(26).standard_normal((4, 512)).astype(np.float32)
+    x[0, :32] = np.abs(x[0, :32]) + 0.5  # a sub-block with no negative value (minimum 0)
+    y = gguf.quants.dequantize(quantize_q4_k(x), gguf.GGMLQuantizationType.Q4_K)
+    # each value within a quantisation step (range / 15, plus the 6-bit scale's rounding)
+    assert y.shape == x.shape
+    sub = x.reshape(-1, 32)
+    step = (sub.max(axis=1) - np.minimum(sub.min(axis=1), 0)) / 15
+    assert np.all(np.abs(y - x).reshape(-1, 32).max(axis=1) <= 1.5 * step)
+    assert np.corrcoef(x.ravel(), y.ravel())[0, 1] > 0.99
+
+
 def test_bf16_rounding():
     x = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -2.5, 3.0e38], dtype=np.float32)
     assert f32_to_bf16_bits(x).tolist() == [0x3F80, 0x3F80, 0x3F82, 0xC020, 0x7F62]
@@ -403,20 +421,22 @@ def test_threads_give_identical_output(tandem_bin, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The CPU's default for Q8_0/Q4_0/Q4_1 matrices: activations quantised per block of 32 to 16-bit
-# integers held in two int8 planes (src/backend/cpu/qdot.c), integer dot products. Each
+# The CPU's default for Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices: activations quantised per block of 32
+# to 16-bit integers held in two int8 planes (src/backend/cpu/qdot.c), integer dot products. Each
 # activation is rounded to 1/65000 or so of its block's largest, which puts the logits a little
 # further from the float64 reference than --exact-activations: measured (2026-12-05) 4.5e-5 to
-# 9.5e-5 on these tiny variants and 1.3e-4 to 1.9e-4 on the default model's four prompts
-# (--exact-activations: within 1e-4 on both). The tolerances leave 2.5 times the worst. One int8
-# plane (llama.cpp's Q8 activations) was off by far more and is what these would catch, like
-# any kernel that drops or misweights a plane. The check is also sensitive the other way: the
-# same prompt with --exact-activations must be within TOL, and the quantised logits must differ
-# from those (the option must change the path). Greedy agreement with the exact path over 100
-# prompts of the default model is bench/cpu_activations.py's (bench/RESULTS.md).
+# 9.5e-5 on these tiny variants (the Q4_K_M mix, added later: 4.2e-5 and 4.6e-5) and 1.3e-4 to
+# 1.9e-4 on the default model's four prompts (--exact-activations: within 1e-4 on both). The
+# tolerances leave 2.5 times the worst. One int8 plane (llama.cpp's Q8 activations) was off by
+# far more and is what these would catch, like any kernel that drops or misweights a plane. The
+# check is also sensitive the other way: the same prompt with --exact-activations must be within
+# TOL, and the quantised logits must differ from those (the option must change the path).
+# Greedy agreement with the exact path over 100 prompts of the default model is
+# bench/cpu_activations.py's (bench/RESULTS.md).
 QUANT_MEASURED = {"tiny": 9.5e-5, "default": 1.92e-4}
 QUANT_TOL = {k: 2.5 * v for k, v in QUANT_MEASURED.items()}
-QUANT_VARIANTS = ["gguf-llama-Q8_0", "gguf-llama-Q4_0", "gguf-llama-Q4_1", "gguf-qwen2-Q8_0"]
+QUANT_VARIANTS = ["gguf-llama-Q8_0", "gguf-llama-Q4_0", "gguf-llama-Q4_1", "gguf-qwen2-Q8_0",
+                  "gguf-llama-Q4_K_M"]
 
 
 @pytest.mark.parametrize("length", [7, 53])
@@ -434,6 +454,24 @@ def test_quantised_activations(variant, length, checkpoint, tandem_bin, tmp_path
     print(f"{what}: {err:.3g} from the reference")
     assert err <= QUANT_TOL["tiny"], f"{what}: {err:.3g} relative from the reference"
     assert ref.rel_err(quant, exact) > 0, f"{what}: the same logits as --exact-activations"
+
+
+# The K-quants on the quantised path (Q4_K and Q6_K stay in their blocks and run the integer
+# tiles; with --exact-activations they are widened to F32 at load): greedy decoding of the
+# Q4_K_M mix gives the reference's tokens, at 1 and 2 threads, and the same tokens and bits at
+# both (each row's value is independent of the thread split).
+def test_kquant_greedy(checkpoint, tandem_bin, tmp_path):
+    path = checkpoint("gguf-llama-Q4_K_M")
+    m = ref_model(str(path))
+    prompt = tie_free_prompt(m, 40, N_GREEDY)
+    t1, l1 = tandem_generate(path, prompt, N_GREEDY, tmp_path, threads=1, tag="k1", exact=False)
+    t2, l2 = tandem_generate(path, prompt, N_GREEDY, tmp_path, threads=2, tag="k2", exact=False)
+    assert t1 == t2 and np.array_equal(l1.view(np.uint32), l2.view(np.uint32)), \
+        "quantised K-quants: --threads 1 and 2 differ"
+    want = ref.greedy(m, prompt, N_GREEDY)
+    assert t1 == want, f"quantised K-quants: {t1}, the reference {want}"
+    err = ref.rel_err(l1, ref.forward(m, prompt)[-1])
+    assert err <= QUANT_TOL["tiny"], f"quantised K-quants: {err:.3g} from the reference"
 
 
 # ---------------------------------------------------------------------------------------------

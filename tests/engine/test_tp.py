@@ -265,7 +265,9 @@ def test_tp_refusals(default_model, tandem_bin, tmp_path):
 
     gen = ["generate", "--prompt-tokens", "1,2,3", "--max-tokens", 1]
     refused(gen + ["--tp", 2, "--backend", "cuda"], 2, ["--tp 2", "cpu"])
-    refused(["serve", "--tp", 2, "--role", "prefill"], 2, ["--tp 2", "--role prefill"])
+    # sharded disaggregation runs (tests/disagg/test_disagg_tp.py); host staging does not yet
+    refused(["serve", "--tp", 2, "--role", "prefill", "--kv-staging", "always"], 2,
+            ["--tp 2", "--kv-staging always"])
     refused(["bench", "model", "--backend", "cuda", "--tp", 2], 2, ["--tp 2", "cpu"])
     # the default model: 3 KV heads, so 4 ranks are neither a split nor replica sets of them
     refused(gen + ["--model", default_model, "--tp", 4], 1, ["--tp 4", "3 KV heads"])

@@ -17,8 +17,9 @@ mistakes (rope, masks, cache) show in the logits.
 
 Writers only: nothing here reads a checkpoint back. bf16 safetensors are written through
 safetensors' own serializer with a uint16 buffer labelled "bfloat16" (numpy has no bf16), the
-float32 values rounded to nearest even. Q6_K has no quantizer in the gguf package, so
-`quantize_q6_k` packs it here; its layout is checked by gguf.quants.dequantize in the tests.
+float32 values rounded to nearest even. Q6_K and Q4_K have no quantizer in the gguf package, so
+`quantize_q6_k` and `quantize_q4_k` pack them here; their layouts are checked by
+gguf.quants.dequantize in the tests.
 """
 from __future__ import annotations
 
@@ -523,7 +524,48 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return out.reshape(*x.shape[:-1], x.shape[-1] // 256 * 210)
 
 
-GGUF_WTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q6_K")
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Packs float rows (a multiple of 256 wide) into Q4_K blocks of 144 bytes: d, dmin (f16),
+    scales[12] (eight 6-bit scales and eight 6-bit mins: for j < 4 scale j in the low 6 bits of
+    byte j and min j in byte j + 4; for j >= 4 their low 4 bits in byte j + 4 (scale low
+    nibble, min high nibble) and their top 2 bits in the top bits of bytes j - 4 and j), qs[128]
+    (element 64c + l is the low nibble of qs[32c + l], element 64c + 32 + l its high nibble);
+    value d * sc[i // 32] * q - dmin * m[i // 32]."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % 256:
+        raise ValueError("Q4_K rows must be a multiple of 256 wide")
+    blocks = x.reshape(-1, 256).astype(np.float64)
+    nb = blocks.shape[0]
+    sub = blocks.reshape(nb, 8, 32)
+    lo = np.minimum(sub.min(axis=-1), 0.0)  # [nb, 8]: the sub-block's minimum, <= 0
+    scale = (sub.max(axis=-1) - lo) / 15.0
+    d = (scale.max(axis=-1) / 63.0).astype(np.float16)
+    dmin = ((-lo).max(axis=-1) / 63.0).astype(np.float16)
+    d64, dmin64 = d.astype(np.float64)[:, None], dmin.astype(np.float64)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d64 > 0, np.round(scale / d64), 0.0)
+        mn = np.where(dmin64 > 0, np.round(-lo / dmin64), 0.0)
+    sc = np.clip(sc, 0, 63).astype(np.uint8)
+    mn = np.clip(mn, 0, 63).astype(np.uint8)
+    step = d64 * sc  # [nb, 8]
+    off = dmin64 * mn
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step[..., None] > 0, np.round((sub + off[..., None]) / step[..., None]), 0.0)
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(nb, 4, 2, 32)
+    qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(nb, 128)
+    scales = np.zeros((nb, 12), np.uint8)
+    scales[:, 0:4] = sc[:, 0:4]
+    scales[:, 4:8] = mn[:, 0:4]
+    scales[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((mn[:, 4:8] & 0x0F) << 4)
+    scales[:, 0:4] |= (sc[:, 4:8] >> 4) << 6
+    scales[:, 4:8] |= (mn[:, 4:8] >> 4) << 6
+    out = np.concatenate([d.reshape(nb, 1).view(np.uint8), dmin.reshape(nb, 1).view(np.uint8),
+                          scales, qs], axis=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 256 * 144)
+
+
+# "Q4_K_M": llama.cpp's mix, Q4_K matrices with the embedding / LM head and ffn_down in Q6_K
+GGUF_WTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q6_K", "Q4_K", "Q4_K_M")
 
 
 def _gguf_matrix(arr: np.ndarray, wtype: str):
@@ -538,6 +580,8 @@ def _gguf_matrix(arr: np.ndarray, wtype: str):
     qt = gguf.GGMLQuantizationType[wtype]
     if wtype == "Q6_K":
         return quantize_q6_k(a32), qt
+    if wtype == "Q4_K":
+        return quantize_q4_k(a32), qt
     return gguf.quants.quantize(a32, qt), qt
 
 
@@ -549,8 +593,8 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
     2-D matrices (embedding included) are stored as `wtype`; norms and biases F32. llama's Q/K
     are permuted as llama.cpp's converter does. rope_freqs=True adds a llama3-style
     rope_freqs.weight tensor (per-frequency divisors, see LLAMA3_SCALING). extra_tokens: control
-    tokens added to the vocabulary before bos and eos (gguf_vocab). Q6_K needs
-    hidden_size and intermediate_size multiples of 256.
+    tokens added to the vocabulary before bos and eos (gguf_vocab). Q6_K, Q4_K and Q4_K_M
+    need hidden_size and intermediate_size multiples of 256.
     """
     import gguf
 
@@ -602,7 +646,8 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
             wr.add_expert_feed_forward_length(s["moe_intermediate_size"])
         if moe_arch == "qwen2_moe":
             wr.add_expert_shared_feed_forward_length(s["shared_expert_intermediate_size"])
-    wr.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q6_K": 18}[wtype])
+    wr.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q6_K": 18,
+                      "Q4_K": 14, "Q4_K_M": 15}[wtype])
     wr.add_quantization_version(2)
     tokens, types, merges, bos, eos = gguf_vocab(s["vocab_size"], extra_tokens)
     wr.add_tokenizer_model("gpt2")
@@ -615,7 +660,11 @@ def make_gguf_checkpoint(path, arch: str, *, wtype: str = "F32", seed: int = 0, 
     wr.add_add_bos_token(False)
 
     def mat(name, arr):
-        data, raw = _gguf_matrix(arr, wtype)
+        t = wtype
+        if wtype == "Q4_K_M":
+            t = "Q6_K" if name in ("token_embd.weight", "output.weight") or "ffn_down" in name \
+                else "Q4_K"
+        data, raw = _gguf_matrix(arr, t)
         wr.add_tensor(name, data, raw_dtype=raw)
 
     def vec(name, arr):

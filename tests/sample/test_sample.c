@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tandem/sample.h"
@@ -28,6 +29,39 @@ static int teardown(void **s)
 }
 
 static const float base[V] = {1.0f, 3.0f, 2.5f, 3.0f, -1.0f, 0.5f, 2.0f, -4.0f};
+
+/* tdm_argmax's vector scan (every value finite) against the plain one, at every length
+ * through 100 and at a vocabulary's: the first of tied maxima, and the plain scan's answer
+ * whenever a NaN or an infinity is anywhere (its own rules: nothing beats a NaN at 0). */
+static int32_t naive_argmax(const float *x, int n)
+{
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static void test_argmax_scan(void **state)
+{
+    (void)state;
+    enum { N = 49157 };
+    float *x = malloc(N * sizeof *x);
+    uint64_t r = 12345;
+    const float odd[] = {NAN, INFINITY, -INFINITY};
+    for (int len = 1; len <= 101; len++) {
+        const int n = len <= 100 ? len : N;
+        for (int trial = 0; trial < 8; trial++) {
+            for (int i = 0; i < n; i++) {
+                r = r * 6364136223846793005ull + 1442695040888963407ull;
+                x[i] = (float)((int)(r >> 40) % 64) - 40.0f; /* small integers: many ties */
+            }
+            if (trial >= 5) x[(r >> 20) % (uint64_t)n] = odd[trial - 5];
+            if (trial == 4) x[0] = NAN;
+            assert_int_equal(tdm_argmax(x, n), naive_argmax(x, n));
+        }
+    }
+    free(x);
+}
 
 static void test_greedy_ties(void **s)
 {
@@ -682,13 +716,13 @@ static void test_stream(void **s)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_greedy_ties),    cmocka_unit_test(test_penalties),
-        cmocka_unit_test(test_filters),        cmocka_unit_test(test_rng_keyed),
-        cmocka_unit_test(test_logprobs_top),   cmocka_unit_test(test_validate),
-        cmocka_unit_test(test_stream),         cmocka_unit_test(test_unaccept),
-        cmocka_unit_test(test_hostile_floats), cmocka_unit_test(test_undo_rows),
-        cmocka_unit_test(test_tree_rows),      cmocka_unit_test(test_logit_bias),
-        cmocka_unit_test(test_score_rows),
+        cmocka_unit_test(test_argmax_scan), cmocka_unit_test(test_greedy_ties),
+        cmocka_unit_test(test_penalties),   cmocka_unit_test(test_filters),
+        cmocka_unit_test(test_rng_keyed),   cmocka_unit_test(test_logprobs_top),
+        cmocka_unit_test(test_validate),    cmocka_unit_test(test_stream),
+        cmocka_unit_test(test_unaccept),    cmocka_unit_test(test_hostile_floats),
+        cmocka_unit_test(test_undo_rows),   cmocka_unit_test(test_tree_rows),
+        cmocka_unit_test(test_logit_bias),  cmocka_unit_test(test_score_rows),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -6,12 +6,16 @@
  *
  * So that weights come from DRAM as in decode (where ~100 MB of weights cycle through a 32 MB
  * L3), each shape is replicated into enough copies to exceed 256 MB and the copies are used in
- * turn. Each line prints a checksum of the outputs so that a fast wrong kernel shows.
+ * turn. Each line prints a checksum of the outputs so that a fast wrong kernel shows, and the
+ * rate by process CPU time beside the wall-clock one (on a shared machine the wall clock also
+ * counts the time other processes held the core; CPU time divided over the threads does not).
  *
  * Usage: bench_matvec [n_threads (default: all cores)] [seconds per case (default 0.5)] [quant]
- * Honours TANDEM_CPU_ISA and TANDEM_CPU_VNNI like the backend. "quant": Q8_0/Q4_0/Q4_1 on
- * int8 activations (the backend's quant_activations; the activation row's quantisation is in
- * the time).
+ * Honours TANDEM_CPU_ISA and TANDEM_CPU_VNNI like the backend. "quant": Q8_0/Q4_0/Q4_1/Q4_K/
+ * Q6_K on int8 activations (the backend's quant_activations; the activation row's quantisation
+ * is in the time); without it the K-quants run the portable fp32 tile, so they are left out.
+ * Shapes: SmolLM2-135M's MLP (1536 x 576, 576 x 1536), its LM head (49152 x 576), and 4096 x
+ * 4096; the K-quants only where the columns are whole super-blocks of 256.
  */
 #include "backend/cpu/cpu_int.h"
 #include "model/quant_int.h"
@@ -21,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define MIN_BYTES (256u << 20)
 
@@ -58,6 +63,15 @@ static void fill_weight(enum tdm_dtype dt, uint8_t *p, int64_t rows, int64_t col
             default:
                 break;
             }
+        }
+        for (int64_t b = 0; b < cols / 256; b++) {
+            if (dt == TDM_DTYPE_Q4_K) {
+                memcpy(row + b * sizeof(struct block_q4_K), &scale, 2);
+                memcpy(row + b * sizeof(struct block_q4_K) + 2, &scale, 2);
+            }
+            if (dt == TDM_DTYPE_Q6_K)
+                memcpy(row + b * sizeof(struct block_q6_K) + offsetof(struct block_q6_K, d), &scale,
+                       2);
         }
         if (dt == TDM_DTYPE_F32)
             for (int64_t c = 0; c < cols; c++) {
@@ -141,14 +155,16 @@ int main(int argc, char **argv)
 
     const struct {
         int64_t rows, cols;
-    } shapes[] = {{1536, 576}, {576, 1536}, {4096, 4096}};
-    const enum tdm_dtype dts[] = {TDM_DTYPE_F32, TDM_DTYPE_BF16, TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0,
-                                  TDM_DTYPE_Q4_1};
-    printf("%-6s %11s %9s %9s %9s  %s\n", "dtype", "rows x cols", "MB/mat", "us/call", "GB/s",
-           "checksum");
+    } shapes[] = {{1536, 576}, {576, 1536}, {49152, 576}, {4096, 4096}};
+    const enum tdm_dtype dts[] = {TDM_DTYPE_F32,  TDM_DTYPE_BF16, TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0,
+                                  TDM_DTYPE_Q4_1, TDM_DTYPE_Q4_K, TDM_DTYPE_Q6_K};
+    printf("%-6s %11s %9s %9s %9s %9s  %s\n", "dtype", "rows x cols", "MB/mat", "us/call", "GB/s",
+           "cpu GB/s", "checksum");
     for (size_t s = 0; s < TDM_ARRAY_LEN(shapes); s++) {
         for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++) {
             const int64_t rows = shapes[s].rows, cols = shapes[s].cols;
+            const bool kq = dts[d] == TDM_DTYPE_Q4_K || dts[d] == TDM_DTYPE_Q6_K;
+            if (kq && (cols % 256 || !opts.quant_activations)) continue;
             const size_t rb = tdm_dtype_row_bytes(dts[d], cols);
             const size_t mat = rb * (size_t)rows;
             const int copies = (int)((MIN_BYTES + mat - 1) / mat);
@@ -168,6 +184,7 @@ int main(int argc, char **argv)
                 b->iface->matmul(b, &wt, x, 1, NULL, out);
             }
             int64_t calls = 0;
+            const clock_t c0 = clock();
             const double t0 = tdm_now_s();
             double t = 0;
             do {
@@ -181,9 +198,10 @@ int main(int argc, char **argv)
             double checksum = 0;
             for (int64_t r = 0; r < rows; r++)
                 checksum += out[r];
-            printf("%-6s %5lld x %-5lld %9.2f %9.1f %9.2f  %.6g\n", tdm_dtype_name(dts[d]),
+            const double cpu_s = (double)(clock() - c0) / CLOCKS_PER_SEC;
+            printf("%-6s %5lld x %-5lld %9.2f %9.1f %9.2f %9.2f  %.6g\n", tdm_dtype_name(dts[d]),
                    (long long)rows, (long long)cols, mat / 1e6, t / calls * 1e6,
-                   (double)mat * calls / t / 1e9, checksum);
+                   (double)mat * calls / t / 1e9, (double)mat * calls / cpu_s / 1e9, checksum);
             tdm_free_aligned(out);
             tdm_free_aligned(x);
             tdm_free_aligned(w);

@@ -2,8 +2,9 @@
  * layouts (hand-computed bit patterns), fault-spec parsing and decisions, printable addresses,
  * the wire header and hello, packed remote descriptors, immediate-counter semantics (exactly
  * once at N, duplicates, stale epochs, invalid indices, timeout, cancel, peer failure, re-arm),
- * the sync waiter, and one in-process round trip over two shm engines. The transport ops table is
- * tests/xfer/test_transport.c. */
+ * the sync waiter, one in-process round trip over two shm engines, the immediate never landing
+ * before its write's pages (each provider, native ordering and drain, immediates reordered), and
+ * bounded back-pressure. The transport ops table is tests/xfer/test_transport.c. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -687,6 +688,159 @@ static void test_peer_table_recycles_the_dead(void **state)
     tdm_xfer_destroy(a);
 }
 
+/* The immediate never overtakes the data it vouches for (issue 24): every paged write has its
+ * own counter, whose callback checks, at the instant it fires, that the write's pages are all in
+ * place. Run on each provider, in its native ordering and in the drain mode, with the target
+ * reordering immediates; then the bounded back-pressure: a tiny job pool answers TDM_EAGAIN
+ * (counted in writes_refused) and every accepted write still completes. */
+enum { OV_PAGE = 16384, OV_PER = 8, OV_WRITES = 24, OV_PAGES = OV_PER * OV_WRITES };
+
+struct overtake {
+    const uint8_t *src, *dst;
+    const uint32_t *sp, *dp;
+    int fired, bad;
+};
+
+static void on_overtake_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
+{
+    struct overtake *o = ctx;
+    (void)epoch;
+    int w = (int)slot - 1;
+    bool ok = st == TDM_OK;
+    for (int i = 0; i < OV_PER && ok; i++)
+        ok = !memcmp(o->dst + (size_t)o->dp[w * OV_PER + i] * OV_PAGE,
+                     o->src + (size_t)o->sp[w * OV_PER + i] * OV_PAGE, OV_PAGE);
+    if (!ok) __atomic_fetch_add(&o->bad, 1, __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(&o->fired, 1, __ATOMIC_SEQ_CST);
+}
+
+static void overtake_run(const char *provider, const char *order)
+{
+    struct tdm_xfer_config cfg;
+    tdm_xfer_config_default(&cfg);
+    cfg.provider = provider;
+    cfg.node = strcmp(provider, "shm") ? "127.0.0.1" : NULL;
+    cfg.faults = "";
+    if (order) setenv("TANDEM_XFER_ORDER", order, 1);
+    tdm_xfer_t *a, *b;
+    assert_int_equal(tdm_xfer_create(&cfg, &a), TDM_OK);
+    cfg.faults = "reorder_imm=0.5,seed=3";
+    assert_int_equal(tdm_xfer_create(&cfg, &b), TDM_OK);
+    unsetenv("TANDEM_XFER_ORDER");
+    struct tdm_xfer_caps caps;
+    tdm_xfer_get_caps(a, &caps);
+    if (order) assert_false(caps.ordered_writes);
+    uint8_t *src = malloc((size_t)OV_PAGES * OV_PAGE), *dst = calloc(OV_PAGES, OV_PAGE);
+    uint32_t sp[OV_PAGES], dp[OV_PAGES];
+    for (size_t i = 0; i < (size_t)OV_PAGES * OV_PAGE; i++)
+        src[i] = (uint8_t)(i * 131 + i / OV_PAGE + 1);
+    for (uint32_t i = 0; i < OV_PAGES; i++) /* no two neighbours contiguous: no merging */
+        sp[i] = (i * 7) % OV_PAGES, dp[i] = (i * 11) % OV_PAGES;
+    tdm_xfer_mr_t *ms, *md;
+    assert_int_equal(tdm_xfer_mr_reg(a, src, (size_t)OV_PAGES * OV_PAGE, TDM_XFER_MEM_HOST, &ms),
+                     TDM_OK);
+    assert_int_equal(tdm_xfer_mr_reg(b, dst, (size_t)OV_PAGES * OV_PAGE, TDM_XFER_MEM_HOST, &md),
+                     TDM_OK);
+    char addr[TDM_XFER_ADDR_MAX];
+    uint32_t peer;
+    assert_int_equal(tdm_xfer_addr(b, addr, sizeof(addr)), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_add(a, addr, &peer), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(a, peer, 5000), TDM_OK);
+    struct tdm_xfer_rmem r;
+    tdm_xfer_mr_remote(md, &r);
+    struct overtake ov = {src, dst, sp, dp, 0, 0};
+    for (int w = 0; w < OV_WRITES; w++)
+        assert_int_equal(tdm_xfer_counters_arm(tdm_xfer_get_counters(b), (uint32_t)w + 1, 1, 1,
+                                               TDM_XFER_ANY_PEER, 10000, on_overtake_fire, &ov),
+                         TDM_OK);
+    struct tdm_xfer_sync s;
+    tdm_xfer_sync_init(&s);
+    for (int w = 0; w < OV_WRITES; w++) {
+        struct tdm_xfer_pages pg = {sp + w * OV_PER, dp + w * OV_PER, OV_PER, OV_PAGE,
+                                    OV_PAGE,         OV_PAGE,         0,      0};
+        struct tdm_xfer_imm imm = {(uint32_t)w + 1, 1, 0};
+        tdm_xfer_sync_add(&s, 1);
+        assert_int_equal(
+            tdm_xfer_write_pages(a, peer, ms, &r, &pg, &imm, 0, tdm_xfer_sync_done, &s), TDM_OK);
+    }
+    assert_int_equal(tdm_xfer_sync_wait(&s, 10000), TDM_OK);
+    for (int i = 0; i < 2000 && __atomic_load_n(&ov.fired, __ATOMIC_SEQ_CST) < OV_WRITES; i++)
+        usleep(2000);
+    assert_int_equal(ov.fired, OV_WRITES);
+    assert_int_equal(ov.bad, 0);
+    tdm_xfer_sync_destroy(&s);
+    tdm_xfer_mr_dereg(ms);
+    tdm_xfer_mr_dereg(md);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+    free(src);
+    free(dst);
+}
+
+static void test_imm_never_overtakes(void **state)
+{
+    (void)state;
+    overtake_run("shm", NULL);
+    overtake_run("shm", "drain");
+    overtake_run("tcp;ofi_rxm", NULL);
+    overtake_run("tcp;ofi_rxm", "drain");
+}
+
+static void test_backpressure_bounded(void **state)
+{
+    (void)state;
+    struct tdm_xfer_config cfg;
+    tdm_xfer_config_default(&cfg);
+    cfg.provider = "shm";
+    cfg.faults = "";
+    cfg.max_jobs = 4;
+    tdm_xfer_t *a, *b;
+    assert_int_equal(tdm_xfer_create(&cfg, &a), TDM_OK);
+    assert_int_equal(tdm_xfer_create(&cfg, &b), TDM_OK);
+    enum { PG = 4096, NP = 64 };
+    uint8_t *src = calloc(NP, PG), *dst = calloc(NP, PG);
+    tdm_xfer_mr_t *ms, *md;
+    assert_int_equal(tdm_xfer_mr_reg(a, src, NP * PG, TDM_XFER_MEM_HOST, &ms), TDM_OK);
+    assert_int_equal(tdm_xfer_mr_reg(b, dst, NP * PG, TDM_XFER_MEM_HOST, &md), TDM_OK);
+    char addr[TDM_XFER_ADDR_MAX];
+    uint32_t peer;
+    assert_int_equal(tdm_xfer_addr(b, addr, sizeof(addr)), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_add(a, addr, &peer), TDM_OK);
+    assert_int_equal(tdm_xfer_peer_wait(a, peer, 5000), TDM_OK);
+    struct tdm_xfer_rmem r;
+    tdm_xfer_mr_remote(md, &r);
+    uint32_t pages[NP];
+    for (uint32_t i = 0; i < NP; i++)
+        pages[i] = (i * 5) % NP;
+    struct tdm_xfer_pages pg = {pages, pages, NP, PG, PG, PG, 0, 0};
+    struct tdm_xfer_sync s;
+    tdm_xfer_sync_init(&s);
+    int accepted = 0, refused = 0;
+    for (int i = 0; i < 200; i++) {
+        tdm_xfer_sync_add(&s, 1);
+        tdm_status st = tdm_xfer_write_pages(a, peer, ms, &r, &pg, NULL, 0, tdm_xfer_sync_done, &s);
+        if (st == TDM_OK) {
+            accepted++;
+        } else {
+            assert_int_equal(st, TDM_EAGAIN);
+            refused++;
+            tdm_xfer_sync_done(&s, TDM_OK); /* never accepted: no callback owed */
+        }
+    }
+    assert_int_equal(tdm_xfer_sync_wait(&s, 10000), TDM_OK);
+    assert_true(accepted >= 4);
+    struct tdm_xfer_stats xs;
+    tdm_xfer_get_stats(a, &xs);
+    assert_int_equal(xs.writes_refused, (uint64_t)refused);
+    tdm_xfer_sync_destroy(&s);
+    tdm_xfer_mr_dereg(ms);
+    tdm_xfer_mr_dereg(md);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+    free(src);
+    free(dst);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -703,6 +857,8 @@ int main(void)
         cmocka_unit_test(test_fabric_key_shm),
         cmocka_unit_test(test_fabric_key_tcp),
         cmocka_unit_test(test_peer_table_recycles_the_dead),
+        cmocka_unit_test(test_imm_never_overtakes),
+        cmocka_unit_test(test_backpressure_bounded),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -38,20 +38,21 @@
 
 /* Tile shapes: decode streams 4 weight rows per tile (four independent FMA chains); prefill
  * uses 3 weight rows x 4 activation rows (12 accumulators of the 16 AVX2 registers), or 2 x 4
- * for 4-bit weights, whose dequantisation needs more registers (measured on Zen 3). The
+ * for 4-bit weights, whose dequantisation needs more registers (measured on Zen 3), 1 for the
+ * K-quants (their fp32 tiles are the portable ones: see matmul.c). The
  * AVX-512 level reuses the AVX2 attention step: attention is bound by reading K and V, not by
  * vector width. */
 #define PREFILL_R_VEC                                                                              \
     {                                                                                              \
         [TDM_CPU_W_F32] = 3, [TDM_CPU_W_BF16] = 3, [TDM_CPU_W_Q8_0] = 3, [TDM_CPU_W_Q4_0] = 2,     \
-        [TDM_CPU_W_Q4_1] = 2                                                                       \
+        [TDM_CPU_W_Q4_1] = 2, [TDM_CPU_W_Q4_K] = 1, [TDM_CPU_W_Q6_K] = 1                           \
     }
 /* The kernels of one level; the quantised tiles (qdot*.c) given apart, since each vector level
  * has a VNNI variant. */
 #define LEVEL_PORTABLE(QT)                                                                         \
     {                                                                                              \
         .isa = TDM_CPU_ISA_PORTABLE, .name = "portable", .tile = tdm_cpu_tiles_portable,           \
-        .decode_r = 2, .prefill_r = {1, 1, 1, 1, 1}, .prefill_c = 4,                               \
+        .decode_r = 2, .prefill_r = {1, 1, 1, 1, 1, 1, 1}, .prefill_c = 4,                         \
         .attn_step = tdm_cpu_attn_step_portable, .kv_widen = tdm_cpu_kv_widen_portable,            \
         .kv_narrow = tdm_cpu_kv_narrow_portable, .qtile = QT,                                      \
         .quantise = tdm_cpu_quantise_portable, .vnni = false                                       \
@@ -161,6 +162,10 @@ int tdm_cpu_wtype_of(enum tdm_dtype t)
         return TDM_CPU_W_Q4_0;
     case TDM_DTYPE_Q4_1:
         return TDM_CPU_W_Q4_1;
+    case TDM_DTYPE_Q4_K:
+        return TDM_CPU_W_Q4_K;
+    case TDM_DTYPE_Q6_K:
+        return TDM_CPU_W_Q6_K;
     default:
         return -1;
     }

@@ -46,6 +46,8 @@ enum tdm_cpu_wtype {
     TDM_CPU_W_Q8_0,
     TDM_CPU_W_Q4_0,
     TDM_CPU_W_Q4_1,
+    TDM_CPU_W_Q4_K, /* super-blocks of 256: fp32 tiles are the portable ones at every level */
+    TDM_CPU_W_Q6_K,
     TDM_CPU_W_COUNT,
 };
 
@@ -78,24 +80,25 @@ struct tdm_cpu_xblock {
     int8_t hi[32]; /* rint(x[j] / (256 d)), in [-127, 127] */
     int8_t lo[32]; /* rint((x[j] - 256 d hi[j]) / d), in [-127, 127] */
     float d;       /* max |x[j]| / 127 / 256; 0 for a block of zeros (or of |x| < 2^-93) */
-    float ds;      /* d * s: what a Q4_1 block's minimum multiplies */
+    float ds;      /* d * s: what a Q4_1 (Q4_K) block's minimum multiplies */
     int32_t s;     /* sum of v[j]: what folds Q4_0's offset of 8 into the integer sum */
-    int32_t pad;
+    int32_t s16;   /* sum of v[j] for j < 16: Q6_K's offset of 32, per half (16 scales) */
 };
 static_assert(sizeof(struct tdm_cpu_xblock) == 80, "an xblock is 80 bytes");
 
 /* A block whose step (max |x| / 127) is below this quantises to zeros (qdot.c). */
 #define TDM_CPU_XQ_MIN_STEP 0x1p-100f
 
-/* The weight dtypes the quantised path takes, as a dense index (TDM_CPU_W_* - TDM_CPU_W_Q8_0). */
-#define TDM_CPU_QW_COUNT 3
+/* The weight dtypes the quantised path takes, as a dense index (TDM_CPU_W_* - TDM_CPU_W_Q8_0):
+ * Q8_0, Q4_0, Q4_1, Q4_K, Q6_K. */
+#define TDM_CPU_QW_COUNT 5
 
 /* One quantised tile: out[c * ldo + i] = dot(W row i, x row c) (+ bias[i]) for i < R, c < C,
  * where x row c is the nb blocks at x + c * ldx. Same conventions as struct tdm_cpu_tile. */
 struct tdm_cpu_qtile {
     const uint8_t *w;
     size_t row_bytes;
-    int64_t nb; /* blocks of 32 per row */
+    int64_t nb; /* blocks of 32 per row (a multiple of 8 for the K-quants) */
     const struct tdm_cpu_xblock *x;
     int64_t ldx; /* blocks */
     float *out;
@@ -181,7 +184,7 @@ struct tdm_cpu {
     tdm_pool_t *pool;
     int n_threads;
     bool batch_invariant;
-    bool quant_activations; /* Q8_0/Q4_0/Q4_1 products on int8 activations (qdot.c) */
+    bool quant_activations; /* Q8_0/Q4_0/Q4_1/Q4_K/Q6_K products on int8 activations (qdot.c) */
     const struct tdm_cpu_kernels *k;
     float *attn_scratch; /* attention split-mode states (attention.c); grown on demand */
     size_t attn_scratch_floats;
@@ -303,14 +306,17 @@ void tdm_cpu_gather_rows(tdm_backend_t *b, const float *x, const int32_t *rows, 
 #define TDM_CPU_QTILE_TABLE(P, W)                                                                  \
     [TDM_CPU_W_##W - TDM_CPU_W_Q8_0] = {TDM_CPU_QTILE_ROW_(P, W, 1), TDM_CPU_QTILE_ROW_(P, W, 2),  \
                                         TDM_CPU_QTILE_ROW_(P, W, 3), TDM_CPU_QTILE_ROW_(P, W, 4)}
-/* A whole table NAME of one KERNEL: its tiles for the three quantised kinds (functions named
+/* A whole table NAME of one KERNEL: its tiles for the five quantised kinds (functions named
  * P_<kind>_R_C, with attribute ATTR), and the table of them. */
 #define TDM_CPU_DEF_QTILE_TABLE(NAME, P, ATTR, KERNEL)                                             \
     TDM_CPU_DEF_QTILES(P, ATTR, Q8_0, KERNEL)                                                      \
     TDM_CPU_DEF_QTILES(P, ATTR, Q4_0, KERNEL)                                                      \
     TDM_CPU_DEF_QTILES(P, ATTR, Q4_1, KERNEL)                                                      \
+    TDM_CPU_DEF_QTILES(P, ATTR, Q4_K, KERNEL)                                                      \
+    TDM_CPU_DEF_QTILES(P, ATTR, Q6_K, KERNEL)                                                      \
     const tdm_cpu_qtile_table NAME = {TDM_CPU_QTILE_TABLE(P, Q8_0), TDM_CPU_QTILE_TABLE(P, Q4_0),  \
-                                      TDM_CPU_QTILE_TABLE(P, Q4_1)};
+                                      TDM_CPU_QTILE_TABLE(P, Q4_1), TDM_CPU_QTILE_TABLE(P, Q4_K),  \
+                                      TDM_CPU_QTILE_TABLE(P, Q6_K)};
 
 /* silu(g) * u, the one definition that silu_mul and matmul_swiglu share (libm's expf; see
  * elementwise.c), so that the fused op matches the separate ones bit for bit. */

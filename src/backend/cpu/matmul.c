@@ -1,16 +1,17 @@
 /*
- * Matmul: out[i][r] = sum_c x[i][c] * W[r][c] (+ bias[r]), with W in F32, BF16, Q8_0, Q4_0 or
- * Q4_1 and the activations x in fp32. Also the portable fp32 kernels and the one-row
- * dequantiser that embed uses.
+ * Matmul: out[i][r] = sum_c x[i][c] * W[r][c] (+ bias[r]), with W in F32, BF16, Q8_0, Q4_0,
+ * Q4_1, Q4_K or Q6_K and the activations x in fp32 (the K-quants' fp32 tiles are portable code at
+ * every level: a fallback, since the loader widens K-quants to F32 for an fp32 run). Also the
+ * portable fp32 kernels and the one-row dequantiser that embed uses.
  *
  * Two paths for quantised weights. Exact (fp32 activations): weights are expanded to fp32 in
  * registers (exactly: each dequantised weight is the same float the reference dequantiser
  * yields, up to one rounding for q4_1) and multiplied with fp32 activations, which keeps the
  * backend within 1e-4 relative of an fp32 reference. Quantised (an instance created with
- * quant_activations): Q8_0, Q4_0 and Q4_1 parts take the input quantised to 16-bit integers
- * (two int8 planes a block of 32), once per op (mm_quantise: the parts of a matmul_multi and a
- * matmul_swiglu share it), and run qdot.c's integer tiles; F32 and BF16 parts of the same op keep
- * fp32 x.
+ * quant_activations): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K parts take the input quantised to 16-bit
+ * integers (two int8 planes a block of 32), once per op (mm_quantise: the parts of a matmul_multi
+ * and a matmul_swiglu share it), and run qdot.c's integer tiles; F32 and BF16 parts of the same op
+ * keep fp32 x.
  *
  * Work split: the weight rows are divided over the pool's threads (tdm_split_range, chunks of
  * 16 rows so that no two threads write one cache line of out). matmul_multi (q, k and v of one
@@ -102,6 +103,35 @@ static inline void deq_chunk32(int wtype, const uint8_t *row, int64_t k, float *
         }
         break;
     }
+    case TDM_CPU_W_Q4_K: { /* sub-block j of super-block k / 256 (quant.c's deq_k_super) */
+        const uint8_t *blk = row + (k / 256) * sizeof(struct block_q4_K);
+        const int j = (int)(k % 256) / 32;
+        uint8_t sc, mn;
+        tdm_k_scale_min(blk + offsetof(struct block_q4_K, scales), j, &sc, &mn);
+        const float d = rd_f16(blk + offsetof(struct block_q4_K, d)) * (float)sc;
+        const float m = rd_f16(blk + offsetof(struct block_q4_K, dmin)) * (float)mn;
+        const uint8_t *qs = blk + offsetof(struct block_q4_K, qs) + 32 * (j / 2);
+        for (int l = 0; l < 32; l++) {
+            const float p = d * (float)((qs[l] >> (4 * (j & 1))) & 0x0F);
+            dst[l] = p - m;
+        }
+        break;
+    }
+    case TDM_CPU_W_Q6_K: { /* group g of half h (quant.c's deq_q6_K) */
+        const uint8_t *blk = row + (k / 256) * sizeof(struct block_q6_K);
+        const int j = (int)(k % 256) / 32, h = j / 4, g = j % 4;
+        const float d = rd_f16(blk + offsetof(struct block_q6_K, d));
+        const uint8_t *ql = blk + offsetof(struct block_q6_K, ql) + 64 * h + 32 * (g & 1);
+        const uint8_t *qh = blk + offsetof(struct block_q6_K, qh) + 32 * h;
+        const int8_t *sc = (const int8_t *)(blk + offsetof(struct block_q6_K, scales));
+        for (int l = 0; l < 32; l++) {
+            const int q =
+                (((ql[l] >> (4 * (g >> 1))) & 0x0F) | (((qh[l] >> (2 * g)) & 3) << 4)) - 32;
+            const float ds = d * (float)sc[8 * h + 2 * g + l / 16];
+            dst[l] = ds * (float)q;
+        }
+        break;
+    }
     default:
         TDM_ASSERT(!"unsupported weight type");
     }
@@ -184,10 +214,13 @@ TDM_CPU_DEF_TILES(BF16, tile_portable)
 TDM_CPU_DEF_TILES(Q8_0, tile_portable)
 TDM_CPU_DEF_TILES(Q4_0, tile_portable)
 TDM_CPU_DEF_TILES(Q4_1, tile_portable)
+TDM_CPU_DEF_TILES(Q4_K, tile_portable)
+TDM_CPU_DEF_TILES(Q6_K, tile_portable)
 
 const tdm_cpu_tile_table tdm_cpu_tiles_portable = {
     TDM_CPU_TILE_TABLE(F32),  TDM_CPU_TILE_TABLE(BF16), TDM_CPU_TILE_TABLE(Q8_0),
-    TDM_CPU_TILE_TABLE(Q4_0), TDM_CPU_TILE_TABLE(Q4_1),
+    TDM_CPU_TILE_TABLE(Q4_0), TDM_CPU_TILE_TABLE(Q4_1), TDM_CPU_TILE_TABLE(Q4_K),
+    TDM_CPU_TILE_TABLE(Q6_K),
 };
 
 /* ---- driver ---- */
@@ -245,7 +278,11 @@ static void run_tile(const struct mm_job *job, const struct mm_part *p, int64_t 
         .ldo = ldo,
         .bias = p->bias ? p->bias + r : NULL,
     };
-    job->k->tile[p->wtype][R - 1][C - 1](&t);
+    /* the K-quants' fp32 tiles are the portable ones at every level (a fallback: the loader keeps
+     * K-quant blocks for the CPU only when its activations are quantised) */
+    const tdm_cpu_tile_fn(*tiles)[TDM_CPU_TILE_MAX][TDM_CPU_TILE_MAX] =
+        p->wtype >= TDM_CPU_W_Q4_K ? tdm_cpu_tiles_portable : job->k->tile;
+    tiles[p->wtype][R - 1][C - 1](&t);
 }
 
 /* The tile at (r, i) of one part, into that part's output. */
@@ -354,7 +391,7 @@ static struct mm_part make_part(const struct tdm_cpu *cpu, const struct tdm_weig
     TDM_ASSERT(wtype >= 0 && w->row_bytes == tdm_dtype_row_bytes(w->dtype, w->cols));
     const bool blas = wtype == TDM_CPU_W_F32 && n > 1 && !cpu->batch_invariant &&
                       w->row_bytes == (size_t)w->cols * sizeof(float);
-    const bool q = cpu->quant_activations && wtype >= TDM_CPU_W_Q8_0 && wtype <= TDM_CPU_W_Q4_1;
+    const bool q = cpu->quant_activations && wtype >= TDM_CPU_W_Q8_0;
     return (struct mm_part){.w = w, .wtype = wtype, .blas = blas, .q = q, .bias = bias, .out = out};
 }
 

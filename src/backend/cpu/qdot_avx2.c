@@ -12,19 +12,14 @@
 
 /* maddubs: u8 x s8 pairs to int16 (no saturation here: see qdot_x86.h); madd: pairs to int32,
  * the high plane's weighted by 256 */
-QAI __m128i dot4_avx2(const __m256i *u, const __m256i *h, const __m256i *l)
+QAI __m256i dot1_avx2(__m256i u, __m256i h, __m256i l)
 {
-    const __m256i one = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
-    __m256i p[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-        p[i] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u[i], h[i]), c256),
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(u[i], l[i]), one));
-    return qdot_reduce4(p[0], p[1], p[2], p[3]);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, h), _mm256_set1_epi16(256)),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(u, l), _mm256_set1_epi16(1)));
 }
 
 #define QDOT_KERNEL qtile_avx2
-#define QDOT_DOT4   dot4_avx2
+#define QDOT_DOT1   dot1_avx2
 #include "backend/cpu/qdot_x86.h"
 
 TDM_CPU_DEF_QTILE_TABLE(tdm_cpu_qtiles_avx2, qt, , qtile_avx2)
@@ -32,19 +27,15 @@ TDM_CPU_DEF_QTILE_TABLE(tdm_cpu_qtiles_avx2, qt, , qtile_avx2)
 #define VNNI __attribute__((target("avxvnni")))
 
 /* the high plane's sums, times 256, accumulate the low plane's */
-QAI VNNI __m128i dot4_avx2_vnni(const __m256i *u, const __m256i *h, const __m256i *l)
+QAI VNNI __m256i dot1_avx2_vnni(__m256i u, __m256i h, __m256i l)
 {
-    __m256i p[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-        p[i] = _mm256_dpbusd_avx_epi32(
-            _mm256_slli_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u[i], h[i]), 8), u[i],
-            l[i]);
-    return qdot_reduce4(p[0], p[1], p[2], p[3]);
+    return _mm256_dpbusd_avx_epi32(
+        _mm256_slli_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, h), 8), u, l);
 }
 
 #define QDOT_KERNEL  qtile_avx2_vnni
-#define QDOT_DOT4    dot4_avx2_vnni
+#define QDOT_DOT1    dot1_avx2_vnni
+#define QDOT_Q8_BIAS 1
 #define QDOT_FN_ATTR VNNI
 #include "backend/cpu/qdot_x86.h"
 
@@ -57,6 +48,14 @@ static inline __attribute__((always_inline)) __m256i pack32(const __m256i *q)
     const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
     return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline __attribute__((always_inline)) int32_t hsum_epi32(__m256i v)
+{
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
 }
 
 /* The portable quantiser's bits (qdot.c): amax by lane maxima (exact), the same IEEE division,
@@ -85,7 +84,7 @@ void tdm_cpu_quantise_avx2(const float *x, int64_t nb, struct tdm_cpu_xblock *ou
         const __m256 idv = _mm256_set1_ps(id), idlo = _mm256_set1_ps(id * 256.0f);
         const __m256 nstep = _mm256_set1_ps(-step);
         __m256i qh[4], ql[4];
-        __m256i sum = _mm256_setzero_si256();
+        __m256i sum = _mm256_setzero_si256(), sum16 = sum;
         for (int k = 0; k < 4; k++) {
             const __m256 h = _mm256_max_ps(
                 _mm256_min_ps(_mm256_round_ps(_mm256_mul_ps(v[k], idv),
@@ -101,15 +100,13 @@ void tdm_cpu_quantise_avx2(const float *x, int64_t nb, struct tdm_cpu_xblock *ou
             qh[k] = _mm256_cvtps_epi32(h);
             ql[k] = _mm256_cvtps_epi32(l);
             sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_slli_epi32(qh[k], 8), ql[k]));
+            if (k == 1) sum16 = sum;
         }
         _mm256_storeu_si256((__m256i *)o->hi, pack32(qh));
         _mm256_storeu_si256((__m256i *)o->lo, pack32(ql));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
         o->d = step / 256.0f;
-        o->s = _mm_cvtsi128_si32(s4);
+        o->s = hsum_epi32(sum);
+        o->s16 = hsum_epi32(sum16);
         o->ds = o->d * (float)o->s;
-        o->pad = 0;
     }
 }

@@ -16,19 +16,15 @@
 #define VNNI __attribute__((target("avx512vnni")))
 
 /* the high plane's sums, times 256, accumulate the low plane's */
-QAI VNNI __m128i dot4_avx512_vnni(const __m256i *u, const __m256i *h, const __m256i *l)
+QAI VNNI __m256i dot1_avx512_vnni(__m256i u, __m256i h, __m256i l)
 {
-    __m256i p[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-        p[i] = _mm256_dpbusd_epi32(
-            _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u[i], h[i]), 8), u[i],
-            l[i]);
-    return qdot_reduce4(p[0], p[1], p[2], p[3]);
+    return _mm256_dpbusd_epi32(
+        _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, h), 8), u, l);
 }
 
 #define QDOT_KERNEL  qtile_avx512_vnni
-#define QDOT_DOT4    dot4_avx512_vnni
+#define QDOT_DOT1    dot1_avx512_vnni
+#define QDOT_Q8_BIAS 1
 #define QDOT_FN_ATTR VNNI
 #include "backend/cpu/qdot_x86.h"
 

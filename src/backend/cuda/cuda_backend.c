@@ -219,6 +219,23 @@ tdm_status tdm_backend_cuda_info(tdm_backend_t *b, char *name, size_t cap, size_
     return TDM_OK;
 }
 
+tdm_status tdm_cuda_device_pci(int device, char *busid, size_t cap)
+{
+    char id[32];
+    const cudaError_t e = cudaDeviceGetPCIBusId(id, (int)sizeof id, device);
+    if (e != cudaSuccess)
+        return tdm_err_set(TDM_EUNSUPPORTED, "CUDA device %d: no PCI bus id (%s)", device,
+                           cudaGetErrorString(e));
+    /* CUDA writes "0000:18:00.0" in upper case and may give an 8-digit domain; hwloc's form is
+     * a 4-digit domain, lower case */
+    const char *p = strlen(id) > 12 ? id + strlen(id) - 12 : id;
+    size_t i = 0;
+    for (; p[i] && i + 1 < cap; i++)
+        busid[i] = (char)((p[i] >= 'A' && p[i] <= 'F') ? p[i] - 'A' + 'a' : p[i]);
+    if (cap) busid[i] = '\0';
+    return TDM_OK;
+}
+
 void *tdm_backend_cuda_host_alloc(tdm_backend_t *b, size_t bytes)
 {
     void *p = NULL;

@@ -1,8 +1,9 @@
 /*
  * Completions of the libfabric transport (progress thread only): write and send completions
- * finish their jobs, received messages are parsed (untrusted bytes) and dispatched, and
- * arriving immediates go through the fault layer (drop, duplicate, reorder, delay) to the
- * immediate counters.
+ * finish their jobs (under tx_mu, once per batch read from the CQ), received messages are
+ * parsed (untrusted bytes) and dispatched, and arriving immediates go through the fault layer
+ * (drop, duplicate, reorder, delay) to the immediate counters; those two take no engine lock
+ * (a proven peer is found by its published nonce, its liveness refreshed with an atomic).
  */
 #include <errno.h>
 #include <sched.h>
@@ -168,7 +169,28 @@ static uint32_t take_hello(tdm_xfer_t *x, const struct tdm_xfer_wire_hdr *h, con
         *newly_known = true;
         pthread_cond_broadcast(&x->cv);
     }
+    tdm_fab_peer_publish(p);
     return peer;
+}
+
+/* What a known peer's message says. */
+static void dispatch(tdm_xfer_t *x, const struct tdm_xfer_wire_hdr *h, const uint8_t *payload,
+                     uint32_t peer)
+{
+    STAT_ADD(x, msgs_received, 1);
+    switch (h->type) {
+    case TDM_XFER_MSG_USER:
+        if (x->cfg.on_msg) x->cfg.on_msg(x->cfg.on_msg_ctx, peer, payload, h->payload_bytes);
+        break;
+    case TDM_XFER_MSG_IMM:
+        imm_arrived(x, tdm_get_u64(payload), peer);
+        break;
+    case TDM_XFER_MSG_BYE:
+        tdm_fab_peer_declare_dead(x, peer, "it said goodbye", true);
+        break;
+    default:
+        break;
+    }
 }
 
 static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
@@ -181,6 +203,17 @@ static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
     }
     uint32_t peer = UINT32_MAX;
     bool newly_known = false, send_back = false, send_auth = false;
+    if (h.type != TDM_XFER_MSG_HELLO && h.type != TDM_XFER_MSG_AUTH) {
+        /* the hot path: a proven, live peer, found without the lock */
+        uint32_t n = __atomic_load_n(&x->n_peers, __ATOMIC_ACQUIRE);
+        for (uint32_t i = 0; i < n; i++)
+            if (__atomic_load_n(&x->peers[i].live_nonce, __ATOMIC_ACQUIRE) == h.nonce) peer = i;
+        if (peer != UINT32_MAX) {
+            __atomic_store_n(&x->peers[peer].last_seen_ns, tdm_now_ns(), __ATOMIC_RELAXED);
+            dispatch(x, &h, payload, peer);
+            return;
+        }
+    }
     pthread_mutex_lock(&x->mu);
     for (uint32_t i = 0; i < x->n_peers; i++)
         if (x->peers[i].nonce_set && x->peers[i].nonce == h.nonce && !x->peers[i].dead) peer = i;
@@ -192,6 +225,7 @@ static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
         tdm_fab_proof(x, x->peers[peer].my_chal, h.nonce, x->nonce, want);
         if (proof_equal(want, payload)) {
             x->peers[peer].known = true;
+            tdm_fab_peer_publish(&x->peers[peer]);
             newly_known = true;
             STAT_ADD(x, auth_ok, 1);
             pthread_cond_broadcast(&x->cv);
@@ -205,7 +239,7 @@ static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
         }
     }
     bool known = peer != UINT32_MAX && x->peers[peer].known;
-    if (known) x->peers[peer].last_seen_ns = tdm_now_ns();
+    if (known) __atomic_store_n(&x->peers[peer].last_seen_ns, tdm_now_ns(), __ATOMIC_RELAXED);
     pthread_mutex_unlock(&x->mu);
     if (peer == UINT32_MAX) { /* unknown sender, a dead incarnation, a refused hello */
         if (h.type != TDM_XFER_MSG_HELLO) STAT_ADD(x, unauth_dropped, 1);
@@ -219,24 +253,17 @@ static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
             STAT_ADD(x, unauth_dropped, 1);
         return;
     }
-    STAT_ADD(x, msgs_received, 1);
     if (newly_known && x->cfg.on_peer) x->cfg.on_peer(x->cfg.on_peer_ctx, peer, true);
-    switch (h.type) {
-    case TDM_XFER_MSG_USER:
-        if (x->cfg.on_msg) x->cfg.on_msg(x->cfg.on_msg_ctx, peer, payload, h.payload_bytes);
-        break;
-    case TDM_XFER_MSG_IMM:
-        imm_arrived(x, tdm_get_u64(payload), peer);
-        break;
-    case TDM_XFER_MSG_BYE:
-        tdm_fab_peer_declare_dead(x, peer, "it said goodbye", true);
-        break;
-    default:
-        break;
-    }
+    dispatch(x, &h, payload, peer);
 }
 
-static void handle_completion(tdm_xfer_t *x, const struct fi_cq_data_entry *e)
+static bool is_tx(const struct op *op)
+{
+    return op && (op->kind == OP_WRITE || op->kind == OP_SEND || op->kind == OP_HEARTBEAT);
+}
+
+/* The receive side of a completion: an RMA immediate, a received message. No lock. */
+static void handle_rx(tdm_xfer_t *x, const struct fi_cq_data_entry *e)
 {
     if ((e->flags & FI_REMOTE_CQ_DATA) && (e->flags & (FI_RMA | FI_REMOTE_WRITE))) {
         /* The writer is not named (providers' source reports for remote writes are not
@@ -246,31 +273,11 @@ static void handle_completion(tdm_xfer_t *x, const struct fi_cq_data_entry *e)
         x->traffic = true;
     }
     struct op *op = op_of(x, e->op_context);
-    if (!op) return;
-    int o = (int)(op - x->ops);
-    if (op->kind != OP_HEARTBEAT &&
-        !(op->kind == OP_RECV && e->len == TDM_XFER_WIRE_HDR)) /* heartbeats are not traffic */
-        x->traffic = true;
-    switch (op->kind) {
-    case OP_RECV:
-        if (e->flags & FI_RECV) handle_message(x, x->bufs + (size_t)op->buf * x->buf_bytes, e->len);
-        if (!x->stop && tdm_fab_post_recv(x, o) != TDM_OK) TDM_ERROR("xfer: %s", tdm_err_msg());
-        break;
-    case OP_SEND:
-    case OP_HEARTBEAT:
-        x->tx_free[x->n_tx_free++] = op->buf;
-        /* fallthrough */
-    case OP_WRITE:
-        /* not proof of life: a send completes into the kernel's buffer of a stopped peer;
-         * only what the peer sends (its heartbeats, every 200 ms) refreshes last_seen */
-        if (op->job >= 0) x->jobs[op->job].ops_in_flight--;
-        if (op->job >= 0 && op->kind == OP_SEND && x->jobs[op->job].state == JOB_ACTIVE)
-            tdm_fab_job_finish(x, op->job, TDM_OK);
-        tdm_fab_op_put(x, o);
-        break;
-    default:
-        break;
-    }
+    if (!op || op->kind != OP_RECV) return;
+    if (e->len != TDM_XFER_WIRE_HDR) x->traffic = true; /* heartbeats are not traffic */
+    if (e->flags & FI_RECV) handle_message(x, x->bufs + (size_t)op->buf * x->buf_bytes, e->len);
+    if (!x->stop && tdm_fab_post_recv(x, (int)(op - x->ops)) != TDM_OK)
+        TDM_ERROR("xfer: %s", tdm_err_msg());
 }
 
 static void handle_error(tdm_xfer_t *x)
@@ -299,12 +306,15 @@ static void handle_error(tdm_xfer_t *x)
     uint32_t peer = op->peer;
     int j = op->job;
     if (op->kind == OP_SEND || op->kind == OP_HEARTBEAT) x->tx_free[x->n_tx_free++] = op->buf;
+    pthread_mutex_lock(&x->tx_mu);
     tdm_fab_op_put(x, o);
     if (j >= 0) {
         x->jobs[j].ops_in_flight--;
         tdm_err_set(TDM_EPEER, "xfer: operation to peer %u failed: %s", peer, why);
         tdm_fab_job_finish(x, j, TDM_EPEER);
     }
+    pthread_mutex_unlock(&x->tx_mu);
+    tdm_fab_fire_queued(x);
     tdm_fab_peer_declare_dead(x, peer, why, true);
 }
 
@@ -312,8 +322,26 @@ static void handle_error(tdm_xfer_t *x)
 bool tdm_fab_handle_cq_result(tdm_xfer_t *x, const struct fi_cq_data_entry *e, ssize_t n)
 {
     if (n > 0) {
+        /* transmit completions first, under one lock for the batch */
+        bool tx = false;
+        for (ssize_t i = 0; i < n && !tx; i++)
+            tx = is_tx(op_of(x, e[i].op_context));
+        if (tx) {
+            pthread_mutex_lock(&x->tx_mu);
+            for (ssize_t i = 0; i < n; i++) {
+                struct op *op = op_of(x, e[i].op_context);
+                if (!is_tx(op)) continue;
+                if (op->kind != OP_HEARTBEAT) x->traffic = true;
+                /* not proof of life: a send completes into the kernel's buffer of a stopped
+                 * peer; only what the peer sends (its heartbeats) refreshes last_seen */
+                if (op->kind != OP_WRITE) x->tx_free[x->n_tx_free++] = op->buf;
+                tdm_fab_tx_done(x, op);
+            }
+            pthread_mutex_unlock(&x->tx_mu);
+        }
         for (ssize_t i = 0; i < n; i++)
-            handle_completion(x, &e[i]);
+            handle_rx(x, &e[i]);
+        if (tx) tdm_fab_fire_queued(x);
         return true;
     }
     if (n == -FI_EAVAIL) {

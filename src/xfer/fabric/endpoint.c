@@ -23,6 +23,8 @@ void tdm_xfer_config_default(struct tdm_xfer_config *cfg)
     cfg->peer_timeout_ms = 2000;
     cfg->max_jobs = 1024;
     cfg->max_ops = 256;
+    cfg->window_writes = 16;
+    cfg->window_pages = 64;
     cfg->ctrl_bytes = 8192;
     cfg->ctrl_rx_depth = 64;
     cfg->max_peers = 64;
@@ -54,25 +56,37 @@ static tdm_status open_fabric(tdm_xfer_t *x)
         hints->caps = FI_MSG | FI_RMA | (hmem ? FI_HMEM : 0);
         hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
                                       FI_MR_PROV_KEY | FI_MR_ENDPOINT | (hmem ? FI_MR_HMEM : 0);
-        /* Writes must be visible before the immediate that follows them. A provider that
-         * orders write data (FI_ORDER_WAW without a size limit, e.g. tcp;ofi_rxm over one
-         * stream) gives that for free; otherwise ask for delivery-complete writes (the
-         * immediate write is then posted after the others complete), falling back to the
-         * provider's default. */
-        hints->tx_attr->op_flags = 0;
-        rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
-        x->ordered_writes = rc == 0 && (x->info->tx_attr->msg_order & FI_ORDER_WAW) &&
-                            x->info->ep_attr->max_order_waw_size >= (1ull << 30);
-        if (rc == 0 && !x->ordered_writes) {
-            fi_freeinfo(x->info);
+        /* Writes must be visible before the immediate that follows them. First we ask for
+         * write-after-write ordering (FI_ORDER_WAW; shm grants it only when asked): granted
+         * without a size limit, the immediate is posted right behind its data. Else we ask for
+         * fenced writes (FI_FENCE: the provider defers the immediate until the earlier writes
+         * completed). Else delivery-complete writes, and the immediate write is posted after
+         * the others complete (a drain per paged write), falling back to the provider's
+         * default. $TANDEM_XFER_ORDER=fence or =drain skips the stronger modes (tests). */
+        const char *om = getenv("TANDEM_XFER_ORDER");
+        int first = om && !strcmp(om, "drain")   ? ORDER_DRAIN
+                    : om && !strcmp(om, "fence") ? ORDER_FENCE
+                                                 : ORDER_WAW;
+        uint64_t base_caps = hints->caps;
+        rc = -FI_ENODATA;
+        for (int mode = first; mode <= ORDER_DRAIN && rc; mode++) {
+            if (x->info) fi_freeinfo(x->info);
             x->info = NULL;
-            hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+            hints->caps = base_caps | (mode == ORDER_FENCE ? FI_FENCE : 0);
+            hints->tx_attr->msg_order = mode == ORDER_WAW ? FI_ORDER_WAW : 0;
+            hints->tx_attr->op_flags = mode == ORDER_DRAIN ? FI_DELIVERY_COMPLETE : 0;
             rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
-            if (rc) {
+            if (rc == 0 && mode == ORDER_WAW &&
+                (!(x->info->tx_attr->msg_order & FI_ORDER_WAW) ||
+                 x->info->ep_attr->max_order_waw_size < (1ull << 30)))
+                rc = -FI_ENODATA;            /* ordered only up to a size: not enough */
+            if (rc && mode == ORDER_DRAIN) { /* no delivery-complete: the default */
                 hints->tx_attr->op_flags = 0;
                 rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
             }
+            x->order = (enum order_mode)mode;
         }
+        x->ordered_writes = rc == 0 && x->order == ORDER_WAW;
     }
     fi_freeinfo(hints);
     if (rc)
@@ -95,6 +109,15 @@ static tdm_status open_fabric(tdm_xfer_t *x)
     x->caps.max_slot = x->caps.imm_bits == 64 ? (1u << 24) - 1 : (1u << 12) - 1;
     x->caps.max_epoch = x->caps.imm_bits == 64 ? (1u << 16) - 1 : (1u << 8) - 1;
     x->caps.max_index = x->caps.max_slot;
+
+    /* the op pool: the configured window of paged writes really in flight together, and at
+     * least what the provider queues (tx_attr->size); plus the reserve for heartbeats and the
+     * message buffers' sends */
+    int64_t want = (int64_t)x->cfg.window_writes * x->cfg.window_pages + OPS_RESERVED + N_TX_BUFS;
+    want = TDM_MAX(want, (int64_t)x->cfg.max_ops);
+    want = TDM_MAX(want, (int64_t)TDM_MIN(info->tx_attr->size, (size_t)1 << 16));
+    x->n_tx_ops = (int)TDM_MIN(want, (int64_t)(1 << 20));
+    x->n_ops = x->n_tx_ops + x->cfg.ctrl_rx_depth;
 
     if ((rc = fi_fabric(info->fabric_attr, &x->fabric, NULL)))
         return tdm_err_set(TDM_EIO, "xfer: fi_fabric: %s", fi_msg(rc));
@@ -198,7 +221,9 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
         cfg.max_jobs <= 0 || cfg.max_jobs > (1 << 20) || cfg.max_ops <= OPS_RESERVED ||
         cfg.max_ops > (1 << 16) || cfg.ctrl_bytes <= 0 || cfg.ctrl_bytes > (1 << 20) ||
         cfg.ctrl_rx_depth <= 0 || cfg.ctrl_rx_depth > 4096 || cfg.max_peers <= 0 ||
-        cfg.max_peers > 4096 || cfg.max_slots <= 0 || cfg.max_pages_per_write <= 0)
+        cfg.max_peers > 4096 || cfg.max_slots <= 0 || cfg.max_pages_per_write <= 0 ||
+        cfg.max_pages_per_write > (1 << 24) || cfg.window_writes < 0 || cfg.window_writes > 4096 ||
+        cfg.window_pages < 0 || cfg.window_pages > 65536)
         return tdm_err_set(TDM_EINVAL, "xfer: configuration value out of range");
     if (cfg.heartbeat_ms && cfg.peer_timeout_ms && cfg.peer_timeout_ms <= 2 * cfg.heartbeat_ms)
         return tdm_err_set(TDM_EINVAL, "xfer: peer_timeout_ms must exceed 2 x heartbeat_ms");
@@ -217,15 +242,17 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
     x->cfg.node = x->node[0] ? x->node : NULL;
     x->cfg.faults = NULL;
     pthread_mutex_init(&x->mu, NULL);
+    pthread_mutex_init(&x->tx_mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&x->cv, &ca);
     pthread_condattr_destroy(&ca);
-    x->submit_head = x->submit_tail = x->active_head = x->active_tail = -1;
+    x->active_head = x->active_tail = -1;
     x->next_key = 1;
     if (!tdm_xfer_random(&x->nonce, sizeof x->nonce)) {
         st = tdm_err_set(TDM_EIO, "xfer: no random bytes for the engine's nonce");
+        pthread_mutex_destroy(&x->tx_mu);
         pthread_mutex_destroy(&x->mu);
         pthread_cond_destroy(&x->cv);
         free(x);
@@ -236,6 +263,7 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
         if (cfg.fabric_key_bytes < 16 || cfg.fabric_key_bytes > sizeof x->key) {
             st = tdm_err_set(TDM_EINVAL, "xfer: a fabric key of %zu bytes (16 to %zu)",
                              cfg.fabric_key_bytes, sizeof x->key);
+            pthread_mutex_destroy(&x->tx_mu);
             pthread_mutex_destroy(&x->mu);
             pthread_cond_destroy(&x->cv);
             free(x);
@@ -247,29 +275,44 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
     x->cfg.fabric_key = NULL; /* the copy is x->key */
 
     int n_rx = cfg.ctrl_rx_depth;
-    x->n_ops = cfg.max_ops + n_rx;
-    x->ops = calloc((size_t)x->n_ops, sizeof(*x->ops));
-    x->op_free = calloc((size_t)cfg.max_ops, sizeof(int));
-    x->repost = calloc((size_t)n_rx, sizeof(int));
+    /* the run ring: the largest paged write, plus four windows' worth */
+    x->run_cap = (uint64_t)cfg.max_pages_per_write +
+                 4ull * (uint64_t)cfg.window_writes * (uint64_t)cfg.window_pages;
+    x->n_segs = 4u * (uint32_t)cfg.max_jobs;
     x->jobs = calloc((size_t)cfg.max_jobs, sizeof(*x->jobs));
+    x->fireq = calloc((size_t)cfg.max_jobs, sizeof(*x->fireq));
+    x->firing_now = calloc((size_t)cfg.max_jobs, sizeof(*x->firing_now));
+    x->runs = calloc((size_t)x->run_cap, sizeof(*x->runs));
+    x->run_segs = calloc(x->n_segs, sizeof(*x->run_segs));
+    x->repost = calloc((size_t)n_rx, sizeof(int));
     x->peers = calloc((size_t)cfg.max_peers, sizeof(*x->peers));
     x->buf_bytes = ((size_t)TDM_XFER_WIRE_HDR + (size_t)cfg.ctrl_bytes + 63) & ~(size_t)63;
     x->bufs = tdm_alloc_aligned(x->buf_bytes * (size_t)(N_TX_BUFS + n_rx));
     if (faults.delay_imm_ms > 0) x->delay_ring = calloc(DELAY_RING, sizeof(*x->delay_ring));
-    if (!x->ops || !x->op_free || !x->repost || !x->jobs || !x->peers || !x->bufs ||
-        (faults.delay_imm_ms > 0 && !x->delay_ring)) {
+    if (!x->jobs || !x->fireq || !x->firing_now || !x->runs || !x->run_segs || !x->repost ||
+        !x->peers || !x->bufs || (faults.delay_imm_ms > 0 && !x->delay_ring)) {
         st = tdm_err_set(TDM_ENOMEM, "xfer: out of memory");
         goto out_destroy;
     }
-    for (int i = 0; i < cfg.max_ops; i++)
-        x->op_free[x->n_op_free++] = cfg.max_ops - 1 - i;
     for (int i = 0; i < cfg.max_jobs; i++)
         x->jobs[i].next = i + 1 < cfg.max_jobs ? i + 1 : -1;
     x->job_free = 0;
     for (int i = 0; i < N_TX_BUFS; i++)
         x->tx_free[x->n_tx_free++] = i;
 
-    if ((st = open_fabric(x)) != TDM_OK) goto out_destroy;
+    if ((st = open_fabric(x)) != TDM_OK) goto out_destroy; /* sizes the op pool */
+    x->ops = calloc((size_t)x->n_ops, sizeof(*x->ops));
+    x->op_free = calloc((size_t)x->n_tx_ops, sizeof(int));
+    if (!x->ops || !x->op_free) {
+        st = tdm_err_set(TDM_ENOMEM, "xfer: out of memory");
+        goto out_destroy;
+    }
+    for (int i = 0; i < x->n_tx_ops; i++)
+        x->op_free[x->n_op_free++] = x->n_tx_ops - 1 - i;
+    /* writes are posted by the threads that submit them where the domain is thread-safe */
+    const char *pm = getenv("TANDEM_XFER_POST");
+    x->caller_posts =
+        x->info->domain_attr->threading == FI_THREAD_SAFE && !(pm && !strcmp(pm, "thread"));
     uint32_t slots = TDM_MIN((uint32_t)cfg.max_slots, x->caps.max_slot + 1);
     if ((st = tdm_xfer_counters_create(slots, x->caps.max_index + 1, &x->counters)) != TDM_OK)
         goto out_destroy;
@@ -278,7 +321,7 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
                       &x->bufs_mr, &key_unused, &x->bufs_desc)) != TDM_OK)
         goto out_destroy;
     for (int i = 0; i < n_rx; i++) {
-        int o = cfg.max_ops + i;
+        int o = x->n_tx_ops + i;
         x->ops[o] =
             (struct op){.kind = OP_RECV, .job = -1, .peer = UINT32_MAX, .buf = N_TX_BUFS + i};
         if ((st = tdm_fab_post_recv(x, o)) != TDM_OK) goto out_destroy;
@@ -288,9 +331,14 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
         goto out_destroy;
     }
     x->thread_started = true;
-    TDM_DEBUG("xfer: %s endpoint up (%d-bit immediates, mr_mode 0x%llx, delivery complete %d)",
+    TDM_DEBUG("xfer: %s endpoint up (%d-bit immediates, mr_mode 0x%llx, delivery complete %d, "
+              "ordering %s, %d transmit ops, posting from %s)",
               x->caps.provider, x->caps.imm_bits, (unsigned long long)x->caps.mr_mode,
-              x->caps.delivery_complete);
+              x->caps.delivery_complete,
+              x->order == ORDER_WAW     ? "waw"
+              : x->order == ORDER_FENCE ? "fence"
+                                        : "drain",
+              x->n_tx_ops, x->caller_posts ? "callers" : "the progress thread");
     *out = x;
     return TDM_OK;
 
@@ -310,12 +358,16 @@ void tdm_xfer_destroy(tdm_xfer_t *x)
         pthread_join(x->thread, NULL);
     }
     /* everything not finished ends as cancelled, on this thread */
-    tdm_fab_take_submissions(x);
-    for (int j = x->active_head; j >= 0; j = x->jobs[j].next)
-        if (x->jobs[j].state == JOB_ACTIVE) {
-            tdm_err_set(TDM_ECANCELED, "xfer: engine destroyed");
-            tdm_fab_job_finish(x, j, TDM_ECANCELED);
-        }
+    if (x->jobs) {
+        pthread_mutex_lock(&x->tx_mu);
+        for (int j = x->active_head; j >= 0; j = x->jobs[j].next)
+            if (x->jobs[j].state == JOB_ACTIVE) {
+                tdm_err_set(TDM_ECANCELED, "xfer: engine destroyed");
+                tdm_fab_job_finish(x, j, TDM_ECANCELED);
+            }
+        pthread_mutex_unlock(&x->tx_mu);
+        tdm_fab_fire_queued(x);
+    }
     if (x->ep) fi_close(&x->ep->fid);
     if (x->bufs_mr) fi_close(&x->bufs_mr->fid);
     if (x->av) fi_close(&x->av->fid);
@@ -325,17 +377,20 @@ void tdm_xfer_destroy(tdm_xfer_t *x)
     if (x->info) fi_freeinfo(x->info);
     tdm_xfer_counters_destroy(x->counters);
     if (x->jobs)
-        for (int j = 0; j < x->cfg.max_jobs; j++) {
-            free(x->jobs[j].runs);
+        for (int j = 0; j < x->cfg.max_jobs; j++)
             free(x->jobs[j].msg);
-        }
     free(x->delay_ring);
     tdm_free_aligned(x->bufs);
     free(x->peers);
     free(x->jobs);
+    free(x->fireq);
+    free(x->firing_now);
+    free(x->runs);
+    free(x->run_segs);
     free(x->repost);
     free(x->op_free);
     free(x->ops);
+    pthread_mutex_destroy(&x->tx_mu);
     pthread_mutex_destroy(&x->mu);
     pthread_cond_destroy(&x->cv);
     explicit_bzero(x->key, sizeof x->key);

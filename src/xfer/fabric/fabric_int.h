@@ -8,34 +8,58 @@
  *   cq.c        completions, received messages and immediates (through the fault layer);
  *   progress.c  the progress thread and its timers.
  *
- * Shape. User threads never touch the endpoint: tdm_xfer_write_pages / _write / _send validate,
- * merge pages into runs, take a job from a fixed pool and append it to the submit queue (bounded:
- * TDM_EAGAIN when the pool is empty). The progress thread alone posts fabric operations, reads
- * the CQ (this is what keeps tcp;ofi_rxm's manual progress moving on both sides), counts
- * immediates, runs timers (deadlines, heartbeats, peer liveness, delayed immediates) and fires
- * callbacks. Only memory registration and address-vector inserts are called from user threads,
- * which the FI_THREAD_SAFE domain allows.
+ * Shape (issue 24). A write is posted by the thread that submits it: tdm_xfer_write_pages /
+ * _write validate, take a job from a fixed pool, merge the pages into runs held in a
+ * preallocated ring (no allocation per write), append the job to the active list and post its
+ * runs right there, under tx_mu, when the domain is FI_THREAD_SAFE (every provider we open:
+ * the hints ask for it; $TANDEM_XFER_POST=thread forces the hand-off). What the caller could
+ * not post (the provider or the op pool pushed back, an earlier job still waits, the immediate
+ * waits for its drain, an injected failure) stays on the active list and the progress thread
+ * posts or fails it. Sends go through the same list; the progress thread posts them, since it
+ * owns the message buffers. The progress thread reads the CQ without holding tx_mu, takes it
+ * once per batch of transmit completions, and fires every done callback itself, outside the
+ * lock: callbacks never run on a submitting thread, and they may submit. The bounded pools
+ * (jobs, runs, ops) answer TDM_EAGAIN when full (counted in writes_refused); a provider's
+ * -FI_EAGAIN is counted in eagain_retries and retried after progress.
  *
- * A job's life (the progress thread performs every transition after QUEUED):
+ * Locks. x->mu guards the peer table's slow state (hello, proof, death) and the cv that
+ * tdm_xfer_peer_wait sleeps on. tx_mu guards the transmit side: jobs, the active list, the run
+ * ring, the op pool, the fault layer's write sequence. They are never held together. Hot paths
+ * take neither: a message from a proven peer finds it by `live_nonce` and refreshes its
+ * `last_seen_ns` with atomics; an RMA immediate goes straight to the counters (whose table has
+ * its own short mutex). Transmit completions take tx_mu once per batch read from the CQ.
  *
- *            submit            taken by the thread        all runs completed
- *   FREE ----------> QUEUED -------------------> ACTIVE --------------------> FREE   done(OK)
- *                      |                          |  deadline / peer death / completion error /
- *                      | peer dead, stop          |  injected failure
- *                      +------> FREE done(err)    v
- *                                               DONE (done(err) fired; fabric ops still in flight)
- *                                                 |  last in-flight op completes (or destroy)
- *                                                 +----> FREE
+ * Idle policy: the progress thread yields after a poll that found nothing (the posting threads
+ * and, on shared cores, the peer then run), keeps polling while traffic is recent or a counter
+ * is armed, and sleeps once idle (the default); or it spins without ever yielding or sleeping
+ * (busy_poll, for latency-critical deployments).
  *
- * A write job posts its runs concurrently; the run carrying the immediate goes last. When the
- * provider orders write data (FI_ORDER_WAW without a size limit: tcp;ofi_rxm) it is posted right
- * behind the others; otherwise the runs are delivery-complete writes (when offered) and the
- * immediate run waits until they have completed. Either way an immediate means "all bytes of
- * this write landed" (DESIGN.md §4: the decoder counts immediates, never completion messages).
+ * A job's life (transitions under tx_mu; ACTIVE -> DONE by the poster, the completions, the
+ * deadlines or a peer's death; the done callback fires on the progress thread):
  *
- * Op contexts: every posted operation's context is an entry of `ops` (fixed pool, max_ops for
- * transmit plus one per preposted receive); an op outlives a timed-out job until the provider
- * reports it, so a late completion never touches freed memory.
+ *            submit (posts what it can)   all runs completed
+ *   FREE ---------------------> ACTIVE --------------------> FREE   done(OK)
+ *                                 |  deadline / peer death / completion error /
+ *                                 |  injected failure / post error
+ *                                 v
+ *                               DONE (done(err) queued; fabric ops may still be in flight)
+ *                                 |  callback fired and last in-flight op completes (or destroy)
+ *                                 +----> FREE
+ *
+ * Ordering: an immediate never overtakes the data it vouches for. A write job posts its runs
+ * concurrently; the run carrying the immediate goes last. We ask the provider for
+ * FI_ORDER_WAW: when it grants it without a size limit (tcp;ofi_rxm, and shm once asked), the
+ * immediate is posted right behind the other runs. Else, with FI_FENCE, the immediate run is
+ * posted at once as a fenced write (the provider defers it until the earlier writes to that
+ * peer completed). Else the runs are delivery-complete writes (when offered) and the immediate
+ * run waits until they have completed (a drain per paged write; $TANDEM_XFER_ORDER=drain or
+ * =fence forces a weaker mode, for tests). Either way an immediate means "all bytes of this
+ * write landed" (DESIGN.md §4: the decoder counts immediates, never completion messages).
+ *
+ * Op contexts: every posted operation's context is an entry of `ops` (fixed pool, sized for the
+ * configured window of paged writes and at least the provider's tx_attr->size, plus one per
+ * preposted receive); an op outlives a timed-out job until the provider reports it, so a late
+ * completion never touches freed memory.
  *
  * Peers: a peer entry is made by tdm_xfer_peer_add (we send hello) or by a hello from an unknown
  * sender (we insert its address and hello back). Every message carries the sender's random nonce,
@@ -85,7 +109,8 @@
 #define HELD_MAX        64
 #define HELLO_GAP_NS    (100ull * 1000000ull) /* answers to hellos are this far apart */
 
-enum job_state { JOB_FREE = 0, JOB_QUEUED, JOB_ACTIVE, JOB_DONE };
+enum job_state { JOB_FREE = 0, JOB_ACTIVE, JOB_DONE };
+enum order_mode { ORDER_WAW = 0, ORDER_FENCE, ORDER_DRAIN };
 enum job_kind { JOB_WRITE = 0, JOB_SEND };
 enum op_kind { OP_FREE = 0, OP_WRITE, OP_SEND, OP_HEARTBEAT, OP_RECV };
 
@@ -96,13 +121,16 @@ struct job {
     uint64_t deadline_ns;
     tdm_xfer_done_fn done;
     void *ctx;
-    int next; /* submit queue or active list link; -1 ends */
+    int next; /* free list or active list link; -1 ends */
     /* write */
     tdm_xfer_mr_t *src;
     struct tdm_xfer_rmem dst;
-    struct tdm_xfer_run *runs; /* [n_runs], malloc'd at submit */
+    struct tdm_xfer_run *runs; /* [n_runs] inside x->runs (the ring); NULL once released */
+    uint32_t ring_entry;       /* its entry in x->run_segs */
     uint32_t n_runs, next_run, ops_in_flight;
     bool has_imm;
+    bool firing;  /* its callback is queued in x->fireq: not released before it fired */
+    int post_err; /* a post by the submitting thread failed (-FI_*): the progress thread fails it */
     uint64_t imm_data;
     /* send: the whole message, header included */
     uint8_t *msg;
@@ -130,7 +158,17 @@ struct peer {
     uint8_t addr[ADDR_RAW_MAX];
     size_t addr_bytes;
     uint64_t nonce;
-    uint64_t last_seen_ns, last_hb_ns;
+    uint64_t last_seen_ns; /* atomic: refreshed without x->mu by handle_message */
+    uint64_t last_hb_ns;
+    uint64_t live_nonce; /* atomic: its nonce while known and alive, else 0 (set under x->mu) */
+};
+
+/* A queued done callback (progress thread). */
+struct firing {
+    tdm_xfer_done_fn done;
+    void *ctx;
+    tdm_status st;
+    char msg[200];
 };
 
 struct held_imm {
@@ -166,23 +204,40 @@ struct tdm_xfer {
     int tx_free[N_TX_BUFS];
     int n_tx_free;
 
-    struct op *ops; /* [n_ops]: transmit ops then ctrl_rx_depth receive ops */
-    int n_ops;
-    int *op_free; /* stack of free transmit op indices */
+    struct op *ops; /* [n_ops]: n_tx_ops transmit ops then ctrl_rx_depth receive ops */
+    int n_ops, n_tx_ops;
+    int *op_free; /* stack of free transmit op indices (tx_mu) */
     int n_op_free;
     int *repost; /* receive ops whose fi_recv met -FI_EAGAIN */
     int n_repost;
 
-    pthread_mutex_t mu; /* guards jobs' FREE/QUEUED states, free list, submit queue, peers */
+    pthread_mutex_t mu; /* guards the peers' slow state (see the top of this file) */
     pthread_cond_t cv;  /* peer state changes */
-    struct job *jobs;   /* [max_jobs] */
-    int job_free;       /* free list head */
-    int submit_head, submit_tail;
     struct peer *peers; /* [max_peers] */
-    uint32_t n_peers;
+    uint32_t n_peers;   /* written under mu, read atomically */
     uint64_t next_key;
 
-    int active_head, active_tail; /* progress thread only */
+    /* the transmit side, under tx_mu */
+    pthread_mutex_t tx_mu;
+    struct job *jobs; /* [max_jobs] */
+    int job_free;     /* free list head */
+    int active_head, active_tail;
+    /* runs of the jobs still posting: [run_cap] ring, allocated at run_head, freed in
+     * allocation order through run_segs ([n_segs] ends of segments, oldest at seg_tail) */
+    struct tdm_xfer_run *runs;
+    uint64_t run_cap, run_head, run_tail;
+    struct {
+        uint64_t end;
+        bool held;
+    } * run_segs;
+    uint32_t n_segs, seg_head, seg_tail;
+    bool backlog;      /* a job has runs the progress thread must post first (FIFO) */
+    bool caller_posts; /* FI_THREAD_SAFE: submitting threads post their own writes */
+    bool work; /* atomic: a submission or an end since the last reap (the progress thread takes
+                  tx_mu only when there is something to do) */
+    struct firing *fireq; /* [max_jobs] callbacks to fire, outside tx_mu */
+    int n_fireq;
+    struct firing *firing_now; /* [max_jobs] the progress thread's copy while firing */
 
     tdm_xfer_counters_t *counters;
     struct tdm_xfer_stats stats; /* updated with atomics */
@@ -198,8 +253,10 @@ struct tdm_xfer {
     int n_held;
 
     bool ordered_writes;   /* the provider places write data in posting order */
+    enum order_mode order; /* how an immediate is kept behind its data */
     bool traffic;          /* a completion other than a heartbeat's since the last poll */
-    bool pushed_back;      /* the provider or the op pool refused a post: wait for completions */
+    bool pushed_back;      /* the provider or the op pool refused a post: wait for completions
+                              (tx_mu) */
     int pushed_back_polls; /* polls since, bounded so a push-back can never stall posting */
 
     pthread_t thread;
@@ -229,7 +286,13 @@ static inline const char *fi_msg(int rc)
 }
 
 /* ---- shared between the files of the transport (progress thread unless marked) ---- */
+/* Ends job j with st and the thread's current message (tx_mu held); its callback is queued
+ * and fired by tdm_fab_fire_queued. */
 void tdm_fab_job_finish(tdm_xfer_t *x, int j, tdm_status st);
+/* Fires the queued done callbacks (progress thread or destroy; tx_mu not held). */
+void tdm_fab_fire_queued(tdm_xfer_t *x);
+/* Publishes a peer's live_nonce from its state (mu held). */
+void tdm_fab_peer_publish(struct peer *p);
 /* gone: the connection failed (a completion error, a goodbye), not just silence */
 void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why, bool gone);
 tdm_status tdm_fab_peer_find_or_insert_locked(tdm_xfer_t *x, const uint8_t *raw, size_t n,
@@ -242,11 +305,13 @@ void tdm_fab_proof(const tdm_xfer_t *x, const uint8_t chal[TDM_XFER_CHALLENGE], 
                    uint64_t to, uint8_t out[TDM_XFER_PROOF]);
 void tdm_fab_send_auth(tdm_xfer_t *x, uint32_t peer);
 void tdm_fab_fault_timers(tdm_xfer_t *x, uint64_t now);
-int tdm_fab_op_get(tdm_xfer_t *x, int reserve);
+int tdm_fab_op_get(tdm_xfer_t *x, int reserve); /* tx_mu held, as op_put */
 void tdm_fab_op_put(tdm_xfer_t *x, int o);
 tdm_status tdm_fab_post_recv(tdm_xfer_t *x, int o);
-void tdm_fab_reap_and_post(tdm_xfer_t *x);
-void tdm_fab_take_submissions(tdm_xfer_t *x);
+/* progressed: something completed since the last call (ends a push-back). */
+void tdm_fab_reap_and_post(tdm_xfer_t *x, bool progressed);
+/* A transmit op's completion (tx_mu held; a send's buffer already returned). */
+void tdm_fab_tx_done(tdm_xfer_t *x, struct op *op);
 bool tdm_fab_send_heartbeat(tdm_xfer_t *x, uint32_t peer);
 bool tdm_fab_handle_cq_result(tdm_xfer_t *x, const struct fi_cq_data_entry *e, ssize_t n);
 void *tdm_fab_progress_main(void *arg);

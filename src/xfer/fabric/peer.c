@@ -1,7 +1,9 @@
 /*
  * Peers of the libfabric transport: the address table, hello, liveness (heartbeats,
  * last_seen), and death, which fails everything queued, pending or armed for the peer. Under
- * x->mu; the progress thread declares deaths, user threads add and wait for peers.
+ * x->mu, except what the hot paths read without it: n_peers, each peer's `dead`, `live_nonce`
+ * and `last_seen_ns` (written with atomics). The progress thread declares deaths, user threads
+ * add and wait for peers.
  */
 #include <errno.h>
 #include <netinet/in.h>
@@ -18,12 +20,19 @@
 
 #include "xfer/fabric/fabric_int.h"
 
+void tdm_fab_peer_publish(struct peer *p)
+{
+    uint64_t live = p->nonce_set && p->known && !p->dead ? p->nonce : 0;
+    __atomic_store_n(&p->live_nonce, live, __ATOMIC_RELEASE);
+}
+
 void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why, bool gone)
 {
     pthread_mutex_lock(&x->mu);
     bool was = x->peers[p].dead;
-    x->peers[p].dead = true;
+    __atomic_store_n(&x->peers[p].dead, true, __ATOMIC_RELEASE);
     x->peers[p].known = false;
+    tdm_fab_peer_publish(&x->peers[p]);
     if (gone) x->peers[p].gone = true;
     pthread_cond_broadcast(&x->cv);
     pthread_mutex_unlock(&x->mu);
@@ -33,6 +42,7 @@ void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why, bool 
     else
         TDM_WARN("xfer: peer %u is dead: %s", p, why);
     /* active jobs for it */
+    pthread_mutex_lock(&x->tx_mu);
     for (int j = x->active_head; j >= 0; j = x->jobs[j].next) {
         struct job *jb = &x->jobs[j];
         if (jb->peer == p && jb->state == JOB_ACTIVE) {
@@ -40,6 +50,8 @@ void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why, bool 
             tdm_fab_job_finish(x, j, TDM_EPEER);
         }
     }
+    pthread_mutex_unlock(&x->tx_mu);
+    tdm_fab_fire_queued(x);
     tdm_xfer_counters_fail_peer(x->counters, p, TDM_EPEER);
     if (x->cfg.on_peer) x->cfg.on_peer(x->cfg.on_peer_ctx, p, false);
 }
@@ -95,15 +107,16 @@ tdm_status tdm_fab_peer_find_or_insert_locked(tdm_xfer_t *x, const uint8_t *raw,
     } else if (i == UINT32_MAX) {
         int rc = fi_av_insert(x->av, raw, 1, &fa, 0, NULL);
         if (rc != 1) return tdm_err_set(TDM_EINVAL, "xfer: fi_av_insert failed: %s", fi_msg(rc));
-        i = x->n_peers++;
+        i = x->n_peers;
     }
     struct peer *p = &x->peers[i];
-    memset(p, 0, sizeof(*p));
+    memset(p, 0, sizeof(*p)); /* dead no more, live_nonce 0 until its hello */
     p->used = true;
     p->fi = fa;
     memcpy(p->addr, raw, n);
     p->addr_bytes = n;
-    p->last_seen_ns = tdm_now_ns();
+    __atomic_store_n(&p->last_seen_ns, tdm_now_ns(), __ATOMIC_RELAXED);
+    if (i == x->n_peers) __atomic_store_n(&x->n_peers, i + 1, __ATOMIC_RELEASE);
     if (!tdm_xfer_random(p->my_chal, sizeof p->my_chal))
         return tdm_err_set(TDM_EIO, "xfer: no random bytes for a challenge");
     *out = i;
@@ -159,18 +172,21 @@ void tdm_fab_send_hello(tdm_xfer_t *x, uint32_t peer)
 bool tdm_fab_send_heartbeat(tdm_xfer_t *x, uint32_t peer)
 {
     if (!x->n_tx_free) return false;
+    pthread_mutex_lock(&x->tx_mu);
     int o = tdm_fab_op_get(x, 0);
-    if (o < 0) return false;
+    if (o < 0) {
+        pthread_mutex_unlock(&x->tx_mu);
+        return false;
+    }
     int b = x->tx_free[x->n_tx_free - 1];
     uint8_t *buf = x->bufs + (size_t)b * x->buf_bytes;
     tdm_xfer_wire_put_hdr(buf, TDM_XFER_MSG_HEARTBEAT, x->nonce, 0);
     x->ops[o] = (struct op){.kind = OP_HEARTBEAT, .job = -1, .peer = peer, .buf = b};
     int rc = (int)fi_send(x->ep, buf, TDM_XFER_WIRE_HDR, x->bufs_desc, x->peers[peer].fi,
                           &x->ops[o].fctx);
-    if (rc) {
-        tdm_fab_op_put(x, o);
-        return false;
-    }
+    if (rc) tdm_fab_op_put(x, o);
+    pthread_mutex_unlock(&x->tx_mu);
+    if (rc) return false;
     x->n_tx_free--;
     STAT_ADD(x, heartbeats_sent, 1);
     return true;
@@ -189,7 +205,7 @@ tdm_status tdm_xfer_peer_add(tdm_xfer_t *x, const char *addr, uint32_t *peer)
     if (st == TDM_OK) {
         hello = !x->peers[p].hello_sent;
         x->peers[p].hello_sent = true;
-        x->peers[p].last_seen_ns = tdm_now_ns();
+        __atomic_store_n(&x->peers[p].last_seen_ns, tdm_now_ns(), __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&x->mu);
     if (st != TDM_OK) return st;

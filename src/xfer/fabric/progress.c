@@ -1,7 +1,8 @@
 /*
- * The progress thread of the libfabric transport: the only caller of the endpoint and CQ after
- * setup. Each turn takes submissions, posts, reads the CQ and runs the timers (deadlines,
- * heartbeats, peer liveness, delayed immediates).
+ * The progress thread of the libfabric transport: the only reader of the CQ. Each turn reads
+ * the CQ (completions, messages, immediates), posts what submitting threads left (sends, writes
+ * the provider pushed back, drained immediates), fires done callbacks, and runs the timers
+ * (deadlines, heartbeats, peer liveness, delayed immediates).
  */
 #include <errno.h>
 #include <sched.h>
@@ -14,11 +15,14 @@
 #include "xfer/fabric/fabric_int.h"
 
 /* Idle policy: keep polling (yielding the core between polls) for IDLE_SPIN_NS after the last
- * traffic (incoming RMA makes no completion on the target until its immediate, yet tcp;ofi_rxm
- * and shm need the target's progress to move the bytes), then poll every IDLE_SLEEP_NS, and
+ * traffic, and while an immediate counter is armed (incoming RMA makes no completion on the
+ * target until its immediate, yet tcp;ofi_rxm and shm need the target's progress to move the
+ * bytes: paged writes of 64 pages of 1 MiB leave 20 ms and more between immediates, and polls
+ * 50 us apart capped the rate at about 1 GB/s), then poll every IDLE_SLEEP_NS, and
  * every IDLE_DEEP_SLEEP_NS once idle for IDLE_DEEP_NS (an idle server costs little CPU).
  * Heartbeats are not traffic, so an idle engine mostly sleeps. No fi_cq_sread: Debian's 1.17 shm
- * blocked in it past its timeout. */
+ * blocked in it past its timeout. With busy_poll the thread never yields nor sleeps: the lowest
+ * latency, a core for each engine. */
 #define IDLE_SPIN_NS       20000000ull
 #define IDLE_SLEEP_NS      50000
 #define IDLE_DEEP_NS       200000000ull
@@ -26,6 +30,7 @@
 
 static void timers(tdm_xfer_t *x, uint64_t now)
 {
+    pthread_mutex_lock(&x->tx_mu);
     for (int j = x->active_head; j >= 0; j = x->jobs[j].next) {
         struct job *jb = &x->jobs[j];
         if (jb->state == JOB_ACTIVE && jb->deadline_ns <= now) {
@@ -37,6 +42,8 @@ static void timers(tdm_xfer_t *x, uint64_t now)
             tdm_fab_job_finish(x, j, TDM_ETIMEDOUT);
         }
     }
+    pthread_mutex_unlock(&x->tx_mu);
+    tdm_fab_fire_queued(x);
     tdm_xfer_counters_expire(x->counters, now);
     uint64_t hb_ns = (uint64_t)x->cfg.heartbeat_ms * 1000000ull;
     uint64_t dead_ns = (uint64_t)x->cfg.peer_timeout_ms * 1000000ull;
@@ -49,7 +56,8 @@ static void timers(tdm_xfer_t *x, uint64_t now)
         struct peer p = x->peers[i];
         pthread_mutex_unlock(&x->mu);
         if (p.dead) continue;
-        if (dead_ns && now > p.last_seen_ns && now - p.last_seen_ns > dead_ns) {
+        uint64_t seen = __atomic_load_n(&x->peers[i].last_seen_ns, __ATOMIC_RELAXED);
+        if (dead_ns && now > seen && now - seen > dead_ns) {
             char why[96];
             snprintf(why, sizeof(why), "nothing heard for %d ms", x->cfg.peer_timeout_ms);
             tdm_fab_peer_declare_dead(x, i, why, false);
@@ -75,6 +83,7 @@ static void timers(tdm_xfer_t *x, uint64_t now)
 void *tdm_fab_progress_main(void *arg)
 {
     tdm_xfer_t *x = arg;
+    const bool busy_poll = x->cfg.busy_poll;
     uint64_t last_timer = 0, last_activity = tdm_now_ns();
     while (!x->stop) {
         if (x->n_repost) {
@@ -84,33 +93,29 @@ void *tdm_fab_progress_main(void *arg)
                 if (tdm_fab_post_recv(x, x->repost[i]) != TDM_OK)
                     TDM_ERROR("xfer: %s", tdm_err_msg());
         }
-        tdm_fab_take_submissions(x);
-        tdm_fab_reap_and_post(x);
         struct fi_cq_data_entry e[32];
         bool busy = tdm_fab_handle_cq_result(x, e, fi_cq_read(x->cq, e, TDM_ARRAY_LEN(e)));
-        /* after a push-back (-FI_EAGAIN or no free op), post again only once something completed,
-         * yielding meanwhile so the peer's progress (often on the same cores) can drain */
-        if (x->pushed_back) {
-            if (busy) {
-                x->pushed_back = false;
-                x->pushed_back_polls = 0;
-            } else if (++x->pushed_back_polls > 64) {
-                x->pushed_back = false;
-                x->pushed_back_polls = 0;
-            } else
-                sched_yield();
-        }
+        tdm_fab_reap_and_post(x, busy);
+        /* after a push-back (-FI_EAGAIN or no free op), posting resumes once something
+         * completed; yield meanwhile so the peer's progress (often on the same cores) drains */
+        if (__atomic_load_n(&x->pushed_back, __ATOMIC_RELAXED) && !busy && !busy_poll)
+            sched_yield();
         uint64_t now = tdm_now_ns();
         if (now - last_timer >= 1000000ull) {
             timers(x, now);
             last_timer = now;
         }
-        if (x->traffic || x->active_head >= 0) {
+        if (x->traffic || __atomic_load_n(&x->active_head, __ATOMIC_RELAXED) >= 0) {
+            /* operations in flight but nothing completed: let the posting threads (and, on
+             * shared cores, the peer) run rather than contend for the provider's lock */
+            if (!busy && !x->traffic && !busy_poll) sched_yield();
             x->traffic = false;
             last_activity = now;
             continue;
         }
-        if (now - last_activity < IDLE_SPIN_NS) {
+        if (busy_poll) continue;
+        /* an armed counter waits for bytes that only our progress moves */
+        if (now - last_activity < IDLE_SPIN_NS || tdm_xfer_counters_n_armed(x->counters)) {
             sched_yield(); /* spin, but let the kernel's network work and the peer run */
             continue;
         }
