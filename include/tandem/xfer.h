@@ -145,7 +145,7 @@ struct tdm_xfer_stats {
     uint64_t imm_dropped, imm_delayed, imm_duplicated, imm_reordered; /* fault injection */
     uint64_t auth_ok, auth_failed; /* peers that proved the fabric key, and bad proofs */
     uint64_t unauth_dropped;       /* messages and immediates from peers not (yet) proven */
-    uint64_t writes_refused;       /* submissions answered TDM_EAGAIN (jobs or run ring full) */
+    uint64_t writes_refused;       /* writes answered TDM_EAGAIN (jobs or run ring full) */
     uint64_t caller_posts;         /* writes posted (at least in part) by their submitting thread */
 };
 

@@ -842,7 +842,9 @@ static void test_backpressure_bounded(void **state)
     free(src);
     free(dst);
     assert_int_equal(waited, TDM_OK);
-    assert_true(accepted >= 4);
+    /* the pool bounds what is queued (heartbeats and hellos share its four jobs, so fewer than
+     * four writes may find room), and what it refused is what the stats count */
+    assert_true(accepted >= 1 && refused >= 1 && accepted + refused == 200);
     assert_int_equal(xs.writes_refused, (uint64_t)refused);
 }
 

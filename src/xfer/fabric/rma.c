@@ -142,7 +142,7 @@ static tdm_status submit(tdm_xfer_t *x, const struct job *tmpl, const struct tdm
     int j = job_alloc(x);
     if (j < 0) {
         pthread_mutex_unlock(&x->tx_mu);
-        STAT_ADD(x, writes_refused, 1);
+        if (tmpl->kind == JOB_WRITE) STAT_ADD(x, writes_refused, 1); /* not a heartbeat's send */
         return tdm_err_set(TDM_EAGAIN, "xfer: %d operations already queued", x->cfg.max_jobs);
     }
     struct job *jb = &x->jobs[j];
