@@ -60,7 +60,7 @@ int tdm_tool_serve_placement(int n_ranks, bool cuda, int cuda_device, const char
                              struct tdm_placement *out, char *pin, size_t pin_cap)
 {
     char ids[64][32];
-    const char *gpus[64];
+    const char *gpus[64] = {0};
     for (int r = 0; r < n_ranks && r < 64; r++) {
         ids[r][0] = '\0';
         if (cuda && tdm_cuda_device_pci(cuda_device + r, ids[r], sizeof ids[r]) != TDM_OK)
@@ -68,14 +68,8 @@ int tdm_tool_serve_placement(int n_ranks, bool cuda, int cuda_device, const char
         gpus[r] = ids[r];
     }
     bool here = false;
-    tdm_topo_t *t = NULL;
-    tdm_status st = tdm_topo_open(NULL, &t);
-    if (st == TDM_OK) st = tdm_topo_place(t, n_ranks, gpus, out);
-    here = t && tdm_topo_is_this_system(t);
-    tdm_topo_close(t);
-    if (st != TDM_OK) {
-        fprintf(stderr, "tandem serve: warning: no placement (%s); transfer threads not pinned\n",
-                tdm_err_msg());
+    if (tdm_tool_place(NULL, n_ranks, gpus, out, &here)) {
+        fprintf(stderr, "tandem serve: warning: no placement; transfer threads not pinned\n");
         if (pin_cap) pin[0] = '\0';
         return 1;
     }

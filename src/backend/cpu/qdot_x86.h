@@ -38,6 +38,15 @@
 #define QDOT_X86_COMMON
 #define QAI static inline __attribute__((always_inline))
 
+/* The next tile's copy of a row's `lines` 64-byte lines (each row prefetches the same bytes of
+ * the rows `ahead` further on). */
+QAI void qdot_prefetch(const uint8_t *blk, size_t ahead, int lines)
+{
+#pragma GCC unroll 4
+    for (int l = 0; l < lines; l++)
+        _mm_prefetch((const char *)blk + ahead + 64 * l, _MM_HINT_T0);
+}
+
 /* A tile's results: row i of column c (its bias added) from lane i of acc[c]. */
 QAI void qdot_store(const struct tdm_cpu_qtile *t, const __m128 *acc, int R, int C)
 {
@@ -159,9 +168,7 @@ QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q4k)(const struct tdm_cpu_qtile *t,
                 continue;
             }
             const uint8_t *blk = blk0 + (size_t)i * rb;
-            _mm_prefetch((const char *)blk + ahead, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + ahead + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + ahead + 128, _MM_HINT_T0);
+            qdot_prefetch(blk, ahead, 3);
             qdot_q4k_scale_mins(blk + offsetof(struct block_q4_K, scales), &sc[i], &mn[i]);
         }
         __m128 d, dmin, dw[8], dm[8];
@@ -230,10 +237,7 @@ QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q6k)(const struct tdm_cpu_qtile *t,
                 continue;
             }
             const uint8_t *blk = blk0 + (size_t)i * rb;
-            _mm_prefetch((const char *)blk + ahead, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + ahead + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + ahead + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + ahead + 192, _MM_HINT_T0);
+            qdot_prefetch(blk, ahead, 4);
             const __m128i s8 =
                 _mm_loadu_si128((const __m128i *)(blk + offsetof(struct block_q6_K, scales)));
             s0[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8));
