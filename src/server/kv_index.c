@@ -18,7 +18,13 @@
  *            router's own picks, tdm_kv_index_pend): a backend computing a block will hold it,
  *            so a match counts it, as Dynamo's router counts a worker's active blocks; this
  *            is what sends concurrent requests of one new prefix to one backend before any
- *            event about it can have come back.
+ *            event about it can have come back. When its last request ends, an entry *lands*:
+ *            it still counts for TDM_KV_LANDING_MS, or until the backend's BlockStored for
+ *            it comes in (then the blocks table holds it), whichever is first. Without that,
+ *            a prefix whose events lag (a loaded backend, a slow subscriber) would look
+ *            half-held right after its request ended, and its next request could go by load
+ *            to a backend that must compute it again. A FIFO of landing entries (their
+ *            deadlines ascend) expires them; a full FIFO expires its oldest early.
  * A full table refuses inserts (counted), and an event whose parent the index does not know
  * (a message lost at the subscriber's high-water mark, or sent before the router subscribed)
  * stores nothing (counted as an orphan): the index under-reports, never invents.
@@ -245,14 +251,28 @@ struct hsh {
     uint64_t id;  /* tdm_hash_mix(backend, hash); 0: empty */
     uint64_t key; /* the block's router key */
     int32_t backend;
-    uint32_t n; /* pending: requests in flight with the block (0 in hashes) */
+    uint32_t n; /* unused (0) */
+};
+struct pnd {
+    uint64_t id;   /* pend_id(backend, key); 0: empty */
+    uint64_t key;  /* the block's router key */
+    int64_t until; /* n == 0: landed, counts until this time (ms) */
+    int32_t backend;
+    uint32_t n; /* requests in flight there with the block */
+};
+#define LANDING_FIFO 8192
+struct landing {
+    uint64_t id;
+    int64_t until;
 };
 
 struct tdm_kv_index {
     struct blk *blk;
     struct hsh *hsh;
-    struct hsh *pnd; /* (backend, key) -> requests in flight there with that block (n) */
+    struct pnd *pnd; /* (backend, key) -> requests in flight there with that block (n) */
     size_t mask, n_blk, n_hsh, n_pnd;
+    struct landing *fifo; /* landed pending entries, oldest first (a ring) */
+    size_t fifo_head, fifo_n;
     int block_size; /* 0 until the first stored block */
     int64_t held[MAX_BACKENDS];
     struct tdm_kv_index_stats st;
@@ -284,6 +304,14 @@ static struct hsh *hsh_find(const struct tdm_kv_index *x, uint64_t id)
     return hsh_find_in(x->hsh, x->mask, id);
 }
 
+static struct pnd *pnd_find(const struct tdm_kv_index *x, uint64_t id)
+{
+    for (size_t i = slot(id, x->mask);; i = (i + 1) & x->mask) {
+        if (!x->pnd[i].id) return NULL;
+        if (x->pnd[i].id == id) return &x->pnd[i];
+    }
+}
+
 /* Backward-shift deletion of entry i of table tab, whose entries are keyed by field keyf. */
 #define DELETE_AT(tab, i, keyf)                                                                    \
     do {                                                                                           \
@@ -308,6 +336,30 @@ static uint64_t hash_id(int backend, uint64_t h)
 {
     uint64_t id = tdm_hash_mix(h, 0x6261636b656e6400ull + (uint64_t)backend);
     return id ? id : 1;
+}
+
+static uint64_t pend_id(int backend, uint64_t key)
+{
+    uint64_t id = tdm_hash_mix(key, 0x70656e64696e6700ull + (uint64_t)backend);
+    return id ? id : 1;
+}
+
+static void pnd_delete(struct tdm_kv_index *x, struct pnd *e)
+{
+    size_t j = (size_t)(e - x->pnd);
+    DELETE_AT(x->pnd, j, id);
+    x->n_pnd--;
+}
+
+/* The oldest landing entry leaves the FIFO; its pending entry goes unless a request took it
+ * again (n > 0) or it landed again later (a later deadline, with its own FIFO entry). */
+static void fifo_pop(struct tdm_kv_index *x)
+{
+    const struct landing l = x->fifo[x->fifo_head];
+    x->fifo_head = (x->fifo_head + 1) % LANDING_FIFO;
+    x->fifo_n--;
+    struct pnd *e = pnd_find(x, l.id);
+    if (e && !e->n && e->until <= l.until) pnd_delete(x, e);
 }
 
 /* Removes hash entry e (backend b's) and b's bit on its key. */
@@ -345,6 +397,8 @@ static bool hold(struct tdm_kv_index *x, int b, uint64_t h, uint64_t key)
         x->n_blk++;
     }
     k->bits |= 1ull << b;
+    struct pnd *p = x->n_pnd ? pnd_find(x, pend_id(b, key)) : NULL;
+    if (p && !p->n) pnd_delete(x, p); /* landed, and now confirmed: the blocks table has it */
     size_t i = slot(id, x->mask);
     while (x->hsh[i].id)
         i = (i + 1) & x->mask;
@@ -369,10 +423,12 @@ tdm_status tdm_kv_index_new(size_t capacity, struct tdm_kv_index **out)
         cap <<= 1;
     struct tdm_kv_index *x = calloc(1, sizeof *x);
     if (!x || !(x->blk = calloc(cap, sizeof *x->blk)) || !(x->hsh = calloc(cap, sizeof *x->hsh)) ||
-        !(x->pnd = calloc(cap, sizeof *x->pnd))) {
+        !(x->pnd = calloc(cap, sizeof *x->pnd)) ||
+        !(x->fifo = calloc(LANDING_FIFO, sizeof *x->fifo))) {
         if (x) {
             free(x->blk);
             free(x->hsh);
+            free(x->pnd);
         }
         free(x);
         return tdm_err_set(TDM_ENOMEM, "router: out of memory for the KV index");
@@ -388,12 +444,13 @@ void tdm_kv_index_free(struct tdm_kv_index *x)
     free(x->blk);
     free(x->hsh);
     free(x->pnd);
+    free(x->fifo);
     free(x);
 }
 
 void tdm_kv_index_forget(struct tdm_kv_index *x, int b)
 {
-    if (b < 0 || b >= MAX_BACKENDS || !x->held[b]) return;
+    if (b < 0 || b >= MAX_BACKENDS) return;
     /* in place: after a deletion the slot holds what shifted into it, so it is looked at
      * again (an entry only ever shifts towards its home, into a slot already passed or this
      * one, and entries of b are gone wherever the scan has been) */
@@ -414,6 +471,13 @@ void tdm_kv_index_forget(struct tdm_kv_index *x, int b)
         }
     }
     x->held[b] = 0;
+    for (size_t i = 0; x->n_pnd && i <= x->mask;) { /* landed there: gone with the cache */
+        if (x->pnd[i].id && x->pnd[i].backend == b && !x->pnd[i].n) {
+            pnd_delete(x, &x->pnd[i]);
+        } else {
+            i++;
+        }
+    }
 }
 
 /* ---- events ---- */
@@ -536,18 +600,14 @@ int tdm_kv_index_keys(const struct tdm_kv_index *x, const int32_t *ids, int n, u
     return k;
 }
 
-static uint64_t pend_id(int backend, uint64_t key)
-{
-    uint64_t id = tdm_hash_mix(key, 0x70656e64696e6700ull + (uint64_t)backend);
-    return id ? id : 1;
-}
-
-void tdm_kv_index_pend(struct tdm_kv_index *x, int b, const uint64_t *keys, int n, int delta)
+void tdm_kv_index_pend(struct tdm_kv_index *x, int b, const uint64_t *keys, int n, int delta,
+                       int64_t now_ms)
 {
     if (b < 0 || b >= MAX_BACKENDS) return;
+    tdm_kv_index_expire(x, now_ms);
     for (int i = 0; i < n; i++) {
         const uint64_t id = pend_id(b, keys[i]);
-        struct hsh *e = hsh_find_in(x->pnd, x->mask, id);
+        struct pnd *e = pnd_find(x, id);
         if (delta > 0) {
             if (e) {
                 e->n++;
@@ -555,19 +615,33 @@ void tdm_kv_index_pend(struct tdm_kv_index *x, int b, const uint64_t *keys, int 
                 size_t j = slot(id, x->mask);
                 while (x->pnd[j].id)
                     j = (j + 1) & x->mask;
-                x->pnd[j] = (struct hsh){.id = id, .key = keys[i], .backend = b, .n = 1};
+                x->pnd[j] = (struct pnd){.id = id, .key = keys[i], .backend = b, .n = 1};
                 x->n_pnd++;
             }
-        } else if (e && --e->n == 0) {
-            size_t j = (size_t)(e - x->pnd);
-            DELETE_AT(x->pnd, j, id);
-            x->n_pnd--;
+        } else if (e && e->n && --e->n == 0) { /* lands: counted a while yet */
+            const struct blk *k = blk_find(x, keys[i]);
+            if (k && (k->bits >> b & 1)) { /* its event is in already */
+                pnd_delete(x, e);
+                continue;
+            }
+            if (x->fifo_n == LANDING_FIFO) fifo_pop(x); /* the oldest goes early */
+            e = pnd_find(x, id);                        /* the pop may have shifted it */
+            e->until = now_ms + TDM_KV_LANDING_MS;
+            x->fifo[(x->fifo_head + x->fifo_n) % LANDING_FIFO] =
+                (struct landing){.id = id, .until = e->until};
+            x->fifo_n++;
         }
     }
 }
 
+void tdm_kv_index_expire(struct tdm_kv_index *x, int64_t now_ms)
+{
+    while (x->fifo_n && x->fifo[x->fifo_head].until <= now_ms)
+        fifo_pop(x);
+}
+
 void tdm_kv_index_match(const struct tdm_kv_index *x, const uint64_t *keys, int n, int n_backends,
-                        int *matched)
+                        int *matched, int64_t now_ms)
 {
     n_backends = n_backends < MAX_BACKENDS ? n_backends : MAX_BACKENDS;
     uint64_t live = n_backends == 64 ? ~0ull : (1ull << n_backends) - 1;
@@ -576,10 +650,11 @@ void tdm_kv_index_match(const struct tdm_kv_index *x, const uint64_t *keys, int 
     for (int i = 0; i < n && live; i++) {
         const struct blk *e = blk_find(x, keys[i]);
         uint64_t has = e ? e->bits : 0;
-        for (int b = 0; x->n_pnd && b < n_backends; b++) /* in flight there: being made */
-            if ((live >> b & 1) && !(has >> b & 1) &&
-                hsh_find_in(x->pnd, x->mask, pend_id(b, keys[i])))
-                has |= 1ull << b;
+        for (int b = 0; x->n_pnd && b < n_backends; b++) { /* in flight there, or landing */
+            if (!(live >> b & 1) || (has >> b & 1)) continue;
+            const struct pnd *p = pnd_find(x, pend_id(b, keys[i]));
+            if (p && (p->n || p->until > now_ms)) has |= 1ull << b;
+        }
         live &= has;
         for (int b = 0; b < n_backends; b++)
             matched[b] += (int)(live >> b & 1);

@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <zmq.h>
 
 #include "server/server_int.h"
@@ -45,6 +46,13 @@ struct tdm_kv_sub {
     bool seen[MAX_SUBS];
     uint64_t batches[MAX_SUBS], errors[KE_N];
 };
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 /* One message from backend b: its frames read (all of them, whatever their number). */
 static void take_message(struct tdm_kv_sub *s, int b)
@@ -176,8 +184,10 @@ int tdm_kv_sub_keys(struct tdm_kv_sub *s, const int32_t *ids, int n_ids, uint64_
 void tdm_kv_sub_match(struct tdm_kv_sub *s, const uint64_t *keys, int n, int n_backends,
                       int *matched, double *share)
 {
+    const int64_t now = now_ms();
     pthread_mutex_lock(&s->mu);
-    tdm_kv_index_match(s->x, keys, n, n_backends, matched);
+    tdm_kv_index_expire(s->x, now);
+    tdm_kv_index_match(s->x, keys, n, n_backends, matched, now);
     for (int b = 0; b < n_backends; b++)
         share[b] = tdm_kv_index_share(s->x, b, n_backends);
     pthread_mutex_unlock(&s->mu);
@@ -185,8 +195,9 @@ void tdm_kv_sub_match(struct tdm_kv_sub *s, const uint64_t *keys, int n, int n_b
 
 void tdm_kv_sub_pend(struct tdm_kv_sub *s, int b, const uint64_t *keys, int n, int delta)
 {
+    const int64_t now = now_ms();
     pthread_mutex_lock(&s->mu);
-    tdm_kv_index_pend(s->x, b, keys, n, delta);
+    tdm_kv_index_pend(s->x, b, keys, n, delta, now);
     pthread_mutex_unlock(&s->mu);
 }
 

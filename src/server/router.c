@@ -15,9 +15,10 @@
  * the same cost reads what each backend has really cached: the prompt is tokenized as the
  * backends do (the model's tokenizer and chat template, tdm_api_prompt_ids) and its whole
  * blocks are matched against an index fed by the backends' KV cache events (server/kv_sub.c,
- * kv_index.c), a block held or in flight there worth 1, one only sent there before (evicted
- * since, or its event not in) worth half, so a prefix stays where it went after an eviction
- * rather than moving by load; a body the router cannot make a prompt of goes least loaded.
+ * kv_index.c), a block held, in flight there, or landed from a request that ended less than
+ * TDM_KV_LANDING_MS ago whose events are not in, worth 1; one only sent there before (evicted
+ * since, or its event later still) worth half, so a prefix stays where it went after an
+ * eviction rather than moving by load; a body the router cannot make a prompt of goes least loaded.
  *
  * Health: each backend is up or down.
  *
@@ -199,9 +200,9 @@ static int pick(struct tdm_router *r, int exclude, struct prompt_blocks *pb)
         for (int i = 0; i < r->n_backends; i++)
             pb->share[i] = tdm_affinity_share(r->aff, i, r->n_backends);
     }
-    /* what a block is worth: 1 where held (for kv, by the events or in flight there); for kv,
-     * half where only sent before (evicted since, or its event not in yet): a prefix stays
-     * with its backend rather than going by load after an eviction */
+    /* what a block is worth: 1 where held (for kv, by the events, in flight there or just
+     * landed); for kv, half where only sent before (evicted since, or its event later than
+     * TDM_KV_LANDING_MS): a prefix stays with its backend rather than going by load */
     double worth[TDM_ROUTER_MAX_BACKENDS];
     if (r->kv && n_keys) {
         int sent[TDM_ROUTER_MAX_BACKENDS];

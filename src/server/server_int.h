@@ -226,12 +226,21 @@ int tdm_kv_index_block_size(const struct tdm_kv_index *x);
  * block size is known). */
 int tdm_kv_index_keys(const struct tdm_kv_index *x, const int32_t *ids, int n, uint64_t *keys,
                       int max);
+/* How long the blocks of a request that ended still count as held by its backend while its
+ * BlockStored events are not in (ms). */
+#define TDM_KV_LANDING_MS 5000
 /* Requests routed to backend b with these prompt keys: delta +1 when one is sent, -1 when it
- * ends. A backend holds the blocks of its requests in flight, for matching. */
-void tdm_kv_index_pend(struct tdm_kv_index *x, int b, const uint64_t *keys, int n, int delta);
-/* matched[b] (b < n_backends): how many leading keys backend b holds (or has in flight). */
+ * ends. A backend holds the blocks of its requests in flight, for matching, and for
+ * TDM_KV_LANDING_MS after the last ends unless its events confirm them first. now_ms: a
+ * monotonic clock (it expires what landed before). */
+void tdm_kv_index_pend(struct tdm_kv_index *x, int b, const uint64_t *keys, int n, int delta,
+                       int64_t now_ms);
+/* Forgets the landed entries whose time is up at now_ms. */
+void tdm_kv_index_expire(struct tdm_kv_index *x, int64_t now_ms);
+/* matched[b] (b < n_backends): how many leading keys backend b holds (or has in flight, or
+ * landing at now_ms). */
 void tdm_kv_index_match(const struct tdm_kv_index *x, const uint64_t *keys, int n, int n_backends,
-                        int *matched);
+                        int *matched, int64_t now_ms);
 /* Backend b's share of the blocks the index holds (0 when empty), and its count. */
 double tdm_kv_index_share(const struct tdm_kv_index *x, int b, int n_backends);
 int64_t tdm_kv_index_held(const struct tdm_kv_index *x, int b);

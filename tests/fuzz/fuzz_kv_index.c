@@ -34,17 +34,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (int i = 0; i < k; i++)
         if (!keys[i]) abort();
     int matched[2];
-    tdm_kv_index_match(x, keys, k, 2, matched);
+    tdm_kv_index_match(x, keys, k, 2, matched, 0);
     if (matched[0] < 0 || matched[0] > k || matched[1] < 0 || matched[1] > k) abort();
+    const int held0 = matched[0];
     if (tdm_kv_index_held(x, 0) < 0 || tdm_kv_index_held(x, 1) < 0) abort();
     /* a request in flight to backend 0 with these blocks: 0 holds them all while it lasts */
-    tdm_kv_index_pend(x, 0, keys, k, +1);
-    tdm_kv_index_match(x, keys, k, 2, matched);
+    tdm_kv_index_pend(x, 0, keys, k, +1, 0);
+    tdm_kv_index_match(x, keys, k, 2, matched, 0);
     if (matched[0] != k) abort();
-    tdm_kv_index_pend(x, 0, keys, k, -1);
+    /* it ended: its blocks land, held a while yet, then only what the events say */
+    tdm_kv_index_pend(x, 0, keys, k, -1, 0);
+    tdm_kv_index_match(x, keys, k, 2, matched, TDM_KV_LANDING_MS - 1);
+    if (matched[0] != k) abort();
+    tdm_kv_index_expire(x, TDM_KV_LANDING_MS);
+    tdm_kv_index_match(x, keys, k, 2, matched, TDM_KV_LANDING_MS);
+    if (matched[0] != held0) abort();
+    tdm_kv_index_pend(x, 0, keys, k, +1, 0);
+    tdm_kv_index_pend(x, 0, keys, k, -1, 0);
     tdm_kv_index_forget(x, 0);
     tdm_kv_index_forget(x, 1);
-    tdm_kv_index_match(x, keys, k, 2, matched);
+    tdm_kv_index_match(x, keys, k, 2, matched, 0);
     if (matched[0] || matched[1] || tdm_kv_index_held(x, 0) || tdm_kv_index_held(x, 1)) abort();
     tdm_kv_index_free(x);
     return 0;

@@ -144,7 +144,8 @@ def test_routes_by_the_backends_events(kv_setup):
 def test_requests_in_flight_count_as_held(start):
     """Two requests of a prefix no backend has cached, the second sent while the first is in
     flight: the first's blocks count as held where it went (it is computing them), so the
-    second follows it although the other backend is idle; once both end, nothing is pending."""
+    second follows it although the other backend is idle; once both end, their blocks count
+    as held there a while yet (their events may lag), so a third follows too."""
     release = threading.Event()
 
     def slow(conn, req):
@@ -173,10 +174,14 @@ def test_requests_in_flight_count_as_held(start):
         assert where(r, fakes, prompt + [2], "second") == home
         release.set()
         t.join()
-        # nothing in flight: the prefix is held nowhere (no event told of it), so it goes by
-        # load and share again, and the matched count says the second request matched 3 blocks
+        # nothing in flight, and no event told of the blocks: they have landed where the two
+        # went, and count as held there while their events may still be on the way, so a
+        # third request matches all 3 (the second's 3 before it, the first's none)
         m = r.settle()
         assert m[("tandem_router_prefix_blocks_total", (("result", "matched"),))] == 3
+        assert where(r, fakes, prompt + [3], "third") == home
+        m = r.settle()
+        assert m[("tandem_router_prefix_blocks_total", (("result", "matched"),))] == 6
     finally:
         for p in pubs:
             p.sock.close(0)
