@@ -349,6 +349,9 @@ void tdm_cuda_gemm_host_free(tdm_cuda_gemm_t *g, void *p);
 
 /* Which CPU kernels were chosen at run time: "avx512bf16", "avx512", "avx2" or "portable". */
 const char *tdm_backend_cpu_isa(void);
+/* Whether a CPU backend created now runs its quantised products of several activation rows on
+ * the AMX int8 tiles (the CPU has them, the OS grants them, $TANDEM_CPU_AMX is not 0). */
+bool tdm_backend_cpu_amx(void);
 
 #ifdef __cplusplus
 }

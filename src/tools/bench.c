@@ -458,7 +458,8 @@ int tdm_cmd_bench(int argc, char **argv)
     }
     eo.kv_pages = (int64_t)MAX_B * ((ctx_needed + 15) / 16) + 8;
     printf("tandem bench model: %s\n", m->path);
-    printf("  %d threads, CPU kernels: %s\n", n_threads, tdm_backend_cpu_isa());
+    printf("  %d threads, CPU kernels: %s%s\n", n_threads, tdm_backend_cpu_isa(),
+           tdm_backend_cpu_amx() ? " (batched quantised products on the AMX int8 tiles)" : "");
     double bw = measure_copy_bandwidth(n_threads);
     printf("  memory bandwidth (STREAM copy, same run): %.2f GB/s\n", bw / 1e9);
     struct tdm_bench_figures fig;

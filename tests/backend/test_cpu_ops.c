@@ -64,13 +64,17 @@ static int n_isas(void)
     return (int)tdm_cpu_isa_detect() + 1;
 }
 
-/* The kernel variants this machine runs: each ISA level, and its VNNI variant where present. */
+/* The kernel variants this machine runs: each ISA level, its VNNI variant where present, and
+ * the avx512+vnni level with the AMX tiles where the CPU and OS run them. */
 struct variant {
     enum tdm_cpu_isa isa;
     bool vnni;
+    bool amx;
     char name[32];
 };
-static int variants(struct variant v[2 * TDM_CPU_ISA_COUNT])
+#define VARIANTS_MAX (2 * TDM_CPU_ISA_COUNT + 1)
+static bool amx_skip_reported;
+static int variants(struct variant v[VARIANTS_MAX])
 {
     int n = 0;
     for (int isa = 0; isa < n_isas(); isa++)
@@ -80,6 +84,14 @@ static int variants(struct variant v[2 * TDM_CPU_ISA_COUNT])
                      vnni ? "+vnni" : "");
             n++;
         }
+    if (tdm_cpu_amx_available() && tdm_cpu_isa_vnni(TDM_CPU_ISA_AVX512)) {
+        v[n] = (struct variant){.isa = TDM_CPU_ISA_AVX512, .vnni = true, .amx = true};
+        snprintf(v[n].name, sizeof v[n].name, "avx512+vnni+amx");
+        n++;
+    } else if (!amx_skip_reported) {
+        printf("SKIP: the AMX int8 tiles: not available on this machine (CPU or OS)\n");
+        amx_skip_reported = true;
+    }
     return n;
 }
 
@@ -90,6 +102,7 @@ static tdm_backend_t *make_qbackend(const struct variant *v, int n_threads)
         .n_threads = n_threads, .batch_invariant = true, .quant_activations = true};
     tdm_backend_t *b = NULL;
     assert_int_equal(tdm_backend_cpu_create_variant(&o, v->isa, v->vnni, &b), TDM_OK);
+    assert_int_equal(tdm_cpu_amx_set(b, v->amx), TDM_OK);
     return b;
 }
 
@@ -156,7 +169,7 @@ static void test_matmul_invariance(void **state)
 {
     const int ns[] = {13, 70};
     const int64_t rows = 45, cols = 320; /* 45: not a multiple of any tile or split size */
-    struct variant vs[2 * TDM_CPU_ISA_COUNT];
+    struct variant vs[VARIANTS_MAX];
     const int n_vs = variants(vs);
     /* each ISA on fp32 activations, then each variant on quantised ones */
     for (int iv = 0; iv < n_isas() + n_vs; iv++) {
@@ -220,7 +233,7 @@ static void test_matmul_fused(void **state)
     const int ns[] = {1, 5, 70};
     const int64_t cols = 96;                            /* 3 blocks: an odd count */
     const int64_t part_rows[3] = {45, 17, 33}, ff = 37; /* not multiples of tiles or splits */
-    struct variant vs[2 * TDM_CPU_ISA_COUNT];
+    struct variant vs[VARIANTS_MAX];
     const int n_vs = variants(vs);
     /* each ISA on fp32 activations, then each variant on quantised ones (the float64 checks
      * are for fp32 activations: test_qdot bounds the quantised ones' error) */
@@ -940,7 +953,7 @@ static void test_qdot(void **state)
                                   TDM_DTYPE_Q6_K};
     const int64_t rows = 23, cols = 512;
     const int nb = (int)(cols / 32);
-    struct variant vs[2 * TDM_CPU_ISA_COUNT];
+    struct variant vs[VARIANTS_MAX];
     const int n_vs = variants(vs);
     for (size_t d = 0; d < TDM_ARRAY_LEN(qts); d++) {
         struct tdm_test_weight tw;
@@ -1047,6 +1060,136 @@ static void test_qdot(void **state)
         free(x);
         tdm_test_weight_free(&tw);
     }
+}
+
+/* The AMX tiles (qdot_amx.c). The integer part: one block of weights (scale 1) against one
+ * packed block of activations (d 1, so each output is (float) of the exact sum): every pair's
+ * sum of random and extreme bytes, against int64, for R and C of 1 to 16 (C <= 8: a narrow
+ * group, both planes in one tile). Whole rows: Q8_0,
+ * Q4_0 and Q4_1 matrices of odd shapes (rows not a multiple of 16, K not one of 64) times
+ * batches of 1 to 33 rows on 1 and 2 threads, each value the specification's bits and each row
+ * what the same row gives alone (on the AVX512-VNNI tile), swiglu included. Skipped, with a
+ * message, where the CPU or OS has no AMX. */
+static void test_qdot_amx(void **state)
+{
+    (void)state;
+    if (!tdm_cpu_amx_available() || !tdm_cpu_isa_vnni(TDM_CPU_ISA_AVX512)) {
+        printf("SKIP: test_qdot_amx: no AMX int8 tiles on this machine (CPU or OS)\n");
+        /* without AMX an instance refuses them */
+        tdm_backend_t *b = NULL;
+        struct tdm_backend_cpu_opts o = {.n_threads = 1, .quant_activations = true};
+        assert_int_equal(tdm_backend_cpu_create(&o, &b), TDM_OK);
+        assert_false(tdm_cpu_of(b)->amx);
+        assert_int_equal(tdm_cpu_amx_set(b, true), TDM_EUNSUPPORTED);
+        tdm_backend_destroy(b);
+        return;
+    }
+    /* the integer part */
+    const enum tdm_dtype qts[] = {TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0, TDM_DTYPE_Q4_1};
+    for (size_t d = 0; d < TDM_ARRAY_LEN(qts); d++) {
+        const size_t bsz = qts[d] == TDM_DTYPE_Q8_0   ? sizeof(struct block_q8_0)
+                           : qts[d] == TDM_DTYPE_Q4_0 ? sizeof(struct block_q4_0)
+                                                      : sizeof(struct block_q4_1);
+        const int wtype = tdm_cpu_wtype_of(qts[d]);
+        uint8_t w[16][sizeof(struct block_q8_0)];
+        struct tdm_cpu_xblock xb[16];
+        struct tdm_cpu_xtile *xt = tdm_alloc_aligned(sizeof *xt);
+        for (int rep = 0; rep < 40; rep++) {
+            for (int i = 0; i < 16; i++) {
+                for (size_t k = 0; k < bsz; k++)
+                    w[i][k] = (uint8_t)rng_u64();
+                if (rep < 4) /* the extremes: -128 or 127 bytes, nibbles 0 or 15 */
+                    memset(w[i] + 2, (rep + i) % 2 ? 0x7F : 0x80, bsz - 2);
+                const uint16_t one = 0x3C00, zero = 0; /* scale 1, Q4_1 minimum 0 */
+                memcpy(w[i], &one, 2);
+                if (qts[d] == TDM_DTYPE_Q4_1) memcpy(w[i] + 2, &zero, 2);
+                memset(&xb[i], 0, sizeof xb[i]);
+                for (int j = 0; j < 32; j++) {
+                    xb[i].hi[j] = rep < 4 ? ((rep / 2 + i + j) % 2 ? 127 : -127)
+                                          : (int8_t)(rng_u64() % 255 - 127);
+                    xb[i].lo[j] =
+                        rep < 4 ? (rep % 2 ? 127 : -127) : (int8_t)(rng_u64() % 255 - 127);
+                    xb[i].s += 256 * xb[i].hi[j] + xb[i].lo[j];
+                }
+                xb[i].d = 1.0f;
+            }
+            const int R = 1 + (int)(rng_u64() % 16), C = 1 + (int)(rng_u64() % 16);
+            const int RR = rep < 4 ? 16 : R, CC = rep < 4 ? 16 : C;
+            tdm_cpu_xtile_pack(xb, 1, CC, 1, xt);
+            float out[16 * 16];
+            const struct tdm_cpu_amx_tile t = {
+                .w = &w[0][0], .row_bytes = sizeof w[0], .nb = 1, .x = xt, .out = out, .ldo = 16};
+            tdm_cpu_amx_qtile(&t, wtype, RR, CC);
+            for (int c = 0; c < CC; c++)
+                for (int i = 0; i < RR; i++) {
+                    const int64_t want = spec_isum(qts[d], w[i], &xb[c]);
+                    if (out[c * 16 + i] != (float)want)
+                        fail_msg("AMX %s integer sum, row %d act %d of %d x %d: %.9g vs %lld",
+                                 tdm_dtype_name(qts[d]), i, c, RR, CC, out[c * 16 + i],
+                                 (long long)want);
+                }
+        }
+        tdm_free_aligned(xt);
+    }
+    /* whole rows of odd shapes */
+    const int64_t shapes[][2] = {{37, 96}, {17, 224}, {5, 32}, {50, 544}};
+    struct variant amx = {.isa = TDM_CPU_ISA_AVX512, .vnni = true, .amx = true};
+    struct variant vec = {.isa = TDM_CPU_ISA_AVX512, .vnni = true};
+    enum { NMAX = 33 };
+    for (size_t d = 0; d < TDM_ARRAY_LEN(qts); d++)
+        for (size_t sh = 0; sh < TDM_ARRAY_LEN(shapes); sh++) {
+            const int64_t rows = shapes[sh][0], cols = shapes[sh][1];
+            const int nb = (int)(cols / 32);
+            struct tdm_test_weight tw;
+            tdm_test_weight_make(&rng_state, qts[d], rows, cols, &tw);
+            float *x = rand_vec((size_t)NMAX * cols, -2, 2);
+            float *bias = rand_vec((size_t)rows, -1, 1);
+            struct tdm_cpu_xblock *xq = malloc((size_t)NMAX * nb * sizeof *xq);
+            float *want = malloc((size_t)NMAX * rows * sizeof(float));
+            float *sw = malloc((size_t)NMAX * rows * sizeof(float));
+            float *one = malloc((size_t)NMAX * rows * sizeof(float));
+            float *got = malloc((size_t)NMAX * rows * sizeof(float));
+            for (int i = 0; i < NMAX; i++) {
+                for (int b = 0; b < nb; b++)
+                    spec_quantise(x + (size_t)i * cols + 32 * b, &xq[i * nb + b]);
+                for (int64_t r = 0; r < rows; r++) {
+                    const float p = spec_pair(&tw.w, r, xq + i * nb);
+                    want[i * rows + r] = p + bias[r];
+                    sw[i * rows + r] = tdm_cpu_silu_mul1(p, p);
+                }
+            }
+            tdm_backend_t *bv = make_qbackend(&vec, 1);
+            for (int i = 0; i < NMAX; i++)
+                bv->iface->matmul(bv, &tw.w, x + (size_t)i * cols, 1, bias, one + i * rows);
+            assert_same_bits(one, want, (size_t)NMAX * rows, "AMX test: %s rows alone vs spec",
+                             tdm_dtype_name(qts[d]));
+            tdm_backend_destroy(bv);
+            for (int th = 1; th <= 2; th++) {
+                tdm_backend_t *b = make_qbackend(&amx, th);
+                for (int n = 1; n <= NMAX; n++) {
+                    memset(got, 0xFF, (size_t)n * rows * sizeof(float));
+                    b->iface->matmul(b, &tw.w, x, n, bias, got);
+                    assert_same_bits(got, one, (size_t)n * rows,
+                                     "AMX %s %lld x %lld n=%d %d threads vs each row alone",
+                                     tdm_dtype_name(qts[d]), (long long)rows, (long long)cols, n,
+                                     th);
+                }
+                for (int n = 1; n <= NMAX; n += 8) {
+                    b->iface->matmul_swiglu(b, &tw.w, &tw.w, x, n, got);
+                    assert_same_bits(got, sw, (size_t)n * rows, "AMX %s n=%d swiglu vs spec",
+                                     tdm_dtype_name(qts[d]), n);
+                }
+                tdm_backend_destroy(b);
+            }
+            free(got);
+            free(one);
+            free(sw);
+            free(want);
+            free(xq);
+            free(bias);
+            free(x);
+            tdm_test_weight_free(&tw);
+        }
 }
 
 /* The K-quants on fp32 activations (the portable tile at every level: a fallback, since the
@@ -1175,7 +1318,7 @@ int main(void)
         cmocka_unit_test(test_isa_selection),     cmocka_unit_test(test_kv_convert_isas),
         cmocka_unit_test(test_latent_attention),  cmocka_unit_test(test_head_matmul),
         cmocka_unit_test(test_quantise),          cmocka_unit_test(test_qdot),
-        cmocka_unit_test(test_kquant_fp32),
+        cmocka_unit_test(test_kquant_fp32),       cmocka_unit_test(test_qdot_amx),
     };
     fprintf(stderr, "cpu backend: best ISA here is %s\n", tdm_cpu_isa_name(tdm_cpu_isa_detect()));
     if (getenv("TDM_TEST_FILTER")) cmocka_set_test_filter(getenv("TDM_TEST_FILTER"));

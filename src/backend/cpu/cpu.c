@@ -15,6 +15,9 @@
  * avx2, AVX512-VNNI's EVEX form for avx512), taken where the CPU has the instruction unless
  * $TANDEM_CPU_VNNI=0; it changes no result, only how the integer sums are computed. No kernel
  * uses AVX512_BF16: its dot product takes bf16 activations, so "avx512bf16" is never reported.
+ * On the avx512 level with VNNI, a CPU and OS that run the AMX int8 tiles (qdot_amx.c) take them
+ * for the quantised products of several activation rows, unless $TANDEM_CPU_AMX=0; like VNNI
+ * it changes no result.
  *
  * OpenBLAS: F32 weights times several rows go to cblas_sgemm, split over our own pool by
  * weight rows; OpenBLAS's own threads are therefore turned off (openblas_set_num_threads(1),
@@ -238,6 +241,7 @@ static void cpu_destroy(tdm_backend_t *b)
     tdm_pool_destroy(cpu->pool);
     tdm_free_aligned(cpu->attn_scratch);
     tdm_free_aligned(cpu->xq);
+    tdm_free_aligned(cpu->xt);
     free(cpu);
 }
 
@@ -299,21 +303,50 @@ out_free_cpu:
     return st;
 }
 
+tdm_status tdm_cpu_amx_set(tdm_backend_t *b, bool on)
+{
+    struct tdm_cpu *cpu = tdm_cpu_of(b);
+    if (on && !(cpu->k->isa == TDM_CPU_ISA_AVX512 && tdm_cpu_amx_available()))
+        return tdm_err_set(TDM_EUNSUPPORTED, "cpu backend: no AMX int8 tiles on %s here",
+                           cpu->k->name);
+    cpu->amx = on;
+    return TDM_OK;
+}
+
 tdm_status tdm_backend_cpu_create_isa(const struct tdm_backend_cpu_opts *opts, enum tdm_cpu_isa isa,
                                       tdm_backend_t **out)
 {
     return tdm_backend_cpu_create_variant(opts, isa, tdm_cpu_isa_vnni(isa), out);
 }
 
+static bool env_off(const char *name)
+{
+    const char *v = getenv(name);
+    return v && strcmp(v, "0") == 0;
+}
+
+/* The AMX tiles run beside the AVX512-VNNI kernels of isa, where there are tiles. */
+static bool amx_for(enum tdm_cpu_isa isa, bool vnni)
+{
+    return vnni && isa == TDM_CPU_ISA_AVX512 && tdm_cpu_amx_available() &&
+           !env_off("TANDEM_CPU_AMX");
+}
+
+bool tdm_backend_cpu_amx(void)
+{
+    const enum tdm_cpu_isa isa = isa_from_env(false);
+    return amx_for(isa, tdm_cpu_isa_vnni(isa) && !env_off("TANDEM_CPU_VNNI"));
+}
+
 tdm_status tdm_backend_cpu_create(const struct tdm_backend_cpu_opts *opts, tdm_backend_t **out)
 {
     const enum tdm_cpu_isa isa = isa_from_env(true);
-    const char *vnni_env = getenv("TANDEM_CPU_VNNI");
-    const bool vnni = tdm_cpu_isa_vnni(isa) && !(vnni_env && strcmp(vnni_env, "0") == 0);
+    const bool vnni = tdm_cpu_isa_vnni(isa) && !env_off("TANDEM_CPU_VNNI");
     tdm_status st = tdm_backend_cpu_create_variant(opts, isa, vnni, out);
-    if (st == TDM_OK)
-        TDM_DEBUG("cpu backend: %s kernels, %d threads, %s activations", tdm_cpu_of(*out)->k->name,
-                  tdm_cpu_of(*out)->n_threads,
-                  tdm_cpu_of(*out)->quant_activations ? "int8" : "fp32");
+    if (st != TDM_OK) return st;
+    tdm_cpu_of(*out)->amx = amx_for(isa, vnni);
+    TDM_DEBUG("cpu backend: %s%s kernels, %d threads, %s activations", tdm_cpu_of(*out)->k->name,
+              tdm_cpu_of(*out)->amx ? "+amx" : "", tdm_cpu_of(*out)->n_threads,
+              tdm_cpu_of(*out)->quant_activations ? "int8" : "fp32");
     return st;
 }

@@ -15,6 +15,10 @@
  * shape only changes how many pairs share one pass over the weight bytes. That is what makes
  * out[i][r] independent of the batch size and of how rows are split over threads.
  *
+ * The AMX int8 tiles (qdot_amx.c) are outside the tables: not a level but a flag of the
+ * instance (amx), on the avx512 level where the CPU and OS run them, taken by matmul.c for the
+ * Q8_0/Q4_0/Q4_1 products of several activation rows in 16 x 16 tiles with the same bits.
+ *
  * Threading: an instance is driven by one thread; ops fan out over `pool`. Kernel tables are
  * immutable.
  */
@@ -113,6 +117,55 @@ extern const tdm_cpu_qtile_table tdm_cpu_qtiles_avx2;
 extern const tdm_cpu_qtile_table tdm_cpu_qtiles_avx2_vnni;   /* AVX-VNNI CPUs only */
 extern const tdm_cpu_qtile_table tdm_cpu_qtiles_avx512_vnni; /* AVX512-VNNI CPUs only */
 
+/* ---- AMX int8 tiles (qdot_amx.c explains them) ---- */
+
+/* Largest weight rows (and activation rows) of one AMX tile. */
+#define TDM_CPU_AMX_TILE 16
+
+/* One activation block of 16 activation rows (a column group), laid out for the AMX tiles:
+ * plane[k][4c + j] is element 4k + j of activation row c's block (the VNNI order of a tile's
+ * second source: 8 rows of 16 dwords), and the block's scalars as 16 lanes. Rows past the
+ * group's end are zeros. A narrow group (8 rows or fewer) keeps lo in hi[k][32 + 4c + j] and
+ * leaves lo[][] zero: one tile product then serves both planes (qdot_amx.c). */
+struct tdm_cpu_xtile {
+    int8_t hi[8][64];
+    int8_t lo[8][64];
+    float d[16];
+    float ds[16];
+    int32_t s[16];
+    int32_t pad[16];
+};
+static_assert(sizeof(struct tdm_cpu_xtile) == 1280, "an xtile is 20 cache lines");
+
+/* One AMX product: out[c * ldo + i] = dot(W row i, x row c) (+ bias[i]) for i < R, c < C
+ * (1 <= R, C <= TDM_CPU_AMX_TILE), x the nb xtiles of one column group of exactly C rows (C
+ * tells a narrow group). */
+struct tdm_cpu_amx_tile {
+    const uint8_t *w;
+    size_t row_bytes;
+    int64_t nb;
+    const struct tdm_cpu_xtile *x;
+    float *out;
+    int64_t ldo;
+    const float *bias;
+};
+
+/* Whether this CPU and OS run the AMX int8 tiles (CPUID AMX-TILE and AMX-INT8 on the AVX-512
+ * level, XTILECFG and XTILEDATA enabled in XCR0, and Linux granting this process XTILEDATA
+ * through arch_prctl). Asked once; the answer is cached. */
+bool tdm_cpu_amx_available(void);
+/* Whether a weight type runs on the AMX tiles (Q8_0, Q4_0, Q4_1). */
+bool tdm_cpu_amx_wtype(int wtype);
+/* The AMX tile of wtype (tdm_cpu_amx_wtype); only where tdm_cpu_amx_available(). */
+void tdm_cpu_amx_qtile(const struct tdm_cpu_amx_tile *t, int wtype, int R, int C);
+/* Lays out activation rows [0, n_rows) (n_rows <= 16, each nb blocks at xq + row * ldx) as the
+ * nb xtiles of one column group (narrow for n_rows <= 8). */
+void tdm_cpu_xtile_pack(const struct tdm_cpu_xblock *xq, int64_t ldx, int n_rows, int64_t nb,
+                        struct tdm_cpu_xtile *out);
+/* Turns an instance's AMX tiles on or off (TDM_EUNSUPPORTED: on where they are not available,
+ * or on a level below avx512). For tests that compare kernels in one process. */
+tdm_status tdm_cpu_amx_set(tdm_backend_t *b, bool on);
+
 /* Quantises nb blocks of x (nb * 32 floats) into out; every ISA gives the same bits. */
 typedef void (*tdm_cpu_quantise_fn)(const float *x, int64_t nb, struct tdm_cpu_xblock *out);
 void tdm_cpu_quantise_portable(const float *x, int64_t nb, struct tdm_cpu_xblock *out);
@@ -190,6 +243,9 @@ struct tdm_cpu {
     size_t attn_scratch_floats;
     struct tdm_cpu_xblock *xq; /* [n][cols / 32] a matmul's quantised input; grown on demand */
     size_t xq_blocks;
+    bool amx; /* Q8_0/Q4_0/Q4_1 products of several activation rows on the AMX tiles */
+    struct tdm_cpu_xtile *xt; /* [ceil(n / 16)][cols / 32] xq as AMX tiles; grown on demand */
+    size_t xt_tiles;
 };
 
 static inline struct tdm_cpu *tdm_cpu_of(tdm_backend_t *b)

@@ -11,7 +11,11 @@
  * quant_activations): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K parts take the input quantised to 16-bit
  * integers (two int8 planes a block of 32), once per op (mm_quantise: the parts of a matmul_multi
  * and a matmul_swiglu share it), and run qdot.c's integer tiles; F32 and BF16 parts of the same op
- * keep fp32 x.
+ * keep fp32 x. On an instance with amx set (cpu.c), the Q8_0, Q4_0 and Q4_1 parts of an op of at
+ * least AMX_MIN_ROWS activation rows run on the AMX int8 tiles instead (qdot_amx.c): the
+ * quantised rows are also laid out once per op as tiles of 16 activation rows (tdm_cpu_xtile),
+ * and the parts walk 16 weight rows x 16 activation rows at a time. The same bits as the other
+ * tiles, so a row's value does not depend on which path its op took.
  *
  * Work split: the weight rows are divided over the pool's threads (tdm_split_range, chunks of
  * 16 rows so that no two threads write one cache line of out). matmul_multi (q, k and v of one
@@ -231,6 +235,7 @@ struct mm_part {
     int wtype;
     bool blas; /* F32 times several rows on an instance without batch_invariant */
     bool q;    /* on the quantised activations (qdot.c) */
+    bool amx;  /* q, on the AMX tiles (qdot_amx.c) */
     const float *bias;
     float *out;
 };
@@ -244,6 +249,7 @@ struct mm_job {
     int n_parts;
     bool swiglu;
     const struct tdm_cpu_xblock *xq; /* [n][cols / 32] x quantised, when a part is q */
+    const struct tdm_cpu_xtile *xt;  /* [ceil(n / 16)][cols / 32] xq as tiles, when a part is amx */
     struct mm_part parts[TDM_MATMUL_MULTI_MAX];
 };
 
@@ -285,12 +291,39 @@ static void run_tile(const struct mm_job *job, const struct mm_part *p, int64_t 
     tiles[p->wtype][R - 1][C - 1](&t);
 }
 
+/* As run_tile on the AMX tiles: R, C <= 16, i a multiple of 16. */
+static void run_tile_amx(const struct mm_job *job, const struct mm_part *p, int64_t r, int i, int R,
+                         int C, float *out, int64_t ldo)
+{
+    const struct tdm_weight *w = p->w;
+    const int64_t nb = w->cols / 32;
+    const struct tdm_cpu_amx_tile t = {
+        .w = (const uint8_t *)w->data + (size_t)r * w->row_bytes,
+        .row_bytes = w->row_bytes,
+        .nb = nb,
+        .x = job->xt + (size_t)(i / TDM_CPU_AMX_TILE) * (size_t)nb,
+        .out = out,
+        .ldo = ldo,
+        .bias = p->bias ? p->bias + r : NULL,
+    };
+    tdm_cpu_amx_qtile(&t, p->wtype, R, C);
+}
+
+static void any_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int i, int R,
+                     int C, float *out, int64_t ldo)
+{
+    if (p->amx)
+        run_tile_amx(job, p, r, i, R, C, out, ldo);
+    else
+        run_tile(job, p, r, i, R, C, out, ldo);
+}
+
 /* The tile at (r, i) of one part, into that part's output. */
 static void part_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int i, int R,
                       int C)
 {
     const int64_t rows = p->w->rows;
-    run_tile(job, p, r, i, R, C, p->out + (size_t)i * (size_t)rows + (size_t)r, rows);
+    any_tile(job, p, r, i, R, C, p->out + (size_t)i * (size_t)rows + (size_t)r, rows);
 }
 
 /* The SwiGLU tile at (r, i): the gate tile into out, the up tile into scratch, then
@@ -300,9 +333,9 @@ static void swiglu_tile(const struct mm_job *job, int64_t r, int i, int R, int C
     const struct mm_part *gate = &job->parts[0], *up = &job->parts[1];
     const int64_t rows = gate->w->rows;
     float *out = gate->out + (size_t)i * (size_t)rows + (size_t)r;
-    float u[TDM_CPU_TILE_MAX * TDM_CPU_TILE_MAX]; /* [C][R] */
-    run_tile(job, gate, r, i, R, C, out, rows);
-    run_tile(job, up, r, i, R, C, u, R);
+    float u[TDM_CPU_AMX_TILE * TDM_CPU_AMX_TILE]; /* [C][R] */
+    any_tile(job, gate, r, i, R, C, out, rows);
+    any_tile(job, up, r, i, R, C, u, R);
     for (int c = 0; c < C; c++)
         for (int j = 0; j < R; j++)
             out[c * rows + j] = tdm_cpu_silu_mul1(out[c * rows + j], u[c * R + j]);
@@ -329,6 +362,26 @@ static void mm_rows(const struct mm_job *job, const struct mm_part *p, int64_t r
                 part_tile(job, p, r, 0, rr, 1);
             else
                 swiglu_tile(job, r, 0, rr, 1);
+        }
+        return;
+    }
+    if (p ? p->amx : job->parts[0].amx && job->parts[1].amx) {
+        /* 16 x 16 tiles; a block of IB activation rows (column groups of 16) at a time, so that
+         * a 16-row weight panel stays in cache across its groups */
+        enum { T = TDM_CPU_AMX_TILE };
+        static_assert(IB % T == 0, "prefill blocks hold whole column groups");
+        for (int i0 = 0; i0 < job->n; i0 += IB) {
+            const int i1 = TDM_MIN(job->n, i0 + IB);
+            for (int64_t r = r0; r < r1; r += T) {
+                const int rr = (int)TDM_MIN(T, r1 - r);
+                for (int i = i0; i < i1; i += T) {
+                    const int cc = TDM_MIN(T, i1 - i);
+                    if (p)
+                        part_tile(job, p, r, i, rr, cc);
+                    else
+                        swiglu_tile(job, r, i, rr, cc);
+                }
+            }
         }
         return;
     }
@@ -384,6 +437,10 @@ static void mm_worker(void *ctx, int ith, int nth)
     }
 }
 
+/* Activation rows from which an op's Q8_0/Q4_0/Q4_1 parts take the AMX tiles: below, a 16 x 16
+ * tile would be mostly padding and the AVX512-VNNI tiles are as fast. */
+#define AMX_MIN_ROWS 6
+
 static struct mm_part make_part(const struct tdm_cpu *cpu, const struct tdm_weight *w, int n,
                                 const float *bias, float *out)
 {
@@ -392,7 +449,9 @@ static struct mm_part make_part(const struct tdm_cpu *cpu, const struct tdm_weig
     const bool blas = wtype == TDM_CPU_W_F32 && n > 1 && !cpu->batch_invariant &&
                       w->row_bytes == (size_t)w->cols * sizeof(float);
     const bool q = cpu->quant_activations && wtype >= TDM_CPU_W_Q8_0;
-    return (struct mm_part){.w = w, .wtype = wtype, .blas = blas, .q = q, .bias = bias, .out = out};
+    const bool amx = q && cpu->amx && n >= AMX_MIN_ROWS && tdm_cpu_amx_wtype(wtype);
+    return (struct mm_part){
+        .w = w, .wtype = wtype, .blas = blas, .q = q, .amx = amx, .bias = bias, .out = out};
 }
 
 #define QUANT_POOL_ROWS 16 /* activation rows from which quantising them is a pool job */
@@ -403,12 +462,26 @@ struct quant_job {
     int n;
     int64_t nb;
     struct tdm_cpu_xblock *out;
+    struct tdm_cpu_xtile *xt; /* also lay the rows out as AMX tiles, when not NULL */
 };
 
 static void quant_worker(void *ctx, int ith, int nth)
 {
     const struct quant_job *q = ctx;
     int64_t i0, i1;
+    if (q->xt) { /* by column groups: a thread quantises the rows of its groups, then packs them */
+        enum { T = TDM_CPU_AMX_TILE };
+        tdm_split_range((q->n + T - 1) / T, ith, nth, 1, &i0, &i1);
+        for (int64_t g = i0; g < i1; g++) {
+            const int r0 = (int)g * T, rn = TDM_MIN(T, q->n - r0);
+            for (int r = r0; r < r0 + rn; r++)
+                q->k->quantise(q->x + (size_t)r * (size_t)q->nb * 32, q->nb,
+                               q->out + (size_t)r * q->nb);
+            tdm_cpu_xtile_pack(q->out + (size_t)r0 * q->nb, q->nb, rn, q->nb,
+                               q->xt + (size_t)g * q->nb);
+        }
+        return;
+    }
     tdm_split_range(q->n, ith, nth, 1, &i0, &i1);
     for (int64_t i = i0; i < i1; i++)
         q->k->quantise(q->x + (size_t)i * (size_t)q->nb * 32, q->nb, q->out + (size_t)i * q->nb);
@@ -430,17 +503,40 @@ static void mm_quantise(struct tdm_cpu *cpu, struct mm_job *job)
         if (!p) {
             TDM_WARN("cpu backend: no memory to quantise activations; using fp32 ones");
             for (int j = 0; j < job->n_parts; j++)
-                job->parts[j].q = false;
+                job->parts[j].q = job->parts[j].amx = false;
             return;
         }
         tdm_free_aligned(cpu->xq);
         cpu->xq = p;
         cpu->xq_blocks = 2 * need;
     }
-    struct quant_job qj = {.k = cpu->k, .x = job->x, .n = job->n, .nb = nb, .out = cpu->xq};
+    bool amx = false;
+    for (int j = 0; j < job->n_parts; j++)
+        amx |= job->parts[j].amx;
+    const size_t need_t = (size_t)((job->n + TDM_CPU_AMX_TILE - 1) / TDM_CPU_AMX_TILE) * (size_t)nb;
+    if (amx && need_t > cpu->xt_tiles) {
+        struct tdm_cpu_xtile *p = tdm_alloc_aligned(2 * need_t * sizeof *p);
+        if (p) {
+            tdm_free_aligned(cpu->xt);
+            cpu->xt = p;
+            cpu->xt_tiles = 2 * need_t;
+        } else { /* the vector tiles need no layout of their own */
+            TDM_WARN("cpu backend: no memory for AMX tiles; using the vector tiles");
+            for (int j = 0; j < job->n_parts; j++)
+                job->parts[j].amx = false;
+            amx = false;
+        }
+    }
+    struct quant_job qj = {.k = cpu->k,
+                           .x = job->x,
+                           .n = job->n,
+                           .nb = nb,
+                           .out = cpu->xq,
+                           .xt = amx ? cpu->xt : NULL};
     /* a decode step's few rows on this thread; a prefill's over the pool (each row alone) */
     tdm_cpu_run(cpu, job->n >= QUANT_POOL_ROWS ? (int64_t)job->n * nb * 32 : 0, quant_worker, &qj);
     job->xq = cpu->xq;
+    job->xt = amx ? cpu->xt : NULL;
 }
 
 /* Runs a prepared job (parts' outputs at row 0) over the pool. */
@@ -484,5 +580,7 @@ void tdm_cpu_matmul_swiglu(tdm_backend_t *b, const struct tdm_weight *w_gate,
     job.parts[0] = make_part(cpu, w_gate, n, NULL, out);
     job.parts[1] = make_part(cpu, w_up, n, NULL, NULL);
     job.parts[0].blas = job.parts[1].blas = false; /* the fused tiles never use OpenBLAS */
+    if (!(job.parts[0].amx && job.parts[1].amx))   /* the fused tiles share one walk */
+        job.parts[0].amx = job.parts[1].amx = false;
     mm_run(cpu, &job);
 }

@@ -2,7 +2,8 @@
  * Quantised activations: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights times activations quantised to
  * 16-bit integers held in two int8 planes, with integer dot products. The portable kernels live
  * here; the AVX2 and AVX-VNNI ones in qdot_avx2.c, the AVX512-VNNI one in qdot_avx512.c (an
- * AVX-512 CPU without VNNI runs the AVX2 tiles). matmul.c decides
+ * AVX-512 CPU without VNNI runs the AVX2 tiles), and for Q8_0/Q4_0/Q4_1 times several
+ * activation rows the AMX int8 one in qdot_amx.c (CPUs and OSes that run it). matmul.c decides
  * when this path runs (an instance created with quant_activations, a part whose weight is one of
  * those types) and quantises each activation row once per op, so the q, k and v parts of a
  * matmul_multi and the gate and up of a matmul_swiglu share one quantised input.
@@ -47,9 +48,9 @@
  *               acc = fma((d * sc_k) * d_x, (float)isum_k, acc), half 0 first (d * sc_k exact);
  * then acc + bias. (float)isum rounds to nearest past 2^24 (Q8_0 only), the same in every ISA.
  * These are the same operations in every ISA and every tile shape (the vector kernels only put
- * four rows' pairs in the lanes of one register), so a value depends on neither the ISA, the
- * batch, the tile shape nor the thread split: the batch-invariance argument, and what
- * tests/backend/test_cpu_ops.c checks bit for bit.
+ * four rows' pairs in the lanes of one register, the AMX one sixteen activation rows'), so a value
+ * depends on neither the ISA, the batch, the tile shape nor the thread split: the batch-invariance
+ * argument, and what tests/backend/test_cpu_ops.c checks bit for bit.
  */
 #include "backend/cpu/cpu_int.h"
 #include "model/quant_int.h"
