@@ -7,10 +7,7 @@
  * a shared machine do not count). Each line prints a checksum of the outputs, which must not
  * change with the AMX setting (the tiles give the same bits).
  *
- * Build against a build directory's static library (here /tmp/h_amx), from the repository root:
- *   gcc -O2 -std=gnu11 -Iinclude -Isrc bench/cpu_qmatmul.c /tmp/h_amx/libtandem_core_lib.a \
- *       $(pkg-config --libs libpcre2-8 jansson openblas libmicrohttpd libfabric hwloc gnutls \
- *       libzmq) -lm -lpthread -o /tmp/cpu_qmatmul
+ * Built with the test tools (build/tests/tools/cpu_qmatmul).
  * Usage: cpu_qmatmul 0|1   (AMX off or on; on needs an AVX-512 CPU with AMX-INT8 and VNNI)
  */
 #ifndef _GNU_SOURCE
