@@ -67,6 +67,10 @@
  * request runs. A decoder whose GPU pool the prefill node cannot open (another host) is told so
  * with a NACK of TDM_EUNREACHABLE, and asks that peer with landing pages from then on. The
  * immediates, counters, fencing and NACKs are the same whatever the route (--kv-staging).
+ * A node with several NICs (--xfer-nics) opens a rail set (xfer.h: one endpoint per NIC, rail
+ * 0 the control channel) and its transport spreads the KV writes round-robin over the rails;
+ * the decoder's counter counts every rail's immediates, and a rail whose peer dies fences the
+ * requests bound to that peer like the peer's death.
  *
  * Fencing: immediates name (slot, epoch); a slot's epoch changes every use (a random value),
  * so a late write of an abandoned attempt is never counted. The pages of an abandoned attempt are
@@ -140,6 +144,12 @@ struct tdm_disagg_xfer_opts {
     size_t fabric_key_bytes;
     bool busy_poll; /* the transfer engine's progress thread spins, never sleeps (a core each;
                      * latency-critical deployments) */
+    /* Several NICs (--xfer-nics): with two or more, the node opens a rail set
+     * (tdm_xfer_rails_*: one endpoint per NIC, each an address, an interface or a provider
+     * domain; node is then unused) and spreads its KV writes round-robin over them. 0 or 1:
+     * one endpoint on node, as before. */
+    const char *nics[TDM_XFER_MAX_RAILS];
+    int n_nics;
 };
 
 /* ---- decode side ---- */

@@ -90,8 +90,24 @@ struct tdm_engine_opts {
      * (tdm_tp_allreduce); the LM head is split by vocabulary, each rank writing its rows of the
      * leader's logits. tdm_engine_kv is the leader's pool: it allocates
      * page ids for every rank's pool (one page table, one page count: the one TP = 1 would
-     * have). CPU backend and dense attention models only (TDM_EUNSUPPORTED names the rest). */
+     * have). CPU backend and dense attention models only (TDM_EUNSUPPORTED names the rest).
+     * A speculation head's extra KV group (co_model a head, kv_extra its one group) is sharded
+     * over the ranks' pools like the head (its KV heads); a draft model's stays whole in the
+     * leader's pool (the draft runs on the leader alone). */
     int tp;
+    /* A speculation head's engine beside a sharded target (tp > 1; NULL or an unsharded
+     * target: ignored): the head is sharded like it, each rank's view of the head on that
+     * target rank's backend and pool (layer group kv_group, which the target made from its
+     * co_model), run by the target's rank threads. kv_shared and backend are then the
+     * leader's (tdm_spec_beside_opts); the target must outlive the head's engine. */
+    tdm_engine_t *shard_like;
+    /* Features for an EAGLE-3 head (model.h): n_feature_layers > 0 makes a sequence's features
+     * (tdm_batch_seq.features) the residual stream entering each of these layers (0 ..
+     * n_layers - 1), concatenated in this order ([n_tokens][n_feature_layers * d_model]),
+     * instead of the final-normed state; copied in the layer loop. tdm_spec_engine_opts sets
+     * them from the head. 0: the final-normed state (every other head). */
+    int feature_layers[TDM_HEAD_MAX_AUX];
+    int n_feature_layers;
 };
 
 struct tdm_batch_seq {
@@ -105,11 +121,18 @@ struct tdm_batch_seq {
      * that tree verification can give siblings at one depth slots of their own. */
     const int32_t *slots;
     int n_logits; /* output rows for the last n_logits tokens of the span */
-    /* A head model (tdm_model.head) only: [n_tokens][d_model] host, the target's hidden state
-     * that goes with each token (see struct tdm_head); required there, ignored elsewhere. */
+    /* A head model (tdm_model.head) only: [n_tokens][feature_width] host, the target's
+     * feature that goes with each token (see struct tdm_head); or, with own_hidden,
+     * [n_tokens][d_model], the head's own feature of the row before (a deeper draft). Heads
+     * whose target feature is their own width (all but EAGLE-3) read both alike; an EAGLE-3
+     * head's batch is all of one kind (TDM_EINVAL otherwise). Required there, ignored
+     * elsewhere. */
     const float *hidden;
-    /* NULL, or [n_tokens][d_model] host: receives every token's final-normed hidden state
-     * (the LM head's input; what a head takes as h). */
+    bool own_hidden;
+    /* NULL, or host memory that receives every token's feature: [n_tokens][d_model], the
+     * final-normed hidden state (the LM head's input; what a head takes as h); an engine with
+     * feature_layers: [n_tokens][n_feature_layers * d_model] (tdm_engine_opts); an EAGLE-3
+     * head's engine: its state before the final norm (what it feeds itself). */
     float *features;
     /* NULL: the span is a chain (token i at position pos0 + i, causal). Otherwise a token tree
      * (below); slots are then required. */

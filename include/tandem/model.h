@@ -313,24 +313,47 @@ struct tdm_layer_weights {
  * its logits propose t(i+2). A head model is a struct tdm_model with n_layers 1 whose head
  * points here; its tok_embd and output are the target's (borrowed: the target must outlive
  * it). Norms a layout lacks have data NULL: EAGLE's heads normalise neither input, and have
- * no input norm on their layer and no final norm. */
+ * no input norm on their layer and no final norm.
+ *
+ * EAGLE-3 (TDM_HEAD_EAGLE3) differs: its target feature is the residual stream entering three
+ * target layers (aux_layers: low, middle, high), concatenated ([3 d_model]), and its input is
+ *     h    = fc_h(feature) (+ fc_bias)        fc_h: [d_model][3 d_model]; on deeper drafts h is
+ *                                             the head's own pre-norm state of the row before
+ *     a    = [enorm(embed(t(i+1))), hnorm(h)]  [2 d_model]: the layer's q/k/v read a (their
+ *                                             columns for the embedding in the layer's wq, wk,
+ *                                             wv; for hnorm(h) in wq_h, wk_h, wv_h)
+ *     x    = h + o_proj(attention(a)) ; x += mlp(ffn_norm(x))
+ * with the residual h, not a; its final norm and its own LM head (`output`, over its draft
+ * vocabulary) give the logits, and x before the final norm is what it feeds itself. */
 enum tdm_head_layout {
     TDM_HEAD_TANDEM = 0,   /* ours (docs/HEADS.md) */
     TDM_HEAD_EAGLE,        /* EAGLE(-2): fc (with a bias), one layer without its input norm */
     TDM_HEAD_DEEPSEEK_MTP, /* DeepSeek-V3's MTP layer names: enorm, hnorm, eh_proj, shared_head */
+    TDM_HEAD_EAGLE3,       /* EAGLE-3: fused low/middle/high features, midlayer.*, its LM head */
 };
+#define TDM_HEAD_MAX_AUX 3 /* the target layers an EAGLE-3 head's feature fuses */
 struct tdm_head {
     enum tdm_head_layout layout;
     struct tdm_weight enorm, hnorm; /* [d_model]; data NULL: that input is not normalised */
-    struct tdm_weight fc_e, fc_h;   /* [d_model][d_model]: fc's columns for each input */
+    struct tdm_weight fc_e, fc_h;   /* [d_model][d_model]: fc's columns for each input (EAGLE-3:
+                                     * fc_e none, fc_h [d_model][feature_width] the whole fc) */
     struct tdm_weight fc_bias;      /* [d_model]; data NULL: none */
     /* A reduced draft vocabulary (its d2t map): the head's LM head (the model's `output`) has
      * n_draft rows, draft token i being target token d2t[i] (ascending); its logits are placed
      * in the target's vocabulary, -inf elsewhere. NULL / 0: the whole vocabulary. */
     const int32_t *d2t;
     int n_draft;
+    /* The target feature's width: d_model, or n_aux * d_model (EAGLE-3). aux_layers: EAGLE-3's
+     * target layers whose input (the residual stream entering them) makes the feature, in
+     * order; n_aux 0 for the other layouts (the final-normed state). */
+    int feature_width;
+    int aux_layers[TDM_HEAD_MAX_AUX];
+    int n_aux;
+    /* EAGLE-3: the q/k/v projections' columns that read hnorm(h) ([rows][d_model] each) */
+    struct tdm_weight wq_h, wk_h, wv_h;
 };
-const char *tdm_head_layout_name(enum tdm_head_layout l); /* "tandem", "eagle", "deepseek-mtp" */
+const char *tdm_head_layout_name(enum tdm_head_layout l); /* "tandem", "eagle", "deepseek-mtp",
+                                                           * "eagle3" */
 
 struct tdm_model {
     struct tdm_model_config cfg;

@@ -236,8 +236,9 @@ struct tdm_plan_seq {
     uint8_t want;         /* tdm_row_want bits of each of its rows */
     int n_draft;          /* drafted tokens at the end of the span, verified by this step */
     bool last;            /* the span reaches the end of the request's token list */
-    float *features;      /* [n_tokens][d_model] host: every token's final-normed hidden state
-                           * (tdm_batch_seq.features), for a drafter that reads them; or NULL */
+    float *features;      /* [n_tokens][feature_dim] host: every token's feature (the
+                           * final-normed state; an EAGLE-3 head's target: its fused layers,
+                           * tdm_batch_seq.features), for a drafter that reads them; or NULL */
     /* A verified token tree (a tree drafter's, below), or NULL: the span is then the last
      * committed token (a chain token at pos0) and the tree's nodes, node j being span token
      * j + 1 at position pos0 + its depth, in slot slots[j + 1]: the slot of position pos0 +
@@ -267,7 +268,8 @@ struct tdm_sched_exec {
     tdm_kv_pool_t *kv; /* the pool spans' pages come from */
     int vocab, d_model, max_ctx;
     int max_batch_tokens, max_seqs, max_rows; /* per run */
-    const int *eos;                           /* [n_eos] end-of-sequence ids */
+    int feature_dim; /* the width of a token's features (tdm_batch_seq.features); 0: d_model */
+    const int *eos;  /* [n_eos] end-of-sequence ids */
     int n_eos;
 };
 
@@ -305,9 +307,11 @@ tdm_status tdm_sched_reserve_rows(tdm_sched_t *s);
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
 
 /* ---- speculation across disaggregation: features for a drafter, through the connector ----
- * Features (struct tdm_plan_seq.features, the target's final-normed states) are downloaded for
- * every span of a request that may speculate (spec_k >= 0) whenever the scheduler keeps a
- * features buffer: for its feature drafter (tdm_sched_set_drafter), or for its connector
+ * Features (struct tdm_plan_seq.features, the target's final-normed states; d_model wide, which
+ * is all a connector carries: an executor with wider ones, an EAGLE-3 head's, is refused here)
+ * are downloaded for every span of a request that may speculate (spec_k >= 0) whenever the
+ * scheduler keeps a features buffer: for its feature drafter (tdm_sched_set_drafter), or for
+ * its connector
  * (tdm_sched_reserve_features). A prefill-only request with spec_k >= 0 is one that speculates
  * on the node that decodes it: its spans get features too, which the connector's step_end
  * reads (a prefill node runs the decoder's head over them, spec.h tdm_spec_head_kv); they are
@@ -429,7 +433,7 @@ struct tdm_sched_draft {
  * for a request still running, the features of the positions of this step's span whose KV was
  * kept, [pos0, pos0 + n): every prefill position, and of a verified span the last committed
  * token's and the accepted drafts'. Each such position p has its next token committed
- * (tokens[p + 1], p + 1 < n_tokens). features: [n][d_model], valid during the call. */
+ * (tokens[p + 1], p + 1 < n_tokens). features: [n][feature_dim], valid during the call. */
 struct tdm_sched_feed {
     tdm_req_t *req;
     const int32_t *tokens; /* committed tokens [0, n_tokens) */
@@ -440,6 +444,9 @@ struct tdm_sched_feed {
     void *state; /* as in tdm_sched_draft */
     int pos0, n;
     const float *features;
+    /* launch only: [n] the token the target's row chose at each span position (the row of
+     * position p samples position p + 1), accepted or not; NULL in feed */
+    const int32_t *next;
 };
 struct tdm_sched_drafter_i {
     /* Proposes for a batch of n requests about to decode. base_tokens: the step's tokens
@@ -453,7 +460,8 @@ struct tdm_sched_drafter_i {
                      int n_accepted, int n_published);
     /* After each run: the plan that ran and how long the run took (a cost model's input). */
     void (*step_done)(void *ctx, const struct tdm_sched_plan *plan, uint64_t run_ns);
-    /* Optional: > 0 asks for the target's features (d_model floats a token) of every span of
+    /* Optional: > 0 asks for the target's features (feature_dim floats a token: the
+     * executor's feature width, d_model or an EAGLE-3 head's fused 3 d_model) of every span of
      * the requests that may speculate, handed over by feed after each commit (in batch
      * order). Scheduler thread; feed may run the engine on those requests' pages at positions
      * below n_tokens. */
@@ -481,6 +489,18 @@ struct tdm_sched_drafter_i {
      * prefix's end (a feature drafter then takes that KV as its own). Without it, a drafter
      * that reads features is refused with a prefix cache. */
     int (*kv_len)(void *ctx, const void *state);
+    /* Optional: the seed's single-token MTP schedule, which needs no sync after acceptance.
+     * launch is called right after a step's run and before its commit, with the decode spans
+     * just verified of the requests that may speculate (as feed's, but n is the whole span,
+     * accepted or not, and next says what the target chose at each position). It may start
+     * work on a thread of its own (the head over every verified row, its input tokens the
+     * target's choices shifted in), which must touch neither the requests nor anything of the
+     * scheduler's: what it needs it copies in launch. The commit (then feed, with what was
+     * kept) runs meanwhile. join waits for that work: the scheduler calls it before anything
+     * that may hand the launched spans' pages to another request (the next step's reaping
+     * and plan) and when it stops. Scheduler thread. */
+    void (*launch)(void *ctx, const struct tdm_sched_feed *f, int n);
+    void (*join)(void *ctx);
 };
 /* Sets the drafter (before tdm_sched_start); k_max caps every proposal (at most
  * TDM_SPEC_MAX_K; a tree drafter's, nodes: at most TDM_TREE_MAX_NODES). Verification needs no

@@ -98,6 +98,11 @@ struct tdm_spec_opts {
      * the deepest drafts (1 .. TDM_SPEC_MAX_K; 0: TDM_SPEC_TREE_DEPTH), and with k fixed, at
      * most k. The head's own tree (topk * (depth - 1) nodes) must fit TDM_TREE_MAX_NODES. */
     int tree_budget, tree_topk, tree_depth;
+    /* mtp: the seed's single-token MTP schedule. The head runs over every row the target just
+     * verified, on a thread of its own, while the scheduler commits; the next step draws
+     * draft 1 from the row its acceptance ended on, with no catch-up pass in between. The
+     * drafts are those of the synchronous chain (src/spec/mtp.c). */
+    bool overlap;
 };
 #define TDM_SPEC_TREE_BUDGET 16
 #define TDM_SPEC_TREE_TOPK   8
@@ -106,7 +111,8 @@ struct tdm_spec_opts {
 void tdm_spec_kv_group(const struct tdm_model *draft, struct tdm_kv_group *out);
 /* What speculation needs of the target engine's options, set before it is created: for a
  * draft model, its layer group (stored in *group, which must outlive the creation) and the
- * draft as co_model (its weights and scratch held back from the KV pool); for rejection
+ * draft as co_model (its weights and scratch held back from the KV pool); for an EAGLE-3 head,
+ * the target layers whose residual its features fuse (feature_layers); for rejection
  * acceptance, the drafts' distributions' bytes in reserve_bytes. */
 void tdm_spec_engine_opts(const struct tdm_spec_opts *o, const struct tdm_model *target,
                           struct tdm_kv_group *group, struct tdm_engine_opts *eo);
@@ -186,11 +192,14 @@ struct tdm_spec_stats {
      * the number of drafting requests; 0 until measured */
     double verify_a_ns, verify_b_ns, draft_a_ns, draft_b_ns;
     uint64_t tree_steps, accepted_other_branch;
+    /* --spec-overlap: rows the launched head passes ran, and first drafts drawn from them */
+    uint64_t overlap_rows, overlap_drafts;
 };
 void tdm_spec_get_stats(tdm_spec_t *sp, struct tdm_spec_stats *out);
 /* One JSON object: drafted, accepted, target_steps, tokens, tau, accept_by_position (the
- * share of drafts kept at each position, up to the deepest drafted). Returns the length
- * (snprintf's rule). */
+ * share of drafts kept at each position, up to the deepest drafted), and where they happened,
+ * tree_steps and accepted_other_branch (trees), overlap_rows and overlap_drafts (overlap). Returns
+ * the length (snprintf's rule). */
 int tdm_spec_stats_json(const struct tdm_spec_stats *st, char *buf, size_t cap);
 /* The statistics as a Prometheus text block (malloc'd; NULL when out of memory): drafted and
  * accepted tokens, both by position, the tokens-per-step (tau) and k histograms, draft time

@@ -21,6 +21,8 @@
  *     libfabric has no FI_HMEM. A region has a kind (host | cuda) and tdm_xfer_caps says whether
  *     the provider takes cuda regions directly (hmem_cuda), so a GPUDirect provider drops the
  *     staging without an API change.
+ *   - rails (tdm_xfer_rails_*): several NICs per node, one engine per NIC, rail 0 the control
+ *     engine whose counters the others feed; writes spread round-robin over the rails.
  *
  * Immediate data and the "one paged write = one immediate" rule. A paged write is merged into as
  * few fabric writes as possible (contiguous runs); only the LAST of them carries the immediate.
@@ -84,6 +86,7 @@ typedef struct tdm_xfer_counters tdm_xfer_counters_t;
 #define TDM_XFER_ADDR_MAX  1024       /* printable address, NUL included */
 #define TDM_XFER_ANY_PEER  UINT32_MAX /* a counter not bound to one peer */
 #define TDM_XFER_RMEM_WIRE 96         /* bytes of a packed struct tdm_xfer_rmem */
+#define TDM_XFER_MAX_RAILS 8          /* fabric endpoints (NICs) of one rail set */
 
 enum tdm_xfer_mem_kind { TDM_XFER_MEM_HOST = 0, TDM_XFER_MEM_CUDA = 1 };
 
@@ -124,6 +127,14 @@ struct tdm_xfer_config {
     void *on_msg_ctx;
     tdm_xfer_peer_fn on_peer;
     void *on_peer_ctx;
+    /* Where immediates land: another engine's table (borrowed, outlives this engine; a rail of
+     * a rail set, below), or NULL: the engine's own. An engine with borrowed counters never
+     * fails them by its own peer indices (their owner maps a death to its peers), never
+     * destroys them, and takes immediates by RMA only (an IMM message to it is dropped). */
+    tdm_xfer_counters_t *counters;
+    /* The provider's domain to open (a prefix of fi_info's domain name: "eth0", "mlx5_0"), or
+     * NULL: the first the provider offers for `node`. */
+    const char *domain;
 };
 void tdm_xfer_config_default(struct tdm_xfer_config *cfg);
 
@@ -198,6 +209,12 @@ struct tdm_xfer_rmem {
     uint64_t bytes;         /* region length */
     uint32_t kind;          /* enum tdm_xfer_mem_kind */
     uint8_t ipc_handle[64]; /* cudaIpcMemHandle_t for CUDA IPC regions; zero otherwise */
+    /* A host region registered on a rail set (tdm_xfer_rails_*): rails > 1 endpoints, rail r's
+     * key in rail_key[r] ([0] = key); the same addr on every rail. 0 or 1: one endpoint. On the
+     * wire the keys of rails 1 .. rails-1 take the (then unused) IPC handle's room and the
+     * reserved word says how many, so a region of one rail packs as before. */
+    uint32_t rails;
+    uint64_t rail_key[TDM_XFER_MAX_RAILS];
 };
 void tdm_xfer_mr_remote(const tdm_xfer_mr_t *mr, struct tdm_xfer_rmem *out);
 /* Fixed little-endian wire form for control messages; unpack validates. */
@@ -395,6 +412,61 @@ tdm_status tdm_xfer_staged_create(const struct tdm_xfer_staged_config *cfg,
 void tdm_xfer_staged_destroy(tdm_xfer_staged_t *s);
 struct tdm_xfer_transport tdm_xfer_staged_transport(tdm_xfer_staged_t *s);
 void tdm_xfer_staged_get_stats(tdm_xfer_staged_t *s, struct tdm_xfer_staged_stats *out);
+
+/* ---- rails: several NICs per node (src/xfer/rails.c) ----
+ * A rail set is n fabric engines ("rails"), one per NIC, of one provider. Rail 0 is the control
+ * engine: peers, control messages, liveness and the immediate counters are its own, and its
+ * peer indices are the set's. Rails 1 .. n-1 deliver their immediates into rail 0's counters
+ * (tdm_xfer_config.counters), so a decoder's counter counts a request's immediates whatever
+ * rail they came by. Once a control peer is up, each side sends it its rails' addresses (an
+ * xfer RAILS message); rail r pairs with the peer's rail r, for r below both sides' counts, and
+ * its own handshake (with the fabric key, its own proof) makes it usable. The transport
+ * (tdm_xfer_rails_transport) registers every region on every rail (a host region's descriptor
+ * then carries each rail's key) and spreads paged and single writes round-robin over the rails
+ * usable to that peer and that destination, each write wholly on one rail, so the ordering of
+ * one rail ("an immediate never overtakes its data") holds for every write; sends and IMM
+ * messages take rail 0. A rail whose peer dies (silence, a completion error) fails every counter
+ * bound to that peer with TDM_EPEER (writes on it may be lost: the request is fenced like a
+ * dead peer's), is left out of the round robin, and is tried again with backoff (500 ms,
+ * doubling to 10 s) while the control peer lives: a rail that comes back is used again. A peer
+ * with one rail, or a destination registered on one, gets everything on rail 0: exactly a
+ * single engine's behaviour and wire. */
+struct tdm_xfer_rails_config {
+    struct tdm_xfer_config base; /* rail 0's (callbacks, key, provider, timeouts); every rail's
+                                    settings but node, domain and callbacks */
+    /* rail r's NIC: an address (IPv4 or IPv6, the endpoint's node), a network interface (its
+     * first IPv4 address), or a provider domain (an RDMA device such as mlx5_0); NULL or "":
+     * base.node and base.domain */
+    const char *nics[TDM_XFER_MAX_RAILS];
+    int n_rails; /* 1 .. TDM_XFER_MAX_RAILS */
+};
+typedef struct tdm_xfer_rails tdm_xfer_rails_t;
+/* Opens every rail (TDM_EINVAL when they disagree on the immediate layout) and starts the
+ * keeper thread that retries dead rails. Strings are copied. */
+tdm_status tdm_xfer_rails_create(const struct tdm_xfer_rails_config *cfg, tdm_xfer_rails_t **out);
+/* Destroys rails n-1 .. 0 (their pending operations end with TDM_ECANCELED, rail 0's counters
+ * last). Regions registered through the transport must be deregistered first. NULL: no-op. */
+void tdm_xfer_rails_destroy(tdm_xfer_rails_t *r);
+/* Rail 0, the control engine (owned by the set). */
+tdm_xfer_t *tdm_xfer_rails_control(tdm_xfer_rails_t *r);
+int tdm_xfer_rails_count(const tdm_xfer_rails_t *r);
+struct tdm_xfer_transport tdm_xfer_rails_transport(tdm_xfer_rails_t *r);
+struct tdm_xfer_rail_stats {
+    char nic[64];                 /* as configured ("" for base.node) */
+    char addr[TDM_XFER_ADDR_MAX]; /* its printable address */
+    uint64_t writes, bytes;       /* paged and single writes accepted on it, their bytes */
+    uint64_t fallbacks;           /* writes it refused as its peer had died, sent on rail 0 */
+    uint64_t imm_received;        /* immediates that arrived by it */
+    uint32_t peers_up;            /* peers whose rail r is paired and alive */
+};
+void tdm_xfer_rails_get_stats(tdm_xfer_rails_t *r, int rail, struct tdm_xfer_rail_stats *out);
+/* A NIC as a provider wants it (the rule of tdm_xfer_rails_config.nics): an address is the
+ * node; an interface, its first IPv4 address as the node; anything else, the domain. Empty
+ * strings for what it is not. */
+void tdm_xfer_nic_resolve(const char *nic, char *node, size_t node_cap, char *domain,
+                          size_t domain_cap);
+/* How many rails `peer` (a control index) can be written on now: 1 + its live paired rails. */
+int tdm_xfer_rails_peer_rails(tdm_xfer_rails_t *r, uint32_t peer);
 
 /* ---- immediate counters (also fed by the CUDA IPC transport) ---- */
 struct tdm_xfer_counter_stats {

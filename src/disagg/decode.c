@@ -960,6 +960,7 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
 {
     const struct tdm_model_config *c = &tdm_engine_model(e)->cfg;
     const struct tdm_engine_opts *eo = tdm_engine_opts(e);
+    if (o->head && tdm_engine_tp_ranks(e) > 1) return tdm_disagg_refuse_tp_head(e);
     if (o->n_peers < 0 || o->n_peers > TDM_DISAGG_MAX_PEERS)
         return tdm_err_set(TDM_ERANGE, "disagg: at most %d prefill peers", TDM_DISAGG_MAX_PEERS);
     struct tdm_disagg_decode *d = calloc(1, sizeof *d);

@@ -38,6 +38,7 @@ struct disagg_landing {
 };
 struct disagg_endpoint {
     tdm_xfer_t *x;                /* the control channel: peers, messages, counters */
+    tdm_xfer_rails_t *rails;      /* several NICs: x is its rail 0, tp its transport; NULL: one */
     struct tdm_xfer_transport tp; /* the data plane: sends and the context's writes */
     /* The KV pages' data plane (the pool's and the head's): tp for a host pool, or a device
      * pool on a provider that registers GPU memory (FI_HMEM); CUDA IPC for a device pool
@@ -128,5 +129,16 @@ struct send_ctx {
     struct tdm_disagg_decode *d;
     uint32_t slot, epoch;
 };
+
+/* A speculation head beside a sharded node: its KV does not cross (TDM_EUNSUPPORTED). */
+static inline tdm_status tdm_disagg_refuse_tp_head(tdm_engine_t *e)
+{
+    return tdm_err_set(TDM_EUNSUPPORTED,
+                       "disagg: --tp %d with a speculation head: the head is sharded like the "
+                       "target, its KV split over the ranks' pools by its own KV heads, and "
+                       "sharded transfers carry the target's layers only (disaggregate without "
+                       "the head, or run the head's nodes at --tp 1)",
+                       tdm_engine_tp_ranks(e));
+}
 
 #endif

@@ -203,11 +203,33 @@ tdm_status tdm_disagg_endpoint_open(struct disagg_endpoint *ep,
     xc.on_msg_ctx = o->ctx;
     xc.on_peer = o->on_peer;
     xc.on_peer_ctx = o->ctx;
-    if ((st = tdm_xfer_create(&xc, &ep->x)) != TDM_OK) return st;
+    if (o->xfer->n_nics > 1) { /* a rail set: one endpoint per NIC, writes spread over them */
+        struct tdm_xfer_rails_config rc = {.base = xc, .n_rails = o->xfer->n_nics};
+        for (int r = 0; r < o->xfer->n_nics && r < TDM_XFER_MAX_RAILS; r++)
+            rc.nics[r] = o->xfer->nics[r];
+        if ((st = tdm_xfer_rails_create(&rc, &ep->rails)) != TDM_OK) return st;
+        ep->x = tdm_xfer_rails_control(ep->rails);
+        ep->tp = tdm_xfer_rails_transport(ep->rails);
+        for (int r = 0; r < o->xfer->n_nics; r++) {
+            struct tdm_xfer_rail_stats rs;
+            tdm_xfer_rails_get_stats(ep->rails, r, &rs);
+            TDM_INFO("disagg: rail %d on NIC %s (%s)", r, rs.nic[0] ? rs.nic : "default", rs.addr);
+        }
+    } else {
+        char node[64], domain[64];
+        if (o->xfer->n_nics == 1) { /* one NIC named: the endpoint's node (or domain) */
+            tdm_xfer_nic_resolve(o->xfer->nics[0], node, sizeof node, domain, sizeof domain);
+            if (node[0] || domain[0]) {
+                xc.node = node[0] ? node : NULL;
+                xc.domain = domain[0] ? domain : NULL;
+            }
+        }
+        if ((st = tdm_xfer_create(&xc, &ep->x)) != TDM_OK) return st;
+        ep->tp = tdm_xfer_fabric_transport(ep->x);
+    }
     /* context buffers (host) travel by the fabric's RMA; KV pages by the fabric too when they
      * are in host memory (or the provider registers GPU memory), else by CUDA IPC to nodes of
      * this host and through host staging to others */
-    ep->tp = tdm_xfer_fabric_transport(ep->x);
     const struct tdm_xfer_transport_i *tp = ep->tp.iface;
     tp->get_caps(ep->tp.t, &ep->caps);
     const bool dev = ep->kv.place.kind == TDM_MEM_DEVICE;
@@ -288,7 +310,10 @@ out_kv:
 out_ipc:
     tdm_xfer_ipc_destroy(ep->ipc);
 out_xfer:
-    tdm_xfer_destroy(ep->x);
+    if (ep->rails)
+        tdm_xfer_rails_destroy(ep->rails);
+    else
+        tdm_xfer_destroy(ep->x);
     *ep = (struct disagg_endpoint){0};
     return st;
 }
@@ -329,7 +354,12 @@ void tdm_disagg_endpoint_stop(struct disagg_endpoint *ep)
     if (ep->copier.iface) ep->copier.iface->drain(ep->copier.c); /* landing copies */
     /* the landing pages' registration goes while the domain is open (release frees them) */
     if (ep->land.on) ep->tp.iface->mr_dereg(ep->tp.t, &ep->land.reg);
-    tdm_xfer_destroy(ep->x);
+    if (ep->rails) { /* as one engine: its regions go in release (they outlive the set) */
+        tdm_xfer_rails_destroy(ep->rails);
+        ep->rails = NULL;
+    } else {
+        tdm_xfer_destroy(ep->x);
+    }
 }
 
 void tdm_disagg_endpoint_release(struct disagg_endpoint *ep)
@@ -373,6 +403,38 @@ void tdm_disagg_endpoint_metrics(struct disagg_endpoint *ep, struct tdm_sbuf *b)
                     (double)xs.eagain_retries);
     tdm_prom_sample(b, "tandem_fabric_backpressure_total", "kind=\"refused\"",
                     (double)xs.writes_refused);
+    if (ep->rails) {
+        static const struct {
+            const char *name, *type, *help;
+        } fam[] = {
+            {"tandem_xfer_rail_writes_total", "counter",
+             "KV writes (paged and single) posted on each rail (NIC), spread round-robin."},
+            {"tandem_xfer_rail_bytes_total", "counter", "Bytes of the KV writes on each rail."},
+            {"tandem_xfer_rail_immediates_total", "counter",
+             "Immediates that arrived by each rail (all counted in one table)."},
+            {"tandem_xfer_rail_fallbacks_total", "counter",
+             "Writes a rail refused as its peer had died, sent on rail 0 instead."},
+            {"tandem_xfer_rail_peers_up", "gauge", "Peers each rail is paired with and alive."},
+        };
+        const int n = tdm_xfer_rails_count(ep->rails);
+        struct tdm_xfer_rail_stats rs[TDM_XFER_MAX_RAILS];
+        for (int r = 0; r < n; r++)
+            tdm_xfer_rails_get_stats(ep->rails, r, &rs[r]);
+        for (size_t f = 0; f < TDM_ARRAY_LEN(fam); f++) {
+            tdm_prom_family(b, fam[f].name, fam[f].type, fam[f].help);
+            for (int r = 0; r < n; r++) {
+                char lab[128], nic[64];
+                snprintf(nic, sizeof nic, "%.63s", rs[r].nic[0] ? rs[r].nic : "default");
+                for (char *c = nic; *c; c++) /* a label value: no quote, backslash or newline */
+                    if (*c == '"' || *c == '\\' || *c == '\n') *c = '_';
+                snprintf(lab, sizeof lab, "rail=\"%d\",nic=\"%s\"", r, nic);
+                const double v[] = {(double)rs[r].writes, (double)rs[r].bytes,
+                                    (double)rs[r].imm_received, (double)rs[r].fallbacks,
+                                    (double)rs[r].peers_up};
+                tdm_prom_sample(b, fam[f].name, lab, v[f]);
+            }
+        }
+    }
     if (!ep->staged) return;
     struct tdm_xfer_staged_stats ss;
     tdm_xfer_staged_get_stats(ep->staged, &ss);

@@ -933,6 +933,7 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
 {
     const struct tdm_model_config *c = &tdm_engine_model(e)->cfg;
     const struct tdm_engine_opts *eo = tdm_engine_opts(e);
+    if (o->head && tdm_engine_tp_ranks(e) > 1) return tdm_disagg_refuse_tp_head(e);
     _Atomic int32_t *layer_counter = tdm_engine_layer_counter(e);
     if (!layer_counter)
         return tdm_err_set(TDM_EINVAL,

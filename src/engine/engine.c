@@ -44,7 +44,17 @@
  * samplers see a whole-vocabulary row whatever the head.
  *
  * Features: a sequence with a features buffer gets every token's final-normed hidden state
- * (downloaded after the layer loop), which is what a head reads as h.
+ * (downloaded after the layer loop), which is what a head reads as h. An engine with
+ * feature_layers (an EAGLE-3 head's target) copies the residual stream entering each of those
+ * layers in the layer loop (aux: zero, then add: the same bits) and gives their concatenation
+ * instead, interleaved per token on the host.
+ *
+ * An EAGLE-3 head (model.h) has an input stage of its own (eagle3_input): the fused target
+ * feature through fc (3d -> d), or, on a step whose hidden states are its own (own_hidden),
+ * those states as they are, uploaded straight into the residual x; then its layer's q/k/v read
+ * [enorm(embed) ; hnorm(x)] as two products, one per half of their columns, summed (no
+ * concatenated buffer), and the residual is x. Its features are x before the final norm. The
+ * two kinds of step record different graphs on CUDA (owner e and e + 1).
  *
  * Memory: activation scratch is reserved at creation for max_batch_tokens rows in backend
  * memory; per-step metadata comes from a host arena reset every call. Nothing is allocated on
@@ -80,12 +90,32 @@
  * (row lookups in the shared table). The LM head is sharded by vocabulary: no sum, so each logit is
  * the one a whole LM head computes from the same final-normed row; only the leader samples.
  *
+ * A speculation head beside a sharded target (tdm_engine_opts.shard_like; an MTP chain's or
+ * EAGLE's head) is sharded like it: each rank a view of the head's layer (its query and KV
+ * heads, its MLP columns, the same two all-reduces) over its share of the head's KV heads,
+ * which the target made layer group 1 of that rank's pool (replica sets when the ranks
+ * outnumber the head's KV heads, by the target's rules: tdm_tp_shard_of on the head's own
+ * config). Rank r of the head borrows rank r of the target's backend and pool, and the
+ * target's rank threads run its steps: the leader names whose step it hands over (job) before
+ * the start barrier, so the two engines share one barrier, one all-reduce staging and one
+ * thread a rank, and never run at once (one caller thread drives both). The input stage
+ *   x = enorm(embed) fc_e + hnorm(hidden) fc_h
+ * is replicated, not sharded: its output is the residual stream, which every rank holds whole
+ * anyway, so each rank computes it from its own copy of the hidden states (no barrier, and x
+ * the bits of TP = 1's); it is a d x 2d product against the layer's attention and MLP, and the
+ * CPU's weights are the model's own (no copy). Its norms are per row, whole. The head's LM head
+ * is split by rows like the target's; a reduced draft vocabulary (d2t) splits its draft rows,
+ * each rank writing its columns of the leader's draft logits, which the leader places in the
+ * vocabulary (scatter_cols) after the barrier. A draft model is no head: it runs whole on the
+ * leader's backend, its KV group whole in the leader's pool.
+ *
  * Threading: one thread calls tdm_engine_forward at a time (a sharded engine's rank 0).
  */
 #include "tandem/engine.h"
 
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -113,20 +143,28 @@ struct tdm_engine {
     bool is_head;
     float *inv_freq; /* [head_dim/2], host */
     /* activation scratch: typed buffers of the backend (act), and the views the ops take */
-    struct tdm_buf act[24];
+    struct tdm_buf act[32];
     int n_act;
-    float *x;      /* [max_tokens][d_model] residual stream */
-    float *h;      /* [max_tokens][d_model] normed input of the next matmul */
-    float *q;      /* [max_tokens][n_heads*head_dim] */
-    float *k;      /* [max_tokens][n_kv_heads*head_dim] */
-    float *v;      /* [max_tokens][n_kv_heads*head_dim] */
-    float *att;    /* [max_tokens][n_heads*head_dim] */
-    float *o;      /* [max_tokens][d_model] */
-    float *gate;   /* [max_tokens][d_ff] silu(gate) * up */
-    float *rows;   /* [max_logit_rows][d_model] gathered final-normed rows */
-    float *logits; /* [max_logit_rows][vocab] */
-    float *hin;    /* a head: [max_tokens][d_model] the hidden states it was given */
-    float *hin2;   /* a head: [max_tokens][d_model] scratch of its input stage */
+    float *x;       /* [max_tokens][d_model] residual stream */
+    float *h;       /* [max_tokens][d_model] normed input of the next matmul */
+    float *q;       /* [max_tokens][n_heads*head_dim] */
+    float *k;       /* [max_tokens][n_kv_heads*head_dim] */
+    float *v;       /* [max_tokens][n_kv_heads*head_dim] */
+    float *att;     /* [max_tokens][n_heads*head_dim] */
+    float *o;       /* [max_tokens][d_model] */
+    float *gate;    /* [max_tokens][d_ff] silu(gate) * up */
+    float *rows;    /* [max_logit_rows][d_model] gathered final-normed rows */
+    float *logits;  /* [max_logit_rows][vocab] */
+    float *hin;     /* a head: [max_tokens][d_model] the hidden states it was given */
+    float *hin2;    /* a head: [max_tokens][d_model] scratch of its input stage */
+    float *k2, *v2; /* an EAGLE-3 head: [max_tokens][n_kv_heads*head_dim], the k/v products of
+                     * the hidden half of its columns (q's go to att); hin is then
+                     * [max_tokens][feature_width] */
+    bool own_step;  /* an EAGLE-3 head: this step's hidden states are its own (no fc) */
+    /* opts.feature_layers: [n][max_tokens][d_model] the residual entering each such layer,
+     * and a host block [max_tokens][d_model] to interleave them per token */
+    float *aux[TDM_HEAD_MAX_AUX];
+    float *aux_host;
     /* experts: the router's logits [max_tokens][n_experts], an expert's gathered input rows
      * and output rows [max_tokens][d_model]; host: the logits, each row's choices, and the
      * rows by expert (counting sort) */
@@ -165,10 +203,15 @@ struct tdm_engine {
     struct engine_tp *tpx;
 };
 
-/* A sharded engine's ranks (the leader's; see the top of this file). */
+/* A sharded engine's ranks (the leader's; see the top of this file). A head's engine beside a
+ * sharded target has one of its own (its views and rank engines) whose group and threads are
+ * the target's (host). */
 struct engine_tp {
     int n_ranks;
-    tdm_tp_group_t *group;
+    tdm_tp_group_t *group;  /* the host's, for a head beside it */
+    struct engine_tp *host; /* the target's, whose rank threads run this one; NULL: its own */
+    struct engine_tp *job;  /* threads' owner only: whose step the ranks run next (it or a
+                             * head beside it), set by that leader before the start barrier */
     struct tdm_model *views[TDM_TP_MAX_RANKS]; /* each rank's model view (shard.c) */
     tdm_engine_t *ranks[TDM_TP_MAX_RANKS];     /* [0]: the leader itself */
     pthread_t threads[TDM_TP_MAX_RANKS];       /* [r]: rank r's, r >= 1, if started */
@@ -180,8 +223,9 @@ struct engine_tp {
     int n_rows;
     bool lm_head;
     bool stop; /* the ranks leave at the next start barrier */
-    /* the LM head by vocabulary: rank r's rows start at vocab0[r]; the leader's part of a
-     * step of several rows goes through lm_part ([max_logit_rows][its rows], its backend's) */
+    /* the LM head by vocabulary: rank r's rows start at vocab0[r] (a head with a reduced
+     * draft vocabulary: its draft rows, placed by the leader); the leader's part of a step of
+     * several rows goes through lm_part ([max_logit_rows][its rows], its backend's) */
     int64_t vocab0[TDM_TP_MAX_RANKS];
     struct tdm_buf lm_part;
     /* a rank thread waits here until every rank has started (launched) or creation failed
@@ -224,6 +268,8 @@ static void free_scratch(tdm_engine_t *e)
     e->moe_host_logits = e->moe_selw = e->moe_wts = NULL;
     e->moe_sel = e->moe_rows = e->moe_off = NULL;
     tdm_backend_buf_release(e->backend, &e->draft_cols);
+    free(e->aux_host);
+    e->aux_host = NULL;
 }
 
 /* The engine's layer array and its experts' arrays (safe on a partly built one). */
@@ -523,11 +569,15 @@ static tdm_status prepare_weights(tdm_engine_t *e)
     if (m->head) {
         const struct tdm_head *h = m->head;
         e->head.layout = h->layout;
+        e->head.feature_width = h->feature_width;
         if ((st = prep(e, &h->enorm, &e->head.enorm)) != TDM_OK ||
             (st = prep(e, &h->hnorm, &e->head.hnorm)) != TDM_OK ||
             (st = prep(e, &h->fc_e, &e->head.fc_e)) != TDM_OK ||
             (st = prep(e, &h->fc_h, &e->head.fc_h)) != TDM_OK ||
-            (st = prep(e, &h->fc_bias, &e->head.fc_bias)) != TDM_OK)
+            (st = prep(e, &h->fc_bias, &e->head.fc_bias)) != TDM_OK ||
+            (st = prep(e, &h->wq_h, &e->head.wq_h)) != TDM_OK ||
+            (st = prep(e, &h->wk_h, &e->head.wk_h)) != TDM_OK ||
+            (st = prep(e, &h->wv_h, &e->head.wv_h)) != TDM_OK)
             return st;
     }
     for (int l = 0; l < e->cfg.n_layers; l++) {
@@ -566,6 +616,8 @@ static size_t scratch_bytes(const struct tdm_model *m, size_t T, size_t R)
     size_t moe = c->n_experts ? T * ((size_t)c->n_experts + 2 * (size_t)c->d_model) : 0;
     moe += mla_scratch_floats(c, T);
     qd = TDM_MAX(qd, (size_t)c->n_heads * (size_t)(c->qk_nope_dim + c->qk_rope_dim));
+    if (m->head && m->head->layout == TDM_HEAD_EAGLE3) /* its wider hin, k2 and v2 */
+        moe += T * ((size_t)(m->head->feature_width - c->d_model) + 2 * kvd);
     return sizeof(float) * (T * (size_t)c->d_model * (m->head ? 5 : 3) + T * qd * 2 + T * kvd * 2 +
                             T * (size_t)TDM_MAX(c->d_ff, TDM_MAX(c->d_ff_expert, c->d_ff_shared)) +
                             R * (size_t)c->d_model + R * (size_t)c->vocab_size + draft + moe);
@@ -583,7 +635,7 @@ static size_t co_model_bytes(tdm_backend_t *b, const struct tdm_model *m, size_t
     if (m->head) {
         const struct tdm_head *h = m->head;
         bytes += wb(b, &h->enorm) + wb(b, &h->hnorm) + wb(b, &h->fc_e) + wb(b, &h->fc_h) +
-                 wb(b, &h->fc_bias);
+                 wb(b, &h->fc_bias) + wb(b, &h->wq_h) + wb(b, &h->wk_h) + wb(b, &h->wv_h);
     }
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const struct tdm_weight *w[LAYER_WEIGHTS];
@@ -646,11 +698,15 @@ void tdm_engine_fill_defaults(const struct tdm_model_config *cfg, struct tdm_eng
 
 static tdm_status create_sharded(const struct tdm_model *model, const struct tdm_engine_opts *opts,
                                  tdm_engine_t **out);
+static tdm_status create_beside(const struct tdm_model *model, const struct tdm_engine_opts *opts,
+                                tdm_engine_t **out);
 static void *rank_main(void *arg);
 
 tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_engine_opts *opts,
                              tdm_engine_t **out)
 {
+    if (opts && opts->shard_like && tdm_engine_tp_ranks(opts->shard_like) > 1)
+        return create_beside(model, opts, out);
     if (opts && opts->tp > 1) return create_sharded(model, opts, out);
     tdm_status st = TDM_OK;
     struct tdm_engine *e = calloc(1, sizeof *e);
@@ -774,8 +830,12 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     e->logits = balloc(e, R * c->vocab_size * f, &st);
     if (model->head) {
         e->is_head = true;
-        e->hin = balloc(e, T * c->d_model * f, &st);
+        e->hin = balloc(e, T * (size_t)TDM_MAX(model->head->feature_width, c->d_model) * f, &st);
         e->hin2 = balloc(e, T * c->d_model * f, &st);
+        if (model->head->layout == TDM_HEAD_EAGLE3) {
+            e->k2 = balloc(e, T * kvd * f, &st);
+            e->v2 = balloc(e, T * kvd * f, &st);
+        }
         if (model->head->d2t && st == TDM_OK) {
             e->n_draft = model->head->n_draft;
             e->draft_logits = balloc(e, R * (size_t)e->n_draft * f, &st);
@@ -785,6 +845,20 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
                 e->backend->iface->upload(e->backend, e->draft_cols.ptr, model->head->d2t,
                                           (size_t)e->n_draft * sizeof(int32_t));
         }
+    }
+    for (int i = 0; i < o->n_feature_layers && st == TDM_OK; i++) { /* an EAGLE-3 head's */
+        if (o->n_feature_layers > TDM_HEAD_MAX_AUX || o->feature_layers[i] < 0 ||
+            o->feature_layers[i] >= c->n_layers || !e->backend->iface->zero) {
+            st = tdm_err_set(TDM_EINVAL,
+                             "engine: feature layer %d of %d: the model has %d layers (at most "
+                             "%d feature layers, on a backend with a zero op)",
+                             o->feature_layers[i], o->n_feature_layers, c->n_layers,
+                             TDM_HEAD_MAX_AUX);
+            break;
+        }
+        e->aux[i] = balloc(e, T * c->d_model * f, &st);
+        if (st == TDM_OK && !e->aux_host && !(e->aux_host = malloc(T * c->d_model * f)))
+            st = tdm_err_set(TDM_ENOMEM, "engine: out of memory");
     }
     if (st != TDM_OK) goto out_scratch;
     /* a borrowed pool: its page size and page count; its layer group must be this model's */
@@ -927,14 +1001,16 @@ out_free:
 static void destroy_ranks(struct engine_tp *x)
 {
     if (!x) return;
-    pthread_mutex_lock(&x->mu);
-    x->stop = true;
-    pthread_cond_broadcast(&x->cv);
-    const bool launched = x->launched;
-    pthread_mutex_unlock(&x->mu);
-    if (launched) tdm_tp_barrier(x->group); /* every rank waits at the start barrier */
-    for (int r = 1; r < x->n_ranks; r++)
-        if (x->started[r]) pthread_join(x->threads[r], NULL);
+    if (!x->host) { /* the threads are this engine's (a head beside a target has none) */
+        pthread_mutex_lock(&x->mu);
+        x->stop = true;
+        pthread_cond_broadcast(&x->cv);
+        const bool launched = x->launched;
+        pthread_mutex_unlock(&x->mu);
+        if (launched) tdm_tp_barrier(x->group); /* every rank waits at the start barrier */
+        for (int r = 1; r < x->n_ranks; r++)
+            if (x->started[r]) pthread_join(x->threads[r], NULL);
+    }
     pthread_mutex_destroy(&x->mu);
     pthread_cond_destroy(&x->cv);
     if (x->ranks[0]) tdm_backend_buf_release(x->ranks[0]->backend, &x->lm_part);
@@ -942,7 +1018,7 @@ static void destroy_ranks(struct engine_tp *x)
         tdm_engine_destroy(x->ranks[r]);
     for (int r = 0; r < x->n_ranks; r++)
         tdm_engine_shard_model_free(x->views[r]);
-    tdm_tp_group_destroy(x->group);
+    if (!x->host) tdm_tp_group_destroy(x->group);
     free(x);
 }
 
@@ -955,7 +1031,10 @@ void tdm_engine_destroy(tdm_engine_t *e)
         destroy_ranks(x);
     }
     const struct tdm_backend_i *ops = e->backend ? e->backend->iface : NULL;
-    if (ops && !e->owns_backend && ops->step_forget) ops->step_forget(e->backend, e);
+    if (ops && !e->owns_backend && ops->step_forget) {
+        ops->step_forget(e->backend, e);
+        if (e->k2) ops->step_forget(e->backend, (const char *)e + 1); /* EAGLE-3's own steps */
+    }
     if (e->owns_kv) tdm_kv_pool_destroy(e->kv);
     free_scratch(e);
     tdm_sample_scratch_free(&e->sample_scratch);
@@ -967,6 +1046,40 @@ void tdm_engine_destroy(tdm_engine_t *e)
     free_layers(e);
     free(e->inv_freq);
     free(e);
+}
+
+/* st, with `prefix` put before the message of the error just set. */
+static tdm_status err_prefix(tdm_status st, const char *prefix)
+{
+    char why[512];
+    snprintf(why, sizeof why, "%s", tdm_err_msg());
+    return tdm_err_set(st, "%s%s", prefix, why);
+}
+
+/* What of a speculation head the ranks cannot shard, by name (TDM_EUNSUPPORTED); else TDM_OK. */
+static tdm_status head_shardable(const struct tdm_model *head, int N)
+{
+    const struct tdm_model_config *c = &head->cfg;
+    if (tdm_config_mla(c) || c->n_experts)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "engine: --tp %d: a speculation head with %s is not sharded yet", N,
+                           c->n_experts ? "mixture-of-experts layers" : "latent attention");
+    if (head->head->layout == TDM_HEAD_EAGLE3)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "engine: --tp %d: an EAGLE-3 head is not sharded yet (its q/k/v read "
+                           "two inputs, the second's columns not split); run it at --tp 1",
+                           N);
+    return TDM_OK;
+}
+
+/* The MLP's split unit: whole blocks of every layer's down projection. */
+static int64_t ff_block(const struct tdm_model *m)
+{
+    int64_t ff_align = 1;
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (m->layers[l].w_down.data)
+            ff_align = TDM_MAX(ff_align, tdm_dtype_block_elems(m->layers[l].w_down.dtype));
+    return ff_align;
 }
 
 /* Tensor parallelism (tdm_engine_opts.tp; the top of this file): checks what a sharded engine
@@ -990,10 +1103,10 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
                            "engine: --tp %d makes each rank's backend and pool; a borrowed "
                            "backend or pool cannot be sharded",
                            N);
-    if (model->head) /* a head's engine runs whole on the leader's backend (spec.h) */
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "engine: --tp %d: a speculation head is not sharded; it runs whole "
-                           "beside the leader rank",
+    if (model->head) /* sharded beside its target: create_beside */
+        return tdm_err_set(TDM_EINVAL,
+                           "engine: --tp %d: a speculation head is sharded like its sharded "
+                           "target (tdm_engine_opts.shard_like), not on ranks of its own",
                            N);
     if (tdm_config_mla(c))
         return tdm_err_set(TDM_EUNSUPPORTED,
@@ -1023,10 +1136,21 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
             return tdm_err_set(TDM_EINVAL, "engine: %zu bytes of KV memory hold no page", bytes);
     }
     const int threads = o.n_threads > 0 ? o.n_threads : tdm_cpu_count();
-    int64_t ff_align = 1; /* the MLP split in whole blocks of every layer's down projection */
-    for (int l = 0; l < c->n_layers; l++)
-        if (model->layers[l].w_down.data)
-            ff_align = TDM_MAX(ff_align, tdm_dtype_block_elems(model->layers[l].w_down.dtype));
+    const int64_t ff_align = ff_block(model);
+    /* a head's KV group (co_model a head): sharded by the head's KV heads like the head
+     * (create_beside); a draft model's: whole, in the leader's pool */
+    const bool head_kv = o.co_model && o.co_model->head && o.n_kv_extra > 0;
+    const int head_kv_heads = head_kv ? o.kv_extra[0].n_kv_heads : 0;
+    if (head_kv) {
+        struct tdm_tp_kv_shard ks;
+        if (o.n_kv_extra != 1 || head_kv_heads != o.co_model->cfg.n_kv_heads)
+            return tdm_err_set(TDM_EINVAL,
+                               "engine: --tp %d: the head's KV group is not the head's "
+                               "(tdm_spec_engine_opts makes it)",
+                               N);
+        if (tdm_tp_kv_shard_of(head_kv_heads, N, 0, &ks) != TDM_OK)
+            return err_prefix(TDM_EUNSUPPORTED, "engine: the speculation head's KV: ");
+    }
     struct engine_tp *x = calloc(1, sizeof *x);
     if (!x) return tdm_err_set(TDM_ENOMEM, "engine: out of memory");
     x->n_ranks = N;
@@ -1042,10 +1166,20 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
         ro.tp = 0;
         ro.n_threads = TDM_MAX(1, threads / N);
         ro.backend_kind = TDM_BACKEND_CPU;
-        if (r > 0) { /* the layer counter, a draft's KV: the leader's alone */
+        struct tdm_kv_group head_group;
+        if (head_kv) { /* the rank's share of the head's KV heads */
+            struct tdm_tp_kv_shard ks;
+            (void)tdm_tp_kv_shard_of(head_kv_heads, N, r, &ks); /* valid: checked above */
+            head_group = o.kv_extra[0];
+            head_group.n_kv_heads = ks.n_kv_heads;
+            ro.kv_extra = &head_group;
+        }
+        if (r > 0) { /* the layer counter, a draft model's KV: the leader's alone */
             ro.count_layers = false;
-            ro.kv_extra = NULL;
-            ro.n_kv_extra = 0;
+            if (!head_kv) {
+                ro.kv_extra = NULL;
+                ro.n_kv_extra = 0;
+            }
         }
         if ((st = tdm_engine_create(x->views[r], &ro, &x->ranks[r])) != TDM_OK) break;
         tdm_engine_t *re = x->ranks[r];
@@ -1081,6 +1215,85 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
         return TDM_OK;
     }
     tdm_engine_t *leader = x->ranks[0];
+    if (leader) leader->tpx = NULL;
+    destroy_ranks(x);
+    tdm_engine_destroy(leader);
+    return st;
+}
+
+/* A speculation head beside a sharded target (tdm_engine_opts.shard_like; the top of this
+ * file): each rank's view of the head on that target rank's backend and pool, no threads of its
+ * own (the target's run its steps). */
+static tdm_status create_beside(const struct tdm_model *model, const struct tdm_engine_opts *opts,
+                                tdm_engine_t **out)
+{
+    tdm_engine_t *t = opts->shard_like;
+    struct engine_tp *tx = t->tpx;
+    const struct tdm_model_config *c = &model->cfg;
+    const int N = tx->n_ranks;
+    if (!model->head)
+        return tdm_err_set(TDM_EINVAL,
+                           "engine: --tp %d: only a speculation head is sharded beside its target "
+                           "(a draft model runs whole on the leader rank)",
+                           N);
+    tdm_status st = head_shardable(model, N);
+    if (st != TDM_OK) return st;
+    if (c->d_model != t->cfg.d_model)
+        return tdm_err_set(TDM_EINVAL, "engine: --tp %d: the head is %d wide, its target %d", N,
+                           c->d_model, t->cfg.d_model);
+    struct tdm_engine_opts o = *opts;
+    tdm_engine_fill_defaults(c, &o);
+    /* the all-reduce's staging is the target's */
+    if (o.max_batch_tokens > t->opts.max_batch_tokens)
+        return tdm_err_set(TDM_ERANGE,
+                           "engine: --tp %d: the head's %d batch tokens exceed its target's %d", N,
+                           o.max_batch_tokens, t->opts.max_batch_tokens);
+    /* a reduced draft vocabulary splits its own rows (placed by the leader: lm_head) */
+    struct tdm_model_config split = *c;
+    if (model->head->d2t) split.vocab_size = model->head->n_draft;
+    const int64_t ff_align = ff_block(model);
+    struct engine_tp *x = calloc(1, sizeof *x);
+    if (!x) return tdm_err_set(TDM_ENOMEM, "engine: out of memory");
+    x->n_ranks = N;
+    x->group = tx->group;
+    x->host = tx;
+    pthread_mutex_init(&x->mu, NULL);
+    pthread_cond_init(&x->cv, NULL);
+    for (int r = 0; r < N && st == TDM_OK; r++) {
+        struct tdm_tp_shard sh;
+        if ((st = tdm_tp_shard_of(&split, N, r, ff_align, &sh)) != TDM_OK) {
+            st = err_prefix(st, "engine: the speculation head: ");
+            break;
+        }
+        if ((st = tdm_engine_shard_model(model, &sh, &x->views[r])) != TDM_OK) break;
+        tdm_engine_t *te = tx->ranks[r];
+        struct tdm_engine_opts ro = o;
+        ro.tp = 0;
+        ro.shard_like = NULL;
+        ro.backend = te->backend;
+        ro.kv_shared = te->kv; /* its layer group: the rank's share of the head's KV heads */
+        ro.n_threads = te->opts.n_threads;
+        ro.count_layers = r == 0 && o.count_layers;
+        if ((st = tdm_engine_create(x->views[r], &ro, &x->ranks[r])) != TDM_OK) break;
+        tdm_engine_t *re = x->ranks[r];
+        x->vocab0[r] = sh.vocab0;
+        if (r == 0)
+            st = tdm_backend_buf_new(re->backend,
+                                     (size_t)ro.max_logit_rows * (size_t)sh.n_vocab * sizeof(float),
+                                     "the head leader's LM-head rows", &x->lm_part);
+        re->tp = x->group;
+        re->rank = r;
+        re->tpx = x;
+    }
+    tdm_engine_t *leader = x->ranks[0];
+    if (st == TDM_OK) {
+        leader->model = model; /* what callers see: the whole head; the weights are the view's */
+        leader->opts.tp = N;
+        TDM_INFO("engine: --tp %d: the speculation head sharded like its target (%d KV heads%s)", N,
+                 c->n_kv_heads, N > c->n_kv_heads ? ", in replica sets" : "");
+        *out = leader;
+        return TDM_OK;
+    }
     if (leader) leader->tpx = NULL;
     destroy_ranks(x);
     tdm_engine_destroy(leader);
@@ -1407,6 +1620,42 @@ static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, 
     return TDM_OK;
 }
 
+/* An EAGLE-3 head's input stage (model.h): the residual x = fc(feature) (+ bias), or on an
+ * own step the head's own states, which tdm_engine_run uploaded into x; then the two halves
+ * its layer's q/k/v read: h = enorm(embed(tokens)) and hin2 = hnorm(x). */
+static void eagle3_input(tdm_engine_t *e, const struct tdm_step *st)
+{
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    const struct tdm_head *hw = &e->head;
+    const int d = e->cfg.d_model, T = st->n_tokens;
+    const float eps = e->cfg.rms_eps;
+    if (!e->own_step) ops->matmul(b, &hw->fc_h, e->hin, T, hw->fc_bias.data, e->x);
+    ops->embed(b, &e->tok_embd, st->tokens, T, e->o);
+    ops->rmsnorm(b, e->o, hw->enorm.data, eps, T, d, e->h);
+    ops->rmsnorm(b, e->x, hw->hnorm.data, eps, T, d, e->hin2);
+}
+
+/* An EAGLE-3 head's q, k, v of [h ; hin2]: the products of the embedding's columns (the
+ * layer's weights, with its biases) plus those of the feature's (wq_h, wk_h, wv_h). */
+static void eagle3_qkv(tdm_engine_t *e, const struct tdm_layer_weights *w, int T)
+{
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    const struct tdm_head *hw = &e->head;
+    const size_t qd = (size_t)e->cfg.n_heads * e->cfg.head_dim;
+    const size_t kvd = (size_t)e->cfg.n_kv_heads * e->cfg.head_dim;
+    const struct tdm_matmul_part pe[] = {
+        {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
+    const struct tdm_matmul_part ph[] = {
+        {&hw->wq_h, NULL, e->att}, {&hw->wk_h, NULL, e->k2}, {&hw->wv_h, NULL, e->v2}};
+    ops->matmul_multi(b, e->h, T, pe, 3);
+    ops->matmul_multi(b, e->hin2, T, ph, 3);
+    ops->add(b, e->q, e->att, (size_t)T * qd);
+    ops->add(b, e->k, e->k2, (size_t)T * kvd);
+    ops->add(b, e->v, e->v2, (size_t)T * kvd);
+}
+
 /* The layer loop for a step of T = st->n_tokens tokens (the embedding, or a head's input
  * stage, to the last layer's add_rmsnorm), n_layers of them. A rank of a sharded engine sums
  * its partial output projections with the other ranks' after attention and after the MLP, so
@@ -1427,7 +1676,9 @@ static void run_layers(tdm_engine_t *e, const struct tdm_step *st, int n_layers)
                                   .mscale = c->rope_mscale};
     _Atomic int32_t *counter = e->counter;
     const struct tdm_head *hw = &e->head;
-    if (e->is_head) {
+    if (e->is_head && hw->layout == TDM_HEAD_EAGLE3) {
+        eagle3_input(e, st);
+    } else if (e->is_head) {
         /* x = enorm(embed) fc_e + hnorm(hidden) fc_h (+ bias) */
         ops->embed(b, &e->tok_embd, st->tokens, T, e->o);
         const float *ein = e->o;
@@ -1452,6 +1703,11 @@ static void run_layers(tdm_engine_t *e, const struct tdm_step *st, int n_layers)
     for (int l = 0; l < n_layers; l++) {
         const struct tdm_layer_weights *w = &e->layers[l];
         struct tdm_kv_layer kv = tdm_kv_pool_group_layer(e->kv, e->kv_group, l);
+        for (int i = 0; i < e->opts.n_feature_layers; i++) /* the residual entering layer l */
+            if (e->aux[i] && e->opts.feature_layers[i] == l) {
+                ops->zero(b, e->aux[i], (size_t)T * d);
+                ops->add(b, e->aux[i], e->x, (size_t)T * d);
+            }
         if (mla) { /* a head's layer without an input norm (EAGLE) projects x itself */
             mla_attention(e, w, l == 0 && !w->attn_norm.data ? e->x : e->h, st, &rope, &kv, scale,
                           T, qh);
@@ -1459,8 +1715,10 @@ static void run_layers(tdm_engine_t *e, const struct tdm_step *st, int n_layers)
         }
         const struct tdm_matmul_part qkv[] = {
             {&w->wq, w->bq.data, e->q}, {&w->wk, w->bk.data, e->k}, {&w->wv, w->bv.data, e->v}};
-        /* a head's layer without an input norm (EAGLE) projects x itself */
-        ops->matmul_multi(b, l == 0 && !w->attn_norm.data ? e->x : e->h, T, qkv, 3);
+        if (l == 0 && e->k2) /* an EAGLE-3 head's [embedding ; feature] */
+            eagle3_qkv(e, w, T);
+        else /* a head's layer without an input norm (EAGLE) projects x itself */
+            ops->matmul_multi(b, l == 0 && !w->attn_norm.data ? e->x : e->h, T, qkv, 3);
         if (c->qk_norm) {
             ops->head_rmsnorm(b, e->q, w->q_norm.data, c->rms_eps, T * c->n_heads, hd);
             ops->head_rmsnorm(b, e->k, w->k_norm.data, c->rms_eps, T * c->n_kv_heads, hd);
@@ -1499,7 +1757,7 @@ static void lm_head(tdm_engine_t *e, const int32_t *rows, int n_rows)
     const struct tdm_backend_i *ops = b->iface;
     const int d = e->cfg.d_model, vocab = e->cfg.vocab_size;
     ops->gather_rows(b, e->output_norm.data ? e->h : e->x, rows, n_rows, d, e->rows);
-    if (e->n_draft) { /* a reduced draft vocabulary: its rows, then placed */
+    if (!e->tp && e->n_draft) { /* a reduced draft vocabulary: its rows, then placed */
         ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->draft_logits);
         ops->scatter_cols(b, e->draft_logits, e->draft_cols.ptr, n_rows, e->n_draft, vocab,
                           e->logits);
@@ -1509,19 +1767,25 @@ static void lm_head(tdm_engine_t *e, const int32_t *rows, int n_rows)
         ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
         return;
     }
-    /* host memory (a sharded engine is on the CPU): the leader's rows, written in place */
+    /* host memory (a sharded engine is on the CPU): the leader's rows, written in place (a
+     * reduced draft vocabulary: the leader's draft logits, which it places after the barrier) */
     struct engine_tp *x = e->tpx;
+    tdm_engine_t *lead = x->ranks[0];
     const int64_t v0 = x->vocab0[e->rank], nv = e->output.rows;
-    float *dst = x->ranks[0]->logits;
+    const int width = e->n_draft ? e->n_draft : vocab;
+    float *dst = e->n_draft ? lead->draft_logits : lead->logits;
     if (n_rows == 1) {
         ops->matmul(b, &e->output, e->rows, 1, NULL, dst + v0);
     } else {
         float *part = e->rank ? e->logits : x->lm_part.ptr; /* [n_rows][nv] */
         ops->matmul(b, &e->output, e->rows, n_rows, NULL, part);
         for (int i = 0; i < n_rows; i++)
-            memcpy(dst + (size_t)i * vocab + v0, part + (size_t)i * nv, (size_t)nv * sizeof(float));
+            memcpy(dst + (size_t)i * width + v0, part + (size_t)i * nv, (size_t)nv * sizeof(float));
     }
     tdm_tp_barrier(e->tp);
+    if (e->n_draft && e->rank == 0)
+        ops->scatter_cols(b, e->draft_logits, e->draft_cols.ptr, n_rows, e->n_draft, vocab,
+                          e->logits);
 }
 
 /* A rank r > 0 of a sharded engine: each step the leader hands over, until told to stop. */
@@ -1538,12 +1802,50 @@ static void *rank_main(void *arg)
     for (;;) {
         tdm_tp_barrier(x->group);
         if (x->stop) return NULL;
-        const struct tdm_step st = *x->step;
-        run_layers(e, &st, x->n_layers);
-        if (x->lm_head) /* ends with the step's last barrier */
-            lm_head(e, x->rows, x->n_rows);
+        const struct engine_tp *job = x->job; /* the target's step, or a head's beside it */
+        tdm_engine_t *re = job->ranks[e->rank];
+        const struct tdm_step st = *job->step;
+        run_layers(re, &st, job->n_layers);
+        if (job->lm_head) /* ends with the step's last barrier */
+            lm_head(re, job->rows, job->n_rows);
         else /* the step's end: no rank touches its backend until the next step */
             tdm_tp_barrier(x->group);
+    }
+}
+
+/* An EAGLE-3 head's hidden states, in step order (before a graph may replay): a step of the
+ * target's features ([n][feature_width] into hin) or of its own ([n][d_model] straight into
+ * the residual x, which its input stage then starts from), never both. */
+static tdm_status eagle3_upload(tdm_engine_t *e, const struct tdm_batch *batch,
+                                const struct tdm_step *step)
+{
+    const struct tdm_backend_i *ops = e->backend->iface;
+    const bool own = batch->seqs[0].own_hidden;
+    const size_t w = own ? (size_t)e->cfg.d_model : (size_t)e->head.feature_width;
+    for (int s = 0; s < batch->n_seqs; s++)
+        if (batch->seqs[s].own_hidden != own)
+            return tdm_err_set(TDM_EINVAL,
+                               "batch: an EAGLE-3 head's step mixes the target's features "
+                               "(sequence %d) and its own (sequence %d)",
+                               own ? s : 0, own ? 0 : s);
+    e->own_step = own;
+    for (int s = 0; s < batch->n_seqs; s++)
+        ops->upload(e->backend, (own ? e->x : e->hin) + (size_t)step->seq_token_start[s] * w,
+                    batch->seqs[s].hidden, (size_t)batch->seqs[s].n_tokens * w * sizeof(float));
+    return TDM_OK;
+}
+
+/* The features of n tokens from t0 of an engine with feature_layers: token t's row of dst
+ * ([n][n_feature_layers * d_model]) is the residual entering each of those layers, in order. */
+static void download_aux(tdm_engine_t *e, float *dst, int t0, int n)
+{
+    const struct tdm_backend_i *ops = e->backend->iface;
+    const size_t d = (size_t)e->cfg.d_model, na = (size_t)e->opts.n_feature_layers;
+    for (size_t i = 0; i < na; i++) {
+        ops->download(e->backend, e->aux_host, e->aux[i] + (size_t)t0 * d,
+                      (size_t)n * d * sizeof(float));
+        for (size_t t = 0; t < (size_t)n; t++)
+            memcpy(dst + (t * na + i) * d, e->aux_host + t * d, d * sizeof(float));
     }
 }
 
@@ -1560,6 +1862,12 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
         return tdm_err_set(TDM_EINVAL, "batch: %d layers asked, the model has %d", n_layers,
                            e->cfg.n_layers);
     step.n_layers = n_layers;
+    for (int s = 0; s < batch->n_seqs && e->opts.n_feature_layers; s++)
+        for (int i = 0; batch->seqs[s].features && i < e->opts.n_feature_layers; i++)
+            if (e->opts.feature_layers[i] >= n_layers)
+                return tdm_err_set(TDM_EINVAL,
+                                   "batch: features of layer %d asked of a %d-layer pass",
+                                   e->opts.feature_layers[i], n_layers);
     /* what each row wants: given, or whatever buffers were passed */
     const uint8_t *want = out->want;
     uint8_t all_bits = (out->samples ? TDM_ROW_SAMPLE : 0) | (out->logits ? TDM_ROW_LOGITS : 0) |
@@ -1586,14 +1894,24 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
     const int d = c->d_model;
     _Atomic int32_t *counter = e->counter;
     if (counter) atomic_store_explicit(counter, 0, memory_order_release);
-    if (e->is_head) /* the hidden states, in step order (before a graph may replay) */
-        for (int s = 0; s < batch->n_seqs; s++)
-            ops->upload(b, e->hin + (size_t)step.seq_token_start[s] * d, batch->seqs[s].hidden,
-                        (size_t)batch->seqs[s].n_tokens * d * sizeof(float));
+    if (e->k2) { /* an EAGLE-3 head: target features to hin, or its own states straight to x */
+        tdm_status hs = eagle3_upload(e, batch, &step);
+        if (hs != TDM_OK) return hs;
+    } else if (e->is_head) /* the hidden states, in step order (before a graph may replay); a
+                            * sharded head's ranks each take a copy (their input stages are
+                            * replicated) */
+        for (int r = 0; r < (e->tpx ? e->tpx->n_ranks : 1); r++) {
+            tdm_engine_t *re = e->tpx ? e->tpx->ranks[r] : e;
+            for (int s = 0; s < batch->n_seqs; s++)
+                re->backend->iface->upload(
+                    re->backend, re->hin + (size_t)step.seq_token_start[s] * d,
+                    batch->seqs[s].hidden, (size_t)batch->seqs[s].n_tokens * d * sizeof(float));
+        }
     /* a backend may pad the step (a CUDA-graph bucket) or replay the whole layer loop */
     bool replayed = false;
     if (ops->step_begin &&
-        (st = ops->step_begin(b, &step, rows, n_rows, e, counter, &replayed)) != TDM_OK) {
+        (st = ops->step_begin(b, &step, rows, n_rows, e->own_step ? (const char *)e + 1 : (void *)e,
+                              counter, &replayed)) != TDM_OK) {
         ops->sync(b);
         return st;
     }
@@ -1601,7 +1919,8 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
     const bool final_norm = e->output_norm.data != NULL;
     float *lm_in = final_norm ? e->h : e->x;
     if (!replayed) {
-        if (e->tpx) { /* the step, built once, to every rank */
+        if (e->tpx) { /* the step, built once, to every rank (on the threads' owner's) */
+            (e->tpx->host ? e->tpx->host : e->tpx)->job = e->tpx;
             e->tpx->step = &step;
             e->tpx->n_layers = n_layers;
             e->tpx->rows = rows;
@@ -1622,10 +1941,15 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
         ops->gather_rows(b, e->x, rows, n_rows, d, e->rows);
         download_rows(e, out->hidden, e->rows, want, n_rows, d, TDM_ROW_HIDDEN);
     }
-    for (int s = 0; s < batch->n_seqs; s++) /* a span's tokens are consecutive rows */
-        if (batch->seqs[s].features)
-            ops->download(b, batch->seqs[s].features, lm_in + (size_t)step.seq_token_start[s] * d,
-                          (size_t)batch->seqs[s].n_tokens * d * sizeof(float));
+    for (int s = 0; s < batch->n_seqs; s++) { /* a span's tokens are consecutive rows */
+        const struct tdm_batch_seq *q = &batch->seqs[s];
+        if (q->features && e->opts.n_feature_layers) /* an EAGLE-3 head's target */
+            download_aux(e, q->features, step.seq_token_start[s], q->n_tokens);
+        else if (q->features) /* an EAGLE-3 head's own feature: before its final norm */
+            ops->download(b, q->features,
+                          (e->k2 ? e->x : lm_in) + (size_t)step.seq_token_start[s] * d,
+                          (size_t)q->n_tokens * d * sizeof(float));
+    }
     if (any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE)) lm_head(e, rows, n_rows);
     /* logits before sampling, which may overwrite them */
     if (any & TDM_ROW_LOGITS)

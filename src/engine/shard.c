@@ -14,6 +14,10 @@
  *   down:        columns [ff0, ff0 + n_ff)                            (a copy)
  *   output:      rows   [vocab0, vocab0 + n_vocab) (the LM head)     (a pointer into m)
  *
+ * A speculation head (m->head) is viewed the same way: its one layer as above, its LM head by
+ * rows (a reduced draft vocabulary's rows: the caller's s splits n_draft), and its input stage
+ * (fc_e, fc_h, the norms, d2t) m's, whole: every rank runs it (engine.c says why).
+ *
  * A weight's rows are whole rows of its blocks, so a row slice is a pointer; a column slice is
  * a copy, of whole blocks where it starts and ends on a block, else dequantised to F32 (the
  * products then see the same values; only the summation order of the kernels may differ).
@@ -97,7 +101,7 @@ tdm_status tdm_engine_shard_model(const struct tdm_model *m, const struct tdm_tp
                                   struct tdm_model **out)
 {
     const struct tdm_model_config *c = &m->cfg;
-    TDM_ASSERT(!m->head && !c->n_experts && !tdm_config_mla(c));
+    TDM_ASSERT(!c->n_experts && !tdm_config_mla(c));
     struct tdm_model *v = calloc(1, sizeof *v);
     if (!v) return tdm_err_set(TDM_ENOMEM, "tp: out of memory");
     *v = *m; /* borrows everything but what is replaced below */

@@ -47,6 +47,7 @@ struct loader {
     const char
         *hf_layer; /* HF layer names: this prefix (one %d: the layer); NULL: model.layers.%d. */
     bool attn_norm_optional; /* a head's layer may lack its input norm (EAGLE) */
+    int64_t qkv_cols;        /* the q/k/v projections' input width; 0: d_model (EAGLE-3: 2d) */
     bool keep_k_blocks;      /* tdm_load_opts: Q4_K and Q6_K matrices stay in their blocks */
 };
 
@@ -453,6 +454,7 @@ static tdm_status load_layer_at(struct loader *L, int i, int slot)
     struct tdm_layer_weights *lw = &L->m->layers[slot];
     int64_t d = c->d_model, q = (int64_t)c->n_heads * c->head_dim;
     int64_t kv = (int64_t)c->n_kv_heads * c->head_dim, ff = c->d_ff;
+    const int64_t qin = L->qkv_cols ? L->qkv_cols : d;
     tdm_status rc;
     /* clang-format off */
     const char *an = lname(L, "blk.%d.attn_norm.weight", "input_layernorm.weight", i);
@@ -462,9 +464,9 @@ static tdm_status load_layer_at(struct loader *L, int i, int slot)
         if ((rc = load_mla(L, i, lw)) ||
             (rc = load_vector(L, lname(L, "blk.%d.ffn_norm.weight", "post_attention_layernorm.weight", i), d, &lw->ffn_norm)))
             return rc;
-    } else if ((rc = load_matrix(L, lname(L, "blk.%d.attn_q.weight", "self_attn.q_proj.weight", i), q, d, &lw->wq)) ||
-        (rc = load_matrix(L, lname(L, "blk.%d.attn_k.weight", "self_attn.k_proj.weight", i), kv, d, &lw->wk)) ||
-        (rc = load_matrix(L, lname(L, "blk.%d.attn_v.weight", "self_attn.v_proj.weight", i), kv, d, &lw->wv)) ||
+    } else if ((rc = load_matrix(L, lname(L, "blk.%d.attn_q.weight", "self_attn.q_proj.weight", i), q, qin, &lw->wq)) ||
+        (rc = load_matrix(L, lname(L, "blk.%d.attn_k.weight", "self_attn.k_proj.weight", i), kv, qin, &lw->wk)) ||
+        (rc = load_matrix(L, lname(L, "blk.%d.attn_v.weight", "self_attn.v_proj.weight", i), kv, qin, &lw->wv)) ||
         (rc = load_matrix(L, lname(L, "blk.%d.attn_output.weight", "self_attn.o_proj.weight", i), d, q, &lw->wo)) ||
         (rc = load_vector(L, lname(L, "blk.%d.ffn_norm.weight", "post_attention_layernorm.weight", i), d, &lw->ffn_norm))) {
         return rc;
@@ -737,12 +739,16 @@ bool tdm_default_model_path(char *buf, size_t cap)
 }
 
 /* ---- speculation heads ----
- * One loader for three layouts, told apart by tensor names (docs/HEADS.md):
+ * One loader for four layouts, told apart by tensor names (docs/HEADS.md):
  *   tandem        enorm.weight, hnorm.weight, fc.weight [d, 2d], layers.0.* (HF names), norm.weight
  *   eagle         fc.weight (fc.bias), layers.0.* without input_layernorm, no norm
  *   deepseek-mtp  model.layers.N.{enorm,hnorm,eh_proj}.weight, model.layers.N.* (the layer),
  *                 model.layers.N.shared_head.norm.weight (shared_head.head.weight: the
  *                 target's LM head, checked and not kept)
+ *   eagle3        fc.weight [d, 3d], midlayer.* (q/k/v [rows, 2d]; input_layernorm normalises
+ *                 the embedding, hidden_norm the fused feature), norm.weight, its own
+ *                 lm_head.weight [n, d] with d2t [n] and t2d [vocab] (load_eagle3); the
+ *                 feature's target layers from a config.json beside it, or vLLM's default
  * The layer's geometry (heads, KV heads, d_ff, biases, q/k norms) comes from its tensors; its
  * width, head size and RoPE are the target's. */
 
@@ -755,6 +761,8 @@ const char *tdm_head_layout_name(enum tdm_head_layout l)
         return "eagle";
     case TDM_HEAD_DEEPSEEK_MTP:
         return "deepseek-mtp";
+    case TDM_HEAD_EAGLE3:
+        return "eagle3";
     }
     return "unknown";
 }
@@ -809,10 +817,10 @@ static int deepseek_mtp_layer(const tdm_st_t *st)
     return best;
 }
 
-/* A reduced draft vocabulary: d2t (I64 [n], EAGLE-3's convention: draft token i is target
- * token i + d2t[i]), ascending target ids. The head's LM head becomes a copy of the target's
- * rows for those ids (as the target stores them). */
-static tdm_status load_d2t(struct loader *L, const struct tdm_model *target)
+/* A reduced draft vocabulary's map d2t (I64 [n], EAGLE-3's convention: draft token i is
+ * target token i + d2t[i]), checked: ascending target ids, within the vocabulary. The ids (owned
+ * by the model) go to m->head (d2t, n_draft). */
+static tdm_status parse_d2t(struct loader *L, const struct tdm_model *target)
 {
     struct tdm_model *m = L->m;
     const struct tdm_tensor_info *t = find_tensor(L, "d2t");
@@ -824,7 +832,7 @@ static tdm_status load_d2t(struct loader *L, const struct tdm_model *target)
                            "entries (the target's vocabulary)",
                            m->path, (long long)V);
     int32_t *ids;
-    void *rows, *p;
+    void *p;
     tdm_status rc;
     if ((rc = tdm_model_alloc_owned(m, (size_t)n * sizeof *ids, &p))) return rc;
     ids = p;
@@ -839,15 +847,228 @@ static tdm_status load_d2t(struct loader *L, const struct tdm_model *target)
                                m->path, (long long)i, (long long)id, (long long)V);
         ids[i] = (int32_t)id;
     }
+    m->head->d2t = ids;
+    m->head->n_draft = (int)n;
+    return TDM_OK;
+}
+
+/* A reduced draft vocabulary for a head that shares the target's LM head (tandem's layout):
+ * its LM head becomes a copy of the target's rows for d2t's ids (as the target stores them). */
+static tdm_status load_d2t(struct loader *L, const struct tdm_model *target)
+{
+    struct tdm_model *m = L->m;
+    tdm_status rc = parse_d2t(L, target);
+    if (rc) return rc;
+    const int64_t n = m->head->n_draft;
+    const int32_t *ids = m->head->d2t;
     const struct tdm_weight *o = &target->output;
+    void *rows;
     if ((rc = tdm_model_alloc_owned(m, (size_t)n * o->row_bytes, &rows))) return rc;
     for (int64_t i = 0; i < n; i++)
         memcpy((uint8_t *)rows + (size_t)i * o->row_bytes,
                (const uint8_t *)o->data + (size_t)ids[i] * o->row_bytes, o->row_bytes);
     m->output = (struct tdm_weight){o->dtype, n, o->cols, o->row_bytes, rows};
-    m->head->d2t = ids;
-    m->head->n_draft = (int)n;
     m->weight_bytes += (uint64_t)n * o->row_bytes;
+    return TDM_OK;
+}
+
+/* w's columns [0, at) and [at, cols) as two weights of their own (copies, w's dtype: one of
+ * the element types a safetensors head loads as, F32 or BF16). */
+static tdm_status split_cols(struct loader *L, const struct tdm_weight *w, int64_t at,
+                             struct tdm_weight *left, struct tdm_weight *right)
+{
+    TDM_ASSERT(tdm_dtype_block_elems(w->dtype) == 1 && at > 0 && at < w->cols);
+    const size_t es = tdm_dtype_row_bytes(w->dtype, 1);
+    const size_t lb = es * (size_t)at, rb = es * (size_t)(w->cols - at);
+    void *l, *r;
+    tdm_status rc;
+    if ((rc = tdm_model_alloc_owned(L->m, (size_t)w->rows * lb, &l)) ||
+        (rc = tdm_model_alloc_owned(L->m, (size_t)w->rows * rb, &r)))
+        return rc;
+    for (int64_t i = 0; i < w->rows; i++) {
+        const uint8_t *src = (const uint8_t *)w->data + (size_t)i * w->row_bytes;
+        memcpy((uint8_t *)l + (size_t)i * lb, src, lb);
+        memcpy((uint8_t *)r + (size_t)i * rb, src + lb, rb);
+    }
+    *left = (struct tdm_weight){w->dtype, w->rows, at, lb, l};
+    *right = (struct tdm_weight){w->dtype, w->rows, w->cols - at, rb, r};
+    return TDM_OK;
+}
+
+/* EAGLE-3's feature layers: eagle_aux_hidden_state_layer_ids of a config.json beside the head
+ * (in its folder; at the top level or under eagle_config), else vLLM's default (2, L/2, L-3)
+ * for a target of L layers: the feature is the residual stream entering those target layers
+ * (the outputs of layers 1, L/2 - 1 and L - 4), concatenated in that order. */
+static tdm_status eagle3_aux_layers(struct loader *L, const struct tdm_model *target)
+{
+    struct tdm_model *m = L->m;
+    struct tdm_head *h = m->head;
+    const int nl = target->cfg.n_layers;
+    int ids[TDM_HEAD_MAX_AUX] = {2, nl / 2, nl - 3};
+    const char *src = "vLLM's default (2, L/2, L-3)";
+    struct stat sb;
+    char cfg[4096];
+    const char *slash = strrchr(m->path, '/');
+    int n = stat(m->path, &sb) == 0 && S_ISDIR(sb.st_mode)
+                ? snprintf(cfg, sizeof cfg, "%s/config.json", m->path)
+            : slash ? snprintf(cfg, sizeof cfg, "%.*s/config.json", (int)(slash - m->path), m->path)
+                    : snprintf(cfg, sizeof cfg, "config.json");
+    if (n > 0 && (size_t)n < sizeof cfg && is_file(cfg)) {
+        json_error_t jerr;
+        json_t *root = json_load_file(cfg, 0, &jerr);
+        if (!root)
+            return tdm_err_set(TDM_EFORMAT, "%s (beside the EAGLE-3 head %s): %s (line %d)", cfg,
+                               m->path, jerr.text, jerr.line);
+        json_t *a = json_object_get(root, "eagle_aux_hidden_state_layer_ids");
+        if (!a)
+            a = json_object_get(json_object_get(root, "eagle_config"),
+                                "eagle_aux_hidden_state_layer_ids");
+        bool ok = !a || (json_is_array(a) && json_array_size(a) == TDM_HEAD_MAX_AUX);
+        for (size_t i = 0; a && ok && i < TDM_HEAD_MAX_AUX; i++) {
+            json_t *v = json_array_get(a, i);
+            ok = json_is_integer(v) && json_integer_value(v) >= -1000000 &&
+                 json_integer_value(v) <= 1000000;
+            if (ok) ids[i] = (int)json_integer_value(v);
+        }
+        json_decref(root);
+        if (!ok)
+            return tdm_err_set(TDM_EFORMAT,
+                               "%s: eagle_aux_hidden_state_layer_ids must be a list of %d layer "
+                               "ids",
+                               cfg, TDM_HEAD_MAX_AUX);
+        if (a) src = cfg;
+    }
+    for (int i = 0; i < TDM_HEAD_MAX_AUX; i++)
+        if (ids[i] < 0 || ids[i] >= nl)
+            return tdm_err_set(TDM_EINVAL,
+                               "%s: the EAGLE-3 head reads the hidden states entering target "
+                               "layers %d, %d and %d (%s), and the target %s has %d layers",
+                               m->path, ids[0], ids[1], ids[2], src, target->path, nl);
+    memcpy(h->aux_layers, ids, sizeof ids);
+    h->n_aux = TDM_HEAD_MAX_AUX;
+    return TDM_OK;
+}
+
+/* An EAGLE-3 head (the public EAGLE repository's, SpecForge's and vLLM's names; see the
+ * layout list above and model.h). */
+static tdm_status load_eagle3(struct loader *L, const struct tdm_model *target)
+{
+    struct tdm_model *m = L->m;
+    const struct tdm_model_config *tc = &target->cfg;
+    const int64_t d = tc->d_model, hd = tc->head_dim, V = tc->vocab_size;
+    struct tdm_head *h = m->head;
+    h->layout = TDM_HEAD_EAGLE3;
+    if (tdm_config_mla(tc))
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "%s: an EAGLE-3 head beside a target with latent attention (%s) is "
+                           "not supported",
+                           m->path, target->path);
+    const struct tdm_tensor_info *fc = find_tensor(L, "fc.weight");
+    if (!fc || fc->n_dims != 2 || fc->ne[1] != d || fc->ne[0] != 3 * d) {
+        char got[128] = "missing";
+        if (fc) shape_str(fc, got, sizeof got);
+        return tdm_err_set(TDM_EINVAL,
+                           "%s: an EAGLE-3 head's fc.weight is %s; the target %s is %lld wide, "
+                           "so it must be [%lld, %lld] (low, middle and high features to the "
+                           "width): a head must be trained for its target",
+                           m->path, got, target->path, (long long)d, (long long)d,
+                           (long long)(3 * d));
+    }
+    const struct tdm_tensor_info *qt = find_tensor(L, "midlayer.self_attn.q_proj.weight");
+    int64_t q_rows = tensor_rows(L, "midlayer.self_attn.q_proj.weight");
+    int64_t k_rows = tensor_rows(L, "midlayer.self_attn.k_proj.weight");
+    int64_t ff = tensor_rows(L, "midlayer.mlp.gate_proj.weight");
+    if (q_rows <= 0 || k_rows <= 0 || ff <= 0 || q_rows % hd || k_rows % hd ||
+        (q_rows / hd) % (k_rows / hd))
+        return tdm_err_set(TDM_EFORMAT,
+                           "%s: an EAGLE-3 head's layer (midlayer.self_attn.q_proj, k_proj, "
+                           "mlp.gate_proj) is missing or does not split into the target's "
+                           "%lld-wide heads",
+                           m->path, (long long)hd);
+    if (qt->ne[0] != 2 * d)
+        return tdm_err_set(TDM_EINVAL,
+                           "%s: midlayer.self_attn.q_proj.weight reads %lld columns; an EAGLE-3 "
+                           "layer reads [embedding; feature], 2 x %lld (the target %s's width)",
+                           m->path, (long long)qt->ne[0], (long long)d, target->path);
+    m->cfg = *tc;
+    m->cfg.n_layers = 1;
+    m->cfg.n_mtp_layers = 0;
+    memset(m->cfg.moe_dense_layers, 0, sizeof m->cfg.moe_dense_layers);
+    m->cfg.n_experts = m->cfg.n_experts_used = m->cfg.d_ff_expert = 0;
+    m->cfg.n_heads = (int)(q_rows / hd);
+    m->cfg.n_kv_heads = (int)(k_rows / hd);
+    m->cfg.d_ff = (int)ff;
+    m->cfg.qkv_bias = find_tensor(L, "midlayer.self_attn.q_proj.bias") != NULL;
+    m->cfg.qk_norm = find_tensor(L, "midlayer.self_attn.q_norm.weight") != NULL;
+    if (!(m->layers = calloc(1, sizeof *m->layers)))
+        return tdm_err_set(TDM_ENOMEM, "model: out of memory");
+    L->hf_layer = "midlayer.";
+    L->qkv_cols = 2 * d;
+    tdm_status rc = load_layer_at(L, 0, 0);
+    L->qkv_cols = 0;
+    if (rc) return rc;
+    /* the layer's input norm is the embedding's; q/k/v's halves: [embedding | feature] */
+    struct tdm_layer_weights *lw = &m->layers[0];
+    h->enorm = lw->attn_norm;
+    lw->attn_norm = (struct tdm_weight){0};
+    struct tdm_weight wq = lw->wq, wk = lw->wk, wv = lw->wv;
+    if ((rc = split_cols(L, &wq, d, &lw->wq, &h->wq_h)) ||
+        (rc = split_cols(L, &wk, d, &lw->wk, &h->wk_h)) ||
+        (rc = split_cols(L, &wv, d, &lw->wv, &h->wv_h)) ||
+        (rc = load_vector(L, "midlayer.hidden_norm.weight", d, &h->hnorm)) ||
+        (rc = load_matrix(L, "fc.weight", d, 3 * d, &h->fc_h)) ||
+        (find_tensor(L, "fc.bias") && (rc = load_vector(L, "fc.bias", d, &h->fc_bias))) ||
+        (rc = load_vector(L, "norm.weight", d, &m->output_norm)))
+        return rc;
+    /* its embeddings: its own copy when it has one (of the target's shape), else the target's */
+    const char *emb = find_tensor(L, "embed_tokens.weight")         ? "embed_tokens.weight"
+                      : find_tensor(L, "model.embed_tokens.weight") ? "model.embed_tokens.weight"
+                                                                    : NULL;
+    if (emb && (rc = load_matrix(L, emb, V, d, &m->tok_embd))) return rc;
+    if (!emb) m->tok_embd = target->tok_embd;
+    /* its own LM head, over the draft vocabulary d2t maps into the target's */
+    int64_t n = tensor_rows(L, "lm_head.weight");
+    if (n <= 0)
+        return tdm_err_set(TDM_EFORMAT, "%s: an EAGLE-3 head without its lm_head.weight", m->path);
+    if (find_tensor(L, "d2t")) {
+        if ((rc = parse_d2t(L, target))) return rc;
+        if (h->n_draft != n)
+            return tdm_err_set(TDM_EINVAL,
+                               "%s: d2t maps %d draft tokens and lm_head.weight has %lld rows: "
+                               "they must agree",
+                               m->path, h->n_draft, (long long)n);
+    } else if (n != V) {
+        return tdm_err_set(TDM_EINVAL,
+                           "%s: lm_head.weight has %lld rows and there is no d2t: a head "
+                           "without a draft vocabulary map needs the target's %lld",
+                           m->path, (long long)n, (long long)V);
+    }
+    if ((rc = load_matrix(L, "lm_head.weight", n, d, &m->output))) return rc;
+    /* t2d (bool [vocab]: which target tokens are drafted) must say what d2t says */
+    const struct tdm_tensor_info *t2d = find_tensor(L, "t2d");
+    if (t2d) {
+        const char *dt = tdm_st_dtype_str(m->st, t2d);
+        if ((strcmp(dt, "BOOL") && strcmp(dt, "U8")) || t2d->n_dims != 1 || t2d->ne[0] != V ||
+            t2d->nbytes != (size_t)V)
+            return tdm_err_set(TDM_EINVAL,
+                               "%s: t2d must be a 1-D BOOL tensor of the target's %lld tokens",
+                               m->path, (long long)V);
+        const uint8_t *b = t2d->data;
+        int64_t marked = 0;
+        for (int64_t i = 0; i < V; i++)
+            marked += b[i] != 0;
+        bool agree = marked == n;
+        for (int64_t i = 0; agree && h->d2t && i < n; i++)
+            agree = b[h->d2t[i]] != 0;
+        if (!agree)
+            return tdm_err_set(TDM_EINVAL,
+                               "%s: t2d marks %lld target tokens and the draft vocabulary is "
+                               "%lld: t2d and d2t do not describe the same tokens",
+                               m->path, (long long)marked, (long long)n);
+    }
+    if ((rc = eagle3_aux_layers(L, target))) return rc;
+    h->feature_width = (int)(3 * d);
+    m->rope_freqs = target->rope_freqs;
     return TDM_OK;
 }
 
@@ -859,11 +1080,9 @@ static tdm_status load_head(struct loader *L, const struct tdm_model *target)
     struct tdm_head *h = m->head;
     char prefix[64], name[160];
     int idx = 0;
+    h->feature_width = (int)d;
     if (find_tensor(L, "midlayer.self_attn.q_proj.weight")) {
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "%s: an EAGLE-3 head (fused low, middle and high features, d2t/t2d "
-                           "vocabulary maps): not supported yet",
-                           m->path);
+        return load_eagle3(L, target);
     } else if (find_tensor(L, "fc.weight")) {
         h->layout = find_tensor(L, "enorm.weight") ? TDM_HEAD_TANDEM : TDM_HEAD_EAGLE;
         snprintf(prefix, sizeof prefix, "layers.");

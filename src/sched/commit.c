@@ -163,9 +163,9 @@ static enum tdm_finish commit_tree(struct tdm_sched *s, struct tdm_req *r,
         src[moves] = q->slots[path[d - 1]];
         dst[moves++] = q->slots[d];
         if (q->features)
-            memcpy(q->features + (size_t)d * s->x.d_model,
-                   q->features + (size_t)path[d - 1] * s->x.d_model,
-                   (size_t)s->x.d_model * sizeof(float));
+            memcpy(q->features + (size_t)d * s->feat_dim,
+                   q->features + (size_t)path[d - 1] * s->feat_dim,
+                   (size_t)s->feat_dim * sizeof(float));
     }
     if (moves) tdm_kv_pool_copy_slots(s->kv, src, dst, moves);
     r->draft_stats.tree_depth = depth;
@@ -295,16 +295,7 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
         } else if (q->features && s->feeds && !r->prefill_only && r->n_cached > q->pos0) {
             /* the kept positions' features, for a drafter that reads them (a prefill-only
              * request's are its connector's, read in step_end) */
-            s->feeds[n_feeds++] = (struct tdm_sched_feed){.req = r,
-                                                          .tokens = r->tokens,
-                                                          .n_tokens = r->n_tokens,
-                                                          .pages = r->kv.pages,
-                                                          .n_pages = r->kv.n_pages,
-                                                          .stats = &r->draft_stats,
-                                                          .state = r->dstate,
-                                                          .pos0 = q->pos0,
-                                                          .n = r->n_cached - q->pos0,
-                                                          .features = q->features};
+            s->feeds[n_feeds++] = tdm_sched_feed_of(r, q->pos0, r->n_cached - q->pos0, q->features);
         }
     }
     if (n_feeds) s->drafter->feed(s->drafter_ctx, s->feeds, n_feeds);

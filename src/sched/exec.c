@@ -55,6 +55,7 @@ tdm_status tdm_sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct td
                                    .kv = tdm_engine_kv(e),
                                    .vocab = m->cfg.vocab_size,
                                    .d_model = m->cfg.d_model,
+                                   .feature_dim = eo->n_feature_layers * m->cfg.d_model,
                                    .max_ctx = eo->max_ctx,
                                    .max_batch_tokens = eo->max_batch_tokens,
                                    .max_seqs = n,

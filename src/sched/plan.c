@@ -203,16 +203,7 @@ static void feed_remote(struct tdm_sched *s, struct tdm_req *r)
     int p = r->n_tokens - 2;
     if (!s->drafter || !s->drafter->feed || !r->dstate || r->spec_k < 0 || p < 0) return;
     r->draft_stats.cursor = TDM_MIN(TDM_MAX(r->remote_drafter_kv, 0), p);
-    struct tdm_sched_feed f = {.req = r,
-                               .tokens = r->tokens,
-                               .n_tokens = r->n_tokens,
-                               .pages = r->kv.pages,
-                               .n_pages = r->kv.n_pages,
-                               .stats = &r->draft_stats,
-                               .state = r->dstate,
-                               .pos0 = p,
-                               .n = 1,
-                               .features = r->remote_feature};
+    struct tdm_sched_feed f = tdm_sched_feed_of(r, p, 1, r->remote_feature);
     s->drafter->feed(s->drafter_ctx, &f, 1);
 }
 
@@ -334,7 +325,7 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
                                /* a request that may speculate, here or (prefill-only) on
                                 * the node that decodes it */
                                .features = s->features && r->spec_k >= 0
-                                               ? s->features + (size_t)p->n_tokens * s->x.d_model
+                                               ? s->features + (size_t)p->n_tokens * s->feat_dim
                                                : NULL};
     int32_t gst = r->gstate; /* the grammar's state at the next sampling row */
     for (int i = 0; i < n_rows; i++) {

@@ -209,6 +209,7 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
     if (!s) return tdm_err_set(TDM_ENOMEM, "sched: out of memory");
     tdm_status fail = TDM_ENOMEM;
     s->x = *x;
+    s->feat_dim = x->feature_dim > 0 ? x->feature_dim : x->d_model;
     s->tok = tok;
     s->kv = x->kv;
     s->o = opts ? *opts : (struct tdm_sched_opts){0};
@@ -288,6 +289,8 @@ out_fail:
     free(s->hidden);
     free(s->features);
     free(s->feeds);
+    free(s->launches);
+    free(s->launch_next);
     free(s);
     return fail;
 }
@@ -624,6 +627,8 @@ void tdm_req_unlock(tdm_req_t *r)
     pthread_mutex_unlock(&r->mu);
 }
 
+static void drafter_join(struct tdm_sched *s);
+
 static void *sched_main(void *arg)
 {
     struct tdm_sched *s = arg;
@@ -634,6 +639,7 @@ static void *sched_main(void *arg)
         bool stop = s->stop;
         pthread_mutex_unlock(&s->mu);
         if (stop) break;
+        drafter_join(s);
         prefix_turn(s);
         if (!tdm_sched_step(s)) {
             /* Waiting requests that cannot be admitted yet, nothing running: sleep briefly
@@ -644,6 +650,7 @@ static void *sched_main(void *arg)
             pthread_mutex_unlock(&s->mu);
         }
     }
+    drafter_join(s);
     tdm_sched_reap_cancelled(s, true);
     return NULL;
 }
@@ -770,6 +777,12 @@ static void watch_end(struct tdm_sched *s)
 tdm_status tdm_sched_start(tdm_sched_t *s)
 {
     if (s->started) return TDM_OK;
+    if (s->drafter && s->drafter->feed && s->conn && s->conn->admit && s->feat_dim != s->x.d_model)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "sched: the drafter reads %d-wide features (an EAGLE-3 head's fused "
+                           "target layers), and a remote prefill brings one %d-wide feature: "
+                           "an EAGLE-3 head does not speculate across disaggregation yet",
+                           s->feat_dim, s->x.d_model);
     if (s->o.watchdog_ms > 0 && !s->wstarted) {
         s->wstop = false;
         if (pthread_create(&s->wthread, NULL, watchdog_main, s))
@@ -826,14 +839,48 @@ bool tdm_sched_stop(tdm_sched_t *s, int drain_ms)
         }
         s->started = false;
     } else {
+        drafter_join(s);
         tdm_sched_reap_cancelled(s, true);
     }
     watchdog_stop(s);
     return true;
 }
 
+/* The drafter's launched work (tdm_sched_drafter_i.launch) is done: the pages of the spans it
+ * reads and writes may change hands after this. */
+static void drafter_join(struct tdm_sched *s)
+{
+    if (!s->launched) return;
+    s->launched = false;
+    s->drafter->join(s->drafter_ctx);
+}
+
+/* Hands the drafter the decode spans this run verified (before their commit): every position
+ * of each, and the token the target's row chose there. */
+static void drafter_launch(struct tdm_sched *s, const struct tdm_sched_plan *p)
+{
+    int n = 0, rows = 0;
+    for (int j = 0; j < p->n_seqs; j++) {
+        const struct tdm_plan_seq *q = &p->seqs[j];
+        struct tdm_req *r = q->req;
+        /* a chain's decode span: the last committed token and its drafts, every row sampled */
+        if (!q->last || q->tree || !q->features || q->n_score || q->n_rows != q->n_tokens ||
+            r->prefill_only || !r->dstate || r->spec_k < 0 || q->pos0 + 1 < r->n_prompt)
+            continue;
+        for (int i = 0; i < q->n_rows; i++)
+            s->launch_next[rows + i] = p->samples[q->row0 + i].token;
+        s->launches[n] = tdm_sched_feed_of(r, q->pos0, q->n_tokens, q->features);
+        s->launches[n++].next = s->launch_next + rows;
+        rows += q->n_rows;
+    }
+    if (!n) return;
+    s->drafter->launch(s->drafter_ctx, s->launches, n);
+    s->launched = true;
+}
+
 bool tdm_sched_step(tdm_sched_t *s)
 {
+    drafter_join(s); /* before the reaping and the plan hand pages out */
     watch_held(s, true);
     tdm_sched_reap_cancelled(s, false);
     prefix_turn(s);
@@ -861,6 +908,7 @@ bool tdm_sched_step(tdm_sched_t *s)
     if (s->conn && s->conn->step_end) s->conn->step_end(s->conn_ctx, p, st);
     if (s->drafter && s->drafter->step_done && st == TDM_OK)
         s->drafter->step_done(s->drafter_ctx, p, run_ns);
+    if (s->drafter && s->drafter->launch && st == TDM_OK) drafter_launch(s, p);
     pthread_mutex_lock(&s->mmu);
     s->m.steps++;
     tdm_hist_observe(&s->m.batch_tokens, p->n_tokens);
@@ -900,6 +948,8 @@ void tdm_sched_destroy(tdm_sched_t *s)
     free(s->logits);
     free(s->features);
     free(s->feeds);
+    free(s->launches);
+    free(s->launch_next);
     free(s->trees);
     free(s->tree_pos);
     free(s->tree_undo);
@@ -927,12 +977,12 @@ tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_
     s->drafter = d && d->propose && k_max > 0 ? d : NULL;
     s->drafter_ctx = ctx;
     if (s->drafter && d->feature_dim > 0) {
-        if (d->feature_dim != s->x.d_model || !d->feed) {
+        if (d->feature_dim != s->feat_dim || !d->feed) {
             s->drafter = NULL;
             return tdm_err_set(TDM_EINVAL,
                                "sched: the drafter reads %d-wide features, the "
                                "executor's are %d wide",
-                               d->feature_dim, s->x.d_model);
+                               d->feature_dim, s->feat_dim);
         }
         free(s->features);
         free(s->feeds);
@@ -942,6 +992,20 @@ tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_
         if (!s->features || !s->feeds) {
             s->drafter = NULL;
             return tdm_err_set(TDM_ENOMEM, "sched: out of memory for the drafter's features");
+        }
+    }
+    if (s->drafter && d->launch) {
+        if (!d->join || !d->feed) {
+            s->drafter = NULL;
+            return tdm_err_set(TDM_EINVAL, "sched: a drafter that launches must join and feed");
+        }
+        free(s->launches);
+        free(s->launch_next);
+        s->launches = calloc((size_t)s->o.max_seqs, sizeof *s->launches);
+        s->launch_next = calloc((size_t)s->o.max_batch_tokens, sizeof *s->launch_next);
+        if (!s->launches || !s->launch_next) {
+            s->drafter = NULL;
+            return tdm_err_set(TDM_ENOMEM, "sched: out of memory for the drafter's launches");
         }
     }
     if (s->drafter && d->tree) {
@@ -970,6 +1034,12 @@ tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_
 
 tdm_status tdm_sched_reserve_features(tdm_sched_t *s)
 {
+    if (s->feat_dim != s->x.d_model) /* a connector reads d_model-wide final-normed features */
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "sched: the executor's features are %d wide (an EAGLE-3 head's fused "
+                           "target layers); a disaggregated prefill carries %d-wide ones: "
+                           "disaggregate without that head, or run it colocated",
+                           s->feat_dim, s->x.d_model);
     if (s->features) return TDM_OK;
     s->features =
         malloc((size_t)s->o.max_batch_tokens * (size_t)TDM_MAX(s->x.d_model, 1) * sizeof(float));

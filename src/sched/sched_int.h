@@ -149,7 +149,8 @@ struct tdm_sched {
     int draft_k;
     struct tdm_sched_draft *drafts; /* [max_seqs] this step's drafting batch */
     struct tdm_req **decodes;       /* [max_seqs] this step's decoding requests */
-    float *features;                /* [max_batch_tokens][d_model] with a feature drafter */
+    float *features;                /* [max_batch_tokens][feat_dim] with a feature drafter */
+    int feat_dim;                   /* a token's features: the executor's width (x.feature_dim) */
     /* a tree drafter's plan scratch (tdm_sched_set_drafter): per plan sequence its tree, its
      * tokens' positions and masks ([max_seqs][1 + TDM_TREE_MAX_NODES]); per row its undo list
      * ([max_rows][TDM_TREE_MAX_NODES]) and candidates ([max_rows][TDM_SAMPLE_MAX_CAND]) */
@@ -157,6 +158,12 @@ struct tdm_sched {
     int32_t *tree_pos, *tree_undo, *tree_cand;
     uint64_t *tree_mask;
     struct tdm_sched_feed *feeds; /* [max_seqs] */
+    /* a drafter with launch (tdm_sched_drafter_i): the verified spans handed to it after a
+     * run ([max_seqs]), their rows' tokens ([max_batch_tokens]), and whether its work may be
+     * in flight (join before the pool's pages change hands) */
+    struct tdm_sched_feed *launches;
+    int32_t *launch_next;
+    bool launched;
     uint64_t n_steps;
 
     /* the watchdog (sched.c). wmu guards step_t0_ns, held and the stall flags; it nests
@@ -223,5 +230,22 @@ struct tdm_engine_exec;
 tdm_status tdm_sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct tdm_sched_exec *out,
                                         struct tdm_engine_exec **owned);
 void tdm_sched_engine_exec_destroy(struct tdm_engine_exec *x);
+
+/* What a drafter that reads features is handed of request r: positions [pos0, pos0 + n), their
+ * features (feed's and launch's entries; launch adds next). */
+static inline struct tdm_sched_feed tdm_sched_feed_of(struct tdm_req *r, int pos0, int n,
+                                                      const float *features)
+{
+    return (struct tdm_sched_feed){.req = r,
+                                   .tokens = r->tokens,
+                                   .n_tokens = r->n_tokens,
+                                   .pages = r->kv.pages,
+                                   .n_pages = r->kv.n_pages,
+                                   .stats = &r->draft_stats,
+                                   .state = r->dstate,
+                                   .pos0 = pos0,
+                                   .n = n,
+                                   .features = features};
+}
 
 #endif /* TANDEM_SCHED_INT_H */

@@ -149,6 +149,14 @@ struct relay {
     uint64_t idle_deadline_ns;
     char tail[SSE_DONE_LEN]; /* the last bytes relayed, oldest first */
     size_t n_tail;
+    /* the backend's body: its length (-1: to its end), what has come of it; once it has all
+     * come the request is no longer in flight there (released), although the client may not
+     * have read the last bytes yet: its next request must not see this one as load */
+    int64_t len;
+    uint64_t got;
+    bool released;
+    struct prompt_blocks *pb; /* the request's, its fwd's: read in relay_read only (the fwd
+                               * outlives the reads, not the relay) */
 };
 
 /* Keeps the last SSE_DONE_LEN bytes relayed. */
@@ -341,11 +349,22 @@ static void *health_main(void *arg)
 
 /* ---- relaying a response ---- */
 
+/* The backend is done with the request: no longer in flight there, its blocks no longer
+ * pending (landed: kv_index.c). */
+static void relay_end(struct relay *rl)
+{
+    if (rl->released) return;
+    rl->released = true;
+    release(rl->r, rl->be);
+    if (rl->pb) unpend(rl->r, rl->pb);
+}
+
 static void relay_free(void *cls)
 {
     struct relay *rl = cls;
     tdm_bh_close(rl->bc); /* the backend sees its client leave if it was not done */
-    release(rl->r, rl->be);
+    rl->pb = NULL;        /* its fwd may be gone: fwd_free unpends what is left */
+    relay_end(rl);
     tdm_park_free(rl->park);
     free(rl);
 }
@@ -363,9 +382,14 @@ static ssize_t relay_read(void *cls, uint64_t pos, char *buf, size_t max)
         size_t n = 0;
         enum tdm_bh_fail f = tdm_bh_read(rl->bc, buf, cap, 0, &n); /* what is there now */
         if (f == TDM_BH_OK) {
-            if (n == 0) return MHD_CONTENT_READER_END_OF_STREAM;
+            if (n == 0) {
+                relay_end(rl);
+                return MHD_CONTENT_READER_END_OF_STREAM;
+            }
             rl->idle_deadline_ns = tdm_now_ns() + r->timeout_ns;
             remember_tail(rl, buf, n);
+            rl->got += n;
+            if (rl->len >= 0 && rl->got >= (uint64_t)rl->len) relay_end(rl);
             return (ssize_t)n;
         }
         if (f != TDM_BH_TIMEOUT) {
@@ -394,7 +418,7 @@ static ssize_t relay_read(void *cls, uint64_t pos, char *buf, size_t max)
 /* Queues the backend's response (head received) for relaying. Takes bc and the in-flight count
  * of `be` in every case. */
 static enum MHD_Result relay_start(struct tdm_router *r, struct MHD_Connection *c, int be,
-                                   tdm_bh_conn_t *bc)
+                                   tdm_bh_conn_t *bc, struct prompt_blocks *pb)
 {
     struct relay *rl = calloc(1, sizeof *rl);
     struct tdm_park *park = rl ? tdm_park_new(r->pump, c) : NULL;
@@ -410,9 +434,11 @@ static enum MHD_Result relay_start(struct tdm_router *r, struct MHD_Connection *
                          .bc = bc,
                          .park = park,
                          .park_conn = c,
-                         .idle_deadline_ns = tdm_now_ns() + r->timeout_ns};
+                         .idle_deadline_ns = tdm_now_ns() + r->timeout_ns,
+                         .pb = pb};
     int status = tdm_bh_status(bc);
     int64_t len = tdm_bh_content_length(bc);
+    rl->len = len;
     const char *ctype = tdm_bh_content_type(bc);
     struct MHD_Response *resp = MHD_create_response_from_callback(
         len >= 0 ? (uint64_t)len : MHD_SIZE_UNKNOWN, RELAY_BLOCK_BYTES, relay_read, rl, relay_free);
@@ -515,7 +541,7 @@ static enum MHD_Result fwd_step(struct tdm_router *r, struct MHD_Connection *c, 
         if (f == TDM_BH_OK) {
             tdm_bh_conn_t *bc = w->bc;
             w->bc = NULL; /* the relay takes it, and the in-flight count */
-            return relay_start(r, c, w->be, bc);
+            return relay_start(r, c, w->be, bc, &w->pb);
         }
         if (f != TDM_BH_TIMEOUT) {
             if (fwd_failed(w, f, tdm_err_msg())) continue;

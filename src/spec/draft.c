@@ -43,6 +43,11 @@ void tdm_spec_engine_opts(const struct tdm_spec_opts *o, const struct tdm_model 
         eo->kv_extra = group;
         eo->n_kv_extra = 1;
         eo->co_model = o->draft_model;
+        const struct tdm_head *h = o->draft_model->head;
+        if (o->method != TDM_SPEC_DRAFT && h && h->n_aux > 0) { /* EAGLE-3's fused features */
+            memcpy(eo->feature_layers, h->aux_layers, sizeof h->aux_layers);
+            eo->n_feature_layers = h->n_aux;
+        }
     }
     if (o->method == TDM_SPEC_EAGLE) { /* a verified tree's rows: the root and every node */
         const int rows = 1 + (o->tree_budget > 0 ? o->tree_budget : TDM_SPEC_TREE_BUDGET);

@@ -261,6 +261,7 @@ static bool expand(struct eagle_drafter *ed, struct tdm_spec *sp, struct tdm_sch
                                                  .slots = ed->slots + t,
                                                  .n_logits = q->n_front,
                                                  .hidden = ed->hid + (size_t)t * ed->d,
+                                                 .own_hidden = true,
                                                  .features = ed->fout + (size_t)t * ed->d,
                                                  .tree = &ed->trees[m]};
             m++;

@@ -37,19 +37,33 @@
  *
  * Draws are the chain's: the request's keyed draw (exact) or PROPOSE rows with q (rejection).
  *
+ * An EAGLE-3 head (model.h) reads a wider target feature (fw = 3 d: the residual entering its
+ * three target layers, which the target engine copies when tdm_spec_engine_opts asked for
+ * them): pending rows and the catch-up's inputs are fw wide, while the head's own feature (g,
+ * its state before the final norm) stays d wide; the deeper drafts' and the trees' passes
+ * mark their hidden states own_hidden, so its engine skips fc there. Not beside a sharded
+ * target, nor across disaggregation (refused in head_fits and tdm_spec_head_kv_create).
+ *
  * The same head on a prefill node (tdm_spec_head_kv, spec.h): an engine of its own beside the
  * prefill node's target that runs the head's rows over what that node prefilled, from the
  * target's features there, so that the head's KV streams to the decoder as one more layer
  * (disagg.h). It is the same engine call as the catch-up here, so the KV is the same bit for
  * bit on a batch-invariant backend. tdm_spec_head_fingerprint tells two nodes' heads apart.
  *
+ * Tensor parallelism: beside a sharded target (--tp N) the head's engine is sharded like it
+ * (engine.h, tdm_engine_opts.shard_like): group 1 of each rank's pool holds that rank's share
+ * of the head's KV heads, and the head's passes run on the target's rank threads. Nothing here
+ * changes: the head's engine is still one engine, its leader returning whole outputs.
+ *
  * Ownership: owns the head's engine and its scratch; borrows the head model, the target's
- * pool and backend. Scheduler thread.
+ * pool and backend (a sharded target's: every rank's). Scheduler thread.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "spec/spec_int.h"
+#include "tandem/tp.h"
 
 #define PEND_CAP (TDM_SPEC_MAX_K + 1) /* a verified span: the last token and k drafts */
 
@@ -57,13 +71,18 @@ struct mtp_req {
     int32_t head_len; /* the head's KV holds [0, head_len), made from the target's features */
     int32_t n_pend;   /* the target's features of [head_len, head_len + n_pend) wait in pend */
     int32_t dead;     /* a gap in the features: no drafts */
-    int32_t pad;
-    float pend[]; /* [PEND_CAP][d] */
+    /* --spec-overlap: launched in pass gen (0: never) at span [lpos0, lpos0 + lrows), its rows
+     * from lrow0 in the pass's outputs; carry: the row whose logits draw draft 1 (-1: none) */
+    int32_t carry;
+    uint32_t gen;
+    int32_t lpos0, lrow0, lrows;
+    float pend[]; /* [PEND_CAP][fw] */
 };
 
 struct mtp_drafter {
     tdm_engine_t *e; /* the head's */
     int d, vocab, max_seqs, max_tokens;
+    int fw; /* the target feature's width: d, or an EAGLE-3 head's fused 3 d */
     bool rejection, one_hot;
     struct tdm_batch_seq *seqs;     /* [max_seqs] */
     struct tdm_sample_row *rows;    /* [max_seqs] */
@@ -71,19 +90,44 @@ struct mtp_drafter {
     int *idx, *n_acc, *done, *todo; /* [max_seqs] */
     size_t *foff;                   /* [max_seqs] where a request's last head feature lands */
     int32_t *tok;                   /* [max_seqs] */
-    float *hid;                     /* [max_tokens][d] a pass's hidden inputs */
+    float *hid;                     /* [max_tokens][fw] a pass's hidden inputs */
     float *fout;                    /* [max_tokens][d] a pass's head features */
     float *g;                       /* [max_seqs][d] each drafting request's last head feature */
     struct tdm_buf qbuf; /* rejection: [max_seqs][TDM_SPEC_MAX_K][vocab], the backend's */
     float *q;
     struct tdm_spec_draws dw;
+    struct overlap *ov; /* --spec-overlap's pass on a thread of its own; NULL without */
 };
+
+/* --spec-overlap (below) */
+struct overlap {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool started, stop, busy; /* busy: a pass queued or running (under mu) */
+    uint32_t gen;             /* the latest launch's (0: none yet) */
+    int cap, m, rows;         /* rows a pass takes; the queued pass's sequences and rows */
+    tdm_status st;            /* the latest pass's result, and its time */
+    uint64_t ns;
+    bool noted, ok;             /* its time given to the cost model; it ran */
+    struct tdm_batch_seq *seqs; /* [max_seqs] */
+    int32_t *tok;               /* [cap] the rows' input tokens */
+    float *hid;                 /* [cap][fw] the target's features */
+    float *fout;                /* [cap][d] the head's features */
+    float *logits;              /* [cap][vocab] */
+    uint8_t *want;              /* [cap] */
+    int32_t *pages;             /* the launched page tables, copied */
+    size_t n_page_cap;
+    struct tdm_sample_row row;
+    struct tdm_sample_scratch scratch;
+};
+static void ov_join(struct mtp_drafter *md, struct tdm_spec *sp);
 
 /* Row r of a request's pending rows followed by n fed rows. */
 static const float *vrow(const struct mtp_drafter *md, const struct mtp_req *st, const float *fed,
                          int r)
 {
-    return r < st->n_pend ? st->pend + (size_t)r * md->d : fed + (size_t)(r - st->n_pend) * md->d;
+    return r < st->n_pend ? st->pend + (size_t)r * md->fw : fed + (size_t)(r - st->n_pend) * md->fw;
 }
 
 static bool run_pass(struct mtp_drafter *md, struct tdm_spec *sp, int m, int rows)
@@ -102,7 +146,7 @@ static bool run_pass(struct mtp_drafter *md, struct tdm_spec *sp, int m, int row
 static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed *f, int n)
 {
     struct mtp_drafter *md = ctx;
-    const size_t row = (size_t)md->d * sizeof(float);
+    const size_t row = (size_t)md->fw * sizeof(float);
     n = TDM_MIN(n, md->max_seqs);
     bool eager = false;
     for (int i = 0; i < n; i++) {
@@ -126,8 +170,11 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
         } else {
             st->n_pend = p0 - st->head_len;
         }
+        st->carry = -1; /* a launched span, kept [p0, p0 + m): its last kept row draws */
+        if (md->ov && st->gen == md->ov->gen && st->lpos0 == p0 && !st->n_pend && m <= st->lrows)
+            st->carry = st->lrow0 + m - 1;
         if (st->n_pend + m <= PEND_CAP) {
-            memcpy(st->pend + (size_t)st->n_pend * md->d, f[i].features, (size_t)m * row);
+            memcpy(st->pend + (size_t)st->n_pend * md->fw, f[i].features, (size_t)m * row);
             st->n_pend += m;
             continue;
         }
@@ -136,6 +183,7 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
         eager = true;
     }
     bool ok = true;
+    if (eager) ov_join(md, sp); /* the head's engine may be running a launched pass */
     while (eager && ok) {
         int m = 0, budget = md->max_tokens;
         size_t off = 0;
@@ -144,7 +192,7 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
             const struct mtp_req *st = f[i].state;
             int span = TDM_MIN(md->todo[i] - md->done[i], budget);
             for (int r = 0; r < span; r++)
-                memcpy(md->hid + off + (size_t)r * md->d,
+                memcpy(md->hid + off + (size_t)r * md->fw,
                        vrow(md, st, f[i].features, md->done[i] + r), row);
             int p = st->head_len + md->done[i];
             md->seqs[m++] = (struct tdm_batch_seq){.tokens = f[i].tokens + p + 1,
@@ -153,7 +201,7 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
                                                    .pages = f[i].pages,
                                                    .n_pages = f[i].n_pages,
                                                    .hidden = md->hid + off};
-            off += (size_t)span * md->d;
+            off += (size_t)span * md->fw;
             md->done[i] += span;
             budget -= span;
         }
@@ -168,7 +216,7 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
             continue;
         }
         st->head_len += md->todo[i];
-        memcpy(st->pend, f[i].features + (size_t)(f[i].n - 1) * md->d, row);
+        memcpy(st->pend, f[i].features + (size_t)(f[i].n - 1) * md->fw, row);
         st->n_pend = 1;
     }
 }
@@ -184,7 +232,7 @@ bool tdm_spec_mtp_catch_up(void *ctx, struct tdm_spec *sp, struct tdm_sched_draf
                            const struct tdm_spec_mtp_last *last_row)
 {
     struct mtp_drafter *md = ctx;
-    const size_t row = (size_t)md->d * sizeof(float);
+    const size_t row = (size_t)md->fw * sizeof(float);
     n = TDM_MIN(n, md->max_seqs);
     bool ok = false;
     for (int i = 0; i < n; i++) {
@@ -198,13 +246,13 @@ bool tdm_spec_mtp_catch_up(void *ctx, struct tdm_spec *sp, struct tdm_sched_draf
     /* the pending rows, ending at N - 2, whose row the caller samples */
     while (ok) {
         int m = 0, rows = 0, budget = md->max_tokens;
-        size_t off = 0;
+        size_t off = 0, goff = 0; /* in hid (fw a row) and in fout (d a row) */
         for (int i = 0; i < n && m < md->max_seqs && budget > 0; i++) {
             if (md->todo[i] < 0 || md->done[i] >= md->todo[i]) continue;
             const struct mtp_req *st = d[i].state;
             int span = TDM_MIN(md->todo[i] - md->done[i], budget);
             bool last = md->done[i] + span == md->todo[i];
-            memcpy(md->hid + off, st->pend + (size_t)md->done[i] * md->d, (size_t)span * row);
+            memcpy(md->hid + off, st->pend + (size_t)md->done[i] * md->fw, (size_t)span * row);
             int p = st->head_len + md->done[i];
             md->seqs[m++] = (struct tdm_batch_seq){.tokens = d[i].tokens + p + 1,
                                                    .n_tokens = span,
@@ -213,13 +261,14 @@ bool tdm_spec_mtp_catch_up(void *ctx, struct tdm_spec *sp, struct tdm_sched_draf
                                                    .n_pages = d[i].n_pages,
                                                    .n_logits = last ? 1 : 0,
                                                    .hidden = md->hid + off,
-                                                   .features = last ? md->fout + off : NULL};
+                                                   .features = last ? md->fout + goff : NULL};
             if (last) {
-                md->foff[i] = off + (size_t)(span - 1) * md->d;
+                md->foff[i] = goff + (size_t)(span - 1) * md->d;
                 last_row->set(last_row->ctx, &d[i], i, md->rows, rows);
                 md->idx[rows++] = i;
             }
-            off += (size_t)span * md->d;
+            off += (size_t)span * md->fw;
+            goff += (size_t)span * md->d;
             md->done[i] += span;
             budget -= span;
         }
@@ -258,6 +307,249 @@ static void mtp_last_take(void *ctx, struct tdm_sched_draft *x, int i,
     memcpy(md->g + (size_t)i * md->d, g, (size_t)md->d * sizeof(float));
 }
 
+/* ---- the seed's single-token MTP schedule (--spec-overlap) ----
+ *
+ * The synchronous chain learns what the commit kept, then runs the head over the kept rows
+ * (the catch-up) and draws draft 1 from the last. With the overlap, the scheduler launches the
+ * head right after the target's run, before the commit: every verified row of a request whose
+ * head KV is final up to its span (head_len == pos0, nothing pending) becomes a head row at
+ * its position, fed the target's feature there and the token the target chose from it
+ * (tdm_sched_feed.next: the shift, done from the run's samples, accepted or not), all rows
+ * with logits. The pass runs on the overlap's thread while the scheduler commits; the rows past
+ * what is kept are wasted work, their KV stale until the next verify's rows rewrite it, as a
+ * draft's is. feed then keeps its usual state (the kept rows pending) and notes the row the
+ * kept span ends on (carry); the next propose, after the scheduler has joined the pass, draws
+ * draft 1 from that row's logits and takes its head feature, and marks the kept rows done
+ * instead of running them again. A request the pass did not take, or that does not draft next
+ * step, catches up as before: on a batch-invariant backend a row's KV and logits are the same
+ * bits either way, so the drafts, hence the acceptance, are those of the synchronous chain.
+ *
+ *   step n: run (verify) -> launch (head over every row) -> commit -> feed (carry)
+ *                             \__ overlap thread: the head's pass __/
+ *   step n + 1: join -> reap, plan -> propose (draft 1 from carry; deeper drafts as before)
+ *
+ * Ownership: the overlap owns its thread and buffers; launch copies what the pass reads (the
+ * rows' tokens, features and page tables), so the pass touches neither the requests nor the
+ * scheduler, only the head's engine and the KV of the launched pages, which the scheduler
+ * hands to nobody until it has joined. Rejection drafts write their distributions from the
+ * host, so that mode needs host memory (the CPU backend).
+ */
+
+static void *ov_main(void *arg)
+{
+    struct mtp_drafter *md = arg;
+    struct overlap *ov = md->ov;
+    pthread_mutex_lock(&ov->mu);
+    for (;;) {
+        while (!ov->stop && !ov->busy)
+            pthread_cond_wait(&ov->cv, &ov->mu);
+        if (ov->stop) break;
+        pthread_mutex_unlock(&ov->mu);
+        struct tdm_batch b = {.seqs = ov->seqs, .n_seqs = ov->m};
+        struct tdm_engine_out out = {.want = ov->want, .logits = ov->logits};
+        uint64_t t0 = tdm_now_ns();
+        tdm_status st = tdm_engine_run(md->e, &b, &out);
+        if (st != TDM_OK) TDM_WARN("spec mtp: a launched head pass failed: %s", tdm_err_msg());
+        pthread_mutex_lock(&ov->mu);
+        ov->st = st;
+        ov->ns = tdm_now_ns() - t0;
+        ov->busy = false;
+        pthread_cond_broadcast(&ov->cv);
+    }
+    pthread_mutex_unlock(&ov->mu);
+    return NULL;
+}
+
+static void ov_join(struct mtp_drafter *md, struct tdm_spec *sp)
+{
+    struct overlap *ov = md->ov;
+    if (!ov) return;
+    pthread_mutex_lock(&ov->mu);
+    while (ov->busy)
+        pthread_cond_wait(&ov->cv, &ov->mu);
+    pthread_mutex_unlock(&ov->mu);
+    if (!ov->noted) {
+        ov->noted = true;
+        ov->ok = ov->st == TDM_OK;
+        if (sp) {
+            tdm_spec_note_pass(sp, ov->m, ov->ns);
+            tdm_spec_note_overlap(sp, ov->rows, 0);
+        }
+    }
+}
+
+/* A launched span: a request whose head KV is final up to it. */
+static bool ov_takes(const struct mtp_drafter *md, const struct tdm_sched_feed *f)
+{
+    const struct mtp_req *st = f->state;
+    (void)md;
+    return st && !st->dead && !st->n_pend && st->head_len == f->pos0 && f->n >= 1 && f->next;
+}
+
+static void mtp_launch(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed *f, int n)
+{
+    struct mtp_drafter *md = ctx;
+    struct overlap *ov = md->ov;
+    ov_join(md, sp);
+    n = TDM_MIN(n, md->max_seqs);
+    if (++ov->gen == 0) ov->gen = 1;
+    size_t pages = 0;
+    int rows = 0;
+    for (int i = 0; i < n; i++)
+        if (ov_takes(md, &f[i]) && rows + f[i].n <= ov->cap) {
+            rows += f[i].n;
+            pages += (size_t)f[i].n_pages;
+        }
+    if (!rows) return;
+    if (pages > ov->n_page_cap) {
+        int32_t *p = realloc(ov->pages, pages * sizeof *p);
+        if (!p) return; /* nothing launched: the synchronous path serves */
+        ov->pages = p;
+        ov->n_page_cap = pages;
+    }
+    const size_t fw = (size_t)md->fw, d = (size_t)md->d;
+    int m = 0;
+    rows = 0;
+    pages = 0;
+    for (int i = 0; i < n; i++) {
+        if (!ov_takes(md, &f[i]) || rows + f[i].n > ov->cap) continue;
+        struct mtp_req *st = f[i].state;
+        const int k = f[i].n;
+        memcpy(ov->tok + rows, f[i].next, (size_t)k * sizeof *ov->tok);
+        memcpy(ov->hid + (size_t)rows * fw, f[i].features, (size_t)k * fw * sizeof(float));
+        memcpy(ov->pages + pages, f[i].pages, (size_t)f[i].n_pages * sizeof *ov->pages);
+        memset(ov->want + rows, TDM_ROW_LOGITS, (size_t)k);
+        ov->seqs[m++] = (struct tdm_batch_seq){.tokens = ov->tok + rows,
+                                               .n_tokens = k,
+                                               .pos0 = f[i].pos0,
+                                               .pages = ov->pages + pages,
+                                               .n_pages = f[i].n_pages,
+                                               .n_logits = k,
+                                               .hidden = ov->hid + (size_t)rows * fw,
+                                               .features = ov->fout + (size_t)rows * d};
+        st->gen = ov->gen;
+        st->lpos0 = f[i].pos0;
+        st->lrow0 = rows;
+        st->lrows = k;
+        rows += k;
+        pages += (size_t)f[i].n_pages;
+    }
+    pthread_mutex_lock(&ov->mu);
+    ov->m = m;
+    ov->rows = rows;
+    ov->noted = ov->ok = false;
+    ov->busy = true;
+    pthread_cond_broadcast(&ov->cv);
+    pthread_mutex_unlock(&ov->mu);
+}
+
+static void mtp_join(void *ctx, struct tdm_spec *sp)
+{
+    ov_join(ctx, sp);
+}
+
+/* Draft 1 of each request whose kept span the launched pass carried over; true if any. */
+static bool ov_draw(struct mtp_drafter *md, struct tdm_spec *sp, struct tdm_sched_draft *d, int n)
+{
+    struct overlap *ov = md->ov;
+    ov_join(md, sp);
+    bool any = false;
+    int drawn = 0;
+    for (int i = 0; i < n; i++) {
+        struct mtp_req *st = d[i].state;
+        if (!st || st->dead || d[i].k <= 0 || !ov->ok || st->gen != ov->gen || st->carry < 0)
+            continue;
+        const int kept = st->carry - st->lrow0 + 1;
+        if (st->head_len != st->lpos0 || st->n_pend != kept ||
+            st->head_len + st->n_pend != d[i].n_tokens - 1) {
+            st->carry = -1;
+            continue;
+        }
+        struct tdm_spec_draws w = md->dw;
+        w.rows = &ov->row;
+        tdm_spec_set_row(&w, &d[i], i, 0, 0, (uint32_t)d[i].n_tokens);
+        tdm_sample_row_host(&ov->row, ov->logits + (size_t)st->carry * md->vocab, &ov->scratch);
+        d[i].out[0] = tdm_spec_take(&w, &d[i], i, 0);
+        d[i].n = 1;
+        memcpy(md->g + (size_t)i * md->d, ov->fout + (size_t)st->carry * md->d,
+               (size_t)md->d * sizeof(float));
+        st->head_len = d[i].n_tokens - 1; /* the kept rows ran in the launched pass */
+        st->n_pend = 0;
+        st->carry = -1;
+        any = true;
+        drawn++;
+    }
+    if (drawn) tdm_spec_note_overlap(sp, 0, drawn);
+    return any;
+}
+
+static void ov_free(struct mtp_drafter *md)
+{
+    struct overlap *ov = md->ov;
+    if (!ov) return;
+    if (ov->started) {
+        pthread_mutex_lock(&ov->mu);
+        while (ov->busy)
+            pthread_cond_wait(&ov->cv, &ov->mu);
+        ov->stop = true;
+        pthread_cond_broadcast(&ov->cv);
+        pthread_mutex_unlock(&ov->mu);
+        pthread_join(ov->thread, NULL);
+    }
+    pthread_mutex_destroy(&ov->mu);
+    pthread_cond_destroy(&ov->cv);
+    free(ov->seqs);
+    free(ov->tok);
+    free(ov->hid);
+    free(ov->fout);
+    free(ov->logits);
+    free(ov->want);
+    free(ov->pages);
+    tdm_sample_scratch_free(&ov->scratch);
+    free(ov);
+    md->ov = NULL;
+}
+
+tdm_status tdm_spec_mtp_overlap(struct tdm_spec_drafter *dr)
+{
+    struct mtp_drafter *md = dr->ctx;
+    tdm_backend_t *b = tdm_engine_backend(md->e);
+    if (md->rejection && b->iface->buf_place)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "spec mtp: --spec-overlap with --spec-accept rejection draws the "
+                           "drafts' distributions on the host, and this backend keeps them in "
+                           "its own memory: use exact acceptance, or no overlap");
+    struct overlap *ov = calloc(1, sizeof *ov);
+    if (!ov) return tdm_err_set(TDM_ENOMEM, "spec mtp: out of memory");
+    md->ov = ov;
+    pthread_mutex_init(&ov->mu, NULL);
+    pthread_cond_init(&ov->cv, NULL);
+    ov->cap = TDM_MIN(tdm_engine_opts(md->e)->max_logit_rows, md->max_tokens);
+    const size_t cap = (size_t)TDM_MAX(ov->cap, 1);
+    ov->seqs = calloc((size_t)md->max_seqs, sizeof *ov->seqs);
+    ov->tok = calloc(cap, sizeof *ov->tok);
+    ov->hid = malloc(cap * (size_t)md->fw * sizeof(float));
+    ov->fout = malloc(cap * (size_t)md->d * sizeof(float));
+    ov->logits = malloc(cap * (size_t)md->vocab * sizeof(float));
+    ov->want = calloc(cap, 1);
+    tdm_status st = TDM_OK;
+    if (!ov->seqs || !ov->tok || !ov->hid || !ov->fout || !ov->logits || !ov->want)
+        st = tdm_err_set(TDM_ENOMEM, "spec mtp: out of memory for the overlap's %d rows", ov->cap);
+    if (st == TDM_OK) st = tdm_sample_scratch_init(&ov->scratch, md->vocab);
+    if (st == TDM_OK && pthread_create(&ov->thread, NULL, ov_main, md))
+        st = tdm_err_set(TDM_EINTERNAL, "spec mtp: cannot start the overlap's thread");
+    if (st != TDM_OK) {
+        ov_free(md);
+        return st;
+    }
+    ov->started = true;
+    ov->noted = true; /* no pass yet */
+    dr->launch = mtp_launch;
+    dr->join = mtp_join;
+    dr->name = "mtp (overlap)";
+    return TDM_OK;
+}
+
 static void mtp_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *d, int n)
 {
     struct mtp_drafter *md = ctx;
@@ -267,9 +559,11 @@ static void mtp_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *
         d[i].n = 0;
         md->n_acc[i] = 0;
     }
+    /* 0. --spec-overlap: draft 1 from the rows the launched pass carried over */
+    const bool carried = md->ov && ov_draw(md, sp, d, n);
     /* 1. the pending rows, ending at N - 2, whose row draws draft 1 */
     const struct tdm_spec_mtp_last last = {mtp_last_set, mtp_last_take, md};
-    bool ok = tdm_spec_mtp_catch_up(md, sp, d, n, &last);
+    bool ok = tdm_spec_mtp_catch_up(md, sp, d, n, &last) || carried;
     if (!ok) {
         for (int i = 0; i < n; i++)
             d[i].n = 0;
@@ -293,6 +587,7 @@ static void mtp_propose(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *
                                                  .n_pages = d[i].n_pages,
                                                  .n_logits = 1,
                                                  .hidden = md->g + (size_t)i * md->d,
+                                                 .own_hidden = true,
                                                  .features = md->fout + (size_t)m * md->d};
             tdm_spec_set_row(&md->dw, &d[i], i, j, m, (uint32_t)(d[i].n_tokens + j));
             md->idx[m++] = i;
@@ -314,6 +609,7 @@ static void mtp_destroy(void *ctx)
 {
     struct mtp_drafter *md = ctx;
     if (!md) return;
+    ov_free(md);
     free(md->seqs);
     free(md->rows);
     free(md->want);
@@ -344,8 +640,30 @@ static tdm_status head_fits(tdm_engine_t *target, const struct tdm_model *head, 
                            "another target (%d wide, head size %d, vocabulary %d)",
                            who, hc->d_model, hc->head_dim, hc->vocab_size, tc->d_model,
                            tc->head_dim, tc->vocab_size);
+    const struct tdm_head *hh = head->head;
+    if (hh->n_aux > 0) { /* EAGLE-3: the target gives the residual of the head's layers */
+        const struct tdm_engine_opts *to = tdm_engine_opts(target);
+        if (tdm_engine_tp_ranks(target) > 1)
+            return tdm_err_set(TDM_EUNSUPPORTED,
+                               "%s: an EAGLE-3 head beside a sharded target (--tp %d) is not "
+                               "supported yet (its layer reads [embedding; feature] in two "
+                               "column halves, which the ranks' head views do not split); run "
+                               "it with --tp 1",
+                               who, tdm_engine_tp_ranks(target));
+        if (to->n_feature_layers != hh->n_aux ||
+            memcmp(to->feature_layers, hh->aux_layers, sizeof hh->aux_layers))
+            return tdm_err_set(TDM_EINVAL,
+                               "%s: the EAGLE-3 head reads the hidden states entering target "
+                               "layers %d, %d and %d, and the target engine was not created "
+                               "to give them (tdm_spec_engine_opts sets its feature_layers)",
+                               who, hh->aux_layers[0], hh->aux_layers[1], hh->aux_layers[2]);
+    }
     struct tdm_kv_group want, have;
     tdm_spec_kv_group(head, &want);
+    struct tdm_tp_kv_shard ks; /* a sharded target's pool: the leader's share of the heads */
+    const int n_ranks = tdm_engine_tp_ranks(target);
+    if (n_ranks > 1 && tdm_tp_kv_shard_of(want.n_kv_heads, n_ranks, 0, &ks) == TDM_OK)
+        want.n_kv_heads = ks.n_kv_heads;
     if (!tdm_kv_pool_group(tdm_engine_kv(target), 1, &have) || memcmp(&have, &want, sizeof have))
         return tdm_err_set(TDM_EINVAL,
                            "%s: the target's KV pool has no layer group for the head "
@@ -364,6 +682,7 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
     const struct tdm_engine_opts *to = tdm_engine_opts(target);
     struct tdm_engine_opts eo;
     tdm_spec_beside_opts(target, &eo);
+    eo.shard_like = target; /* a sharded target's head is sharded like it */
     int n = eo.max_seqs;
     /* a tree drafter's passes take several rows a request (within the target's own rows,
      * which the memory plan sized the head's scratch by) */
@@ -376,6 +695,7 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
         return st;
     }
     md->d = tc->d_model;
+    md->fw = head->head->feature_width > 0 ? head->head->feature_width : md->d;
     md->vocab = tc->vocab_size;
     md->max_seqs = n;
     md->max_tokens = tdm_engine_opts(md->e)->max_batch_tokens;
@@ -391,7 +711,7 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
     md->todo = calloc(un, sizeof *md->todo);
     md->foff = calloc(un, sizeof *md->foff);
     md->tok = calloc(un, sizeof *md->tok);
-    md->hid = malloc((size_t)md->max_tokens * dd * sizeof(float));
+    md->hid = malloc((size_t)md->max_tokens * (size_t)md->fw * sizeof(float));
     md->fout = malloc((size_t)TDM_MAX(md->max_tokens, n) * dd * sizeof(float));
     md->g = malloc(un * dd * sizeof(float));
     if (!md->seqs || !md->rows || !md->want || !md->idx || !md->n_acc || !md->done || !md->todo ||
@@ -407,15 +727,15 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
         md->q = md->qbuf.ptr;
     }
     md->dw = (struct tdm_spec_draws){md->rows, md->q, md->vocab, md->rejection, md->one_hot};
-    *out = (struct tdm_spec_drafter){.name = "mtp",
-                                     .ctx = md,
-                                     .propose = mtp_propose,
-                                     .destroy = mtp_destroy,
-                                     .feature_dim = md->d,
-                                     .state_bytes = sizeof(struct mtp_req) +
-                                                    (size_t)PEND_CAP * dd * sizeof(float),
-                                     .feed = mtp_feed,
-                                     .kv_len = tdm_spec_mtp_kv_len};
+    *out = (struct tdm_spec_drafter){
+        .name = "mtp",
+        .ctx = md,
+        .propose = mtp_propose,
+        .destroy = mtp_destroy,
+        .feature_dim = md->fw,
+        .state_bytes = sizeof(struct mtp_req) + (size_t)PEND_CAP * (size_t)md->fw * sizeof(float),
+        .feed = mtp_feed,
+        .kv_len = tdm_spec_mtp_kv_len};
     return TDM_OK;
 }
 
@@ -432,10 +752,18 @@ tdm_status tdm_spec_head_kv_create(tdm_engine_t *target, const struct tdm_model 
 {
     tdm_status st = head_fits(target, head, "spec head KV");
     if (st != TDM_OK) return st;
+    if (head->head->n_aux > 0)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "spec head KV: an EAGLE-3 head across disaggregation is not supported "
+                           "yet: the context carries one final-normed feature, and the head "
+                           "reads the residual of %d target layers (run it colocated, or "
+                           "disaggregate without the head)",
+                           head->head->n_aux);
     struct tdm_spec_head_kv *h = calloc(1, sizeof *h);
     if (!h) return tdm_err_set(TDM_ENOMEM, "spec head KV: out of memory");
     struct tdm_engine_opts eo;
     tdm_spec_beside_opts(target, &eo);
+    eo.shard_like = target;
     if ((st = tdm_engine_create(head, &eo, &h->e)) != TDM_OK) {
         free(h);
         return st;
@@ -551,10 +879,12 @@ uint64_t tdm_spec_head_fingerprint(const struct tdm_model *head)
     if (head->head) {
         const struct tdm_head *hd = head->head;
         fp_u64(&f, 1 + (uint64_t)hd->layout);
-        const struct tdm_weight *hw[] = {&hd->enorm, &hd->hnorm, &hd->fc_e, &hd->fc_h,
-                                         &hd->fc_bias};
+        const struct tdm_weight *hw[] = {&hd->enorm,   &hd->hnorm, &hd->fc_e, &hd->fc_h,
+                                         &hd->fc_bias, &hd->wq_h,  &hd->wk_h, &hd->wv_h};
         for (size_t i = 0; i < TDM_ARRAY_LEN(hw); i++)
             fp_weight(&f, hw[i]);
+        for (int i = 0; i < hd->n_aux; i++) /* EAGLE-3's target layers */
+            fp_u64(&f, 1 + (uint64_t)hd->aux_layers[i]);
         fp_u64(&f, (uint64_t)hd->n_draft); /* a reduced draft vocabulary */
         for (int i = 0; i < hd->n_draft; i++)
             fp_u64(&f, (uint64_t)hd->d2t[i]);
@@ -568,6 +898,8 @@ uint64_t tdm_spec_head_fingerprint(const struct tdm_model *head)
             fp_weight(&f, lw[i]);
     }
     fp_weight(&f, &head->output_norm);
+    if (head->head && head->head->layout == TDM_HEAD_EAGLE3) /* its own LM head */
+        fp_weight(&f, &head->output);
     uint64_t h = 0;
     for (int l = 0; l < 4; l++)
         h = (h ^ f.lane[l]) * 0x9e3779b97f4a7c15ull + (h >> 29);

@@ -158,6 +158,18 @@ static void on_feed(void *ctx, const struct tdm_sched_feed *f, int n)
     sp->dr.feed(sp->dr.ctx, sp, f, n);
 }
 
+static void on_launch(void *ctx, const struct tdm_sched_feed *f, int n)
+{
+    struct tdm_spec *sp = ctx;
+    sp->dr.launch(sp->dr.ctx, sp, f, n);
+}
+
+static void on_join(void *ctx)
+{
+    struct tdm_spec *sp = ctx;
+    sp->dr.join(sp->dr.ctx, sp);
+}
+
 static int on_kv_len(void *ctx, const void *state)
 {
     struct tdm_spec *sp = ctx;
@@ -178,12 +190,23 @@ void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns)
     pthread_mutex_unlock(&sp->mu);
 }
 
+void tdm_spec_note_overlap(struct tdm_spec *sp, int rows, int drafts)
+{
+    pthread_mutex_lock(&sp->mu);
+    sp->st.overlap_rows += (uint64_t)TDM_MAX(rows, 0);
+    sp->st.overlap_drafts += (uint64_t)TDM_MAX(drafts, 0);
+    pthread_mutex_unlock(&sp->mu);
+}
+
 /* ---- the object ---- */
 tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, tdm_spec_t **out)
 {
     *out = NULL;
     if (o->k < 0 || o->k > TDM_SPEC_MAX_K)
         return tdm_err_set(TDM_EINVAL, "spec: k must be between 0 (auto) and %d", TDM_SPEC_MAX_K);
+    if (o->overlap && o->method != TDM_SPEC_MTP)
+        return tdm_err_set(TDM_EINVAL, "spec: the overlapped schedule (--spec-overlap) is for "
+                                       "--spec mtp (a chain of the head)");
     switch (o->method) {
     case TDM_SPEC_SELF:
         break;
@@ -216,7 +239,10 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
         if (o->method == TDM_SPEC_DRAFT)
             st = tdm_spec_draft_create(target, o->draft_model, o->accept, o->q_one_hot, &sp->dr);
         else if (o->method == TDM_SPEC_MTP)
-            st = tdm_spec_mtp_create(target, o->draft_model, o->accept, o->q_one_hot, 1, &sp->dr);
+            /* overlapped, a launched pass takes a verified span's every row: k + 1 */
+            st = tdm_spec_mtp_create(target, o->draft_model, o->accept, o->q_one_hot,
+                                     o->overlap ? (o->k > 0 ? o->k : TDM_SPEC_AUTO_K) + 1 : 1,
+                                     &sp->dr);
         else if (o->method == TDM_SPEC_EAGLE)
             st = tdm_spec_eagle_create(target, o->draft_model, o, &sp->dr);
         else
@@ -231,6 +257,11 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
                                              .tree = sp->dr.tree,
                                              .kv_scratch = sp->dr.kv_scratch,
                                              .kv_len = sp->dr.kv_len ? on_kv_len : NULL};
+    if (st == TDM_OK && o->overlap) {
+        st = tdm_spec_mtp_overlap(&sp->dr);
+        sp->iface.launch = on_launch;
+        sp->iface.join = on_join;
+    }
     if (st != TDM_OK) {
         tdm_spec_destroy(sp);
         return st;
@@ -283,11 +314,12 @@ void tdm_spec_describe(const tdm_spec_t *sp, char *buf, size_t cap)
                  sp->o.k > 0 ? " (at most k)" : "", sp->o.k > 0 ? "every step" : "gated",
                  sp->o.accept == TDM_SPEC_ACCEPT_REJECTION ? "multi-draft rejection" : "exact");
     else if (sp->o.method == TDM_SPEC_MTP)
-        snprintf(buf, cap, "mtp head (%s layout), chain, %s, %s",
+        snprintf(buf, cap, "mtp head (%s layout), chain%s, %s, %s",
                  sp->o.draft_model && sp->o.draft_model->head
                      ? tdm_head_layout_name(sp->o.draft_model->head->layout)
                      : "?",
-                 k, tdm_spec_accept_name(sp->o.accept));
+                 sp->o.overlap ? " launched before each commit (overlap)" : "", k,
+                 tdm_spec_accept_name(sp->o.accept));
     else
         snprintf(buf, cap, "%s (%d layers of %d), %s, %s", sp->dr.name,
                  tdm_spec_chain_layers(&sp->dr), sp->n_layers, k,
@@ -315,10 +347,16 @@ int tdm_spec_stats_json(const struct tdm_spec_stats *st, char *buf, size_t cap)
                               (double)st->accepted_at[j] / (double)st->drafted_at[j]);
     snprintf(pos + n, sizeof pos - n, "]");
     double tau = st->target_steps ? (double)st->tokens / (double)st->target_steps : 0;
-    char tree[96] = ""; /* trees: their steps and the drafts kept off the best guess */
+    char tree[192] = ""; /* trees: their steps and the drafts kept off the best guess */
+    int t = 0;
     if (st->tree_steps)
-        snprintf(tree, sizeof tree, ",\"tree_steps\":%llu,\"accepted_other_branch\":%llu",
-                 (unsigned long long)st->tree_steps, (unsigned long long)st->accepted_other_branch);
+        t = snprintf(tree, sizeof tree, ",\"tree_steps\":%llu,\"accepted_other_branch\":%llu",
+                     (unsigned long long)st->tree_steps,
+                     (unsigned long long)st->accepted_other_branch);
+    if (st->overlap_rows) /* the overlap: its passes' rows and the drafts drawn from them */
+        snprintf(tree + t, sizeof tree - (size_t)t,
+                 ",\"overlap_rows\":%llu,\"overlap_drafts\":%llu",
+                 (unsigned long long)st->overlap_rows, (unsigned long long)st->overlap_drafts);
     return snprintf(buf, cap,
                     "{\"drafted\":%llu,\"accepted\":%llu,\"target_steps\":%llu,\"tokens\":%llu,"
                     "\"tau\":%.4f,\"accept_by_position\":%s%s}",
@@ -369,6 +407,12 @@ char *tdm_spec_metrics(void *ctx)
     counts_hist(&h, st.k_hist, TDM_SPEC_MAX_K + 1, 0);
     tdm_hist_prom(&b, "tandem_spec_k_chosen", "Drafts chosen for a request's decode step.", &h,
                   NULL);
+    tdm_prom_scalar(&b, "tandem_spec_overlap_rows_total", "counter",
+                    "Rows the head ran in passes launched before the commit (--spec-overlap).",
+                    NULL, (double)st.overlap_rows);
+    tdm_prom_scalar(&b, "tandem_spec_overlap_drafts_total", "counter",
+                    "First drafts drawn from a launched pass's rows (--spec-overlap).", NULL,
+                    (double)st.overlap_drafts);
     tdm_prom_scalar(&b, "tandem_spec_tree_steps_total", "counter",
                     "Decode steps that verified a token tree (eagle).", NULL,
                     (double)st.tree_steps);

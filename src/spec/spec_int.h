@@ -28,6 +28,9 @@ struct tdm_spec_drafter {
     int feature_dim;
     size_t state_bytes;
     void (*feed)(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed *f, int n);
+    /* optional: the single-token MTP schedule (tdm_sched_drafter_i's launch and join) */
+    void (*launch)(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed *f, int n);
+    void (*join)(void *ctx, struct tdm_spec *sp);
     /* optional: positions of its own KV that are final, given a request's state
      * (tdm_sched_drafter_i's kv_len) */
     int (*kv_len)(void *ctx, const void *state);
@@ -108,6 +111,13 @@ tdm_status tdm_spec_draft_create(tdm_engine_t *target, const struct tdm_model *d
 tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *head,
                                enum tdm_spec_accept accept, bool one_hot, int rows_per_seq,
                                struct tdm_spec_drafter *out);
+/* Turns an mtp drafter (created with rows_per_seq 2 or more) to the seed's single-token MTP
+ * schedule (--spec-overlap): its head runs over every verified row on a thread of its own
+ * while the scheduler commits (mtp.c says how). TDM_EUNSUPPORTED for rejection acceptance on a
+ * backend whose memory is not the host's. */
+tdm_status tdm_spec_mtp_overlap(struct tdm_spec_drafter *dr);
+/* The overlap's statistics: rows a launched pass ran, first drafts drawn from such rows. */
+void tdm_spec_note_overlap(struct tdm_spec *sp, int rows, int drafts);
 /* ---- mtp.c's machinery that the eagle drafter (eagle.c) drives ----
  * mtp (the drafter's ctx) keeps each request's head state, fed with the target's features
  * (its feed); tdm_spec_mtp_catch_up runs, for each request of d[0, n) with k > 0 whose

@@ -19,6 +19,10 @@
  * Output check: after the last round the target's pages are compared with the writer's source
  * pages and a checksum of the destination region is printed, so a fast wrong answer shows.
  * The CUDA IPC transport is measured by tests/tools/xfer_cuda_check.cu on a two-GPU machine.
+ *
+ * Rails (--rails N, tcp): each side is a rail set of N endpoints on --node (src/xfer/rails.c),
+ * and the bandwidth rounds go through its transport, spread round-robin over the rails; each
+ * rail's share of the writes is printed. The latency row stays on rail 0.
  */
 #include <fcntl.h>
 #include <jansson.h>
@@ -45,6 +49,7 @@ struct bx_opts {
     int64_t iperf_seconds;
     bool busy_poll;
     bool show_rounds;
+    int64_t rails;
 };
 
 struct bx_fire {
@@ -154,7 +159,12 @@ out_server:
 /* ---- one provider ---- */
 
 struct bx_pair {
-    tdm_xfer_t *w, *t; /* writer, target */
+    tdm_xfer_t *w, *t;         /* writer, target (with rails: the sets' rail 0) */
+    tdm_xfer_rails_t *wr, *tr; /* --rails > 1: the rail sets, else NULL */
+    /* what the bandwidth rounds write through: the writer's fabric engine, or its rail set */
+    struct tdm_xfer_transport wtp, ttp;
+    struct tdm_xfer_region src_reg, dst_reg;
+    struct tdm_xfer_rmem dst_rrmem;
     uint32_t w_to_t, t_to_w;
     uint8_t *src, *dst;
     size_t region_bytes;
@@ -166,8 +176,15 @@ static void bx_pair_free(struct bx_pair *p)
 {
     tdm_xfer_mr_dereg(p->src_mr);
     tdm_xfer_mr_dereg(p->dst_mr);
-    tdm_xfer_destroy(p->w);
-    tdm_xfer_destroy(p->t);
+    if (p->wtp.iface) p->wtp.iface->mr_dereg(p->wtp.t, &p->src_reg);
+    if (p->ttp.iface) p->ttp.iface->mr_dereg(p->ttp.t, &p->dst_reg);
+    if (p->wr) {
+        tdm_xfer_rails_destroy(p->wr);
+        tdm_xfer_rails_destroy(p->tr);
+    } else {
+        tdm_xfer_destroy(p->w);
+        tdm_xfer_destroy(p->t);
+    }
     tdm_free_aligned(p->src);
     tdm_free_aligned(p->dst);
 }
@@ -187,8 +204,22 @@ static tdm_status bx_pair_open(const char *provider, const char *node, size_t re
     cfg.window_pages = (int)o->pages_per_write;
     cfg.busy_poll = o->busy_poll;
     tdm_status st;
-    if ((st = tdm_xfer_create(&cfg, &p->w)) != TDM_OK) return st;
-    if ((st = tdm_xfer_create(&cfg, &p->t)) != TDM_OK) return st;
+    if (o->rails > 1) {
+        struct tdm_xfer_rails_config rc = {.base = cfg, .n_rails = (int)o->rails};
+        for (int r = 0; r < rc.n_rails; r++)
+            rc.nics[r] = cfg.node;
+        if ((st = tdm_xfer_rails_create(&rc, &p->wr)) != TDM_OK) return st;
+        if ((st = tdm_xfer_rails_create(&rc, &p->tr)) != TDM_OK) return st;
+        p->w = tdm_xfer_rails_control(p->wr);
+        p->t = tdm_xfer_rails_control(p->tr);
+        p->wtp = tdm_xfer_rails_transport(p->wr);
+        p->ttp = tdm_xfer_rails_transport(p->tr);
+    } else {
+        if ((st = tdm_xfer_create(&cfg, &p->w)) != TDM_OK) return st;
+        if ((st = tdm_xfer_create(&cfg, &p->t)) != TDM_OK) return st;
+        p->wtp = tdm_xfer_fabric_transport(p->w);
+        p->ttp = tdm_xfer_fabric_transport(p->t);
+    }
     p->region_bytes = region_bytes;
     p->src = tdm_alloc_aligned(region_bytes);
     p->dst = tdm_alloc_aligned(region_bytes);
@@ -203,6 +234,11 @@ static tdm_status bx_pair_open(const char *provider, const char *node, size_t re
         return st;
     tdm_xfer_mr_remote(p->dst_mr, &p->dst_rmem);
     tdm_xfer_mr_remote(p->src_mr, &p->src_rmem);
+    if ((st = p->wtp.iface->mr_reg(p->wtp.t, p->src, region_bytes, TDM_XFER_MEM_HOST,
+                                   &p->src_reg)) ||
+        (st = p->ttp.iface->mr_reg(p->ttp.t, p->dst, region_bytes, TDM_XFER_MEM_HOST, &p->dst_reg)))
+        return st;
+    p->ttp.iface->mr_remote(p->ttp.t, &p->dst_reg, &p->dst_rrmem);
     char addr[TDM_XFER_ADDR_MAX];
     if ((st = tdm_xfer_addr(p->t, addr, sizeof(addr))) ||
         (st = tdm_xfer_peer_add(p->w, addr, &p->w_to_t)) ||
@@ -212,6 +248,11 @@ static tdm_status bx_pair_open(const char *provider, const char *node, size_t re
         (st = tdm_xfer_peer_add(p->t, addr, &p->t_to_w)) ||
         (st = tdm_xfer_peer_wait(p->t, p->t_to_w, 5000)))
         return st;
+    for (int i = 0; p->wr && tdm_xfer_rails_peer_rails(p->wr, p->w_to_t) < o->rails; i++) {
+        if (i == 1000)
+            return tdm_err_set(TDM_ETIMEDOUT, "bench xfer: the rails did not pair in 10 s");
+        usleep(10000);
+    }
     return TDM_OK;
 }
 
@@ -267,8 +308,9 @@ static tdm_status bx_bandwidth(struct bx_pair *p, const struct bx_opts *o, size_
             /* every accepted write's done fires: no hang */
             if ((st = tdm_xfer_sync_wait_below(&sync, (int)o->window, 60000)) != TDM_OK) break;
             tdm_xfer_sync_add(&sync, 1);
-            while ((st = tdm_xfer_write_pages(p->w, p->w_to_t, p->src_mr, &p->dst_rmem, &pages,
-                                              &imm, 0, tdm_xfer_sync_done, &sync)) == TDM_EAGAIN)
+            while ((st = p->wtp.iface->write_pages(p->wtp.t, p->w_to_t, &p->src_reg, &p->dst_rrmem,
+                                                   &pages, &imm, 0, tdm_xfer_sync_done, &sync)) ==
+                   TDM_EAGAIN)
                 ;
             if (st != TDM_OK) tdm_xfer_sync_done(&sync, st);
         }
@@ -406,12 +448,15 @@ static void bx_usage_to(FILE *f)
                "  --iperf-seconds N    iperf3 reference duration (default 3)\n"
                "  --busy-poll          progress threads spin instead of sleeping when idle\n"
                "  --show-rounds        print every timed round's rate under its row\n"
+               "  --rails N            tcp: N endpoints a side on --node, writes spread over\n"
+               "                       them round-robin (several NICs; default 1)\n"
                "The CUDA IPC transport: tests/tools/xfer_cuda_check.cu on a two-GPU machine.\n");
 }
 
 int tdm_cmd_bench_xfer(int argc, char **argv)
 {
-    struct bx_opts o = {"tcp;ofi_rxm,shm", "127.0.0.1", 256, 64, 16, 512, 3, 2000, 3, false, false};
+    struct bx_opts o = {
+        "tcp;ofi_rxm,shm", "127.0.0.1", 256, 64, 16, 512, 3, 2000, 3, false, false, 1};
     const char *transport = NULL;
     const struct tdm_opt own[] = {
         TDM_OPT_S("provider", &o.providers),
@@ -425,6 +470,7 @@ int tdm_cmd_bench_xfer(int argc, char **argv)
         TDM_OPT_I("iperf-seconds", &o.iperf_seconds, 1, 60),
         TDM_OPT_B("busy-poll", &o.busy_poll),
         TDM_OPT_B("show-rounds", &o.show_rounds),
+        TDM_OPT_I("rails", &o.rails, 1, TDM_XFER_MAX_RAILS),
         TDM_OPT_S("transport", &transport),
         TDM_OPT_END,
     };
@@ -456,10 +502,11 @@ int tdm_cmd_bench_xfer(int argc, char **argv)
         }
         struct tdm_xfer_caps caps;
         tdm_xfer_get_caps(p.w, &caps);
-        printf("provider %s (%d-bit immediates, delivery-complete %s, ordered writes %s%s); "
-               "reference: %s %.2f GB/s%s\n",
+        printf("provider %s (%d-bit immediates, delivery-complete %s, ordered writes %s%s, %d "
+               "rail%s); reference: %s %.2f GB/s%s\n",
                caps.provider, caps.imm_bits, caps.delivery_complete ? "yes" : "no",
-               caps.ordered_writes ? "yes" : "no", o.busy_poll ? ", busy-poll" : "", ref_name, ref,
+               caps.ordered_writes ? "yes" : "no", o.busy_poll ? ", busy-poll" : "",
+               p.wr ? (int)o.rails : 1, p.wr ? "s" : "", ref_name, ref,
                ref > 0 ? "" : " (unavailable)");
         printf("  %-9s %8s %10s %10s %7s  %s\n", "page", "pages/wr", "GB/s", "ref GB/s", "ratio",
                "check");
@@ -486,6 +533,16 @@ int tdm_cmd_bench_xfer(int argc, char **argv)
                        (unsigned long long)xs.writes_refused);
             }
             if (!verified) rc = 1;
+        }
+        if (p.wr && st == TDM_OK) {
+            printf("  writes per rail:");
+            for (int r = 0; r < (int)o.rails; r++) {
+                struct tdm_xfer_rail_stats rs;
+                tdm_xfer_rails_get_stats(p.wr, r, &rs);
+                printf(" %d: %llu (%.0f MiB)", r, (unsigned long long)rs.writes,
+                       (double)rs.bytes / (1 << 20));
+            }
+            printf("\n");
         }
         double us = 0;
         if (st == TDM_OK) st = bx_latency(&p, (int)o.pings, &us);

@@ -224,7 +224,10 @@ void tdm_tool_spec_usage(FILE *f)
             "  --spec-tree-topk K      eagle: children per node, nodes expanded per depth\n"
             "                          (1 .. %d, default %d)\n"
             "  --spec-tree-depth D     eagle: the deepest drafts (1 .. %d, default %d; with\n"
-            "                          --spec-k K fixed, at most K, and drafting every step)\n",
+            "                          --spec-k K fixed, at most K, and drafting every step)\n"
+            "  --spec-overlap          mtp: the seed's single-token schedule: the head runs\n"
+            "                          over every verified row while the step commits, and\n"
+            "                          the next step drafts from the row acceptance ended on\n",
             TDM_SPEC_AUTO_K, TDM_TREE_MAX_NODES, TDM_SPEC_TREE_BUDGET, TDM_SAMPLE_MAX_CAND,
             TDM_SPEC_TREE_TOPK, TDM_SPEC_MAX_K, TDM_SPEC_TREE_DEPTH);
 }
@@ -239,6 +242,7 @@ void tdm_tool_spec_table(struct tdm_tool_spec *c, struct tdm_opt out[TDM_TOOL_SP
         TDM_OPT_I("spec-tree-budget", &c->tree_budget, 1, TDM_TREE_MAX_NODES),
         TDM_OPT_I("spec-tree-topk", &c->tree_topk, 1, TDM_SAMPLE_MAX_CAND),
         TDM_OPT_I("spec-tree-depth", &c->tree_depth, 1, TDM_SPEC_MAX_K),
+        TDM_OPT_B("spec-overlap", &c->overlap),
         TDM_OPT_END,
     };
     memcpy(out, t, sizeof t);
@@ -256,7 +260,7 @@ bool tdm_tool_spec_opts(const struct tdm_tool_spec *c, struct tdm_spec_opts *o, 
         return false;
     }
     const bool tree_given = c->tree_budget || c->tree_topk || c->tree_depth;
-    bool given = c->draft || c->self_layers || c->k || c->accept || tree_given;
+    bool given = c->draft || c->self_layers || c->k || c->accept || tree_given || c->overlap;
     if (o->method == TDM_SPEC_NONE) {
         if (given && c->method) {
             fprintf(stderr, "--spec none takes no other --spec-* option\n");
@@ -281,6 +285,10 @@ bool tdm_tool_spec_opts(const struct tdm_tool_spec *c, struct tdm_spec_opts *o, 
         fprintf(stderr, "--spec-draft is for --spec draft, mtp or eagle\n");
         return false;
     }
+    if (c->overlap && o->method != TDM_SPEC_MTP) {
+        fprintf(stderr, "--spec-overlap is for --spec mtp\n");
+        return false;
+    }
     if (tree_given && o->method != TDM_SPEC_EAGLE) {
         fprintf(stderr, "--spec-tree-budget, -topk and -depth are for --spec eagle\n");
         return false;
@@ -290,6 +298,7 @@ bool tdm_tool_spec_opts(const struct tdm_tool_spec *c, struct tdm_spec_opts *o, 
     o->tree_budget = (int)c->tree_budget;
     o->tree_topk = (int)c->tree_topk;
     o->tree_depth = (int)c->tree_depth;
+    o->overlap = c->overlap;
     *on = !off;
     return true;
 }

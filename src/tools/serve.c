@@ -74,6 +74,11 @@ static void usage(FILE *f)
         "  --xfer-provider P       libfabric provider: tcp;ofi_rxm (default), shm, verbs;ofi_rxm, "
         "efa\n"
         "  --xfer-node ADDR        local address the fabric endpoint binds to\n"
+        "  --xfer-nics LIST        prefill, decode: several NICs, comma-separated (each an\n"
+        "                          address, an interface or an RDMA device; auto: the leader\n"
+        "                          rank's nearest NICs when placement finds two or more): one\n"
+        "                          fabric endpoint (rail) per NIC, KV writes spread round-robin\n"
+        "                          over them\n"
         "  --xfer-busy-poll        prefill, decode: the fabric's progress thread spins instead\n"
         "                          of sleeping when idle (lowest latency; a core of its own)\n"
         "  --transfer-cpus LIST    prefill, decode: pin the transfer threads to these cores\n"
@@ -193,6 +198,31 @@ static void free_peers(char **bufs)
 {
     for (int i = 0; i < 2 * TDM_DISAGG_MAX_PEERS; i++)
         free(bufs[i]);
+}
+
+/* --xfer-nics: the rails' NICs into out (pointing into buf), from the list or, for "auto",
+ * from the leader rank's placement (its nearest NICs, when there are two or more). Returns
+ * how many (0 or 1: one endpoint, as without the flag), -1 on a bad list. */
+static int parse_nics(const char *arg, const struct tdm_placement *pl, int n_placed, char *buf,
+                      size_t cap, const char **out)
+{
+    if (!arg) return 0;
+    if (!strcmp(arg, "auto")) {
+        int n = n_placed && pl[0].n_nics >= 2 ? TDM_MIN(pl[0].n_nics, TDM_XFER_MAX_RAILS) : 0;
+        for (int i = 0; i < n; i++)
+            out[i] = pl[0].nics[i].name;
+        if (!n)
+            fprintf(stderr, "tandem serve: --xfer-nics auto: placement found fewer than two "
+                            "NICs near rank 0; one fabric endpoint\n");
+        return n;
+    }
+    if (snprintf(buf, cap, "%s", arg) >= (int)cap) return -1;
+    int n = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (n == TDM_XFER_MAX_RAILS || !*t) return -1;
+        out[n++] = t;
+    }
+    return n;
 }
 
 /* "addr,@file,http://host:port,..." into o->peers and o->peer_files (strings kept in bufs:
@@ -380,7 +410,7 @@ int tdm_cmd_serve(int argc, char **argv)
     enum tdm_disagg_staging staging = TDM_DISAGG_STAGING_AUTO;
     bool inv = false, prefix_caching = false, add_named = false, busy_poll = false;
     bool exact_act = false;
-    const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL;
+    const char *role = "both", *peers_arg = NULL, *provider = NULL, *xnode = NULL, *xnics = NULL;
     const char *addr_file = NULL, *fabric_key_file = NULL, *transfer_cpus = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
     int64_t watchdog = 60000, http_threads = 4;
@@ -420,6 +450,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_S("prefill-peers", &peers_arg),
         TDM_OPT_S("xfer-provider", &provider),
         TDM_OPT_S("xfer-node", &xnode),
+        TDM_OPT_S("xfer-nics", &xnics),
         TDM_OPT_S("transfer-cpus", &transfer_cpus),
         TDM_OPT_B("xfer-busy-poll", &busy_poll),
         TDM_OPT_S("xfer-addr-file", &addr_file),
@@ -468,9 +499,10 @@ int tdm_cmd_serve(int argc, char **argv)
     const bool head_method = spec_o.method == TDM_SPEC_MTP || spec_o.method == TDM_SPEC_EAGLE;
     if ((is_prefill || is_decode) && tp > 1 && spec_on && head_method) {
         fprintf(stderr,
-                "tandem serve: --tp %lld with --role %s and --spec %s: a speculation head's KV "
-                "does not cross sharded transfers yet (sharded KV transfers carry the target's "
-                "KV; run the head with --tp 1, or disaggregate without the head)\n",
+                "tandem serve: --tp %lld with --role %s and --spec %s: the speculation head is "
+                "sharded like the target (its KV split over the ranks by its own KV heads), and "
+                "sharded KV transfers carry the target's layers only (run the head's nodes with "
+                "--tp 1, or disaggregate without the head)\n",
                 (long long)tp, role, tdm_spec_method_name(spec_o.method));
         return 2;
     }
@@ -646,8 +678,33 @@ int tdm_cmd_serve(int argc, char **argv)
             }
         }
     }
+    char nics_buf[512];
+    const char *nics[TDM_XFER_MAX_RAILS] = {0};
+    int n_nics = parse_nics(xnics, placement, n_placed, nics_buf, sizeof nics_buf, nics);
+    if (n_nics < 0 || (xnics && !is_prefill && !is_decode)) {
+        fprintf(stderr, "tandem serve: --xfer-nics %s: %s\n", xnics,
+                n_nics < 0 ? "a comma-separated list of at most 8 NICs"
+                           : "is for --role prefill or decode");
+        if (pinned) tdm_thread_mask_set(&own_mask);
+        rc = 2;
+        goto out_sched;
+    }
+    if (n_nics > 1) {
+        char line[600] = "";
+        for (int i = 0; i < n_nics; i++)
+            snprintf(line + strlen(line), sizeof line - strlen(line), "%s%s", i ? ", " : "",
+                     nics[i]);
+        fprintf(stderr, "tandem serve: placement: rank 0's transfers use %d NICs (rails): %s\n",
+                n_nics, line);
+    }
+    for (int i = 0; i < n_nics; i++)
+        dopt.xfer.nics[i] = nics[i];
+    dopt.xfer.n_nics = n_nics;
     if (is_prefill) {
         struct tdm_disagg_prefill_opts po = {.xfer = {.provider = provider,
+                                                      .nics = {nics[0], nics[1], nics[2], nics[3],
+                                                               nics[4], nics[5], nics[6], nics[7]},
+                                                      .n_nics = n_nics,
                                                       .staging = staging,
                                                       .staging_bytes = staging_bytes,
                                                       .node = xnode,

@@ -189,8 +189,9 @@ struct tdm_tool_spec {
     const char *method, *draft, *k, *accept;
     int64_t self_layers;
     int64_t tree_budget, tree_topk, tree_depth;
+    bool overlap;
 };
-#define TDM_TOOL_SPEC_OPTS 9 /* entries of the table, its end included */
+#define TDM_TOOL_SPEC_OPTS 10 /* entries of the table, its end included */
 void tdm_tool_spec_table(struct tdm_tool_spec *c, struct tdm_opt out[TDM_TOOL_SPEC_OPTS]);
 void tdm_tool_spec_usage(FILE *f); /* their usage lines */
 /* Turns the parsed strings into options. *on is false for --spec none or --spec-k 0. Prints

@@ -233,7 +233,7 @@ tdm_status tdm_xfer_wire_parse(const uint8_t *buf, size_t n, struct tdm_xfer_wir
     if (buf[4] != TDM_XFER_WIRE_VERSION)
         return tdm_err_set(TDM_EFORMAT, "xfer: message version %u", buf[4]);
     uint8_t type = buf[5];
-    if (type < TDM_XFER_MSG_HELLO || type > TDM_XFER_MSG_AUTH)
+    if (type < TDM_XFER_MSG_HELLO || type > TDM_XFER_MSG_LAST)
         return tdm_err_set(TDM_EFORMAT, "xfer: unknown message type %u", type);
     uint32_t len = tdm_get_u32(buf + 16);
     if ((uint64_t)len != n - TDM_XFER_WIRE_HDR)
@@ -283,13 +283,52 @@ tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, struct tdm_xfer
     return TDM_OK;
 }
 
+size_t tdm_xfer_wire_rails_put(uint8_t *buf, size_t cap, int n_rails, const uint8_t *const *addr,
+                               const size_t *addr_bytes)
+{
+    if (n_rails < 2 || n_rails > TDM_XFER_MAX_RAILS || cap < 1) return 0;
+    size_t at = 1;
+    buf[0] = (uint8_t)n_rails;
+    for (int r = 1; r < n_rails; r++) {
+        size_t len = addr_bytes[r];
+        if (len == 0 || len > TDM_XFER_RAIL_ADDR_MAX || cap - at < 2 + len) return 0;
+        tdm_put_u16(buf + at, (uint16_t)len);
+        memcpy(buf + at + 2, addr[r], len);
+        at += 2 + len;
+    }
+    return at;
+}
+
+tdm_status tdm_xfer_wire_rails_parse(const uint8_t *p, size_t n, struct tdm_xfer_rails_msg *out)
+{
+    if (n < 1) return tdm_err_set(TDM_EFORMAT, "xfer: empty rails message");
+    struct tdm_xfer_rails_msg m = {.n_rails = p[0]};
+    if (m.n_rails < 2 || m.n_rails > TDM_XFER_MAX_RAILS)
+        return tdm_err_set(TDM_EFORMAT, "xfer: rails message of %d rails", m.n_rails);
+    size_t at = 1;
+    for (int r = 1; r < m.n_rails; r++) {
+        if (n - at < 2) return tdm_err_set(TDM_EFORMAT, "xfer: rails message cut at rail %d", r);
+        size_t len = tdm_get_u16(p + at);
+        if (len == 0 || len > TDM_XFER_RAIL_ADDR_MAX || n - at - 2 < len)
+            return tdm_err_set(TDM_EFORMAT, "xfer: rail %d's address of %zu bytes", r, len);
+        m.addr[r] = p + at + 2;
+        m.addr_bytes[r] = len;
+        at += 2 + len;
+    }
+    if (at != n) return tdm_err_set(TDM_EFORMAT, "xfer: %zu bytes after the rails", n - at);
+    *out = m;
+    return TDM_OK;
+}
+
 bool tdm_xfer_random(void *buf, size_t n)
 {
     return gnutls_rnd(GNUTLS_RND_KEY, buf, n) == 0;
 }
 
 /* ---- packed remote memory ----
- *   u64 addr | u64 key | u64 bytes | u32 kind | u32 reserved (0) | 64 bytes ipc handle  = 96 */
+ *   u64 addr | u64 key | u64 bytes | u32 kind | u32 extra rails (0) | 64 bytes ipc handle  = 96
+ * A rail set's host region (extra rails e, 1 .. TDM_XFER_MAX_RAILS - 1): the 64 bytes are
+ * e u64 keys (rails 1 .. e), then zeros. */
 
 void tdm_xfer_rmem_pack(const struct tdm_xfer_rmem *r, uint8_t out[TDM_XFER_RMEM_WIRE])
 {
@@ -297,6 +336,14 @@ void tdm_xfer_rmem_pack(const struct tdm_xfer_rmem *r, uint8_t out[TDM_XFER_RMEM
     tdm_put_u64(out + 8, r->key);
     tdm_put_u64(out + 16, r->bytes);
     tdm_put_u32(out + 24, r->kind);
+    if (r->kind == TDM_XFER_MEM_HOST && r->rails > 1 && r->rails <= TDM_XFER_MAX_RAILS) {
+        /* a rail set's host region: the other rails' keys where an IPC handle would be */
+        tdm_put_u32(out + 28, r->rails - 1);
+        memset(out + 32, 0, 64);
+        for (uint32_t k = 1; k < r->rails; k++)
+            tdm_put_u64(out + 32 + 8 * (k - 1), r->rail_key[k]);
+        return;
+    }
     tdm_put_u32(out + 28, 0);
     memcpy(out + 32, r->ipc_handle, 64);
 }
@@ -312,10 +359,25 @@ tdm_status tdm_xfer_rmem_unpack(const uint8_t *in, size_t bytes, struct tdm_xfer
     r.kind = tdm_get_u32(in + 24);
     if (r.kind != TDM_XFER_MEM_HOST && r.kind != TDM_XFER_MEM_CUDA)
         return tdm_err_set(TDM_EFORMAT, "xfer: remote memory kind %u", r.kind);
-    if (tdm_get_u32(in + 28) != 0) return tdm_err_set(TDM_EFORMAT, "xfer: reserved field set");
+    uint32_t extra = tdm_get_u32(in + 28); /* rails beyond the first (a rail set's host region) */
+    if (extra && (r.kind != TDM_XFER_MEM_HOST || extra >= TDM_XFER_MAX_RAILS))
+        return tdm_err_set(TDM_EFORMAT, "xfer: %u more rails for a region of kind %u", extra,
+                           r.kind);
     if (r.bytes == 0 || r.addr + r.bytes < r.addr)
         return tdm_err_set(TDM_EFORMAT, "xfer: remote memory range wraps or is empty");
-    memcpy(r.ipc_handle, in + 32, 64);
+    memset(r.ipc_handle, 0, sizeof r.ipc_handle);
+    r.rails = 0;
+    memset(r.rail_key, 0, sizeof r.rail_key);
+    if (!extra) {
+        memcpy(r.ipc_handle, in + 32, 64);
+    } else {
+        for (size_t i = 8 * extra; i < 64; i++)
+            if (in[32 + i]) return tdm_err_set(TDM_EFORMAT, "xfer: bytes after the rail keys");
+        r.rails = extra + 1;
+        r.rail_key[0] = r.key;
+        for (uint32_t k = 1; k <= extra; k++)
+            r.rail_key[k] = tdm_get_u64(in + 32 + 8 * (k - 1));
+    }
     *out = r;
     return TDM_OK;
 }

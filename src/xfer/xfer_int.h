@@ -79,7 +79,12 @@ enum tdm_xfer_msg_type {
     TDM_XFER_MSG_IMM = 4,       /* payload: u64 encoded immediate (CUDA IPC completions) */
     TDM_XFER_MSG_BYE = 5,       /* the sender is shutting down cleanly */
     TDM_XFER_MSG_AUTH = 6,      /* payload: the 32-byte proof (HMAC-SHA256, see peer.c) */
+    TDM_XFER_MSG_RAILS = 7,     /* payload: u8 n_rails (2 .. TDM_XFER_MAX_RAILS), then for
+                                 * rails 1 .. n-1: u16 addr bytes (1 .. 256) | raw address
+                                 * (a rail set's other endpoints, rails.c; only a node with
+                                 * several rails sends it) */
 };
+#define TDM_XFER_MSG_LAST     TDM_XFER_MSG_RAILS
 #define TDM_XFER_HELLO_KEYED  1u /* the sender has a fabric key and wants a proof */
 #define TDM_XFER_HELLO_ANSWER 2u /* the sender does not know us (yet, or any more): hello back */
 #define TDM_XFER_HELLO_FLAGS  (TDM_XFER_HELLO_KEYED | TDM_XFER_HELLO_ANSWER)
@@ -107,6 +112,33 @@ size_t tdm_xfer_wire_hello_put(uint8_t *buf, size_t cap, int imm_bits, const voi
                                size_t addr_bytes, uint8_t flags,
                                const uint8_t challenge[TDM_XFER_CHALLENGE]);
 tdm_status tdm_xfer_wire_hello_parse(const uint8_t *p, size_t n, struct tdm_xfer_hello *out);
+/* RAILS payload: the raw addresses of rails 1 .. n_rails-1 (pointers into the payload). */
+#define TDM_XFER_RAIL_ADDR_MAX 256
+struct tdm_xfer_rails_msg {
+    int n_rails;
+    const uint8_t *addr[TDM_XFER_MAX_RAILS]; /* [1 .. n_rails-1] */
+    size_t addr_bytes[TDM_XFER_MAX_RAILS];
+};
+/* Returns the payload's size, 0 when it does not fit or a field is out of range. */
+size_t tdm_xfer_wire_rails_put(uint8_t *buf, size_t cap, int n_rails, const uint8_t *const *addr,
+                               const size_t *addr_bytes);
+tdm_status tdm_xfer_wire_rails_parse(const uint8_t *p, size_t n, struct tdm_xfer_rails_msg *out);
+
+/* ---- what a rail set (rails.c) needs of the control engine ----
+ * The hook runs on the engine's progress thread: on_peer when a peer becomes known or dies
+ * (before the configured on_peer), on_rails for a RAILS message from a known peer. */
+struct tdm_xfer_rail_hook {
+    void (*on_peer)(void *ctx, uint32_t peer, bool up);
+    void (*on_rails)(void *ctx, uint32_t peer, const uint8_t *payload, size_t bytes);
+    void *ctx;
+};
+/* tdm_xfer_create with the hook in place before the progress thread starts. */
+tdm_status tdm_xfer_create_hooked(const struct tdm_xfer_config *cfg,
+                                  const struct tdm_xfer_rail_hook *hook, tdm_xfer_t **out);
+/* Sends a RAILS message (payload from tdm_xfer_wire_rails_put) to a known peer. */
+tdm_status tdm_xfer_send_rails(tdm_xfer_t *x, uint32_t peer, const void *payload, size_t bytes);
+/* This engine's raw address (fi_getname), its bytes, or 0 when cap is too small. */
+size_t tdm_xfer_addr_raw(const tdm_xfer_t *x, uint8_t *out, size_t cap);
 
 #ifdef __cplusplus
 }

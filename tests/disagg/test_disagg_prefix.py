@@ -93,12 +93,15 @@ def test_both_caches_warm(colocated, cpair):
     for i, (w, g) in enumerate(zip(want, got)):
         assert w == g, f"prompt {i} ({len(ps[i])} tokens): output differs"
     mp1, md1 = quiet(p), quiet(d)
+    # what changed in either node's disaggregation counters, for a failure's message
+    seen = {(side,) + k: m1[k] - m0.get(k, 0) for side, m1, m0 in (("d", md1, md0), ("p", mp1, mp0))
+            for k in m1 if k[0].startswith("tandem_disagg_") and m1[k] != m0.get(k, 0)}
     # every prompt after the first found the prefix in the decoder's cache
-    assert delta(md1, md0, "tandem_disagg_cached_prefix_requests_total") == len(ps) - 1
+    assert delta(md1, md0, "tandem_disagg_cached_prefix_requests_total") == len(ps) - 1, seen
     assert delta(md1, md0, "tandem_disagg_cached_prefix_tokens_total") >= 144 * (len(ps) - 1)
-    assert delta(mp1, mp0, "tandem_disagg_decoder_cached_prefills_total") == len(ps) - 1
-    assert delta(md1, md0, "tandem_disagg_remote_prefills_total") == len(ps)
-    assert delta(md1, md0, "tandem_disagg_local_fallbacks_total") == 0
+    assert delta(mp1, mp0, "tandem_disagg_decoder_cached_prefills_total") == len(ps) - 1, seen
+    assert delta(md1, md0, "tandem_disagg_remote_prefills_total") == len(ps), seen
+    assert delta(md1, md0, "tandem_disagg_local_fallbacks_total") == 0, seen
     # the prefill node's own cache held the prefix too
     assert delta(mp1, mp0, "tandem_prefix_cache_hit_tokens_total") > 0
     # usage says what the decoder reused

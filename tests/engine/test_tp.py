@@ -12,7 +12,8 @@ head's query heads split over its replicas), an uneven split (3 KV heads over 2 
 the default model's case), qwen2 biases and qwen3 q/k norms, and quantised weights whose
 output-projection slices are (Q8_0, head_dim 32) or are not (Q4_1, head_dim 16: the slice is
 dequantised) whole blocks. Then the default model, speculation under --tp (exact acceptance:
-self-drafting on the sharded engine, a draft model and MTP/EAGLE heads whole on the leader),
+self-drafting on the sharded engine, a draft model whole on the leader, MTP/EAGLE heads sharded
+like the target: tests/engine/test_tp_heads.py checks those against --tp 1 in depth),
 `tandem serve --tp 2` answering OpenAI requests with the pool back at its baseline, and
 the combinations that are refused, by name. Every comparison with --tp 1 runs with
 --exact-activations; the default int8 activations are checked for closeness only.
@@ -176,12 +177,13 @@ def test_tp_spec_draft_on_leader(default_model, tandem_bin, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle"])
-def test_tp_spec_heads_on_leader(method, default_model, tandem_bin, tmp_path):
-    """A speculation head (an MTP chain, EAGLE trees) runs whole beside the leader rank, reading
-    the leader's final-normed hidden states (every rank holds the whole residual stream); its
-    KV is a layer group of the leader's pool, and a verified tree's accepted path is moved into
-    place in every rank's pool. An echo head on an alternating prompt drafts (its first guess is
-    always wrong: the chain keeps nothing, the trees keep their second children); the tokens
+def test_tp_spec_heads_sharded(method, default_model, tandem_bin, tmp_path):
+    """A speculation head (an MTP chain, EAGLE trees) is sharded like the target, reading the
+    leader's final-normed hidden states (every rank holds the whole residual stream); its KV
+    is a layer group of every rank's pool (the rank's share of the head's KV heads), and a
+    verified tree's accepted path is moved into place in every rank's pool. An echo head on an
+    alternating prompt drafts (its first guess is always wrong: the chain keeps nothing, the
+    trees keep their second children); the tokens
     are plain --tp 1's, and both --tp 1 and 2 draft (and the trees keep other branches). The
     statistics are not compared: they were the same at --tp 1 and 2 on a quiet machine, and not
     under the parallel suite's load (the chain or tree drafted on fewer steps at --tp 2), which

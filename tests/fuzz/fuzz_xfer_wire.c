@@ -1,7 +1,8 @@
 /*
  * libFuzzer target for the transfer engine's parsers of peer bytes: the message header
- * (tdm_xfer_wire_parse), the hello payload, the packed remote-memory descriptor, printable
- * addresses and the fault-injection spec. Accepted input must satisfy what the engine relies on
+ * (tdm_xfer_wire_parse), the hello payload, a rail set's RAILS payload, the packed
+ * remote-memory descriptor (with a rail set's keys), printable addresses and the
+ * fault-injection spec. Accepted input must satisfy what the engine relies on
  * (payload inside the buffer, lengths consistent, known kinds); anything else must be an error,
  * never a crash, a leak or an out-of-bounds read.
  *
@@ -27,6 +28,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                  (hl.imm_bits != 32 && hl.imm_bits != 64) || (hl.flags & ~TDM_XFER_HELLO_FLAGS)))
                 abort();
         }
+        if (h.type == TDM_XFER_MSG_RAILS) {
+            struct tdm_xfer_rails_msg m;
+            if (tdm_xfer_wire_rails_parse(payload, h.payload_bytes, &m) == TDM_OK) {
+                /* every address inside the payload, and written back the same bytes */
+                if (m.n_rails < 2 || m.n_rails > TDM_XFER_MAX_RAILS) abort();
+                for (int r = 1; r < m.n_rails; r++)
+                    if (m.addr_bytes[r] == 0 || m.addr_bytes[r] > TDM_XFER_RAIL_ADDR_MAX ||
+                        m.addr[r] < payload ||
+                        m.addr[r] + m.addr_bytes[r] > payload + h.payload_bytes)
+                        abort();
+                uint8_t *again = malloc(h.payload_bytes ? h.payload_bytes : 1);
+                if (!again) return 0;
+                size_t n = tdm_xfer_wire_rails_put(again, h.payload_bytes, m.n_rails, m.addr,
+                                                   m.addr_bytes);
+                if (n != h.payload_bytes || memcmp(again, payload, n) != 0) abort();
+                free(again);
+            }
+        }
         if (h.type == TDM_XFER_MSG_IMM) {
             struct tdm_xfer_imm imm;
             tdm_xfer_imm_decode(64, tdm_get_u64(payload), &imm);
@@ -39,6 +58,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         uint8_t again[TDM_XFER_RMEM_WIRE];
         tdm_xfer_rmem_pack(&r, again);
         if (memcmp(again, data, TDM_XFER_RMEM_WIRE) != 0) abort();
+        if (r.rails > TDM_XFER_MAX_RAILS ||
+            (r.rails && (r.rails < 2 || r.kind != TDM_XFER_MEM_HOST || r.rail_key[0] != r.key)))
+            abort();
     }
     /* the same bytes as a NUL-terminated address and fault spec */
     char *s = malloc(size + 1);

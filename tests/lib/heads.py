@@ -121,3 +121,114 @@ def write_head(path, *, d, head_dim, vocab, n_heads=None, n_kv_heads=None, d_ff=
               k_norm=stored(layer.get("self_attn.k_norm.weight")))
     return Head(fc=stored(fc), layer=L, enorm=stored(enorm), hnorm=stored(hnorm),
                 fc_bias=stored(fc_bias), norm=stored(norm))
+
+
+def _write_mixed(path, tensors: dict, dtype: str):
+    """A safetensors file whose float tensors are stored as dtype and integer or boolean ones
+    as they are (I64, BOOL)."""
+    from safetensors import TensorSpec, serialize_file
+    from lib.checkpoints import f32_to_bf16_bits
+
+    keep, specs = [], {}
+    for name, arr in tensors.items():
+        arr = np.asarray(arr)
+        if arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.integer):
+            buf, dt = np.ascontiguousarray(arr), {np.dtype(np.bool_): "bool"}.get(arr.dtype,
+                                                                                   "int64")
+            buf = buf.astype(np.int64) if dt == "int64" else buf
+        elif dtype == "bfloat16":
+            buf, dt = f32_to_bf16_bits(arr.astype(np.float32)), dtype
+        else:
+            buf, dt = np.ascontiguousarray(arr, dtype=np.dtype(dtype)), dtype
+        keep.append(buf)
+        specs[name] = TensorSpec(dtype=dt, shape=list(arr.shape), data_ptr=buf.ctypes.data,
+                                 data_len=buf.nbytes)
+    serialize_file(specs, str(path), metadata={"format": "pt"})
+
+
+def _stored(a, dtype):
+    """The values as a file of dtype holds them (float64), for the reference."""
+    if a is None:
+        return None
+    if dtype == "bfloat16":
+        from lib.checkpoints import f32_to_bf16_bits
+        bits = f32_to_bf16_bits(np.asarray(a, dtype=np.float32)).astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64)
+    return np.asarray(a, dtype=np.dtype(dtype)).astype(np.float64)
+
+
+def write_eagle3_head(path, *, d, head_dim, vocab, n_layers, n_heads=None, n_kv_heads=None,
+                      d_ff=None, draft_vocab=None, seed=0, dtype="float32", fc_bias=False,
+                      embed=False, t2d=True, aux_layers=None, drop=(), extra=None):
+    """Writes an EAGLE-3 head (the EAGLE repository's / SpecForge's / vLLM's tensor names) for
+    a target of width d, head size head_dim, vocabulary vocab and n_layers layers; returns its
+    lib.reference.Eagle3Head. draft_vocab: the draft vocabulary (a random ascending subset of
+    the target's, d2t and t2d written; None: the whole vocabulary, no maps). aux_layers: also
+    written to a config.json beside the head (eagle_aux_hidden_state_layer_ids); None: none
+    written, the default (2, L/2, L-3) applies. drop: tensor names left out; extra: tensors
+    added or replaced (as given)."""
+    from lib.reference import Eagle3Head
+
+    rng = np.random.default_rng(seed)
+    nh = n_heads or max(1, d // head_dim)
+    nkv = n_kv_heads or nh
+    ff = d_ff or 2 * d
+
+    def mat(rows, cols, gain=1.0):
+        return rng.standard_normal((rows, cols)) * (gain / math.sqrt(cols))
+
+    def norm(n):
+        return 1.0 + 0.1 * rng.standard_normal(n)
+
+    t = {"fc.weight": mat(d, 3 * d),
+         "midlayer.input_layernorm.weight": norm(d),
+         "midlayer.hidden_norm.weight": norm(d),
+         "midlayer.self_attn.q_proj.weight": mat(nh * head_dim, 2 * d, 1.5),
+         "midlayer.self_attn.k_proj.weight": mat(nkv * head_dim, 2 * d),
+         "midlayer.self_attn.v_proj.weight": mat(nkv * head_dim, 2 * d),
+         "midlayer.self_attn.o_proj.weight": mat(d, nh * head_dim),
+         "midlayer.post_attention_layernorm.weight": norm(d),
+         "midlayer.mlp.gate_proj.weight": mat(ff, d),
+         "midlayer.mlp.up_proj.weight": mat(ff, d),
+         "midlayer.mlp.down_proj.weight": mat(d, ff),
+         "norm.weight": norm(d)}
+    if fc_bias:
+        t["fc.bias"] = 0.1 * rng.standard_normal(d)
+    if embed:
+        t["embed_tokens.weight"] = 0.5 * rng.standard_normal((vocab, d))
+    d2t = None
+    n = vocab
+    if draft_vocab is not None:
+        n = draft_vocab
+        ids = np.sort(rng.choice(vocab, n, replace=False))
+        d2t = (ids - np.arange(n)).astype(np.int64)
+        t["d2t"] = d2t
+        if t2d:
+            mark = np.zeros(vocab, dtype=np.bool_)
+            mark[ids] = True
+            t["t2d"] = mark
+    t["lm_head.weight"] = 0.5 * rng.standard_normal((n, d))
+    for k in drop:
+        t.pop(k, None)
+    if extra:
+        t.update(extra)
+    path = pathlib.Path(path)
+    _write_mixed(path, t, dtype)
+    if aux_layers is not None:
+        (path.parent / "config.json").write_text(
+            '{"architectures": ["LlamaForCausalLMEagle3"], '
+            f'"eagle_config": {{"eagle_aux_hidden_state_layer_ids": {list(aux_layers)}}}}}')
+    layers = tuple(aux_layers) if aux_layers is not None else (2, n_layers // 2, n_layers - 3)
+    s = lambda k: _stored(t.get(k), dtype)  # noqa: E731
+    return Eagle3Head(fc=s("fc.weight"), input_norm=s("midlayer.input_layernorm.weight"),
+                      hidden_norm=s("midlayer.hidden_norm.weight"),
+                      wq=s("midlayer.self_attn.q_proj.weight"),
+                      wk=s("midlayer.self_attn.k_proj.weight"),
+                      wv=s("midlayer.self_attn.v_proj.weight"),
+                      wo=s("midlayer.self_attn.o_proj.weight"),
+                      post_norm=s("midlayer.post_attention_layernorm.weight"),
+                      w_gate=s("midlayer.mlp.gate_proj.weight"),
+                      w_up=s("midlayer.mlp.up_proj.weight"),
+                      w_down=s("midlayer.mlp.down_proj.weight"), norm=s("norm.weight"),
+                      lm_head=s("lm_head.weight"), aux_layers=layers, d2t=d2t,
+                      fc_bias=s("fc.bias"), embed=s("embed_tokens.weight"))

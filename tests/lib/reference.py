@@ -764,7 +764,9 @@ class Session:
         mask = np.arange(p0 + T)[None, :] > pos[:, None]  # [T, S]
 
         x = m.embed[tokens]  # [T, d]
+        self.layer_inputs = []  # [n_layers] the residual stream entering each layer [T, d]
         for li, L in enumerate(m.layers):
+            self.layer_inputs.append(x)
             x, self.k[li], self.v[li] = layer_step(m, L, x, pos, mask, self.k[li], self.v[li],
                                                    self.kv_round)
         self.n_past += T
@@ -815,6 +817,77 @@ def head_forward(model: Model, head: Head, tokens, feats) -> tuple[np.ndarray, n
     return f @ m.lm_head.T, f
 
 
+@dataclasses.dataclass
+class Eagle3Head:
+    """An EAGLE-3 head (docs/HEADS.md): fc [d, 3d] over the fused target feature (the residual
+    entering target layers aux_layers, concatenated), a layer whose q/k/v read
+    [input_norm(embed(t)) ; hidden_norm(h)] [2d] with the residual h, a final norm and its own
+    LM head over the draft vocabulary (target id of draft row i: i + d2t[i]; None: the whole
+    vocabulary)."""
+    fc: np.ndarray  # [d, 3d]
+    input_norm: np.ndarray  # [d]
+    hidden_norm: np.ndarray  # [d]
+    wq: np.ndarray  # [nh * hd, 2d]
+    wk: np.ndarray  # [nkv * hd, 2d]
+    wv: np.ndarray  # [nkv * hd, 2d]
+    wo: np.ndarray  # [d, nh * hd]
+    post_norm: np.ndarray  # [d]
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+    norm: np.ndarray  # [d]
+    lm_head: np.ndarray  # [n, d]
+    aux_layers: tuple
+    d2t: np.ndarray | None = None  # [n] int64
+    fc_bias: np.ndarray | None = None
+    embed: np.ndarray | None = None  # [vocab, d]; None: the target's
+
+
+def eagle3_features(session: "Session", layers) -> np.ndarray:
+    """The fused target feature [T, 3d] of a Session's last step: the residual stream entering
+    each of `layers`, concatenated in that order."""
+    return np.concatenate([session.layer_inputs[i] for i in layers], axis=-1)
+
+
+def eagle3_forward(model: Model, head: Eagle3Head, tokens, hidden, own: bool, cache=None):
+    """EAGLE-3 rows at the positions after `cache` (None: from 0): row t reads tokens[t] and
+    hidden[t], the fused target feature [3d] (fc applies) or, with own, the head's own state of
+    the row before [d]. Returns (logits [T, vocab] with -inf off the draft vocabulary,
+    prenorm states [T, d], cache)."""
+    m, hd = model, model.head_dim
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    hidden = np.asarray(hidden, dtype=np.float64)
+    T = tokens.size
+    nh, nkv = head.wq.shape[0] // hd, head.wk.shape[0] // hd
+    K, V = cache if cache is not None else (np.zeros((0, nkv, hd)), np.zeros((0, nkv, hd)))
+    p0 = K.shape[0]
+    h = hidden if own else hidden @ head.fc.T + (0 if head.fc_bias is None else head.fc_bias)
+    emb = (head.embed if head.embed is not None else m.embed)[tokens]
+    a = np.concatenate([rmsnorm(emb, head.input_norm, m.rms_eps),
+                        rmsnorm(h, head.hidden_norm, m.rms_eps)], axis=-1)
+    pos = np.arange(p0, p0 + T)
+    q = apply_rope((a @ head.wq.T).reshape(T, nh, hd), pos, m.inv_freq, m.rope_neox)
+    k = apply_rope((a @ head.wk.T).reshape(T, nkv, hd), pos, m.inv_freq, m.rope_neox)
+    v = (a @ head.wv.T).reshape(T, nkv, hd)
+    K, V = np.concatenate([K, k]), np.concatenate([V, v])
+    att = np.zeros((T, nh, hd))
+    for t in range(T):
+        for j in range(nh):
+            kv = j // (nh // nkv)
+            sc = K[: p0 + t + 1, kv] @ q[t, j] / math.sqrt(hd)
+            w = np.exp(sc - sc.max())
+            att[t, j] = (w / w.sum()) @ V[: p0 + t + 1, kv]
+    x = h + att.reshape(T, nh * hd) @ head.wo.T
+    f = rmsnorm(x, head.post_norm, m.rms_eps)
+    x = x + (silu(f @ head.w_gate.T) * (f @ head.w_up.T)) @ head.w_down.T
+    z = rmsnorm(x, head.norm, m.rms_eps) @ head.lm_head.T
+    if head.d2t is None:
+        return z, x, (K, V)
+    logits = np.full((T, m.vocab_size), -np.inf)
+    logits[:, np.arange(z.shape[1]) + head.d2t] = z
+    return logits, x, (K, V)
+
+
 def top2_margin(logits: np.ndarray) -> float:
     """top-1 minus top-2 logit of one row."""
     part = np.partition(np.asarray(logits).reshape(-1), -2)
@@ -845,4 +918,4 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 __all__ = ["Model", "Layer", "Head", "Session", "load", "kv_rounding", "layer_step", "head_forward", "forward", "greedy", "rel_err", "top2_margin",
            "rope_inv_freq", "apply_rope", "rmsnorm", "silu", "route", "mla_attention",
-           "load_mtp_head"]
+           "load_mtp_head", "Eagle3Head", "eagle3_features", "eagle3_forward"]

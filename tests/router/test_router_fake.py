@@ -570,6 +570,9 @@ def test_prefix_route_yields_to_load(start):
     text = "shared prefix " * 60
     assert post(r, body={"id": "a", "prompt": text + "x"})[0] == 200
     home = which(fakes)["a"]
+    # "a" stopped being in flight when its backend's answer had all come, before the client
+    # had it (were it still counted, h0 would see home busier and go elsewhere)
+    assert sum(v for k, v in r.metrics().items() if k[0] == "tandem_router_backend_in_flight") == 0
     threads = [threading.Thread(target=post, args=(r,), kwargs={
         "body": {"id": f"h{i}", "prompt": text + f"h{i}", "hold": True}}) for i in range(2)]
     for t in threads:

@@ -6,7 +6,8 @@
   DeepSeek-V3's MTP names), with a different layer geometry (GQA, qwen2 biases, qwen3 q/k
   norms), and in bf16; the target's features match the reference's final-normed states.
 - A head that does not fit its target (MLA or expert layers for a target without), an
-  EAGLE-3 head, and files that are not heads are refused with a message naming the problem.
+  EAGLE-3 head without its fused-feature projection (test_eagle3.py has the rest), and files
+  that are not heads are refused with a message naming the problem.
 - DeepSeek-V3's own MTP layer (latent attention and experts, in the model's folder) is a head
   that matches the reference, and `--spec mtp` / `--spec eagle` take it when no --spec-draft is
   given, lossless.
@@ -196,11 +197,11 @@ def test_deepseek_layers_unlike_the_target_are_refused(tiny, tmp_path, what, ext
     assert needle in refused(tiny, tmp_path, layout="deepseek-mtp", extra=extra)
 
 
-def test_eagle3_and_non_heads_are_refused(tiny, tmp_path):
+def test_broken_eagle3_and_non_heads_are_refused(tiny, tmp_path):
     from lib.checkpoints import _write_safetensors
     path, _ = tiny["llama"]
     for tensors, needle in (({"d2t": np.zeros(4), "midlayer.self_attn.q_proj.weight":
-                              np.zeros((4, 4))}, "EAGLE-3"),
+                              np.zeros((4, 4))}, "an EAGLE-3 head's fc.weight is missing"),
                             ({"something.weight": np.zeros((4, 4))}, "not a speculation head")):
         _write_safetensors(tmp_path / "x.safetensors", tensors, "float32")
         cp = head_dump(path, tmp_path / "x.safetensors", tmp_path / "out", [1, 2])

@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "fire_log.h"
 #include "tandem/xfer.h"
 
 enum { PAGE = 4096, NP = 8, DST_BYTES = (NP + 1) * PAGE, SLOT = 3, EPOCH = 1 };
@@ -88,25 +89,6 @@ static void expected_dst(uint8_t *want)
             want[DST_PAGES[i] * PAGE + b] = src_byte(SRC_PAGES[i] * PAGE + (size_t)b);
     for (int b = 0; b < PAGE; b++) /* the single write: source page 1 to the spare page */
         want[NP * PAGE + b] = src_byte(PAGE + (size_t)b);
-}
-
-struct fire_log {
-    int n;
-    tdm_status last;
-};
-static void on_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
-{
-    (void)slot, (void)epoch;
-    struct fire_log *l = ctx;
-    __atomic_store_n(&l->last, st, __ATOMIC_SEQ_CST);
-    __atomic_add_fetch(&l->n, 1, __ATOMIC_SEQ_CST);
-}
-static int wait_fired(struct fire_log *l, int ms)
-{
-    for (int i = 0; i < ms / 2 && !__atomic_load_n(&l->n, __ATOMIC_SEQ_CST); i++)
-        usleep(2000);
-    usleep(20000); /* a second firing would be a bug: give it time to show */
-    return __atomic_load_n(&l->n, __ATOMIC_SEQ_CST);
 }
 
 static tdm_xfer_t *open_engine(void)

@@ -183,7 +183,12 @@ static void dispatch(tdm_xfer_t *x, const struct tdm_xfer_wire_hdr *h, const uin
         if (x->cfg.on_msg) x->cfg.on_msg(x->cfg.on_msg_ctx, peer, payload, h->payload_bytes);
         break;
     case TDM_XFER_MSG_IMM:
-        imm_arrived(x, tdm_get_u64(payload), peer);
+        /* a rail's peer indices are not its counters' (their owner's): only RMA immediates,
+         * which name no sender, are taken there */
+        if (!x->counters_borrowed) imm_arrived(x, tdm_get_u64(payload), peer);
+        break;
+    case TDM_XFER_MSG_RAILS:
+        if (x->hook.on_rails) x->hook.on_rails(x->hook.ctx, peer, payload, h->payload_bytes);
         break;
     case TDM_XFER_MSG_BYE:
         tdm_fab_peer_declare_dead(x, peer, "it said goodbye", true);
@@ -253,6 +258,7 @@ static void handle_message(tdm_xfer_t *x, const uint8_t *buf, size_t n)
             STAT_ADD(x, unauth_dropped, 1);
         return;
     }
+    if (newly_known && x->hook.on_peer) x->hook.on_peer(x->hook.ctx, peer, true);
     if (newly_known && x->cfg.on_peer) x->cfg.on_peer(x->cfg.on_peer_ctx, peer, true);
     dispatch(x, &h, payload, peer);
 }

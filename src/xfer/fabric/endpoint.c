@@ -92,6 +92,20 @@ static tdm_status open_fabric(tdm_xfer_t *x)
     if (rc)
         return tdm_err_set(TDM_EUNSUPPORTED, "xfer: no provider '%s'%s%s: %s", x->provider_name,
                            node ? " on " : "", node ? node : "", fi_msg(rc));
+    if (x->domain_name[0]) { /* one NIC of several (a rail): the first domain named after it */
+        struct fi_info *hit = NULL;
+        for (struct fi_info *i = x->info; i && !hit; i = i->next)
+            if (i->domain_attr && i->domain_attr->name &&
+                !strncmp(i->domain_attr->name, x->domain_name, strlen(x->domain_name)))
+                hit = i;
+        if (!hit)
+            return tdm_err_set(TDM_EUNSUPPORTED, "xfer: provider '%s' offers no domain '%s'",
+                               x->provider_name, x->domain_name);
+        struct fi_info *one = fi_dupinfo(hit);
+        if (!one) return tdm_err_set(TDM_ENOMEM, "xfer: fi_dupinfo failed");
+        fi_freeinfo(x->info);
+        x->info = one;
+    }
     struct fi_info *info = x->info;
     x->caps.delivery_complete = (info->tx_attr->op_flags & FI_DELIVERY_COMPLETE) != 0;
     x->caps.ordered_writes = x->ordered_writes;
@@ -212,11 +226,18 @@ static tdm_status reg_raw(tdm_xfer_t *x, void *base, size_t bytes, enum tdm_xfer
 
 tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **out)
 {
+    return tdm_xfer_create_hooked(cfg_in, NULL, out);
+}
+
+tdm_status tdm_xfer_create_hooked(const struct tdm_xfer_config *cfg_in,
+                                  const struct tdm_xfer_rail_hook *hook, tdm_xfer_t **out)
+{
     struct tdm_xfer_config cfg;
     tdm_xfer_config_default(&cfg);
     if (cfg_in) cfg = *cfg_in;
-    if (!cfg.provider || strlen(cfg.provider) >= 64 || (cfg.node && strlen(cfg.node) >= 64))
-        return tdm_err_set(TDM_EINVAL, "xfer: bad provider or node");
+    if (!cfg.provider || strlen(cfg.provider) >= 64 || (cfg.node && strlen(cfg.node) >= 64) ||
+        (cfg.domain && strlen(cfg.domain) >= 64))
+        return tdm_err_set(TDM_EINVAL, "xfer: bad provider, node or domain");
     if (cfg.op_timeout_ms <= 0 || cfg.heartbeat_ms < 0 || cfg.peer_timeout_ms < 0 ||
         cfg.max_jobs <= 0 || cfg.max_jobs > (1 << 20) || cfg.max_ops <= OPS_RESERVED ||
         cfg.max_ops > (1 << 16) || cfg.ctrl_bytes <= 0 || cfg.ctrl_bytes > (1 << 20) ||
@@ -240,7 +261,10 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
     snprintf(x->node, sizeof(x->node), "%s", cfg.node ? cfg.node : "");
     x->cfg.provider = x->provider_name;
     x->cfg.node = x->node[0] ? x->node : NULL;
+    snprintf(x->domain_name, sizeof(x->domain_name), "%s", cfg.domain ? cfg.domain : "");
+    x->cfg.domain = x->domain_name[0] ? x->domain_name : NULL;
     x->cfg.faults = NULL;
+    if (hook) x->hook = *hook;
     pthread_mutex_init(&x->mu, NULL);
     pthread_mutex_init(&x->tx_mu, NULL);
     pthread_condattr_t ca;
@@ -314,8 +338,13 @@ tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **ou
     x->caller_posts =
         x->info->domain_attr->threading == FI_THREAD_SAFE && !(pm && !strcmp(pm, "thread"));
     uint32_t slots = TDM_MIN((uint32_t)cfg.max_slots, x->caps.max_slot + 1);
-    if ((st = tdm_xfer_counters_create(slots, x->caps.max_index + 1, &x->counters)) != TDM_OK)
+    if (cfg.counters) {
+        x->counters = cfg.counters;
+        x->counters_borrowed = true;
+    } else if ((st = tdm_xfer_counters_create(slots, x->caps.max_index + 1, &x->counters)) !=
+               TDM_OK) {
         goto out_destroy;
+    }
     uint64_t key_unused;
     if ((st = reg_raw(x, x->bufs, x->buf_bytes * (size_t)(N_TX_BUFS + n_rx), TDM_XFER_MEM_HOST,
                       &x->bufs_mr, &key_unused, &x->bufs_desc)) != TDM_OK)
@@ -375,7 +404,7 @@ void tdm_xfer_destroy(tdm_xfer_t *x)
     if (x->domain) fi_close(&x->domain->fid);
     if (x->fabric) fi_close(&x->fabric->fid);
     if (x->info) fi_freeinfo(x->info);
-    tdm_xfer_counters_destroy(x->counters);
+    if (!x->counters_borrowed) tdm_xfer_counters_destroy(x->counters);
     if (x->jobs)
         for (int j = 0; j < x->cfg.max_jobs; j++)
             free(x->jobs[j].msg);
@@ -400,6 +429,13 @@ void tdm_xfer_destroy(tdm_xfer_t *x)
 tdm_status tdm_xfer_addr(const tdm_xfer_t *x, char *buf, size_t cap)
 {
     return tdm_xfer_addr_encode(x->my_addr, x->my_addr_bytes, buf, cap);
+}
+
+size_t tdm_xfer_addr_raw(const tdm_xfer_t *x, uint8_t *out, size_t cap)
+{
+    if (cap < x->my_addr_bytes) return 0;
+    memcpy(out, x->my_addr, x->my_addr_bytes);
+    return x->my_addr_bytes;
 }
 
 void tdm_xfer_get_caps(const tdm_xfer_t *x, struct tdm_xfer_caps *out)

@@ -56,6 +56,13 @@
  * =fence forces a weaker mode, for tests). Either way an immediate means "all bytes of this
  * write landed" (DESIGN.md §4: the decoder counts immediates, never completion messages).
  *
+ * Rails (src/xfer/rails.c). An engine may be one rail of a rail set: rail 0 is created with a
+ * hook (tdm_xfer_create_hooked) that hears its peers come and go and their RAILS messages,
+ * called on the progress thread before the configured on_peer; rails 1 .. n-1 are created with
+ * rail 0's counter table (cfg.counters, borrowed): their RMA immediates land there, and they
+ * neither fail those counters by their own peer indices (the set maps a rail's death to the
+ * control peer) nor take IMM messages, nor destroy the table.
+ *
  * Op contexts: every posted operation's context is an entry of `ops` (fixed pool, sized for the
  * configured window of paged writes and at least the provider's tx_attr->size, plus one per
  * preposted receive); an op outlives a timed-out job until the provider reports it, so a late
@@ -240,7 +247,11 @@ struct tdm_xfer {
     struct firing *firing_now; /* [max_jobs] the progress thread's copy while firing */
 
     tdm_xfer_counters_t *counters;
-    struct tdm_xfer_stats stats; /* updated with atomics */
+    bool counters_borrowed; /* cfg.counters: another engine's (a rail's), never failed by our
+                               peer indices nor destroyed here */
+    struct tdm_xfer_rail_hook hook; /* a rail set's, on its control engine; zeroed otherwise */
+    char domain_name[64];           /* cfg.domain's copy */
+    struct tdm_xfer_stats stats;    /* updated with atomics */
 
     /* fault injection state (progress thread only) */
     uint64_t imm_seq, write_seq;

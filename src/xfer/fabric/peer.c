@@ -52,7 +52,8 @@ void tdm_fab_peer_declare_dead(tdm_xfer_t *x, uint32_t p, const char *why, bool 
     }
     pthread_mutex_unlock(&x->tx_mu);
     tdm_fab_fire_queued(x);
-    tdm_xfer_counters_fail_peer(x->counters, p, TDM_EPEER);
+    if (!x->counters_borrowed) tdm_xfer_counters_fail_peer(x->counters, p, TDM_EPEER);
+    if (x->hook.on_peer) x->hook.on_peer(x->hook.ctx, p, false);
     if (x->cfg.on_peer) x->cfg.on_peer(x->cfg.on_peer_ctx, p, false);
 }
 
@@ -295,4 +296,9 @@ tdm_status tdm_xfer_peer_wait(tdm_xfer_t *x, uint32_t peer, int timeout_ms)
     }
     pthread_mutex_unlock(&x->mu);
     return st;
+}
+
+tdm_status tdm_xfer_send_rails(tdm_xfer_t *x, uint32_t peer, const void *payload, size_t bytes)
+{
+    return tdm_fab_send_typed(x, peer, TDM_XFER_MSG_RAILS, payload, bytes, 0, NULL, NULL);
 }
