@@ -14,6 +14,7 @@
 #ifndef TANDEM_CORE_H
 #define TANDEM_CORE_H
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -122,6 +123,8 @@ uint64_t tdm_now_ns(void); /* CLOCK_MONOTONIC */
  * says so. ms < 0 counts as 0. */
 struct timespec tdm_deadline_ms(clockid_t clock, int64_t ms);
 double tdm_now_s(void);
+/* Initialises a condition variable whose timed waits take CLOCK_MONOTONIC deadlines. */
+void tdm_cond_init_monotonic(pthread_cond_t *cv);
 
 /* ---- thread pool ----
  * tdm_pool_run(pool, fn, ctx) calls fn(ctx, ith, nth) on nth threads (the caller is thread 0)

@@ -1082,9 +1082,28 @@ static int64_t ff_block(const struct tdm_model *m)
     return ff_align;
 }
 
+/* Rank r of x, just created on its shard sh, joins the group: its vocabulary offset, and for
+ * the leader the buffer of its part of a step's LM-head rows (`what` names it). */
+static tdm_status rank_joins(struct engine_tp *x, int r, const struct tdm_tp_shard *sh,
+                             int max_logit_rows, const char *what)
+{
+    tdm_engine_t *re = x->ranks[r];
+    tdm_status st = TDM_OK;
+    x->vocab0[r] = sh->vocab0;
+    if (r == 0)
+        st = tdm_backend_buf_new(re->backend,
+                                 (size_t)max_logit_rows * (size_t)sh->n_vocab * sizeof(float), what,
+                                 &x->lm_part);
+    re->tp = x->group;
+    re->rank = r;
+    re->tpx = x;
+    return st;
+}
+
 /* Tensor parallelism (tdm_engine_opts.tp; the top of this file): checks what a sharded engine
  * can run, builds each rank's model view and engine, attaches the ranks' pools to the leader's,
  * and starts ranks 1 .. N-1. */
+
 static tdm_status create_sharded(const struct tdm_model *model, const struct tdm_engine_opts *opts,
                                  tdm_engine_t **out)
 {
@@ -1182,16 +1201,8 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
             }
         }
         if ((st = tdm_engine_create(x->views[r], &ro, &x->ranks[r])) != TDM_OK) break;
-        tdm_engine_t *re = x->ranks[r];
-        x->vocab0[r] = sh.vocab0;
-        if (r == 0)
-            st = tdm_backend_buf_new(re->backend,
-                                     (size_t)ro.max_logit_rows * (size_t)sh.n_vocab * sizeof(float),
-                                     "the leader's LM-head rows", &x->lm_part);
-        re->tp = x->group;
-        re->rank = r;
-        re->tpx = x;
-        if (r > 0 && st == TDM_OK) st = tdm_kv_pool_add_shard(x->ranks[0]->kv, re->kv);
+        st = rank_joins(x, r, &sh, ro.max_logit_rows, "the leader's LM-head rows");
+        if (r > 0 && st == TDM_OK) st = tdm_kv_pool_add_shard(x->ranks[0]->kv, x->ranks[r]->kv);
     }
     for (int r = 1; r < N && st == TDM_OK; r++) {
         if (pthread_create(&x->threads[r], NULL, rank_main, x->ranks[r]) != 0) {
@@ -1275,15 +1286,7 @@ static tdm_status create_beside(const struct tdm_model *model, const struct tdm_
         ro.n_threads = te->opts.n_threads;
         ro.count_layers = r == 0 && o.count_layers;
         if ((st = tdm_engine_create(x->views[r], &ro, &x->ranks[r])) != TDM_OK) break;
-        tdm_engine_t *re = x->ranks[r];
-        x->vocab0[r] = sh.vocab0;
-        if (r == 0)
-            st = tdm_backend_buf_new(re->backend,
-                                     (size_t)ro.max_logit_rows * (size_t)sh.n_vocab * sizeof(float),
-                                     "the head leader's LM-head rows", &x->lm_part);
-        re->tp = x->group;
-        re->rank = r;
-        re->tpx = x;
+        st = rank_joins(x, r, &sh, ro.max_logit_rows, "the head leader's LM-head rows");
     }
     tdm_engine_t *leader = x->ranks[0];
     if (st == TDM_OK) {

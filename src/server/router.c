@@ -809,11 +809,7 @@ tdm_status tdm_router_start(const struct tdm_router_opts *o, tdm_router_t **out)
     if (!r) return tdm_err_set(TDM_ENOMEM, "router: out of memory");
     pthread_mutex_init(&r->mu, NULL);
     pthread_mutex_init(&r->health_mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&r->health_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    tdm_cond_init_monotonic(&r->health_cv);
     r->max_body = o->max_body ? o->max_body : TDM_SERVER_DEFAULT_MAX_BODY;
     r->connect_timeout_ms = o->connect_timeout_ms > 0 ? (uint64_t)o->connect_timeout_ms : 2000;
     r->timeout_ns = (o->timeout_s > 0 ? (uint64_t)o->timeout_s : 600) * 1000000000ull;

@@ -379,10 +379,9 @@ static void ov_join(struct mtp_drafter *md, struct tdm_spec *sp)
 }
 
 /* A launched span: a request whose head KV is final up to it. */
-static bool ov_takes(const struct mtp_drafter *md, const struct tdm_sched_feed *f)
+static bool ov_takes(const struct tdm_sched_feed *f)
 {
     const struct mtp_req *st = f->state;
-    (void)md;
     return st && !st->dead && !st->n_pend && st->head_len == f->pos0 && f->n >= 1 && f->next;
 }
 
@@ -396,7 +395,7 @@ static void mtp_launch(void *ctx, struct tdm_spec *sp, const struct tdm_sched_fe
     size_t pages = 0;
     int rows = 0;
     for (int i = 0; i < n; i++)
-        if (ov_takes(md, &f[i]) && rows + f[i].n <= ov->cap) {
+        if (ov_takes(&f[i]) && rows + f[i].n <= ov->cap) {
             rows += f[i].n;
             pages += (size_t)f[i].n_pages;
         }
@@ -412,7 +411,7 @@ static void mtp_launch(void *ctx, struct tdm_spec *sp, const struct tdm_sched_fe
     rows = 0;
     pages = 0;
     for (int i = 0; i < n; i++) {
-        if (!ov_takes(md, &f[i]) || rows + f[i].n > ov->cap) continue;
+        if (!ov_takes(&f[i]) || rows + f[i].n > ov->cap) continue;
         struct mtp_req *st = f[i].state;
         const int k = f[i].n;
         memcpy(ov->tok + rows, f[i].next, (size_t)k * sizeof *ov->tok);

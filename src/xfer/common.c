@@ -388,11 +388,7 @@ void tdm_xfer_sync_init(struct tdm_xfer_sync *s)
 {
     memset(s, 0, sizeof(*s));
     pthread_mutex_init(&s->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&s->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    tdm_cond_init_monotonic(&s->cv);
 }
 
 void tdm_xfer_sync_destroy(struct tdm_xfer_sync *s)

@@ -557,11 +557,7 @@ tdm_status tdm_xfer_rails_create(const struct tdm_xfer_rails_config *cfg, tdm_xf
             s->peers[i].link[r] = (struct rail_link){.xid = NO_XID, .backoff_ms = RETRY_FIRST_MS};
     }
     pthread_mutex_init(&s->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&s->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    tdm_cond_init_monotonic(&s->cv);
 
     tdm_status st = TDM_OK;
     struct tdm_xfer_caps caps0;

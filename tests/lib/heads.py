@@ -97,13 +97,7 @@ def write_head(path, *, d, head_dim, vocab, n_heads=None, n_kv_heads=None, d_ff=
     _write_safetensors(pathlib.Path(path), t, dtype)
 
     def stored(a):  # the values as the file holds them, for the reference
-        if a is None:
-            return None
-        if dtype == "bfloat16":
-            from lib.checkpoints import f32_to_bf16_bits
-            bits = f32_to_bf16_bits(np.asarray(a, dtype=np.float32)).astype(np.uint32) << 16
-            return bits.view(np.float32).astype(np.float64)
-        return np.asarray(a, dtype=np.dtype(dtype)).astype(np.float64)
+        return _stored(a, dtype)
 
     L = Layer(attn_norm=stored(layer.get("input_layernorm.weight")),
               wq=stored(layer["self_attn.q_proj.weight"]),

@@ -18,7 +18,6 @@ the CPU, a batch-invariant backend, that row's logits are the catch-up's bit for
 - --spec-overlap with another method is refused with a message.
 """
 import concurrent.futures as cf
-import json
 import os
 import pathlib
 
@@ -27,7 +26,7 @@ import pytest
 from conftest import run_tandem
 from lib.heads import write_head
 from lib.server import Server
-from test_eagle import complete, mix
+from test_eagle import complete, mix, stats
 
 SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
 SLOW = 3 if SANITIZED else 1
@@ -54,10 +53,6 @@ def gen(model, extra, prompt, chat):
         args.append("--chat")
     cp = run_tandem(args, timeout=300 * SLOW)
     return cp.stdout.split(), cp.stderr
-
-
-def stats(err):
-    return json.loads(err.strip().splitlines()[-1])
 
 
 SAME = ("drafted", "accepted", "target_steps", "tokens", "accept_by_position")

@@ -267,11 +267,7 @@ tdm_status tdm_xfer_create_hooked(const struct tdm_xfer_config *cfg_in,
     if (hook) x->hook = *hook;
     pthread_mutex_init(&x->mu, NULL);
     pthread_mutex_init(&x->tx_mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&x->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    tdm_cond_init_monotonic(&x->cv);
     x->active_head = x->active_tail = -1;
     x->next_key = 1;
     if (!tdm_xfer_random(&x->nonce, sizeof x->nonce)) {
