@@ -451,6 +451,13 @@ void tdm_kv_index_free(struct tdm_kv_index *x)
 void tdm_kv_index_forget(struct tdm_kv_index *x, int b)
 {
     if (b < 0 || b >= MAX_BACKENDS) return;
+    /* what landed there is gone with the cache: the landed entries are the FIFO's (an entry
+     * left behind there finds nothing when it is popped) */
+    for (size_t i = 0; i < x->fifo_n; i++) {
+        struct pnd *e = pnd_find(x, x->fifo[(x->fifo_head + i) % LANDING_FIFO].id);
+        if (e && e->backend == b && !e->n) pnd_delete(x, e);
+    }
+    if (!x->held[b]) return;
     /* in place: after a deletion the slot holds what shifted into it, so it is looked at
      * again (an entry only ever shifts towards its home, into a slot already passed or this
      * one, and entries of b are gone wherever the scan has been) */
@@ -471,13 +478,6 @@ void tdm_kv_index_forget(struct tdm_kv_index *x, int b)
         }
     }
     x->held[b] = 0;
-    for (size_t i = 0; x->n_pnd && i <= x->mask;) { /* landed there: gone with the cache */
-        if (x->pnd[i].id && x->pnd[i].backend == b && !x->pnd[i].n) {
-            pnd_delete(x, &x->pnd[i]);
-        } else {
-            i++;
-        }
-    }
 }
 
 /* ---- events ---- */
