@@ -54,7 +54,10 @@
  * prefilled tokens the head's rows [0, P - 1) are made there (row p reads t(p+1)); the
  * context carries the feature of P - 1 (tdm_disagg_ctx_layout: hidden state, feature,
  * logits), which the decoder hands to the scheduler with the request
- * (tdm_req_remote_done_feed), so the request drafts at its first step. A refusing peer is
+ * (tdm_req_remote_done_feed), so the request drafts at its first step. The feature is the one
+ * the head reads (feature_width floats, in the request): the target's final-normed state, or
+ * for an EAGLE-3 head the residual streams entering its target layers, fused (3 d_model),
+ * from which the prefill node also made the head's KV. A refusing peer is
  * asked without the head from then on (until it has been down): those requests decode
  * without drafts, and prefill stays disaggregated.
  *
@@ -248,10 +251,15 @@ enum tdm_disagg_msg_type {
 struct tdm_disagg_head_req {
     uint64_t fingerprint;
     uint32_t n_layers, n_heads, n_kv_heads, head_dim, d_ff; /* the head's layers and geometry */
-    uint64_t dst_layer_stride;                              /* bytes between its KV layers */
-    struct tdm_xfer_rmem kv;                                /* the decoder's head KV region */
+    /* floats of the target feature the head reads, which the context carries: d_model (the
+     * final-normed state), or an EAGLE-3 head's fused n * d_model (1 <= n <=
+     * TDM_DISAGG_HEAD_MAX_FEATURES; the wire writes 0 for d_model) */
+    uint32_t feature_width;
+    uint64_t dst_layer_stride; /* bytes between its KV layers */
+    struct tdm_xfer_rmem kv;   /* the decoder's head KV region */
 };
-#define TDM_DISAGG_HEAD_MAX_LAYERS 16 /* a head has one layer; a bound for peers' values */
+#define TDM_DISAGG_HEAD_MAX_LAYERS   16 /* a head has one layer; a bound for peers' values */
+#define TDM_DISAGG_HEAD_MAX_FEATURES TDM_HEAD_MAX_AUX /* target layers a fused feature holds */
 
 /* A destination rank's KV pool in a sharded request: where its layers are. */
 struct tdm_disagg_rank_dst {
@@ -371,11 +379,12 @@ uint32_t tdm_disagg_chunk_writes(const struct tdm_disagg_shard_plan *plan, uint3
                                  uint32_t head_layers);
 
 /* Where the context of a request lies in a context buffer, in floats: the hidden state
- * (d_model: the residual after the last layer), then with want_head the feature (d_model: the
- * final-normed state, what a head reads), then with want_logits the logits (vocab). Returns
- * the context's floats. */
-size_t tdm_disagg_ctx_layout(uint32_t d_model, uint32_t vocab, bool want_head, bool want_logits,
-                             size_t *feature_at, size_t *logits_at);
+ * (d_model: the residual after the last layer), then with a head the feature (feature_width
+ * floats, the head's: d_model for the final-normed state, an EAGLE-3 head's fused n d_model;
+ * 0: no head, no feature), then with want_logits the logits (vocab). Returns the context's
+ * floats. */
+size_t tdm_disagg_ctx_layout(uint32_t d_model, uint32_t feature_width, uint32_t vocab,
+                             bool want_logits, size_t *feature_at, size_t *logits_at);
 
 #ifdef __cplusplus
 }

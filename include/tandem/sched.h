@@ -307,8 +307,8 @@ tdm_status tdm_sched_reserve_rows(tdm_sched_t *s);
 void tdm_req_remote_done(tdm_req_t *r, tdm_status st);
 
 /* ---- speculation across disaggregation: features for a drafter, through the connector ----
- * Features (struct tdm_plan_seq.features, the target's final-normed states; d_model wide, which
- * is all a connector carries: an executor with wider ones, an EAGLE-3 head's, is refused here)
+ * Features (struct tdm_plan_seq.features: the executor's feature_dim floats a token, the
+ * target's final-normed states, or an EAGLE-3 head's fused target layers)
  * are downloaded for every span of a request that may speculate (spec_k >= 0) whenever the
  * scheduler keeps a features buffer: for its feature drafter (tdm_sched_set_drafter), or for
  * its connector
@@ -349,12 +349,13 @@ tdm_status tdm_sched_set_prefix_listener(tdm_sched_t *s, const struct tdm_prefix
  * theirs). Any thread; returns at once. */
 void tdm_sched_flush_prefix_cache(tdm_sched_t *s);
 
-/* Reserves the [max_batch_tokens][d_model] features buffer for a connector that reads the
- * features of its requests' spans in step_end. Before tdm_sched_start. TDM_ENOMEM. */
+/* Reserves the [max_batch_tokens][feature_dim] features buffer (the executor's width) for a
+ * connector that reads the features of its requests' spans in step_end. Before
+ * tdm_sched_start. TDM_ENOMEM. */
 tdm_status tdm_sched_reserve_features(tdm_sched_t *s);
-/* tdm_req_remote_done(r, TDM_OK), also handing over feature ([d_model] floats, copied before it
- * returns) and drafter_kv (0 .. n_tokens - 2) as described above. Without a feature drafter
- * the extras are dropped. Any thread. */
+/* tdm_req_remote_done(r, TDM_OK), also handing over feature ([feature_dim] floats, the
+ * executor's width, copied before it returns) and drafter_kv (0 .. n_tokens - 2) as described
+ * above. Without a feature drafter the extras are dropped. Any thread. */
 void tdm_req_remote_done_feed(tdm_req_t *r, const float *feature, int drafter_kv);
 
 /* ---- speculation: a drafter proposes tokens, the step verifies them ----

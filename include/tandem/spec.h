@@ -148,8 +148,9 @@ void tdm_spec_describe(const tdm_spec_t *sp, char *buf, size_t cap);
  * feature h(P - 1) from the context, and drafts at its first step. */
 typedef struct tdm_spec_head_kv tdm_spec_head_kv_t;
 /* A span of head rows: rows [pos0, pos0 + n) of a request, each reading tokens[p + 1] and the
- * target's feature of p (features: [n][d_model] host), writing the head's KV at p through the
- * request's page table. All borrowed for the call. */
+ * target's feature of p (features: [n][feature width] host: d_model, or an EAGLE-3 head's fused
+ * feature_width, which the target engine gives when tdm_spec_engine_opts made it), writing the
+ * head's KV at p through the request's page table. All borrowed for the call. */
 struct tdm_spec_head_rows {
     const int32_t *tokens;
     int pos0, n;

@@ -3,10 +3,10 @@
  * diagram).
  *
  * Slots. Each remote prefill in progress owns a slot: a counter slot in the transfer engine and a
- * context buffer of (2 d_model + vocab) floats (tdm_disagg_ctx_layout). A slot is FREE, PENDING
- * (request sent, counter armed) or FENCED (the attempt was abandoned; its pages are held until
- * the prefiller acknowledges the cancel or dies). Its epoch changes on every use (a random
- * value, never the last one).
+ * context buffer of (d_model + the head's feature width + vocab) floats (tdm_disagg_ctx_layout). A
+ * slot is FREE, PENDING (request sent, counter armed) or FENCED (the attempt was abandoned; its
+ * pages are held until the prefiller acknowledges the cancel or dies). Its epoch changes on every
+ * use (a random value, never the last one).
  *
  * The head. A decoder that drafts with an mtp head (opts.head) asks each prefill for the head's
  * KV too (one more layer per chunk, into the head's layer group of the pool) and the feature of
@@ -258,8 +258,8 @@ static void deliver_locked(struct tdm_disagg_decode *d, struct dslot *sl)
     if (r && sl->head) {
         /* the head's KV of [0, n - 1) landed, and the feature of n - 1 (n prefilled) */
         size_t feature_at;
-        tdm_disagg_ctx_layout((uint32_t)d->d_model, (uint32_t)d->vocab, true, d->o.want_logits,
-                              &feature_at, NULL);
+        tdm_disagg_ctx_layout((uint32_t)d->d_model, d->ep.head.id.feature_width, (uint32_t)d->vocab,
+                              d->o.want_logits, &feature_at, NULL);
         const float *ctx_buf = d->ctx_mem + slot * (d->ctx_bytes / sizeof(float));
         d->head_ok++;
         tdm_req_remote_done_feed(r, ctx_buf + feature_at, sl->n_tokens - 1);
@@ -995,12 +995,16 @@ tdm_status tdm_disagg_decode_create(const struct tdm_disagg_decode_opts *o, tdm_
     d->slots = calloc((size_t)d->n_slots, sizeof *d->slots);
     d->n_tried_cap = 4 * eo->max_seqs + 1024;
     d->tried = calloc((size_t)d->n_tried_cap, sizeof *d->tried);
-    /* room for the largest context: hidden state, feature, logits */
-    d->ctx_bytes =
-        (tdm_disagg_ctx_layout((uint32_t)d->d_model, (uint32_t)d->vocab, true, true, NULL, NULL) *
-             sizeof(float) +
-         63) /
-        64 * 64;
+    /* room for the largest context: hidden state, feature (the head's: d_model, or an EAGLE-3
+     * head's fused one), logits */
+    const int fw = o->head && o->head->head && o->head->head->feature_width > 0
+                       ? o->head->head->feature_width
+                       : d->d_model;
+    d->ctx_bytes = (tdm_disagg_ctx_layout((uint32_t)d->d_model, (uint32_t)fw, (uint32_t)d->vocab,
+                                          true, NULL, NULL) *
+                        sizeof(float) +
+                    63) /
+                   64 * 64;
     d->head_layers = o->head ? o->head->cfg.n_layers : 0;
     d->ctx_mem = aligned_alloc(64, d->ctx_bytes * (size_t)d->n_slots);
     if (!d->slots || !d->tried || !d->ctx_mem) {

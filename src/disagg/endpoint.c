@@ -27,12 +27,15 @@ static tdm_status head_open(struct disagg_head *h, tdm_kv_pool_t *kv, const stru
     h->layer_bytes = h->page_bytes * (size_t)kc->n_pages;
     h->bytes = h->layer_bytes * (size_t)g.n_layers;
     h->base = tdm_kv_pool_group_layer(kv, 1, 0).base;
-    h->id = (struct tdm_disagg_head_req){.fingerprint = tdm_spec_head_fingerprint(m),
-                                         .n_layers = (uint32_t)m->cfg.n_layers,
-                                         .n_heads = (uint32_t)m->cfg.n_heads,
-                                         .n_kv_heads = (uint32_t)m->cfg.n_kv_heads,
-                                         .head_dim = (uint32_t)m->cfg.head_dim,
-                                         .d_ff = (uint32_t)m->cfg.d_ff};
+    h->id = (struct tdm_disagg_head_req){
+        .fingerprint = tdm_spec_head_fingerprint(m),
+        .n_layers = (uint32_t)m->cfg.n_layers,
+        .n_heads = (uint32_t)m->cfg.n_heads,
+        .n_kv_heads = (uint32_t)m->cfg.n_kv_heads,
+        .head_dim = (uint32_t)m->cfg.head_dim,
+        .d_ff = (uint32_t)m->cfg.d_ff,
+        .feature_width =
+            (uint32_t)(m->head->feature_width > 0 ? m->head->feature_width : m->cfg.d_model)};
     h->on = true;
     return TDM_OK;
 }

@@ -96,7 +96,8 @@ struct step_span {
     int pos0, n_tokens;
     const int32_t *pages;
     int n_pages;
-    const float *features; /* [n_tokens][d_model], filled by the run; NULL without a head */
+    const float *features; /* [n_tokens][the head's feature width], filled by the run; NULL
+                            * without a head */
 };
 
 enum wkind { W_KV, W_HEAD, W_CTX }; /* a target layer's pages, the head layer's, the context */
@@ -259,9 +260,10 @@ static void post_locked(struct tdm_disagg_prefill *p, struct job *j, enum wkind 
             st = j->route.tp.iface->write_pages(j->route.tp.t, j->xpeer, wt->src, wt->dst, &pg,
                                                 &imm, 0, on_write_done, w);
         } else {
-            size_t bytes = tdm_disagg_ctx_layout(j->m.d_model, j->m.vocab, j->m.want_head,
-                                                 j->m.want_logits, NULL, NULL) *
-                           sizeof(float);
+            size_t bytes =
+                tdm_disagg_ctx_layout(j->m.d_model, j->m.want_head ? j->m.head.feature_width : 0,
+                                      j->m.vocab, j->m.want_logits, NULL, NULL) *
+                sizeof(float);
             w->bytes = bytes;
             st = p->ep.tp.iface->write(p->ep.tp.t, j->xpeer, &p->ep.ctx_reg,
                                        (uint64_t)j->ctx_slot * p->ctx_bytes, &j->m.ctx,
@@ -474,14 +476,15 @@ static void step_end(void *ctx, const struct tdm_sched_plan *plan, tdm_status st
              * head reads the feature of its last token */
             int row = q->row0 + q->n_rows - 1;
             size_t feature_at, logits_at;
-            tdm_disagg_ctx_layout(j->m.d_model, j->m.vocab, j->m.want_head, j->m.want_logits,
-                                  &feature_at, &logits_at);
+            const uint32_t fw = j->m.want_head ? j->m.head.feature_width : 0; /* validated */
+            tdm_disagg_ctx_layout(j->m.d_model, fw, j->m.vocab, j->m.want_logits, &feature_at,
+                                  &logits_at);
             float *dst = p->ctx_mem + (size_t)j->ctx_slot * (p->ctx_bytes / sizeof(float));
             memcpy(dst, plan->hidden + (size_t)row * p->d_model,
                    (size_t)p->d_model * sizeof(float));
             if (j->m.want_head)
-                memcpy(dst + feature_at, q->features + (size_t)(q->n_tokens - 1) * p->d_model,
-                       (size_t)p->d_model * sizeof(float));
+                memcpy(dst + feature_at, q->features + (size_t)(q->n_tokens - 1) * fw,
+                       (size_t)fw * sizeof(float));
             if (j->m.want_logits)
                 memcpy(dst + logits_at, plan->logits + (size_t)row * p->vocab,
                        (size_t)p->vocab * sizeof(float));
@@ -542,7 +545,8 @@ static tdm_status validate_head(struct tdm_disagg_prefill *p, const struct tdm_d
     const struct tdm_disagg_head_req *me = &p->ep.head.id;
     if (h->fingerprint != me->fingerprint || h->n_layers != me->n_layers ||
         h->n_heads != me->n_heads || h->n_kv_heads != me->n_kv_heads ||
-        h->head_dim != me->head_dim || h->d_ff != me->d_ff) {
+        h->head_dim != me->head_dim || h->d_ff != me->d_ff ||
+        h->feature_width != me->feature_width) {
         tdm_disagg_head_describe(me, ours, sizeof ours);
         snprintf(why, cap, "speculation heads differ: decoder %.70s, prefill node %.70s", theirs,
                  ours); /* the NACK's room: each head's description fits in 70 */
@@ -649,9 +653,9 @@ static tdm_status validate(struct tdm_disagg_prefill *p, uint32_t xpeer,
     uint64_t max_page = 0;
     for (uint32_t i = 0; i < m->n_pages; i++)
         if (m->pages[i] > max_page) max_page = m->pages[i];
-    size_t ctx_need =
-        tdm_disagg_ctx_layout(m->d_model, m->vocab, m->want_head, m->want_logits, NULL, NULL) *
-        sizeof(float);
+    size_t ctx_need = tdm_disagg_ctx_layout(m->d_model, m->want_head ? m->head.feature_width : 0,
+                                            m->vocab, m->want_logits, NULL, NULL) *
+                      sizeof(float);
     bool fits = true;
     for (uint32_t r = 0; r < m->dst_ranks; r++) { /* each destination rank's pool */
         struct tdm_tp_kv_shard ds;
@@ -959,12 +963,16 @@ tdm_status tdm_disagg_prefill_create(const struct tdm_disagg_prefill_opts *o, td
     struct tdm_kv_geometry g = tdm_kv_pool_geometry(p->kv);
     p->page_bytes = g.page_bytes;
     p->layer_bytes = g.layer_bytes;
-    /* room for the largest context: hidden state, feature, logits */
-    p->ctx_bytes =
-        (tdm_disagg_ctx_layout((uint32_t)p->d_model, (uint32_t)p->vocab, true, true, NULL, NULL) *
-             sizeof(float) +
-         63) /
-        64 * 64;
+    /* room for the largest context: hidden state, feature (the head's: d_model, or an EAGLE-3
+     * head's fused one), logits */
+    const int fw = o->head && o->head->head && o->head->head->feature_width > 0
+                       ? o->head->head->feature_width
+                       : p->d_model;
+    p->ctx_bytes = (tdm_disagg_ctx_layout((uint32_t)p->d_model, (uint32_t)fw, (uint32_t)p->vocab,
+                                          true, NULL, NULL) *
+                        sizeof(float) +
+                    63) /
+                   64 * 64;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     static const double lat[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06,

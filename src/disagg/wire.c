@@ -10,7 +10,7 @@
  *            pools, and f32 is still 0), u8 want_logits, u8 flags, u8[2] pad, u64 dst_layer_stride,
  *            ctx_offset, rmem kv[96], rmem ctx[96],
  *            [flags & HEAD: u64 head_fingerprint, u32 head_n_layers, head_n_heads,
- *             head_n_kv_heads, head_head_dim, head_d_ff, u32 reserved,
+ *             head_n_kv_heads, head_head_dim, head_d_ff, u32 head_feature_width,
  *             u64 head_dst_layer_stride, rmem head_kv[96]],
  *            [flags & CACHED: u32 cached_tokens, u32 reserved],
  *            [flags & SHARDED: u32 dst_ranks, src_ranks, dst_sets, src_sets, u64 shard_seed,
@@ -24,6 +24,9 @@
  *            SHARDED). With CACHED, pages name the pages from cached_tokens / page_size on.
  *            With SHARDED, both ranks counts shard kv_heads (tdm_tp_kv_shard_of) into the
  *            replica sets named, and the head range is the whole model's.
+ *            head_feature_width (a reserved 0 before EAGLE-3 heads, and still 0 for a head
+ *            of d_model-wide features): the floats of the head's feature in the context, a
+ *            multiple n d_model, 1 <= n <= TDM_DISAGG_HEAD_MAX_FEATURES.
  *   NACK:    u32 slot, epoch, i32 status, u16 len, char error[len]
  *   CANCEL, CANCEL_ACK: u32 slot, epoch
  *   SCHEME:  u32 slot, epoch, ranks, kv_heads
@@ -81,12 +84,12 @@ size_t tdm_disagg_prefill_msg_size(uint32_t n_tokens, uint32_t n_pages, bool hea
            shard_block(dst_ranks) + 4 * (size_t)n_tokens + 4 * (size_t)n_pages;
 }
 
-size_t tdm_disagg_ctx_layout(uint32_t d_model, uint32_t vocab, bool want_head, bool want_logits,
-                             size_t *feature_at, size_t *logits_at)
+size_t tdm_disagg_ctx_layout(uint32_t d_model, uint32_t feature_width, uint32_t vocab,
+                             bool want_logits, size_t *feature_at, size_t *logits_at)
 {
     size_t at = d_model;
     if (feature_at) *feature_at = at;
-    if (want_head) at += d_model;
+    at += feature_width;
     if (logits_at) *logits_at = at;
     if (want_logits) at += vocab;
     return at;
@@ -159,7 +162,9 @@ size_t tdm_disagg_msg_encode(const struct tdm_disagg_msg *m, uint8_t *buf, size_
             const struct tdm_disagg_head_req *h = &f->head;
             put64(p, h->fingerprint);
             p += 8;
-            const uint32_t hu[] = {h->n_layers, h->n_heads, h->n_kv_heads, h->head_dim, h->d_ff, 0};
+            const uint32_t fw = h->feature_width == f->d_model ? 0 : h->feature_width;
+            const uint32_t hu[] = {h->n_layers, h->n_heads, h->n_kv_heads,
+                                   h->head_dim, h->d_ff,    fw};
             for (size_t i = 0; i < sizeof hu / sizeof *hu; i++, p += 4)
                 put32(p, hu[i]);
             put64(p, h->dst_layer_stride);
@@ -310,7 +315,7 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
         h->n_kv_heads = hu[2];
         h->head_dim = hu[3];
         h->d_ff = hu[4];
-        if (hu[5]) return tdm_err_set(TDM_EFORMAT, "disagg: reserved bytes set in a head block");
+        h->feature_width = hu[5] ? hu[5] : f->d_model;
         h->dst_layer_stride = get64(p);
         p += 8;
         if ((st = tdm_xfer_rmem_unpack(p, TDM_XFER_RMEM_WIRE, &h->kv)) != TDM_OK) return st;
@@ -320,6 +325,15 @@ tdm_status tdm_disagg_msg_decode(const uint8_t *buf, size_t len, struct tdm_disa
             !h->head_dim || h->head_dim > MAX_GEOMETRY || !h->d_ff || h->d_ff > MAX_GEOMETRY)
             return tdm_err_set(TDM_EFORMAT, "disagg: inconsistent head geometry in a prefill "
                                             "request");
+        /* the context's feature: whole d_model rows of a few target layers (d_model itself
+         * is written as 0, so that a message has one encoding) */
+        if (!f->d_model || f->d_model > MAX_GEOMETRY || hu[5] == f->d_model ||
+            h->feature_width % f->d_model ||
+            h->feature_width / f->d_model > TDM_DISAGG_HEAD_MAX_FEATURES)
+            return tdm_err_set(TDM_EFORMAT,
+                               "disagg: a head feature of %u floats in a prefill request "
+                               "(d_model %u)",
+                               h->feature_width, f->d_model);
     }
     if (cached) {
         f->cached_tokens = get32(p);

@@ -109,6 +109,15 @@
  * vocabulary (scatter_cols) after the barrier. A draft model is no head: it runs whole on the
  * leader's backend, its KV group whole in the leader's pool.
  *
+ * An EAGLE-3 head shards the same way. Its input stage x = fc(feature) (3d -> d, or its own
+ * state on a deeper draft) and the norms of its two q/k/v inputs are replicated like the
+ * others': every rank gets a copy of the fused features (eagle3_upload), which the leader's
+ * target engine copied from its residual stream, whole on every rank after the all-reduces
+ * (the target's other ranks copy none). Its q/k/v are two products, of the embedding's
+ * columns and of the feature's (eagle3_qkv), both split by the rank's rows (shard.c), so
+ * each rank projects its own heads from whole inputs, with no sum. Its features (x before the
+ * final norm) are the leader's whole x.
+ *
  * Threading: one thread calls tdm_engine_forward at a time (a sharded engine's rank 0).
  */
 #include "tandem/engine.h"
@@ -1064,11 +1073,6 @@ static tdm_status head_shardable(const struct tdm_model *head, int N)
         return tdm_err_set(TDM_EUNSUPPORTED,
                            "engine: --tp %d: a speculation head with %s is not sharded yet", N,
                            c->n_experts ? "mixture-of-experts layers" : "latent attention");
-    if (head->head->layout == TDM_HEAD_EAGLE3)
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "engine: --tp %d: an EAGLE-3 head is not sharded yet (its q/k/v read "
-                           "two inputs, the second's columns not split); run it at --tp 1",
-                           N);
     return TDM_OK;
 }
 
@@ -1193,8 +1197,10 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
             head_group.n_kv_heads = ks.n_kv_heads;
             ro.kv_extra = &head_group;
         }
-        if (r > 0) { /* the layer counter, a draft model's KV: the leader's alone */
+        if (r > 0) { /* the layer counter, a draft model's KV, an EAGLE-3 head's features
+                      * (every rank holds the whole residual they copy): the leader's alone */
             ro.count_layers = false;
+            ro.n_feature_layers = 0;
             if (!head_kv) {
                 ro.kv_extra = NULL;
                 ro.n_kv_extra = 0;
@@ -1818,11 +1824,11 @@ static void *rank_main(void *arg)
 
 /* An EAGLE-3 head's hidden states, in step order (before a graph may replay): a step of the
  * target's features ([n][feature_width] into hin) or of its own ([n][d_model] straight into
- * the residual x, which its input stage then starts from), never both. */
+ * the residual x, which its input stage then starts from), never both. A sharded head's ranks
+ * each take a copy (their input stages are replicated). */
 static tdm_status eagle3_upload(tdm_engine_t *e, const struct tdm_batch *batch,
                                 const struct tdm_step *step)
 {
-    const struct tdm_backend_i *ops = e->backend->iface;
     const bool own = batch->seqs[0].own_hidden;
     const size_t w = own ? (size_t)e->cfg.d_model : (size_t)e->head.feature_width;
     for (int s = 0; s < batch->n_seqs; s++)
@@ -1831,10 +1837,14 @@ static tdm_status eagle3_upload(tdm_engine_t *e, const struct tdm_batch *batch,
                                "batch: an EAGLE-3 head's step mixes the target's features "
                                "(sequence %d) and its own (sequence %d)",
                                own ? s : 0, own ? 0 : s);
-    e->own_step = own;
-    for (int s = 0; s < batch->n_seqs; s++)
-        ops->upload(e->backend, (own ? e->x : e->hin) + (size_t)step->seq_token_start[s] * w,
-                    batch->seqs[s].hidden, (size_t)batch->seqs[s].n_tokens * w * sizeof(float));
+    for (int r = 0; r < (e->tpx ? e->tpx->n_ranks : 1); r++) { /* each rank's input stage */
+        tdm_engine_t *re = e->tpx ? e->tpx->ranks[r] : e;
+        re->own_step = own;
+        for (int s = 0; s < batch->n_seqs; s++)
+            re->backend->iface->upload(
+                re->backend, (own ? re->x : re->hin) + (size_t)step->seq_token_start[s] * w,
+                batch->seqs[s].hidden, (size_t)batch->seqs[s].n_tokens * w * sizeof(float));
+    }
     return TDM_OK;
 }
 

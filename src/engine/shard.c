@@ -16,7 +16,13 @@
  *
  * A speculation head (m->head) is viewed the same way: its one layer as above, its LM head by
  * rows (a reduced draft vocabulary's rows: the caller's s splits n_draft), and its input stage
- * (fc_e, fc_h, the norms, d2t) m's, whole: every rank runs it (engine.c says why).
+ * (fc_e, fc_h, the norms, d2t) m's, whole: every rank runs it (engine.c says why). An EAGLE-3
+ * head's q/k/v read [embedding ; feature] as two products (engine.c, eagle3_qkv): the layer's
+ * wq, wk, wv hold the embedding's columns and the head's wq_h, wk_h, wv_h the feature's, each
+ * [rows][d_model]; both are split by the same rows, so the view has a head of its own (a copy
+ * of m's with those three sliced; its fc, norms and maps still m's).
+ *
+ *   wq_h:        rows   [q_head0 * hd, ...)       wk_h, wv_h: rows [kv_head0 * hd, ...)
  *
  * A weight's rows are whole rows of its blocks, so a row slice is a pointer; a column slice is
  * a copy, of whole blocks where it starts and ends on a block, else dequantised to F32 (the
@@ -136,6 +142,17 @@ tdm_status tdm_engine_shard_model(const struct tdm_model *m, const struct tdm_tp
         d->w_up = slice_rows(&w->w_up, s->ff0, s->n_ff);
         if ((st = slice_cols(v, &w->wo, q0, nq, &d->wo)) == TDM_OK)
             st = slice_cols(v, &w->w_down, s->ff0, s->n_ff, &d->w_down);
+    }
+    if (st == TDM_OK && m->head && m->head->layout == TDM_HEAD_EAGLE3) {
+        void *buf;
+        if ((st = tdm_model_alloc_owned(v, sizeof *m->head, &buf)) == TDM_OK) {
+            struct tdm_head *h = buf;
+            *h = *m->head;
+            h->wq_h = slice_rows(&m->head->wq_h, q0, nq);
+            h->wk_h = slice_rows(&m->head->wk_h, k0, nk);
+            h->wv_h = slice_rows(&m->head->wv_h, k0, nk);
+            v->head = h;
+        }
     }
     if (st != TDM_OK) {
         tdm_engine_shard_model_free(v);

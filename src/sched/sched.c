@@ -421,7 +421,7 @@ static tdm_status req_new(struct tdm_sched *s, const struct tdm_req_params *p, s
     }
     /* a remote fill may bring a feature drafter its inputs (tdm_req_remote_done_feed) */
     if (s->drafter && s->drafter->feed && s->conn && s->conn->admit && !p->prefill_only &&
-        !(r->remote_feature = malloc((size_t)s->x.d_model * sizeof(float)))) {
+        !(r->remote_feature = malloc((size_t)s->feat_dim * sizeof(float)))) {
         st = tdm_err_set(TDM_ENOMEM, "out of memory");
         goto out_buffers;
     }
@@ -777,12 +777,6 @@ static void watch_end(struct tdm_sched *s)
 tdm_status tdm_sched_start(tdm_sched_t *s)
 {
     if (s->started) return TDM_OK;
-    if (s->drafter && s->drafter->feed && s->conn && s->conn->admit && s->feat_dim != s->x.d_model)
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "sched: the drafter reads %d-wide features (an EAGLE-3 head's fused "
-                           "target layers), and a remote prefill brings one %d-wide feature: "
-                           "an EAGLE-3 head does not speculate across disaggregation yet",
-                           s->feat_dim, s->x.d_model);
     if (s->o.watchdog_ms > 0 && !s->wstarted) {
         s->wstop = false;
         if (pthread_create(&s->wthread, NULL, watchdog_main, s))
@@ -1034,15 +1028,9 @@ tdm_status tdm_sched_set_drafter(tdm_sched_t *s, const struct tdm_sched_drafter_
 
 tdm_status tdm_sched_reserve_features(tdm_sched_t *s)
 {
-    if (s->feat_dim != s->x.d_model) /* a connector reads d_model-wide final-normed features */
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "sched: the executor's features are %d wide (an EAGLE-3 head's fused "
-                           "target layers); a disaggregated prefill carries %d-wide ones: "
-                           "disaggregate without that head, or run it colocated",
-                           s->feat_dim, s->x.d_model);
     if (s->features) return TDM_OK;
     s->features =
-        malloc((size_t)s->o.max_batch_tokens * (size_t)TDM_MAX(s->x.d_model, 1) * sizeof(float));
+        malloc((size_t)s->o.max_batch_tokens * (size_t)TDM_MAX(s->feat_dim, 1) * sizeof(float));
     if (!s->features)
         return tdm_err_set(TDM_ENOMEM, "sched: out of memory for %d tokens' features",
                            s->o.max_batch_tokens);
@@ -1053,7 +1041,7 @@ void tdm_req_remote_done_feed(tdm_req_t *r, const float *feature, int drafter_kv
 {
     /* the scheduler does not touch the mailbox while the request waits for its KV */
     if (r->remote_feature && feature) {
-        memcpy(r->remote_feature, feature, (size_t)r->sched->x.d_model * sizeof(float));
+        memcpy(r->remote_feature, feature, (size_t)r->sched->feat_dim * sizeof(float));
         r->remote_drafter_kv = drafter_kv;
         r->remote_fed = true;
     }

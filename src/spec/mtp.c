@@ -41,8 +41,11 @@
  * three target layers, which the target engine copies when tdm_spec_engine_opts asked for
  * them): pending rows and the catch-up's inputs are fw wide, while the head's own feature (g,
  * its state before the final norm) stays d wide; the deeper drafts' and the trees' passes
- * mark their hidden states own_hidden, so its engine skips fc there. Not beside a sharded
- * target, nor across disaggregation (refused in head_fits and tdm_spec_head_kv_create).
+ * mark their hidden states own_hidden, so its engine skips fc there. Beside a sharded target
+ * it is sharded like the others (below). Across disaggregation the prefill node's target gives
+ * the same fused features (its engine made by tdm_spec_engine_opts), tdm_spec_head_kv runs the
+ * head over them exactly as the catch-up here, and the context brings the fused feature of
+ * N - 2 (disagg.h: the request says its width), which the scheduler feeds like any other.
  *
  * The same head on a prefill node (tdm_spec_head_kv, spec.h): an engine of its own beside the
  * prefill node's target that runs the head's rows over what that node prefilled, from the
@@ -642,13 +645,6 @@ static tdm_status head_fits(tdm_engine_t *target, const struct tdm_model *head, 
     const struct tdm_head *hh = head->head;
     if (hh->n_aux > 0) { /* EAGLE-3: the target gives the residual of the head's layers */
         const struct tdm_engine_opts *to = tdm_engine_opts(target);
-        if (tdm_engine_tp_ranks(target) > 1)
-            return tdm_err_set(TDM_EUNSUPPORTED,
-                               "%s: an EAGLE-3 head beside a sharded target (--tp %d) is not "
-                               "supported yet (its layer reads [embedding; feature] in two "
-                               "column halves, which the ranks' head views do not split); run "
-                               "it with --tp 1",
-                               who, tdm_engine_tp_ranks(target));
         if (to->n_feature_layers != hh->n_aux ||
             memcmp(to->feature_layers, hh->aux_layers, sizeof hh->aux_layers))
             return tdm_err_set(TDM_EINVAL,
@@ -743,6 +739,7 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
 struct tdm_spec_head_kv {
     tdm_engine_t *e; /* the head's, beside the target's (group 1 of its pool) */
     int max_seqs, max_tokens;
+    int fw; /* the target feature's width: d_model, or an EAGLE-3 head's fused 3 d_model */
     struct tdm_batch_seq *seqs; /* [max_seqs] */
 };
 
@@ -751,13 +748,6 @@ tdm_status tdm_spec_head_kv_create(tdm_engine_t *target, const struct tdm_model 
 {
     tdm_status st = head_fits(target, head, "spec head KV");
     if (st != TDM_OK) return st;
-    if (head->head->n_aux > 0)
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "spec head KV: an EAGLE-3 head across disaggregation is not supported "
-                           "yet: the context carries one final-normed feature, and the head "
-                           "reads the residual of %d target layers (run it colocated, or "
-                           "disaggregate without the head)",
-                           head->head->n_aux);
     struct tdm_spec_head_kv *h = calloc(1, sizeof *h);
     if (!h) return tdm_err_set(TDM_ENOMEM, "spec head KV: out of memory");
     struct tdm_engine_opts eo;
@@ -770,6 +760,7 @@ tdm_status tdm_spec_head_kv_create(tdm_engine_t *target, const struct tdm_model 
     const struct tdm_engine_opts *ho = tdm_engine_opts(h->e);
     h->max_seqs = ho->max_seqs;
     h->max_tokens = ho->max_batch_tokens;
+    h->fw = head->head->feature_width > 0 ? head->head->feature_width : head->cfg.d_model;
     if (!(h->seqs = calloc((size_t)h->max_seqs, sizeof *h->seqs))) {
         tdm_spec_head_kv_destroy(h);
         return tdm_err_set(TDM_ENOMEM, "spec head KV: out of memory");
@@ -788,7 +779,7 @@ void tdm_spec_head_kv_destroy(tdm_spec_head_kv_t *h)
 
 tdm_status tdm_spec_head_kv_run(tdm_spec_head_kv_t *h, const struct tdm_spec_head_rows *rows, int n)
 {
-    const int d = tdm_engine_model(h->e)->cfg.d_model;
+    const size_t fw = (size_t)h->fw;
     int i = 0, done = 0; /* rows of span i already run */
     while (i < n) {
         int m = 0, budget = h->max_tokens;
@@ -801,7 +792,7 @@ tdm_status tdm_spec_head_kv_run(tdm_spec_head_kv_t *h, const struct tdm_spec_hea
                                                       .pos0 = r->pos0 + done,
                                                       .pages = r->pages,
                                                       .n_pages = r->n_pages,
-                                                      .hidden = r->features + (size_t)done * d};
+                                                      .hidden = r->features + (size_t)done * fw};
                 done += span;
                 budget -= span;
             }

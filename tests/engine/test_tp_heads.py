@@ -22,7 +22,10 @@ The contract checked, with --exact-activations:
     and --tp 2 and 3 drawing the same tokens, --tp 1 others);
   - on tiny random targets: KV heads H in {1, 2, 4}, heads of 1, 2 or 4 KV heads, --tp 2 and 4
     (replica sets of the target, of the head, or both), each head layout the loader takes
-    (tandem, EAGLE, DeepSeek-MTP) and a reduced draft vocabulary (d2t);
+    (tandem, EAGLE, DeepSeek-MTP) and a reduced draft vocabulary (d2t); and EAGLE-3 heads
+    (random, their fused features from three target layers, their q/k/v's two column halves
+    split by the same rows), whose rejection-sampled tokens follow the head's whole
+    distribution: a wrong slice of either half changes them;
   - on the default model (3 KV heads: --tp 2 splits 2 + 1, --tp 3 one each) with heads of 3
     KV heads and of 1 (replica sets at --tp 2 and 3), and with the shipped, trained head
     (MODEL.mtp.safetensors, a draft vocabulary of 8192) where it is present;
@@ -36,7 +39,7 @@ import pytest
 from conftest import default_model_path, run_tandem
 from lib import reference as ref
 from lib.checkpoints import make_hf_checkpoint
-from lib.heads import write_head
+from lib.heads import write_eagle3_head, write_head
 from test_fidelity import tie_free_prompt
 
 N_GEN = 24
@@ -135,6 +138,31 @@ def test_tiny_targets(kv, head_kv, layout, draft_vocab, tandem_bin, tmp_path):
                      draft_vocab=draft_vocab, lm_head=m.lm_head)
     prompt = tie_free_prompt(m, 20, N_GEN)
     check_sharded(path, head, prompt, (2, 4), f"H={kv}, head H={head_kv} ({layout})",
+                  rejection=True)
+
+
+# (target KV heads, EAGLE-3 head KV heads): --tp 2 and 4 of each
+TINY_EAGLE3 = [(2, 2),  # --tp 4: replica sets of both
+               (4, 1)]  # the target split, the head's replica sets
+
+
+@pytest.mark.parametrize("kv,head_kv", TINY_EAGLE3)
+def test_tiny_targets_eagle3(kv, head_kv, tandem_bin, tmp_path):
+    """An EAGLE-3 head (its own LM head over a reduced draft vocabulary, its fused features
+    from target layers 0, 2 and 3, named in its config.json) beside a sharded 4-layer target:
+    greedy tokens and statistics are --tp 1's, and so are the tokens sampled with rejection
+    acceptance (which read the head's whole distribution, its attention's included)."""
+    path = make_hf_checkpoint(tmp_path / "target", "llama", seed=90 + kv, hidden_size=128,
+                              num_attention_heads=8, num_key_value_heads=kv, head_dim=16,
+                              intermediate_size=256, num_hidden_layers=4)
+    m = ref.load(path)
+    head = tmp_path / "eagle3" / "head.safetensors"
+    head.parent.mkdir()
+    write_eagle3_head(head, d=128, head_dim=16, vocab=m.vocab_size, n_layers=4, n_heads=8,
+                      n_kv_heads=head_kv, d_ff=256, draft_vocab=96, seed=kv * 10 + head_kv,
+                      aux_layers=(0, 2, 3))
+    prompt = tie_free_prompt(m, 20, N_GEN)
+    check_sharded(path, str(head), prompt, (2, 4), f"H={kv}, EAGLE-3 head H={head_kv}",
                   rejection=True)
 
 

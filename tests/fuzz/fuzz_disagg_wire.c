@@ -2,7 +2,8 @@
  * libFuzzer target for the disaggregation control messages (src/disagg/wire.c): bytes from a
  * peer process. Accepted messages must satisfy what the messengers rely on (counts within the
  * caps, pages consistent with tokens and page size, chunk a multiple of the page size, a
- * head block within its bounds when the HEAD flag is set and nothing of it read otherwise, a
+ * head block within its bounds when the HEAD flag is set (its feature width whole d_model rows
+ * of at most TDM_DISAGG_HEAD_MAX_FEATURES layers) and nothing of it read otherwise, a
  * SHARDED block whose two schemes shard the KV heads by the contract (rank counts within
  * TDM_DISAGG_MAX_RANKS, replica sets as tdm_tp_kv_shard_of gives them, the head range the whole
  * model's, a plan that tdm_disagg_shard_plan makes with a count of writes the immediates can
@@ -11,7 +12,8 @@
  * be an error, never a crash or an out-of-bounds read.
  *
  * Seed corpus: tests/fuzz/corpus/disagg_wire/ (one message of each type, a PREFILL with a head
- * block: prefill_head, with a cached prefix: prefill_cached, with the SHARDED block:
+ * block: prefill_head, and with an EAGLE-3 head's fused feature width (3 d_model):
+ * prefill_head_eagle3, with a cached prefix: prefill_cached, with the SHARDED block:
  * prefill_sharded (3 KV heads from 3 ranks to 2) and prefill_sharded_tp1).
  */
 #include <stdint.h>
@@ -42,6 +44,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             const struct tdm_disagg_head_req *h = &f->head;
             if (!h->n_layers || h->n_layers > TDM_DISAGG_HEAD_MAX_LAYERS || !h->n_heads ||
                 !h->n_kv_heads || h->n_kv_heads > h->n_heads || !h->head_dim || !h->d_ff)
+                abort();
+            /* the context's feature: 1 .. TDM_DISAGG_HEAD_MAX_FEATURES whole d_model rows */
+            if (!f->d_model || h->feature_width < f->d_model || h->feature_width % f->d_model ||
+                h->feature_width / f->d_model > TDM_DISAGG_HEAD_MAX_FEATURES)
                 abort();
         } else {
             static const struct tdm_disagg_head_req none;

@@ -13,7 +13,8 @@ and lossless drafting with --spec mtp and --spec eagle.
 - The comparison is sensitive to the layers: features taken one layer off do not match.
 - Heads that do not fit are refused with a message naming the problem.
 - `tandem generate --spec mtp|eagle --spec-draft EAGLE3` prints the token ids of no
-  speculation, greedy and sampled, on the default model.
+  speculation, greedy and sampled, on the default model, also beside a sharded target
+  (--tp 2, 3: the --tp 1 head's statistics).
 """
 import json
 import os
@@ -259,11 +260,28 @@ def test_echo_eagle3_is_accepted_and_lossless(default_model, echo3):
         assert st["tau"] > 2.0, (spec, st)
 
 
-def test_eagle3_beside_a_sharded_target_is_refused(default_model, head3):
-    """--tp N shards a head's layer by rows of q/k/v over d columns; an EAGLE-3 layer reads
-    2d: refused with a message, not run wrong."""
-    cp = run_tandem(["generate", "--model", default_model, "--prompt", "hi", "--max-tokens", "2",
-                     "--tp", "2", "--spec", "mtp", "--spec-draft", head3], check=False,
-                    timeout=300 * SLOW)
-    assert cp.returncode != 0
-    assert "EAGLE-3 head beside a sharded target (--tp 2)" in cp.stderr, cp.stderr
+def test_eagle3_beside_a_sharded_target(default_model, echo3):
+    """--tp N shards the head like its target (engine.c; its q/k/v's two column halves by the
+    rank's rows, fc and the norms replicated on every rank from the leader's fused features):
+    greedy tokens at --tp 2 (KV heads 2 + 1) and --tp 3 (one each) are --tp 1's without
+    speculation, and the speculation statistics are the --tp 1 head's (the same drafts kept),
+    as a chain and as trees. The sharded layer itself is checked against --tp 1 on tiny targets
+    with rejection sampling (tests/engine/test_tp_heads.py, test_tiny_targets_eagle3)."""
+    def run(tp, spec=()):
+        cp = run_tandem(["generate", "--model", default_model, "--prompt", REPEAT, "--max-tokens",
+                         "24", "--temperature", "0", "--print-token-ids", "--threads", "2",
+                         "--exact-activations", "--tp", str(tp), *spec], timeout=300 * SLOW)
+        st = json.loads(cp.stderr.strip().splitlines()[-1]) if spec else None
+        return cp.stdout.split(), st
+
+    plain, _ = run(1)
+    for spec in (["--spec", "mtp", "--spec-k", "3"],
+                 ["--spec", "eagle", "--spec-k", "3", "--spec-tree-budget", "8"]):
+        spec = spec + ["--spec-draft", str(echo3), "--spec-stats"]
+        ids1, st1 = run(1, spec)
+        assert ids1 == plain, spec
+        assert st1["drafted"] > 0 and st1["accepted"] > 0, (spec, st1)
+        for tp in (2, 3):
+            ids, st = run(tp, spec)
+            assert ids == plain, f"{spec} --tp {tp}: {ids}, plain --tp 1 {plain}"
+            assert st == st1, f"{spec} --tp {tp}: statistics {st}, --tp 1's {st1}"
