@@ -448,6 +448,103 @@ static void test_matmul_blocks(void **state)
     }
 }
 
+#ifdef TDM_HAVE_CUDA
+/* backend/cuda/cuda_kernels.h: which form of the block kernel runs (0 auto, 1 registers, 2 the
+ * copy engine's stages); the two must give the same bits */
+void tdm_cu_qgemv_set_form(int form);
+
+/* The block kernel's two forms on shapes that take the staged one through several refills of
+ * its 4 stages (up to 14,336 columns), a partial last stage, rows past the last 16-row block
+ * and token tiles of 8, 16 and 32: each against the reference, and the two bit for bit, for
+ * matmul, matmul_multi and matmul_swiglu. */
+static void test_matmul_block_forms(void **state)
+{
+    (void)state;
+    const enum tdm_dtype dts[] = {TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0, TDM_DTYPE_Q4_1, TDM_DTYPE_Q4_K,
+                                  TDM_DTYPE_Q6_K};
+    const struct mm_shape shapes[] = {{40, 8192, 3, true},   {37, 4352, 9, false},
+                                      {24, 14336, 1, false}, {300, 2048, 20, true},
+                                      {16, 1024, 64, false}, {129, 256, 2, true}};
+    for (int k = 0; k < n_bes; k++) {
+        const struct be *e = &bes[k];
+        if (!e->blocks) continue;
+        for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++)
+            for (size_t si = 0; si < TDM_ARRAY_LEN(shapes); si++) {
+                const struct mm_shape sh = shapes[si];
+                struct tdm_test_weight tw;
+                tdm_test_weight_make(&rng_state, dts[d], sh.rows, sh.cols, &tw);
+                float *x = rand_vec((size_t)sh.n * sh.cols, -1, 1);
+                float *bias = sh.bias ? rand_vec((size_t)sh.rows, -1, 1) : NULL;
+                const size_t n_out = (size_t)sh.n * sh.rows;
+                struct tdm_weight w = prepared(e, &tw);
+                float *dx = put(e, x, (size_t)sh.n * sh.cols);
+                float *db = bias ? put(e, bias, (size_t)sh.rows) : NULL;
+                float *out[2];
+                for (int f = 0; f < 2; f++) {
+                    tdm_cu_qgemv_set_form(f ? 2 : 1);
+                    float *dout = poisoned(e, n_out);
+                    e->b->iface->matmul(e->b, &w, dx, sh.n, db, dout);
+                    out[f] = get(e, dout, n_out);
+                    drop(e, dout);
+                    check_matmul(e, &tw, x, sh.n, bias, out[f], f ? "matmul (staged)" : "matmul");
+                }
+                if (memcmp(out[0], out[1], n_out * sizeof(float))) {
+                    print_error("%s: %s %lldx%lld n=%d: the staged block kernel differs from the "
+                                "register one\n",
+                                e->name, tdm_dtype_name(dts[d]), (long long)sh.rows,
+                                (long long)sh.cols, sh.n);
+                    fail();
+                }
+                free(out[0]), free(out[1]);
+                drop(e, dx);
+                if (db) drop(e, db);
+                free(bias), free(x);
+                tdm_test_weight_free(&tw);
+            }
+        /* the fused ops (3 parts; SwiGLU's two matrices share a stage) in both forms */
+        const int64_t D = 4352, F = 48, rows[3] = {64, 32, 32};
+        for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++) {
+            struct tdm_test_weight tw[3], gate, up;
+            for (int j = 0; j < 3; j++)
+                tdm_test_weight_make(&rng_state, dts[d], rows[j], D, &tw[j]);
+            tdm_test_weight_make(&rng_state, dts[d], F, D, &gate);
+            tdm_test_weight_make(&rng_state, dts[d], F, D, &up);
+            float *x = rand_vec((size_t)5 * D, -1, 1), *bq = rand_vec((size_t)rows[0], -1, 1);
+            struct tdm_weight wg = prepared(e, &gate), wu = prepared(e, &up);
+            float *dx = put(e, x, (size_t)5 * D);
+            float *sw[2];
+            for (int f = 0; f < 2; f++) {
+                tdm_cu_qgemv_set_form(f ? 2 : 1);
+                fused_check(e, tw, rows, &gate, &up, D, F, x, bq, 5);
+                float *d_sw = poisoned(e, (size_t)5 * F);
+                e->b->iface->matmul_swiglu(e->b, &wg, &wu, dx, 5, d_sw);
+                sw[f] = get(e, d_sw, (size_t)5 * F);
+                drop(e, d_sw);
+            }
+            if (memcmp(sw[0], sw[1], (size_t)5 * F * sizeof(float))) {
+                print_error("%s: matmul_swiglu %s: the staged block kernel differs from the "
+                            "register one\n",
+                            e->name, tdm_dtype_name(dts[d]));
+                fail();
+            }
+            free(sw[0]), free(sw[1]);
+            drop(e, dx);
+            free(x), free(bq);
+            for (int j = 0; j < 3; j++)
+                tdm_test_weight_free(&tw[j]);
+            tdm_test_weight_free(&gate), tdm_test_weight_free(&up);
+        }
+        tdm_cu_qgemv_set_form(0);
+    }
+}
+#else
+static void test_matmul_block_forms(void **state)
+{
+    (void)state;
+    printf("SKIP: test_matmul_block_forms: this build has no CUDA\n");
+}
+#endif
+
 static void test_embed(void **state)
 {
     (void)state;
@@ -1516,13 +1613,21 @@ int main(void)
         printf(" [%s]", bes[i].name);
     printf("\n");
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_matmul),         cmocka_unit_test(test_matmul_fused),
-        cmocka_unit_test(test_embed),          cmocka_unit_test(test_norms_elementwise),
-        cmocka_unit_test(test_rope_kv_append), cmocka_unit_test(test_attention),
-        cmocka_unit_test(test_layer_done),     cmocka_unit_test(test_typed_buffers),
-        cmocka_unit_test(test_tree_attention), cmocka_unit_test(test_kv_copy),
-        cmocka_unit_test(test_kv_dtypes),      cmocka_unit_test(test_matmul_blocks),
-        cmocka_unit_test(test_head_matmul),    cmocka_unit_test(test_latent_rows),
+        cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_fused),
+        cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_norms_elementwise),
+        cmocka_unit_test(test_rope_kv_append),
+        cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_layer_done),
+        cmocka_unit_test(test_typed_buffers),
+        cmocka_unit_test(test_tree_attention),
+        cmocka_unit_test(test_kv_copy),
+        cmocka_unit_test(test_kv_dtypes),
+        cmocka_unit_test(test_matmul_blocks),
+        cmocka_unit_test(test_matmul_block_forms),
+        cmocka_unit_test(test_head_matmul),
+        cmocka_unit_test(test_latent_rows),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = 0; i < n_bes; i++)

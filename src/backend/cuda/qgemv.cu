@@ -19,6 +19,16 @@
  * tensor cores sum each output column on its own), so a row's product is the same at any
  * batch up to TDM_CU_QGEMV_MAX_N, and matmul_multi and matmul_swiglu give matmul's bits.
  *
+ * Two forms carry the weight bytes in, with the same arithmetic and so the same bits: the
+ * register form (qgemv_kernel: each warp loads its chunks' bytes into registers, UNROLL chunks
+ * in flight) and the staged form (qgemv_bulk_kernel: the copy engine streams the block's rows
+ * into shared memory, STAGES stages ahead, each completing on an mbarrier). The register form
+ * is the default: on an H100 (bench/RESULTS.md, 2026-12-05) the staged one was 4-30% slower at
+ * batch 1 and 8 for every kind (its 512-byte copies a row a stage, and the activations' L1 round
+ * trips that the register form hides under its weight loads). $TANDEM_CUDA_QGEMV=bulk (or
+ * tdm_cu_qgemv_set_form) picks the staged form where its alignment and shared-memory needs are
+ * met, for comparisons and as the base of a swizzled tensor-copy version.
+ *
  * Larger batches (prefill) dequantise row chunks to bf16 (tdm_cu_qdequant) for cuBLASLt.
  */
 #include "backend/cuda/cuda_kernels.h"
@@ -27,6 +37,8 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cstdlib>
+#include <cstring>
 
 namespace
 {
@@ -223,93 +235,97 @@ __device__ __forceinline__ void chunk_mma(const raw<KIND> &A, const raw<KIND> &B
     }
 }
 
-/* chunks whose loads a warp puts in flight together */
-constexpr int UNROLL = 4;
-
-/* grid: (16-row blocks of all parts, token tiles of 8 * NT). SWIGLU: parts 0 (gate) and 1 (up)
- * of equal rows, one block reads both. Each warp takes chunks warp, warp + 8, ...: UNROLL of
- * them a round, every load of the round issued before the first product. */
-template <int KIND, int NT, bool SWIGLU>
-__global__ void __launch_bounds__(256) qgemv_kernel(qargs a)
+/* The activations of chunk c for this lane's token of each tile (columns 4t.. of each half
+ * group, as the B fragments take them): loads only, so that they can be in flight ahead of
+ * their use. */
+template <int NT>
+__device__ __forceinline__ void load_x_raw(const uint16_t *const (&xr)[NT], int c, int t,
+                                           uint2 (&X)[NT][2][2])
 {
-    constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1);
-    __shared__ float red[8][NV][32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int blk = blockIdx.x;
-    int part = 0;
-    while (blk >= a.blk_start[part + 1])
-        part++;
-    const tdm_cu_qgemv_part &P = a.p[part];
-    const int m = P.m, k = a.k, r0 = (blk - a.blk_start[part]) * 16;
-    const int ra = min(r0 + g, m - 1), rb = min(r0 + g + 8, m - 1);
-    const int tok0 = blockIdx.y * 8 * NT;
-    const uint16_t *xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        const int tok = tok0 + nt * 8 + g;
-        xr[nt] = tok < a.n ? a.x + (size_t)tok * k : nullptr;
-    }
-    float acc[NT][4], accu[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            acc[nt][e] = accu[nt][e] = 0.0f;
-    const int n_chunks = k / 64;
-    bool waited = false;
-    for (int c0 = warp; c0 < n_chunks; c0 += 8 * UNROLL) {
-        raw<KIND> A[UNROLL], B[UNROLL], AU[UNROLL], BU[UNROLL];
+        for (int gi = 0; gi < 2; gi++)
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            const int c = min(c0 + 8 * u, n_chunks - 1); /* past the end: loaded, not used */
-            load_raw<KIND>(P, k, ra, c, t, A[u]);
-            load_raw<KIND>(P, k, rb, c, t, B[u]);
-            if (SWIGLU) {
-                load_raw<KIND>(a.p[1], k, ra, c, t, AU[u]);
-                load_raw<KIND>(a.p[1], k, rb, c, t, BU[u]);
+            for (int h = 0; h < 2; h++)
+                X[nt][gi][h] = xr[nt] ? __ldg(reinterpret_cast<const uint2 *>(
+                                            xr[nt] + 64 * c + 32 * gi + 16 * h + 4 * t))
+                                      : make_uint2(0, 0);
+}
+
+/* For kinds with a minimum, each group's sum of the activations over the two tokens this
+ * lane's C fragment holds (the whole warp takes part); zeros otherwise. */
+template <int KIND, int NT>
+__device__ __forceinline__ void x_sums(const uint2 (&X)[NT][2][2], int t, float (&sx)[NT][2][2])
+{
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+        for (int gi = 0; gi < 2; gi++) {
+            if (has_min(KIND)) {
+                float own = 0.0f;
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    own += (bf_lo(X[nt][gi][h].x) + bf_hi(X[nt][gi][h].x)) +
+                           (bf_lo(X[nt][gi][h].y) + bf_hi(X[nt][gi][h].y));
+                /* the group's sum for token g, then the two tokens this lane's C holds */
+                own += __shfl_xor_sync(0xffffffffu, own, 1);
+                own += __shfl_xor_sync(0xffffffffu, own, 2);
+                sx[nt][gi][0] = __shfl_sync(0xffffffffu, own, 8 * t);
+                sx[nt][gi][1] = __shfl_sync(0xffffffffu, own, 8 * t + 4);
+            } else {
+                sx[nt][gi][0] = sx[nt][gi][1] = 0.0f;
             }
-        }
-        if (!waited) { /* the weights are ours; x is the kernel before's (pdl.cuh) */
-            tdm_pdl_wait();
-            waited = true;
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            const int c = c0 + 8 * u;
-            if (c >= n_chunks) break;
-            uint2 X[NT][2][2];
-            float sx[NT][2][2];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-                for (int gi = 0; gi < 2; gi++) {
-                    float own = 0.0f;
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        X[nt][gi][h] = xr[nt] ? __ldg(reinterpret_cast<const uint2 *>(
-                                                    xr[nt] + 64 * c + 32 * gi + 16 * h + 4 * t))
-                                              : make_uint2(0, 0);
-                        if (has_min(KIND))
-                            own += (bf_lo(X[nt][gi][h].x) + bf_hi(X[nt][gi][h].x)) +
-                                   (bf_lo(X[nt][gi][h].y) + bf_hi(X[nt][gi][h].y));
-                    }
-                    if (has_min(KIND)) {
-                        /* the group's sum for token g, then the two tokens this lane's C holds */
-                        own += __shfl_xor_sync(0xffffffffu, own, 1);
-                        own += __shfl_xor_sync(0xffffffffu, own, 2);
-                        sx[nt][gi][0] = __shfl_sync(0xffffffffu, own, 8 * t);
-                        sx[nt][gi][1] = __shfl_sync(0xffffffffu, own, 8 * t + 4);
-                    } else {
-                        sx[nt][gi][0] = sx[nt][gi][1] = 0.0f;
-                    }
-                }
-            }
-            chunk_mma<KIND, NT>(A[u], B[u], X, sx, acc);
-            if (SWIGLU) chunk_mma<KIND, NT>(AU[u], BU[u], X, sx, accu);
         }
     }
-    if (!waited) tdm_pdl_wait();
-        /* fold the 8 warps' partial sums in warp order */
+}
+
+/* load_x_raw and x_sums of chunk c at once */
+template <int KIND, int NT>
+__device__ __forceinline__ void load_x(const uint16_t *const (&xr)[NT], int c, int t,
+                                       uint2 (&X)[NT][2][2], float (&sx)[NT][2][2])
+{
+    load_x_raw<NT>(xr, c, t, X);
+    x_sums<KIND, NT>(X, t, sx);
+}
+
+/* The block's matrix (its index in a.p) and first row: grid.y counts the 16-row blocks of
+ * every part in turn. */
+__device__ __forceinline__ int block_part(const qargs &a, int &r0)
+{
+    const int blk = blockIdx.y;
+    int part = 0;
+    while (blk >= a.blk_start[part + 1])
+        part++;
+    r0 = (blk - a.blk_start[part]) * 16;
+    return part;
+}
+
+/* This lane's token row in each tile from tok0 (nullptr past n), and zeroed accumulators. */
+template <int NT>
+__device__ __forceinline__ void tile_start(const qargs &a, int tok0, int g,
+                                           const uint16_t *(&xr)[NT], float (&acc)[NT][4],
+                                           float (&accu)[NT][4])
+{
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const int tok = tok0 + nt * 8 + g;
+        xr[nt] = tok < a.n ? a.x + (size_t)tok * a.k : nullptr;
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            acc[nt][e] = accu[nt][e] = 0.0f;
+    }
+}
+
+/* The end of a block: the 8 warps' partial sums folded in warp order (red: the block's shared
+ * scratch), then the outputs of its 16 rows and 8 * NT tokens (bias, or SwiGLU of gate and up). */
+template <int NT, bool SWIGLU>
+__device__ __forceinline__ void
+finish(const qargs &a, const tdm_cu_qgemv_part &P, float (*red)[NT * 4 * (SWIGLU ? 2 : 1)][32],
+       float (&acc)[NT][4], float (&accu)[NT][4], int warp, int lane, int r0, int tok0)
+{
+    constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1);
+    const int g = lane / 4, t = lane % 4, m = P.m;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -348,6 +364,303 @@ __global__ void __launch_bounds__(256) qgemv_kernel(qargs a)
             out[(size_t)tok * m + row] = y;
             if (SWIGLU && a.out_bf16) a.out_bf16[(size_t)tok * m + row] = tdm_to_bf16(y);
         }
+}
+
+/* chunks whose loads a warp puts in flight together */
+constexpr int UNROLL = 4;
+
+/* grid: (token tiles of 8 * NT, 16-row blocks of all parts). SWIGLU: parts 0 (gate) and 1 (up)
+ * of equal rows, one block reads both. Each warp takes chunks warp, warp + 8, ...: UNROLL of
+ * them a round, every load of the round issued before the first product. */
+template <int KIND, int NT, bool SWIGLU>
+__global__ void __launch_bounds__(256) qgemv_kernel(qargs a)
+{
+    constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1);
+    __shared__ float red[8][NV][32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    int r0;
+    const int part = block_part(a, r0);
+    const tdm_cu_qgemv_part &P = a.p[part];
+    const int m = P.m, k = a.k;
+    const int ra = min(r0 + g, m - 1), rb = min(r0 + g + 8, m - 1);
+    const int tok0 = blockIdx.x * 8 * NT;
+    const uint16_t *xr[NT];
+    float acc[NT][4], accu[NT][4];
+    tile_start<NT>(a, tok0, g, xr, acc, accu);
+    const int n_chunks = k / 64;
+    bool waited = false;
+    for (int c0 = warp; c0 < n_chunks; c0 += 8 * UNROLL) {
+        raw<KIND> A[UNROLL], B[UNROLL], AU[UNROLL], BU[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const int c = min(c0 + 8 * u, n_chunks - 1); /* past the end: loaded, not used */
+            load_raw<KIND>(P, k, ra, c, t, A[u]);
+            load_raw<KIND>(P, k, rb, c, t, B[u]);
+            if (SWIGLU) {
+                load_raw<KIND>(a.p[1], k, ra, c, t, AU[u]);
+                load_raw<KIND>(a.p[1], k, rb, c, t, BU[u]);
+            }
+        }
+        if (!waited) { /* the weights are ours; x is the kernel before's (pdl.cuh) */
+            tdm_pdl_wait();
+            waited = true;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const int c = c0 + 8 * u;
+            if (c >= n_chunks) break;
+            uint2 X[NT][2][2];
+            float sx[NT][2][2];
+            load_x<KIND, NT>(xr, c, t, X, sx);
+            chunk_mma<KIND, NT>(A[u], B[u], X, sx, acc);
+            if (SWIGLU) chunk_mma<KIND, NT>(AU[u], BU[u], X, sx, accu);
+        }
+    }
+    if (!waited) tdm_pdl_wait();
+    finish<NT, SWIGLU>(a, P, red, acc, accu, warp, lane, r0, tok0);
+}
+
+/* ---- the staged form: the copy engine streams the weights into shared memory ----
+ *
+ * Same blocks, warps, chunk order and arithmetic as qgemv_kernel (so the same bits); what
+ * differs is how the weight bytes arrive. A stage is 1,024 columns (Q8_0: 512), 512 bytes of
+ * each of the block's 16 rows (Q6_K: and 256 bytes of their high bits); STAGES of them are in
+ * flight, each a bulk copy per row (cp.async.bulk) completing on the stage's mbarrier, issued
+ * by warp 0 before the block waits for the kernel before it. The scales (and the K-quants'
+ * super-block scales) of the block's rows, which are contiguous, come as one copy with stage 0.
+ * A warp computes its chunks of a stage out of shared memory (rows padded so that a warp's
+ * fragment loads hit distinct banks); after the block's barrier, warp 0 refills the stage.
+ * So a block keeps 32 KB of weights (64 KB for SwiGLU's two matrices) in flight with a handful
+ * of copy instructions, where the register form holds 16 KB in 64 load instructions a lane. */
+
+constexpr int STAGES = 4;
+
+template <int KIND> struct stage_geom {
+    static constexpr int CHUNKS = KIND == TDM_CU_Q8_0 ? 8 : 16;     /* 64-column chunks a stage */
+    static constexpr int SB = 512;                                  /* weight bytes a row a stage */
+    static constexpr int QS = SB + (KIND == TDM_CU_Q8_0 ? 64 : 32); /* a row's stride, shared */
+    static constexpr int HB = KIND == TDM_CU_Q6_K ? 256 : 0;        /* high bits a row a stage */
+    static constexpr int HS = HB ? HB + 16 : 0;
+    static constexpr int RING = STAGES * 16 * (QS + HS); /* one matrix's stages, bytes */
+};
+
+/* bytes a row of the scale array s (and of dd) */
+__host__ __device__ constexpr int s_row_bytes(int kind, int k)
+{
+    return kind == TDM_CU_Q4_1 ? k / 8 : kind == TDM_CU_Q6_K ? k / 16 : k / 16;
+}
+__host__ __device__ constexpr int dd_row_bytes(int kind, int k)
+{
+    return kind == TDM_CU_Q4_K ? k / 64 : kind == TDM_CU_Q6_K ? k / 128 : 0;
+}
+__host__ __device__ constexpr int round16(int x)
+{
+    return (x + 15) & ~15;
+}
+
+/* one matrix's share of the block's dynamic shared memory */
+template <int KIND> __host__ __device__ constexpr int part_smem(int k)
+{
+    return stage_geom<KIND>::RING + round16(16 * s_row_bytes(KIND, k)) +
+           round16(16 * dd_row_bytes(KIND, k));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void bar_init(uint64_t *bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bar_expect(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(uint64_t *bar, uint32_t parity)
+{
+    asm volatile("{\n"
+                 ".reg .pred P1;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@P1 bra DONE;\n"
+                 "bra WAIT;\n"
+                 "DONE:\n"
+                 "}\n" ::"r"(smem_addr(bar)),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* bytes (a multiple of 16, both addresses 16-aligned) from global src to shared dst,
+ * completing on bar */
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                 "%2, [%3];" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+
+/* where one matrix's stages and scales lie in the block's shared memory */
+struct part_sm {
+    uint8_t *q, *qh, *s, *dd;
+};
+
+template <int KIND> __device__ __forceinline__ part_sm part_at(uint8_t *base, int k)
+{
+    using G = stage_geom<KIND>;
+    part_sm r;
+    r.q = base;
+    r.qh = base + STAGES * 16 * G::QS;
+    r.s = base + G::RING;
+    r.dd = r.s + round16(16 * s_row_bytes(KIND, k));
+    return r;
+}
+
+/* Warp 0 issues stage st of the block's rows (rows [r0, r0 + nr) of each matrix; stage 0 also
+ * brings the scales). Lane 0 announces the bytes before any lane copies. */
+template <int KIND, bool SWIGLU>
+__device__ __forceinline__ void issue_stage(const qargs &a, int part, uint8_t *smem, uint64_t *bars,
+                                            int st, int r0, int nr, int lane)
+{
+    using G = stage_geom<KIND>;
+    constexpr int NP = SWIGLU ? 2 : 1;
+    const int k = a.k, slot = st % STAGES;
+    const int qrow = KIND == TDM_CU_Q8_0 ? k : k / 2;
+    const int qb = min(G::SB, qrow - st * G::SB);
+    const int hb = G::HB ? min(G::HB, k / 4 - st * G::HB) : 0;
+    const int sb = st ? 0 : round16(nr * s_row_bytes(KIND, k));
+    const int db = st ? 0 : round16(nr * dd_row_bytes(KIND, k));
+    if (lane == 0) bar_expect(&bars[slot], (uint32_t)(NP * (nr * (qb + hb) + sb + db)));
+    __syncwarp();
+#pragma unroll
+    for (int pi = 0; pi < NP; pi++) {
+        const tdm_cu_qgemv_part &P = a.p[part + pi];
+        const part_sm S = part_at<KIND>(smem + pi * part_smem<KIND>(k), k);
+        for (int i = lane; i < nr; i += 32) {
+            const size_t row = (size_t)(r0 + i);
+            bulk_copy(S.q + (slot * 16 + i) * G::QS, P.q + row * qrow + st * G::SB, (uint32_t)qb,
+                      &bars[slot]);
+            if (G::HB)
+                bulk_copy(S.qh + (slot * 16 + i) * G::HS, P.qh + row * (k / 4) + st * G::HB,
+                          (uint32_t)hb, &bars[slot]);
+        }
+        if (st == 0 && lane == 0) {
+            bulk_copy(S.s, P.s + (size_t)r0 * s_row_bytes(KIND, k), (uint32_t)sb, &bars[slot]);
+            if (db)
+                bulk_copy(S.dd, P.dd + (size_t)r0 * dd_row_bytes(KIND, k), (uint32_t)db,
+                          &bars[slot]);
+        }
+    }
+}
+
+/* load_raw, out of shared memory: row i of the block, chunk c (cc within its stage) */
+template <int KIND>
+__device__ __forceinline__ void load_raw_sm(const part_sm &S, int k, int slot, int i, int c, int cc,
+                                            int t, raw<KIND> &r)
+{
+    using G = stage_geom<KIND>;
+    const uint8_t *q = S.q + (slot * 16 + i) * G::QS;
+    if (KIND == TDM_CU_Q8_0) {
+        r.w = *reinterpret_cast<const uint4 *>(q + 64 * cc + 16 * t);
+    } else {
+        const uint2 w = *reinterpret_cast<const uint2 *>(q + 32 * cc + 8 * t);
+        r.w.x = w.x, r.w.y = w.y;
+    }
+    if (KIND == TDM_CU_Q6_K)
+        r.qh =
+            *reinterpret_cast<const uint32_t *>(S.qh + (slot * 16 + i) * G::HS + 16 * cc + 4 * t);
+    const int g = i * (k / 32) + 2 * c; /* the chunk's first group, counted from row r0 */
+    if (KIND == TDM_CU_Q8_0 || KIND == TDM_CU_Q4_0) {
+        r.s.x = *reinterpret_cast<const uint32_t *>(S.s + g * 2);
+    } else if (KIND == TDM_CU_Q4_1) {
+        r.s = *reinterpret_cast<const uint2 *>(S.s + g * 4);
+    } else if (KIND == TDM_CU_Q4_K) {
+        r.s.x = *reinterpret_cast<const uint32_t *>(S.s + g * 2);
+        r.s.y = *reinterpret_cast<const uint32_t *>(S.dd + (i * (k / 256) + c / 4) * 4);
+    } else if (KIND == TDM_CU_Q6_K) {
+        r.s.x = *reinterpret_cast<const uint32_t *>(S.s + i * (k / 16) + 4 * c);
+        r.s.y = *reinterpret_cast<const uint16_t *>(S.dd + (i * (k / 256) + c / 4) * 2);
+    }
+}
+
+template <int KIND, int NT, bool SWIGLU>
+__global__ void __launch_bounds__(256) qgemv_bulk_kernel(qargs a)
+{
+    using G = stage_geom<KIND>;
+    constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1);
+    __shared__ float red[8][NV][32];
+    __shared__ __align__(8) uint64_t bars[STAGES];
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    int r0;
+    const int part = block_part(a, r0);
+    const tdm_cu_qgemv_part &P = a.p[part];
+    const int m = P.m, k = a.k, nr = min(16, m - r0);
+    const int ia = min(g, nr - 1), ib = min(g + 8, nr - 1); /* rows past m: the last one again */
+    const int n_chunks = k / 64, n_st = (n_chunks + G::CHUNKS - 1) / G::CHUNKS;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < STAGES; i++)
+            bar_init(&bars[i], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) /* the weights are ours: in flight before the wait (pdl.cuh) */
+        for (int st = 0; st < min(STAGES, n_st); st++)
+            issue_stage<KIND, SWIGLU>(a, part, smem, bars, st, r0, nr, lane);
+    tdm_pdl_wait();
+    const int tok0 = blockIdx.x * 8 * NT;
+    const uint16_t *xr[NT];
+    float acc[NT][4], accu[NT][4];
+    tile_start<NT>(a, tok0, g, xr, acc, accu);
+    const part_sm S0 = part_at<KIND>(smem, k);
+    const part_sm S1 = part_at<KIND>(smem + part_smem<KIND>(k), k);
+    /* the activations of the warp's next chunk are loaded a chunk ahead of their use: the
+     * stages' weights are in shared memory by then, and an L1 round trip per chunk would
+     * otherwise be on the critical path */
+    uint2 Xn[NT][2][2];
+    if (warp < n_chunks) load_x_raw<NT>(xr, warp, t, Xn);
+    for (int st = 0; st < n_st; st++) {
+        const int slot = st % STAGES;
+        bar_wait(&bars[slot], (uint32_t)((st / STAGES) & 1));
+#pragma unroll
+        for (int j = 0; j < G::CHUNKS / 8; j++) {
+            const int cc = warp + 8 * j, c = st * G::CHUNKS + cc;
+            if (c >= n_chunks) break;
+            uint2 X[NT][2][2];
+            float sx[NT][2][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int gi = 0; gi < 2; gi++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        X[nt][gi][h] = Xn[nt][gi][h];
+            if (c + 8 < n_chunks) load_x_raw<NT>(xr, c + 8, t, Xn);
+            x_sums<KIND, NT>(X, t, sx);
+            raw<KIND> A, B;
+            load_raw_sm<KIND>(S0, k, slot, ia, c, cc, t, A);
+            load_raw_sm<KIND>(S0, k, slot, ib, c, cc, t, B);
+            chunk_mma<KIND, NT>(A, B, X, sx, acc);
+            if (SWIGLU) {
+                load_raw_sm<KIND>(S1, k, slot, ia, c, cc, t, A);
+                load_raw_sm<KIND>(S1, k, slot, ib, c, cc, t, B);
+                chunk_mma<KIND, NT>(A, B, X, sx, accu);
+            }
+        }
+        if (st + STAGES < n_st) {
+            __syncthreads(); /* every warp is done with the slot */
+            if (warp == 0)
+                issue_stage<KIND, SWIGLU>(a, part, smem, bars, st + STAGES, r0, nr, lane);
+        }
+    }
+    finish<NT, SWIGLU>(a, P, red, acc, accu, warp, lane, r0, tok0);
 }
 
 /* element (row, col) of a packed matrix (qweight.h), as a float: the same loads and scale
@@ -390,24 +703,60 @@ __global__ void qembed_kernel(tdm_cu_qgemv_part p, int k, const int32_t *tokens,
         out[(size_t)i * k + col] = qelem<KIND>(p, k, row, col);
 }
 
-template <int KIND, int NT>
-void launch_nt(cudaStream_t s, const qargs &a, bool swiglu, unsigned blocks)
+/* the largest dynamic shared memory a staged block may take (a Hopper SM has 227 KB) */
+constexpr int BULK_SMEM_MAX = 160 * 1024;
+
+/* Raises the staged kernel's dynamic shared-memory limit, once per instantiation and device
+ * (the backend drives a device from one thread; two threads racing here both set the same
+ * value). */
+template <int KIND, int NT, bool SWIGLU> bool allow_smem()
 {
-    const dim3 grid(blocks, (unsigned)((a.n + 8 * NT - 1) / (8 * NT)));
-    if (swiglu)
-        tdm_pdl_launch(qgemv_kernel<KIND, NT, true>, grid, 256, 0, s, a);
-    else
-        tdm_pdl_launch(qgemv_kernel<KIND, NT, false>, grid, 256, 0, s, a);
+    static bool done[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+    if (!done[dev]) {
+        if (cudaFuncSetAttribute(qgemv_bulk_kernel<KIND, NT, SWIGLU>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 BULK_SMEM_MAX) != cudaSuccess) {
+            (void)cudaGetLastError(); /* not sticky: the register form runs instead */
+            return false;
+        }
+        done[dev] = true;
+    }
+    return true;
 }
 
-template <int KIND> void launch_kind(cudaStream_t s, const qargs &a, bool swiglu, unsigned blocks)
+template <int KIND, int NT, bool SWIGLU>
+void launch_one(cudaStream_t s, const qargs &a, unsigned blocks, bool bulk)
+{
+    /* the token tiles of a row block side by side in launch order, so that the tiles after the
+     * first find its rows in L2 */
+    const dim3 grid((unsigned)((a.n + 8 * NT - 1) / (8 * NT)), blocks);
+    const size_t smem = (size_t)(SWIGLU ? 2 : 1) * (size_t)part_smem<KIND>(a.k);
+    if (bulk && smem <= BULK_SMEM_MAX && allow_smem<KIND, NT, SWIGLU>())
+        tdm_pdl_launch(qgemv_bulk_kernel<KIND, NT, SWIGLU>, grid, 256, smem, s, a);
+    else
+        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU>, grid, 256, 0, s, a);
+}
+
+template <int KIND, int NT>
+void launch_nt(cudaStream_t s, const qargs &a, bool swiglu, unsigned blocks, bool bulk)
+{
+    if (swiglu)
+        launch_one<KIND, NT, true>(s, a, blocks, bulk);
+    else
+        launch_one<KIND, NT, false>(s, a, blocks, bulk);
+}
+
+template <int KIND>
+void launch_kind(cudaStream_t s, const qargs &a, bool swiglu, unsigned blocks, bool bulk)
 {
     if (a.n <= 8)
-        launch_nt<KIND, 1>(s, a, swiglu, blocks);
+        launch_nt<KIND, 1>(s, a, swiglu, blocks, bulk);
     else if (a.n <= 16)
-        launch_nt<KIND, 2>(s, a, swiglu, blocks);
+        launch_nt<KIND, 2>(s, a, swiglu, blocks, bulk);
     else
-        launch_nt<KIND, 4>(s, a, swiglu, blocks);
+        launch_nt<KIND, 4>(s, a, swiglu, blocks, bulk);
 }
 
 /* Calls f with the kind as a compile-time constant (std::integral_constant-like), for the kernels
@@ -438,6 +787,21 @@ template <class F> bool with_kind(int kind, F f)
     }
 }
 
+/* the form tdm_cu_qgemv launches: TDM_CU_QGEMV_AUTO until set; $TANDEM_CUDA_QGEMV=regs or
+ * bulk chooses for the process (read once) */
+int g_form = -1;
+
+int qgemv_form()
+{
+    if (g_form < 0) {
+        const char *e = getenv("TANDEM_CUDA_QGEMV");
+        g_form = e && !strcmp(e, "regs")   ? TDM_CU_QGEMV_REGS
+                 : e && !strcmp(e, "bulk") ? TDM_CU_QGEMV_BULK
+                                           : TDM_CU_QGEMV_AUTO;
+    }
+    return g_form;
+}
+
 } // namespace
 
 extern "C" bool tdm_cu_qgemv(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *parts,
@@ -460,8 +824,21 @@ extern "C" bool tdm_cu_qgemv(cudaStream_t s, int kind, const struct tdm_cu_qgemv
     for (int i = 0; i < a.n_parts; i++)
         a.blk_start[i + 1] = a.blk_start[i] + (parts[i].m + 15) / 16;
     const unsigned blocks = (unsigned)a.blk_start[a.n_parts];
-    return with_kind(kind,
-                     [&](auto kc) { launch_kind<decltype(kc)::value>(s, a, swiglu, blocks); });
+    if (blocks > 65535) return false; /* grid.y; the rows of a 1M-token vocabulary */
+    /* the staged form needs 16-byte aligned arrays (the layout's are 256-aligned from an
+     * aligned base) */
+    bool bulk = qgemv_form() == TDM_CU_QGEMV_BULK;
+    for (int i = 0; i < n_parts; i++)
+        bulk = bulk && !(((uintptr_t)parts[i].q | (uintptr_t)parts[i].qh | (uintptr_t)parts[i].s |
+                          (uintptr_t)parts[i].dd) %
+                         16);
+    return with_kind(
+        kind, [&](auto kc) { launch_kind<decltype(kc)::value>(s, a, swiglu, blocks, bulk); });
+}
+
+extern "C" void tdm_cu_qgemv_set_form(int form)
+{
+    g_form = form;
 }
 
 extern "C" void tdm_cu_qdequant(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *p, int k,
