@@ -127,6 +127,20 @@ def pair(heads):
         p.stop_clean()
 
 
+def check_remote_heads(d, m0, ps):
+    """The decoder's counters since m0, once idle, after the prompts ps: every prompt of two or
+    more tokens was prefilled remotely and brought the head's KV, none fell back to a local
+    prefill, and drafts were kept. Returns the number of remote prefills."""
+    m1 = decode_idle(d)
+    remote = sum(1 for x in ps if len(x) >= 2)
+    for name in ("tandem_disagg_remote_prefills_total", "tandem_disagg_head_kv_landed_total"):
+        assert m1[(name, ())] - m0[(name, ())] == remote, name
+    assert m1[("tandem_disagg_local_fallbacks_total", ())] == 0
+    assert m1[("tandem_spec_accepted_tokens_total", ())] > \
+        m0[("tandem_spec_accepted_tokens_total", ())]
+    return remote
+
+
 def complete(server, prompt, max_tokens, **extra):
     st, r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
                                             "temperature": 0, "ignore_eos": True, "logprobs": 0,
@@ -178,13 +192,7 @@ def test_greedy_identical_to_colocated(plain, colocated_mtp, pair):
     got = [complete(d, x, n) for x in ps]
     for i, (w, g) in enumerate(zip(want, got)):
         assert w == g, f"prompt {i} ({len(ps[i])} tokens): disaggregated --spec mtp differs"
-    m1 = decode_idle(d)
-    remote = sum(1 for x in ps if len(x) >= 2)
-    for name in ("tandem_disagg_remote_prefills_total", "tandem_disagg_head_kv_landed_total"):
-        assert m1[(name, ())] - m0[(name, ())] == remote, name
-    assert m1[("tandem_disagg_local_fallbacks_total", ())] == 0
-    assert m1[("tandem_spec_accepted_tokens_total", ())] > \
-        m0[("tandem_spec_accepted_tokens_total", ())]
+    remote = check_remote_heads(d, m0, ps)
     pm = prefill_idle(p)
     assert pm[("tandem_disagg_head_kv_prefills_total", ())] >= remote
     # the head ran P - 1 rows of each P-token prefill (P = len - 1)
