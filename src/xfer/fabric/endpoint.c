@@ -224,6 +224,84 @@ static tdm_status reg_raw(tdm_xfer_t *x, void *base, size_t bytes, enum tdm_xfer
     return TDM_OK;
 }
 
+/* shm inside one process. libfabric's shm maps a peer endpoint of the same process by pointer
+ * (its own region), so an engine whose peer is another engine of this process reads and writes
+ * that peer's region: a heartbeat, a hello, a queued message's progress. Closing the peer's
+ * endpoint while this engine lives left it touching unmapped memory (seen: a progress thread's
+ * fi_cq_read faulting on the closed peer's lock, under load, when `tandem bench xfer` or a test
+ * destroyed the first of its two engines). So the libfabric objects of an shm engine, and the
+ * buffers and contexts its posted receives hold, outlive it while other shm engines of the process
+ * live, and are closed with the last one; what is parked is never progressed again (its peers
+ * see it fall silent and declare it dead). A process with one engine per node closes at once. */
+struct shm_parked {
+    struct fid_ep *ep;
+    struct fid_mr *bufs_mr;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_domain *domain;
+    struct fid_fabric *fabric;
+    struct fi_info *info;
+    void *bufs;
+    void *ops; /* the posted receives' contexts (FI_CONTEXT: the provider's to use) */
+    struct shm_parked *next;
+};
+static pthread_mutex_t shm_mu = PTHREAD_MUTEX_INITIALIZER;
+static int shm_live;                  /* shm engines of this process not yet destroyed */
+static struct shm_parked *shm_parked; /* destroyed ones' objects, closed with the last */
+
+static bool is_shm(const tdm_xfer_t *x)
+{
+    return x->info && x->info->fabric_attr && x->info->fabric_attr->prov_name &&
+           !strcmp(x->info->fabric_attr->prov_name, "shm");
+}
+
+static void close_fids(struct fid_ep *ep, struct fid_mr *bufs_mr, struct fid_av *av,
+                       struct fid_cq *cq, struct fid_domain *domain, struct fid_fabric *fabric,
+                       struct fi_info *info)
+{
+    if (ep) fi_close(&ep->fid);
+    if (bufs_mr) fi_close(&bufs_mr->fid);
+    if (av) fi_close(&av->fid);
+    if (cq) fi_close(&cq->fid);
+    if (domain) fi_close(&domain->fid);
+    if (fabric) fi_close(&fabric->fid);
+    if (info) fi_freeinfo(info);
+}
+
+/* Closes x's libfabric objects, or parks them (above). Takes x's bufs and ops over when it
+ * parks. */
+static void close_or_park(tdm_xfer_t *x)
+{
+    struct shm_parked *go = NULL;
+    if (x->shm_counted) {
+        pthread_mutex_lock(&shm_mu);
+        struct shm_parked *p = --shm_live > 0 ? malloc(sizeof *p) : NULL;
+        if (p) { /* others live: park (out of memory: close, as before) */
+            *p = (struct shm_parked){x->ep,     x->bufs_mr, x->av,   x->cq,  x->domain,
+                                     x->fabric, x->info,    x->bufs, x->ops, shm_parked};
+            shm_parked = p;
+            x->bufs = NULL;
+            x->ops = NULL;
+            pthread_mutex_unlock(&shm_mu);
+            return;
+        }
+        if (!shm_live) { /* the last: the parked go too */
+            go = shm_parked;
+            shm_parked = NULL;
+        }
+        pthread_mutex_unlock(&shm_mu);
+    }
+    close_fids(x->ep, x->bufs_mr, x->av, x->cq, x->domain, x->fabric, x->info);
+    while (go) {
+        struct shm_parked *next = go->next;
+        close_fids(go->ep, go->bufs_mr, go->av, go->cq, go->domain, go->fabric, go->info);
+        tdm_free_aligned(go->bufs);
+        free(go->ops);
+        free(go);
+        go = next;
+    }
+}
+
 tdm_status tdm_xfer_create(const struct tdm_xfer_config *cfg_in, tdm_xfer_t **out)
 {
     return tdm_xfer_create_hooked(cfg_in, NULL, out);
@@ -356,6 +434,12 @@ tdm_status tdm_xfer_create_hooked(const struct tdm_xfer_config *cfg_in,
         goto out_destroy;
     }
     x->thread_started = true;
+    if (is_shm(x)) {
+        pthread_mutex_lock(&shm_mu);
+        shm_live++;
+        x->shm_counted = true;
+        pthread_mutex_unlock(&shm_mu);
+    }
     TDM_DEBUG("xfer: %s endpoint up (%d-bit immediates, mr_mode 0x%llx, delivery complete %d, "
               "ordering %s, %d transmit ops, posting from %s)",
               x->caps.provider, x->caps.imm_bits, (unsigned long long)x->caps.mr_mode,
@@ -393,13 +477,7 @@ void tdm_xfer_destroy(tdm_xfer_t *x)
         pthread_mutex_unlock(&x->tx_mu);
         tdm_fab_fire_queued(x);
     }
-    if (x->ep) fi_close(&x->ep->fid);
-    if (x->bufs_mr) fi_close(&x->bufs_mr->fid);
-    if (x->av) fi_close(&x->av->fid);
-    if (x->cq) fi_close(&x->cq->fid);
-    if (x->domain) fi_close(&x->domain->fid);
-    if (x->fabric) fi_close(&x->fabric->fid);
-    if (x->info) fi_freeinfo(x->info);
+    close_or_park(x);
     if (!x->counters_borrowed) tdm_xfer_counters_destroy(x->counters);
     if (x->jobs)
         for (int j = 0; j < x->cfg.max_jobs; j++)

@@ -272,6 +272,7 @@ struct tdm_xfer {
 
     pthread_t thread;
     bool thread_started;
+    bool shm_counted; /* one of the process's live shm engines (endpoint.c: close_or_park) */
     volatile int stop;
 };
 
