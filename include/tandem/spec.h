@@ -195,11 +195,15 @@ struct tdm_spec_stats {
     uint64_t tree_steps, accepted_other_branch;
     /* --spec-overlap: rows the launched head passes ran, and first drafts drawn from them */
     uint64_t overlap_rows, overlap_drafts;
+    /* a head while the gate was shut (--spec-k auto): requests whose head state was dropped
+     * rather than run over its parked rows, and those rows (the head passes saved) */
+    uint64_t head_dropped, head_rows_skipped;
 };
 void tdm_spec_get_stats(tdm_spec_t *sp, struct tdm_spec_stats *out);
 /* One JSON object: drafted, accepted, target_steps, tokens, tau, accept_by_position (the
  * share of drafts kept at each position, up to the deepest drafted), and where they happened,
- * tree_steps and accepted_other_branch (trees), overlap_rows and overlap_drafts (overlap). Returns
+ * tree_steps and accepted_other_branch (trees), overlap_rows and overlap_drafts (overlap),
+ * head_dropped and head_rows_skipped (a head the gate kept off). Returns
  * the length (snprintf's rule). */
 int tdm_spec_stats_json(const struct tdm_spec_stats *st, char *buf, size_t cap);
 /* The statistics as a Prometheus text block (malloc'd; NULL when out of memory): drafted and

@@ -17,8 +17,11 @@
  *   head KV from the target's features      pending features        (draft-fed KV, stale)
  *   [0 .............. head_len)   [head_len ... head_len + n_pend)   [... N + k - 2)
  *
- * Feeding appends to the pending rows; when they would overflow (a prefill chunk), the head
- * runs at once over all but the last (eager catch-up, no logits). Proposing first runs the
+ * Feeding appends to the pending rows; when they would overflow (a long prompt, or a request
+ * that has not drafted for many steps), the head runs at once over all but the last (eager
+ * catch-up, no logits), except while the gate keeps drafting off (--spec-k auto, spec.c): a
+ * decoding request's head state is then dropped rather than run (dead, as for a gap), so a
+ * head the gate shut costs a decode step nothing. Proposing first runs the
  * pending rows, which must end at N - 2: this rewrites the head's KV past head_len with the
  * target's features, replacing what the previous step's drafts wrote there ("when its KV is
  * refilled, the head runs again over the accepted span on the target's hidden states"), and
@@ -68,7 +71,13 @@
 #include "spec/spec_int.h"
 #include "tandem/tp.h"
 
-#define PEND_CAP (TDM_SPEC_MAX_K + 1) /* a verified span: the last token and k drafts */
+/* A request's pending rows: at least a verified span (the last token and k drafts); up to
+ * PEND_MAX while the budget allows (PEND_BUDGET bytes over max_seqs requests), so that a
+ * request not drafting (the gate shut, or k 0) runs the head over many steps' rows at once,
+ * or, when it drops them, never (mtp_feed). */
+#define PEND_MIN    (TDM_SPEC_MAX_K + 1)
+#define PEND_MAX    64
+#define PEND_BUDGET ((size_t)64 << 20)
 
 struct mtp_req {
     int32_t head_len; /* the head's KV holds [0, head_len), made from the target's features */
@@ -79,13 +88,14 @@ struct mtp_req {
     int32_t carry;
     uint32_t gen;
     int32_t lpos0, lrow0, lrows;
-    float pend[]; /* [PEND_CAP][fw] */
+    float pend[]; /* [pend_cap][fw] */
 };
 
 struct mtp_drafter {
     tdm_engine_t *e; /* the head's */
     int d, vocab, max_seqs, max_tokens;
-    int fw; /* the target feature's width: d, or an EAGLE-3 head's fused 3 d */
+    int fw;       /* the target feature's width: d, or an EAGLE-3 head's fused 3 d */
+    int pend_cap; /* rows of struct mtp_req's pend */
     bool rejection, one_hot;
     struct tdm_batch_seq *seqs;     /* [max_seqs] */
     struct tdm_sample_row *rows;    /* [max_seqs] */
@@ -176,9 +186,19 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
         st->carry = -1; /* a launched span, kept [p0, p0 + m): its last kept row draws */
         if (md->ov && st->gen == md->ov->gen && st->lpos0 == p0 && !st->n_pend && m <= st->lrows)
             st->carry = st->lrow0 + m - 1;
-        if (st->n_pend + m <= PEND_CAP) {
+        if (st->n_pend + m <= md->pend_cap) {
             memcpy(st->pend + (size_t)st->n_pend * md->fw, f[i].features, (size_t)m * row);
             st->n_pend += m;
+            continue;
+        }
+        if (sp->gate_shut && f[i].stats && f[i].stats->steps > 0) {
+            /* drafting is off (--spec-k auto measured it losing here): running the head over
+             * these rows would cost every decode step a head layer for drafts that may never
+             * come, so the request's head state goes instead (it drafts no more, like a gap);
+             * prompts are still run, so that the gate's explorations have requests to draft */
+            tdm_spec_note_head_dropped(sp, st->n_pend + m);
+            st->dead = 1;
+            st->n_pend = 0;
             continue;
         }
         md->todo[i] = st->n_pend + m - 1; /* all but the last row, now */
@@ -694,6 +714,9 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
     md->vocab = tc->vocab_size;
     md->max_seqs = n;
     md->max_tokens = tdm_engine_opts(md->e)->max_batch_tokens;
+    md->pend_cap = (int)TDM_MAX(
+        (size_t)PEND_MIN,
+        TDM_MIN((size_t)PEND_MAX, PEND_BUDGET / ((size_t)n * (size_t)md->fw * sizeof(float))));
     md->rejection = accept == TDM_SPEC_ACCEPT_REJECTION;
     md->one_hot = one_hot;
     size_t un = (size_t)n, dd = (size_t)md->d;
@@ -722,15 +745,16 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
         md->q = md->qbuf.ptr;
     }
     md->dw = (struct tdm_spec_draws){md->rows, md->q, md->vocab, md->rejection, md->one_hot};
-    *out = (struct tdm_spec_drafter){
-        .name = "mtp",
-        .ctx = md,
-        .propose = mtp_propose,
-        .destroy = mtp_destroy,
-        .feature_dim = md->fw,
-        .state_bytes = sizeof(struct mtp_req) + (size_t)PEND_CAP * (size_t)md->fw * sizeof(float),
-        .feed = mtp_feed,
-        .kv_len = tdm_spec_mtp_kv_len};
+    *out = (struct tdm_spec_drafter){.name = "mtp",
+                                     .ctx = md,
+                                     .propose = mtp_propose,
+                                     .destroy = mtp_destroy,
+                                     .feature_dim = md->fw,
+                                     .state_bytes = sizeof(struct mtp_req) + (size_t)md->pend_cap *
+                                                                                 (size_t)md->fw *
+                                                                                 sizeof(float),
+                                     .feed = mtp_feed,
+                                     .kv_len = tdm_spec_mtp_kv_len};
     return TDM_OK;
 }
 

@@ -76,15 +76,19 @@ static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tok
         /* a tree's size is its budget (the scheduler's cap); k fixed drafts every step (and
          * caps the depth, eagle.c); auto: the gate alone (the per-position model is a
          * chain's) */
-        if (sp->o.k == 0 && !tdm_spec_gate_begin(&sp->gate, base_tokens))
+        sp->gate_shut = sp->o.k == 0 && !tdm_spec_gate_begin(&sp->gate, base_tokens);
+        if (sp->gate_shut)
             for (int i = 0; i < n; i++)
                 d[i].k = 0;
     } else if (sp->o.k > 0) {
+        sp->gate_shut = false;
         for (int i = 0; i < n; i++)
             d[i].k = TDM_MIN(d[i].k, sp->o.k);
     } else if (tdm_spec_gate_begin(&sp->gate, base_tokens)) {
+        sp->gate_shut = false;
         tdm_spec_ctl_choose(&sp->ctl, d, n, base_tokens);
     } else {
+        sp->gate_shut = true;
         for (int i = 0; i < n; i++)
             d[i].k = 0;
     }
@@ -187,6 +191,14 @@ void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns)
     sp->st.draft_s += (double)ns * 1e-9;
     sp->st.draft_a_ns = a;
     sp->st.draft_b_ns = b;
+    pthread_mutex_unlock(&sp->mu);
+}
+
+void tdm_spec_note_head_dropped(struct tdm_spec *sp, int rows)
+{
+    pthread_mutex_lock(&sp->mu);
+    sp->st.head_dropped++;
+    sp->st.head_rows_skipped += (uint64_t)TDM_MAX(rows, 0);
     pthread_mutex_unlock(&sp->mu);
 }
 
@@ -347,16 +359,20 @@ int tdm_spec_stats_json(const struct tdm_spec_stats *st, char *buf, size_t cap)
                               (double)st->accepted_at[j] / (double)st->drafted_at[j]);
     snprintf(pos + n, sizeof pos - n, "]");
     double tau = st->target_steps ? (double)st->tokens / (double)st->target_steps : 0;
-    char tree[192] = ""; /* trees: their steps and the drafts kept off the best guess */
+    char tree[320] = ""; /* trees: their steps and the drafts kept off the best guess */
     int t = 0;
     if (st->tree_steps)
         t = snprintf(tree, sizeof tree, ",\"tree_steps\":%llu,\"accepted_other_branch\":%llu",
                      (unsigned long long)st->tree_steps,
                      (unsigned long long)st->accepted_other_branch);
     if (st->overlap_rows) /* the overlap: its passes' rows and the drafts drawn from them */
+        t += snprintf(tree + t, sizeof tree - (size_t)t,
+                      ",\"overlap_rows\":%llu,\"overlap_drafts\":%llu",
+                      (unsigned long long)st->overlap_rows, (unsigned long long)st->overlap_drafts);
+    if (st->head_dropped) /* a head the gate kept off: requests dropped, head rows never run */
         snprintf(tree + t, sizeof tree - (size_t)t,
-                 ",\"overlap_rows\":%llu,\"overlap_drafts\":%llu",
-                 (unsigned long long)st->overlap_rows, (unsigned long long)st->overlap_drafts);
+                 ",\"head_dropped\":%llu,\"head_rows_skipped\":%llu",
+                 (unsigned long long)st->head_dropped, (unsigned long long)st->head_rows_skipped);
     return snprintf(buf, cap,
                     "{\"drafted\":%llu,\"accepted\":%llu,\"target_steps\":%llu,\"tokens\":%llu,"
                     "\"tau\":%.4f,\"accept_by_position\":%s%s}",
@@ -413,6 +429,13 @@ char *tdm_spec_metrics(void *ctx)
     tdm_prom_scalar(&b, "tandem_spec_overlap_drafts_total", "counter",
                     "First drafts drawn from a launched pass's rows (--spec-overlap).", NULL,
                     (double)st.overlap_drafts);
+    tdm_prom_scalar(&b, "tandem_spec_head_dropped_total", "counter",
+                    "Requests whose head state was dropped while the gate kept drafting off "
+                    "(--spec-k auto); they draft no more.",
+                    NULL, (double)st.head_dropped);
+    tdm_prom_scalar(&b, "tandem_spec_head_rows_skipped_total", "counter",
+                    "Target feature rows a head parked and never ran (dropped requests).", NULL,
+                    (double)st.head_rows_skipped);
     tdm_prom_scalar(&b, "tandem_spec_tree_steps_total", "counter",
                     "Decode steps that verified a token tree (eagle).", NULL,
                     (double)st.tree_steps);

@@ -210,6 +210,9 @@ struct tdm_spec {
     struct tdm_spec_drafter dr;
     struct tdm_sched_drafter_i iface; /* what the scheduler calls */
     struct tdm_spec_ctl ctl;
+    /* the latest step's gate said no drafting (--spec-k auto): a head fed meanwhile parks its
+     * rows rather than running over them, and drops a request whose rows overflow (mtp.c) */
+    bool gate_shut;
     struct tdm_sched_draft *batch; /* [max_seqs] the drafts with k > 0 */
     int max_seqs;
     pthread_mutex_t mu; /* st */
@@ -218,5 +221,8 @@ struct tdm_spec {
 
 /* A drafter ran one forward pass over n_seqs sequences in ns. */
 void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns);
+/* A head drafter dropped a request's head state while the gate was shut (rows: the target's
+ * feature rows it had parked, never run). */
+void tdm_spec_note_head_dropped(struct tdm_spec *sp, int rows);
 
 #endif /* TANDEM_SPEC_INT_H */

@@ -278,6 +278,26 @@ def test_echo_head_is_accepted_on_repetition(default_model, heads):
     assert json.loads(err.strip().splitlines()[-1])["tau"] < 1.5
 
 
+def test_gate_shut_drops_the_heads_rows(default_model, heads):
+    """--spec-k auto with a head that is never right: the gate measures drafting losing and
+    shuts it; a decoding request's head then stops running over each step's rows (they are
+    parked, then dropped with its head state, and counted) rather than costing every step a
+    head layer. The output stays that of no speculation."""
+    n = 200 if SANITIZED else 300
+    base, _ = gen(default_model, ["--temperature", "0", "--ignore-eos"], "Tell me about the moon.",
+                  n=n)
+    assert len(base) == n
+    ids, err = gen(default_model, ["--temperature", "0", "--ignore-eos", "--spec", "mtp",
+                                   "--spec-draft", str(heads["random"]), "--spec-k", "auto",
+                                   "--spec-stats"], "Tell me about the moon.", n=n)
+    assert ids == base
+    st = json.loads(err.strip().splitlines()[-1])
+    assert st.get("head_dropped", 0) >= 1, st
+    assert st["head_rows_skipped"] >= 64, st
+    # drafting stopped: far fewer drafts than steps (warm-up and the gate's explorations)
+    assert st["drafted"] < n // 4, st
+
+
 def test_rejection_acceptance_runs(default_model, heads):
     ids, err = gen(default_model, ["--temperature", "0.8", "--seed", "2", "--spec", "mtp",
                                    "--spec-draft", str(heads["echo"]), "--spec-k", "3",
