@@ -490,6 +490,11 @@ struct tdm_sched_drafter_i {
      * prefix's end (a feature drafter then takes that KV as its own). Without it, a drafter
      * that reads features is refused with a prefix cache. */
     int (*kv_len)(void *ctx, const void *state);
+    /* Optional, for a drafter that reads features: whether a request still reads them, given
+     * its state (false: the drafter gave the request up, as a head does whose state it dropped;
+     * the plan then asks none of its features, which on a GPU are a download a sequence and
+     * step). Without it, every request that may speculate gets them. */
+    bool (*reads_features)(void *ctx, const void *state);
     /* Optional: the seed's single-token MTP schedule, which needs no sync after acceptance.
      * launch is called right after a step's run and before its commit, with the decode spans
      * just verified of the requests that may speculate (as feed's, but n is the whole span,

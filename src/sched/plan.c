@@ -290,6 +290,15 @@ static void plan_tree(struct tdm_sched *s, struct tdm_req *r, struct tdm_plan_se
     }
 }
 
+/* Whether a span of r carries the target's features: a request that may speculate, here or
+ * (prefill-only) on the node that decodes it, unless the drafter gave it up. */
+static bool wants_features(const struct tdm_sched *s, const struct tdm_req *r)
+{
+    if (!s->features || r->spec_k < 0) return false;
+    if (r->prefill_only || !r->dstate || !s->drafter || !s->drafter->reads_features) return true;
+    return s->drafter->reads_features(s->drafter_ctx, r->dstate);
+}
+
 /* Appends r's next `span` tokens to the plan. The span's last tokens, when it reaches the end
  * of the token list, are its output rows: one, plus one per draft. A scoring span's every
  * token has a row: those that score the prompt's next token, then (at the prompt's end) the
@@ -308,25 +317,22 @@ static void add_to_plan(struct tdm_sched *s, struct tdm_req *r, int span)
         int pos = pos0 + i;
         slots[i] = r->kv.pages[pos / ps] * ps + pos % ps;
     }
-    *q = (struct tdm_plan_seq){.req = r,
-                               .user = r->user,
-                               .tokens = r->tokens + pos0,
-                               .pos0 = pos0,
-                               .n_tokens = span,
-                               .pages = r->kv.pages,
-                               .n_pages = r->kv.n_pages,
-                               .slots = slots,
-                               .row0 = p->n_rows,
-                               .n_rows = n_rows,
-                               .n_score = n_score,
-                               .want = want,
-                               .n_draft = r->n_draft,
-                               .last = last,
-                               /* a request that may speculate, here or (prefill-only) on
-                                * the node that decodes it */
-                               .features = s->features && r->spec_k >= 0
-                                               ? s->features + (size_t)p->n_tokens * s->feat_dim
-                                               : NULL};
+    *q = (struct tdm_plan_seq){
+        .req = r,
+        .user = r->user,
+        .tokens = r->tokens + pos0,
+        .pos0 = pos0,
+        .n_tokens = span,
+        .pages = r->kv.pages,
+        .n_pages = r->kv.n_pages,
+        .slots = slots,
+        .row0 = p->n_rows,
+        .n_rows = n_rows,
+        .n_score = n_score,
+        .want = want,
+        .n_draft = r->n_draft,
+        .last = last,
+        .features = wants_features(s, r) ? s->features + (size_t)p->n_tokens * s->feat_dim : NULL};
     int32_t gst = r->gstate; /* the grammar's state at the next sampling row */
     for (int i = 0; i < n_rows; i++) {
         int row = p->n_rows + i;

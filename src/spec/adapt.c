@@ -229,6 +229,7 @@ bool tdm_spec_gate_begin(struct tdm_spec_gate *g, int n)
     g->tokens = 0;
     g->ns = 0;
     g->expect_tokens = -1;
+    g->losing = false;
     if (!g->every[b]) g->every[b] = GATE_EXPLORE;
     const struct tdm_spec_arm *off = &g->arm[b][0], *on = &g->arm[b][1];
     g->since[b]++;
@@ -241,12 +242,14 @@ bool tdm_spec_gate_begin(struct tdm_spec_gate *g, int n)
             smaller_loses |= g->arm[x][1].n >= GATE_BASE_N && g->arm[x][0].n >= GATE_BASE_N &&
                              g->arm[x][1].rate < g->arm[x][0].rate * GATE_MARGIN;
         if (!smaller_loses) return true;
+        g->losing = true;
         if (g->since[b] < g->every[b]) return false;
         g->since[b] = 0;
         g->every[b] = TDM_MIN(g->every[b] * 2, GATE_EXPLORE_MAX);
         return true;
     }
     if (on->rate < off->rate * GATE_MARGIN) { /* drafting loses here: off, exploring rarely */
+        g->losing = true;
         if (g->since[b] < g->every[b]) return false;
         g->since[b] = 0;
         g->every[b] = explore_next(g->every[b], off->rate, on->rate);

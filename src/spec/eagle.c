@@ -447,6 +447,7 @@ tdm_status tdm_spec_eagle_create(tdm_engine_t *target, const struct tdm_model *h
                                      .state_bytes = ed->mtp.state_bytes,
                                      .feed = eagle_feed,
                                      .kv_len = tdm_spec_mtp_kv_len,
+                                     .reads_features = tdm_spec_mtp_reads_features,
                                      .tree = true,
                                      .kv_scratch = topk * (depth - 1)};
     return TDM_OK;

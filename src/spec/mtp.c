@@ -72,12 +72,12 @@
 #include "tandem/tp.h"
 
 /* A request's pending rows: at least a verified span (the last token and k drafts); up to
- * PEND_MAX while the budget allows (PEND_BUDGET bytes over max_seqs requests), so that a
- * request not drafting (the gate shut, or k 0) runs the head over many steps' rows at once,
- * or, when it drops them, never (mtp_feed). */
-#define PEND_MIN    (TDM_SPEC_MAX_K + 1)
-#define PEND_MAX    64
-#define PEND_BUDGET ((size_t)64 << 20)
+ * PEND_MAX while a request's rows fit PEND_BYTES (the scheduler allocates the state of every
+ * request it holds, queued ones too), so that a request not drafting (the gate shut, or k 0)
+ * runs the head over many steps' rows at once, or, when it drops them, never (mtp_feed). */
+#define PEND_MIN   (TDM_SPEC_MAX_K + 1)
+#define PEND_MAX   64
+#define PEND_BYTES ((size_t)256 << 10)
 
 struct mtp_req {
     int32_t head_len; /* the head's KV holds [0, head_len), made from the target's features */
@@ -249,6 +249,12 @@ int tdm_spec_mtp_kv_len(void *ctx, const void *state)
     (void)ctx;
     const struct mtp_req *st = state;
     return st->dead ? 0 : st->head_len;
+}
+
+bool tdm_spec_mtp_reads_features(void *ctx, const void *state)
+{
+    (void)ctx;
+    return !((const struct mtp_req *)state)->dead;
 }
 
 bool tdm_spec_mtp_catch_up(void *ctx, struct tdm_spec *sp, struct tdm_sched_draft *d, int n,
@@ -715,8 +721,7 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
     md->max_seqs = n;
     md->max_tokens = tdm_engine_opts(md->e)->max_batch_tokens;
     md->pend_cap = (int)TDM_MAX(
-        (size_t)PEND_MIN,
-        TDM_MIN((size_t)PEND_MAX, PEND_BUDGET / ((size_t)n * (size_t)md->fw * sizeof(float))));
+        (size_t)PEND_MIN, TDM_MIN((size_t)PEND_MAX, PEND_BYTES / ((size_t)md->fw * sizeof(float))));
     md->rejection = accept == TDM_SPEC_ACCEPT_REJECTION;
     md->one_hot = one_hot;
     size_t un = (size_t)n, dd = (size_t)md->d;
@@ -754,7 +759,8 @@ tdm_status tdm_spec_mtp_create(tdm_engine_t *target, const struct tdm_model *hea
                                                                                  (size_t)md->fw *
                                                                                  sizeof(float),
                                      .feed = mtp_feed,
-                                     .kv_len = tdm_spec_mtp_kv_len};
+                                     .kv_len = tdm_spec_mtp_kv_len,
+                                     .reads_features = tdm_spec_mtp_reads_features};
     return TDM_OK;
 }
 

@@ -76,8 +76,9 @@ static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tok
         /* a tree's size is its budget (the scheduler's cap); k fixed drafts every step (and
          * caps the depth, eagle.c); auto: the gate alone (the per-position model is a
          * chain's) */
-        sp->gate_shut = sp->o.k == 0 && !tdm_spec_gate_begin(&sp->gate, base_tokens);
-        if (sp->gate_shut)
+        const bool off = sp->o.k == 0 && !tdm_spec_gate_begin(&sp->gate, base_tokens);
+        sp->gate_shut = off && sp->gate.losing;
+        if (off)
             for (int i = 0; i < n; i++)
                 d[i].k = 0;
     } else if (sp->o.k > 0) {
@@ -88,7 +89,7 @@ static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tok
         sp->gate_shut = false;
         tdm_spec_ctl_choose(&sp->ctl, d, n, base_tokens);
     } else {
-        sp->gate_shut = true;
+        sp->gate_shut = sp->gate.losing;
         for (int i = 0; i < n; i++)
             d[i].k = 0;
     }
@@ -180,6 +181,12 @@ static int on_kv_len(void *ctx, const void *state)
     return sp->dr.kv_len(sp->dr.ctx, state);
 }
 
+static bool on_reads_features(void *ctx, const void *state)
+{
+    struct tdm_spec *sp = ctx;
+    return sp->dr.reads_features(sp->dr.ctx, state);
+}
+
 void tdm_spec_note_pass(struct tdm_spec *sp, int n_seqs, uint64_t ns)
 {
     tdm_spec_cost_observe(&sp->ctl.draft, n_seqs, (double)ns);
@@ -268,7 +275,9 @@ tdm_status tdm_spec_create(tdm_engine_t *target, const struct tdm_spec_opts *o, 
                                              .state_bytes = sp->dr.state_bytes,
                                              .tree = sp->dr.tree,
                                              .kv_scratch = sp->dr.kv_scratch,
-                                             .kv_len = sp->dr.kv_len ? on_kv_len : NULL};
+                                             .kv_len = sp->dr.kv_len ? on_kv_len : NULL,
+                                             .reads_features =
+                                                 sp->dr.reads_features ? on_reads_features : NULL};
     if (st == TDM_OK && o->overlap) {
         st = tdm_spec_mtp_overlap(&sp->dr);
         sp->iface.launch = on_launch;

@@ -34,6 +34,8 @@ struct tdm_spec_drafter {
     /* optional: positions of its own KV that are final, given a request's state
      * (tdm_sched_drafter_i's kv_len) */
     int (*kv_len)(void *ctx, const void *state);
+    /* optional: whether a request's state still reads features (tdm_sched_drafter_i's) */
+    bool (*reads_features)(void *ctx, const void *state);
     /* a tree drafter (tdm_sched_drafter_i's tree and kv_scratch): k is its trees' node
      * budget, and the controller's per-position choice does not apply (the gate does) */
     bool tree;
@@ -135,6 +137,8 @@ struct tdm_spec_mtp_last {
 /* The mtp drafter's kv_len (eagle's too, whose per-request state is mtp's): positions of the
  * head's KV made from the target's features, 0 for a request with a gap (dead). */
 int tdm_spec_mtp_kv_len(void *ctx, const void *state);
+/* Their reads_features: false once a request's head state is dead (a gap, or dropped). */
+bool tdm_spec_mtp_reads_features(void *ctx, const void *state);
 bool tdm_spec_mtp_catch_up(void *mtp, struct tdm_spec *sp, struct tdm_sched_draft *d, int n,
                            const struct tdm_spec_mtp_last *last);
 tdm_engine_t *tdm_spec_mtp_engine(void *mtp); /* the head's engine (group 1 of the pool) */
@@ -182,8 +186,9 @@ struct tdm_spec_arm {
 struct tdm_spec_gate {
     struct tdm_spec_arm arm[TDM_SPEC_GATE_BUCKETS][2]; /* [bucket][drafted] */
     uint32_t since[TDM_SPEC_GATE_BUCKETS], every[TDM_SPEC_GATE_BUCKETS];
-    /* the step in progress */
-    bool open, fresh, drafted, mixed;
+    /* the step in progress; losing: drafting is off because it measured slower here (or in a
+     * smaller bucket), not while the baseline is being measured */
+    bool open, fresh, drafted, mixed, losing;
     int bucket, expect_tokens, tokens;
     double ns;
 };
@@ -210,8 +215,9 @@ struct tdm_spec {
     struct tdm_spec_drafter dr;
     struct tdm_sched_drafter_i iface; /* what the scheduler calls */
     struct tdm_spec_ctl ctl;
-    /* the latest step's gate said no drafting (--spec-k auto): a head fed meanwhile parks its
-     * rows rather than running over them, and drops a request whose rows overflow (mtp.c) */
+    /* the latest step's gate kept drafting off because it measured it losing (--spec-k auto;
+     * not while measuring the baseline): a head fed meanwhile parks its rows rather than
+     * running over them, and drops a request whose rows overflow (mtp.c) */
     bool gate_shut;
     struct tdm_sched_draft *batch; /* [max_seqs] the drafts with k > 0 */
     int max_seqs;
