@@ -17,6 +17,7 @@ APT_PACKAGES=(
     openssl                             # tests make their own TLS certificates
     libopenblas-dev libcmocka-dev
     iproute2 iperf3 curl
+    libfabric-bin                       # fi_pingpong: bench xfer's same-run latency reference
     python3 python3-venv python3-pip
 )
 

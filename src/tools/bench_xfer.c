@@ -14,7 +14,10 @@
  * median is shown. Latency: ping-pong of 8-byte writes with immediates, each side's counter
  * callback posting the next write (as fi_rdm_pingpong's two processes do, no third thread in
  * the loop); the one-way figure is half the median round trip. --busy-poll makes the progress
- * threads spin (the engine's busy_poll), as fabtests' own loops do.
+ * threads spin (the engine's busy_poll), as fabtests' own loops do. Its reference is libfabric's
+ * own ping-pong, fi_pingpong (Debian's libfabric-bin) over the same provider, RDM endpoints,
+ * 8-byte messages, as two child processes stopped by PID: its usec/xfer, the time of a round
+ * trip over its two transfers, is the same one-way figure.
  *
  * Output check: after the last round the target's pages are compared with the writer's source
  * pages and a checksum of the destination region is printed, so a fast wrong answer shows.
@@ -50,6 +53,7 @@ struct bx_opts {
     bool busy_poll;
     bool show_rounds;
     int64_t rails;
+    const char *fi_pingpong; /* the latency reference's binary ("none": skipped) */
 };
 
 struct bx_fire {
@@ -154,6 +158,88 @@ out_server:
     kill(server, SIGTERM);
     waitpid(server, NULL, 0);
     return gbs;
+}
+
+/* Runs libfabric's fi_pingpong (server and client, RDM endpoints, `bytes`-byte messages,
+ * `iters` round trips) over provider `prov` on loopback; *us: its usec/xfer (half a round trip).
+ * false when it is not installed or did not report in time (the children are killed by PID). */
+static bool bx_fi_pingpong(const char *path, const char *prov, int bytes, int iters, double *us)
+{
+    static int turn;
+    int port = 30000 + (int)((getpid() * 7 + turn++) % 20000);
+    char port_s[16], size_s[16], iters_s[16];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    snprintf(size_s, sizeof size_s, "%d", bytes);
+    snprintf(iters_s, sizeof iters_s, "%d", iters);
+    pid_t server = fork();
+    if (server < 0) return false;
+    if (server == 0) {
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0) dup2(devnull, 1), dup2(devnull, 2);
+        execlp(path, path, "-p", prov, "-e", "rdm", "-I", iters_s, "-S", size_s, "-B", port_s,
+               (char *)NULL);
+        _exit(127);
+    }
+    usleep(300000);
+    bool ok = false;
+    int fds[2] = {-1, -1};
+    pid_t client = -1;
+    if (waitpid(server, NULL, WNOHANG) == server) { /* it could not start (the port taken?) */
+        fprintf(stderr, "tandem: bench xfer: %s's server exited at once\n", path);
+        return false;
+    }
+    if (pipe(fds) == 0 && (client = fork()) == 0) {
+        dup2(fds[1], 1);
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0) dup2(devnull, 2);
+        close(fds[0]);
+        execlp(path, path, "-p", prov, "-e", "rdm", "-I", iters_s, "-S", size_s, "-P", port_s,
+               "127.0.0.1", (char *)NULL);
+        _exit(127);
+    }
+    if (client > 0) {
+        close(fds[1]);
+        char buf[4096];
+        size_t len = 0;
+        const uint64_t deadline = tdm_now_ns() + 60000000000ull;
+        int fl = fcntl(fds[0], F_GETFL);
+        fcntl(fds[0], F_SETFL, fl | O_NONBLOCK);
+        while (len < sizeof buf - 1 && tdm_now_ns() < deadline) {
+            ssize_t n = read(fds[0], buf + len, sizeof buf - 1 - len);
+            if (n == 0) break;
+            if (n > 0)
+                len += (size_t)n;
+            else
+                usleep(10000);
+        }
+        buf[len] = '\0';
+        close(fds[0]);
+        kill(client, SIGKILL); /* gone already, or past the deadline */
+        waitpid(client, NULL, 0);
+        /* bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec: the line of our size */
+        char *save = NULL;
+        for (char *line = strtok_r(buf, "\n", &save); line && !ok;
+             line = strtok_r(NULL, "\n", &save)) {
+            char b[32], f[6][32];
+            double v;
+            if (sscanf(line, "%31s %31s %31s %31s %31s %31s %lf", b, f[0], f[1], f[2], f[3], f[4],
+                       &v) == 7 &&
+                atoi(b) == bytes && v > 0) {
+                *us = v;
+                ok = true;
+            }
+        }
+    } else if (fds[0] >= 0) { /* no client */
+        close(fds[0]);
+        close(fds[1]);
+    }
+    /* it exits after its last pong; else a TERM lets the shm provider unlink its region */
+    for (int i = 0; i < 200 && waitpid(server, NULL, WNOHANG) == 0; i++) {
+        if (i == 100) kill(server, SIGTERM);
+        usleep(10000);
+    }
+    if (kill(server, SIGKILL) == 0) waitpid(server, NULL, 0);
+    return ok;
 }
 
 /* ---- one provider ---- */
@@ -445,6 +531,8 @@ static void bx_usage_to(FILE *f)
                "  --rounds N           timed rounds per page size, after a warm-up round; the\n"
                "                       median is shown (default 3)\n"
                "  --pings N            latency round trips (default 2000)\n"
+               "  --fi-pingpong PATH   the latency's same-run reference, libfabric's own\n"
+               "                       ping-pong (default fi_pingpong; none: skip it)\n"
                "  --iperf-seconds N    iperf3 reference duration (default 3)\n"
                "  --busy-poll          progress threads spin instead of sleeping when idle\n"
                "  --show-rounds        print every timed round's rate under its row\n"
@@ -456,7 +544,8 @@ static void bx_usage_to(FILE *f)
 int tdm_cmd_bench_xfer(int argc, char **argv)
 {
     struct bx_opts o = {
-        "tcp;ofi_rxm,shm", "127.0.0.1", 256, 64, 16, 512, 3, 2000, 3, false, false, 1};
+        "tcp;ofi_rxm,shm", "127.0.0.1", 256, 64, 16, 512, 3, 2000, 3, false, false, 1,
+        "fi_pingpong"};
     const char *transport = NULL;
     const struct tdm_opt own[] = {
         TDM_OPT_S("provider", &o.providers),
@@ -472,6 +561,7 @@ int tdm_cmd_bench_xfer(int argc, char **argv)
         TDM_OPT_B("show-rounds", &o.show_rounds),
         TDM_OPT_I("rails", &o.rails, 1, TDM_XFER_MAX_RAILS),
         TDM_OPT_S("transport", &transport),
+        TDM_OPT_S("fi-pingpong", &o.fi_pingpong),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {own, NULL};
@@ -546,15 +636,28 @@ int tdm_cmd_bench_xfer(int argc, char **argv)
         }
         double us = 0;
         if (st == TDM_OK) st = bx_latency(&p, (int)o.pings, &us);
-        if (st == TDM_OK)
+        if (st == TDM_OK) {
             printf("  8-byte write + immediate, one-way latency (median of %lld): %.1f us\n",
                    (long long)o.pings, us);
-        else {
+        } else {
             fprintf(stderr, "tandem: bench xfer: %s: %s\n", prov, tdm_err_msg());
             rc = 1;
         }
         fflush(stdout);
         bx_pair_free(&p);
+        /* the reference once this pair's progress threads are gone (they would share the
+         * cores with its two processes) */
+        double ref_us = 0;
+        if (st == TDM_OK && strcmp(o.fi_pingpong, "none") != 0) {
+            if (bx_fi_pingpong(o.fi_pingpong, prov, 8, (int)o.pings, &ref_us))
+                printf("  reference: %s, RDM, 8-byte messages, %lld round trips: %.1f us "
+                       "one-way; tandem / reference %.2fx\n",
+                       o.fi_pingpong, (long long)o.pings, ref_us, us / ref_us);
+            else
+                printf("  reference: %s unavailable (Debian's libfabric-bin has it)\n",
+                       o.fi_pingpong);
+            fflush(stdout);
+        }
     }
     return rc;
 }

@@ -1,6 +1,8 @@
 """Smoke test of `tandem bench xfer`: a tiny run over shm must verify every page size, print the
-reference next to each figure, and report a latency. (No timing is asserted.)"""
+reference next to each figure, and report a latency next to libfabric's own ping-pong
+(fi_pingpong, which setup installs; a missing one is said so). (No timing is asserted.)"""
 import re
+import shutil
 
 from conftest import run_tandem
 
@@ -17,6 +19,21 @@ def test_bench_xfer_small_run(tandem_bin):
     # figures are printed for every row (their size depends on the machine's load, not checked)
     assert all(float(r[1]) >= 0 and float(r[2]) > 0 for r in rows), out
     assert re.search(r"one-way latency \(median of 20\): [\d.]+ us", out), out
+    if shutil.which("fi_pingpong"):
+        assert re.search(r"reference: fi_pingpong, RDM, 8-byte messages, 20 round trips: [\d.]+ us "
+                         r"one-way; tandem / reference [\d.]+x", out), out
+    else:
+        assert "reference: fi_pingpong unavailable" in out, out
+
+
+def test_bench_xfer_without_its_latency_reference(tandem_bin):
+    cp = run_tandem(["bench", "xfer", "--provider", "shm", "--region-mib", "4", "--round-mib", "1",
+                     "--rounds", "1", "--pings", "10", "--fi-pingpong", "/no/such/fi_pingpong"],
+                    timeout=300)
+    assert "reference: /no/such/fi_pingpong unavailable" in cp.stdout, cp.stdout
+    cp = run_tandem(["bench", "xfer", "--provider", "shm", "--region-mib", "4", "--round-mib", "1",
+                     "--rounds", "1", "--pings", "10", "--fi-pingpong", "none"], timeout=300)
+    assert "fi_pingpong" not in cp.stdout and "one-way latency" in cp.stdout, cp.stdout
 
 
 def test_bench_xfer_rejects_bad_options(tandem_bin):
