@@ -191,7 +191,7 @@ static void mtp_feed(void *ctx, struct tdm_spec *sp, const struct tdm_sched_feed
             st->n_pend += m;
             continue;
         }
-        if (sp->gate_shut && f[i].stats && f[i].stats->steps > 0) {
+        if (sp->gate.losing && f[i].stats && f[i].stats->steps > 0) {
             /* drafting is off (--spec-k auto measured it losing here): running the head over
              * these rows would cost every decode step a head layer for drafts that may never
              * come, so the request's head state goes instead (it drafts no more, like a gap);

@@ -76,20 +76,15 @@ static void on_propose(void *ctx, struct tdm_sched_draft *d, int n, int base_tok
         /* a tree's size is its budget (the scheduler's cap); k fixed drafts every step (and
          * caps the depth, eagle.c); auto: the gate alone (the per-position model is a
          * chain's) */
-        const bool off = sp->o.k == 0 && !tdm_spec_gate_begin(&sp->gate, base_tokens);
-        sp->gate_shut = off && sp->gate.losing;
-        if (off)
+        if (sp->o.k == 0 && !tdm_spec_gate_begin(&sp->gate, base_tokens))
             for (int i = 0; i < n; i++)
                 d[i].k = 0;
     } else if (sp->o.k > 0) {
-        sp->gate_shut = false;
         for (int i = 0; i < n; i++)
             d[i].k = TDM_MIN(d[i].k, sp->o.k);
     } else if (tdm_spec_gate_begin(&sp->gate, base_tokens)) {
-        sp->gate_shut = false;
         tdm_spec_ctl_choose(&sp->ctl, d, n, base_tokens);
     } else {
-        sp->gate_shut = sp->gate.losing;
         for (int i = 0; i < n; i++)
             d[i].k = 0;
     }

@@ -186,8 +186,10 @@ struct tdm_spec_arm {
 struct tdm_spec_gate {
     struct tdm_spec_arm arm[TDM_SPEC_GATE_BUCKETS][2]; /* [bucket][drafted] */
     uint32_t since[TDM_SPEC_GATE_BUCKETS], every[TDM_SPEC_GATE_BUCKETS];
-    /* the step in progress; losing: drafting is off because it measured slower here (or in a
-     * smaller bucket), not while the baseline is being measured */
+    /* the step in progress; losing: this step is off because drafting measured slower here
+     * (or in a smaller bucket), not while the baseline is measured nor when exploring. A head
+     * fed meanwhile parks its rows rather than running over them, and drops a request whose
+     * rows overflow (mtp.c) */
     bool open, fresh, drafted, mixed, losing;
     int bucket, expect_tokens, tokens;
     double ns;
@@ -215,10 +217,6 @@ struct tdm_spec {
     struct tdm_spec_drafter dr;
     struct tdm_sched_drafter_i iface; /* what the scheduler calls */
     struct tdm_spec_ctl ctl;
-    /* the latest step's gate kept drafting off because it measured it losing (--spec-k auto;
-     * not while measuring the baseline): a head fed meanwhile parks its rows rather than
-     * running over them, and drops a request whose rows overflow (mtp.c) */
-    bool gate_shut;
     struct tdm_sched_draft *batch; /* [max_seqs] the drafts with k > 0 */
     int max_seqs;
     pthread_mutex_t mu; /* st */
