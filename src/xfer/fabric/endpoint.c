@@ -255,33 +255,35 @@ static bool is_shm(const tdm_xfer_t *x)
            !strcmp(x->info->fabric_attr->prov_name, "shm");
 }
 
-static void close_fids(struct fid_ep *ep, struct fid_mr *bufs_mr, struct fid_av *av,
-                       struct fid_cq *cq, struct fid_domain *domain, struct fid_fabric *fabric,
-                       struct fi_info *info)
+/* Closes what the provider holds of an engine, and frees the memory it points into. */
+static void provider_close(struct shm_parked *o)
 {
-    if (ep) fi_close(&ep->fid);
-    if (bufs_mr) fi_close(&bufs_mr->fid);
-    if (av) fi_close(&av->fid);
-    if (cq) fi_close(&cq->fid);
-    if (domain) fi_close(&domain->fid);
-    if (fabric) fi_close(&fabric->fid);
-    if (info) fi_freeinfo(info);
+    if (o->ep) fi_close(&o->ep->fid);
+    if (o->bufs_mr) fi_close(&o->bufs_mr->fid);
+    if (o->av) fi_close(&o->av->fid);
+    if (o->cq) fi_close(&o->cq->fid);
+    if (o->domain) fi_close(&o->domain->fid);
+    if (o->fabric) fi_close(&o->fabric->fid);
+    if (o->info) fi_freeinfo(o->info);
+    tdm_free_aligned(o->bufs);
+    free(o->ops);
 }
 
-/* Closes x's libfabric objects, or parks them (above). Takes x's bufs and ops over when it
- * parks. */
+/* Closes x's libfabric objects and frees its bufs and ops, or parks them all (above). */
 static void close_or_park(tdm_xfer_t *x)
 {
+    struct shm_parked own = {x->ep,     x->bufs_mr, x->av,   x->cq,  x->domain,
+                             x->fabric, x->info,    x->bufs, x->ops, NULL};
+    x->bufs = NULL;
+    x->ops = NULL;
     struct shm_parked *go = NULL;
     if (x->shm_counted) {
         pthread_mutex_lock(&shm_mu);
         struct shm_parked *p = --shm_live > 0 ? malloc(sizeof *p) : NULL;
         if (p) { /* others live: park (out of memory: close, as before) */
-            *p = (struct shm_parked){x->ep,     x->bufs_mr, x->av,   x->cq,  x->domain,
-                                     x->fabric, x->info,    x->bufs, x->ops, shm_parked};
+            *p = own;
+            p->next = shm_parked;
             shm_parked = p;
-            x->bufs = NULL;
-            x->ops = NULL;
             pthread_mutex_unlock(&shm_mu);
             return;
         }
@@ -291,12 +293,10 @@ static void close_or_park(tdm_xfer_t *x)
         }
         pthread_mutex_unlock(&shm_mu);
     }
-    close_fids(x->ep, x->bufs_mr, x->av, x->cq, x->domain, x->fabric, x->info);
+    provider_close(&own);
     while (go) {
         struct shm_parked *next = go->next;
-        close_fids(go->ep, go->bufs_mr, go->av, go->cq, go->domain, go->fabric, go->info);
-        tdm_free_aligned(go->bufs);
-        free(go->ops);
+        provider_close(go);
         free(go);
         go = next;
     }
@@ -477,13 +477,12 @@ void tdm_xfer_destroy(tdm_xfer_t *x)
         pthread_mutex_unlock(&x->tx_mu);
         tdm_fab_fire_queued(x);
     }
-    close_or_park(x);
+    close_or_park(x); /* and its bufs and ops */
     if (!x->counters_borrowed) tdm_xfer_counters_destroy(x->counters);
     if (x->jobs)
         for (int j = 0; j < x->cfg.max_jobs; j++)
             free(x->jobs[j].msg);
     free(x->delay_ring);
-    tdm_free_aligned(x->bufs);
     free(x->peers);
     free(x->jobs);
     free(x->fireq);
@@ -492,7 +491,6 @@ void tdm_xfer_destroy(tdm_xfer_t *x)
     free(x->run_segs);
     free(x->repost);
     free(x->op_free);
-    free(x->ops);
     pthread_mutex_destroy(&x->tx_mu);
     pthread_mutex_destroy(&x->mu);
     pthread_cond_destroy(&x->cv);
