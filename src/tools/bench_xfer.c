@@ -109,103 +109,46 @@ out:
     return best;
 }
 
-/* Runs iperf3 server and client on loopback; returns received GB/s, or 0 when unavailable. */
-static double bx_iperf3_gbs(int seconds)
+/* A reference tool on loopback, as its own server and client (child processes stopped by
+ * PID): the server's output dropped, the client's stdout read (at most cap bytes) until it
+ * exits or timeout_s passes, returned malloc'd and NUL-terminated; NULL when the server
+ * exited at once (not installed, or its port taken) or the client could not be started. The
+ * server then has a second to exit, a TERM (which lets shm unlink its region), a second more,
+ * and a KILL. */
+static char *bx_run_ref(char *const server_argv[], char *const client_argv[], int timeout_s,
+                        size_t cap)
 {
-    int port = 20000 + (int)(getpid() % 20000);
-    char port_s[16], secs_s[16];
-    snprintf(port_s, sizeof(port_s), "%d", port);
-    snprintf(secs_s, sizeof(secs_s), "%d", seconds);
     pid_t server = fork();
-    if (server < 0) return 0;
+    if (server < 0) return NULL;
     if (server == 0) {
         int devnull = open("/dev/null", O_WRONLY);
         if (devnull >= 0) dup2(devnull, 1), dup2(devnull, 2);
-        execlp("iperf3", "iperf3", "-s", "-1", "-p", port_s, (char *)NULL);
+        execvp(server_argv[0], server_argv);
         _exit(127);
     }
     usleep(300000);
-    int fds[2];
-    double gbs = 0;
-    if (pipe(fds) != 0) goto out_server;
-    pid_t client = fork();
-    if (client == 0) {
-        dup2(fds[1], 1);
-        close(fds[0]);
-        execlp("iperf3", "iperf3", "-c", "127.0.0.1", "-p", port_s, "-t", secs_s, "-J",
-               (char *)NULL);
-        _exit(127);
-    }
-    close(fds[1]);
-    size_t cap = 1 << 20, len = 0;
-    char *buf = malloc(cap + 1);
-    ssize_t n;
-    while (buf && (n = read(fds[0], buf + len, cap - len)) > 0 && len < cap)
-        len += (size_t)n;
-    close(fds[0]);
-    if (client > 0) waitpid(client, NULL, 0);
-    if (buf) {
-        buf[len] = '\0';
-        json_error_t jerr;
-        json_t *root = json_loads(buf, 0, &jerr);
-        json_t *bps = json_object_get(json_object_get(json_object_get(root, "end"), "sum_received"),
-                                      "bits_per_second");
-        if (json_is_number(bps)) gbs = json_number_value(bps) / 8e9;
-        json_decref(root);
-    }
-    free(buf);
-out_server:
-    kill(server, SIGTERM);
-    waitpid(server, NULL, 0);
-    return gbs;
-}
-
-/* Runs libfabric's fi_pingpong (server and client, RDM endpoints, `bytes`-byte messages,
- * `iters` round trips) over provider `prov` on loopback; *us: its usec/xfer (half a round trip).
- * false when it is not installed or did not report in time (the children are killed by PID). */
-static bool bx_fi_pingpong(const char *path, const char *prov, int bytes, int iters, double *us)
-{
-    static int turn;
-    int port = 30000 + (int)((getpid() * 7 + turn++) % 20000);
-    char port_s[16], size_s[16], iters_s[16];
-    snprintf(port_s, sizeof port_s, "%d", port);
-    snprintf(size_s, sizeof size_s, "%d", bytes);
-    snprintf(iters_s, sizeof iters_s, "%d", iters);
-    pid_t server = fork();
-    if (server < 0) return false;
-    if (server == 0) {
-        int devnull = open("/dev/null", O_WRONLY);
-        if (devnull >= 0) dup2(devnull, 1), dup2(devnull, 2);
-        execlp(path, path, "-p", prov, "-e", "rdm", "-I", iters_s, "-S", size_s, "-B", port_s,
-               (char *)NULL);
-        _exit(127);
-    }
-    usleep(300000);
-    bool ok = false;
+    char *buf = NULL;
     int fds[2] = {-1, -1};
     pid_t client = -1;
-    if (waitpid(server, NULL, WNOHANG) == server) { /* it could not start (the port taken?) */
-        fprintf(stderr, "tandem: bench xfer: %s's server exited at once\n", path);
-        return false;
+    if (waitpid(server, NULL, WNOHANG) == server) {
+        fprintf(stderr, "tandem: bench xfer: %s's server exited at once\n", server_argv[0]);
+        return NULL;
     }
     if (pipe(fds) == 0 && (client = fork()) == 0) {
         dup2(fds[1], 1);
         int devnull = open("/dev/null", O_WRONLY);
         if (devnull >= 0) dup2(devnull, 2);
         close(fds[0]);
-        execlp(path, path, "-p", prov, "-e", "rdm", "-I", iters_s, "-S", size_s, "-P", port_s,
-               "127.0.0.1", (char *)NULL);
+        execvp(client_argv[0], client_argv);
         _exit(127);
     }
-    if (client > 0) {
+    if (client > 0 && (buf = malloc(cap + 1))) {
         close(fds[1]);
-        char buf[4096];
         size_t len = 0;
-        const uint64_t deadline = tdm_now_ns() + 60000000000ull;
-        int fl = fcntl(fds[0], F_GETFL);
-        fcntl(fds[0], F_SETFL, fl | O_NONBLOCK);
-        while (len < sizeof buf - 1 && tdm_now_ns() < deadline) {
-            ssize_t n = read(fds[0], buf + len, sizeof buf - 1 - len);
+        const uint64_t deadline = tdm_now_ns() + (uint64_t)timeout_s * 1000000000ull;
+        fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+        while (len < cap && tdm_now_ns() < deadline) {
+            ssize_t n = read(fds[0], buf + len, cap - len);
             if (n == 0) break;
             if (n > 0)
                 len += (size_t)n;
@@ -214,31 +157,76 @@ static bool bx_fi_pingpong(const char *path, const char *prov, int bytes, int it
         }
         buf[len] = '\0';
         close(fds[0]);
-        kill(client, SIGKILL); /* gone already, or past the deadline */
-        waitpid(client, NULL, 0);
-        /* bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec: the line of our size */
-        char *save = NULL;
-        for (char *line = strtok_r(buf, "\n", &save); line && !ok;
-             line = strtok_r(NULL, "\n", &save)) {
-            char b[32], f[6][32];
-            double v;
-            if (sscanf(line, "%31s %31s %31s %31s %31s %31s %lf", b, f[0], f[1], f[2], f[3], f[4],
-                       &v) == 7 &&
-                atoi(b) == bytes && v > 0) {
-                *us = v;
-                ok = true;
-            }
-        }
-    } else if (fds[0] >= 0) { /* no client */
+    } else if (fds[0] >= 0) {
         close(fds[0]);
         close(fds[1]);
     }
-    /* it exits after its last pong; else a TERM lets the shm provider unlink its region */
+    if (client > 0) {
+        kill(client, SIGKILL); /* gone already, or past the deadline */
+        waitpid(client, NULL, 0);
+    }
     for (int i = 0; i < 200 && waitpid(server, NULL, WNOHANG) == 0; i++) {
         if (i == 100) kill(server, SIGTERM);
         usleep(10000);
     }
     if (kill(server, SIGKILL) == 0) waitpid(server, NULL, 0);
+    return buf;
+}
+
+/* Runs iperf3 server and client on loopback; returns received GB/s, or 0 when unavailable. */
+static double bx_iperf3_gbs(int seconds)
+{
+    char port_s[16], secs_s[16];
+    snprintf(port_s, sizeof(port_s), "%d", 20000 + (int)(getpid() % 20000));
+    snprintf(secs_s, sizeof(secs_s), "%d", seconds);
+    char *const server[] = {"iperf3", "-s", "-1", "-p", port_s, NULL};
+    char *const client[] = {"iperf3", "-c", "127.0.0.1", "-p", port_s, "-t", secs_s, "-J", NULL};
+    char *out = bx_run_ref(server, client, seconds + 60, 1 << 20);
+    double gbs = 0;
+    if (out) {
+        json_error_t jerr;
+        json_t *root = json_loads(out, 0, &jerr);
+        json_t *bps = json_object_get(json_object_get(json_object_get(root, "end"), "sum_received"),
+                                      "bits_per_second");
+        if (json_is_number(bps)) gbs = json_number_value(bps) / 8e9;
+        json_decref(root);
+    }
+    free(out);
+    return gbs;
+}
+
+/* Runs libfabric's fi_pingpong (server and client, RDM endpoints, `bytes`-byte messages,
+ * `iters` round trips) over provider `prov` on loopback; *us: its usec/xfer (half a round trip).
+ * false when it is not installed or did not report in time. */
+static bool bx_fi_pingpong(const char *path, const char *prov, int bytes, int iters, double *us)
+{
+    static int turn;
+    char port_s[16], size_s[16], iters_s[16], path_s[512], prov_s[64];
+    snprintf(port_s, sizeof port_s, "%d", 30000 + (int)((getpid() * 7 + turn++) % 20000));
+    snprintf(size_s, sizeof size_s, "%d", bytes);
+    snprintf(iters_s, sizeof iters_s, "%d", iters);
+    snprintf(path_s, sizeof path_s, "%s", path);
+    snprintf(prov_s, sizeof prov_s, "%s", prov);
+    char *const server[] = {path_s,  "-p", prov_s, "-e", "rdm",  "-I",
+                            iters_s, "-S", size_s, "-B", port_s, NULL};
+    char *const client[] = {path_s, "-p",   prov_s, "-e",   "rdm",       "-I", iters_s,
+                            "-S",   size_s, "-P",   port_s, "127.0.0.1", NULL};
+    char *out = bx_run_ref(server, client, 60, 4095);
+    bool ok = false;
+    /* bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec: the line of our size */
+    char *save = NULL;
+    for (char *line = out ? strtok_r(out, "\n", &save) : NULL; line && !ok;
+         line = strtok_r(NULL, "\n", &save)) {
+        char b[32], f[6][32];
+        double v;
+        if (sscanf(line, "%31s %31s %31s %31s %31s %31s %lf", b, f[0], f[1], f[2], f[3], f[4],
+                   &v) == 7 &&
+            atoi(b) == bytes && v > 0) {
+            *us = v;
+            ok = true;
+        }
+    }
+    free(out);
     return ok;
 }
 
