@@ -217,7 +217,7 @@ static bool bx_fi_pingpong(const char *path, const char *prov, int bytes, int it
     char *save = NULL;
     for (char *line = out ? strtok_r(out, "\n", &save) : NULL; line && !ok;
          line = strtok_r(NULL, "\n", &save)) {
-        char b[32], f[6][32];
+        char b[32], f[5][32];
         double v;
         if (sscanf(line, "%31s %31s %31s %31s %31s %31s %lf", b, f[0], f[1], f[2], f[3], f[4],
                    &v) == 7 &&
