@@ -953,7 +953,10 @@ static void test_attention(void **state)
         {4, 4, 20, 5},  /* MHA, head_dim not a multiple of 8, odd page size */
         {18, 1, 8, 7},  /* one KV head shared by many heads */
         {2, 1, 64, 1},  /* one position per page */
-        {9, 3, 64, 16}, {32, 8, 128, 7}, {8, 1, 96, 16}, {16, 2, 128, 16}, {4, 2, 256, 16},
+        {9, 3, 64, 16},  {32, 8, 128, 7}, {8, 1, 96, 16}, {16, 2, 128, 16},
+        {4, 2, 256, 16}, {16, 1, 64, 16}, /* 16 heads a KV head: the widest decode tile of the
+                                             pipelined kernel */
+        {4, 4, 128, 16},                  /* MHA at head_dim 128: a decode tile of one row */
     };
     /* prefill chunks (one over an existing prefix), decodes past several softmax chunks and
      * 128-position segments (split-KV), and short chunks in the middle of sequences */
@@ -1348,7 +1351,11 @@ static void test_kv_dtypes(void **state)
     const enum tdm_dtype dts[] = {TDM_DTYPE_BF16, TDM_DTYPE_F16};
     const struct seq_spec mixed[] = {{10, 10}, {97, 1}, {23, 3}, {300, 1}};
     const struct seq_spec prefill[] = {{45, 45}, {70, 30}};
+    const struct seq_spec decode[] = {{300, 1}, {77, 1}, {5, 1}}; /* the decode kernel's steps */
     for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++) {
+        kv16_attention_case(dts[d], 9, 3, 64, 16, decode, (int)TDM_ARRAY_LEN(decode));
+        kv16_attention_case(dts[d], 32, 8, 128, 7, decode, (int)TDM_ARRAY_LEN(decode));
+        kv16_attention_case(dts[d], 4, 2, 256, 16, decode, (int)TDM_ARRAY_LEN(decode));
         kv16_append_case(dts[d], 64, 16);
         kv16_append_case(dts[d], 18, 5);
         kv16_attention_case(dts[d], 6, 2, 16, 16, mixed, (int)TDM_ARRAY_LEN(mixed));

@@ -1,5 +1,5 @@
 /*
- * Causal GQA attention over the paged HND KV cache on the GPU, one kernel for prefill, chunked
+ * Causal GQA attention over the paged HND KV cache on the GPU: prefill, chunked
  * prefill over an existing prefix and decode.
  *
  * Work: a block takes one tile (up to tile_tokens consecutive tokens of one sequence) and one
@@ -27,6 +27,14 @@
  * position, as always; a tree row takes every prefix column and, of the node columns, those
  * its 64-bit mask names. The mask touches the node columns only, so the prefix part is the
  * causal kernel's, and a tree of T tokens costs what a chain of T tokens costs.
+ *
+ * Three kernels share this work split and these rules:
+ *   attn_kernel   the SIMT kernel above (any head_dim up to 512, tiles of up to 64 rows);
+ *   dec_kernel    decode-shaped steps (tiles of at most 16 rows, head_dim 64/128/256): KV
+ *                 chunks copied by cp.async several chunks ahead, a chunk's positions split over
+ *                 the warps, the warps' softmax states merged at the end (opt-in: dec_takes);
+ *   attn_mma_kernel  prefill-shaped steps on the tensor cores (head_dim 64/128), bf16 KV
+ *                 optionally pipelined by cp.async as dec_kernel is (mma_pipe).
  *
  * Numerics: fp32 throughout; q is pre-multiplied by the softmax scale; expf is the precise one.
  * KV elements of a 2-byte type (bf16, f16) are widened exactly as they are gathered
@@ -107,6 +115,78 @@ __device__ __forceinline__ bool sees(int p, int lim, unsigned long long mask, in
     return p <= lim || (p >= tp && ((mask >> (p - tp)) & 1ull));
 }
 
+/* A tile: its sequence, first token, token count, rows (tokens x the GQA group) and KV end
+ * (a chain: the last token's position + 1, within the sequence's KV length; a tree: the
+ * prefix, then the nodes as columns). */
+struct tile_of {
+    int seq, tok0, ntok, R, kv_end;
+    int lo, hi; /* the split's KV range: n_splits equal parts, multiples of `chunk` positions */
+    seq_kv sk;
+};
+
+__device__ __forceinline__ tile_of tile_at(const attn_args &a, int tile, int split, int chunk)
+{
+    tile_of t;
+    t.seq = a.tiles[3 * tile], t.tok0 = a.tiles[3 * tile + 1], t.ntok = a.tiles[3 * tile + 2];
+    t.R = t.ntok * a.gs;
+    t.sk = seq_kv_of(a, t.seq);
+    t.kv_end = t.sk.nodes ? t.sk.tp + t.sk.n_nodes
+                          : min(a.positions[t.tok0 + t.ntok - 1] + 1, a.seq_kv_len[t.seq]);
+    const int per = ((t.kv_end + a.n_splits - 1) / a.n_splits + chunk - 1) / chunk * chunk;
+    t.lo = split * per, t.hi = min(t.kv_end, t.lo + per);
+    return t;
+}
+
+/* The tile's query rows (token-major, the GQA group's heads), pre-multiplied by the scale, into
+ * Qs [n_rows][width]: zeros past its R rows and past head_dim. */
+__device__ __forceinline__ void load_q(const attn_args &a, float *Qs, int n_rows, int width,
+                                       int tok0, int g, int R)
+{
+    for (int idx = threadIdx.x; idx < n_rows * width; idx += blockDim.x) {
+        const int r = idx / width, d = idx % width;
+        float v = 0.0f;
+        if (r < R && d < a.hd) {
+            const int t = tok0 + r / a.gs, h = g * a.gs + r % a.gs;
+            v = a.q[((size_t)t * a.n_heads + h) * a.hd + d] * a.scale;
+        }
+        Qs[idx] = v;
+    }
+}
+
+/* Tile row r's last visible position (a tree row: its prefix's, with its node mask in msk);
+ * -1 past the tile's R rows. */
+__device__ __forceinline__ int row_pos(const attn_args &a, const seq_kv &sk, int r, int R, int tok0,
+                                       unsigned long long &msk)
+{
+    const int t = tok0 + r / a.gs;
+    msk = r < R && a.tree_mask ? a.tree_mask[t] : 0ull;
+    return r < R ? (msk ? sk.tp - 1 : a.positions[t]) : -1;
+}
+
+/* Empty online-softmax states: no maximum, no sum, no weighted V. */
+template <int N, int NJ>
+__device__ __forceinline__ void state_init(float (&m)[N], float (&l)[N], float (&acc)[N][NJ])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+            acc[i][j] = 0.0f;
+    }
+}
+
+/* Rows r0 .. r0 + N - 1 of the tile: their last visible positions and masks. */
+template <int N>
+__device__ __forceinline__ void rows_pos(const attn_args &a, const tile_of &tl, int r0,
+                                         int (&pos)[N], unsigned long long (&msk)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        pos[i] = row_pos(a, tl.sk, r0 + i, tl.R, tl.tok0, msk[i]);
+}
+
 __device__ __forceinline__ uint16_t to_bf16(float f)
 {
     __nv_bfloat16 b = __float2bfloat16_rn(f);
@@ -124,45 +204,18 @@ template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_ke
     float *Vs = Ks + CHUNK * (HDP + 1); /* [CHUNK][HDP] */
     __shared__ size_t krow[CHUNK];      /* element offsets; SIZE_MAX past the range */
 
-    const int tile = blockIdx.x, g = blockIdx.y, split = blockIdx.z;
-    const int seq = a.tiles[3 * tile], tok0 = a.tiles[3 * tile + 1], ntok = a.tiles[3 * tile + 2];
-    const int R = ntok * a.gs, hd = a.hd;
+    const int g = blockIdx.y, split = blockIdx.z, hd = a.hd;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-    for (int idx = threadIdx.x; idx < ROWS * HDP; idx += blockDim.x) {
-        const int r = idx / HDP, d = idx % HDP;
-        float v = 0.0f;
-        if (r < R && d < hd) {
-            const int t = tok0 + r / a.gs, h = g * a.gs + r % a.gs;
-            v = a.q[((size_t)t * a.n_heads + h) * hd + d] * a.scale;
-        }
-        Qs[idx] = v;
-    }
-    const seq_kv sk = seq_kv_of(a, seq);
+    const tile_of tl = tile_at(a, blockIdx.x, split, CHUNK);
+    const int seq = tl.seq, tok0 = tl.tok0, R = tl.R, lo = tl.lo, hi = tl.hi;
+    const seq_kv sk = tl.sk;
+    load_q(a, Qs, ROWS, HDP, tok0, g, R);
     int pos[RPW];
     unsigned long long msk[RPW];
-#pragma unroll
-    for (int i = 0; i < RPW; i++) {
-        const int r = warp * RPW + i;
-        const int t = tok0 + r / a.gs;
-        msk[i] = r < R && a.tree_mask ? a.tree_mask[t] : 0ull;
-        pos[i] = r < R ? (msk[i] ? sk.tp - 1 : a.positions[t]) : -1;
-    }
-    int kv_end = a.positions[tok0 + ntok - 1] + 1;
-    kv_end = min(kv_end, a.seq_kv_len[seq]);
-    if (sk.nodes) kv_end = sk.tp + sk.n_nodes; /* the prefix, then the nodes as columns */
-    const int per = ((kv_end + a.n_splits - 1) / a.n_splits + CHUNK - 1) / CHUNK * CHUNK;
-    const int lo = split * per, hi = min(kv_end, lo + per);
+    rows_pos(a, tl, warp * RPW, pos, msk);
 
     float m[RPW], l[RPW], acc[RPW][NJ];
-#pragma unroll
-    for (int i = 0; i < RPW; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < NJ; j++)
-            acc[i][j] = 0.0f;
-    }
+    state_init(m, l, acc);
     const int ps = a.page_size;
     const int32_t *pages = a.page_ids + a.seq_page_start[seq];
     const size_t page_floats = (size_t)2 * a.nkv * ps * hd, v_off = (size_t)a.nkv * ps * hd;
@@ -312,6 +365,22 @@ template <int NJ, int RPW> __global__ void __launch_bounds__(WARPS * 32) attn_ke
     }
 }
 
+/* 16-byte asynchronous copies into shared memory (zero-filled when !full), their groups */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool full)
+{
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem),
+                 "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N> __device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 /* ---- prefill on the tensor cores (head_dim 64 or 128) ----
  * The same work split as attn_kernel (a tile of up to 64 (token, head) rows of one KV head;
  * here 8 warps and up to 128 rows; warp w owns rows 16w..16w+15), but S = Q K^T and O += P V run as
@@ -347,15 +416,31 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t &r0, uint32_t &r1, const 
                  : "r"(a));
 }
 
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p)
+{
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
 /* KT: the KV element type (enum tdm_cu_kv), fixed at compile time here: fp32 rows are loaded
  * as float4s and rounded to bf16 for the tensor cores, 2-byte rows as 16-byte words (8
  * elements), bf16 ones stored as they are, f16 ones converted through fp32. */
-template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
+template <int D, int KT, bool PIPE>
+__global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
 {
     tdm_pdl_wait();
     constexpr int BN = 64, KS = D + 8;
-    __shared__ __align__(16) uint16_t Ks[BN * KS];
-    __shared__ __align__(16) uint16_t Vs[BN * KS];
+    static_assert(!PIPE || KT == TDM_CU_KV_BF16, "the pipelined form copies bf16 rows as stored");
+    extern __shared__ __align__(16) uint16_t mdyn[];
+    uint16_t *Ks, *Vs;
+    if constexpr (PIPE) {
+        Ks = mdyn, Vs = mdyn + BN * KS; /* stage 0; stage s is 2 BN KS elements further */
+    } else {
+        __shared__ __align__(16) uint16_t Ks_[BN * KS], Vs_[BN * KS];
+        Ks = Ks_, Vs = Vs_;
+    }
     /* tiles run last first: the longest causal spans start early, the short ones fill the tail */
     const int tile = gridDim.x - 1 - blockIdx.x, g = blockIdx.y;
     const int seq = a.tiles[3 * tile], tok0 = a.tiles[3 * tile + 1], ntok = a.tiles[3 * tile + 2];
@@ -442,30 +527,96 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
             *reinterpret_cast<uint4 *>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
         }
     };
-    fetch(0);
-    for (int c0 = 0; c0 < kv_end; c0 += BN) {
-        __syncthreads(); /* the previous chunk's math is done with Ks, Vs */
+    /* the pipelined form: NSTG stages of cp.async copies, the page ids of a thread's rows
+     * loaded one chunk before their copies are issued (as dec_kernel does) */
+    constexpr int NSTG = 3, TPR = D / 8; /* threads (16-byte words) per row */
+    int raw_next[LD];
+    auto raw_of = [&](int ci, int(&raw)[LD]) {
 #pragma unroll
         for (int u = 0; u < LD; u++) {
-            const int idx = threadIdx.x + u * MWARPS * 32;
-            const int i = idx / (D / EPW), d = (idx % (D / EPW)) * EPW;
-            to_smem(pk[u], Ks + i * KS + d);
-            to_smem(pv[u], Vs + i * KS + d);
+            const int p = ci * BN + (threadIdx.x + u * MWARPS * 32) / TPR;
+            raw[u] = p < kv_end ? (p < sk.tp ? pages[p / ps] : sk.nodes[p - sk.tp]) : -1;
         }
-        __syncthreads();
-        if (c0 + BN < kv_end) fetch(c0 + BN);
+    };
+    auto issue = [&](int ci, const int(&raw)[LD]) {
+        if (ci * BN < kv_end) {
+            uint16_t *kd = Ks + (size_t)(ci % NSTG) * 2 * BN * KS, *vd = kd + BN * KS;
+            const uint16_t *kb = static_cast<const uint16_t *>(a.kv_base);
+#pragma unroll
+            for (int u = 0; u < LD; u++) {
+                const int idx = threadIdx.x + u * MWARPS * 32, i = idx / TPR, d = (idx % TPR) * 8;
+                const int p = ci * BN + i;
+                size_t e = 0;
+                if (raw[u] >= 0) {
+                    const int page = p < sk.tp ? raw[u] : raw[u] / ps;
+                    const int off = p < sk.tp ? p % ps : raw[u] % ps;
+                    e = (size_t)page * page_floats + ((size_t)g * ps + off) * D + d;
+                }
+                cp_async16(kd + i * KS + d, kb + e, raw[u] >= 0);
+                cp_async16(vd + i * KS + d, kb + e + v_off, raw[u] >= 0);
+            }
+        }
+        cp_async_commit();
+    };
+    if constexpr (PIPE) {
+        int raw[LD];
+        for (int ci = 0; ci < NSTG - 1; ci++) {
+            raw_of(ci, raw);
+            issue(ci, raw);
+        }
+        raw_of(NSTG - 1, raw_next);
+    } else {
+        fetch(0);
+    }
+    const int first_pos = a.positions[tok0];
+    for (int c0 = 0, ci = 0; c0 < kv_end; c0 += BN, ci++) {
+        const uint16_t *kc = Ks, *vc = Vs;
+        if constexpr (PIPE) {
+            cp_async_wait<NSTG - 2>(); /* this thread's copies of chunk ci have landed */
+            __syncthreads();           /* everyone's, and chunk ci - 1 is used by all */
+            int raw[LD];
+#pragma unroll
+            for (int u = 0; u < LD; u++)
+                raw[u] = raw_next[u];
+            raw_of(ci + NSTG, raw_next);
+            issue(ci + NSTG - 1, raw);
+            kc = Ks + (size_t)(ci % NSTG) * 2 * BN * KS, vc = kc + BN * KS;
+        } else {
+            __syncthreads(); /* the previous chunk's math is done with Ks, Vs */
+#pragma unroll
+            for (int u = 0; u < LD; u++) {
+                const int idx = threadIdx.x + u * MWARPS * 32;
+                const int i = idx / (D / EPW), d = (idx % (D / EPW)) * EPW;
+                to_smem(pk[u], Ks + i * KS + d);
+                to_smem(pv[u], Vs + i * KS + d);
+            }
+            __syncthreads();
+            if (c0 + BN < kv_end) fetch(c0 + BN);
+        }
 
         float sc[BN / 8][4];
 #pragma unroll
         for (int nt = 0; nt < BN / 8; nt++) {
             sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+            if constexpr (PIPE) { /* B fragments of two k-steps per ldmatrix */
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ks++) {
-                const uint16_t *kb = Ks + (nt * 8 + qr) * KS + ks * 16 + qc * 2;
-                mma16816(sc[nt], qf[ks], *reinterpret_cast<const uint32_t *>(kb),
-                         *reinterpret_cast<const uint32_t *>(kb + 8));
+                for (int ks = 0; ks < D / 16; ks += 2) {
+                    uint32_t b[4];
+                    ldsm_x4(b, kc + (nt * 8 + (lane & 7)) * KS + ks * 16 + (lane >> 3) * 8);
+                    mma16816(sc[nt], qf[ks], b[0], b[1]);
+                    mma16816(sc[nt], qf[ks + 1], b[2], b[3]);
+                }
+            } else {
+#pragma unroll
+                for (int ks = 0; ks < D / 16; ks++) {
+                    const uint16_t *kb = kc + (nt * 8 + qr) * KS + ks * 16 + qc * 2;
+                    mma16816(sc[nt], qf[ks], *reinterpret_cast<const uint32_t *>(kb),
+                             *reinterpret_cast<const uint32_t *>(kb + 8));
+                }
             }
         }
+        /* a chunk every row of a chain tile sees whole needs no mask */
+        const bool whole = !sk.nodes && c0 + BN <= min(kv_end, first_pos + 1);
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < BN / 8; nt++)
@@ -474,7 +625,7 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
                 const int col = c0 + nt * 8 + qc * 2 + (e & 1);
                 const int pos = e < 2 ? pos0 : pos1;
                 const unsigned long long mk = e < 2 ? mk0 : mk1;
-                if (!(col < kv_end && sees(col, pos, mk, sk.tp))) sc[nt][e] = -INFINITY;
+                if (!whole && !(col < kv_end && sees(col, pos, mk, sk.tp))) sc[nt][e] = -INFINITY;
                 if (e < 2)
                     mx0 = fmaxf(mx0, sc[nt][e]);
                 else
@@ -521,7 +672,7 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
 #pragma unroll
             for (int nt = 0; nt < D / 8; nt++) {
                 uint32_t b0, b1; /* V rows are positions: the transposing load makes them "col" */
-                ldsm_x2_trans(b0, b1, Vs + (j * 16 + (lane & 15)) * KS + nt * 8);
+                ldsm_x2_trans(b0, b1, vc + (j * 16 + (lane & 15)) * KS + nt * 8);
                 mma16816(o[nt], pa, b0, b1);
             }
         }
@@ -541,6 +692,236 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
             *reinterpret_cast<float2 *>(out + col) = make_float2(y0, y1);
             if (a.out_bf16)
                 *reinterpret_cast<uint32_t *>(a.out_bf16 + row * D + col) = pack_bf16(y0, y1);
+        }
+    }
+}
+
+/* ---- decode: a pipeline of KV chunks, the chunk's positions split over the warps ----
+ * For tiles of at most 16 (token, head) rows (a decode step's tiles: one token, its GQA group)
+ * and head_dim 64, 128 or 256. attn_kernel has every warp read every position of a chunk, and
+ * gathers a chunk only after the last one is used, so nothing is in flight while it computes.
+ * Here:
+ *   - K and V rows are copied as they are stored (bf16, f16 or fp32) straight into shared
+ *     memory with cp.async, NST chunks of DCH positions ahead of the one being used: while a
+ *     block computes, NST - 1 chunks of its KV are on their way;
+ *   - the page id of each chunk's row is loaded one chunk before its copy is issued, so the
+ *     page-table lookup is not on the copy's path;
+ *   - warp w takes positions 8w .. 8w + 7 of each chunk for all the tile's rows, lane
+ *     (position lane % 8, quarter lane / 8) scoring its position over a quarter of the 16-byte
+ *     words of the K row (rows padded by 16 bytes, so the 8 positions' words fall in distinct
+ *     banks), the quarters summed by shuffles; each warp keeps its own online-softmax state
+ *     (max, sum, and V accumulated in registers, lane l holding dimensions NJ l .. NJ l + NJ - 1);
+ *   - at the end the four warps' states are merged in shared memory, in warp order, and the
+ *     tile's rows written (n_splits == 1) or its split state for combine_kernel.
+ * Every order of summation is fixed by the tile's rows and KV range, never by the rest of the
+ * step, so batch invariance holds as it does for attn_kernel (the split count aside, which the
+ * caller fixes). Numerics as attn_kernel's: elements widened exactly, fp32 arithmetic, precise
+ * expf, q pre-multiplied by the scale. */
+constexpr int DCH = 32; /* positions per chunk: 8 per warp */
+
+/* The shared-memory layout of dec_kernel<NJ, RM, EB> (EB: bytes per KV element). */
+template <int NJ, int RM, int EB> struct dec_geom {
+    static constexpr int HD = 32 * NJ;      /* head_dim */
+    static constexpr int EPW = 16 / EB;     /* elements per 16-byte word */
+    static constexpr int WPR = HD / EPW;    /* words per K (or V) row */
+    static constexpr int RB = HD * EB + 16; /* a row in shared memory, padded */
+    static constexpr int SB = 2 * DCH * RB; /* a chunk: its K rows, then its V rows */
+    static constexpr int NST = SB * 6 <= 61440 ? 6 : SB * 2 >= 61440 ? 2 : 61440 / SB;
+    static constexpr int MB = WARPS * RM * (HD + 2) * 4; /* the warps' states at the end */
+    static constexpr size_t SMEM = (size_t)RM * HD * 4 + (NST * SB > MB ? NST * SB : MB);
+};
+
+template <int NJ, int RM, int EB>
+__global__ void __launch_bounds__(WARPS * 32) dec_kernel(attn_args a)
+{
+    using G = dec_geom<NJ, RM, EB>;
+    constexpr int HD = G::HD, EPW = G::EPW, WPR = G::WPR, RB = G::RB, SB = G::SB, NST = G::NST;
+    tdm_pdl_wait();
+    extern __shared__ __align__(16) unsigned char dsm[];
+    float *Qs = reinterpret_cast<float *>(dsm); /* [RM][HD] */
+    unsigned char *stages = dsm + (size_t)RM * HD * 4;
+
+    const int g = blockIdx.y, split = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const tile_of tl = tile_at(a, blockIdx.x, split, DCH);
+    const int seq = tl.seq, tok0 = tl.tok0, R = tl.R, lo = tl.lo, hi = tl.hi;
+    const seq_kv sk = tl.sk;
+    load_q(a, Qs, RM, HD, tok0, g, R);
+    int pos[RM];
+    unsigned long long msk[RM];
+    rows_pos(a, tl, 0, pos, msk);
+    const int n_chunks = hi > lo ? (hi - lo + DCH - 1) / DCH : 0;
+
+    /* the copy: thread t moves words (t % 4) + 4u of chunk row t / 4, of K and of V */
+    const int ps = a.page_size;
+    const int32_t *pages = a.page_ids + a.seq_page_start[seq];
+    const size_t page_elems = (size_t)2 * a.nkv * ps * HD, v_off = (size_t)a.nkv * ps * HD;
+    const int crow = threadIdx.x / 4, cw = threadIdx.x % 4;
+    const unsigned char *kvb = static_cast<const unsigned char *>(a.kv_base);
+    auto page_of = [&](int c) -> int { /* the raw page id (or node slot) of this thread's row */
+                                       const int p = lo + c * DCH + crow;
+                                       if (c >= n_chunks || p >= hi) return -1;
+                                       return p < sk.tp ? pages[p / ps] : sk.nodes[p - sk.tp];
+    };
+    auto issue = [&](int c, int raw) {
+        if (c < n_chunks) {
+            const int p = lo + c * DCH + crow;
+            size_t e = 0;
+            if (raw >= 0) {
+                const int page = p < sk.tp ? raw : raw / ps, off = p < sk.tp ? p % ps : raw % ps;
+                e = (size_t)page * page_elems + ((size_t)g * ps + off) * HD;
+            }
+            unsigned char *ks = stages + (size_t)(c % NST) * SB + (size_t)crow * RB;
+            unsigned char *vs = ks + DCH * RB;
+#pragma unroll
+            for (int u = 0; u < WPR / 4; u++) {
+                const int w = cw + 4 * u;
+                cp_async16(ks + w * 16, kvb + (e + (size_t)w * EPW) * EB, raw >= 0);
+                cp_async16(vs + w * 16, kvb + (e + v_off + (size_t)w * EPW) * EB, raw >= 0);
+            }
+        }
+        cp_async_commit(); /* empty past the end: the wait below counts groups */
+    };
+#pragma unroll
+    for (int c = 0; c < NST - 1; c++)
+        issue(c, page_of(c));
+    int next_raw = page_of(NST - 1);
+
+    float m[RM], l[RM], acc[RM][NJ];
+    state_init(m, l, acc);
+    const int pl = lane % 8, q4 = lane / 8;
+    for (int c = 0; c < n_chunks; c++) {
+        cp_async_wait<NST - 2>(); /* this thread's copies of chunk c have landed */
+        __syncthreads();          /* everyone's have, and chunk c - 1 is used by all */
+        const int raw = next_raw;
+        next_raw = page_of(c + NST);
+        issue(c + NST - 1, raw);
+
+        const unsigned char *ks = stages + (size_t)(c % NST) * SB;
+        const unsigned char *vs = ks + DCH * RB;
+        const int row = warp * 8 + pl, p = lo + c * DCH + row;
+        float s[RM];
+#pragma unroll
+        for (int r = 0; r < RM; r++)
+            s[r] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < NJ; u++) { /* 8-element groups q4, q4 + 4, ... of the row */
+            const int g8 = q4 + 4 * u;
+            float kf[8];
+            if constexpr (EB == 4) {
+                const uint4 k0 = *reinterpret_cast<const uint4 *>(ks + row * RB + g8 * 32);
+                const uint4 k1 = *reinterpret_cast<const uint4 *>(ks + row * RB + g8 * 32 + 16);
+                kf[0] = __uint_as_float(k0.x), kf[1] = __uint_as_float(k0.y);
+                kf[2] = __uint_as_float(k0.z), kf[3] = __uint_as_float(k0.w);
+                kf[4] = __uint_as_float(k1.x), kf[5] = __uint_as_float(k1.y);
+                kf[6] = __uint_as_float(k1.z), kf[7] = __uint_as_float(k1.w);
+            } else {
+                const uint4 kw = *reinterpret_cast<const uint4 *>(ks + row * RB + g8 * 16);
+                const uint32_t ws[4] = {kw.x, kw.y, kw.z, kw.w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float2 f = tdm_kv_widen2(ws[j], a.kv_t);
+                    kf[2 * j] = f.x, kf[2 * j + 1] = f.y;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RM; r++) {
+                const float *qr = Qs + r * HD + g8 * 8;
+                const float4 qa = *reinterpret_cast<const float4 *>(qr);
+                const float4 qb = *reinterpret_cast<const float4 *>(qr + 4);
+                s[r] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3];
+                s[r] += qb.x * kf[4] + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+            }
+        }
+        float e[RM];
+#pragma unroll
+        for (int r = 0; r < RM; r++) {
+            s[r] += __shfl_xor_sync(0xffffffffu, s[r], 8);
+            s[r] += __shfl_xor_sync(0xffffffffu, s[r], 16);
+            const bool ok = p < hi && sees(p, pos[r], msk[r], sk.tp);
+            const float sc = ok ? s[r] : -INFINITY;
+            float mx = sc;
+            for (int o = 4; o > 0; o >>= 1)
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_new = fmaxf(m[r], mx);
+            e[r] = 0.0f;
+            if (m_new == -INFINITY) continue; /* uniform over the warp */
+            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+            e[r] = ok ? expf(sc - m_new) : 0.0f;
+            float sum = e[r];
+            for (int o = 4; o > 0; o >>= 1)
+                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            l[r] = l[r] * alpha + sum;
+            m[r] = m_new;
+#pragma unroll
+            for (int j = 0; j < NJ; j++)
+                acc[r][j] *= alpha;
+        }
+#pragma unroll
+        for (int pp = 0; pp < 8; pp++) {
+            const unsigned char *vr = vs + (warp * 8 + pp) * RB + lane * NJ * EB;
+            float v[NJ];
+            if constexpr (EB == 4) {
+#pragma unroll
+                for (int j = 0; j < NJ; j += 2) {
+                    const float2 x = *reinterpret_cast<const float2 *>(vr + j * 4);
+                    v[j] = x.x, v[j + 1] = x.y;
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < NJ; j += 2) {
+                    const float2 x =
+                        tdm_kv_widen2(*reinterpret_cast<const uint32_t *>(vr + j * 2), a.kv_t);
+                    v[j] = x.x, v[j + 1] = x.y;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RM; r++) {
+                const float w = __shfl_sync(0xffffffffu, e[r], pp);
+#pragma unroll
+                for (int j = 0; j < NJ; j++)
+                    acc[r][j] += w * v[j];
+            }
+        }
+    }
+
+    /* the warps' states, merged in warp order */
+    cp_async_wait<0>();
+    __syncthreads();
+    float *ws_m = reinterpret_cast<float *>(stages); /* [WARPS][RM] */
+    float *ws_l = ws_m + WARPS * RM;                 /* [WARPS][RM] */
+    float *ws_a = ws_l + WARPS * RM;                 /* [WARPS][RM][HD] */
+#pragma unroll
+    for (int r = 0; r < RM; r++) {
+        if (lane == 0) ws_m[warp * RM + r] = m[r], ws_l[warp * RM + r] = l[r];
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+            ws_a[(warp * RM + r) * HD + lane * NJ + j] = acc[r][j];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < R * HD; idx += blockDim.x) {
+        const int r = idx / HD, d = idx % HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++)
+            M = fmaxf(M, ws_m[w * RM + r]);
+        float y = 0.0f, L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float mw = ws_m[w * RM + r];
+            const float f = mw == -INFINITY ? 0.0f : expf(mw - M);
+            y += ws_a[(w * RM + r) * HD + d] * f;
+            L += ws_l[w * RM + r] * f;
+        }
+        const int t = tok0 + r / a.gs, h = g * a.gs + r % a.gs;
+        if (a.n_splits == 1) {
+            const float o = L > 0.0f ? y / L : 0.0f;
+            a.out[((size_t)t * a.n_heads + h) * HD + d] = o;
+            if (a.out_bf16) a.out_bf16[((size_t)t * a.n_heads + h) * HD + d] = to_bf16(o);
+        } else {
+            float *st = a.part + (((size_t)split * a.n_tokens + t) * a.n_heads + h) * (HD + 2);
+            st[d] = y;
+            if (d == 0) st[HD] = M, st[HD + 1] = L;
         }
     }
 }
@@ -587,15 +968,37 @@ __global__ void combine_kernel(const float *part, int n_splits, int n_tokens, in
     }
 }
 
+/* Whether $name is "1" (read once into *cache, -1 until then). */
+bool env_on(const char *name, int *cache)
+{
+    if (*cache < 0) {
+        const char *e = getenv(name);
+        *cache = e && *e == '1';
+    }
+    return *cache == 1;
+}
+
 /* $TANDEM_CUDA_SIMT_ATTENTION=1 keeps prefill on the fp32 kernel (for comparisons). */
 bool getenv_simt()
 {
     static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("TANDEM_CUDA_SIMT_ATTENTION");
-        v = e && *e == '1';
+    return env_on("TANDEM_CUDA_SIMT_ATTENTION", &v);
+}
+
+/* Launches k over grid with smem bytes of dynamic shared memory, raising k's limit on its first
+ * launch (attr_set: per kernel; the backend is driven by one thread). */
+bool launch_smem(void (*k)(attn_args), bool &attr_set, dim3 grid, int threads, size_t smem,
+                 cudaStream_t s, const attn_args &a)
+{
+    if (smem > 227 * 1024) return false;
+    if (!attr_set) {
+        if (cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+            cudaSuccess)
+            return false;
+        attr_set = true;
     }
-    return v == 1;
+    tdm_pdl_launch(k, grid, threads, smem, s, a);
+    return true;
 }
 
 template <int NJ, int RPW> bool launch(cudaStream_t s, const attn_args &a, int n_tiles)
@@ -604,17 +1007,51 @@ template <int NJ, int RPW> bool launch(cudaStream_t s, const attn_args &a, int n
     const size_t smem =
         ((size_t)WARPS * RPW * HDP + (size_t)CHUNK * (HDP + 1) + (size_t)CHUNK * HDP) *
         sizeof(float);
-    if (smem > 227 * 1024) return false;
-    static bool attr_set = false; /* per instantiation; the backend is driven by one thread */
-    if (!attr_set) {
-        if (cudaFuncSetAttribute(attn_kernel<NJ, RPW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)smem) != cudaSuccess)
-            return false;
-        attr_set = true;
-    }
-    dim3 grid(n_tiles, a.nkv, a.n_splits);
-    tdm_pdl_launch(attn_kernel<NJ, RPW>, grid, WARPS * 32, smem, s, a);
-    return true;
+    static bool attr_set = false;
+    return launch_smem(attn_kernel<NJ, RPW>, attr_set, dim3(n_tiles, a.nkv, a.n_splits), WARPS * 32,
+                       smem, s, a);
+}
+
+/* Whether bf16 prefill attention takes the pipelined form: $TANDEM_CUDA_MMA_PIPE=1 (not yet
+ * the default, as dec_takes). */
+bool mma_pipe()
+{
+    static int v = -1;
+    return env_on("TANDEM_CUDA_MMA_PIPE", &v);
+}
+
+template <int D> bool mma_pipe_launch(cudaStream_t s, const attn_args &a, dim3 grid)
+{
+    constexpr size_t smem = (size_t)3 * 2 * 64 * (D + 8) * sizeof(uint16_t);
+    static bool attr_set = false;
+    return launch_smem(attn_mma_kernel<D, TDM_CU_KV_BF16, true>, attr_set, grid, MWARPS * 32, smem,
+                       s, a);
+}
+
+template <int NJ, int RM, int EB> bool dec_launch(cudaStream_t s, const attn_args &a, int n_tiles)
+{
+    static bool attr_set = false;
+    return launch_smem(dec_kernel<NJ, RM, EB>, attr_set, dim3(n_tiles, a.nkv, a.n_splits),
+                       WARPS * 32, dec_geom<NJ, RM, EB>::SMEM, s, a);
+}
+
+template <int NJ, int EB>
+bool dec_launch_rm(cudaStream_t s, const attn_args &a, int n_tiles, int rows)
+{
+    if (rows <= 1) return dec_launch<NJ, 1, EB>(s, a, n_tiles);
+    if (rows <= 4) return dec_launch<NJ, 4, EB>(s, a, n_tiles);
+    if (rows <= 8) return dec_launch<NJ, 8, EB>(s, a, n_tiles);
+    return dec_launch<NJ, 16, EB>(s, a, n_tiles);
+}
+
+/* Whether dec_kernel takes a SIMT step: tiles of at most 16 rows, head_dim 64, 128 or 256,
+ * when $TANDEM_CUDA_DEC_ATTENTION=1 (not yet the default: it has not run on a GPU; see
+ * bench/RESULTS.md, 2026-12-06). */
+bool dec_takes(int rows, int hd)
+{
+    static int v = -1;
+    return env_on("TANDEM_CUDA_DEC_ATTENTION", &v) && rows <= 16 &&
+           (hd == 64 || hd == 128 || hd == 256);
 }
 
 template <int NJ> bool launch_rpw(cudaStream_t s, const attn_args &a, int n_tiles, int rpw)
@@ -681,8 +1118,11 @@ extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, in
     /* prefill-shaped steps (tiles of several tokens) on the tensor cores */
     if (mma && n_splits == 1) {
         dim3 grid(st->n_tiles, n_kv_heads);
-#define TDM_MMA(D, KT) tdm_pdl_launch(attn_mma_kernel<D, KT>, grid, MWARPS * 32, 0, s, a)
-        if (kv_type == TDM_CU_KV_BF16) {
+#define TDM_MMA(D, KT) tdm_pdl_launch(attn_mma_kernel<D, KT, false>, grid, MWARPS * 32, 0, s, a)
+        if (kv_type == TDM_CU_KV_BF16 && mma_pipe()) {
+            if (hd == 64) return mma_pipe_launch<64>(s, a, grid);
+            return mma_pipe_launch<128>(s, a, grid);
+        } else if (kv_type == TDM_CU_KV_BF16) {
             if (hd == 64)
                 TDM_MMA(64, TDM_CU_KV_BF16);
             else
@@ -701,7 +1141,18 @@ extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, in
 #undef TDM_MMA
         return true;
     }
-    if (nj <= 1)
+    if (dec_takes(rows, hd)) {
+        const bool f32 = kv_type == TDM_CU_KV_F32;
+        if (hd == 64)
+            ok = f32 ? dec_launch_rm<2, 4>(s, a, st->n_tiles, rows)
+                     : dec_launch_rm<2, 2>(s, a, st->n_tiles, rows);
+        else if (hd == 128)
+            ok = f32 ? dec_launch_rm<4, 4>(s, a, st->n_tiles, rows)
+                     : dec_launch_rm<4, 2>(s, a, st->n_tiles, rows);
+        else
+            ok = f32 ? dec_launch_rm<8, 4>(s, a, st->n_tiles, rows)
+                     : dec_launch_rm<8, 2>(s, a, st->n_tiles, rows);
+    } else if (nj <= 1)
         ok = launch_rpw<1>(s, a, st->n_tiles, rpw);
     else if (nj <= 2)
         ok = launch_rpw<2>(s, a, st->n_tiles, rpw);
