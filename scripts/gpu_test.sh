@@ -4,7 +4,6 @@
 #   1. tests/backend/test_backend_ops     every op of every backend (CPU ISAs, CUDA) against references
 #   2. tests/backend_cuda/test_cuda_engine  engine logits CUDA vs CPU, graphs vs op by op
 #   2b. tests/backend_cuda/test_cuda_sample sampling on the GPU vs the host sampler
-#   2c. 1 and 2 again with the opt-in pipelined attention kernels on, and their 8B-shape bench
 #   3. compute-sanitizer memcheck on the op test (on a second GPU when there is one, alongside)
 #   4. tandem bench model --backend cuda    for the llama-3.1-8b and llama-3.2-1b shapes, then the
 #      8B shape with Q4_K and Q8_0 blocks, with --verify 4, and with --batch-invariant
@@ -96,21 +95,6 @@ for t in "$OPS" "$ENG" "$SMP"; do
     summary+="$name: rc=$rc $(grep -E 'PASSED|FAILED' "$LOGS/$name.log" | tr '\n' ' ')"$'\n'
     grep -E "^cpu vs|^cuda op|^gpu vs|^sampling time|SKIP" "$LOGS/$name.log" | head -30
 done
-
-# the opt-in attention forms (TANDEM_CUDA_DEC_ATTENTION=1, TANDEM_CUDA_MMA_PIPE=1; docs/DESIGN.md):
-# the op and engine tests again with them on, and the 8B shape's bench
-for t in "$OPS" "$ENG"; do
-    name=$(basename "$t")-pipelined
-    CUDA_VISIBLE_DEVICES=0 TANDEM_CUDA_DEC_ATTENTION=1 TANDEM_CUDA_MMA_PIPE=1 timeout 400 "$t" \
-        >"$LOGS/$name.log" 2>&1
-    rc=$?
-    [ $rc -ne 0 ] && status=1
-    summary+="$name: rc=$rc $(grep -E 'PASSED|FAILED' "$LOGS/$name.log" | tr '\n' ' ')"$'\n'
-done
-CUDA_VISIBLE_DEVICES=0 TANDEM_CUDA_DEC_ATTENTION=1 TANDEM_CUDA_MMA_PIPE=1 timeout 300 "$TANDEM" \
-    bench model --backend cuda --shape llama-3.1-8b --batches 1,8,64 \
-    >"$LOGS/bench-8b-pipelined.log" 2>&1 || status=1
-cat "$LOGS/bench-8b-pipelined.log"
 
 for shape in llama-3.1-8b llama-3.2-1b; do
     CUDA_VISIBLE_DEVICES=0 timeout 300 "$TANDEM" bench model --backend cuda --shape $shape \

@@ -32,9 +32,8 @@
  *   attn_kernel   the SIMT kernel above (any head_dim up to 512, tiles of up to 64 rows);
  *   dec_kernel    decode-shaped steps (tiles of at most 16 rows, head_dim 64/128/256): KV
  *                 chunks copied by cp.async several chunks ahead, a chunk's positions split over
- *                 the warps, the warps' softmax states merged at the end (opt-in: dec_takes);
- *   attn_mma_kernel  prefill-shaped steps on the tensor cores (head_dim 64/128), bf16 KV
- *                 optionally pipelined by cp.async as dec_kernel is (mma_pipe).
+ *                 the warps, the warps' softmax states merged at the end (dec_takes);
+ *   attn_mma_kernel  prefill-shaped steps on the tensor cores (head_dim 64/128).
  *
  * Numerics: fp32 throughout; q is pre-multiplied by the softmax scale; expf is the precise one.
  * KV elements of a 2-byte type (bf16, f16) are widened exactly as they are gathered
@@ -416,31 +415,15 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t &r0, uint32_t &r1, const 
                  : "r"(a));
 }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p)
-{
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
 /* KT: the KV element type (enum tdm_cu_kv), fixed at compile time here: fp32 rows are loaded
  * as float4s and rounded to bf16 for the tensor cores, 2-byte rows as 16-byte words (8
  * elements), bf16 ones stored as they are, f16 ones converted through fp32. */
-template <int D, int KT, bool PIPE>
-__global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
+template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
 {
     tdm_pdl_wait();
     constexpr int BN = 64, KS = D + 8;
-    static_assert(!PIPE || KT == TDM_CU_KV_BF16, "the pipelined form copies bf16 rows as stored");
-    extern __shared__ __align__(16) uint16_t mdyn[];
-    uint16_t *Ks, *Vs;
-    if constexpr (PIPE) {
-        Ks = mdyn, Vs = mdyn + BN * KS; /* stage 0; stage s is 2 BN KS elements further */
-    } else {
-        __shared__ __align__(16) uint16_t Ks_[BN * KS], Vs_[BN * KS];
-        Ks = Ks_, Vs = Vs_;
-    }
+    __shared__ __align__(16) uint16_t Ks[BN * KS];
+    __shared__ __align__(16) uint16_t Vs[BN * KS];
     /* tiles run last first: the longest causal spans start early, the short ones fill the tail */
     const int tile = gridDim.x - 1 - blockIdx.x, g = blockIdx.y;
     const int seq = a.tiles[3 * tile], tok0 = a.tiles[3 * tile + 1], ntok = a.tiles[3 * tile + 2];
@@ -527,96 +510,30 @@ __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
             *reinterpret_cast<uint4 *>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
         }
     };
-    /* the pipelined form: NSTG stages of cp.async copies, the page ids of a thread's rows
-     * loaded one chunk before their copies are issued (as dec_kernel does) */
-    constexpr int NSTG = 3, TPR = D / 8; /* threads (16-byte words) per row */
-    int raw_next[LD];
-    auto raw_of = [&](int ci, int(&raw)[LD]) {
+    fetch(0);
+    for (int c0 = 0; c0 < kv_end; c0 += BN) {
+        __syncthreads(); /* the previous chunk's math is done with Ks, Vs */
 #pragma unroll
         for (int u = 0; u < LD; u++) {
-            const int p = ci * BN + (threadIdx.x + u * MWARPS * 32) / TPR;
-            raw[u] = p < kv_end ? (p < sk.tp ? pages[p / ps] : sk.nodes[p - sk.tp]) : -1;
+            const int idx = threadIdx.x + u * MWARPS * 32;
+            const int i = idx / (D / EPW), d = (idx % (D / EPW)) * EPW;
+            to_smem(pk[u], Ks + i * KS + d);
+            to_smem(pv[u], Vs + i * KS + d);
         }
-    };
-    auto issue = [&](int ci, const int(&raw)[LD]) {
-        if (ci * BN < kv_end) {
-            uint16_t *kd = Ks + (size_t)(ci % NSTG) * 2 * BN * KS, *vd = kd + BN * KS;
-            const uint16_t *kb = static_cast<const uint16_t *>(a.kv_base);
-#pragma unroll
-            for (int u = 0; u < LD; u++) {
-                const int idx = threadIdx.x + u * MWARPS * 32, i = idx / TPR, d = (idx % TPR) * 8;
-                const int p = ci * BN + i;
-                size_t e = 0;
-                if (raw[u] >= 0) {
-                    const int page = p < sk.tp ? raw[u] : raw[u] / ps;
-                    const int off = p < sk.tp ? p % ps : raw[u] % ps;
-                    e = (size_t)page * page_floats + ((size_t)g * ps + off) * D + d;
-                }
-                cp_async16(kd + i * KS + d, kb + e, raw[u] >= 0);
-                cp_async16(vd + i * KS + d, kb + e + v_off, raw[u] >= 0);
-            }
-        }
-        cp_async_commit();
-    };
-    if constexpr (PIPE) {
-        int raw[LD];
-        for (int ci = 0; ci < NSTG - 1; ci++) {
-            raw_of(ci, raw);
-            issue(ci, raw);
-        }
-        raw_of(NSTG - 1, raw_next);
-    } else {
-        fetch(0);
-    }
-    const int first_pos = a.positions[tok0];
-    for (int c0 = 0, ci = 0; c0 < kv_end; c0 += BN, ci++) {
-        const uint16_t *kc = Ks, *vc = Vs;
-        if constexpr (PIPE) {
-            cp_async_wait<NSTG - 2>(); /* this thread's copies of chunk ci have landed */
-            __syncthreads();           /* everyone's, and chunk ci - 1 is used by all */
-            int raw[LD];
-#pragma unroll
-            for (int u = 0; u < LD; u++)
-                raw[u] = raw_next[u];
-            raw_of(ci + NSTG, raw_next);
-            issue(ci + NSTG - 1, raw);
-            kc = Ks + (size_t)(ci % NSTG) * 2 * BN * KS, vc = kc + BN * KS;
-        } else {
-            __syncthreads(); /* the previous chunk's math is done with Ks, Vs */
-#pragma unroll
-            for (int u = 0; u < LD; u++) {
-                const int idx = threadIdx.x + u * MWARPS * 32;
-                const int i = idx / (D / EPW), d = (idx % (D / EPW)) * EPW;
-                to_smem(pk[u], Ks + i * KS + d);
-                to_smem(pv[u], Vs + i * KS + d);
-            }
-            __syncthreads();
-            if (c0 + BN < kv_end) fetch(c0 + BN);
-        }
+        __syncthreads();
+        if (c0 + BN < kv_end) fetch(c0 + BN);
 
         float sc[BN / 8][4];
 #pragma unroll
         for (int nt = 0; nt < BN / 8; nt++) {
             sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-            if constexpr (PIPE) { /* B fragments of two k-steps per ldmatrix */
 #pragma unroll
-                for (int ks = 0; ks < D / 16; ks += 2) {
-                    uint32_t b[4];
-                    ldsm_x4(b, kc + (nt * 8 + (lane & 7)) * KS + ks * 16 + (lane >> 3) * 8);
-                    mma16816(sc[nt], qf[ks], b[0], b[1]);
-                    mma16816(sc[nt], qf[ks + 1], b[2], b[3]);
-                }
-            } else {
-#pragma unroll
-                for (int ks = 0; ks < D / 16; ks++) {
-                    const uint16_t *kb = kc + (nt * 8 + qr) * KS + ks * 16 + qc * 2;
-                    mma16816(sc[nt], qf[ks], *reinterpret_cast<const uint32_t *>(kb),
-                             *reinterpret_cast<const uint32_t *>(kb + 8));
-                }
+            for (int ks = 0; ks < D / 16; ks++) {
+                const uint16_t *kb = Ks + (nt * 8 + qr) * KS + ks * 16 + qc * 2;
+                mma16816(sc[nt], qf[ks], *reinterpret_cast<const uint32_t *>(kb),
+                         *reinterpret_cast<const uint32_t *>(kb + 8));
             }
         }
-        /* a chunk every row of a chain tile sees whole needs no mask */
-        const bool whole = !sk.nodes && c0 + BN <= min(kv_end, first_pos + 1);
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < BN / 8; nt++)
@@ -625,7 +542,7 @@ __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
                 const int col = c0 + nt * 8 + qc * 2 + (e & 1);
                 const int pos = e < 2 ? pos0 : pos1;
                 const unsigned long long mk = e < 2 ? mk0 : mk1;
-                if (!whole && !(col < kv_end && sees(col, pos, mk, sk.tp))) sc[nt][e] = -INFINITY;
+                if (!(col < kv_end && sees(col, pos, mk, sk.tp))) sc[nt][e] = -INFINITY;
                 if (e < 2)
                     mx0 = fmaxf(mx0, sc[nt][e]);
                 else
@@ -672,7 +589,7 @@ __global__ void __launch_bounds__(MWARPS * 32) attn_mma_kernel(attn_args a)
 #pragma unroll
             for (int nt = 0; nt < D / 8; nt++) {
                 uint32_t b0, b1; /* V rows are positions: the transposing load makes them "col" */
-                ldsm_x2_trans(b0, b1, vc + (j * 16 + (lane & 15)) * KS + nt * 8);
+                ldsm_x2_trans(b0, b1, Vs + (j * 16 + (lane & 15)) * KS + nt * 8);
                 mma16816(o[nt], pa, b0, b1);
             }
         }
@@ -968,12 +885,12 @@ __global__ void combine_kernel(const float *part, int n_splits, int n_tokens, in
     }
 }
 
-/* Whether $name is "1" (read once into *cache, -1 until then). */
-bool env_on(const char *name, int *cache)
+/* Whether $name starts with `c` (read once into *cache, -1 until then). */
+bool env_is(const char *name, char c, int *cache)
 {
     if (*cache < 0) {
         const char *e = getenv(name);
-        *cache = e && *e == '1';
+        *cache = e && *e == c;
     }
     return *cache == 1;
 }
@@ -982,7 +899,7 @@ bool env_on(const char *name, int *cache)
 bool getenv_simt()
 {
     static int v = -1;
-    return env_on("TANDEM_CUDA_SIMT_ATTENTION", &v);
+    return env_is("TANDEM_CUDA_SIMT_ATTENTION", '1', &v);
 }
 
 /* Launches k over grid with smem bytes of dynamic shared memory, raising k's limit on its first
@@ -1012,22 +929,6 @@ template <int NJ, int RPW> bool launch(cudaStream_t s, const attn_args &a, int n
                        smem, s, a);
 }
 
-/* Whether bf16 prefill attention takes the pipelined form: $TANDEM_CUDA_MMA_PIPE=1 (not yet
- * the default, as dec_takes). */
-bool mma_pipe()
-{
-    static int v = -1;
-    return env_on("TANDEM_CUDA_MMA_PIPE", &v);
-}
-
-template <int D> bool mma_pipe_launch(cudaStream_t s, const attn_args &a, dim3 grid)
-{
-    constexpr size_t smem = (size_t)3 * 2 * 64 * (D + 8) * sizeof(uint16_t);
-    static bool attr_set = false;
-    return launch_smem(attn_mma_kernel<D, TDM_CU_KV_BF16, true>, attr_set, grid, MWARPS * 32, smem,
-                       s, a);
-}
-
 template <int NJ, int RM, int EB> bool dec_launch(cudaStream_t s, const attn_args &a, int n_tiles)
 {
     static bool attr_set = false;
@@ -1044,13 +945,13 @@ bool dec_launch_rm(cudaStream_t s, const attn_args &a, int n_tiles, int rows)
     return dec_launch<NJ, 16, EB>(s, a, n_tiles);
 }
 
-/* Whether dec_kernel takes a SIMT step: tiles of at most 16 rows, head_dim 64, 128 or 256,
- * when $TANDEM_CUDA_DEC_ATTENTION=1 (not yet the default: it has not run on a GPU; see
- * bench/RESULTS.md, 2026-12-06). */
+/* Whether dec_kernel takes a SIMT step: tiles of at most 16 rows, head_dim 64, 128 or 256;
+ * $TANDEM_CUDA_DEC_ATTENTION=0 keeps them on attn_kernel (for comparisons: bench/RESULTS.md,
+ * 2026-12-06). */
 bool dec_takes(int rows, int hd)
 {
     static int v = -1;
-    return env_on("TANDEM_CUDA_DEC_ATTENTION", &v) && rows <= 16 &&
+    return !env_is("TANDEM_CUDA_DEC_ATTENTION", '0', &v) && rows <= 16 &&
            (hd == 64 || hd == 128 || hd == 256);
 }
 
@@ -1118,11 +1019,8 @@ extern "C" bool tdm_cu_attention(cudaStream_t s, const float *q, int n_heads, in
     /* prefill-shaped steps (tiles of several tokens) on the tensor cores */
     if (mma && n_splits == 1) {
         dim3 grid(st->n_tiles, n_kv_heads);
-#define TDM_MMA(D, KT) tdm_pdl_launch(attn_mma_kernel<D, KT, false>, grid, MWARPS * 32, 0, s, a)
-        if (kv_type == TDM_CU_KV_BF16 && mma_pipe()) {
-            if (hd == 64) return mma_pipe_launch<64>(s, a, grid);
-            return mma_pipe_launch<128>(s, a, grid);
-        } else if (kv_type == TDM_CU_KV_BF16) {
+#define TDM_MMA(D, KT) tdm_pdl_launch(attn_mma_kernel<D, KT>, grid, MWARPS * 32, 0, s, a)
+        if (kv_type == TDM_CU_KV_BF16) {
             if (hd == 64)
                 TDM_MMA(64, TDM_CU_KV_BF16);
             else
