@@ -170,6 +170,9 @@ tdm_status tdm_backend_cuda_create(const struct tdm_backend_cuda_opts *opts, tdm
     const char *pmt = getenv("TANDEM_CUDA_PROFILE_MAX_TOKENS");
     cu->prof_max_tokens = pmt && atoi(pmt) > 0 ? atoi(pmt) : INT32_MAX;
     cu->graphs_enabled = !o.no_graphs && !getenv("TANDEM_CUDA_NO_GRAPHS") && !cu->prof;
+    /* $TANDEM_CUDA_ATTN_FILL=N (1-64, for tuning; default 2): cu_attention_impl's split policy */
+    const char *fill = getenv("TANDEM_CUDA_ATTN_FILL");
+    cu->attn_fill = fill && atoi(fill) > 0 && atoi(fill) <= 64 ? atoi(fill) : 2;
     CREATE_CHECK(cudaSetDevice(o.device), "set device");
     struct cudaDeviceProp prop;
     CREATE_CHECK(cudaGetDeviceProperties(&prop, o.device), "device properties");

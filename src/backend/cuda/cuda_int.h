@@ -75,6 +75,7 @@ struct tdm_cuda {
     int device;
     char name[256];
     int n_sms;
+    int attn_fill; /* blocks an SM a decode attention grid aims at before its KV is split */
     size_t total_mem;
     double mem_fraction;
     bool graphs_enabled;

@@ -316,18 +316,6 @@ static void cu_rope_kv_append_impl(tdm_backend_t *b, float *q, const float *k, c
     check_launch();
 }
 
-/* Blocks per SM that a decode step's attention grid should reach before its KV is split
- * ($TANDEM_CUDA_ATTN_FILL, for tuning; default 2). */
-static int attn_fill(void)
-{
-    static int v = 0;
-    if (v == 0) {
-        const char *e = getenv("TANDEM_CUDA_ATTN_FILL");
-        v = e && atoi(e) > 0 && atoi(e) <= 64 ? atoi(e) : 2;
-    }
-    return v;
-}
-
 static void cu_attention_impl(tdm_backend_t *b, const float *q, int n_heads,
                               const struct tdm_step *st, const struct tdm_kv_layer *kv, float scale,
                               float *out)
@@ -346,7 +334,7 @@ static void cu_attention_impl(tdm_backend_t *b, const float *q, int n_heads,
     }
     const int gs = n_heads / kv->n_kv_heads, hd = kv->head_dim;
     const struct tdm_cu_step *ds = tdm_cuda_dev_step(cu, st, gs, hd);
-    /* split-KV when the (tile, KV head) blocks would not fill the GPU attn_fill() times over; a
+    /* split-KV when the (tile, KV head) blocks would not fill the GPU cu->attn_fill times over; a
      * batch-invariant instance always cuts a token's KV into BI_SPLITS parts (reserve sized the
      * states for its largest step), so the split depends on the token alone */
     const int blocks = ds->n_tiles * kv->n_kv_heads;
@@ -359,8 +347,8 @@ static void cu_attention_impl(tdm_backend_t *b, const float *q, int n_heads,
             tdm_cuda_grow(cu, (void **)&cu->part, &cu->part_cap,
                           (size_t)splits * per * sizeof(float));
         }
-    } else if (blocks < attn_fill() * cu->n_sms) {
-        splits = TDM_MIN(MAX_SPLITS, (attn_fill() * cu->n_sms + blocks - 1) / blocks);
+    } else if (blocks < cu->attn_fill * cu->n_sms) {
+        splits = TDM_MIN(MAX_SPLITS, (cu->attn_fill * cu->n_sms + blocks - 1) / blocks);
         if (!cu->dstep_graph) splits = TDM_MIN(splits, (cu->dstep_max_kv + 31) / 32);
         const size_t per = (size_t)ds->n_tokens * n_heads * (hd + 2);
         while (splits > 1 && (size_t)splits * per > cu->part_cap / sizeof(float)) {
