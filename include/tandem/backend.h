@@ -45,6 +45,10 @@ struct tdm_step {
     const int32_t *page_ids;        /* concatenated page tables: seq s, logical page j */
     int page_size;
     int n_layers; /* layers this step runs (fewer than the model's: an early-exit draft pass) */
+    /* > 0: tokens may hold TDM_TOKEN_PREV(j) (engine.h), j < n_prev_rows, the token the last
+     * sampling (sample or sample_launch) chose for its row j, which the backend reads where
+     * that sampling left it. Only a backend with sample_launch gets such a step. */
+    int n_prev_rows;
     /* Token trees (engine.h, struct tdm_batch_tree); all NULL in a step without one. A
      * sequence s is a tree when tree_node_start[s] < tree_node_start[s + 1]: its nodes' KV
      * slots are tree_slots[tree_node_start[s] ..] (at most TDM_TREE_MAX_NODES), and its tree
@@ -247,6 +251,18 @@ struct tdm_backend_i {
      * its results. */
     tdm_status (*sample)(tdm_backend_t *b, float *logits, int n_rows, int vocab,
                          struct tdm_sample_row *rows);
+    /* Optional, beside `sample`: the same sampling queued behind the step's work, returning
+     * before its results exist (a step launched while the one before it still runs: the
+     * scheduler's overlap, sched.h). rows are read before it returns; their results reach
+     * sample_wait's rows. It also ends the step: the arrays step_begin was given may change
+     * once it returns. At most two launches are outstanding; each is waited once, in order.
+     * The launched rows' tokens stay in backend memory until the next sampling, where a later
+     * step's TDM_TOKEN_PREV tokens (tdm_step.n_prev_rows) take them. TDM_EUNSUPPORTED with
+     * nothing done: the engine samples synchronously instead. */
+    tdm_status (*sample_launch)(tdm_backend_t *b, float *logits, int n_rows, int vocab,
+                                const struct tdm_sample_row *rows, int *ticket);
+    tdm_status (*sample_wait)(tdm_backend_t *b, int ticket, struct tdm_sample_row *rows,
+                              int n_rows);
 };
 
 struct tdm_backend {

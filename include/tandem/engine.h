@@ -190,6 +190,30 @@ struct tdm_engine_out {
 tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
                           const struct tdm_engine_out *out);
 
+/* A token not known yet when a step is launched: the token that row j of the step launched
+ * before it samples (tdm_engine_launch). */
+#define TDM_TOKEN_PREV(j) (-1 - (int32_t)(j))
+
+/* tdm_engine_run in two halves, so that the caller can prepare the next step while this one
+ * runs (the scheduler's overlap, sched.h). tdm_engine_launch checks and queues the pass and
+ * returns; tdm_engine_wait returns its status once out->samples hold its results. Where the
+ * pass cannot be queued (the backend has no sample_launch, rows want logits or hidden states,
+ * features, a sharded engine or a head), launch runs it whole and wait only reports it.
+ * Steps are waited in launch order; at most two are outstanding, and tdm_engine_run needs
+ * none. The batch's arrays are read before launch returns; out's buffers (and want) must stay
+ * until the wait.
+ *
+ * A launched step's tokens may be TDM_TOKEN_PREV(j), j below the row count of the step
+ * launched just before it, whose every row sampled: the token its row j chooses, taken where
+ * it was sampled (on the device, or from the host copy the engine kept), so the caller need
+ * not wait for it. Any other negative token is refused as tdm_engine_run refuses it. */
+tdm_status tdm_engine_launch(tdm_engine_t *e, const struct tdm_batch *batch,
+                             const struct tdm_engine_out *out);
+tdm_status tdm_engine_wait(tdm_engine_t *e);
+/* Whether tdm_engine_launch really returns before the pass ends (a backend that samples on
+ * the device with sample_launch, an unsharded engine). */
+bool tdm_engine_launches_async(const tdm_engine_t *e);
+
 /* Runs one forward pass. logits: [sum n_logits][vocab] host memory, rows in batch order (NULL
  * if no sequence asks for logits). hidden (may be NULL): [sum n_logits][d_model], the residual
  * stream after the last layer (before the final norm). Invalid batches (a token outside the

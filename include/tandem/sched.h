@@ -70,6 +70,25 @@
  *     caller exits without cleaning up (the stuck step may still touch everything).
  * A step that comes back ends the stall: the scheduler goes on with the requests it has left.
  *
+ * Overlap (opts.overlap; an executor with launch and wait, tdm_engine_launch on CUDA): the CPU
+ * work of step N+1 runs while the device runs step N. Each call of tdm_sched_step then plans
+ * N+1 (reaping, admission, pages, drafts none), launches it behind N, and only then waits for
+ * N and commits it:
+ *
+ *   host:    plan N+1 | launch N+1 | wait N | commit N | plan N+2 | launch N+2 | wait N+1 ...
+ *   device:  ... step N ...........| step N+1 ..........................| step N+2 ...
+ *
+ * A request whose token is still being sampled by N gets it as TDM_TOKEN_PREV of its N row
+ * (the device reads it where N's sampler left it), one placeholder at the end of its token
+ * list until N's commit puts the token there. What N's commit learns arrives a step late for
+ * N+1: a request that N finishes (a stop token) has run one more position in N+1, whose row
+ * is dropped; its pages go back at N's commit all the same, since the device runs steps in
+ * order and any later owner's writes come after N+1's. A request whose next row depends on
+ * the token before it is not planned ahead: a grammar's mask, penalties, logits or hidden
+ * states to return. While one is in a launched step, the scheduler waits for that step before
+ * it plans (the step is then as without overlap). Overlap is off with a drafter or a
+ * connector that runs around steps (the prefill side's layer streaming).
+ *
  * Fault injection for tests (never needed in production): TANDEM_SCHED_FAULTS=stall:N:MS makes
  * the N-th step (counted from 1) sleep MS milliseconds before it runs (MS < 0: forever).
  *
@@ -102,6 +121,9 @@ struct tdm_sched_opts {
     bool row_outputs;     /* reserve [max_rows] logit and hidden rows for requests that want
                            * them (or later: tdm_sched_reserve_rows) */
     int watchdog_ms;      /* a step longer than this stalls the scheduler (see above); <= 0: off */
+    /* Overlap (see above): 0 where the executor launches asynchronously (tdm_sched_exec.async),
+     * 1 wherever it can launch at all (tests), -1 never. */
+    int overlap;
 };
 
 #define TDM_MAX_TOP_LOGPROBS TDM_TOP_LOGPROBS_MAX
@@ -261,6 +283,13 @@ struct tdm_sched_exec_i {
     /* Runs the plan: appends each span's KV at its slots and fills each row with what it
      * wants. An error fails every request of the step. Scheduler thread. */
     tdm_status (*run)(void *ctx, struct tdm_sched_plan *plan);
+    /* Optional, both or neither: run in two halves (the overlap, above). launch queues the
+     * plan (an error: nothing to wait for, the step failed); wait returns the run's status
+     * once the plan's rows are filled, plans waited in launch order, at most two outstanding.
+     * A launched plan's tokens may be TDM_TOKEN_PREV(j) (engine.h): the token row j of the
+     * plan launched just before it samples. */
+    tdm_status (*launch)(void *ctx, struct tdm_sched_plan *plan);
+    tdm_status (*wait)(void *ctx, struct tdm_sched_plan *plan);
 };
 struct tdm_sched_exec {
     const struct tdm_sched_exec_i *iface;
@@ -271,6 +300,7 @@ struct tdm_sched_exec {
     int feature_dim; /* the width of a token's features (tdm_batch_seq.features); 0: d_model */
     const int *eos;  /* [n_eos] end-of-sequence ids */
     int n_eos;
+    bool async; /* launch returns before the run ends (overlap 0 turns on) */
 };
 
 /* ---- the KV connector: how disaggregation (src/disagg: the decode side and the prefill
@@ -607,11 +637,12 @@ void tdm_hist_observe(struct tdm_hist *h, double v);
 struct tdm_sched_metrics_snapshot {
     struct tdm_hist ttft_s, itl_s, e2e_s, batch_tokens, batch_seqs;
     uint64_t prompt_tokens, generated_tokens, preemptions, steps;
-    uint64_t finished[5];     /* by enum tdm_finish */
-    uint64_t rejected;        /* refused at submit (queue full, stopping or stalled) */
-    uint64_t stalls;          /* steps the watchdog found past its limit */
-    uint64_t watchdog_failed; /* requests it failed */
-    int64_t stalled_ms;       /* tdm_sched_stall_ms at the snapshot */
+    uint64_t overlapped_steps; /* launched while the step before ran (overlap) */
+    uint64_t finished[5];      /* by enum tdm_finish */
+    uint64_t rejected;         /* refused at submit (queue full, stopping or stalled) */
+    uint64_t stalls;           /* steps the watchdog found past its limit */
+    uint64_t watchdog_failed;  /* requests it failed */
+    int64_t stalled_ms;        /* tdm_sched_stall_ms at the snapshot */
     int running, waiting;
     struct tdm_kv_stats kv;
     bool accepting;

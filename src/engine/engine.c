@@ -203,8 +203,22 @@ struct tdm_engine {
      * (cheap) from a copy of the row list, and their results dropped */
     struct tdm_sampler greedy;
     struct tdm_sample_row *dev_rows; /* [max_logit_rows] */
-    _Atomic int32_t own_counter;     /* the layer counter where the backend has none */
-    _Atomic int32_t *counter;        /* count_layers: own_counter or the backend's */
+    /* launched steps not waited yet (tdm_engine_launch), oldest first: their rows, and the
+     * backend's ticket (queued) or the status of a step that ran whole */
+    struct engine_pend {
+        struct tdm_sample_row *samples;
+        int n_rows, ticket;
+        bool queued;
+        tdm_status st;
+    } pend[2];
+    int n_pend;
+    /* the last step whose every row sampled, for TDM_TOKEN_PREV: its row count (0: none), and
+     * its tokens by row when they are on the host (prev_tok; else on the backend) */
+    int prev_rows;
+    bool prev_on_host;
+    int32_t *prev_tok;           /* [max_logit_rows] */
+    _Atomic int32_t own_counter; /* the layer counter where the backend has none */
+    _Atomic int32_t *counter;    /* count_layers: own_counter or the backend's */
     /* tensor parallelism: this engine is rank `rank` of the group tp (NULL: not sharded);
      * tpx is shared by the ranks and owned by the leader (rank 0) */
     tdm_tp_group_t *tp;
@@ -935,6 +949,10 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     }
     struct tdm_sampling_params greedy = tdm_sampling_defaults();
     if ((st = tdm_sampler_init(&e->greedy, &greedy, 0, c->vocab_size)) != TDM_OK) goto out_scratch;
+    if (!(e->prev_tok = calloc(R, sizeof *e->prev_tok))) {
+        st = tdm_err_set(TDM_ENOMEM, "engine: out of memory for the last step's tokens");
+        goto out_scratch;
+    }
     if (e->device_sampling && !(e->dev_rows = calloc(R, sizeof *e->dev_rows))) {
         st = tdm_err_set(TDM_ENOMEM, "engine: out of memory for sample rows");
         goto out_scratch;
@@ -995,6 +1013,7 @@ out_scratch:
     tdm_sample_scratch_free(&e->sample_scratch);
     free(e->host_logits);
     free(e->dev_rows);
+    free(e->prev_tok);
     tdm_sampler_free(&e->greedy);
 out_backend:
     if (e->owns_backend) tdm_backend_destroy(e->backend);
@@ -1039,6 +1058,10 @@ void tdm_engine_destroy(tdm_engine_t *e)
         e->tpx = NULL;
         destroy_ranks(x);
     }
+    while (e->n_pend) { /* launched and never waited: finished, its results dropped */
+        e->pend[0].samples = NULL;
+        (void)tdm_engine_wait(e);
+    }
     const struct tdm_backend_i *ops = e->backend ? e->backend->iface : NULL;
     if (ops && !e->owns_backend && ops->step_forget) {
         ops->step_forget(e->backend, e);
@@ -1049,6 +1072,7 @@ void tdm_engine_destroy(tdm_engine_t *e)
     tdm_sample_scratch_free(&e->sample_scratch);
     free(e->host_logits);
     free(e->dev_rows);
+    free(e->prev_tok);
     tdm_sampler_free(&e->greedy);
     if (e->owns_backend) tdm_backend_destroy(e->backend);
     tdm_arena_free(&e->arena);
@@ -1413,8 +1437,9 @@ static tdm_status check_tree(const tdm_engine_t *e, int s, const struct tdm_batc
 
 /* Validates the batch and flattens it into a step; fills out_rows with the token indices that
  * want logits. Writes nothing to the KV cache. */
-static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct tdm_step *st,
-                             int32_t **out_rows, int *n_out)
+/* prev: the rows a TDM_TOKEN_PREV token may name (0: none may appear). */
+static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, int prev,
+                             struct tdm_step *st, int32_t **out_rows, int *n_out)
 {
     const struct tdm_engine_opts *o = &e->opts;
     int ps = o->page_size;
@@ -1456,10 +1481,13 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
         if (e->is_head && !q->hidden)
             return tdm_err_set(TDM_EINVAL, "batch: sequence %d has no hidden states for the head",
                                s);
-        for (int i = 0; i < q->n_tokens; i++)
-            if (q->tokens[i] < 0 || q->tokens[i] >= e->cfg.vocab_size)
+        for (int i = 0; i < q->n_tokens; i++) {
+            const int32_t tk = q->tokens[i];
+            if (tk < 0 && tk >= TDM_TOKEN_PREV(prev - 1) && prev > 0) continue;
+            if (tk < 0 || tk >= e->cfg.vocab_size)
                 return tdm_err_set(TDM_EINVAL, "batch: token id %d outside the vocabulary (0..%d)",
-                                   q->tokens[i], e->cfg.vocab_size - 1);
+                                   tk, e->cfg.vocab_size - 1);
+        }
         n_tokens += q->n_tokens;
         n_rows += q->n_logits;
         n_pages += need;
@@ -1498,7 +1526,7 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
             return tdm_err_set(TDM_ERANGE, "batch: tree metadata exceeds the reserved scratch");
     }
 
-    int t = 0, r = 0, pg = 0, nd = 0;
+    int t = 0, r = 0, pg = 0, nd = 0, n_prev = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const struct tdm_batch_seq *q = &b->seqs[s];
         const struct tdm_batch_tree *tr = q->tree;
@@ -1523,6 +1551,12 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
         for (int i = 0; i < q->n_tokens; i++, t++) {
             int pos = tr ? tr->positions[i] : q->pos0 + i;
             tokens[t] = q->tokens[i];
+            if (tokens[t] < 0) { /* TDM_TOKEN_PREV: the host's copy, or the backend's */
+                if (e->prev_on_host)
+                    tokens[t] = e->prev_tok[-1 - tokens[t]];
+                else
+                    n_prev++;
+            }
             positions[t] = pos;
             slots[t] = q->slots ? q->slots[i] : q->pages[pos / ps] * ps + pos % ps;
             token_seq[t] = s;
@@ -1549,6 +1583,7 @@ static tdm_status build_step(tdm_engine_t *e, const struct tdm_batch *b, struct 
         .seq_prefix = seq_prefix,
         .tree_node_start = tree_node_start,
         .tree_slots = tree_slots,
+        .n_prev_rows = n_prev ? prev : 0,
     };
     *out_rows = rows;
     *n_out = (int)n_rows;
@@ -1575,14 +1610,13 @@ static void download_rows(tdm_engine_t *e, float *dst, const float *src, const u
     }
 }
 
-/* Samples the SAMPLE rows of a step whose logits are in e->logits. */
-static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, bool all,
-                              struct tdm_sample_row *samples)
+/* Checks the SAMPLE rows' parameters; *in_backend: a row reads or writes a distribution in
+ * backend memory. */
+static tdm_status check_sample_rows(const tdm_engine_t *e, const uint8_t *want, int n_rows,
+                                    const struct tdm_sample_row *samples, bool *in_backend)
 {
-    tdm_backend_t *b = e->backend;
-    const struct tdm_backend_i *ops = b->iface;
-    int vocab = e->cfg.vocab_size;
-    bool in_backend = false; /* a row reads or writes a distribution in backend memory */
+    const int vocab = e->cfg.vocab_size;
+    *in_backend = false;
     for (int i = 0; i < n_rows; i++) {
         const struct tdm_sample_row *r = &samples[i];
         if (!(want[i] & TDM_ROW_SAMPLE)) continue;
@@ -1598,8 +1632,21 @@ static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, 
         for (int j = 0; ok && r->mode == TDM_SAMPLE_TREE && j < r->n_cand; j++)
             ok = r->cand[j] >= 0 && r->cand[j] < vocab;
         if (!ok) return tdm_err_set(TDM_EINVAL, "batch: sample row %d is malformed", i);
-        in_backend |= r->mode == TDM_SAMPLE_PROPOSE || (r->mode == TDM_SAMPLE_VERIFY && r->q);
+        *in_backend |= r->mode == TDM_SAMPLE_PROPOSE || (r->mode == TDM_SAMPLE_VERIFY && r->q);
     }
+    return TDM_OK;
+}
+
+/* Samples the SAMPLE rows of a step whose logits are in e->logits. */
+static tdm_status sample_rows(tdm_engine_t *e, const uint8_t *want, int n_rows, bool all,
+                              struct tdm_sample_row *samples)
+{
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    int vocab = e->cfg.vocab_size;
+    bool in_backend;
+    tdm_status cst = check_sample_rows(e, want, n_rows, samples, &in_backend);
+    if (cst != TDM_OK) return cst;
     if (e->device_sampling) {
         if (all) return ops->sample(b, e->logits, n_rows, vocab, samples);
         /* the device samples every row: the others greedily, from a copy of the list */
@@ -1862,13 +1909,30 @@ static void download_aux(tdm_engine_t *e, float *dst, int t0, int n)
     }
 }
 
-tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
-                          const struct tdm_engine_out *out)
+/* Whether a step may be queued whole (tdm_engine_launch): every row only samples, nothing
+ * else comes back to the host, and the engine is one plain instance. */
+static bool queueable(const tdm_engine_t *e, const struct tdm_batch *batch, uint8_t any,
+                      uint8_t every, int n_rows)
+{
+    const struct tdm_backend_i *ops = e->backend->iface;
+    if (!ops->sample_launch || !e->device_sampling || e->tpx || e->is_head || e->k2 || e->counter ||
+        e->n_pend == 2 || n_rows <= 0 || !(every & TDM_ROW_SAMPLE) ||
+        (any & (TDM_ROW_LOGITS | TDM_ROW_HIDDEN)))
+        return false;
+    for (int s = 0; s < batch->n_seqs; s++)
+        if (batch->seqs[s].features) return false;
+    return true;
+}
+
+/* One forward pass; with `launch`, queued where it can be (tdm_engine_launch), the pending
+ * entry then describing it. */
+static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
+                              const struct tdm_engine_out *out, bool launch)
 {
     struct tdm_step step;
     int32_t *rows = NULL;
     int n_rows = 0;
-    tdm_status st = build_step(e, batch, &step, &rows, &n_rows);
+    tdm_status st = build_step(e, batch, launch ? e->prev_rows : 0, &step, &rows, &n_rows);
     if (st != TDM_OK) return st;
     const int n_layers = out->n_layers > 0 ? out->n_layers : e->cfg.n_layers;
     if (n_layers > e->cfg.n_layers)
@@ -1967,10 +2031,77 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
     /* logits before sampling, which may overwrite them */
     if (any & TDM_ROW_LOGITS)
         download_rows(e, out->logits, e->logits, want, n_rows, c->vocab_size, TDM_ROW_LOGITS);
+    if (launch && queueable(e, batch, any, every, n_rows)) {
+        bool in_backend;
+        int ticket = -1;
+        st = check_sample_rows(e, want, n_rows, out->samples, &in_backend);
+        if (st == TDM_OK)
+            st = ops->sample_launch(b, e->logits, n_rows, c->vocab_size, out->samples, &ticket);
+        if (st == TDM_OK) {
+            e->pend[e->n_pend++] = (struct engine_pend){
+                .samples = out->samples, .n_rows = n_rows, .ticket = ticket, .queued = true};
+            e->prev_rows = n_rows;
+            e->prev_on_host = false;
+            return TDM_OK;
+        }
+        if (st != TDM_EUNSUPPORTED) {
+            ops->sync(b);
+            e->prev_rows = 0;
+            return st;
+        }
+    }
     if (any & TDM_ROW_SAMPLE)
         st = sample_rows(e, want, n_rows, every & TDM_ROW_SAMPLE, out->samples);
     ops->sync(b);
+    /* the tokens a later launch's TDM_TOKEN_PREV names */
+    e->prev_rows = st == TDM_OK && n_rows > 0 && (every & TDM_ROW_SAMPLE) ? n_rows : 0;
+    e->prev_on_host = true;
+    for (int i = 0; i < e->prev_rows; i++)
+        e->prev_tok[i] = out->samples[i].token;
     return st;
+}
+
+tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
+                          const struct tdm_engine_out *out)
+{
+    if (e->n_pend)
+        return tdm_err_set(TDM_EINVAL, "engine: a run while %d launched steps are not waited",
+                           e->n_pend);
+    return engine_step(e, batch, out, false);
+}
+
+tdm_status tdm_engine_launch(tdm_engine_t *e, const struct tdm_batch *batch,
+                             const struct tdm_engine_out *out)
+{
+    if (e->n_pend == 2)
+        return tdm_err_set(TDM_EINVAL, "engine: two launched steps are not waited yet");
+    const int slot = e->n_pend;
+    tdm_status st = engine_step(e, batch, out, true);
+    if (st != TDM_OK) { /* nothing to wait for */
+        e->prev_rows = 0;
+        return st;
+    }
+    if (e->n_pend == slot) /* ran whole: the wait reports it */
+        e->pend[e->n_pend++] = (struct engine_pend){.st = TDM_OK};
+    return TDM_OK;
+}
+
+tdm_status tdm_engine_wait(tdm_engine_t *e)
+{
+    if (!e->n_pend) return tdm_err_set(TDM_EINVAL, "engine: no launched step to wait for");
+    struct engine_pend p = e->pend[0];
+    e->pend[0] = e->pend[1];
+    e->n_pend--;
+    if (!p.queued) return p.st;
+    tdm_status st = e->backend->iface->sample_wait(e->backend, p.ticket, p.samples, p.n_rows);
+    if (st != TDM_OK) e->prev_rows = 0;
+    return st;
+}
+
+bool tdm_engine_launches_async(const tdm_engine_t *e)
+{
+    return e->backend->iface->sample_launch && e->device_sampling && !e->tpx && !e->is_head &&
+           !e->k2 && !e->counter;
 }
 
 tdm_status tdm_engine_forward(tdm_engine_t *e, const struct tdm_batch *batch, float *logits,

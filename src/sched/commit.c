@@ -127,10 +127,9 @@ static void drop_drafts(struct tdm_req *r)
  * (pos0 + 1 .. pos0 + accepted), in order: a node's span index is at least its depth, so each
  * move reads a slot no earlier move wrote. Its features move likewise, so the feed sees a
  * chain. Returns the finish reason; *accepted: the path's drafts. */
-static enum tdm_finish commit_tree(struct tdm_sched *s, struct tdm_req *r,
+static enum tdm_finish commit_tree(struct tdm_sched *s, struct tdm_sched_plan *p, struct tdm_req *r,
                                    const struct tdm_plan_seq *q, int *accepted)
 {
-    struct tdm_sched_plan *p = &s->plan;
     const int n_draft = r->n_draft, committed = r->n_tokens - n_draft;
     int32_t drafts[TDM_TREE_MAX_NODES], path[TDM_TREE_MAX_NODES];
     memcpy(drafts, r->tokens + committed, (size_t)n_draft * sizeof *drafts);
@@ -175,17 +174,16 @@ static enum tdm_finish commit_tree(struct tdm_sched *s, struct tdm_req *r,
 }
 
 /* Publishes the rows of r's last span; returns the finish reason (NONE to go on). */
-static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
+static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_sched_plan *p, struct tdm_req *r,
                                    const struct tdm_plan_seq *q)
 {
-    struct tdm_sched_plan *p = &s->plan;
     int n_draft = r->n_draft, committed = r->n_tokens - n_draft, accepted = 0;
     /* statistics by draft position; a tree's by depth */
     int n_positions = n_draft;
     enum tdm_finish f = TDM_FINISH_NONE;
     r->draft_stats.tree_depth = r->draft_stats.tree_off_first = 0;
     if (r->tree && n_draft && q->tree) {
-        f = commit_tree(s, r, q, &accepted);
+        f = commit_tree(s, p, r, q, &accepted);
         n_positions = r->draft_stats.tree_depth;
     } else {
         drop_drafts(r); /* the rows below put back what is kept, in order */
@@ -226,12 +224,13 @@ static enum tdm_finish commit_rows(struct tdm_sched *s, struct tdm_req *r,
 /* Publishes the prompt scores of q's SCORE rows: the row of position x holds prompt token
  * x + 1's log-probability. A span recomputed after a preemption writes the same positions
  * again. */
-static void commit_scores(struct tdm_sched *s, struct tdm_req *r, const struct tdm_plan_seq *q)
+static void commit_scores(const struct tdm_sched_plan *p, struct tdm_req *r,
+                          const struct tdm_plan_seq *q)
 {
     const int k = r->p_top;
     pthread_mutex_lock(&r->mu);
     for (int i = 0; i < q->n_score; i++) {
-        const struct tdm_sample_row *sr = &s->plan.samples[q->row0 + i];
+        const struct tdm_sample_row *sr = &p->samples[q->row0 + i];
         const size_t at = (size_t)(q->pos0 + i + 1);
         r->p_lps[at] = sr->logprob;
         if (k) {
@@ -244,15 +243,30 @@ static void commit_scores(struct tdm_sched *s, struct tdm_req *r, const struct t
     pthread_mutex_unlock(&r->mu);
 }
 
-void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
+/* Whether span j of a launched plan still belongs to its request (not finished or requeued
+ * since it was planned: then its pages and KV are gone and its rows are dropped). Its
+ * TDM_TOKEN_PREV placeholder, if any, leaves the token list: the commit puts the token. */
+static bool still_ours(struct tdm_req *r, const uint32_t *gens, int j)
 {
-    struct tdm_sched_plan *p = &s->plan;
+    if (!gens) return true;
+    if (tdm_req_state(r) == TDM_REQ_FINISHED || r->gen != gens[j]) return false;
+    if (r->pending) {
+        r->n_tokens--;
+        r->pending = false;
+    }
+    return true;
+}
+
+void tdm_sched_commit(struct tdm_sched *s, struct tdm_sched_plan *p, const uint32_t *gens,
+                      tdm_status st)
+{
     if (st != TDM_OK) {
         char msg[256];
         snprintf(msg, sizeof msg, "forward pass failed: %s", tdm_err_msg());
         TDM_ERROR("sched: %s", msg);
         for (int j = 0; j < p->n_seqs; j++) {
             struct tdm_req *r = p->seqs[j].req;
+            if (!still_ours(r, gens, j)) continue;
             r->batch_slot = -1;
             drop_drafts(r);
             tdm_sched_running_remove(s, tdm_sched_running_index(s, r));
@@ -264,6 +278,7 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
     for (int j = 0; j < p->n_seqs; j++) {
         const struct tdm_plan_seq *q = &p->seqs[j];
         struct tdm_req *r = q->req;
+        if (!still_ours(r, gens, j)) continue;
         r->batch_slot = -1;
         r->n_cached = q->pos0 + q->n_tokens;
         if (atomic_load(&r->hung)) { /* the watchdog failed it while this step was stuck */
@@ -272,7 +287,7 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
             tdm_sched_finish(s, r, TDM_FINISH_ERROR, TDM_ETIMEDOUT, NULL);
             continue;
         }
-        if (q->n_score) commit_scores(s, r, q);
+        if (q->n_score) commit_scores(p, r, q);
         /* the prompt is in the KV: a group's followers take it, before r may end here */
         if (q->last && r->has_followers && r->n_tokens - r->n_draft == r->n_prompt)
             tdm_sched_fork_followers(s, r);
@@ -282,7 +297,7 @@ void tdm_sched_commit(struct tdm_sched *s, tdm_status st)
         if (q->last)
             f = r->prefill_only  ? TDM_FINISH_STOP
                 : !r->max_tokens ? TDM_FINISH_LENGTH
-                                 : commit_rows(s, r, q);
+                                 : commit_rows(s, p, r, q);
         if (f == TDM_FINISH_NONE) tdm_sched_offer_prefix(s, r);
         if (f == TDM_FINISH_ERROR) { /* only a grammar's refusal (publish) */
             tdm_sched_running_remove(s, tdm_sched_running_index(s, r));

@@ -1,5 +1,6 @@
 /*
- * The engine as the scheduler's executor: a plan becomes one tdm_engine_run call. The plan's
+ * The engine as the scheduler's executor: a plan becomes one tdm_engine_run call (or a
+ * tdm_engine_launch and its tdm_engine_wait, with overlap). The plan's
  * sequences map one to one onto batch sequences (span, pos0, page table, slots, rows), and its
  * row arrays are the engine's output rows, so nothing is copied but the sequence headers.
  * Scheduler thread; the batch headers are reserved at creation.
@@ -13,9 +14,10 @@ struct tdm_engine_exec {
     struct tdm_batch_seq *bseqs; /* [max_seqs] */
 };
 
-static tdm_status engine_run(void *ctx, struct tdm_sched_plan *p)
+/* The plan as the engine's batch and outputs (the sequence headers in x->bseqs). */
+static struct tdm_batch batch_of(struct tdm_engine_exec *x, const struct tdm_sched_plan *p,
+                                 struct tdm_engine_out *out)
 {
-    struct tdm_engine_exec *x = ctx;
     for (int i = 0; i < p->n_seqs; i++) {
         const struct tdm_plan_seq *q = &p->seqs[i];
         x->bseqs[i] = (struct tdm_batch_seq){.tokens = q->tokens,
@@ -28,13 +30,35 @@ static tdm_status engine_run(void *ctx, struct tdm_sched_plan *p)
                                              .features = q->features,
                                              .tree = q->tree};
     }
-    struct tdm_batch b = {.seqs = x->bseqs, .n_seqs = p->n_seqs};
-    struct tdm_engine_out out = {
+    *out = (struct tdm_engine_out){
         .want = p->want, .samples = p->samples, .logits = p->logits, .hidden = p->hidden};
+    return (struct tdm_batch){.seqs = x->bseqs, .n_seqs = p->n_seqs};
+}
+
+static tdm_status engine_run(void *ctx, struct tdm_sched_plan *p)
+{
+    struct tdm_engine_exec *x = ctx;
+    struct tdm_engine_out out;
+    struct tdm_batch b = batch_of(x, p, &out);
     return tdm_engine_run(x->engine, &b, &out);
 }
 
-static const struct tdm_sched_exec_i engine_exec_i = {.run = engine_run};
+static tdm_status engine_launch(void *ctx, struct tdm_sched_plan *p)
+{
+    struct tdm_engine_exec *x = ctx;
+    struct tdm_engine_out out;
+    struct tdm_batch b = batch_of(x, p, &out);
+    return tdm_engine_launch(x->engine, &b, &out);
+}
+
+static tdm_status engine_wait(void *ctx, struct tdm_sched_plan *p)
+{
+    (void)p; /* the engine keeps the launched plan's rows */
+    return tdm_engine_wait(((struct tdm_engine_exec *)ctx)->engine);
+}
+
+static const struct tdm_sched_exec_i engine_exec_i = {
+    .run = engine_run, .launch = engine_launch, .wait = engine_wait};
 
 tdm_status tdm_sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct tdm_sched_exec *out,
                                         struct tdm_engine_exec **owned)
@@ -61,7 +85,8 @@ tdm_status tdm_sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct td
                                    .max_seqs = n,
                                    .max_rows = eo->max_logit_rows,
                                    .eos = m->cfg.eos_ids,
-                                   .n_eos = m->cfg.n_eos};
+                                   .n_eos = m->cfg.n_eos,
+                                   .async = tdm_engine_launches_async(e)};
     *owned = x;
     return TDM_OK;
 }

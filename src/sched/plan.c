@@ -77,6 +77,11 @@ void tdm_sched_offer_prefix(struct tdm_sched *s, struct tdm_req *r)
 void tdm_sched_requeue(struct tdm_sched *s, int i, bool preempted)
 {
     struct tdm_req *r = s->running[i];
+    if (r->pending) { /* a launched step's token: that step's commit drops it (gen) */
+        r->n_tokens--;
+        r->pending = false;
+    }
+    r->gen++;
     tdm_sched_offer_prefix(s, r); /* its computed prefix waits for it in the cache */
     tdm_kv_seq_release(s->kv, &r->kv);
     r->prefix_pages = 0;
@@ -146,6 +151,15 @@ void tdm_sched_reap_cancelled(struct tdm_sched *s, bool cancel_all)
     pthread_mutex_unlock(&s->mu);
 }
 
+/* r runs a decode span next: its prompt is in the KV, one token is left to run, and (overlap)
+ * a pending token does not end it: that token is its last (max_tokens, the context), which
+ * the launched step's commit publishes. */
+static bool decodes_next(const struct tdm_sched *s, const struct tdm_req *r)
+{
+    if (r->n_tokens - r->n_cached != 1 || tdm_req_state(r) != TDM_REQ_RUNNING) return false;
+    return !r->pending || (r->n_tokens - r->n_prompt < r->max_tokens && r->n_tokens < s->max_ctx);
+}
+
 /* Makes r's page table cover n tokens, preempting the newest RUNNING requests that are newer
  * than r and not in this step's plan. When nothing is left to preempt: with may_self, r itself
  * goes back to the waiting list (it left the running array); false either way. */
@@ -156,8 +170,9 @@ static bool reserve_or_preempt(struct tdm_sched *s, struct tdm_req *r, int64_t n
         int victim = -1;
         for (int i = s->n_running - 1; i >= 0; i--) {
             struct tdm_req *v = s->running[i];
+            /* (not one whose launched token is its last: it ends at that step's commit) */
             if (v != r && v->batch_slot == -1 && v->id > r->id &&
-                tdm_req_state(v) == TDM_REQ_RUNNING) {
+                tdm_req_state(v) == TDM_REQ_RUNNING && (!v->pending || decodes_next(s, v))) {
                 victim = i;
                 break;
             }
@@ -608,12 +623,12 @@ bool tdm_sched_plan_build(struct tdm_sched *s)
     int n_decodes = 0;
     for (int i = 0; i < s->n_running; i++) {
         struct tdm_req *r = s->running[i];
-        n_decodes += tdm_req_state(r) == TDM_REQ_RUNNING && r->n_tokens - r->n_cached == 1;
+        n_decodes += decodes_next(s, r);
     }
     int n_drafting = 0, base = 0, rows = 0;
     for (int i = 0; i < s->n_running && budget > 0; i++) {
         struct tdm_req *r = s->running[i];
-        if (r->n_tokens - r->n_cached != 1 || tdm_req_state(r) != TDM_REQ_RUNNING) continue;
+        if (!decodes_next(s, r)) continue;
         n_decodes--;
         if (!reserve_or_preempt(s, r, r->n_tokens, true)) {
             i--; /* r left the array */
@@ -656,7 +671,7 @@ bool tdm_sched_plan_build(struct tdm_sched *s)
     /* 2. prefill spans of running requests */
     for (int i = 0; i < s->n_running && budget > 0; i++) {
         struct tdm_req *r = s->running[i];
-        if (r->batch_slot >= 0 || tdm_req_state(r) != TDM_REQ_RUNNING) continue;
+        if (r->batch_slot >= 0 || r->pending || tdm_req_state(r) != TDM_REQ_RUNNING) continue;
         if (s->plan.n_rows >= s->max_rows) break;
         int span = next_span(s, r, budget);
         if (!span || !reserve_or_preempt(s, r, r->n_cached + span, false)) continue;
@@ -672,8 +687,8 @@ bool tdm_sched_plan_build(struct tdm_sched *s)
     /* Nothing could run. If two or more requests are prefilling here and the pool is dry, the
      * newest gives its pages back so the older ones can go on. */
     int stuck = 0, newest = -1;
-    for (int i = 0; i < s->n_running; i++)
-        if (tdm_req_state(s->running[i]) == TDM_REQ_RUNNING) {
+    for (int i = 0; i < s->n_running; i++) /* (a pending one ends with its launched step) */
+        if (tdm_req_state(s->running[i]) == TDM_REQ_RUNNING && !s->running[i]->pending) {
             stuck++;
             newest = i;
         }

@@ -199,6 +199,17 @@ int tdm_sched_eos(const tdm_sched_t *s, const int **ids)
 
 /* ---- creation ---- */
 
+/* The overlap's second set of plan buffers and the gens (sched_int.h). */
+static void free_overlap_sets(struct tdm_sched *s)
+{
+    free(s->pseqs2);
+    free(s->slots2);
+    free(s->want2);
+    free(s->srows2);
+    free(s->pgen);
+    free(s->pgen2);
+}
+
 tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t *tok,
                                  const struct tdm_sched_opts *opts, tdm_sched_t **out)
 {
@@ -245,6 +256,16 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
     if (!s->running || !s->pseqs || !s->drafts || !s->decodes || !s->slots || !s->want ||
         !s->srows || !s->deny_all || !s->held || !s->wsnap)
         goto out_free;
+    if (x->iface->launch && x->iface->wait && s->o.overlap >= 0) { /* the second plan set */
+        s->pseqs2 = calloc(n, sizeof *s->pseqs2);
+        s->slots2 = calloc((size_t)s->o.max_batch_tokens, sizeof *s->slots2);
+        s->want2 = calloc(rows, sizeof *s->want2);
+        s->srows2 = calloc(rows, sizeof *s->srows2);
+        s->pgen = calloc(n, sizeof *s->pgen);
+        s->pgen2 = calloc(n, sizeof *s->pgen2);
+        if (!s->pseqs2 || !s->slots2 || !s->want2 || !s->srows2 || !s->pgen || !s->pgen2)
+            goto out_free;
+    }
     const char *faults = getenv("TANDEM_SCHED_FAULTS");
     if (faults && *faults) {
         unsigned long long step = 0;
@@ -275,6 +296,7 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
 out_free:
     fail = tdm_err_set(TDM_ENOMEM, "sched: out of memory");
 out_fail:
+    free_overlap_sets(s);
     free(s->held);
     free(s->wsnap);
     free(s->running);
@@ -628,13 +650,15 @@ void tdm_req_unlock(tdm_req_t *r)
 }
 
 static void drafter_join(struct tdm_sched *s);
+static void overlap_collect(struct tdm_sched *s);
 
 static void *sched_main(void *arg)
 {
     struct tdm_sched *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->mu);
-        while (!s->stop && !s->n_waiting && !s->n_running && !atomic_load(&s->flush_prefix))
+        while (!s->stop && !s->n_waiting && !s->n_running && !s->inflight &&
+               !atomic_load(&s->flush_prefix))
             pthread_cond_wait(&s->cv_work, &s->mu);
         bool stop = s->stop;
         pthread_mutex_unlock(&s->mu);
@@ -651,6 +675,7 @@ static void *sched_main(void *arg)
         }
     }
     drafter_join(s);
+    overlap_collect(s);
     tdm_sched_reap_cancelled(s, true);
     return NULL;
 }
@@ -834,6 +859,7 @@ bool tdm_sched_stop(tdm_sched_t *s, int drain_ms)
         s->started = false;
     } else {
         drafter_join(s);
+        overlap_collect(s);
         tdm_sched_reap_cancelled(s, true);
     }
     watchdog_stop(s);
@@ -872,14 +898,148 @@ static void drafter_launch(struct tdm_sched *s, const struct tdm_sched_plan *p)
     s->launched = true;
 }
 
-bool tdm_sched_step(tdm_sched_t *s)
+/* ---- the overlap (sched.h) ---- */
+
+static bool overlap_on(const struct tdm_sched *s)
 {
-    drafter_join(s); /* before the reaping and the plan hand pages out */
+    if (!s->pseqs2 || (s->o.overlap == 0 && !s->x.async) || s->drafter) return false;
+    return !(s->conn && (s->conn->step_begin || s->conn->step_end));
+}
+
+/* Waits for the launched plan and commits it (its buffers: the second set), then drops the
+ * references its spans held. */
+static void overlap_collect(struct tdm_sched *s)
+{
+    if (!s->inflight) return;
+    s->inflight = false;
+    s->n_blocked = 0;
+    struct tdm_sched_plan *p = &s->fl;
+    tdm_status st = s->x.iface->wait(s->x.ctx, p);
+    tdm_sched_commit(s, p, s->pgen2, st);
+    for (int j = 0; j < p->n_seqs; j++)
+        tdm_sched_req_unref(p->seqs[j].req);
+}
+
+/* What the launched plan s->fl will have done, as the next plan sees it: its spans are in the
+ * KV, and a sampling row's token is TDM_TOKEN_PREV of that row (or, for a request whose next
+ * row depends on it, a reason to commit before planning: n_blocked). */
+static void overlap_advance(struct tdm_sched *s)
+{
+    const struct tdm_sched_plan *p = &s->fl;
+    for (int j = 0; j < p->n_seqs; j++) {
+        const struct tdm_plan_seq *q = &p->seqs[j];
+        struct tdm_req *r = q->req;
+        if (tdm_req_state(r) == TDM_REQ_FINISHED || r->gen != s->pgen2[j]) continue;
+        r->n_cached = q->pos0 + q->n_tokens;
+        if (!q->last || r->prefill_only || !r->max_tokens || q->n_rows <= q->n_score || r->n_draft)
+            continue;
+        if (r->grammar || r->penalties || r->want != TDM_ROW_SAMPLE) {
+            s->n_blocked++;
+            continue;
+        }
+        r->tokens[r->n_tokens++] = TDM_TOKEN_PREV(q->row0 + q->n_score);
+        r->pending = true;
+    }
+}
+
+static void swap_sets(struct tdm_sched *s)
+{
+#define SWAP(a, b)                                                                                 \
+    do {                                                                                           \
+        void *t_ = (void *)(a);                                                                    \
+        (a) = (b);                                                                                 \
+        (b) = t_;                                                                                  \
+    } while (0)
+    SWAP(s->pseqs, s->pseqs2);
+    SWAP(s->slots, s->slots2);
+    SWAP(s->want, s->want2);
+    SWAP(s->srows, s->srows2);
+    SWAP(s->pgen, s->pgen2);
+#undef SWAP
+}
+
+static void fault_sleep(struct tdm_sched *s)
+{
+    if (!s->fault_step || s->n_steps != s->fault_step) return; /* plan.c counted this step */
+    TDM_WARN("sched: fault injection: step %llu sleeps %lld ms", (unsigned long long)s->fault_step,
+             (long long)s->fault_ms);
+    for (int64_t left = s->fault_ms; left != 0;) {
+        int64_t ms = left < 0 ? 1000 : TDM_MIN(left, 1000);
+        struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+        if (left > 0) left -= ms;
+    }
+}
+
+static void count_step(struct tdm_sched *s, const struct tdm_sched_plan *p)
+{
+    pthread_mutex_lock(&s->mmu);
+    s->m.steps++;
+    tdm_hist_observe(&s->m.batch_tokens, p->n_tokens);
+    tdm_hist_observe(&s->m.batch_seqs, p->n_seqs);
+    pthread_mutex_unlock(&s->mmu);
+}
+
+/* A step's start: the watchdog's hold, the reaping, the prefix cache's turn and the plan
+ * (tdm_sched_plan_build's result). */
+static bool plan_step(struct tdm_sched *s)
+{
     watch_held(s, true);
     tdm_sched_reap_cancelled(s, false);
     prefix_turn(s);
     bool progress = tdm_sched_plan_build(s);
     watch_held(s, false);
+    return progress;
+}
+
+/* One step with overlap: plan N+1, launch it behind N, then wait for N and commit it. */
+static bool step_overlap(struct tdm_sched *s)
+{
+    if (s->inflight && s->n_blocked) overlap_collect(s); /* it decides what comes next */
+    bool progress = plan_step(s);
+    struct tdm_sched_plan *p = &s->plan;
+    if (!p->n_seqs) {
+        if (s->inflight) { /* its commit brings what the plan waits for */
+            overlap_collect(s);
+            progress = true;
+        }
+        watch_end(s);
+        return progress;
+    }
+    fault_sleep(s);
+    for (int j = 0; j < p->n_seqs; j++) { /* alive until its commit, whatever ends it first */
+        atomic_fetch_add(&p->seqs[j].req->refs, 1);
+        s->pgen[j] = p->seqs[j].req->gen;
+    }
+    tdm_status st = s->x.iface->launch(s->x.ctx, p);
+    count_step(s, p);
+    if (s->inflight) {
+        pthread_mutex_lock(&s->mmu);
+        s->m.overlapped_steps++;
+        pthread_mutex_unlock(&s->mmu);
+    }
+    struct tdm_sched_plan launched = *p;
+    overlap_collect(s);
+    swap_sets(s);       /* the launched plan's buffers are the second set now */
+    if (st != TDM_OK) { /* nothing to wait for: its requests fail */
+        tdm_sched_commit(s, &launched, s->pgen2, st);
+        for (int j = 0; j < launched.n_seqs; j++)
+            tdm_sched_req_unref(launched.seqs[j].req);
+    } else {
+        s->fl = launched;
+        s->inflight = true;
+        overlap_advance(s);
+    }
+    watch_end(s);
+    return true;
+}
+
+bool tdm_sched_step(tdm_sched_t *s)
+{
+    if (overlap_on(s)) return step_overlap(s);
+    overlap_collect(s);
+    drafter_join(s); /* before the reaping and the plan hand pages out */
+    bool progress = plan_step(s);
     struct tdm_sched_plan *p = &s->plan;
     if (!p->n_seqs) {
         watch_end(s);
@@ -887,28 +1047,15 @@ bool tdm_sched_step(tdm_sched_t *s)
     }
     if (s->conn && s->conn->step_begin) s->conn->step_begin(s->conn_ctx, p);
     uint64_t t0 = tdm_now_ns();
-    if (s->fault_step && s->n_steps == s->fault_step) { /* plan.c counted this step */
-        TDM_WARN("sched: fault injection: step %llu sleeps %lld ms",
-                 (unsigned long long)s->fault_step, (long long)s->fault_ms);
-        for (int64_t left = s->fault_ms; left != 0;) {
-            int64_t ms = left < 0 ? 1000 : TDM_MIN(left, 1000);
-            struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-            nanosleep(&ts, NULL);
-            if (left > 0) left -= ms;
-        }
-    }
+    fault_sleep(s);
     tdm_status st = s->x.iface->run(s->x.ctx, p);
     uint64_t run_ns = tdm_now_ns() - t0;
     if (s->conn && s->conn->step_end) s->conn->step_end(s->conn_ctx, p, st);
     if (s->drafter && s->drafter->step_done && st == TDM_OK)
         s->drafter->step_done(s->drafter_ctx, p, run_ns);
     if (s->drafter && s->drafter->launch && st == TDM_OK) drafter_launch(s, p);
-    pthread_mutex_lock(&s->mmu);
-    s->m.steps++;
-    tdm_hist_observe(&s->m.batch_tokens, p->n_tokens);
-    tdm_hist_observe(&s->m.batch_seqs, p->n_seqs);
-    pthread_mutex_unlock(&s->mmu);
-    tdm_sched_commit(s, st);
+    count_step(s, p);
+    tdm_sched_commit(s, p, NULL, st);
     watch_end(s);
     return true;
 }
@@ -930,6 +1077,7 @@ void tdm_sched_destroy(tdm_sched_t *s)
     pthread_cond_destroy(&s->cv_work);
     pthread_cond_destroy(&s->cv_idle);
     tdm_sched_engine_exec_destroy(s->engine_exec);
+    free_overlap_sets(s);
     free(s->running);
     free(s->pseqs);
     free(s->drafts);

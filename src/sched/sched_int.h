@@ -77,7 +77,12 @@ struct tdm_req {
     tdm_grammar_t *grammar;
     int32_t gstate;
     int batch_slot; /* index in this step's plan, or -1 */
-    bool counted;   /* its prompt is in the prompt-token counter */
+    /* overlap (sched.h): its last token is TDM_TOKEN_PREV of the launched step (a placeholder
+     * until that step's commit); gen counts its requeues, so that a launched step's commit
+     * knows a span it planned from one whose pages and KV are gone */
+    bool pending;
+    uint32_t gen;
+    bool counted; /* its prompt is in the prompt-token counter */
     int64_t t_last_ns;
     struct tdm_req *next; /* waiting list */
     /* a group's follower (tdm_sched_submit_group): its leader, referenced until this request
@@ -165,6 +170,18 @@ struct tdm_sched {
     int32_t *launch_next;
     bool launched;
     uint64_t n_steps;
+    /* overlap (sched.c): whether it is on, and the launched plan that is not committed yet
+     * (fl, in the second set of plan buffers: pseqs2.. ; the plan is built in the first, and
+     * the sets swap at each launch), its requests' gens when planned, and how many of its
+     * requests' next tokens it cannot name (sched.h: those wait for its commit) */
+    bool overlap, inflight;
+    struct tdm_sched_plan fl;
+    struct tdm_plan_seq *pseqs2;
+    int32_t *slots2;
+    uint8_t *want2;
+    struct tdm_sample_row *srows2;
+    uint32_t *pgen, *pgen2; /* [max_seqs] */
+    int n_blocked;
 
     /* the watchdog (sched.c). wmu guards step_t0_ns, held and the stall flags; it nests
      * inside nothing and nothing nests inside it except a request's r->mu. */
@@ -205,8 +222,11 @@ void tdm_sched_fork_followers(struct tdm_sched *s, struct tdm_req *leader);
 void tdm_sched_offer_prefix(struct tdm_sched *s, struct tdm_req *r);
 
 /* commit.c */
-/* Applies a run plan's results (st: the run's status) and publishes what came out. */
-void tdm_sched_commit(struct tdm_sched *s, tdm_status st);
+/* Applies a run plan's results (st: the run's status) and publishes what came out. gens: the
+ * requests' gens when planned (overlap: a span whose request was requeued or finished since is
+ * skipped), or NULL. */
+void tdm_sched_commit(struct tdm_sched *s, struct tdm_sched_plan *p, const uint32_t *gens,
+                      tdm_status st);
 /* Ends a request: the connector sees it while it still owns its pages, then they go back, then
  * the reason is published; drops the scheduler's reference. The caller has removed it from
  * the running array or the waiting list. */

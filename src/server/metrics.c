@@ -106,6 +106,9 @@ char *tdm_metrics_render(const struct tdm_sched_metrics_snapshot *m,
     scalar(&b, "tandem_preemptions_total", "counter", "Requests preempted (recomputed later).", lab,
            (double)m->preemptions);
     scalar(&b, "tandem_steps_total", "counter", "Forward steps run.", lab, (double)m->steps);
+    scalar(&b, "tandem_sched_overlapped_steps_total", "counter",
+           "Steps planned and launched while the step before them still ran (--overlap).", lab,
+           (double)m->overlapped_steps);
     scalar(&b, "tandem_requests_rejected_total", "counter",
            "Requests refused at submission (queue full or draining).", lab, (double)m->rejected);
     scalar(&b, "tandem_sched_stalls_total", "counter", "Steps that ran past the watchdog's limit.",

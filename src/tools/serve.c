@@ -40,6 +40,9 @@ static void usage(FILE *f)
         "  --max-waiting N         waiting-queue capacity; beyond it requests get 503 (1024)\n"
         "  --watchdog-ms N         a step running longer stalls the server: its requests fail,\n"
         "                          /health answers 503 until it comes back (60000; 0: off)\n"
+        "  --overlap auto|on|off   plan step N+1 while step N runs (auto: where the backend\n"
+        "                          runs steps asynchronously, CUDA; on: also the CPU, where it\n"
+        "                          changes only the order of the work)\n"
         "  --page-size N           tokens per KV page (default 16)\n" TDM_TOOL_KV_DTYPE_USAGE
         "  --kv-pages N            KV pool size in pages, or\n"
         "  --kv-memory SIZE        KV pool size in bytes (suffixes K, M, G, KiB, MiB, GiB)\n"
@@ -312,6 +315,18 @@ static bool opt_staging(const char *arg, void *dst)
     return false;
 }
 
+static bool opt_overlap(const char *arg, void *dst)
+{
+    static const char *const names[] = {"off", "auto", "on"};
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(arg, names[i])) {
+            *(int *)dst = i - 1;
+            return true;
+        }
+    fprintf(stderr, "--overlap: '%s' is not auto, on or off\n", arg);
+    return false;
+}
+
 static bool opt_role(const char *arg, void *dst)
 {
     if (!strcmp(arg, "both") || !strcmp(arg, "prefill") || !strcmp(arg, "decode")) {
@@ -414,6 +429,7 @@ int tdm_cmd_serve(int argc, char **argv)
     const char *addr_file = NULL, *fabric_key_file = NULL, *transfer_cpus = NULL;
     int64_t rchunk = 256, rtimeout = 30000, rattempts = 2, peer_timeout = 2000;
     int64_t watchdog = 60000, http_threads = 4;
+    int overlap = 0;
     int backend_kind = TDM_BACKEND_CPU, kv_dtype = TDM_KV_DTYPE_AUTO;
     double gpu_frac = 0.9;
     bool gpu_bf16 = false;
@@ -430,6 +446,7 @@ int tdm_cmd_serve(int argc, char **argv)
         TDM_OPT_I("prefill-chunk", &chunk, 1, 1 << 20),
         TDM_OPT_I("max-waiting", &waiting, 1, 1 << 20),
         TDM_OPT_I("watchdog-ms", &watchdog, 0, 86400000),
+        TDM_OPT_P("overlap", opt_overlap, &overlap),
         TDM_OPT_I("http-threads", &http_threads, 1, 256),
         TDM_OPT_I("page-size", &page, 1, 1024),
         TDM_OPT_P("kv-dtype", tdm_tool_opt_kv_dtype, &kv_dtype),
@@ -642,7 +659,8 @@ int tdm_cmd_serve(int argc, char **argv)
                                 .max_seqs = (int)seqs,
                                 .prefill_chunk = (int)chunk,
                                 .max_waiting = (int)waiting,
-                                .watchdog_ms = (int)watchdog};
+                                .watchdog_ms = (int)watchdog,
+                                .overlap = overlap};
     if (tdm_sched_create(e, tok, &so, &sched) != TDM_OK) {
         tdm_tool_fail("scheduler");
         goto out_engine;

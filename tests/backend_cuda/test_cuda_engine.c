@@ -453,6 +453,115 @@ static void test_early_exit_graphs(void **state)
     free_model();
 }
 
+/* tdm_engine_launch (the scheduler's overlap): decode steps launched two deep, each naming
+ * the tokens the step before it samples as TDM_TOKEN_PREV, give the tokens of the same steps
+ * run one at a time with the tokens on the host; and the launches were queued (the engine
+ * says so). Sampled at temperature 0.8 with seeds, so a token taken from a wrong row, or a
+ * position off by one, shows. */
+static void test_launch_ahead(void **state)
+{
+    (void)state;
+    if (!have_gpu) {
+        print_message("SKIP: %s\n", skip_reason);
+        skip();
+    }
+    struct tdm_model m;
+    make_model(&m, TDM_DTYPE_BF16, TDM_ARCH_LLAMA);
+    enum { S = 6, P = 24, STEPS = 12 };
+    struct run runs[2];
+    for (int r = 0; r < 2; r++) {
+        memset(&runs[r], 0, sizeof runs[r]);
+        struct tdm_engine_opts o = {.page_size = 16,
+                                    .kv_pages = 512,
+                                    .max_batch_tokens = 1024,
+                                    .max_seqs = NSEQ,
+                                    .max_logit_rows = 64,
+                                    .backend_kind = TDM_BACKEND_CUDA};
+        assert_int_equal(tdm_engine_create(&m, &o, &runs[r].e), TDM_OK);
+    }
+    assert_true(tdm_engine_launches_async(runs[1].e));
+    struct tdm_sampling_params sp = tdm_sampling_defaults();
+    sp.temperature = 0.8f;
+    struct tdm_sampler smp[S];
+    static int32_t toks[2][S][P + STEPS + 1];
+    for (int s = 0; s < S; s++) {
+        sp.seed = 1000 + (uint64_t)s;
+        assert_int_equal(tdm_sampler_init(&smp[s], &sp, (uint64_t)s + 1, VOCAB), TDM_OK);
+        for (int i = 0; i < P; i++)
+            toks[0][s][i] = toks[1][s][i] = (int32_t)(rng_u64() % VOCAB);
+        for (int r = 0; r < 2; r++)
+            assert_int_equal(
+                tdm_kv_seq_reserve(tdm_engine_kv(runs[r].e), &runs[r].kv[s], P + STEPS + 1),
+                TDM_OK);
+    }
+    /* steps[k]: the prompt (k 0), then one token a step; rows[r][k % 3]: its samples */
+    static struct tdm_sample_row rows[2][3][S];
+    static int32_t prev_ref[S];
+    int launched = 0, waited = 0;
+    for (int k = 0; k <= STEPS; k++) {
+        for (int r = 0; r < 2; r++) {
+            struct tdm_batch_seq bs[S];
+            for (int s = 0; s < S; s++) {
+                const int pos0 = k ? P + k - 1 : 0;
+                if (r == 1 && k) prev_ref[s] = TDM_TOKEN_PREV(s);
+                bs[s] =
+                    (struct tdm_batch_seq){.tokens = r == 1 && k ? &prev_ref[s] : &toks[r][s][pos0],
+                                           .n_tokens = k ? 1 : P,
+                                           .pos0 = pos0,
+                                           .pages = runs[r].kv[s].pages,
+                                           .n_pages = runs[r].kv[s].n_pages,
+                                           .n_logits = 1};
+                rows[r][k % 3][s] = (struct tdm_sample_row){
+                    .smp = &smp[s], .position = (uint32_t)(pos0 + bs[s].n_tokens), .n_top = -1};
+            }
+            struct tdm_batch b = {bs, S};
+            struct tdm_engine_out out = {.samples = rows[r][k % 3]};
+            if (r == 0) {
+                assert_int_equal(tdm_engine_run(runs[0].e, &b, &out), TDM_OK);
+                for (int s = 0; s < S; s++)
+                    toks[0][s][P + k] = rows[0][k % 3][s].token;
+                continue;
+            }
+            assert_int_equal(tdm_engine_launch(runs[1].e, &b, &out), TDM_OK);
+            launched++;
+            if (k == 0) continue; /* two in flight from here on: wait for the one before */
+            assert_int_equal(tdm_engine_wait(runs[1].e), TDM_OK);
+            for (int s = 0; s < S; s++)
+                toks[1][s][P + waited] = rows[1][waited % 3][s].token;
+            waited++;
+        }
+    }
+    assert_int_equal(tdm_engine_wait(runs[1].e), TDM_OK);
+    for (int s = 0; s < S; s++)
+        toks[1][s][P + waited] = rows[1][waited % 3][s].token;
+    waited++;
+    assert_int_equal(launched, waited);
+    int differ = 0;
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i <= STEPS; i++)
+            differ += toks[0][s][P + i] != toks[1][s][P + i];
+    printf("launched two deep vs one at a time: %d of %d sampled tokens differ\n", differ,
+           S * (STEPS + 1));
+    assert_int_equal(differ, 0);
+    /* a TDM_TOKEN_PREV past the last step's rows is refused before any work */
+    struct tdm_batch_seq bad = {.tokens = &prev_ref[0],
+                                .n_tokens = 1,
+                                .pos0 = P + STEPS,
+                                .pages = runs[1].kv[0].pages,
+                                .n_pages = runs[1].kv[0].n_pages,
+                                .n_logits = 1};
+    prev_ref[0] = TDM_TOKEN_PREV(S);
+    struct tdm_batch bb = {&bad, 1};
+    struct tdm_engine_out bo = {.samples = rows[1][0]};
+    assert_int_equal(tdm_engine_launch(runs[1].e, &bb, &bo), TDM_EINVAL);
+    assert_int_equal(tdm_engine_run(runs[1].e, &bb, &bo), TDM_EINVAL);
+    for (int s = 0; s < S; s++)
+        tdm_sampler_free(&smp[s]);
+    for (int r = 0; r < 2; r++)
+        run_close(&runs[r]);
+    free_model();
+}
+
 /* Engines come and go on one backend (a drafter per configuration in bench spec, one per k in
  * train-mtp's validation): a new engine may get a freed one's address, and must never replay
  * the graphs recorded for it (their buffers are gone). Each round's engine runs a prompt and
@@ -549,7 +658,7 @@ int main(void)
         cmocka_unit_test(test_create_error),      cmocka_unit_test(test_llama_q8),
         cmocka_unit_test(test_qwen2_bf16),        cmocka_unit_test(test_qwen3_f32),
         cmocka_unit_test(test_early_exit_graphs), cmocka_unit_test(test_engines_come_and_go),
-        cmocka_unit_test(test_batch_invariant),
+        cmocka_unit_test(test_batch_invariant),   cmocka_unit_test(test_launch_ahead),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -87,6 +87,15 @@ struct fake_exec {
     int n_rec;
     int max_seqs_seen;
     uint64_t leader_of[64]; /* by request id: the group leader whose KV it may read (0: none) */
+    /* the overlap's halves (fake_launch): the last launch's row tokens, the launched plans'
+     * results held back until their waits (oldest first), and counts */
+    int32_t prev[64];
+    int n_prev;
+    struct tdm_sample_row held[2][64];
+    int held_rows[2], n_held;
+    int launches, launched_behind, placeholders;
+    int n_prompt_of[64]; /* by request id, where a test sets it: a penalised row's check */
+    int penalty_rows;
 };
 
 /* The store's two floats of a slot in the pool's HND layer [page][K, V][1 head][PS][1]. */
@@ -211,6 +220,15 @@ static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
                 } else {
                     assert_int_equal(sr->mode, TDM_SAMPLE_DRAW);
                     assert_int_equal(sr->n_undo, 0);
+                    /* penalties see every output before the row's position */
+                    const struct tdm_sampler *smp = sr->smp;
+                    if (smp && smp->out_count && id < 64 && x->n_prompt_of[id]) {
+                        int outs = 0;
+                        for (int j = 0; j < smp->n_seen; j++)
+                            outs += (int)smp->out_count[smp->seen[j]];
+                        assert_int_equal(outs, x_pos + 1 - x->n_prompt_of[id]);
+                        x->penalty_rows++;
+                    }
                 }
                 sr->token = tok;
                 sr->kept = sr->mode == TDM_SAMPLE_VERIFY && tok == sr->draft;
@@ -232,6 +250,66 @@ static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
 }
 
 static const struct tdm_sched_exec_i fake_exec_i = {.run = fake_run};
+
+/* launch runs the plan at once, as a device runs it behind the step before: its
+ * TDM_TOKEN_PREV tokens become the previous launch's row tokens. The scheduler sees the rows'
+ * results only at the wait (each launch's are held back until then), so a commit that read a
+ * row early, or a placeholder naming a wrong row, changes the output. */
+static tdm_status fake_launch(void *ctx, struct tdm_sched_plan *p)
+{
+    struct fake_exec *x = ctx;
+    assert_true(x->n_held < 2);
+    assert_true(p->n_rows <= 64 && p->n_seqs <= 16);
+    x->launches++;
+    x->launched_behind += x->n_held == 1;
+    static int32_t tokens[MAX_CTX * 16];
+    struct tdm_plan_seq seqs[16];
+    int n = 0;
+    for (int j = 0; j < p->n_seqs; j++) {
+        seqs[j] = p->seqs[j];
+        for (int i = 0; i < p->seqs[j].n_tokens; i++) {
+            int32_t t = p->seqs[j].tokens[i];
+            if (t < 0) {
+                const int row = -1 - t;
+                assert_true(row < x->n_prev);
+                t = x->prev[row];
+                x->placeholders++;
+            }
+            assert_true(t >= 0 && t < VOCAB);
+            tokens[n + i] = t;
+        }
+        seqs[j].tokens = tokens + n;
+        n += p->seqs[j].n_tokens;
+    }
+    const int k = x->n_held;
+    memcpy(x->held[k], p->samples, (size_t)p->n_rows * sizeof *p->samples);
+    struct tdm_sched_plan run = *p;
+    run.seqs = seqs;
+    run.samples = x->held[k];
+    tdm_status st = fake_run(ctx, &run);
+    if (st != TDM_OK) return st;
+    x->held_rows[k] = p->n_rows;
+    x->n_held++;
+    x->n_prev = p->n_rows;
+    for (int i = 0; i < p->n_rows; i++)
+        x->prev[i] = x->held[k][i].token;
+    return TDM_OK;
+}
+
+static tdm_status fake_wait(void *ctx, struct tdm_sched_plan *p)
+{
+    struct fake_exec *x = ctx;
+    assert_true(x->n_held > 0);
+    assert_int_equal(x->held_rows[0], p->n_rows);
+    memcpy(p->samples, x->held[0], (size_t)p->n_rows * sizeof *p->samples);
+    memcpy(x->held[0], x->held[1], sizeof x->held[0]);
+    x->held_rows[0] = x->held_rows[1];
+    x->n_held--;
+    return TDM_OK;
+}
+
+static const struct tdm_sched_exec_i fake_async_i = {
+    .run = fake_run, .launch = fake_launch, .wait = fake_wait};
 
 /* ---- fixture ---- */
 
@@ -257,7 +335,7 @@ static void fix_open(struct fix *f, int64_t n_pages, const struct tdm_sched_opts
     f->x.n_slots = (int)n_pages * PS;
     f->x.store = tdm_kv_pool_layer(f->kv, 0).base;
     memset(f->x.store, 0, (size_t)n_pages * 2 * PS * sizeof(float));
-    struct tdm_sched_exec ex = {.iface = &fake_exec_i,
+    struct tdm_sched_exec ex = {.iface = so && so->overlap > 0 ? &fake_async_i : &fake_exec_i,
                                 .ctx = &f->x,
                                 .kv = f->kv,
                                 .vocab = VOCAB,
@@ -430,6 +508,133 @@ static void test_preemption(void **state)
         expect_output(rs[i], p[i], 8, 22, TDM_FINISH_LENGTH);
         tdm_req_release(rs[i]);
     }
+    expect_baseline(&f);
+    fix_close(&f);
+}
+
+/* Overlap (sched.h): each step plans and launches the next before the one before it is
+ * committed, its decodes naming tokens not sampled yet. Outputs stay the reference's through
+ * admissions, preemptions (a small pool), stop tokens (a request that ran one position past
+ * its end), max_tokens, a cancel, and requests whose next row depends on their last token
+ * (penalties: the step waits for that commit), and the pool ends at its baseline. */
+static void test_overlap(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.watermark_pages = -1, .overlap = 1, .prefill_chunk = 8};
+    fix_open(&f, 24, &so, 32, 8); /* 96 slots: not enough for all of them at once */
+    enum { N = 8 };
+    int32_t p[N][20];
+    int lens[N] = {5, 17, 1, 9, 3, 12, 7, 2}, maxt[N] = {20, 7, 15, 25, 12, 18, 9, 30};
+    int stop_at[N], want_n[N];
+    tdm_req_t *rs[N];
+    for (int i = 0; i < N; i++) {
+        make_prompt(p[i], lens[i], 20 + i);
+        int32_t ref[64];
+        reference(p[i], lens[i], maxt[i], ref);
+        struct tdm_req_params rp = {.prompt = p[i],
+                                    .n_prompt = lens[i],
+                                    .max_tokens = maxt[i],
+                                    .ignore_eos = true,
+                                    .sampling = tdm_sampling_defaults(),
+                                    .top_logprobs = -1};
+        /* requests 1 and 4 stop at a token of their continuation (its first occurrence) */
+        stop_at[i] = -1;
+        if (i == 1 || i == 4) {
+            int at = maxt[i] / 2;
+            for (bool earlier = true; earlier && at > 0;) {
+                earlier = false;
+                for (int j = 0; j < at; j++)
+                    earlier |= ref[j] == ref[at];
+                at -= earlier;
+            }
+            rp.stop_ids[0] = ref[at];
+            rp.n_stop_ids = 1;
+            stop_at[i] = at;
+        }
+        if (i == 5) rp.sampling.repetition_penalty = 1.1f; /* its rows wait for its commits */
+        want_n[i] = stop_at[i] >= 0 ? stop_at[i] + 1 : maxt[i];
+        assert_int_equal(tdm_sched_submit(f.s, &rp, &rs[i]), TDM_OK);
+        f.x.n_prompt_of[tdm_req_id(rs[i])] = lens[i];
+    }
+    /* request 7 is cancelled after a few steps */
+    for (int it = 0; it < 6; it++)
+        tdm_sched_step(f.s);
+    tdm_req_cancel(rs[7]);
+    run_until_done(&f, rs, N);
+    for (int i = 0; i < N; i++) {
+        if (i == 7) {
+            struct tdm_req_view v;
+            tdm_req_lock(rs[i], &v);
+            assert_int_equal(v.finish, TDM_FINISH_CANCELLED);
+            int32_t ref[64];
+            reference(p[i], lens[i], maxt[i], ref);
+            for (int j = 0; j < v.n_out; j++)
+                assert_int_equal(v.tokens[j], ref[j]);
+            tdm_req_unlock(rs[i]);
+        } else {
+            expect_output(rs[i], p[i], lens[i], want_n[i],
+                          stop_at[i] >= 0 ? TDM_FINISH_STOP : TDM_FINISH_LENGTH);
+        }
+        tdm_req_release(rs[i]);
+    }
+    /* the launched step is collected once nothing is left to plan */
+    for (int it = 0; it < 4 && tdm_sched_step(f.s);)
+        it++;
+    expect_baseline(&f);
+    struct tdm_sched_metrics_snapshot m;
+    tdm_sched_metrics(f.s, &m);
+    assert_true(m.preemptions > 0);
+    assert_true(f.x.launched_behind > 0);
+    assert_true(f.x.placeholders > 0);
+    assert_true(f.x.penalty_rows >= maxt[5] - 1);
+    assert_int_equal(f.x.n_held, 0);
+    fix_close(&f);
+}
+
+/* Overlap: the pool runs dry while a newer request's token is in flight; the plan preempts
+ * that request, and the token in flight would have stopped it. The launched step's commit
+ * drops that span (the request is waiting again, its pages gone), and the request, run again
+ * from its prompt, stops at the same token. */
+static void test_overlap_preempt_in_flight(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.watermark_pages = -1, .overlap = 1};
+    fix_open(&f, 4, &so, 32, 8); /* 16 slots: two 4-token prompts and their next 4 positions */
+    int32_t a[4], b[4], ref_b[16];
+    make_prompt(a, 4, 40);
+    int seed = 41;
+    for (;; seed++) { /* b's fifth output appears there first: a stop id that ends it there */
+        make_prompt(b, 4, seed);
+        reference(b, 4, 5, ref_b);
+        bool earlier = false;
+        for (int j = 0; j < 4; j++)
+            earlier |= ref_b[j] == ref_b[4];
+        if (!earlier) break;
+    }
+    tdm_req_t *ra = submit(&f, a, 4, 8, NULL);
+    struct tdm_req_params rp = {.prompt = b,
+                                .n_prompt = 4,
+                                .max_tokens = 10,
+                                .ignore_eos = true,
+                                .sampling = tdm_sampling_defaults(),
+                                .top_logprobs = -1,
+                                .stop_ids = {ref_b[4]},
+                                .n_stop_ids = 1};
+    tdm_req_t *rb = NULL;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &rb), TDM_OK);
+    tdm_req_t *rs[2] = {ra, rb};
+    run_until_done(&f, rs, 2);
+    struct tdm_sched_metrics_snapshot m;
+    tdm_sched_metrics(f.s, &m);
+    assert_true(m.preemptions > 0);
+    expect_output(ra, a, 4, 8, TDM_FINISH_LENGTH);
+    expect_output(rb, b, 4, 5, TDM_FINISH_STOP);
+    tdm_req_release(ra);
+    tdm_req_release(rb);
+    while (tdm_sched_step(f.s))
+        ;
     expect_baseline(&f);
     fix_close(&f);
 }
@@ -1397,6 +1602,8 @@ int main(void)
         cmocka_unit_test(test_admission_and_decode),
         cmocka_unit_test(test_chunking_and_mixed_batches),
         cmocka_unit_test(test_preemption),
+        cmocka_unit_test(test_overlap),
+        cmocka_unit_test(test_overlap_preempt_in_flight),
         cmocka_unit_test(test_remote_kv),
         cmocka_unit_test(test_remote_failure_then_local),
         cmocka_unit_test(test_cancel_everywhere),

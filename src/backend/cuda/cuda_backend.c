@@ -64,6 +64,17 @@ static void cu_destroy(tdm_backend_t *b)
 {
     struct tdm_cuda *cu = tdm_cu_of(b);
     cudaStreamSynchronize(cu->stream);
+    if (cu->idle_steps)
+        TDM_INFO("cuda backend: %llu sampled steps: the device ran %.1f us a step and waited "
+                 "%.1f us before each (%.1f%% idle; longest %.1f us; %llu gaps over %d ms, the "
+                 "server without work, left out)",
+                 (unsigned long long)cu->idle_steps, 1e3 * cu->busy_ms / (double)cu->idle_steps,
+                 1e3 * cu->idle_ms / (double)cu->idle_steps,
+                 100.0 * cu->idle_ms / (cu->idle_ms + cu->busy_ms), 1e3 * cu->idle_max_ms,
+                 (unsigned long long)cu->idle_long, TDM_CU_IDLE_LONG_MS);
+    for (int i = 0; i < TDM_CU_IDLE_SLOTS; i++)
+        for (int j = 0; j < 2; j++)
+            if (cu->idle_ev[i][j]) cudaEventDestroy(cu->idle_ev[i][j]);
     if (cu->prof) {
         tdm_cuda_prof_collect(cu);
         tdm_cuda_prof_report(cu);
@@ -80,7 +91,10 @@ static void cu_destroy(tdm_backend_t *b)
                    cu->d_rows, cu->d_meta, cu->lt_ws,  cu->d_moe, cu->deq};
     for (size_t i = 0; i < TDM_ARRAY_LEN(dev); i++)
         if (dev[i]) cudaFree(dev[i]);
-    if (cu->h_meta) cudaFreeHost(cu->h_meta);
+    for (int i = 0; i < 2; i++) {
+        if (cu->h_meta_buf[i]) cudaFreeHost(cu->h_meta_buf[i]);
+        if (cu->meta_ev[i]) cudaEventDestroy(cu->meta_ev[i]);
+    }
     if (cu->h_inv_freq) cudaFreeHost(cu->h_inv_freq);
     if (cu->h_counter) cudaFreeHost(cu->h_counter);
     tdm_cu_sample_free(cu);
@@ -129,6 +143,8 @@ static const struct tdm_backend_i CUDA_IFACE = {
     .step_end = tdm_cuda_step_end,
     .step_forget = tdm_cuda_step_forget,
     .sample = tdm_cu_sample_rows,
+    .sample_launch = tdm_cu_sample_launch,
+    .sample_wait = tdm_cu_sample_wait,
 };
 
 #define CREATE_CHECK(call, what)                                                                   \
@@ -173,6 +189,9 @@ tdm_status tdm_backend_cuda_create(const struct tdm_backend_cuda_opts *opts, tdm
     /* $TANDEM_CUDA_ATTN_FILL=N (1-64, for tuning; default 2): cu_attention_impl's split policy */
     const char *fill = getenv("TANDEM_CUDA_ATTN_FILL");
     cu->attn_fill = fill && atoi(fill) > 0 && atoi(fill) <= 64 ? atoi(fill) : 2;
+    /* $TANDEM_CUDA_IDLE=1: the device's time between steps, reported at destroy */
+    cu->idle_on = getenv("TANDEM_CUDA_IDLE") && *getenv("TANDEM_CUDA_IDLE") == '1';
+    cu->idle_last = -1;
     CREATE_CHECK(cudaSetDevice(o.device), "set device");
     struct cudaDeviceProp prop;
     CREATE_CHECK(cudaGetDeviceProperties(&prop, o.device), "device properties");

@@ -33,6 +33,8 @@ _Noreturn void tdm_cu_fatal(const char *what, const char *why, const char *file,
 
 #define TDM_CU_GEMM_PLANS   96
 #define TDM_CU_MAX_GRAPHS   48
+#define TDM_CU_IDLE_SLOTS   8  /* steps whose timing events may be alive at once */
+#define TDM_CU_IDLE_LONG_MS 20 /* a longer gap between steps is the device without work */
 #define TDM_CU_MAX_COUNTERS 8
 
 struct tdm_cu_gemm_plan {
@@ -124,8 +126,12 @@ struct tdm_cuda {
     bool reserved;
     size_t workspace_bytes;
 
-    /* step metadata: pinned staging and its device copy, laid out by capacity */
-    int32_t *h_meta, *d_meta;
+    /* step metadata: two pinned stagings used in turn (a step may be uploaded while the one
+     * before it still runs: an upload waits only for the copy out of the staging it reuses,
+     * meta_ev[i]), and their device copy, laid out by capacity */
+    int32_t *h_meta_buf[2], *d_meta;
+    cudaEvent_t meta_ev[2];
+    int meta_i;
     size_t meta_cap; /* int32 elements */
     int cap_t, cap_s, cap_p, cap_r;
     const struct tdm_step *cur_st; /* the step of the current forward pass, or NULL */
@@ -160,8 +166,30 @@ struct tdm_cuda {
     size_t samp_cap;
     void *h_sout, *d_sout;
     size_t sout_cap;
+    /* launched sampling (sample_launch): per ticket its pinned staging of parameters and
+     * results, the event after its results' copy, and whether it is still to be waited */
+    void *ah_samp[2], *ah_sout[2];
+    size_t asamp_cap[2], asout_cap[2];
+    cudaEvent_t samp_ev[2];
+    bool samp_out[2];
+    int samp_next;
+    /* the last sampling's results in d_sout: rows and vocabulary (a later step's
+     * TDM_TOKEN_PREV tokens read them) */
+    int sout_rows, sout_vocab;
     void *d_sscratch; /* the kernel's exponentials and candidate keys */
     size_t sscratch_cap;
+
+    /* $TANDEM_CUDA_IDLE=1: the device's idle time between steps (cuda_sample.c). Each step
+     * takes a slot of timing events: one where its upload begins, one after its sampling. A
+     * step's gap is from the end of the last sampled step before it to its start; gaps over
+     * TDM_CU_IDLE_LONG_MS (no work at all) are counted apart. */
+    bool idle_on;
+    cudaEvent_t idle_ev[TDM_CU_IDLE_SLOTS][2];
+    bool idle_end[TDM_CU_IDLE_SLOTS]; /* the slot's step sampled (its end event exists) */
+    int idle_slot, idle_last;         /* the current step's slot; the last accounted one, -1 */
+    int samp_slot[2];                 /* a launched sampling's step slot */
+    double idle_ms, busy_ms, idle_max_ms;
+    uint64_t idle_steps, idle_long;
 
     /* $TANDEM_CUDA_PROFILE=1: per-op event timing (cuda_backend.c) */
     bool prof, prof_on;
@@ -202,6 +230,16 @@ void tdm_cu_gemm_destroy(struct tdm_cuda *cu);
 /* The backend's `sample` hook (cuda_sample.c) and the buffers it owns. */
 tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int vocab,
                               struct tdm_sample_row *rows);
+/* $TANDEM_CUDA_IDLE: a step begins (step_begin), a step's sampling was queued (its end), and
+ * a step's sampling is done (the gap before it and its time are added up). cuda_sample.c. */
+void tdm_cu_idle_begin(struct tdm_cuda *cu);
+void tdm_cu_idle_end(struct tdm_cuda *cu);
+void tdm_cu_idle_account(struct tdm_cuda *cu, int slot);
+/* The `sample_launch` and `sample_wait` hooks (cuda_sample.c). */
+tdm_status tdm_cu_sample_launch(tdm_backend_t *b, float *logits, int n_rows, int vocab,
+                                const struct tdm_sample_row *rows, int *ticket);
+tdm_status tdm_cu_sample_wait(tdm_backend_t *b, int ticket, struct tdm_sample_row *rows,
+                              int n_rows);
 /* Stages room for max_rows rows (and 64 penalty entries a row) of a vocabulary up front
  * (reserve). */
 tdm_status tdm_cu_sample_reserve(struct tdm_cuda *cu, int max_rows, int vocab);
@@ -286,5 +324,8 @@ static inline int tdm_cuda_kv_type(enum tdm_dtype t)
 int32_t *tdm_cuda_counter_dev(struct tdm_cuda *cu, _Atomic int32_t *counter);
 void tdm_cuda_layer_done(tdm_backend_t *b, int layer, _Atomic int32_t *counter);
 void tdm_cuda_sync(tdm_backend_t *b);
+/* The host's end of a step without waiting for it: the step's arrays and the bf16 shadow are
+ * forgotten (tdm_cuda_sync does this after its wait). */
+void tdm_cuda_step_detach(struct tdm_cuda *cu);
 
 #endif /* TANDEM_BACKEND_CUDA_INT_H */

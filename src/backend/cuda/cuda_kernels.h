@@ -184,6 +184,10 @@ struct tdm_cu_sample_out {
 bool tdm_cu_sample(cudaStream_t s, float *logits, int n_rows, int vocab,
                    const struct tdm_cu_sample_row *rows, struct tdm_cu_sample_pen *pens,
                    const uint32_t *masks, struct tdm_cu_sample_out *out, void *scratch);
+/* Replaces the TDM_TOKEN_PREV tokens (negative) in d_tokens [n] with the tokens of the last
+ * sampling's rows (prev [n_prev], stream-ordered after it). */
+void tdm_cu_resolve_tokens(cudaStream_t s, int32_t *d_tokens, int n,
+                           const struct tdm_cu_sample_out *prev, int n_prev, int vocab);
 /* The sampling scratch: exponentials (4 bytes a token) then candidate keys (8 bytes a token). */
 static inline size_t tdm_cu_sample_scratch_keys_at(int n_rows, int vocab)
 {

@@ -583,14 +583,19 @@ void tdm_cuda_layer_done(tdm_backend_t *b, int layer, _Atomic int32_t *counter)
     check_launch();
 }
 
+void tdm_cuda_step_detach(struct tdm_cuda *cu)
+{
+    cu->cur_st = NULL;
+    cu->cur_rows = NULL;
+    shadow_clear(cu);
+}
+
 void tdm_cuda_sync(tdm_backend_t *b)
 {
     struct tdm_cuda *cu = tdm_cu_of(b);
     TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
     if (cu->prof) tdm_cuda_prof_collect(cu);
-    cu->cur_st = NULL;
-    cu->cur_rows = NULL;
-    shadow_clear(cu);
+    tdm_cuda_step_detach(cu);
 }
 
 void tdm_cuda_kv_copy(tdm_backend_t *b, const struct tdm_kv_layer *kv, int n_layers,

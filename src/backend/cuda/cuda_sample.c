@@ -59,17 +59,32 @@ static tdm_status stage_grow(struct tdm_cuda *cu, void **h, void **d, size_t *ca
     return TDM_OK;
 }
 
-tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int vocab,
-                              struct tdm_sample_row *rows)
+/* Makes a pinned host buffer hold `need` bytes (a copy out of it may be in flight: the stream
+ * is drained before it is freed). */
+static tdm_status pinned_grow(struct tdm_cuda *cu, void **h, size_t *cap, size_t need)
 {
-    struct tdm_cuda *cu = tdm_cu_of(b);
-    if (vocab <= 0 || vocab > TDM_CU_SAMPLE_MAX_VOCAB)
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "cuda backend: device sampling takes vocabularies of up to %d tokens, "
-                           "not %d",
-                           TDM_CU_SAMPLE_MAX_VOCAB, vocab);
-    if (n_rows <= 0) return TDM_OK;
-    if (cu->device != 0) cudaSetDevice(cu->device);
+    if (need <= *cap) return TDM_OK;
+    need = TDM_MAX(need, *cap * 2);
+    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+    if (*h) cudaFreeHost(*h);
+    *h = NULL;
+    *cap = 0;
+    if (cudaMallocHost(h, need) != cudaSuccess) {
+        (void)cudaGetLastError();
+        *h = NULL;
+        return tdm_err_set(TDM_ENOMEM, "cuda backend: cannot stage %zu bytes for sampling", need);
+    }
+    *cap = need;
+    return TDM_OK;
+}
+
+/* Packs the rows into pinned staging (*hs, grown as needed; the device copy too) and queues the
+ * copy in, the sampling kernel and the copy of the results out into hout (pinned, n_rows
+ * results). */
+static tdm_status queue_sampling(struct tdm_cuda *cu, float *logits, int n_rows, int vocab,
+                                 const struct tdm_sample_row *rows, void **hs, size_t *hs_cap,
+                                 void **hout_p, size_t *hout_cap)
+{
 
     size_t n_pen = 0;
     for (int i = 0; i < n_rows; i++) /* a score row draws nothing: no penalty list */
@@ -90,16 +105,18 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
     const size_t pen_at = (rows_bytes + 63) & ~(size_t)63;
     const size_t mask_at = (pen_at + n_pen * sizeof(struct tdm_cu_sample_pen) + 63) & ~(size_t)63;
     const size_t staged = mask_at + n_masks * words * sizeof(uint32_t);
+    const size_t out_bytes = (size_t)n_rows * sizeof(struct tdm_cu_sample_out);
     tdm_status st;
     if ((st = stage_grow(cu, &cu->h_samp, &cu->d_samp, &cu->samp_cap, staged)) != TDM_OK ||
-        (st = stage_grow(cu, &cu->h_sout, &cu->d_sout, &cu->sout_cap,
-                         (size_t)n_rows * sizeof(struct tdm_cu_sample_out))) != TDM_OK ||
-        (st = scratch_grow(cu, tdm_cu_sample_scratch_bytes(n_rows, vocab))) != TDM_OK)
+        (st = stage_grow(cu, &cu->h_sout, &cu->d_sout, &cu->sout_cap, out_bytes)) != TDM_OK ||
+        (st = scratch_grow(cu, tdm_cu_sample_scratch_bytes(n_rows, vocab))) != TDM_OK ||
+        (hs != &cu->h_samp && (st = pinned_grow(cu, hs, hs_cap, staged)) != TDM_OK) ||
+        (hout_p != &cu->h_sout && (st = pinned_grow(cu, hout_p, hout_cap, out_bytes)) != TDM_OK))
         return st;
 
-    struct tdm_cu_sample_row *hr = cu->h_samp;
-    struct tdm_cu_sample_pen *hp = (struct tdm_cu_sample_pen *)((char *)cu->h_samp + pen_at);
-    uint32_t *hm = (uint32_t *)((char *)cu->h_samp + mask_at);
+    struct tdm_cu_sample_row *hr = *hs;
+    struct tdm_cu_sample_pen *hp = (struct tdm_cu_sample_pen *)((char *)*hs + pen_at);
+    uint32_t *hm = (uint32_t *)((char *)*hs + mask_at);
     size_t off = 0, mask_words = 0;
     for (int i = 0; i < n_rows; i++) {
         const struct tdm_sampler *smp = rows[i].smp;
@@ -160,16 +177,69 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
         }
         hr[i].pen_n = (int32_t)(off - (size_t)hr[i].pen_off);
     }
-    TDM_CU_CHECK(
-        cudaMemcpyAsync(cu->d_samp, cu->h_samp, staged, cudaMemcpyHostToDevice, cu->stream));
-    struct tdm_cu_sample_out *dout = cu->d_sout, *hout = cu->h_sout;
+    TDM_CU_CHECK(cudaMemcpyAsync(cu->d_samp, *hs, staged, cudaMemcpyHostToDevice, cu->stream));
+    struct tdm_cu_sample_out *dout = cu->d_sout;
     tdm_cu_sample(cu->stream, logits, n_rows, vocab, cu->d_samp,
                   (struct tdm_cu_sample_pen *)((char *)cu->d_samp + pen_at),
                   (const uint32_t *)((char *)cu->d_samp + mask_at), dout, cu->d_sscratch);
     TDM_CU_CHECK(cudaGetLastError());
-    TDM_CU_CHECK(cudaMemcpyAsync(hout, dout, (size_t)n_rows * sizeof *hout, cudaMemcpyDeviceToHost,
-                                 cu->stream));
-    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+    TDM_CU_CHECK(cudaMemcpyAsync(*hout_p, dout, out_bytes, cudaMemcpyDeviceToHost, cu->stream));
+    cu->sout_rows = n_rows;
+    cu->sout_vocab = vocab;
+    tdm_cu_idle_end(cu);
+    return TDM_OK;
+}
+
+/* ---- $TANDEM_CUDA_IDLE ---- */
+
+void tdm_cu_idle_begin(struct tdm_cuda *cu)
+{
+    if (!cu->idle_on) return;
+    const int prev = cu->idle_slot, k = (prev + 1) % TDM_CU_IDLE_SLOTS;
+    if (!cu->idle_end[prev]) cu->idle_last = -1; /* a step that sampled nothing: no chain */
+    for (int j = 0; j < 2; j++)
+        if (!cu->idle_ev[k][j]) TDM_CU_CHECK(cudaEventCreate(&cu->idle_ev[k][j]));
+    if (cu->idle_last == k) cu->idle_last = -1; /* about to be overwritten */
+    TDM_CU_CHECK(cudaEventRecord(cu->idle_ev[k][0], cu->stream));
+    cu->idle_end[k] = false;
+    cu->idle_slot = k;
+}
+
+void tdm_cu_idle_end(struct tdm_cuda *cu)
+{
+    if (!cu->idle_on || !cu->idle_ev[cu->idle_slot][1]) return;
+    TDM_CU_CHECK(cudaEventRecord(cu->idle_ev[cu->idle_slot][1], cu->stream));
+    cu->idle_end[cu->idle_slot] = true;
+}
+
+void tdm_cu_idle_account(struct tdm_cuda *cu, int k)
+{
+    if (!cu->idle_on || !cu->idle_end[k]) return;
+    float busy = 0, gap = -1;
+    if (cudaEventElapsedTime(&busy, cu->idle_ev[k][0], cu->idle_ev[k][1]) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    if (cu->idle_last >= 0 && cudaEventElapsedTime(&gap, cu->idle_ev[cu->idle_last][1],
+                                                   cu->idle_ev[k][0]) != cudaSuccess) {
+        (void)cudaGetLastError();
+        gap = -1;
+    }
+    cu->idle_last = k;
+    if (gap < 0) return; /* the first step, or one after a step that sampled nothing */
+    if (gap > TDM_CU_IDLE_LONG_MS) {
+        cu->idle_long++;
+        return;
+    }
+    cu->idle_steps++;
+    cu->busy_ms += busy;
+    cu->idle_ms += gap;
+    cu->idle_max_ms = TDM_MAX(cu->idle_max_ms, (double)gap);
+}
+
+/* Copies the results in hout to the rows. */
+static void unpack(const struct tdm_cu_sample_out *hout, struct tdm_sample_row *rows, int n_rows)
+{
     for (int i = 0; i < n_rows; i++) {
         rows[i].token = hout[i].token;
         rows[i].kept = hout[i].kept != 0;
@@ -180,6 +250,72 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
             rows[i].top_lps[j] = hout[i].top_lps[j];
         }
     }
+}
+
+static tdm_status check_vocab(int vocab)
+{
+    if (vocab <= 0 || vocab > TDM_CU_SAMPLE_MAX_VOCAB)
+        return tdm_err_set(TDM_EUNSUPPORTED,
+                           "cuda backend: device sampling takes vocabularies of up to %d tokens, "
+                           "not %d",
+                           TDM_CU_SAMPLE_MAX_VOCAB, vocab);
+    return TDM_OK;
+}
+
+tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int vocab,
+                              struct tdm_sample_row *rows)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    tdm_status st = check_vocab(vocab);
+    if (st != TDM_OK || n_rows <= 0) return st;
+    if (cu->device != 0) cudaSetDevice(cu->device);
+    st = queue_sampling(cu, logits, n_rows, vocab, rows, &cu->h_samp, &cu->samp_cap, &cu->h_sout,
+                        &cu->sout_cap);
+    if (st != TDM_OK) return st;
+    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
+    tdm_cu_idle_account(cu, cu->idle_slot);
+    unpack(cu->h_sout, rows, n_rows);
+    return TDM_OK;
+}
+
+tdm_status tdm_cu_sample_launch(tdm_backend_t *b, float *logits, int n_rows, int vocab,
+                                const struct tdm_sample_row *rows, int *ticket)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    tdm_status st = check_vocab(vocab);
+    if (st != TDM_OK) return st;
+    if (n_rows <= 0 || cu->prof) /* the profile times each step whole */
+        return tdm_err_set(TDM_EUNSUPPORTED, "cuda backend: this sampling is not queued");
+    const int t = cu->samp_next;
+    if (cu->samp_out[t])
+        return tdm_err_set(TDM_EINVAL, "cuda backend: two launched samplings are not waited");
+    if (cu->device != 0) cudaSetDevice(cu->device);
+    if (!cu->samp_ev[t])
+        TDM_CU_CHECK(cudaEventCreateWithFlags(&cu->samp_ev[t], cudaEventDisableTiming));
+    st = queue_sampling(cu, logits, n_rows, vocab, rows, &cu->ah_samp[t], &cu->asamp_cap[t],
+                        &cu->ah_sout[t], &cu->asout_cap[t]);
+    if (st != TDM_OK) return st;
+    TDM_CU_CHECK(cudaEventRecord(cu->samp_ev[t], cu->stream));
+    cu->samp_out[t] = true;
+    cu->samp_slot[t] = cu->idle_slot;
+    cu->samp_next = t ^ 1;
+    *ticket = t;
+    tdm_cuda_step_detach(cu); /* the step ends here for the host */
+    return TDM_OK;
+}
+
+tdm_status tdm_cu_sample_wait(tdm_backend_t *b, int ticket, struct tdm_sample_row *rows, int n_rows)
+{
+    struct tdm_cuda *cu = tdm_cu_of(b);
+    if (ticket < 0 || ticket > 1 || !cu->samp_out[ticket])
+        return tdm_err_set(TDM_EINVAL, "cuda backend: no launched sampling %d to wait for", ticket);
+    if (cu->device != 0) cudaSetDevice(cu->device);
+    cu->samp_out[ticket] = false;
+    cudaError_t e = cudaEventSynchronize(cu->samp_ev[ticket]);
+    if (e != cudaSuccess)
+        tdm_cu_fatal("cudaEventSynchronize", cudaGetErrorString(e), __FILE__, __LINE__);
+    tdm_cu_idle_account(cu, cu->samp_slot[ticket]);
+    if (rows) unpack(cu->ah_sout[ticket], rows, n_rows);
     return TDM_OK;
 }
 
@@ -200,6 +336,11 @@ tdm_status tdm_cu_sample_reserve(struct tdm_cuda *cu, int max_rows, int vocab)
 
 void tdm_cu_sample_free(struct tdm_cuda *cu)
 {
+    for (int t = 0; t < 2; t++) {
+        if (cu->ah_samp[t]) cudaFreeHost(cu->ah_samp[t]);
+        if (cu->ah_sout[t]) cudaFreeHost(cu->ah_sout[t]);
+        if (cu->samp_ev[t]) cudaEventDestroy(cu->samp_ev[t]);
+    }
     if (cu->h_samp) cudaFreeHost(cu->h_samp);
     if (cu->d_samp) cudaFree(cu->d_samp);
     if (cu->h_sout) cudaFreeHost(cu->h_sout);

@@ -65,17 +65,21 @@ static void meta_reserve(struct tdm_cuda *cu, int t, int s, int p, int r)
         tdm_cu_fatal("metadata growth", "inside a CUDA-graph capture", __FILE__, __LINE__);
     TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
     tdm_cuda_drop_graphs(cu);
+    for (int i = 0; i < 2 && !cu->meta_ev[i]; i++)
+        TDM_CU_CHECK(cudaEventCreateWithFlags(&cu->meta_ev[i], cudaEventDisableTiming));
     cu->cap_t = TDM_MAX(cu->cap_t, t);
     cu->cap_s = TDM_MAX(cu->cap_s, s);
     cu->cap_p = TDM_MAX(cu->cap_p, p);
     cu->cap_r = TDM_MAX(cu->cap_r, r);
     size_t off[M_N + 1];
     meta_offsets(cu, off);
-    if (cu->h_meta) cudaFreeHost(cu->h_meta);
+    for (int i = 0; i < 2; i++) {
+        if (cu->h_meta_buf[i]) cudaFreeHost(cu->h_meta_buf[i]);
+        cu->h_meta_buf[i] = NULL;
+        TDM_CU_CHECK(cudaMallocHost((void **)&cu->h_meta_buf[i], off[M_N] * sizeof(int32_t)));
+    }
     if (cu->d_meta) cudaFree(cu->d_meta);
-    cu->h_meta = NULL;
     cu->d_meta = NULL;
-    TDM_CU_CHECK(cudaMallocHost((void **)&cu->h_meta, off[M_N] * sizeof(int32_t)));
     TDM_CU_CHECK(cudaMalloc((void **)&cu->d_meta, off[M_N] * sizeof(int32_t)));
     cu->meta_cap = off[M_N];
 }
@@ -98,10 +102,14 @@ static void upload_step(struct tdm_cuda *cu, const struct tdm_step *st, const in
     const int T = st->n_tokens, S = st->n_seqs, P = st->seq_page_start[S];
     const int Tp = TDM_MAX(T, pad), Sp = S + (Tp - T);
     meta_reserve(cu, Tp, Sp, P, n_rows);
-    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream)); /* the staging may still be in a copy */
+    /* the other staging: the step before may still run, and its copy came out of this one's
+     * turn before it (the device buffers are stream-ordered) */
+    const int mi = cu->meta_i ^ 1;
+    cu->meta_i = mi;
+    TDM_CU_CHECK(cudaEventSynchronize(cu->meta_ev[mi]));
     size_t off[M_N + 1];
     meta_offsets(cu, off);
-    int32_t *h = cu->h_meta;
+    int32_t *h = cu->h_meta_buf[mi];
     memcpy(h + off[M_TOKENS], st->tokens, (size_t)T * 4);
     memcpy(h + off[M_POS], st->positions, (size_t)T * 4);
     memcpy(h + off[M_SLOTS], st->slots, (size_t)T * 4);
@@ -138,6 +146,11 @@ static void upload_step(struct tdm_cuda *cu, const struct tdm_step *st, const in
     TDM_ASSERT(n_tiles <= cu->cap_t);
     TDM_CU_CHECK(cudaMemcpyAsync(cu->d_meta, h, (off[M_PAGES] + (size_t)P) * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, cu->stream));
+    if (st->n_prev_rows > 0) { /* tokens the step before samples (TDM_TOKEN_PREV) */
+        tdm_cu_resolve_tokens(cu->stream, cu->d_meta + off[M_TOKENS], T, cu->d_sout,
+                              TDM_MIN(st->n_prev_rows, cu->sout_rows), cu->sout_vocab);
+        TDM_CU_CHECK(cudaGetLastError());
+    }
     const bool trees = st->tree_mask != NULL;
     if (trees) { /* never padded: a step with a tree is not a graph's */
         TDM_ASSERT(Tp == T);
@@ -152,6 +165,7 @@ static void upload_step(struct tdm_cuda *cu, const struct tdm_step *st, const in
                             (off[M_TSLOTS] - off[M_TMASK] + (size_t)n_nodes) * sizeof(int32_t),
                             cudaMemcpyHostToDevice, cu->stream));
     }
+    TDM_CU_CHECK(cudaEventRecord(cu->meta_ev[mi], cu->stream)); /* the staging's last copy */
     const int32_t *d = cu->d_meta;
     cu->dstep = (struct tdm_cu_step){
         .n_tokens = Tp,
@@ -227,6 +241,7 @@ tdm_status tdm_cuda_step_begin(tdm_backend_t *b, struct tdm_step *st, const int3
     struct tdm_cuda *cu = tdm_cu_of(b);
     tdm_cuda_bind(cu);
     *replayed = false;
+    tdm_cu_idle_begin(cu);
     /* decode steps, and verification steps (chains of up to GRAPH_SPAN tokens a sequence), run
      * as graphs: a graph step gives every token an attention tile of its own, so what it records
      * depends on the padded token count alone. A step with a token tree runs op by op (a graph

@@ -677,3 +677,25 @@ extern "C" bool tdm_cu_sample(cudaStream_t s, float *logits, int n_rows, int voc
     sample_kernel<<<n_rows, kThreads, 0, s>>>(logits, vocab, rows, pens, masks, out, e, k);
     return true;
 }
+
+/* A step launched before the one it follows has sampled: each TDM_TOKEN_PREV(j) token becomes
+ * that sampling's token of row j (a row past it, or a token outside the vocabulary, reads as
+ * token 0: the engine checked j, so neither happens). */
+__global__ void resolve_tokens_kernel(int32_t *tokens, int n, const tdm_cu_sample_out *prev,
+                                      int n_prev, int vocab)
+{
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const int32_t v = tokens[t];
+    if (v >= 0) return;
+    const int j = -1 - v;
+    const int32_t tk = j < n_prev ? prev[j].token : 0;
+    tokens[t] = tk >= 0 && tk < vocab ? tk : 0;
+}
+
+extern "C" void tdm_cu_resolve_tokens(cudaStream_t s, int32_t *d_tokens, int n,
+                                      const tdm_cu_sample_out *prev, int n_prev, int vocab)
+{
+    if (n <= 0) return;
+    resolve_tokens_kernel<<<(n + 127) / 128, 128, 0, s>>>(d_tokens, n, prev, n_prev, vocab);
+}
