@@ -194,24 +194,28 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
  * before it samples (tdm_engine_launch). */
 #define TDM_TOKEN_PREV(j) (-1 - (int32_t)(j))
 
-/* tdm_engine_run in two halves, so that the caller can prepare the next step while this one
- * runs (the scheduler's overlap, sched.h). tdm_engine_launch checks and queues the pass and
- * returns; tdm_engine_wait returns its status once out->samples hold its results. Where the
- * pass cannot be queued (the backend has no sample_launch, rows want logits or hidden states,
- * features, a sharded engine or a head), launch runs it whole and wait only reports it.
- * Steps are waited in launch order; at most two are outstanding, and tdm_engine_run needs
- * none. The batch's arrays are read before launch returns; out's buffers (and want) must stay
- * until the wait.
+/* tdm_engine_run in three parts, so that the caller can prepare the next step while this one
+ * runs (the scheduler's overlap, sched.h). tdm_engine_launch checks and queues the forward
+ * pass and returns; tdm_engine_launch_sample queues its sampling, reading the rows' parameters
+ * (out->samples: a grammar's mask, the sampler's penalty state) only then, so the caller may
+ * change them in between (once the step before is committed); tdm_engine_wait returns the
+ * status once out->samples hold the results. Where the backend cannot queue the sampling (no
+ * sample_launch, rows that want logits or hidden states, features, a sharded engine or a head)
+ * tdm_engine_launch_sample samples and waits for the step. Each launched step is
+ * sampled before the next launch; steps are waited in launch order, at most two outstanding,
+ * and tdm_engine_run needs none. The batch's arrays are read at the launch; out's buffers (and
+ * want) must stay until the wait. A wait of a step never sampled samples it first.
  *
  * A launched step's tokens may be TDM_TOKEN_PREV(j), j below the row count of the step
- * launched just before it, whose every row sampled: the token its row j chooses, taken where
+ * sampled just before it, whose every row sampled: the token its row j chooses, taken where
  * it was sampled (on the device, or from the host copy the engine kept), so the caller need
  * not wait for it. Any other negative token is refused as tdm_engine_run refuses it. */
 tdm_status tdm_engine_launch(tdm_engine_t *e, const struct tdm_batch *batch,
                              const struct tdm_engine_out *out);
+tdm_status tdm_engine_launch_sample(tdm_engine_t *e);
 tdm_status tdm_engine_wait(tdm_engine_t *e);
-/* Whether tdm_engine_launch really returns before the pass ends (a backend that samples on
- * the device with sample_launch, an unsharded engine). */
+/* Whether tdm_engine_launch and _launch_sample really return before the work ends (a backend
+ * that samples on the device with sample_launch, an unsharded engine). */
 bool tdm_engine_launches_async(const tdm_engine_t *e);
 
 /* Runs one forward pass. logits: [sum n_logits][vocab] host memory, rows in batch order (NULL

@@ -70,24 +70,26 @@
  *     caller exits without cleaning up (the stuck step may still touch everything).
  * A step that comes back ends the stall: the scheduler goes on with the requests it has left.
  *
- * Overlap (opts.overlap; an executor with launch and wait, tdm_engine_launch on CUDA): the CPU
- * work of step N+1 runs while the device runs step N. Each call of tdm_sched_step then plans
- * N+1 (reaping, admission, pages, drafts none), launches it behind N, and only then waits for
- * N and commits it:
+ * Overlap (opts.overlap; an executor with launch, sample and wait: the engine's
+ * tdm_engine_launch, _launch_sample and _wait, asynchronous on CUDA): the CPU work of
+ * step N+1 runs while the device runs step N. Each call of tdm_sched_step plans N+1 (reaping,
+ * admission, pages; no drafts), launches its forward pass behind N, waits for N and commits
+ * it, then queues N+1's sampling, whose rows are read only then:
  *
- *   host:    plan N+1 | launch N+1 | wait N | commit N | plan N+2 | launch N+2 | wait N+1 ...
- *   device:  ... step N ...........| step N+1 ..........................| step N+2 ...
+ *   host:   plan N+1 | fwd N+1 | wait N | commit N | sample N+1 | plan N+2 | fwd N+2 | wait N+1 ..
+ *   device: .. sample N | forward N+1 .......................| sample N+1 | forward N+2 ....
  *
  * A request whose token is still being sampled by N gets it as TDM_TOKEN_PREV of its N row
  * (the device reads it where N's sampler left it), one placeholder at the end of its token
- * list until N's commit puts the token there. What N's commit learns arrives a step late for
- * N+1: a request that N finishes (a stop token) has run one more position in N+1, whose row
- * is dropped; its pages go back at N's commit all the same, since the device runs steps in
- * order and any later owner's writes come after N+1's. A request whose next row depends on
- * the token before it is not planned ahead: a grammar's mask, penalties, logits or hidden
- * states to return. While one is in a launched step, the scheduler waits for that step before
- * it plans (the step is then as without overlap). Overlap is off with a drafter or a
- * connector that runs around steps (the prefill side's layer streaming).
+ * list until N's commit puts the token there. Its N+1 row is sampled after that commit, with
+ * the grammar mask and penalty state of every token before it, so the output is the same as
+ * without overlap. What N's commit learns arrives a step late for N+1's forward pass: a request
+ * that N finishes (a stop token) has run one more position in N+1, whose row is dropped; its
+ * pages go back at N's commit all the same, since the device runs steps in order and any later
+ * owner's writes come after N+1's. A request whose rows return logits or hidden states is not
+ * planned ahead: while one is in a launched step, the scheduler commits that step before it
+ * plans (the step is then as without overlap). Overlap is off with a drafter or a connector
+ * that runs around steps (the prefill side's layer streaming).
  *
  * Fault injection for tests (never needed in production): TANDEM_SCHED_FAULTS=stall:N:MS makes
  * the N-th step (counted from 1) sleep MS milliseconds before it runs (MS < 0: forever).
@@ -283,12 +285,16 @@ struct tdm_sched_exec_i {
     /* Runs the plan: appends each span's KV at its slots and fills each row with what it
      * wants. An error fails every request of the step. Scheduler thread. */
     tdm_status (*run)(void *ctx, struct tdm_sched_plan *plan);
-    /* Optional, both or neither: run in two halves (the overlap, above). launch queues the
-     * plan (an error: nothing to wait for, the step failed); wait returns the run's status
-     * once the plan's rows are filled, plans waited in launch order, at most two outstanding.
-     * A launched plan's tokens may be TDM_TOKEN_PREV(j) (engine.h): the token row j of the
-     * plan launched just before it samples. */
+    /* Optional, all three or none: run in parts (the overlap, above). launch queues the
+     * plan's forward pass (an error: nothing to wait for, the step failed); sample then queues
+     * its rows' sampling, reading the rows' parameters at that moment (the scheduler sets
+     * grammar masks and penalty state after the commit before it); wait returns the run's
+     * status once the rows are filled (a sampling error included). Plans are waited in launch
+     * order, at most two outstanding, and each is sampled before the next is launched. A
+     * launched plan's tokens may be TDM_TOKEN_PREV(j) (engine.h): the token row j of the plan
+     * launched just before it samples. */
     tdm_status (*launch)(void *ctx, struct tdm_sched_plan *plan);
+    tdm_status (*sample)(void *ctx, struct tdm_sched_plan *plan);
     tdm_status (*wait)(void *ctx, struct tdm_sched_plan *plan);
 };
 struct tdm_sched_exec {

@@ -207,11 +207,18 @@ struct tdm_engine {
      * backend's ticket (queued) or the status of a step that ran whole */
     struct engine_pend {
         struct tdm_sample_row *samples;
+        const uint8_t *want;
         int n_rows, ticket;
-        bool queued;
+        uint8_t every;
+        bool queue;   /* its sampling may be queued on the backend (queueable) */
+        bool sampled; /* its sampling is queued or done (tdm_engine_launch_sample) */
+        bool queued;  /* ... queued: the wait collects it by its ticket */
         tdm_status st;
     } pend[2];
     int n_pend;
+    /* the step of the forward pass in progress (a launched one's stays until its sampling:
+     * the backend may still hold it) */
+    struct tdm_step step;
     /* the last step whose every row sampled, for TDM_TOKEN_PREV: its row count (0: none), and
      * its tokens by row when they are on the host (prev_tok; else on the backend) */
     int prev_rows;
@@ -1060,6 +1067,7 @@ void tdm_engine_destroy(tdm_engine_t *e)
     }
     while (e->n_pend) { /* launched and never waited: finished, its results dropped */
         e->pend[0].samples = NULL;
+        e->pend[0].queue = false;
         (void)tdm_engine_wait(e);
     }
     const struct tdm_backend_i *ops = e->backend ? e->backend->iface : NULL;
@@ -1924,21 +1932,62 @@ static bool queueable(const tdm_engine_t *e, const struct tdm_batch *batch, uint
     return true;
 }
 
-/* One forward pass; with `launch`, queued where it can be (tdm_engine_launch), the pending
- * entry then describing it. */
-static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
-                              const struct tdm_engine_out *out, bool launch)
+/* The sampling of a forward pass whose logits are in e->logits (p: its rows): queued on the
+ * backend where p->queue allows, else done here, then the backend synced. */
+static tdm_status sample_tail(tdm_engine_t *e, struct engine_pend *p)
 {
-    struct tdm_step step;
+    tdm_backend_t *b = e->backend;
+    const struct tdm_backend_i *ops = b->iface;
+    tdm_status st = TDM_OK;
+    p->sampled = true;
+    if (p->queue) {
+        bool in_backend;
+        st = check_sample_rows(e, p->want, p->n_rows, p->samples, &in_backend);
+        if (st == TDM_OK)
+            st = ops->sample_launch(b, e->logits, p->n_rows, e->cfg.vocab_size, p->samples,
+                                    &p->ticket);
+        if (st == TDM_OK) {
+            p->queued = true;
+            e->prev_rows = p->n_rows;
+            e->prev_on_host = false;
+            return TDM_OK;
+        }
+        if (st != TDM_EUNSUPPORTED) {
+            ops->sync(b);
+            e->prev_rows = 0;
+            return p->st = st;
+        }
+        st = TDM_OK;
+    }
+    if (p->n_rows > 0 && p->samples)
+        st = sample_rows(e, p->want, p->n_rows, p->every & TDM_ROW_SAMPLE, p->samples);
+    ops->sync(b);
+    /* the tokens a later launch's TDM_TOKEN_PREV names */
+    e->prev_rows = st == TDM_OK && p->n_rows > 0 && (p->every & TDM_ROW_SAMPLE) ? p->n_rows : 0;
+    e->prev_on_host = true;
+    for (int i = 0; i < e->prev_rows; i++)
+        e->prev_tok[i] = p->samples[i].token;
+    return p->st = st;
+}
+
+enum step_mode { STEP_RUN, STEP_FORWARD };
+
+/* One forward pass. STEP_RUN samples and waits; STEP_FORWARD leaves the sampling to
+ * tdm_engine_launch_sample (tdm_engine_launch). *p: the pass's pending entry. */
+static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
+                              const struct tdm_engine_out *out, enum step_mode mode,
+                              struct engine_pend *p)
+{
+    struct tdm_step *stp = &e->step;
     int32_t *rows = NULL;
     int n_rows = 0;
-    tdm_status st = build_step(e, batch, launch ? e->prev_rows : 0, &step, &rows, &n_rows);
+    tdm_status st = build_step(e, batch, mode != STEP_RUN ? e->prev_rows : 0, stp, &rows, &n_rows);
     if (st != TDM_OK) return st;
     const int n_layers = out->n_layers > 0 ? out->n_layers : e->cfg.n_layers;
     if (n_layers > e->cfg.n_layers)
         return tdm_err_set(TDM_EINVAL, "batch: %d layers asked, the model has %d", n_layers,
                            e->cfg.n_layers);
-    step.n_layers = n_layers;
+    stp->n_layers = n_layers;
     for (int s = 0; s < batch->n_seqs && e->opts.n_feature_layers; s++)
         for (int i = 0; batch->seqs[s].features && i < e->opts.n_feature_layers; i++)
             if (e->opts.feature_layers[i] >= n_layers)
@@ -1972,7 +2021,7 @@ static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
     _Atomic int32_t *counter = e->counter;
     if (counter) atomic_store_explicit(counter, 0, memory_order_release);
     if (e->k2) { /* an EAGLE-3 head: target features to hin, or its own states straight to x */
-        tdm_status hs = eagle3_upload(e, batch, &step);
+        tdm_status hs = eagle3_upload(e, batch, stp);
         if (hs != TDM_OK) return hs;
     } else if (e->is_head) /* the hidden states, in step order (before a graph may replay); a
                             * sharded head's ranks each take a copy (their input stages are
@@ -1981,13 +2030,13 @@ static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
             tdm_engine_t *re = e->tpx ? e->tpx->ranks[r] : e;
             for (int s = 0; s < batch->n_seqs; s++)
                 re->backend->iface->upload(
-                    re->backend, re->hin + (size_t)step.seq_token_start[s] * d,
+                    re->backend, re->hin + (size_t)stp->seq_token_start[s] * d,
                     batch->seqs[s].hidden, (size_t)batch->seqs[s].n_tokens * d * sizeof(float));
         }
     /* a backend may pad the step (a CUDA-graph bucket) or replay the whole layer loop */
     bool replayed = false;
     if (ops->step_begin &&
-        (st = ops->step_begin(b, &step, rows, n_rows, e->own_step ? (const char *)e + 1 : (void *)e,
+        (st = ops->step_begin(b, stp, rows, n_rows, e->own_step ? (const char *)e + 1 : (void *)e,
                               counter, &replayed)) != TDM_OK) {
         ops->sync(b);
         return st;
@@ -1998,14 +2047,14 @@ static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
     if (!replayed) {
         if (e->tpx) { /* the step, built once, to every rank (on the threads' owner's) */
             (e->tpx->host ? e->tpx->host : e->tpx)->job = e->tpx;
-            e->tpx->step = &step;
+            e->tpx->step = stp;
             e->tpx->n_layers = n_layers;
             e->tpx->rows = rows;
             e->tpx->n_rows = n_rows;
             e->tpx->lm_head = any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE);
             tdm_tp_barrier(e->tp);
         }
-        run_layers(e, &step, n_layers);
+        run_layers(e, stp, n_layers);
         /* a sharded step ends at a barrier (lm_head's, or this one): the caller may then use
          * every rank's backend and pool (tdm_kv_pool_copy_slots) while the ranks wait */
         if (e->tpx && !(any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE))) tdm_tp_barrier(e->tp);
@@ -2021,44 +2070,24 @@ static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
     for (int s = 0; s < batch->n_seqs; s++) { /* a span's tokens are consecutive rows */
         const struct tdm_batch_seq *q = &batch->seqs[s];
         if (q->features && e->opts.n_feature_layers) /* an EAGLE-3 head's target */
-            download_aux(e, q->features, step.seq_token_start[s], q->n_tokens);
+            download_aux(e, q->features, stp->seq_token_start[s], q->n_tokens);
         else if (q->features) /* an EAGLE-3 head's own feature: before its final norm */
             ops->download(b, q->features,
-                          (e->k2 ? e->x : lm_in) + (size_t)step.seq_token_start[s] * d,
+                          (e->k2 ? e->x : lm_in) + (size_t)stp->seq_token_start[s] * d,
                           (size_t)q->n_tokens * d * sizeof(float));
     }
     if (any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE)) lm_head(e, rows, n_rows);
     /* logits before sampling, which may overwrite them */
     if (any & TDM_ROW_LOGITS)
         download_rows(e, out->logits, e->logits, want, n_rows, c->vocab_size, TDM_ROW_LOGITS);
-    if (launch && queueable(e, batch, any, every, n_rows)) {
-        bool in_backend;
-        int ticket = -1;
-        st = check_sample_rows(e, want, n_rows, out->samples, &in_backend);
-        if (st == TDM_OK)
-            st = ops->sample_launch(b, e->logits, n_rows, c->vocab_size, out->samples, &ticket);
-        if (st == TDM_OK) {
-            e->pend[e->n_pend++] = (struct engine_pend){
-                .samples = out->samples, .n_rows = n_rows, .ticket = ticket, .queued = true};
-            e->prev_rows = n_rows;
-            e->prev_on_host = false;
-            return TDM_OK;
-        }
-        if (st != TDM_EUNSUPPORTED) {
-            ops->sync(b);
-            e->prev_rows = 0;
-            return st;
-        }
-    }
-    if (any & TDM_ROW_SAMPLE)
-        st = sample_rows(e, want, n_rows, every & TDM_ROW_SAMPLE, out->samples);
-    ops->sync(b);
-    /* the tokens a later launch's TDM_TOKEN_PREV names */
-    e->prev_rows = st == TDM_OK && n_rows > 0 && (every & TDM_ROW_SAMPLE) ? n_rows : 0;
-    e->prev_on_host = true;
-    for (int i = 0; i < e->prev_rows; i++)
-        e->prev_tok[i] = out->samples[i].token;
-    return st;
+    *p = (struct engine_pend){.samples = (any & TDM_ROW_SAMPLE) ? out->samples : NULL,
+                              .want = want,
+                              .n_rows = n_rows,
+                              .every = every,
+                              .queue = mode != STEP_RUN && queueable(e, batch, any, every, n_rows),
+                              .ticket = -1};
+    if (mode == STEP_FORWARD) return TDM_OK;
+    return sample_tail(e, p);
 }
 
 tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
@@ -2067,29 +2096,38 @@ tdm_status tdm_engine_run(tdm_engine_t *e, const struct tdm_batch *batch,
     if (e->n_pend)
         return tdm_err_set(TDM_EINVAL, "engine: a run while %d launched steps are not waited",
                            e->n_pend);
-    return engine_step(e, batch, out, false);
+    struct engine_pend p;
+    return engine_step(e, batch, out, STEP_RUN, &p);
 }
 
 tdm_status tdm_engine_launch(tdm_engine_t *e, const struct tdm_batch *batch,
                              const struct tdm_engine_out *out)
 {
-    if (e->n_pend == 2)
-        return tdm_err_set(TDM_EINVAL, "engine: two launched steps are not waited yet");
-    const int slot = e->n_pend;
-    tdm_status st = engine_step(e, batch, out, true);
+    if (e->n_pend == 2 || (e->n_pend && !e->pend[e->n_pend - 1].sampled))
+        return tdm_err_set(TDM_EINVAL, "engine: a launch before the last one was sampled, or "
+                                       "with two launched steps not waited");
+    struct engine_pend p;
+    tdm_status st = engine_step(e, batch, out, STEP_FORWARD, &p);
     if (st != TDM_OK) { /* nothing to wait for */
         e->prev_rows = 0;
         return st;
     }
-    if (e->n_pend == slot) /* ran whole: the wait reports it */
-        e->pend[e->n_pend++] = (struct engine_pend){.st = TDM_OK};
+    e->pend[e->n_pend++] = p;
     return TDM_OK;
+}
+
+tdm_status tdm_engine_launch_sample(tdm_engine_t *e)
+{
+    if (!e->n_pend || e->pend[e->n_pend - 1].sampled)
+        return tdm_err_set(TDM_EINVAL, "engine: no launched forward pass left to sample");
+    return sample_tail(e, &e->pend[e->n_pend - 1]);
 }
 
 tdm_status tdm_engine_wait(tdm_engine_t *e)
 {
     if (!e->n_pend) return tdm_err_set(TDM_EINVAL, "engine: no launched step to wait for");
     struct engine_pend p = e->pend[0];
+    if (!p.sampled) (void)sample_tail(e, &p); /* a wait without its sampling: done here */
     e->pend[0] = e->pend[1];
     e->n_pend--;
     if (!p.queued) return p.st;

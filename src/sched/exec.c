@@ -1,6 +1,6 @@
 /*
- * The engine as the scheduler's executor: a plan becomes one tdm_engine_run call (or a
- * tdm_engine_launch and its tdm_engine_wait, with overlap). The plan's
+ * The engine as the scheduler's executor: a plan becomes one tdm_engine_run call (or, with
+ * overlap, tdm_engine_launch, _launch_sample and _wait). The plan's
  * sequences map one to one onto batch sequences (span, pos0, page table, slots, rows), and its
  * row arrays are the engine's output rows, so nothing is copied but the sequence headers.
  * Scheduler thread; the batch headers are reserved at creation.
@@ -51,6 +51,12 @@ static tdm_status engine_launch(void *ctx, struct tdm_sched_plan *p)
     return tdm_engine_launch(x->engine, &b, &out);
 }
 
+static tdm_status engine_sample(void *ctx, struct tdm_sched_plan *p)
+{
+    (void)p; /* the engine kept the launched plan's rows */
+    return tdm_engine_launch_sample(((struct tdm_engine_exec *)ctx)->engine);
+}
+
 static tdm_status engine_wait(void *ctx, struct tdm_sched_plan *p)
 {
     (void)p; /* the engine keeps the launched plan's rows */
@@ -58,7 +64,7 @@ static tdm_status engine_wait(void *ctx, struct tdm_sched_plan *p)
 }
 
 static const struct tdm_sched_exec_i engine_exec_i = {
-    .run = engine_run, .launch = engine_launch, .wait = engine_wait};
+    .run = engine_run, .launch = engine_launch, .sample = engine_sample, .wait = engine_wait};
 
 tdm_status tdm_sched_engine_exec_create(tdm_engine_t *e, int max_seqs, struct tdm_sched_exec *out,
                                         struct tdm_engine_exec **owned)

@@ -249,6 +249,19 @@ static const uint32_t *grammar_mask(struct tdm_sched *s, struct tdm_req *r, int3
     return m ? m : s->deny_all;
 }
 
+void tdm_sched_refresh_rows(struct tdm_sched *s, struct tdm_sched_plan *p)
+{
+    for (int j = 0; j < p->n_seqs; j++) {
+        const struct tdm_plan_seq *q = &p->seqs[j];
+        struct tdm_req *r = q->req;
+        /* a span's sampling row (no drafts with overlap): the grammar's state now */
+        if (!r->grammar || q->n_rows <= q->n_score || tdm_req_state(r) == TDM_REQ_FINISHED)
+            continue;
+        TDM_ASSERT(!q->n_draft && !q->tree);
+        p->samples[q->row0 + q->n_score].allow = grammar_mask(s, r, r->gstate);
+    }
+}
+
 /* The tree of r's drafts as plan sequence q sees it (tdm_plan_seq.tree): span token i + 1 is
  * draft i at position pos0 + its depth, seeing its ancestors and itself; and each row's
  * sampling: the position after its token's, penalties less every draft off its path, and (in
@@ -488,7 +501,9 @@ static bool shares(const struct tdm_sched *s)
 static bool follows_pending(const struct tdm_sched *s, const struct tdm_req *f)
 {
     const struct tdm_req *l = f->leader;
-    return l && shares(s) && tdm_req_state(l) != TDM_REQ_FINISHED && l->n_tokens == l->n_prompt;
+    /* (a pending token is not an output yet: its step's commit forks the followers) */
+    return l && shares(s) && tdm_req_state(l) != TDM_REQ_FINISHED &&
+           l->n_tokens - l->pending == l->n_prompt;
 }
 
 /* Takes r out of the waiting list (the scheduler thread's only removal; submitters append). */

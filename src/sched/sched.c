@@ -256,7 +256,8 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
     if (!s->running || !s->pseqs || !s->drafts || !s->decodes || !s->slots || !s->want ||
         !s->srows || !s->deny_all || !s->held || !s->wsnap)
         goto out_free;
-    if (x->iface->launch && x->iface->wait && s->o.overlap >= 0) { /* the second plan set */
+    if (x->iface->launch && x->iface->sample && x->iface->wait && s->o.overlap >= 0) {
+        /* the second plan set */
         s->pseqs2 = calloc(n, sizeof *s->pseqs2);
         s->slots2 = calloc((size_t)s->o.max_batch_tokens, sizeof *s->slots2);
         s->want2 = calloc(rows, sizeof *s->want2);
@@ -933,7 +934,7 @@ static void overlap_advance(struct tdm_sched *s)
         r->n_cached = q->pos0 + q->n_tokens;
         if (!q->last || r->prefill_only || !r->max_tokens || q->n_rows <= q->n_score || r->n_draft)
             continue;
-        if (r->grammar || r->penalties || r->want != TDM_ROW_SAMPLE) {
+        if (r->want != TDM_ROW_SAMPLE) { /* its rows return more than a token */
             s->n_blocked++;
             continue;
         }
@@ -992,7 +993,8 @@ static bool plan_step(struct tdm_sched *s)
     return progress;
 }
 
-/* One step with overlap: plan N+1, launch it behind N, then wait for N and commit it. */
+/* One step with overlap: plan N+1, launch its forward pass behind N, wait for N and commit
+ * it, then queue N+1's sampling. */
 static bool step_overlap(struct tdm_sched *s)
 {
     if (s->inflight && s->n_blocked) overlap_collect(s); /* it decides what comes next */
@@ -1020,6 +1022,11 @@ static bool step_overlap(struct tdm_sched *s)
     }
     struct tdm_sched_plan launched = *p;
     overlap_collect(s);
+    if (st == TDM_OK) { /* its rows as N's commit left their requests (a sampling error: the
+                         * wait reports it) */
+        tdm_sched_refresh_rows(s, &launched);
+        (void)s->x.iface->sample(s->x.ctx, &launched);
+    }
     swap_sets(s);       /* the launched plan's buffers are the second set now */
     if (st != TDM_OK) { /* nothing to wait for: its requests fail */
         tdm_sched_commit(s, &launched, s->pgen2, st);

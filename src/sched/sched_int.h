@@ -208,6 +208,9 @@ struct tdm_sched {
  * then true when a preemption made room (plan again at once), false when only pages coming
  * back or new requests can help. */
 bool tdm_sched_plan_build(struct tdm_sched *s);
+/* Overlap: a launched plan's rows as the commit before its sampling left their requests (a
+ * grammar's mask after the token that commit put in place). */
+void tdm_sched_refresh_rows(struct tdm_sched *s, struct tdm_sched_plan *p);
 /* Takes running[i] back to the waiting list with its pages released (preempted: counted). */
 void tdm_sched_requeue(struct tdm_sched *s, int i, bool preempted);
 void tdm_sched_running_remove(struct tdm_sched *s, int i);

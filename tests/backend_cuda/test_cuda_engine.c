@@ -454,10 +454,10 @@ static void test_early_exit_graphs(void **state)
 }
 
 /* tdm_engine_launch (the scheduler's overlap): decode steps launched two deep, each naming
- * the tokens the step before it samples as TDM_TOKEN_PREV, give the tokens of the same steps
- * run one at a time with the tokens on the host; and the launches were queued (the engine
- * says so). Sampled at temperature 0.8 with seeds, so a token taken from a wrong row, or a
- * position off by one, shows. */
+ * the tokens the step before it samples as TDM_TOKEN_PREV, its sampling queued after the wait
+ * for the step before, give the tokens of the same steps run one at a time with the tokens on
+ * the host; and the launches were queued (the engine says so). Sampled at temperature 0.8 with
+ * seeds, so a token taken from a wrong row, or a position off by one, shows. */
 static void test_launch_ahead(void **state)
 {
     (void)state;
@@ -522,13 +522,17 @@ static void test_launch_ahead(void **state)
                     toks[0][s][P + k] = rows[0][k % 3][s].token;
                 continue;
             }
+            /* the scheduler's order: this step's forward pass, the wait for the step before,
+             * then this step's sampling */
             assert_int_equal(tdm_engine_launch(runs[1].e, &b, &out), TDM_OK);
             launched++;
-            if (k == 0) continue; /* two in flight from here on: wait for the one before */
-            assert_int_equal(tdm_engine_wait(runs[1].e), TDM_OK);
-            for (int s = 0; s < S; s++)
-                toks[1][s][P + waited] = rows[1][waited % 3][s].token;
-            waited++;
+            if (k > 0) {
+                assert_int_equal(tdm_engine_wait(runs[1].e), TDM_OK);
+                for (int s = 0; s < S; s++)
+                    toks[1][s][P + waited] = rows[1][waited % 3][s].token;
+                waited++;
+            }
+            assert_int_equal(tdm_engine_launch_sample(runs[1].e), TDM_OK);
         }
     }
     assert_int_equal(tdm_engine_wait(runs[1].e), TDM_OK);

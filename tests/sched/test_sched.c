@@ -96,6 +96,7 @@ struct fake_exec {
     int launches, launched_behind, placeholders;
     int n_prompt_of[64]; /* by request id, where a test sets it: a penalised row's check */
     int penalty_rows;
+    bool in_launch, sampled; /* fake_launch runs the plan; the last launch was sampled */
 };
 
 /* The store's two floats of a slot in the pool's HND layer [page][K, V][1 head][PS][1]. */
@@ -120,6 +121,18 @@ static uint64_t kv_hash(struct fake_exec *x, uint64_t h, int slot, uint64_t id)
     if (writer != id || !id)
         assert_int_equal(writer, id < 64 && x->leader_of[id] ? x->leader_of[id] : id);
     return hash_step(h, (int32_t)*kv_k(x, slot));
+}
+
+/* A sampling row's penalty state holds every output before its position. */
+static void check_penalties(struct fake_exec *x, const struct tdm_sample_row *sr, uint64_t id)
+{
+    const struct tdm_sampler *smp = sr->smp;
+    if (!smp || !smp->out_count || id >= 64 || !x->n_prompt_of[id]) return;
+    int outs = 0;
+    for (int j = 0; j < smp->n_seen; j++)
+        outs += (int)smp->out_count[smp->seen[j]];
+    assert_int_equal(outs, (int)sr->position - x->n_prompt_of[id]);
+    x->penalty_rows++;
 }
 
 static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
@@ -220,15 +233,9 @@ static tdm_status fake_run(void *ctx, struct tdm_sched_plan *p)
                 } else {
                     assert_int_equal(sr->mode, TDM_SAMPLE_DRAW);
                     assert_int_equal(sr->n_undo, 0);
-                    /* penalties see every output before the row's position */
-                    const struct tdm_sampler *smp = sr->smp;
-                    if (smp && smp->out_count && id < 64 && x->n_prompt_of[id]) {
-                        int outs = 0;
-                        for (int j = 0; j < smp->n_seen; j++)
-                            outs += (int)smp->out_count[smp->seen[j]];
-                        assert_int_equal(outs, x_pos + 1 - x->n_prompt_of[id]);
-                        x->penalty_rows++;
-                    }
+                    /* penalties see every output before the row's position (a launched
+                     * plan's, when it is sampled: fake_sample) */
+                    if (!x->in_launch) check_penalties(x, sr, id);
                 }
                 sr->token = tok;
                 sr->kept = sr->mode == TDM_SAMPLE_VERIFY && tok == sr->draft;
@@ -254,11 +261,13 @@ static const struct tdm_sched_exec_i fake_exec_i = {.run = fake_run};
 /* launch runs the plan at once, as a device runs it behind the step before: its
  * TDM_TOKEN_PREV tokens become the previous launch's row tokens. The scheduler sees the rows'
  * results only at the wait (each launch's are held back until then), so a commit that read a
- * row early, or a placeholder naming a wrong row, changes the output. */
+ * row early, or a placeholder naming a wrong row, changes the output. The rows' parameters
+ * are checked at the sampling (fake_sample), where the device reads them. */
 static tdm_status fake_launch(void *ctx, struct tdm_sched_plan *p)
 {
     struct fake_exec *x = ctx;
     assert_true(x->n_held < 2);
+    assert_true(x->n_held == 0 || x->sampled); /* each sampled before the next launch */
     assert_true(p->n_rows <= 64 && p->n_seqs <= 16);
     x->launches++;
     x->launched_behind += x->n_held == 1;
@@ -286,13 +295,34 @@ static tdm_status fake_launch(void *ctx, struct tdm_sched_plan *p)
     struct tdm_sched_plan run = *p;
     run.seqs = seqs;
     run.samples = x->held[k];
+    x->in_launch = true;
     tdm_status st = fake_run(ctx, &run);
+    x->in_launch = false;
     if (st != TDM_OK) return st;
     x->held_rows[k] = p->n_rows;
     x->n_held++;
+    x->sampled = false;
     x->n_prev = p->n_rows;
     for (int i = 0; i < p->n_rows; i++)
         x->prev[i] = x->held[k][i].token;
+    return TDM_OK;
+}
+
+/* The launched plan's rows as the scheduler left them at its sampling: the penalty state of
+ * each sampling row holds every output before it (the commit before came first). */
+static tdm_status fake_sample(void *ctx, struct tdm_sched_plan *p)
+{
+    struct fake_exec *x = ctx;
+    assert_true(x->n_held > 0 && !x->sampled);
+    assert_int_equal(x->held_rows[x->n_held - 1], p->n_rows);
+    x->sampled = true;
+    for (int j = 0; j < p->n_seqs; j++) {
+        const struct tdm_plan_seq *q = &p->seqs[j];
+        for (int i = q->n_score; i < q->n_rows; i++)
+            if (p->samples[q->row0 + i].mode == TDM_SAMPLE_DRAW &&
+                tdm_req_state(q->req) != TDM_REQ_FINISHED)
+                check_penalties(x, &p->samples[q->row0 + i], tdm_req_id(q->req));
+    }
     return TDM_OK;
 }
 
@@ -309,7 +339,7 @@ static tdm_status fake_wait(void *ctx, struct tdm_sched_plan *p)
 }
 
 static const struct tdm_sched_exec_i fake_async_i = {
-    .run = fake_run, .launch = fake_launch, .wait = fake_wait};
+    .run = fake_run, .launch = fake_launch, .sample = fake_sample, .wait = fake_wait};
 
 /* ---- fixture ---- */
 
@@ -1283,10 +1313,10 @@ static void test_prefill_only_rows(void **state)
  * running slot prefills alone; one cancelled while it waits ends cancelled; a leader that ends
  * in the step its prompt completes (max_tokens 1) still hands the KV over. The pool is back at
  * its baseline after each. */
-static void run_group(int max_seqs, int chunk, int n, int leader_max, int cancel_one)
+static void run_group(int max_seqs, int chunk, int n, int leader_max, int cancel_one, int overlap)
 {
     struct fix f;
-    struct tdm_sched_opts so = {.prefill_chunk = chunk};
+    struct tdm_sched_opts so = {.prefill_chunk = chunk, .overlap = overlap};
     fix_open(&f, 64, &so, 64, max_seqs);
     int32_t a[10];
     make_prompt(a, 10, 7);
@@ -1346,10 +1376,14 @@ static void run_group(int max_seqs, int chunk, int n, int leader_max, int cancel
 static void test_groups_share_the_prompt(void **state)
 {
     (void)state;
-    run_group(8, 4, 4, 5, 0);  /* three spans of the prompt, then three followers */
-    run_group(8, 64, 3, 1, 0); /* the leader ends as it hands over */
-    run_group(8, 4, 4, 5, 1);  /* a follower cancelled while it waits */
-    run_group(1, 4, 3, 5, 0);  /* one slot: each prefills alone */
+    run_group(8, 4, 4, 5, 0, 0);  /* three spans of the prompt, then three followers */
+    run_group(8, 64, 3, 1, 0, 0); /* the leader ends as it hands over */
+    run_group(8, 4, 4, 5, 1, 0);  /* a follower cancelled while it waits */
+    run_group(1, 4, 3, 5, 0, 0);  /* one slot: each prefills alone */
+    /* overlap: the leader's first output is in flight when the followers' turn comes; they
+     * still wait for its commit and take the prompt's KV */
+    run_group(8, 4, 4, 5, 0, 1);
+    run_group(8, 64, 3, 1, 0, 1);
     /* a group shares one prompt */
     struct fix f;
     fix_open(&f, 16, NULL, 64, 8);

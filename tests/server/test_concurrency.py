@@ -92,12 +92,12 @@ def test_request_larger_than_the_pool_is_refused(default_model):
 
 
 def test_overlap_on_the_cpu_gives_the_same_tokens(default_model):
-    """--overlap on plans and launches step N+1 before step N is committed; on the CPU the
-    engine runs each launch whole, and a token not committed yet travels as TDM_TOKEN_PREV (the
-    engine's host copy). Greedy and seeded sampled requests, stop tokens (EOS) and a pool that
-    runs dry give bit-identical tokens and logprobs to --overlap off; the steps did overlap,
-    and the pool ends at its baseline."""
-    n = 6 if SANITIZED else 12
+    """--overlap on plans step N+1 and runs its forward pass before step N is committed, and
+    samples it after; on the CPU each part runs whole, and a token not committed yet travels
+    as TDM_TOKEN_PREV (the engine's host copy). Greedy and seeded sampled requests, penalties,
+    a JSON grammar, stop tokens (EOS) and a pool that runs dry give bit-identical tokens and
+    logprobs to --overlap off; the steps did overlap, and the pool ends at its baseline."""
+    n = 8 if SANITIZED else 12
     rng = random.Random(11)
     reqs = []
     for i in range(n):
@@ -107,14 +107,16 @@ def test_overlap_on_the_cpu_gives_the_same_tokens(default_model):
             body.update(temperature=0.9, seed=100 + i)
         else:
             body.update(temperature=0)
-        if i % 4 == 1:  # penalties: the steps wait for its commits while it runs (briefly)
-            body.update(frequency_penalty=0.5, max_tokens=4)
+        if i % 4 == 1:  # penalties: sampled after the commit of the token before
+            body.update(frequency_penalty=0.5, presence_penalty=0.3)
+        if i % 4 == 3:  # a grammar: its mask is made after that commit too
+            body.update(response_format={"type": "json_object"})
         if i % 2:
             body.update(ignore_eos=True)
         reqs.append(body)
 
     def serve(mode):
-        s = Server(["--threads", "2", "--kv-pages", "20" if SANITIZED else "24", "--max-seqs",
+        s = Server(["--threads", "2", "--kv-pages", "14" if SANITIZED else "24", "--max-seqs",
                     "16", "--overlap", mode])
         try:
             with cf.ThreadPoolExecutor(n) as ex:

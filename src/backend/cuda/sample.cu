@@ -681,8 +681,8 @@ extern "C" bool tdm_cu_sample(cudaStream_t s, float *logits, int n_rows, int voc
 /* A step launched before the one it follows has sampled: each TDM_TOKEN_PREV(j) token becomes
  * that sampling's token of row j (a row past it, or a token outside the vocabulary, reads as
  * token 0: the engine checked j, so neither happens). */
-__global__ void resolve_tokens_kernel(int32_t *tokens, int n, const tdm_cu_sample_out *prev,
-                                      int n_prev, int vocab)
+static __global__ void resolve_tokens_kernel(int32_t *tokens, int n, const tdm_cu_sample_out *prev,
+                                             int n_prev, int vocab)
 {
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
