@@ -34,7 +34,7 @@ void tdm_sched_finish(struct tdm_sched *s, struct tdm_req *r, enum tdm_finish wh
         tdm_hist_observe(&s->m.e2e_s, (double)(now - r->t_submit_ns) * 1e-9);
     pthread_mutex_unlock(&s->mmu);
     if (why != TDM_FINISH_ERROR) tdm_sched_offer_prefix(s, r); /* before its pages go back */
-    tdm_kv_seq_release(s->kv, &r->kv);
+    tdm_sched_release_kv(s, r);
     r->n_cached = 0;
     tdm_sched_set_state(r, TDM_REQ_FINISHED);
     pthread_mutex_lock(&r->mu);

@@ -83,7 +83,7 @@ void tdm_sched_requeue(struct tdm_sched *s, int i, bool preempted)
     }
     r->gen++;
     tdm_sched_offer_prefix(s, r); /* its computed prefix waits for it in the cache */
-    tdm_kv_seq_release(s->kv, &r->kv);
+    tdm_sched_release_kv(s, r);
     r->prefix_pages = 0;
     r->n_cached = 0;
     r->draft_stats.cursor = 0; /* a drafter's own KV went with the pages */

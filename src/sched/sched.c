@@ -202,6 +202,8 @@ int tdm_sched_eos(const tdm_sched_t *s, const int **ids)
 /* The overlap's second set of plan buffers and the gens (sched_int.h). */
 static void free_overlap_sets(struct tdm_sched *s)
 {
+    free(s->held_pages);
+    free(s->hold_step);
     free(s->pseqs2);
     free(s->slots2);
     free(s->want2);
@@ -264,7 +266,12 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
         s->srows2 = calloc(rows, sizeof *s->srows2);
         s->pgen = calloc(n, sizeof *s->pgen);
         s->pgen2 = calloc(n, sizeof *s->pgen2);
-        if (!s->pseqs2 || !s->slots2 || !s->want2 || !s->srows2 || !s->pgen || !s->pgen2)
+        /* every request of two launched plans, a context's pages each */
+        s->hold_cap = 2 * s->o.max_seqs * ((s->max_ctx + s->page_size - 1) / s->page_size + 1);
+        s->held_pages = calloc((size_t)s->hold_cap, sizeof *s->held_pages);
+        s->hold_step = calloc((size_t)s->hold_cap, sizeof *s->hold_step);
+        if (!s->pseqs2 || !s->slots2 || !s->want2 || !s->srows2 || !s->pgen || !s->pgen2 ||
+            !s->held_pages || !s->hold_step)
             goto out_free;
     }
     const char *faults = getenv("TANDEM_SCHED_FAULTS");
@@ -907,26 +914,93 @@ static bool overlap_on(const struct tdm_sched *s)
     return !(s->conn && (s->conn->step_begin || s->conn->step_end));
 }
 
-/* Waits for the launched plan and commits it (its buffers: the second set), then drops the
- * references its spans held. */
-static void overlap_collect(struct tdm_sched *s)
+void tdm_sched_release_kv(struct tdm_sched *s, struct tdm_req *r)
 {
-    if (!s->inflight) return;
-    s->inflight = false;
-    s->n_blocked = 0;
-    struct tdm_sched_plan *p = &s->fl;
-    tdm_status st = s->x.iface->wait(s->x.ctx, p);
-    tdm_sched_commit(s, p, s->pgen2, st);
+    struct tdm_kv_seq *kv = &r->kv;
+    if (r->launches && kv->n_pages && s->n_held_pages + kv->n_pages > s->hold_cap) {
+        /* (the room made at creation covers two plans of whole contexts: never short) */
+        int cap = TDM_MAX(2 * s->hold_cap, s->n_held_pages + kv->n_pages);
+        int32_t *hp = realloc(s->held_pages, (size_t)cap * sizeof *hp);
+        if (hp) s->held_pages = hp;
+        uint64_t *hs = hp ? realloc(s->hold_step, (size_t)cap * sizeof *hs) : NULL;
+        if (hs) {
+            s->hold_step = hs;
+            s->hold_cap = cap;
+        } else {
+            TDM_ERROR("sched: out of memory to hold %d pages a launched step may still write; "
+                      "released now",
+                      kv->n_pages);
+        }
+    }
+    if (r->launches && kv->n_pages && s->n_held_pages + kv->n_pages <= s->hold_cap) {
+        /* a launched plan may still write these pages on the device, and a remote fill (RDMA,
+         * a copier) into a page given out again is not ordered with it: held until collected */
+        tdm_kv_pool_hold(s->kv, kv->n_pages, kv->pages);
+        for (int i = 0; i < kv->n_pages; i++) {
+            s->held_pages[s->n_held_pages] = kv->pages[i];
+            s->hold_step[s->n_held_pages++] = s->launched_step;
+        }
+    }
+    tdm_kv_seq_release(s->kv, kv);
+}
+
+/* Lets go of the pages held for plans up to `step` (all of them: UINT64_MAX). */
+static void unhold_until(struct tdm_sched *s, uint64_t step)
+{
+    int n = 0;
+    while (n < s->n_held_pages && s->hold_step[n] <= step)
+        n++;
+    if (!n) return;
+    tdm_kv_pool_unhold(s->kv, n, s->held_pages);
+    memmove(s->held_pages, s->held_pages + n, (size_t)(s->n_held_pages - n) * sizeof(int32_t));
+    memmove(s->hold_step, s->hold_step + n, (size_t)(s->n_held_pages - n) * sizeof(uint64_t));
+    s->n_held_pages -= n;
+}
+
+/* A launched plan has run (or never will): its requests' pages are no longer written by it. */
+static void overlap_ran(struct tdm_sched_plan *p)
+{
+    for (int j = 0; j < p->n_seqs; j++)
+        p->seqs[j].req->launches--;
+}
+
+/* Drops the references a launched plan's spans took. */
+static void overlap_unref(struct tdm_sched_plan *p)
+{
     for (int j = 0; j < p->n_seqs; j++)
         tdm_sched_req_unref(p->seqs[j].req);
 }
 
+/* Waits for the launched plan and commits it (its buffers: the second set), drops the
+ * references its spans held, and lets go of the pages held for it. Armed for the watchdog
+ * when the caller's step is not (the wait may be where a stuck device shows). */
+static void overlap_collect(struct tdm_sched *s)
+{
+    if (!s->inflight) return;
+    bool arm = s->wstarted && !s->step_t0_ns;
+    if (arm) watch_held(s, true);
+    s->inflight = false;
+    s->n_blocked = 0;
+    struct tdm_sched_plan *p = &s->fl;
+    tdm_status st = s->x.iface->wait(s->x.ctx, p);
+    overlap_ran(p); /* what its commit releases is free unless a later plan holds it */
+    tdm_sched_commit(s, p, s->pgen2, st);
+    overlap_unref(p);
+    unhold_until(s, p->step);
+    if (arm) watch_end(s);
+}
+
 /* What the launched plan s->fl will have done, as the next plan sees it: its spans are in the
- * KV, and a sampling row's token is TDM_TOKEN_PREV of that row (or, for a request whose next
- * row depends on it, a reason to commit before planning: n_blocked). */
+ * KV, and a sampling row's token is TDM_TOKEN_PREV of that row. A plan with a row that wants
+ * more than a token (logits, hidden states: the executor's single buffers; or nothing, a
+ * prefill-only span's, after which the engine names no tokens) is committed before the next
+ * is planned (n_blocked), and names none. */
 static void overlap_advance(struct tdm_sched *s)
 {
     const struct tdm_sched_plan *p = &s->fl;
+    for (int i = 0; i < p->n_rows; i++)
+        s->n_blocked += p->want[i] != TDM_ROW_SAMPLE;
+    if (s->n_blocked) return; /* the next call commits it first: n_cached there */
     for (int j = 0; j < p->n_seqs; j++) {
         const struct tdm_plan_seq *q = &p->seqs[j];
         struct tdm_req *r = q->req;
@@ -934,10 +1008,6 @@ static void overlap_advance(struct tdm_sched *s)
         r->n_cached = q->pos0 + q->n_tokens;
         if (!q->last || r->prefill_only || !r->max_tokens || q->n_rows <= q->n_score || r->n_draft)
             continue;
-        if (r->want != TDM_ROW_SAMPLE) { /* its rows return more than a token */
-            s->n_blocked++;
-            continue;
-        }
         r->tokens[r->n_tokens++] = TDM_TOKEN_PREV(q->row0 + q->n_score);
         r->pending = true;
     }
@@ -997,7 +1067,7 @@ static bool plan_step(struct tdm_sched *s)
  * it, then queue N+1's sampling. */
 static bool step_overlap(struct tdm_sched *s)
 {
-    if (s->inflight && s->n_blocked) overlap_collect(s); /* it decides what comes next */
+    if (s->inflight && s->n_blocked) overlap_collect(s); /* (armed for the watchdog) */
     bool progress = plan_step(s);
     struct tdm_sched_plan *p = &s->plan;
     if (!p->n_seqs) {
@@ -1010,8 +1080,10 @@ static bool step_overlap(struct tdm_sched *s)
     }
     fault_sleep(s);
     for (int j = 0; j < p->n_seqs; j++) { /* alive until its commit, whatever ends it first */
-        atomic_fetch_add(&p->seqs[j].req->refs, 1);
-        s->pgen[j] = p->seqs[j].req->gen;
+        struct tdm_req *r = p->seqs[j].req;
+        atomic_fetch_add(&r->refs, 1);
+        r->launches++;
+        s->pgen[j] = r->gen;
     }
     tdm_status st = s->x.iface->launch(s->x.ctx, p);
     count_step(s, p);
@@ -1021,21 +1093,26 @@ static bool step_overlap(struct tdm_sched *s)
         pthread_mutex_unlock(&s->mmu);
     }
     struct tdm_sched_plan launched = *p;
+    if (st == TDM_OK) s->launched_step = launched.step; /* N's commit holds pages for it */
     overlap_collect(s);
-    if (st == TDM_OK) { /* its rows as N's commit left their requests (a sampling error: the
-                         * wait reports it) */
+    tdm_status sst = TDM_OK;
+    if (st == TDM_OK) { /* its rows as N's commit left their requests */
         tdm_sched_refresh_rows(s, &launched);
-        (void)s->x.iface->sample(s->x.ctx, &launched);
+        sst = s->x.iface->sample(s->x.ctx, &launched);
     }
     swap_sets(s);       /* the launched plan's buffers are the second set now */
     if (st != TDM_OK) { /* nothing to wait for: its requests fail */
+        overlap_ran(&launched);
         tdm_sched_commit(s, &launched, s->pgen2, st);
-        for (int j = 0; j < launched.n_seqs; j++)
-            tdm_sched_req_unref(launched.seqs[j].req);
+        overlap_unref(&launched);
+        unhold_until(s, UINT64_MAX); /* nothing is in flight */
     } else {
         s->fl = launched;
         s->inflight = true;
-        overlap_advance(s);
+        if (sst == TDM_OK)
+            overlap_advance(s);
+        else /* its wait reports the error: commit it before planning, naming nothing */
+            s->n_blocked++;
     }
     watch_end(s);
     return true;

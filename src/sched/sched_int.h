@@ -15,7 +15,8 @@
  * Invariants: a request is in exactly one of {waiting list, running array, neither
  * (finished)}; a waiting request holds no KV page; a finished request has released all of its
  * pages before its finish reason is published, so a reader that sees it finished sees the
- * pool without it. Drafted tokens exist only between a step's plan and its commit.
+ * pool without it (with overlap, pages a launched step may still write are held, IN_FLIGHT,
+ * until that step is collected). Drafted tokens exist only between a step's plan and its commit.
  */
 #ifndef TANDEM_SCHED_INT_H
 #define TANDEM_SCHED_INT_H
@@ -82,6 +83,7 @@ struct tdm_req {
      * knows a span it planned from one whose pages and KV are gone */
     bool pending;
     uint32_t gen;
+    int launches; /* launched plans that hold it and are not collected yet */
     bool counted; /* its prompt is in the prompt-token counter */
     int64_t t_last_ns;
     struct tdm_req *next; /* waiting list */
@@ -182,6 +184,14 @@ struct tdm_sched {
     struct tdm_sample_row *srows2;
     uint32_t *pgen, *pgen2; /* [max_seqs] */
     int n_blocked;
+    /* pages a request gave back while a launched plan that holds it may still write them on
+     * the device: held (tdm_kv_pool_hold) until the plan that was launched last then is
+     * collected (hold_step, by entry; non-decreasing), so that no remote fill lands in them
+     * first. [hold_cap] */
+    int32_t *held_pages;
+    uint64_t *hold_step;
+    int n_held_pages, hold_cap;
+    uint64_t launched_step; /* the step of the plan launched last */
 
     /* the watchdog (sched.c). wmu guards step_t0_ns, held and the stall flags; it nests
      * inside nothing and nothing nests inside it except a request's r->mu. */
@@ -208,6 +218,9 @@ struct tdm_sched {
  * then true when a preemption made room (plan again at once), false when only pages coming
  * back or new requests can help. */
 bool tdm_sched_plan_build(struct tdm_sched *s);
+/* Releases r's pages (tdm_kv_seq_release); with overlap, those of a request in a launched
+ * plan are held until that plan is collected (sched.c). */
+void tdm_sched_release_kv(struct tdm_sched *s, struct tdm_req *r);
 /* Overlap: a launched plan's rows as the commit before its sampling left their requests (a
  * grammar's mask after the token that commit put in place). */
 void tdm_sched_refresh_rows(struct tdm_sched *s, struct tdm_sched_plan *p);

@@ -156,6 +156,31 @@ def test_concurrent_requests_identical(colocated, pair):
     prefill_idle(p)
 
 
+def test_overlapping_decode_node_identical(colocated, default_model):
+    """A decode node with --overlap on (each step planned and its forward pass run before the
+    step before is committed; remote fills landing between steps) gives the colocated greedy
+    tokens for concurrent requests, overlaps its steps, and ends with its pool at baseline."""
+    p = prefill_node()
+    try:
+        d = decode_node([p], ["--overlap", "on"])
+        try:
+            ps = prompts(6 if SANITIZED else 16, 14, LENS)
+            want = [run(colocated, x, 10) for x in ps]
+            with cf.ThreadPoolExecutor(len(ps)) as ex:
+                got = list(ex.map(lambda x: run(d, x, 10), ps))
+            assert want == got
+            m = decode_idle(d)
+            assert m[("tandem_sched_overlapped_steps_total", ())] > 0
+            assert m[("tandem_disagg_remote_prefills_total", ())] == \
+                sum(1 for x in ps if len(x) >= 2)
+            assert m[("tandem_disagg_local_fallbacks_total", ())] == 0
+            prefill_idle(p)
+        finally:
+            d.stop()
+    finally:
+        p.stop()
+
+
 def test_speculating_decode_node_identical(colocated, default_model):
     """A decode node that speculates (the self drafter over the KV the prefill node streamed,
     the model drafting for itself, so every draft is kept) gives the colocated greedy tokens."""

@@ -622,6 +622,62 @@ static void test_overlap(void **state)
     fix_close(&f);
 }
 
+/* Overlap: a request that a stop token ends at step N's commit is in step N+1 too, which may
+ * still write its pages on the device: they go back to the pool held (IN_FLIGHT: no remote
+ * fill may land in them) until N+1 is collected, then free. A request whose last step has run
+ * gives its pages back at once. */
+static void test_overlap_holds_pages(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.overlap = 1};
+    fix_open(&f, 16, &so, 32, 8);
+    int32_t a[6], ref[16];
+    make_prompt(a, 6, 50);
+    reference(a, 6, 10, ref);
+    int at = 4; /* the stop token: its first occurrence from output 4 down */
+    for (bool earlier = true; earlier && at > 0;) {
+        earlier = false;
+        for (int j = 0; j < at; j++)
+            earlier |= ref[j] == ref[at];
+        at -= earlier;
+    }
+    struct tdm_req_params rp = {.prompt = a,
+                                .n_prompt = 6,
+                                .max_tokens = 10,
+                                .ignore_eos = true,
+                                .sampling = tdm_sampling_defaults(),
+                                .top_logprobs = -1,
+                                .stop_ids = {ref[at]},
+                                .n_stop_ids = 1};
+    tdm_req_t *r = NULL;
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &r), TDM_OK);
+    int steps = 0;
+    while (tdm_req_state(r) != TDM_REQ_FINISHED && steps++ < 50)
+        tdm_sched_step(f.s);
+    expect_output(r, a, 6, at + 1, TDM_FINISH_STOP);
+    struct tdm_kv_stats st = tdm_kv_pool_stats(f.kv);
+    assert_int_equal(st.used, 0);
+    assert_int_equal(st.in_flight, (6 + at + 1 + PS - 1) / PS); /* its pages, held */
+    assert_true(tdm_sched_step(f.s)); /* nothing to plan: the launched step is collected */
+    expect_baseline(&f);
+    /* a request whose last token ends it by max_tokens is in no later step: freed at once */
+    rp.stop_ids[0] = -1;
+    rp.n_stop_ids = 0;
+    rp.max_tokens = 3;
+    tdm_req_release(r);
+    assert_int_equal(tdm_sched_submit(f.s, &rp, &r), TDM_OK);
+    steps = 0;
+    while (tdm_req_state(r) != TDM_REQ_FINISHED && steps++ < 50)
+        tdm_sched_step(f.s);
+    expect_output(r, a, 6, 3, TDM_FINISH_LENGTH);
+    expect_baseline(&f);
+    tdm_req_release(r);
+    while (tdm_sched_step(f.s))
+        ;
+    fix_close(&f);
+}
+
 /* Overlap: the pool runs dry while a newer request's token is in flight; the plan preempts
  * that request, and the token in flight would have stopped it. The launched step's commit
  * drops that span (the request is waiting again, its pages gone), and the request, run again
@@ -1638,6 +1694,7 @@ int main(void)
         cmocka_unit_test(test_preemption),
         cmocka_unit_test(test_overlap),
         cmocka_unit_test(test_overlap_preempt_in_flight),
+        cmocka_unit_test(test_overlap_holds_pages),
         cmocka_unit_test(test_remote_kv),
         cmocka_unit_test(test_remote_failure_then_local),
         cmocka_unit_test(test_cancel_everywhere),
