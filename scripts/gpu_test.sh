@@ -8,6 +8,9 @@
 #   4. tandem bench model --backend cuda    for the llama-3.1-8b and llama-3.2-1b shapes, then the
 #      8B shape with Q4_K and Q8_0 blocks, with --verify 4, and with --batch-invariant
 #   5. with TANDEM_GPU_TEST_MODEL=PATH: greedy `tandem generate` on CPU and GPU, 8 prompts
+#   6. with TANDEM_GPU_TEST_MODEL: `tandem serve --backend cuda --batch-invariant` with
+#      --overlap off, then on: 24 concurrent requests (greedy, seeded sampling, penalties, a JSON
+#      grammar, logprobs) answered with the same bytes, steps overlapped, pages back at baseline
 #   disagg: scripts/gpu_test.sh disagg [PREBUILT_DIR] [MODEL] runs only the disaggregation check
 #   (bench/gpu_disagg_check.py): a prefill node on GPU 0 and a decode node on GPU 1 (both on GPU
 #   0 when there is one), their answers against a colocated CUDA server's, then the failure cases.
@@ -138,6 +141,52 @@ SELECT name FROM users WHERE
 Translate to French: good morning
 EOF_PROMPTS
     summary+="generate cpu vs cuda (greedy, 32 tokens): $same/$total prompts identical"$'\n'
+fi
+
+# 6. the overlap scheduler changes nothing in the output (batch-invariant, so the batches that
+# concurrent requests fall into do not matter either)
+overlap_round() { # mode: writes $LOGS/overlap_MODE_I.json and $LOGS/overlap_MODE.metrics
+    local port_file=$LOGS/overlap.port pid i pids=()
+    rm -f "$port_file"
+    CUDA_VISIBLE_DEVICES=0 "$TANDEM" serve --backend cuda --model "$TANDEM_GPU_TEST_MODEL" \
+        --batch-invariant --overlap "$1" --port 0 --port-file "$port_file" \
+        >"$LOGS/overlap_$1.log" 2>&1 &
+    pid=$!
+    for i in $(seq 1 240); do [ -s "$port_file" ] && break; sleep 0.5; done
+    local url=http://127.0.0.1:$(cat "$port_file" 2>/dev/null)
+    for i in $(seq 1 24); do
+        local t=0 x=""
+        [ $((i % 3)) -eq 0 ] && t=0.8
+        [ $((i % 4)) -eq 1 ] && x=',"frequency_penalty":0.5,"presence_penalty":0.3'
+        [ $((i % 4)) -eq 3 ] && x=',"response_format":{"type":"json_object"}'
+        curl -s -m 300 "$url/v1/completions" -H 'content-type: application/json' -d \
+            "{\"prompt\":[$((100 + i)),$((200 + 3 * i)),$((300 + 7 * i)),42,43],\"max_tokens\":$((24 + 2 * i)),\"temperature\":$t,\"seed\":$i,\"ignore_eos\":true,\"logprobs\":1$x}" |
+            sed -E 's/"id":"[^"]*"//; s/"created":[0-9]+//' >"$LOGS/overlap_$1_$i.json" &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    sleep 0.5
+    curl -s "$url/metrics" >"$LOGS/overlap_$1.metrics"
+    kill -TERM $pid
+    wait $pid
+}
+if [ -n "${TANDEM_GPU_TEST_MODEL:-}" ]; then
+    overlap_round off
+    overlap_round on
+    differ=0
+    for i in $(seq 1 24); do
+        [ -s "$LOGS/overlap_on_$i.json" ] && cmp -s "$LOGS/overlap_off_$i.json" "$LOGS/overlap_on_$i.json" ||
+            differ=$((differ + 1))
+    done
+    metric() { grep -E "^$1[{ ]" "$LOGS/overlap_on.metrics" | awk '{print $2}'; }
+    ov=$(metric tandem_sched_overlapped_steps_total)
+    used=$(metric tandem_kv_pages_used)
+    held=$(metric tandem_kv_pages_in_flight)
+    summary+="serve --overlap on vs off (--batch-invariant, 24 requests): $differ differ; "
+    summary+="overlapped steps ${ov:-?}; pages used ${used:-?}, in flight ${held:-?}"$'\n'
+    if [ "$differ" != 0 ] || [ "${ov:-0}" = 0 ] || [ "${used:-1}" != 0 ] || [ "${held:-1}" != 0 ]; then
+        status=1
+    fi
 fi
 
 if [ -n "$SAN_PID" ]; then
