@@ -85,13 +85,15 @@
  * the grammar mask and penalty state of every token before it, so the output is the same as
  * without overlap. What N's commit learns arrives a step late for N+1's forward pass: a request
  * that N finishes (a stop token) has run one more position in N+1, whose row is dropped. Its
- * pages go back to the pool at N's commit, but held (IN_FLIGHT in the pool's stats) until
- * N+1 is collected: a later owner's own steps would run after N+1 on the device anyway, but a
- * remote fill (RDMA, a copier thread) is not ordered with them. The same holds for a request
- * cancelled or preempted while a launched step holds it. A request whose rows return logits or
- * hidden states is not planned ahead: while one is in a launched step, the scheduler commits that
- * step before it plans (the step is then as without overlap). Overlap is off with a drafter or a
- * connector that runs around steps (the prefill side's layer streaming).
+ * page table is kept, pages in use, until N+1 is collected: a later owner's own steps would
+ * run after N+1 on the device anyway, but a remote fill (RDMA, a copier thread) is not
+ * ordered with them. The same holds for a request cancelled or preempted while a launched
+ * step holds it. A step with a span of several tokens (a prefill chunk, whose launch keeps
+ * the host for milliseconds) is launched after N's commit, so that N's tokens are not late. A
+ * request whose rows return logits or hidden states is not planned ahead: while one is in a
+ * launched step, the scheduler commits that step before it plans (the step is then as without
+ * overlap). Overlap is off with a drafter or a connector that runs around steps (the prefill side's
+ * layer streaming).
  *
  * Fault injection for tests (never needed in production): TANDEM_SCHED_FAULTS=stall:N:MS makes
  * the N-th step (counted from 1) sleep MS milliseconds before it runs (MS < 0: forever).

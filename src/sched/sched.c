@@ -202,8 +202,8 @@ int tdm_sched_eos(const tdm_sched_t *s, const int **ids)
 /* The overlap's second set of plan buffers and the gens (sched_int.h). */
 static void free_overlap_sets(struct tdm_sched *s)
 {
-    free(s->held_pages);
-    free(s->hold_step);
+    free(s->kept);
+    free(s->kept_step);
     free(s->pseqs2);
     free(s->slots2);
     free(s->want2);
@@ -266,14 +266,16 @@ tdm_status tdm_sched_create_exec(const struct tdm_sched_exec *x, const tdm_tok_t
         s->srows2 = calloc(rows, sizeof *s->srows2);
         s->pgen = calloc(n, sizeof *s->pgen);
         s->pgen2 = calloc(n, sizeof *s->pgen2);
-        /* every request of two launched plans, a context's pages each */
-        s->hold_cap = 2 * s->o.max_seqs * ((s->max_ctx + s->page_size - 1) / s->page_size + 1);
-        s->held_pages = calloc((size_t)s->hold_cap, sizeof *s->held_pages);
-        s->hold_step = calloc((size_t)s->hold_cap, sizeof *s->hold_step);
+        /* every request of two launched plans (grown if ever short) */
+        s->kept_cap = 2 * s->o.max_seqs + 8;
+        s->kept = calloc((size_t)s->kept_cap, sizeof *s->kept);
+        s->kept_step = calloc((size_t)s->kept_cap, sizeof *s->kept_step);
         if (!s->pseqs2 || !s->slots2 || !s->want2 || !s->srows2 || !s->pgen || !s->pgen2 ||
-            !s->held_pages || !s->hold_step)
+            !s->kept || !s->kept_step)
             goto out_free;
     }
+    const char *spans = getenv("TANDEM_SCHED_OVERLAP_SPANS"); /* for comparisons */
+    s->overlap_spans = spans && *spans == '1';
     const char *faults = getenv("TANDEM_SCHED_FAULTS");
     if (faults && *faults) {
         unsigned long long step = 0;
@@ -916,45 +918,43 @@ static bool overlap_on(const struct tdm_sched *s)
 
 void tdm_sched_release_kv(struct tdm_sched *s, struct tdm_req *r)
 {
-    struct tdm_kv_seq *kv = &r->kv;
-    if (r->launches && kv->n_pages && s->n_held_pages + kv->n_pages > s->hold_cap) {
-        /* (the room made at creation covers two plans of whole contexts: never short) */
-        int cap = TDM_MAX(2 * s->hold_cap, s->n_held_pages + kv->n_pages);
-        int32_t *hp = realloc(s->held_pages, (size_t)cap * sizeof *hp);
-        if (hp) s->held_pages = hp;
-        uint64_t *hs = hp ? realloc(s->hold_step, (size_t)cap * sizeof *hs) : NULL;
-        if (hs) {
-            s->hold_step = hs;
-            s->hold_cap = cap;
-        } else {
-            TDM_ERROR("sched: out of memory to hold %d pages a launched step may still write; "
-                      "released now",
-                      kv->n_pages);
-        }
+    if (!r->launches || !r->kv.n_pages) {
+        tdm_kv_seq_release(s->kv, &r->kv);
+        return;
     }
-    if (r->launches && kv->n_pages && s->n_held_pages + kv->n_pages <= s->hold_cap) {
-        /* a launched plan may still write these pages on the device, and a remote fill (RDMA,
-         * a copier) into a page given out again is not ordered with it: held until collected */
-        tdm_kv_pool_hold(s->kv, kv->n_pages, kv->pages);
-        for (int i = 0; i < kv->n_pages; i++) {
-            s->held_pages[s->n_held_pages] = kv->pages[i];
-            s->hold_step[s->n_held_pages++] = s->launched_step;
+    /* A launched plan may still write these pages on the device, and read this page table
+     * (a step launched after its commit). A remote fill (RDMA, a copier) into a page given
+     * out again is not ordered with the device: the table is kept, pages and all, until the
+     * plan launched last is collected. */
+    if (s->n_kept == s->kept_cap) {
+        int cap = TDM_MAX(2 * s->kept_cap, 16);
+        struct tdm_kv_seq *k = realloc(s->kept, (size_t)cap * sizeof *k);
+        uint64_t *ks = k ? realloc(s->kept_step, (size_t)cap * sizeof *ks) : NULL;
+        if (k) s->kept = k;
+        if (!ks) {
+            TDM_ERROR("sched: out of memory to keep the pages of a request a launched step may "
+                      "still write; released now");
+            tdm_kv_seq_release(s->kv, &r->kv);
+            return;
         }
+        s->kept_step = ks;
+        s->kept_cap = cap;
     }
-    tdm_kv_seq_release(s->kv, kv);
+    s->kept[s->n_kept] = r->kv;
+    s->kept_step[s->n_kept++] = s->launched_step;
+    r->kv = (struct tdm_kv_seq){0};
 }
 
-/* Lets go of the pages held for plans up to `step` (all of them: UINT64_MAX). */
+/* Releases the page tables kept for plans up to `step` (all of them: UINT64_MAX). */
 static void unhold_until(struct tdm_sched *s, uint64_t step)
 {
     int n = 0;
-    while (n < s->n_held_pages && s->hold_step[n] <= step)
-        n++;
+    while (n < s->n_kept && s->kept_step[n] <= step)
+        tdm_kv_seq_release(s->kv, &s->kept[n++]);
     if (!n) return;
-    tdm_kv_pool_unhold(s->kv, n, s->held_pages);
-    memmove(s->held_pages, s->held_pages + n, (size_t)(s->n_held_pages - n) * sizeof(int32_t));
-    memmove(s->hold_step, s->hold_step + n, (size_t)(s->n_held_pages - n) * sizeof(uint64_t));
-    s->n_held_pages -= n;
+    memmove(s->kept, s->kept + n, (size_t)(s->n_kept - n) * sizeof *s->kept);
+    memmove(s->kept_step, s->kept_step + n, (size_t)(s->n_kept - n) * sizeof *s->kept_step);
+    s->n_kept -= n;
 }
 
 /* A launched plan has run (or never will): its requests' pages are no longer written by it. */
@@ -1085,16 +1085,28 @@ static bool step_overlap(struct tdm_sched *s)
         r->launches++;
         s->pgen[j] = r->gen;
     }
-    tdm_status st = s->x.iface->launch(s->x.ctx, p);
-    count_step(s, p);
-    if (s->inflight) {
-        pthread_mutex_lock(&s->mmu);
-        s->m.overlapped_steps++;
-        pthread_mutex_unlock(&s->mmu);
-    }
     struct tdm_sched_plan launched = *p;
-    if (st == TDM_OK) s->launched_step = launched.step; /* N's commit holds pages for it */
-    overlap_collect(s);
+    tdm_status st;
+    if (s->inflight && p->n_tokens > p->n_seqs && !s->overlap_spans) {
+        /* A span of several tokens (a prefill chunk) makes a step the device runs op by op,
+         * whose launch keeps the host for milliseconds: N is committed first, so that its
+         * tokens reach their readers on time (launched ahead, they waited for that launch,
+         * and the ITL's tail grew). Its placeholders then read the committed tokens; what the
+         * commit releases is held for it (launched_step). */
+        s->launched_step = launched.step;
+        overlap_collect(s);
+        st = s->x.iface->launch(s->x.ctx, p);
+    } else {
+        st = s->x.iface->launch(s->x.ctx, p);
+        if (s->inflight) {
+            pthread_mutex_lock(&s->mmu);
+            s->m.overlapped_steps++;
+            pthread_mutex_unlock(&s->mmu);
+        }
+        if (st == TDM_OK) s->launched_step = launched.step; /* N's commit holds pages for it */
+        overlap_collect(s);
+    }
+    count_step(s, p);
     tdm_status sst = TDM_OK;
     if (st == TDM_OK) { /* its rows as N's commit left their requests */
         tdm_sched_refresh_rows(s, &launched);

@@ -15,7 +15,7 @@
  * Invariants: a request is in exactly one of {waiting list, running array, neither
  * (finished)}; a waiting request holds no KV page; a finished request has released all of its
  * pages before its finish reason is published, so a reader that sees it finished sees the
- * pool without it (with overlap, pages a launched step may still write are held, IN_FLIGHT,
+ * pool without it (with overlap, the pages a launched step may still write are kept in use
  * until that step is collected). Drafted tokens exist only between a step's plan and its commit.
  */
 #ifndef TANDEM_SCHED_INT_H
@@ -177,6 +177,8 @@ struct tdm_sched {
      * the sets swap at each launch), its requests' gens when planned, and how many of its
      * requests' next tokens it cannot name (sched.h: those wait for its commit) */
     bool overlap, inflight;
+    bool overlap_spans; /* TANDEM_SCHED_OVERLAP_SPANS=1: steps with spans of several tokens are
+                         * launched ahead too (sched.c, step_overlap) */
     struct tdm_sched_plan fl;
     struct tdm_plan_seq *pseqs2;
     int32_t *slots2;
@@ -184,13 +186,13 @@ struct tdm_sched {
     struct tdm_sample_row *srows2;
     uint32_t *pgen, *pgen2; /* [max_seqs] */
     int n_blocked;
-    /* pages a request gave back while a launched plan that holds it may still write them on
-     * the device: held (tdm_kv_pool_hold) until the plan that was launched last then is
-     * collected (hold_step, by entry; non-decreasing), so that no remote fill lands in them
-     * first. [hold_cap] */
-    int32_t *held_pages;
-    uint64_t *hold_step;
-    int n_held_pages, hold_cap;
+    /* the page tables of requests that ended (or were requeued) while a launched plan holds
+     * them, which it may still read and write: kept, pages in use, until the plan launched
+     * last then is collected (kept_step, by entry; non-decreasing), so that no remote fill
+     * lands in a page it writes. [kept_cap] */
+    struct tdm_kv_seq *kept;
+    uint64_t *kept_step;
+    int n_kept, kept_cap;
     uint64_t launched_step; /* the step of the plan launched last */
 
     /* the watchdog (sched.c). wmu guards step_t0_ns, held and the stall flags; it nests
@@ -218,8 +220,8 @@ struct tdm_sched {
  * then true when a preemption made room (plan again at once), false when only pages coming
  * back or new requests can help. */
 bool tdm_sched_plan_build(struct tdm_sched *s);
-/* Releases r's pages (tdm_kv_seq_release); with overlap, those of a request in a launched
- * plan are held until that plan is collected (sched.c). */
+/* Releases r's pages (tdm_kv_seq_release); with overlap, the page table of a request in a
+ * launched plan is kept until that plan is collected (sched.c). r->kv is empty after. */
 void tdm_sched_release_kv(struct tdm_sched *s, struct tdm_req *r);
 /* Overlap: a launched plan's rows as the commit before its sampling left their requests (a
  * grammar's mask after the token that commit put in place). */
