@@ -1922,9 +1922,7 @@ static void download_aux(tdm_engine_t *e, float *dst, int t0, int n)
 static bool queueable(const tdm_engine_t *e, const struct tdm_batch *batch, uint8_t any,
                       uint8_t every, int n_rows)
 {
-    const struct tdm_backend_i *ops = e->backend->iface;
-    if (!ops->sample_launch || !e->device_sampling || e->tpx || e->is_head || e->k2 || e->counter ||
-        e->n_pend == 2 || n_rows <= 0 || !(every & TDM_ROW_SAMPLE) ||
+    if (!tdm_engine_launches_async(e) || n_rows <= 0 || !(every & TDM_ROW_SAMPLE) ||
         (any & (TDM_ROW_LOGITS | TDM_ROW_HIDDEN)))
         return false;
     for (int s = 0; s < batch->n_seqs; s++)
