@@ -88,7 +88,9 @@
  * page table is kept, pages in use, until N+1 is collected: a later owner's own steps would
  * run after N+1 on the device anyway, but a remote fill (RDMA, a copier thread) is not
  * ordered with them. The same holds for a request cancelled or preempted while a launched
- * step holds it. A step with a span of several tokens (a prefill chunk, whose launch keeps
+ * step holds it; such a request is never a preemption victim (it would free nothing), and when
+ * the pool cannot give every running request a page, the launched step is committed before
+ * the plan. A step with a span of several tokens (a prefill chunk, whose launch keeps
  * the host for milliseconds) is launched after N's commit, so that N's tokens are not late. A
  * request whose rows return logits or hidden states is not planned ahead: while one is in a
  * launched step, the scheduler commits that step before it plans (the step is then as without

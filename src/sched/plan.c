@@ -170,9 +170,11 @@ static bool reserve_or_preempt(struct tdm_sched *s, struct tdm_req *r, int64_t n
         int victim = -1;
         for (int i = s->n_running - 1; i >= 0; i--) {
             struct tdm_req *v = s->running[i];
-            /* (not one whose launched token is its last: it ends at that step's commit) */
+            /* (not one a launched step holds: its pages stay in use until that step is
+             * collected, so preempting it frees nothing now; sched.c collects first when the
+             * pool runs dry) */
             if (v != r && v->batch_slot == -1 && v->id > r->id &&
-                tdm_req_state(v) == TDM_REQ_RUNNING && (!v->pending || decodes_next(s, v))) {
+                tdm_req_state(v) == TDM_REQ_RUNNING && !v->launches) {
                 victim = i;
                 break;
             }

@@ -199,7 +199,7 @@ int tdm_sched_eos(const tdm_sched_t *s, const int **ids)
 
 /* ---- creation ---- */
 
-/* The overlap's second set of plan buffers and the gens (sched_int.h). */
+/* The overlap's second set of plan buffers, the gens and the kept page tables (sched_int.h). */
 static void free_overlap_sets(struct tdm_sched *s)
 {
     free(s->kept);
@@ -946,7 +946,7 @@ void tdm_sched_release_kv(struct tdm_sched *s, struct tdm_req *r)
 }
 
 /* Releases the page tables kept for plans up to `step` (all of them: UINT64_MAX). */
-static void unhold_until(struct tdm_sched *s, uint64_t step)
+static void release_kept_until(struct tdm_sched *s, uint64_t step)
 {
     int n = 0;
     while (n < s->n_kept && s->kept_step[n] <= step)
@@ -972,7 +972,7 @@ static void overlap_unref(struct tdm_sched_plan *p)
 }
 
 /* Waits for the launched plan and commits it (its buffers: the second set), drops the
- * references its spans held, and lets go of the pages held for it. Armed for the watchdog
+ * references its spans held, and releases the page tables kept for it. Armed for the watchdog
  * when the caller's step is not (the wait may be where a stuck device shows). */
 static void overlap_collect(struct tdm_sched *s)
 {
@@ -986,7 +986,7 @@ static void overlap_collect(struct tdm_sched *s)
     overlap_ran(p); /* what its commit releases is free unless a later plan holds it */
     tdm_sched_commit(s, p, s->pgen2, st);
     overlap_unref(p);
-    unhold_until(s, p->step);
+    release_kept_until(s, p->step);
     if (arm) watch_end(s);
 }
 
@@ -1065,9 +1065,20 @@ static bool plan_step(struct tdm_sched *s)
 
 /* One step with overlap: plan N+1, launch its forward pass behind N, wait for N and commit
  * it, then queue N+1's sampling. */
+/* The pool cannot give every running request a page: preemption may be needed, and a
+ * request a launched step holds frees nothing until that step is collected. */
+static bool pool_dry(struct tdm_sched *s)
+{
+    int64_t free_pages = tdm_kv_pool_stats(s->kv).free;
+    if (s->prefix) free_pages += tdm_prefix_cache_evictable(s->prefix);
+    return free_pages < s->n_running;
+}
+
 static bool step_overlap(struct tdm_sched *s)
 {
-    if (s->inflight && s->n_blocked) overlap_collect(s); /* (armed for the watchdog) */
+    /* committed first: a plan that needs its outputs, or one that may preempt (then the step
+     * is as without overlap) */
+    if (s->inflight && (s->n_blocked || pool_dry(s))) overlap_collect(s);
     bool progress = plan_step(s);
     struct tdm_sched_plan *p = &s->plan;
     if (!p->n_seqs) {
@@ -1086,14 +1097,13 @@ static bool step_overlap(struct tdm_sched *s)
         s->pgen[j] = r->gen;
     }
     struct tdm_sched_plan launched = *p;
+    s->launched_step = launched.step; /* what N's commit releases is kept for it */
     tdm_status st;
     if (s->inflight && p->n_tokens > p->n_seqs && !s->overlap_spans) {
         /* A span of several tokens (a prefill chunk) makes a step the device runs op by op,
          * whose launch keeps the host for milliseconds: N is committed first, so that its
          * tokens reach their readers on time (launched ahead, they waited for that launch,
-         * and the ITL's tail grew). Its placeholders then read the committed tokens; what the
-         * commit releases is held for it (launched_step). */
-        s->launched_step = launched.step;
+         * and the ITL's tail grew). Its placeholders then read the committed tokens. */
         overlap_collect(s);
         st = s->x.iface->launch(s->x.ctx, p);
     } else {
@@ -1103,7 +1113,6 @@ static bool step_overlap(struct tdm_sched *s)
             s->m.overlapped_steps++;
             pthread_mutex_unlock(&s->mmu);
         }
-        if (st == TDM_OK) s->launched_step = launched.step; /* N's commit holds pages for it */
         overlap_collect(s);
     }
     count_step(s, p);
@@ -1117,7 +1126,7 @@ static bool step_overlap(struct tdm_sched *s)
         overlap_ran(&launched);
         tdm_sched_commit(s, &launched, s->pgen2, st);
         overlap_unref(&launched);
-        unhold_until(s, UINT64_MAX); /* nothing is in flight */
+        release_kept_until(s, UINT64_MAX); /* nothing is in flight */
     } else {
         s->fl = launched;
         s->inflight = true;

@@ -116,7 +116,7 @@ def test_overlap_on_the_cpu_gives_the_same_tokens(default_model):
         reqs.append(body)
 
     def serve(mode):
-        s = Server(["--threads", "2", "--kv-pages", "14" if SANITIZED else "24", "--max-seqs",
+        s = Server(["--threads", "2", "--kv-pages", "12" if SANITIZED else "18", "--max-seqs",
                     "16", "--overlap", mode])
         try:
             with cf.ThreadPoolExecutor(n) as ex:
