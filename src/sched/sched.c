@@ -124,13 +124,13 @@ void tdm_sched_metrics(tdm_sched_t *s, struct tdm_sched_metrics_snapshot *out)
 {
     pthread_mutex_lock(&s->mmu);
     *out = s->m;
+    out->kv = tdm_kv_pool_stats(s->kv); /* with the cache's figures: prefix_turn */
     pthread_mutex_unlock(&s->mmu);
     pthread_mutex_lock(&s->mu);
     out->running = s->n_running;
     out->waiting = s->n_waiting;
     out->accepting = s->accepting;
     pthread_mutex_unlock(&s->mu);
-    out->kv = tdm_kv_pool_stats(s->kv);
     out->stalled_ms = tdm_sched_stall_ms(s);
 }
 
@@ -170,14 +170,15 @@ void tdm_sched_flush_prefix_cache(tdm_sched_t *s)
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Scheduler thread: a flush asked for, and the cache's figures for the metrics. */
+/* Scheduler thread: a flush asked for, and the cache's figures for the metrics. The flush and
+ * the figures are published under s->mmu, under which tdm_sched_metrics also reads the pool:
+ * a snapshot never sees the pages back in the pool and the cache still naming them. */
 static void prefix_turn(struct tdm_sched *s)
 {
     if (!s->prefix) return;
-    if (atomic_exchange(&s->flush_prefix, false)) tdm_prefix_cache_flush(s->prefix);
-    struct tdm_prefix_stats ps = tdm_prefix_cache_stats(s->prefix);
     pthread_mutex_lock(&s->mmu);
-    s->m.prefix = ps;
+    if (atomic_exchange(&s->flush_prefix, false)) tdm_prefix_cache_flush(s->prefix);
+    s->m.prefix = tdm_prefix_cache_stats(s->prefix);
     pthread_mutex_unlock(&s->mmu);
 }
 
@@ -675,7 +676,9 @@ static void *sched_main(void *arg)
         if (stop) break;
         drafter_join(s);
         prefix_turn(s);
-        if (!tdm_sched_step(s)) {
+        const bool ran = tdm_sched_step(s);
+        prefix_turn(s); /* the figures the step's inserts and evictions left, before a sleep */
+        if (!ran) {
             /* Waiting requests that cannot be admitted yet, nothing running: sleep briefly
              * (pages come back only through cancellation, which also signals). */
             pthread_mutex_lock(&s->mu);

@@ -7,8 +7,9 @@
  *   reader.c the reader side of the output: text and stop strings (a reader's thread).
  *
  * Locks, in the order they may nest: s->mu (waiting queue, running count, flags) is never held
- * while the scheduler takes a request's r->mu; s->mmu guards the metrics. Everything marked
- * "scheduler thread only" is touched by the thread that runs steps alone (the scheduler
+ * while the scheduler takes a request's r->mu; s->mmu guards the metrics, and is held around a
+ * prefix cache flush (so the pool's locks and a kv-events listener's nest inside it). Everything
+ * marked "scheduler thread only" is touched by the thread that runs steps alone (the scheduler
  * thread, or the caller of tdm_sched_step before the thread starts), so a step runs without
  * locks.
  *

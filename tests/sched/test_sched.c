@@ -1467,6 +1467,59 @@ static void test_groups_share_the_prompt(void **state)
     fix_close(&f);
 }
 
+/* The metrics of a cache being flushed by the scheduler thread: every snapshot taken meanwhile
+ * has the cache's pages among the pool's used ones (a snapshot once saw the pages back in the
+ * pool and the cache still naming them, and a test read a flushed cache as full), and the last
+ * one has none. */
+static void test_prefix_metrics_during_a_flush(void **state)
+{
+    (void)state;
+    struct fix f;
+    fix_open(&f, 1024, NULL, 64, 8);
+    assert_int_equal(tdm_sched_enable_prefix_cache(f.s, 1), TDM_OK);
+    enum { N = 24, LEN = 120 };
+    static int32_t p[N][LEN];
+    tdm_req_t *rs[N];
+    for (int i = 0; i < N; i++) {
+        make_prompt(p[i], LEN, 100 + i);
+        rs[i] = submit(&f, p[i], LEN, 1, NULL);
+    }
+    run_until_done(&f, rs, N);
+    for (int i = 0; i < N; i++)
+        tdm_req_release(rs[i]);
+    assert_int_equal(tdm_sched_start(f.s), TDM_OK);
+    for (int round = 0; round < 8; round++) {
+        struct tdm_sched_metrics_snapshot m;
+        tdm_sched_metrics(f.s, &m);
+        assert_true(m.prefix.pages >= (int64_t)N * (LEN / PS - 1) / (round ? N : 1));
+        tdm_sched_flush_prefix_cache(f.s);
+        for (long it = 0;; it++) {
+            tdm_sched_metrics(f.s, &m);
+            assert_true(m.prefix.pages <= m.kv.used);
+            if (m.kv.used == 0 && m.prefix.pages == 0) break;
+            assert_true(it < 50000000);
+        }
+        /* fill it again from the scheduler thread */
+        rs[0] = submit(&f, p[round], LEN, 1, NULL);
+        struct tdm_req_view v;
+        for (;;) {
+            tdm_req_lock(rs[0], &v);
+            const bool done = v.finish != TDM_FINISH_NONE;
+            tdm_req_unlock(rs[0]);
+            if (done) break;
+            tdm_req_wait(rs[0], v.n_out, 100);
+        }
+        tdm_req_release(rs[0]);
+        for (long it = 0;; it++) { /* the figures come after the step that stored the pages */
+            tdm_sched_metrics(f.s, &m);
+            assert_true(m.prefix.pages <= m.kv.used);
+            if (m.prefix.pages >= LEN / PS - 1) break;
+            assert_true(it < 50000000);
+        }
+    }
+    fix_close(&f);
+}
+
 /* Prefix caching: a request reuses the whole pages of an earlier one's token list that its own
  * starts with (its first span starts past them, at least its last token left to run), reads
  * them through its page table (the stand-in's output is right only if they hold that prefix),
@@ -1707,6 +1760,7 @@ int main(void)
         cmocka_unit_test(test_prompt_scores),
         cmocka_unit_test(test_groups_share_the_prompt),
         cmocka_unit_test(test_prefix_cache),
+        cmocka_unit_test(test_prefix_metrics_during_a_flush),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
