@@ -9,8 +9,9 @@
 #      8B shape with Q4_K and Q8_0 blocks, with --verify 4, and with --batch-invariant
 #   5. with TANDEM_GPU_TEST_MODEL=PATH: greedy `tandem generate` on CPU and GPU, 8 prompts
 #   6. with TANDEM_GPU_TEST_MODEL: `tandem serve --backend cuda --batch-invariant` with
-#      --overlap off, then on: 24 concurrent requests (greedy, seeded sampling, penalties, a JSON
-#      grammar, logprobs) answered with the same bytes, steps overlapped, pages back at baseline
+#      --overlap off, then on, then on with a 40-page pool (it preempts): 24 concurrent requests
+#      (greedy, seeded sampling, penalties, a JSON grammar, logprobs) answered with the same
+#      bytes, steps overlapped, pages back at baseline
 #   disagg: scripts/gpu_test.sh disagg [PREBUILT_DIR] [MODEL] runs only the disaggregation check
 #   (bench/gpu_disagg_check.py): a prefill node on GPU 0 and a decode node on GPU 1 (both on GPU
 #   0 when there is one), their answers against a colocated CUDA server's, then the failure cases.
@@ -19,7 +20,8 @@
 #   PREBUILT_DIR holds bin/ (tandem, test_backend_ops, test_cuda_engine, test_cuda_sample) and lib/ (shared libraries
 #   the binaries need that the GPU machine lacks), for machines without the build dependencies;
 #   without it the script builds into build-gpu/ with CMake.
-# TANDEM_GPU_TEST_NO_MEMCHECK=1 skips step 3 (on one GPU it runs first, for minutes).
+# TANDEM_GPU_TEST_NO_MEMCHECK=1 skips step 3 (on one GPU it runs first, for minutes), and
+# TANDEM_GPU_TEST_NO_BENCH=1 step 4 (minutes; it says so in the summary).
 # Logs go to $OUT (or ./gpu-test-logs); the summary is printed last. Exit status: 0 when all
 # tests pass and the benchmark ran.
 set -u -o pipefail
@@ -99,22 +101,26 @@ for t in "$OPS" "$ENG" "$SMP"; do
     grep -E "^cpu vs|^cuda op|^gpu vs|^sampling time|SKIP" "$LOGS/$name.log" | head -30
 done
 
-for shape in llama-3.1-8b llama-3.2-1b; do
-    CUDA_VISIBLE_DEVICES=0 timeout 300 "$TANDEM" bench model --backend cuda --shape $shape \
-        >"$LOGS/bench-$shape.log" 2>&1
-    rc=$?
-    [ $rc -ne 0 ] && status=1
-    cat "$LOGS/bench-$shape.log"
-done
-# GGUF blocks on the device, the cost of verifying 5 tokens, and --batch-invariant
-for extra in "--weights q4_k" "--weights q8_0" "--verify 4" "--batch-invariant --verify 4"; do
-    name=$(echo "$extra" | tr -d ' -')
-    CUDA_VISIBLE_DEVICES=0 timeout 300 "$TANDEM" bench model --backend cuda --shape llama-3.1-8b \
-        --batches 1,8,64 $extra >"$LOGS/bench-8b-$name.log" 2>&1
-    rc=$?
-    [ $rc -ne 0 ] && status=1
-    cat "$LOGS/bench-8b-$name.log"
-done
+if [ "${TANDEM_GPU_TEST_NO_BENCH:-0}" = 1 ]; then
+    summary+="bench model skipped (TANDEM_GPU_TEST_NO_BENCH=1)"$'\n'
+else
+    for shape in llama-3.1-8b llama-3.2-1b; do
+        CUDA_VISIBLE_DEVICES=0 timeout 300 "$TANDEM" bench model --backend cuda --shape $shape \
+            >"$LOGS/bench-$shape.log" 2>&1
+        rc=$?
+        [ $rc -ne 0 ] && status=1
+        cat "$LOGS/bench-$shape.log"
+    done
+    # GGUF blocks on the device, the cost of verifying 5 tokens, and --batch-invariant
+    for extra in "--weights q4_k" "--weights q8_0" "--verify 4" "--batch-invariant --verify 4"; do
+        name=$(echo "$extra" | tr -d ' -')
+        CUDA_VISIBLE_DEVICES=0 timeout 300 "$TANDEM" bench model --backend cuda --shape llama-3.1-8b \
+            --batches 1,8,64 $extra >"$LOGS/bench-8b-$name.log" 2>&1
+        rc=$?
+        [ $rc -ne 0 ] && status=1
+        cat "$LOGS/bench-8b-$name.log"
+    done
+fi
 
 # a real checkpoint end to end (tokenizer, quantised weights dequantised at load, sampler):
 # greedy tokens from `tandem generate` on the CPU and on the GPU, prompt by prompt
@@ -145,12 +151,13 @@ fi
 
 # 6. the overlap scheduler changes nothing in the output (batch-invariant, so the batches that
 # concurrent requests fall into do not matter either)
-overlap_round() { # mode: writes $LOGS/overlap_MODE_I.json and $LOGS/overlap_MODE.metrics
-    local port_file=$LOGS/overlap.port pid i pids=()
+overlap_round() { # name, serve's flags: writes $LOGS/overlap_NAME_I.json and overlap_NAME.metrics
+    local name=$1 port_file=$LOGS/overlap.port pid i pids=()
+    shift
     rm -f "$port_file"
     CUDA_VISIBLE_DEVICES=0 "$TANDEM" serve --backend cuda --model "$TANDEM_GPU_TEST_MODEL" \
-        --batch-invariant --overlap "$1" --port 0 --port-file "$port_file" \
-        >"$LOGS/overlap_$1.log" 2>&1 &
+        --batch-invariant "$@" --port 0 --port-file "$port_file" \
+        >"$LOGS/overlap_$name.log" 2>&1 &
     pid=$!
     for i in $(seq 1 240); do [ -s "$port_file" ] && break; sleep 0.5; done
     local url=http://127.0.0.1:$(cat "$port_file" 2>/dev/null)
@@ -159,34 +166,44 @@ overlap_round() { # mode: writes $LOGS/overlap_MODE_I.json and $LOGS/overlap_MOD
         [ $((i % 3)) -eq 0 ] && t=0.8
         [ $((i % 4)) -eq 1 ] && x=',"frequency_penalty":0.5,"presence_penalty":0.3'
         [ $((i % 4)) -eq 3 ] && x=',"response_format":{"type":"json_object"}'
-        curl -s -m 300 "$url/v1/completions" -H 'content-type: application/json' -d \
+        curl -s -m 120 "$url/v1/completions" -H 'content-type: application/json' -d \
             "{\"prompt\":[$((100 + i)),$((200 + 3 * i)),$((300 + 7 * i)),42,43],\"max_tokens\":$((24 + 2 * i)),\"temperature\":$t,\"seed\":$i,\"ignore_eos\":true,\"logprobs\":1$x}" |
-            sed -E 's/"id":"[^"]*"//; s/"created":[0-9]+//' >"$LOGS/overlap_$1_$i.json" &
+            sed -E 's/"id":"[^"]*"//; s/"created":[0-9]+//' >"$LOGS/overlap_${name}_$i.json" &
         pids+=($!)
     done
     wait "${pids[@]}"
     sleep 0.5
-    curl -s "$url/metrics" >"$LOGS/overlap_$1.metrics"
+    curl -s "$url/metrics" >"$LOGS/overlap_$name.metrics"
     kill -TERM $pid
+    for i in $(seq 1 40); do kill -0 $pid 2>/dev/null || break; sleep 0.25; done
+    kill -KILL $pid 2>/dev/null && echo "serve ($name) did not stop on SIGTERM" >>"$LOGS/overlap_$name.log"
     wait $pid
 }
 if [ -n "${TANDEM_GPU_TEST_MODEL:-}" ]; then
-    overlap_round off
-    overlap_round on
-    differ=0
-    for i in $(seq 1 24); do
-        [ -s "$LOGS/overlap_on_$i.json" ] && cmp -s "$LOGS/overlap_off_$i.json" "$LOGS/overlap_on_$i.json" ||
-            differ=$((differ + 1))
+    overlap_round off --overlap off
+    overlap_round on --overlap on
+    # a pool too small for the 24 at once (about 5 pages each): preemption with steps in flight
+    overlap_round small --overlap on --kv-pages 40
+    for name in on small; do
+        differ=0
+        for i in $(seq 1 24); do
+            [ -s "$LOGS/overlap_${name}_$i.json" ] &&
+                cmp -s "$LOGS/overlap_off_$i.json" "$LOGS/overlap_${name}_$i.json" ||
+                differ=$((differ + 1))
+        done
+        metric() { grep -E "^$1[{ ]" "$LOGS/overlap_$name.metrics" | awk '{print $2}'; }
+        ov=$(metric tandem_sched_overlapped_steps_total)
+        used=$(metric tandem_kv_pages_used)
+        held=$(metric tandem_kv_pages_in_flight)
+        pre=$(metric tandem_preemptions_total)
+        summary+="serve --overlap on$([ $name = small ] && echo ' --kv-pages 40') vs off "
+        summary+="(--batch-invariant, 24 requests): $differ differ; overlapped steps ${ov:-?}; "
+        summary+="preemptions ${pre:-?}; pages used ${used:-?}, in flight ${held:-?}"$'\n'
+        if [ "$differ" != 0 ] || [ "${ov:-0}" = 0 ] || [ "${used:-1}" != 0 ] ||
+            [ "${held:-1}" != 0 ] || { [ $name = small ] && [ "${pre:-0}" = 0 ]; }; then
+            status=1
+        fi
     done
-    metric() { grep -E "^$1[{ ]" "$LOGS/overlap_on.metrics" | awk '{print $2}'; }
-    ov=$(metric tandem_sched_overlapped_steps_total)
-    used=$(metric tandem_kv_pages_used)
-    held=$(metric tandem_kv_pages_in_flight)
-    summary+="serve --overlap on vs off (--batch-invariant, 24 requests): $differ differ; "
-    summary+="overlapped steps ${ov:-?}; pages used ${used:-?}, in flight ${held:-?}"$'\n'
-    if [ "$differ" != 0 ] || [ "${ov:-0}" = 0 ] || [ "${used:-1}" != 0 ] || [ "${held:-1}" != 0 ]; then
-        status=1
-    fi
 fi
 
 if [ -n "$SAN_PID" ]; then
