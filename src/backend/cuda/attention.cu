@@ -386,17 +386,24 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
  * bf16 mma.sync m16n8k16 with fp32 accumulation, FlashAttention-2 style: Q stays in registers as A
  * fragments, each chunk of 64 KV positions is gathered through the page table, rounded to bf16 and
  * stored in shared memory by position (rows padded by 8 elements so fragment loads hit 32 distinct
- * banks; V's B fragments come through ldmatrix.trans), the score fragments are masked
- * (causal, KV length), the online softmax runs in base 2 (log2(e) folded into the Q scale)
- * with each row's max and sum reduced over the 4 threads of a quad, and the probabilities are
- * re-packed from the S accumulator layout straight into A fragments for P V. */
+ * banks; K's B fragments come through ldmatrix.x4, two k-steps a load, V's through
+ * ldmatrix.x4.trans, two column tiles a load), the score fragments are masked (causal, KV
+ * length; only on the chunks a warp's rows do not all see whole), the online softmax runs in
+ * base 2 (log2(e) folded into the Q scale) with each row's max and sum reduced over the 4
+ * threads of a quad, and the probabilities are re-packed from the S accumulator layout straight
+ * into A fragments for P V. On an H100 (bench/RESULTS.md, 2026-12-06) the S products' order
+ * (k-steps outermost, so the 8 accumulators' products are independent back to back), the
+ * skipped masks and a shift for the page table took a 4k prefill's attention from 1.76 to
+ * about 1.0 ms a layer. */
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1)
 {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    /* not volatile: a register-only op, so the compiler may interleave independent products
+     * (a volatile asm keeps program order, and each product then waits for the one before) */
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
@@ -407,11 +414,21 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
 
 constexpr int MWARPS = 8; /* warps (16 rows each) of the tensor-core kernel */
 
-__device__ __forceinline__ void ldsm_x2_trans(uint32_t &r0, uint32_t &r1, const void *p)
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t &r0, uint32_t &r1, uint32_t &r2,
+                                              uint32_t &r3, const void *p)
 {
     const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
-                 : "=r"(r0), "=r"(r1)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
+                                        const void *p)
+{
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(a));
 }
 
@@ -435,6 +452,9 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
     const unsigned long long mk1 = r1 < R && a.tree_mask ? a.tree_mask[tok0 + r1 / a.gs] : 0ull;
     const int pos0 = r0 < R ? (mk0 ? sk.tp - 1 : a.positions[tok0 + r0 / a.gs]) : -1;
     const int pos1 = r1 < R ? (mk1 ? sk.tp - 1 : a.positions[tok0 + r1 / a.gs]) : -1;
+    /* the last column every row of the warp sees (rows past R are never written: no limit) */
+    const int warp_lim =
+        __reduce_min_sync(0xffffffffu, min(r0 < R ? pos0 : INT_MAX, r1 < R ? pos1 : INT_MAX));
     const float qs = a.scale * 1.4426950408889634f;
     const float *q0 =
         r0 < R ? a.q + ((size_t)(tok0 + r0 / a.gs) * a.n_heads + g * a.gs + r0 % a.gs) * D
@@ -472,6 +492,10 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
     constexpr int EPW = KT == TDM_CU_KV_F32 ? 4 : 8; /* elements per word */
     constexpr int LD = BN * D / EPW / (MWARPS * 32);
     uint4 pk[LD], pv[LD];
+    /* a page size that is a power of two (the usual case) turns the page table's division
+     * into a shift: the address math was a quarter of the loop's instructions */
+    const int lg = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;
+    const size_t g_off = (size_t)g * ps * D;
     auto fetch = [&](int c0) {
 #pragma unroll
         for (int u = 0; u < LD; u++) {
@@ -479,7 +503,11 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
             const int i = idx / (D / EPW), d = (idx % (D / EPW)) * EPW, p = c0 + i;
             pk[u] = pv[u] = make_uint4(0u, 0u, 0u, 0u);
             if (p < kv_end) {
-                const size_t kr = kv_row(a, pages, sk, p, g, page_floats, D) + d;
+                const size_t kr =
+                    (lg >= 0 && p < sk.tp
+                         ? (size_t)pages[p >> lg] * page_floats + g_off + (size_t)(p & (ps - 1)) * D
+                         : kv_row(a, pages, sk, p, g, page_floats, D)) +
+                    d;
                 if (KT == TDM_CU_KV_F32) {
                     const float *kb = static_cast<const float *>(a.kv_base);
                     pk[u] = *reinterpret_cast<const uint4 *>(kb + kr);
@@ -523,31 +551,44 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
         __syncthreads();
         if (c0 + BN < kv_end) fetch(c0 + BN);
 
+        /* S = Q K^T: the k-steps outermost, so the BN / 8 accumulators' products are
+         * independent back to back (each accumulator still sums its k-steps in order); K's B
+         * fragments of two k-steps come in one ldmatrix.x4 (rows are positions, 8 dimensions a
+         * matrix: exactly the "col" layout of K^T) */
         float sc[BN / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt++) {
+        for (int nt = 0; nt < BN / 8; nt++)
             sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ks++) {
-                const uint16_t *kb = Ks + (nt * 8 + qr) * KS + ks * 16 + qc * 2;
-                mma16816(sc[nt], qf[ks], *reinterpret_cast<const uint32_t *>(kb),
-                         *reinterpret_cast<const uint32_t *>(kb + 8));
+        for (int ks = 0; ks < D / 16; ks += 2) {
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; nt++) {
+                uint32_t b[4];
+                ldsm_x4(b[0], b[1], b[2], b[3],
+                        Ks + (nt * 8 + (lane & 7)) * KS + ks * 16 + (lane >> 3) * 8);
+                mma16816(sc[nt], qf[ks], b[0], b[1]);
+                mma16816(sc[nt], qf[ks + 1], b[2], b[3]);
             }
         }
+        /* the mask, only on a chunk that some row of this warp does not see whole (past the
+         * KV end, past a row's position, or a tree's nodes): elsewhere it keeps every score */
         float mx0 = -INFINITY, mx1 = -INFINITY;
+        if (c0 + BN > kv_end || c0 + BN - 1 > warp_lim) {
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt++)
+            for (int nt = 0; nt < BN / 8; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int col = c0 + nt * 8 + qc * 2 + (e & 1);
-                const int pos = e < 2 ? pos0 : pos1;
-                const unsigned long long mk = e < 2 ? mk0 : mk1;
-                if (!(col < kv_end && sees(col, pos, mk, sk.tp))) sc[nt][e] = -INFINITY;
-                if (e < 2)
-                    mx0 = fmaxf(mx0, sc[nt][e]);
-                else
-                    mx1 = fmaxf(mx1, sc[nt][e]);
-            }
+                for (int e = 0; e < 4; e++) {
+                    const int col = c0 + nt * 8 + qc * 2 + (e & 1);
+                    const int pos = e < 2 ? pos0 : pos1;
+                    const unsigned long long mk = e < 2 ? mk0 : mk1;
+                    if (!(col < kv_end && sees(col, pos, mk, sk.tp))) sc[nt][e] = -INFINITY;
+                }
+        }
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt++) {
+            mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
+        }
         for (int off = 1; off < 4; off <<= 1) {
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
@@ -587,10 +628,14 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
                                     pack_bf16(sc[2 * j + 1][0], sc[2 * j + 1][1]),
                                     pack_bf16(sc[2 * j + 1][2], sc[2 * j + 1][3])};
 #pragma unroll
-            for (int nt = 0; nt < D / 8; nt++) {
-                uint32_t b0, b1; /* V rows are positions: the transposing load makes them "col" */
-                ldsm_x2_trans(b0, b1, Vs + (j * 16 + (lane & 15)) * KS + nt * 8);
-                mma16816(o[nt], pa, b0, b1);
+            for (int nt = 0; nt < D / 8; nt += 2) {
+                /* V rows are positions: the transposing load makes them "col"; two 8-column
+                 * tiles a load */
+                uint32_t b[4];
+                ldsm_x4_trans(b[0], b[1], b[2], b[3],
+                              Vs + (j * 16 + (lane & 15)) * KS + (nt + (lane >> 4)) * 8);
+                mma16816(o[nt], pa, b[0], b[1]);
+                mma16816(o[nt + 1], pa, b[2], b[3]);
             }
         }
     }

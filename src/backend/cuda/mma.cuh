@@ -8,15 +8,18 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-/* c += A (16 x 16, row-major fragments a0..a3) * B (16 x 8, col-major fragments b0, b1) */
+/* c += A (16 x 16, row-major fragments a0..a3) * B (16 x 8, col-major fragments b0, b1).
+ * Not volatile: it only reads and writes registers, so the compiler may put independent
+ * products back to back instead of each waiting for the one before it in program order (a
+ * product's own accumulator chain keeps its order, so the bits are the same). */
 static __device__ __forceinline__ void tdm_mma16816(float (&c)[4], uint32_t a0, uint32_t a1,
                                                     uint32_t a2, uint32_t a3, uint32_t b0,
                                                     uint32_t b1)
 {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 /* f rounded to bf16 (nearest even), as its 16 bits */
