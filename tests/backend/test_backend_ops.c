@@ -1352,6 +1352,8 @@ static void test_kv_dtypes(void **state)
     const struct seq_spec mixed[] = {{10, 10}, {97, 1}, {23, 3}, {300, 1}};
     const struct seq_spec prefill[] = {{45, 45}, {70, 30}};
     const struct seq_spec decode[] = {{300, 1}, {77, 1}, {5, 1}}; /* the decode kernel's steps */
+    /* chunks enough to go round the tensor-core kernel's stages, over a prefix */
+    const struct seq_spec long_prefill[] = {{300, 200}, {150, 150}};
     for (size_t d = 0; d < TDM_ARRAY_LEN(dts); d++) {
         kv16_attention_case(dts[d], 9, 3, 64, 16, decode, (int)TDM_ARRAY_LEN(decode));
         kv16_attention_case(dts[d], 32, 8, 128, 7, decode, (int)TDM_ARRAY_LEN(decode));
@@ -1363,6 +1365,10 @@ static void test_kv_dtypes(void **state)
         kv16_attention_case(dts[d], 9, 3, 64, 16, mixed, (int)TDM_ARRAY_LEN(mixed));
         kv16_attention_case(dts[d], 9, 3, 64, 16, prefill, (int)TDM_ARRAY_LEN(prefill));
         kv16_attention_case(dts[d], 16, 2, 128, 16, prefill, (int)TDM_ARRAY_LEN(prefill));
+        kv16_attention_case(dts[d], 8, 2, 128, 16, long_prefill, (int)TDM_ARRAY_LEN(long_prefill));
+        /* a page size that is not a power of two (the page table by division) */
+        kv16_attention_case(dts[d], 8, 2, 128, 7, long_prefill, (int)TDM_ARRAY_LEN(long_prefill));
+        kv16_attention_case(dts[d], 6, 3, 64, 12, long_prefill, (int)TDM_ARRAY_LEN(long_prefill));
     }
 }
 

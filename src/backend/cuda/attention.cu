@@ -406,6 +406,16 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* 2^x by the special-function unit alone, results below 2^-126 flushed to zero (exp2f adds a
+ * scaling around it for them: three more instructions a score, for probabilities that round
+ * away in bf16 anyway) */
+__device__ __forceinline__ float ex2_ftz(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
 {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -594,15 +604,15 @@ template <int D, int KT> __global__ void __launch_bounds__(MWARPS * 32) attn_mma
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
         }
         const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float al0 = mn0 == -INFINITY || m0 == -INFINITY ? 0.0f : exp2f(m0 - mn0);
-        const float al1 = mn1 == -INFINITY || m1 == -INFINITY ? 0.0f : exp2f(m1 - mn1);
+        const float al0 = mn0 == -INFINITY || m0 == -INFINITY ? 0.0f : ex2_ftz(m0 - mn0);
+        const float al1 = mn1 == -INFINITY || m1 == -INFINITY ? 0.0f : ex2_ftz(m1 - mn1);
         float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < BN / 8; nt++) {
-            sc[nt][0] = mn0 == -INFINITY ? 0.0f : exp2f(sc[nt][0] - mn0);
-            sc[nt][1] = mn0 == -INFINITY ? 0.0f : exp2f(sc[nt][1] - mn0);
-            sc[nt][2] = mn1 == -INFINITY ? 0.0f : exp2f(sc[nt][2] - mn1);
-            sc[nt][3] = mn1 == -INFINITY ? 0.0f : exp2f(sc[nt][3] - mn1);
+            sc[nt][0] = mn0 == -INFINITY ? 0.0f : ex2_ftz(sc[nt][0] - mn0);
+            sc[nt][1] = mn0 == -INFINITY ? 0.0f : ex2_ftz(sc[nt][1] - mn0);
+            sc[nt][2] = mn1 == -INFINITY ? 0.0f : ex2_ftz(sc[nt][2] - mn1);
+            sc[nt][3] = mn1 == -INFINITY ? 0.0f : ex2_ftz(sc[nt][3] - mn1);
             sum0 += sc[nt][0] + sc[nt][1];
             sum1 += sc[nt][2] + sc[nt][3];
         }
