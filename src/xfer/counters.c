@@ -105,6 +105,26 @@ static void fire(const struct firing *f, int n)
 }
 
 /* Disarms every armed slot matching pred, firing in batches outside the mutex. */
+/* What an expiring counter was still waiting for, and the table's ignored immediates so far:
+ * enough to tell a write that never came from one that came for another epoch or slot. c->mu
+ * held. */
+static void expired_note(const tdm_xfer_counters_t *c, uint32_t s)
+{
+    const struct counter *k = &c->slots[s];
+    uint32_t first = k->expected, n_missing = 0;
+    for (uint32_t i = 0; i < k->expected; i++)
+        if (!(k->seen[i / 64] >> (i % 64) & 1)) {
+            if (first == k->expected) first = i;
+            n_missing++;
+        }
+    TDM_WARN("xfer counters: slot %u epoch %u expired with %u of %u immediates (%u missing, the "
+             "first index %u); ignored so far: %llu stale, %llu duplicate, %llu from another "
+             "peer, %llu invalid",
+             s, k->epoch, k->count, k->expected, n_missing, first,
+             (unsigned long long)c->stats.stale, (unsigned long long)c->stats.duplicate,
+             (unsigned long long)c->stats.wrong_peer, (unsigned long long)c->stats.invalid);
+}
+
 static int disarm_where(tdm_xfer_counters_t *c, bool (*pred)(const struct counter *, uint64_t),
                         uint64_t arg, tdm_status st)
 {
@@ -115,7 +135,10 @@ static int disarm_where(tdm_xfer_counters_t *c, bool (*pred)(const struct counte
         int n = 0;
         pthread_mutex_lock(&c->mu);
         for (; s < c->n_slots && n < (int)TDM_ARRAY_LEN(batch) && c->n_armed > 0; s++)
-            if (c->slots[s].armed && pred(&c->slots[s], arg)) disarm(c, s, st, &batch[n++]);
+            if (c->slots[s].armed && pred(&c->slots[s], arg)) {
+                if (st == TDM_ETIMEDOUT) expired_note(c, s);
+                disarm(c, s, st, &batch[n++]);
+            }
         bool more = s < c->n_slots && c->n_armed > 0;
         pthread_mutex_unlock(&c->mu);
         fire(batch, n);
