@@ -675,9 +675,10 @@ static void *sched_main(void *arg)
         pthread_mutex_unlock(&s->mu);
         if (stop) break;
         drafter_join(s);
-        prefix_turn(s);
+        /* the step's plan takes the prefix cache's turn first (a flush asked for); after it,
+         * the figures its inserts and evictions left, before a sleep */
         const bool ran = tdm_sched_step(s);
-        prefix_turn(s); /* the figures the step's inserts and evictions left, before a sleep */
+        prefix_turn(s);
         if (!ran) {
             /* Waiting requests that cannot be admitted yet, nothing running: sleep briefly
              * (pages come back only through cancellation, which also signals). */

@@ -1219,6 +1219,23 @@ static void test_executor_error(void **state)
     fix_close(&f);
 }
 
+/* Waits (at most 100 x 100 ms) for r to finish; returns how it finished. */
+static enum tdm_finish wait_finished(tdm_req_t *r)
+{
+    struct tdm_req_view v;
+    for (int it = 0; it < 100; it++) {
+        tdm_req_lock(r, &v);
+        const enum tdm_finish fin = v.finish;
+        tdm_req_unlock(r);
+        if (fin != TDM_FINISH_NONE) return fin;
+        tdm_req_wait(r, v.n_out, 100);
+    }
+    tdm_req_lock(r, &v);
+    const enum tdm_finish fin = v.finish;
+    tdm_req_unlock(r);
+    return fin;
+}
+
 /* Waits (bounded) until cond(f) holds. */
 static bool wait_for(struct fix *f, bool (*cond)(struct fix *), int ms)
 {
@@ -1257,13 +1274,7 @@ static void test_watchdog(void **state)
     tdm_req_t *rs[2] = {submit(&f, a, 6, 10, NULL), submit(&f, b, 6, 10, NULL)};
     for (int i = 0; i < 2; i++) {
         struct tdm_req_view v;
-        for (int it = 0; it < 100; it++) { /* 100 x 100 ms at most */
-            tdm_req_lock(rs[i], &v);
-            enum tdm_finish fin = v.finish;
-            tdm_req_unlock(rs[i]);
-            if (fin != TDM_FINISH_NONE) break;
-            tdm_req_wait(rs[i], v.n_out, 100);
-        }
+        wait_finished(rs[i]);
         tdm_req_lock(rs[i], &v);
         assert_int_equal(v.finish, TDM_FINISH_ERROR);
         assert_int_equal(v.error, TDM_ETIMEDOUT);
@@ -1303,14 +1314,7 @@ static void test_watchdog(void **state)
         tdm_req_release(rs[i]);
     /* and serves the next request as if nothing had happened */
     r = submit(&f, c, 6, 4, NULL);
-    struct tdm_req_view v;
-    for (int it = 0; it < 100; it++) {
-        tdm_req_lock(r, &v);
-        enum tdm_finish fin = v.finish;
-        tdm_req_unlock(r);
-        if (fin != TDM_FINISH_NONE) break;
-        tdm_req_wait(r, v.n_out, 100);
-    }
+    wait_finished(r);
     expect_output(r, c, 6, 4, TDM_FINISH_LENGTH);
     tdm_req_release(r);
     assert_true(tdm_sched_stop(f.s, 1000));
@@ -1501,14 +1505,7 @@ static void test_prefix_metrics_during_a_flush(void **state)
         }
         /* fill it again from the scheduler thread */
         rs[0] = submit(&f, p[round], LEN, 1, NULL);
-        struct tdm_req_view v;
-        for (;;) {
-            tdm_req_lock(rs[0], &v);
-            const bool done = v.finish != TDM_FINISH_NONE;
-            tdm_req_unlock(rs[0]);
-            if (done) break;
-            tdm_req_wait(rs[0], v.n_out, 100);
-        }
+        assert_int_equal(wait_finished(rs[0]), TDM_FINISH_LENGTH);
         tdm_req_release(rs[0]);
         for (long it = 0;; it++) { /* the figures come after the step that stored the pages */
             tdm_sched_metrics(f.s, &m);

@@ -41,6 +41,7 @@
  */
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/kv_elem.cuh"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
@@ -395,15 +396,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
  * (k-steps outermost, so the 8 accumulators' products are independent back to back), the
  * skipped masks and a shift for the page table took a 4k prefill's attention from 1.76 to
  * about 1.0 ms a layer. */
+/* mma.cuh's product, A's fragments as one array */
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1)
 {
-    /* not volatile: a register-only op, so the compiler may interleave independent products
-     * (a volatile asm keeps program order, and each product then waits for the one before) */
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    tdm_mma16816(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
 /* 2^x by the special-function unit alone, results below 2^-126 flushed to zero (exp2f adds a
