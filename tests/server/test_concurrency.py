@@ -4,6 +4,7 @@ tokens)."""
 import concurrent.futures as cf
 import os
 import random
+import time
 
 from lib.server import Server
 
@@ -99,7 +100,12 @@ def test_overlap_on_the_cpu_gives_the_same_tokens(default_model):
     logprobs to --overlap off; the steps did overlap, and the pool ends at its baseline."""
     n = 8 if SANITIZED else 12
     rng = random.Random(11)
-    reqs = []
+    # Two long requests go first, and the rest only once both run: together they need 18 of
+    # the 12 pages before either can finish (each a 40-token prompt and 90 tokens out, 9 pages
+    # of 16; both hold 7 by their 57th token), so the pool runs dry whatever the timing.
+    reqs = [{"prompt": [rng.randrange(100, 49000) for _ in range(40)], "max_tokens": 90,
+             "logprobs": 1, "ignore_eos": True, "temperature": t, "seed": 5}
+            for t in (0, 0.9)]
     for i in range(n):
         body = {"prompt": [rng.randrange(100, 49000) for _ in range(rng.choice([1, 5, 40, 90]))],
                 "max_tokens": rng.randrange(8, 24), "logprobs": 1}
@@ -116,11 +122,17 @@ def test_overlap_on_the_cpu_gives_the_same_tokens(default_model):
         reqs.append(body)
 
     def serve(mode):
-        s = Server(["--threads", "2", "--kv-pages", "12" if SANITIZED else "18", "--max-seqs",
-                    "16", "--overlap", mode])
+        s = Server(["--threads", "2", "--kv-pages", "12", "--max-seqs", "16", "--overlap", mode])
         try:
-            with cf.ThreadPoolExecutor(n) as ex:
-                out = list(ex.map(lambda b: run(s, b), reqs))
+            with cf.ThreadPoolExecutor(len(reqs)) as ex:
+                first = [ex.submit(run, s, b) for b in reqs[:2]]
+                deadline = time.time() + 60
+                while s.metrics()[("tandem_requests_running", ())] < 2:
+                    assert not any(f.done() for f in first), "a long request ended alone"
+                    assert time.time() < deadline, "the two long requests did not both run"
+                    time.sleep(0.005)
+                rest = [ex.submit(run, s, b) for b in reqs[2:]]
+                out = [f.result() for f in first + rest]
             return out, s.wait_idle()
         finally:
             assert s.stop() == 0
