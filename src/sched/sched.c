@@ -661,7 +661,7 @@ void tdm_req_unlock(tdm_req_t *r)
 }
 
 static void drafter_join(struct tdm_sched *s);
-static void overlap_collect(struct tdm_sched *s);
+static tdm_status overlap_collect(struct tdm_sched *s);
 
 static void *sched_main(void *arg)
 {
@@ -978,9 +978,9 @@ static void overlap_unref(struct tdm_sched_plan *p)
 /* Waits for the launched plan and commits it (its buffers: the second set), drops the
  * references its spans held, and releases the page tables kept for it. Armed for the watchdog
  * when the caller's step is not (the wait may be where a stuck device shows). */
-static void overlap_collect(struct tdm_sched *s)
+static tdm_status overlap_collect(struct tdm_sched *s)
 {
-    if (!s->inflight) return;
+    if (!s->inflight) return TDM_OK;
     bool arm = s->wstarted && !s->step_t0_ns;
     if (arm) watch_held(s, true);
     s->inflight = false;
@@ -992,6 +992,42 @@ static void overlap_collect(struct tdm_sched *s)
     overlap_unref(p);
     release_kept_until(s, p->step);
     if (arm) watch_end(s);
+    return st;
+}
+
+/* After a failed wait, the plan built behind that step (launched references taken, gens in
+ * s->pgen) keeps only the requests its commit left running: an error fails every request of
+ * a step, and their spans here name that step's tokens (TDM_TOKEN_PREV), which the executor
+ * no longer has, so launched as they are they would fail the whole plan, and with it requests
+ * the failed step never held. What the dropped spans reserved goes with their requests. */
+static void plan_drop_ended(struct tdm_sched *s, struct tdm_sched_plan *p)
+{
+    struct tdm_plan_seq *seqs = s->pseqs;
+    int n = 0, rows = 0, tokens = 0;
+    for (int j = 0; j < p->n_seqs; j++) {
+        struct tdm_plan_seq q = seqs[j];
+        struct tdm_req *r = q.req;
+        if (tdm_req_state(r) == TDM_REQ_FINISHED || r->gen != s->pgen[j]) {
+            r->launches--;
+            tdm_sched_req_unref(r);
+            continue;
+        }
+        memmove(s->want + rows, s->want + q.row0, (size_t)q.n_rows * sizeof *s->want);
+        memmove(s->srows + rows, s->srows + q.row0, (size_t)q.n_rows * sizeof *s->srows);
+        q.row0 = rows;
+        seqs[n] = q;
+        s->pgen[n] = s->pgen[j];
+        r->batch_slot = n++;
+        rows += q.n_rows;
+        tokens += q.n_tokens;
+    }
+    if (n < p->n_seqs)
+        TDM_WARN("sched: step %llu failed; the next step runs %d of its %d requests (the rest were "
+                 "in it)",
+                 (unsigned long long)(p->step - 1), n, p->n_seqs);
+    p->n_seqs = n;
+    p->n_rows = rows;
+    p->n_tokens = tokens;
 }
 
 /* What the launched plan s->fl will have done, as the next plan sees it: its spans are in the
@@ -1100,17 +1136,24 @@ static bool step_overlap(struct tdm_sched *s)
         r->launches++;
         s->pgen[j] = r->gen;
     }
-    struct tdm_sched_plan launched = *p;
-    s->launched_step = launched.step; /* what N's commit releases is kept for it */
+    s->launched_step = p->step; /* what N's commit releases is kept for it */
+    struct tdm_sched_plan launched;
     tdm_status st;
     if (s->inflight && p->n_tokens > p->n_seqs && !s->overlap_spans) {
         /* A span of several tokens (a prefill chunk) makes a step the device runs op by op,
          * whose launch keeps the host for milliseconds: N is committed first, so that its
          * tokens reach their readers on time (launched ahead, they waited for that launch,
          * and the ITL's tail grew). Its placeholders then read the committed tokens. */
-        overlap_collect(s);
+        if (overlap_collect(s) != TDM_OK) plan_drop_ended(s, p);
+        if (!p->n_seqs) { /* nothing left to launch, and nothing in flight */
+            release_kept_until(s, UINT64_MAX);
+            watch_end(s);
+            return true;
+        }
+        launched = *p;
         st = s->x.iface->launch(s->x.ctx, p);
     } else {
+        launched = *p;
         st = s->x.iface->launch(s->x.ctx, p);
         if (s->inflight) {
             pthread_mutex_lock(&s->mmu);

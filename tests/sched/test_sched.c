@@ -97,6 +97,10 @@ struct fake_exec {
     int n_prompt_of[64]; /* by request id, where a test sets it: a penalised row's check */
     int penalty_rows;
     bool in_launch, sampled; /* fake_launch runs the plan; the last launch was sampled */
+    /* the wait of this step fails, and then, as in the engine, the tokens of the launch before
+     * are gone: a later launch naming them fails with TDM_EINVAL */
+    uint64_t fail_wait_at_step, last_launch_step;
+    bool prev_lost;
 };
 
 /* The store's two floats of a slot in the pool's HND layer [page][K, V][1 head][PS][1]. */
@@ -280,6 +284,11 @@ static tdm_status fake_launch(void *ctx, struct tdm_sched_plan *p)
             int32_t t = p->seqs[j].tokens[i];
             if (t < 0) {
                 const int row = -1 - t;
+                if (x->prev_lost)
+                    return tdm_err_set(TDM_EINVAL,
+                                       "fake executor: a placeholder names row %d "
+                                       "of a step whose sampling failed",
+                                       row);
                 assert_true(row < x->n_prev);
                 t = x->prev[row];
                 x->placeholders++;
@@ -295,6 +304,7 @@ static tdm_status fake_launch(void *ctx, struct tdm_sched_plan *p)
     struct tdm_sched_plan run = *p;
     run.seqs = seqs;
     run.samples = x->held[k];
+    x->last_launch_step = p->step;
     x->in_launch = true;
     tdm_status st = fake_run(ctx, &run);
     x->in_launch = false;
@@ -302,6 +312,7 @@ static tdm_status fake_launch(void *ctx, struct tdm_sched_plan *p)
     x->held_rows[k] = p->n_rows;
     x->n_held++;
     x->sampled = false;
+    x->prev_lost = false;
     x->n_prev = p->n_rows;
     for (int i = 0; i < p->n_rows; i++)
         x->prev[i] = x->held[k][i].token;
@@ -335,6 +346,11 @@ static tdm_status fake_wait(void *ctx, struct tdm_sched_plan *p)
     memcpy(x->held[0], x->held[1], sizeof x->held[0]);
     x->held_rows[0] = x->held_rows[1];
     x->n_held--;
+    if (p->step == x->fail_wait_at_step) {
+        x->prev_lost = true;
+        return tdm_err_set(TDM_EINTERNAL, "fake executor: the sampling of step %llu failed",
+                           (unsigned long long)p->step);
+    }
     return TDM_OK;
 }
 
@@ -1219,6 +1235,42 @@ static void test_executor_error(void **state)
     fix_close(&f);
 }
 
+/* Overlap: step N's sampling fails at its wait, which comes first when the plan behind it has a
+ * prefill span (the collect-first path). That plan was built with N's token of request A as a
+ * placeholder, which the executor no longer has; A fails with N, and B, whose first span is in
+ * N + 1 only, runs on and finishes as it would have. The pool ends at its baseline. */
+static void test_overlap_failed_sampling_spares_the_next_step(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.overlap = 1};
+    fix_open(&f, 64, &so, 64, 8);
+    int32_t a[6], b[10];
+    make_prompt(a, 6, 60);
+    make_prompt(b, 10, 61);
+    tdm_req_t *ra = submit(&f, a, 6, 20, NULL);
+    for (int it = 0; it < 4; it++) /* A's prefill, then decodes: one launched behind another */
+        assert_true(tdm_sched_step(f.s));
+    assert_int_equal(f.x.n_held, 1);
+    tdm_req_t *rb = submit(&f, b, 10, 7, NULL);
+    f.x.fail_wait_at_step = f.x.last_launch_step; /* the step in flight: A's decode */
+    tdm_req_t *rs[2] = {ra, rb};
+    run_until_done(&f, rs, 2);
+    struct tdm_req_view v;
+    tdm_req_lock(ra, &v);
+    assert_int_equal(v.finish, TDM_FINISH_ERROR);
+    assert_true(v.n_out >= 2 && v.n_out < 20);
+    tdm_req_unlock(ra);
+    expect_output(rb, b, 10, 7, TDM_FINISH_LENGTH);
+    tdm_req_release(ra);
+    tdm_req_release(rb);
+    for (int it = 0; it < 4 && tdm_sched_step(f.s);)
+        it++;
+    assert_int_equal(f.x.n_held, 0);
+    expect_baseline(&f);
+    fix_close(&f);
+}
+
 /* Waits (at most 100 x 100 ms) for r to finish; returns how it finished. */
 static enum tdm_finish wait_finished(tdm_req_t *r)
 {
@@ -1742,6 +1794,7 @@ int main(void)
         cmocka_unit_test(test_preemption),
         cmocka_unit_test(test_overlap),
         cmocka_unit_test(test_overlap_preempt_in_flight),
+        cmocka_unit_test(test_overlap_failed_sampling_spares_the_next_step),
         cmocka_unit_test(test_overlap_holds_pages),
         cmocka_unit_test(test_remote_kv),
         cmocka_unit_test(test_remote_failure_then_local),
