@@ -3,9 +3,10 @@
 router to a prefill/decode pair on loopback, with the memory of every process sampled as it goes.
 
     .venv/bin/python tests/campaign/soak.py [--clients 1000] [--duration 600] [--json FILE]
+        [--input-len 32] [--output-len 16]
 
 Load: `tandem bench serve` keeps --clients streaming requests in flight through the router
-(32-token prompts, 16 tokens out, greedy), wave after wave until --duration has passed; the load
+(32-token prompts, 16 tokens out, greedy, unless --input-len/--output-len say otherwise), wave after wave until --duration has passed; the load
 is bounded by the client count, never by an arrival rate. Beside it, a probe asks the same
 greedy question every few seconds and compares the answer with a colocated server's, so wrong
 text under load is caught, not only errors.
@@ -49,6 +50,8 @@ def main(argv=None):
     ap.add_argument("--clients", type=int, default=1000)
     ap.add_argument("--duration", type=float, default=600)
     ap.add_argument("--sample-s", type=float, default=10)
+    ap.add_argument("--input-len", type=int, default=32, help="prompt tokens a request")
+    ap.add_argument("--output-len", type=int, default=16, help="tokens out a request")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     import resource
@@ -93,7 +96,8 @@ def main(argv=None):
             js = os.path.join(r.dir, f"wave{wave}.json")
             cp = subprocess.run([str(build_dir() / "tandem"), "bench", "serve", "--url", r.url,
                                  "--concurrency", str(a.clients), "--num-prompts",
-                                 str(a.clients), "--input-len", "32", "--output-len", "16",
+                                 str(a.clients), "--input-len", str(a.input_len),
+                                 "--output-len", str(a.output_len),
                                  "--seed", str(wave), "--timeout", "600", "--no-progress",
                                  "--json", js], capture_output=True, text=True, timeout=1800)
             if not os.path.exists(js):

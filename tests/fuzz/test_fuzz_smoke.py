@@ -3,7 +3,7 @@ build-fuzz/ with clang, ASan and UBSan). Each run starts from the committed seed
 tests/fuzz/corpus/<target>/ and must end without a crash, leak, timeout or out-of-memory.
 
 Runs once per suite (in the Release pass); the seconds per target come from
-$TANDEM_FUZZ_SECONDS (default 10). Longer campaigns: run the binaries by hand.
+$TANDEM_FUZZ_SECONDS (default 5). Longer campaigns: run the binaries by hand.
 """
 import os
 import pathlib
@@ -31,7 +31,7 @@ def test_fuzz_target(src, tmp_path):
         shutil.copytree(seeds, corpus)
     else:
         corpus.mkdir()
-    seconds = int(os.environ.get("TANDEM_FUZZ_SECONDS", "10"))
+    seconds = int(os.environ.get("TANDEM_FUZZ_SECONDS", "5"))
     cp = subprocess.run(
         [str(exe), f"-max_total_time={seconds}", "-timeout=10", "-rss_limit_mb=2048",
          "-malloc_limit_mb=1024", f"-artifact_prefix={tmp_path}/", "-print_final_stats=1",
