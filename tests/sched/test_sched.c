@@ -1271,6 +1271,44 @@ static void test_overlap_failed_sampling_spares_the_next_step(void **state)
     fix_close(&f);
 }
 
+/* The same failure when every request of the plan behind it was in the failed step (a prompt
+ * prefilled in chunks, one a step): nothing is left to launch, nothing is in flight, and the
+ * pages the plan reserved are back at once. */
+static void test_overlap_failed_wait_empties_the_next_step(void **state)
+{
+    (void)state;
+    struct fix f;
+    struct tdm_sched_opts so = {.overlap = 1, .prefill_chunk = 4};
+    fix_open(&f, 64, &so, 64, 8);
+    int32_t c[20];
+    make_prompt(c, 20, 62);
+    tdm_req_t *rc = submit(&f, c, 20, 5, NULL);
+    assert_true(tdm_sched_step(f.s)); /* chunk 1 launched */
+    assert_int_equal(f.x.n_held, 1);
+    f.x.fail_wait_at_step = f.x.last_launch_step;
+    const int launches = f.x.launches;
+    assert_true(tdm_sched_step(f.s));         /* chunk 2 planned, chunk 1 collected: it failed */
+    assert_int_equal(f.x.launches, launches); /* chunk 2 was not launched */
+    assert_int_equal(f.x.n_held, 0);
+    struct tdm_req_view v;
+    tdm_req_lock(rc, &v);
+    assert_int_equal(v.finish, TDM_FINISH_ERROR);
+    tdm_req_unlock(rc);
+    tdm_req_release(rc);
+    expect_baseline(&f);
+    /* and the scheduler goes on */
+    int32_t d[6];
+    make_prompt(d, 6, 63);
+    tdm_req_t *rd = submit(&f, d, 6, 4, NULL);
+    run_until_done(&f, &rd, 1);
+    expect_output(rd, d, 6, 4, TDM_FINISH_LENGTH);
+    tdm_req_release(rd);
+    for (int it = 0; it < 4 && tdm_sched_step(f.s);)
+        it++;
+    expect_baseline(&f);
+    fix_close(&f);
+}
+
 /* Waits (at most 100 x 100 ms) for r to finish; returns how it finished. */
 static enum tdm_finish wait_finished(tdm_req_t *r)
 {
@@ -1795,6 +1833,7 @@ int main(void)
         cmocka_unit_test(test_overlap),
         cmocka_unit_test(test_overlap_preempt_in_flight),
         cmocka_unit_test(test_overlap_failed_sampling_spares_the_next_step),
+        cmocka_unit_test(test_overlap_failed_wait_empties_the_next_step),
         cmocka_unit_test(test_overlap_holds_pages),
         cmocka_unit_test(test_remote_kv),
         cmocka_unit_test(test_remote_failure_then_local),
