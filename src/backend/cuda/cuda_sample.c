@@ -39,38 +39,23 @@ static tdm_status scratch_grow(struct tdm_cuda *cu, size_t need)
     return TDM_OK;
 }
 
-/* Makes the staging pair (pinned host, device) hold `need` bytes. */
+/* Makes the staging pair (pinned host, and device unless d is NULL) hold `need` bytes. A copy
+ * out of the old buffers may be in flight: the stream is drained before they are freed. */
 static tdm_status stage_grow(struct tdm_cuda *cu, void **h, void **d, size_t *cap, size_t need)
 {
     if (need <= *cap) return TDM_OK;
     need = TDM_MAX(need, *cap * 2);
     TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
     if (*h) cudaFreeHost(*h);
-    if (*d) cudaFree(*d);
-    *h = *d = NULL;
+    *h = NULL;
+    if (d) {
+        if (*d) cudaFree(*d);
+        *d = NULL;
+    }
     *cap = 0;
-    if (cudaMallocHost(h, need) != cudaSuccess || cudaMalloc(d, need) != cudaSuccess) {
+    if (cudaMallocHost(h, need) != cudaSuccess || (d && cudaMalloc(d, need) != cudaSuccess)) {
         (void)cudaGetLastError();
         if (*h) cudaFreeHost(*h);
-        *h = NULL;
-        return tdm_err_set(TDM_ENOMEM, "cuda backend: cannot stage %zu bytes for sampling", need);
-    }
-    *cap = need;
-    return TDM_OK;
-}
-
-/* Makes a pinned host buffer hold `need` bytes (a copy out of it may be in flight: the stream
- * is drained before it is freed). */
-static tdm_status pinned_grow(struct tdm_cuda *cu, void **h, size_t *cap, size_t need)
-{
-    if (need <= *cap) return TDM_OK;
-    need = TDM_MAX(need, *cap * 2);
-    TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
-    if (*h) cudaFreeHost(*h);
-    *h = NULL;
-    *cap = 0;
-    if (cudaMallocHost(h, need) != cudaSuccess) {
-        (void)cudaGetLastError();
         *h = NULL;
         return tdm_err_set(TDM_ENOMEM, "cuda backend: cannot stage %zu bytes for sampling", need);
     }
@@ -110,8 +95,9 @@ static tdm_status queue_sampling(struct tdm_cuda *cu, float *logits, int n_rows,
     if ((st = stage_grow(cu, &cu->h_samp, &cu->d_samp, &cu->samp_cap, staged)) != TDM_OK ||
         (st = stage_grow(cu, &cu->h_sout, &cu->d_sout, &cu->sout_cap, out_bytes)) != TDM_OK ||
         (st = scratch_grow(cu, tdm_cu_sample_scratch_bytes(n_rows, vocab))) != TDM_OK ||
-        (hs != &cu->h_samp && (st = pinned_grow(cu, hs, hs_cap, staged)) != TDM_OK) ||
-        (hout_p != &cu->h_sout && (st = pinned_grow(cu, hout_p, hout_cap, out_bytes)) != TDM_OK))
+        (hs != &cu->h_samp && (st = stage_grow(cu, hs, NULL, hs_cap, staged)) != TDM_OK) ||
+        (hout_p != &cu->h_sout &&
+         (st = stage_grow(cu, hout_p, NULL, hout_cap, out_bytes)) != TDM_OK))
         return st;
 
     struct tdm_cu_sample_row *hr = *hs;
