@@ -14,7 +14,10 @@
  *   transition                       performed by
  *   bytes in -> any state            feed(), called from pump() (one recv per call)
  *   head parsed -> body state        parse_head()
- *   peer closes in BODY_TO_CLOSE     pump()
+ *   peer closes (BODY_TO_CLOSE: DONE) rx_close(), from pump()
+ *
+ * tdm_bh_parser_* (httpc.h) runs the same machine on bytes its caller feeds: the unit test and
+ * the fuzz target drive it that way.
  *
  * Push and pull mode share pump(): push mode hands decoded body bytes to the caller's handler;
  * pull mode's own handler copies them into the connection's out buffer, which is drained before
@@ -468,6 +471,74 @@ static enum tdm_bh_fail feed(struct rx *rx, const char *p, size_t n)
     return TDM_BH_OK;
 }
 
+/* The peer closed the connection: what that means in the parser's state. */
+static enum tdm_bh_fail rx_close(struct rx *rx)
+{
+    if (rx->state == RX_DONE) return TDM_BH_OK;
+    if (rx->state == RX_TO_CLOSE) {
+        rx->state = RX_DONE;
+        return TDM_BH_OK;
+    }
+    tdm_err_set(TDM_EPEER, "the server closed the connection %s",
+                rx->state == RX_HEAD ? "before the response head" : "mid-body");
+    return TDM_BH_TRUNCATED;
+}
+
+/* ---- the parser alone (httpc.h) ---- */
+
+struct tdm_bh_parser {
+    struct rx rx;
+    struct tdm_bh_handler drop; /* the handler of a parser made without one */
+};
+
+tdm_bh_parser_t *tdm_bh_parser_new(const struct tdm_bh_handler *h)
+{
+    tdm_bh_parser_t *p = calloc(1, sizeof *p);
+    char *head = malloc(TDM_BH_MAX_HEAD_BYTES + 1);
+    if (!p || !head) {
+        free(p);
+        free(head);
+        return NULL;
+    }
+    p->rx.head = head;
+    p->rx.h = h ? h : &p->drop;
+    p->rx.state = RX_HEAD;
+    p->rx.content_length = -1;
+    return p;
+}
+
+enum tdm_bh_fail tdm_bh_parser_feed(tdm_bh_parser_t *p, const char *data, size_t n)
+{
+    return feed(&p->rx, data, n);
+}
+
+enum tdm_bh_fail tdm_bh_parser_close(tdm_bh_parser_t *p)
+{
+    return rx_close(&p->rx);
+}
+
+bool tdm_bh_parser_done(const tdm_bh_parser_t *p)
+{
+    return p->rx.state == RX_DONE;
+}
+
+int tdm_bh_parser_status(const tdm_bh_parser_t *p)
+{
+    return p->rx.head_done ? p->rx.status : 0;
+}
+
+int64_t tdm_bh_parser_content_length(const tdm_bh_parser_t *p)
+{
+    return p->rx.head_done ? p->rx.content_length : -1;
+}
+
+void tdm_bh_parser_free(tdm_bh_parser_t *p)
+{
+    if (!p) return;
+    free(p->rx.head);
+    free(p);
+}
+
 /* ---- one connection, driven by pump() ---- */
 
 struct tdm_bh_conn {
@@ -717,13 +788,7 @@ static enum tdm_bh_fail pump(struct tdm_bh_conn *c, uint64_t deadline_ns)
             break;
         }
         if (r == 0) {
-            if (c->rx.state == RX_TO_CLOSE) {
-                c->rx.state = RX_DONE;
-                return TDM_BH_OK;
-            }
-            tdm_err_set(TDM_EPEER, "the server closed the connection %s",
-                        c->rx.state == RX_HEAD ? "before the response head" : "mid-body");
-            f = TDM_BH_TRUNCATED;
+            if ((f = rx_close(&c->rx)) == TDM_BH_OK) return TDM_BH_OK;
             break;
         }
         if (errno == EINTR) continue;

@@ -130,4 +130,28 @@ int tdm_bh_fd(const tdm_bh_conn_t *c);
 /* Closes the socket and frees. NULL is a no-op. */
 void tdm_bh_close(tdm_bh_conn_t *c);
 
+/* ---- the response parser alone ----
+ * The state machine above, fed by the caller instead of a socket: for tests and the fuzz target
+ * (tests/fuzz/fuzz_httpc.c). One response per parser; one thread drives it. */
+
+typedef struct tdm_bh_parser tdm_bh_parser_t;
+
+/* A parser whose head and body go to h (borrowed; NULL: dropped). NULL when out of memory. */
+tdm_bh_parser_t *tdm_bh_parser_new(const struct tdm_bh_handler *h);
+/* Feeds n bytes, in pieces of any size. TDM_BH_PROTOCOL (the reason in tdm_err_msg()) on bytes
+ * no valid response holds, TDM_BH_ABORTED when h stopped it; bytes past the response's end are
+ * ignored. After a failure the parser is done with. */
+enum tdm_bh_fail tdm_bh_parser_feed(tdm_bh_parser_t *p, const char *data, size_t n);
+/* The peer closed: TDM_BH_OK when that ends the response (complete, or a body read to the
+ * close), TDM_BH_TRUNCATED when it cuts the head or a body of known end. */
+enum tdm_bh_fail tdm_bh_parser_close(tdm_bh_parser_t *p);
+/* Whether the response is complete. */
+bool tdm_bh_parser_done(const tdm_bh_parser_t *p);
+/* The final head's status (0 before it) and Content-Length (-1: chunked, to the close, or no
+ * head yet). */
+int tdm_bh_parser_status(const tdm_bh_parser_t *p);
+int64_t tdm_bh_parser_content_length(const tdm_bh_parser_t *p);
+/* NULL is a no-op. */
+void tdm_bh_parser_free(tdm_bh_parser_t *p);
+
 #endif
