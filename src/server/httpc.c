@@ -471,6 +471,15 @@ static enum tdm_bh_fail feed(struct rx *rx, const char *p, size_t n)
     return TDM_BH_OK;
 }
 
+/* A parser at the start of a response, reading the head into `head` (TDM_BH_MAX_HEAD_BYTES + 1
+ * bytes, owned by the caller) and handing it and the body to h. */
+static void rx_start(struct rx *rx, char *head, const struct tdm_bh_handler *h)
+{
+    rx->head = head;
+    rx->h = h;
+    rx->state = RX_HEAD;
+}
+
 /* The peer closed the connection: what that means in the parser's state. */
 static enum tdm_bh_fail rx_close(struct rx *rx)
 {
@@ -500,10 +509,7 @@ tdm_bh_parser_t *tdm_bh_parser_new(const struct tdm_bh_handler *h)
         free(head);
         return NULL;
     }
-    p->rx.head = head;
-    p->rx.h = h ? h : &p->drop;
-    p->rx.state = RX_HEAD;
-    p->rx.content_length = -1;
+    rx_start(&p->rx, head, h ? h : &p->drop);
     return p;
 }
 
@@ -722,9 +728,7 @@ static enum tdm_bh_fail conn_open(const struct tdm_bh_target *t, const struct td
         goto out_free;
     }
     c->fd = -1;
-    c->rx.head = head;
-    c->rx.h = h ? h : &c->pull;
-    c->rx.state = RX_HEAD;
+    rx_start(&c->rx, head, h ? h : &c->pull);
     c->pull = (struct tdm_bh_handler){NULL, pull_body, c};
 
     /* Request line and headers, then the body, in one buffer: one send for small requests. */

@@ -445,6 +445,13 @@ static void run_until_done(struct fix *f, tdm_req_t **rs, int n)
     fail_msg("requests did not finish in 2000 steps");
 }
 
+/* Overlap: steps until nothing is left to plan, which collects the launched step (bounded). */
+static void collect_launched(struct fix *f)
+{
+    for (int it = 0; it < 4 && tdm_sched_step(f->s);)
+        it++;
+}
+
 /* The request finished with `why` and produced the reference continuation. */
 static void expect_output(tdm_req_t *r, const int32_t *prompt, int n_prompt, int n,
                           enum tdm_finish why)
@@ -628,9 +635,7 @@ static void test_overlap(void **state)
         }
         tdm_req_release(rs[i]);
     }
-    /* the launched step is collected once nothing is left to plan */
-    for (int it = 0; it < 4 && tdm_sched_step(f.s);)
-        it++;
+    collect_launched(&f); /* once nothing is left to plan */
     expect_baseline(&f);
     struct tdm_sched_metrics_snapshot m;
     tdm_sched_metrics(f.s, &m);
@@ -1264,8 +1269,7 @@ static void test_overlap_failed_sampling_spares_the_next_step(void **state)
     expect_output(rb, b, 10, 7, TDM_FINISH_LENGTH);
     tdm_req_release(ra);
     tdm_req_release(rb);
-    for (int it = 0; it < 4 && tdm_sched_step(f.s);)
-        it++;
+    collect_launched(&f);
     assert_int_equal(f.x.n_held, 0);
     expect_baseline(&f);
     fix_close(&f);
@@ -1303,8 +1307,7 @@ static void test_overlap_failed_wait_empties_the_next_step(void **state)
     run_until_done(&f, &rd, 1);
     expect_output(rd, d, 6, 4, TDM_FINISH_LENGTH);
     tdm_req_release(rd);
-    for (int it = 0; it < 4 && tdm_sched_step(f.s);)
-        it++;
+    collect_launched(&f);
     expect_baseline(&f);
     fix_close(&f);
 }
