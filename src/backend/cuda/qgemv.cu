@@ -487,14 +487,23 @@ __device__ __forceinline__ void load_span(const tile &T, bool full, int nc_left,
         if (w + 8 * u < nc_left) load_one<KIND, GLOBAL>(T, w + 8 * u, g, t, A[u], B[u]);
 }
 
-/* spans whose loads a warp puts in flight together */
-constexpr int SPANS = 2;
+/* spans whose loads a warp puts in flight together: 2, or 4 with $TANDEM_CUDA_QGEMV_SPANS=4
+ * (read once; for comparisons: 4 holds twice the registers a lane) */
+int qgemv_spans()
+{
+    static int spans = 0;
+    if (!spans) {
+        const char *e = getenv("TANDEM_CUDA_QGEMV_SPANS");
+        spans = e && !strcmp(e, "4") ? 4 : 2;
+    }
+    return spans;
+}
 
 /* grid: (token tiles of 8 * NT, 16-row blocks of all parts). SWIGLU: parts 0 (gate) and 1 (up)
  * of equal rows, one block reads both. Each warp takes chunks warp, warp + 8, warp + 16, ...:
  * the pair of each span (qkind.h), SPANS spans a round, every load of the round issued before
  * the first product. */
-template <int KIND, int NT, bool SWIGLU>
+template <int KIND, int NT, bool SWIGLU, int SPANS>
 __global__ void __launch_bounds__(256) qgemv_kernel(qargs a)
 {
     constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1);
@@ -791,8 +800,10 @@ void launch_one(cudaStream_t s, const qargs &a, unsigned blocks, bool bulk)
     const size_t smem = (size_t)(SWIGLU ? 2 : 1) * (size_t)part_smem<KIND>();
     if (bulk && smem <= BULK_SMEM_MAX && allow_smem<KIND, NT, SWIGLU>())
         tdm_pdl_launch(qgemv_bulk_kernel<KIND, NT, SWIGLU>, grid, 256, smem, s, a);
+    else if (qgemv_spans() == 4)
+        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU, 4>, grid, 256, 0, s, a);
     else
-        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU>, grid, 256, 0, s, a);
+        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU, 2>, grid, 256, 0, s, a);
 }
 
 template <int KIND, int NT>
