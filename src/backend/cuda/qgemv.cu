@@ -727,15 +727,11 @@ __global__ void __launch_bounds__(256) qgemv_bulk_kernel(qargs a)
     finish<NT, SWIGLU>(a, P, red, acc, accu, warp, lane, r0, tok0);
 }
 
-/* element (row, col) of a packed matrix (qweight.h), as a float: the same loads and scale
- * arithmetic as the matrix-vector kernel, one element at a time */
+/* element (gi, h, b) of a lane's loaded piece, as a float: the matrix-vector kernel's scale
+ * arithmetic, one element at a time */
 template <int KIND>
-__device__ __forceinline__ float qelem(const tdm_cu_qgemv_part &p, int k, int row, int col)
+__device__ __forceinline__ float piece_elem(const raw<KIND> &w, int gi, int h, int b)
 {
-    int c, t, gi, h, b;
-    tdm_qt_where(KIND, col, &c, &t, &gi, &h, &b);
-    raw<KIND> w;
-    load_row<KIND>(p, k / 64, row, c, t, w);
     float s, mn;
     scale_of<KIND>(w, gi, h, s, mn);
     if (KIND == TDM_CU_Q8_0) {
@@ -749,14 +745,36 @@ __device__ __forceinline__ float qelem(const tdm_cu_qgemv_part &p, int k, int ro
     return s * (float)q + mn;
 }
 
-/* out[i][col] (bf16) = row r0 + i of the matrix */
+/* element (row, col) of a packed matrix (qweight.h) */
+template <int KIND>
+__device__ __forceinline__ float qelem(const tdm_cu_qgemv_part &p, int k, int row, int col)
+{
+    int c, t, gi, h, b;
+    tdm_qt_where(KIND, col, &c, &t, &gi, &h, &b);
+    raw<KIND> w;
+    load_row<KIND>(p, k / 64, row, c, t, w);
+    return piece_elem<KIND>(w, gi, h, b);
+}
+
+/* out[i][col] (bf16) = row r0 + i of the matrix: a thread a lane's piece (16 elements of one
+ * row and chunk), loaded once */
 template <int KIND>
 __global__ void qdequant_kernel(tdm_cu_qgemv_part p, int k, int r0, int n_rows, uint16_t *out)
 {
+    const int nc = k / 64;
     const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i >= (size_t)n_rows * k) return;
-    const int row = (int)(i / k), col = (int)(i % k);
-    out[i] = tdm_to_bf16(qelem<KIND>(p, k, r0 + row, col));
+    if (i >= (size_t)n_rows * nc * 4) return;
+    const int t = (int)(i % 4), c = (int)((i / 4) % nc), row = (int)(i / 4 / nc);
+    raw<KIND> w;
+    load_row<KIND>(p, nc, r0 + row, c, t, w);
+    uint16_t *o = out + (size_t)row * k;
+#pragma unroll
+    for (int gi = 0; gi < 2; gi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int b = 0; b < 4; b++)
+                o[tdm_qt_col(KIND, c, t, gi, h, b)] = tdm_to_bf16(piece_elem<KIND>(w, gi, h, b));
 }
 
 /* out[i] = row tokens[i] as fp32 */
@@ -911,7 +929,7 @@ extern "C" void tdm_cu_qgemv_set_form(int form)
 extern "C" void tdm_cu_qdequant(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *p, int k,
                                 int r0, int n_rows, uint16_t *out)
 {
-    const size_t n = (size_t)n_rows * k;
+    const size_t n = (size_t)n_rows * (k / 64) * 4; /* pieces */
     const unsigned blocks = (unsigned)((n + 255) / 256);
     if (!n) return;
     with_kind(kind, [&](auto kc) {
