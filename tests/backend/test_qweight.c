@@ -3,7 +3,10 @@
  * the host: every element of a packed matrix, decoded the way the kernels decode it, equals the
  * file's value as tdm_dequantize gives it (bit for bit), for each kind at widths of one chunk,
  * of several, and past the packer's 4,096-column stride; the widths a kind cannot take are
- * refused; the bytes are what qweight.h states. Runs without a GPU.
+ * refused; the bytes are what qweight.h states; and every address of qkind.h's tiles lies in its
+ * array, no two pieces overlap, and the pieces that the kernels fetch in one vector load
+ * (a lane's pair of chunks, its rows' scales) are side by side, as qgemv.cu assumes. Runs
+ * without a GPU.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -104,12 +107,105 @@ static void test_bytes(void **state)
     }
 }
 
+/* marks [off, off + n) in used[] (size cap); false if any byte was marked or lies past cap */
+static bool mark(uint8_t *used, size_t cap, size_t off, size_t n)
+{
+    if (off + n > cap) return false;
+    for (size_t i = 0; i < n; i++)
+        if (used[off + i]++) return false;
+    return true;
+}
+
+static bool all_marked(const uint8_t *used, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (used[i] != 1) return false;
+    return true;
+}
+
+static void check_tiles(enum tdm_dtype dt, int64_t rows, int64_t cols)
+{
+    struct tdm_cu_qlayout L;
+    assert_true(tdm_cu_qlayout(dt, rows, cols, &L));
+    const int kind = L.kind, nc = (int)(cols / 64), qb = tdm_qt_qb(kind), sb = tdm_qt_sb(kind);
+    const int db = tdm_qt_db(kind);
+    const int64_t R = (rows + 15) / 16 * 16; /* the padding rows are addressed too */
+    uint8_t *uq = calloc(1, L.q_bytes), *us = calloc(1, L.s_bytes);
+    uint8_t *uh = calloc(1, L.qh_bytes + 1), *ud = calloc(1, L.dd_bytes + 1);
+    assert_true(uq && us && uh && ud);
+    for (int64_t r = 0; r < R; r++) {
+        for (int c = 0; c < nc; c++) {
+            assert_true(mark(us, L.s_bytes, tdm_qt_s_at(kind, nc, r, c), (size_t)sb));
+            for (int t = 0; t < 4; t++) {
+                assert_true(mark(uq, L.q_bytes, tdm_qt_q_at(kind, nc, r, c, t), (size_t)qb / 4));
+                if (kind == TDM_CU_Q6_K)
+                    assert_true(mark(uh, L.qh_bytes, tdm_qt_qh_at(nc, r, c, t), 4));
+            }
+        }
+        if (db)
+            for (int b = 0; b < nc / 4; b++)
+                assert_true(mark(ud, L.dd_bytes, tdm_qt_dd_at(kind, nc, r, b), (size_t)db));
+    }
+    /* every byte of each array is some piece's */
+    assert_true(all_marked(uq, L.q_bytes) && all_marked(us, L.s_bytes));
+    assert_true(all_marked(uh, L.qh_bytes) && all_marked(ud, L.dd_bytes));
+    /* what one vector load of qgemv.cu brings */
+    for (int64_t rb = 0; rb < R / 16; rb++)
+        for (int s = 0; s < (nc + 15) / 16; s++) {
+            const bool full = tdm_qt_full(nc, s);
+            for (int w = 0; w < 8; w++)
+                for (int g = 0; g < 8; g++) {
+                    const int64_t ra = 16 * rb + g, rbb = ra + 8;
+                    const int c = 16 * s + w;
+                    if (c >= nc) continue;
+                    const size_t s0 = tdm_qt_s_at(kind, nc, ra, c);
+                    assert_int_equal(tdm_qt_s_at(kind, nc, rbb, c),
+                                     s0 + (size_t)sb * (full ? 2 : 1));
+                    if (db)
+                        assert_int_equal(tdm_qt_dd_at(kind, nc, rbb, c / 4),
+                                         tdm_qt_dd_at(kind, nc, ra, c / 4) + (size_t)db);
+                    if (!full) continue;
+                    assert_int_equal(tdm_qt_s_at(kind, nc, ra, c + 8), s0 + (size_t)sb);
+                    assert_int_equal(tdm_qt_s_at(kind, nc, rbb, c + 8), s0 + 3 * (size_t)sb);
+                    /* a warp's load of rows 16 rb .. + 7 (or + 8 .. + 15): 512 contiguous bytes */
+                    const size_t q0 = tdm_qt_q_at(kind, nc, 16 * rb, c, 0);
+                    for (int t = 0; t < 4; t++) {
+                        const size_t qa = tdm_qt_q_at(kind, nc, ra, c, t);
+                        assert_int_equal(qa, q0 + (size_t)g * 64 + (size_t)t * 16);
+                        /* the lane's pieces of c and c + 8: one 16-byte load (4-bit kinds), or
+                         * a second warp load of 512 contiguous bytes (Q8_0) */
+                        assert_int_equal(tdm_qt_q_at(kind, nc, ra, c + 8, t),
+                                         qa + (kind == TDM_CU_Q8_0 ? 1024 : 8));
+                        if (kind == TDM_CU_Q6_K)
+                            assert_int_equal(tdm_qt_qh_at(nc, ra, c + 8, t),
+                                             tdm_qt_qh_at(nc, ra, c, t) + 4);
+                    }
+                }
+        }
+    free(uq), free(us), free(uh), free(ud);
+}
+
+static void test_tile_addresses(void **state)
+{
+    (void)state;
+    const enum tdm_dtype dts[] = {TDM_DTYPE_Q8_0, TDM_DTYPE_Q4_0, TDM_DTYPE_Q4_1, TDM_DTYPE_Q4_K,
+                                  TDM_DTYPE_Q6_K};
+    const int64_t widths[] = {256, 576, 1024, 1536, 4608, 8448};
+    for (size_t d = 0; d < sizeof dts / sizeof dts[0]; d++)
+        for (size_t w = 0; w < sizeof widths / sizeof widths[0]; w++) {
+            const bool kq = dts[d] == TDM_DTYPE_Q4_K || dts[d] == TDM_DTYPE_Q6_K;
+            if (kq && widths[w] % 256) continue;
+            check_tiles(dts[d], w % 2 ? 40 : 16, widths[w]);
+        }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_element_is_the_files),
         cmocka_unit_test(test_widths_and_types_refused),
         cmocka_unit_test(test_bytes),
+        cmocka_unit_test(test_tile_addresses),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -303,29 +303,29 @@ static tdm_status random_blocks(struct tdm_cuda *cu, const struct tdm_cu_qlayout
         return tdm_err_set(TDM_ENOMEM, "cuda backend: cannot allocate %zu bytes", L->bytes);
     }
     uint8_t *base = dev;
-    const size_t R = (size_t)L->rows, C = (size_t)L->cols;
     const float a = fmaxf(fabsf(lo), fabsf(hi));
-    tdm_cu_fill_bytes(cu->stream, base + L->q_off, R * (L->kind == TDM_CU_Q8_0 ? C : C / 2), seed);
-    if (L->qh_off) tdm_cu_fill_bytes(cu->stream, base + L->qh_off, R * C / 4, seed + 1);
+    /* every array whole, the padding rows included (qweight.h) */
+    tdm_cu_fill_bytes(cu->stream, base + L->q_off, L->q_bytes, seed);
+    if (L->qh_off) tdm_cu_fill_bytes(cu->stream, base + L->qh_off, L->qh_bytes, seed + 1);
     switch (L->kind) {
     case TDM_CU_Q8_0:
     case TDM_CU_Q4_0:
-        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->s_off), R * C / 32, seed + 2,
+        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->s_off), L->s_bytes / 2, seed + 2,
                                 0.0f, a / (L->kind == TDM_CU_Q8_0 ? 64.0f : 4.0f));
         break;
     case TDM_CU_Q4_1: /* d and m */
-        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->s_off), 2 * R * C / 32, seed + 2,
+        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->s_off), L->s_bytes / 2, seed + 2,
                                 0.0f, a / 8.0f);
         break;
     case TDM_CU_Q4_K: /* 8-bit scales and mins, then d and dmin */
-        tdm_cu_fill_bytes(cu->stream, base + L->s_off, 2 * R * C / 32, seed + 2);
-        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->dd_off), 2 * R * C / 256,
+        tdm_cu_fill_bytes(cu->stream, base + L->s_off, L->s_bytes, seed + 2);
+        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->dd_off), L->dd_bytes / 2,
                                 seed + 3, 0.0f, a / (128.0f * 15.0f));
         break;
     case TDM_CU_Q6_K:
-        tdm_cu_fill_bytes(cu->stream, base + L->s_off, R * C / 16, seed + 2);
-        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->dd_off), R * C / 256, seed + 3,
-                                0.0f, a / (64.0f * 32.0f));
+        tdm_cu_fill_bytes(cu->stream, base + L->s_off, L->s_bytes, seed + 2);
+        tdm_cu_fill_uniform_f16(cu->stream, (uint16_t *)(base + L->dd_off), L->dd_bytes / 2,
+                                seed + 3, 0.0f, a / (64.0f * 32.0f));
         break;
     }
     TDM_CU_CHECK(cudaGetLastError());

@@ -3,8 +3,13 @@
  * tdm_cu_qdequant, tdm_cu_qembed; the layout is qweight.h's).
  *
  * Matrix-vector products (up to TDM_CU_QGEMV_MAX_N tokens): a block owns 16 weight rows and a
- * tile of 8 * NT tokens; its 8 warps take interleaved 64-column chunks of k. Per chunk a lane
- * loads its 8 (4-bit) or 16 (8-bit) bytes of two rows, r and r + 8, and turns them into bf16
+ * tile of 8 * NT tokens; its 8 warps take interleaved 64-column chunks of k (warp w: chunks w,
+ * w + 8, w + 16, ...). The matrix is stored in tiles of 16 rows x 16 chunks (qkind.h), so that a
+ * warp's two chunks of a tile (w and w + 8) for rows r and r + 8 come in two 16-byte loads a lane
+ * of 512 contiguous bytes a warp (Q8_0: four), their scales in one more, and the activations of
+ * a 32-column group in one 16-byte load. Fewer, fuller requests are what this kernel needs: an
+ * earlier row-major layout fed the L1 8 rows' cache lines per 256-byte load, and it was the L1,
+ * not DRAM, that saturated (bench/RESULTS.md, 2026-12-05). A lane turns its bytes into bf16
  * operands in registers: the stored integers, which bf16 holds exactly (|q| <= 128), never the
  * scaled values. A 4-bit nibble q becomes the bf16 number 128 + q by placing it under the
  * exponent byte 0x43 (__byte_perm), then the kind's offset is subtracted in bf16, exactly. Each
@@ -20,14 +25,13 @@
  * batch up to TDM_CU_QGEMV_MAX_N, and matmul_multi and matmul_swiglu give matmul's bits.
  *
  * Two forms carry the weight bytes in, with the same arithmetic and so the same bits: the
- * register form (qgemv_kernel: each warp loads its chunks' bytes into registers, UNROLL chunks
- * in flight) and the staged form (qgemv_bulk_kernel: the copy engine streams the block's rows
- * into shared memory, STAGES stages ahead, each completing on an mbarrier). The register form
- * is the default: on an H100 (bench/RESULTS.md, 2026-12-05) the staged one was 4-30% slower at
- * batch 1 and 8 for every kind (its 512-byte copies a row a stage, and the activations' L1 round
- * trips that the register form hides under its weight loads). $TANDEM_CUDA_QGEMV=bulk (or
- * tdm_cu_qgemv_set_form) picks the staged form where its alignment and shared-memory needs are
- * met, for comparisons and as the base of a swizzled tensor-copy version.
+ * register form (qgemv_kernel: each warp loads its chunks' bytes into registers, SPANS tiles
+ * in flight) and the staged form (qgemv_bulk_kernel: the copy engine streams the block's tiles
+ * into shared memory, one copy an array, STAGES tiles ahead, each completing on an mbarrier).
+ * The register form is the default: on an H100 (bench/RESULTS.md, 2026-12-05) the staged one
+ * was 4-30% slower at batch 1 and 8 for every kind, then with a row-major layout (512-byte
+ * copies a row a stage). $TANDEM_CUDA_QGEMV=bulk (or tdm_cu_qgemv_set_form) picks the staged
+ * form where its alignment and shared-memory needs are met, for comparisons.
  *
  * Larger batches (prefill) dequantise row chunks to bf16 (tdm_cu_qdequant) for cuBLASLt.
  */
@@ -104,33 +108,124 @@ template <int KIND> struct raw {
                   * .x and (d, dmin) in .y; Q6_K four int8 scales in .x and d in .y */
 };
 
+/* loads through the read-only path (global) or plain (shared memory) */
+template <bool GLOBAL, class T> __device__ __forceinline__ T ld(const uint8_t *p)
+{
+    return GLOBAL ? __ldg(reinterpret_cast<const T *>(p)) : *reinterpret_cast<const T *>(p);
+}
+
+/* where one tile (qkind.h: 16 rows x one span of 16 chunks) of a matrix begins in each array,
+ * in global memory or in a stage of shared memory */
+struct tile {
+    const uint8_t *q, *qh, *s, *dd;
+};
+
 template <int KIND>
-__device__ __forceinline__ void load_raw(const tdm_cu_qgemv_part &p, int k, int row, int c, int t,
+__device__ __forceinline__ tile tile_of(const tdm_cu_qgemv_part &p, int nc, int rb, int s)
+{
+    tile T;
+    T.q = p.q + tdm_qt_tile(tdm_qt_qb(KIND), nc, rb, s);
+    T.qh = KIND == TDM_CU_Q6_K ? p.qh + tdm_qt_tile(16, nc, rb, s) : nullptr;
+    T.s = p.s + tdm_qt_tile(tdm_qt_sb(KIND), nc, rb, s);
+    T.dd = tdm_qt_db(KIND) ? p.dd + tdm_qt_dd_tile(tdm_qt_db(KIND), nc / 4, rb, s) : nullptr;
+    return T;
+}
+
+/* the super-block scales of chunk cc of a tile for rows g (A) and g + 8 (B) */
+template <int KIND, bool GLOBAL>
+__device__ __forceinline__ void load_dd(const tile &T, int cc, int g, raw<KIND> &A, raw<KIND> &B)
+{
+    if (KIND == TDM_CU_Q4_K) {
+        const uint2 v = ld<GLOBAL, uint2>(T.dd + tdm_qt_dd(4, cc / 4, g));
+        A.s.y = v.x, B.s.y = v.y;
+    } else if (KIND == TDM_CU_Q6_K) {
+        const uint32_t v = ld<GLOBAL, uint32_t>(T.dd + tdm_qt_dd(2, cc / 4, g));
+        A.s.y = v & 0xffffu, B.s.y = v >> 16;
+    }
+}
+
+/* A full span: chunks w and w + 8 of the tile (a warp's pair) for rows g (A) and g + 8 (B), in
+ * one 16-byte load of each row's weights (Q8_0: one a chunk) and one of their scales (Q4_1: two).
+ */
+template <int KIND, bool GLOBAL>
+__device__ __forceinline__ void load_pair(const tile &T, int w, int g, int t, raw<KIND> (&A)[2],
+                                          raw<KIND> (&B)[2])
+{
+    if (KIND == TDM_CU_Q8_0) {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            A[u].w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, 64, 1, w + 8 * u, g, t));
+            B[u].w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, 64, 1, w + 8 * u, g + 8, t));
+        }
+    } else {
+        const uint4 va = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(0, 32, 1, w, g, t));
+        const uint4 vb = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(0, 32, 1, w, g + 8, t));
+        A[0].w.x = va.x, A[0].w.y = va.y, A[1].w.x = va.z, A[1].w.y = va.w;
+        B[0].w.x = vb.x, B[0].w.y = vb.y, B[1].w.x = vb.z, B[1].w.y = vb.w;
+    }
+    if (KIND == TDM_CU_Q6_K) {
+        const uint2 ha = ld<GLOBAL, uint2>(T.qh + tdm_qt_piece(0, 16, 1, w, g, t));
+        const uint2 hb = ld<GLOBAL, uint2>(T.qh + tdm_qt_piece(0, 16, 1, w, g + 8, t));
+        A[0].qh = ha.x, A[1].qh = ha.y, B[0].qh = hb.x, B[1].qh = hb.y;
+    }
+    if (KIND == TDM_CU_Q4_1) {
+        const uint4 sa = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(8, 1, w, g));
+        const uint4 sb = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(8, 1, w, g) + 16);
+        A[0].s = make_uint2(sa.x, sa.y), A[1].s = make_uint2(sa.z, sa.w);
+        B[0].s = make_uint2(sb.x, sb.y), B[1].s = make_uint2(sb.z, sb.w);
+    } else {
+        const uint4 v = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(4, 1, w, g));
+        A[0].s.x = v.x, A[1].s.x = v.y, B[0].s.x = v.z, B[1].s.x = v.w;
+    }
+    load_dd<KIND, GLOBAL>(T, w, g, A[0], B[0]);
+    load_dd<KIND, GLOBAL>(T, w + 8, g, A[1], B[1]);
+}
+
+/* A partial span (a row's last): chunk cc of the tile for rows g (A) and g + 8 (B). */
+template <int KIND, bool GLOBAL>
+__device__ __forceinline__ void load_one(const tile &T, int cc, int g, int t, raw<KIND> &A,
+                                         raw<KIND> &B)
+{
+    if (KIND == TDM_CU_Q8_0) {
+        A.w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, 64, 0, cc, g, t));
+        B.w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, 64, 0, cc, g + 8, t));
+    } else {
+        const uint2 va = ld<GLOBAL, uint2>(T.q + tdm_qt_piece(0, 32, 0, cc, g, t));
+        const uint2 vb = ld<GLOBAL, uint2>(T.q + tdm_qt_piece(0, 32, 0, cc, g + 8, t));
+        A.w.x = va.x, A.w.y = va.y, B.w.x = vb.x, B.w.y = vb.y;
+    }
+    if (KIND == TDM_CU_Q6_K) {
+        A.qh = ld<GLOBAL, uint32_t>(T.qh + tdm_qt_piece(0, 16, 0, cc, g, t));
+        B.qh = ld<GLOBAL, uint32_t>(T.qh + tdm_qt_piece(0, 16, 0, cc, g + 8, t));
+    }
+    if (KIND == TDM_CU_Q4_1) {
+        const uint4 v = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(8, 0, cc, g));
+        A.s = make_uint2(v.x, v.y), B.s = make_uint2(v.z, v.w);
+    } else {
+        const uint2 v = ld<GLOBAL, uint2>(T.s + tdm_qt_scales(4, 0, cc, g));
+        A.s.x = v.x, B.s.x = v.y;
+    }
+    load_dd<KIND, GLOBAL>(T, cc, g, A, B);
+}
+
+/* One row's piece of chunk c (for the element-wise kernels). */
+template <int KIND>
+__device__ __forceinline__ void load_row(const tdm_cu_qgemv_part &p, int nc, int row, int c, int t,
                                          raw<KIND> &r)
 {
-    const size_t g = (size_t)row * (k / 32) + 2 * c; /* the chunk's first 32-column group */
     if (KIND == TDM_CU_Q8_0) {
-        r.w = __ldg(reinterpret_cast<const uint4 *>(p.q + (size_t)row * k + 64 * c + 16 * t));
+        r.w = ld<true, uint4>(p.q + tdm_qt_q_at(KIND, nc, row, c, t));
     } else {
-        const uint2 w =
-            __ldg(reinterpret_cast<const uint2 *>(p.q + (size_t)row * (k / 2) + 32 * c + 8 * t));
-        r.w.x = w.x, r.w.y = w.y;
+        const uint2 v = ld<true, uint2>(p.q + tdm_qt_q_at(KIND, nc, row, c, t));
+        r.w.x = v.x, r.w.y = v.y;
     }
-    if (KIND == TDM_CU_Q6_K)
-        r.qh = __ldg(
-            reinterpret_cast<const uint32_t *>(p.qh + (size_t)row * (k / 4) + 16 * c + 4 * t));
-    if (KIND == TDM_CU_Q8_0 || KIND == TDM_CU_Q4_0) {
-        r.s.x = __ldg(reinterpret_cast<const uint32_t *>(p.s + g * 2));
-    } else if (KIND == TDM_CU_Q4_1) {
-        r.s = __ldg(reinterpret_cast<const uint2 *>(p.s + g * 4));
-    } else if (KIND == TDM_CU_Q4_K) {
-        r.s.x = __ldg(reinterpret_cast<const uint32_t *>(p.s + g * 2));
-        r.s.y =
-            __ldg(reinterpret_cast<const uint32_t *>(p.dd + ((size_t)row * (k / 256) + c / 4) * 4));
-    } else if (KIND == TDM_CU_Q6_K) {
-        r.s.x = __ldg(reinterpret_cast<const uint32_t *>(p.s + (size_t)row * (k / 16) + 4 * c));
-        r.s.y = __ldg(reinterpret_cast<const uint16_t *>(p.dd) + (size_t)row * (k / 256) + c / 4);
-    }
+    if (KIND == TDM_CU_Q6_K) r.qh = ld<true, uint32_t>(p.qh + tdm_qt_qh_at(nc, row, c, t));
+    if (KIND == TDM_CU_Q4_1)
+        r.s = ld<true, uint2>(p.s + tdm_qt_s_at(KIND, nc, row, c));
+    else
+        r.s.x = ld<true, uint32_t>(p.s + tdm_qt_s_at(KIND, nc, row, c));
+    if (KIND == TDM_CU_Q4_K) r.s.y = ld<true, uint32_t>(p.dd + tdm_qt_dd_at(KIND, nc, row, c / 4));
+    if (KIND == TDM_CU_Q6_K) r.s.y = ld<true, uint16_t>(p.dd + tdm_qt_dd_at(KIND, nc, row, c / 4));
 }
 
 __device__ __forceinline__ float half_bits(uint32_t h)
@@ -235,22 +330,33 @@ __device__ __forceinline__ void chunk_mma(const raw<KIND> &A, const raw<KIND> &B
     }
 }
 
-/* The activations of chunk c for this lane's token of each tile (columns 4t.. of each half
- * group, as the B fragments take them): loads only, so that they can be in flight ahead of
+/* The activations of chunk c for this lane's token of each tile, as the B fragments take them
+ * (tdm_qt_col: X[nt][gi][h] holds the columns of elements (gi, h, 0..3)): one 16-byte load a
+ * group, or for Q6_K 8 bytes a half group. Loads only, so that they can be in flight ahead of
  * their use. */
-template <int NT>
+template <int KIND, int NT>
 __device__ __forceinline__ void load_x_raw(const uint16_t *const (&xr)[NT], int c, int t,
                                            uint2 (&X)[NT][2][2])
 {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-        for (int gi = 0; gi < 2; gi++)
+        for (int gi = 0; gi < 2; gi++) {
+            if (KIND == TDM_CU_Q6_K) {
 #pragma unroll
-            for (int h = 0; h < 2; h++)
-                X[nt][gi][h] = xr[nt] ? __ldg(reinterpret_cast<const uint2 *>(
-                                            xr[nt] + 64 * c + 32 * gi + 16 * h + 4 * t))
-                                      : make_uint2(0, 0);
+                for (int h = 0; h < 2; h++)
+                    X[nt][gi][h] = xr[nt] ? __ldg(reinterpret_cast<const uint2 *>(
+                                                xr[nt] + 64 * c + 32 * gi + 16 * h + 4 * t))
+                                          : make_uint2(0, 0);
+            } else {
+                const uint4 v =
+                    xr[nt]
+                        ? __ldg(reinterpret_cast<const uint4 *>(xr[nt] + 64 * c + 32 * gi + 8 * t))
+                        : make_uint4(0, 0, 0, 0);
+                X[nt][gi][0] = make_uint2(v.x, v.y);
+                X[nt][gi][1] = make_uint2(v.z, v.w);
+            }
+        }
 }
 
 /* For kinds with a minimum, each group's sum of the activations over the two tokens this
@@ -285,7 +391,7 @@ template <int KIND, int NT>
 __device__ __forceinline__ void load_x(const uint16_t *const (&xr)[NT], int c, int t,
                                        uint2 (&X)[NT][2][2], float (&sx)[NT][2][2])
 {
-    load_x_raw<NT>(xr, c, t, X);
+    load_x_raw<KIND, NT>(xr, c, t, X);
     x_sums<KIND, NT>(X, t, sx);
 }
 
@@ -366,13 +472,38 @@ finish(const qargs &a, const tdm_cu_qgemv_part &P, float (*red)[NT * 4 * (SWIGLU
         }
 }
 
-/* chunks whose loads a warp puts in flight together */
-constexpr int UNROLL = 4;
+/* a warp's chunks of one span (w and w + 8 of its tile) for rows g and g + 8: one pair load in a
+ * full span, the chunks one by one in a partial one (a chunk past the row: not loaded, not used) */
+template <int KIND, bool GLOBAL>
+__device__ __forceinline__ void load_span(const tile &T, bool full, int nc_left, int w, int g,
+                                          int t, raw<KIND> (&A)[2], raw<KIND> (&B)[2])
+{
+    if (full) {
+        load_pair<KIND, GLOBAL>(T, w, g, t, A, B);
+        return;
+    }
+#pragma unroll
+    for (int u = 0; u < 2; u++)
+        if (w + 8 * u < nc_left) load_one<KIND, GLOBAL>(T, w + 8 * u, g, t, A[u], B[u]);
+}
+
+/* spans whose loads a warp puts in flight together: 2, or 4 with $TANDEM_CUDA_QGEMV_SPANS=4
+ * (read once; for comparisons: 4 holds twice the registers a lane) */
+int qgemv_spans()
+{
+    static int spans = 0;
+    if (!spans) {
+        const char *e = getenv("TANDEM_CUDA_QGEMV_SPANS");
+        spans = e && !strcmp(e, "4") ? 4 : 2;
+    }
+    return spans;
+}
 
 /* grid: (token tiles of 8 * NT, 16-row blocks of all parts). SWIGLU: parts 0 (gate) and 1 (up)
- * of equal rows, one block reads both. Each warp takes chunks warp, warp + 8, ...: UNROLL of
- * them a round, every load of the round issued before the first product. */
-template <int KIND, int NT, bool SWIGLU>
+ * of equal rows, one block reads both. Each warp takes chunks warp, warp + 8, warp + 16, ...:
+ * the pair of each span (qkind.h), SPANS spans a round, every load of the round issued before
+ * the first product. */
+template <int KIND, int NT, bool SWIGLU, int SPANS>
 __global__ void __launch_bounds__(256) qgemv_kernel(qargs a)
 {
     constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1);
@@ -381,40 +512,41 @@ __global__ void __launch_bounds__(256) qgemv_kernel(qargs a)
     int r0;
     const int part = block_part(a, r0);
     const tdm_cu_qgemv_part &P = a.p[part];
-    const int m = P.m, k = a.k;
-    const int ra = min(r0 + g, m - 1), rb = min(r0 + g + 8, m - 1);
+    const int k = a.k, nc = k / 64, rb = r0 / 16, n_spans = (nc + 15) / 16;
     const int tok0 = blockIdx.x * 8 * NT;
     const uint16_t *xr[NT];
     float acc[NT][4], accu[NT][4];
     tile_start<NT>(a, tok0, g, xr, acc, accu);
-    const int n_chunks = k / 64;
     bool waited = false;
-    for (int c0 = warp; c0 < n_chunks; c0 += 8 * UNROLL) {
-        raw<KIND> A[UNROLL], B[UNROLL], AU[UNROLL], BU[UNROLL];
+    for (int s0 = 0; s0 < n_spans; s0 += SPANS) {
+        raw<KIND> A[SPANS][2], B[SPANS][2], AU[SPANS][2], BU[SPANS][2];
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            const int c = min(c0 + 8 * u, n_chunks - 1); /* past the end: loaded, not used */
-            load_raw<KIND>(P, k, ra, c, t, A[u]);
-            load_raw<KIND>(P, k, rb, c, t, B[u]);
-            if (SWIGLU) {
-                load_raw<KIND>(a.p[1], k, ra, c, t, AU[u]);
-                load_raw<KIND>(a.p[1], k, rb, c, t, BU[u]);
-            }
+        for (int i = 0; i < SPANS; i++) {
+            const int s = s0 + i;
+            if (s >= n_spans) break;
+            const bool full = tdm_qt_full(nc, s);
+            load_span<KIND, true>(tile_of<KIND>(P, nc, rb, s), full, nc - 16 * s, warp, g, t, A[i],
+                                  B[i]);
+            if (SWIGLU)
+                load_span<KIND, true>(tile_of<KIND>(a.p[1], nc, rb, s), full, nc - 16 * s, warp, g,
+                                      t, AU[i], BU[i]);
         }
         if (!waited) { /* the weights are ours; x is the kernel before's (pdl.cuh) */
             tdm_pdl_wait();
             waited = true;
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            const int c = c0 + 8 * u;
-            if (c >= n_chunks) break;
-            uint2 X[NT][2][2];
-            float sx[NT][2][2];
-            load_x<KIND, NT>(xr, c, t, X, sx);
-            chunk_mma<KIND, NT>(A[u], B[u], X, sx, acc);
-            if (SWIGLU) chunk_mma<KIND, NT>(AU[u], BU[u], X, sx, accu);
-        }
+        for (int i = 0; i < SPANS; i++)
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int c = 16 * (s0 + i) + warp + 8 * u;
+                if (c >= nc) break;
+                uint2 X[NT][2][2];
+                float sx[NT][2][2];
+                load_x<KIND, NT>(xr, c, t, X, sx);
+                chunk_mma<KIND, NT>(A[i][u], B[i][u], X, sx, acc);
+                if (SWIGLU) chunk_mma<KIND, NT>(AU[i][u], BU[i][u], X, sx, accu);
+            }
     }
     if (!waited) tdm_pdl_wait();
     finish<NT, SWIGLU>(a, P, red, acc, accu, warp, lane, r0, tok0);
@@ -423,46 +555,30 @@ __global__ void __launch_bounds__(256) qgemv_kernel(qargs a)
 /* ---- the staged form: the copy engine streams the weights into shared memory ----
  *
  * Same blocks, warps, chunk order and arithmetic as qgemv_kernel (so the same bits); what
- * differs is how the weight bytes arrive. A stage is 1,024 columns (Q8_0: 512), 512 bytes of
- * each of the block's 16 rows (Q6_K: and 256 bytes of their high bits); STAGES of them are in
- * flight, each a bulk copy per row (cp.async.bulk) completing on the stage's mbarrier, issued
- * by warp 0 before the block waits for the kernel before it. The scales (and the K-quants'
- * super-block scales) of the block's rows, which are contiguous, come as one copy with stage 0.
- * A warp computes its chunks of a stage out of shared memory (rows padded so that a warp's
- * fragment loads hit distinct banks); after the block's barrier, warp 0 refills the stage.
- * So a block keeps 32 KB of weights (64 KB for SwiGLU's two matrices) in flight with a handful
- * of copy instructions, where the register form holds 16 KB in 64 load instructions a lane. */
+ * differs is how the weight bytes arrive. A stage is one span (qkind.h): the block's tile of
+ * each array, contiguous in global memory, so one bulk copy (cp.async.bulk) an array and matrix,
+ * completing on the stage's mbarrier; STAGES of them are in flight, issued by one lane before the
+ * block waits for the kernel before it. A warp reads its pair of each stage out of shared
+ * memory with the register form's loads (a tile in shared memory has the layout it has in
+ * global memory, and a warp's loads of it are 512 contiguous bytes, so they hit distinct banks);
+ * after the block's barrier, the stage is refilled. */
 
 constexpr int STAGES = 4;
 
+/* one matrix's tile a stage in shared memory: q, qh (Q6_K), s, dd (the K-quants) */
 template <int KIND> struct stage_geom {
-    static constexpr int CHUNKS = KIND == TDM_CU_Q8_0 ? 8 : 16;     /* 64-column chunks a stage */
-    static constexpr int SB = 512;                                  /* weight bytes a row a stage */
-    static constexpr int QS = SB + (KIND == TDM_CU_Q8_0 ? 64 : 32); /* a row's stride, shared */
-    static constexpr int HB = KIND == TDM_CU_Q6_K ? 256 : 0;        /* high bits a row a stage */
-    static constexpr int HS = HB ? HB + 16 : 0;
-    static constexpr int RING = STAGES * 16 * (QS + HS); /* one matrix's stages, bytes */
+    /* (qkind.h's tdm_qt_qb, _hb, _sb, _db, as constants) */
+    static constexpr int Q = 16 * 16 * (KIND == TDM_CU_Q8_0 ? 64 : 32);
+    static constexpr int QH = 16 * 16 * (KIND == TDM_CU_Q6_K ? 16 : 0);
+    static constexpr int S = 16 * 16 * (KIND == TDM_CU_Q4_1 ? 8 : 4);
+    static constexpr int DD = 4 * 16 * (KIND == TDM_CU_Q4_K ? 4 : KIND == TDM_CU_Q6_K ? 2 : 0);
+    static constexpr int TILE = Q + QH + S + DD; /* each a multiple of 128 */
 };
 
-/* bytes a row of the scale array s (and of dd) */
-__host__ __device__ constexpr int s_row_bytes(int kind, int k)
-{
-    return kind == TDM_CU_Q4_1 ? k / 8 : kind == TDM_CU_Q6_K ? k / 16 : k / 16;
-}
-__host__ __device__ constexpr int dd_row_bytes(int kind, int k)
-{
-    return kind == TDM_CU_Q4_K ? k / 64 : kind == TDM_CU_Q6_K ? k / 128 : 0;
-}
-__host__ __device__ constexpr int round16(int x)
-{
-    return (x + 15) & ~15;
-}
-
 /* one matrix's share of the block's dynamic shared memory */
-template <int KIND> __host__ __device__ constexpr int part_smem(int k)
+template <int KIND> __host__ __device__ constexpr int part_smem()
 {
-    return stage_geom<KIND>::RING + round16(16 * s_row_bytes(KIND, k)) +
-           round16(16 * dd_row_bytes(KIND, k));
+    return STAGES * stage_geom<KIND>::TILE;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p)
@@ -507,93 +623,47 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
                  : "memory");
 }
 
-/* where one matrix's stages and scales lie in the block's shared memory */
-struct part_sm {
-    uint8_t *q, *qh, *s, *dd;
-};
-
-template <int KIND> __device__ __forceinline__ part_sm part_at(uint8_t *base, int k)
+/* stage slot of one matrix in shared memory, as a tile */
+template <int KIND> __device__ __forceinline__ tile slot_tile(uint8_t *base, int slot)
 {
     using G = stage_geom<KIND>;
-    part_sm r;
-    r.q = base;
-    r.qh = base + STAGES * 16 * G::QS;
-    r.s = base + G::RING;
-    r.dd = r.s + round16(16 * s_row_bytes(KIND, k));
-    return r;
+    uint8_t *p = base + slot * G::TILE;
+    tile T;
+    T.q = p;
+    T.qh = p + G::Q;
+    T.s = p + G::Q + G::QH;
+    T.dd = p + G::Q + G::QH + G::S;
+    return T;
 }
 
-/* Warp 0 issues stage st of the block's rows (rows [r0, r0 + nr) of each matrix; stage 0 also
- * brings the scales). Lane 0 announces the bytes before any lane copies. */
+/* One lane issues stage st (span st) of the block's tiles: the bytes announced, then one copy
+ * an array and matrix. */
 template <int KIND, bool SWIGLU>
 __device__ __forceinline__ void issue_stage(const qargs &a, int part, uint8_t *smem, uint64_t *bars,
-                                            int st, int r0, int nr, int lane)
+                                            int st, int rb)
 {
     using G = stage_geom<KIND>;
     constexpr int NP = SWIGLU ? 2 : 1;
-    const int k = a.k, slot = st % STAGES;
-    const int qrow = KIND == TDM_CU_Q8_0 ? k : k / 2;
-    const int qb = min(G::SB, qrow - st * G::SB);
-    const int hb = G::HB ? min(G::HB, k / 4 - st * G::HB) : 0;
-    const int sb = st ? 0 : round16(nr * s_row_bytes(KIND, k));
-    const int db = st ? 0 : round16(nr * dd_row_bytes(KIND, k));
-    if (lane == 0) bar_expect(&bars[slot], (uint32_t)(NP * (nr * (qb + hb) + sb + db)));
-    __syncwarp();
+    const int nc = a.k / 64, slot = st % STAGES, n = min(16, nc - 16 * st); /* chunks */
+    const uint32_t q = (uint32_t)(n * 16 * tdm_qt_qb(KIND)),
+                   qh = (uint32_t)(n * 16 * tdm_qt_hb(KIND));
+    const uint32_t sb = (uint32_t)(n * 16 * tdm_qt_sb(KIND));
+    const uint32_t dd = (uint32_t)(n / 4 * 16 * tdm_qt_db(KIND));
+    bar_expect(&bars[slot], NP * (q + qh + sb + dd));
 #pragma unroll
     for (int pi = 0; pi < NP; pi++) {
-        const tdm_cu_qgemv_part &P = a.p[part + pi];
-        const part_sm S = part_at<KIND>(smem + pi * part_smem<KIND>(k), k);
-        for (int i = lane; i < nr; i += 32) {
-            const size_t row = (size_t)(r0 + i);
-            bulk_copy(S.q + (slot * 16 + i) * G::QS, P.q + row * qrow + st * G::SB, (uint32_t)qb,
-                      &bars[slot]);
-            if (G::HB)
-                bulk_copy(S.qh + (slot * 16 + i) * G::HS, P.qh + row * (k / 4) + st * G::HB,
-                          (uint32_t)hb, &bars[slot]);
-        }
-        if (st == 0 && lane == 0) {
-            bulk_copy(S.s, P.s + (size_t)r0 * s_row_bytes(KIND, k), (uint32_t)sb, &bars[slot]);
-            if (db)
-                bulk_copy(S.dd, P.dd + (size_t)r0 * dd_row_bytes(KIND, k), (uint32_t)db,
-                          &bars[slot]);
-        }
-    }
-}
-
-/* load_raw, out of shared memory: row i of the block, chunk c (cc within its stage) */
-template <int KIND>
-__device__ __forceinline__ void load_raw_sm(const part_sm &S, int k, int slot, int i, int c, int cc,
-                                            int t, raw<KIND> &r)
-{
-    using G = stage_geom<KIND>;
-    const uint8_t *q = S.q + (slot * 16 + i) * G::QS;
-    if (KIND == TDM_CU_Q8_0) {
-        r.w = *reinterpret_cast<const uint4 *>(q + 64 * cc + 16 * t);
-    } else {
-        const uint2 w = *reinterpret_cast<const uint2 *>(q + 32 * cc + 8 * t);
-        r.w.x = w.x, r.w.y = w.y;
-    }
-    if (KIND == TDM_CU_Q6_K)
-        r.qh =
-            *reinterpret_cast<const uint32_t *>(S.qh + (slot * 16 + i) * G::HS + 16 * cc + 4 * t);
-    const int g = i * (k / 32) + 2 * c; /* the chunk's first group, counted from row r0 */
-    if (KIND == TDM_CU_Q8_0 || KIND == TDM_CU_Q4_0) {
-        r.s.x = *reinterpret_cast<const uint32_t *>(S.s + g * 2);
-    } else if (KIND == TDM_CU_Q4_1) {
-        r.s = *reinterpret_cast<const uint2 *>(S.s + g * 4);
-    } else if (KIND == TDM_CU_Q4_K) {
-        r.s.x = *reinterpret_cast<const uint32_t *>(S.s + g * 2);
-        r.s.y = *reinterpret_cast<const uint32_t *>(S.dd + (i * (k / 256) + c / 4) * 4);
-    } else if (KIND == TDM_CU_Q6_K) {
-        r.s.x = *reinterpret_cast<const uint32_t *>(S.s + i * (k / 16) + 4 * c);
-        r.s.y = *reinterpret_cast<const uint16_t *>(S.dd + (i * (k / 256) + c / 4) * 2);
+        const tile src = tile_of<KIND>(a.p[part + pi], nc, rb, st);
+        const tile dst = slot_tile<KIND>(smem + pi * part_smem<KIND>(), slot);
+        bulk_copy((void *)dst.q, src.q, q, &bars[slot]);
+        if (qh) bulk_copy((void *)dst.qh, src.qh, qh, &bars[slot]);
+        bulk_copy((void *)dst.s, src.s, sb, &bars[slot]);
+        if (dd) bulk_copy((void *)dst.dd, src.dd, dd, &bars[slot]);
     }
 }
 
 template <int KIND, int NT, bool SWIGLU>
 __global__ void __launch_bounds__(256) qgemv_bulk_kernel(qargs a)
 {
-    using G = stage_geom<KIND>;
     constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1);
     __shared__ float red[8][NV][32];
     __shared__ __align__(8) uint64_t bars[STAGES];
@@ -602,37 +672,39 @@ __global__ void __launch_bounds__(256) qgemv_bulk_kernel(qargs a)
     int r0;
     const int part = block_part(a, r0);
     const tdm_cu_qgemv_part &P = a.p[part];
-    const int m = P.m, k = a.k, nr = min(16, m - r0);
-    const int ia = min(g, nr - 1), ib = min(g + 8, nr - 1); /* rows past m: the last one again */
-    const int n_chunks = k / 64, n_st = (n_chunks + G::CHUNKS - 1) / G::CHUNKS;
+    const int k = a.k, nc = k / 64, rb = r0 / 16, n_st = (nc + 15) / 16;
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; i++)
             bar_init(&bars[i], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (warp == 0) /* the weights are ours: in flight before the wait (pdl.cuh) */
+    if (threadIdx.x == 0) /* the weights are ours: in flight before the wait (pdl.cuh) */
         for (int st = 0; st < min(STAGES, n_st); st++)
-            issue_stage<KIND, SWIGLU>(a, part, smem, bars, st, r0, nr, lane);
+            issue_stage<KIND, SWIGLU>(a, part, smem, bars, st, rb);
     tdm_pdl_wait();
     const int tok0 = blockIdx.x * 8 * NT;
     const uint16_t *xr[NT];
     float acc[NT][4], accu[NT][4];
     tile_start<NT>(a, tok0, g, xr, acc, accu);
-    const part_sm S0 = part_at<KIND>(smem, k);
-    const part_sm S1 = part_at<KIND>(smem + part_smem<KIND>(k), k);
     /* the activations of the warp's next chunk are loaded a chunk ahead of their use: the
      * stages' weights are in shared memory by then, and an L1 round trip per chunk would
      * otherwise be on the critical path */
     uint2 Xn[NT][2][2];
-    if (warp < n_chunks) load_x_raw<NT>(xr, warp, t, Xn);
+    if (warp < nc) load_x_raw<KIND, NT>(xr, warp, t, Xn);
     for (int st = 0; st < n_st; st++) {
         const int slot = st % STAGES;
         bar_wait(&bars[slot], (uint32_t)((st / STAGES) & 1));
+        const bool full = tdm_qt_full(nc, st);
+        raw<KIND> A[2], B[2], AU[2], BU[2];
+        load_span<KIND, false>(slot_tile<KIND>(smem, slot), full, nc - 16 * st, warp, g, t, A, B);
+        if (SWIGLU)
+            load_span<KIND, false>(slot_tile<KIND>(smem + part_smem<KIND>(), slot), full,
+                                   nc - 16 * st, warp, g, t, AU, BU);
 #pragma unroll
-        for (int j = 0; j < G::CHUNKS / 8; j++) {
-            const int cc = warp + 8 * j, c = st * G::CHUNKS + cc;
-            if (c >= n_chunks) break;
+        for (int u = 0; u < 2; u++) {
+            const int c = 16 * st + warp + 8 * u;
+            if (c >= nc) break;
             uint2 X[NT][2][2];
             float sx[NT][2][2];
 #pragma unroll
@@ -642,35 +714,24 @@ __global__ void __launch_bounds__(256) qgemv_bulk_kernel(qargs a)
 #pragma unroll
                     for (int h = 0; h < 2; h++)
                         X[nt][gi][h] = Xn[nt][gi][h];
-            if (c + 8 < n_chunks) load_x_raw<NT>(xr, c + 8, t, Xn);
+            if (c + 8 < nc) load_x_raw<KIND, NT>(xr, c + 8, t, Xn);
             x_sums<KIND, NT>(X, t, sx);
-            raw<KIND> A, B;
-            load_raw_sm<KIND>(S0, k, slot, ia, c, cc, t, A);
-            load_raw_sm<KIND>(S0, k, slot, ib, c, cc, t, B);
-            chunk_mma<KIND, NT>(A, B, X, sx, acc);
-            if (SWIGLU) {
-                load_raw_sm<KIND>(S1, k, slot, ia, c, cc, t, A);
-                load_raw_sm<KIND>(S1, k, slot, ib, c, cc, t, B);
-                chunk_mma<KIND, NT>(A, B, X, sx, accu);
-            }
+            chunk_mma<KIND, NT>(A[u], B[u], X, sx, acc);
+            if (SWIGLU) chunk_mma<KIND, NT>(AU[u], BU[u], X, sx, accu);
         }
         if (st + STAGES < n_st) {
             __syncthreads(); /* every warp is done with the slot */
-            if (warp == 0)
-                issue_stage<KIND, SWIGLU>(a, part, smem, bars, st + STAGES, r0, nr, lane);
+            if (threadIdx.x == 0) issue_stage<KIND, SWIGLU>(a, part, smem, bars, st + STAGES, rb);
         }
     }
     finish<NT, SWIGLU>(a, P, red, acc, accu, warp, lane, r0, tok0);
 }
 
-/* element (row, col) of a packed matrix (qweight.h), as a float: the same loads and scale
- * arithmetic as the matrix-vector kernel, one element at a time */
+/* element (gi, h, b) of a lane's loaded piece, as a float: the matrix-vector kernel's scale
+ * arithmetic, one element at a time */
 template <int KIND>
-__device__ __forceinline__ float qelem(const tdm_cu_qgemv_part &p, int k, int row, int col)
+__device__ __forceinline__ float piece_elem(const raw<KIND> &w, int gi, int h, int b)
 {
-    const int c = col / 64, r = col % 64, gi = r / 32, h = (r / 16) % 2, t = (r / 4) % 4, b = r % 4;
-    raw<KIND> w;
-    load_raw<KIND>(p, k, row, c, t, w);
     float s, mn;
     scale_of<KIND>(w, gi, h, s, mn);
     if (KIND == TDM_CU_Q8_0) {
@@ -684,14 +745,36 @@ __device__ __forceinline__ float qelem(const tdm_cu_qgemv_part &p, int k, int ro
     return s * (float)q + mn;
 }
 
-/* out[i][col] (bf16) = row r0 + i of the matrix */
+/* element (row, col) of a packed matrix (qweight.h) */
+template <int KIND>
+__device__ __forceinline__ float qelem(const tdm_cu_qgemv_part &p, int k, int row, int col)
+{
+    int c, t, gi, h, b;
+    tdm_qt_where(KIND, col, &c, &t, &gi, &h, &b);
+    raw<KIND> w;
+    load_row<KIND>(p, k / 64, row, c, t, w);
+    return piece_elem<KIND>(w, gi, h, b);
+}
+
+/* out[i][col] (bf16) = row r0 + i of the matrix: a thread a lane's piece (16 elements of one
+ * row and chunk), loaded once */
 template <int KIND>
 __global__ void qdequant_kernel(tdm_cu_qgemv_part p, int k, int r0, int n_rows, uint16_t *out)
 {
+    const int nc = k / 64;
     const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i >= (size_t)n_rows * k) return;
-    const int row = (int)(i / k), col = (int)(i % k);
-    out[i] = tdm_to_bf16(qelem<KIND>(p, k, r0 + row, col));
+    if (i >= (size_t)n_rows * nc * 4) return;
+    const int t = (int)(i % 4), c = (int)((i / 4) % nc), row = (int)(i / 4 / nc);
+    raw<KIND> w;
+    load_row<KIND>(p, nc, r0 + row, c, t, w);
+    uint16_t *o = out + (size_t)row * k;
+#pragma unroll
+    for (int gi = 0; gi < 2; gi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int b = 0; b < 4; b++)
+                o[tdm_qt_col(KIND, c, t, gi, h, b)] = tdm_to_bf16(piece_elem<KIND>(w, gi, h, b));
 }
 
 /* out[i] = row tokens[i] as fp32 */
@@ -732,11 +815,13 @@ void launch_one(cudaStream_t s, const qargs &a, unsigned blocks, bool bulk)
     /* the token tiles of a row block side by side in launch order, so that the tiles after the
      * first find its rows in L2 */
     const dim3 grid((unsigned)((a.n + 8 * NT - 1) / (8 * NT)), blocks);
-    const size_t smem = (size_t)(SWIGLU ? 2 : 1) * (size_t)part_smem<KIND>(a.k);
+    const size_t smem = (size_t)(SWIGLU ? 2 : 1) * (size_t)part_smem<KIND>();
     if (bulk && smem <= BULK_SMEM_MAX && allow_smem<KIND, NT, SWIGLU>())
         tdm_pdl_launch(qgemv_bulk_kernel<KIND, NT, SWIGLU>, grid, 256, smem, s, a);
+    else if (qgemv_spans() == 4)
+        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU, 4>, grid, 256, 0, s, a);
     else
-        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU>, grid, 256, 0, s, a);
+        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU, 2>, grid, 256, 0, s, a);
 }
 
 template <int KIND, int NT>
@@ -809,7 +894,7 @@ extern "C" bool tdm_cu_qgemv(cudaStream_t s, int kind, const struct tdm_cu_qgemv
                              uint16_t *out_bf16)
 {
     if (n < 1 || n > (1 << 20) || n_parts < 1 || n_parts > 4 || k % 64 || k <= 0 ||
-        (uintptr_t)x % 8)
+        (uintptr_t)x % 16)
         return false;
     if (swiglu && (n_parts != 2 || parts[0].m != parts[1].m)) return false;
     qargs a = {};
@@ -844,7 +929,7 @@ extern "C" void tdm_cu_qgemv_set_form(int form)
 extern "C" void tdm_cu_qdequant(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *p, int k,
                                 int r0, int n_rows, uint16_t *out)
 {
-    const size_t n = (size_t)n_rows * k;
+    const size_t n = (size_t)n_rows * (k / 64) * 4; /* pieces */
     const unsigned blocks = (unsigned)((n + 255) / 256);
     if (!n) return;
     with_kind(kind, [&](auto kc) {

@@ -42,77 +42,51 @@ bool tdm_cu_qlayout(enum tdm_dtype t, int64_t rows, int64_t cols, struct tdm_cu_
     out->kind = kind;
     out->rows = rows;
     out->cols = cols;
-    const size_t R = (size_t)rows, C = (size_t)cols;
+    /* the arrays hold whole 16-row blocks (the rows past the last are zeros) */
+    const size_t R = (size_t)(rows + 15) / 16 * 16, nc = (size_t)cols / 64;
     size_t at = 0;
     out->q_off = at;
-    at = align256(at + R * (kind == TDM_CU_Q8_0 ? C : C / 2));
+    out->q_bytes = R * nc * (size_t)tdm_qt_qb(kind);
+    at = align256(at + out->q_bytes);
     if (kind == TDM_CU_Q6_K) {
         out->qh_off = at;
-        at = align256(at + R * C / 4);
+        out->qh_bytes = R * nc * (size_t)tdm_qt_hb(kind);
+        at = align256(at + out->qh_bytes);
     }
     out->s_off = at;
-    switch (kind) {
-    case TDM_CU_Q8_0:
-    case TDM_CU_Q4_0:
-    case TDM_CU_Q4_K:
-        at += R * (C / 32) * 2;
-        break;
-    case TDM_CU_Q4_1:
-        at += R * (C / 32) * 4;
-        break;
-    case TDM_CU_Q6_K:
-        at += R * (C / 16);
-        break;
-    }
-    at = align256(at);
+    out->s_bytes = R * nc * (size_t)tdm_qt_sb(kind);
+    at = align256(at + out->s_bytes);
     if (kq) {
         out->dd_off = at;
-        at = align256(at + R * (C / 256) * (kind == TDM_CU_Q4_K ? 4 : 2));
+        out->dd_bytes = R * (nc / 4) * (size_t)tdm_qt_db(kind);
+        at = align256(at + out->dd_bytes);
     }
     out->bytes = at;
     return true;
 }
 
-/* ---- element positions (qweight.h) ---- */
-
-/* the quad lane and element index of column col: col = 64 c + 32 gi + 16 h + 4 t + b */
-static inline void where(int64_t col, int64_t *c, int *t, int *gi, int *h, int *b)
-{
-    *c = col / 64;
-    const int r = (int)(col % 64);
-    *gi = r / 32;
-    *h = (r / 16) % 2;
-    *t = (r / 4) % 4;
-    *b = r % 4;
-}
+/* ---- element positions (qweight.h, qkind.h) ---- */
 
 static inline uint8_t *q_byte(const struct tdm_cu_qlayout *L, uint8_t *base, int64_t row,
                               int64_t col, bool *high)
 {
-    int64_t c;
-    int t, gi, h, b;
-    where(col, &c, &t, &gi, &h, &b);
-    if (L->kind == TDM_CU_Q8_0) {
-        *high = false;
-        return base + L->q_off + (size_t)row * (size_t)L->cols +
-               (size_t)(64 * c + 16 * t + 8 * gi + 4 * h + b);
-    }
-    *high = h == 1;
-    return base + L->q_off + (size_t)row * (size_t)(L->cols / 2) +
-           (size_t)(32 * c + 8 * t + 4 * gi + b);
+    int c, t, gi, h, b;
+    tdm_qt_where(L->kind, col, &c, &t, &gi, &h, &b);
+    const int nc = (int)(L->cols / 64);
+    uint8_t *piece = base + L->q_off + tdm_qt_q_at(L->kind, nc, row, c, t);
+    *high = L->kind != TDM_CU_Q8_0 && h == 1;
+    return piece + (L->kind == TDM_CU_Q8_0 ? 8 * gi + 4 * h + b : 4 * gi + b);
 }
 
 /* Q6_K: the byte and bit of element col's two high bits */
 static inline uint8_t *qh_byte(const struct tdm_cu_qlayout *L, uint8_t *base, int64_t row,
                                int64_t col, int *shift)
 {
-    int64_t c;
-    int t, gi, h, b;
-    where(col, &c, &t, &gi, &h, &b);
+    int c, t, gi, h, b;
+    tdm_qt_where(L->kind, col, &c, &t, &gi, &h, &b);
     const int bit = 8 * b + 2 * (2 * gi + h);
     *shift = bit % 8;
-    return base + L->qh_off + (size_t)row * (size_t)(L->cols / 4) + (size_t)(16 * c + 4 * t) +
-           (size_t)(bit / 8);
+    return base + L->qh_off + tdm_qt_qh_at((int)(L->cols / 64), row, c, t) + (size_t)(bit / 8);
 }
 
 static uint16_t get16(const uint8_t *p)
@@ -122,37 +96,49 @@ static uint16_t get16(const uint8_t *p)
     return v;
 }
 
-/* Writes nc columns of a row from their stored integers u[nc] (Q8_0: the int8 bits; 4-bit
- * kinds: 0..15; Q6_K: 0..63) in the chunked element order: q, the row's first byte of those
- * columns in the q array, qh its first in the qh array (Q6_K; NULL otherwise). */
-static void put_cols(int kind, const uint8_t *u, int64_t nc, uint8_t *q, uint8_t *qh)
+/* Writes the chunks of columns [c0, c0 + n) of a row from their stored integers u[n] (Q8_0: the
+ * int8 bits; 4-bit kinds: 0..15; Q6_K: 0..63), each lane's piece where qkind.h puts it. */
+static void put_cols(const struct tdm_cu_qlayout *L, uint8_t *dst, int64_t row, const uint8_t *u,
+                     int64_t c0, int64_t n)
 {
-    if (kind == TDM_CU_Q8_0) {
-        for (int64_t c = 0; c < nc / 64; c++)
-            for (int t = 0; t < 4; t++)
-                for (int gi = 0; gi < 2; gi++)
-                    for (int h = 0; h < 2; h++)
-                        memcpy(q + 64 * c + 16 * t + 8 * gi + 4 * h,
-                               u + 64 * c + 32 * gi + 16 * h + 4 * t, 4);
-        return;
-    }
-    for (int64_t c = 0; c < nc / 64; c++)
+    const int kind = L->kind, nc = (int)(L->cols / 64);
+    for (int c = (int)(c0 / 64); c < (int)((c0 + n) / 64); c++)
         for (int t = 0; t < 4; t++) {
+            uint8_t *q = dst + L->q_off + tdm_qt_q_at(kind, nc, row, c, t);
             uint32_t hbits = 0;
             for (int gi = 0; gi < 2; gi++)
                 for (int b = 0; b < 4; b++) {
-                    const uint8_t lo = u[64 * c + 32 * gi + 4 * t + b];
-                    const uint8_t hi = u[64 * c + 32 * gi + 16 + 4 * t + b];
-                    q[32 * c + 8 * t + 4 * gi + b] = (uint8_t)((lo & 0x0F) | (hi & 0x0F) << 4);
+                    const uint8_t lo = u[tdm_qt_col(kind, c, t, gi, 0, b) - c0];
+                    const uint8_t hi = u[tdm_qt_col(kind, c, t, gi, 1, b) - c0];
+                    if (kind == TDM_CU_Q8_0) {
+                        q[8 * gi + b] = lo;
+                        q[8 * gi + 4 + b] = hi;
+                        continue;
+                    }
+                    q[4 * gi + b] = (uint8_t)((lo & 0x0F) | (hi & 0x0F) << 4);
                     hbits |= (uint32_t)(lo >> 4 & 3) << (8 * b + 2 * (2 * gi));
                     hbits |= (uint32_t)(hi >> 4 & 3) << (8 * b + 2 * (2 * gi + 1));
                 }
-            if (qh) {
+            if (kind == TDM_CU_Q6_K) {
                 const uint8_t hb[4] = {(uint8_t)hbits, (uint8_t)(hbits >> 8),
                                        (uint8_t)(hbits >> 16), (uint8_t)(hbits >> 24)};
-                memcpy(qh + 16 * c + 4 * t, hb, 4);
+                memcpy(dst + L->qh_off + tdm_qt_qh_at(nc, row, c, t), hb, 4);
             }
         }
+}
+
+/* where the scale bytes of 32-column group g of a row go (Q6_K: of 16-column group g), and
+ * those of super-block sb */
+static uint8_t *s_dst(const struct tdm_cu_qlayout *L, uint8_t *dst, int64_t row, int64_t g)
+{
+    const int nc = (int)(L->cols / 64);
+    const int per_chunk = L->kind == TDM_CU_Q6_K ? 4 : 2, e = tdm_qt_sb(L->kind);
+    return dst + L->s_off + tdm_qt_s_at(L->kind, nc, row, (int)(g / per_chunk)) +
+           (size_t)(g % per_chunk) * (size_t)(e / per_chunk);
+}
+static uint8_t *dd_dst(const struct tdm_cu_qlayout *L, uint8_t *dst, int64_t row, int64_t sb)
+{
+    return dst + L->dd_off + tdm_qt_dd_at(L->kind, (int)(L->cols / 64), row, (int)sb);
 }
 
 void tdm_cu_qpack_rows(const struct tdm_cu_qlayout *L, const void *src, size_t src_row_bytes,
@@ -164,8 +150,6 @@ void tdm_cu_qpack_rows(const struct tdm_cu_qlayout *L, const void *src, size_t s
     for (int64_t i = 0; i < n; i++) {
         const int64_t row = r0 + i;
         const uint8_t *s = (const uint8_t *)src + (size_t)i * src_row_bytes;
-        uint8_t *sc = dst + L->s_off;
-        uint8_t *dd = dst + L->dd_off;
         /* a row goes through u[] 4,096 columns at a time (a multiple of every block) */
         for (int64_t c0 = 0; c0 < C; c0 += (int64_t)sizeof u) {
             const int64_t nc = C - c0 < (int64_t)sizeof u ? C - c0 : (int64_t)sizeof u;
@@ -173,8 +157,7 @@ void tdm_cu_qpack_rows(const struct tdm_cu_qlayout *L, const void *src, size_t s
             case TDM_CU_Q8_0:
                 for (int64_t g = c0 / 32; g < (c0 + nc) / 32; g++) {
                     const uint8_t *blk = s + (size_t)g * sizeof(struct block_q8_0);
-                    memcpy(sc + ((size_t)row * (size_t)(C / 32) + (size_t)g) * 2,
-                           blk + offsetof(struct block_q8_0, d), 2);
+                    memcpy(s_dst(L, dst, row, g), blk + offsetof(struct block_q8_0, d), 2);
                     memcpy(u + 32 * g - c0, blk + offsetof(struct block_q8_0, qs), 32);
                 }
                 break;
@@ -186,8 +169,7 @@ void tdm_cu_qpack_rows(const struct tdm_cu_qlayout *L, const void *src, size_t s
                     one ? offsetof(struct block_q4_1, qs) : offsetof(struct block_q4_0, qs);
                 for (int64_t g = c0 / 32; g < (c0 + nc) / 32; g++) {
                     const uint8_t *blk = s + (size_t)g * bb;
-                    memcpy(sc + ((size_t)row * (size_t)(C / 32) + (size_t)g) * (one ? 4 : 2), blk,
-                           one ? 4 : 2); /* d (and m) */
+                    memcpy(s_dst(L, dst, row, g), blk, one ? 4 : 2); /* d (and m) */
                     for (int j = 0; j < 16; j++) {
                         u[32 * g - c0 + j] = blk[qs + j] & 0x0F;
                         u[32 * g - c0 + j + 16] = blk[qs + j] >> 4;
@@ -198,12 +180,11 @@ void tdm_cu_qpack_rows(const struct tdm_cu_qlayout *L, const void *src, size_t s
             case TDM_CU_Q4_K:
                 for (int64_t sb = c0 / 256; sb < (c0 + nc) / 256; sb++) {
                     const uint8_t *blk = s + (size_t)sb * sizeof(struct block_q4_K);
-                    memcpy(dd + ((size_t)row * (size_t)(C / 256) + (size_t)sb) * 4, blk, 4);
+                    memcpy(dd_dst(L, dst, row, sb), blk, 4);
                     for (int j = 0; j < 8; j++) {
                         uint8_t scv, mnv;
                         tdm_k_scale_min(blk + offsetof(struct block_q4_K, scales), j, &scv, &mnv);
-                        uint8_t *p =
-                            sc + ((size_t)row * (size_t)(C / 32) + (size_t)(8 * sb + j)) * 2;
+                        uint8_t *p = s_dst(L, dst, row, 8 * sb + j);
                         p[0] = scv, p[1] = mnv;
                     }
                     const uint8_t *qsb = blk + offsetof(struct block_q4_K, qs);
@@ -218,10 +199,10 @@ void tdm_cu_qpack_rows(const struct tdm_cu_qlayout *L, const void *src, size_t s
             case TDM_CU_Q6_K:
                 for (int64_t sb = c0 / 256; sb < (c0 + nc) / 256; sb++) {
                     const uint8_t *blk = s + (size_t)sb * sizeof(struct block_q6_K);
-                    memcpy(dd + ((size_t)row * (size_t)(C / 256) + (size_t)sb) * 2,
-                           blk + offsetof(struct block_q6_K, d), 2);
-                    memcpy(sc + (size_t)row * (size_t)(C / 16) + (size_t)(16 * sb),
-                           blk + offsetof(struct block_q6_K, scales), 16);
+                    memcpy(dd_dst(L, dst, row, sb), blk + offsetof(struct block_q6_K, d), 2);
+                    for (int j = 0; j < 16; j++)
+                        *s_dst(L, dst, row, 16 * sb + j) =
+                            blk[offsetof(struct block_q6_K, scales) + (size_t)j];
                     const uint8_t *ql = blk + offsetof(struct block_q6_K, ql);
                     const uint8_t *qh = blk + offsetof(struct block_q6_K, qh);
                     uint8_t *y = u + 256 * sb - c0;
@@ -236,13 +217,7 @@ void tdm_cu_qpack_rows(const struct tdm_cu_qlayout *L, const void *src, size_t s
                 }
                 break;
             }
-            /* the columns [c0, c0 + nc) of this row */
-            const bool q8 = L->kind == TDM_CU_Q8_0;
-            put_cols(L->kind, u, nc,
-                     dst + L->q_off + (size_t)row * (size_t)(q8 ? C : C / 2) +
-                         (size_t)(q8 ? c0 : c0 / 2),
-                     L->qh_off ? dst + L->qh_off + (size_t)row * (size_t)(C / 4) + (size_t)(c0 / 4)
-                               : NULL);
+            put_cols(L, dst, row, u, c0, nc);
         }
     }
 }
@@ -252,30 +227,28 @@ float tdm_cu_qget(const struct tdm_cu_qlayout *L, const void *packed, int64_t ro
     uint8_t *base = (uint8_t *)packed;
     bool high;
     const uint8_t *p = q_byte(L, base, row, col, &high);
-    const uint8_t *sc = base + L->s_off, *dd = base + L->dd_off;
-    const int64_t C = L->cols;
-    const size_t g32 = (size_t)row * (size_t)(C / 32) + (size_t)(col / 32);
-    const size_t g256 = (size_t)row * (size_t)(C / 256) + (size_t)(col / 256);
+    const int64_t g32 = col / 32, sb = col / 256;
     const unsigned q = L->kind == TDM_CU_Q8_0 ? *p : high ? *p >> 4 : *p & 0x0F;
     switch (L->kind) {
     case TDM_CU_Q8_0:
-        return tdm_f16_to_f32(get16(sc + g32 * 2)) * (float)(int8_t)q;
+        return tdm_f16_to_f32(get16(s_dst(L, base, row, g32))) * (float)(int8_t)q;
     case TDM_CU_Q4_0:
-        return tdm_f16_to_f32(get16(sc + g32 * 2)) * (float)((int)q - 8);
-    case TDM_CU_Q4_1:
-        return tdm_f16_to_f32(get16(sc + g32 * 4)) * (float)q +
-               tdm_f16_to_f32(get16(sc + g32 * 4 + 2));
+        return tdm_f16_to_f32(get16(s_dst(L, base, row, g32))) * (float)((int)q - 8);
+    case TDM_CU_Q4_1: {
+        const uint8_t *dm = s_dst(L, base, row, g32);
+        return tdm_f16_to_f32(get16(dm)) * (float)q + tdm_f16_to_f32(get16(dm + 2));
+    }
     case TDM_CU_Q4_K: {
-        const float d = tdm_f16_to_f32(get16(dd + g256 * 4)),
-                    dmin = tdm_f16_to_f32(get16(dd + g256 * 4 + 2));
-        return d * (float)sc[g32 * 2] * (float)q - dmin * (float)sc[g32 * 2 + 1];
+        const uint8_t *dd = dd_dst(L, base, row, sb), *sm = s_dst(L, base, row, g32);
+        const float d = tdm_f16_to_f32(get16(dd)), dmin = tdm_f16_to_f32(get16(dd + 2));
+        return d * (float)sm[0] * (float)q - dmin * (float)sm[1];
     }
     case TDM_CU_Q6_K: {
         int sh;
         const uint8_t *ph = qh_byte(L, base, row, col, &sh);
         const int u = (int)(q | ((*ph >> sh) & 3u) << 4);
-        const float d = tdm_f16_to_f32(get16(dd + g256 * 2));
-        const int8_t s = (int8_t)sc[(size_t)row * (size_t)(C / 16) + (size_t)(col / 16)];
+        const float d = tdm_f16_to_f32(get16(dd_dst(L, base, row, sb)));
+        const int8_t s = (int8_t)*s_dst(L, base, row, col / 16);
         return d * (float)s * (float)(u - 32);
     }
     }
