@@ -28,10 +28,12 @@
  * register form (qgemv_kernel: each warp loads its chunks' bytes into registers, SPANS tiles
  * in flight) and the staged form (qgemv_bulk_kernel: the copy engine streams the block's tiles
  * into shared memory, one copy an array, STAGES tiles ahead, each completing on an mbarrier).
- * The register form is the default: on an H100 (bench/RESULTS.md, 2026-12-05) the staged one
- * was 4-30% slower at batch 1 and 8 for every kind, then with a row-major layout (512-byte
- * copies a row a stage). $TANDEM_CUDA_QGEMV=bulk (or tdm_cu_qgemv_set_form) picks the staged
- * form where its alignment and shared-memory needs are met, for comparisons.
+ * The register form is the default. With the row-major layout the staged form was 4-30% slower
+ * at batch 1 and 8 for every kind (an H100, bench/RESULTS.md 2026-12-05: 512-byte copies a row
+ * a stage); with tiles it was the faster one for Q4_0 in the one run that measured it (316
+ * against 281 tokens/s at batch 1, 2026-12-06), which is not yet enough to change the default.
+ * $TANDEM_CUDA_QGEMV=bulk (or tdm_cu_qgemv_set_form) picks the staged form where its alignment
+ * and shared-memory needs are met.
  *
  * Larger batches (prefill) dequantise row chunks to bf16 (tdm_cu_qdequant) for cuBLASLt.
  */
@@ -487,23 +489,15 @@ __device__ __forceinline__ void load_span(const tile &T, bool full, int nc_left,
         if (w + 8 * u < nc_left) load_one<KIND, GLOBAL>(T, w + 8 * u, g, t, A[u], B[u]);
 }
 
-/* spans whose loads a warp puts in flight together: 2, or 4 with $TANDEM_CUDA_QGEMV_SPANS=4
- * (read once; for comparisons: 4 holds twice the registers a lane) */
-int qgemv_spans()
-{
-    static int spans = 0;
-    if (!spans) {
-        const char *e = getenv("TANDEM_CUDA_QGEMV_SPANS");
-        spans = e && !strcmp(e, "4") ? 4 : 2;
-    }
-    return spans;
-}
+/* spans whose loads a warp puts in flight together (4 was 13% slower at batch 1 on an H100,
+ * bench/RESULTS.md 2026-12-06: twice the registers a lane) */
+constexpr int SPANS = 2;
 
 /* grid: (token tiles of 8 * NT, 16-row blocks of all parts). SWIGLU: parts 0 (gate) and 1 (up)
  * of equal rows, one block reads both. Each warp takes chunks warp, warp + 8, warp + 16, ...:
  * the pair of each span (qkind.h), SPANS spans a round, every load of the round issued before
  * the first product. */
-template <int KIND, int NT, bool SWIGLU, int SPANS>
+template <int KIND, int NT, bool SWIGLU>
 __global__ void __launch_bounds__(256) qgemv_kernel(qargs a)
 {
     constexpr int NV = NT * 4 * (SWIGLU ? 2 : 1);
@@ -818,10 +812,8 @@ void launch_one(cudaStream_t s, const qargs &a, unsigned blocks, bool bulk)
     const size_t smem = (size_t)(SWIGLU ? 2 : 1) * (size_t)part_smem<KIND>();
     if (bulk && smem <= BULK_SMEM_MAX && allow_smem<KIND, NT, SWIGLU>())
         tdm_pdl_launch(qgemv_bulk_kernel<KIND, NT, SWIGLU>, grid, 256, smem, s, a);
-    else if (qgemv_spans() == 4)
-        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU, 4>, grid, 256, 0, s, a);
     else
-        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU, 2>, grid, 256, 0, s, a);
+        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU>, grid, 256, 0, s, a);
 }
 
 template <int KIND, int NT>
