@@ -127,7 +127,7 @@ __device__ __forceinline__ tile tile_of(const tdm_cu_qgemv_part &p, int nc, int 
 {
     tile T;
     T.q = p.q + tdm_qt_tile(tdm_qt_qb(KIND), nc, rb, s);
-    T.qh = KIND == TDM_CU_Q6_K ? p.qh + tdm_qt_tile(16, nc, rb, s) : nullptr;
+    T.qh = KIND == TDM_CU_Q6_K ? p.qh + tdm_qt_tile(TDM_QT_HB(KIND), nc, rb, s) : nullptr;
     T.s = p.s + tdm_qt_tile(tdm_qt_sb(KIND), nc, rb, s);
     T.dd = tdm_qt_db(KIND) ? p.dd + tdm_qt_dd_tile(tdm_qt_db(KIND), nc / 4, rb, s) : nullptr;
     return T;
@@ -138,10 +138,10 @@ template <int KIND, bool GLOBAL>
 __device__ __forceinline__ void load_dd(const tile &T, int cc, int g, raw<KIND> &A, raw<KIND> &B)
 {
     if (KIND == TDM_CU_Q4_K) {
-        const uint2 v = ld<GLOBAL, uint2>(T.dd + tdm_qt_dd(4, cc / 4, g));
+        const uint2 v = ld<GLOBAL, uint2>(T.dd + tdm_qt_dd(TDM_QT_DB(KIND), cc / 4, g));
         A.s.y = v.x, B.s.y = v.y;
     } else if (KIND == TDM_CU_Q6_K) {
-        const uint32_t v = ld<GLOBAL, uint32_t>(T.dd + tdm_qt_dd(2, cc / 4, g));
+        const uint32_t v = ld<GLOBAL, uint32_t>(T.dd + tdm_qt_dd(TDM_QT_DB(KIND), cc / 4, g));
         A.s.y = v & 0xffffu, B.s.y = v >> 16;
     }
 }
@@ -156,27 +156,28 @@ __device__ __forceinline__ void load_pair(const tile &T, int w, int g, int t, ra
     if (KIND == TDM_CU_Q8_0) {
 #pragma unroll
         for (int u = 0; u < 2; u++) {
-            A[u].w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, 64, 1, w + 8 * u, g, t));
-            B[u].w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, 64, 1, w + 8 * u, g + 8, t));
+            A[u].w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, TDM_QT_QB(KIND), 1, w + 8 * u, g, t));
+            B[u].w =
+                ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, TDM_QT_QB(KIND), 1, w + 8 * u, g + 8, t));
         }
     } else {
-        const uint4 va = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(0, 32, 1, w, g, t));
-        const uint4 vb = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(0, 32, 1, w, g + 8, t));
+        const uint4 va = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(0, TDM_QT_QB(KIND), 1, w, g, t));
+        const uint4 vb = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(0, TDM_QT_QB(KIND), 1, w, g + 8, t));
         A[0].w.x = va.x, A[0].w.y = va.y, A[1].w.x = va.z, A[1].w.y = va.w;
         B[0].w.x = vb.x, B[0].w.y = vb.y, B[1].w.x = vb.z, B[1].w.y = vb.w;
     }
     if (KIND == TDM_CU_Q6_K) {
-        const uint2 ha = ld<GLOBAL, uint2>(T.qh + tdm_qt_piece(0, 16, 1, w, g, t));
-        const uint2 hb = ld<GLOBAL, uint2>(T.qh + tdm_qt_piece(0, 16, 1, w, g + 8, t));
+        const uint2 ha = ld<GLOBAL, uint2>(T.qh + tdm_qt_piece(0, TDM_QT_HB(KIND), 1, w, g, t));
+        const uint2 hb = ld<GLOBAL, uint2>(T.qh + tdm_qt_piece(0, TDM_QT_HB(KIND), 1, w, g + 8, t));
         A[0].qh = ha.x, A[1].qh = ha.y, B[0].qh = hb.x, B[1].qh = hb.y;
     }
     if (KIND == TDM_CU_Q4_1) {
-        const uint4 sa = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(8, 1, w, g));
-        const uint4 sb = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(8, 1, w, g) + 16);
+        const uint4 sa = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(TDM_QT_SB(KIND), 1, w, g));
+        const uint4 sb = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(TDM_QT_SB(KIND), 1, w, g) + 16);
         A[0].s = make_uint2(sa.x, sa.y), A[1].s = make_uint2(sa.z, sa.w);
         B[0].s = make_uint2(sb.x, sb.y), B[1].s = make_uint2(sb.z, sb.w);
     } else {
-        const uint4 v = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(4, 1, w, g));
+        const uint4 v = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(TDM_QT_SB(KIND), 1, w, g));
         A[0].s.x = v.x, A[1].s.x = v.y, B[0].s.x = v.z, B[1].s.x = v.w;
     }
     load_dd<KIND, GLOBAL>(T, w, g, A[0], B[0]);
@@ -189,22 +190,22 @@ __device__ __forceinline__ void load_one(const tile &T, int cc, int g, int t, ra
                                          raw<KIND> &B)
 {
     if (KIND == TDM_CU_Q8_0) {
-        A.w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, 64, 0, cc, g, t));
-        B.w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, 64, 0, cc, g + 8, t));
+        A.w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, TDM_QT_QB(KIND), 0, cc, g, t));
+        B.w = ld<GLOBAL, uint4>(T.q + tdm_qt_piece(1, TDM_QT_QB(KIND), 0, cc, g + 8, t));
     } else {
-        const uint2 va = ld<GLOBAL, uint2>(T.q + tdm_qt_piece(0, 32, 0, cc, g, t));
-        const uint2 vb = ld<GLOBAL, uint2>(T.q + tdm_qt_piece(0, 32, 0, cc, g + 8, t));
+        const uint2 va = ld<GLOBAL, uint2>(T.q + tdm_qt_piece(0, TDM_QT_QB(KIND), 0, cc, g, t));
+        const uint2 vb = ld<GLOBAL, uint2>(T.q + tdm_qt_piece(0, TDM_QT_QB(KIND), 0, cc, g + 8, t));
         A.w.x = va.x, A.w.y = va.y, B.w.x = vb.x, B.w.y = vb.y;
     }
     if (KIND == TDM_CU_Q6_K) {
-        A.qh = ld<GLOBAL, uint32_t>(T.qh + tdm_qt_piece(0, 16, 0, cc, g, t));
-        B.qh = ld<GLOBAL, uint32_t>(T.qh + tdm_qt_piece(0, 16, 0, cc, g + 8, t));
+        A.qh = ld<GLOBAL, uint32_t>(T.qh + tdm_qt_piece(0, TDM_QT_HB(KIND), 0, cc, g, t));
+        B.qh = ld<GLOBAL, uint32_t>(T.qh + tdm_qt_piece(0, TDM_QT_HB(KIND), 0, cc, g + 8, t));
     }
     if (KIND == TDM_CU_Q4_1) {
-        const uint4 v = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(8, 0, cc, g));
+        const uint4 v = ld<GLOBAL, uint4>(T.s + tdm_qt_scales(TDM_QT_SB(KIND), 0, cc, g));
         A.s = make_uint2(v.x, v.y), B.s = make_uint2(v.z, v.w);
     } else {
-        const uint2 v = ld<GLOBAL, uint2>(T.s + tdm_qt_scales(4, 0, cc, g));
+        const uint2 v = ld<GLOBAL, uint2>(T.s + tdm_qt_scales(TDM_QT_SB(KIND), 0, cc, g));
         A.s.x = v.x, B.s.x = v.y;
     }
     load_dd<KIND, GLOBAL>(T, cc, g, A, B);
@@ -561,11 +562,10 @@ constexpr int STAGES = 4;
 
 /* one matrix's tile a stage in shared memory: q, qh (Q6_K), s, dd (the K-quants) */
 template <int KIND> struct stage_geom {
-    /* (qkind.h's tdm_qt_qb, _hb, _sb, _db, as constants) */
-    static constexpr int Q = 16 * 16 * (KIND == TDM_CU_Q8_0 ? 64 : 32);
-    static constexpr int QH = 16 * 16 * (KIND == TDM_CU_Q6_K ? 16 : 0);
-    static constexpr int S = 16 * 16 * (KIND == TDM_CU_Q4_1 ? 8 : 4);
-    static constexpr int DD = 4 * 16 * (KIND == TDM_CU_Q4_K ? 4 : KIND == TDM_CU_Q6_K ? 2 : 0);
+    static constexpr int Q = 16 * 16 * TDM_QT_QB(KIND);
+    static constexpr int QH = 16 * 16 * TDM_QT_HB(KIND);
+    static constexpr int S = 16 * 16 * TDM_QT_SB(KIND);
+    static constexpr int DD = 4 * 16 * TDM_QT_DB(KIND);
     static constexpr int TILE = Q + QH + S + DD; /* each a multiple of 128 */
 };
 

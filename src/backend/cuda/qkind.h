@@ -27,22 +27,27 @@ enum tdm_cu_qkind {
 #endif
 
 /* Bytes of one row's share of one 64-column chunk: in q, in qh (Q6_K), in s; and of one
- * 256-column super-block in dd (the K-quants). */
+ * 256-column super-block in dd (the K-quants). Macros, so that they are constants where a
+ * compile-time kind is given (the kernels' shared-memory geometry), and functions. */
+#define TDM_QT_QB(kind) ((kind) == TDM_CU_Q8_0 ? 64 : 32)
+#define TDM_QT_HB(kind) ((kind) == TDM_CU_Q6_K ? 16 : 0)
+#define TDM_QT_SB(kind) ((kind) == TDM_CU_Q4_1 ? 8 : 4)
+#define TDM_QT_DB(kind) ((kind) == TDM_CU_Q4_K ? 4 : (kind) == TDM_CU_Q6_K ? 2 : 0)
 TDM_QT_FN int tdm_qt_qb(int kind)
 {
-    return kind == TDM_CU_Q8_0 ? 64 : 32;
+    return TDM_QT_QB(kind);
 }
 TDM_QT_FN int tdm_qt_hb(int kind)
 {
-    return kind == TDM_CU_Q6_K ? 16 : 0;
+    return TDM_QT_HB(kind);
 }
 TDM_QT_FN int tdm_qt_sb(int kind)
 {
-    return kind == TDM_CU_Q4_1 ? 8 : 4;
+    return TDM_QT_SB(kind);
 }
 TDM_QT_FN int tdm_qt_db(int kind)
 {
-    return kind == TDM_CU_Q4_K ? 4 : kind == TDM_CU_Q6_K ? 2 : 0;
+    return TDM_QT_DB(kind);
 }
 
 /* Tile (rb, s) of an array of e bytes a row a chunk, nc chunks a row: 16 rows x 16 chunks
@@ -99,7 +104,7 @@ TDM_QT_FN size_t tdm_qt_q_at(int kind, int nc, int64_t row, int c, int t)
 }
 TDM_QT_FN size_t tdm_qt_qh_at(int nc, int64_t row, int c, int t)
 {
-    const int e = 16, s = c / 16;
+    const int e = TDM_QT_HB(TDM_CU_Q6_K), s = c / 16;
     return tdm_qt_tile(e, nc, row / 16, s) +
            tdm_qt_piece(0, e, tdm_qt_full(nc, s), c % 16, (int)(row % 16), t);
 }
