@@ -187,6 +187,12 @@ struct tdm_buf {
 /* Parses a decimal integer in [lo, hi]; false on junk, overflow or out of range. */
 bool tdm_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 bool tdm_parse_f64(const char *s, double *out);
+/* How long a thread waiting for its next job or a barrier spins before it sleeps: dflt_ns, or
+ * $TANDEM_POOL_SPIN_US microseconds (0 to 100000) when set. TDM_EINVAL, with a message, when
+ * the variable is set but malformed. Spinning pays when each thread has a core of its own; where
+ * processes share fewer cores than they have threads, spinners take the cores the working
+ * threads need. */
+tdm_status tdm_spin_ns(uint64_t dflt_ns, uint64_t *out);
 /* bf16 / fp16 conversions (round to nearest even for the narrowing ones). */
 float tdm_bf16_to_f32(uint16_t h);
 uint16_t tdm_f32_to_bf16(float f);

@@ -27,7 +27,9 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define SPIN_NS 300000ull /* how long an idle worker spins before it sleeps */
+/* How long an idle worker spins before it sleeps: 300 us, or $TANDEM_POOL_SPIN_US (tdm_spin_ns),
+ * read once per pool. */
+#define SPIN_NS_DEFAULT 300000ull
 
 struct tdm_pool;
 struct worker_arg {
@@ -43,6 +45,7 @@ struct tdm_pool {
     _Atomic int pending;
     _Atomic int sleepers;
     _Atomic bool stop;
+    uint64_t spin_ns;
     tdm_pool_fn fn;
     void *ctx;
     pthread_mutex_t mu;
@@ -65,7 +68,8 @@ static void *worker_main(void *p)
         unsigned spins = 0;
         while (atomic_load(&pool->generation) == seen && !atomic_load(&pool->stop)) {
             cpu_relax();
-            if ((++spins & 1023) == 0 && tdm_now_ns() - t0 > SPIN_NS) {
+            if (pool->spin_ns == 0 ||
+                ((++spins & 1023) == 0 && tdm_now_ns() - t0 >= pool->spin_ns)) {
                 pthread_mutex_lock(&pool->mu);
                 atomic_fetch_add(&pool->sleepers, 1);
                 while (atomic_load(&pool->generation) == seen && !atomic_load(&pool->stop))
@@ -88,6 +92,10 @@ tdm_status tdm_pool_create(int n_threads, tdm_pool_t **out)
     struct tdm_pool *pool = calloc(1, sizeof *pool);
     if (!pool) return tdm_err_set(TDM_ENOMEM, "thread pool: out of memory");
     pool->n_threads = n_threads;
+    if (tdm_spin_ns(SPIN_NS_DEFAULT, &pool->spin_ns) != TDM_OK) {
+        free(pool);
+        return TDM_EINVAL;
+    }
     pthread_mutex_init(&pool->mu, NULL);
     pthread_cond_init(&pool->cv, NULL);
     pool->threads = calloc((size_t)n_threads, sizeof *pool->threads);

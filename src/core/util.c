@@ -84,6 +84,20 @@ bool tdm_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out)
     return true;
 }
 
+tdm_status tdm_spin_ns(uint64_t dflt_ns, uint64_t *out)
+{
+    const char *e = getenv("TANDEM_POOL_SPIN_US");
+    int64_t us;
+    if (!e || !*e) {
+        *out = dflt_ns;
+        return TDM_OK;
+    }
+    if (!tdm_parse_i64(e, 0, 100000, &us))
+        return tdm_err_set(TDM_EINVAL, "TANDEM_POOL_SPIN_US=%s: not an integer in 0..100000", e);
+    *out = (uint64_t)us * 1000u;
+    return TDM_OK;
+}
+
 bool tdm_parse_f64(const char *s, double *out)
 {
     if (!s || !*s) return false;

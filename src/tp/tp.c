@@ -34,10 +34,11 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define SPIN_NS 200000ull /* how long a waiting rank spins before it sleeps */
+#define SPIN_NS 200000ull /* how long a waiting rank spins before it sleeps (tdm_spin_ns) */
 
 struct tdm_tp_group {
     int n_ranks;
+    uint64_t spin_ns; /* SPIN_NS or $TANDEM_POOL_SPIN_US */
     _Atomic int arrived;
     _Atomic uint64_t generation;
     _Atomic int sleepers;
@@ -170,6 +171,10 @@ tdm_status tdm_tp_group_create(int n_ranks, size_t max_floats, tdm_tp_group_t **
     if (!g) return tdm_err_set(TDM_ENOMEM, "tp: out of memory");
     g->n_ranks = n_ranks;
     g->max_floats = max_floats;
+    if (tdm_spin_ns(SPIN_NS, &g->spin_ns) != TDM_OK) {
+        free(g);
+        return TDM_EINVAL;
+    }
     if (n_ranks > 1 && max_floats) {
         g->staging = tdm_alloc_aligned(2 * (size_t)n_ranks * max_floats * sizeof(float));
         if (!g->staging) {
@@ -217,7 +222,7 @@ void tdm_tp_barrier(tdm_tp_group_t *g)
         cpu_relax();
         if ((++spins & 1023) != 0) continue;
         sched_yield(); /* more runnable threads than cores: let the one we wait for run */
-        if (tdm_now_ns() - t0 > SPIN_NS) {
+        if (tdm_now_ns() - t0 >= g->spin_ns) {
             pthread_mutex_lock(&g->mu);
             atomic_fetch_add(&g->sleepers, 1);
             while (atomic_load(&g->generation) == gen)

@@ -73,26 +73,50 @@ static void pool_fill(void *p, int ith, int nth)
 static void test_pool(void **state)
 {
     (void)state;
-    for (int nt = 1; nt <= 4; nt++) {
-        tdm_pool_t *pool;
-        assert_int_equal(tdm_pool_create(nt, &pool), TDM_OK);
-        assert_int_equal(tdm_pool_size(pool), nt);
-        enum { N = 1001 };
-        int hits[N], who[N], who0[N];
-        struct pool_ctx c = {N, hits, who};
-        for (int rep = 0; rep < 200; rep++) {
-            memset(hits, 0, sizeof hits);
-            tdm_pool_run(pool, pool_fill, &c);
-            for (int i = 0; i < N; i++)
-                assert_int_equal(hits[i], 1);
-            if (rep == 0)
-                memcpy(who0, who, sizeof who);
-            else
-                assert_memory_equal(who, who0, sizeof who); /* same split every time */
-            if (rep == 100) usleep(2000); /* let workers fall asleep, then wake them */
+    /* the default spin, none (a worker sleeps as soon as it is idle: every job wakes it), and
+     * a short one; the suite's environment sets its own, restored after */
+    const char *env = getenv("TANDEM_POOL_SPIN_US");
+    char *saved = env ? strdup(env) : NULL;
+    const char *spins[] = {NULL, "0", "20"};
+    for (int sp = 0; sp < 3; sp++) {
+        if (spins[sp])
+            setenv("TANDEM_POOL_SPIN_US", spins[sp], 1);
+        else
+            unsetenv("TANDEM_POOL_SPIN_US");
+        for (int nt = 1; nt <= 4; nt++) {
+            tdm_pool_t *pool;
+            assert_int_equal(tdm_pool_create(nt, &pool), TDM_OK);
+            assert_int_equal(tdm_pool_size(pool), nt);
+            enum { N = 1001 };
+            int hits[N], who[N], who0[N];
+            struct pool_ctx c = {N, hits, who};
+            for (int rep = 0; rep < 200; rep++) {
+                memset(hits, 0, sizeof hits);
+                tdm_pool_run(pool, pool_fill, &c);
+                for (int i = 0; i < N; i++)
+                    assert_int_equal(hits[i], 1);
+                if (rep == 0)
+                    memcpy(who0, who, sizeof who);
+                else
+                    assert_memory_equal(who, who0, sizeof who); /* same split every time */
+                if (rep == 100) usleep(2000); /* let workers fall asleep, then wake them */
+            }
+            tdm_pool_destroy(pool);
         }
-        tdm_pool_destroy(pool);
     }
+    /* a malformed or out-of-range spin is refused, not read as some other number */
+    const char *bad[] = {"-1", "100001", "x", "20us", "1e3"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        setenv("TANDEM_POOL_SPIN_US", bad[i], 1);
+        tdm_pool_t *pool = NULL;
+        assert_int_equal(tdm_pool_create(2, &pool), TDM_EINVAL);
+        assert_null(pool);
+    }
+    if (saved)
+        setenv("TANDEM_POOL_SPIN_US", saved, 1);
+    else
+        unsetenv("TANDEM_POOL_SPIN_US");
+    free(saved);
     tdm_pool_destroy(NULL);
 }
 
