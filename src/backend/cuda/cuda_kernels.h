@@ -133,10 +133,11 @@ struct tdm_cu_qgemv_part {
 };
 bool tdm_cu_qgemv(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *parts, int n_parts,
                   int k, const uint16_t *x, int n, bool swiglu, uint16_t *out_bf16);
-/* Which form of the kernel tdm_cu_qgemv launches (the same bits either way): AUTO (today the
- * register form, the faster one measured), REGS (each warp loads its weights into registers),
- * BULK (the copy engine stages them in shared memory, where alignment and shared memory allow).
- * $TANDEM_CUDA_QGEMV=regs|bulk sets it at start; this call overrides it (benchmarks, tests). */
+/* Which form of the kernel tdm_cu_qgemv launches (the same bits either way): AUTO (the faster
+ * one measured per kind: the staged form but for Q4_K), REGS (each warp loads its weights into
+ * registers), BULK (the copy engine stages them in shared memory, where alignment and shared memory
+ * allow). $TANDEM_CUDA_QGEMV=regs|bulk sets it at start; this call overrides it (benchmarks,
+ * tests). */
 enum { TDM_CU_QGEMV_AUTO = 0, TDM_CU_QGEMV_REGS = 1, TDM_CU_QGEMV_BULK = 2 };
 void tdm_cu_qgemv_set_form(int form);
 void tdm_cu_qdequant(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *p, int k, int r0,

@@ -28,12 +28,13 @@
  * register form (qgemv_kernel: each warp loads its chunks' bytes into registers, SPANS tiles
  * in flight) and the staged form (qgemv_bulk_kernel: the copy engine streams the block's tiles
  * into shared memory, one copy an array, STAGES tiles ahead, each completing on an mbarrier).
- * The register form is the default. With the row-major layout the staged form was 4-30% slower
- * at batch 1 and 8 for every kind (an H100, bench/RESULTS.md 2026-12-05: 512-byte copies a row
- * a stage); with tiles it was the faster one for Q4_0 in the one run that measured it (316
- * against 281 tokens/s at batch 1, 2026-12-06), which is not yet enough to change the default.
- * $TANDEM_CUDA_QGEMV=bulk (or tdm_cu_qgemv_set_form) picks the staged form where its alignment
- * and shared-memory needs are met.
+ * With the row-major layout the staged form was 4-30% slower at batch 1 and 8 for every kind
+ * (an H100, bench/RESULTS.md 2026-12-05: 512-byte copies a row a stage); with tiles (one bulk
+ * copy an array a tile) it is the faster one, and the default, for every kind but Q4_K (an H100,
+ * two rounds, 2026-12-06: batch 1 +12% Q4_0, +5% Q4_1, +3% Q8_0, equal Q6_K; batch 8 +3-13%;
+ * Q4_K +1% at batch 1 but -2% at batch 8, so it keeps the register form).
+ * $TANDEM_CUDA_QGEMV=regs|bulk (or tdm_cu_qgemv_set_form) forces one form for every kind; the
+ * staged one runs where its alignment and shared-memory needs are met.
  *
  * Larger batches (prefill) dequantise row chunks to bf16 (tdm_cu_qdequant) for cuBLASLt.
  */
@@ -751,24 +752,41 @@ __device__ __forceinline__ float qelem(const tdm_cu_qgemv_part &p, int k, int ro
 }
 
 /* out[i][col] (bf16) = row r0 + i of the matrix: a thread a lane's piece (16 elements of one
- * row and chunk), loaded once */
+ * row and chunk), loaded once. A warp takes lanes t of rows r0 + 16 rb + (0..7 or 8..15) of one
+ * chunk, so that its loads are the tile's side-by-side pieces (qkind.h), and a thread writes
+ * its elements in runs of adjacent columns: two 16-byte stores (Q6_K: four of 8 bytes), where
+ * 16 stores of 2 bytes a thread made the old form 11% slower at prefill than row-major blocks. */
 template <int KIND>
 __global__ void qdequant_kernel(tdm_cu_qgemv_part p, int k, int r0, int n_rows, uint16_t *out)
 {
     const int nc = k / 64;
     const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i >= (size_t)n_rows * nc * 4) return;
-    const int t = (int)(i % 4), c = (int)((i / 4) % nc), row = (int)(i / 4 / nc);
+    const int t = (int)(i % 4), r = (int)((i / 4) % 16);
+    const size_t rest = i / 64;
+    const int c = (int)(rest % (size_t)nc);
+    const size_t row = (rest / (size_t)nc) * 16 + (size_t)r;
+    if (row >= (size_t)n_rows) return;
     raw<KIND> w;
-    load_row<KIND>(p, nc, r0 + row, c, t, w);
-    uint16_t *o = out + (size_t)row * k;
+    load_row<KIND>(p, nc, r0 + (int)row, c, t, w);
+    uint16_t *o = out + row * (size_t)k;
 #pragma unroll
-    for (int gi = 0; gi < 2; gi++)
+    for (int gi = 0; gi < 2; gi++) {
+        uint32_t v[4];
 #pragma unroll
         for (int h = 0; h < 2; h++)
 #pragma unroll
-            for (int b = 0; b < 4; b++)
-                o[tdm_qt_col(KIND, c, t, gi, h, b)] = tdm_to_bf16(piece_elem<KIND>(w, gi, h, b));
+            for (int b = 0; b < 4; b += 2)
+                v[2 * h + b / 2] = (uint32_t)tdm_to_bf16(piece_elem<KIND>(w, gi, h, b)) |
+                                   (uint32_t)tdm_to_bf16(piece_elem<KIND>(w, gi, h, b + 1)) << 16;
+        if (KIND == TDM_CU_Q6_K) {
+            /* (gi, h)'s four elements are columns tdm_qt_col(.., gi, h, 0..3), adjacent */
+            *(uint2 *)(o + tdm_qt_col(KIND, c, t, gi, 0, 0)) = make_uint2(v[0], v[1]);
+            *(uint2 *)(o + tdm_qt_col(KIND, c, t, gi, 1, 0)) = make_uint2(v[2], v[3]);
+        } else {
+            /* (gi, h = 0, 1, b = 0..3) are eight adjacent columns */
+            *(uint4 *)(o + tdm_qt_col(KIND, c, t, gi, 0, 0)) = make_uint4(v[0], v[1], v[2], v[3]);
+        }
+    }
 }
 
 /* out[i] = row tokens[i] as fp32 */
@@ -904,7 +922,8 @@ extern "C" bool tdm_cu_qgemv(cudaStream_t s, int kind, const struct tdm_cu_qgemv
     if (blocks > 65535) return false; /* grid.y; the rows of a 1M-token vocabulary */
     /* the staged form needs 16-byte aligned arrays (the layout's are 256-aligned from an
      * aligned base) */
-    bool bulk = qgemv_form() == TDM_CU_QGEMV_BULK;
+    const int form = qgemv_form();
+    bool bulk = form == TDM_CU_QGEMV_BULK || (form == TDM_CU_QGEMV_AUTO && kind != TDM_CU_Q4_K);
     for (int i = 0; i < n_parts; i++)
         bulk = bulk && !(((uintptr_t)parts[i].q | (uintptr_t)parts[i].qh | (uintptr_t)parts[i].s |
                           (uintptr_t)parts[i].dd) %
@@ -921,7 +940,9 @@ extern "C" void tdm_cu_qgemv_set_form(int form)
 extern "C" void tdm_cu_qdequant(cudaStream_t s, int kind, const struct tdm_cu_qgemv_part *p, int k,
                                 int r0, int n_rows, uint16_t *out)
 {
-    const size_t n = (size_t)n_rows * (k / 64) * 4; /* pieces */
+    /* pieces, the rows rounded up to blocks of 16 (the kernel skips those past n_rows); out
+     * must be 16-byte aligned */
+    const size_t n = (size_t)((n_rows + 15) / 16) * 16 * (size_t)(k / 64) * 4;
     const unsigned blocks = (unsigned)((n + 255) / 256);
     if (!n) return;
     with_kind(kind, [&](auto kc) {
