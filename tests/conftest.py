@@ -10,7 +10,7 @@ Environment:
   TANDEM_POOL_SPIN_US  how long an idle compute thread spins (default here: 20, the binary's own
                 default 300): the suite runs several processes of two or more threads each on
                 a machine of few cores, where spinning threads take the cores the working ones
-                need (two test files on 2 cores: 124 s with 300, 85 s with 20)
+                need (two test files on 2 cores, -n 2: 109 s with 300, 87-99 s with 20)
 """
 import os
 import pathlib
