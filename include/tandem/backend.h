@@ -163,8 +163,10 @@ struct tdm_backend_i {
                          const struct tdm_matmul_part *parts, int n_parts);
     /* The SwiGLU up-projection as one op: out = silu(x w_gate) * (x w_up), every value
      * bit-identical to matmul, matmul, silu_mul (for F32 weights: to those ops on a
-     * batch_invariant instance). w_gate and w_up: same shape, no bias; out: [n][w_gate.rows],
-     * not aliasing x. */
+     * batch_invariant instance). One exception, CUDA's prefill: where both products go to
+     * cuBLASLt (not batch_invariant, n past its own kernels' batches) they leave it as bf16, so
+     * out is silu_mul of the two rounded to bf16. w_gate and w_up: same shape, no bias; out:
+     * [n][w_gate.rows], not aliasing x. */
     void (*matmul_swiglu)(tdm_backend_t *b, const struct tdm_weight *w_gate,
                           const struct tdm_weight *w_up, const float *x, int n, float *out);
     /* In place RMSNorm of each head_dim-long row. x: [n_rows][head_dim]; w: [head_dim] */
@@ -298,14 +300,15 @@ enum tdm_backend_kind { TDM_BACKEND_CPU = 0, TDM_BACKEND_CUDA = 1 };
 
 /* ---- the CUDA backend (src/backend/cuda; DESIGN.md §8 and that folder's files) ----
  * Weights are bf16 on the device (quantised GGUF weights are dequantised at load; vectors stay
- * fp32); GEMMs run through cuBLASLt with bf16 operands and fp32 accumulation and output, the
- * fp32 activations being rounded to bf16 on the way in. Activations are fp32; the KV cache is bf16
- * by default (--kv-dtype). Decode steps run as CUDA graphs, one per batch-size bucket. Logit rows
- * are sampled on the device (the `sample` hook: vocabularies up to 2^18 tokens), so only tokens and
- * log-probabilities come back to the host. Not batch-invariant: cuBLASLt
- * picks its algorithm by shape, so a row's logits may differ in the last bits between batch
- * sizes. A CUDA error inside an op (which cannot return one) is fatal: logged, then abort().
- * Without CUDA in the build, or without a GPU, create returns TDM_EUNSUPPORTED with a message. */
+ * fp32); GEMMs run through cuBLASLt with bf16 operands and fp32 accumulation and output (bf16 for
+ * the SwiGLU's gate and up, which only feed SiLU * mul), the fp32 activations being rounded to
+ * bf16 on the way in, or taken from the bf16 copy their producer wrote. Activations are fp32; the
+ * KV cache is bf16 by default (--kv-dtype). Decode steps run as CUDA graphs, one per batch-size
+ * bucket. Logit rows are sampled on the device (the `sample` hook: vocabularies up to 2^18 tokens),
+ * so only tokens and log-probabilities come back to the host. Not batch-invariant: cuBLASLt picks
+ * its algorithm by shape, so a row's logits may differ in the last bits between batch sizes. A CUDA
+ * error inside an op (which cannot return one) is fatal: logged, then abort(). Without CUDA in the
+ * build, or without a GPU, create returns TDM_EUNSUPPORTED with a message. */
 struct tdm_backend_cuda_opts {
     int device;                 /* CUDA device ordinal */
     double gpu_memory_fraction; /* share of the device's memory this process may fill (weights,

@@ -39,6 +39,7 @@ _Noreturn void tdm_cu_fatal(const char *what, const char *why, const char *file,
 
 struct tdm_cu_gemm_plan {
     int m, n, k, ldd;
+    bool d_bf16;   /* the output's type: bf16, or fp32 */
     uint64_t used; /* last use, for eviction */
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a, b, d;
@@ -212,6 +213,10 @@ void tdm_cu_gemm(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const uin
 /* The same with the output rows ldd floats apart (d: the first of m columns of a wider output). */
 void tdm_cu_gemm_ld(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const uint16_t *x, int n,
                     float *d, int ldd);
+/* The same with a bf16 output (rounded to nearest even from the fp32 accumulation), rows ldd
+ * elements apart. */
+void tdm_cu_gemm_bf16_ld(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const uint16_t *x,
+                         int n, uint16_t *d, int ldd);
 /* A quantised device matrix (weight_prepare's, dtype a GGUF block type kept in blocks) as the
  * kernels take it; false for a weight held as bf16 or f32. */
 bool tdm_cuda_qpart(const struct tdm_weight *w, struct tdm_cu_qgemv_part *p, int *kind);

@@ -53,6 +53,10 @@ void tdm_cu_add_bias(cudaStream_t s, float *out, const float *bias, int n, int r
 /* out = silu(gate) * up (out may be gate) */
 void tdm_cu_silu_mul(cudaStream_t s, const float *gate, const float *up, size_t n, float *out,
                      uint16_t *out_bf16);
+/* The same on bf16 gate and up (none of the four arrays overlapping; vector loads and stores
+ * where all are 16-byte aligned) */
+void tdm_cu_silu_mul_bf16(cudaStream_t s, const uint16_t *gate, const uint16_t *up, size_t n,
+                          float *out, uint16_t *out_bf16);
 void tdm_cu_add(cudaStream_t s, float *x, const float *y, size_t n);
 void tdm_cu_scatter_cols(cudaStream_t s, const float *x, const int32_t *cols, int n, int n_cols,
                          int width, float *out);

@@ -138,6 +138,38 @@ static void qmatmul_gemm(struct tdm_cuda *cu, const struct tdm_weight *w,
     check_launch();
 }
 
+/* w times n rows into bf16 out [n][w->rows], through cuBLASLt whatever n (no bias): for a
+ * product whose result only feeds bf16 consumers, half the bytes of an fp32 output written and
+ * read again. */
+static void matmul_bf16_out(struct tdm_cuda *cu, const struct tdm_weight *w, const uint16_t *xb,
+                            int n, uint16_t *out)
+{
+    const int m = (int)w->rows, k = (int)w->cols;
+    struct tdm_cu_qgemv_part qp;
+    int kind;
+    if (!tdm_cuda_qpart(w, &qp, &kind)) {
+        tdm_cu_gemm_bf16_ld(cu, bf16_matrix(w), m, k, xb, n, out, m);
+        check_launch();
+        return;
+    }
+    const int chunk = (int)tdm_cuda_deq_rows(w->rows, w->cols);
+    TDM_ASSERT((size_t)chunk * (size_t)k * 2 <= cu->deq_cap);
+    for (int r0 = 0; r0 < m; r0 += chunk) {
+        const int nr = TDM_MIN(chunk, m - r0);
+        tdm_cu_qdequant(cu->stream, kind, &qp, k, r0, nr, cu->deq);
+        tdm_cu_gemm_bf16_ld(cu, cu->deq, nr, k, xb, n, out + r0, m);
+    }
+    check_launch();
+}
+
+/* whether matmul_into sends w times n rows to cuBLASLt (no kernel of ours takes the batch) */
+static bool goes_to_gemm(const struct tdm_cuda *cu, const struct tdm_weight *w, int n)
+{
+    struct tdm_cu_qgemv_part qp;
+    int kind;
+    return tdm_cuda_qpart(w, &qp, &kind) ? !qgemv_takes(cu, n) : !gemv_takes(cu, n);
+}
+
 static void matmul_into(struct tdm_cuda *cu, const struct tdm_weight *w, const uint16_t *xb, int n,
                         const float *bias, float *out)
 {
@@ -256,7 +288,20 @@ static void cu_matmul_swiglu_impl(tdm_backend_t *b, const struct tdm_weight *w_g
         }
         shadow_clear(cu);
     }
-    tdm_cuda_grow(cu, (void **)&cu->up, &cu->up_cap, elems * sizeof(float));
+    tdm_cuda_grow(cu, (void **)&cu->up, &cu->up_cap, (elems + 8) * sizeof(float));
+    if (goes_to_gemm(cu, w_gate, n) && goes_to_gemm(cu, w_up, n)) {
+        /* prefill: gate and up leave cuBLASLt as bf16 (the up buffer holds both, up from a
+         * 16-byte boundary), so that SiLU * mul reads half the bytes; its product was rounded
+         * to bf16 for the down projection anyway */
+        if (out == cu->sh_ptr) shadow_clear(cu);
+        uint16_t *gb = (uint16_t *)cu->up, *ub = gb + ((elems + 7) & ~(size_t)7);
+        matmul_bf16_out(cu, w_gate, xb, n, gb);
+        matmul_bf16_out(cu, w_up, xb, n, ub);
+        uint16_t *sh = shadow_for(cu, out, elems);
+        tdm_cu_silu_mul_bf16(cu->stream, gb, ub, elems, out, sh);
+        check_launch();
+        return;
+    }
     matmul_into(cu, w_gate, xb, n, NULL, out);
     matmul_into(cu, w_up, xb, n, NULL, cu->up);
     uint16_t *sh = shadow_for(cu, out, elems);

@@ -349,7 +349,9 @@ tdm_status tdm_cuda_reserve(tdm_backend_t *b, const struct tdm_backend_limits *l
     tdm_cuda_grow(cu, (void **)&cu->xb, &cu->xb_cap, T * wide * sizeof(uint16_t));
     tdm_cuda_grow(cu, (void **)&cu->shb[0], &cu->shb_cap[0], T * wide * sizeof(uint16_t));
     tdm_cuda_grow(cu, (void **)&cu->shb[1], &cu->shb_cap[1], T * wide * sizeof(uint16_t));
-    tdm_cuda_grow(cu, (void **)&cu->up, &cu->up_cap, T * (size_t)lim->d_ff * sizeof(float));
+    /* up: fp32 up rows, or bf16 gate and up rows, the second from a 16-byte boundary (cuda_ops.c)
+     */
+    tdm_cuda_grow(cu, (void **)&cu->up, &cu->up_cap, (T * (size_t)lim->d_ff + 8) * sizeof(float));
     const size_t per_tok = (size_t)lim->n_heads * (lim->head_dim + 2);
     size_t part = TDM_MIN(PART_FLOATS, per_tok * (T * MAX_SPLITS));
     if (cu->batch_invariant) part = TDM_MAX(part, per_tok * T * BI_SPLITS);

@@ -137,6 +137,45 @@ __global__ void silu_mul_kernel(const float *g, const float *u, size_t n, float 
     }
 }
 
+/* silu_mul_kernel on bf16 gate and up (GEMM outputs rounded by cuBLASLt): eight elements a
+ * thread, one 16-byte load of each (vec: every pointer 16-byte aligned); the rest a thread an
+ * element */
+__global__ void silu_mul_bf16_kernel(const uint16_t *g, const uint16_t *u, size_t n, float *out,
+                                     uint16_t *out_bf16, bool vec)
+{
+    tdm_pdl_wait();
+    const size_t n8 = vec ? n / 8 : 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8 + (n - 8 * n8);
+         i += (size_t)gridDim.x * blockDim.x) {
+        if (i >= n8) {
+            const size_t j = 8 * n8 + (i - n8);
+            const float x = bf16_to_f32(g[j]);
+            const float y = (x / (1.0f + expf(-x))) * bf16_to_f32(u[j]);
+            out[j] = y;
+            if (out_bf16) out_bf16[j] = f32_to_bf16(y);
+            continue;
+        }
+        const uint4 gv = ((const uint4 *)g)[i], uv = ((const uint4 *)u)[i];
+        const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+        float y[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const float x = bf16_to_f32((uint16_t)(gw[e / 2] >> (16 * (e % 2))));
+            y[e] = (x / (1.0f + expf(-x))) * bf16_to_f32((uint16_t)(uw[e / 2] >> (16 * (e % 2))));
+        }
+        float4 *o = (float4 *)(out + 8 * i);
+        o[0] = make_float4(y[0], y[1], y[2], y[3]);
+        o[1] = make_float4(y[4], y[5], y[6], y[7]);
+        if (out_bf16) {
+            uint32_t b[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                b[e] = (uint32_t)f32_to_bf16(y[2 * e]) | (uint32_t)f32_to_bf16(y[2 * e + 1]) << 16;
+            ((uint4 *)out_bf16)[i] = make_uint4(b[0], b[1], b[2], b[3]);
+        }
+    }
+}
+
 __global__ void add_kernel(float *x, const float *y, size_t n)
 {
     tdm_pdl_wait();
@@ -327,6 +366,17 @@ void tdm_cu_silu_mul(cudaStream_t s, const float *gate, const float *up, size_t 
 {
     if (!n) return;
     tdm_pdl_launch(silu_mul_kernel, grid_for(n, 256), 256, 0, s, gate, up, n, out, out_bf16);
+}
+
+void tdm_cu_silu_mul_bf16(cudaStream_t s, const uint16_t *gate, const uint16_t *up, size_t n,
+                          float *out, uint16_t *out_bf16)
+{
+    if (!n) return;
+    const bool vec =
+        !(((uintptr_t)gate | (uintptr_t)up | (uintptr_t)out | (uintptr_t)out_bf16) % 16);
+    const size_t threads = vec ? n / 8 + n % 8 : n;
+    tdm_pdl_launch(silu_mul_bf16_kernel, grid_for(threads, 256), 256, 0, s, gate, up, n, out,
+                   out_bf16, vec);
 }
 
 void tdm_cu_add(cudaStream_t s, float *x, const float *y, size_t n)
