@@ -533,6 +533,7 @@ static void test_attention_paged(void **state)
     run_attention_case(4, 4, 20, 5);  /* MHA, head_dim not a multiple of 8, odd page size */
     run_attention_case(18, 1, 8, 7);  /* one KV head shared by more than GROUP_MAX heads */
     run_attention_case(2, 1, 64, 1);  /* one position per page */
+    run_attention_case(8, 1, 96, 16); /* the AVX2 step's 64-column block, then 8-column ones */
 }
 
 /* ---- MLA: latent pages, partial rope, per-head products ---- */

@@ -6,10 +6,11 @@ router to a prefill/decode pair on loopback, with the memory of every process sa
         [--input-len 32] [--output-len 16]
 
 Load: `tandem bench serve` keeps --clients streaming requests in flight through the router
-(32-token prompts, 16 tokens out, greedy, unless --input-len/--output-len say otherwise), wave after wave until --duration has passed; the load
-is bounded by the client count, never by an arrival rate. Beside it, a probe asks the same
-greedy question every few seconds and compares the answer with a colocated server's, so wrong
-text under load is caught, not only errors.
+(32-token prompts, 16 tokens out, greedy, unless --input-len/--output-len say otherwise), wave
+after wave, as long as the next wave (expected to last as long as the last one) ends within
+--duration; the first wave always runs. The load is bounded by the client count, never by an
+arrival rate. Beside it, a probe asks the same greedy question every few seconds and compares
+the answer with a colocated server's, so wrong text under load is caught, not only errors.
 
 Printed at the end: requests completed and failed (by kind), probes right, wrong and failed,
 the resident memory (RSS) and thread count of the prefill node, the decode node and the router
@@ -92,7 +93,9 @@ def main(argv=None):
         for t in threads:
             t.start()
         wave = 0
-        while time.time() - t0 < a.duration:
+        last_s = 0.0  # the last wave's length: no wave starts that would end past --duration
+        while wave == 0 or time.time() - t0 + last_s <= a.duration:
+            w0 = time.time()
             js = os.path.join(r.dir, f"wave{wave}.json")
             cp = subprocess.run([str(build_dir() / "tandem"), "bench", "serve", "--url", r.url,
                                  "--concurrency", str(a.clients), "--num-prompts",
@@ -108,6 +111,7 @@ def main(argv=None):
             for k, v in (res.get("errors") or {}).items():
                 out["errors"][k] = out["errors"].get(k, 0) + v
             wave += 1
+            last_s = time.time() - w0
         stop.set()
         for t in threads:
             t.join()
