@@ -36,6 +36,14 @@
  * $TANDEM_CUDA_QGEMV=regs|bulk (or tdm_cu_qgemv_set_form) forces one form for every kind; the
  * staged one runs where its alignment and shared-memory needs are met.
  *
+ * The staged form's blocks stay: the grid is what the SMs hold at once, and a block runs
+ * through row blocks blockIdx.y, blockIdx.y + gridDim.y, ..., its stages running on from one
+ * row block into the next, so that the next one's first spans are in flight while it finishes
+ * this one. With a block a row block, a block of a 4,096-column matrix had all its spans in
+ * flight at its start and none while it computed, and the SMs' blocks tended to do both at the
+ * same time. $TANDEM_CUDA_QGEMV_PERSIST=0 launches a block a row block again, for comparison.
+ * Each row block's arithmetic is the same either way.
+ *
  * Larger batches (prefill) dequantise row chunks to bf16 (tdm_cu_qdequant) for cuBLASLt.
  */
 #include "backend/cuda/cuda_kernels.h"
@@ -44,6 +52,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -401,14 +410,18 @@ __device__ __forceinline__ void load_x(const uint16_t *const (&xr)[NT], int c, i
 
 /* The block's matrix (its index in a.p) and first row: grid.y counts the 16-row blocks of
  * every part in turn. */
-__device__ __forceinline__ int block_part(const qargs &a, int &r0)
+__device__ __forceinline__ int block_part_of(const qargs &a, int blk, int &r0)
 {
-    const int blk = blockIdx.y;
     int part = 0;
     while (blk >= a.blk_start[part + 1])
         part++;
     r0 = (blk - a.blk_start[part]) * 16;
     return part;
+}
+
+__device__ __forceinline__ int block_part(const qargs &a, int &r0)
+{
+    return block_part_of(a, blockIdx.y, r0);
 }
 
 /* This lane's token row in each tile from tok0 (nullptr past n), and zeroed accumulators. */
@@ -444,7 +457,7 @@ finish(const qargs &a, const tdm_cu_qgemv_part &P, float (*red)[NT * 4 * (SWIGLU
             if (SWIGLU) red[warp][NT * 4 + nt * 4 + e][lane] = accu[nt][e];
         }
     __syncthreads();
-    if (warp != 0) return;
+    if (warp != 0) return; /* the caller's next use of red waits on a barrier */
 #pragma unroll
     for (int v = 0; v < NV; v++) {
         float s = red[0][v][lane];
@@ -635,11 +648,11 @@ template <int KIND> __device__ __forceinline__ tile slot_tile(uint8_t *base, int
  * an array and matrix. */
 template <int KIND, bool SWIGLU>
 __device__ __forceinline__ void issue_stage(const qargs &a, int part, uint8_t *smem, uint64_t *bars,
-                                            int st, int rb)
+                                            int st, int rb, int slot)
 {
     using G = stage_geom<KIND>;
     constexpr int NP = SWIGLU ? 2 : 1;
-    const int nc = a.k / 64, slot = st % STAGES, n = min(16, nc - 16 * st); /* chunks */
+    const int nc = a.k / 64, n = min(16, nc - 16 * st); /* chunks */
     const uint32_t q = (uint32_t)(n * 16 * tdm_qt_qb(KIND)),
                    qh = (uint32_t)(n * 16 * tdm_qt_hb(KIND));
     const uint32_t sb = (uint32_t)(n * 16 * tdm_qt_sb(KIND));
@@ -656,6 +669,20 @@ __device__ __forceinline__ void issue_stage(const qargs &a, int part, uint8_t *s
     }
 }
 
+/* Stage q of a block's sequence: span q % n_st of its row block q / n_st (the block's row
+ * blocks are blockIdx.y, blockIdx.y + gridDim.y, ...), into slot q % STAGES. */
+template <int KIND, bool SWIGLU>
+__device__ __forceinline__ void issue_q(const qargs &a, uint8_t *smem, uint64_t *bars, int q,
+                                        int n_st)
+{
+    int r0;
+    const int part = block_part_of(a, blockIdx.y + (q / n_st) * gridDim.y, r0);
+    issue_stage<KIND, SWIGLU>(a, part, smem, bars, q % n_st, r0 / 16, q % STAGES);
+}
+
+/* A block of the staged form runs through row blocks blockIdx.y, blockIdx.y + gridDim.y, ...
+ * (the grid is about what the SMs hold at once: launch_one), and its stages run on across
+ * them: the first spans of its next row block are in flight while it finishes this one. */
 template <int KIND, int NT, bool SWIGLU>
 __global__ void __launch_bounds__(256) qgemv_bulk_kernel(qargs a)
 {
@@ -664,10 +691,12 @@ __global__ void __launch_bounds__(256) qgemv_bulk_kernel(qargs a)
     __shared__ __align__(8) uint64_t bars[STAGES];
     extern __shared__ __align__(128) uint8_t smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    int r0;
-    const int part = block_part(a, r0);
-    const tdm_cu_qgemv_part &P = a.p[part];
-    const int k = a.k, nc = k / 64, rb = r0 / 16, n_st = (nc + 15) / 16;
+    const int k = a.k, nc = k / 64, n_st = (nc + 15) / 16;
+    const int n_blk = a.blk_start[a.n_parts];
+    const int mine = ((int)blockIdx.y < n_blk)
+                         ? (n_blk - (int)blockIdx.y + (int)gridDim.y - 1) / (int)gridDim.y
+                         : 0;
+    const int n_q = mine * n_st;
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; i++)
             bar_init(&bars[i], 1);
@@ -675,51 +704,62 @@ __global__ void __launch_bounds__(256) qgemv_bulk_kernel(qargs a)
     }
     __syncthreads();
     if (threadIdx.x == 0) /* the weights are ours: in flight before the wait (pdl.cuh) */
-        for (int st = 0; st < min(STAGES, n_st); st++)
-            issue_stage<KIND, SWIGLU>(a, part, smem, bars, st, rb);
+        for (int q = 0; q < min(STAGES, n_q); q++)
+            issue_q<KIND, SWIGLU>(a, smem, bars, q, n_st);
     tdm_pdl_wait();
     const int tok0 = blockIdx.x * 8 * NT;
+    /* the activations of the warp's next chunk are loaded a chunk ahead of their use: the
+     * stages' weights are in shared memory by then, and an L1 round trip per chunk would
+     * otherwise be on the critical path; after a row block's last chunk, the next one's first */
+    uint2 Xn[NT][2][2];
     const uint16_t *xr[NT];
     float acc[NT][4], accu[NT][4];
     tile_start<NT>(a, tok0, g, xr, acc, accu);
-    /* the activations of the warp's next chunk are loaded a chunk ahead of their use: the
-     * stages' weights are in shared memory by then, and an L1 round trip per chunk would
-     * otherwise be on the critical path */
-    uint2 Xn[NT][2][2];
     if (warp < nc) load_x_raw<KIND, NT>(xr, warp, t, Xn);
-    for (int st = 0; st < n_st; st++) {
-        const int slot = st % STAGES;
-        bar_wait(&bars[slot], (uint32_t)((st / STAGES) & 1));
-        const bool full = tdm_qt_full(nc, st);
-        raw<KIND> A[2], B[2], AU[2], BU[2];
-        load_span<KIND, false>(slot_tile<KIND>(smem, slot), full, nc - 16 * st, warp, g, t, A, B);
-        if (SWIGLU)
-            load_span<KIND, false>(slot_tile<KIND>(smem + part_smem<KIND>(), slot), full,
-                                   nc - 16 * st, warp, g, t, AU, BU);
+    for (int i = 0; i < mine; i++) {
+        int r0;
+        const int part = block_part_of(a, blockIdx.y + i * gridDim.y, r0);
+        const tdm_cu_qgemv_part &P = a.p[part];
+        if (i > 0) tile_start<NT>(a, tok0, g, xr, acc, accu);
+        for (int st = 0; st < n_st; st++) {
+            const int q = i * n_st + st, slot = q % STAGES;
+            bar_wait(&bars[slot], (uint32_t)((q / STAGES) & 1));
+            const bool full = tdm_qt_full(nc, st);
+            raw<KIND> A[2], B[2], AU[2], BU[2];
+            load_span<KIND, false>(slot_tile<KIND>(smem, slot), full, nc - 16 * st, warp, g, t, A,
+                                   B);
+            if (SWIGLU)
+                load_span<KIND, false>(slot_tile<KIND>(smem + part_smem<KIND>(), slot), full,
+                                       nc - 16 * st, warp, g, t, AU, BU);
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int c = 16 * st + warp + 8 * u;
-            if (c >= nc) break;
-            uint2 X[NT][2][2];
-            float sx[NT][2][2];
+            for (int u = 0; u < 2; u++) {
+                const int c = 16 * st + warp + 8 * u;
+                if (c >= nc) break;
+                uint2 X[NT][2][2];
+                float sx[NT][2][2];
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
+                for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int gi = 0; gi < 2; gi++)
+                    for (int gi = 0; gi < 2; gi++)
 #pragma unroll
-                    for (int h = 0; h < 2; h++)
-                        X[nt][gi][h] = Xn[nt][gi][h];
-            if (c + 8 < nc) load_x_raw<KIND, NT>(xr, c + 8, t, Xn);
-            x_sums<KIND, NT>(X, t, sx);
-            chunk_mma<KIND, NT>(A[u], B[u], X, sx, acc);
-            if (SWIGLU) chunk_mma<KIND, NT>(AU[u], BU[u], X, sx, accu);
+                        for (int h = 0; h < 2; h++)
+                            X[nt][gi][h] = Xn[nt][gi][h];
+                if (c + 8 < nc)
+                    load_x_raw<KIND, NT>(xr, c + 8, t, Xn);
+                else if (i + 1 < mine)
+                    load_x_raw<KIND, NT>(xr, warp, t, Xn);
+                x_sums<KIND, NT>(X, t, sx);
+                chunk_mma<KIND, NT>(A[u], B[u], X, sx, acc);
+                if (SWIGLU) chunk_mma<KIND, NT>(AU[u], BU[u], X, sx, accu);
+            }
+            if (q + STAGES < n_q) {
+                __syncthreads(); /* every warp is done with the slot */
+                if (threadIdx.x == 0) issue_q<KIND, SWIGLU>(a, smem, bars, q + STAGES, n_st);
+            }
         }
-        if (st + STAGES < n_st) {
-            __syncthreads(); /* every warp is done with the slot */
-            if (threadIdx.x == 0) issue_stage<KIND, SWIGLU>(a, part, smem, bars, st + STAGES, rb);
-        }
+        if (i > 0) __syncthreads(); /* warp 0 has read the last row block's partial sums */
+        finish<NT, SWIGLU>(a, P, red, acc, accu, warp, lane, r0, tok0);
     }
-    finish<NT, SWIGLU>(a, P, red, acc, accu, warp, lane, r0, tok0);
 }
 
 /* element (gi, h, b) of a lane's loaded piece, as a float: the matrix-vector kernel's scale
@@ -798,6 +838,13 @@ __global__ void qembed_kernel(tdm_cu_qgemv_part p, int k, const int32_t *tokens,
         out[(size_t)i * k + col] = qelem<KIND>(p, k, row, col);
 }
 
+/* $TANDEM_CUDA_QGEMV_PERSIST=0: the staged form launches a block per row block (the form before
+ * the blocks stayed), for comparison; read once */
+const bool g_no_persist = [] {
+    const char *e = getenv("TANDEM_CUDA_QGEMV_PERSIST");
+    return e && !strcmp(e, "0");
+}();
+
 /* the largest dynamic shared memory a staged block may take (a Hopper SM has 227 KB) */
 constexpr int BULK_SMEM_MAX = 160 * 1024;
 
@@ -821,17 +868,44 @@ template <int KIND, int NT, bool SWIGLU> bool allow_smem()
     return true;
 }
 
+/* How many staged blocks of this instantiation the device holds at once (its SMs times the
+ * blocks an SM takes), once per device; 0 if the runtime cannot say. */
+template <int KIND, int NT, bool SWIGLU> int resident_blocks(size_t smem)
+{
+    static int cached[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+    if (!cached[dev]) {
+        int sms = 0, per_sm = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &per_sm, qgemv_bulk_kernel<KIND, NT, SWIGLU>, 256, smem) != cudaSuccess ||
+            sms <= 0 || per_sm <= 0) {
+            (void)cudaGetLastError();
+            return 0;
+        }
+        cached[dev] = sms * per_sm;
+    }
+    return cached[dev];
+}
+
 template <int KIND, int NT, bool SWIGLU>
 void launch_one(cudaStream_t s, const qargs &a, unsigned blocks, bool bulk)
 {
     /* the token tiles of a row block side by side in launch order, so that the tiles after the
      * first find its rows in L2 */
-    const dim3 grid((unsigned)((a.n + 8 * NT - 1) / (8 * NT)), blocks);
+    const unsigned tiles = (unsigned)((a.n + 8 * NT - 1) / (8 * NT));
     const size_t smem = (size_t)(SWIGLU ? 2 : 1) * (size_t)part_smem<KIND>();
-    if (bulk && smem <= BULK_SMEM_MAX && allow_smem<KIND, NT, SWIGLU>())
-        tdm_pdl_launch(qgemv_bulk_kernel<KIND, NT, SWIGLU>, grid, 256, smem, s, a);
-    else
-        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU>, grid, 256, 0, s, a);
+    if (bulk && smem <= BULK_SMEM_MAX && allow_smem<KIND, NT, SWIGLU>()) {
+        /* the staged blocks stay: as many as the SMs hold (for each token tile), each running
+         * through its share of the row blocks */
+        const int res = resident_blocks<KIND, NT, SWIGLU>(smem);
+        unsigned by = blocks;
+        if (res > 0 && !g_no_persist) by = std::min(blocks, std::max(1u, (unsigned)res / tiles));
+        tdm_pdl_launch(qgemv_bulk_kernel<KIND, NT, SWIGLU>, dim3(tiles, by), 256, smem, s, a);
+    } else {
+        tdm_pdl_launch(qgemv_kernel<KIND, NT, SWIGLU>, dim3(tiles, blocks), 256, 0, s, a);
+    }
 }
 
 template <int KIND, int NT>
