@@ -121,10 +121,11 @@ static inline bool qgemv_takes(const struct tdm_cuda *cu, int n)
 }
 
 /* A matrix kept in its blocks times n > TDM_CU_QGEMV_MAX_N rows: chunks of its rows
- * dequantised to bf16, each multiplied by cuBLASLt into its columns of out. */
-static void qmatmul_gemm(struct tdm_cuda *cu, const struct tdm_weight *w,
-                         const struct tdm_cu_qgemv_part *qp, int kind, const uint16_t *xb, int n,
-                         const float *bias, float *out)
+ * dequantised to bf16, each multiplied by cuBLASLt into its columns of out (fp32, or bf16 when
+ * out_bf16). */
+static void qmatmul_chunks(struct tdm_cuda *cu, const struct tdm_weight *w,
+                           const struct tdm_cu_qgemv_part *qp, int kind, const uint16_t *xb, int n,
+                           void *out, bool out_bf16)
 {
     const int m = (int)w->rows, k = (int)w->cols;
     const int chunk = (int)tdm_cuda_deq_rows(w->rows, w->cols);
@@ -132,42 +133,35 @@ static void qmatmul_gemm(struct tdm_cuda *cu, const struct tdm_weight *w,
     for (int r0 = 0; r0 < m; r0 += chunk) {
         const int nr = TDM_MIN(chunk, m - r0);
         tdm_cu_qdequant(cu->stream, kind, qp, k, r0, nr, cu->deq);
-        tdm_cu_gemm_ld(cu, cu->deq, nr, k, xb, n, out + r0, m);
+        if (out_bf16)
+            tdm_cu_gemm_bf16_ld(cu, cu->deq, nr, k, xb, n, (uint16_t *)out + r0, m);
+        else
+            tdm_cu_gemm_ld(cu, cu->deq, nr, k, xb, n, (float *)out + r0, m);
     }
-    if (bias) tdm_cu_add_bias(cu->stream, out, bias, n, m);
+}
+
+static void qmatmul_gemm(struct tdm_cuda *cu, const struct tdm_weight *w,
+                         const struct tdm_cu_qgemv_part *qp, int kind, const uint16_t *xb, int n,
+                         const float *bias, float *out)
+{
+    qmatmul_chunks(cu, w, qp, kind, xb, n, out, false);
+    if (bias) tdm_cu_add_bias(cu->stream, out, bias, n, (int)w->rows);
     check_launch();
 }
 
-/* w times n rows into bf16 out [n][w->rows], through cuBLASLt whatever n (no bias): for a
- * product whose result only feeds bf16 consumers, half the bytes of an fp32 output written and
- * read again. */
-static void matmul_bf16_out(struct tdm_cuda *cu, const struct tdm_weight *w, const uint16_t *xb,
-                            int n, uint16_t *out)
+/* w times n rows into bf16 out [n][w->rows] through cuBLASLt, whatever n (no bias; qp: w's
+ * blocks, or NULL for a bf16 matrix): for a product whose result only feeds bf16 consumers,
+ * half the bytes of an fp32 output written and read again. */
+static void matmul_bf16_out(struct tdm_cuda *cu, const struct tdm_weight *w,
+                            const struct tdm_cu_qgemv_part *qp, int kind, const uint16_t *xb, int n,
+                            uint16_t *out)
 {
-    const int m = (int)w->rows, k = (int)w->cols;
-    struct tdm_cu_qgemv_part qp;
-    int kind;
-    if (!tdm_cuda_qpart(w, &qp, &kind)) {
-        tdm_cu_gemm_bf16_ld(cu, bf16_matrix(w), m, k, xb, n, out, m);
-        check_launch();
-        return;
-    }
-    const int chunk = (int)tdm_cuda_deq_rows(w->rows, w->cols);
-    TDM_ASSERT((size_t)chunk * (size_t)k * 2 <= cu->deq_cap);
-    for (int r0 = 0; r0 < m; r0 += chunk) {
-        const int nr = TDM_MIN(chunk, m - r0);
-        tdm_cu_qdequant(cu->stream, kind, &qp, k, r0, nr, cu->deq);
-        tdm_cu_gemm_bf16_ld(cu, cu->deq, nr, k, xb, n, out + r0, m);
-    }
+    if (qp)
+        qmatmul_chunks(cu, w, qp, kind, xb, n, out, true);
+    else
+        tdm_cu_gemm_bf16_ld(cu, bf16_matrix(w), (int)w->rows, (int)w->cols, xb, n, out,
+                            (int)w->rows);
     check_launch();
-}
-
-/* whether matmul_into sends w times n rows to cuBLASLt (no kernel of ours takes the batch) */
-static bool goes_to_gemm(const struct tdm_cuda *cu, const struct tdm_weight *w, int n)
-{
-    struct tdm_cu_qgemv_part qp;
-    int kind;
-    return tdm_cuda_qpart(w, &qp, &kind) ? !qgemv_takes(cu, n) : !gemv_takes(cu, n);
 }
 
 static void matmul_into(struct tdm_cuda *cu, const struct tdm_weight *w, const uint16_t *xb, int n,
@@ -263,7 +257,7 @@ static void cu_matmul_swiglu_impl(tdm_backend_t *b, const struct tdm_weight *w_g
     const size_t elems = (size_t)n * (size_t)w_gate->rows;
     const uint16_t *xb = bf16_input(cu, x, n, w_gate->cols);
     struct tdm_cu_qgemv_part qp[2];
-    int kg, ku;
+    int kg = 0, ku = 0;
     const bool qg = tdm_cuda_qpart(w_gate, &qp[0], &kg), qu = tdm_cuda_qpart(w_up, &qp[1], &ku);
     if (qg && qu && kg == ku && qgemv_takes(cu, n)) {
         if (out == cu->sh_ptr) shadow_clear(cu);
@@ -289,14 +283,17 @@ static void cu_matmul_swiglu_impl(tdm_backend_t *b, const struct tdm_weight *w_g
         shadow_clear(cu);
     }
     tdm_cuda_grow(cu, (void **)&cu->up, &cu->up_cap, (elems + 8) * sizeof(float));
-    if (goes_to_gemm(cu, w_gate, n) && goes_to_gemm(cu, w_up, n)) {
+    /* where matmul_into would send both products to cuBLASLt (no kernel of ours takes n) */
+    const bool gemm_g = qg ? !qgemv_takes(cu, n) : !gemv_takes(cu, n);
+    const bool gemm_u = qu ? !qgemv_takes(cu, n) : !gemv_takes(cu, n);
+    if (gemm_g && gemm_u) {
         /* prefill: gate and up leave cuBLASLt as bf16 (the up buffer holds both, up from a
          * 16-byte boundary), so that SiLU * mul reads half the bytes; its product was rounded
          * to bf16 for the down projection anyway */
         if (out == cu->sh_ptr) shadow_clear(cu);
         uint16_t *gb = (uint16_t *)cu->up, *ub = gb + ((elems + 7) & ~(size_t)7);
-        matmul_bf16_out(cu, w_gate, xb, n, gb);
-        matmul_bf16_out(cu, w_up, xb, n, ub);
+        matmul_bf16_out(cu, w_gate, qg ? &qp[0] : NULL, kg, xb, n, gb);
+        matmul_bf16_out(cu, w_up, qu ? &qp[1] : NULL, ku, xb, n, ub);
         uint16_t *sh = shadow_for(cu, out, elems);
         tdm_cu_silu_mul_bf16(cu->stream, gb, ub, elems, out, sh);
         check_launch();
