@@ -572,7 +572,11 @@ __global__ void __launch_bounds__(256) qgemv_kernel(qargs a)
  * global memory, and a warp's loads of it are 512 contiguous bytes, so they hit distinct banks);
  * after the block's barrier, the stage is refilled. */
 
-constexpr int STAGES = 4;
+/* Stages a block: 2, since the blocks stay and their stages run on across row blocks. A stage
+ * less is a block more an SM (the SwiGLU's two matrices: 37 KB of stages a block, not 74),
+ * and the kernel is latency-bound at low occupancy: on an H200 (bench/RESULTS.md 2026-12-06),
+ * 2 stages against 4 at batch 1: Q4_0 +8%, Q8_0 +9%, Q6_K +16%, Q4_1 +1%; 3 in between. */
+constexpr int STAGES = 2;
 
 /* one matrix's tile a stage in shared memory: q, qh (Q6_K), s, dd (the K-quants) */
 template <int KIND> struct stage_geom {
