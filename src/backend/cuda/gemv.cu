@@ -109,7 +109,7 @@ template <int N, bool SWIGLU> __global__ void __launch_bounds__(256) gemv_kernel
         float y;
         if (SWIGLU) {
             const float g = acc[j];
-            y = (g / (1.0f + expf(-g))) * acc2[j];
+            y = tdm_silu_mul(g, acc2[j]);
         } else {
             y = acc[j] + (a.p[part].bias ? a.p[part].bias[r] : 0.0f);
         }
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(256) gemv_mma_kernel(gemv_args a, int n)
             float y;
             if (SWIGLU) {
                 const float g = c[nt][e];
-                y = (g / (1.0f + expf(-g))) * cu[nt][e];
+                y = tdm_silu_mul(g, cu[nt][e]);
             } else {
                 y = c[nt][e] + (bias ? bias[row] : 0.0f);
             }

@@ -17,6 +17,7 @@
  */
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/kv_elem.cuh"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
@@ -131,7 +132,7 @@ __global__ void silu_mul_kernel(const float *g, const float *u, size_t n, float 
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const float x = g[i];
-        const float y = (x / (1.0f + expf(-x))) * u[i];
+        const float y = tdm_silu_mul(x, u[i]);
         out[i] = y;
         if (out_bf16) out_bf16[i] = f32_to_bf16(y);
     }
@@ -150,7 +151,7 @@ __global__ void silu_mul_bf16_kernel(const uint16_t *g, const uint16_t *u, size_
         if (i >= n8) {
             const size_t j = 8 * n8 + (i - n8);
             const float x = bf16_to_f32(g[j]);
-            const float y = (x / (1.0f + expf(-x))) * bf16_to_f32(u[j]);
+            const float y = tdm_silu_mul(x, bf16_to_f32(u[j]));
             out[j] = y;
             if (out_bf16) out_bf16[j] = f32_to_bf16(y);
             continue;
@@ -161,7 +162,7 @@ __global__ void silu_mul_bf16_kernel(const uint16_t *g, const uint16_t *u, size_
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             const float x = bf16_to_f32((uint16_t)(gw[e / 2] >> (16 * (e % 2))));
-            y[e] = (x / (1.0f + expf(-x))) * bf16_to_f32((uint16_t)(uw[e / 2] >> (16 * (e % 2))));
+            y[e] = tdm_silu_mul(x, bf16_to_f32((uint16_t)(uw[e / 2] >> (16 * (e % 2)))));
         }
         float4 *o = (float4 *)(out + 8 * i);
         o[0] = make_float4(y[0], y[1], y[2], y[3]);

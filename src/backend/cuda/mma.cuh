@@ -1,6 +1,6 @@
 /*
- * Small device helpers the CUDA backend's tensor-core kernels share (gemv.cu, qgemv.cu): the
- * bf16 mma.sync m16n8k16 with fp32 accumulation, and rounding to bf16.
+ * Small device helpers the CUDA backend's kernels share (gemv.cu, qgemv.cu, kernels.cu): the
+ * bf16 mma.sync m16n8k16 with fp32 accumulation, rounding to bf16, and SiLU(gate) * up.
  */
 #ifndef TANDEM_BACKEND_CUDA_MMA_CUH
 #define TANDEM_BACKEND_CUDA_MMA_CUH
@@ -27,6 +27,13 @@ static __device__ __forceinline__ uint16_t tdm_to_bf16(float f)
 {
     __nv_bfloat16 b = __float2bfloat16_rn(f);
     return *reinterpret_cast<uint16_t *>(&b);
+}
+
+/* silu(g) * u: the one expression of every SwiGLU kernel, fused (gemv.cu, qgemv.cu) or not
+ * (kernels.cu), which is what keeps matmul_swiglu's bits those of matmul, matmul, silu_mul */
+static __device__ __forceinline__ float tdm_silu_mul(float g, float u)
+{
+    return (g / (1.0f + expf(-g))) * u;
 }
 
 #endif /* TANDEM_BACKEND_CUDA_MMA_CUH */

@@ -480,7 +480,7 @@ finish(const qargs &a, const tdm_cu_qgemv_part &P, float (*red)[NT * 4 * (SWIGLU
             float y;
             if (SWIGLU) {
                 const float gv = acc[nt][e];
-                y = (gv / (1.0f + expf(-gv))) * accu[nt][e];
+                y = tdm_silu_mul(gv, accu[nt][e]);
             } else {
                 y = acc[nt][e] + (bias ? bias[row] : 0.0f);
             }
