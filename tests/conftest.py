@@ -84,3 +84,71 @@ def pool_back_to_baseline(request):
         s = request.getfixturevalue("server")
         if s.proc.poll() is None:
             s.wait_idle()
+
+
+# ---- the order of the files, and the sanitized pass: every value of every parameter, not every
+# combination ----
+
+def _dimensions(item):
+    """{dimension: value} of a parametrized item: a dimension is one @pytest.mark.parametrize
+    (its argnames; a row of a multi-name table is one value) or one parametrized fixture."""
+    params = item.callspec.params
+    dims, named = {}, set()
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if all(n in params for n in names):
+            dims[tuple(names)] = tuple(repr(params[n]) for n in names)
+            named.update(names)
+    for n in params:
+        if n not in named:
+            dims[(n,)] = (repr(params[n]),)
+    return dims
+
+
+# The test files that take a minute or more of a worker on a 2-core machine, longest first.
+# pytest-xdist's --dist loadfile hands files out in collection order; started first, they run
+# beside the many short files instead of being the last ones left, each on one worker while the
+# others idle (the Release pass's last minutes ran a core at 50-70% before this order).
+LONGEST_FIRST = [
+    "disagg/test_disagg.py", "spec/test_eagle.py", "engine/test_fidelity.py",
+    "disagg/test_staging.py", "server/test_concurrency.py", "engine/test_tp_heads.py",
+    "test_c_units.py", "disagg/test_disagg_spec.py", "spec/test_mtp.py", "spec/test_train.py",
+    "spec/test_spec_e2e.py", "fuzz/test_fuzz_smoke.py", "spec/test_mtp_overlap.py",
+    "campaign/test_soak.py", "campaign/test_campaign.py", "disagg/test_disagg_prefix.py",
+    "server/test_prefix_cache.py", "engine/test_tp.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Puts the LONGEST_FIRST files first (the rest keep their order). Under the sanitizers
+    (TANDEM_SANITIZED=1), a test parametrized over two or more dimensions (stacked
+    @pytest.mark.parametrize, or a parametrized fixture beside one) runs a covering
+    subset of its product: in collection order, a case runs if it brings a value of some
+    dimension that no earlier case of the test brought. Every value of every dimension still runs
+    under ASan and UBSan, and with it every code path that one value selects; the remaining
+    combinations run in the Release pass. A table of cases (one parametrize of several names) is
+    one dimension, so all its rows run. A test whose combinations select paths of their own
+    opts out with @pytest.mark.all_cases_sanitized."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(ROOT / "tests").as_posix(),
+                                         len(rank)))
+    if not os.environ.get("TANDEM_SANITIZED"):
+        return
+    skip = pytest.mark.skip(reason="sanitized pass: each of its values ran in another case; this "
+                                   "combination runs in the Release pass")
+    seen = {}
+    for item in items:
+        if (getattr(item, "callspec", None) is None
+                or item.get_closest_marker("all_cases_sanitized")):
+            continue
+        dims = _dimensions(item)
+        if len(dims) < 2:
+            continue
+        key = (str(item.path), item.cls.__name__ if item.cls else "", item.originalname)
+        covered = seen.setdefault(key, set())
+        pairs = set(dims.items())
+        if pairs <= covered:
+            item.add_marker(skip)
+        else:
+            covered |= pairs

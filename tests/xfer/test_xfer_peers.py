@@ -125,6 +125,7 @@ def verify_dump(dump, n_posts, k, page_bytes, region_pages):
     assert not dst[~written].any(), "bytes landed outside the written pages"
 
 
+@pytest.mark.all_cases_sanitized  # each transport at each page size: its own paths
 @pytest.mark.parametrize("provider,node", PROVIDERS, ids=["tcp", "shm"])
 @pytest.mark.parametrize("page_bytes", [4096, 65536])
 def test_paged_writes_land_byte_for_byte(provider, node, page_bytes, tmp_path):
