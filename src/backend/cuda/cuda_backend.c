@@ -99,7 +99,7 @@ static void cu_destroy(tdm_backend_t *b)
     if (cu->h_counter) cudaFreeHost(cu->h_counter);
     tdm_cu_sample_free(cu);
     tdm_cu_gemm_destroy(cu);
-    if (cu->lt) cublasLtDestroy(cu->lt);
+    if (cu->lt) cu->ltf->destroy(cu->lt);
     if (cu->stream) cudaStreamDestroy(cu->stream);
     free(cu);
 }
@@ -206,7 +206,11 @@ tdm_status tdm_backend_cuda_create(const struct tdm_backend_cuda_opts *opts, tdm
     cu->n_sms = prop.multiProcessorCount;
     cu->total_mem = prop.totalGlobalMem;
     CREATE_CHECK(cudaStreamCreateWithFlags(&cu->stream, cudaStreamNonBlocking), "stream");
-    if (cublasLtCreate(&cu->lt) != CUBLAS_STATUS_SUCCESS) {
+    if (!(cu->ltf = tdm_cu_lt())) {
+        st = TDM_EUNSUPPORTED; /* tdm_cu_lt said why */
+        goto out_destroy;
+    }
+    if (cu->ltf->create(&cu->lt) != CUBLAS_STATUS_SUCCESS) {
         st = tdm_err_set(TDM_EIO, "cuda backend: cublasLtCreate failed");
         goto out_destroy;
     }

@@ -25,12 +25,12 @@
             tdm_cu_fatal(#call, "cuBLASLt error", __FILE__, __LINE__);                             \
     } while (0)
 
-static void plan_free(struct tdm_cu_gemm_plan *p)
+static void plan_free(const struct tdm_cuda *cu, struct tdm_cu_gemm_plan *p)
 {
-    cublasLtMatrixLayoutDestroy(p->a);
-    cublasLtMatrixLayoutDestroy(p->b);
-    cublasLtMatrixLayoutDestroy(p->d);
-    cublasLtMatmulDescDestroy(p->op);
+    cu->ltf->layout_destroy(p->a);
+    cu->ltf->layout_destroy(p->b);
+    cu->ltf->layout_destroy(p->d);
+    cu->ltf->desc_destroy(p->op);
 }
 
 static struct tdm_cu_gemm_plan *plan_get(struct tdm_cuda *cu, int m, int n, int k, int ldd,
@@ -50,7 +50,7 @@ static struct tdm_cu_gemm_plan *plan_get(struct tdm_cuda *cu, int m, int n, int 
         p = &cu->plans[0];
         for (int i = 1; i < cu->n_plans; i++)
             if (cu->plans[i].used < p->used) p = &cu->plans[i];
-        plan_free(p);
+        plan_free(cu, p);
     }
     memset(p, 0, sizeof *p);
     p->m = m;
@@ -59,22 +59,21 @@ static struct tdm_cu_gemm_plan *plan_get(struct tdm_cuda *cu, int m, int n, int 
     p->ldd = ldd;
     p->d_bf16 = d_bf16;
     p->used = ++cu->plan_clock;
-    LT_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    LT_CHECK(cu->ltf->desc_create(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, k, m, k));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, k, n, k));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->d, d_bf16 ? CUDA_R_16BF : CUDA_R_32F, m, n, ldd));
+    LT_CHECK(cu->ltf->desc_set(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    LT_CHECK(cu->ltf->desc_set(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    LT_CHECK(cu->ltf->layout_create(&p->a, CUDA_R_16BF, k, m, k));
+    LT_CHECK(cu->ltf->layout_create(&p->b, CUDA_R_16BF, k, n, k));
+    LT_CHECK(cu->ltf->layout_create(&p->d, d_bf16 ? CUDA_R_16BF : CUDA_R_32F, m, n, ldd));
     cublasLtMatmulPreference_t pref;
-    LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                  &cu->lt_ws_bytes, sizeof cu->lt_ws_bytes));
+    LT_CHECK(cu->ltf->pref_create(&pref));
+    LT_CHECK(cu->ltf->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &cu->lt_ws_bytes,
+                               sizeof cu->lt_ws_bytes));
     cublasLtMatmulHeuristicResult_t res;
     int found = 0;
-    LT_CHECK(cublasLtMatmulAlgoGetHeuristic(cu->lt, p->op, p->a, p->b, p->d, p->d, pref, 1, &res,
-                                            &found));
-    cublasLtMatmulPreferenceDestroy(pref);
+    LT_CHECK(cu->ltf->heuristic(cu->lt, p->op, p->a, p->b, p->d, p->d, pref, 1, &res, &found));
+    cu->ltf->pref_destroy(pref);
     if (found < 1)
         tdm_cu_fatal("cublasLtMatmulAlgoGetHeuristic", "no algorithm", __FILE__, __LINE__);
     p->algo = res.algo;
@@ -93,8 +92,8 @@ static void gemm(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const uin
     if (n <= 0 || m <= 0) return;
     struct tdm_cu_gemm_plan *p = plan_get(cu, m, n, k, ldd, d_bf16);
     const float alpha = 1.0f, beta = 0.0f;
-    LT_CHECK(cublasLtMatmul(cu->lt, p->op, &alpha, w, p->a, x, p->b, &beta, d, p->d, d, p->d,
-                            &p->algo, cu->lt_ws, cu->lt_ws_bytes, cu->stream));
+    LT_CHECK(cu->ltf->matmul(cu->lt, p->op, &alpha, w, p->a, x, p->b, &beta, d, p->d, d, p->d,
+                             &p->algo, cu->lt_ws, cu->lt_ws_bytes, cu->stream));
 }
 
 void tdm_cu_gemm_ld(struct tdm_cuda *cu, const uint16_t *w, int m, int k, const uint16_t *x, int n,
@@ -112,6 +111,6 @@ void tdm_cu_gemm_bf16_ld(struct tdm_cuda *cu, const uint16_t *w, int m, int k, c
 void tdm_cu_gemm_destroy(struct tdm_cuda *cu)
 {
     for (int i = 0; i < cu->n_plans; i++)
-        plan_free(&cu->plans[i]);
+        plan_free(cu, &cu->plans[i]);
     cu->n_plans = 0;
 }

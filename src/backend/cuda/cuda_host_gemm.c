@@ -38,6 +38,7 @@ struct const_entry {
 struct tdm_cuda_gemm {
     int device;
     cudaStream_t stream;
+    const struct tdm_cu_lt *ltf; /* cuBLASLt's entry points (tdm_cu_lt) */
     cublasLtHandle_t lt;
     void *ws;
     size_t ws_bytes;
@@ -80,7 +81,9 @@ tdm_status tdm_cuda_gemm_create(int device, tdm_cuda_gemm_t **out)
         st = cu_err("cudaSetDevice", e);
     } else if ((e = cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking)) != cudaSuccess) {
         st = cu_err("cudaStreamCreate", e);
-    } else if (cublasLtCreate(&g->lt) != CUBLAS_STATUS_SUCCESS) {
+    } else if (!(g->ltf = tdm_cu_lt())) {
+        st = TDM_EUNSUPPORTED; /* tdm_cu_lt said why */
+    } else if (g->ltf->create(&g->lt) != CUBLAS_STATUS_SUCCESS) {
         g->lt = NULL;
         st = tdm_err_set(TDM_EIO, "cuda gemm: cublasLtCreate failed");
     } else {
@@ -106,7 +109,7 @@ void tdm_cuda_gemm_destroy(tdm_cuda_gemm_t *g)
     cudaFree(g->b.p);
     cudaFree(g->c.p);
     cudaFree(g->ws);
-    if (g->lt) cublasLtDestroy(g->lt);
+    if (g->lt) g->ltf->destroy(g->lt);
     if (g->stream) cudaStreamDestroy(g->stream);
     free(g);
 }
@@ -195,21 +198,21 @@ tdm_status tdm_cuda_gemm_run(tdm_cuda_gemm_t *g, bool ta, bool tb, int M, int N,
         cublasOperation_t o1 = tb ? CUBLAS_OP_T : CUBLAS_OP_N, o2 = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
         cublasLtMatmulDesc_t op = NULL;
         cublasLtMatrixLayout_t l1 = NULL, l2 = NULL, lc = NULL;
-        cublasStatus_t s = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
-        if (!s) s = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &o1, sizeof o1);
-        if (!s) s = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &o2, sizeof o2);
+        cublasStatus_t s = g->ltf->desc_create(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+        if (!s) s = g->ltf->desc_set(op, CUBLASLT_MATMUL_DESC_TRANSA, &o1, sizeof o1);
+        if (!s) s = g->ltf->desc_set(op, CUBLASLT_MATMUL_DESC_TRANSB, &o2, sizeof o2);
         /* column-major views: B's memory is bc x br (ld ldb), A's ac x ar (ld lda) */
-        if (!s) s = cublasLtMatrixLayoutCreate(&l1, CUDA_R_32F, bc, br, ldb);
-        if (!s) s = cublasLtMatrixLayoutCreate(&l2, CUDA_R_32F, ac, ar, lda);
-        if (!s) s = cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, N, M, ldc);
+        if (!s) s = g->ltf->layout_create(&l1, CUDA_R_32F, bc, br, ldb);
+        if (!s) s = g->ltf->layout_create(&l2, CUDA_R_32F, ac, ar, lda);
+        if (!s) s = g->ltf->layout_create(&lc, CUDA_R_32F, N, M, ldc);
         const float alpha = 1.0f;
         if (!s)
-            s = cublasLtMatmul(g->lt, op, &alpha, db, l1, g->a.p, l2, &beta, g->c.p, lc, g->c.p, lc,
+            s = g->ltf->matmul(g->lt, op, &alpha, db, l1, g->a.p, l2, &beta, g->c.p, lc, g->c.p, lc,
                                NULL, g->ws, g->ws_bytes, g->stream);
-        if (lc) cublasLtMatrixLayoutDestroy(lc);
-        if (l2) cublasLtMatrixLayoutDestroy(l2);
-        if (l1) cublasLtMatrixLayoutDestroy(l1);
-        if (op) cublasLtMatmulDescDestroy(op);
+        if (lc) g->ltf->layout_destroy(lc);
+        if (l2) g->ltf->layout_destroy(l2);
+        if (l1) g->ltf->layout_destroy(l1);
+        if (op) g->ltf->desc_destroy(op);
         if (s != CUBLAS_STATUS_SUCCESS) {
             st = tdm_err_set(TDM_EIO, "cuda gemm: cublasLtMatmul (%d x %d x %d): status %d", M, N,
                              K, (int)s);

@@ -31,6 +31,26 @@
     } while (0)
 _Noreturn void tdm_cu_fatal(const char *what, const char *why, const char *file, int line);
 
+/* The cuBLASLt entry points tandem calls, from the library opened on first use (cuda_lt.c
+ * says why it is not linked). Types from cublasLt.h. */
+struct tdm_cu_lt {
+    __typeof__(&cublasLtCreate) create;
+    __typeof__(&cublasLtDestroy) destroy;
+    __typeof__(&cublasLtMatmulDescCreate) desc_create;
+    __typeof__(&cublasLtMatmulDescDestroy) desc_destroy;
+    __typeof__(&cublasLtMatmulDescSetAttribute) desc_set;
+    __typeof__(&cublasLtMatrixLayoutCreate) layout_create;
+    __typeof__(&cublasLtMatrixLayoutDestroy) layout_destroy;
+    __typeof__(&cublasLtMatmulPreferenceCreate) pref_create;
+    __typeof__(&cublasLtMatmulPreferenceDestroy) pref_destroy;
+    __typeof__(&cublasLtMatmulPreferenceSetAttribute) pref_set;
+    __typeof__(&cublasLtMatmulAlgoGetHeuristic) heuristic;
+    __typeof__(&cublasLtMatmul) matmul;
+};
+/* The table, loading the library on the first call; NULL (tdm_err set, naming the library and
+ * why) where it cannot be opened. Any thread. */
+const struct tdm_cu_lt *tdm_cu_lt(void);
+
 #define TDM_CU_GEMM_PLANS   96
 #define TDM_CU_MAX_GRAPHS   48
 #define TDM_CU_IDLE_SLOTS   8  /* steps whose timing events may be alive at once */
@@ -83,6 +103,7 @@ struct tdm_cuda {
     double mem_fraction;
     bool graphs_enabled;
     cudaStream_t stream;
+    const struct tdm_cu_lt *ltf; /* cuBLASLt's entry points (tdm_cu_lt) */
     cublasLtHandle_t lt;
     void *lt_ws;
     size_t lt_ws_bytes;
