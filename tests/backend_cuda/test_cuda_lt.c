@@ -19,24 +19,12 @@
 
 #ifdef TDM_HAVE_CUDA
 #include "backend/cuda/cuda_int.h"
-
-/* Whether a file whose name contains `name` is mapped into this process. */
-static bool mapped(const char *name)
-{
-    FILE *f = fopen("/proc/self/maps", "r");
-    assert_non_null(f);
-    char line[4096];
-    bool found = false;
-    while (!found && fgets(line, sizeof line, f))
-        found = strstr(line, name) != NULL;
-    fclose(f);
-    return found;
-}
+#include "lib/proc_maps.h"
 
 static void test_opened_on_first_use(void **state)
 {
     (void)state;
-    assert_false(mapped("libcublasLt"));
+    assert_false(tdm_test_mapped("libcublasLt"));
     const struct tdm_cu_lt *lt = tdm_cu_lt();
     if (!lt) fail_msg("%s", tdm_err_msg());
     const void *fns[] = {
@@ -50,7 +38,7 @@ static void test_opened_on_first_use(void **state)
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++)
         assert_non_null(fns[i]);
     assert_ptr_equal(tdm_cu_lt(), lt);
-    assert_true(mapped("libcublasLt"));
+    assert_true(tdm_test_mapped("libcublasLt"));
 }
 #else
 static void test_opened_on_first_use(void **state)

@@ -34,7 +34,9 @@ void tdm_xfer_config_default(struct tdm_xfer_config *cfg)
 
 static tdm_status open_fabric(tdm_xfer_t *x)
 {
-    struct fi_info *hints = fi_allocinfo();
+    const struct tdm_fi_api *fi = tdm_fi_api();
+    if (!fi) return TDM_EUNSUPPORTED;          /* tdm_fi_api said why */
+    struct fi_info *hints = fi->dupinfo(NULL); /* fi_allocinfo */
     if (!hints) return tdm_err_set(TDM_ENOMEM, "xfer: fi_allocinfo failed");
     hints->ep_attr->type = FI_EP_RDM;
     hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
@@ -70,25 +72,25 @@ static tdm_status open_fabric(tdm_xfer_t *x)
         uint64_t base_caps = hints->caps;
         rc = -FI_ENODATA;
         for (int mode = first; mode <= ORDER_DRAIN && rc; mode++) {
-            if (x->info) fi_freeinfo(x->info);
+            if (x->info) fi->freeinfo(x->info);
             x->info = NULL;
             hints->caps = base_caps | (mode == ORDER_FENCE ? FI_FENCE : 0);
             hints->tx_attr->msg_order = mode == ORDER_WAW ? FI_ORDER_WAW : 0;
             hints->tx_attr->op_flags = mode == ORDER_DRAIN ? FI_DELIVERY_COMPLETE : 0;
-            rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
+            rc = fi->getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
             if (rc == 0 && mode == ORDER_WAW &&
                 (!(x->info->tx_attr->msg_order & FI_ORDER_WAW) ||
                  x->info->ep_attr->max_order_waw_size < (1ull << 30)))
                 rc = -FI_ENODATA;            /* ordered only up to a size: not enough */
             if (rc && mode == ORDER_DRAIN) { /* no delivery-complete: the default */
                 hints->tx_attr->op_flags = 0;
-                rc = fi_getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
+                rc = fi->getinfo(FI_VERSION(1, 17), node, NULL, flags, hints, &x->info);
             }
             x->order = (enum order_mode)mode;
         }
         x->ordered_writes = rc == 0 && x->order == ORDER_WAW;
     }
-    fi_freeinfo(hints);
+    fi->freeinfo(hints);
     if (rc)
         return tdm_err_set(TDM_EUNSUPPORTED, "xfer: no provider '%s'%s%s: %s", x->provider_name,
                            node ? " on " : "", node ? node : "", fi_msg(rc));
@@ -101,9 +103,9 @@ static tdm_status open_fabric(tdm_xfer_t *x)
         if (!hit)
             return tdm_err_set(TDM_EUNSUPPORTED, "xfer: provider '%s' offers no domain '%s'",
                                x->provider_name, x->domain_name);
-        struct fi_info *one = fi_dupinfo(hit);
+        struct fi_info *one = fi->dupinfo(hit);
         if (!one) return tdm_err_set(TDM_ENOMEM, "xfer: fi_dupinfo failed");
-        fi_freeinfo(x->info);
+        fi->freeinfo(x->info);
         x->info = one;
     }
     struct fi_info *info = x->info;
@@ -133,7 +135,7 @@ static tdm_status open_fabric(tdm_xfer_t *x)
     x->n_tx_ops = (int)TDM_MIN(want, (int64_t)(1 << 20));
     x->n_ops = x->n_tx_ops + x->cfg.ctrl_rx_depth;
 
-    if ((rc = fi_fabric(info->fabric_attr, &x->fabric, NULL)))
+    if ((rc = fi->fabric(info->fabric_attr, &x->fabric, NULL)))
         return tdm_err_set(TDM_EIO, "xfer: fi_fabric: %s", fi_msg(rc));
     if ((rc = fi_domain(x->fabric, info, &x->domain, NULL)))
         return tdm_err_set(TDM_EIO, "xfer: fi_domain: %s", fi_msg(rc));
@@ -264,7 +266,7 @@ static void provider_close(struct shm_parked *o)
     if (o->cq) fi_close(&o->cq->fid);
     if (o->domain) fi_close(&o->domain->fid);
     if (o->fabric) fi_close(&o->fabric->fid);
-    if (o->info) fi_freeinfo(o->info);
+    if (o->info) tdm_fi_api()->freeinfo(o->info); /* opened: it made o->info */
     tdm_free_aligned(o->bufs);
     free(o->ops);
 }

@@ -6,7 +6,8 @@
  *   peer.c      peers: hello, liveness, death, heartbeats;
  *   rma.c       jobs and submission (paged writes, single writes, sends) and posting them;
  *   cq.c        completions, received messages and immediates (through the fault layer);
- *   progress.c  the progress thread and its timers.
+ *   progress.c  the progress thread and its timers;
+ *   libfabric.c the library itself, opened with the first engine (not linked).
  *
  * Shape (issue 24). A write is posted by the thread that submits it: tdm_xfer_write_pages /
  * _write validate, take a job from a fixed pool, merge the pages into runs held in a
@@ -292,9 +293,23 @@ struct tdm_xfer_mr {
  * pipeline of writes (a starved heartbeat would make the peer declare us dead). */
 #define OPS_RESERVED 4
 
+/* The five exported libfabric functions tandem calls, from the library opened with the first
+ * engine (libfabric.c says why it is not linked); their types are the header's. */
+struct tdm_fi_api {
+    __typeof__(&fi_getinfo) getinfo;
+    __typeof__(&fi_freeinfo) freeinfo;
+    __typeof__(&fi_dupinfo) dupinfo;
+    __typeof__(&fi_fabric) fabric;
+    __typeof__(&fi_strerror) strerror;
+};
+/* The table, opening the library on the first call; NULL (tdm_err set) where it cannot. */
+const struct tdm_fi_api *tdm_fi_api(void);
+/* fi_strerror of rc (either sign), or a fixed text before the library is open. */
+const char *tdm_fi_strerror(int rc);
+
 static inline const char *fi_msg(int rc)
 {
-    return fi_strerror(rc < 0 ? -rc : rc);
+    return tdm_fi_strerror(rc);
 }
 
 /* ---- shared between the files of the transport (progress thread unless marked) ---- */
