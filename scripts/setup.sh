@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
     build-essential cmake pkg-config git ca-certificates
+    binutils                            # readelf: libfabric's soname and symbol versions (CMake)
     clang libclang-rt-14-dev            # libFuzzer targets
     libfabric-dev libmicrohttpd-dev libjansson-dev libpcre2-dev libhwloc-dev
     libgnutls28-dev                     # HMAC-SHA256, random bytes, the HTTPS client
