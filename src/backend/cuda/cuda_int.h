@@ -3,9 +3,9 @@
  * cache and the helpers the op files share.
  *
  * Files: cuda_backend.c (vtable, creation, memory, weights, step metadata, CUDA graphs, layer
- * counter, memory plan, rooflines), cuda_gemm.c (cuBLASLt), cuda_sample.c (device sampling's
- * staging), kernels.cu, gemv.cu, attention.cu and sample.cu (the kernels, behind
- * cuda_kernels.h).
+ * counter, memory plan, rooflines), cuda_gemm.c (cuBLASLt), cuda_lt.c (the cuBLASLt library,
+ * opened on first use), cuda_sample.c (device sampling's staging), kernels.cu, gemv.cu,
+ * attention.cu and sample.cu (the kernels, behind cuda_kernels.h).
  *
  * Ownership: the instance owns every device buffer it allocates (weights it converted,
  * workspace, graphs, the pinned staging and counter); buffers handed out by buf_alloc belong
