@@ -770,6 +770,7 @@ static void spec_quantise(const float *x, struct tdm_cpu_xblock *o)
         l = l > 127 ? 127 : l < -127 ? -127 : l;
         o->hi[j] = (int8_t)h;
         o->lo[j] = (int8_t)l;
+        o->v[j] = (int16_t)(256 * (int)h + (int)l);
         o->s += 256 * (int)h + (int)l;
         if (j < 16) o->s16 += 256 * (int)h + (int)l;
     }

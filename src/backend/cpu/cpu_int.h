@@ -81,6 +81,7 @@ extern const tdm_cpu_tile_table tdm_cpu_tiles_avx512;
 /* One block of 32 activations quantised to two int8 planes (qdot.c): x[j] ~ d * v[j] with
  * v[j] = 256 * hi[j] + lo[j], lo the rounding left by hi. */
 struct tdm_cpu_xblock {
+    int16_t v[32]; /* 256 hi[j] + lo[j]: the 16-bit value of both planes (VPMADDWD tiles) */
     int8_t hi[32]; /* rint(x[j] / (256 d)), in [-127, 127] */
     int8_t lo[32]; /* rint((x[j] - 256 d hi[j]) / d), in [-127, 127] */
     float d;       /* max |x[j]| / 127 / 256; 0 for a block of zeros (or of |x| < 2^-93) */
@@ -88,7 +89,7 @@ struct tdm_cpu_xblock {
     int32_t s;     /* sum of v[j]: what folds Q4_0's offset of 8 into the integer sum */
     int32_t s16;   /* sum of v[j] for j < 16: Q6_K's offset of 32, per half (16 scales) */
 };
-static_assert(sizeof(struct tdm_cpu_xblock) == 80, "an xblock is 80 bytes");
+static_assert(sizeof(struct tdm_cpu_xblock) == 144, "an xblock is 144 bytes");
 
 /* A block whose step (max |x| / 127) is below this quantises to zeros (qdot.c). */
 #define TDM_CPU_XQ_MIN_STEP 0x1p-100f

@@ -20,6 +20,7 @@ QAI __m256i dot1_avx2(__m256i u, __m256i h, __m256i l)
 
 #define QDOT_KERNEL qtile_avx2
 #define QDOT_DOT1   dot1_avx2
+#define QDOT_I16    1
 #include "backend/cpu/qdot_x86.h"
 
 TDM_CPU_DEF_QTILE_TABLE(tdm_cpu_qtiles_avx2, qt, , qtile_avx2)
@@ -48,6 +49,12 @@ static inline __attribute__((always_inline)) __m256i pack32(const __m256i *q)
     const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
     return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* int32 x 16 (two vectors of 8, in order) to int16 x 16 in order (each in [-32639, 32639]). */
+static inline __attribute__((always_inline)) __m256i pack16(const __m256i *q)
+{
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
 }
 
 static inline __attribute__((always_inline)) int32_t hsum_epi32(__m256i v)
@@ -83,7 +90,7 @@ void tdm_cpu_quantise_avx2(const float *x, int64_t nb, struct tdm_cpu_xblock *ou
         const float id = 1.0f / step;
         const __m256 idv = _mm256_set1_ps(id), idlo = _mm256_set1_ps(id * 256.0f);
         const __m256 nstep = _mm256_set1_ps(-step);
-        __m256i qh[4], ql[4];
+        __m256i qh[4], ql[4], v16[4];
         __m256i sum = _mm256_setzero_si256(), sum16 = sum;
         for (int k = 0; k < 4; k++) {
             const __m256 h = _mm256_max_ps(
@@ -99,11 +106,14 @@ void tdm_cpu_quantise_avx2(const float *x, int64_t nb, struct tdm_cpu_xblock *ou
                 lo127);
             qh[k] = _mm256_cvtps_epi32(h);
             ql[k] = _mm256_cvtps_epi32(l);
-            sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_slli_epi32(qh[k], 8), ql[k]));
+            v16[k] = _mm256_add_epi32(_mm256_slli_epi32(qh[k], 8), ql[k]);
+            sum = _mm256_add_epi32(sum, v16[k]);
             if (k == 1) sum16 = sum;
         }
         _mm256_storeu_si256((__m256i *)o->hi, pack32(qh));
         _mm256_storeu_si256((__m256i *)o->lo, pack32(ql));
+        _mm256_storeu_si256((__m256i *)o->v, pack16(v16));
+        _mm256_storeu_si256((__m256i *)(o->v + 16), pack16(v16 + 2));
         o->d = step / 256.0f;
         o->s = hsum_epi32(sum);
         o->s16 = hsum_epi32(sum16);

@@ -12,6 +12,9 @@
  *                block's two planes): the variant's own multiply-adds (VPMADDUBSW + VPMADDWD,
  *                or VPDPBUSD). Lanes 0-3 cover elements 0-15, lanes 4-7 elements 16-31 (Q6_K's
  *                two halves, each with its own scale).
+ *   QDOT_I16     (optional, 0 by default) 1 where Q8_0, Q4_0 and Q4_1 take the activation's
+ *                16-bit values (xblock.v) with VPMADDWD instead of the two planes: without
+ *                VPDPBUSD, the planes cost four multiply-adds a block where v costs two.
  * Everything else (unpacking a block's weights to bytes, the scales, the fp32 accumulation) is
  * the same 256/128-bit code in every variant, so the variants differ only where they may: in
  * how an exact integer is computed.
@@ -45,6 +48,16 @@ QAI void qdot_prefetch(const uint8_t *blk, size_t ahead, int lines)
 #pragma GCC unroll 4
     for (int l = 0; l < lines; l++)
         _mm_prefetch((const char *)blk + ahead + 64 * l, _MM_HINT_T0);
+}
+
+/* How far ahead the VPMADDWD tile prefetches its rows: the next tile's, or as many tiles on as make
+ * 4 KiB. A decode step's matrices have short rows (SmolLM2's 576 columns are 360 bytes of Q4_1),
+ * and one tile ahead then keeps too few bytes in flight for one core to stream them at the memory's
+ * rate (bench/RESULTS.md, 2026-12-07). */
+QAI size_t qdot_ahead(int R, size_t row_bytes)
+{
+    const size_t tile = (size_t)R * row_bytes;
+    return tile * ((4096 + tile - 1) / tile);
 }
 
 /* A tile's results: row i of column c (its bias added) from lane i of acc[c]. */
@@ -124,6 +137,29 @@ QAI void qdot_scales(const uint8_t *p, size_t stride, int R, __m128 *d, __m128 *
     *m = _mm256_extractf128_ps(g, 1);
 }
 
+/* A Q8_0, Q4_0 or Q4_1 block's size and its quants' offset in it. */
+QAI void qdot_block_layout(int wtype, size_t *bsz, size_t *qoff)
+{
+    const bool q8 = wtype == TDM_CPU_W_Q8_0, q40 = wtype == TDM_CPU_W_Q4_0;
+    *bsz = q8    ? sizeof(struct block_q8_0)
+           : q40 ? sizeof(struct block_q4_0)
+                 : sizeof(struct block_q4_1);
+    *qoff = q8    ? offsetof(struct block_q8_0, qs)
+            : q40 ? offsetof(struct block_q4_0, qs)
+                  : offsetof(struct block_q4_1, qs);
+}
+
+/* One block's four rows' exact sums into a column's accumulator (qdot.c): dd = dw * d, then
+ * acc + fma(dd, isum, dm * ds) for Q4_1, fma(dd, isum, acc) otherwise. */
+QAI __m128 qdot_accumulate(__m128 acc, __m128i isum, __m128 dw, __m128 dm,
+                           const struct tdm_cpu_xblock *xb, bool q41)
+{
+    const __m128 dd = _mm_mul_ps(dw, _mm_set1_ps(xb->d));
+    const __m128 fsum = _mm_cvtepi32_ps(isum);
+    if (q41) return _mm_add_ps(acc, _mm_fmadd_ps(dd, fsum, _mm_mul_ps(dm, _mm_set1_ps(xb->ds))));
+    return _mm_fmadd_ps(dd, fsum, acc);
+}
+
 /* One fp16 of each of R blocks (p + i * stride; 0 past R) as fp32 lanes. */
 QAI __m128 qdot_scale16(const uint8_t *p, size_t stride, int R)
 {
@@ -156,6 +192,9 @@ QAI void qdot_q4k_scale_mins(const uint8_t *scales, __m256 *sc, __m256 *mn)
 #ifndef QDOT_Q8_BIAS
 #define QDOT_Q8_BIAS 0
 #endif
+#ifndef QDOT_I16
+#define QDOT_I16 0
+#endif
 #define QDOT_CAT_(a, b) a##b
 #define QDOT_CAT(a, b)  QDOT_CAT_(a, b)
 
@@ -164,7 +203,9 @@ QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q4k)(const struct tdm_cpu_qtile *t,
 {
     const size_t rb = t->row_bytes, bsz = sizeof(struct block_q4_K);
     const size_t ahead = (size_t)R * rb;
+#if !QDOT_I16
     const __m256i nib = _mm256_set1_epi8(0x0F);
+#endif
     __m128 acc[TDM_CPU_TILE_MAX];
 #pragma GCC unroll 4
     for (int c = 0; c < C; c++)
@@ -194,6 +235,41 @@ QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q4k)(const struct tdm_cpu_qtile *t,
         }
         const struct tdm_cpu_xblock *xs = t->x + sb * 8;
         for (int q = 0; q < 4; q++) {
+#if QDOT_I16
+            /* the group's 32 bytes as int16, bytes 0-15 and 16-31 (elements 0-15 and 16-31 of
+             * sub-block 2q in their low nibbles, of 2q + 1 in their high ones) */
+            __m256i qa[4], qc[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const uint8_t *qs =
+                    blk0 + (size_t)i * rb + offsetof(struct block_q4_K, qs) + 32 * q;
+                qa[i] = i < R ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs))
+                              : _mm256_setzero_si256();
+                qc[i] = i < R ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)))
+                              : _mm256_setzero_si256();
+            }
+            const __m256i nib16 = _mm256_set1_epi16(0x0F);
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                const int j = 2 * q + half;
+                __m256i w0[4], w1[4];
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    w0[i] = half ? _mm256_srli_epi16(qa[i], 4) : _mm256_and_si256(qa[i], nib16);
+                    w1[i] = half ? _mm256_srli_epi16(qc[i], 4) : _mm256_and_si256(qc[i], nib16);
+                }
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) {
+                    const struct tdm_cpu_xblock *xb = xs + c * t->ldx + j;
+                    const __m256i v0 = _mm256_loadu_si256((const __m256i *)xb->v);
+                    const __m256i v1 = _mm256_loadu_si256((const __m256i *)(xb->v + 16));
+                    __m256i p[4];
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++)
+                        p[i] = _mm256_add_epi32(_mm256_madd_epi16(w0[i], v0),
+                                                _mm256_madd_epi16(w1[i], v1));
+                    const __m128i isum = qdot_reduce4(p[0], p[1], p[2], p[3]);
+#else
             __m256i qb[4];
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++)
@@ -216,6 +292,7 @@ QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q4k)(const struct tdm_cpu_qtile *t,
                     const __m128i isum =
                         qdot_reduce4(QDOT_DOT1(u[0], xh, xl), QDOT_DOT1(u[1], xh, xl),
                                      QDOT_DOT1(u[2], xh, xl), QDOT_DOT1(u[3], xh, xl));
+#endif
                     const __m128 dd = _mm_mul_ps(dw[j], _mm_set1_ps(xb->d));
                     acc[c] =
                         _mm_add_ps(acc[c], _mm_fmadd_ps(dd, _mm_cvtepi32_ps(isum),
@@ -300,8 +377,75 @@ QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q6k)(const struct tdm_cpu_qtile *t,
     qdot_store(t, acc, R, C);
 }
 
+#if QDOT_I16
+/* Q8_0, Q4_0, Q4_1 on the 16-bit values (QDOT_I16): each weight widened to int16 once a tile
+ * row, then one VPMADDWD per 16 elements a column (two per block) where the planes take four
+ * multiply-adds (two VPMADDUBSW, two VPMADDWD) and Q8_0 two VPSIGNB more. The lanes group other
+ * elements than QDOT_DOT1's, but their sum is the same exact integer (|w v| <= 128 * 32639). */
+QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _i16)(const struct tdm_cpu_qtile *t, int wtype, int R,
+                                                  int C)
+{
+    const bool q8 = wtype == TDM_CPU_W_Q8_0, q41 = wtype == TDM_CPU_W_Q4_1;
+    size_t bsz, qoff;
+    qdot_block_layout(wtype, &bsz, &qoff);
+    const size_t rb = t->row_bytes;
+    const size_t ahead = qdot_ahead(R, rb);
+    const __m256i nib = _mm256_set1_epi16(0x0F);
+    __m128 acc[TDM_CPU_TILE_MAX];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++)
+        acc[c] = _mm_setzero_ps();
+
+    const uint8_t *blk0 = t->w;
+    for (int64_t b = 0; b < t->nb; b++, blk0 += bsz) {
+        __m256i w0[4], w1[4]; /* row i's elements 0-15 and 16-31 as int16 */
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            if (i >= R) {
+                w0[i] = w1[i] = _mm256_setzero_si256();
+                continue;
+            }
+            const uint8_t *blk = blk0 + (size_t)i * rb;
+            _mm_prefetch((const char *)blk + ahead, _MM_HINT_T0);
+            const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + qoff));
+            if (q8) {
+                w0[i] = _mm256_cvtepi8_epi16(q0);
+                w1[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + qoff + 16)));
+            } else { /* low nibbles are elements 0-15, high ones 16-31 */
+                const __m256i q = _mm256_cvtepu8_epi16(q0);
+                w0[i] = _mm256_and_si256(q, nib);
+                w1[i] = _mm256_srli_epi16(q, 4);
+            }
+        }
+        __m128 dw, dm;
+        qdot_scales(blk0, rb, R, &dw, &dm);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            const struct tdm_cpu_xblock *xb = t->x + c * t->ldx + b;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)xb->v);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(xb->v + 16));
+            __m256i p[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+                p[i] = _mm256_add_epi32(_mm256_madd_epi16(w0[i], v0), _mm256_madd_epi16(w1[i], v1));
+            __m128i isum = qdot_reduce4(p[0], p[1], p[2], p[3]);
+            if (wtype == TDM_CPU_W_Q4_0) isum = _mm_sub_epi32(isum, _mm_set1_epi32(8 * xb->s));
+            acc[c] = qdot_accumulate(acc[c], isum, dw, dm, xb, q41);
+        }
+    }
+
+    qdot_store(t, acc, R, C);
+}
+#endif
+
 QAI QDOT_FN_ATTR void QDOT_KERNEL(const struct tdm_cpu_qtile *t, int wtype, int R, int C)
 {
+#if QDOT_I16
+    if (wtype != TDM_CPU_W_Q4_K && wtype != TDM_CPU_W_Q6_K) {
+        QDOT_CAT(QDOT_KERNEL, _i16)(t, wtype, R, C);
+        return;
+    }
+#endif
     if (wtype == TDM_CPU_W_Q4_K) {
         QDOT_CAT(QDOT_KERNEL, _q4k)(t, R, C);
         return;
@@ -311,12 +455,8 @@ QAI QDOT_FN_ATTR void QDOT_KERNEL(const struct tdm_cpu_qtile *t, int wtype, int 
         return;
     }
     const bool q8 = wtype == TDM_CPU_W_Q8_0, q41 = wtype == TDM_CPU_W_Q4_1;
-    const size_t bsz = q8                        ? sizeof(struct block_q8_0)
-                       : wtype == TDM_CPU_W_Q4_0 ? sizeof(struct block_q4_0)
-                                                 : sizeof(struct block_q4_1);
-    const size_t qoff = q8                        ? offsetof(struct block_q8_0, qs)
-                        : wtype == TDM_CPU_W_Q4_0 ? offsetof(struct block_q4_0, qs)
-                                                  : offsetof(struct block_q4_1, qs);
+    size_t bsz, qoff;
+    qdot_block_layout(wtype, &bsz, &qoff);
     const size_t rb = t->row_bytes;
     /* each row prefetches the same bytes of the next tile's rows (see matmul_avx2.c) */
     const size_t ahead = (size_t)R * rb;
@@ -366,13 +506,7 @@ QAI QDOT_FN_ATTR void QDOT_KERNEL(const struct tdm_cpu_qtile *t, int wtype, int 
                                         QDOT_DOT1(u[2], h[2], l[2]), QDOT_DOT1(u[3], h[3], l[3]));
             if (wtype == TDM_CPU_W_Q4_0) isum = _mm_sub_epi32(isum, _mm_set1_epi32(8 * xb->s));
             if (q8 && QDOT_Q8_BIAS) isum = _mm_sub_epi32(isum, _mm_set1_epi32(128 * xb->s));
-            const __m128 dd = _mm_mul_ps(dw, _mm_set1_ps(xb->d));
-            const __m128 fsum = _mm_cvtepi32_ps(isum);
-            if (q41)
-                acc[c] =
-                    _mm_add_ps(acc[c], _mm_fmadd_ps(dd, fsum, _mm_mul_ps(dm, _mm_set1_ps(xb->ds))));
-            else
-                acc[c] = _mm_fmadd_ps(dd, fsum, acc[c]);
+            acc[c] = qdot_accumulate(acc[c], isum, dw, dm, xb, q41);
         }
     }
 
@@ -383,6 +517,7 @@ QAI QDOT_FN_ATTR void QDOT_KERNEL(const struct tdm_cpu_qtile *t, int wtype, int 
 #undef QDOT_DOT1
 #undef QDOT_FN_ATTR
 #undef QDOT_Q8_BIAS
+#undef QDOT_I16
 #undef QDOT_CAT
 #undef QDOT_CAT_
 #endif
