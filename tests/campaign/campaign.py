@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/, for lib.*
 from lib.server import Server, build_dir  # noqa: E402
 from router.routerlib import Router as RouterProcess  # noqa: E402
 
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
+from lib.sanitize import SANITIZED  # noqa: E402
 DEADLINE_S = 600 if SANITIZED else 120
 QUICK_PEER = ["--peer-timeout-ms", "8000" if SANITIZED else "1000"]
 

@@ -3,18 +3,18 @@ no other test covers the same way; prefill SIGKILL and the fault modes have thei
 tests/disagg/): 0 hung, 0 wrong answers, 0 leaked pages. The full campaign (--runs 100) is run by hand and its
 table kept in bench/RESULTS.md. Release pass only: under the sanitizers the same code paths run
 in the disaggregation, watchdog and hardening tests."""
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from lib.sanitize import release_only
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-@pytest.mark.skipif(bool(os.environ.get("TANDEM_SANITIZED")),
-                    reason="the campaign runs in the Release pass")
+@release_only("its code paths run under the sanitizers in the disaggregation, watchdog and hardening tests")
 def test_campaign_short(default_model):
     cases = "prefill-stop,decode-restart,slowloris,stall,forged-imm,unauth-peer"
     cp = subprocess.run([sys.executable, str(HERE / "campaign.py"), "--runs", "1",

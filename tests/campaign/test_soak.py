@@ -7,18 +7,18 @@ the 1,000 streams in flight at once; with the soak's 32 + 16 tokens one wave alo
 on two cores. The ten-minute run is made by hand and kept in bench/RESULTS.md.
 Release pass only: under the sanitizers the same paths run in the router and disaggregation
 tests at a load the sanitizers can carry."""
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from lib.sanitize import release_only
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-@pytest.mark.skipif(bool(os.environ.get("TANDEM_SANITIZED")),
-                    reason="the soak runs in the Release pass")
+@release_only("1,000 clients for a minute: too slow under the sanitizers")
 def test_soak_one_minute(default_model):
     cp = subprocess.run([sys.executable, str(HERE / "soak.py"), "--clients", "1000",
                          "--duration", "60", "--sample-s", "5",

@@ -18,12 +18,11 @@ import uuid
 import pytest
 
 from lib.server import Server, build_dir, free_port
+from lib.sanitize import SANITIZED, release_only
 
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
 THREADS = ["--threads", "1"]
 # Under sanitizers, tests that only add processes (not code paths) run in the Release pass only.
-release_only = pytest.mark.skipif(SANITIZED, reason="more processes, same code paths as the "
-                                  "single-pair tests; runs in the Release pass")
+MORE_PROCESSES = release_only("more processes, same code paths as the single-pair tests")
 
 
 # Under sanitizers three instrumented processes share two cores with the test runner: a peer's
@@ -269,7 +268,7 @@ def test_prefill_node_refuses_public_generation(pair):
     assert st == 404 and "prefill node" in r["error"]["message"]
 
 
-@release_only
+@MORE_PROCESSES
 def test_one_prefill_node_serves_two_decoders(colocated, default_model):
     p = prefill_node()
     d1 = d2 = None
@@ -289,7 +288,7 @@ def test_one_prefill_node_serves_two_decoders(colocated, default_model):
                 s.stop()
 
 
-@release_only
+@MORE_PROCESSES
 def test_decoder_spreads_over_two_prefill_nodes(colocated, default_model):
     p1, p2 = prefill_node(), prefill_node()
     d = None
@@ -434,7 +433,7 @@ def netns():
         _sh("ip", "netns", "del", ns)
 
 
-@release_only
+@MORE_PROCESSES
 def test_prefill_and_decode_in_separate_namespaces(colocated, default_model, netns):
     p = prefill_node(["--xfer-node", "10.231.0.2", "--host", "10.231.0.2"],
                      prefix=["ip", "netns", "exec", netns])
@@ -463,7 +462,7 @@ def key_file(text):
     return path
 
 
-@release_only  # the handshake's code paths run under the sanitizers in test_xfer
+@MORE_PROCESSES  # the handshake's code paths run under the sanitizers in test_xfer
 def test_fabric_key(colocated, default_model):
     """With --fabric-key the pair proves the cluster key and serves as before; a decode node
     with another key is never taken as a peer by the prefill node (it prefills locally, with

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from lib.rawhttp import raw_http
+from lib.sanitize import release_only
 from test_disagg import (SANITIZED, colocated, decode_idle, decode_node,  # noqa: F401
                          prefill_idle, prefill_node, run)
 
@@ -160,7 +161,7 @@ def test_prompt_cached_but_its_last_token(colocated, cpair):
     idle(p, d)
 
 
-@pytest.mark.skipif(SANITIZED, reason="the staged path's code is the same; Release pass only")
+@release_only("the staged path's code is the same")
 def test_staged_pages_with_caches(colocated, default_model):
     stage = ["--kv-staging", "always"]
     p = prefill_node(CACHE + stage)

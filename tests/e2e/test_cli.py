@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import run_tandem
-
-SLOW = 3 if os.environ.get("TANDEM_SANITIZED") else 1
+from lib.sanitize import SLOW
 
 
 def test_contract_token_ids(default_model, tmp_path):

@@ -2,16 +2,15 @@
 recompute when the KV pool runs dry (the preempted requests resume and finish with the same
 tokens)."""
 import concurrent.futures as cf
-import os
 import random
 import time
 
 from lib.server import Server
+from lib.sanitize import SANITIZED
 
 
 # Sanitizer builds are unoptimised and many times slower: they run the same checks on a smaller
 # mix (16 concurrent clients), which still exercises every concurrent path.
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
 N_CLIENTS = 16 if SANITIZED else 64
 
 

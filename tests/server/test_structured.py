@@ -10,7 +10,6 @@ Every output is checked by independent validators: `jsonschema` (formats include
 tests/grammar/test_schema_suite.py validates over random walks); here the model chooses.
 """
 import json
-import os
 import pathlib
 import re
 
@@ -19,8 +18,8 @@ import pytest
 
 from lib.heads import write_head
 from lib.server import Server, default_model_path
+from lib.sanitize import SANITIZED
 
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
 SCHEMA_DIR = pathlib.Path(__file__).resolve().parent.parent / "grammar" / "schemas"
 # schemas whose every string is bounded, so a sampled output always ends
 BOUNDED = ["person", "enums", "one_of_tagged", "tuple", "array_bounds", "formats",

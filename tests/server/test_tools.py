@@ -12,14 +12,12 @@ References, independent of the server:
   Python's `json`.
 """
 import json
-import os
 
 import jsonschema
 import pytest
 
 from lib.smol_hf import smol_hf_tokenizer
-
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
+from lib.sanitize import SANITIZED
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -3,15 +3,14 @@ error, turns /health to 503, refuses new requests, and SIGTERM still ends the pr
 its drain deadline. The stuck step is made by the scheduler's fault injection
 (TANDEM_SCHED_FAULTS=stall:STEP:MS), which sleeps before the step runs."""
 import json
-import os
 import time
 
 from lib.rawhttp import open_stream
 from lib.server import Server
+from lib.sanitize import SANITIZED
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True}
 # Under the sanitizers an ordinary step takes far longer: the limit and the stall scale with it.
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
 # The limit is far above an ordinary step (tens of ms; a loaded 2-core machine or the sanitizers
 # make a prefill step take up to seconds), and the injected stall far above the limit.
 WATCHDOG_MS, STALL_MS = (6000, 15000) if SANITIZED else (1500, 5000)

@@ -21,7 +21,6 @@
 """
 import concurrent.futures as cf
 import json
-import os
 import random
 
 import pytest
@@ -29,9 +28,8 @@ import pytest
 from conftest import run_tandem
 from lib.heads import write_head
 from lib.server import Server
+from lib.sanitize import SANITIZED, SLOW
 
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
-SLOW = 3 if SANITIZED else 1
 N_GEN = 16 if SANITIZED else 40
 BUDGETS = ("1", "8", "16", "32", "64")
 

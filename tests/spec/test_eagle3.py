@@ -17,7 +17,6 @@ and lossless drafting with --spec mtp and --spec eagle.
   (--tp 2, 3: the --tp 1 head's statistics).
 """
 import json
-import os
 import zlib
 
 import numpy as np
@@ -27,11 +26,10 @@ from conftest import run_tandem
 from lib import reference as ref
 from lib.checkpoints import make_hf_checkpoint
 from lib.heads import write_eagle3_head
+from lib.sanitize import SANITIZED, SLOW
 from test_mtp import head_dump
 
 TOL = 1e-4
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
-SLOW = 3 if SANITIZED else 1
 N_LAYERS = 8  # the default target layers: 2, 4, 5
 
 

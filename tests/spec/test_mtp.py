@@ -18,7 +18,6 @@
   enough for the head's eager catch-up over prefill chunks; rejection acceptance runs too.
 """
 import json
-import os
 import pathlib
 import subprocess
 import zlib
@@ -30,10 +29,9 @@ from conftest import build_dir, run_tandem
 from lib import reference as ref
 from lib.checkpoints import make_hf_checkpoint
 from lib.heads import DEEPSEEK_LAYER, write_head
+from lib.sanitize import SANITIZED, SLOW, release_only
 
 TOL = 1e-4
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
-SLOW = 3 if SANITIZED else 1
 
 
 def head_dump(model, head, out, tokens):
@@ -243,8 +241,7 @@ LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))  # > 512 token
 
 # The sanitized pass runs the three cases that together hold both heads, both samplers, the
 # penalties and the long prompt; the two short greedy ones run in the Release pass.
-_RELEASE_ONLY = pytest.mark.skipif(SANITIZED, reason="the paths of the other cases; runs in the "
-                                                     "Release pass")
+_RELEASE_ONLY = release_only("the paths of the other cases")
 
 
 @pytest.mark.parametrize("kind,prompt,chat,setting", [

@@ -18,7 +18,6 @@ the CPU, a batch-invariant backend, that row's logits are the catch-up's bit for
 - --spec-overlap with another method is refused with a message.
 """
 import concurrent.futures as cf
-import os
 import pathlib
 
 import pytest
@@ -26,10 +25,9 @@ import pytest
 from conftest import run_tandem
 from lib.heads import write_head
 from lib.server import Server
+from lib.sanitize import SANITIZED, SLOW
 from test_eagle import complete, mix, stats
 
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
-SLOW = 3 if SANITIZED else 1
 N_GEN = 16 if SANITIZED else 40
 D_MODEL, HEAD_DIM, VOCAB = 576, 64, 49152  # SmolLM2-135M
 REPEAT = "!" * 24  # the target goes on with one token (id 32) forever

@@ -12,7 +12,6 @@
 """
 import concurrent.futures as cf
 import json
-import os
 import random
 
 import pathlib
@@ -23,9 +22,7 @@ import pytest
 
 from conftest import run_tandem
 from lib.server import Server
-
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
-SLOW = 3 if SANITIZED else 1
+from lib.sanitize import SANITIZED, SLOW
 
 
 # Sanitizer builds are many times slower: the same checks on shorter generations.

@@ -8,7 +8,6 @@ qwen3 q/k norms and GQA. The tool's own float32 central differences of the train
 agree with the analytic gradient too (teacher forcing, where the two objectives coincide).
 """
 import json
-import os
 import subprocess
 
 import numpy as np
@@ -18,9 +17,7 @@ from conftest import build_dir
 from lib import reference as ref
 from lib import train_ref
 from lib.checkpoints import make_hf_checkpoint
-
-SANITIZED = bool(os.environ.get("TANDEM_SANITIZED"))
-SLOW = 3 if SANITIZED else 1
+from lib.sanitize import SANITIZED, SLOW
 
 
 @pytest.fixture(scope="module")
