@@ -79,7 +79,8 @@ extern const tdm_cpu_tile_table tdm_cpu_tiles_avx512;
 /* ---- quantised activations (qdot.c explains the scheme) ---- */
 
 /* One block of 32 activations quantised to two int8 planes (qdot.c): x[j] ~ d * v[j] with
- * v[j] = 256 * hi[j] + lo[j], lo the rounding left by hi. */
+ * v[j] = 256 * hi[j] + lo[j], lo the rounding left by hi; v itself is stored too, for the tiles
+ * that multiply 16-bit integers (VPMADDWD) rather than bytes. */
 struct tdm_cpu_xblock {
     int16_t v[32]; /* 256 hi[j] + lo[j]: the 16-bit value of both planes (VPMADDWD tiles) */
     int8_t hi[32]; /* rint(x[j] / (256 d)), in [-127, 127] */

@@ -18,9 +18,10 @@
  * of the exact path's positions (bench/RESULTS.md); a second plane holding what the first left
  * (lo, in units 256 times finer) makes each activation a 16-bit integer v = 256 hi + lo for
  * twice the integer work and no more weight bytes, which a memory-bound decode does not feel.
-The quantiser also writes v itself (xblock.v, int16): the AVX2 tiles without VPDPBUSD take Q8_0,
-Q4_0 and Q4_1 against it with VPMADDWD, two multiply-adds a block where the planes take four
-(one thread, this project's 2-core EPYC: prefill and batch-8 decode +20%, bench/RESULTS.md).
+ * The quantiser also writes v itself (xblock.v, int16): the AVX2 tiles without VPDPBUSD take
+ * Q8_0, Q4_0, Q4_1 and Q4_K against it with VPMADDWD, two multiply-adds a block where the planes
+ * take four (one thread, this project's 2-core EPYC: prefill +27%, batch-8 decode +20%,
+ * bench/RESULTS.md).
  * The fp32 path stays (--exact-activations) and the 1e-4 fidelity tests against the numpy
  * reference run on it.
  *

@@ -12,7 +12,7 @@
  *                block's two planes): the variant's own multiply-adds (VPMADDUBSW + VPMADDWD,
  *                or VPDPBUSD). Lanes 0-3 cover elements 0-15, lanes 4-7 elements 16-31 (Q6_K's
  *                two halves, each with its own scale).
- *   QDOT_I16     (optional, 0 by default) 1 where Q8_0, Q4_0 and Q4_1 take the activation's
+ *   QDOT_I16     (optional, 0 by default) 1 where Q8_0, Q4_0, Q4_1 and Q4_K take the activation's
  *                16-bit values (xblock.v) with VPMADDWD instead of the two planes: without
  *                VPDPBUSD, the planes cost four multiply-adds a block where v costs two.
  * Everything else (unpacking a block's weights to bytes, the scales, the fp32 accumulation) is
@@ -150,7 +150,8 @@ QAI void qdot_block_layout(int wtype, size_t *bsz, size_t *qoff)
 }
 
 /* One block's four rows' exact sums into a column's accumulator (qdot.c): dd = dw * d, then
- * acc + fma(dd, isum, dm * ds) for Q4_1, fma(dd, isum, acc) otherwise. */
+ * acc + fma(dd, isum, dm * ds) where the block has a minimum (Q4_1, a Q4_K sub-block: q41),
+ * fma(dd, isum, acc) otherwise. */
 QAI __m128 qdot_accumulate(__m128 acc, __m128i isum, __m128 dw, __m128 dm,
                            const struct tdm_cpu_xblock *xb, bool q41)
 {
@@ -293,10 +294,7 @@ QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q4k)(const struct tdm_cpu_qtile *t,
                         qdot_reduce4(QDOT_DOT1(u[0], xh, xl), QDOT_DOT1(u[1], xh, xl),
                                      QDOT_DOT1(u[2], xh, xl), QDOT_DOT1(u[3], xh, xl));
 #endif
-                    const __m128 dd = _mm_mul_ps(dw[j], _mm_set1_ps(xb->d));
-                    acc[c] =
-                        _mm_add_ps(acc[c], _mm_fmadd_ps(dd, _mm_cvtepi32_ps(isum),
-                                                        _mm_mul_ps(dm[j], _mm_set1_ps(xb->ds))));
+                    acc[c] = qdot_accumulate(acc[c], isum, dw[j], dm[j], xb, true);
                 }
             }
         }
