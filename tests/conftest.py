@@ -18,6 +18,8 @@ import subprocess
 
 import pytest
 
+from lib.sanitize import SANITIZED
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("TANDEM_POOL_SPIN_US", "20")
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -133,7 +135,7 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.relative_to(ROOT / "tests").as_posix(),
                                          len(rank)))
-    if not os.environ.get("TANDEM_SANITIZED"):
+    if not SANITIZED:
         return
     skip = pytest.mark.skip(reason="sanitized pass: each of its values ran in another case; this "
                                    "combination runs in the Release pass")

@@ -41,10 +41,10 @@ import urllib.error
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/, for lib.*
 
+from lib.sanitize import SANITIZED  # noqa: E402
 from lib.server import Server, build_dir  # noqa: E402
 from router.routerlib import Router as RouterProcess  # noqa: E402
 
-from lib.sanitize import SANITIZED  # noqa: E402
 DEADLINE_S = 600 if SANITIZED else 120
 QUICK_PEER = ["--peer-timeout-ms", "8000" if SANITIZED else "1000"]
 

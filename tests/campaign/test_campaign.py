@@ -14,7 +14,8 @@ from lib.sanitize import release_only
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-@release_only("its code paths run under the sanitizers in the disaggregation, watchdog and hardening tests")
+@release_only("its code paths run under the sanitizers in the disaggregation, watchdog and "
+              "hardening tests")
 def test_campaign_short(default_model):
     cases = "prefill-stop,decode-restart,slowloris,stall,forged-imm,unauth-peer"
     cp = subprocess.run([sys.executable, str(HERE / "campaign.py"), "--runs", "1",

@@ -12,15 +12,16 @@ import subprocess
 
 import pytest
 
+from lib.sanitize import release_only
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 FUZZ_DIR = ROOT / "build-fuzz" / "fuzz"
 SOURCES = sorted((ROOT / "tests" / "fuzz").glob("fuzz_*.c"))
 
 
+@release_only("fuzz targets run once, and carry their own ASan")
 @pytest.mark.parametrize("src", SOURCES, ids=[s.stem for s in SOURCES])
 def test_fuzz_target(src, tmp_path):
-    if os.environ.get("TANDEM_SANITIZED"):
-        pytest.skip("fuzz targets run once, in the Release pass (they carry their own ASan)")
     exe = FUZZ_DIR / src.stem
     assert exe.exists(), f"{exe} was not built (scripts/test.sh builds build-fuzz/ with clang)"
     corpus = tmp_path / "corpus"

@@ -17,7 +17,6 @@ install.
 """
 import json
 import math
-import os
 import pathlib
 
 import numpy as np
@@ -25,6 +24,7 @@ import pytest
 
 from lib import reference as ref
 from lib.rawhttp import raw_http
+from lib.sanitize import SANITIZED
 from lib.server import Server, default_model_path
 from lib.smol_hf import smol_hf_tokenizer
 
@@ -173,7 +173,7 @@ def test_lm_eval_loglikelihood_task(server, model):
     tok = smol_hf_tokenizer()
     docs = [json.loads(ln) for ln in
             (ROOT / "bench" / "lm_eval" / "tandem_mc.jsonl").read_text().splitlines()]
-    if os.environ.get("TANDEM_SANITIZED"):  # the same requests; fewer under the sanitizers
+    if SANITIZED:  # the same requests; fewer under the sanitizers
         docs = docs[:3]
     right = right_ref = 0
     worst = 0.0
