@@ -99,16 +99,22 @@ static_assert(sizeof(struct tdm_cpu_xblock) == 144, "an xblock is 144 bytes");
  * Q8_0, Q4_0, Q4_1, Q4_K, Q6_K. */
 #define TDM_CPU_QW_COUNT 5
 
-/* One quantised tile: out[c * ldo + i] = dot(W row i, x row c) (+ bias[i]) for i < R, c < C,
- * where x row c is the nb blocks at x + c * ldx. Same conventions as struct tdm_cpu_tile. */
+/* One quantised tile: out[c * ldo + i * ldr] = dot(W row i, x row c) (+ bias[i * ldr]) for
+ * i < R, c < C, where W row i is the nb blocks at w + i * row_stride and x row c the nb blocks
+ * at x + c * ldx. The tile's rows are the weight's adjacent rows (row_stride its row_bytes, ldr
+ * 1), or, in the decode walk, rows a quarter of the thread's share apart (matmul.c says why).
+ * `next` is how far the walk's next tile lies from this one's rows, in bytes: the tiles prefetch
+ * from there on. */
 struct tdm_cpu_qtile {
     const uint8_t *w;
-    size_t row_bytes;
+    size_t row_stride;
+    size_t next;
     int64_t nb; /* blocks of 32 per row (a multiple of 8 for the K-quants) */
     const struct tdm_cpu_xblock *x;
     int64_t ldx; /* blocks */
     float *out;
     int64_t ldo;
+    int64_t ldr;
     const float *bias;
 };
 typedef void (*tdm_cpu_qtile_fn)(const struct tdm_cpu_qtile *t);

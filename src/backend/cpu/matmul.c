@@ -25,8 +25,9 @@
  * of all threads) per decoded token. Each thread walks its rows in tiles of R weight rows x C
  * activation rows (cpu_int.h): n == 1 (decode) streams R rows at
  * once against the single activation row, which keeps several independent FMA chains in
- * flight while the weights stream from memory; n > 1 (prefill) keeps a block of RB weight rows
- * hot in cache and runs it against IB activation rows, dequantising each weight vector once
+ * flight while the weights stream from memory (a quantised part's R rows are R runs of the
+ * thread's share apart, each its own stream: mm_rows); n > 1 (prefill) keeps a block of RB weight
+ * rows hot in cache and runs it against IB activation rows, dequantising each weight vector once
  * per C activation rows.
  *
  * Determinism: every tile shape (fp32 or quantised) performs the same operations, in the same
@@ -253,27 +254,39 @@ struct mm_job {
     struct mm_part parts[TDM_MATMUL_MULTI_MAX];
 };
 
-/* Weight rows [r, r + R) against activation rows [i, i + C), written to out with row stride
- * ldo (out points at the tile's first value). */
-static void run_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int i, int R,
-                     int C, float *out, int64_t ldo)
+/* Where one tile's values go: out[c * ldo + j * ldr] for activation row c and tile row j. */
+struct mm_out {
+    float *out;
+    int64_t ldo, ldr;
+};
+
+/* Weight rows r + j * q (j < R) against activation rows [i, i + C), written to o. q is 1 (a
+ * tile of adjacent rows) but in the decode walk of a quantised part (mm_rows). */
+static void run_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int64_t q, int i,
+                     int R, int C, struct mm_out o)
 {
     const struct tdm_weight *w = p->w;
     if (p->q) {
         const int64_t nb = w->cols / 32;
         const struct tdm_cpu_qtile t = {
             .w = (const uint8_t *)w->data + (size_t)r * w->row_bytes,
-            .row_bytes = w->row_bytes,
+            .row_stride = (size_t)q * w->row_bytes,
+            /* the walk's next tile: the next R rows, or each row's successor when strided */
+            .next = (q == 1 ? (size_t)R : 1) * w->row_bytes,
             .nb = nb,
             .x = job->xq + (size_t)i * (size_t)nb,
             .ldx = nb,
-            .out = out,
-            .ldo = ldo,
+            .out = o.out,
+            .ldo = o.ldo,
+            .ldr = o.ldr,
             .bias = p->bias ? p->bias + r : NULL,
         };
         job->k->qtile[p->wtype - TDM_CPU_W_Q8_0][R - 1][C - 1](&t);
         return;
     }
+    TDM_ASSERT(q == 1 && o.ldr == 1);
+    float *out = o.out;
+    const int64_t ldo = o.ldo;
     const struct tdm_cpu_tile t = {
         .w = (const uint8_t *)w->data + (size_t)r * w->row_bytes,
         .row_bytes = w->row_bytes,
@@ -291,54 +304,67 @@ static void run_tile(const struct mm_job *job, const struct mm_part *p, int64_t 
     tiles[p->wtype][R - 1][C - 1](&t);
 }
 
-/* As run_tile on the AMX tiles: R, C <= 16, i a multiple of 16. */
+/* As run_tile on the AMX tiles: adjacent rows, R, C <= 16, i a multiple of 16. */
 static void run_tile_amx(const struct mm_job *job, const struct mm_part *p, int64_t r, int i, int R,
-                         int C, float *out, int64_t ldo)
+                         int C, struct mm_out o)
 {
     const struct tdm_weight *w = p->w;
+    TDM_ASSERT(o.ldr == 1);
     const int64_t nb = w->cols / 32;
     const struct tdm_cpu_amx_tile t = {
         .w = (const uint8_t *)w->data + (size_t)r * w->row_bytes,
         .row_bytes = w->row_bytes,
         .nb = nb,
         .x = job->xt + (size_t)(i / TDM_CPU_AMX_TILE) * (size_t)nb,
-        .out = out,
-        .ldo = ldo,
+        .out = o.out,
+        .ldo = o.ldo,
         .bias = p->bias ? p->bias + r : NULL,
     };
     tdm_cpu_amx_qtile(&t, p->wtype, R, C);
 }
 
-static void any_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int i, int R,
-                     int C, float *out, int64_t ldo)
+static void any_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int64_t q, int i,
+                     int R, int C, struct mm_out o)
 {
     if (p->amx)
-        run_tile_amx(job, p, r, i, R, C, out, ldo);
+        run_tile_amx(job, p, r, i, R, C, o);
     else
-        run_tile(job, p, r, i, R, C, out, ldo);
+        run_tile(job, p, r, q, i, R, C, o);
 }
 
-/* The tile at (r, i) of one part, into that part's output. */
-static void part_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int i, int R,
-                      int C)
+/* The tile of rows r + j * q (j < R) and activation rows [i, i + C) of one part, into that
+ * part's output. */
+static void part_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int64_t q,
+                      int i, int R, int C)
 {
     const int64_t rows = p->w->rows;
-    any_tile(job, p, r, i, R, C, p->out + (size_t)i * (size_t)rows + (size_t)r, rows);
+    any_tile(job, p, r, q, i, R, C,
+             (struct mm_out){p->out + (size_t)i * (size_t)rows + (size_t)r, rows, q});
 }
 
-/* The SwiGLU tile at (r, i): the gate tile into out, the up tile into scratch, then
+/* The SwiGLU tile at (r, q, i): the gate tile into out, the up tile into scratch, then
  * out = silu(gate) * up on the tile. */
-static void swiglu_tile(const struct mm_job *job, int64_t r, int i, int R, int C)
+static void swiglu_tile(const struct mm_job *job, int64_t r, int64_t q, int i, int R, int C)
 {
     const struct mm_part *gate = &job->parts[0], *up = &job->parts[1];
     const int64_t rows = gate->w->rows;
     float *out = gate->out + (size_t)i * (size_t)rows + (size_t)r;
     float u[TDM_CPU_AMX_TILE * TDM_CPU_AMX_TILE]; /* [C][R] */
-    any_tile(job, gate, r, i, R, C, out, rows);
-    any_tile(job, up, r, i, R, C, u, R);
+    any_tile(job, gate, r, q, i, R, C, (struct mm_out){out, rows, q});
+    any_tile(job, up, r, q, i, R, C, (struct mm_out){u, R, 1});
     for (int c = 0; c < C; c++)
         for (int j = 0; j < R; j++)
-            out[c * rows + j] = tdm_cpu_silu_mul1(out[c * rows + j], u[c * R + j]);
+            out[c * rows + j * q] = tdm_cpu_silu_mul1(out[c * rows + j * q], u[c * R + j]);
+}
+
+/* One tile of mm_rows' walk: of part p, or of the SwiGLU pair when p is NULL. */
+static void walk_tile(const struct mm_job *job, const struct mm_part *p, int64_t r, int64_t q,
+                      int i, int R, int C)
+{
+    if (p)
+        part_tile(job, p, r, q, i, R, C);
+    else
+        swiglu_tile(job, r, q, i, R, C);
 }
 
 /* Weight rows per prefill tile: the quantised tiles hold a row per lane of a 4-lane register. */
@@ -355,14 +381,18 @@ static void mm_rows(const struct mm_job *job, const struct mm_part *p, int64_t r
         p ? prefill_rows(job->k, p)
           : TDM_MIN(prefill_rows(job->k, &job->parts[0]), prefill_rows(job->k, &job->parts[1]));
     if (job->n == 1) {
+        /* Quantised parts stride: the thread's rows are R runs of q rows, and tile t takes row t
+         * of each run, so that each tile row streams through memory on its own. Four adjacent
+         * short rows (a 576-column row of Q8_0 is 612 bytes) read the LM head at 8 GB/s on one
+         * core, four runs 12 GB/s (bench/RESULTS.md, 2026-12-07). The rows past R runs, and
+         * fp32-activation parts, take adjacent tiles. */
         const int R = job->k->decode_r;
-        for (int64_t r = r0; r < r1; r += R) {
-            const int rr = (int)TDM_MIN(R, r1 - r);
-            if (p)
-                part_tile(job, p, r, 0, rr, 1);
-            else
-                swiglu_tile(job, r, 0, rr, 1);
-        }
+        const bool strided = p ? p->q : job->parts[0].q && job->parts[1].q;
+        const int64_t q = strided ? (r1 - r0) / R : 0;
+        for (int64_t t = 0; t < q; t++)
+            walk_tile(job, p, r0 + t, q, 0, R, 1);
+        for (int64_t r = r0 + R * q; r < r1; r += R)
+            walk_tile(job, p, r, 1, 0, (int)TDM_MIN(R, r1 - r), 1);
         return;
     }
     if (p ? p->amx : job->parts[0].amx && job->parts[1].amx) {
@@ -376,10 +406,7 @@ static void mm_rows(const struct mm_job *job, const struct mm_part *p, int64_t r
                 const int rr = (int)TDM_MIN(T, r1 - r);
                 for (int i = i0; i < i1; i += T) {
                     const int cc = TDM_MIN(T, i1 - i);
-                    if (p)
-                        part_tile(job, p, r, i, rr, cc);
-                    else
-                        swiglu_tile(job, r, i, rr, cc);
+                    walk_tile(job, p, r, 1, i, rr, cc);
                 }
             }
         }
@@ -394,10 +421,7 @@ static void mm_rows(const struct mm_job *job, const struct mm_part *p, int64_t r
                 const int cc = TDM_MIN(C, i1 - i);
                 for (int64_t r = rb; r < rb1; r += R) {
                     const int rr = (int)TDM_MIN(R, rb1 - r);
-                    if (p)
-                        part_tile(job, p, r, i, rr, cc);
-                    else
-                        swiglu_tile(job, r, i, rr, cc);
+                    walk_tile(job, p, r, 1, i, rr, cc);
                 }
             }
         }

@@ -226,12 +226,12 @@ static inline void qtile_portable(const struct tdm_cpu_qtile *t, int wtype, int 
 {
     for (int c = 0; c < C; c++)
         for (int i = 0; i < R; i++) {
-            const uint8_t *row = t->w + (size_t)i * t->row_bytes;
+            const uint8_t *row = t->w + (size_t)i * t->row_stride;
             const struct tdm_cpu_xblock *x = t->x + c * t->ldx;
             float s = wtype >= TDM_CPU_W_Q4_K ? pair_dot_k(wtype, row, x, t->nb)
                                               : pair_dot(wtype, row, x, t->nb);
-            if (t->bias) s = s + t->bias[i];
-            t->out[c * t->ldo + i] = s;
+            if (t->bias) s = s + t->bias[i * t->ldr];
+            t->out[c * t->ldo + i * t->ldr] = s;
         }
 }
 

@@ -39,7 +39,8 @@
 
 #ifndef QDOT_X86_COMMON
 #define QDOT_X86_COMMON
-#define QAI static inline __attribute__((always_inline))
+#define QAI              static inline __attribute__((always_inline))
+#define QDOT_AHEAD_BYTES 4096 /* qdot_ahead: 2 and 8 KiB measured the same (2026-12-07) */
 
 /* The next tile's copy of a row's `lines` 64-byte lines (each row prefetches the same bytes of
  * the rows `ahead` further on). */
@@ -50,14 +51,14 @@ QAI void qdot_prefetch(const uint8_t *blk, size_t ahead, int lines)
         _mm_prefetch((const char *)blk + ahead + 64 * l, _MM_HINT_T0);
 }
 
-/* How far ahead the VPMADDWD tile prefetches its rows: the next tile's, or as many tiles on as make
- * 4 KiB. A decode step's matrices have short rows (SmolLM2's 576 columns are 360 bytes of Q4_1),
- * and one tile ahead then keeps too few bytes in flight for one core to stream them at the memory's
- * rate (bench/RESULTS.md, 2026-12-07). */
-QAI size_t qdot_ahead(int R, size_t row_bytes)
+/* How far ahead the VPMADDWD tile prefetches its rows: the walk's next tile (`next` bytes on), or
+ * as many tiles on as read 4 KiB. A decode step's matrices have short rows (SmolLM2's 576
+ * columns are 360 bytes of Q4_1), and one tile ahead then keeps too few bytes in flight for one
+ * core to stream them at the memory's rate (bench/RESULTS.md, 2026-12-07). */
+QAI size_t qdot_ahead(int R, size_t next, size_t row_len)
 {
-    const size_t tile = (size_t)R * row_bytes;
-    return tile * ((4096 + tile - 1) / tile);
+    const size_t tile = (size_t)R * row_len;
+    return next * ((QDOT_AHEAD_BYTES + tile - 1) / tile);
 }
 
 /* A tile's results: row i of column c (its bias added) from lane i of acc[c]. */
@@ -69,7 +70,7 @@ QAI void qdot_store(const struct tdm_cpu_qtile *t, const __m128 *acc, int R, int
         _mm_storeu_ps(v, acc[c]);
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++)
-            t->out[c * t->ldo + i] = t->bias ? v[i] + t->bias[i] : v[i];
+            t->out[c * t->ldo + i * t->ldr] = t->bias ? v[i] + t->bias[i * t->ldr] : v[i];
     }
 }
 
@@ -202,8 +203,7 @@ QAI void qdot_q4k_scale_mins(const uint8_t *scales, __m256 *sc, __m256 *mn)
 /* Q4_K: a sub-block of 32 is a Q4_1 block whose scale is d * sc and minimum -(dmin * m). */
 QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q4k)(const struct tdm_cpu_qtile *t, int R, int C)
 {
-    const size_t rb = t->row_bytes, bsz = sizeof(struct block_q4_K);
-    const size_t ahead = (size_t)R * rb;
+    const size_t rb = t->row_stride, bsz = sizeof(struct block_q4_K), ahead = t->next;
 #if !QDOT_I16
     const __m256i nib = _mm256_set1_epi8(0x0F);
 #endif
@@ -306,8 +306,7 @@ QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q4k)(const struct tdm_cpu_qtile *t,
  * values enter unsigned and their offset of 32 comes off each half's integer sum. */
 QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _q6k)(const struct tdm_cpu_qtile *t, int R, int C)
 {
-    const size_t rb = t->row_bytes, bsz = sizeof(struct block_q6_K);
-    const size_t ahead = (size_t)R * rb;
+    const size_t rb = t->row_stride, bsz = sizeof(struct block_q6_K), ahead = t->next;
     const __m256i nib = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
     __m128 acc[TDM_CPU_TILE_MAX];
 #pragma GCC unroll 4
@@ -386,8 +385,7 @@ QAI QDOT_FN_ATTR void QDOT_CAT(QDOT_KERNEL, _i16)(const struct tdm_cpu_qtile *t,
     const bool q8 = wtype == TDM_CPU_W_Q8_0, q41 = wtype == TDM_CPU_W_Q4_1;
     size_t bsz, qoff;
     qdot_block_layout(wtype, &bsz, &qoff);
-    const size_t rb = t->row_bytes;
-    const size_t ahead = qdot_ahead(R, rb);
+    const size_t rb = t->row_stride, ahead = qdot_ahead(R, t->next, (size_t)t->nb * bsz);
     const __m256i nib = _mm256_set1_epi16(0x0F);
     __m128 acc[TDM_CPU_TILE_MAX];
 #pragma GCC unroll 4
@@ -455,9 +453,8 @@ QAI QDOT_FN_ATTR void QDOT_KERNEL(const struct tdm_cpu_qtile *t, int wtype, int 
     const bool q8 = wtype == TDM_CPU_W_Q8_0, q41 = wtype == TDM_CPU_W_Q4_1;
     size_t bsz, qoff;
     qdot_block_layout(wtype, &bsz, &qoff);
-    const size_t rb = t->row_bytes;
     /* each row prefetches the same bytes of the next tile's rows (see matmul_avx2.c) */
-    const size_t ahead = (size_t)R * rb;
+    const size_t rb = t->row_stride, ahead = t->next;
     const __m256i nib = _mm256_set1_epi8(0x0F), nib_shift = _mm256_setr_epi64x(0, 0, 4, 4);
     __m128 acc[TDM_CPU_TILE_MAX];
 #pragma GCC unroll 4
