@@ -40,6 +40,7 @@ from conftest import default_model_path, run_tandem
 from lib import reference as ref
 from lib.checkpoints import make_hf_checkpoint
 from lib.heads import write_eagle3_head, write_head
+from lib.sanitize import release_only
 from test_fidelity import tie_free_prompt
 
 N_GEN = 24
@@ -169,6 +170,7 @@ def test_tiny_targets_eagle3(kv, head_kv, tandem_bin, tmp_path):
 D_MODEL, HEAD_DIM, VOCAB = 576, 64, 49152  # SmolLM2-135M
 
 
+@release_only("the tiny targets run the same sharded heads and replica sets (test_tiny_targets)")
 @pytest.mark.parametrize("head_kv,n_heads", [(3, 9), (1, 6)])
 def test_default_model_near_echo(head_kv, n_heads, default_model, tandem_bin, tmp_path):
     """Heads of 3 KV heads (split like the target's) and of 1 (replica sets at --tp 2 and 3),
