@@ -193,6 +193,19 @@ bool tdm_parse_f64(const char *s, double *out);
  * processes share fewer cores than they have threads, spinners take the cores the working
  * threads need. */
 tdm_status tdm_spin_ns(uint64_t dflt_ns, uint64_t *out);
+/* One symbol for tdm_dl_load: its name, the version to bind it at (NULL or "": the library's
+ * default), and the function pointer its address is written into. */
+struct tdm_dl_sym {
+    const char *name;
+    const char *version;
+    void *dst;
+};
+/* Opens the shared library soname (the normal search: LD_LIBRARY_PATH, RUNPATH, ld.so.cache;
+ * then dir/soname where dir is not NULL) and looks up the n symbols; the library stays open.
+ * False, with why filled (the search's reason, or the missing symbol), when either fails. */
+bool tdm_dl_load(const char *soname, const char *dir, const struct tdm_dl_sym *syms, int n,
+                 char *why, size_t why_len);
+
 /* bf16 / fp16 conversions (round to nearest even for the narrowing ones). */
 float tdm_bf16_to_f32(uint16_t h);
 uint16_t tdm_f32_to_bf16(float f);

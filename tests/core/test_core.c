@@ -247,6 +247,38 @@ static void test_deadline(void **state)
         }
 }
 
+/* tdm_dl_load: a library and its symbols (one at a version), a missing library and a missing
+ * symbol each refused with its reason. libm is in every process's search path. */
+static void test_dl_load(void **state)
+{
+    (void)state;
+    double (*cos_fn)(double) = NULL, (*sqrt_fn)(double) = NULL;
+    char why[256] = "";
+#if defined(__x86_64__)
+    const char *sqrt_ver = "GLIBC_2.2.5"; /* glibc's first version on x86-64 */
+#else
+    const char *sqrt_ver = NULL;
+#endif
+    const struct tdm_dl_sym ok[] = {{"cos", NULL, &cos_fn}, {"sqrt", sqrt_ver, &sqrt_fn}};
+    assert_true(tdm_dl_load("libm.so.6", NULL, ok, 2, why, sizeof why));
+    assert_non_null(cos_fn);
+    assert_non_null(sqrt_fn);
+    assert_true(cos_fn(0.0) == 1.0 && sqrt_fn(9.0) == 3.0);
+
+    void (*none)(void) = NULL;
+    const struct tdm_dl_sym missing[] = {{"tdm_no_such_symbol", NULL, &none}};
+    assert_false(tdm_dl_load("libm.so.6", NULL, missing, 1, why, sizeof why));
+    assert_non_null(strstr(why, "libm.so.6 has no tdm_no_such_symbol"));
+    assert_null(none);
+    const struct tdm_dl_sym badver[] = {{"cos", "NO_SUCH_VERSION", &none}};
+    assert_false(tdm_dl_load("libm.so.6", NULL, badver, 1, why, sizeof why));
+    assert_non_null(strstr(why, "has no cos at version NO_SUCH_VERSION"));
+
+    assert_false(
+        tdm_dl_load("libtdm-no-such-library.so.9", "/nonexistent", ok, 2, why, sizeof why));
+    assert_non_null(strstr(why, "libtdm-no-such-library.so.9"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -255,6 +287,7 @@ int main(void)
         cmocka_unit_test(test_split_range), cmocka_unit_test(test_arena),
         cmocka_unit_test(test_parse),       cmocka_unit_test(test_float_formats),
         cmocka_unit_test(test_status),      cmocka_unit_test(test_file_read_cap),
+        cmocka_unit_test(test_dl_load),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

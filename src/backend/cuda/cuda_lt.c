@@ -7,16 +7,13 @@
  * CPU server. The CUDA runtime (a small library) stays linked; cuBLASLt is dlopen'ed by its
  * soname (the toolkit's major version, as the build saw it), first through the normal search
  * (LD_LIBRARY_PATH, the binary's RUNPATH, ld.so.cache), then in the toolkit's library folder of
- * the build. The twelve entry points tandem calls are looked up once; their types come from
- * cublasLt.h (__typeof__), so a signature can never drift from the header.
+ * the build (tdm_dl_load). The twelve entry points tandem calls are looked up once; their types
+ * come from cublasLt.h (__typeof__), so a signature can never drift from the header.
  *
  * Ownership: the table is process-wide and never closed. Threading: tdm_cu_lt() may be called
  * from any thread (pthread_once).
  */
-#include <dlfcn.h>
 #include <pthread.h>
-#include <stdio.h>
-#include <string.h>
 
 #include "backend/cuda/cuda_int.h"
 #include "tandem/core.h"
@@ -30,47 +27,29 @@ static bool lt_ok;
 static char lt_why[512];
 static pthread_once_t lt_once = PTHREAD_ONCE_INIT;
 
-static void *lt_open(void)
-{
-    void *h = dlopen(TDM_CUBLASLT_SONAME, RTLD_NOW | RTLD_LOCAL);
-    if (h) return h;
-    const char *first = dlerror();
-    snprintf(lt_why, sizeof lt_why, "%s", first ? first : "not found");
-#ifdef TDM_CUDA_LIB_DIR
-    h = dlopen(TDM_CUDA_LIB_DIR "/" TDM_CUBLASLT_SONAME, RTLD_NOW | RTLD_LOCAL);
-#endif
-    return h;
-}
-
 static void lt_load(void)
 {
-    void *h = lt_open();
-    if (!h) return;
-        /* dlsym's object pointer into each function pointer by its bytes (ISO C has no cast
-         * between the two; POSIX guarantees the representation) */
-#define LT_SYM(field, name)                                                                        \
-    do {                                                                                           \
-        void *p_ = dlsym(h, name);                                                                 \
-        if (!p_) {                                                                                 \
-            snprintf(lt_why, sizeof lt_why, "%s has no %s", TDM_CUBLASLT_SONAME, name);            \
-            return;                                                                                \
-        }                                                                                          \
-        memcpy(&lt_table.field, &p_, sizeof p_);                                                   \
-    } while (0)
-    LT_SYM(create, "cublasLtCreate");
-    LT_SYM(destroy, "cublasLtDestroy");
-    LT_SYM(desc_create, "cublasLtMatmulDescCreate");
-    LT_SYM(desc_destroy, "cublasLtMatmulDescDestroy");
-    LT_SYM(desc_set, "cublasLtMatmulDescSetAttribute");
-    LT_SYM(layout_create, "cublasLtMatrixLayoutCreate");
-    LT_SYM(layout_destroy, "cublasLtMatrixLayoutDestroy");
-    LT_SYM(pref_create, "cublasLtMatmulPreferenceCreate");
-    LT_SYM(pref_destroy, "cublasLtMatmulPreferenceDestroy");
-    LT_SYM(pref_set, "cublasLtMatmulPreferenceSetAttribute");
-    LT_SYM(heuristic, "cublasLtMatmulAlgoGetHeuristic");
-    LT_SYM(matmul, "cublasLtMatmul");
-#undef LT_SYM
-    lt_ok = true;
+#ifdef TDM_CUDA_LIB_DIR
+    const char *dir = TDM_CUDA_LIB_DIR;
+#else
+    const char *dir = NULL;
+#endif
+    const struct tdm_dl_sym syms[] = {
+        {"cublasLtCreate", NULL, &lt_table.create},
+        {"cublasLtDestroy", NULL, &lt_table.destroy},
+        {"cublasLtMatmulDescCreate", NULL, &lt_table.desc_create},
+        {"cublasLtMatmulDescDestroy", NULL, &lt_table.desc_destroy},
+        {"cublasLtMatmulDescSetAttribute", NULL, &lt_table.desc_set},
+        {"cublasLtMatrixLayoutCreate", NULL, &lt_table.layout_create},
+        {"cublasLtMatrixLayoutDestroy", NULL, &lt_table.layout_destroy},
+        {"cublasLtMatmulPreferenceCreate", NULL, &lt_table.pref_create},
+        {"cublasLtMatmulPreferenceDestroy", NULL, &lt_table.pref_destroy},
+        {"cublasLtMatmulPreferenceSetAttribute", NULL, &lt_table.pref_set},
+        {"cublasLtMatmulAlgoGetHeuristic", NULL, &lt_table.heuristic},
+        {"cublasLtMatmul", NULL, &lt_table.matmul},
+    };
+    lt_ok = tdm_dl_load(TDM_CUBLASLT_SONAME, dir, syms, (int)TDM_ARRAY_LEN(syms), lt_why,
+                        sizeof lt_why);
 }
 
 const struct tdm_cu_lt *tdm_cu_lt(void)

@@ -13,14 +13,11 @@
  * would have bound at build time (the library's default version then, found by CMake in the
  * library tandem was built against: TDM_FI_VERSION_*), since the structs of the header we were
  * compiled with are that version's; a build that could not find the versions takes the
- * library's default ones. The soname is the one the build saw (TDM_FABRIC_SONAME).
+ * library's default ones (tdm_dl_load). The soname is the one the build saw (TDM_FABRIC_SONAME).
  *
  * Ownership: the table is process-wide and never closed. Threading: any thread (pthread_once).
  */
-#include <dlfcn.h>
 #include <pthread.h>
-#include <stdio.h>
-#include <string.h>
 
 #include "xfer/fabric/fabric_int.h"
 
@@ -33,31 +30,8 @@ static bool api_ok;
 static char api_why[512];
 static pthread_once_t api_once = PTHREAD_ONCE_INIT;
 
-/* name at version ver (NULL or "": the default version) */
-static void *sym(void *h, const char *name, const char *ver)
-{
-    if (ver && *ver) return dlvsym(h, name, ver);
-    return dlsym(h, name);
-}
-
 static void api_load(void)
 {
-    void *h = dlopen(TDM_FABRIC_SONAME, RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-        const char *e = dlerror();
-        snprintf(api_why, sizeof api_why, "%s", e ? e : "not found");
-        return;
-    }
-#define FI_SYM(field, name, ver)                                                                   \
-    do {                                                                                           \
-        void *p_ = sym(h, name, ver);                                                              \
-        if (!p_) {                                                                                 \
-            snprintf(api_why, sizeof api_why, "%s has no %s%s%s", TDM_FABRIC_SONAME, name,         \
-                     *(ver) ? " at version " : "", ver);                                           \
-            return;                                                                                \
-        }                                                                                          \
-        memcpy(&api.field, &p_, sizeof p_); /* POSIX: an object pointer's bytes */                 \
-    } while (0)
 #ifndef TDM_FI_VERSION_GETINFO
 #define TDM_FI_VERSION_GETINFO  ""
 #define TDM_FI_VERSION_FREEINFO ""
@@ -65,13 +39,16 @@ static void api_load(void)
 #define TDM_FI_VERSION_FABRIC   ""
 #define TDM_FI_VERSION_STRERROR ""
 #endif
-    FI_SYM(getinfo, "fi_getinfo", TDM_FI_VERSION_GETINFO);
-    FI_SYM(freeinfo, "fi_freeinfo", TDM_FI_VERSION_FREEINFO);
-    FI_SYM(dupinfo, "fi_dupinfo", TDM_FI_VERSION_DUPINFO);
-    FI_SYM(fabric, "fi_fabric", TDM_FI_VERSION_FABRIC);
-    FI_SYM(strerror, "fi_strerror", TDM_FI_VERSION_STRERROR);
-#undef FI_SYM
-    __atomic_store_n(&api_ok, true, __ATOMIC_RELEASE);
+    const struct tdm_dl_sym syms[] = {
+        {"fi_getinfo", TDM_FI_VERSION_GETINFO, &api.getinfo},
+        {"fi_freeinfo", TDM_FI_VERSION_FREEINFO, &api.freeinfo},
+        {"fi_dupinfo", TDM_FI_VERSION_DUPINFO, &api.dupinfo},
+        {"fi_fabric", TDM_FI_VERSION_FABRIC, &api.fabric},
+        {"fi_strerror", TDM_FI_VERSION_STRERROR, &api.strerror},
+    };
+    if (tdm_dl_load(TDM_FABRIC_SONAME, NULL, syms, (int)TDM_ARRAY_LEN(syms), api_why,
+                    sizeof api_why))
+        __atomic_store_n(&api_ok, true, __ATOMIC_RELEASE);
 }
 
 const struct tdm_fi_api *tdm_fi_api(void)
