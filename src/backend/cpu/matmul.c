@@ -285,16 +285,14 @@ static void run_tile(const struct mm_job *job, const struct mm_part *p, int64_t 
         return;
     }
     TDM_ASSERT(q == 1 && o.ldr == 1);
-    float *out = o.out;
-    const int64_t ldo = o.ldo;
     const struct tdm_cpu_tile t = {
         .w = (const uint8_t *)w->data + (size_t)r * w->row_bytes,
         .row_bytes = w->row_bytes,
         .cols = w->cols,
         .x = job->x + (size_t)i * (size_t)w->cols,
         .ldx = w->cols,
-        .out = out,
-        .ldo = ldo,
+        .out = o.out,
+        .ldo = o.ldo,
         .bias = p->bias ? p->bias + r : NULL,
     };
     /* the K-quants' fp32 tiles are the portable ones at every level (a fallback: the loader keeps
