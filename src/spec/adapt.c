@@ -242,19 +242,15 @@ bool tdm_spec_gate_begin(struct tdm_spec_gate *g, int n)
             smaller_loses |= g->arm[x][1].n >= GATE_BASE_N && g->arm[x][0].n >= GATE_BASE_N &&
                              g->arm[x][1].rate < g->arm[x][0].rate * GATE_MARGIN;
         if (!smaller_loses) return true;
-        if (g->since[b] < g->every[b]) {
-            g->losing = true;
-            return false;
-        }
+        g->losing = true;
+        if (g->since[b] < g->every[b]) return false;
         g->since[b] = 0;
         g->every[b] = TDM_MIN(g->every[b] * 2, GATE_EXPLORE_MAX);
         return true;
     }
     if (on->rate < off->rate * GATE_MARGIN) { /* drafting loses here: off, exploring rarely */
-        if (g->since[b] < g->every[b]) {
-            g->losing = true;
-            return false;
-        }
+        g->losing = true;
+        if (g->since[b] < g->every[b]) return false;
         g->since[b] = 0;
         g->every[b] = explore_next(g->every[b], off->rate, on->rate);
         return true;

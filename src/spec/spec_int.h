@@ -186,10 +186,13 @@ struct tdm_spec_arm {
 struct tdm_spec_gate {
     struct tdm_spec_arm arm[TDM_SPEC_GATE_BUCKETS][2]; /* [bucket][drafted] */
     uint32_t since[TDM_SPEC_GATE_BUCKETS], every[TDM_SPEC_GATE_BUCKETS];
-    /* the step in progress; losing: this step is off because drafting measured slower here
-     * (or in a smaller bucket), not while the baseline is measured nor when exploring. A head
-     * fed meanwhile parks its rows rather than running over them, and drops a request whose
-     * rows overflow (mtp.c) */
+    /* the step in progress; losing: drafting measured slower at this batch size (or at a
+     * smaller one), so this step is off or one of the rare explorations; not while the
+     * baseline is measured. A head fed meanwhile parks its rows rather than running over them,
+     * and drops a request whose rows overflow (mtp.c). An exploring step counts as losing: its
+     * drafts are made by the time the head is fed, and the next is many steps away, so a
+     * request's rows are dropped whatever the phase of the explorations against the parking
+     * (they once both ran every 64 steps, and the head ran over every row) */
     bool open, fresh, drafted, mixed, losing;
     int bucket, expect_tokens, tokens;
     double ns;

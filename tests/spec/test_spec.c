@@ -398,6 +398,33 @@ static void test_gate(void **state)
     for (int i = 0; i < 600; i++)
         on += gate_step(&g, 4, 10, 5, false);
     assert_true(on >= 3 && on <= 3 + 7);
+    /* once drafting measured losing, every step says so, exploring ones too: a head parks its
+     * rows on each and drops a request whose rows overflow, whichever step that falls on */
+    g = (struct tdm_spec_gate){0};
+    int explored = 0;
+    for (int i = 0; i < 600; i++) {
+        bool a = gate_step(&g, 4, 10, 5, false);
+        if (i < 4) {
+            assert_false(g.losing); /* the baseline, then the first tries */
+        } else {
+            assert_true(g.losing);
+            explored += a;
+        }
+    }
+    assert_true(explored >= 1);
+    /* a bucket that starts off because a smaller one lost: its explorations are losing too */
+    g = (struct tdm_spec_gate){0};
+    for (int i = 0; i < 40; i++)
+        gate_step(&g, 1, 10, 5, false);
+    explored = 0;
+    for (int i = 0; i < 200; i++) {
+        bool a = gate_step(&g, 16, 10, 5, false);
+        if (g.arm[4][1].n < 2 && g.arm[4][0].n >= 2) {
+            assert_true(g.losing);
+            explored += a;
+        }
+    }
+    assert_true(explored >= 1);
     /* a drafting step 50 times dearer: after the first tries, exploring is spaced so that it
      * costs at most 1% (an interval of at least 100 * 49 steps) */
     g = (struct tdm_spec_gate){0};
