@@ -147,6 +147,8 @@ struct tdm_xfer_caps {
     bool ordered_writes;    /* write data lands in posting order: no wait before the immediate */
     uint64_t mr_mode;       /* FI_MR_* bits in force */
     size_t max_write_bytes; /* a merged run never exceeds this */
+    bool cq_wait; /* an idle progress thread sleeps on the CQ's descriptor (FI_WAIT_FD) and an
+                     eventfd, rather than polling: tcp;ofi_rxm; not busy_poll */
 };
 
 struct tdm_xfer_stats {
@@ -158,6 +160,8 @@ struct tdm_xfer_stats {
     uint64_t unauth_dropped;       /* messages and immediates from peers not (yet) proven */
     uint64_t writes_refused;       /* writes answered TDM_EAGAIN (jobs or run ring full) */
     uint64_t caller_posts;         /* writes posted (at least in part) by their submitting thread */
+    uint64_t progress_sleeps; /* times the idle progress thread blocked on the CQ (caps.cq_wait) */
+    uint64_t progress_wakes;  /* of those, ended early by a submission's eventfd write */
 };
 
 /* ---- engine ---- */

@@ -101,17 +101,6 @@ static tdm_xfer_t *open_engine(void)
     return tdm_xfer_create(&cfg, &x) == TDM_OK ? x : NULL;
 }
 
-/* a's index for b, once a round trip has happened */
-static uint32_t connect_engines(tdm_xfer_t *a, tdm_xfer_t *b)
-{
-    char addr[TDM_XFER_ADDR_MAX];
-    assert_int_equal(tdm_xfer_addr(b, addr, sizeof(addr)), TDM_OK);
-    uint32_t peer;
-    assert_int_equal(tdm_xfer_peer_add(a, addr, &peer), TDM_OK);
-    assert_int_equal(tdm_xfer_peer_wait(a, peer, 5000), TDM_OK);
-    return peer;
-}
-
 /* The writer's half: source registered on `ta`, both writes posted to `peer`, then waited. */
 static void write_side(struct tdm_xfer_transport ta, const struct mem_ops *m, uint32_t peer,
                        const struct tdm_xfer_rmem *dst)

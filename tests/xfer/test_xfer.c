@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "fire_log.h"
 #include "tandem/xfer.h"
 #include "xfer/xfer_int.h"
 
@@ -219,21 +220,6 @@ static void test_wire(void **state)
     assert_int_equal(tdm_xfer_rmem_unpack(w, sizeof(w), &back), TDM_EFORMAT);
 }
 
-struct fire_log {
-    int n;
-    tdm_status last;
-    uint32_t slot, epoch;
-};
-
-static void on_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st)
-{
-    struct fire_log *l = ctx;
-    l->n++;
-    l->last = st;
-    l->slot = slot;
-    l->epoch = epoch;
-}
-
 static void test_counters(void **state)
 {
     (void)state;
@@ -366,14 +352,23 @@ static void on_loop_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_status st
     __atomic_add_fetch(&loop_fired, 1, __ATOMIC_SEQ_CST);
 }
 
+/* The defaults for one provider (node: tcp's address; NULL for shm), with no injected faults
+ * whatever the environment says. */
+static struct tdm_xfer_config config_for(const char *provider, const char *node)
+{
+    struct tdm_xfer_config cfg;
+    tdm_xfer_config_default(&cfg);
+    cfg.provider = provider;
+    cfg.node = node;
+    cfg.faults = "";
+    return cfg;
+}
+
 static void test_engine_loopback_shm(void **state)
 {
     (void)state;
     struct got_msg g = {PTHREAD_MUTEX_INITIALIZER, ""};
-    struct tdm_xfer_config cfg;
-    tdm_xfer_config_default(&cfg);
-    cfg.provider = "shm";
-    cfg.faults = "";
+    struct tdm_xfer_config cfg = config_for("shm", NULL);
     tdm_xfer_t *a, *b;
     assert_int_equal(tdm_xfer_create(&cfg, &a), TDM_OK);
     cfg.on_msg = on_msg;
@@ -408,11 +403,7 @@ static void test_engine_loopback_shm(void **state)
         tdm_xfer_mr_dereg(hm);
         tdm_xfer_destroy(h);
     }
-    char addr[TDM_XFER_ADDR_MAX];
-    assert_int_equal(tdm_xfer_addr(b, addr, sizeof(addr)), TDM_OK);
-    uint32_t peer;
-    assert_int_equal(tdm_xfer_peer_add(a, addr, &peer), TDM_OK);
-    assert_int_equal(tdm_xfer_peer_wait(a, peer, 5000), TDM_OK);
+    uint32_t peer = connect_engines(a, b);
     struct tdm_xfer_rmem r;
     tdm_xfer_mr_remote(md, &r);
     assert_int_equal(tdm_xfer_counters_arm(tdm_xfer_get_counters(b), 1, 2, 1, TDM_XFER_ANY_PEER,
@@ -476,6 +467,81 @@ static void test_engine_loopback_shm(void **state)
     free(dst);
 }
 
+/* An idle tcp;ofi_rxm engine sleeps on its CQ's descriptor instead of polling, and still
+ * serves: a write submitted to a sleeping engine wakes its progress thread (the eventfd), the
+ * bytes arriving at a sleeping target wake that one (the CQ's descriptor), and the counter fires.
+ * $TANDEM_XFER_WAIT=poll keeps the polling thread, which never blocks. */
+static void test_idle_engine_sleeps_tcp(void **state)
+{
+    (void)state;
+    struct tdm_xfer_config cfg = config_for("tcp;ofi_rxm", "127.0.0.1");
+    tdm_xfer_t *a, *b;
+    assert_int_equal(tdm_xfer_create(&cfg, &a), TDM_OK);
+    assert_int_equal(tdm_xfer_create(&cfg, &b), TDM_OK);
+    struct tdm_xfer_caps caps;
+    tdm_xfer_get_caps(a, &caps);
+    assert_true(caps.cq_wait);
+    enum { PAGE = 4096, NP = 8, ROUNDS = 4 };
+    uint8_t *src = calloc(NP, PAGE), *dst = calloc(NP, PAGE);
+    tdm_xfer_mr_t *ms, *md;
+    assert_int_equal(tdm_xfer_mr_reg(a, src, NP * PAGE, TDM_XFER_MEM_HOST, &ms), TDM_OK);
+    assert_int_equal(tdm_xfer_mr_reg(b, dst, NP * PAGE, TDM_XFER_MEM_HOST, &md), TDM_OK);
+    uint32_t peer = connect_engines(a, b);
+    struct tdm_xfer_rmem r;
+    tdm_xfer_mr_remote(md, &r);
+    for (int round = 0; round < ROUNDS; round++) {
+        usleep(30000); /* both idle past the short spin: asleep */
+        for (int i = 0; i < NP * PAGE; i++)
+            src[i] = (uint8_t)(i * 13 + round);
+        static struct fire_log fl;
+        fl.n = 0;
+        assert_int_equal(tdm_xfer_counters_arm(tdm_xfer_get_counters(b), 3, (uint32_t)round + 1, 1,
+                                               TDM_XFER_ANY_PEER, 5000, on_fire, &fl),
+                         TDM_OK);
+        uint32_t sp[NP], dp[NP];
+        for (int i = 0; i < NP; i++) {
+            sp[i] = (uint32_t)i;
+            dp[i] = (uint32_t)(NP - 1 - i);
+        }
+        struct tdm_xfer_pages p = {sp, dp, NP, PAGE, PAGE, PAGE, 0, 0};
+        struct tdm_xfer_imm imm = {3, (uint32_t)round + 1, 0};
+        assert_int_equal(tdm_xfer_write_pages(a, peer, ms, &r, &p, &imm, 0, NULL, NULL), TDM_OK);
+        for (int i = 0; i < 2500 && !__atomic_load_n(&fl.n, __ATOMIC_SEQ_CST); i++)
+            usleep(2000);
+        assert_int_equal(fl.n, 1);
+        assert_int_equal(fl.last, TDM_OK);
+        for (int i = 0; i < NP; i++)
+            assert_memory_equal(dst + dp[i] * PAGE, src + sp[i] * PAGE, PAGE);
+    }
+    struct tdm_xfer_stats sa, sb;
+    tdm_xfer_get_stats(a, &sa);
+    tdm_xfer_get_stats(b, &sb);
+    assert_true(sa.progress_sleeps > 0 && sb.progress_sleeps > 0);
+    /* a submission finds the thread asleep unless it falls in one of its short wakes (a tick
+     * every 1 ms, of some microseconds): in four rounds, at least once */
+    assert_true(sa.progress_wakes >= 1);
+    assert_true(sa.progress_wakes <= sa.progress_sleeps);
+    tdm_xfer_mr_dereg(ms);
+    tdm_xfer_mr_dereg(md);
+    tdm_xfer_destroy(a);
+    tdm_xfer_destroy(b);
+    /* the polling thread, asked for */
+    setenv("TANDEM_XFER_WAIT", "poll", 1);
+    tdm_xfer_t *c;
+    tdm_status cs = tdm_xfer_create(&cfg, &c);
+    unsetenv("TANDEM_XFER_WAIT");
+    assert_int_equal(cs, TDM_OK);
+    tdm_xfer_get_caps(c, &caps);
+    assert_false(caps.cq_wait);
+    usleep(30000);
+    struct tdm_xfer_stats sc;
+    tdm_xfer_get_stats(c, &sc);
+    assert_int_equal(sc.progress_sleeps, 0);
+    tdm_xfer_destroy(c);
+    free(src);
+    free(dst);
+}
+
 /* The libfabric engine through the transport table (what disagg calls): a paged write with an
  * immediate and a single write land, the counter fires, regions come back from the table. */
 /* ---- the fabric key ---- */
@@ -509,11 +575,7 @@ static void run_fabric_key(const char *provider, const char *node)
     struct got_msg g = {PTHREAD_MUTEX_INITIALIZER, ""};
     static const char key[] = "a cluster secret of 32 bytes....";
     static const char other[] = "another secret, also 32 bytes...";
-    struct tdm_xfer_config cfg;
-    tdm_xfer_config_default(&cfg);
-    cfg.provider = provider;
-    cfg.node = node;
-    cfg.faults = "";
+    struct tdm_xfer_config cfg = config_for(provider, node);
     cfg.peer_timeout_ms = 1500;
     cfg.fabric_key = key;
     cfg.fabric_key_bytes = 32;
@@ -642,11 +704,7 @@ static void test_fabric_key_tcp(void **state)
 static void test_peer_table_recycles_the_dead(void **state)
 {
     (void)state;
-    struct tdm_xfer_config cfg;
-    tdm_xfer_config_default(&cfg);
-    cfg.provider = "tcp;ofi_rxm";
-    cfg.node = "127.0.0.1";
-    cfg.faults = "";
+    struct tdm_xfer_config cfg = config_for("tcp;ofi_rxm", "127.0.0.1");
     /* a live peer must never look dead here, even under the sanitizers on a loaded 2-core
      * machine (300 ms was seen to fail there) */
     cfg.peer_timeout_ms = 1000;
@@ -716,11 +774,7 @@ static void on_overtake_fire(void *ctx, uint32_t slot, uint32_t epoch, tdm_statu
 
 static void overtake_run(const char *provider, const char *order)
 {
-    struct tdm_xfer_config cfg;
-    tdm_xfer_config_default(&cfg);
-    cfg.provider = provider;
-    cfg.node = strcmp(provider, "shm") ? "127.0.0.1" : NULL;
-    cfg.faults = "";
+    struct tdm_xfer_config cfg = config_for(provider, strcmp(provider, "shm") ? "127.0.0.1" : NULL);
     if (order) setenv("TANDEM_XFER_ORDER", order, 1);
     tdm_xfer_t *a, *b;
     assert_int_equal(tdm_xfer_create(&cfg, &a), TDM_OK);
@@ -791,10 +845,7 @@ static void test_imm_never_overtakes(void **state)
 static void test_backpressure_bounded(void **state)
 {
     (void)state;
-    struct tdm_xfer_config cfg;
-    tdm_xfer_config_default(&cfg);
-    cfg.provider = "shm";
-    cfg.faults = "";
+    struct tdm_xfer_config cfg = config_for("shm", NULL);
     cfg.max_jobs = 4;
     tdm_xfer_t *a, *b;
     assert_int_equal(tdm_xfer_create(&cfg, &a), TDM_OK);
@@ -884,10 +935,7 @@ static void count_done(void *ctx, tdm_status st)
 static void test_shm_peer_destroyed_first(void **state)
 {
     (void)state;
-    struct tdm_xfer_config cfg;
-    tdm_xfer_config_default(&cfg);
-    cfg.provider = "shm";
-    cfg.faults = "";
+    struct tdm_xfer_config cfg = config_for("shm", NULL);
     cfg.heartbeat_ms = 5;        /* many heartbeats from b into the destroyed peer's region */
     cfg.peer_timeout_ms = 20000; /* and no live peer declared dead on a loaded machine */
     for (int round = 0; round < 3; round++) {
@@ -989,6 +1037,7 @@ int main(void)
         cmocka_unit_test(test_engine_loopback_shm),
         cmocka_unit_test(test_fabric_key_shm),
         cmocka_unit_test(test_fabric_key_tcp),
+        cmocka_unit_test(test_idle_engine_sleeps_tcp),
         cmocka_unit_test(test_peer_table_recycles_the_dead),
         cmocka_unit_test(test_imm_never_overtakes),
         cmocka_unit_test(test_backpressure_bounded),

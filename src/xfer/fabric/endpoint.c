@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -142,10 +143,26 @@ static tdm_status open_fabric(tdm_xfer_t *x)
     struct fi_av_attr av_attr = {.type = FI_AV_UNSPEC, .count = (size_t)x->cfg.max_peers};
     if ((rc = fi_av_open(x->domain, &av_attr, &x->av, NULL)))
         return tdm_err_set(TDM_EIO, "xfer: fi_av_open: %s", fi_msg(rc));
-    struct fi_cq_attr cq_attr = {
-        .format = FI_CQ_FORMAT_DATA, .size = (size_t)(x->n_ops + 64), .wait_obj = FI_WAIT_NONE};
-    if ((rc = fi_cq_open(x->domain, &cq_attr, &x->cq, NULL)))
-        return tdm_err_set(TDM_EIO, "xfer: fi_cq_open: %s", fi_msg(rc));
+    /* a CQ with a file descriptor to sleep on (progress.c), where the provider has one and the
+     * thread may sleep at all; else one that is only polled ($TANDEM_XFER_WAIT=poll forces it) */
+    const char *wm = getenv("TANDEM_XFER_WAIT");
+    bool want_fd = !x->cfg.busy_poll && !(wm && !strcmp(wm, "poll"));
+    struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_DATA,
+                                 .size = (size_t)(x->n_ops + 64),
+                                 .wait_obj = want_fd ? FI_WAIT_FD : FI_WAIT_NONE};
+    if (want_fd && fi_cq_open(x->domain, &cq_attr, &x->cq, NULL) == 0) {
+        int fd = -1;
+        if (fi_control(&x->cq->fid, FI_GETWAIT, &fd) == 0 && fd >= 0 && x->wake_fd >= 0) {
+            x->wait_fd = fd;
+            x->caps.cq_wait = true;
+        } else
+            TDM_DEBUG("xfer: %s gives no CQ file descriptor: the progress thread polls",
+                      info->fabric_attr->prov_name);
+    } else {
+        cq_attr.wait_obj = FI_WAIT_NONE;
+        if ((rc = fi_cq_open(x->domain, &cq_attr, &x->cq, NULL)))
+            return tdm_err_set(TDM_EIO, "xfer: fi_cq_open: %s", fi_msg(rc));
+    }
     /* shm names an endpoint's region after the process and a per-process endpoint count, and a
      * name still held (a region another endpoint has not yet released) makes fi_enable answer
      * EBUSY: a new endpoint takes the next name, so try a few */
@@ -335,6 +352,8 @@ tdm_status tdm_xfer_create_hooked(const struct tdm_xfer_config *cfg_in,
 
     tdm_xfer_t *x = calloc(1, sizeof(*x));
     if (!x) return tdm_err_set(TDM_ENOMEM, "xfer: out of memory");
+    x->wait_fd = -1;
+    x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     x->cfg = cfg;
     x->faults = faults;
     snprintf(x->provider_name, sizeof(x->provider_name), "%s", cfg.provider);
@@ -443,9 +462,13 @@ tdm_status tdm_xfer_create_hooked(const struct tdm_xfer_config *cfg_in,
         pthread_mutex_unlock(&shm_mu);
     }
     TDM_DEBUG("xfer: %s endpoint up (%d-bit immediates, mr_mode 0x%llx, delivery complete %d, "
+              "idle progress %s, "
               "ordering %s, %d transmit ops, posting from %s)",
               x->caps.provider, x->caps.imm_bits, (unsigned long long)x->caps.mr_mode,
               x->caps.delivery_complete,
+              x->cfg.busy_poll  ? "spins"
+              : x->wait_fd >= 0 ? "sleeps on the CQ"
+                                : "polls",
               x->order == ORDER_WAW     ? "waw"
               : x->order == ORDER_FENCE ? "fence"
                                         : "drain",
@@ -466,8 +489,10 @@ void tdm_xfer_destroy(tdm_xfer_t *x)
     if (!x) return;
     if (x->thread_started) {
         x->stop = 1;
+        tdm_fab_wake(x);
         pthread_join(x->thread, NULL);
     }
+    if (x->wake_fd >= 0) close(x->wake_fd);
     /* everything not finished ends as cancelled, on this thread */
     if (x->jobs) {
         pthread_mutex_lock(&x->tx_mu);

@@ -31,9 +31,11 @@
  * its own short mutex). Transmit completions take tx_mu once per batch read from the CQ.
  *
  * Idle policy: the progress thread yields after a poll that found nothing (the posting threads
- * and, on shared cores, the peer then run), keeps polling while traffic is recent or a counter
- * is armed, and sleeps once idle (the default); or it spins without ever yielding or sleeping
- * (busy_poll, for latency-critical deployments).
+ * and, on shared cores, the peer then run). Once nothing is in flight it blocks on the CQ's
+ * descriptor and a wake eventfd where the provider gives one (tcp;ofi_rxm), and otherwise
+ * keeps polling while traffic is recent or a counter is armed, then sleeps between polls
+ * (progress.c); or it spins without ever yielding or sleeping (busy_poll, for latency-critical
+ * deployments).
  *
  * A job's life (transitions under tx_mu; ACTIVE -> DONE by the poster, the completions, the
  * deadlines or a peer's death; the done callback fires on the progress thread):
@@ -271,6 +273,12 @@ struct tdm_xfer {
                               (tx_mu) */
     int pushed_back_polls; /* polls since, bounded so a push-back can never stall posting */
 
+    /* the progress thread's sleep (progress.c): the CQ's wait object where the provider gives
+     * one (FI_WAIT_FD), else -1; an eventfd that a submitter writes while `sleeping` says the
+     * thread is, or is about to be, blocked in poll (atomics, sequentially consistent) */
+    int wait_fd, wake_fd;
+    int sleeping;
+
     pthread_t thread;
     bool thread_started;
     bool shm_counted; /* one of the process's live shm engines (endpoint.c: close_or_park) */
@@ -337,6 +345,9 @@ void tdm_fab_op_put(tdm_xfer_t *x, int o);
 tdm_status tdm_fab_post_recv(tdm_xfer_t *x, int o);
 /* progressed: something completed since the last call (ends a push-back). */
 void tdm_fab_reap_and_post(tdm_xfer_t *x, bool progressed);
+/* Wakes the progress thread if it sleeps on the CQ's wait object: after a submission. Any
+ * thread. */
+void tdm_fab_wake(tdm_xfer_t *x);
 /* A transmit op's completion (tx_mu held; a send's buffer already returned). */
 void tdm_fab_tx_done(tdm_xfer_t *x, struct op *op);
 bool tdm_fab_send_heartbeat(tdm_xfer_t *x, uint32_t peer);

@@ -5,6 +5,7 @@
  * (deadlines, heartbeats, peer liveness, delayed immediates).
  */
 #include <errno.h>
+#include <poll.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,19 +15,69 @@
 
 #include "xfer/fabric/fabric_int.h"
 
-/* Idle policy: keep polling (yielding the core between polls) for IDLE_SPIN_NS after the last
- * traffic, and while an immediate counter is armed (incoming RMA makes no completion on the
- * target until its immediate, yet tcp;ofi_rxm and shm need the target's progress to move the
- * bytes: paged writes of 64 pages of 1 MiB leave 20 ms and more between immediates, and polls
- * 50 us apart capped the rate at about 1 GB/s), then poll every IDLE_SLEEP_NS, and
- * every IDLE_DEEP_SLEEP_NS once idle for IDLE_DEEP_NS (an idle server costs little CPU).
+/* Idle policy. After a poll that found nothing while operations are in flight, the thread
+ * yields (the posting threads and, on shared cores, the peer then run). Once nothing is in
+ * flight:
+ *   - where the CQ has a wait object (FI_WAIT_FD: tcp;ofi_rxm), the thread keeps polling for
+ *     WAIT_SPIN_NS after the last traffic (a reply often follows at once), then sleeps in
+ *     poll(2) on the CQ's descriptor and on an eventfd that submitters write (tdm_fab_wake),
+ *     for at most one timer tick: WAIT_TICK_MS, or WAIT_DEEP_TICK_MS once idle for IDLE_DEEP_NS
+ *     with nothing armed, delayed nor held (the fault layer's immediates). Bytes arriving for
+ *     an armed counter wake it, so an incoming write needs no spinning target: the spin-waits
+ *     of decoders whose counters waited on a prefill's compute were a third of the CPU time of
+ *     the disaggregated tests (bench/RESULTS.md);
+ *   - without one (shm in Debian's 1.17, or $TANDEM_XFER_WAIT=poll), it keeps polling
+ *     (yielding the core between polls) for IDLE_SPIN_NS after the last traffic and while an
+ *     immediate counter is armed (incoming RMA makes no completion on the target until its
+ *     immediate, yet the provider needs the target's progress to move the bytes: paged writes
+ *     of 64 pages of 1 MiB leave 20 ms and more between immediates, and polls 50 us apart
+ *     capped the rate at about 1 GB/s), then polls every IDLE_SLEEP_NS, and every
+ *     IDLE_DEEP_SLEEP_NS once idle for IDLE_DEEP_NS.
  * Heartbeats are not traffic, so an idle engine mostly sleeps. No fi_cq_sread: Debian's 1.17 shm
- * blocked in it past its timeout. With busy_poll the thread never yields nor sleeps: the lowest
- * latency, a core for each engine. */
+ * blocked in it past its timeout. With busy_poll the thread never yields nor sleeps (and the CQ
+ * has no wait object): the lowest latency, a core for each engine. */
 #define IDLE_SPIN_NS       20000000ull
 #define IDLE_SLEEP_NS      50000
 #define IDLE_DEEP_NS       200000000ull
 #define IDLE_DEEP_SLEEP_NS 500000
+#define WAIT_SPIN_NS       100000ull
+#define WAIT_TICK_MS       1
+#define WAIT_DEEP_TICK_MS  10
+
+void tdm_fab_wake(tdm_xfer_t *x)
+{
+    /* pairs with the fence in wait_for_work: either that thread sees what was submitted
+     * before it blocks, or this one sees it sleeping */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (x->wake_fd >= 0 && __atomic_load_n(&x->sleeping, __ATOMIC_SEQ_CST)) {
+        uint64_t one = 1;
+        if (write(x->wake_fd, &one, sizeof one) == sizeof one) STAT_ADD(x, progress_wakes, 1);
+        /* else EAGAIN: the counter is already non-zero, a wake is pending */
+    }
+}
+
+/* Sleeps until the CQ's descriptor or the wake eventfd is readable, or ms pass; returns at once
+ * if a submission came in or the provider has something to progress (fi_trywait). */
+static void wait_for_work(tdm_xfer_t *x, int ms)
+{
+    __atomic_store_n(&x->sleeping, 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    bool pending = x->stop || __atomic_load_n(&x->work, __ATOMIC_SEQ_CST) ||
+                   __atomic_load_n(&x->active_head, __ATOMIC_SEQ_CST) >= 0 ||
+                   __atomic_load_n(&x->backlog, __ATOMIC_SEQ_CST) || x->n_repost;
+    struct fid *cq = &x->cq->fid;
+    if (!pending && fi_trywait(x->fabric, &cq, 1) == FI_SUCCESS) {
+        STAT_ADD(x, progress_sleeps, 1);
+        struct pollfd p[2] = {{.fd = x->wait_fd, .events = POLLIN},
+                              {.fd = x->wake_fd, .events = POLLIN}};
+        if (poll(p, 2, ms) > 0 && (p[1].revents & POLLIN)) {
+            uint64_t v;
+            ssize_t r = read(x->wake_fd, &v, sizeof v);
+            (void)r;
+        }
+    }
+    __atomic_store_n(&x->sleeping, 0, __ATOMIC_SEQ_CST);
+}
 
 static void timers(tdm_xfer_t *x, uint64_t now)
 {
@@ -114,8 +165,19 @@ void *tdm_fab_progress_main(void *arg)
             continue;
         }
         if (busy_poll) continue;
+        bool armed = tdm_xfer_counters_n_armed(x->counters) > 0;
+        if (x->wait_fd >= 0) {
+            if (now - last_activity < WAIT_SPIN_NS) {
+                sched_yield();
+                continue;
+            }
+            bool deep =
+                now - last_activity > IDLE_DEEP_NS && !armed && !x->delay_count && !x->n_held;
+            wait_for_work(x, deep ? WAIT_DEEP_TICK_MS : WAIT_TICK_MS);
+            continue;
+        }
         /* an armed counter waits for bytes that only our progress moves */
-        if (now - last_activity < IDLE_SPIN_NS || tdm_xfer_counters_n_armed(x->counters)) {
+        if (now - last_activity < IDLE_SPIN_NS || armed) {
             sched_yield(); /* spin, but let the kernel's network work and the peer run */
             continue;
         }

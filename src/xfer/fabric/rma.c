@@ -171,6 +171,7 @@ static tdm_status submit(tdm_xfer_t *x, const struct job *tmpl, const struct tdm
         __atomic_store_n(&x->work, true, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&x->tx_mu);
+    tdm_fab_wake(x); /* what was posted needs progress; what was not, posting */
     return TDM_OK;
 }
 
