@@ -4,7 +4,19 @@
  * The calling thread is worker 0; n-1 pthreads are the others. A job is published by bumping
  * `generation`; workers spin on it for a short while (decode issues hundreds of jobs per token,
  * and a futex wake per job would cost more than the work), then sleep on a condition variable.
- * The caller runs its own share, then waits for `pending` to reach zero.
+ * The caller runs its own share (ith 0), then every share no worker has claimed yet, then waits
+ * for `pending` to reach zero.
+ *
+ * Shares are claimed: share i of job g runs once, on whichever thread first moves claimed[i]
+ * from g - 1 to g (a compare-and-swap; every share of every job is claimed, so g - 1 is what
+ * the slot holds while g is open). A worker claims its own share when it sees the job; the
+ * caller, done with share 0, claims the rest. So a worker that is asleep, still waking, or
+ * preempted by another process when the job comes no longer leaves the caller spinning for it:
+ * the caller runs that share itself, which ends no later than the worker would have (a share
+ * still unclaimed after the caller's own share means the worker was already a share late), and
+ * the late worker finds nothing to do. On dedicated cores a spinning worker claims its share
+ * within nanoseconds and nothing changes. A share's arithmetic does not depend on the thread
+ * that runs it (ith is the share, not the thread), so results stay bit-identical.
  *
  * Invariant: at most one tdm_pool_run is in progress per pool (the engine's compute thread
  * owns the pool). All atomics are sequentially consistent, which the sleep/wake handshake
@@ -17,6 +29,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -37,8 +50,16 @@ struct worker_arg {
     int ith;
 };
 
+/* claimed[i]: the last job whose share i was claimed; a line each, as workers and the caller
+ * swap them concurrently */
+struct claim {
+    _Atomic uint64_t gen;
+    char pad[64 - sizeof(uint64_t)];
+};
+
 struct tdm_pool {
     int n_threads;
+    struct claim *claimed; /* [n_threads]; [0] unused (the caller's share is never claimed) */
     pthread_t *threads;
     struct worker_arg *args;
     _Atomic uint64_t generation;
@@ -56,6 +77,12 @@ int tdm_cpu_count(void)
 {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
+}
+
+static bool claim(struct tdm_pool *pool, int ith, uint64_t gen)
+{
+    uint64_t open = gen - 1;
+    return atomic_compare_exchange_strong(&pool->claimed[ith].gen, &open, gen);
 }
 
 static void *worker_main(void *p)
@@ -80,8 +107,12 @@ static void *worker_main(void *p)
         }
         if (atomic_load(&pool->stop)) return NULL;
         seen = atomic_load(&pool->generation);
-        pool->fn(pool->ctx, arg->ith, pool->n_threads);
-        atomic_fetch_sub(&pool->pending, 1);
+        /* the job's fn and ctx are read only once the share is ours: job `seen` is then still
+         * open (its share was not done), so they are its own */
+        if (claim(pool, arg->ith, seen)) {
+            pool->fn(pool->ctx, arg->ith, pool->n_threads);
+            atomic_fetch_sub(&pool->pending, 1);
+        }
     }
 }
 
@@ -100,7 +131,9 @@ tdm_status tdm_pool_create(int n_threads, tdm_pool_t **out)
     pthread_cond_init(&pool->cv, NULL);
     pool->threads = calloc((size_t)n_threads, sizeof *pool->threads);
     pool->args = calloc((size_t)n_threads, sizeof *pool->args);
-    if (!pool->threads || !pool->args) goto out_free;
+    pool->claimed = tdm_alloc_aligned((size_t)n_threads * sizeof *pool->claimed);
+    if (!pool->threads || !pool->args || !pool->claimed) goto out_free;
+    memset(pool->claimed, 0, (size_t)n_threads * sizeof *pool->claimed);
     for (int i = 1; i < n_threads; i++) {
         pool->args[i] = (struct worker_arg){pool, i};
         if (pthread_create(&pool->threads[i], NULL, worker_main, &pool->args[i]) != 0) {
@@ -114,6 +147,7 @@ tdm_status tdm_pool_create(int n_threads, tdm_pool_t **out)
 out_free:
     free(pool->threads);
     free(pool->args);
+    tdm_free_aligned(pool->claimed);
     free(pool);
     return tdm_err_set(TDM_ENOMEM, "thread pool: out of memory");
 }
@@ -131,6 +165,7 @@ void tdm_pool_destroy(tdm_pool_t *pool)
     pthread_cond_destroy(&pool->cv);
     free(pool->threads);
     free(pool->args);
+    tdm_free_aligned(pool->claimed);
     free(pool);
 }
 
@@ -148,13 +183,18 @@ void tdm_pool_run(tdm_pool_t *pool, tdm_pool_fn fn, void *ctx)
     pool->fn = fn;
     pool->ctx = ctx;
     atomic_store(&pool->pending, pool->n_threads - 1);
-    atomic_fetch_add(&pool->generation, 1);
+    uint64_t gen = atomic_fetch_add(&pool->generation, 1) + 1;
     if (atomic_load(&pool->sleepers) > 0) {
         pthread_mutex_lock(&pool->mu);
         pthread_cond_broadcast(&pool->cv);
         pthread_mutex_unlock(&pool->mu);
     }
     fn(ctx, 0, pool->n_threads);
+    for (int i = 1; i < pool->n_threads; i++) /* the shares no worker has started */
+        if (claim(pool, i, gen)) {
+            fn(ctx, i, pool->n_threads);
+            atomic_fetch_sub(&pool->pending, 1);
+        }
     unsigned spins = 0;
     while (atomic_load(&pool->pending) > 0) {
         cpu_relax();

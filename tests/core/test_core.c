@@ -8,6 +8,7 @@
 #include <cmocka.h>
 #include <math.h>
 #include <stdio.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -57,6 +58,8 @@ struct pool_ctx {
     int64_t n;
     int *hits;
     int *who;
+    pthread_t caller;
+    int on_caller[4]; /* shares run on the calling thread, by ith */
 };
 
 static void pool_fill(void *p, int ith, int nth)
@@ -68,6 +71,7 @@ static void pool_fill(void *p, int ith, int nth)
         c->hits[i]++;
         c->who[i] = ith;
     }
+    if (pthread_equal(pthread_self(), c->caller) && ith < 4) c->on_caller[ith]++;
 }
 
 static void test_pool(void **state)
@@ -89,7 +93,7 @@ static void test_pool(void **state)
             assert_int_equal(tdm_pool_size(pool), nt);
             enum { N = 1001 };
             int hits[N], who[N], who0[N];
-            struct pool_ctx c = {N, hits, who};
+            struct pool_ctx c = {N, hits, who, pthread_self(), {0}};
             for (int rep = 0; rep < 200; rep++) {
                 memset(hits, 0, sizeof hits);
                 tdm_pool_run(pool, pool_fill, &c);
@@ -101,6 +105,11 @@ static void test_pool(void **state)
                     assert_memory_equal(who, who0, sizeof who); /* same split every time */
                 if (rep == 100) usleep(2000); /* let workers fall asleep, then wake them */
             }
+            assert_int_equal(c.on_caller[0], 200); /* share 0 is always the caller's */
+            /* a worker that sleeps as soon as it is idle is woken by every job, and the caller,
+             * done with its tiny share long before, runs the worker's share itself: each share
+             * still once (the hits above), the same split (who) */
+            if (spins[sp] && !strcmp(spins[sp], "0") && nt > 1) assert_true(c.on_caller[1] > 0);
             tdm_pool_destroy(pool);
         }
     }
