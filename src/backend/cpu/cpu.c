@@ -21,7 +21,14 @@
  *
  * OpenBLAS: F32 weights times several rows go to cblas_sgemm, split over our own pool by
  * weight rows; OpenBLAS's own threads are therefore turned off (openblas_set_num_threads(1),
- * a process-wide setting) so the two pools do not fight over the cores.
+ * a process-wide setting) so the two pools do not fight over the cores. They are also stopped
+ * as soon as the process is loaded (blas_quiet, a constructor, which runs after OpenBLAS's own):
+ * OpenBLAS starts one thread per other core when it is loaded, and each spins on sched_yield
+ * for about 2^28 cycles before it sleeps, whether BLAS is ever called or not. That was 0.08 s
+ * of CPU at every start of a Release `tandem` on two cores (0.18 s against 0.10 s for a
+ * one-token `tandem generate`), a core-second per start on a 16-core host, and a tenth of the
+ * test suite's process starts. blas_thread_shutdown_ is OpenBLAS's own (its fork handler
+ * calls it), bound weakly: another BLAS simply lacks it.
  *
  * Threading: one thread drives an instance; ops fan out over the instance's tdm_pool.
  */
@@ -273,6 +280,16 @@ static const struct tdm_backend_i CPU_IFACE = {
     .layer_done = cpu_layer_done,
     .sync = cpu_sync,
 };
+
+/* OpenBLAS's, not in its header: joins its server threads (it starts them again where a call
+ * needs more than one thread, which openblas_set_num_threads(1) rules out). */
+extern void blas_thread_shutdown_(void) __attribute__((weak));
+
+__attribute__((constructor)) static void blas_quiet(void)
+{
+    openblas_set_num_threads(1);
+    if (blas_thread_shutdown_) blas_thread_shutdown_();
+}
 
 tdm_status tdm_backend_cpu_create_variant(const struct tdm_backend_cpu_opts *opts,
                                           enum tdm_cpu_isa isa, bool vnni, tdm_backend_t **out)
