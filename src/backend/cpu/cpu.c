@@ -24,11 +24,10 @@
  * a process-wide setting) so the two pools do not fight over the cores. They are also stopped
  * as soon as the process is loaded (blas_quiet, a constructor, which runs after OpenBLAS's own):
  * OpenBLAS starts one thread per other core when it is loaded, and each spins on sched_yield
- * for about 2^28 cycles before it sleeps, whether BLAS is ever called or not. That was 0.08 s
- * of CPU at every start of a Release `tandem` on two cores (0.18 s against 0.10 s for a
- * one-token `tandem generate`), a core-second per start on a 16-core host, and a tenth of the
- * test suite's process starts. blas_thread_shutdown_ is OpenBLAS's own (its fork handler
- * calls it), bound weakly: another BLAS simply lacks it.
+ * for about 2^28 cycles before it sleeps, whether BLAS is ever called or not: on two cores a
+ * one-token `tandem generate` took 184 ms of CPU, 99 ms once they were stopped (bench/RESULTS.md),
+ * and a larger host pays that spin once per other core. blas_thread_shutdown_ is OpenBLAS's own
+ * (its fork handler calls it), bound weakly: another BLAS simply lacks it.
  *
  * Threading: one thread drives an instance; ops fan out over the instance's tdm_pool.
  */
