@@ -21,8 +21,8 @@
  *
  * OpenBLAS: F32 weights times several rows go to cblas_sgemm, split over our own pool by
  * weight rows; OpenBLAS's own threads are therefore turned off (openblas_set_num_threads(1),
- * a process-wide setting) so the two pools do not fight over the cores. They are also stopped
- * as soon as the process is loaded (blas_quiet, a constructor, which runs after OpenBLAS's own):
+ * a process-wide setting) so the two pools do not fight over the cores, and stopped, as soon
+ * as the process is loaded (blas_quiet, a constructor, which runs after OpenBLAS's own):
  * OpenBLAS starts one thread per other core when it is loaded, and each spins on sched_yield
  * for about 2^28 cycles before it sleeps, whether BLAS is ever called or not: on two cores a
  * one-token `tandem generate` took 184 ms of CPU, 99 ms once they were stopped (bench/RESULTS.md),
@@ -311,7 +311,6 @@ tdm_status tdm_backend_cpu_create_variant(const struct tdm_backend_cpu_opts *opt
     cpu->k = &KERNELS[isa][vnni];
     cpu->base.iface = &CPU_IFACE;
     cpu->base.impl = cpu;
-    openblas_set_num_threads(1);
     *out = &cpu->base;
     return TDM_OK;
 out_free_cpu:

@@ -144,24 +144,25 @@ static tdm_status open_fabric(tdm_xfer_t *x)
     if ((rc = fi_av_open(x->domain, &av_attr, &x->av, NULL)))
         return tdm_err_set(TDM_EIO, "xfer: fi_av_open: %s", fi_msg(rc));
     /* a CQ with a file descriptor to sleep on (progress.c), where the provider has one and the
-     * thread may sleep at all; else one that is only polled ($TANDEM_XFER_WAIT=poll forces it) */
+     * thread may sleep at all (a wake eventfd, no busy_poll); else one that is only polled
+     * ($TANDEM_XFER_WAIT=poll forces it) */
     const char *wm = getenv("TANDEM_XFER_WAIT");
-    bool want_fd = !x->cfg.busy_poll && !(wm && !strcmp(wm, "poll"));
+    bool want_fd = x->wake_fd >= 0 && !x->cfg.busy_poll && !(wm && !strcmp(wm, "poll"));
     struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_DATA,
                                  .size = (size_t)(x->n_ops + 64),
                                  .wait_obj = want_fd ? FI_WAIT_FD : FI_WAIT_NONE};
-    if (want_fd && fi_cq_open(x->domain, &cq_attr, &x->cq, NULL) == 0) {
-        int fd = -1;
-        if (fi_control(&x->cq->fid, FI_GETWAIT, &fd) == 0 && fd >= 0 && x->wake_fd >= 0) {
-            x->wait_fd = fd;
-            x->caps.cq_wait = true;
-        } else
-            TDM_DEBUG("xfer: %s gives no CQ file descriptor: the progress thread polls",
-                      info->fabric_attr->prov_name);
-    } else {
-        cq_attr.wait_obj = FI_WAIT_NONE;
-        if ((rc = fi_cq_open(x->domain, &cq_attr, &x->cq, NULL)))
-            return tdm_err_set(TDM_EIO, "xfer: fi_cq_open: %s", fi_msg(rc));
+    if (want_fd && fi_cq_open(x->domain, &cq_attr, &x->cq, NULL) != 0)
+        cq_attr.wait_obj = FI_WAIT_NONE; /* the provider has no such wait object */
+    if (cq_attr.wait_obj == FI_WAIT_NONE && (rc = fi_cq_open(x->domain, &cq_attr, &x->cq, NULL)))
+        return tdm_err_set(TDM_EIO, "xfer: fi_cq_open: %s", fi_msg(rc));
+    int fd = -1;
+    if (cq_attr.wait_obj == FI_WAIT_FD && fi_control(&x->cq->fid, FI_GETWAIT, &fd) == 0 &&
+        fd >= 0) {
+        x->wait_fd = fd;
+        x->caps.cq_wait = true;
+    } else if (want_fd) {
+        TDM_DEBUG("xfer: %s gives no CQ file descriptor: the progress thread polls",
+                  info->fabric_attr->prov_name);
     }
     /* shm names an endpoint's region after the process and a per-process endpoint count, and a
      * name still held (a region another endpoint has not yet released) makes fi_enable answer
