@@ -10,8 +10,8 @@ import sys
 import gguf
 
 
-def main() -> None:
-    src, dst, keep = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def truncate(src, dst, keep: int) -> None:
+    """Writes to dst the model at src with only its first `keep` transformer blocks."""
     r = gguf.GGUFReader(src)
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
     w = gguf.GGUFWriter(dst, arch)
@@ -44,4 +44,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    truncate(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -113,12 +113,12 @@ def _dimensions(item):
 # beside the many short files instead of being the last ones left, each on one worker while the
 # others idle (the Release pass's last minutes ran a core at 50-70% before this order).
 LONGEST_FIRST = [
-    "disagg/test_disagg.py", "spec/test_eagle.py", "engine/test_fidelity.py",
-    "disagg/test_staging.py", "server/test_concurrency.py", "engine/test_tp_heads.py",
-    "test_c_units.py", "disagg/test_disagg_spec.py", "spec/test_mtp.py", "spec/test_train.py",
-    "spec/test_spec_e2e.py", "fuzz/test_fuzz_smoke.py", "spec/test_mtp_overlap.py",
-    "campaign/test_soak.py", "campaign/test_campaign.py", "disagg/test_disagg_prefix.py",
-    "server/test_prefix_cache.py", "engine/test_tp.py",
+    "spec/test_eagle.py", "test_c_units.py", "disagg/test_disagg.py", "disagg/test_disagg_spec.py",
+    "spec/test_train.py", "spec/test_mtp.py", "fuzz/test_fuzz_smoke.py", "engine/test_tp_heads.py",
+    "spec/test_mtp_overlap.py", "spec/test_spec_e2e.py", "campaign/test_soak.py",
+    "engine/test_fidelity.py", "disagg/test_staging.py", "disagg/test_disagg_eagle3.py",
+    "campaign/test_campaign.py", "server/test_prefix_cache.py", "disagg/test_disagg_prefix.py",
+    "server/test_concurrency.py", "engine/test_tp.py",
 ]
 
 

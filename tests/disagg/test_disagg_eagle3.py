@@ -36,10 +36,9 @@ import pytest
 from conftest import run_tandem
 from lib import reference as ref
 from lib.heads import write_eagle3_head
-from test_disagg import (SANITIZED, decode_idle, decode_node, prefill_idle, prefill_node,
-                         prompts, run)
-from test_disagg_spec import (INV, check_remote_heads, plain,  # noqa: F401 (a fixture)
-                              serve)
+from test_disagg import SANITIZED, decode_idle, prefill_idle, prompts, run
+from test_disagg_spec import (INV, check_remote_heads, decode_node, plain,  # noqa: F401
+                              prefill_node, serve)  # nodes of the full model, as serve's
 
 K = 3
 HEAD_DIM, DRAFT_VOCAB = 64, 8192  # SmolLM2-135M; the draft vocabulary: ids 0 .. 8191

@@ -20,8 +20,8 @@ import pytest
 
 from lib.rawhttp import raw_http
 from lib.sanitize import release_only
-from test_disagg import (SANITIZED, colocated, decode_idle, decode_node,  # noqa: F401
-                         prefill_idle, prefill_node, run)
+from test_disagg import (SANITIZED, colocated, colocated_server, decode_idle,  # noqa: F401
+                         decode_node, prefill_idle, prefill_node, run)
 
 PS = 16
 CACHE = ["--prefix-caching"]
@@ -180,28 +180,30 @@ def test_staged_pages_with_caches(colocated, default_model):
         p.stop()
 
 
-def test_speculating_decoder_with_caches(colocated, default_model):
+def test_speculating_decoder_with_caches(default_model):
     """Both nodes run the shipped mtp head and cache prefixes: the decoder's cached pages hold
     the head's KV of their positions, the prefill node streams the head's KV past them (and
-    does not reuse its own cache for such requests), and the answers are the colocated ones."""
+    does not reuse its own cache for such requests), and the answers are the colocated ones.
+    The full model: its head drafts what it was trained to (the short model's would not)."""
     spec = ["--spec", "mtp", "--spec-k", "3"]
-    p = prefill_node(CACHE + ["--spec", "mtp"])
+    colocated = colocated_server(model=default_model)
+    procs = [colocated]
     try:
-        d = decode_node([p], CACHE + spec)
-        try:
-            ps = family(120, [2, 25, 66] if SANITIZED else [2, 7, 25, 40, 66], 10)
-            want = [run(colocated, x, 10) for x in ps]
-            mp0, md0 = p.metrics(), d.metrics()
-            assert [run(d, x, 10) for x in ps] == want
-            mp1, md1 = quiet(p), quiet(d)
-            assert delta(md1, md0, "tandem_disagg_cached_prefix_requests_total") == len(ps) - 1
-            assert delta(md1, md0, "tandem_disagg_head_kv_landed_total") == len(ps)
-            assert delta(mp1, mp0, "tandem_prefix_cache_hit_tokens_total") == 0
-            assert delta(md1, md0, "tandem_spec_drafted_tokens_total") > 0
-            assert delta(md1, md0, "tandem_spec_accepted_tokens_total") > 0
-            idle(p, d)
-        finally:
-            d.stop()
+        p = prefill_node(CACHE + ["--spec", "mtp"], model=default_model)
+        procs.append(p)
+        d = decode_node([p], CACHE + spec, model=default_model)
+        procs.append(d)
+        ps = family(120, [2, 25, 66] if SANITIZED else [2, 7, 25, 40, 66], 10)
+        want = [run(colocated, x, 10) for x in ps]
+        mp0, md0 = p.metrics(), d.metrics()
+        assert [run(d, x, 10) for x in ps] == want
+        mp1, md1 = quiet(p), quiet(d)
+        assert delta(md1, md0, "tandem_disagg_cached_prefix_requests_total") == len(ps) - 1
+        assert delta(md1, md0, "tandem_disagg_head_kv_landed_total") == len(ps)
+        assert delta(mp1, mp0, "tandem_prefix_cache_hit_tokens_total") == 0
+        assert delta(md1, md0, "tandem_spec_drafted_tokens_total") > 0
+        assert delta(md1, md0, "tandem_spec_accepted_tokens_total") > 0
+        idle(p, d)
     finally:
-        p.stop()
-
+        for s in reversed(procs):
+            s.stop()

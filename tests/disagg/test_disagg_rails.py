@@ -17,8 +17,8 @@ import time
 import pytest
 
 from lib.server import Server
-from test_disagg import (CHUNK, THREADS, decode_idle, decode_node, prefill_idle, prefill_node,
-                         prompts, run, wait_peers_up)
+from test_disagg import (CHUNK, THREADS, colocated_server, decode_idle, decode_node, prefill_idle,
+                         prefill_node, prompts, run, wait_peers_up)
 
 
 def by_rail(m, name):
@@ -41,7 +41,7 @@ def wait_rails_paired(server, timeout=60):
 def test_two_rails_each_side(default_model, staging):
     """With --kv-staging always the staged writer's ring writes through the rails too."""
     extra = ["--kv-staging", "always"] if staging else []
-    colocated = Server(THREADS)
+    colocated = colocated_server()
     procs = [colocated]
     try:
         p = prefill_node(["--xfer-nics", "127.0.0.1,lo"] + extra)

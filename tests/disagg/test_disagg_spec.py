@@ -28,11 +28,21 @@ import pytest
 
 from conftest import run_tandem
 from lib.heads import write_head
-from lib.server import Server
-from test_disagg import (SANITIZED, THREADS, decode_idle, decode_node, prefill_idle,
-                         prefill_node, prompts)
+import test_disagg
+from lib.server import Server, default_model_path
+from test_disagg import SANITIZED, THREADS, decode_idle, prefill_idle, prompts
 
 INV = ["--batch-invariant"]  # the head's F32 weights: every node computes each row alike
+
+
+# The full model on every node: the cycle head's drafts are kept only where the target
+# continues a repeated pattern, which the short model of test_disagg's nodes does not do.
+def prefill_node(extra=(), **kw):
+    return test_disagg.prefill_node(extra, model=default_model_path(), **kw)
+
+
+def decode_node(peers, extra=(), **kw):
+    return test_disagg.decode_node(peers, extra, model=default_model_path(), **kw)
 K = 3
 
 

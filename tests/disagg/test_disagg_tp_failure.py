@@ -7,15 +7,14 @@ the decoder's pool, every rank's shard of it included, is back at baseline with 
 and the dead peer is marked down."""
 import pytest
 
-from lib.server import Server
-from test_disagg import THREADS, decode_idle, kill_mid_transfer  # noqa: F401
+from test_disagg import colocated_server, decode_idle, kill_mid_transfer  # noqa: F401
 
 TP2 = ["--tp", "2"]
 
 
 @pytest.fixture(scope="module")
 def colocated_tp2(default_model):
-    s = Server(THREADS + TP2)
+    s = colocated_server(TP2)
     try:
         yield s
     finally:

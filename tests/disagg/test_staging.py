@@ -23,10 +23,10 @@ import time
 
 import pytest
 
-from lib.server import Server
-from test_disagg import (FAULTS, SANITIZED, THREADS, colocated, decode_idle,  # noqa: F401
-                         decode_node, faults_never_hang, kill_mid_transfer, prefill_idle,
-                         prefill_node, prompts, run)
+from lib.models import SHORT_LAYERS
+from test_disagg import (FAULTS, SANITIZED, colocated, colocated_server,  # noqa: F401
+                         decode_idle, decode_node, faults_never_hang, kill_mid_transfer,
+                         prefill_idle, prefill_node, prompts, run)
 
 STAGE = ["--kv-staging", "always"]
 LENS = [1, 2, 16, 17, 63, 65, 129, 200] if not SANITIZED else [2, 17, 65, 129]
@@ -53,7 +53,7 @@ def counter(m, name, **labels):
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_staged_pages_identical_to_colocated(dtype):
     kvd = ["--kv-dtype", dtype]
-    col = Server(THREADS + kvd)
+    col = colocated_server(kvd)
     p = d = None
     try:
         p = prefill_node(STAGE + kvd)
@@ -113,8 +113,9 @@ def test_landing_pages_too_few(colocated):
     p = d = None
     try:
         p = prefill_node(STAGE)
-        # 30 layers x 24 KiB (f32, 3 kv heads of 64, 16 tokens, K and V): 720 KiB a page
-        d = decode_node([p], STAGE + ["--staging-memory", "1M"])
+        # SHORT_LAYERS x 24 KiB (f32, 3 kv heads of 64, 16 tokens, K and V) a page: room for one
+        page = SHORT_LAYERS * 24
+        d = decode_node([p], STAGE + ["--staging-memory", f"{page * 3 // 2}K"])
         assert "the host landing pages hold 16 tokens" in d.logs()
         short, long_ = prompts(2, 44, [12, 40])
         assert run(d, short) == run(colocated, short)

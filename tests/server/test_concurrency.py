@@ -1,10 +1,15 @@
 """Continuous batching: batch invariance with 64 concurrent clients, and preemption by
 recompute when the KV pool runs dry (the preempted requests resume and finish with the same
-tokens)."""
+tokens).
+
+Batch invariance and preemption are the scheduler's and the kernels', whatever the model: those
+two tests serve the default model cut to its first layers (lib.models), whose log-probabilities,
+compared bit for bit, show any difference a batch makes."""
 import concurrent.futures as cf
 import random
 import time
 
+from lib.models import short_model_path
 from lib.server import Server
 from lib.sanitize import SANITIZED
 
@@ -36,7 +41,7 @@ def run(server, body):
 
 def test_64_concurrent_match_alone_bit_for_bit(default_model):
     s = Server(["--threads", "2", "--max-seqs", "64", "--prefill-chunk", "128",
-                "--max-batch-tokens", "256"])
+                "--max-batch-tokens", "256"], model=short_model_path())
     try:
         reqs = requests_mix(N_CLIENTS, seed=7)
         alone = [run(s, b) for b in reqs]
@@ -62,7 +67,8 @@ def test_preemption_by_recompute_resumes_and_completes(default_model):
     # 48 pages of 16 tokens = 768 token slots; 6 requests of ~100 + 40 tokens need 840.
     # (Sanitizers: 16 pages = 256 slots; 3 requests of ~60 + 40 tokens need 300.)
     n, plen, pages = (3, 60, 16) if SANITIZED else (6, 100, 48)
-    s = Server(["--threads", "2", "--kv-pages", str(pages), "--max-seqs", "8"])
+    s = Server(["--threads", "2", "--kv-pages", str(pages), "--max-seqs", "8"],
+               model=short_model_path())
     try:
         rng = random.Random(3)
         reqs = [{"prompt": [rng.randrange(100, 49000) for _ in range(plen + 5 * i)],
