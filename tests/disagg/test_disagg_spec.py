@@ -43,6 +43,8 @@ def prefill_node(extra=(), **kw):
 
 def decode_node(peers, extra=(), **kw):
     return test_disagg.decode_node(peers, extra, model=default_model_path(), **kw)
+
+
 K = 3
 
 
