@@ -5,7 +5,7 @@
   and every penalty, with a random head, an echo head and a confident echo head (lib.heads),
   at tree budgets 1, 8, 16, 32 and 64 (shared out over the cases: budgets_for), on prompts
   where the trees are accepted deep, on other branches than the head's first guess, and not
-  at all; a prompt over 512 tokens makes the head catch up over prefill chunks.
+  at all; a prompt prefilled in four chunks makes the head catch up over them.
 - The trees really branch: on an alternating prompt the echo head's best guess (the token it
   just saw) is always wrong and its second one right, so the tree keeps drafts from second
   children at nearly every step (accepted_other_branch) and beats the chain drafter on the same
@@ -47,7 +47,8 @@ D_MODEL, HEAD_DIM, VOCAB = 576, 64, 49152  # SmolLM2-135M
 
 REPEAT = "!" * 24                                   # the target repeats one token (id 32)
 ALTERNATE = " ".join(["a b"] * 10)                  # the target alternates two tokens
-LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))  # > 512 tokens
+LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))  # about 320 tokens:
+LONG_CHUNKS = ["--max-batch-tokens", "96"]  # prefilled in four chunks
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ MATRIX = [  # id: (head, prompt, chat template, sampling)
     ("sharp-repeat-greedy", "sharp", REPEAT, False, ["--temperature", "0"]),
     ("sharp-repeat-t0.8", "sharp", REPEAT, False, ["--temperature", "0.8", "--seed", "5"]),
     ("sharp-repeat-penalties", "sharp", REPEAT, False, PENALTIES),
-    ("echo-long", "echo", LONG, False, ["--temperature", "0"]),
+    ("echo-long", "echo", LONG, False, ["--temperature", "0"] + LONG_CHUNKS),
 ]
 
 

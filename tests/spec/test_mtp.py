@@ -236,7 +236,8 @@ def gen(model, extra, prompt, chat=True, n=N_GEN):
 
 
 REPEAT = "!" * 24  # the target goes on with one token (id 32) forever
-LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))  # > 512 tokens: two chunks
+LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))  # about 320 tokens:
+LONG_CHUNKS = ["--max-batch-tokens", "96"]  # prefilled in four chunks
 
 
 # The sanitized pass runs the three cases that together hold both heads, both samplers, the
@@ -251,7 +252,7 @@ _RELEASE_ONLY = release_only("the paths of the other cases")
     pytest.param("echo", REPEAT, False, ["--temperature", "0"], marks=_RELEASE_ONLY),
     ("echo", REPEAT, False, ["--temperature", "0.8", "--seed", "5", "--repetition-penalty",
                              "1.1"]),
-    ("echo", LONG, False, ["--temperature", "0"]),
+    ("echo", LONG, False, ["--temperature", "0"] + LONG_CHUNKS),
 ])
 def test_generate_mtp_is_bit_identical(default_model, heads, kind, prompt, chat, setting):
     base, _ = gen(default_model, setting, prompt, chat)

@@ -31,7 +31,8 @@ from test_eagle import complete, mix, stats
 N_GEN = 16 if SANITIZED else 40
 D_MODEL, HEAD_DIM, VOCAB = 576, 64, 49152  # SmolLM2-135M
 REPEAT = "!" * 24  # the target goes on with one token (id 32) forever
-LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))  # > 512 tokens: two chunks
+LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))  # about 320 tokens:
+LONG_CHUNKS = ["--max-batch-tokens", "96"]  # prefilled in four chunks
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ SAME = ("drafted", "accepted", "target_steps", "tokens", "accept_by_position")
     ("shipped", "Tell me about the moon.", True, ["--temperature", "0"], "1"),
     ("shipped", "Write a poem about rain.", True, ["--temperature", "0.8", "--seed", "3"], "1"),
     ("echo", REPEAT, False, ["--temperature", "0"], "4"),
-    ("echo", LONG, False, ["--temperature", "0"], "4"),
+    ("echo", LONG, False, ["--temperature", "0"] + LONG_CHUNKS, "4"),
 ])
 def test_overlap_drafts_what_the_chain_drafts(default_model, heads, head, prompt, chat, setting,
                                               k):
