@@ -54,8 +54,13 @@ CHUNK = 64
 
 
 def decode_node(peers, extra=(), env=None, model=None):
-    spec = ",".join("@" + p.addr_file for p in peers)
-    return Server(THREADS + ["--role", "decode", "--prefill-peers", spec,
+    """A decode node of `model` (default: the short model) whose peers are these prefill nodes."""
+    return decode_server(",".join("@" + p.addr_file for p in peers), extra, env, model)
+
+
+def decode_server(peer_spec, extra=(), env=None, model=None):
+    """A decode node of `model` (default: the short model) with --prefill-peers peer_spec."""
+    return Server(THREADS + ["--role", "decode", "--prefill-peers", peer_spec,
                              "--remote-chunk", str(CHUNK)] + DECODE_SLACK + list(extra), env=env,
                   model=model or short_model_path())
 
@@ -601,8 +606,7 @@ def test_prefill_peer_by_http_address(colocated, default_model):
     before its prefill node waits for it, finds it when it comes up, and prefills there; the
     route answers the node's role and address, and 404 on a node without a fabric."""
     port = free_port()
-    d = Server(THREADS + ["--role", "decode", "--prefill-peers", f"http://127.0.0.1:{port}",
-                          "--remote-chunk", str(CHUNK)] + DECODE_SLACK, model=short_model_path())
+    d = decode_server(f"http://127.0.0.1:{port}")
     p = None
     try:
         assert "does not answer yet" in d.logs()
@@ -664,9 +668,7 @@ def test_request_names_its_prefill_node(colocated, default_model):
     d = d2 = None
     try:
         n1, n2 = f"127.0.0.1:{p1.port}", f"127.0.0.1:{p2.port}"
-        d = Server(THREADS + ["--role", "decode", "--prefill-peers",
-                              f"http://{n1},http://{n2}", "--remote-chunk", str(CHUNK)] +
-                   DECODE_SLACK, model=short_model_path())
+        d = decode_server(f"http://{n1},http://{n2}")
         wait_peers_up(d, 2)
         ps = prompts(4, 31, [5, 40, 70, 17])
         want = [run(colocated, x) for x in ps]
@@ -683,9 +685,7 @@ def test_request_names_its_prefill_node(colocated, default_model):
                            headers={"x-prefiller-host-port": bad})
             assert st == 400 and "x-prefiller-host-port" in r["error"]["message"], (bad, r)
         # a decoder that knows only p1 adds p2 when a request names it
-        d2 = Server(THREADS + ["--role", "decode", "--prefill-peers", f"http://{n1}",
-                               "--add-named-prefill-peers", "--remote-chunk", str(CHUNK)] +
-                    DECODE_SLACK, model=short_model_path())
+        d2 = decode_server(f"http://{n1}", ["--add-named-prefill-peers"])
         wait_peers_up(d2, 1)
         before = served(p2)
         assert run_named(d2, ps[1], n2) == want[1]  # goes to p1 while p2 connects

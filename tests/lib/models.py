@@ -12,6 +12,7 @@ The file is written once per source model (its path, size and mtime name it) int
 directory, under a lock, so that the workers of a pytest-xdist run share it.
 """
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import os
@@ -31,9 +32,7 @@ def _truncate_module():
     return mod
 
 
-_cache = {}
-
-
+@functools.lru_cache(maxsize=None)
 def short_model_path(layers=SHORT_LAYERS) -> pathlib.Path:
     """The default model's first `layers` blocks as a GGUF file (written on first use)."""
     src = default_model_path()
@@ -41,8 +40,6 @@ def short_model_path(layers=SHORT_LAYERS) -> pathlib.Path:
     key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}:{layers}".encode())
     out_dir = pathlib.Path(tempfile.gettempdir()) / "tandem-test-models"
     out = out_dir / f"{src.stem}.first{layers}.{key.hexdigest()[:12]}.gguf"
-    if out in _cache:
-        return out
     out_dir.mkdir(exist_ok=True)
     with open(str(out) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -50,5 +47,4 @@ def short_model_path(layers=SHORT_LAYERS) -> pathlib.Path:
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
             _truncate_module().truncate(str(src), str(tmp), layers)
             os.replace(tmp, out)
-    _cache[out] = True
     return out

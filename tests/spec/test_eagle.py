@@ -47,8 +47,10 @@ D_MODEL, HEAD_DIM, VOCAB = 576, 64, 49152  # SmolLM2-135M
 
 REPEAT = "!" * 24                                   # the target repeats one token (id 32)
 ALTERNATE = " ".join(["a b"] * 10)                  # the target alternates two tokens
-LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))  # about 320 tokens:
-LONG_CHUNKS = ["--max-batch-tokens", "96"]  # prefilled in four chunks
+# about 320 tokens, prefilled in four chunks (LONG_CHUNKS): the head catches up over them
+# (also test_mtp's and test_mtp_overlap's long prompt)
+LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))
+LONG_CHUNKS = ["--max-batch-tokens", "96"]
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from lib import reference as ref
 from lib.checkpoints import make_hf_checkpoint
 from lib.heads import DEEPSEEK_LAYER, write_head
 from lib.sanitize import SANITIZED, SLOW, release_only
+from test_eagle import LONG, LONG_CHUNKS
 
 TOL = 1e-4
 
@@ -236,8 +237,6 @@ def gen(model, extra, prompt, chat=True, n=N_GEN):
 
 
 REPEAT = "!" * 24  # the target goes on with one token (id 32) forever
-LONG = " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))  # about 320 tokens:
-LONG_CHUNKS = ["--max-batch-tokens", "96"]  # prefilled in four chunks
 
 
 # The sanitized pass runs the three cases that together hold both heads, both samplers, the
