@@ -265,6 +265,11 @@ struct tdm_backend_i {
                                 const struct tdm_sample_row *rows, int *ticket);
     tdm_status (*sample_wait)(tdm_backend_t *b, int ticket, struct tdm_sample_row *rows,
                               int n_rows);
+    /* Optional: tensor parallelism's all-reduce where the backend's memory is not the host's
+     * (CUDA ranks joined by tdm_cuda_tp_create): x[0, n) summed over the ranks' calls, in
+     * place, queued behind the backend's work; every rank gets the same bits. NULL: the engine
+     * sums host memory itself (tdm_tp_allreduce). */
+    void (*allreduce)(tdm_backend_t *b, float *x, size_t n);
 };
 
 struct tdm_backend {
@@ -342,6 +347,48 @@ tdm_status tdm_backend_cuda_random_weight(tdm_backend_t *b, enum tdm_dtype dtype
  * it: a matrix kept in GGUF blocks its rearranged blocks, another matrix two bytes an element
  * (bf16), a vector four (f32). */
 size_t tdm_backend_cuda_held_bytes(tdm_backend_t *b, const struct tdm_weight *w);
+/* ---- tensor parallelism over CUDA backends (src/backend/cuda/cuda_tp.c) ----
+ * N ranks in one process, rank r's backend on device devices[r]. Two collectives behind one
+ * interface:
+ *   - NCCL: every rank has a device of its own and libnccl.so.2 loads (opened on first use,
+ *     not linked). ncclAllReduce in place on each rank's stream, which CUDA graphs record, so
+ *     decode steps stay graphs on every rank.
+ *   - peer: ranks that share a device (a one-GPU machine), or NCCL absent or refused. Each
+ *     rank copies its partial sums to its staging, records an event, meets the others at the
+ *     host barrier, then waits on their events and sums every rank's staging in rank order
+ *     (the same bits everywhere). A host barrier inside a step cannot be recorded: the rank
+ *     backends must have no graphs (tdm_backend_cuda_opts.no_graphs).
+ * $TANDEM_TP_COMM=nccl or peer forces one (nccl refuses ranks that share a device). */
+enum tdm_cuda_tp_mode { TDM_CUDA_TP_NCCL = 0, TDM_CUDA_TP_PEER = 1 };
+typedef struct tdm_cuda_tp tdm_cuda_tp_t;
+struct tdm_tp_group;
+/* CUDA devices present (0 without CUDA in the build or without a GPU). */
+int tdm_cuda_device_count(void);
+/* Where n_ranks ranks go (devices[r] = r modulo the devices present) and which collective
+ * joins them; *why says it in words ("NCCL 2.27.3" or why peer). TDM_EUNSUPPORTED without a
+ * GPU, or for nccl forced over shared devices or without the library. */
+tdm_status tdm_cuda_tp_plan(int n_ranks, int *devices, enum tdm_cuda_tp_mode *mode, char *why,
+                            size_t why_cap);
+/* Joins ranks[0 .. n) (CUDA backends, rank r's on devices[r] as planned) into one group:
+ * communicators (NCCL) or staging of max_floats floats and peer access (peer), and the events
+ * that gather the LM head's rows on rank 0. `group` is the ranks' host barrier (peer). Until
+ * tdm_cuda_tp_destroy, each backend's allreduce hook serves its rank. One thread, while no
+ * rank runs. */
+tdm_status tdm_cuda_tp_create(tdm_backend_t *const *ranks, int n, enum tdm_cuda_tp_mode mode,
+                              struct tdm_tp_group *group, size_t max_floats, tdm_cuda_tp_t **out);
+void tdm_cuda_tp_destroy(tdm_cuda_tp_t *t); /* NULL: no-op; before the backends go */
+/* The LM head's rows by vocabulary (engine.c, lm_head): rank 0 opens a step's gathering on its
+ * stream once its buffers may be written (lm_open, before the ranks start the step); each rank
+ * puts its part [n_rows][nv] (its device) at column v0 of rank 0's dst [n_rows][width] (rank
+ * 0's device) once they may (lm_put); after the ranks' barrier rank 0's stream waits for
+ * every put (lm_close). */
+void tdm_cuda_tp_lm_open(tdm_backend_t *leader);
+void tdm_cuda_tp_lm_put(tdm_backend_t *b, const float *part, int n_rows, int64_t nv, float *dst,
+                        int64_t width, int64_t v0);
+void tdm_cuda_tp_lm_close(tdm_backend_t *leader);
+/* Makes the calling thread's current device b's (a rank thread's first call; CUDA calls made
+ * on another backend's device leave it elsewhere). */
+void tdm_backend_cuda_bind_thread(tdm_backend_t *b);
 /* Pinned host memory (fast device-to-host copies, e.g. logits); NULL on failure. */
 void *tdm_backend_cuda_host_alloc(tdm_backend_t *b, size_t bytes);
 void tdm_backend_cuda_host_free(tdm_backend_t *b, void *p);

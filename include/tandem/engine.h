@@ -83,14 +83,17 @@ struct tdm_engine_opts {
     bool gpu_bf16_weights;      /* CUDA: dequantise GGUF blocks to bf16 (tdm_backend_cuda_opts) */
     /* Tensor parallelism inside this process (tp.h, DESIGN.md §5); 0 or 1: none. N > 1: N
      * ranks, each with its shard of the weights (KV heads with their query heads, MLP columns),
-     * its KV heads' pool and a CPU backend of n_threads / N threads (at least 1). The caller's
+     * its KV heads' pool and a backend of backend_kind: on the CPU, n_threads / N threads (at
+     * least 1); on CUDA, GPU r modulo the GPUs present, joined by NCCL when every rank has a
+     * GPU, else by the peer all-reduce without graphs (backend.h, tdm_cuda_tp_plan). The caller's
      * thread is rank 0, the leader: it alone samples and returns outputs; ranks 1 .. N-1 are
      * threads of the engine. The plan's step is built once, by the leader, and handed to every
      * rank; partial output projections are summed after attention and after the MLP
      * (tdm_tp_allreduce); the LM head is split by vocabulary, each rank writing its rows of the
      * leader's logits. tdm_engine_kv is the leader's pool: it allocates
      * page ids for every rank's pool (one page table, one page count: the one TP = 1 would
-     * have). CPU backend and dense attention models only (TDM_EUNSUPPORTED names the rest).
+     * have; on CUDA without kv_pages or kv_bytes, the smallest of the ranks' memory plans).
+     * Dense attention models only (TDM_EUNSUPPORTED names the rest).
      * A speculation head's extra KV group (co_model a head, kv_extra its one group) is sharded
      * over the ranks' pools like the head (its KV heads); a draft model's stays whole in the
      * leader's pool (the draft runs on the leader alone). */

@@ -141,6 +141,52 @@ void tdm_cuda_gemm_host_free(tdm_cuda_gemm_t *g, void *p)
     (void)g, (void)p;
 }
 
+int tdm_cuda_device_count(void)
+{
+    return 0;
+}
+
+tdm_status tdm_cuda_tp_plan(int n_ranks, int *devices, enum tdm_cuda_tp_mode *mode, char *why,
+                            size_t why_cap)
+{
+    (void)n_ranks, (void)devices, (void)mode, (void)why, (void)why_cap;
+    return no_cuda();
+}
+
+tdm_status tdm_cuda_tp_create(tdm_backend_t *const *ranks, int n, enum tdm_cuda_tp_mode mode,
+                              struct tdm_tp_group *group, size_t max_floats, tdm_cuda_tp_t **out)
+{
+    (void)ranks, (void)n, (void)mode, (void)group, (void)max_floats;
+    *out = NULL;
+    return no_cuda();
+}
+
+void tdm_cuda_tp_destroy(tdm_cuda_tp_t *t)
+{
+    (void)t;
+}
+
+void tdm_cuda_tp_lm_open(tdm_backend_t *leader)
+{
+    (void)leader;
+}
+
+void tdm_cuda_tp_lm_put(tdm_backend_t *b, const float *part, int n_rows, int64_t nv, float *dst,
+                        int64_t width, int64_t v0)
+{
+    (void)b, (void)part, (void)n_rows, (void)nv, (void)dst, (void)width, (void)v0;
+}
+
+void tdm_cuda_tp_lm_close(tdm_backend_t *leader)
+{
+    (void)leader;
+}
+
+void tdm_backend_cuda_bind_thread(tdm_backend_t *b)
+{
+    (void)b;
+}
+
 void *tdm_backend_cuda_host_alloc(tdm_backend_t *b, size_t bytes)
 {
     (void)b, (void)bytes;

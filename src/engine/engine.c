@@ -69,10 +69,11 @@
  * Tensor parallelism (opts.tp = N > 1; tp.h, DESIGN.md §5): the engine the caller holds is
  * rank 0's, the leader, and it owns N - 1 more rank engines, each created like any engine over
  * its rank's view of the model (shard.c: its query and KV heads, its MLP columns) with its own
- * CPU backend and its own KV pool of the same page count. Every rank runs the same layer loop
- * (run_layers) on its shapes; after the output projection and after the down projection the
- * ranks sum their partial products (tdm_tp_allreduce), so every rank holds the whole residual
- * stream. A step goes like this:
+ * backend (CPU, or CUDA on GPU r modulo the GPUs present) and its own KV pool of the same page
+ * count (on CUDA without a size: each rank's memory plan, then the smallest; same_page_count).
+ * Every rank runs the same layer loop (run_layers) on its shapes; after the output projection and
+ * after the down projection the ranks sum their partial products (tdm_tp_allreduce), so every rank
+ * holds the whole residual stream. A step goes like this:
  *
  *   leader (caller's thread)               rank r > 0 (its own thread)
  *   build_step (validates; arena)          waits at the start barrier
@@ -81,6 +82,15 @@
  *   lm_head: its vocabulary rows      <--> lm_head: its vocabulary rows, into the leader's
  *   (barrier: every rank's rows are in)    logits; barrier; back to the start barrier
  *   sampling, downloads
+ *
+ * CUDA ranks (backend.h, tdm_cuda_tp_create) differ in three places: each rank runs its own
+ * backend's step hooks on its copy of the step (its metadata upload, its graph: recorded or
+ * replayed by every rank alike, since they see the same steps), so the step is handed over
+ * before the leader's step_begin pads its own; the all-reduce is the backend's hook (NCCL in
+ * the graphs, or the peer sum between host barriers without graphs); and the LM head's rows
+ * reach the leader's device logits by peer copies ordered by events (lm_open, lm_put,
+ * lm_close), not by stores into host memory. A step hook failing once the ranks run the step
+ * is fatal (tp_fatal): the others wait on its collectives.
  *
  * Every step ends at a barrier (lm_head's, or one of its own when no row wants logits): the
  * step's arrays are read by the ranks only before it, and after it no rank touches its
@@ -246,8 +256,15 @@ struct engine_tp {
     tdm_engine_t *ranks[TDM_TP_MAX_RANKS];     /* [0]: the leader itself */
     pthread_t threads[TDM_TP_MAX_RANKS];       /* [r]: rank r's, r >= 1, if started */
     bool started[TDM_TP_MAX_RANKS];
-    /* the step handed over at the start barrier (the leader writes, the ranks read after it) */
+    /* CUDA ranks (one backend a rank, on its device; backend.h, tdm_cuda_tp_create): each rank
+     * runs its backend's step hooks itself (metadata, graphs), the all-reduce is the backend's
+     * hook, and the LM head's rows travel by peer copies; ctp is the threads' owner's */
+    bool cuda;
+    tdm_cuda_tp_t *ctp;
+    /* the step handed over at the start barrier (the leader writes, the ranks read after it):
+     * step_copy, taken before the leader's step_begin may pad its own */
     const struct tdm_step *step;
+    struct tdm_step step_copy;
     int n_layers;
     const int32_t *rows; /* the step's logit rows (token indices), and whether any is wanted */
     int n_rows;
@@ -1048,6 +1065,7 @@ static void destroy_ranks(struct engine_tp *x)
     }
     pthread_mutex_destroy(&x->mu);
     pthread_cond_destroy(&x->cv);
+    if (!x->host) tdm_cuda_tp_destroy(x->ctp); /* the ranks are stopped; backends still here */
     if (x->ranks[0]) tdm_backend_buf_release(x->ranks[0]->backend, &x->lm_part);
     for (int r = 1; r < x->n_ranks; r++)
         tdm_engine_destroy(x->ranks[r]);
@@ -1136,9 +1154,56 @@ static tdm_status rank_joins(struct engine_tp *x, int r, const struct tdm_tp_sha
     return st;
 }
 
+/* Rank r's CUDA backend, on devices[r]. Ranks that share a GPU share its memory: the k ranks
+ * on one device are made in order, and the i-th of them plans with i + 1 k-ths of the memory
+ * fraction, of which the ones before it already hold theirs (the memory plan counts what is
+ * in use), so each KV pool gets about a k-th. Peer ranks run without graphs (backend.h). */
+static tdm_status cuda_rank_backend(const struct tdm_engine_opts *o, const int *devices, int N,
+                                    int r, enum tdm_cuda_tp_mode mode, tdm_backend_t **out)
+{
+    int before = 0, sharing = 0;
+    for (int q = 0; q < N; q++)
+        if (devices[q] == devices[r]) {
+            sharing++;
+            before += q < r;
+        }
+    const double f = o->gpu_memory_fraction > 0 ? o->gpu_memory_fraction : 0.9;
+    struct tdm_backend_cuda_opts bo = {.device = devices[r],
+                                       .gpu_memory_fraction = f * (before + 1) / sharing,
+                                       .no_graphs = mode == TDM_CUDA_TP_PEER,
+                                       .bf16_weights = o->gpu_bf16_weights,
+                                       .batch_invariant = o->batch_invariant};
+    tdm_status st = tdm_backend_cuda_create(&bo, out);
+    return st == TDM_OK ? st : err_prefix(st, "engine: a CUDA rank: ");
+}
+
+/* The ranks' pools, each sized by its own backend's memory plan, made the smallest one's size:
+ * one page id names a page in every rank's pool. A larger pool is made again, before any page
+ * is handed out. */
+static tdm_status same_page_count(struct engine_tp *x)
+{
+    int64_t P = x->ranks[0]->opts.kv_pages;
+    for (int r = 1; r < x->n_ranks; r++)
+        P = TDM_MIN(P, x->ranks[r]->opts.kv_pages);
+    for (int r = 0; r < x->n_ranks; r++) {
+        tdm_engine_t *re = x->ranks[r];
+        if (re->opts.kv_pages == P) continue;
+        struct tdm_kv_config kc = *tdm_kv_pool_config(re->kv);
+        kc.n_pages = P;
+        tdm_kv_pool_destroy(re->kv); /* its memory first: the new pool takes it */
+        re->kv = NULL;
+        re->owns_kv = false;
+        tdm_status st = tdm_kv_pool_create(&kc, re->backend, &re->kv);
+        if (st != TDM_OK) return err_prefix(st, "engine: a rank's KV pool made smaller: ");
+        re->owns_kv = true;
+        re->opts.kv_pages = P;
+    }
+    return TDM_OK;
+}
+
 /* Tensor parallelism (tdm_engine_opts.tp; the top of this file): checks what a sharded engine
- * can run, builds each rank's model view and engine, attaches the ranks' pools to the leader's,
- * and starts ranks 1 .. N-1. */
+ * can run, builds each rank's model view and engine (CPU ranks, or CUDA ranks a GPU each),
+ * attaches the ranks' pools to the leader's, and starts ranks 1 .. N-1. */
 
 static tdm_status create_sharded(const struct tdm_model *model, const struct tdm_engine_opts *opts,
                                  tdm_engine_t **out)
@@ -1147,12 +1212,9 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
     const int N = opts->tp;
     if (N > TDM_TP_MAX_RANKS)
         return tdm_err_set(TDM_ERANGE, "engine: --tp %d (at most %d)", N, TDM_TP_MAX_RANKS);
-    if (opts->backend_kind != TDM_BACKEND_CPU ||
-        (opts->backend && tdm_backend_is_cuda(opts->backend)))
-        return tdm_err_set(TDM_EUNSUPPORTED,
-                           "engine: --tp %d runs on the CPU backend only (CUDA ranks need NCCL, "
-                           "not built yet)",
-                           N);
+    if (opts->backend_kind != TDM_BACKEND_CPU && opts->backend_kind != TDM_BACKEND_CUDA)
+        return tdm_err_set(TDM_EINVAL, "engine: unknown backend kind %d", opts->backend_kind);
+    const bool cuda = opts->backend_kind == TDM_BACKEND_CUDA;
     if (opts->backend || opts->kv_shared)
         return tdm_err_set(TDM_EUNSUPPORTED,
                            "engine: --tp %d makes each rank's backend and pool; a borrowed "
@@ -1175,15 +1237,24 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
                            N, c->n_experts);
     struct tdm_engine_opts o = *opts;
     tdm_engine_fill_defaults(c, &o);
-    if (o.kv_pages <= 0) { /* the page count TP = 1 would have, whole heads counted */
+    /* CUDA: where the ranks go and what joins them */
+    int devices[TDM_TP_MAX_RANKS] = {0};
+    enum tdm_cuda_tp_mode mode = TDM_CUDA_TP_PEER;
+    char how[160] = "";
+    if (cuda && tdm_cuda_tp_plan(N, devices, &mode, how, sizeof how) != TDM_OK)
+        return err_prefix(TDM_EUNSUPPORTED, "engine: ");
+    /* the page count TP = 1 would have, whole heads counted; on CUDA without a size, each
+     * rank's memory plan, and then the smallest of them (below) */
+    if (o.kv_pages <= 0 && (!cuda || o.kv_bytes > 0)) {
         struct tdm_kv_config kc = {.n_layers = c->n_layers,
                                    .n_kv_heads = c->n_kv_heads,
                                    .head_dim = c->head_dim,
                                    .page_size = o.page_size,
                                    .n_extra = TDM_MAX(o.n_kv_extra, 0),
-                                   .dtype = o.kv_dtype == TDM_KV_DTYPE_AUTO
-                                                ? TDM_DTYPE_F32 /* the CPU's */
-                                                : kv_elem_type(o.kv_dtype, NULL)};
+                                   .dtype = o.kv_dtype != TDM_KV_DTYPE_AUTO
+                                                ? kv_elem_type(o.kv_dtype, NULL)
+                                            : cuda ? TDM_DTYPE_BF16 /* each backend's own */
+                                                   : TDM_DTYPE_F32};
         for (int g = 0; g < o.n_kv_extra && g < TDM_KV_MAX_EXTRA_GROUPS; g++)
             kc.extra[g] = o.kv_extra[g];
         size_t bytes = o.kv_bytes ? o.kv_bytes : kv_bytes_default(&kc, &o);
@@ -1209,9 +1280,11 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
     struct engine_tp *x = calloc(1, sizeof *x);
     if (!x) return tdm_err_set(TDM_ENOMEM, "engine: out of memory");
     x->n_ranks = N;
+    x->cuda = cuda;
     pthread_mutex_init(&x->mu, NULL);
     pthread_cond_init(&x->cv, NULL);
-    tdm_status st = tdm_tp_group_create(N, (size_t)o.max_batch_tokens * c->d_model, &x->group);
+    const size_t ar_floats = (size_t)o.max_batch_tokens * c->d_model; /* an all-reduce's most */
+    tdm_status st = tdm_tp_group_create(N, cuda ? 0 : ar_floats, &x->group);
     for (int r = 0; r < N && st == TDM_OK; r++) {
         struct tdm_tp_shard sh;
         if ((st = tdm_tp_shard_of(c, N, r, ff_align, &sh)) != TDM_OK ||
@@ -1220,7 +1293,6 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
         struct tdm_engine_opts ro = o;
         ro.tp = 0;
         ro.n_threads = TDM_MAX(1, threads / N);
-        ro.backend_kind = TDM_BACKEND_CPU;
         struct tdm_kv_group head_group;
         if (head_kv) { /* the rank's share of the head's KV heads */
             struct tdm_tp_kv_shard ks;
@@ -1233,14 +1305,32 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
                       * (every rank holds the whole residual they copy): the leader's alone */
             ro.count_layers = false;
             ro.n_feature_layers = 0;
-            if (!head_kv) {
+            if (!head_kv) { /* a draft model runs on the leader alone: nothing held back */
                 ro.kv_extra = NULL;
                 ro.n_kv_extra = 0;
+                ro.co_model = NULL;
+                ro.reserve_bytes = 0;
             }
         }
-        if ((st = tdm_engine_create(x->views[r], &ro, &x->ranks[r])) != TDM_OK) break;
+        tdm_backend_t *rb = NULL;
+        if (cuda && (st = cuda_rank_backend(&o, devices, N, r, mode, &rb)) != TDM_OK) break;
+        ro.backend = rb; /* NULL: a CPU backend of ro.n_threads */
+        if ((st = tdm_engine_create(x->views[r], &ro, &x->ranks[r])) != TDM_OK) {
+            tdm_backend_destroy(rb);
+            break;
+        }
+        x->ranks[r]->owns_backend = true;
         st = rank_joins(x, r, &sh, ro.max_logit_rows, "the leader's LM-head rows");
-        if (r > 0 && st == TDM_OK) st = tdm_kv_pool_add_shard(x->ranks[0]->kv, x->ranks[r]->kv);
+    }
+    if (st == TDM_OK && cuda && o.kv_pages <= 0) st = same_page_count(x);
+    for (int r = 1; r < N && st == TDM_OK; r++)
+        st = tdm_kv_pool_add_shard(x->ranks[0]->kv, x->ranks[r]->kv);
+    if (st == TDM_OK && cuda) {
+        tdm_backend_t *bs[TDM_TP_MAX_RANKS];
+        for (int r = 0; r < N; r++)
+            bs[r] = x->ranks[r]->backend;
+        st = tdm_cuda_tp_create(bs, N, mode, x->group, ar_floats, &x->ctp);
+        tdm_backend_cuda_bind_thread(bs[0]); /* the caller's thread drives the leader */
     }
     for (int r = 1; r < N && st == TDM_OK; r++) {
         if (pthread_create(&x->threads[r], NULL, rank_main, x->ranks[r]) != 0) {
@@ -1258,8 +1348,17 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
         e->model = model; /* what callers see: the whole model; the weights are the view's */
         e->opts.tp = N;
         e->opts.n_threads = threads;
-        TDM_INFO("engine: --tp %d: %d ranks of %d thread(s) (%s)", N, N, TDM_MAX(1, threads / N),
-                 tdm_backend_cpu_isa());
+        if (cuda) {
+            char devs[TDM_TP_MAX_RANKS * 4] = "";
+            for (int r = 0; r < N; r++)
+                snprintf(devs + strlen(devs), sizeof devs - strlen(devs), "%s%d", r ? "," : "",
+                         devices[r]);
+            TDM_INFO("engine: --tp %d on CUDA: ranks on GPUs %s, %s, %lld KV pages a rank", N, devs,
+                     how, (long long)e->opts.kv_pages);
+        } else {
+            TDM_INFO("engine: --tp %d: %d ranks of %d thread(s) (%s)", N, N,
+                     TDM_MAX(1, threads / N), tdm_backend_cpu_isa());
+        }
         *out = e;
         return TDM_OK;
     }
@@ -1306,6 +1405,7 @@ static tdm_status create_beside(const struct tdm_model *model, const struct tdm_
     x->n_ranks = N;
     x->group = tx->group;
     x->host = tx;
+    x->cuda = tx->cuda; /* the target's rank backends, and its collective (ctp) */
     pthread_mutex_init(&x->mu, NULL);
     pthread_cond_init(&x->cv, NULL);
     for (int r = 0; r < N && st == TDM_OK; r++) {
@@ -1724,6 +1824,16 @@ static void eagle3_qkv(tdm_engine_t *e, const struct tdm_layer_weights *w, int T
  * stage, to the last layer's add_rmsnorm), n_layers of them. A rank of a sharded engine sums
  * its partial output projections with the other ranks' after attention and after the MLP, so
  * each rank leaves with the whole residual stream. */
+/* A sharded engine's partial products summed over the ranks: the backend's all-reduce (CUDA
+ * ranks), or the group's over host memory. */
+static void tp_sum(tdm_engine_t *e, float *x, size_t n)
+{
+    if (e->backend->iface->allreduce)
+        e->backend->iface->allreduce(e->backend, x, n);
+    else
+        tdm_tp_allreduce(e->tp, e->rank, x, n);
+}
+
 static void run_layers(tdm_engine_t *e, const struct tdm_step *st, int n_layers)
 {
     tdm_backend_t *b = e->backend;
@@ -1790,7 +1900,7 @@ static void run_layers(tdm_engine_t *e, const struct tdm_step *st, int n_layers)
         ops->rope_kv_append(b, e->q, e->k, e->v, c->n_heads, st, &rope, &kv);
         ops->attention(b, e->q, c->n_heads, st, &kv, scale, e->att);
         ops->matmul(b, &w->wo, e->att, T, NULL, e->o);
-        if (e->tp) tdm_tp_allreduce(e->tp, e->rank, e->o, (size_t)T * d);
+        if (e->tp) tp_sum(e, e->o, (size_t)T * d);
     attended:
         if (counter) ops->layer_done(b, l, counter);
         ops->add_rmsnorm(b, e->x, e->o, w->ffn_norm.data, c->rms_eps, T, d, e->h);
@@ -1799,7 +1909,7 @@ static void run_layers(tdm_engine_t *e, const struct tdm_step *st, int n_layers)
         } else {
             ops->matmul_swiglu(b, &w->w_gate, &w->w_up, e->h, T, e->gate);
             ops->matmul(b, &w->w_down, e->gate, T, NULL, e->o);
-            if (e->tp) tdm_tp_allreduce(e->tp, e->rank, e->o, (size_t)T * d);
+            if (e->tp) tp_sum(e, e->o, (size_t)T * d);
         }
         const float *next_norm =
             l + 1 < n_layers ? e->layers[l + 1].attn_norm.data : e->output_norm.data;
@@ -1831,14 +1941,25 @@ static void lm_head(tdm_engine_t *e, const int32_t *rows, int n_rows)
         ops->matmul(b, &e->output, e->rows, n_rows, NULL, e->logits);
         return;
     }
-    /* host memory (a sharded engine is on the CPU): the leader's rows, written in place (a
-     * reduced draft vocabulary: the leader's draft logits, which it places after the barrier) */
+    /* the leader's rows, written in place (a reduced draft vocabulary: the leader's draft
+     * logits, which it places after the barrier): host memory on the CPU, and on CUDA the
+     * leader's device, which the other ranks reach by peer copies (cuda_tp.c) */
     struct engine_tp *x = e->tpx;
     tdm_engine_t *lead = x->ranks[0];
     const int64_t v0 = x->vocab0[e->rank], nv = e->output.rows;
     const int width = e->n_draft ? e->n_draft : vocab;
     float *dst = e->n_draft ? lead->draft_logits : lead->logits;
-    if (n_rows == 1) {
+    if (x->cuda) {
+        if (e->rank == 0 && n_rows == 1) {
+            ops->matmul(b, &e->output, e->rows, 1, NULL, dst + v0);
+        } else {
+            float *part = e->rank ? e->logits : x->lm_part.ptr; /* [n_rows][nv] */
+            ops->matmul(b, &e->output, e->rows, n_rows, NULL, part);
+            tdm_cuda_tp_lm_put(b, part, n_rows, nv, dst, width, v0);
+        }
+        tdm_tp_barrier(e->tp);
+        if (e->rank == 0) tdm_cuda_tp_lm_close(b);
+    } else if (n_rows == 1) {
         ops->matmul(b, &e->output, e->rows, 1, NULL, dst + v0);
     } else {
         float *part = e->rank ? e->logits : x->lm_part.ptr; /* [n_rows][nv] */
@@ -1846,10 +1967,19 @@ static void lm_head(tdm_engine_t *e, const int32_t *rows, int n_rows)
         for (int i = 0; i < n_rows; i++)
             memcpy(dst + (size_t)i * width + v0, part + (size_t)i * nv, (size_t)nv * sizeof(float));
     }
-    tdm_tp_barrier(e->tp);
+    if (!x->cuda) tdm_tp_barrier(e->tp);
     if (e->n_draft && e->rank == 0)
         ops->scatter_cols(b, e->draft_logits, e->draft_cols.ptr, n_rows, e->n_draft, vocab,
                           e->logits);
+}
+
+/* A step hook of a sharded engine's rank failed once the ranks had the step: the others wait
+ * on this one's collectives, and the error has no way back to them. Fatal, as a CUDA error
+ * inside an op is (backend.h). */
+static _Noreturn void tp_fatal(const tdm_engine_t *e)
+{
+    TDM_ERROR("engine: --tp rank %d: %s", e->rank, tdm_err_msg());
+    abort();
 }
 
 /* A rank r > 0 of a sharded engine: each step the leader hands over, until told to stop. */
@@ -1863,13 +1993,27 @@ static void *rank_main(void *arg)
     bool go = x->launched;
     pthread_mutex_unlock(&x->mu);
     if (!go) return NULL;
+    if (x->cuda) tdm_backend_cuda_bind_thread(e->backend);
     for (;;) {
         tdm_tp_barrier(x->group);
         if (x->stop) return NULL;
         const struct engine_tp *job = x->job; /* the target's step, or a head's beside it */
         tdm_engine_t *re = job->ranks[e->rank];
-        const struct tdm_step st = *job->step;
-        run_layers(re, &st, job->n_layers);
+        struct tdm_step st = *job->step;
+        const struct tdm_backend_i *ops = re->backend->iface;
+        bool replayed = false;
+        /* a CUDA rank's own metadata upload and graph (the owner as engine_step names it); an
+         * error here has no caller to reach, and the other ranks wait on this one: fatal, as a
+         * CUDA error inside an op is (backend.h) */
+        tdm_status hs = TDM_OK;
+        if (ops->step_begin)
+            hs = ops->step_begin(re->backend, &st, job->rows, job->n_rows,
+                                 re->own_step ? (const char *)re + 1 : (void *)re, NULL, &replayed);
+        if (hs == TDM_OK && !replayed) {
+            run_layers(re, &st, job->n_layers);
+            if (ops->step_end) hs = ops->step_end(re->backend);
+        }
+        if (hs != TDM_OK) tp_fatal(re);
         if (job->lm_head) /* ends with the step's last barrier */
             lm_head(re, job->rows, job->n_rows);
         else /* the step's end: no rank touches its backend until the next step */
@@ -2031,11 +2175,26 @@ static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
                     re->backend, re->hin + (size_t)stp->seq_token_start[s] * d,
                     batch->seqs[s].hidden, (size_t)batch->seqs[s].n_tokens * d * sizeof(float));
         }
+    const bool lm = any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE);
+    if (e->tpx) { /* the step, built once, to every rank (on the threads' owner's), before the
+                   * leader's step_begin may pad it: each rank's backend pads its own */
+        struct engine_tp *x = e->tpx;
+        (x->host ? x->host : x)->job = x;
+        x->step_copy = *stp;
+        x->step = &x->step_copy;
+        x->n_layers = n_layers;
+        x->rows = rows;
+        x->n_rows = n_rows;
+        x->lm_head = lm;
+        if (x->cuda && lm) tdm_cuda_tp_lm_open(b);
+        tdm_tp_barrier(e->tp);
+    }
     /* a backend may pad the step (a CUDA-graph bucket) or replay the whole layer loop */
     bool replayed = false;
     if (ops->step_begin &&
         (st = ops->step_begin(b, stp, rows, n_rows, e->own_step ? (const char *)e + 1 : (void *)e,
                               counter, &replayed)) != TDM_OK) {
+        if (e->tpx) tp_fatal(e); /* the ranks run this step already */
         ops->sync(b);
         return st;
     }
@@ -2043,24 +2202,16 @@ static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
     const bool final_norm = e->output_norm.data != NULL;
     float *lm_in = final_norm ? e->h : e->x;
     if (!replayed) {
-        if (e->tpx) { /* the step, built once, to every rank (on the threads' owner's) */
-            (e->tpx->host ? e->tpx->host : e->tpx)->job = e->tpx;
-            e->tpx->step = stp;
-            e->tpx->n_layers = n_layers;
-            e->tpx->rows = rows;
-            e->tpx->n_rows = n_rows;
-            e->tpx->lm_head = any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE);
-            tdm_tp_barrier(e->tp);
-        }
         run_layers(e, stp, n_layers);
-        /* a sharded step ends at a barrier (lm_head's, or this one): the caller may then use
-         * every rank's backend and pool (tdm_kv_pool_copy_slots) while the ranks wait */
-        if (e->tpx && !(any & (TDM_ROW_LOGITS | TDM_ROW_SAMPLE))) tdm_tp_barrier(e->tp);
         if (ops->step_end && (st = ops->step_end(b)) != TDM_OK) {
+            if (e->tpx) tp_fatal(e);
             ops->sync(b);
             return st;
         }
     }
+    /* a sharded step ends at a barrier (lm_head's, or this one): the caller may then use every
+     * rank's backend and pool (tdm_kv_pool_copy_slots) while the ranks wait */
+    if (e->tpx && !lm) tdm_tp_barrier(e->tp);
     if (any & TDM_ROW_HIDDEN) {
         ops->gather_rows(b, e->x, rows, n_rows, d, e->rows);
         download_rows(e, out->hidden, e->rows, want, n_rows, d, TDM_ROW_HIDDEN);

@@ -196,9 +196,11 @@ static void gpu_usage(FILE *f)
                "       --model PATH] [--prompt-len N] [--gen N] [--context N]\n"
                "       [--gpu-memory-fraction F] [--no-graphs] [--batches 1,8,64,256]\n"
                "       [--kv-dtype f32|bf16|f16] [--weights bf16|q8_0|q4_0|q4_1|q4_k|q6_k]\n"
-               "       [--gpu-weights native|bf16] [--verify K] [--batch-invariant]\n"
+               "       [--gpu-weights native|bf16] [--verify K] [--batch-invariant] [--tp N]\n"
                "  --weights T: the random shape's matrices (default bf16; the others stay in\n"
-               "  their GGUF blocks on the device unless --gpu-weights bf16)\n");
+               "  their GGUF blocks on the device unless --gpu-weights bf16)\n"
+               "  --tp N: N ranks, a GPU each over NCCL or sharing GPUs (with --model: the\n"
+               "  ranks shard host weights); the decode roofline counts every GPU used\n");
 }
 
 int tdm_cmd_bench_model_cuda(int argc, char **argv)
@@ -210,7 +212,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     int backend_kind = TDM_BACKEND_CUDA; /* why we are here */
     int kv_dtype = TDM_KV_DTYPE_AUTO;
     enum tdm_dtype wtype = TDM_DTYPE_BF16;
-    int64_t verify_k = 0, layers = 0, experts = 0;
+    int64_t verify_k = 0, layers = 0, experts = 0, tp = 1;
     bool gpu_bf16 = false, invariant = false, weights_set = false;
     g_batches.n = 4;
     const struct tdm_opt own[] = {
@@ -230,6 +232,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         TDM_OPT_I("verify", &verify_k, 0, 16),
         TDM_OPT_B("batch-invariant", &invariant),
         TDM_OPT_P("gpu-weights", tdm_tool_opt_gpu_weights, &gpu_bf16),
+        TDM_OPT_I("tp", &tp, 1, TDM_TP_MAX_RANKS),
         TDM_OPT_END,
     };
     const struct tdm_opt *const tables[] = {own, NULL};
@@ -245,6 +248,11 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
     if (host_shape && weights_set) {
         fprintf(stderr, "tandem: --weights goes with the llama shapes; --shape %s is bf16\n",
                 shape_name);
+        return 2;
+    }
+    if (tp > 1 && !model_path) {
+        fprintf(stderr, "tandem: --tp with --backend cuda shards a loaded model: give --model "
+                        "(random shapes live on one device)\n");
         return 2;
     }
     if ((layers || experts) && !host_shape) {
@@ -300,6 +308,16 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
                                  .max_batch_tokens = (int)TDM_MAX(prompt_len, max_b * vk),
                                  .kv_dtype = kv_dtype,
                                  .backend = b};
+    int n_gpus = 1; /* the devices the ranks spread over: the roofline's bandwidth */
+    if (tp > 1) {   /* the engine makes each rank's backend; b keeps the rooflines */
+        eo.backend = NULL;
+        eo.backend_kind = TDM_BACKEND_CUDA;
+        eo.tp = (int)tp;
+        eo.gpu_memory_fraction = frac;
+        eo.gpu_bf16_weights = gpu_bf16;
+        eo.batch_invariant = invariant;
+        n_gpus = (int)TDM_MIN(tp, (int64_t)tdm_cuda_device_count());
+    }
     if (ctx_needed > cf->max_ctx && !random && !host_shape) {
         fprintf(stderr, "tandem: the benchmark needs %lld positions, the model has %d\n",
                 (long long)ctx_needed, cf->max_ctx);
@@ -333,6 +351,10 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
            random ? " weights made on the device" : "");
     printf("  device: %s, %.1f GiB; graphs %s%s\n", dev_name, dev_mem / 1073741824.0,
            no_graphs ? "off" : "on", invariant ? "; batch-invariant" : "");
+    if (tp > 1)
+        printf("  --tp %lld over %d GPU(s): the decode roofline is %d GPU(s)' bandwidth (the "
+               "engine's log says which all-reduce)\n",
+               (long long)tp, n_gpus, n_gpus);
     printf("  copy bandwidth (cudaMemcpy D2D, read + written): %.0f GB/s\n", copy_bw / 1e9);
     printf("  bf16 GEMM peak (cuBLASLt, 8192^3, fp32 accumulate): %.0f TFLOP/s\n", gemm / 1e12);
     printf("  weights read per decode step: %.2f GB; KV (%s) %.0f KiB per position\n",
@@ -392,13 +414,16 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
             }
             toks[s] = (int32_t)((s * 977 + 13) % cf->vocab_size);
         }
-        /* zero the context's KV: every page of every sequence, all layers */
-        const struct tdm_kv_config *kc = tdm_kv_pool_config(kv);
-        if (tdm_backend_cuda_memset(b, tdm_kv_pool_layer(kv, 0).base, 0,
-                                    tdm_kv_page_bytes(kc) * (size_t)kc->n_pages *
-                                        (size_t)kc->n_layers) != TDM_OK) {
-            tdm_tool_fail("kv fill");
-            goto out;
+        /* zero the context's KV: every page of every sequence, all layers, every rank's pool */
+        for (int r = 0; r < tdm_engine_tp_ranks(e); r++) {
+            tdm_kv_pool_t *rkv = tdm_engine_rank_kv(e, r);
+            const struct tdm_kv_config *kc = tdm_kv_pool_config(rkv);
+            if (tdm_backend_cuda_memset(b, tdm_kv_pool_layer(rkv, 0).base, 0,
+                                        tdm_kv_page_bytes(kc) * (size_t)kc->n_pages *
+                                            (size_t)kc->n_layers) != TDM_OK) {
+                tdm_tool_fail("kv fill");
+                goto out;
+            }
         }
         double dt = 0, kv_bytes = 0;
         const int warm = 3;
@@ -428,7 +453,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         const double passes = (double)(tdm_engine_expert_passes(e) - passes0) / (double)gen;
         const double bytes_per_step =
             step_weight_bytes(b, m, B) + kv_bytes / gen + passes * (double)one_expert;
-        const double roof = (double)B * copy_bw / bytes_per_step;
+        const double roof = (double)B * copy_bw * n_gpus / bytes_per_step;
         printf("  %-9s %6d %8lld %12.0f %15.0f %6.1f%%  (%.2f ms/step", "decode", B,
                (long long)context, rate, roof, 100.0 * rate / roof, 1e3 * dt / gen);
         if (n_sparse) printf("; %.1f expert passes a step", passes);

@@ -378,8 +378,11 @@ bool tdm_tool_spec_load_draft(const char *who, struct tdm_spec_opts *o,
 bool tdm_tool_tp_check(const char *who, int64_t tp, int backend_kind)
 {
     if (tp <= 1 || backend_kind == TDM_BACKEND_CPU) return true;
+    const int n_dev = tdm_cuda_device_count();
+    if (n_dev >= 1) return true; /* a GPU a rank with NCCL, else ranks sharing GPUs (backend.h) */
     fprintf(stderr,
-            "%s: --tp %lld runs on --backend cpu only (CUDA ranks need NCCL, not built yet)\n", who,
-            (long long)tp);
+            "%s: --tp %lld --backend cuda: no GPU is visible (--backend cpu runs it on "
+            "the CPU)\n",
+            who, (long long)tp);
     return false;
 }

@@ -523,6 +523,14 @@ int tdm_cmd_serve(int argc, char **argv)
                 (long long)tp, role, tdm_spec_method_name(spec_o.method));
         return 2;
     }
+    if ((is_prefill || is_decode) && tp > 1 && backend_kind == TDM_BACKEND_CUDA) {
+        fprintf(stderr,
+                "tandem serve: --tp %lld --backend cuda with --role %s: sharded KV transfers move "
+                "host pools; GPU rank pools are not sharded across nodes yet (run the node with "
+                "--tp 1 on the GPU, or --role both)\n",
+                (long long)tp, role);
+        return 2;
+    }
     if ((is_prefill || is_decode) && tp > 1 && staging == TDM_DISAGG_STAGING_ALWAYS) {
         fprintf(stderr,
                 "tandem serve: --tp %lld with --kv-staging always: sharded KV transfers move "

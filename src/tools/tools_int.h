@@ -167,8 +167,9 @@ bool tdm_tool_opt_backend(const char *arg, void *dst);
  * check of what this build refuses before the model is loaded (another backend than the CPU);
  * prints why under `who` and returns false. */
 #define TDM_TOOL_TP_USAGE                                                                          \
-    "  --tp N                  tensor parallelism: N ranks in this process, each a thread\n"       \
-    "                          group with its shard of the heads and MLP (cpu; default 1)\n"
+    "  --tp N                  tensor parallelism: N ranks in this process, each with its\n"       \
+    "                          shard of the heads and MLP (cpu: a thread group each; cuda:\n"      \
+    "                          a GPU each over NCCL, or ranks sharing GPUs; default 1)\n"
 bool tdm_tool_tp_check(const char *who, int64_t tp, int backend_kind);
 /* --kv-dtype f32|bf16|f16 into an int (enum tdm_kv_dtype; left at AUTO when not given). */
 bool tdm_tool_opt_kv_dtype(const char *arg, void *dst);

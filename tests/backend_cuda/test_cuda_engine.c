@@ -34,6 +34,14 @@ enum { D = 256, NH = 8, NKV = 2, HD = 32, FF = 512, VOCAB = 1000, NL = 3, NSEQ =
 
 static char skip_reason[512];
 static bool have_gpu;
+/* Every GPU test starts so: skipped with the reason when there is no GPU. */
+#define NEED_GPU()                                                                                 \
+    do {                                                                                           \
+        if (!have_gpu) {                                                                           \
+            print_message("SKIP: %s\n", skip_reason);                                              \
+            skip();                                                                                \
+        }                                                                                          \
+    } while (0)
 
 static uint64_t rng_state = 0x13198A2E03707344ull;
 static uint64_t rng_u64(void)
@@ -230,10 +238,7 @@ static void lockstep(struct run *runs, int n_runs, double tol, double min_agree,
 
 static void cpu_vs_cuda(enum tdm_dtype dt, enum tdm_arch arch)
 {
-    if (!have_gpu) {
-        print_message("SKIP: %s\n", skip_reason);
-        skip();
-    }
+    NEED_GPU();
     struct tdm_model m;
     make_model(&m, dt, arch);
     struct run runs[3];
@@ -375,10 +380,7 @@ static void bi_case(enum tdm_dtype dt)
 static void test_batch_invariant(void **state)
 {
     (void)state;
-    if (!have_gpu) {
-        print_message("SKIP: %s\n", skip_reason);
-        skip();
-    }
+    NEED_GPU();
     bi_case(TDM_DTYPE_BF16);
     bi_case(TDM_DTYPE_Q8_0);
 }
@@ -389,10 +391,7 @@ static void test_batch_invariant(void **state)
 static void test_early_exit_graphs(void **state)
 {
     (void)state;
-    if (!have_gpu) {
-        print_message("SKIP: %s\n", skip_reason);
-        skip();
-    }
+    NEED_GPU();
     struct tdm_model m;
     make_model(&m, TDM_DTYPE_Q8_0, TDM_ARCH_LLAMA);
     struct tdm_backend_cuda_opts go = {.no_graphs = true};
@@ -461,10 +460,7 @@ static void test_early_exit_graphs(void **state)
 static void test_launch_ahead(void **state)
 {
     (void)state;
-    if (!have_gpu) {
-        print_message("SKIP: %s\n", skip_reason);
-        skip();
-    }
+    NEED_GPU();
     struct tdm_model m;
     make_model(&m, TDM_DTYPE_BF16, TDM_ARCH_LLAMA);
     enum { S = 6, P = 24, STEPS = 12 };
@@ -573,10 +569,7 @@ static void test_launch_ahead(void **state)
 static void test_engines_come_and_go(void **state)
 {
     (void)state;
-    if (!have_gpu) {
-        print_message("SKIP: %s\n", skip_reason);
-        skip();
-    }
+    NEED_GPU();
     struct tdm_model m;
     make_model(&m, TDM_DTYPE_Q8_0, TDM_ARCH_LLAMA);
     struct tdm_backend_cuda_opts go = {.no_graphs = true};
@@ -638,6 +631,58 @@ static void test_engines_come_and_go(void **state)
     free_model();
 }
 
+/* Tensor parallelism on CUDA ranks (engine.c, cuda_tp.c): --tp 2 and --tp 4 (2 KV heads: two
+ * replica sets) against --tp 1 on the same model, in lockstep. On one GPU the ranks share it
+ * (the peer all-reduce, no graphs); with a GPU a rank, NCCL and graphs. The ranks multiply
+ * other shapes than --tp 1 (fewer heads and MLP columns each; the sums come from the
+ * all-reduce), so the tolerance is CPU-vs-CUDA's. Then a pool sized by the ranks' own memory
+ * plans: one page count in every rank's pool. */
+static void tp_open(struct run *r, const struct tdm_model *m, int tp)
+{
+    memset(r, 0, sizeof *r);
+    struct tdm_engine_opts o = {.page_size = 16,
+                                .kv_pages = 2048,
+                                .max_batch_tokens = 4096,
+                                .max_seqs = NSEQ,
+                                .max_logit_rows = 64,
+                                .count_layers = true,
+                                .backend_kind = TDM_BACKEND_CUDA,
+                                .tp = tp};
+    assert_int_equal(tdm_engine_create(m, &o, &r->e), TDM_OK);
+    assert_int_equal(tdm_engine_tp_ranks(r->e), tp > 1 ? tp : 1);
+}
+
+static void test_tp_ranks(void **state)
+{
+    (void)state;
+    NEED_GPU();
+    struct tdm_model m;
+    make_model(&m, TDM_DTYPE_Q8_0, TDM_ARCH_LLAMA);
+    struct run runs[3];
+    tp_open(&runs[0], &m, 1);
+    tp_open(&runs[1], &m, 2);
+    tp_open(&runs[2], &m, 4);
+    lockstep(runs, 3, 5e-2, 0.9, "cuda --tp 1 vs --tp 2 and --tp 4, llama Q8_0");
+    for (int r = 0; r < 3; r++)
+        run_close(&runs[r]);
+    /* pools from the memory plans (kv_pages 0): every rank's the same page count */
+    struct tdm_engine_opts o = {.page_size = 16,
+                                .max_batch_tokens = 256,
+                                .max_seqs = 8,
+                                .gpu_memory_fraction = 0.3,
+                                .backend_kind = TDM_BACKEND_CUDA,
+                                .tp = 2};
+    tdm_engine_t *e = NULL;
+    assert_int_equal(tdm_engine_create(&m, &o, &e), TDM_OK);
+    const int64_t p0 = tdm_kv_pool_config(tdm_engine_rank_kv(e, 0))->n_pages;
+    const int64_t p1 = tdm_kv_pool_config(tdm_engine_rank_kv(e, 1))->n_pages;
+    printf("--tp 2 from the memory plans: %lld and %lld pages\n", (long long)p0, (long long)p1);
+    assert_true(p0 > 0);
+    assert_int_equal(p0, p1);
+    tdm_engine_destroy(e);
+    free_model();
+}
+
 static void test_create_error(void **state)
 {
     (void)state;
@@ -663,6 +708,7 @@ int main(void)
         cmocka_unit_test(test_qwen2_bf16),        cmocka_unit_test(test_qwen3_f32),
         cmocka_unit_test(test_early_exit_graphs), cmocka_unit_test(test_engines_come_and_go),
         cmocka_unit_test(test_batch_invariant),   cmocka_unit_test(test_launch_ahead),
+        cmocka_unit_test(test_tp_ranks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -145,6 +145,7 @@ static const struct tdm_backend_i CUDA_IFACE = {
     .sample = tdm_cu_sample_rows,
     .sample_launch = tdm_cu_sample_launch,
     .sample_wait = tdm_cu_sample_wait,
+    .allreduce = tdm_cuda_allreduce,
 };
 
 #define CREATE_CHECK(call, what)                                                                   \
@@ -282,6 +283,22 @@ tdm_status tdm_backend_cuda_memset(tdm_backend_t *b, void *dev, int value, size_
 {
     if (!tdm_backend_is_cuda(b)) return tdm_err_set(TDM_EINVAL, "not a CUDA backend");
     struct tdm_cuda *cu = tdm_cu_of(b);
+    struct cudaPointerAttributes pa;
+    if (cudaPointerGetAttributes(&pa, dev) == cudaSuccess && pa.type == cudaMemoryTypeDevice &&
+        pa.device != cu->device) { /* another GPU's memory (a tensor-parallel rank's pool) */
+        int cur = 0;
+        cudaGetDevice(&cur);
+        cudaError_t e = cudaSetDevice(pa.device);
+        if (e == cudaSuccess) e = cudaMemset(dev, value, bytes);
+        if (e == cudaSuccess) e = cudaDeviceSynchronize();
+        cudaSetDevice(cur);
+        if (e != cudaSuccess)
+            return tdm_err_set(TDM_EIO, "cuda backend: memset on GPU %d failed: %s", pa.device,
+                               cudaGetErrorString(e));
+        return TDM_OK;
+    }
+    (void)cudaGetLastError();
+    tdm_cuda_bind(cu);
     if (cudaMemsetAsync(dev, value, bytes, cu->stream) != cudaSuccess ||
         cudaStreamSynchronize(cu->stream) != cudaSuccess)
         return tdm_err_set(TDM_EIO, "cuda backend: memset failed: %s",

@@ -213,6 +213,10 @@ struct tdm_cuda {
     double idle_ms, busy_ms, idle_max_ms;
     uint64_t idle_steps, idle_long;
 
+    /* tensor parallelism: the group this instance is rank tp_rank of (cuda_tp.c), or NULL */
+    struct tdm_cuda_tp *tp;
+    int tp_rank;
+
     /* $TANDEM_CUDA_PROFILE=1: per-op event timing (cuda_backend.c) */
     bool prof, prof_on;
     int prof_max_tokens;
@@ -350,6 +354,8 @@ static inline int tdm_cuda_kv_type(enum tdm_dtype t)
 int32_t *tdm_cuda_counter_dev(struct tdm_cuda *cu, _Atomic int32_t *counter);
 void tdm_cuda_layer_done(tdm_backend_t *b, int layer, _Atomic int32_t *counter);
 void tdm_cuda_sync(tdm_backend_t *b);
+/* The allreduce hook (cuda_tp.c). */
+void tdm_cuda_allreduce(tdm_backend_t *b, float *x, size_t n);
 /* The host's end of a step without waiting for it: the step's arrays and the bf16 shadow are
  * forgotten (tdm_cuda_sync does this after its wait). */
 void tdm_cuda_step_detach(struct tdm_cuda *cu);

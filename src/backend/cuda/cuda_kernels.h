@@ -58,6 +58,15 @@ void tdm_cu_silu_mul(cudaStream_t s, const float *gate, const float *up, size_t 
 void tdm_cu_silu_mul_bf16(cudaStream_t s, const uint16_t *gate, const uint16_t *up, size_t n,
                           float *out, uint16_t *out_bf16);
 void tdm_cu_add(cudaStream_t s, float *x, const float *y, size_t n);
+/* Tensor parallelism's peer all-reduce (cuda_tp.c): x[i] = p[0][i] + p[1][i] + ... +
+ * p[n - 1][i], added in that order whatever the caller's rank, so every rank gets the same
+ * bits. The p[r] may be other devices' memory (peer access). */
+#define TDM_CU_TP_MAX 64
+struct tdm_cu_tp_srcs {
+    const float *p[TDM_CU_TP_MAX];
+    int n;
+};
+void tdm_cu_tp_sum(cudaStream_t s, const struct tdm_cu_tp_srcs *src, float *x, size_t n);
 void tdm_cu_scatter_cols(cudaStream_t s, const float *x, const int32_t *cols, int n, int n_cols,
                          int width, float *out);
 void tdm_cu_gather_rows(cudaStream_t s, const float *x, const int32_t *rows, int n, int dim,

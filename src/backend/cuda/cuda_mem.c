@@ -18,9 +18,14 @@
 
 /* Makes the instance's device current on the calling thread (the engine may be driven from a
  * thread other than the one that created it; the runtime's current device is per thread). */
+/* The calling thread's current device made cu's. Tensor-parallel ranks put devices other than
+ * 0 in one process, and one thread (the leader's) may touch several of them (a head's hidden
+ * states uploaded to every rank, slot copies in every rank's pool), so the device is compared,
+ * not assumed. */
 void tdm_cuda_bind(struct tdm_cuda *cu)
 {
-    if (cu->device != 0) cudaSetDevice(cu->device);
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != cu->device) cudaSetDevice(cu->device);
 }
 
 void *tdm_cuda_buf_alloc(tdm_backend_t *b, size_t bytes)
@@ -43,6 +48,7 @@ void tdm_cuda_upload(tdm_backend_t *b, void *dst, const void *src, size_t bytes)
 {
     struct tdm_cuda *cu = tdm_cu_of(b);
     if (!bytes) return;
+    tdm_cuda_bind(cu);
     TDM_CU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cu->stream));
     TDM_CU_CHECK(cudaStreamSynchronize(cu->stream));
 }

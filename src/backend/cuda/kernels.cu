@@ -185,6 +185,19 @@ __global__ void add_kernel(float *x, const float *y, size_t n)
         x[i] += y[i];
 }
 
+/* Rank order, one float at a time: the sum is the same whichever rank computes it. Not a
+ * PDL launch: it follows waits on other streams' events. */
+__global__ void tp_sum_kernel(tdm_cu_tp_srcs src, float *x, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float acc = src.p[0][i];
+        for (int r = 1; r < src.n; r++)
+            acc += src.p[r][i];
+        x[i] = acc;
+    }
+}
+
 __global__ void gather_kernel(const float *x, const int32_t *rows, int dim, float *out)
 {
     tdm_pdl_wait();
@@ -384,6 +397,12 @@ void tdm_cu_add(cudaStream_t s, float *x, const float *y, size_t n)
 {
     if (!n) return;
     tdm_pdl_launch(add_kernel, grid_for(n, 256), 256, 0, s, x, y, n);
+}
+
+void tdm_cu_tp_sum(cudaStream_t s, const struct tdm_cu_tp_srcs *src, float *x, size_t n)
+{
+    if (!n) return;
+    tp_sum_kernel<<<grid_for(n, 256), 256, 0, s>>>(*src, x, n);
 }
 
 void tdm_cu_gather_rows(cudaStream_t s, const float *x, const int32_t *rows, int n, int dim,
