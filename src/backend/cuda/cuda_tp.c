@@ -85,6 +85,8 @@ static struct {
     __typeof__(&ncclCommDestroy) destroy;
     __typeof__(&ncclAllReduce) all_reduce;
     __typeof__(&ncclGetErrorString) error_string;
+    __typeof__(&ncclGroupStart) group_start;
+    __typeof__(&ncclGroupEnd) group_end;
 } nccl;
 #endif
 static bool nccl_ok;
@@ -100,9 +102,13 @@ static void nccl_load(void)
     const char *dir = NULL;
 #endif
     const struct tdm_dl_sym syms[] = {
-        {"ncclGetVersion", NULL, &nccl.version},          {"ncclCommInitAll", NULL, &nccl.init_all},
-        {"ncclCommDestroy", NULL, &nccl.destroy},         {"ncclAllReduce", NULL, &nccl.all_reduce},
+        {"ncclGetVersion", NULL, &nccl.version},
+        {"ncclCommInitAll", NULL, &nccl.init_all},
+        {"ncclCommDestroy", NULL, &nccl.destroy},
+        {"ncclAllReduce", NULL, &nccl.all_reduce},
         {"ncclGetErrorString", NULL, &nccl.error_string},
+        {"ncclGroupStart", NULL, &nccl.group_start},
+        {"ncclGroupEnd", NULL, &nccl.group_end},
     };
     nccl_ok = tdm_dl_load(TDM_NCCL_SONAME, dir, syms, (int)TDM_ARRAY_LEN(syms), nccl_why,
                           sizeof nccl_why);
@@ -170,6 +176,44 @@ tdm_status tdm_cuda_tp_plan(int n_ranks, int *devices, enum tdm_cuda_tp_mode *mo
     return TDM_OK;
 }
 
+#ifdef TDM_HAVE_NCCL_H
+/* One small all-reduce over every rank, from this thread (a group call), outside any capture:
+ * NCCL connects its peers on a communicator's first collective, which must not be the one a
+ * decode step's graph records. */
+static tdm_status nccl_warm(struct tdm_cuda_tp *t)
+{
+    float *buf[TDM_TP_MAX_RANKS] = {0};
+    tdm_status st = TDM_OK;
+    for (int r = 0; r < t->n && st == TDM_OK; r++) {
+        cudaSetDevice(t->cu[r]->device);
+        if (cudaMalloc((void **)&buf[r], 64 * sizeof(float)) != cudaSuccess ||
+            cudaMemsetAsync(buf[r], 0, 64 * sizeof(float), t->cu[r]->stream) != cudaSuccess)
+            st = tdm_err_set(TDM_EIO, "cuda tp: NCCL warm-up buffer: %s",
+                             cudaGetErrorString(cudaGetLastError()));
+    }
+    ncclResult_t nr = ncclSuccess;
+    if (st == TDM_OK) {
+        nr = nccl.group_start();
+        for (int r = 0; r < t->n && nr == ncclSuccess; r++)
+            nr = nccl.all_reduce(buf[r], buf[r], 64, ncclFloat32, ncclSum, t->comm[r],
+                                 t->cu[r]->stream);
+        ncclResult_t ne = nccl.group_end();
+        if (nr == ncclSuccess) nr = ne;
+        if (nr != ncclSuccess)
+            st =
+                tdm_err_set(TDM_EIO, "cuda tp: NCCL's first all-reduce: %s", nccl.error_string(nr));
+    }
+    for (int r = 0; r < t->n; r++) {
+        cudaSetDevice(t->cu[r]->device);
+        if (st == TDM_OK && cudaStreamSynchronize(t->cu[r]->stream) != cudaSuccess)
+            st = tdm_err_set(TDM_EIO, "cuda tp: NCCL's first all-reduce: %s",
+                             cudaGetErrorString(cudaGetLastError()));
+        if (buf[r]) cudaFree(buf[r]);
+    }
+    return st;
+}
+#endif
+
 #define TP_CHECK(call, what)                                                                       \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
@@ -222,6 +266,7 @@ tdm_status tdm_cuda_tp_create(tdm_backend_t *const *ranks, int n, enum tdm_cuda_
                              nccl.error_string(nr));
             goto fail;
         }
+        if ((st = nccl_warm(t)) != TDM_OK) goto fail;
 #else
         st = tdm_err_set(TDM_EUNSUPPORTED, "cuda tp: this build saw no nccl.h");
         goto fail;
