@@ -7,7 +7,8 @@
 #   3. compute-sanitizer memcheck on the op test (on a second GPU when there is one, alongside)
 #   4. tandem bench model --backend cuda    for the llama-3.1-8b and llama-3.2-1b shapes, then the
 #      8B shape with Q4_K and Q8_0 blocks, with --verify 4, and with --batch-invariant
-#   5. with TANDEM_GPU_TEST_MODEL=PATH: greedy `tandem generate` on CPU and GPU, 8 prompts
+#   5. with TANDEM_GPU_TEST_MODEL=PATH: greedy `tandem generate` on CPU and GPU, 8 prompts, and
+#      on the GPU with --tp 2 against --tp 1; then `bench model --backend cuda --tp 2`
 #   6. with TANDEM_GPU_TEST_MODEL: `tandem serve --backend cuda --batch-invariant` with
 #      --overlap off, then on, then on with a 40-page pool (it preempts): 24 concurrent requests
 #      (greedy, seeded sampling, penalties, a JSON grammar, logprobs) answered with the same
@@ -127,14 +128,22 @@ fi
 if [ -n "${TANDEM_GPU_TEST_MODEL:-}" ]; then
     same=0
     total=0
+    same_tp=0
     while IFS= read -r prompt; do
         a=$("$TANDEM" generate --model "$TANDEM_GPU_TEST_MODEL" --prompt "$prompt" --max-tokens 32 \
             --temperature 0 --print-token-ids --exact-activations 2>/dev/null | tail -1)
         b=$(CUDA_VISIBLE_DEVICES=0 "$TANDEM" generate --backend cuda --model "$TANDEM_GPU_TEST_MODEL" \
             --prompt "$prompt" --max-tokens 32 --temperature 0 --print-token-ids 2>/dev/null | tail -1)
+        # tensor parallelism: two ranks (a GPU each over NCCL, or sharing GPU 0) against one
+        c=$("$TANDEM" generate --backend cuda --tp 2 --model "$TANDEM_GPU_TEST_MODEL" \
+            --prompt "$prompt" --max-tokens 32 --temperature 0 --print-token-ids 2>>"$LOGS/tp.log" |
+            tail -1)
         total=$((total + 1))
         if [ -n "$a" ] && [ "$a" = "$b" ]; then same=$((same + 1)); else
             printf 'differs: %s\n  cpu:  %s\n  cuda: %s\n' "$prompt" "$a" "$b" >>"$LOGS/generate.log"
+        fi
+        if [ -n "$b" ] && [ "$b" = "$c" ]; then same_tp=$((same_tp + 1)); else
+            printf 'differs: %s\n  --tp 1: %s\n  --tp 2: %s\n' "$prompt" "$b" "$c" >>"$LOGS/tp.log"
         fi
     done <<'EOF_PROMPTS'
 The capital of France is
@@ -147,6 +156,12 @@ SELECT name FROM users WHERE
 Translate to French: good morning
 EOF_PROMPTS
     summary+="generate cpu vs cuda (greedy, 32 tokens): $same/$total prompts identical"$'\n'
+    summary+="generate cuda --tp 1 vs --tp 2 (greedy, 32 tokens): $same_tp/$total prompts identical"
+    summary+=" ($(grep -m1 -o 'ranks on GPUs.*' "$LOGS/tp.log"))"$'\n'
+    [ $((2 * same_tp)) -ge "$total" ] || status=1 # greedy near-ties may flip a few
+    "$TANDEM" bench model --backend cuda --model "$TANDEM_GPU_TEST_MODEL" --tp 2 --batches 1,64 \
+        --prompt-len 1024 --gen 32 >"$LOGS/bench-tp2.log" 2>&1 || status=1
+    summary+="bench --tp 2: $(grep -E '^  decode +1 ' "$LOGS/bench-tp2.log" | head -1)"$'\n'
 fi
 
 # 6. the overlap scheduler changes nothing in the output (batch-invariant, so the batches that
