@@ -1241,8 +1241,8 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
     int devices[TDM_TP_MAX_RANKS] = {0};
     enum tdm_cuda_tp_mode mode = TDM_CUDA_TP_PEER;
     char how[160] = "";
-    if (cuda && tdm_cuda_tp_plan(N, devices, &mode, how, sizeof how) != TDM_OK)
-        return err_prefix(TDM_EUNSUPPORTED, "engine: ");
+    tdm_status pst = cuda ? tdm_cuda_tp_plan(N, devices, &mode, how, sizeof how) : TDM_OK;
+    if (pst != TDM_OK) return pst; /* its message names --tp or TANDEM_TP_COMM */
     /* the page count TP = 1 would have, whole heads counted; on CUDA without a size, each
      * rank's memory plan, and then the smallest of them (below) */
     if (o.kv_pages <= 0 && (!cuda || o.kv_bytes > 0)) {

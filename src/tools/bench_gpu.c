@@ -340,9 +340,14 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         goto out;
     }
     const struct tdm_kv_geometry kg = tdm_kv_pool_geometry(tdm_engine_kv(e));
-    /* K and V (or MLA's latent rows) of every layer, one position */
-    const double kv_per_pos =
-        (double)kg.page_bytes / tdm_kv_pool_config(kv)->page_size * cf->n_layers;
+    /* K and V (or MLA's latent rows) of every layer, one position, in every rank's pool (a
+     * rank's KV heads; replica sets each read their own copy) */
+    double kv_per_pos = 0;
+    for (int r = 0; r < tdm_engine_tp_ranks(e); r++) {
+        tdm_kv_pool_t *rkv = tdm_engine_rank_kv(e, r);
+        kv_per_pos += (double)tdm_kv_pool_geometry(rkv).page_bytes /
+                      tdm_kv_pool_config(rkv)->page_size * cf->n_layers;
+    }
     int n_sparse = 0;
     uint64_t one_expert = 0;
     tdm_tool_expert_bytes(m, &n_sparse, &one_expert);
@@ -350,7 +355,10 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
            random ? " shape, random " : "", random ? tdm_dtype_name(wtype) : "",
            random ? " weights made on the device" : "");
     printf("  device: %s, %.1f GiB; graphs %s%s\n", dev_name, dev_mem / 1073741824.0,
-           no_graphs ? "off" : "on", invariant ? "; batch-invariant" : "");
+           no_graphs ? "off"
+           : tp > 1  ? "where the ranks' all-reduce allows (NCCL; the engine's log says)"
+                     : "on",
+           invariant ? "; batch-invariant" : "");
     if (tp > 1)
         printf("  --tp %lld over %d GPU(s): the decode roofline is %d GPU(s)' bandwidth (the "
                "engine's log says which all-reduce)\n",
