@@ -81,6 +81,7 @@ struct tdm_engine_opts {
                                  * KV pool, which gets what is left (when kv_pages and kv_bytes
                                  * are 0); <= 0: 0.9 */
     bool gpu_bf16_weights;      /* CUDA: dequantise GGUF blocks to bf16 (tdm_backend_cuda_opts) */
+    bool gpu_no_graphs;         /* CUDA: decode steps op by op, never as graphs */
     /* Tensor parallelism inside this process (tp.h, DESIGN.md §5); 0 or 1: none. N > 1: N
      * ranks, each with its shard of the weights (KV heads with their query heads, MLP columns),
      * its KV heads' pool and a backend of backend_kind: on the CPU, n_threads / N threads (at

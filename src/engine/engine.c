@@ -788,7 +788,7 @@ tdm_status tdm_engine_create(const struct tdm_model *model, const struct tdm_eng
     } else if (o->backend_kind == TDM_BACKEND_CUDA) {
         /* expert layers route on the host between ops: no graph can hold them */
         struct tdm_backend_cuda_opts bo = {.gpu_memory_fraction = o->gpu_memory_fraction,
-                                           .no_graphs = c->n_experts > 0,
+                                           .no_graphs = c->n_experts > 0 || o->gpu_no_graphs,
                                            .bf16_weights = o->gpu_bf16_weights,
                                            .batch_invariant = o->batch_invariant};
         if ((st = tdm_backend_cuda_create(&bo, &e->backend)) != TDM_OK) goto out_free;
@@ -1158,6 +1158,8 @@ static tdm_status rank_joins(struct engine_tp *x, int r, const struct tdm_tp_sha
  * on one device are made in order, and the i-th of them plans with i + 1 k-ths of the memory
  * fraction, of which the ones before it already hold theirs (the memory plan counts what is
  * in use), so each KV pool gets about a k-th. Peer ranks run without graphs (backend.h). */
+#define NCCL_HOLD_BYTES ((size_t)1 << 30) /* held back from each NCCL rank's KV pool */
+
 static tdm_status cuda_rank_backend(const struct tdm_engine_opts *o, const int *devices, int N,
                                     int r, enum tdm_cuda_tp_mode mode, tdm_backend_t **out)
 {
@@ -1170,7 +1172,7 @@ static tdm_status cuda_rank_backend(const struct tdm_engine_opts *o, const int *
     const double f = o->gpu_memory_fraction > 0 ? o->gpu_memory_fraction : 0.9;
     struct tdm_backend_cuda_opts bo = {.device = devices[r],
                                        .gpu_memory_fraction = f * (before + 1) / sharing,
-                                       .no_graphs = mode == TDM_CUDA_TP_PEER,
+                                       .no_graphs = mode == TDM_CUDA_TP_PEER || o->gpu_no_graphs,
                                        .bf16_weights = o->gpu_bf16_weights,
                                        .batch_invariant = o->batch_invariant};
     tdm_status st = tdm_backend_cuda_create(&bo, out);
@@ -1312,6 +1314,8 @@ static tdm_status create_sharded(const struct tdm_model *model, const struct tdm
                 ro.reserve_bytes = 0;
             }
         }
+        /* NCCL's channel buffers and its graphs' memory come after the pools are sized */
+        if (cuda && mode == TDM_CUDA_TP_NCCL) ro.reserve_bytes += NCCL_HOLD_BYTES;
         tdm_backend_t *rb = NULL;
         if (cuda && (st = cuda_rank_backend(&o, devices, N, r, mode, &rb)) != TDM_OK) break;
         ro.backend = rb; /* NULL: a CPU backend of ro.n_threads */

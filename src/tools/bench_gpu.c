@@ -315,6 +315,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
         eo.tp = (int)tp;
         eo.gpu_memory_fraction = frac;
         eo.gpu_bf16_weights = gpu_bf16;
+        eo.gpu_no_graphs = no_graphs;
         eo.batch_invariant = invariant;
         n_gpus = (int)TDM_MIN(tp, (int64_t)tdm_cuda_device_count());
     }

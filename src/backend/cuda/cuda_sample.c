@@ -254,7 +254,7 @@ tdm_status tdm_cu_sample_rows(tdm_backend_t *b, float *logits, int n_rows, int v
     struct tdm_cuda *cu = tdm_cu_of(b);
     tdm_status st = check_vocab(vocab);
     if (st != TDM_OK || n_rows <= 0) return st;
-    if (cu->device != 0) cudaSetDevice(cu->device);
+    tdm_cuda_bind(cu);
     st = queue_sampling(cu, logits, n_rows, vocab, rows, &cu->h_samp, &cu->samp_cap, &cu->h_sout,
                         &cu->sout_cap);
     if (st != TDM_OK) return st;
@@ -275,7 +275,7 @@ tdm_status tdm_cu_sample_launch(tdm_backend_t *b, float *logits, int n_rows, int
     const int t = cu->samp_next;
     if (cu->samp_out[t])
         return tdm_err_set(TDM_EINVAL, "cuda backend: two launched samplings are not waited");
-    if (cu->device != 0) cudaSetDevice(cu->device);
+    tdm_cuda_bind(cu);
     if (!cu->samp_ev[t])
         TDM_CU_CHECK(cudaEventCreateWithFlags(&cu->samp_ev[t], cudaEventDisableTiming));
     st = queue_sampling(cu, logits, n_rows, vocab, rows, &cu->ah_samp[t], &cu->asamp_cap[t],
@@ -295,7 +295,7 @@ tdm_status tdm_cu_sample_wait(tdm_backend_t *b, int ticket, struct tdm_sample_ro
     struct tdm_cuda *cu = tdm_cu_of(b);
     if (ticket < 0 || ticket > 1 || !cu->samp_out[ticket])
         return tdm_err_set(TDM_EINVAL, "cuda backend: no launched sampling %d to wait for", ticket);
-    if (cu->device != 0) cudaSetDevice(cu->device);
+    tdm_cuda_bind(cu);
     cu->samp_out[ticket] = false;
     cudaError_t e = cudaEventSynchronize(cu->samp_ev[ticket]);
     if (e != cudaSuccess)

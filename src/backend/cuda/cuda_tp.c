@@ -8,7 +8,10 @@
  *   why), and the communicators come from ncclCommInitAll, one process holding every rank.
  *   Each rank's call is ncclAllReduce in place on its own stream: no host work, so CUDA graphs
  *   record it and a decode step stays one graph launch a rank. NVLink multicast (NVLS) is left
- *   off unless the environment sets NCCL_NVLS_ENABLE (the device tool's machines need it off).
+ *   off unless the environment sets NCCL_NVLS_ENABLE (the device tool's machines need it off),
+ *   and NCCL connects every peer at creation (NCCL_RUNTIME_CONNECT=0, plus one warm-up
+ *   all-reduce), never inside a capture. Graphs that recorded an all-reduce hold the
+ *   communicator: destroy drops every rank's graphs before ncclCommDestroy.
  *
  *   peer (ranks sharing a device, or no NCCL). Staging [rank][2 halves][max_floats] on each
  *   rank's own device, one event per (rank, half). Call k of rank r, half h = k & 1:
@@ -71,6 +74,7 @@ struct tdm_cuda_tp {
     cudaEvent_t ev[TDM_TP_MAX_RANKS][2];
     uint64_t calls[TDM_TP_MAX_RANKS];
     size_t max_floats;
+    bool broken; /* an NCCL call failed: abort the communicators, wait on no stream */
     /* the LM head: rank 0's "its logits may be written" point, each rank's copy done */
     cudaEvent_t lm_free;
     cudaEvent_t lm_done[TDM_TP_MAX_RANKS];
@@ -83,6 +87,7 @@ static struct {
     __typeof__(&ncclGetVersion) version;
     __typeof__(&ncclCommInitAll) init_all;
     __typeof__(&ncclCommDestroy) destroy;
+    __typeof__(&ncclCommAbort) abort;
     __typeof__(&ncclAllReduce) all_reduce;
     __typeof__(&ncclGetErrorString) error_string;
     __typeof__(&ncclGroupStart) group_start;
@@ -105,6 +110,7 @@ static void nccl_load(void)
         {"ncclGetVersion", NULL, &nccl.version},
         {"ncclCommInitAll", NULL, &nccl.init_all},
         {"ncclCommDestroy", NULL, &nccl.destroy},
+        {"ncclCommAbort", NULL, &nccl.abort},
         {"ncclAllReduce", NULL, &nccl.all_reduce},
         {"ncclGetErrorString", NULL, &nccl.error_string},
         {"ncclGroupStart", NULL, &nccl.group_start},
@@ -258,7 +264,12 @@ tdm_status tdm_cuda_tp_create(tdm_backend_t *const *ranks, int n, enum tdm_cuda_
                     goto fail;
                 }
         }
-        setenv("NCCL_NVLS_ENABLE", "0", 0); /* the caller's setting wins */
+        /* the caller's settings win. No NVLink multicast; and every connection made by
+         * ncclCommInitAll, not on an algorithm's first use (NCCL >= 2.22 connects lazily),
+         * which could be inside a graph capture. Engine creation comes before a server's
+         * threads, so setenv races no getenv. */
+        setenv("NCCL_NVLS_ENABLE", "0", 0);
+        setenv("NCCL_RUNTIME_CONNECT", "0", 0);
         ncclResult_t nr = nccl.init_all(t->comm, n, devs);
         if (nr != ncclSuccess) {
             memset(t->comm, 0, sizeof t->comm);
@@ -266,7 +277,10 @@ tdm_status tdm_cuda_tp_create(tdm_backend_t *const *ranks, int n, enum tdm_cuda_
                              nccl.error_string(nr));
             goto fail;
         }
-        if ((st = nccl_warm(t)) != TDM_OK) goto fail;
+        if ((st = nccl_warm(t)) != TDM_OK) {
+            t->broken = true;
+            goto fail;
+        }
 #else
         st = tdm_err_set(TDM_EUNSUPPORTED, "cuda tp: this build saw no nccl.h");
         goto fail;
@@ -324,14 +338,23 @@ fail:
 void tdm_cuda_tp_destroy(tdm_cuda_tp_t *t)
 {
     if (!t) return;
+    /* every rank idle and its graphs gone first: NCCL ties a graph that recorded one of its
+     * collectives to the communicator, and ncclCommDestroy waits until that graph is
+     * destroyed. A broken group (a failed NCCL call) may have kernels waiting on a peer that
+     * never came: no stream is waited on, and its communicators are aborted. */
     for (int r = 0; r < t->n; r++) {
         struct tdm_cuda *cu = t->cu[r];
         cudaSetDevice(cu->device);
-        cudaStreamSynchronize(cu->stream);
+        if (!t->broken) cudaStreamSynchronize(cu->stream);
+        if (!t->broken) tdm_cuda_drop_graphs(cu);
         if (cu->tp == t) cu->tp = NULL;
+    }
 #ifdef TDM_HAVE_NCCL_H
-        if (t->comm[r]) nccl.destroy(t->comm[r]);
+    for (int r = 0; r < t->n; r++)
+        if (t->comm[r]) (t->broken ? nccl.abort : nccl.destroy)(t->comm[r]);
 #endif
+    for (int r = 0; r < t->n; r++) {
+        cudaSetDevice(t->cu[r]->device);
         for (int h = 0; h < 2; h++) {
             if (t->stage[r][h]) cudaFree(t->stage[r][h]);
             if (t->ev[r][h]) cudaEventDestroy(t->ev[r][h]);
