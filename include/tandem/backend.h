@@ -314,6 +314,7 @@ enum tdm_backend_kind { TDM_BACKEND_CPU = 0, TDM_BACKEND_CUDA = 1 };
  * its algorithm by shape, so a row's logits may differ in the last bits between batch sizes. A CUDA
  * error inside an op (which cannot return one) is fatal: logged, then abort(). Without CUDA in the
  * build, or without a GPU, create returns TDM_EUNSUPPORTED with a message. */
+#define TDM_GPU_MEMORY_FRACTION_DEFAULT 0.9 /* tdm_backend_cuda_opts.gpu_memory_fraction <= 0 */
 struct tdm_backend_cuda_opts {
     int device;                 /* CUDA device ordinal */
     double gpu_memory_fraction; /* share of the device's memory this process may fill (weights,

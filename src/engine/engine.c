@@ -77,7 +77,7 @@
  *
  *   leader (caller's thread)               rank r > 0 (its own thread)
  *   build_step (validates; arena)          waits at the start barrier
- *   hands &step to tp->step, barrier  -->  copies the step header (arrays: the leader's arena)
+ *   step header into tp->step, barrier -->  copies it (arrays: the leader's arena)
  *   run_layers  <- all-reduce x 2 a layer -> run_layers
  *   lm_head: its vocabulary rows      <--> lm_head: its vocabulary rows, into the leader's
  *   (barrier: every rank's rows are in)    logits; barrier; back to the start barrier
@@ -261,10 +261,9 @@ struct engine_tp {
      * hook, and the LM head's rows travel by peer copies; ctp is the threads' owner's */
     bool cuda;
     tdm_cuda_tp_t *ctp;
-    /* the step handed over at the start barrier (the leader writes, the ranks read after it):
-     * step_copy, taken before the leader's step_begin may pad its own */
-    const struct tdm_step *step;
-    struct tdm_step step_copy;
+    /* the step handed over at the start barrier (the leader writes, the ranks read after it),
+     * a copy taken before the leader's step_begin may pad its own */
+    struct tdm_step step;
     int n_layers;
     const int32_t *rows; /* the step's logit rows (token indices), and whether any is wanted */
     int n_rows;
@@ -1169,7 +1168,8 @@ static tdm_status cuda_rank_backend(const struct tdm_engine_opts *o, const int *
             sharing++;
             before += q < r;
         }
-    const double f = o->gpu_memory_fraction > 0 ? o->gpu_memory_fraction : 0.9;
+    const double f =
+        o->gpu_memory_fraction > 0 ? o->gpu_memory_fraction : TDM_GPU_MEMORY_FRACTION_DEFAULT;
     struct tdm_backend_cuda_opts bo = {.device = devices[r],
                                        .gpu_memory_fraction = f * (before + 1) / sharing,
                                        .no_graphs = mode == TDM_CUDA_TP_PEER || o->gpu_no_graphs,
@@ -1824,10 +1824,6 @@ static void eagle3_qkv(tdm_engine_t *e, const struct tdm_layer_weights *w, int T
     ops->add(b, e->v, e->v2, (size_t)T * kvd);
 }
 
-/* The layer loop for a step of T = st->n_tokens tokens (the embedding, or a head's input
- * stage, to the last layer's add_rmsnorm), n_layers of them. A rank of a sharded engine sums
- * its partial output projections with the other ranks' after attention and after the MLP, so
- * each rank leaves with the whole residual stream. */
 /* A sharded engine's partial products summed over the ranks: the backend's all-reduce (CUDA
  * ranks), or the group's over host memory. */
 static void tp_sum(tdm_engine_t *e, float *x, size_t n)
@@ -1838,6 +1834,10 @@ static void tp_sum(tdm_engine_t *e, float *x, size_t n)
         tdm_tp_allreduce(e->tp, e->rank, x, n);
 }
 
+/* The layer loop for a step of T = st->n_tokens tokens (the embedding, or a head's input
+ * stage, to the last layer's add_rmsnorm), n_layers of them. A rank of a sharded engine sums
+ * its partial output projections with the other ranks' after attention and after the MLP, so
+ * each rank leaves with the whole residual stream. */
 static void run_layers(tdm_engine_t *e, const struct tdm_step *st, int n_layers)
 {
     tdm_backend_t *b = e->backend;
@@ -1961,8 +1961,6 @@ static void lm_head(tdm_engine_t *e, const int32_t *rows, int n_rows)
             ops->matmul(b, &e->output, e->rows, n_rows, NULL, part);
             tdm_cuda_tp_lm_put(b, part, n_rows, nv, dst, width, v0);
         }
-        tdm_tp_barrier(e->tp);
-        if (e->rank == 0) tdm_cuda_tp_lm_close(b);
     } else if (n_rows == 1) {
         ops->matmul(b, &e->output, e->rows, 1, NULL, dst + v0);
     } else {
@@ -1971,7 +1969,8 @@ static void lm_head(tdm_engine_t *e, const int32_t *rows, int n_rows)
         for (int i = 0; i < n_rows; i++)
             memcpy(dst + (size_t)i * width + v0, part + (size_t)i * nv, (size_t)nv * sizeof(float));
     }
-    if (!x->cuda) tdm_tp_barrier(e->tp);
+    tdm_tp_barrier(e->tp);
+    if (x->cuda && e->rank == 0) tdm_cuda_tp_lm_close(b); /* the other ranks' puts */
     if (e->n_draft && e->rank == 0)
         ops->scatter_cols(b, e->draft_logits, e->draft_cols.ptr, n_rows, e->n_draft, vocab,
                           e->logits);
@@ -1984,6 +1983,26 @@ static _Noreturn void tp_fatal(const tdm_engine_t *e)
 {
     TDM_ERROR("engine: --tp rank %d: %s", e->rank, tdm_err_msg());
     abort();
+}
+
+/* A step's layer loop between the backend's step hooks (step_begin may pad st to a graph
+ * bucket, or replay the whole loop; step_end closes a recording): the leader's and each rank's
+ * (a CUDA rank records and replays its own graphs). The owner names the engine's graphs: an
+ * EAGLE-3 head's steps of its own features are another one's. */
+static tdm_status step_layers(tdm_engine_t *e, struct tdm_step *st, const int32_t *rows, int n_rows,
+                              _Atomic int32_t *counter, int n_layers)
+{
+    const struct tdm_backend_i *ops = e->backend->iface;
+    bool replayed = false;
+    tdm_status hs = TDM_OK;
+    if (ops->step_begin)
+        hs = ops->step_begin(e->backend, st, rows, n_rows,
+                             e->own_step ? (const char *)e + 1 : (void *)e, counter, &replayed);
+    if (hs == TDM_OK && !replayed) {
+        run_layers(e, st, n_layers);
+        if (ops->step_end) hs = ops->step_end(e->backend);
+    }
+    return hs;
 }
 
 /* A rank r > 0 of a sharded engine: each step the leader hands over, until told to stop. */
@@ -2003,21 +2022,10 @@ static void *rank_main(void *arg)
         if (x->stop) return NULL;
         const struct engine_tp *job = x->job; /* the target's step, or a head's beside it */
         tdm_engine_t *re = job->ranks[e->rank];
-        struct tdm_step st = *job->step;
-        const struct tdm_backend_i *ops = re->backend->iface;
-        bool replayed = false;
-        /* a CUDA rank's own metadata upload and graph (the owner as engine_step names it); an
-         * error here has no caller to reach, and the other ranks wait on this one: fatal, as a
-         * CUDA error inside an op is (backend.h) */
-        tdm_status hs = TDM_OK;
-        if (ops->step_begin)
-            hs = ops->step_begin(re->backend, &st, job->rows, job->n_rows,
-                                 re->own_step ? (const char *)re + 1 : (void *)re, NULL, &replayed);
-        if (hs == TDM_OK && !replayed) {
-            run_layers(re, &st, job->n_layers);
-            if (ops->step_end) hs = ops->step_end(re->backend);
-        }
-        if (hs != TDM_OK) tp_fatal(re);
+        struct tdm_step st = job->step;
+        /* an error has no caller to reach, and the other ranks wait on this one */
+        if (step_layers(re, &st, job->rows, job->n_rows, NULL, job->n_layers) != TDM_OK)
+            tp_fatal(re);
         if (job->lm_head) /* ends with the step's last barrier */
             lm_head(re, job->rows, job->n_rows);
         else /* the step's end: no rank touches its backend until the next step */
@@ -2184,8 +2192,7 @@ static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
                    * leader's step_begin may pad it: each rank's backend pads its own */
         struct engine_tp *x = e->tpx;
         (x->host ? x->host : x)->job = x;
-        x->step_copy = *stp;
-        x->step = &x->step_copy;
+        x->step = *stp;
         x->n_layers = n_layers;
         x->rows = rows;
         x->n_rows = n_rows;
@@ -2194,10 +2201,7 @@ static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
         tdm_tp_barrier(e->tp);
     }
     /* a backend may pad the step (a CUDA-graph bucket) or replay the whole layer loop */
-    bool replayed = false;
-    if (ops->step_begin &&
-        (st = ops->step_begin(b, stp, rows, n_rows, e->own_step ? (const char *)e + 1 : (void *)e,
-                              counter, &replayed)) != TDM_OK) {
+    if ((st = step_layers(e, stp, rows, n_rows, counter, n_layers)) != TDM_OK) {
         if (e->tpx) tp_fatal(e); /* the ranks run this step already */
         ops->sync(b);
         return st;
@@ -2205,14 +2209,6 @@ static tdm_status engine_step(tdm_engine_t *e, const struct tdm_batch *batch,
     /* the LM head's input: the final norm's output, or the residual itself (a head without) */
     const bool final_norm = e->output_norm.data != NULL;
     float *lm_in = final_norm ? e->h : e->x;
-    if (!replayed) {
-        run_layers(e, stp, n_layers);
-        if (ops->step_end && (st = ops->step_end(b)) != TDM_OK) {
-            if (e->tpx) tp_fatal(e);
-            ops->sync(b);
-            return st;
-        }
-    }
     /* a sharded step ends at a barrier (lm_head's, or this one): the caller may then use every
      * rank's backend and pool (tdm_kv_pool_copy_slots) while the ranks wait */
     if (e->tpx && !lm) tdm_tp_barrier(e->tp);

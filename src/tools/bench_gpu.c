@@ -361,8 +361,7 @@ int tdm_cmd_bench_model_cuda(int argc, char **argv)
                      : "on",
            invariant ? "; batch-invariant" : "");
     if (tp > 1)
-        printf("  --tp %lld over %d GPU(s): the decode roofline is %d GPU(s)' bandwidth (the "
-               "engine's log says which all-reduce)\n",
+        printf("  --tp %lld over %d GPU(s): the decode roofline is %d GPU(s)' bandwidth\n",
                (long long)tp, n_gpus, n_gpus);
     printf("  copy bandwidth (cudaMemcpy D2D, read + written): %.0f GB/s\n", copy_bw / 1e9);
     printf("  bf16 GEMM peak (cuBLASLt, 8192^3, fp32 accumulate): %.0f TFLOP/s\n", gemm / 1e12);

@@ -81,8 +81,9 @@ struct run {
     struct tdm_kv_seq kv[NSEQ];
 };
 
-static void run_open_bi(struct run *r, const struct tdm_model *m, int kind, tdm_backend_t *backend,
-                        bool bi)
+/* An engine of kind (or on backend), batch-invariant or not, over tp ranks (0: none). */
+static void run_open_tp(struct run *r, const struct tdm_model *m, int kind, tdm_backend_t *backend,
+                        bool bi, int tp)
 {
     memset(r, 0, sizeof *r);
     struct tdm_engine_opts o = {.n_threads = 2,
@@ -94,8 +95,16 @@ static void run_open_bi(struct run *r, const struct tdm_model *m, int kind, tdm_
                                 .max_logit_rows = 64,
                                 .count_layers = true,
                                 .backend = backend,
-                                .backend_kind = kind};
+                                .backend_kind = kind,
+                                .tp = tp};
     assert_int_equal(tdm_engine_create(m, &o, &r->e), TDM_OK);
+    assert_int_equal(tdm_engine_tp_ranks(r->e), tp > 1 ? tp : 1);
+}
+
+static void run_open_bi(struct run *r, const struct tdm_model *m, int kind, tdm_backend_t *backend,
+                        bool bi)
+{
+    run_open_tp(r, m, kind, backend, bi, 0);
 }
 
 /* the CPU batch-invariant (the fidelity references), CUDA in its default mode */
@@ -637,21 +646,6 @@ static void test_engines_come_and_go(void **state)
  * other shapes than --tp 1 (fewer heads and MLP columns each; the sums come from the
  * all-reduce), so the tolerance is CPU-vs-CUDA's. Then a pool sized by the ranks' own memory
  * plans: one page count in every rank's pool. */
-static void tp_open(struct run *r, const struct tdm_model *m, int tp)
-{
-    memset(r, 0, sizeof *r);
-    struct tdm_engine_opts o = {.page_size = 16,
-                                .kv_pages = 2048,
-                                .max_batch_tokens = 4096,
-                                .max_seqs = NSEQ,
-                                .max_logit_rows = 64,
-                                .count_layers = true,
-                                .backend_kind = TDM_BACKEND_CUDA,
-                                .tp = tp};
-    assert_int_equal(tdm_engine_create(m, &o, &r->e), TDM_OK);
-    assert_int_equal(tdm_engine_tp_ranks(r->e), tp > 1 ? tp : 1);
-}
-
 static void test_tp_ranks(void **state)
 {
     (void)state;
@@ -659,9 +653,9 @@ static void test_tp_ranks(void **state)
     struct tdm_model m;
     make_model(&m, TDM_DTYPE_Q8_0, TDM_ARCH_LLAMA);
     struct run runs[3];
-    tp_open(&runs[0], &m, 1);
-    tp_open(&runs[1], &m, 2);
-    tp_open(&runs[2], &m, 4);
+    run_open_tp(&runs[0], &m, TDM_BACKEND_CUDA, NULL, false, 1);
+    run_open_tp(&runs[1], &m, TDM_BACKEND_CUDA, NULL, false, 2);
+    run_open_tp(&runs[2], &m, TDM_BACKEND_CUDA, NULL, false, 4);
     lockstep(runs, 3, 5e-2, 0.9, "cuda --tp 1 vs --tp 2 and --tp 4, llama Q8_0");
     for (int r = 0; r < 3; r++)
         run_close(&runs[r]);

@@ -45,7 +45,7 @@ def budgets_for(case):
 
 D_MODEL, HEAD_DIM, VOCAB = 576, 64, 49152  # SmolLM2-135M
 
-REPEAT = "!" * 24                                   # the target repeats one token (id 32)
+REPEAT = "!" * 24  # the target repeats one token (id 32) (also test_mtp's and test_mtp_overlap's)
 ALTERNATE = " ".join(["a b"] * 10)                  # the target alternates two tokens
 # about 320 tokens, prefilled in four chunks (LONG_CHUNKS): the head catches up over them
 # (also test_mtp's and test_mtp_overlap's long prompt)

@@ -30,7 +30,7 @@ from lib import reference as ref
 from lib.checkpoints import make_hf_checkpoint
 from lib.heads import DEEPSEEK_LAYER, write_head
 from lib.sanitize import SANITIZED, SLOW, release_only
-from test_eagle import LONG, LONG_CHUNKS
+from test_eagle import D_MODEL, HEAD_DIM, LONG, LONG_CHUNKS, REPEAT, VOCAB
 
 TOL = 1e-4
 
@@ -211,7 +211,6 @@ def test_broken_eagle3_and_non_heads_are_refused(tiny, tmp_path):
 
 # ---- drafting on the default model ----
 
-D_MODEL, HEAD_DIM, VOCAB = 576, 64, 49152  # SmolLM2-135M
 N_GEN = 16 if SANITIZED else 40
 
 
@@ -235,8 +234,6 @@ def gen(model, extra, prompt, chat=True, n=N_GEN):
     cp = run_tandem(args, timeout=300 * SLOW)
     return cp.stdout.split(), cp.stderr
 
-
-REPEAT = "!" * 24  # the target goes on with one token (id 32) forever
 
 
 # The sanitized pass runs the three cases that together hold both heads, both samplers, the

@@ -26,11 +26,10 @@ from conftest import run_tandem
 from lib.heads import write_head
 from lib.server import Server
 from lib.sanitize import SANITIZED, SLOW
-from test_eagle import LONG, LONG_CHUNKS, complete, mix, stats
+from test_eagle import (D_MODEL, HEAD_DIM, LONG, LONG_CHUNKS, REPEAT, VOCAB, complete, mix,
+                        stats)
 
 N_GEN = 16 if SANITIZED else 40
-D_MODEL, HEAD_DIM, VOCAB = 576, 64, 49152  # SmolLM2-135M
-REPEAT = "!" * 24  # the target goes on with one token (id 32) forever
 
 
 @pytest.fixture(scope="module")

@@ -179,7 +179,8 @@ tdm_status tdm_backend_cuda_create(const struct tdm_backend_cuda_opts *opts, tdm
     cu->base.iface = &CUDA_IFACE;
     cu->base.impl = cu;
     cu->device = o.device;
-    cu->mem_fraction = o.gpu_memory_fraction > 0 ? o.gpu_memory_fraction : 0.9;
+    cu->mem_fraction =
+        o.gpu_memory_fraction > 0 ? o.gpu_memory_fraction : TDM_GPU_MEMORY_FRACTION_DEFAULT;
     cu->bf16_weights = o.bf16_weights;
     cu->batch_invariant = o.batch_invariant;
     cu->prof = getenv("TANDEM_CUDA_PROFILE") && *getenv("TANDEM_CUDA_PROFILE") == '1';

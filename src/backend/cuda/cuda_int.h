@@ -50,6 +50,11 @@ struct tdm_cu_lt {
 /* The table, loading the library on the first call; NULL (tdm_err set, naming the library and
  * why) where it cannot be opened. Any thread. */
 const struct tdm_cu_lt *tdm_cu_lt(void);
+/* tdm_dl_load for a library of the CUDA toolkit (cuBLASLt, NCCL): the normal search, then the
+ * toolkit's library folder of the build (cuda_lt.c). Any thread. */
+struct tdm_dl_sym;
+bool tdm_cu_dl_load(const char *soname, const struct tdm_dl_sym *syms, int n, char *why,
+                    size_t why_len);
 
 #define TDM_CU_GEMM_PLANS   96
 #define TDM_CU_MAX_GRAPHS   48

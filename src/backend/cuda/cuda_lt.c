@@ -27,13 +27,19 @@ static bool lt_ok;
 static char lt_why[512];
 static pthread_once_t lt_once = PTHREAD_ONCE_INIT;
 
-static void lt_load(void)
+bool tdm_cu_dl_load(const char *soname, const struct tdm_dl_sym *syms, int n, char *why,
+                    size_t why_len)
 {
 #ifdef TDM_CUDA_LIB_DIR
     const char *dir = TDM_CUDA_LIB_DIR;
 #else
     const char *dir = NULL;
 #endif
+    return tdm_dl_load(soname, dir, syms, n, why, why_len);
+}
+
+static void lt_load(void)
+{
     const struct tdm_dl_sym syms[] = {
         {"cublasLtCreate", NULL, &lt_table.create},
         {"cublasLtDestroy", NULL, &lt_table.destroy},
@@ -48,8 +54,8 @@ static void lt_load(void)
         {"cublasLtMatmulAlgoGetHeuristic", NULL, &lt_table.heuristic},
         {"cublasLtMatmul", NULL, &lt_table.matmul},
     };
-    lt_ok = tdm_dl_load(TDM_CUBLASLT_SONAME, dir, syms, (int)TDM_ARRAY_LEN(syms), lt_why,
-                        sizeof lt_why);
+    lt_ok =
+        tdm_cu_dl_load(TDM_CUBLASLT_SONAME, syms, (int)TDM_ARRAY_LEN(syms), lt_why, sizeof lt_why);
 }
 
 const struct tdm_cu_lt *tdm_cu_lt(void)

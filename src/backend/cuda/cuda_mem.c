@@ -17,11 +17,10 @@
 /* ---- memory ---- */
 
 /* Makes the instance's device current on the calling thread (the engine may be driven from a
- * thread other than the one that created it; the runtime's current device is per thread). */
-/* The calling thread's current device made cu's. Tensor-parallel ranks put devices other than
- * 0 in one process, and one thread (the leader's) may touch several of them (a head's hidden
- * states uploaded to every rank, slot copies in every rank's pool), so the device is compared,
- * not assumed. */
+ * thread other than the one that created it; the runtime's current device is per thread).
+ * Tensor-parallel ranks put devices other than 0 in one process, and one thread (the leader's)
+ * may touch several of them (a head's hidden states uploaded to every rank, slot copies in
+ * every rank's pool), so the device is compared, not assumed. */
 void tdm_cuda_bind(struct tdm_cuda *cu)
 {
     int cur = -1;

@@ -101,11 +101,6 @@ static pthread_once_t nccl_once = PTHREAD_ONCE_INIT;
 static void nccl_load(void)
 {
 #ifdef TDM_HAVE_NCCL_H
-#ifdef TDM_CUDA_LIB_DIR
-    const char *dir = TDM_CUDA_LIB_DIR;
-#else
-    const char *dir = NULL;
-#endif
     const struct tdm_dl_sym syms[] = {
         {"ncclGetVersion", NULL, &nccl.version},
         {"ncclCommInitAll", NULL, &nccl.init_all},
@@ -116,8 +111,8 @@ static void nccl_load(void)
         {"ncclGroupStart", NULL, &nccl.group_start},
         {"ncclGroupEnd", NULL, &nccl.group_end},
     };
-    nccl_ok = tdm_dl_load(TDM_NCCL_SONAME, dir, syms, (int)TDM_ARRAY_LEN(syms), nccl_why,
-                          sizeof nccl_why);
+    nccl_ok =
+        tdm_cu_dl_load(TDM_NCCL_SONAME, syms, (int)TDM_ARRAY_LEN(syms), nccl_why, sizeof nccl_why);
 #else
     snprintf(nccl_why, sizeof nccl_why, "this build saw no nccl.h");
 #endif
